@@ -1,0 +1,1 @@
+"""Model construction helpers: tiny seeded configs built from real transformers config classes."""

@@ -1,0 +1,127 @@
+"""Token sampling as a pure function of logits, parameters and per-request generators.
+
+Filtering follows transformers' logits warpers in the same order (temperature, then top-k, then
+top-p), so a sampled distribution here is the distribution `generate(do_sample=True)` samples from.
+Sampling itself is a Gumbel-max race (`argmax(probs / Exp(1))`), which is an exact draw from
+`probs`; the exponential noise of each row comes from that row's own `torch.Generator`, so a row's
+token depends only on its own logits and seed — never on which rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a token from logits.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (None or 0: no limit).
+    top_p: keep the smallest set whose probability reaches top_p (1.0: no limit).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k is not None:
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+                raise ValueError(f"top_k must be None or an integer >= 0, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def greedy(cls) -> "SamplingParams":
+        return cls(temperature=0.0)
+
+
+# Qwen3-Omni's code predictor samples with these (hard-coded in transformers and vllm-omni).
+QWEN3_OMNI_CODE_PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p as transformers applies them; removed entries become -inf.
+
+    logits: [..., V] (any float dtype; computed in float32). Returns a new float32 tensor.
+    For greedy params the logits are returned unscaled (argmax is all that is used)."""
+    scores = logits.float()
+    if params.is_greedy:
+        return scores.clone()
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k:
+        k = min(params.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = cumulative <= (1.0 - params.top_p)
+        sorted_remove[..., -1:] = False
+        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: [..., V] float32. Greedy gives a one-hot of argmax."""
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return filter_logits(logits, params).softmax(dim=-1)
+
+
+def exponential_noise(
+    shape: tuple[int, ...], generators: list[torch.Generator] | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Exp(1) noise of shape [B, ...] in float32, row b drawn from generators[b] (or the default RNG)."""
+    if generators is None:
+        return torch.empty(shape, device=device).exponential_()
+    if len(generators) != shape[0]:
+        raise ValueError(f"generators must have one entry per row: got {len(generators)} for {shape[0]} rows")
+    rows = [torch.empty(shape[1:], device=device).exponential_(generator=g) for g in generators]
+    return torch.stack(rows)
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max draw: probs [B, V], noise [B, V] ~ Exp(1) → token ids [B] (long)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams | None, generators: list[torch.Generator] | None = None
+) -> torch.Tensor:
+    """Pick one token per row. logits [B, V] → [B] long. None params = greedy."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    if params is None or params.is_greedy:
+        return logits.argmax(dim=-1)
+    probs = probs_from_logits(logits, params)
+    noise = exponential_noise(tuple(probs.shape), generators, device=probs.device)
+    return sample_from_probs(probs, noise)
+
+
+def make_generators(seeds: list[int | None], device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """One generator per request; a None seed draws a fresh nondeterministic seed."""
+    generators = []
+    for seed in seeds:
+        g = torch.Generator(device=device)
+        if seed is None:
+            g.seed()
+        else:
+            g.manual_seed(int(seed))
+        generators.append(g)
+    return generators
