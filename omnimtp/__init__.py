@@ -18,6 +18,12 @@ _EXPORTS = {
     "tiny_qwen3_omni": "omnimtp.models.tiny",
     "tiny_qwen3_omni_config": "omnimtp.models.tiny",
     "tiny_code_predictor_config": "omnimtp.models.tiny",
+    # issue 2: code predictor
+    # issue 3: thinker -> talker handoff
+    # issue 4: MTP speculative decoding
+    # issue 5: end-to-end pipeline
+    # issue 6: server
+    # issue 7: MTP head training
 }
 
 

@@ -1,0 +1,26 @@
+"""The `omnimtp` command line: one subcommand per job.
+
+Each subcommand's parser and handler live next to the code they drive; this module only wires them up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnimtp", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
