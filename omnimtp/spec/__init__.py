@@ -1,0 +1,1 @@
+"""MTP speculative decoding: NextN head, drafting, verification, rejection sampling, training."""
