@@ -1,0 +1,217 @@
+"""Train the demo causal LM that ships with omnimtp (seeded, reproducible, resumable).
+
+Corpus: the Python standard library's own ``.py`` files shipped with the interpreter
+(``sysconfig.get_paths()["stdlib"]``, without test directories and site-packages). Files are split
+deterministically by a hash of their relative path: one in ``--heldout-every`` is held out for
+evaluation and never seen in training (neither by the tokenizer nor by the LM or its MTP head).
+
+Model: a Glm4Moe config with every layer dense (``first_k_dense_replace`` > ``num_hidden_layers``, so
+the MTP layer ``model.layers.{N}`` is dense too) and ``num_nextn_predict_layers=1``: the architecture
+transformers' ``generate(use_mtp=True)`` decodes. Deep and narrow on purpose: drafting costs one layer
+plus the lm_head, verifying costs N layers plus the lm_head, so the head's share is small.
+
+Usage (about 30 minutes on one CPU thread with the defaults)::
+
+    python scripts/train_demo_lm.py --work runs/demo_lm --out omnimtp/data/demo_lm
+    python scripts/train_demo_lm.py --work runs/demo_lm --out omnimtp/data/demo_lm --resume
+
+The MTP head is trained afterwards with ``omnimtp train-mtp`` (see README, "Training an MTP head").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+
+
+def stdlib_files(heldout_every: int) -> tuple[list[Path], list[Path]]:
+    """(train, heldout) lists of stdlib .py files, sorted; the split depends only on the paths."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout = [], []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS)
+        for name in sorted(names):
+            if not name.endswith(".py"):
+                continue
+            path = Path(directory) / name
+            digest = hashlib.sha1(str(path.relative_to(root)).encode()).digest()
+            (heldout if digest[0] % heldout_every == 0 else train).append(path)
+    return sorted(train), sorted(heldout)
+
+
+def read_text(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((read_text(p) for p in files), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN
+    )
+
+
+def encode_files(tokenizer: PreTrainedTokenizerFast, files: list[Path]) -> torch.Tensor:
+    """All files concatenated, each followed by EOS, as one int32 stream."""
+    ids: list[int] = []
+    for path in files:
+        ids.extend(tokenizer(read_text(path))["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def demo_config(vocab_size: int, eos_token_id: int, args: argparse.Namespace) -> Glm4MoeConfig:
+    num_layers = args.num_layers
+    return Glm4MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=args.hidden_size // 64,
+        num_key_value_heads=max(1, args.hidden_size // 128),
+        head_dim=64,
+        max_position_embeddings=2048,
+        first_k_dense_replace=num_layers + 1,  # every layer dense, the MTP layer N included
+        num_nextn_predict_layers=1,
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        moe_intermediate_size=args.intermediate_size,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+
+
+def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Random windows of the stream; a function of (seed, step) only, so resuming replays exactly."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()]).long()  # [B, T+1]
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def heldout_loss(model: Glm4MoeForCausalLM, stream: torch.Tensor, seq_len: int, num_windows: int) -> float:
+    model.eval()
+    stride = max(1, (stream.numel() - seq_len - 1) // num_windows)
+    losses = []
+    for i in range(num_windows):
+        window = stream[i * stride : i * stride + seq_len + 1].long()[None]  # [1, T+1]
+        logits = model(input_ids=window[:, :-1]).logits  # [1, T, V]
+        losses.append(torch.nn.functional.cross_entropy(logits[0], window[0, 1:]).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints, log")
+    parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    tokenizer_dir = args.work / "tokenizer"
+    train_files, heldout_files = stdlib_files(args.heldout_every)
+    (args.work / "heldout_files.json").write_text(json.dumps([str(p) for p in heldout_files], indent=1))
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        train_tokenizer(train_files, args.vocab_size).save_pretrained(tokenizer_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    streams_path = args.work / "streams.pt"
+    if not streams_path.exists():
+        torch.save({"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, heldout_files)},
+                   streams_path)
+    streams = torch.load(streams_path)
+    print(f"files train={len(train_files)} heldout={len(heldout_files)} "
+          f"tokens train={streams['train'].numel()} heldout={streams['heldout'].numel()}", flush=True)
+
+    torch.manual_seed(args.seed)
+    config = demo_config(len(tokenizer), tokenizer.eos_token_id, args)
+    model = Glm4MoeForCausalLM(config)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    checkpoint_path = args.work / "checkpoint.pt"
+    start_step = 0
+    if args.resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        print(f"resumed at step {start_step}", flush=True)
+
+    model.train()
+    started = time.time()
+    for step in range(start_step, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        batch = batch_at(streams["train"], step, args.batch_size, args.seq_len, args.seed)  # [B, T+1]
+        logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 10 == 0:
+            elapsed = time.time() - started
+            print(f"step {step} loss {loss.item():.4f} lr {learning_rate(step, args):.2e} {elapsed:.0f}s", flush=True)
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+                       checkpoint_path)
+    print(f"heldout loss {heldout_loss(model, streams['heldout'], args.seq_len, 16):.4f}", flush=True)
+
+    model.eval()
+    model.to(getattr(torch, args.save_dtype))
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"saved to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
