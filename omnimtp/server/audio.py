@@ -1,0 +1,48 @@
+"""Audio encoding for responses: float32 samples → PCM16 raw, WAV or FLAC bytes.
+
+Every format carries the same 16-bit samples (`to_pcm16`), so a WAV or FLAC response decodes to
+exactly the raw PCM a `pcm` response (or the base64 deltas of a stream) carries.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+import soundfile as sf
+
+# Formats as the two routes name them: chat says "pcm16", speech says "pcm".
+_SUBTYPE_CONTAINERS = {"wav": "WAV", "flac": "FLAC"}
+RAW_FORMATS = ("pcm", "pcm16")
+MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "pcm": "audio/pcm", "pcm16": "audio/pcm"}
+
+
+def to_pcm16(samples: np.ndarray) -> np.ndarray:
+    """float samples in [-1, 1] (clipped) → little-endian int16, rounding to nearest."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim != 1:
+        raise ValueError(f"samples must be 1-D mono audio, got shape {samples.shape}")
+    scaled = np.rint(np.clip(samples, -1.0, 1.0) * 32767.0)
+    return scaled.astype("<i2")
+
+
+def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """A whole response body in `fmt` ("wav", "flac", "pcm" or "pcm16")."""
+    pcm = to_pcm16(samples)
+    if fmt in RAW_FORMATS:
+        return pcm.tobytes()
+    container = _SUBTYPE_CONTAINERS.get(fmt)
+    if container is None:
+        raise ValueError(f"fmt must be one of wav, flac, pcm, pcm16, got {fmt!r}")
+    buffer = io.BytesIO()
+    sf.write(buffer, pcm, sample_rate, format=container, subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def streaming_wav_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header for a body whose length is not known yet (sizes = 0xFFFFFFFF, as
+    OpenAI's streamed WAV does); readers take the data to the end of the stream."""
+    unknown = 0xFFFFFFFF
+    fmt_chunk = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return struct.pack("<4sI4s", b"RIFF", unknown, b"WAVE") + fmt_chunk + struct.pack("<4sI", b"data", unknown)

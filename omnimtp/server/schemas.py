@@ -1,0 +1,88 @@
+"""Request bodies of the OpenAI-compatible routes, validated strictly.
+
+Strict mode: a string is never coerced to a number or a boolean, and unknown top-level fields are
+rejected (an ignored parameter would be a silent fallback). Checks that need the served model
+(voice names, the max_tokens limit) live in `app.py`, next to the model they consult.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+_STRICT_OPEN = ConfigDict(strict=True, extra="ignore")
+
+# Output formats we encode (audio.py); anything else is rejected, never replaced by a default.
+CHAT_AUDIO_FORMATS = ("wav", "pcm16", "flac")
+SPEECH_FORMATS = ("wav", "pcm", "flac")
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT_OPEN
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat turn. `content` is a string or a list of text parts (images/audio input unsupported)."""
+
+    model_config = _STRICT_OPEN
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class AudioOutput(BaseModel):
+    model_config = _STRICT
+    voice: NonEmptyStr
+    format: Literal["wav", "pcm16", "flac"] = "wav"
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"])
+    audio: AudioOutput | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+class SpeechRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    input: Annotated[str, Field(min_length=1, max_length=4096)]
+    voice: NonEmptyStr
+    response_format: Literal["wav", "pcm", "flac"] = "wav"
+    stream_format: Literal["audio", "sse"] = "audio"
+    speed: Literal[1.0] = 1.0
+    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    user: str | None = None
