@@ -21,11 +21,15 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise logits are divided by it.
     top_k: keep the k most likely tokens (None or 0: no limit).
     top_p: keep the smallest set whose probability reaches top_p (1.0: no limit).
+    repetition_penalty: > 1 discourages tokens the request already generated, applied HF's way
+        (`apply_repetition_penalty`) before any filtering and in greedy mode too (1.0: off). Only
+        samplers that keep a per-request token history apply it (the talker loop does).
     """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -39,6 +43,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not (0.0 < penalty < float("inf")):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {penalty!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -51,6 +58,19 @@ class SamplingParams:
 
 # Qwen3-Omni's code predictor samples with these (hard-coded in transformers and vllm-omni).
 QWEN3_OMNI_CODE_PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' `RepetitionPenaltyLogitsProcessor` on a per-row set of seen tokens.
+
+    logits: [B, V]; seen: [B, V] bool (True where the row already generated that token). A seen
+    token's logit is divided by `penalty` when positive and multiplied by it when negative.
+    Returns a new float32 tensor."""
+    scores = logits.float()
+    if penalty == 1.0:
+        return scores.clone()
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalized, scores)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

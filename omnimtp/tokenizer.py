@@ -1,0 +1,68 @@
+"""A byte-level text tokenizer for the embedded tiny Qwen3-Omni.
+
+Ids 0..255 are the UTF-8 bytes, the specials of `omnimtp.models.tiny.THINKER_SPECIAL_TOKENS` follow.
+It is a `PreTrainedTokenizerFast` with a Qwen-style chat template, so `apply_chat_template`,
+`save_pretrained` and `AutoTokenizer.from_pretrained` work on it like on a real checkpoint's tokenizer.
+
+    >>> tok = byte_tokenizer()
+    >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    [256, 262, 10, 72, 105, 257, 10, 256, 263, 10]
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
+
+from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS
+
+# Role names are single tokens (the talker finds user turns by the id after <|im_start|>); they only
+# match as whole words, so "username" stays bytes.
+ROLE_TOKENS = ("system", "user", "assistant")
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set content = message['content'] %}"
+    "{% else %}{% set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer: 256 byte tokens + the thinker specials at their fixed ids."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    for name, token_id in sorted(THINKER_SPECIAL_TOKENS.items(), key=lambda item: item[1]):
+        is_role = name in ROLE_TOKENS
+        tokenizer.add_tokens([AddedToken(name, special=not is_role, single_word=is_role, normalized=False)])
+        if tokenizer.token_to_id(name) != token_id:
+            raise RuntimeError(f"special token {name!r} got id {tokenizer.token_to_id(name)}, expected {token_id}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        chat_template=QWEN_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map (what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
