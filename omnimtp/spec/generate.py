@@ -1,0 +1,282 @@
+"""Speculative decoding: draft k tokens, verify them in one target forward, keep what the target accepts.
+
+One step, row b, k = 3 (the target's cache holds every token but the pending one, x):
+
+    drafter   → d1 d2 d3                       (MTP head applied 3×, or any `Proposer`)
+    target    ← [x, d1, d2, d3] at positions pos..pos+3     → p1 p2 p3 p4   (one forward, k+1 slots)
+    verify    → e.g. d1 accepted, d2 rejected → emit [d1, r], n_b = 2
+    rollback  : slots of d2, d3 are dropped (see below); r is the new pending token
+
+Ragged batches. Rows accept different counts, but a transformers cache has one length for the whole
+batch. We crop the target's (and the drafter's) cache to L + max_b n_b after each step and mark each
+row's surplus slots invalid in a 2-D `kv_mask` that is passed as the attention mask from then on; each
+row's positions advance by its own n_b. A row therefore attends exactly to its own real tokens at their
+own positions — the same attention as a contiguous cache, with masked holes — and no token is re-fed.
+Left padding of the prompts is one more set of invalid slots in the same mask. The cost is a few dead
+slots per step when rows disagree (never more than k per step; none when every row rejects at the same
+place). Rows that finished (EOS or max_new_tokens) keep riding along, emit nothing and count n_b = 1.
+
+Randomness: every row has its own generator (`seed` + row index, or one seed per row); the first token,
+the drafts and the verification draw from it in a fixed order, so a seeded row gives the same tokens
+alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, sample
+from omnimtp.spec.head import MTPHead
+from omnimtp.spec.proposer import DraftInput, MTPProposer, Proposer
+from omnimtp.spec.rejection import rejection_sample
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Validated settings of one speculative run."""
+
+    num_draft_tokens: int
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams.greedy)
+
+    def __post_init__(self):
+        for name in ("num_draft_tokens", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+
+
+@dataclass
+class SpecStats:
+    """Acceptance and time of one run. A "row-step" is one verify forward of one unfinished row.
+
+    mean_acceptance_length τ = 1 + accepted / row-steps (the bonus/recovered token included);
+    acceptance_per_position[i] = row-steps whose draft i+1 was accepted / row-steps;
+    acceptance_rate = accepted / drafted. Counts come from verification, before EOS/length truncation."""
+
+    num_draft_tokens: int
+    num_steps: int = 0  # verify forwards (batch-wide)
+    num_row_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_row_steps if self.num_row_steps else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        if not self.num_row_steps:
+            return [0.0] * self.num_draft_tokens
+        return [count / self.num_row_steps for count in self.accepted_per_position]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_per_position": self.acceptance_per_position,
+            "acceptance_rate": self.acceptance_rate,
+            "num_steps": self.num_steps,
+            "num_row_steps": self.num_row_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "total_time_s": self.total_time_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class SpecOutput:
+    sequences: torch.Tensor  # [B, P + generated] prompt + generated, finished rows padded like `generate`
+    stats: SpecStats
+
+
+def _eos_ids(target, eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        eos_token_id = target.generation_config.eos_token_id
+    if eos_token_id is None:
+        return []
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
+    return ids
+
+
+def _row_seeds(seed, batch_size: int) -> list[int | None]:
+    if seed is None:
+        return [None] * batch_size
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + row for row in range(batch_size)]
+    seeds = list(seed)
+    if len(seeds) != batch_size or any(s is not None and (isinstance(s, bool) or not isinstance(s, int)) for s in seeds):
+        raise ValueError(f"seed must be None, an int, or one int/None per row ({batch_size}), got {seed!r}")
+    return seeds
+
+
+def _check_head(target, head: MTPHead) -> None:
+    config = target.config.get_text_config(decoder=True)
+    if head.hidden_size != config.hidden_size:
+        raise ValueError(f"head: hidden size {head.hidden_size} does not match the target's {config.hidden_size}")
+    target_vocab = target.get_output_embeddings().weight.shape[0]
+    if head.vocab_size != target_vocab:
+        raise ValueError(f"head: vocab size {head.vocab_size} does not match the target's {target_vocab}")
+
+
+def _target_forward(target, input_ids, position_ids, kv_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32)."""
+    hidden = target.get_decoder()(
+        input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=cache, use_cache=True
+    ).last_hidden_state
+    return hidden, target.get_output_embeddings()(hidden).float()
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    head: MTPHead | Proposer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    sampling: SamplingParams | None = None,
+    seed: int | list[int | None] | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> SpecOutput:
+    """Generate with drafts from `head` (an MTPHead, or any Proposer) verified by `target`.
+
+    input_ids [B, P] (left-padded when ragged) with attention_mask [B, P]. sampling None = greedy, whose
+    output is token-for-token `target.generate(do_sample=False)`; with sampling every token has the
+    target's (temperature/top-k/top-p filtered) distribution. eos_token_id defaults to the target's
+    generation config; finished rows are padded with its pad_token_id (else the first EOS id)."""
+    config = SpecConfig(num_draft_tokens, max_new_tokens, sampling if sampling is not None else SamplingParams.greedy())
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be a LongTensor [B, P] with P >= 1, got {getattr(input_ids, 'shape', input_ids)!r}")
+    batch_size, prompt_len = input_ids.shape
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+    if not bool(attention_mask[:, -1].all()) or not bool((attention_mask.diff(dim=1) >= 0).all()):
+        raise ValueError("attention_mask must be left padding: 0s then 1s, with every row's last token real")
+    if isinstance(head, MTPHead):
+        _check_head(target, head)
+        proposer: Proposer = MTPProposer(head)
+    else:
+        proposer = head
+        proposer.reset()
+    eos_ids = _eos_ids(target, eos_token_id)
+    pad_id = target.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    sampling = config.sampling
+    k = config.num_draft_tokens
+    generators = None if sampling.is_greedy else make_generators(_row_seeds(seed, batch_size), device=device)
+    stats = SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k)
+    start = time.perf_counter()
+
+    # Prefill: positions as `generate` computes them for left padding.
+    kv_mask = attention_mask.long()  # [B, L] validity of every cache slot
+    position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
+    target_cache = DynamicCache(config=target.config)
+    hidden, logits = _target_forward(target, input_ids, position_ids, kv_mask, target_cache)
+    first = sample(logits[:, -1], sampling, generators)  # [B]
+
+    generated: list[list[int]] = [[] for _ in range(batch_size)]
+    finished = [False] * batch_size
+
+    def emit(row: int, tokens: list[int]) -> None:
+        for token in tokens:
+            generated[row].append(token)
+            if token in eos_ids or len(generated[row]) >= max_new_tokens:
+                finished[row] = True
+                return
+
+    for row in range(batch_size):
+        emit(row, [int(first[row])])
+    pending = first  # [B] emitted, not yet read by the target
+    block = DraftInput(
+        input_ids=input_ids,
+        next_ids=torch.cat([input_ids[:, 1:], first[:, None]], dim=1),
+        hidden=hidden,
+        position_ids=position_ids,
+        kv_mask=kv_mask,
+        last_index=torch.full((batch_size,), prompt_len - 1, device=device),
+    )
+    offsets = torch.arange(k + 1, device=device)
+
+    while not all(finished):
+        active = torch.tensor([not f for f in finished], device=device)  # [B]
+        t0 = time.perf_counter()
+        draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
+        t1 = time.perf_counter()
+
+        verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
+        verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
+        verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
+        hidden, logits = _target_forward(target, verify_ids, verify_positions, verify_mask, target_cache)
+        target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
+        tokens, num_emitted = rejection_sample(
+            target_probs, draft_tokens, draft_probs, greedy=sampling.is_greedy, generators=generators
+        )  # [B, k+1], [B]
+        stats.verify_time_s += time.perf_counter() - t1
+        stats.draft_time_s += t1 - t0
+
+        num_accepted = num_emitted - 1
+        stats.num_steps += 1
+        stats.num_row_steps += int(active.sum())
+        stats.num_drafted += k * int(active.sum())
+        stats.num_accepted += int(num_accepted[active].sum())
+        for i in range(k):
+            stats.accepted_per_position[i] += int((num_accepted[active] > i).sum())
+
+        # Rollback: keep max n_b slots of the block, mask each row's surplus.
+        num_kept = torch.where(active, num_emitted, torch.ones_like(num_emitted))  # [B]
+        block_width = int(num_kept.max())
+        if block_width < k + 1:
+            target_cache.crop(block_width - (k + 1))
+        kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
+
+        for row in range(batch_size):
+            if not finished[row]:
+                emit(row, tokens[row, : int(num_emitted[row])].tolist())
+        last_index = num_kept - 1  # [B]
+        pending = tokens[torch.arange(batch_size), last_index].clamp(min=0)  # finished rows: any valid id
+        block = DraftInput(
+            input_ids=verify_ids[:, :block_width],
+            next_ids=tokens[:, :block_width].clamp(min=0),
+            hidden=hidden[:, :block_width],
+            position_ids=verify_positions[:, :block_width],
+            kv_mask=kv_mask,
+            last_index=last_index,
+        )
+
+    num_new = max(len(row) for row in generated)
+    new_tokens = torch.full((batch_size, num_new), pad_id, dtype=input_ids.dtype, device=device)
+    for row in range(batch_size):
+        new_tokens[row, : len(generated[row])] = torch.tensor(generated[row], dtype=input_ids.dtype)
+    stats.num_generated_tokens = sum(len(row) for row in generated)
+    stats.total_time_s = time.perf_counter() - start
+    return SpecOutput(sequences=torch.cat([input_ids, new_tokens], dim=1), stats=stats)

@@ -1,0 +1,373 @@
+"""The MTP (NextN) head: one extra decoder block of the target's own class that drafts the next tokens.
+
+    h'     = block(eh_proj(cat([enorm(embed(x_{t+1})), hnorm(h_t)])))      # [B, T, H]
+    logits = lm_head(shared_head_norm(h'))                                  # [B, T, V]
+
+`h_t` is the target's last hidden row at position t after its final norm (what transformers'
+`generate(use_mtp=True)` feeds: `hidden_states[-1]` is tied to `last_hidden_state`). The pair
+(x_{t+1}, h_t) sits at position id t + 1 — the position of x_{t+1}, as transformers' MTP loop does.
+`h'` (before `shared_head_norm`) is what a second draft step consumes as its `prev_hidden`, the way
+DeepSeek-V3's reference code and vLLM chain MTP steps.
+
+`embed_tokens`, `lm_head` and the rotary embedding belong to the target: the head references them and
+does not register them, so `head.parameters()` / `head.state_dict()` hold only the head's own weights.
+
+Checkpoint layout (what `save_pretrained` writes and `from_pretrained` reads):
+- deepseek_v3 / glm4_moe: `model.layers.{N}.{enorm,hnorm,eh_proj,shared_head.norm}.weight` plus the block's
+  own keys `model.layers.{N}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*`, with N =
+  `num_hidden_layers` and routed experts stored one module per expert (`mlp.experts.{e}.gate_proj.weight`,
+  ...), exactly as transformers writes the target's own layers;
+- qwen3_next: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` and `mtp.layers.0.*`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+MTP_WEIGHTS_NAME = "model-mtp.safetensors"
+MAIN_WEIGHTS_NAME = "model-main.safetensors"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+
+# model_type -> layout of the NextN layer's keys in a checkpoint
+_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+_MTP_PREFIX_MODEL_TYPES = ("qwen3_next",)
+
+# The head's own (non-block) modules, by checkpoint name for each layout.
+_LAYERED_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
+_MTP_PREFIX_NAMES = {
+    "enorm": "pre_fc_norm_embedding",
+    "hnorm": "pre_fc_norm_hidden",
+    "eh_proj": "fc",
+    "shared_head_norm": "norm",
+}
+
+
+@dataclass
+class MTPHeadOutput:
+    hidden: torch.Tensor  # [B, T, H] block output, before shared_head_norm: the next draft step's prev_hidden
+    logits: torch.Tensor  # [B, T, V]
+
+
+@dataclass(frozen=True)
+class _SharedWithTarget:
+    """The target's modules the head uses; kept out of the head's module tree on purpose."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+    rotary_emb: nn.Module
+
+
+def _text_config(target_model):
+    return target_model.config.get_text_config(decoder=True)
+
+
+def _checkpoint_layout(config) -> str:
+    if config.model_type in _LAYERED_MODEL_TYPES:
+        return "layered"
+    if config.model_type in _MTP_PREFIX_MODEL_TYPES:
+        return "mtp_prefix"
+    raise ValueError(
+        f"target_model: MTP heads are supported for model types {_LAYERED_MODEL_TYPES + _MTP_PREFIX_MODEL_TYPES}, "
+        f"got {config.model_type!r}"
+    )
+
+
+def _block_config(config):
+    """The config the NextN block is built from. Like transformers' `get_mtp_config`, the MTP block is always
+    a MoE block (`first_k_dense_replace = 0`); index-based `layer_types` get an entry for layer N."""
+    block_config = copy.deepcopy(config)
+    if getattr(block_config, "first_k_dense_replace", None) is not None:
+        block_config.first_k_dense_replace = 0
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(block_config, "layer_types", None)
+    if layer_types is not None and len(layer_types) <= num_layers:
+        block_config.layer_types = list(layer_types) + ["full_attention"] * (num_layers + 1 - len(layer_types))
+    return block_config
+
+
+class MTPHead(nn.Module):
+    """One NextN layer sharing the target's embedding and lm_head. See the module docstring for the math."""
+
+    def __init__(self, target_model: nn.Module):
+        super().__init__()
+        config = _text_config(target_model)
+        self.model_type = config.model_type
+        self.layout = _checkpoint_layout(config)
+        decoder = target_model.get_decoder()
+        decoder_layer_cls = type(decoder.layers[-1])
+        norm_cls = type(decoder.norm)
+        hidden_size = config.hidden_size
+        self.config = _block_config(config)
+        self.layer_idx = config.num_hidden_layers
+        self.hidden_size = hidden_size
+        self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+
+        self.enorm = norm_cls(hidden_size, eps=config.rms_norm_eps)
+        self.hnorm = norm_cls(hidden_size, eps=config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.block = decoder_layer_cls(self.config, self.layer_idx)
+        self.shared_head_norm = norm_cls(hidden_size, eps=config.rms_norm_eps)
+        self._shared = _SharedWithTarget(
+            embed_tokens=target_model.get_input_embeddings(),
+            lm_head=target_model.get_output_embeddings(),
+            rotary_emb=decoder.rotary_emb,
+        )
+        self.to(device=target_model.device, dtype=target_model.dtype)
+
+    # -- shared modules -------------------------------------------------------------------------------------
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._shared.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared.lm_head
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self._shared.rotary_emb
+
+    # -- constructors ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, target_model: nn.Module) -> "MTPHead":
+        """A freshly initialised head (torch's current RNG; the target family's own init scheme)."""
+        head = cls(target_model)
+        init_weights = getattr(target_model, "_init_weights", None)
+        if init_weights is not None:
+            with torch.no_grad():
+                for module in head.modules():
+                    init_weights(module)
+        return head
+
+    @classmethod
+    def from_pretrained(cls, checkpoint_dir: str | os.PathLike, target_model: nn.Module) -> "MTPHead":
+        """Read the NextN layer's weights from the safetensors files of `checkpoint_dir`.
+
+        Raises ValueError naming the missing keys when the checkpoint has no (or an incomplete) MTP layer."""
+        checkpoint_dir = os.fspath(checkpoint_dir)
+        if not os.path.isdir(checkpoint_dir):
+            raise ValueError(f"checkpoint_dir: {checkpoint_dir!r} is not a directory")
+        head = cls(target_model)
+        prefix = head.checkpoint_prefix
+        tensors = {}
+        for path in _safetensors_files(checkpoint_dir):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key.startswith(prefix):
+                        tensors[key[len(prefix) :]] = f.get_tensor(key)
+        expected = _checkpoint_keys(head)
+        missing = sorted(prefix + key for key in expected - set(tensors))
+        if missing:
+            raise ValueError(
+                f"checkpoint_dir: {checkpoint_dir!r} has no complete MTP layer for {head.model_type}; "
+                f"missing {len(missing)} keys: {missing}"
+            )
+        state_dict = _from_checkpoint_names({key: tensors[key] for key in expected}, head.layout)
+        head.load_state_dict(state_dict, strict=True)
+        return head
+
+    @property
+    def checkpoint_prefix(self) -> str:
+        return f"model.layers.{self.layer_idx}." if self.layout == "layered" else "mtp."
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write the head as `model-mtp.safetensors` in the checkpoint layout; returns the file's path.
+
+        When the directory already holds the target's weights (save the target first), the checkpoint is
+        made a sharded one so that transformers' `generate(use_mtp=True)` sees the head too: transformers
+        reads a lone `model.safetensors` and ignores any index, so an unsharded `model.safetensors` is
+        renamed to `model-main.safetensors` and `model.safetensors.index.json` lists both files (an
+        existing index is extended instead). `MTPHead.from_pretrained` reads either layout."""
+        save_directory = os.fspath(save_directory)
+        os.makedirs(save_directory, exist_ok=True)
+        prefix = self.checkpoint_prefix
+        tensors = {
+            prefix + key: value.detach().to("cpu").contiguous()
+            for key, value in _to_checkpoint_names(self.state_dict(), self.layout).items()
+        }
+        path = os.path.join(save_directory, MTP_WEIGHTS_NAME)
+        save_file(tensors, path, metadata={"format": "pt"})
+
+        index_path = os.path.join(save_directory, SAFE_INDEX_NAME)
+        single_path = os.path.join(save_directory, SAFE_WEIGHTS_NAME)
+        if os.path.exists(single_path):
+            with safe_open(single_path, framework="pt", device="cpu") as f:
+                index = {"metadata": {}, "weight_map": {key: MAIN_WEIGHTS_NAME for key in f.keys()}}
+            os.replace(single_path, os.path.join(save_directory, MAIN_WEIGHTS_NAME))
+        elif os.path.exists(index_path):
+            with open(index_path) as f:
+                index = json.load(f)
+        else:
+            return path
+        weight_map = {k: v for k, v in index["weight_map"].items() if v != MTP_WEIGHTS_NAME}
+        weight_map.update({key: MTP_WEIGHTS_NAME for key in tensors})
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2)
+        return path
+
+    def make_cache(self) -> DynamicCache:
+        """An empty KV cache for the head (its block writes layer index N = num_hidden_layers)."""
+        return DynamicCache()
+
+    # -- forward --------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        prev_hidden: torch.Tensor,
+        *,
+        position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> MTPHeadOutput:
+        """input_ids [B, T]: x_{t+1}; prev_hidden [B, T, H]: the target's post-norm hidden row h_t.
+
+        position_ids [B, T] (default: cache length + 1 + arange(T), i.e. the position of x_{t+1});
+        attention_mask [B, cache length + T] over cache slots then new slots (default all ones);
+        cache: the head's own DynamicCache (see `make_cache`), appended to in place."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        batch_size, num_tokens = input_ids.shape
+        if prev_hidden.shape != (batch_size, num_tokens, self.hidden_size):
+            raise ValueError(
+                f"prev_hidden must be [B, T, H] = {(batch_size, num_tokens, self.hidden_size)}, "
+                f"got {tuple(prev_hidden.shape)}"
+            )
+        num_past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(num_tokens, device=input_ids.device) + num_past + 1
+            position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
+        if attention_mask is None:
+            attention_mask = torch.ones(batch_size, num_past + num_tokens, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (batch_size, num_past + num_tokens):
+            raise ValueError(
+                f"attention_mask must be [B, cache length + T] = {(batch_size, num_past + num_tokens)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+
+        embeds = self.embed_tokens(input_ids)  # [B, T, H]
+        hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))  # [B, T, H]
+        causal_mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+            layer_idx=self.layer_idx,
+        )
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        hidden = self.block(
+            hidden,
+            attention_mask=causal_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            position_embeddings=position_embeddings,
+        )  # [B, T, H]
+        logits = self.lm_head(self.shared_head_norm(hidden))  # [B, T, V]
+        return MTPHeadOutput(hidden=hidden, logits=logits)
+
+
+# -- checkpoint key layout ----------------------------------------------------------------------------------
+
+_FUSED_GATE_UP = re.compile(r"^block\.mlp\.experts\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^block\.mlp\.experts\.down_proj$")
+_PER_EXPERT = re.compile(r"^block\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _own_names(layout: str) -> dict[str, str]:
+    return _LAYERED_NAMES if layout == "layered" else _MTP_PREFIX_NAMES
+
+
+def _to_checkpoint_names(state_dict: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Module state dict → checkpoint keys (without the `model.layers.N.` / `mtp.` prefix).
+
+    Fused expert tensors `gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` are split into one module per
+    expert, the layout transformers writes on save and the released checkpoints use."""
+    names = _own_names(layout)
+    block_prefix = "" if layout == "layered" else "layers.0."
+    out = {}
+    for key, value in state_dict.items():
+        module, _, rest = key.partition(".")
+        if module in names:
+            out[f"{names[module]}.{rest}"] = value
+        elif _FUSED_GATE_UP.match(key):
+            gate, up = value.chunk(2, dim=1)  # [E, I, H] each
+            for e in range(value.shape[0]):
+                out[f"{block_prefix}mlp.experts.{e}.gate_proj.weight"] = gate[e]
+                out[f"{block_prefix}mlp.experts.{e}.up_proj.weight"] = up[e]
+        elif _FUSED_DOWN.match(key):
+            for e in range(value.shape[0]):
+                out[f"{block_prefix}mlp.experts.{e}.down_proj.weight"] = value[e]
+        else:
+            out[block_prefix + key[len("block.") :]] = value
+    return out
+
+
+def _from_checkpoint_names(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Inverse of `_to_checkpoint_names`: per-expert tensors are stacked back into the fused parameters."""
+    names = {ckpt: module for module, ckpt in _own_names(layout).items()}
+    block_prefix = "" if layout == "layered" else "layers.0."
+    out = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {"gate_proj": {}, "up_proj": {}, "down_proj": {}}
+    for key, value in tensors.items():
+        own = next((name for name in names if key.startswith(name + ".")), None)
+        if own is not None:
+            out[names[own] + key[len(own) :]] = value
+            continue
+        block_key = "block." + key[len(block_prefix) :]
+        match = _PER_EXPERT.match(block_key)
+        if match:
+            per_expert[match.group(2)][int(match.group(1))] = value
+        else:
+            out[block_key] = value
+    if per_expert["down_proj"]:
+        num_experts = len(per_expert["down_proj"])
+        gate = torch.stack([per_expert["gate_proj"][e] for e in range(num_experts)])  # [E, I, H]
+        up = torch.stack([per_expert["up_proj"][e] for e in range(num_experts)])  # [E, I, H]
+        out["block.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [E, 2I, H]
+        out["block.mlp.experts.down_proj"] = torch.stack([per_expert["down_proj"][e] for e in range(num_experts)])
+    return out
+
+
+def _checkpoint_keys(head: MTPHead) -> set[str]:
+    return set(_to_checkpoint_names(head.state_dict(), head.layout))
+
+
+def _safetensors_files(checkpoint_dir: str) -> list[str]:
+    index_path = os.path.join(checkpoint_dir, SAFE_INDEX_NAME)
+    names = set(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            names |= set(json.load(f)["weight_map"].values())
+    return [os.path.join(checkpoint_dir, name) for name in sorted(names)]
+
+
+def enable_transformers_mtp(target_model: nn.Module) -> nn.Module:
+    """Point transformers' `generate(use_mtp=True)` loader at this model's NextN layer and return the model.
+
+    transformers finds the MTP keys through `_keys_to_ignore_on_load_unexpected`, which is hard-coded to the
+    real sizes (glm4_moe: layers 46/92, deepseek_v3: 61); a checkpoint with another `num_hidden_layers` N
+    needs `model.layers.N.*` added, on the instance, after `from_pretrained(checkpoint_dir)`."""
+    config = _text_config(target_model)
+    if _checkpoint_layout(config) == "layered":
+        pattern = rf"model\.layers\.{config.num_hidden_layers}\..*"
+        existing = list(getattr(target_model, "_keys_to_ignore_on_load_unexpected", None) or [])
+        if pattern not in existing:
+            target_model._keys_to_ignore_on_load_unexpected = [pattern] + existing
+    return target_model

@@ -1,0 +1,162 @@
+"""Drafters: given what the target just verified, propose the next k tokens and their distributions.
+
+Slot layout (shared with `speculative_generate`): every KV cache — target's and drafter's — holds one slot
+per token the target has processed, in the order it processed them; `kv_mask [B, L]` says which slots are
+real for each row (left padding of ragged prompts, and the rejected tail of a verify block when other rows
+of the batch accepted more). A drafter keeps its cache aligned with the target's: on entry it holds the
+slots before the new block, it appends the block, drafts, and crops its speculative slots again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from omnimtp.sampling import SamplingParams, exponential_noise, probs_from_logits, sample_from_probs
+from omnimtp.spec.head import MTPHead
+
+
+@dataclass
+class DraftInput:
+    """What the target just processed: a block of W slots appended to its cache.
+
+    input_ids [B, W]: the tokens the target read (prompt, or [pending token, drafts...]);
+    next_ids [B, W]: the token that follows each slot (x_{t+1}); garbage on invalid slots;
+    hidden [B, W, H]: the target's post-norm last hidden row of each slot;
+    position_ids [B, W]: position of input_ids;
+    kv_mask [B, L + W]: validity of every slot so far, the block included;
+    last_index [B]: slot (in the block) of each row's last real token; its next id is the newest token."""
+
+    input_ids: torch.Tensor
+    next_ids: torch.Tensor
+    hidden: torch.Tensor
+    position_ids: torch.Tensor
+    kv_mask: torch.Tensor
+    last_index: torch.Tensor
+
+
+class Proposer(Protocol):
+    def reset(self) -> None:
+        """Forget any state (call before a new batch of prompts)."""
+
+    def propose(
+        self,
+        block: DraftInput,
+        num_draft_tokens: int,
+        sampling: SamplingParams,
+        generators: list[torch.Generator] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ draft_tokens [B, k] long, draft_probs [B, k, V] (one-hot for greedy sampling)."""
+
+
+def _draw(logits: torch.Tensor, sampling: SamplingParams, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] → (token [B], probs [B, V]) filtered exactly as the target's are."""
+    probs = probs_from_logits(logits, sampling)  # [B, V]
+    if sampling.is_greedy:
+        return logits.argmax(dim=-1), probs
+    noise = exponential_noise(tuple(probs.shape), generators, device=probs.device)
+    return sample_from_probs(probs, noise), probs
+
+
+def _crop_to(cache: DynamicCache, length: int, layer_idx: int = 0) -> None:
+    excess = cache.get_seq_length(layer_idx) - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+class MTPProposer:
+    """Drafts with one MTP head applied k times; its output hidden feeds the next step.
+
+    Step 1 reads the pairs (next_ids, hidden) of the whole new block at positions + 1 and drafts from each
+    row's last real slot; steps 2..k read (previous draft, previous head hidden) one slot at a time."""
+
+    def __init__(self, head: MTPHead):
+        self.head = head
+        self.cache = head.make_cache()
+
+    def reset(self) -> None:
+        self.cache = self.head.make_cache()
+
+    @torch.no_grad()
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        head, layer_idx = self.head, self.head.layer_idx
+        batch_size, width = block.next_ids.shape
+        rows = torch.arange(batch_size, device=block.next_ids.device)
+        num_aligned = block.kv_mask.shape[1]
+        if self.cache.get_seq_length(layer_idx) != num_aligned - width:
+            raise ValueError("block: the drafter's cache is not aligned with the target's (call reset() first?)")
+
+        out = head(
+            block.next_ids,
+            block.hidden,
+            position_ids=block.position_ids + 1,
+            attention_mask=block.kv_mask,
+            cache=self.cache,
+        )
+        hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
+        logits = out.logits[rows, block.last_index]  # [B, V]
+        position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
+        kv_mask = block.kv_mask
+        draft_tokens, draft_probs = [], []
+        for step in range(num_draft_tokens):
+            token, probs = _draw(logits, sampling, generators)
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+            if step == num_draft_tokens - 1:
+                break
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            out = head(
+                token[:, None],
+                hidden,
+                position_ids=(position + step + 1)[:, None],
+                attention_mask=kv_mask,
+                cache=self.cache,
+            )
+            hidden = out.hidden  # [B, 1, H]
+            logits = out.logits[:, -1]  # [B, V]
+        _crop_to(self.cache, num_aligned, layer_idx)
+        return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
+
+
+class TargetProposer:
+    """The target drafting for itself (a drafter that always agrees with greedy verification).
+
+    For tests and as a ceiling: with greedy sampling every draft is accepted, which exercises the
+    all-accepted + bonus path; with sampling q = p up to float rounding."""
+
+    def __init__(self, target):
+        self.target = target
+        self.cache = DynamicCache(config=target.config)
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.target.config)
+
+    def _logits(self, input_ids, position_ids, kv_mask) -> torch.Tensor:
+        hidden = self.target.get_decoder()(
+            input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=self.cache, use_cache=True
+        ).last_hidden_state
+        return self.target.get_output_embeddings()(hidden[:, -1])  # [B, V]
+
+    @torch.no_grad()
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        batch_size, width = block.input_ids.shape
+        rows = torch.arange(batch_size, device=block.input_ids.device)
+        num_aligned = block.kv_mask.shape[1]
+        if self.cache.get_seq_length() != num_aligned - width:
+            raise ValueError("block: the drafter's cache is not aligned with the target's (call reset() first?)")
+        self._logits(block.input_ids, block.position_ids, block.kv_mask)
+        token = block.next_ids[rows, block.last_index]  # [B] the newest token, not yet read by the target
+        position = block.position_ids[rows, block.last_index] + 1  # [B]
+        kv_mask = block.kv_mask
+        draft_tokens, draft_probs = [], []
+        for step in range(num_draft_tokens):
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            logits = self._logits(token[:, None], (position + step)[:, None], kv_mask)
+            token, probs = _draw(logits, sampling, generators)
+            draft_tokens.append(token)
+            draft_probs.append(probs)
+        _crop_to(self.cache, num_aligned)
+        return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
