@@ -1,0 +1,114 @@
+"""A tiny, seeded Qwen2.5-Omni built from the real transformers config classes.
+
+Only the thinker and the talker matter to us (the thinker → talker handoff); token2wav is built at its
+smallest so the class constructs, and is never run by our tests. The thinker vocab mirrors
+`omnimtp.models.tiny`: 0..255 are bytes, then the chat and TTS specials of `QWEN2_5_THINKER_SPECIAL_TOKENS`.
+
+Two things the real checkpoint carries outside the config must be supplied here:
+- speakers live in `spk_dict.pt`, loaded into `model.speaker_map` by `from_pretrained`; we fill
+  `speaker_map` with one entry per name in `TINY_QWEN2_5_SPEAKERS` (its `bos_token` is a thinker id);
+- `generate` defaults the talker EOS to the hard-coded ids `[8292, 8294]`, outside a tiny codec vocab:
+  callers pass `talker_eos_token_id=[TINY_QWEN2_5_CODEC["eos"]]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+QWEN2_5_THINKER_SPECIAL_TOKENS = {
+    "<|im_start|>": 256,
+    "<|im_end|>": 257,
+    "<|tts_text_pad|>": 258,
+    "<|tts_text_bos|>": 259,
+    "<|tts_text_eos|>": 260,
+    "system": 261,
+    "user": 262,
+    "assistant": 263,
+    "<|audio_pad|>": 264,
+    "<|image_pad|>": 265,
+    "<|video_pad|>": 266,
+    "<|audio_start|>": 267,
+    "<|audio_end|>": 268,
+    "<|vision_start|>": 269,
+    "<|vision_end|>": 270,
+    "<|chelsie_bos|>": 271,
+    "<|ethan_bos|>": 272,
+}
+QWEN2_5_THINKER_VOCAB_SIZE = 320
+TINY_QWEN2_5_CODEC_VOCAB = 64
+# codec specials sit at the top of the tiny codec vocab, like 8292..8296 in the real 8448-entry vocab
+TINY_QWEN2_5_CODEC = {"pad": 58, "bos": 59, "eos": 60, "mask": 62}
+TINY_QWEN2_5_SPEAKERS = {"Chelsie": "<|chelsie_bos|>", "Ethan": "<|ethan_bos|>"}
+
+
+def tiny_qwen2_5_omni_config(
+    *, hidden_size: int = 64, num_thinker_layers: int = 2, num_talker_layers: int = 2, initializer_range: float = 0.2
+) -> Qwen2_5OmniConfig:
+    """A complete thinker + talker + token2wav config of the real classes, at tiny widths."""
+    h = hidden_size
+    ids = QWEN2_5_THINKER_SPECIAL_TOKENS
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
+    text_config = dict(
+        vocab_size=QWEN2_5_THINKER_VOCAB_SIZE, hidden_size=h, intermediate_size=2 * h,
+        num_hidden_layers=num_thinker_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, initializer_range=initializer_range, rope_parameters=rope, pad_token_id=0,
+    )
+    thinker_config = dict(
+        text_config=text_config,
+        audio_config=dict(
+            d_model=32, encoder_attention_heads=4, encoder_ffn_dim=32, encoder_layers=1, num_mel_bins=16,
+            output_dim=h, n_window=50,
+        ),
+        vision_config=dict(
+            depth=1, hidden_size=32, out_hidden_size=h, intermediate_size=32, num_heads=4, patch_size=16,
+            spatial_merge_size=1, temporal_patch_size=2, fullatt_block_indexes=[0],
+        ),
+        audio_token_index=ids["<|audio_pad|>"], image_token_index=ids["<|image_pad|>"],
+        video_token_index=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
+        audio_end_token_id=ids["<|audio_end|>"], user_token_id=ids["user"], initializer_range=initializer_range,
+        vision_start_token_id=ids["<|vision_start|>"],  # read by get_rope_index, not declared by the config class
+    )
+    talker_config = dict(
+        vocab_size=TINY_QWEN2_5_CODEC_VOCAB, embedding_size=h, hidden_size=h, intermediate_size=2 * h,
+        num_hidden_layers=num_talker_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=4096, rope_parameters=rope, initializer_range=initializer_range,
+        tts_text_start_token_id=ids["<|tts_text_bos|>"], tts_text_end_token_id=ids["<|tts_text_eos|>"],
+        tts_text_pad_token_id=ids["<|tts_text_pad|>"], tts_codec_start_token_id=TINY_QWEN2_5_CODEC["bos"],
+        tts_codec_end_token_id=TINY_QWEN2_5_CODEC["eos"], tts_codec_pad_token_id=TINY_QWEN2_5_CODEC["pad"],
+        tts_codec_mask_token_id=TINY_QWEN2_5_CODEC["mask"], audio_token_index=ids["<|audio_pad|>"],
+        image_token_index=ids["<|image_pad|>"], video_token_index=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        audio_start_token_id=ids["<|audio_start|>"], audio_end_token_id=ids["<|audio_end|>"],
+        spatial_merge_size=1,
+    )
+    token2wav_config = dict(
+        dit_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16, emb_dim=16,
+            num_embeds=TINY_QWEN2_5_CODEC_VOCAB + 1, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 48],
+            enc_attention_channels=8, enc_se_channels=8, look_ahead_layers=[0], look_backward_layers=[0],
+        ),
+        bigvgan_config=dict(upsample_initial_channel=32),
+    )
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker_config, talker_config=talker_config, token2wav_config=token2wav_config
+    )
+
+
+def tiny_qwen2_5_omni(seed: int = 0, **config_kwargs) -> Qwen2_5OmniForConditionalGeneration:
+    """A seeded tiny `Qwen2_5OmniForConditionalGeneration` in eval mode (fp32, CPU), with `speaker_map` filled.
+
+    The global torch RNG is saved and restored, so building a model never disturbs the caller's seed."""
+    config = tiny_qwen2_5_omni_config(**config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5OmniForConditionalGeneration(config)
+        mel_dim = config.token2wav_config.dit_config.mel_dim
+        enc_emb_dim = config.token2wav_config.dit_config.enc_emb_dim
+        for name, token in TINY_QWEN2_5_SPEAKERS.items():
+            model.speaker_map[name] = {
+                "bos_token": QWEN2_5_THINKER_SPECIAL_TOKENS[token],
+                "cond": torch.randn(enc_emb_dim),
+                "ref_mel": torch.randn(1, 8, mel_dim),
+            }
+    return model.eval()
