@@ -20,10 +20,30 @@ _EXPORTS = {
     "tiny_code_predictor_config": "omnimtp.models.tiny",
     # issue 2: code predictor
     # issue 3: thinker -> talker handoff
+    "trim_thinker_hidden": "omnimtp.handoff",
+    "build_talker_prefill": "omnimtp.handoff",
+    "talker_decode_input": "omnimtp.handoff",
+    "num_kept_rows": "omnimtp.handoff",
+    "TalkerInputs": "omnimtp.handoff",
+    "TalkerChunk": "omnimtp.handoff",
+    "TalkerInputBuilder": "omnimtp.handoff",
+    "ThinkerToTalkerStream": "omnimtp.handoff",
+    "assemble_talker_chunks": "omnimtp.handoff",
+    "talker_inputs_from_rows": "omnimtp.handoff",
+    "Qwen3TalkerInputBuilder": "omnimtp.talker.qwen3_inputs",
+    "build_qwen3_talker_inputs": "omnimtp.talker.qwen3_inputs",
+    "Qwen2_5TalkerInputBuilder": "omnimtp.talker.qwen2_5_inputs",
+    "build_qwen2_5_talker_inputs": "omnimtp.talker.qwen2_5_inputs",
+    "tiny_qwen2_5_omni": "omnimtp.models.tiny_qwen2_5_omni",
+    "tiny_qwen2_5_omni_config": "omnimtp.models.tiny_qwen2_5_omni",
     # issue 4: MTP speculative decoding
     # issue 5: end-to-end pipeline
     # issue 6: server
     # issue 7: MTP head training
+    "train_mtp_head": "omnimtp.spec.train",
+    "MTPTrainConfig": "omnimtp.spec.train",
+    "MTPTrainResult": "omnimtp.spec.train",
+    "demo_model_dir": "omnimtp.spec.demo",
 }
 
 
