@@ -1,0 +1,319 @@
+"""Our explicit Qwen3-Omni talker loop: a batch of requests that is stepped one audio frame at a time.
+
+One step, for every active request:
+
+    code 0 (sampled last step) → residual codes 1..G-1 (`CodePredictorRunner`)
+      → Σ of the frame's G codec embeddings + the next reply text row (tts_pad once they run out)
+      → one talker forward → code 0 of the next frame (top-1024 ids suppressed except codec EOS)
+
+`TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
+the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
+boundary. The talker KV is left-padded (an attention-mask column per cached position) and every row
+carries its own 3-D RoPE position, so a request's frames do not depend on who else is in the batch.
+A request whose next reply row has not arrived yet (streamed thinker) sits the step out: its column
+is masked and its state is untouched.
+
+Greedy defaults reproduce `Qwen3OmniMoeForConditionalGeneration.generate(talker_do_sample=False)`,
+whose repetition penalty 1.05 still applies; the last talker token (normally EOS) gets no residual
+codes, so frames = talker tokens − 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+from transformers import DynamicCache
+
+from omnimtp.sampling import (
+    QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
+    SamplingParams,
+    apply_repetition_penalty,
+    sample,
+)
+from omnimtp.talker.code_predictor import CodePredictorRunner, next_talker_input
+
+# What transformers' Qwen3-Omni `generate` uses for the talker (its defaults), greedy and sampled.
+QWEN3_OMNI_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
+QWEN3_OMNI_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+
+
+@dataclass
+class TalkerRequest:
+    """One request's talker inputs and settings.
+
+    prefill_embeds: [L, H] talker prefill rows; trailing_text: [T, H] reply rows known so far (more
+    can follow through `TalkerBatch.push_text` until `is_text_finished`); tts_pad_embed: [H].
+    sampling: None = QWEN3_OMNI_TALKER_GREEDY. The code predictor is greedy when the talker is and
+    samples with QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does."""
+
+    request_id: Hashable
+    prefill_embeds: torch.Tensor
+    trailing_text: torch.Tensor
+    tts_pad_embed: torch.Tensor
+    is_text_finished: bool = True
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None
+    max_frames: int = 4096
+
+    def __post_init__(self):
+        if self.prefill_embeds.dim() != 2 or self.prefill_embeds.shape[0] == 0:
+            raise ValueError(f"prefill_embeds must be [L, H] with L >= 1, got {tuple(self.prefill_embeds.shape)}")
+        hidden_size = self.prefill_embeds.shape[1]
+        if self.trailing_text.dim() != 2 or self.trailing_text.shape[1] != hidden_size:
+            raise ValueError(f"trailing_text must be [T, {hidden_size}], got {tuple(self.trailing_text.shape)}")
+        if tuple(self.tts_pad_embed.shape) != (hidden_size,):
+            raise ValueError(f"tts_pad_embed must be [{hidden_size}], got {tuple(self.tts_pad_embed.shape)}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be None or a SamplingParams, got {type(self.sampling).__name__}")
+        if isinstance(self.max_frames, bool) or not isinstance(self.max_frames, int) or self.max_frames < 1:
+            raise ValueError(f"max_frames must be an integer >= 1, got {self.max_frames!r}")
+
+
+@dataclass
+class TalkerFrame:
+    """One request's output of a step: its frame's codes [G] (None when it ended without a frame)
+    and, on its last frame, the finish reason ("stop": codec EOS; "length": max_frames)."""
+
+    request_id: Hashable
+    codes: torch.Tensor | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Row:
+    request: TalkerRequest
+    text_rows: list[torch.Tensor] = field(default_factory=list)  # reply rows not consumed yet, each [H]
+    is_text_finished: bool = True
+    num_frames: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.finish_reason is None and (bool(self.text_rows) or self.is_text_finished)
+
+
+class TalkerBatch:
+    """The talker state over the active requests (see the module docstring).
+
+    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`."""
+
+    def __init__(self, talker, max_batch_size: int = 8, predictor: CodePredictorRunner | None = None):
+        config = talker.config
+        self.talker = talker
+        self.max_batch_size = max_batch_size
+        self.predictor = predictor or CodePredictorRunner(talker.code_predictor, max_batch_size)
+        if self.predictor.max_batch_size < max_batch_size:
+            raise ValueError(f"predictor.max_batch_size must be >= {max_batch_size}")
+        self.eos_id = config.codec_eos_token_id
+        vocab_size = config.text_config.vocab_size
+        self.is_suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=talker.device)  # [V]
+        self.is_suppressed[vocab_size - 1024 :] = True
+        self.is_suppressed[self.eos_id] = False
+        self.rows: list[_Row] = []
+        self.cache: DynamicCache | None = None
+        self.attention_mask: torch.Tensor | None = None  # [B, S]
+        self.positions: torch.Tensor | None = None  # [B] next RoPE position of each row
+        self.last_hidden: torch.Tensor | None = None  # [B, H] talker output at the last position
+        self.code0: torch.Tensor | None = None  # [B] sampled, its frame not made yet
+        self.seen: torch.Tensor | None = None  # [B, V] talker tokens each row generated (repetition penalty)
+
+    @property
+    def request_ids(self) -> list[Hashable]:
+        return [row.request.request_id for row in self.rows]
+
+    def admit(self, requests: list[TalkerRequest]) -> list[TalkerFrame]:
+        """Prefill `requests` and merge them into the batch. Returns the frames of requests that ended
+        before their first frame (codec EOS straight after the prefill); those stay until retired."""
+        if len(self.rows) + len(requests) > self.max_batch_size:
+            raise ValueError(f"requests: {len(requests)} more would exceed max_batch_size={self.max_batch_size}")
+        known = set(self.request_ids)
+        for request in requests:
+            if request.request_id in known:
+                raise ValueError(f"requests: request_id {request.request_id!r} is already in the batch")
+            known.add(request.request_id)
+        if not requests:
+            return []
+        embeds, mask = _left_pad([r.prefill_embeds for r in requests])  # [N, L, H], [N, L]
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [N, L]
+        cache = DynamicCache(config=self.talker.config.text_config)
+        hidden = self._forward(embeds, mask, positions, cache)  # [N, H]
+        new_rows = [
+            _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
+        ]
+        seen = torch.zeros((len(requests), self.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
+        code0 = self._sample_code0(hidden, seen, new_rows)  # [N]
+        self._merge(new_rows, cache, mask, positions[:, -1] + 1, hidden, code0, seen)
+        finished = []
+        for row, code in zip(new_rows, code0.tolist()):
+            if code == self.eos_id:
+                row.finish_reason = "stop"
+                finished.append(TalkerFrame(row.request.request_id, None, "stop"))
+        return finished
+
+    def push_text(self, request_id: Hashable, rows: torch.Tensor, is_finished: bool) -> None:
+        """More reply rows [n, H] for a request admitted with is_text_finished=False."""
+        row = self.rows[self.request_ids.index(request_id)]
+        if row.is_text_finished:
+            raise ValueError(f"request_id {request_id!r}: its text is already finished")
+        row.text_rows.extend(rows.unbind(0))
+        row.is_text_finished = is_finished
+
+    def step(self) -> list[TalkerFrame]:
+        """One frame for every ready request."""
+        ready = [i for i, row in enumerate(self.rows) if row.is_ready]
+        if not ready:
+            return []
+        index = torch.tensor(ready, device=self.code0.device)
+        codes, next_inputs = self._make_frames(index)  # [R, G], [R, H]
+        step_embeds = self.last_hidden.new_zeros(self.last_hidden.shape).index_copy(0, index, next_inputs)
+        is_ready = torch.zeros(len(self.rows), dtype=torch.long, device=index.device).index_fill(0, index, 1)
+        mask = torch.cat([self.attention_mask, is_ready[:, None]], dim=1)  # [B, S+1]
+        hidden = self._forward(step_embeds[:, None], mask, self.positions[:, None], self.cache)  # [B, H]
+        self.attention_mask = mask
+        self.positions = self.positions + is_ready
+        self.seen[index, self.code0[index]] = True
+        next_code0 = self._sample_code0(hidden[index], self.seen[index], [self.rows[i] for i in ready])
+        self.last_hidden = self.last_hidden.index_copy(0, index, hidden[index])
+        self.code0 = self.code0.index_copy(0, index, next_code0)
+        return [self._finish_frame(i, frame_codes, code) for i, frame_codes, code in zip(ready, codes, next_code0.tolist())]
+
+    def retire(self, request_ids: list[Hashable]) -> None:
+        """Drop requests (finished or cancelled) from the batch; call between steps."""
+        dropped = set(request_ids)
+        unknown = dropped - set(self.request_ids)
+        if unknown:
+            raise ValueError(f"request_ids: not in the batch: {sorted(map(repr, unknown))}")
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in dropped]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.attention_mask = self.positions = self.last_hidden = self.code0 = self.seen = None
+            return
+        index = torch.tensor(keep, device=self.code0.device)
+        mask = self.attention_mask[index]
+        first_used = int(mask.any(dim=0).nonzero()[0])  # columns before it are padding in every kept row
+        self.attention_mask = mask[:, first_used:]
+        self.cache = _rebuild_cache(self.cache, lambda kv: kv[index, :, first_used:], self.talker.config)
+        self.positions, self.last_hidden = self.positions[index], self.last_hidden[index]
+        self.code0, self.seen = self.code0[index], self.seen[index]
+
+    # --- pieces of a step -------------------------------------------------------------------
+
+    def _make_frames(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual codes for the rows `index` and their next talker inputs: [R, G] codes, [R, H]."""
+        code0 = self.code0[index]  # [R]
+        cb0_embed = self.talker.get_input_embeddings()(code0)  # [R, H]
+        last_hidden = self.last_hidden[index]  # [R, H]
+        rows = [self.rows[i] for i in index.tolist()]
+        residual = torch.empty((len(rows), self.predictor.num_code_groups - 1), dtype=torch.long, device=code0.device)
+        for sampling, members in _group_by_predictor_sampling(rows).items():
+            sub = torch.tensor(members, device=code0.device)
+            generators = [rows[m].request.generator for m in members]
+            has_generators = sampling is not None and all(g is not None for g in generators)
+            result = self.predictor.run(
+                last_hidden[sub], cb0_embed[sub], sampling, generators if has_generators else None
+            )
+            residual[sub] = result.codes
+        text = torch.stack([_pop_text_row(row) for row in rows])  # [R, H]
+        next_inputs = next_talker_input(self.talker.code_predictor, cb0_embed, residual, text)  # [R, H]
+        return torch.cat([code0[:, None], residual], dim=1), next_inputs
+
+    def _forward(self, embeds, mask, positions, cache) -> torch.Tensor:
+        """Talker forward over embeds [B, S, H] → post-norm hidden at the last position [B, H]."""
+        position_ids = positions[None].expand(4, -1, -1)  # text + 3 mRoPE axes, equal for text-only rows
+        with torch.no_grad():
+            out = self.talker.model(
+                inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
+            )
+        return out.last_hidden_state[:, -1]
+
+    def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it."""
+        with torch.no_grad():
+            logits = self.talker.codec_head(hidden).float()  # [R, V]
+        codes = []
+        for i, row in enumerate(rows):
+            sampling = row.request.sampling or QWEN3_OMNI_TALKER_GREEDY
+            scores = apply_repetition_penalty(logits[i : i + 1], seen[i : i + 1], sampling.repetition_penalty)
+            scores = scores.masked_fill(self.is_suppressed, float("-inf"))  # [1, V]
+            generators = [row.request.generator] if row.request.generator is not None else None
+            codes.append(sample(scores, sampling, generators))
+        return torch.cat(codes)
+
+    def _finish_frame(self, i: int, codes: torch.Tensor, next_code0: int) -> TalkerFrame:
+        row = self.rows[i]
+        row.num_frames += 1
+        if next_code0 == self.eos_id:
+            row.finish_reason = "stop"
+        elif row.num_frames >= row.request.max_frames:
+            row.finish_reason = "length"
+        return TalkerFrame(row.request.request_id, codes, row.finish_reason)
+
+    def _merge(self, new_rows, cache, mask, positions, hidden, code0, seen) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.attention_mask = new_rows, cache, mask
+            self.positions, self.last_hidden, self.code0, self.seen = positions, hidden, code0, seen
+            return
+        old_len, new_len = self.attention_mask.shape[1], mask.shape[1]
+        length = max(old_len, new_len)
+        old_cache, old_mask = self.cache, self.attention_mask
+        self.attention_mask = torch.cat([_pad_left(old_mask, length), _pad_left(mask, length)])
+        new_layers = iter(_layer_kv(cache))
+        self.cache = _rebuild_cache(
+            old_cache,
+            lambda kv: torch.cat([_pad_left(kv, length, dim=2), _pad_left(next(new_layers), length, dim=2)]),
+            self.talker.config,
+        )
+        self.rows = self.rows + new_rows
+        self.positions = torch.cat([self.positions, positions])
+        self.last_hidden = torch.cat([self.last_hidden, hidden])
+        self.code0 = torch.cat([self.code0, code0])
+        self.seen = torch.cat([self.seen, seen])
+
+
+def _group_by_predictor_sampling(rows: list[_Row]) -> dict[SamplingParams | None, list[int]]:
+    groups: dict[SamplingParams | None, list[int]] = {}
+    for i, row in enumerate(rows):
+        talker_sampling = row.request.sampling or QWEN3_OMNI_TALKER_GREEDY
+        sampling = None if talker_sampling.is_greedy else QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+        groups.setdefault(sampling, []).append(i)
+    return groups
+
+
+def _pop_text_row(row: _Row) -> torch.Tensor:
+    return row.text_rows.pop(0) if row.text_rows else row.request.tts_pad_embed
+
+
+def _left_pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L_i, H] each → ([N, L, H] zero-padded on the left, [N, L] long mask)."""
+    length = max(s.shape[0] for s in sequences)
+    first = sequences[0]
+    embeds = first.new_zeros((len(sequences), length, first.shape[1]))
+    mask = torch.zeros((len(sequences), length), dtype=torch.long, device=first.device)
+    for i, s in enumerate(sequences):
+        embeds[i, length - s.shape[0]:] = s
+        mask[i, length - s.shape[0]:] = 1
+    return embeds, mask
+
+
+def _pad_left(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _layer_kv(cache: DynamicCache) -> list[torch.Tensor]:
+    """Keys and values of every layer, in order: [B, heads, S, D] each."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def _rebuild_cache(cache: DynamicCache, transform, config) -> DynamicCache:
+    """A new cache whose every key/value tensor is `transform(old)` (row selection, padding, merging)."""
+    rebuilt = DynamicCache(config=config.text_config)
+    for layer_idx, layer in enumerate(cache.layers):
+        rebuilt.update(transform(layer.keys), transform(layer.values), layer_idx)
+    return rebuilt
