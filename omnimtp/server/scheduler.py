@@ -1,0 +1,610 @@
+"""Continuous batching of speech requests: the engine loop behind the HTTP server.
+
+One background thread owns the models. Each iteration of its loop is one frame boundary:
+
+    retire   cancelled and finished requests (their slots free up now)
+    admit    waiting requests, up to max_batch_size holding a slot
+    think    one thinker step for every request still writing its text reply
+    speak    one talker + code predictor step for every speaking request, as one batch
+    decode   code2wav for every request with a chunk of frames ready, as one batch
+
+The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
+events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
+Per-request generators make a seeded request's text and audio independent of who else is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omnimtp.sampling import SamplingParams
+
+logger = logging.getLogger("omnimtp.server")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the HTTP layer answers 429."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What to generate.
+
+    messages: chat turns (role, text) → the thinker writes a reply; None for speech requests.
+    speak_text: the text to speak directly (the thinker's text path is skipped); None for chat.
+    speaker: a speaker name of the model (already matched), or None for a text-only reply.
+    sampling: thinker and talker sampling (temperature 0 = greedy); the code predictor keeps its own.
+    max_new_tokens: thinker token budget (chat only).
+    """
+
+    messages: tuple[tuple[str, str], ...] | None
+    speak_text: str | None
+    speaker: str | None
+    sampling: SamplingParams
+    seed: int | None
+    max_new_tokens: int
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.speak_text is None):
+            raise ValueError("exactly one of messages and speak_text must be given")
+        if self.speak_text is not None and self.speaker is None:
+            raise ValueError("speaker is required to speak speak_text")
+        if self.messages is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class EngineEvent:
+    """One step of a request's output: a text delta, an audio chunk (float32), or the end."""
+
+    text: str = ""
+    audio: np.ndarray | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    num_frames: int = 0
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+class RequestHandle:
+    """The HTTP side's view of one request: an async event stream and a cancel switch."""
+
+    def __init__(self, request_id: int, loop: asyncio.AbstractEventLoop, on_cancel):
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self.is_cancelled = False
+        self.is_done = False
+
+    def _push(self, event: EngineEvent | None) -> None:
+        """Called from the engine thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.is_cancelled = True
+
+    async def events(self):
+        while True:
+            event = await self._queue.get()
+            if event is None:
+                return
+            yield event
+            if event.finish_reason is not None or event.error is not None:
+                return
+
+    def cancel(self) -> None:
+        """Idempotent; a no-op once the request has finished."""
+        if not self.is_cancelled and not self.is_done:
+            self.is_cancelled = True
+            self._on_cancel(self)
+
+
+@dataclass
+class _Slot:
+    """A request waiting for, or holding, a batch slot."""
+
+    handle: RequestHandle
+    request: EngineRequest
+    submitted_at: float
+    prompt_ids: list[int]
+    thinker_generator: torch.Generator
+    talker_generator: torch.Generator
+    text_ids: list[int] = field(default_factory=list)  # the reply so far, stop token excluded
+    text_emitted: str = ""
+    thinker: object | None = None  # omnimtp.thinker.ThinkerRun (chat only)
+    handoff: object | None = None  # omnimtp.handoff.ThinkerToTalkerStream (chat with audio)
+    finish_reason: str | None = None  # the thinker's
+    talker_id: int | None = None
+    talker_finish: str | None = None
+    frames: list[torch.Tensor] = field(default_factory=list)  # each [G]
+    num_decoded: int = 0  # frames already turned into audio
+    speak_started_at: float = 0.0
+    first_audio_at: float | None = None
+
+
+class Engine:
+    """Owns the models and the batching loop thread.
+
+    backend: the model side (`SpeechBackend`); it turns requests into thinker runs and talker
+    inputs, owns the batched talker state and decodes code2wav windows.
+    max_batch_size: requests holding a slot at once (thinking or speaking).
+    """
+
+    def __init__(self, backend: "SpeechBackend", *, max_batch_size: int = 16, model_id: str = "omnimtp-tiny"):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.backend = backend
+        self.max_batch_size = max_batch_size
+        self.model_id = model_id
+        self.created = int(time.time())
+        self.max_queue = 64
+        self.metrics = None
+        self._cond = threading.Condition()
+        self._waiting: deque[_Slot] = deque()
+        self._cancelled: set[int] = set()
+        self._active: dict[int, _Slot] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._accepting = False
+
+    # -- the HTTP side ----------------------------------------------------------------------------
+
+    @property
+    def sample_rate(self) -> int:
+        return self.backend.sample_rate
+
+    @property
+    def speakers(self) -> tuple[str, ...]:
+        return self.backend.speakers
+
+    @property
+    def is_running(self) -> bool:
+        return self._accepting
+
+    def match_speaker(self, name: str) -> str | None:
+        """The model's speaker called `name` (case-insensitive), or None: no fallback voice."""
+        lowered = name.strip().lower()
+        for speaker in self.backend.speakers:
+            if speaker.lower() == lowered:
+                return speaker
+        return None
+
+    def start(self, *, metrics=None, max_queue: int = 64) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._stopping = False
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="omnimtp-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with drain, finish every admitted and waiting request first."""
+        with self._cond:
+            self._accepting = False
+            if not drain:
+                for slot in list(self._waiting) + list(self._active.values()):
+                    self._cancelled.add(slot.handle.request_id)
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        """Queue a request (called on the event loop). Raises QueueFullError at the bound and
+        ValueError for a request the model cannot take (naming the argument)."""
+        prompt_ids = self.backend.request_ids(request)
+        with self._cond:
+            if not self._accepting:
+                raise QueueFullError("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
+            handle = RequestHandle(next(self._ids), loop, self._cancel)
+            thinker_generator, talker_generator = _request_generators(request.seed)
+            slot = _Slot(handle, request, time.perf_counter(), prompt_ids, thinker_generator, talker_generator)
+            self._waiting.append(slot)
+            self._set_gauges()
+            self._cond.notify_all()
+        return handle
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._cond:
+            self._cancelled.add(handle.request_id)
+            self._cond.notify_all()
+
+    def _set_gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._waiting))
+            self.metrics.active_requests.set(len(self._active))
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        talker = self.backend.new_talker_batch(self.max_batch_size)
+        while True:
+            with self._cond:
+                while not (self._waiting or self._active or self._stopping):
+                    self._cond.wait()
+                if self._stopping and not self._waiting and not self._active:
+                    return
+                cancelled, self._cancelled = self._cancelled, set()
+                self._drop_cancelled(cancelled, talker)
+                admitted = []
+                while self._waiting and len(self._active) < self.max_batch_size:
+                    slot = self._waiting.popleft()
+                    self._active[slot.handle.request_id] = slot
+                    admitted.append(slot)
+                self._set_gauges()
+            try:
+                self._iterate(admitted, talker)
+            except Exception as exc:  # a model error fails the requests in flight, never the server
+                logger.exception("engine step failed")
+                self._fail_all(talker, f"generation failed: {type(exc).__name__}")
+                talker = self.backend.new_talker_batch(self.max_batch_size)
+
+    def _drop_cancelled(self, cancelled: set[int], talker) -> None:
+        """Free the slots of cancelled requests (called with the lock held, at a frame boundary)."""
+        if not cancelled:
+            return
+        self._waiting = deque(slot for slot in self._waiting if slot.handle.request_id not in cancelled)
+        retire = []
+        for request_id in cancelled:
+            slot = self._active.pop(request_id, None)
+            if slot is None:
+                continue
+            if slot.talker_id is not None and slot.talker_id in talker.request_ids:
+                retire.append(slot.talker_id)
+            if self.metrics is not None:
+                self.metrics.cancelled.inc()
+            slot.handle.is_done = True
+            slot.handle._push(None)
+        if retire:
+            talker.retire(retire)
+
+    def _iterate(self, admitted: list[_Slot], talker) -> None:
+        for slot in admitted:
+            self._start(slot, talker)
+        for slot in list(self._active.values()):
+            if slot.thinker is not None and slot.finish_reason is None:
+                self._think(slot, talker)
+        if any(row_id in talker.request_ids for row_id in self._talker_ids()):
+            frames = talker.step()
+            if self.metrics is not None and frames:
+                self.metrics.step_batch_size.observe(len(frames))
+            self._take_frames(frames, talker)
+        self._decode_ready()
+        self._retire_finished(talker)
+
+    def _talker_ids(self) -> list[int]:
+        return [slot.talker_id for slot in self._active.values() if slot.talker_id is not None]
+
+    # -- one iteration's pieces -------------------------------------------------------------------
+
+    def _start(self, slot: _Slot, talker) -> None:
+        """A newly admitted request: a thinker run for chat, talker inputs straight away for speech."""
+        backend, request = self.backend, slot.request
+        slot.speak_started_at = time.perf_counter()
+        if request.messages is not None:
+            slot.thinker = backend.new_thinker(slot.prompt_ids, request, slot.thinker_generator)
+            if request.speaker is not None:
+                slot.handoff = backend.new_handoff(slot.prompt_ids, request.speaker)
+            return
+        inputs = backend.speech_inputs(slot.prompt_ids, request.speaker)
+        self._admit_talker(slot, talker, inputs.prefill_embeds, inputs.trailing_text, inputs.tts_pad_embed, True)
+
+    def _admit_talker(self, slot, talker, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished) -> None:
+        talker_request = self.backend.talker_request(
+            slot.handle.request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished,
+            slot.request, slot.talker_generator,
+        )
+        slot.talker_id = slot.handle.request_id
+        for frame in talker.admit([talker_request]):  # codec EOS straight after the prefill: no frames
+            slot.talker_finish = frame.finish_reason
+
+    def _think(self, slot: _Slot, talker) -> None:
+        """One thinker token for `slot`: a text delta, and its rows on to the talker when speaking."""
+        event = slot.thinker.step()[0]
+        token_id = event.token_id
+        is_stop = event.finish_reason == "stop"
+        if not is_stop:
+            slot.text_ids.append(token_id)
+            delta = self._text_delta(slot)
+            if delta:
+                slot.handle._push(EngineEvent(text=delta))
+        if event.finish_reason is not None:
+            slot.finish_reason = event.finish_reason
+            tail = self._text_delta(slot, final=True)
+            if tail:
+                slot.handle._push(EngineEvent(text=tail))
+        if slot.handoff is None or slot.talker_finish is not None:
+            return
+        chunks = slot.handoff.push(event.embeds, event.hidden, [token_id])
+        if event.finish_reason is not None:
+            try:
+                chunks += slot.handoff.finish(event.finish_reason)
+            except ValueError:  # the reply left no row to speak (e.g. an immediate stop): no audio
+                if slot.talker_id is None:
+                    slot.talker_finish = "stop"
+                    return
+        for chunk in chunks:
+            if chunk.index == 0:
+                self._admit_talker(
+                    slot, talker, chunk.prefill_embeds, chunk.trailing_text, chunk.tts_pad_embed, chunk.is_finished
+                )
+            elif slot.talker_finish is None:
+                talker.push_text(slot.talker_id, chunk.trailing_text, chunk.is_finished)
+
+    def _text_delta(self, slot: _Slot, final: bool = False) -> str:
+        """New text since the last delta; a trailing partial UTF-8 sequence waits for its next bytes."""
+        text = self.backend.decode(slot.text_ids)
+        if not final and text.endswith("\ufffd"):
+            return ""
+        delta = text[len(slot.text_emitted):]
+        slot.text_emitted = text
+        return delta
+
+    def _take_frames(self, frames, talker) -> None:
+        by_talker_id = {slot.talker_id: slot for slot in self._active.values() if slot.talker_id is not None}
+        for frame in frames:
+            slot = by_talker_id[frame.request_id]
+            if frame.codes is not None:
+                slot.frames.append(frame.codes)
+            if frame.finish_reason is not None:
+                slot.talker_finish = frame.finish_reason
+
+    def _decode_ready(self) -> None:
+        """code2wav for every request with a chunk ready, in one batch."""
+        ready = []
+        for slot in self._active.values():
+            num_frames = len(slot.frames)
+            pending = num_frames - slot.num_decoded
+            target = self.backend.first_chunk_frames if slot.num_decoded == 0 else self.backend.chunk_frames
+            if pending > 0 and (pending >= target or slot.talker_finish is not None):
+                ready.append(slot)
+        if not ready:
+            return
+        chunks = self.backend.decode_chunks([(slot.frames, slot.num_decoded) for slot in ready])
+        now = time.perf_counter()
+        for slot, samples in zip(ready, chunks):
+            slot.num_decoded = len(slot.frames)
+            if slot.first_audio_at is None:
+                slot.first_audio_at = now
+                if self.metrics is not None:
+                    self.metrics.time_to_first_audio.observe(now - slot.submitted_at)
+            slot.handle._push(EngineEvent(audio=samples))
+
+    def _is_complete(self, slot: _Slot) -> bool:
+        if slot.request.messages is not None and slot.finish_reason is None:
+            return False
+        if slot.request.speaker is None:
+            return True
+        return slot.talker_finish is not None and slot.num_decoded == len(slot.frames)
+
+    def _retire_finished(self, talker) -> None:
+        done = [slot for slot in self._active.values() if self._is_complete(slot)]
+        if not done:
+            return
+        retire = [slot.talker_id for slot in done if slot.talker_id is not None]
+        if retire:
+            talker.retire(retire)
+        now = time.perf_counter()
+        with self._cond:
+            for slot in done:
+                self._active.pop(slot.handle.request_id, None)
+                if slot.handle.is_cancelled:
+                    continue
+                slot.handle.is_done = True
+                finish_reason = slot.finish_reason if slot.request.messages is not None else slot.talker_finish
+                slot.handle._push(EngineEvent(
+                    finish_reason=finish_reason, prompt_tokens=len(slot.prompt_ids),
+                    completion_tokens=len(slot.text_ids), num_frames=len(slot.frames),
+                ))
+                if self.metrics is not None and slot.frames:
+                    elapsed = max(now - slot.speak_started_at, 1e-9)
+                    self.metrics.frames_per_second.observe(len(slot.frames) / elapsed)
+            self._set_gauges()
+
+    def _fail_all(self, talker, message: str) -> None:
+        with self._cond:
+            for slot in self._active.values():
+                slot.handle.is_done = True
+                slot.handle._push(EngineEvent(error=message))
+            self._active.clear()
+            self._set_gauges()
+
+
+def _request_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
+    """The thinker's and the talker's generators of one request: seeded ones repeat exactly; an
+    unseeded request still gets its own, so it never draws from the global RNG other requests share."""
+    thinker, talker = torch.Generator(), torch.Generator()
+    if seed is None:
+        thinker.seed()
+        talker.seed()
+    else:
+        thinker.manual_seed(int(seed))
+        talker.manual_seed(int(seed))
+    return thinker, talker
+
+
+class SpeechBackend:
+    """The Qwen3-Omni side of the engine: tokenizer, thinker runs, talker inputs, the batched talker
+    state and batched code2wav.
+
+    model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer (a chat
+    template is required). max_frames caps a request's audio (finish_reason "length").
+    Audio chunks: the first after `first_chunk_frames` frames (fast first audio), then every
+    `chunk_frames`; each chunk is decoded with up to `context_frames` frames of left context, as
+    vllm-omni does (REFERENCES §3: 4 frames first, then 25, each with ≤ 25 frames of context).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_frames: int = 1500,
+        max_prompt_tokens: int = 8192,
+        first_chunk_frames: int = 4,
+        chunk_frames: int = 25,
+        context_frames: int = 25,
+    ):
+        for name, value in (
+            ("max_frames", max_frames), ("max_prompt_tokens", max_prompt_tokens),
+            ("first_chunk_frames", first_chunk_frames), ("chunk_frames", chunk_frames),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(context_frames, bool) or not isinstance(context_frames, int) or context_frames < 0:
+            raise ValueError(f"context_frames must be an integer >= 0, got {context_frames!r}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("tokenizer must have a chat template")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_frames = max_frames
+        self.max_prompt_tokens = max_prompt_tokens
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.context_frames = context_frames
+        config = model.config
+        self.speakers = tuple(config.talker_config.speaker_id)
+        self.sample_rate = 24000
+        self.accept_hidden_layer = config.talker_config.accept_hidden_layer
+        self.eos_token_ids = {config.im_end_token_id}
+        if tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self.num_code_groups = config.talker_config.num_code_groups
+        self.samples_per_frame = int(model.code2wav.total_upsample)
+        with torch.no_grad():
+            one_frame = model.code2wav(torch.zeros((1, self.num_code_groups, 1), dtype=torch.long))  # [1, 1, S]
+        # causal transposed convolutions drop a fixed tail: S = samples_per_frame * F - tail (1920·F − 555)
+        self.tail_samples = self.samples_per_frame - one_frame.shape[-1]
+        # what the template adds to open the assistant turn ("<|im_start|>assistant\n")
+        probe = [{"role": "user", "content": "x"}]
+        opened = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
+        closed = list(tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=True, return_dict=False))
+        if opened[: len(closed)] != closed or len(opened) == len(closed):
+            raise ValueError("tokenizer: its chat template does not open an assistant turn after the prompt")
+        self.speech_header_ids = opened[len(closed):]
+
+    @classmethod
+    def tiny(cls, seed: int = 0, **kwargs) -> "SpeechBackend":
+        """The embedded default: a seeded tiny Qwen3-Omni and its byte tokenizer (noise-like speech)."""
+        from omnimtp.models.tiny import tiny_qwen3_omni
+        from omnimtp.tokenizer import byte_tokenizer
+
+        return cls(tiny_qwen3_omni(seed), byte_tokenizer(), **kwargs)
+
+    # -- requests → ids ---------------------------------------------------------------------------
+
+    def request_ids(self, request: EngineRequest) -> list[int]:
+        """Chat: the templated prompt. Speech: an opened assistant turn followed by the text to say."""
+        if request.messages is not None:
+            messages = [
+                {"role": "system" if role == "developer" else role, "content": text} for role, text in request.messages
+            ]
+            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            name = "messages"
+        else:
+            ids = self.speech_header_ids + list(self.tokenizer.encode(request.speak_text, add_special_tokens=False))
+            name = "input"
+        if len(ids) > self.max_prompt_tokens:
+            raise ValueError(f"{name}: {len(ids)} tokens is over the limit of {self.max_prompt_tokens}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- thinker and talker -----------------------------------------------------------------------
+
+    def new_thinker(self, prompt_ids: list[int], request: EngineRequest, generator: torch.Generator):
+        from omnimtp.thinker import ThinkerRun
+
+        return ThinkerRun(
+            self.model.thinker, [prompt_ids], accept_hidden_layer=self.accept_hidden_layer,
+            eos_token_ids=self.eos_token_ids, max_new_tokens=request.max_new_tokens,
+            sampling=[request.sampling], generators=[generator],
+        )
+
+    def new_handoff(self, prompt_ids: list[int], speaker: str):
+        from omnimtp.handoff import ThinkerToTalkerStream
+        from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
+
+        return ThinkerToTalkerStream(Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker))
+
+    def speech_inputs(self, ids: list[int], speaker: str):
+        """Talker inputs that speak ids[len(header):] as if the thinker had replied with them: the
+        rows are the thinker's input embeddings of the tokens (a text row's only thinker input)."""
+        from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
+
+        builder = Qwen3TalkerInputBuilder(self.model, self.speech_header_ids, speaker)
+        with torch.no_grad():
+            embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids))  # [P + N, D]
+        return builder.build(embeds, embeds, projection="per_row")
+
+    def new_talker_batch(self, max_batch_size: int):
+        from omnimtp.talker.loop import TalkerBatch
+
+        return TalkerBatch(self.model.talker, max_batch_size)
+
+    def talker_request(self, request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished, request,
+                       generator):
+        from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerRequest
+
+        # temperature 0 makes the whole request greedy; otherwise the talker samples as transformers does
+        sampling = None if request.sampling.is_greedy else QWEN3_OMNI_TALKER_SAMPLING
+        return TalkerRequest(
+            request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
+            sampling=sampling, generator=generator, max_frames=self.max_frames,
+        )
+
+    # -- code2wav ---------------------------------------------------------------------------------
+
+    def decode_chunks(self, requests: list[tuple[list[torch.Tensor], int]]) -> list[np.ndarray]:
+        """New audio of several requests in one code2wav batch.
+
+        requests: (frames, num_decoded) each, frames a list of [G] codes. Request i gets the samples
+        of frames num_decoded..len(frames) that a one-shot decode of all its frames would hold at
+        [spf·a − tail, spf·b − tail) (from 0 for the first chunk), so the chunks of a request add up
+        to exactly spf·F − tail samples. Windows are right-padded to one length: code2wav is causal,
+        so padding after a window never changes the window's own samples.
+        """
+        spf, tail = self.samples_per_frame, self.tail_samples
+        windows, starts = [], []
+        for frames, num_decoded in requests:
+            start = max(0, num_decoded - self.context_frames)
+            windows.append(torch.stack(frames[start:], dim=1))  # [G, b - start]
+            starts.append(start)
+        length = max(w.shape[1] for w in windows)
+        batch = torch.zeros((len(windows), self.num_code_groups, length), dtype=torch.long)  # [N, G, L]
+        for i, window in enumerate(windows):
+            batch[i, :, : window.shape[1]] = window
+        with torch.no_grad():
+            wav = self.model.code2wav(batch)[:, 0].float().numpy()  # [N, spf·L − tail]
+        chunks = []
+        for (frames, num_decoded), start, row in zip(requests, starts, wav):
+            begin = 0 if num_decoded == 0 else spf * (num_decoded - start) - tail
+            end = spf * (len(frames) - start) - tail
+            chunks.append(np.array(row[begin:end], dtype=np.float32))
+        return chunks
