@@ -37,6 +37,21 @@ _EXPORTS = {
     "tiny_qwen2_5_omni": "omnimtp.models.tiny_qwen2_5_omni",
     "tiny_qwen2_5_omni_config": "omnimtp.models.tiny_qwen2_5_omni",
     # issue 4: MTP speculative decoding
+    "MTPHead": "omnimtp.spec.head",
+    "MTPHeadOutput": "omnimtp.spec.head",
+    "enable_transformers_mtp": "omnimtp.spec.head",
+    "load_target_and_head": "omnimtp.spec.head",
+    "rejection_sample": "omnimtp.spec.rejection",
+    "DraftInput": "omnimtp.spec.proposer",
+    "Proposer": "omnimtp.spec.proposer",
+    "MTPProposer": "omnimtp.spec.proposer",
+    "TargetProposer": "omnimtp.spec.proposer",
+    "speculative_generate": "omnimtp.spec.generate",
+    "SpecConfig": "omnimtp.spec.generate",
+    "SpecStats": "omnimtp.spec.generate",
+    "SpecOutput": "omnimtp.spec.generate",
+    "tiny_lm": "omnimtp.models.tiny_lm",
+    "tiny_lm_config": "omnimtp.models.tiny_lm",
     # issue 5: end-to-end pipeline
     # issue 6: server
     # issue 7: MTP head training

@@ -95,11 +95,12 @@ def demo_config(vocab_size: int, eos_token_id: int, args: argparse.Namespace) ->
         first_k_dense_replace=num_layers + 1,  # every layer dense, the MTP layer N included
         num_nextn_predict_layers=1,
         # transformers builds every MTP layer as a MoE block (`get_mtp_config` sets first_k_dense_replace=0):
-        # one routed + one shared expert of half width cost the same as the dense MLP.
-        n_routed_experts=1,
+        # two routed experts, both always active (the router's group scoring needs >= 2), plus one shared
+        # expert, each a quarter of the dense width. Only the MTP layer uses these fields.
+        n_routed_experts=2,
         n_shared_experts=1,
-        num_experts_per_tok=1,
-        moe_intermediate_size=args.intermediate_size // 2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=args.intermediate_size // 4,
         tie_word_embeddings=False,
         initializer_range=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5},

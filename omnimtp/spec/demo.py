@@ -1,0 +1,34 @@
+"""The demo checkpoint shipped as package data: a small Glm4Moe LM trained on the Python standard library's
+sources, with a trained MTP layer (`scripts/train_demo_lm.py`, then `omnimtp train-mtp`; see the README)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_lm"
+
+
+def demo_model_dir() -> Path:
+    """Directory of the shipped demo checkpoint (config, safetensors incl. `model-mtp.safetensors`, tokenizer)."""
+    if not (DEMO_MODEL_DIR / "config.json").exists():
+        raise FileNotFoundError(f"the demo checkpoint is missing from the package: {DEMO_MODEL_DIR}")
+    return DEMO_MODEL_DIR
+
+
+def demo_heldout_prompts() -> list[str]:
+    """Prompts cut from stdlib files that neither the LM, its tokenizer nor its MTP head saw in training."""
+    return json.loads((demo_model_dir() / "heldout_prompts.json").read_text())
+
+
+def load_demo_model():
+    """(target, head, tokenizer) of the demo checkpoint, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omnimtp.spec.head import MTPHead
+
+    model_dir = demo_model_dir()
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    head = MTPHead.from_pretrained(model_dir, target).float().eval()
+    return target, head, AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,106 @@
+"""`omnimtp train-mtp`: train an MTP head for a causal LM checkpoint on text files (self-distillation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train-mtp",
+        help="train an MTP (NextN) head for a causal LM by self-distillation",
+        description="Train an MTP head: the target is frozen; the head learns the target's own next-token "
+        "distributions from its hidden rows, unrolled k steps as at inference (loss = CE + tv_weight * TV).",
+    )
+    parser.add_argument("--model", required=True, help="transformers checkpoint dir (weights + tokenizer)")
+    parser.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
+    parser.add_argument("--eval-data", nargs="+", default=None,
+                        help="held-out text (default: one file in --heldout-every of --data)")
+    parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--out", required=True, help="output dir: the head (model-mtp.safetensors) + training state")
+    parser.add_argument("--with-target", action="store_true",
+                        help="also copy the target's files into --out, making it a complete checkpoint")
+    parser.add_argument("--init", default=None, help="start from the MTP head stored in this checkpoint dir")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--tv-weight", type=float, default=1.0)
+    parser.add_argument("--step-weights", type=float, nargs="+", default=None,
+                        help="loss weight of each draft step (default 0.8 ** (i - 1))")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--num-eval-windows", type=int, default=16)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--resume", action="store_true", help="continue from the training state in --out")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def copy_target_files(model_dir: Path, out_dir: Path) -> None:
+    """Copy the target checkpoint's files (not an MTP layer or index already there) into `out_dir`."""
+    from omnimtp.spec.head import MTP_WEIGHTS_NAME, SAFE_INDEX_NAME
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and path.name not in (MTP_WEIGHTS_NAME, SAFE_INDEX_NAME):
+            shutil.copy2(path, out_dir / path.name)
+    index = model_dir / SAFE_INDEX_NAME
+    if index.exists():  # a sharded target: keep its weight map, minus a previous MTP layer
+        weight_map = json.loads(index.read_text())
+        weight_map["weight_map"] = {k: v for k, v in weight_map["weight_map"].items() if v != MTP_WEIGHTS_NAME}
+        (out_dir / SAFE_INDEX_NAME).write_text(json.dumps(weight_map, indent=2))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omnimtp.spec.head import MTPHead
+    from omnimtp.spec.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = MTPTrainConfig(
+        num_draft_tokens=args.num_draft_tokens, steps=args.steps, batch_size=args.batch_size,
+        seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, tv_weight=args.tv_weight,
+        step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
+        num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
+    )
+    model_dir, out_dir = Path(args.model), Path(args.out)
+    if not model_dir.is_dir():
+        raise ValueError(f"--model: {args.model!r} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    train_files, heldout_files = collect_text_files(args.data, args.heldout_every)
+    if args.eval_data:
+        heldout_files = collect_text_files(args.eval_data, heldout_every=10**9)[0]
+    if not heldout_files:
+        raise ValueError("--data: no held-out files (pass --eval-data or a lower --heldout-every)")
+    train_stream = encode_files(tokenizer, train_files)
+    eval_stream = encode_files(tokenizer, heldout_files)
+    print(f"train: {len(train_files)} files, {train_stream.numel()} tokens; "
+          f"held out: {len(heldout_files)} files, {eval_stream.numel()} tokens", flush=True)
+
+    torch.manual_seed(args.seed)
+    head = MTPHead.from_pretrained(args.init, target) if args.init else MTPHead.from_config(target)
+    head.float()
+    result = train_mtp_head(target, head, train_stream, eval_stream, config, checkpoint_dir=out_dir,
+                            resume=args.resume, progress=not args.no_progress)
+    if args.with_target:
+        copy_target_files(model_dir, out_dir)
+    head.save_pretrained(out_dir)
+    summary = {"out": str(out_dir), "steps": config.steps, "tv_weight": config.tv_weight,
+               "num_draft_tokens": config.num_draft_tokens, "evals": result.evals}
+    (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))
+    last = result.evals[-1]
+    print(json.dumps({"step": last["step"], "tau_greedy": round(last["tau_greedy"], 3),
+                      "tau_sampled": round(last["tau_sampled"], 3), "ce": round(last["ce"], 4),
+                      "tv": round(last["tv"], 4)}))
+    return 0
