@@ -1,0 +1,141 @@
+"""Streamed Qwen3-Omni code2wav whose chunks join into exactly the one-shot decode.
+
+transformers' `Qwen3OmniMoeCode2Wav` is: code embedding → a sliding-window transformer (72 frames,
+stacked, so its reach grows with depth) → a causal conv / transposed-conv stack up to 1920 samples per
+frame. A one-shot decode of F frames gives 1920·F − 555 samples: the transposed convolutions look one
+input step ahead, so the last 555 samples would need frames that do not exist yet.
+
+We stream it in two parts, both exact:
+- the transformer runs incrementally with its own KV cache (the sliding-window cache keeps the last 71
+  frames of every layer), so its output for a chunk equals the one-shot output;
+- the conv stack re-runs over `conv_context_frames` frames of transformer output before the chunk (its
+  left receptive field, computed from the modules' kernels, dilations and strides), and we keep only the
+  samples the previous chunks could not produce yet: chunk [a, b) emits global samples
+  [1920·a − 555, 1920·b − 555) (from 0 for the first chunk). Nothing is lost at chunk boundaries and
+  the concatenation of all chunks equals the one-shot decode of all frames.
+
+    decoder = StreamingCode2Wav(model.code2wav)
+    stream = decoder.new_stream()
+    audio = decoder.decode([stream], [codes])     # codes [G, n] → [float32 numpy of 1920·n (− 555 once)]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class CodecStream:
+    """One request's decoder state."""
+
+    cache: DynamicCache
+    hidden_tail: torch.Tensor  # [C', Hc] the last transformer output frames (C' <= conv_context_frames)
+    num_frames: int = 0  # frames decoded so far
+
+
+class StreamingCode2Wav:
+    """Exact chunked decoding; see the module docstring. `decode` batches the conv stack across streams."""
+
+    def __init__(self, code2wav):
+        self.code2wav = code2wav
+        self.samples_per_frame = int(code2wav.total_upsample)
+        self.num_lost_samples = _num_lost_samples(code2wav)
+        self.conv_context_frames = conv_receptive_field_frames(code2wav)
+
+    def new_stream(self) -> CodecStream:
+        hidden_size = self.code2wav.config.hidden_size
+        param = next(self.code2wav.parameters())
+        return CodecStream(
+            cache=DynamicCache(config=self.code2wav.config),
+            hidden_tail=param.new_zeros((0, hidden_size)),
+        )
+
+    def num_samples(self, num_frames: int) -> int:
+        """Samples of the one-shot decode of `num_frames` frames."""
+        return max(self.samples_per_frame * num_frames - self.num_lost_samples, 0)
+
+    @torch.no_grad()
+    def decode(self, streams: list[CodecStream], codes: list[torch.Tensor]) -> list[np.ndarray]:
+        """Decode the next frames of each stream (codes[i]: [G, n_i] long, n_i >= 1) → float32 numpy
+        chunks; stream i's chunks so far, joined, are the one-shot decode of its frames so far."""
+        if len(streams) != len(codes):
+            raise ValueError(f"codes: {len(codes)} code blocks for {len(streams)} streams")
+        windows = []
+        for stream, block in zip(streams, codes):
+            if block.dim() != 2 or block.shape[0] != self.code2wav.config.num_quantizers or block.shape[1] == 0:
+                raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], got {tuple(block.shape)}")
+            windows.append(self._advance_transformer(stream, block))  # [C + n, Hc]
+        groups: dict[int, list[int]] = {}
+        for i, window in enumerate(windows):
+            groups.setdefault(window.shape[0], []).append(i)
+        audio: list[np.ndarray | None] = [None] * len(streams)
+        for members in groups.values():
+            wavs = self._conv_stack(torch.stack([windows[i] for i in members]))  # [m, S]
+            for row, i in enumerate(members):
+                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])
+        return audio
+
+    def _advance_transformer(self, stream: CodecStream, block: torch.Tensor) -> torch.Tensor:
+        c2w = self.code2wav
+        offsets = c2w.code_offset[0]  # [G, 1]
+        embeds = c2w.code_embedding(block + offsets).mean(0)  # [n, Hc]
+        hidden = c2w.pre_transformer(inputs_embeds=embeds[None], cache=stream.cache, use_cache=True)
+        window = torch.cat([stream.hidden_tail, hidden.last_hidden_state[0]])  # [C' + n, Hc]
+        stream.hidden_tail = window[-self.conv_context_frames :]
+        return window
+
+    def _conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
+        """transformers' Code2Wav forward after its transformer: [m, T, Hc] → [m, S]."""
+        hidden = hidden.permute(0, 2, 1)
+        for blocks in self.code2wav.upsample:
+            for block in blocks:
+                hidden = block(hidden)
+        wav = hidden
+        for block in self.code2wav.decoder:
+            wav = block(wav)
+        return wav.clamp(min=-1, max=1)[:, 0]
+
+    def _new_samples(self, stream: CodecStream, num_new: int, window_frames: int, wav: torch.Tensor) -> np.ndarray:
+        first_frame = stream.num_frames
+        window_start = (first_frame + num_new - window_frames) * self.samples_per_frame  # global sample of wav[0]
+        start = self.num_samples(first_frame)
+        stop = self.num_samples(first_frame + num_new)
+        stream.num_frames += num_new
+        return wav[start - window_start : stop - window_start].float().cpu().numpy()
+
+
+def _num_lost_samples(code2wav) -> int:
+    """Samples the causal transposed convolutions drop at the end (555 for Qwen3-Omni)."""
+    lost = 0
+    scale = 1
+    for rate in reversed(list(code2wav.config.upsample_rates)):
+        lost += rate * scale  # each decoder block trims `rate` samples at its own output rate
+        scale *= rate
+    return lost  # the upsampling transposed convs (kernel == stride) trim nothing
+
+
+def conv_receptive_field_frames(code2wav) -> int:
+    """How many frames of transformer output before a sample the conv stack can reach, plus one.
+
+    Walks the stack from the waveform back to the frames: a causal conv of effective kernel K reaches
+    K − 1 samples back; a transposed conv of stride s maps a reach of r output samples to ceil(r / s)
+    input samples, plus one because each output also depends on the input before."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCausalConvNet,
+        Qwen3OmniMoeCausalTransConvNet,
+    )
+
+    modules = [m for blocks in code2wav.upsample for m in blocks.modules()]
+    modules += [m for block in code2wav.decoder for m in block.modules()]
+    reach = 0
+    for module in reversed(modules):
+        if isinstance(module, Qwen3OmniMoeCausalConvNet):
+            reach += module.kernel_size - 1
+        elif isinstance(module, Qwen3OmniMoeCausalTransConvNet):
+            reach = math.ceil(reach / module.conv.stride[0]) + 1
+    return reach + 1
