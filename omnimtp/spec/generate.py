@@ -50,6 +50,8 @@ class SpecConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+        if self.sampling.repetition_penalty != 1.0:
+            raise ValueError("sampling.repetition_penalty is not supported by speculative decoding (must be 1.0)")
 
 
 @dataclass

@@ -371,3 +371,22 @@ def enable_transformers_mtp(target_model: nn.Module) -> nn.Module:
         if pattern not in existing:
             target_model._keys_to_ignore_on_load_unexpected = [pattern] + existing
     return target_model
+
+
+def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None):
+    """Load `(target, head)` from a checkpoint dir that holds the target and its NextN layer; the target is
+    in eval mode and already pointed at the layer for transformers' `generate(use_mtp=True)`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(f"checkpoint_dir: {checkpoint_dir!r} is not a directory")
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the MTP keys are "unexpected" for the target class; that is fine
+    try:
+        target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).eval()
+    finally:
+        logging.set_verbosity(verbosity)
+    enable_transformers_mtp(target)
+    return target, MTPHead.from_pretrained(checkpoint_dir, target).eval()

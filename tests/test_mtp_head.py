@@ -1,0 +1,116 @@
+"""MTPHead: structure, shared modules, checkpoint layout, round trip, transformers' use_mtp on our checkpoint."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from omnimtp import MTPHead, load_target_and_head, speculative_generate, tiny_lm
+
+FAMILIES = ["glm4_moe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target(request):
+    return tiny_lm(request.param, seed=0)
+
+
+def test_structure_and_only_own_parameters(target):
+    torch.manual_seed(0)
+    head = MTPHead.from_config(target)
+    assert type(head.block) is type(target.model.layers[-1])
+    assert head.block.self_attn.layer_idx == target.config.num_hidden_layers
+    assert type(head.enorm) is type(target.model.norm) and type(head.shared_head_norm) is type(target.model.norm)
+    assert head.eh_proj.in_features == 2 * target.config.hidden_size and head.eh_proj.bias is None
+    assert head.embed_tokens is target.get_input_embeddings() and head.lm_head is target.get_output_embeddings()
+    target_params = {id(p) for p in target.parameters()}
+    assert not any(id(p) in target_params for p in head.parameters())
+    assert not any(k.startswith(("embed", "lm_head")) for k in head.state_dict())
+
+
+def test_forward_matches_the_formula(target):
+    torch.manual_seed(1)
+    head = MTPHead.from_config(target)
+    ids = torch.randint(3, 64, (2, 5))
+    prev = torch.randn(2, 5, target.config.hidden_size)
+    out = head(ids, prev)
+    x = head.eh_proj(torch.cat([head.enorm(target.model.embed_tokens(ids)), head.hnorm(prev)], -1))
+    positions = torch.arange(1, 6)[None].expand(2, -1)
+    cos_sin = target.model.rotary_emb(x, positions)
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None]
+    expected = head.block(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+    torch.testing.assert_close(out.hidden, expected)
+    torch.testing.assert_close(out.logits, target.lm_head(head.shared_head_norm(expected)))
+    # with a cache, step by step == all at once
+    cache = head.make_cache()
+    first = head(ids[:, :3], prev[:, :3], cache=cache)
+    second = head(ids[:, 3:], prev[:, 3:], cache=cache)
+    torch.testing.assert_close(torch.cat([first.hidden, second.hidden], 1), out.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_save_load_round_trip_and_key_layout(target, tmp_path):
+    torch.manual_seed(2)
+    head = MTPHead.from_config(target)
+    target.save_pretrained(tmp_path)
+    head.save_pretrained(tmp_path)
+    n = target.config.num_hidden_layers
+    with safe_open(os.path.join(tmp_path, "model-mtp.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    with safe_open(os.path.join(tmp_path, "model-main.safetensors"), "pt") as f:
+        # the block's keys are exactly what transformers writes for the target's own MoE layer
+        layer_keys = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}.") for k in f.keys() if f".{n - 1}." in k}
+    own = {f"model.layers.{n}.{name}.weight" for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm")}
+    assert keys == layer_keys | own
+    index = json.load(open(os.path.join(tmp_path, "model.safetensors.index.json")))
+    assert set(index["weight_map"].values()) == {"model-main.safetensors", "model-mtp.safetensors"}
+    loaded = MTPHead.from_pretrained(tmp_path, target)
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_without_mtp_weights_raises(target, tmp_path):
+    target.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="missing"):
+        MTPHead.from_pretrained(tmp_path, target)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        MTPHead.from_pretrained(tmp_path / "nope", target)
+
+
+def test_greedy_equals_transformers_use_mtp_on_our_checkpoint(target, tmp_path):
+    """transformers loads our head through its own MTP loader (which proves the key layout); greedy outputs
+    of plain generate, generate(use_mtp=True) and speculative_generate agree."""
+    torch.manual_seed(3)
+    head = MTPHead.from_config(target)
+    target.save_pretrained(tmp_path)
+    head.save_pretrained(tmp_path)
+    loaded_target, loaded_head = load_target_and_head(tmp_path)
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(4))
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    hf_mtp = loaded_target.generate(prompt, max_new_tokens=12, do_sample=False, use_mtp=True)
+    ours = speculative_generate(loaded_target, loaded_head, prompt, max_new_tokens=12, num_draft_tokens=1)
+    assert torch.equal(hf_mtp, plain) and torch.equal(ours.sequences, plain)
+
+
+def test_first_draft_equals_transformers_mtp_draft(target, tmp_path):
+    """Same weights, same inputs: our head's first draft logits equal transformers' MtpModel's."""
+    from transformers.cache_utils import MtpCache
+    from transformers.modeling_layers import MtpModel
+
+    torch.manual_seed(5)
+    head = MTPHead.from_config(target)
+    target.save_pretrained(tmp_path)
+    head.save_pretrained(tmp_path)
+    loaded_target, loaded_head = load_target_and_head(tmp_path)
+    mtp = MtpModel.from_pretrained(loaded_target)
+    prompt = torch.randint(3, 64, (1, 7), generator=torch.Generator().manual_seed(6))
+    hidden = loaded_target.model(prompt).last_hidden_state  # [1, 7, H] post-norm
+    next_ids = torch.cat([prompt[:, 1:], torch.tensor([[9]])], 1)
+    positions = torch.arange(1, 8)[None]
+    _, hf_logits, _ = mtp(
+        input_ids=next_ids, last_hidden_states=hidden, attention_mask=None, position_ids=positions,
+        mtp_cache=MtpCache(config=loaded_target.config.get_mtp_config()),
+    )
+    ours = loaded_head(next_ids, hidden)
+    torch.testing.assert_close(ours.logits[:, -1], hf_logits[:, -1], atol=1e-5, rtol=1e-5)
