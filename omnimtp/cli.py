@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
     from omnimtp.spec import train_cli
     train_cli.add_parser(subparsers)
+    from omnimtp.spec import cli as spec_cli
+    spec_cli.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,74 @@
+"""`omnimtp spec`: generate with a checkpoint's MTP layer; optionally compare with plain decoding."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from omnimtp.sampling import SamplingParams
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("spec", help="MTP speculative decoding with a checkpoint's NextN layer")
+    parser.add_argument("--model", required=True, help="checkpoint dir: target + MTP layer + tokenizer")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from transformers import AutoTokenizer
+
+    from omnimtp.spec.generate import speculative_generate
+    from omnimtp.spec.head import load_target_and_head
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    target, head = load_target_and_head(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    out = speculative_generate(
+        target, head, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+        sampling=sampling, seed=args.seed,
+    )
+    text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+    result = {"text": text, **out.stats.to_dict()}
+    if args.compare:
+        generate_kwargs = {"do_sample": False} if sampling.is_greedy else {
+            "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
+        }
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        start = time.perf_counter()
+        with torch.no_grad():
+            plain = target.generate(input_ids, max_new_tokens=args.max_new_tokens, **generate_kwargs)
+        plain_time = time.perf_counter() - start
+        num_plain = plain.shape[1] - input_ids.shape[1]
+        result["plain_tokens_per_s"] = num_plain / plain_time
+        result["speedup"] = result["tokens_per_s"] / result["plain_tokens_per_s"]
+        # Sampled runs draw different random numbers, so only greedy outputs are expected to match.
+        result["outputs_match"] = torch.equal(plain, out.sequences)
+        result["plain_text"] = tokenizer.decode(plain[0, input_ids.shape[1]:], skip_special_tokens=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(text)
+        print(
+            f"tau {result['mean_acceptance_length']:.2f}  per-position "
+            + " ".join(f"{a:.2f}" for a in result["acceptance_per_position"])
+            + f"  {result['tokens_per_s']:.1f} tok/s"
+        )
+        if args.compare:
+            print(
+                f"plain {result['plain_tokens_per_s']:.1f} tok/s  speedup {result['speedup']:.2f}x  "
+                f"outputs match: {result['outputs_match']}"
+            )
+    return 0

@@ -1,0 +1,52 @@
+"""`omnimtp spec` on a tiny checkpoint dir (target + MTP layer + byte tokenizer)."""
+
+import json
+
+import pytest
+import torch
+
+from omnimtp import MTPHead, tiny_lm
+from omnimtp.cli import main
+from omnimtp.models.tiny import THINKER_VOCAB_SIZE
+from omnimtp.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec_ckpt")
+    target = tiny_lm("glm4_moe", seed=0, vocab_size=THINKER_VOCAB_SIZE)
+    torch.manual_seed(0)
+    target.save_pretrained(path)
+    MTPHead.from_config(target).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_spec_json_compare_greedy_matches(checkpoint, capsys):
+    assert main(["spec", "--model", str(checkpoint), "--prompt", "Hello", "-k", "3", "--max-new-tokens", "12",
+                 "--compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("mean_acceptance_length", "acceptance_per_position", "tokens_per_s", "plain_tokens_per_s", "speedup"):
+        assert key in result
+    assert len(result["acceptance_per_position"]) == 3
+    assert result["outputs_match"] is True
+
+
+def test_spec_sampled_text_output(checkpoint, capsys):
+    args = ["spec", "--model", str(checkpoint), "--prompt", "Hi", "-k", "2", "--max-new-tokens", "8",
+            "--temperature", "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "3"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "tau" in first
+    assert main(args) == 0
+    assert capsys.readouterr().out.split("tau")[0] == first.split("tau")[0]  # seeded: same text
+
+
+def test_spec_bad_args(checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        main(["spec", "--model", str(checkpoint), "--prompt", "x", "-k", "0"])
+    target = tiny_lm("glm4_moe", seed=0, vocab_size=THINKER_VOCAB_SIZE)
+    target.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="missing"):
+        main(["spec", "--model", str(tmp_path), "--prompt", "x"])
