@@ -10,10 +10,10 @@ the MTP layer ``model.layers.{N}`` is dense too) and ``num_nextn_predict_layers=
 transformers' ``generate(use_mtp=True)`` decodes. Deep and narrow on purpose: drafting costs one layer
 plus the lm_head, verifying costs N layers plus the lm_head, so the head's share is small.
 
-Usage (about 30 minutes on one CPU thread with the defaults)::
+Usage (about 30 minutes on one free CPU thread; the shipped model used the first line)::
 
-    python scripts/train_demo_lm.py --work runs/demo_lm --out omnimtp/data/demo_lm
-    python scripts/train_demo_lm.py --work runs/demo_lm --out omnimtp/data/demo_lm --resume
+    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --stop-at 200
+    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --stop-at 200 --resume
 
 The MTP head is trained afterwards with ``omnimtp train-mtp`` (see README, "Training an MTP head").
 """
@@ -21,10 +21,8 @@ The MTP head is trained afterwards with ``omnimtp train-mtp`` (see README, "Trai
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
-import os
 import sysconfig
 import time
 from pathlib import Path
@@ -33,27 +31,34 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, PreTrainedTokenizerFast
 
+from omnimtp.spec.train import collect_text_files, encode_files
+
 EOS_TOKEN = "<|endoftext|>"
-SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
 
 
 def stdlib_files(heldout_every: int) -> tuple[list[Path], list[Path]]:
-    """(train, heldout) lists of stdlib .py files, sorted; the split depends only on the paths."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout = [], []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS)
-        for name in sorted(names):
-            if not name.endswith(".py"):
-                continue
-            path = Path(directory) / name
-            digest = hashlib.sha1(str(path.relative_to(root)).encode()).digest()
-            (heldout if digest[0] % heldout_every == 0 else train).append(path)
-    return sorted(train), sorted(heldout)
+    """(train, heldout) lists of the stdlib's .py files; `omnimtp train-mtp --data <stdlib> --suffixes .py`
+    makes the same split, so the MTP head never sees the LM's held-out files either."""
+    return collect_text_files([sysconfig.get_paths()["stdlib"]], heldout_every, suffixes=(".py",))
 
 
 def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+def heldout_prompts(files: list[Path], num_prompts: int, num_chars: int = 300) -> list[str]:
+    """Prompts cut at a line start in the middle of the first `num_prompts` held-out files with enough text."""
+    prompts = []
+    for path in files:
+        text = read_text(path)
+        start = text.find("\n", len(text) // 2) + 1
+        if start == 0 or len(text) - start < num_chars:
+            continue
+        chunk = text[start : start + num_chars]
+        prompts.append(chunk[: chunk.rfind("\n") + 1])  # whole lines only
+        if len(prompts) == num_prompts:
+            break
+    return prompts
 
 
 def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -70,15 +75,6 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFa
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN
     )
-
-
-def encode_files(tokenizer: PreTrainedTokenizerFast, files: list[Path]) -> torch.Tensor:
-    """All files concatenated, each followed by EOS, as one int32 stream."""
-    ids: list[int] = []
-    for path in files:
-        ids.extend(tokenizer(read_text(path))["input_ids"])
-        ids.append(tokenizer.eos_token_id)
-    return torch.tensor(ids, dtype=torch.int32)
 
 
 def demo_config(vocab_size: int, eos_token_id: int, args: argparse.Namespace) -> Glm4MoeConfig:
@@ -150,7 +146,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=300, help="length of the learning-rate schedule")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="end training at this step (the schedule still spans --steps)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--checkpoint-every", type=int, default=50)
@@ -190,7 +188,8 @@ def main() -> None:
 
     model.train()
     started = time.time()
-    for step in range(start_step, args.steps):
+    end_step = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    for step in range(start_step, end_step):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         batch = batch_at(streams["train"], step, args.batch_size, args.seq_len, args.seed)  # [B, T+1]
@@ -203,7 +202,7 @@ def main() -> None:
         if step % 10 == 0:
             elapsed = time.time() - started
             print(f"step {step} loss {loss.item():.4f} lr {learning_rate(step, args):.2e} {elapsed:.0f}s", flush=True)
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
                        checkpoint_path)
     print(f"heldout loss {heldout_loss(model, streams['heldout'], args.seq_len, 16):.4f}", flush=True)
@@ -213,6 +212,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    (args.out / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(heldout_files, 16), indent=1))
     print(f"saved to {args.out}", flush=True)
 
 

@@ -43,10 +43,14 @@ CHECKPOINT_NAME = "mtp_train_state.pt"
 # -- data ---------------------------------------------------------------------------------------------------
 
 
-def collect_text_files(paths: list[str | os.PathLike], heldout_every: int = 16) -> tuple[list[Path], list[Path]]:
-    """(train, heldout) text files under `paths` (files, or directories walked for `DATA_SUFFIXES`, skipping
+def collect_text_files(
+    paths: list[str | os.PathLike], heldout_every: int = 16, suffixes: tuple[str, ...] = DATA_SUFFIXES
+) -> tuple[list[Path], list[Path]]:
+    """(train, heldout) text files under `paths` (files, or directories walked for `suffixes`, skipping
     hidden, test and site-packages directories). One file in `heldout_every` is held out, chosen by a hash
     of its path relative to the directory given (the same split for the same tree, wherever it lives)."""
+    if not suffixes:
+        raise ValueError("suffixes must name at least one file ending")
     if heldout_every < 2:
         raise ValueError(f"heldout_every must be >= 2, got {heldout_every}")
     if not paths:
@@ -61,7 +65,7 @@ def collect_text_files(paths: list[str | os.PathLike], heldout_every: int = 16) 
                 subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS and not d.startswith("."))
                 for name in sorted(names):
                     path = Path(directory) / name
-                    if name.endswith(DATA_SUFFIXES):
+                    if name.endswith(tuple(suffixes)):
                         candidates.append((path, str(path.relative_to(root))))
         else:
             raise ValueError(f"paths: {str(root)!r} is neither a file nor a directory")

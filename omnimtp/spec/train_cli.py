@@ -20,6 +20,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--eval-data", nargs="+", default=None,
                         help="held-out text (default: one file in --heldout-every of --data)")
     parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--suffixes", nargs="+", default=None,
+                        help="file endings read from directories (default .py .txt .md .rst)")
     parser.add_argument("--out", required=True, help="output dir: the head (model-mtp.safetensors) + training state")
     parser.add_argument("--with-target", action="store_true",
                         help="also copy the target's files into --out, making it a complete checkpoint")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from omnimtp.spec.head import MTPHead
-    from omnimtp.spec.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
+    from omnimtp.spec.train import DATA_SUFFIXES, MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -78,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model: {args.model!r} is not a directory")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    train_files, heldout_files = collect_text_files(args.data, args.heldout_every)
+    suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
+    train_files, heldout_files = collect_text_files(args.data, args.heldout_every, suffixes)
     if args.eval_data:
-        heldout_files = collect_text_files(args.eval_data, heldout_every=10**9)[0]
+        heldout_files = collect_text_files(args.eval_data, 10**9, suffixes)[0]
     if not heldout_files:
         raise ValueError("--data: no held-out files (pass --eval-data or a lower --heldout-every)")
     train_stream = encode_files(tokenizer, train_files)
