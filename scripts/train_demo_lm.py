@@ -211,6 +211,11 @@ def main() -> None:
     model.to(getattr(torch, args.save_dtype))
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
+    # Stored in bfloat16 to fit the size budget; the config says float32 so `from_pretrained` casts back.
+    config_path = args.out / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["dtype"] = "float32"
+    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(args.out)
     (args.out / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(heldout_files, 16), indent=1))
     print(f"saved to {args.out}", flush=True)

@@ -22,13 +22,10 @@ def demo_heldout_prompts() -> list[str]:
 
 
 def load_demo_model():
-    """(target, head, tokenizer) of the demo checkpoint, float32, eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(target, head, tokenizer) of the demo checkpoint, float32, eval mode, target ready for `use_mtp`."""
+    from transformers import AutoTokenizer
 
-    from omnimtp.spec.head import MTPHead
+    from omnimtp.spec.head import load_target_and_head
 
-    model_dir = demo_model_dir()
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    head = MTPHead.from_pretrained(model_dir, target).float().eval()
-    return target, head, AutoTokenizer.from_pretrained(model_dir)
+    target, head = load_target_and_head(demo_model_dir())  # weights stored bf16, config dtype float32
+    return target, head, AutoTokenizer.from_pretrained(demo_model_dir())
