@@ -121,24 +121,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        route = request.url.path
-        try:
-            if api_key is not None and route.startswith("/v1/"):
-                header = request.headers.get("authorization", "")
-                scheme, _, token = header.partition(" ")
-                if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-                    raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
-            response = await call_next(request)
-        except APIError as exc:
-            response = exc.response()
-        except Exception:
-            logger.exception("unhandled error on %s", route)
-            response = APIError(500, "internal server error", type="server_error").response()
-        if route in ("/v1/chat/completions", "/v1/audio/speech", "/v1/models"):
-            metrics.requests.labels(route=route, status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -148,6 +131,11 @@ def create_app(
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, exc: Exception):
+        logger.error("unhandled error on %s: %s", request.url.path, type(exc).__name__)
+        return APIError(500, "internal server error", type="server_error").response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -237,7 +225,7 @@ def create_app(
             "created": created,
             "model": engine.model_id,
             "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason, "logprobs": None}],
-            "usage": final.usage(),
+            "usage": final.usage(audio=speaker is not None),
         }
 
     @app.post("/v1/audio/speech")
@@ -266,6 +254,49 @@ def create_app(
         return Response(encode_audio(samples, engine.sample_rate, fmt), media_type=MEDIA_TYPES[fmt])
 
     return app
+
+
+class _Guard:
+    """Pure ASGI middleware: API-key check on /v1/ routes and request counting by status.
+
+    (Not `BaseHTTPMiddleware`: it wraps `receive`, which hides a streaming client's disconnect.)"""
+
+    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/models")
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def send_counting(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1/") and not self._is_authorized(scope):
+                error = APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+                await error.response()(scope, receive, send_counting)
+            else:
+                await self.app(scope, receive, send_counting)
+        finally:
+            if path in self._COUNTED:
+                self.metrics.requests.labels(route=path, status=str(status["code"])).inc()
+
+    def _is_authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key)
 
 
 async def _collect(handle):
@@ -318,7 +349,7 @@ async def _chat_stream(handle, completion_id, created, model_id, with_audio, inc
             if event.finish_reason is not None:
                 yield chunk({}, finish_reason=event.finish_reason)
                 if include_usage:
-                    yield chunk({}, usage=event.usage())
+                    yield chunk({}, usage=event.usage(audio=with_audio))
                 break
         yield _sse("[DONE]")
     finally:
@@ -335,7 +366,9 @@ async def _speech_sse(handle):
             if event.audio is not None and event.audio.size:
                 yield _sse({"type": "speech.audio.delta", "audio": _b64_pcm16(event.audio)})
             if event.finish_reason is not None:
-                yield _sse({"type": "speech.audio.done", "usage": event.usage()})
+                usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
+                         "total_tokens": event.prompt_tokens + event.num_frames}
+                yield _sse({"type": "speech.audio.done", "usage": usage})
                 break
     finally:
         handle.cancel()

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omnimtp.sampling import SamplingParams
+from omnimtp.codec.streaming import StreamingCode2Wav
+from omnimtp.handoff import num_kept_rows
+from omnimtp.sampling import SamplingParams, make_generators
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -74,12 +76,16 @@ class EngineEvent:
     completion_tokens: int = 0
     num_frames: int = 0
 
-    def usage(self) -> dict:
-        return {
+    def usage(self, audio: bool = False) -> dict:
+        """OpenAI's usage block; with audio, `completion_tokens_details.audio_tokens` = audio frames."""
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if audio:
+            usage["completion_tokens_details"] = {"audio_tokens": self.num_frames}
+        return usage
 
 
 class RequestHandle:
@@ -135,6 +141,7 @@ class _Slot:
     talker_finish: str | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # each [G]
     num_decoded: int = 0  # frames already turned into audio
+    codec_stream: object | None = None  # omnimtp.codec.streaming.CodecStream
     speak_started_at: float = 0.0
     first_audio_at: float | None = None
 
@@ -192,11 +199,12 @@ class Engine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
+        talker = self.backend.new_talker_batch(self.max_batch_size)  # model errors surface at startup
         self.metrics = metrics
         self.max_queue = max_queue
         self._stopping = False
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="omnimtp-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(talker,), name="omnimtp-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
@@ -241,8 +249,21 @@ class Engine:
 
     # -- the engine thread ------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        talker = self.backend.new_talker_batch(self.max_batch_size)
+    def _run(self, talker) -> None:
+        try:
+            self._loop(talker)
+        except BaseException:  # the loop itself broke: nothing can be served any more
+            logger.exception("engine loop stopped")
+            with self._cond:
+                self._accepting = False
+                for slot in list(self._waiting) + list(self._active.values()):
+                    slot.handle.is_done = True
+                    slot.handle._push(EngineEvent(error="the engine stopped"))
+                self._waiting.clear()
+                self._active.clear()
+                self._set_gauges()
+
+    def _loop(self, talker) -> None:
         while True:
             with self._cond:
                 while not (self._waiting or self._active or self._stopping):
@@ -261,7 +282,7 @@ class Engine:
                 self._iterate(admitted, talker)
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
-                self._fail_all(talker, f"generation failed: {type(exc).__name__}")
+                self._fail_all(f"generation failed: {type(exc).__name__}")
                 talker = self.backend.new_talker_batch(self.max_batch_size)
 
     def _drop_cancelled(self, cancelled: set[int], talker) -> None:
@@ -306,6 +327,8 @@ class Engine:
         """A newly admitted request: a thinker run for chat, talker inputs straight away for speech."""
         backend, request = self.backend, slot.request
         slot.speak_started_at = time.perf_counter()
+        if request.speaker is not None:
+            slot.codec_stream = backend.new_codec_stream()
         if request.messages is not None:
             slot.thinker = backend.new_thinker(slot.prompt_ids, request, slot.thinker_generator)
             if request.speaker is not None:
@@ -342,12 +365,10 @@ class Engine:
             return
         chunks = slot.handoff.push(event.embeds, event.hidden, [token_id])
         if event.finish_reason is not None:
-            try:
-                chunks += slot.handoff.finish(event.finish_reason)
-            except ValueError:  # the reply left no row to speak (e.g. an immediate stop): no audio
-                if slot.talker_id is None:
-                    slot.talker_finish = "stop"
-                    return
+            if not _has_speech(slot.handoff, len(slot.prompt_ids), event.finish_reason):
+                slot.talker_finish = "stop"  # the reply kept no row to speak (an immediate stop): no audio
+                return
+            chunks += slot.handoff.finish(event.finish_reason)
         for chunk in chunks:
             if chunk.index == 0:
                 self._admit_talker(
@@ -385,7 +406,8 @@ class Engine:
                 ready.append(slot)
         if not ready:
             return
-        chunks = self.backend.decode_chunks([(slot.frames, slot.num_decoded) for slot in ready])
+        blocks = [torch.stack(slot.frames[slot.num_decoded :], dim=1) for slot in ready]  # [G, n] each
+        chunks = self.backend.decode_chunks([slot.codec_stream for slot in ready], blocks)
         now = time.perf_counter()
         for slot, samples in zip(ready, chunks):
             slot.num_decoded = len(slot.frames)
@@ -426,7 +448,7 @@ class Engine:
                     self.metrics.frames_per_second.observe(len(slot.frames) / elapsed)
             self._set_gauges()
 
-    def _fail_all(self, talker, message: str) -> None:
+    def _fail_all(self, message: str) -> None:
         with self._cond:
             for slot in self._active.values():
                 slot.handle.is_done = True
@@ -435,17 +457,21 @@ class Engine:
             self._set_gauges()
 
 
+def _has_speech(handoff, num_prompt: int, finish_reason: str) -> bool:
+    """Whether the trimmed reply keeps the rows the talker prefill needs. The thinker never forwards
+    its last token, so at most P + N − 1 rows exist."""
+    num_output = len(handoff.output_ids)
+    kept = min(num_kept_rows(num_prompt, num_output, finish_reason), num_prompt + num_output - 1)
+    return kept >= handoff.builder.num_prefill_rows
+
+
 def _request_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
-    """The thinker's and the talker's generators of one request: seeded ones repeat exactly; an
-    unseeded request still gets its own, so it never draws from the global RNG other requests share."""
-    thinker, talker = torch.Generator(), torch.Generator()
+    """The thinker's and the talker's generators of one request, seeded as `OmniPipeline` seeds them
+    (2·seed and 2·seed + 1), so a served request equals `pipe.generate(..., seed=seed)`. An unseeded
+    request still gets its own, so it never draws from the global RNG other requests share."""
     if seed is None:
-        thinker.seed()
-        talker.seed()
-    else:
-        thinker.manual_seed(int(seed))
-        talker.manual_seed(int(seed))
-    return thinker, talker
+        return make_generators([None, None])
+    return make_generators([2 * int(seed), 2 * int(seed) + 1])
 
 
 class SpeechBackend:
@@ -455,8 +481,8 @@ class SpeechBackend:
     model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer (a chat
     template is required). max_frames caps a request's audio (finish_reason "length").
     Audio chunks: the first after `first_chunk_frames` frames (fast first audio), then every
-    `chunk_frames`; each chunk is decoded with up to `context_frames` frames of left context, as
-    vllm-omni does (REFERENCES §3: 4 frames first, then 25, each with ≤ 25 frames of context).
+    `chunk_frames`, decoded by `StreamingCode2Wav` (exact: a request's chunks join into the one-shot
+    decode of its frames, 1920·F − 555 samples), its conv stack batched across requests.
     """
 
     def __init__(
@@ -466,9 +492,8 @@ class SpeechBackend:
         *,
         max_frames: int = 1500,
         max_prompt_tokens: int = 8192,
-        first_chunk_frames: int = 4,
+        first_chunk_frames: int = 2,
         chunk_frames: int = 25,
-        context_frames: int = 25,
     ):
         for name, value in (
             ("max_frames", max_frames), ("max_prompt_tokens", max_prompt_tokens),
@@ -476,9 +501,7 @@ class SpeechBackend:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(context_frames, bool) or not isinstance(context_frames, int) or context_frames < 0:
-            raise ValueError(f"context_frames must be an integer >= 0, got {context_frames!r}")
-        if getattr(tokenizer, "chat_template", None) is None:
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer must have a chat template")
         self.model = model
         self.tokenizer = tokenizer
@@ -486,7 +509,6 @@ class SpeechBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
-        self.context_frames = context_frames
         config = model.config
         self.speakers = tuple(config.talker_config.speaker_id)
         self.sample_rate = 24000
@@ -494,12 +516,7 @@ class SpeechBackend:
         self.eos_token_ids = {config.im_end_token_id}
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        self.num_code_groups = config.talker_config.num_code_groups
-        self.samples_per_frame = int(model.code2wav.total_upsample)
-        with torch.no_grad():
-            one_frame = model.code2wav(torch.zeros((1, self.num_code_groups, 1), dtype=torch.long))  # [1, 1, S]
-        # causal transposed convolutions drop a fixed tail: S = samples_per_frame * F - tail (1920·F − 555)
-        self.tail_samples = self.samples_per_frame - one_frame.shape[-1]
+        self.codec = StreamingCode2Wav(model.code2wav)
         # what the template adds to open the assistant turn ("<|im_start|>assistant\n")
         probe = [{"role": "user", "content": "x"}]
         opened = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -581,30 +598,10 @@ class SpeechBackend:
 
     # -- code2wav ---------------------------------------------------------------------------------
 
-    def decode_chunks(self, requests: list[tuple[list[torch.Tensor], int]]) -> list[np.ndarray]:
-        """New audio of several requests in one code2wav batch.
+    def new_codec_stream(self):
+        return self.codec.new_stream()
 
-        requests: (frames, num_decoded) each, frames a list of [G] codes. Request i gets the samples
-        of frames num_decoded..len(frames) that a one-shot decode of all its frames would hold at
-        [spf·a − tail, spf·b − tail) (from 0 for the first chunk), so the chunks of a request add up
-        to exactly spf·F − tail samples. Windows are right-padded to one length: code2wav is causal,
-        so padding after a window never changes the window's own samples.
-        """
-        spf, tail = self.samples_per_frame, self.tail_samples
-        windows, starts = [], []
-        for frames, num_decoded in requests:
-            start = max(0, num_decoded - self.context_frames)
-            windows.append(torch.stack(frames[start:], dim=1))  # [G, b - start]
-            starts.append(start)
-        length = max(w.shape[1] for w in windows)
-        batch = torch.zeros((len(windows), self.num_code_groups, length), dtype=torch.long)  # [N, G, L]
-        for i, window in enumerate(windows):
-            batch[i, :, : window.shape[1]] = window
-        with torch.no_grad():
-            wav = self.model.code2wav(batch)[:, 0].float().numpy()  # [N, spf·L − tail]
-        chunks = []
-        for (frames, num_decoded), start, row in zip(requests, starts, wav):
-            begin = 0 if num_decoded == 0 else spf * (num_decoded - start) - tail
-            end = spf * (len(frames) - start) - tail
-            chunks.append(np.array(row[begin:end], dtype=np.float32))
-        return chunks
+    def decode_chunks(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
+        """The next audio of several requests in one code2wav batch: blocks[i] [G, n_i] continues
+        streams[i]; chunk [a, b) holds samples [1920·a − 555, 1920·b − 555) of the one-shot decode."""
+        return [np.asarray(chunk, dtype=np.float32) for chunk in self.codec.decode(streams, blocks)]
