@@ -173,6 +173,31 @@ def test_speech_sse_matches_the_audio_body(http):
     assert len(pcm) // 2 == SAMPLES_PER_FRAME * frames - TAIL
 
 
+def test_served_chat_equals_the_pipeline(tiny, http):
+    """A seeded chat request through the server == `OmniPipeline.generate` with the same seed: same text,
+    same audio (the chunking differs, so samples may differ by float rounding: at most 1 LSB in int16)."""
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.sampling import SamplingParams
+    from omnimtp.server.audio import to_pcm16
+    from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING
+
+    model, tokenizer = tiny
+    messages = [{"role": "user", "content": "Tell me something"}]
+    body = {"messages": messages, "modalities": ["text", "audio"], "audio": {"voice": "aiden", "format": "pcm16"},
+            "seed": 21, "temperature": 0.9, "max_tokens": 6}
+    served = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    pipe = OmniPipeline(model, tokenizer)
+    output = pipe.generate(
+        messages, speaker="aiden", thinker_sampling=SamplingParams(temperature=0.9),
+        talker_sampling=QWEN3_OMNI_TALKER_SAMPLING, max_new_tokens=6, max_frames=MAX_FRAMES, seed=21,
+    )
+    assert served["content"] == tokenizer.decode(output.text_ids, skip_special_tokens=True)
+    pcm = _pcm(base64.b64decode(served["audio"]["data"])).astype(np.int32)
+    reference = to_pcm16(output.audio).astype(np.int32)
+    assert len(pcm) == len(reference) == SAMPLES_PER_FRAME * output.codes.shape[1] - TAIL
+    assert np.abs(pcm - reference).max() <= 1
+
+
 # -- batching --------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,142 @@
+"""Server pieces without HTTP: audio encoding, request schemas, engine request checks, drain on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+import soundfile as sf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from omnimtp.sampling import SamplingParams
+from omnimtp.server.audio import encode_audio, streaming_wav_header, to_pcm16
+from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
+from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError, SpeechBackend
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(min_value=-2.0, max_value=2.0, allow_nan=False, width=32), min_size=1, max_size=400))
+def test_every_format_carries_the_same_pcm16(values):
+    samples = np.array(values, dtype=np.float32)
+    pcm = to_pcm16(samples)
+    assert pcm.dtype == np.dtype("<i2")
+    expected = np.rint(np.clip(samples.astype(np.float64), -1, 1) * 32767).astype(np.int64)
+    assert np.array_equal(pcm.astype(np.int64), expected)
+    assert encode_audio(samples, 24000, "pcm") == encode_audio(samples, 24000, "pcm16") == pcm.tobytes()
+    for fmt in ("wav", "flac"):
+        decoded, sample_rate = sf.read(io.BytesIO(encode_audio(samples, 24000, fmt)), dtype="int16")
+        assert sample_rate == 24000 and decoded.ndim == 1
+        assert np.array_equal(decoded, pcm)
+    streamed, _ = sf.read(io.BytesIO(streaming_wav_header(24000) + pcm.tobytes()), dtype="int16")
+    assert np.array_equal(streamed, pcm)
+
+
+def test_encode_audio_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="fmt"):
+        encode_audio(np.zeros(4, dtype=np.float32), 24000, "mp3")
+    with pytest.raises(ValueError, match="samples"):
+        to_pcm16(np.zeros((2, 4), dtype=np.float32))
+
+
+def test_schemas_are_strict():
+    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
+    assert ok.messages[0].text() == "a" and ok.modalities == ["text"] and not ok.wants_audio
+    bad = [
+        {"messages": [{"role": "user", "content": "a"}], "temperature": "1"},
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": "5"},
+        {"messages": [{"role": "user", "content": "a"}], "stream": 1},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": "a"}], "audio": {"voice": "", "format": "wav"}},
+    ]
+    for body in bad:
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(body)
+    assert SpeechRequest.model_validate({"input": "hi", "voice": "x"}).response_format == "wav"
+    with pytest.raises(ValidationError):
+        SpeechRequest.model_validate({"input": "hi", "voice": "x", "response_format": "opus"})
+
+
+def test_engine_request_checks_its_arguments():
+    sampling = SamplingParams.greedy()
+    with pytest.raises(ValueError, match="exactly one"):
+        EngineRequest(messages=None, speak_text=None, speaker=None, sampling=sampling, seed=None, max_new_tokens=1)
+    with pytest.raises(ValueError, match="speaker"):
+        EngineRequest(messages=None, speak_text="hi", speaker=None, sampling=sampling, seed=None, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        EngineRequest(messages=(("user", "hi"),), speak_text=None, speaker=None, sampling=sampling, seed=None,
+                      max_new_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return SpeechBackend.tiny(0, max_frames=5, max_prompt_tokens=40, first_chunk_frames=2, chunk_frames=2)
+
+
+def test_backend_checks_arguments_and_prompt_length(backend):
+    with pytest.raises(ValueError, match="max_frames"):
+        SpeechBackend(backend.model, backend.tokenizer, max_frames=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        SpeechBackend(backend.model, None)
+    long = EngineRequest(messages=(("user", "x" * 100),), speak_text=None, speaker=None,
+                         sampling=SamplingParams.greedy(), seed=None, max_new_tokens=1)
+    with pytest.raises(ValueError, match="messages"):
+        backend.request_ids(long)
+    speech = EngineRequest(messages=None, speak_text="hi", speaker="ethan", sampling=SamplingParams.greedy(),
+                           seed=None, max_new_tokens=0)
+    assert backend.request_ids(speech) == backend.speech_header_ids + list(b"hi")
+    assert Engine(backend).match_speaker("ETHAN") == "ethan"
+    assert Engine(backend).match_speaker("alloy") is None
+
+
+def test_speech_inputs_speak_the_text_as_the_reply(backend):
+    """The speech path builds exactly what the chat path would build for a thinker that replied with the
+    text: the talker prefill ends with the first text token, the trailing rows are the rest + tts_eos."""
+    from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
+
+    ids = backend.speech_header_ids + list(b"abc")
+    inputs = backend.speech_inputs(ids, "ethan")
+    builder = Qwen3TalkerInputBuilder(backend.model, backend.speech_header_ids, "ethan")
+    embeds = backend.model.thinker.get_input_embeddings()(torch.tensor(ids)).detach()
+    projected = [builder.build_trailing(embeds[i : i + 1], embeds[i : i + 1]) for i in range(len(ids))]
+    assert inputs.prefill_embeds.shape[0] == 9  # no user turn: the 9 assistant rows
+    assert inputs.trailing_text.shape[0] == 3  # "b", "c", tts_eos
+    assert (inputs.trailing_text[0] == projected[-2][0]).all() and (inputs.trailing_text[1] == projected[-1][0]).all()
+    assert (inputs.trailing_text[2] == builder.tts_eos_embed).all()
+
+
+def test_shutdown_drains_queued_and_running_requests(backend):
+    """Requests still waiting or running when shutdown starts all finish with their complete audio."""
+    engine = Engine(backend, max_batch_size=2)
+
+    async def scenario():
+        engine.start(max_queue=8)
+        loop = asyncio.get_running_loop()
+        handles = []
+        for i in range(4):
+            request = EngineRequest(messages=None, speak_text=f"say {i}", speaker="ethan",
+                                    sampling=SamplingParams(temperature=1.0), seed=i, max_new_tokens=0)
+            handles.append(engine.submit(request, loop=loop))
+        stopper = threading.Thread(target=engine.shutdown, kwargs={"drain": True})
+        stopper.start()
+        results = []
+        for handle in handles:
+            samples, final = [], None
+            async for event in handle.events():
+                if event.audio is not None:
+                    samples.append(event.audio)
+                final = event
+            results.append((sum(len(s) for s in samples), final))
+        await asyncio.to_thread(stopper.join)
+        with pytest.raises(QueueFullError):
+            engine.submit(request, loop=loop)  # a stopped engine takes nothing new
+        return results
+
+    for num_samples, final in asyncio.run(scenario()):
+        assert final.finish_reason in ("stop", "length") and final.error is None
+        assert num_samples == 1920 * final.num_frames - 555
