@@ -54,6 +54,10 @@ _EXPORTS = {
     "tiny_lm_config": "omnimtp.models.tiny_lm",
     # issue 5: end-to-end pipeline
     # issue 6: server
+    "create_app": "omnimtp.server.app",
+    "Engine": "omnimtp.server.scheduler",
+    "EngineRequest": "omnimtp.server.scheduler",
+    "SpeechBackend": "omnimtp.server.scheduler",
     # issue 7: MTP head training
     "train_mtp_head": "omnimtp.spec.train",
     "MTPTrainConfig": "omnimtp.spec.train",

@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_cli.add_parser(subparsers)
     from omnimtp.spec import cli as spec_cli
     spec_cli.add_parser(subparsers)
+    from omnimtp.server import cli as server_cli
+    server_cli.add_parser(subparsers)
     return parser
 
 
