@@ -1,0 +1,133 @@
+"""OmniPipeline against transformers' Qwen3-Omni `generate(return_audio=True)` on the same weights."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.sampling import SamplingParams
+
+MAX_NEW_TOKENS = 10
+MAX_FRAMES = 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_omni")
+    OmniPipeline.tiny(seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe(checkpoint):
+    return OmniPipeline.from_pretrained(checkpoint)
+
+
+def _prompt(pipe, text):
+    return pipe.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
+
+
+def _reference(model, prompt_ids, max_new_tokens, max_frames):
+    sequences, wav = model.generate(
+        input_ids=torch.tensor([prompt_ids]), return_audio=True, speaker="Ethan",
+        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
+        thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
+    )
+    return sequences[0, len(prompt_ids):].tolist(), wav[0, 0].numpy()
+
+
+def test_greedy_equals_reference_batch_1_and_ragged_batch_2(pipe):
+    prompts = [_prompt(pipe, "Hello there, how are you?"), _prompt(pipe, "Hi")]
+    single = pipe.generate(input_ids=prompts[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    batch = pipe.generate(input_ids=prompts, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    for prompt, ours in [(prompts[0], single), (prompts[0], batch[0]), (prompts[1], batch[1])]:
+        ref_ids, ref_audio = _reference(pipe.model, prompt, MAX_NEW_TOKENS, MAX_FRAMES)
+        assert ours.text_ids == ref_ids
+        assert ours.audio.shape == ref_audio.shape
+        assert ours.audio.shape[0] == 1920 * ours.codes.shape[1] - 555
+        np.testing.assert_allclose(ours.audio, ref_audio, atol=1e-5)
+    assert torch.equal(single.codes, batch[0].codes)
+
+
+def test_streamed_equals_generated(pipe):
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    full = pipe.generate("Tell me a story", **kwargs)
+    events = list(pipe.stream("Tell me a story", **kwargs))
+    chunks = [e.audio for e in events if e.audio is not None]
+    assert len(chunks) >= 2 and len(chunks[0]) == 1920 * 2 - 555  # a small first chunk
+    assert "".join(e.text for e in events) == full.text
+    np.testing.assert_array_equal(np.concatenate(chunks), full.audio)
+    assert events[-1].finish_reason == full.finish_reason
+    assert torch.equal(events[-1].output.codes, full.codes)
+
+
+def test_first_audio_arrives_before_the_thinker_finishes(pipe):
+    events = list(pipe.stream("Hello", max_new_tokens=40, max_frames=10))
+    first_audio = next(i for i, e in enumerate(events) if e.audio is not None)
+    text_events = [i for i, e in enumerate(events) if e.audio is None and e.output is None]
+    assert first_audio < text_events[-1]
+
+
+def test_seeded_sampling_repeats_and_is_batch_invariant(pipe):
+    sampling = dict(thinker_sampling=SamplingParams(temperature=1.0, top_k=20),
+                    talker_sampling=SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05),
+                    max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    a = pipe.generate("Hello", seed=7, **sampling)
+    b = pipe.generate("Hello", seed=7, **sampling)
+    other = pipe.generate("Hello", seed=8, **sampling)
+    batch = pipe.generate(["Something else entirely", "Hello"], seed=[3, 7], **sampling)
+    assert a.text_ids == b.text_ids and torch.equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.audio, b.audio)
+    assert not torch.equal(a.codes, other.codes)
+    assert batch[1].text_ids == a.text_ids and torch.equal(batch[1].codes, a.codes)
+    # same codes; the conv stack decodes both requests in one batch, which moves the last float bits
+    np.testing.assert_allclose(batch[1].audio, a.audio, atol=1e-6)
+
+
+def test_talker_without_eos_stops_at_max_frames(pipe):
+    # the tiny talker's codec head never favours EOS on this prompt within 7 frames: the cap ends it
+    out = pipe.generate("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=7)
+    assert out.talker_finish_reason == "length" and out.finish_reason == "length"
+    assert out.codes.shape == (16, 7)
+    assert out.audio.shape == (1920 * 7 - 555,)
+
+
+def test_talker_eos_gives_stop(pipe):
+    model = pipe.model
+    eos = model.config.talker_config.codec_eos_token_id
+    with torch.no_grad():
+        saved = model.talker.codec_head.weight[eos].clone()
+        model.talker.codec_head.weight[eos] = model.talker.codec_head.weight.abs().sum(0)  # EOS wins at once
+        try:
+            out = pipe.generate("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+        finally:
+            model.talker.codec_head.weight[eos] = saved
+    assert out.talker_finish_reason == "stop" and out.codes.shape[1] < MAX_FRAMES
+
+
+def test_bad_input(pipe, tmp_path):
+    with pytest.raises(ValueError, match="prompt"):
+        pipe.generate("")
+    with pytest.raises(ValueError, match="prompt"):
+        pipe.generate(input_ids=[])
+    with pytest.raises(ValueError, match="prompt"):
+        pipe.generate("x" * 5000)
+    with pytest.raises(ValueError, match="speaker"):
+        pipe.generate("Hello", speaker="nobody")
+    with pytest.raises(ValueError, match="max_frames"):
+        pipe.generate("Hello", max_frames=0)
+    with pytest.raises(ValueError, match="path"):
+        OmniPipeline.from_pretrained(tmp_path / "missing")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="qwen3_omni_moe"):
+        OmniPipeline.from_pretrained(tmp_path)
+
+
+def test_speaker_is_case_insensitive(pipe):
+    a = pipe.generate("Hi", speaker="CHELSIE", max_new_tokens=4, max_frames=5)
+    b = pipe.generate("Hi", speaker="chelsie", max_new_tokens=4, max_frames=5)
+    assert torch.equal(a.codes, b.codes)
