@@ -1,0 +1,411 @@
+"""The talker's code predictor: residual codebooks 1..G-1 of one audio frame.
+
+Per frame the talker samples codebook 0; the code predictor (a small transformer) then fills codebooks
+1..G-1 autoregressively, starting from two positions: the talker's last hidden state and the embedding
+of code 0. Step j (0..G-2) predicts code j+1 with `lm_head[j]`; that code is embedded with
+`codec_embedding[j]` and appended. Both tables cover only the residual codebooks: index 0 means CB1.
+
+    seq = [h_talker, E0(cb0)]                       # [B, 2, H]
+    for j in 0..G-2:
+        code_j = argmax(lm_head[j](CP(seq)[:, -1]))  # [B]
+        seq += codec_embedding[j](code_j)            # [B, 1, H]
+    next_talker_input = E0(cb0) + sum_j codec_embedding[j](code_j) + text_step
+
+Three readings of that loop, all giving the same greedy codes as transformers' `cp.generate`:
+- `predict_residual_codes`: re-prefill — the whole sequence every step, no cache.
+- `predict_residual_codes_kv`: incremental with a transformers `DynamicCache` (2 positions, then 1).
+- `CodePredictorRunner`: the serving path. Weights are packed once (fused QKV and gate/up matmuls,
+  stacked per-step tables, RoPE tables for the G positions); the frame runs on a static KV buffer
+  written by index; sampling noise is drawn from each row's generator before the loop, so the loop
+  itself has no RNG and can be compiled whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from omnimtp.sampling import SamplingParams, exponential_noise, filter_logits, sample_from_probs
+
+
+class ResidualCodes(NamedTuple):
+    """One frame's residual codes and their summed embedding (without code 0's)."""
+
+    codes: torch.Tensor  # [B, G-1] long: column j is codebook j+1
+    embed_sum: torch.Tensor  # [B, H] = sum_j codec_embedding[j](codes[:, j])
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks shared by every entry point.
+
+
+def _check_hidden(name: str, x, hidden_size: int, batch_size: int | None = None) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor of shape [B, H], got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [B, H] (rank 2), got shape {tuple(x.shape)}")
+    if x.shape[1] != hidden_size:
+        raise ValueError(f"{name} must have hidden size {hidden_size}, got shape {tuple(x.shape)}")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one row, got shape {tuple(x.shape)}")
+    if batch_size is not None and x.shape[0] != batch_size:
+        raise ValueError(f"{name} has batch {x.shape[0]}, but last_talker_hidden has batch {batch_size}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+
+
+def _check_frame_inputs(
+    last_talker_hidden: torch.Tensor, cb0_embed: torch.Tensor, hidden_size: int, dtype: torch.dtype
+) -> None:
+    _check_hidden("last_talker_hidden", last_talker_hidden, hidden_size)
+    _check_hidden("cb0_embed", cb0_embed, hidden_size, batch_size=last_talker_hidden.shape[0])
+    for name, x in (("last_talker_hidden", last_talker_hidden), ("cb0_embed", cb0_embed)):
+        if x.dtype != dtype:
+            raise ValueError(f"{name} must have dtype {dtype} (the code predictor's), got {x.dtype}")
+    if cb0_embed.device != last_talker_hidden.device:
+        raise ValueError(f"cb0_embed is on {cb0_embed.device}, but last_talker_hidden is on {last_talker_hidden.device}")
+
+
+def _param_dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference-shaped loops on the transformers module (greedy).
+
+
+@torch.no_grad()
+def predict_residual_codes(cp, last_talker_hidden: torch.Tensor, cb0_embed: torch.Tensor) -> torch.Tensor:
+    """Greedy residual codes by re-prefill: the whole sequence goes through `cp.model` every step.
+
+    cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`.
+    last_talker_hidden, cb0_embed: [B, H]. Returns [B, G-1] long (column j = codebook j+1).
+
+    Example (G=4, B=2): seq [2, 2, H] → code 1; seq [2, 3, H] → code 2; seq [2, 4, H] → code 3;
+    stack → [[4, 5, 6], [7, 4, 9]]. The last code needs no further transformer pass."""
+    _check_frame_inputs(last_talker_hidden, cb0_embed, cp.config.hidden_size, _param_dtype(cp))
+    num_code_groups = cp.config.num_code_groups
+    seq = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H]
+    codes = []
+    for j in range(num_code_groups - 1):
+        last_hidden = cp.model(inputs_embeds=seq).last_hidden_state[:, -1]  # [B, H]
+        code = cp.lm_head[j](last_hidden).argmax(dim=-1)  # [B]
+        codes.append(code)
+        if j < num_code_groups - 2:
+            seq = torch.cat([seq, cp.model.codec_embedding[j](code)[:, None]], dim=1)  # [B, j+3, H]
+    return torch.stack(codes, dim=1)  # [B, G-1]
+
+
+@torch.no_grad()
+def predict_residual_codes_kv(cp, last_talker_hidden: torch.Tensor, cb0_embed: torch.Tensor) -> torch.Tensor:
+    """Greedy residual codes with a transformers `DynamicCache`: 2 positions first, then 1 per step,
+    so the cache holds 2, 3, ..., G positions after the steps; RoPE positions follow the cache length.
+
+    `lm_head` is applied to the step's whole `last_hidden_state` before slicing the last position, as
+    `generate` does, which keeps the logits bit-identical to it. Same arguments and result as
+    `predict_residual_codes`."""
+    _check_frame_inputs(last_talker_hidden, cb0_embed, cp.config.hidden_size, _param_dtype(cp))
+    num_code_groups = cp.config.num_code_groups
+    cache = DynamicCache(config=cp.config)
+    step_input = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H], then [B, 1, H]
+    codes = []
+    for j in range(num_code_groups - 1):
+        hidden = cp.model(inputs_embeds=step_input, cache=cache, use_cache=True).last_hidden_state
+        code = cp.lm_head[j](hidden)[:, -1].argmax(dim=-1)  # [B]
+        codes.append(code)
+        if j < num_code_groups - 2:
+            step_input = cp.model.codec_embedding[j](code)[:, None]  # [B, 1, H]
+    return torch.stack(codes, dim=1)  # [B, G-1]
+
+
+@torch.no_grad()
+def next_talker_input(
+    cp, cb0_embed: torch.Tensor, residual_codes: torch.Tensor, text_step: torch.Tensor
+) -> torch.Tensor:
+    """The talker's next input embedding: the frame's G codec embeddings summed, plus the text row.
+
+    cb0_embed: [B, H] (code 0 in the talker's own table); residual_codes: [B, G-1] long;
+    text_step: [B, H] (the trailing text row for this step, or tts_pad). Returns a new [B, H]
+    tensor; the inputs are not modified. The embeddings are summed as one reduction over the
+    stacked [B, G, H] the way transformers' talker does, so the result is bit-identical to it."""
+    hidden_size = cp.config.hidden_size
+    num_code_groups = cp.config.num_code_groups
+    _check_hidden("cb0_embed", cb0_embed, hidden_size)
+    batch_size = cb0_embed.shape[0]
+    _check_hidden("text_step", text_step, hidden_size)
+    if text_step.shape[0] != batch_size:
+        raise ValueError(f"text_step has batch {text_step.shape[0]}, but cb0_embed has batch {batch_size}")
+    if not isinstance(residual_codes, torch.Tensor) or residual_codes.dim() != 2:
+        raise ValueError(f"residual_codes must be a [B, G-1] tensor, got {getattr(residual_codes, 'shape', residual_codes)!r}")
+    if tuple(residual_codes.shape) != (batch_size, num_code_groups - 1):
+        raise ValueError(
+            f"residual_codes must have shape [{batch_size}, {num_code_groups - 1}], got {tuple(residual_codes.shape)}"
+        )
+    if residual_codes.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"residual_codes must be integer codes, got {residual_codes.dtype}")
+    embeds = [cb0_embed[:, None]]  # G entries of [B, 1, H]
+    for j in range(num_code_groups - 1):
+        embeds.append(cp.model.codec_embedding[j](residual_codes[:, j])[:, None])
+    return torch.cat(embeds, dim=1).sum(dim=1) + text_step  # [B, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving path: packed weights, a static KV buffer, one frame per call.
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [H, (Nq + 2 Nkv) * D]; all matrices are stored [in, out] (x @ W)
+    qk_norm: torch.Tensor  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
+    o: torch.Tensor  # [Nq * D, H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [H, 2 I]
+    down: torch.Tensor  # [I, H]
+
+
+@dataclass(frozen=True)
+class _PackedWeights:
+    layers: tuple[_LayerWeights, ...]
+    final_norm: torch.Tensor  # [H]
+    lm_heads: torch.Tensor  # [G-1, H, V]
+    codec_embeddings: torch.Tensor  # [G-1, V, H]
+    cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
+    signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
+    causal_mask: torch.Tensor  # [G, G] fp32 additive: row p is 0 up to column p, -inf after
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def _pack_weights(cp, dtype: torch.dtype) -> _PackedWeights:
+    config = cp.config
+    num_code_groups = config.num_code_groups
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(dtype).contiguous()
+
+    def matrix(*linear_weights: torch.Tensor) -> torch.Tensor:
+        """nn.Linear weights [out_k, in] fused along out and stored [in, sum out_k] (GEMV-friendly)."""
+        return cast(torch.cat(linear_weights, dim=0).t())
+
+    layers = []
+    for layer in cp.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_proj.bias is not None or attn.sliding_window is not None:
+            raise ValueError("cp: attention biases and sliding windows are not supported by CodePredictorRunner")
+        layers.append(
+            _LayerWeights(
+                input_norm=cast(layer.input_layernorm.weight),
+                qkv=matrix(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                qk_norm=cast(
+                    torch.cat([
+                        attn.q_norm.weight.expand(config.num_attention_heads, head_dim),
+                        attn.k_norm.weight.expand(config.num_key_value_heads, head_dim),
+                    ])
+                ),
+                o=matrix(attn.o_proj.weight),
+                post_norm=cast(layer.post_attention_layernorm.weight),
+                gate_up=matrix(mlp.gate_proj.weight, mlp.up_proj.weight),
+                down=matrix(mlp.down_proj.weight),
+            )
+        )
+    # RoPE exactly as the module computes it (fp32 angles, then cast), for positions 0..G-1.
+    rotary = cp.model.rotary_emb
+    positions = torch.arange(num_code_groups, device=rotary.inv_freq.device)[None]  # [1, G]
+    probe = torch.empty(0, dtype=dtype, device=rotary.inv_freq.device)
+    cos, sin = rotary(probe, positions)  # [1, G, D] each
+    half = head_dim // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return _PackedWeights(
+        layers=tuple(layers),
+        final_norm=cast(cp.model.norm.weight),
+        lm_heads=cast(torch.stack([head.weight.t() for head in cp.lm_head])),
+        codec_embeddings=cast(torch.stack([table.weight for table in cp.model.codec_embedding])),
+        cos=cos[0][:, None].contiguous(),
+        signed_sin=signed_sin[0][:, None].contiguous(),
+        causal_mask=torch.full((num_code_groups, num_code_groups), float("-inf"), device=probe.device).triu(1),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        eps=config.rms_norm_eps,
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3 RMSNorm: statistics in fp32, weight applied after casting back."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention over all G cache slots.
+
+    query [B, T, Nq, D]; keys, values [B, Nkv, G, D]; mask [T, G] additive (-inf past each row's
+    position, so unwritten or stale slots get weight exactly 0) → [B, T, Nq * D]. Query head h uses
+    key head h // (Nq / Nkv), as transformers' `repeat_kv` does."""
+    batch_size, num_new, num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    q = query.view(batch_size, num_new, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(batch_size, num_kv_heads, num_new * group, head_dim)  # rows ordered (t, g)
+    # Scores, softmax and the weighted sum in fp32 (as SDPA's CPU kernels do), whatever the dtype.
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5  # [B, Nkv, T*g, G]
+    scores = scores.view(batch_size, num_kv_heads, num_new, group, -1) + mask[:, None]
+    probs = scores.softmax(dim=-1).view(batch_size, num_kv_heads, num_new * group, -1)
+    out = torch.matmul(probs, values.float()).to(query.dtype)  # [B, Nkv, T*g, D]
+    out = out.view(batch_size, num_kv_heads, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(batch_size, num_new, num_heads * head_dim)
+
+
+def _step(
+    w: _PackedWeights,
+    kv_cache: torch.Tensor,
+    step_input: torch.Tensor,
+    positions: torch.Tensor,
+    lm_head: torch.Tensor,
+    codec_embedding: torch.Tensor,
+    sampling: SamplingParams | None,
+    noise: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One predictor step: the transformer on the new positions, then one residual code.
+
+    step_input [B, T, H] at positions [T] (long; T = 2 for the first step, then 1); the step's keys and
+    values are written into kv_cache [L, 2, B_max, Nkv, G, D] at those positions. lm_head,
+    lm_head: this step's [H, V], codec_embedding: its [V, H]. noise [B, V] ~ Exp(1) when sampling.
+    Returns code [B] (long) and its embedding [B, H]. Shapes never depend on the position, so one
+    compiled graph serves every decode step."""
+    batch_size, num_new, _ = step_input.shape
+    num_heads, num_kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
+    cos = w.cos.index_select(0, positions)  # [T, 1, D]
+    signed_sin = w.signed_sin.index_select(0, positions)
+    mask = w.causal_mask.index_select(0, positions)  # [T, G]
+    x = step_input
+    for i, layer in enumerate(w.layers):
+        residual = x
+        qkv = _rms_norm(x, layer.input_norm, w.eps) @ layer.qkv
+        qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
+        qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, w.eps)
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
+        keys, values = kv_cache[i, 0, :batch_size], kv_cache[i, 1, :batch_size]  # [B, Nkv, G, D]
+        keys.index_copy_(2, positions, qk[:, :, num_heads:].transpose(1, 2))
+        values.index_copy_(2, positions, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2))
+        attn = _attend(qk[:, :, :num_heads], keys, values, mask)  # [B, T, Nq*D]
+        x = residual + attn @ layer.o
+        residual = x
+        gate, up = (_rms_norm(x, layer.post_norm, w.eps) @ layer.gate_up).chunk(2, dim=-1)
+        x = residual + (F.silu(gate) * up) @ layer.down
+    hidden = _rms_norm(x[:, -1], w.final_norm, w.eps)  # [B, H]
+    logits = hidden @ lm_head  # [B, V]
+    if sampling is None:
+        code = logits.argmax(dim=-1)
+    else:
+        code = sample_from_probs(filter_logits(logits, sampling).softmax(dim=-1), noise)
+    return code, F.embedding(code, codec_embedding)  # [B], [B, H]
+
+
+class CodePredictorRunner:
+    """Runs the code predictor one frame per call on packed weights and a static KV buffer.
+
+        runner = CodePredictorRunner(cp, max_batch_size=8)
+        codes, embed_sum = runner.run(last_talker_hidden, cb0_embed)                     # greedy
+        out = runner.run(h, e0, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, make_generators([1, 2]))
+
+    cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`. Its weights are
+    copied (cast to `dtype`, default cp's own) and packed at construction; later changes to cp are
+    not seen. `compile=True` wraps one predictor step in `torch.compile`: two graphs (first step, and
+    every later step) per batch size and sampling setting, each compiled on its first use.
+
+    Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
+    b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
+    own inputs and generator — not on the batch size, the other rows or their order.
+    """
+
+    def __init__(self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool = False):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+        config = cp.config
+        self.num_code_groups = config.num_code_groups
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.max_batch_size = max_batch_size
+        self.dtype = dtype if dtype is not None else _param_dtype(cp)
+        self.device = next(cp.parameters()).device
+        self.compiled = compile
+        with torch.no_grad():
+            self.weights = _pack_weights(cp, self.dtype)
+        w = self.weights
+        self.kv_cache = torch.zeros(
+            len(w.layers), 2, max_batch_size, w.num_kv_heads, self.num_code_groups, w.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # [L, 2, B_max, Nkv, G, D]
+        self._step = torch.compile(_step, dynamic=False) if compile else _step
+        # The first step writes positions 0 and 1 ([h, E0(cb0)]); step j >= 1 writes position j + 1.
+        self._positions = [torch.arange(2, device=self.device)] + [
+            torch.tensor([j + 1], device=self.device) for j in range(1, self.num_code_groups - 1)
+        ]
+
+    def _run_frame(
+        self, last_talker_hidden: torch.Tensor, cb0_embed: torch.Tensor, sampling: SamplingParams | None,
+        noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H] x2 → codes [B, G-1], embed_sum [B, H]; noise [B, G-1, V] when sampling."""
+        w = self.weights
+        step_input = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H], then [B, 1, H]
+        codes = []
+        embed_sum = None
+        for j in range(self.num_code_groups - 1):
+            code, embed = self._step(
+                w, self.kv_cache, step_input, self._positions[j], w.lm_heads[j], w.codec_embeddings[j],
+                sampling, None if noise is None else noise[:, j],
+            )
+            codes.append(code)
+            embed_sum = embed if embed_sum is None else embed_sum + embed
+            step_input = embed[:, None]
+        return torch.stack(codes, dim=1), embed_sum
+
+    def run(
+        self,
+        last_talker_hidden: torch.Tensor,
+        cb0_embed: torch.Tensor,
+        sampling: SamplingParams | None = None,
+        generators: list[torch.Generator] | None = None,
+    ) -> ResidualCodes:
+        """One frame. last_talker_hidden, cb0_embed: [B, H] in the runner's dtype, B <= max_batch_size.
+        sampling: None or greedy params → argmax; otherwise temperature / top-k / top-p as in
+        transformers. generators: None (default RNG) or one `torch.Generator` per row.
+        Returns ResidualCodes(codes [B, G-1] long, embed_sum [B, H] in the input dtype)."""
+        _check_frame_inputs(last_talker_hidden, cb0_embed, self.hidden_size, self.dtype)
+        batch_size = last_talker_hidden.shape[0]
+        if batch_size > self.max_batch_size:
+            raise ValueError(
+                f"last_talker_hidden has batch {batch_size}, more than max_batch_size={self.max_batch_size}"
+            )
+        if last_talker_hidden.device != self.device:
+            raise ValueError(f"last_talker_hidden is on {last_talker_hidden.device}, the runner on {self.device}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
+        if generators is not None:
+            if not isinstance(generators, (list, tuple)) or len(generators) != batch_size:
+                count = len(generators) if isinstance(generators, (list, tuple)) else type(generators).__name__
+                raise ValueError(f"generators must be a list of {batch_size} torch.Generator (one per row), got {count}")
+            if not all(isinstance(g, torch.Generator) for g in generators):
+                raise ValueError("generators must contain only torch.Generator objects")
+        if sampling is not None and sampling.is_greedy:
+            sampling = None
+        noise = None
+        if sampling is not None:
+            noise_shape = (batch_size, self.num_code_groups - 1, self.vocab_size)
+            noise = exponential_noise(noise_shape, None if generators is None else list(generators), self.device)
+        with torch.inference_mode():
+            codes, embed_sum = self._run_frame(last_talker_hidden, cb0_embed, sampling, noise)
+        return ResidualCodes(codes=codes.clone(), embed_sum=embed_sum.clone())
