@@ -19,6 +19,11 @@ _EXPORTS = {
     "tiny_qwen3_omni_config": "omnimtp.models.tiny",
     "tiny_code_predictor_config": "omnimtp.models.tiny",
     # issue 2: code predictor
+    "predict_residual_codes": "omnimtp.talker.code_predictor",
+    "predict_residual_codes_kv": "omnimtp.talker.code_predictor",
+    "next_talker_input": "omnimtp.talker.code_predictor",
+    "CodePredictorRunner": "omnimtp.talker.code_predictor",
+    "ResidualCodes": "omnimtp.talker.code_predictor",
     # issue 3: thinker -> talker handoff
     "trim_thinker_hidden": "omnimtp.handoff",
     "build_talker_prefill": "omnimtp.handoff",
