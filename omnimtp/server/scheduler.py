@@ -134,16 +134,38 @@ class _Slot:
     talker_generator: torch.Generator
     text_ids: list[int] = field(default_factory=list)  # the reply so far, stop token excluded
     text_emitted: str = ""
-    thinker: object | None = None  # omnimtp.thinker.ThinkerRun (chat only)
+    num_sampled: int = 0  # thinker tokens sampled, stop token included
     handoff: object | None = None  # omnimtp.handoff.ThinkerToTalkerStream (chat with audio)
     finish_reason: str | None = None  # the thinker's
+    pending_talker: "_PendingTalker | None" = None  # talker inputs waiting for this iteration's admission
     talker_id: int | None = None
     talker_finish: str | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # each [G]
     num_decoded: int = 0  # frames already turned into audio
+    num_samples: int = 0  # audio samples sent
     codec_stream: object | None = None  # omnimtp.codec.streaming.CodecStream
     speak_started_at: float = 0.0
     first_audio_at: float | None = None
+
+    @property
+    def is_thinking(self) -> bool:
+        return self.request.messages is not None and self.finish_reason is None and not self.handle.is_cancelled
+
+
+@dataclass
+class _PendingTalker:
+    prefill_embeds: torch.Tensor  # [L, H]
+    trailing_text: list[torch.Tensor]  # [n, H] blocks, in order
+    tts_pad_embed: torch.Tensor  # [H]
+    is_text_finished: bool
+
+
+@dataclass
+class _Cohort:
+    """Chat requests admitted in the same iteration: one `ThinkerRun`, one forward per step for all."""
+
+    run: object  # omnimtp.thinker.ThinkerRun
+    slots: list[_Slot]
 
 
 class Engine:
@@ -167,6 +189,7 @@ class Engine:
         self._waiting: deque[_Slot] = deque()
         self._cancelled: set[int] = set()
         self._active: dict[int, _Slot] = {}
+        self._cohorts: list[_Cohort] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -305,76 +328,91 @@ class Engine:
             talker.retire(retire)
 
     def _iterate(self, admitted: list[_Slot], talker) -> None:
+        chats = []
         for slot in admitted:
-            self._start(slot, talker)
-        for slot in list(self._active.values()):
-            if slot.thinker is not None and slot.finish_reason is None:
-                self._think(slot, talker)
-        if any(row_id in talker.request_ids for row_id in self._talker_ids()):
+            slot.speak_started_at = time.perf_counter()
+            if slot.request.speaker is not None:
+                slot.codec_stream = self.backend.new_codec_stream()
+            if slot.request.messages is not None:
+                chats.append(slot)
+            else:
+                inputs = self.backend.speech_inputs(slot.prompt_ids, slot.request.speaker)
+                slot.pending_talker = _PendingTalker(
+                    inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, is_text_finished=True
+                )
+        if chats:  # requests admitted together share one thinker run (one forward per step)
+            self._cohorts.append(_Cohort(self.backend.new_thinker(chats), chats))
+        for cohort in self._cohorts:
+            for event in cohort.run.step():
+                slot = cohort.slots[event.index]
+                if event.token_id is not None and slot.finish_reason is None and not slot.handle.is_cancelled:
+                    self._take_token(slot, event, talker)
+        self._cohorts = [c for c in self._cohorts if not c.run.is_finished and any(s.is_thinking for s in c.slots)]
+        self._admit_pending(talker)
+        if any(slot.talker_id is not None and slot.talker_finish is None for slot in self._active.values()):
             frames = talker.step()
             if self.metrics is not None and frames:
                 self.metrics.step_batch_size.observe(len(frames))
-            self._take_frames(frames, talker)
+            self._take_frames(frames)
+            finished = [frame.request_id for frame in frames if frame.finish_reason is not None]
+            if finished:  # a finished row leaves the talker batch now; its audio may still be decoding
+                talker.retire(finished)
         self._decode_ready()
         self._retire_finished(talker)
 
-    def _talker_ids(self) -> list[int]:
-        return [slot.talker_id for slot in self._active.values() if slot.talker_id is not None]
-
-    # -- one iteration's pieces -------------------------------------------------------------------
-
-    def _start(self, slot: _Slot, talker) -> None:
-        """A newly admitted request: a thinker run for chat, talker inputs straight away for speech."""
-        backend, request = self.backend, slot.request
-        slot.speak_started_at = time.perf_counter()
-        if request.speaker is not None:
-            slot.codec_stream = backend.new_codec_stream()
-        if request.messages is not None:
-            slot.thinker = backend.new_thinker(slot.prompt_ids, request, slot.thinker_generator)
-            if request.speaker is not None:
-                slot.handoff = backend.new_handoff(slot.prompt_ids, request.speaker)
+    def _admit_pending(self, talker) -> None:
+        """Prefill every request whose talker inputs became ready this iteration, as one batch."""
+        pending = [slot for slot in self._active.values() if slot.pending_talker is not None]
+        if not pending:
             return
-        inputs = backend.speech_inputs(slot.prompt_ids, request.speaker)
-        self._admit_talker(slot, talker, inputs.prefill_embeds, inputs.trailing_text, inputs.tts_pad_embed, True)
+        requests = []
+        for slot in pending:
+            inputs, slot.pending_talker = slot.pending_talker, None
+            requests.append(self.backend.talker_request(
+                slot.handle.request_id, inputs.prefill_embeds, torch.cat(inputs.trailing_text),
+                inputs.tts_pad_embed, inputs.is_text_finished, slot.request, slot.talker_generator,
+            ))
+            slot.talker_id = slot.handle.request_id
+        ended = talker.admit(requests)  # codec EOS straight after the prefill: no frames
+        for frame in ended:
+            self._active[frame.request_id].talker_finish = frame.finish_reason
+        if ended:
+            talker.retire([frame.request_id for frame in ended])
 
-    def _admit_talker(self, slot, talker, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished) -> None:
-        talker_request = self.backend.talker_request(
-            slot.handle.request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished,
-            slot.request, slot.talker_generator,
-        )
-        slot.talker_id = slot.handle.request_id
-        for frame in talker.admit([talker_request]):  # codec EOS straight after the prefill: no frames
-            slot.talker_finish = frame.finish_reason
-
-    def _think(self, slot: _Slot, talker) -> None:
-        """One thinker token for `slot`: a text delta, and its rows on to the talker when speaking."""
-        event = slot.thinker.step()[0]
+    def _take_token(self, slot: _Slot, event, talker) -> None:
+        """One thinker token of `slot`: a text delta, and its rows on to the talker when speaking."""
         token_id = event.token_id
-        is_stop = event.finish_reason == "stop"
-        if not is_stop:
+        slot.num_sampled += 1
+        finish_reason = event.finish_reason
+        if finish_reason is None and slot.num_sampled >= slot.request.max_new_tokens:
+            finish_reason = "length"  # the cohort's run may allow more; this request's budget is spent
+        if finish_reason != "stop":
             slot.text_ids.append(token_id)
             delta = self._text_delta(slot)
             if delta:
                 slot.handle._push(EngineEvent(text=delta))
-        if event.finish_reason is not None:
-            slot.finish_reason = event.finish_reason
+        if finish_reason is not None:
+            slot.finish_reason = finish_reason
             tail = self._text_delta(slot, final=True)
             if tail:
                 slot.handle._push(EngineEvent(text=tail))
         if slot.handoff is None or slot.talker_finish is not None:
             return
         chunks = slot.handoff.push(event.embeds, event.hidden, [token_id])
-        if event.finish_reason is not None:
-            if not _has_speech(slot.handoff, len(slot.prompt_ids), event.finish_reason):
+        if finish_reason is not None:
+            if not _has_speech(slot.handoff, len(slot.prompt_ids), finish_reason):
                 slot.talker_finish = "stop"  # the reply kept no row to speak (an immediate stop): no audio
                 return
-            chunks += slot.handoff.finish(event.finish_reason)
+            chunks += slot.handoff.finish(finish_reason)
         for chunk in chunks:
             if chunk.index == 0:
-                self._admit_talker(
-                    slot, talker, chunk.prefill_embeds, chunk.trailing_text, chunk.tts_pad_embed, chunk.is_finished
+                slot.pending_talker = _PendingTalker(
+                    chunk.prefill_embeds, [chunk.trailing_text], chunk.tts_pad_embed, chunk.is_finished
                 )
-            elif slot.talker_finish is None:
+            elif slot.pending_talker is not None:  # not prefilled yet: the rows join its admission
+                slot.pending_talker.trailing_text.append(chunk.trailing_text)
+                slot.pending_talker.is_text_finished = chunk.is_finished
+            else:
                 talker.push_text(slot.talker_id, chunk.trailing_text, chunk.is_finished)
 
     def _text_delta(self, slot: _Slot, final: bool = False) -> str:
@@ -386,7 +424,7 @@ class Engine:
         slot.text_emitted = text
         return delta
 
-    def _take_frames(self, frames, talker) -> None:
+    def _take_frames(self, frames) -> None:
         by_talker_id = {slot.talker_id: slot for slot in self._active.values() if slot.talker_id is not None}
         for frame in frames:
             slot = by_talker_id[frame.request_id]
@@ -396,26 +434,41 @@ class Engine:
                 slot.talker_finish = frame.finish_reason
 
     def _decode_ready(self) -> None:
-        """code2wav for every request with a chunk ready, in one batch."""
-        ready = []
+        """code2wav for every request with a chunk ready, in one batch.
+
+        Chunk boundaries are fixed per request (first_chunk_frames, then every chunk_frames, then the
+        rest), whatever else runs. A request's first chunk is always decoded at once (time to first
+        audio); while first chunks are waiting, a later chunk waits too if its request already has
+        `min_buffer_s` of audio out beyond real time (its listener is not starved by the wait)."""
+        first, later = [], []
+        now = time.perf_counter()
         for slot in self._active.values():
-            num_frames = len(slot.frames)
-            pending = num_frames - slot.num_decoded
+            pending = len(slot.frames) - slot.num_decoded
             target = self.backend.first_chunk_frames if slot.num_decoded == 0 else self.backend.chunk_frames
-            if pending > 0 and (pending >= target or slot.talker_finish is not None):
-                ready.append(slot)
+            if pending >= target or (pending > 0 and slot.talker_finish is not None):
+                (first if slot.num_decoded == 0 else later).append((slot, min(pending, target)))
+        if first:
+            later = [(slot, n) for slot, n in later if self._audio_ahead_s(slot, now) < self.backend.min_buffer_s]
+        ready = first + later
         if not ready:
             return
-        blocks = [torch.stack(slot.frames[slot.num_decoded :], dim=1) for slot in ready]  # [G, n] each
-        chunks = self.backend.decode_chunks([slot.codec_stream for slot in ready], blocks)
+        blocks = [torch.stack(slot.frames[slot.num_decoded : slot.num_decoded + n], dim=1) for slot, n in ready]
+        chunks = self.backend.decode_chunks([slot.codec_stream for slot, _ in ready], blocks)  # [G, n] blocks
+        for (slot, n), samples in zip(ready, chunks):
+            slot.num_decoded += n
+            slot.num_samples += len(samples)
+        ready = [slot for slot, _ in ready]
         now = time.perf_counter()
         for slot, samples in zip(ready, chunks):
-            slot.num_decoded = len(slot.frames)
             if slot.first_audio_at is None:
                 slot.first_audio_at = now
                 if self.metrics is not None:
                     self.metrics.time_to_first_audio.observe(now - slot.submitted_at)
             slot.handle._push(EngineEvent(audio=samples))
+
+    def _audio_ahead_s(self, slot: _Slot, now: float) -> float:
+        """Seconds of audio sent beyond what a listener who started at the first chunk has played."""
+        return slot.num_samples / self.backend.sample_rate - (now - slot.first_audio_at)
 
     def _is_complete(self, slot: _Slot) -> bool:
         if slot.request.messages is not None and slot.finish_reason is None:
@@ -428,7 +481,8 @@ class Engine:
         done = [slot for slot in self._active.values() if self._is_complete(slot)]
         if not done:
             return
-        retire = [slot.talker_id for slot in done if slot.talker_id is not None]
+        in_batch = set(talker.request_ids)
+        retire = [slot.talker_id for slot in done if slot.talker_id in in_batch]
         if retire:
             talker.retire(retire)
         now = time.perf_counter()
@@ -494,6 +548,7 @@ class SpeechBackend:
         max_prompt_tokens: int = 8192,
         first_chunk_frames: int = 2,
         chunk_frames: int = 25,
+        min_buffer_s: float = 1.0,
     ):
         for name, value in (
             ("max_frames", max_frames), ("max_prompt_tokens", max_prompt_tokens),
@@ -509,6 +564,7 @@ class SpeechBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
+        self.min_buffer_s = float(min_buffer_s)
         config = model.config
         self.speakers = tuple(config.talker_config.speaker_id)
         self.sample_rate = 24000
@@ -555,13 +611,18 @@ class SpeechBackend:
 
     # -- thinker and talker -----------------------------------------------------------------------
 
-    def new_thinker(self, prompt_ids: list[int], request: EngineRequest, generator: torch.Generator):
+    def new_thinker(self, slots: list[_Slot]):
+        """One thinker run over the slots' prompts (left-padded), each row with its own sampling and
+        generator; the run's token cap is the largest budget (the engine enforces each request's own)."""
         from omnimtp.thinker import ThinkerRun
 
+        for slot in slots:
+            if slot.request.speaker is not None:
+                slot.handoff = self.new_handoff(slot.prompt_ids, slot.request.speaker)
         return ThinkerRun(
-            self.model.thinker, [prompt_ids], accept_hidden_layer=self.accept_hidden_layer,
-            eos_token_ids=self.eos_token_ids, max_new_tokens=request.max_new_tokens,
-            sampling=[request.sampling], generators=[generator],
+            self.model.thinker, [slot.prompt_ids for slot in slots], accept_hidden_layer=self.accept_hidden_layer,
+            eos_token_ids=self.eos_token_ids, max_new_tokens=max(slot.request.max_new_tokens for slot in slots),
+            sampling=[slot.request.sampling for slot in slots], generators=[slot.thinker_generator for slot in slots],
         )
 
     def new_handoff(self, prompt_ids: list[int], speaker: str):

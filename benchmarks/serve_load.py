@@ -1,0 +1,154 @@
+"""Bounded load on the OpenAI-compatible server over loopback: continuous batching vs one-at-a-time.
+
+For each concurrency level (default 1, 4, 16), `concurrency` clients each send `requests_per_client`
+streamed chat requests with audio back to back (closed loop) and we record, per request: time to the
+first audio delta (TTFA), total time, audio seconds received. Every request must complete or fail with
+a clean OpenAI-style error; both are counted. Two servers run the same load on the same weights:
+
+- ours: continuous batching (`--max-batch-size`, default 16);
+- baseline: `max_batch_size=1`, the same engine serving one request at a time (what a server without
+  cross-request batching does: queued requests wait for the one in flight).
+
+Target (issue 6): TTFA p50 at concurrency 16 within 3× of concurrency 1 for ours.
+
+    python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import sys
+import time
+
+import httpx
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from server_harness import running_server  # noqa: E402
+
+from omnimtp.models.tiny import tiny_qwen3_omni  # noqa: E402
+from omnimtp.server.app import create_app  # noqa: E402
+from omnimtp.server.scheduler import Engine, SpeechBackend  # noqa: E402
+from omnimtp.tokenizer import byte_tokenizer  # noqa: E402
+
+SAMPLE_RATE = 24000
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": f"Tell me a story, number {index}."}],
+        "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+        "stream": True, "seed": index, "max_tokens": max_tokens,
+    }
+    started = time.perf_counter()
+    first_audio = None
+    num_samples = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            error = json.loads(await response.aread())["error"]
+            return {"ok": False, "status": response.status_code, "error": error["type"]}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[len("data: "):])
+            if "error" in payload:
+                return {"ok": False, "status": 200, "error": payload["error"]["type"]}
+            for choice in payload["choices"]:
+                audio = choice["delta"].get("audio")
+                if audio and audio.get("data"):
+                    if first_audio is None:
+                        first_audio = time.perf_counter() - started
+                    num_samples += len(base64.b64decode(audio["data"])) // 2
+    total = time.perf_counter() - started
+    audio_s = num_samples / SAMPLE_RATE
+    return {"ok": True, "ttfa_s": first_audio, "total_s": total, "audio_s": audio_s}
+
+
+async def run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+        async def worker(w: int) -> list[dict]:
+            return [await one_request(client, w * 1000 + r, max_tokens) for r in range(requests_per_client)]
+
+        started = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
+        wall = time.perf_counter() - started
+    done = [r for r in results if r["ok"]]
+    ttfa = [r["ttfa_s"] for r in done if r["ttfa_s"] is not None]
+    audio = sum(r["audio_s"] for r in done)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "completed": len(done),
+        "clean_errors": len(results) - len(done),
+        "requests_per_s": len(done) / wall,
+        "ttfa_p50_s": percentile(ttfa, 50),
+        "ttfa_p95_s": percentile(ttfa, 95),
+        "rtf": wall / audio if audio else None,  # wall seconds per second of audio produced, all requests
+        "per_request_rtf_p50": percentile([r["total_s"] / r["audio_s"] for r in done if r["audio_s"]], 50),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-frames", type=int, default=25, help="audio frames per request (2 s)")
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/serve_load.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenizer = tiny_qwen3_omni(0), byte_tokenizer()
+    setups = [("ours", args.max_batch_size)] + ([] if args.skip_baseline else [("baseline_batch1", 1)])
+    report = {"config": vars(args), "results": {}}
+    for name, max_batch_size in setups:
+        backend = SpeechBackend(model, tokenizer, max_frames=args.max_frames)
+        engine = Engine(backend, max_batch_size=max_batch_size)
+        app = create_app(engine, max_queue=256)
+        with running_server(app) as url:
+            asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
+            levels = []
+            for concurrency in args.concurrency:
+                level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens))
+                levels.append(level)
+                print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  TTFA p50 "
+                      f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
+                      f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}",
+                      flush=True)
+        report["results"][name] = levels
+
+    ours = {level["concurrency"]: level for level in report["results"]["ours"]}
+    lo, hi = min(ours), max(ours)
+    ratio = ours[hi]["ttfa_p50_s"] / ours[lo]["ttfa_p50_s"]
+    report["ttfa_p50_ratio_max_vs_min_concurrency"] = ratio
+    print(f"ours: TTFA p50 at c={hi} / c={lo} = {ratio:.2f}x (target <= 3x)")
+    if "baseline_batch1" in report["results"]:
+        base = {level["concurrency"]: level for level in report["results"]["baseline_batch1"]}
+        for c in sorted(ours):
+            print(f"c={c:3d}: baseline/ours TTFA p50 {base[c]['ttfa_p50_s'] / ours[c]['ttfa_p50_s']:.2f}x, "
+                  f"ours/baseline req/s {ours[c]['requests_per_s'] / base[c]['requests_per_s']:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
