@@ -1,0 +1,87 @@
+"""Streamed code2wav == one-shot code2wav, with no samples lost at chunk boundaries."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_frames
+from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+
+@pytest.fixture(scope="module")
+def code2wav():
+    config = tiny_qwen3_omni_config().code2wav_config
+    config.num_hidden_layers = 2  # two sliding-window layers reach 142 frames back
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return Qwen3OmniMoeCode2Wav(config).eval()
+
+
+def _codes(num_frames, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (16, num_frames), generator=g)
+
+
+def _stream(decoder, codes, bounds):
+    stream = decoder.new_stream()
+    return [decoder.decode([stream], [codes[:, a:b]])[0] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_chunks_join_into_the_one_shot_decode(code2wav):
+    decoder = StreamingCode2Wav(code2wav)
+    codes = _codes(190)
+    with torch.no_grad():
+        one_shot = code2wav(codes[None])[0, 0].numpy()
+    chunks = _stream(decoder, codes, [0, 2, 27, 52, 77, 102, 127, 152, 177, 190])
+    assert len(chunks[0]) == 1920 * 2 - 555
+    assert all(len(c) == 1920 * 25 for c in chunks[1:-1])
+    joined = np.concatenate(chunks)
+    assert joined.shape == (1920 * 190 - 555,) == one_shot.shape
+    np.testing.assert_allclose(joined, one_shot, atol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=6), st.integers(0, 1000))
+def test_any_chunking_is_exact(code2wav, sizes, seed):
+    decoder = StreamingCode2Wav(code2wav)
+    bounds = np.cumsum([0] + sizes).tolist()
+    codes = _codes(bounds[-1], seed)
+    with torch.no_grad():
+        one_shot = code2wav(codes[None])[0, 0].numpy()
+    joined = np.concatenate(_stream(decoder, codes, bounds))
+    assert joined.shape == one_shot.shape == (decoder.num_samples(bounds[-1]),)
+    np.testing.assert_allclose(joined, one_shot, atol=1e-5)
+
+
+def test_batched_streams_equal_single_streams(code2wav):
+    decoder = StreamingCode2Wav(code2wav)
+    a, b = _codes(40, 1), _codes(40, 2)
+    sa, sb = decoder.new_stream(), decoder.new_stream()
+    batched = [decoder.decode([sa, sb], [a[:, i:j], b[:, i:j]]) for i, j in [(0, 3), (3, 20), (20, 40)]]
+    for k, codes in enumerate([a, b]):
+        single = np.concatenate(_stream(decoder, codes, [0, 3, 20, 40]))
+        np.testing.assert_allclose(np.concatenate([chunk[k] for chunk in batched]), single, atol=1e-6)
+
+
+def test_context_covers_the_conv_receptive_field(code2wav):
+    """Perturbing one frame of transformer output must not move samples beyond the computed reach."""
+    decoder = StreamingCode2Wav(code2wav)
+    context = conv_receptive_field_frames(code2wav)
+    hidden = torch.randn(1, 40, code2wav.config.hidden_size)
+    with torch.no_grad():
+        base = decoder._conv_stack(hidden)[0]
+        moved = hidden.clone()
+        moved[:, 0] += 1.0
+        changed = (decoder._conv_stack(moved)[0] - base).abs() > 0
+    last_changed_frame = int(changed.nonzero().max()) // 1920
+    assert 0 < last_changed_frame < context
+
+
+def test_bad_codes(code2wav):
+    decoder = StreamingCode2Wav(code2wav)
+    with pytest.raises(ValueError, match="codes"):
+        decoder.decode([decoder.new_stream()], [torch.zeros(15, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match="codes"):
+        decoder.decode([decoder.new_stream()], [])
