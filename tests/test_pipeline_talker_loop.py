@@ -1,0 +1,92 @@
+"""TalkerBatch as a scheduler drives it: admit mid-run, retire, bubbles; HF's repetition penalty."""
+
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from omnimtp.handoff import talker_inputs_from_rows
+from omnimtp.models.tiny import tiny_qwen3_omni
+from omnimtp.sampling import SamplingParams, apply_repetition_penalty, make_generators
+from omnimtp.talker.loop import TalkerBatch, TalkerRequest
+from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
+from omnimtp.thinker import ThinkerRun
+from omnimtp.tokenizer import byte_tokenizer
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = torch.randn(3, 50)
+    history = torch.tensor([[1, 2, 2], [5, 7, 49], [0, 0, 0]])
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter(1, history, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.05)(history, logits.clone())
+    assert torch.equal(apply_repetition_penalty(logits, seen, 1.05), expected)
+
+
+def _requests(model, texts, sampling=None, seeds=None, max_frames=12):
+    tok = byte_tokenizer()
+    requests = []
+    for i, text in enumerate(texts):
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+        run = ThinkerRun(model.thinker, [prompt], accept_hidden_layer=1, eos_token_ids={257}, max_new_tokens=6)
+        embeds, hidden = [], []
+        while not run.is_finished:
+            for event in run.step():
+                embeds.append(event.embeds)
+                hidden.append(event.hidden)
+        inputs = talker_inputs_from_rows(Qwen3TalkerInputBuilder(model, prompt, "ethan"), torch.cat(embeds), torch.cat(hidden))
+        generator = make_generators([seeds[i]])[0] if seeds else None
+        requests.append(TalkerRequest(
+            f"r{i}", inputs.prefill_embeds, inputs.trailing_text, inputs.tts_pad_embed,
+            sampling=sampling, generator=generator, max_frames=max_frames,
+        ))
+    return requests
+
+
+def _drain(batch, frames, admit_later=(), admit_at=3):
+    step = 0
+    while batch.rows or admit_later:
+        if step == admit_at and admit_later:
+            batch.admit(list(admit_later))
+            admit_later = ()
+        for frame in batch.step():
+            frames.setdefault(frame.request_id, []).append(frame.codes)
+            if frame.finish_reason:
+                batch.retire([frame.request_id])
+        step += 1
+    return {rid: torch.stack(codes, 1) for rid, codes in frames.items()}
+
+
+def test_admit_mid_run_and_retire_do_not_change_any_request():
+    model = tiny_qwen3_omni(0)
+    sampling = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05)
+    for kwargs in [dict(), dict(sampling=sampling, seeds=[11, 12, 13])]:
+        texts = ["Hello there", "Hi", "A longer prompt than the others"]
+        alone = {}
+        for request in _requests(model, texts, **kwargs):
+            alone.update(_drain(TalkerBatch(model.talker, 4), {}, admit_later=[request], admit_at=0))
+        first, second, third = _requests(model, texts, max_frames=12, **kwargs)
+        second.max_frames = 5  # retired early, while the others keep going
+        batch = TalkerBatch(model.talker, 4)
+        batch.admit([first, second])
+        together = _drain(batch, {}, admit_later=[third], admit_at=3)
+        assert torch.equal(together["r0"], alone["r0"])
+        assert torch.equal(together["r1"], alone["r1"][:, :5])
+        assert torch.equal(together["r2"], alone["r2"])
+
+
+def test_a_request_waiting_for_text_sits_out_without_changing_its_frames():
+    model = tiny_qwen3_omni(0)
+    (request,) = _requests(model, ["Hello there"])
+    full = _drain(TalkerBatch(model.talker, 2), {}, admit_later=[request], admit_at=0)["r0"]
+    rows = request.trailing_text
+    streamed = TalkerRequest("r0", request.prefill_embeds, rows[:1], request.tts_pad_embed, is_text_finished=False,
+                             max_frames=request.max_frames)
+    batch = TalkerBatch(model.talker, 2)
+    batch.admit([streamed])
+    frames = [batch.step()[0].codes]
+    assert batch.step() == [] and batch.step() == []  # no text row ready: nothing happens
+    batch.push_text("r0", rows[1:], is_finished=True)
+    while batch.rows:
+        for frame in batch.step():
+            frames.append(frame.codes)
+            if frame.finish_reason:
+                batch.retire([frame.request_id])
+    assert torch.equal(torch.stack(frames, 1), full)
