@@ -25,18 +25,42 @@ import statistics
 import sys
 import time
 
+import contextlib
+import socket
+import subprocess
+
 import httpx
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import running_server  # noqa: E402
-
-from omnimtp.models.tiny import tiny_qwen3_omni  # noqa: E402
-from omnimtp.server.app import create_app  # noqa: E402
-from omnimtp.server.scheduler import Engine, SpeechBackend  # noqa: E402
-from omnimtp.tokenizer import byte_tokenizer  # noqa: E402
 
 SAMPLE_RATE = 24000
+
+
+@contextlib.contextmanager
+def server_process(max_batch_size: int, max_frames: int, threads: int):
+    """`omnimtp serve` (embedded tiny model) in its own process on a free loopback port, so the load
+    generator never shares an interpreter (or its GIL) with the server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    command = [sys.executable, "-m", "omnimtp.cli", "serve", "--port", str(port), "--max-batch-size",
+               str(max_batch_size), "--max-frames", str(max_frames), "--max-queue", "256", "--log-level", "warning"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -109,20 +133,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-frames", type=int, default=25, help="audio frames per request (2 s)")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    model, tokenizer = tiny_qwen3_omni(0), byte_tokenizer()
     setups = [("ours", args.max_batch_size)] + ([] if args.skip_baseline else [("baseline_batch1", 1)])
     report = {"config": vars(args), "results": {}}
     for name, max_batch_size in setups:
-        backend = SpeechBackend(model, tokenizer, max_frames=args.max_frames)
-        engine = Engine(backend, max_batch_size=max_batch_size)
-        app = create_app(engine, max_queue=256)
-        with running_server(app) as url:
+        with server_process(max_batch_size, args.max_frames, args.threads) as url:
             asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
             levels = []
             for concurrency in args.concurrency:

@@ -142,7 +142,7 @@ class _Slot:
     talker_finish: str | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # each [G]
     num_decoded: int = 0  # frames already turned into audio
-    num_samples: int = 0  # audio samples sent
+    num_deferred: int = 0  # iterations in a row its ready chunk waited for newcomers' first chunks
     codec_stream: object | None = None  # omnimtp.codec.streaming.CodecStream
     speak_started_at: float = 0.0
     first_audio_at: float | None = None
@@ -438,17 +438,22 @@ class Engine:
 
         Chunk boundaries are fixed per request (first_chunk_frames, then every chunk_frames, then the
         rest), whatever else runs. A request's first chunk is always decoded at once (time to first
-        audio); while first chunks are waiting, a later chunk waits too if its request already has
-        `min_buffer_s` of audio out beyond real time (its listener is not starved by the wait)."""
+        audio); while first chunks are waiting, later chunks wait, each for at most
+        `max_defer_iterations` iterations in a row (so a steady stream of newcomers cannot starve
+        requests already speaking)."""
         first, later = [], []
-        now = time.perf_counter()
         for slot in self._active.values():
             pending = len(slot.frames) - slot.num_decoded
             target = self.backend.first_chunk_frames if slot.num_decoded == 0 else self.backend.chunk_frames
             if pending >= target or (pending > 0 and slot.talker_finish is not None):
                 (first if slot.num_decoded == 0 else later).append((slot, min(pending, target)))
         if first:
-            later = [(slot, n) for slot, n in later if self._audio_ahead_s(slot, now) < self.backend.min_buffer_s]
+            deferred = [slot for slot, _ in later if slot.num_deferred < self.backend.max_defer_iterations]
+            for slot in deferred:
+                slot.num_deferred += 1
+            later = [(slot, n) for slot, n in later if slot not in deferred]
+        for slot, _ in later:
+            slot.num_deferred = 0
         ready = first + later
         if not ready:
             return
@@ -456,7 +461,6 @@ class Engine:
         chunks = self.backend.decode_chunks([slot.codec_stream for slot, _ in ready], blocks)  # [G, n] blocks
         for (slot, n), samples in zip(ready, chunks):
             slot.num_decoded += n
-            slot.num_samples += len(samples)
         ready = [slot for slot, _ in ready]
         now = time.perf_counter()
         for slot, samples in zip(ready, chunks):
@@ -465,10 +469,6 @@ class Engine:
                 if self.metrics is not None:
                     self.metrics.time_to_first_audio.observe(now - slot.submitted_at)
             slot.handle._push(EngineEvent(audio=samples))
-
-    def _audio_ahead_s(self, slot: _Slot, now: float) -> float:
-        """Seconds of audio sent beyond what a listener who started at the first chunk has played."""
-        return slot.num_samples / self.backend.sample_rate - (now - slot.first_audio_at)
 
     def _is_complete(self, slot: _Slot) -> bool:
         if slot.request.messages is not None and slot.finish_reason is None:
@@ -546,9 +546,9 @@ class SpeechBackend:
         *,
         max_frames: int = 1500,
         max_prompt_tokens: int = 8192,
-        first_chunk_frames: int = 2,
+        first_chunk_frames: int = 1,
         chunk_frames: int = 25,
-        min_buffer_s: float = 1.0,
+        max_defer_iterations: int = 4,
     ):
         for name, value in (
             ("max_frames", max_frames), ("max_prompt_tokens", max_prompt_tokens),
@@ -556,6 +556,8 @@ class SpeechBackend:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(max_defer_iterations, bool) or not isinstance(max_defer_iterations, int) or max_defer_iterations < 0:
+            raise ValueError(f"max_defer_iterations must be an integer >= 0, got {max_defer_iterations!r}")
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer must have a chat template")
         self.model = model
@@ -564,7 +566,7 @@ class SpeechBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
-        self.min_buffer_s = float(min_buffer_s)
+        self.max_defer_iterations = max_defer_iterations
         config = model.config
         self.speakers = tuple(config.talker_config.speaker_id)
         self.sample_rate = 24000
