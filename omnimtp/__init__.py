@@ -58,6 +58,17 @@ _EXPORTS = {
     "tiny_lm": "omnimtp.models.tiny_lm",
     "tiny_lm_config": "omnimtp.models.tiny_lm",
     # issue 5: end-to-end pipeline
+    "OmniPipeline": "omnimtp.pipeline",
+    "OmniOutput": "omnimtp.pipeline",
+    "OmniEvent": "omnimtp.pipeline",
+    "TalkerBatch": "omnimtp.talker.loop",
+    "TalkerRequest": "omnimtp.talker.loop",
+    "TalkerFrame": "omnimtp.talker.loop",
+    "QWEN3_OMNI_TALKER_GREEDY": "omnimtp.talker.loop",
+    "QWEN3_OMNI_TALKER_SAMPLING": "omnimtp.talker.loop",
+    "StreamingCode2Wav": "omnimtp.codec.streaming",
+    "ThinkerRun": "omnimtp.thinker",
+    "byte_tokenizer": "omnimtp.tokenizer",
     # issue 6: server
     "create_app": "omnimtp.server.app",
     "Engine": "omnimtp.server.scheduler",

@@ -13,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnimtp", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
+    from omnimtp import speak_cli
+    speak_cli.add_parser(subparsers)
     from omnimtp.spec import train_cli
     train_cli.add_parser(subparsers)
     from omnimtp.spec import cli as spec_cli

@@ -1,0 +1,114 @@
+"""`omnimtp speak` and `omnimtp chat`: text in, the answer as text and 24 kHz speech out."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def add_parser(subparsers) -> None:
+    speak = subparsers.add_parser("speak", help="answer a prompt with text and speech, write the audio file")
+    speak.add_argument("text", help="what to say to the model")
+    speak.add_argument("-o", "--output", required=True, help="audio file to write (.wav, or .flac)")
+    _add_common(speak)
+    speak.add_argument("--stream", action="store_true", help="print text and report audio chunks as they arrive")
+    speak.set_defaults(handler=run_speak)
+    chat = subparsers.add_parser("chat", help="interactive chat; each answer is spoken into a numbered WAV file")
+    _add_common(chat)
+    chat.add_argument("--out-dir", default=".", help="where answer_N.wav files go")
+    chat.set_defaults(handler=run_chat)
+
+
+def _add_common(parser) -> None:
+    parser.add_argument("--model", default=None, help="Qwen3-Omni checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--speaker", default=None, help="voice name (case-insensitive)")
+    parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--max-frames", type=int, default=None, help="cap on audio frames (12.5 per second)")
+
+
+def _load(args):
+    import torch
+
+    from omnimtp.pipeline import OmniPipeline
+
+    if args.model is None:
+        torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
+        return OmniPipeline.tiny()
+    return OmniPipeline.from_pretrained(args.model)
+
+
+def _sampling(args) -> dict:
+    if args.seed is None:
+        return {}
+    from omnimtp.sampling import SamplingParams
+    from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING
+
+    return dict(thinker_sampling=SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+                talker_sampling=QWEN3_OMNI_TALKER_SAMPLING, seed=args.seed)
+
+
+def _speak(pipe, messages, args, output: str, live: bool):
+    import soundfile
+    from tqdm import tqdm
+
+    kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames, **_sampling(args))
+    start = time.perf_counter()
+    first_audio = None
+    chunks, final = [], None
+    max_frames = args.max_frames or pipe.default_max_frames
+    with tqdm(total=max_frames, unit="frame", desc="speech", disable=live or None, file=sys.stderr, leave=False) as bar:
+        for event in pipe.stream(messages, **kwargs):
+            if live and event.text:
+                print(event.text, end="", flush=True)
+            if event.audio is not None:
+                if first_audio is None:
+                    first_audio = time.perf_counter() - start
+                chunks.append(event.audio)
+                bar.update(round((len(event.audio) + (555 if len(chunks) == 1 else 0)) / 1920))
+            if event.output is not None:
+                final = event.output
+    elapsed = time.perf_counter() - start
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    soundfile.write(output, audio, final.sample_rate)
+    seconds = len(audio) / final.sample_rate
+    print("" if live else final.text)
+    first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
+    rtf = f"{elapsed / seconds:.2f}" if seconds else "n/a"
+    print(f"[{output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "
+          f"time to first audio {first}, total {elapsed:.2f} s, RTF {rtf}]", file=sys.stderr)
+    return final
+
+
+def run_speak(args: argparse.Namespace) -> int:
+    ext = os.path.splitext(args.output)[1].lower()
+    if ext not in (".wav", ".flac"):
+        raise SystemExit(f"omnimtp speak: --output must end in .wav or .flac, got {args.output!r}")
+    pipe = _load(args)
+    _speak(pipe, args.text, args, args.output, live=args.stream)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    pipe = _load(args)
+    messages = []
+    turn = 0
+    print("omnimtp chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        turn += 1
+        output = os.path.join(args.out_dir, f"answer_{turn}.wav")
+        print("omni> ", end="", flush=True)
+        final = _speak(pipe, [list(messages)], args, output, live=True)
+        messages.append({"role": "assistant", "content": final.text})
+    return 0
