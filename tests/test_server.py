@@ -403,3 +403,27 @@ def test_full_queue_answers_429(tiny):
         assert rejected and all(status in (200, 429) for status, _ in statuses)
         assert rejected[0]["error"]["code"] == "queue_full"
         assert len(statuses) - len(rejected) >= 1
+
+
+def test_a_model_error_fails_its_requests_cleanly_and_the_server_recovers(tiny):
+    """An exception inside the engine step becomes a 500 OpenAI-style error for the requests in flight
+    (no traceback in the body); the engine rebuilds its talker state and serves the next request."""
+    backend = _backend(tiny, MAX_FRAMES)
+    real_decode = backend.decode_chunks
+    calls = {"n": 0}
+
+    def failing_once(streams, blocks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real_decode(streams, blocks)
+
+    backend.decode_chunks = failing_once
+    engine = Engine(backend, max_batch_size=2)
+    body = {"input": "Hi", "voice": "ethan", "response_format": "flac", "seed": 1}
+    with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        failed = http.post("/v1/audio/speech", json=body)
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error" and "Traceback" not in failed.text
+        ok = http.post("/v1/audio/speech", json=body)
+        assert ok.status_code == 200 and _decode(ok.content)[1] == 24000

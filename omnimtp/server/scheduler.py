@@ -3,14 +3,19 @@
 One background thread owns the models. Each iteration of its loop is one frame boundary:
 
     retire   cancelled and finished requests (their slots free up now)
-    admit    waiting requests, up to max_batch_size holding a slot
-    think    one thinker step for every request still writing its text reply
+    admit    waiting requests, up to max_batch_size holding a slot; chat requests admitted together
+             form a thinker cohort (one `ThinkerRun`), speech requests get their talker inputs
+    think    one thinker step per cohort; new reply rows go to the talker through the streamed
+             handoff, and requests whose talker prefill is ready are prefilled together
     speak    one talker + code predictor step for every speaking request, as one batch
-    decode   code2wav for every request with a chunk of frames ready, as one batch
+    decode   code2wav for every request with a chunk of frames ready, as one batch (newcomers'
+             first chunks first: see `_decode_ready`)
 
 The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
 events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
-Per-request generators make a seeded request's text and audio independent of who else is running.
+Per-request generators make a seeded request's text and audio independent of who else is running;
+the batched forwards (left-padded thinker cohorts and talker rows, the conv stack of code2wav) change
+a row's floats only in the last bits, which the tests check leaves tokens, codes and PCM16 bytes alone.
 """
 
 from __future__ import annotations
@@ -149,7 +154,9 @@ class _Slot:
 
     @property
     def is_thinking(self) -> bool:
-        return self.request.messages is not None and self.finish_reason is None and not self.handle.is_cancelled
+        """Still owed thinker tokens (a cancelled or failed request's cohort row rides along unread)."""
+        return self.request.messages is not None and self.finish_reason is None and not self.handle.is_done \
+            and not self.handle.is_cancelled
 
 
 @dataclass
@@ -345,7 +352,7 @@ class Engine:
         for cohort in self._cohorts:
             for event in cohort.run.step():
                 slot = cohort.slots[event.index]
-                if event.token_id is not None and slot.finish_reason is None and not slot.handle.is_cancelled:
+                if event.token_id is not None and slot.is_thinking:
                     self._take_token(slot, event, talker)
         self._cohorts = [c for c in self._cohorts if not c.run.is_finished and any(s.is_thinking for s in c.slots)]
         self._admit_pending(talker)
@@ -508,6 +515,7 @@ class Engine:
                 slot.handle.is_done = True
                 slot.handle._push(EngineEvent(error=message))
             self._active.clear()
+            self._cohorts.clear()
             self._set_gauges()
 
 
