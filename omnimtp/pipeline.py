@@ -225,7 +225,7 @@ class OmniPipeline:
             yield from events
 
     def _thinker_step(self, requests, thinker, talker, max_frames) -> list[OmniEvent]:
-        events, admitted = [], []
+        events = []
         for event in thinker.step():
             if event.token_id is None:
                 continue
@@ -240,18 +240,22 @@ class OmniPipeline:
             events.append(OmniEvent(event.index, text=self._text_delta(request, thinker.output_ids[event.index])))
             for chunk in chunks:
                 if chunk.index == 0:
-                    admitted.append(TalkerRequest(
-                        event.index, chunk.prefill_embeds, chunk.trailing_text, chunk.tts_pad_embed,
-                        is_text_finished=chunk.is_finished, sampling=request.talker_sampling,
-                        generator=request.talker_generator, max_frames=max_frames,
-                    ))
+                    self._admit(talker, requests, event.index, chunk, max_frames)
                 elif not request.is_talker_done:  # a talker that already ended needs no more text
                     talker.push_text(event.index, chunk.trailing_text, chunk.is_finished)
-        for frame in talker.admit(admitted):  # a request whose talker ended before its first frame
-            requests[frame.request_id].talker_finish_reason = frame.finish_reason
-            requests[frame.request_id].is_talker_done = True
-            talker.retire([frame.request_id])
         return events
+
+    def _admit(self, talker, requests, index, chunk, max_frames) -> None:
+        request = requests[index]
+        talker_request = TalkerRequest(
+            index, chunk.prefill_embeds, chunk.trailing_text, chunk.tts_pad_embed,
+            is_text_finished=chunk.is_finished, sampling=request.talker_sampling,
+            generator=request.talker_generator, max_frames=max_frames,
+        )
+        for frame in talker.admit([talker_request]):  # the talker ended before its first frame
+            request.talker_finish_reason = frame.finish_reason
+            request.is_talker_done = True
+            talker.retire([frame.request_id])
 
     def _has_speech(self, request: _Request, finish_reason: str) -> bool:
         """Whether the trimmed reply keeps the row the talker prefill needs (our thinker, like

@@ -1,0 +1,95 @@
+"""End-to-end speech: OmniPipeline vs transformers' `generate(return_audio=True)` on the same weights.
+
+Both sides run greedy with the same caps (thinker tokens, talker frames) and produce the same tokens and
+codes (checked here). Reported per config: total wall time of each and the ratio, our time to the
+first audio chunk and its share of the reference's total, and real-time factors (wall time / audio time).
+
+    python benchmarks/e2e.py [--quick] [--threads 1] [--out benchmarks/results/e2e.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from omnimtp.models.tiny import tiny_qwen3_omni
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.tokenizer import byte_tokenizer
+
+CONFIGS = {
+    "tiny": dict(),
+    "mid": dict(hidden_size=1024, num_thinker_layers=4, num_talker_layers=4),
+}
+
+
+def _reference(model, prompt, max_new_tokens, max_frames):
+    sequences, wav = model.generate(
+        input_ids=torch.tensor([prompt]), return_audio=True, speaker="Ethan",
+        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
+        thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
+    )
+    return sequences[0, len(prompt):].tolist(), wav[0, 0].numpy()
+
+
+def bench(name, config_kwargs, max_new_tokens, max_frames, repeats):
+    model = tiny_qwen3_omni(0, **config_kwargs)
+    num_params = sum(p.numel() for p in model.parameters())
+    pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1)
+    prompt = pipe.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the weather today."}], add_generation_prompt=True, return_dict=False
+    )
+    _reference(model, prompt, 2, 2)  # warm up both paths
+    pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2)
+    ref_times, our_times, first_audio = [], [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ref_ids, ref_audio = _reference(model, prompt, max_new_tokens, max_frames)
+        ref_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        first = None
+        for event in pipe.stream(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames):
+            if event.audio is not None and first is None:
+                first = time.perf_counter() - start
+            if event.output is not None:
+                out = event.output
+        our_times.append(time.perf_counter() - start)
+        first_audio.append(first)
+    same = out.text_ids == ref_ids and out.audio.shape == ref_audio.shape and abs(out.audio - ref_audio).max() < 1e-5
+    audio_seconds = len(out.audio) / out.sample_rate
+    ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
+    result = dict(
+        config=name, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
+        identical_to_reference=bool(same),
+        reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
+        speedup_total=round(ref_total / our_total, 2),
+        ours_time_to_first_audio_s=round(ttfa, 3), first_audio_share_of_reference_total=round(ttfa / ref_total, 3),
+        reference_rtf=round(ref_total / audio_seconds, 3), ours_rtf=round(our_total / audio_seconds, 3),
+    )
+    print(json.dumps(result))
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens / frames / repeats")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default="benchmarks/results/e2e.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats) for name, kwargs in CONFIGS.items()]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads,
+                       max_new_tokens=max_new_tokens, max_frames=max_frames, results=results), f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
