@@ -1,5 +1,6 @@
 """TalkerBatch as a scheduler drives it: admit mid-run, retire, bubbles; HF's repetition penalty."""
 
+import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -10,6 +11,15 @@ from omnimtp.talker.loop import TalkerBatch, TalkerRequest
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
 from omnimtp.thinker import ThinkerRun
 from omnimtp.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny-model ops are too small to split across threads; on a shared CPU the threads only contend."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def test_repetition_penalty_matches_transformers():
