@@ -22,6 +22,7 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -160,19 +161,19 @@ def next_talker_input(
 @dataclass(frozen=True)
 class _LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [H, (Nq + 2 Nkv) * D]; all matrices are stored [in, out] (x @ W)
+    qkv: torch.Tensor  # [(Nq + 2 Nkv) * D, H]; matrices are nn.Linear-shaped [out, in]
     qk_norm: torch.Tensor  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
-    o: torch.Tensor  # [Nq * D, H]
+    o: torch.Tensor  # [H, Nq * D]
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [H, 2 I]
-    down: torch.Tensor  # [I, H]
+    gate_up: torch.Tensor  # [2 I, H]
+    down: torch.Tensor  # [H, I]
 
 
 @dataclass(frozen=True)
 class _PackedWeights:
     layers: tuple[_LayerWeights, ...]
     final_norm: torch.Tensor  # [H]
-    lm_heads: torch.Tensor  # [G-1, H, V]
+    lm_heads: torch.Tensor  # [G-1, V, H]
     codec_embeddings: torch.Tensor  # [G-1, V, H]
     cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
     signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
@@ -192,8 +193,8 @@ def _pack_weights(cp, dtype: torch.dtype) -> _PackedWeights:
         return t.detach().to(dtype).contiguous()
 
     def matrix(*linear_weights: torch.Tensor) -> torch.Tensor:
-        """nn.Linear weights [out_k, in] fused along out and stored [in, sum out_k] (GEMV-friendly)."""
-        return cast(torch.cat(linear_weights, dim=0).t())
+        """nn.Linear weights [out_k, in] fused along out: [sum out_k, in]."""
+        return cast(torch.cat(linear_weights, dim=0))
 
     layers = []
     for layer in cp.model.layers:
@@ -226,7 +227,7 @@ def _pack_weights(cp, dtype: torch.dtype) -> _PackedWeights:
     return _PackedWeights(
         layers=tuple(layers),
         final_norm=cast(cp.model.norm.weight),
-        lm_heads=cast(torch.stack([head.weight.t() for head in cp.lm_head])),
+        lm_heads=cast(torch.stack([head.weight for head in cp.lm_head])),
         codec_embeddings=cast(torch.stack([table.weight for table in cp.model.codec_embedding])),
         cos=cos[0][:, None].contiguous(),
         signed_sin=signed_sin[0][:, None].contiguous(),
@@ -243,6 +244,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T. A single row goes through matrix-vector kernels, which stream
+    the weights at close to memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
+    if x.shape[:-1].numel() == 1:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -272,15 +281,17 @@ def _step(
     positions: torch.Tensor,
     lm_head: torch.Tensor,
     codec_embedding: torch.Tensor,
+    embed_sum: torch.Tensor,
     sampling: SamplingParams | None,
     noise: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One predictor step: the transformer on the new positions, then one residual code.
 
     step_input [B, T, H] at positions [T] (long; T = 2 for the first step, then 1); the step's keys and
     values are written into kv_cache [L, 2, B_max, Nkv, G, D] at those positions. lm_head,
-    lm_head: this step's [H, V], codec_embedding: its [V, H]. noise [B, V] ~ Exp(1) when sampling.
-    Returns code [B] (long) and its embedding [B, H]. Shapes never depend on the position, so one
+    lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
+    embeddings so far. noise [B, V] ~ Exp(1) when sampling.
+    Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on the position, so one
     compiled graph serves every decode step."""
     batch_size, num_new, _ = step_input.shape
     num_heads, num_kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
@@ -290,7 +301,7 @@ def _step(
     x = step_input
     for i, layer in enumerate(w.layers):
         residual = x
-        qkv = _rms_norm(x, layer.input_norm, w.eps) @ layer.qkv
+        qkv = _linear(_rms_norm(x, layer.input_norm, w.eps), layer.qkv)
         qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
         qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, w.eps)
         qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
@@ -298,17 +309,25 @@ def _step(
         keys.index_copy_(2, positions, qk[:, :, num_heads:].transpose(1, 2))
         values.index_copy_(2, positions, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2))
         attn = _attend(qk[:, :, :num_heads], keys, values, mask)  # [B, T, Nq*D]
-        x = residual + attn @ layer.o
+        x = residual + _linear(attn, layer.o)
         residual = x
-        gate, up = (_rms_norm(x, layer.post_norm, w.eps) @ layer.gate_up).chunk(2, dim=-1)
-        x = residual + (F.silu(gate) * up) @ layer.down
+        gate, up = _linear(_rms_norm(x, layer.post_norm, w.eps), layer.gate_up).chunk(2, dim=-1)
+        x = residual + _linear(F.silu(gate) * up, layer.down)
     hidden = _rms_norm(x[:, -1], w.final_norm, w.eps)  # [B, H]
-    logits = hidden @ lm_head  # [B, V]
+    logits = _linear(hidden, lm_head)  # [B, V]
     if sampling is None:
         code = logits.argmax(dim=-1)
     else:
         code = sample_from_probs(filter_logits(logits, sampling).softmax(dim=-1), noise)
-    return code, F.embedding(code, codec_embedding)  # [B], [B, H]
+    embed = F.embedding(code, codec_embedding)  # [B, H]
+    return code, embed, embed_sum + embed
+
+
+def _own_copy(fn):
+    """A new function object with its own code object. torch.compile caches graphs per code object,
+    with a limit of 8 per code object: a copy per runner keeps one runner's graphs from evicting or
+    exhausting another's."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 class CodePredictorRunner:
@@ -321,7 +340,10 @@ class CodePredictorRunner:
     cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`. Its weights are
     copied (cast to `dtype`, default cp's own) and packed at construction; later changes to cp are
     not seen. `compile=True` wraps one predictor step in `torch.compile`: two graphs (first step, and
-    every later step) per batch size and sampling setting, each compiled on its first use.
+    every later step) per batch size and sampling setting, each compiled on its first use. A runner
+    holds up to 8 graphs (torch.compile's recompile limit), e.g. 4 batch sizes greedy; past that
+    torch.compile runs further shapes eagerly (same codes, slower), so callers should keep the set of
+    batch sizes small (pad to a few buckets).
 
     Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
     b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
@@ -348,7 +370,10 @@ class CodePredictorRunner:
             len(w.layers), 2, max_batch_size, w.num_kv_heads, self.num_code_groups, w.head_dim,
             dtype=self.dtype, device=self.device,
         )  # [L, 2, B_max, Nkv, G, D]
-        self._step = torch.compile(_step, dynamic=False) if compile else _step
+        self._step = torch.compile(_own_copy(_step), dynamic=False) if compile else _step
+        # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
+        self._lm_heads = list(self.weights.lm_heads.unbind(0))
+        self._codec_embeddings = list(self.weights.codec_embeddings.unbind(0))
         # The first step writes positions 0 and 1 ([h, E0(cb0)]); step j >= 1 writes position j + 1.
         self._positions = [torch.arange(2, device=self.device)] + [
             torch.tensor([j + 1], device=self.device) for j in range(1, self.num_code_groups - 1)
@@ -362,14 +387,13 @@ class CodePredictorRunner:
         w = self.weights
         step_input = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H], then [B, 1, H]
         codes = []
-        embed_sum = None
+        embed_sum = torch.zeros_like(last_talker_hidden)  # [B, H]
         for j in range(self.num_code_groups - 1):
-            code, embed = self._step(
-                w, self.kv_cache, step_input, self._positions[j], w.lm_heads[j], w.codec_embeddings[j],
-                sampling, None if noise is None else noise[:, j],
+            code, embed, embed_sum = self._step(
+                w, self.kv_cache, step_input, self._positions[j], self._lm_heads[j], self._codec_embeddings[j],
+                embed_sum, sampling, None if noise is None else noise[:, j],
             )
             codes.append(code)
-            embed_sum = embed if embed_sum is None else embed_sum + embed
             step_input = embed[:, None]
         return torch.stack(codes, dim=1), embed_sum
 

@@ -1,0 +1,200 @@
+"""Code predictor: ms per frame (G-1 residual codes) of every path on the same weights, side by side.
+
+Paths: transformers `cp.generate` (the reference), re-prefill and DynamicCache loops
+(`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager and compiled. Dims: tiny (hidden 256,
+2 layers, G 16, vocab 2048, the other sizes `tiny_code_predictor_config`'s defaults) and Qwen3-Omni's
+real predictor (hidden 1024, 5 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072,
+vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
+round is kept, so load from other processes hits every path alike. At real dims the memory-bound floor
+is printed: bytes of weights read per frame / memory bandwidth measured in the same run.
+
+    python benchmarks/code_predictor.py            # full run (a few minutes on 2 cores)
+    python benchmarks/code_predictor.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+)
+
+from omnimtp.models.tiny import tiny_code_predictor_config
+from omnimtp.talker.code_predictor import CodePredictorRunner, predict_residual_codes, predict_residual_codes_kv
+
+DIMS = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, vocab_size=2048, num_code_groups=16),
+    "real": dict(
+        hidden_size=1024, num_hidden_layers=5, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=3072, vocab_size=2048, num_code_groups=16, initializer_range=0.02,
+    ),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_cp(dims: str, dtype: torch.dtype):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config(**DIMS[dims]))
+    return cp.eval().to(dtype)
+
+
+def hf_generate(cp, hidden, cb0):
+    inputs_embeds = torch.stack([hidden, cb0], dim=1)
+    return cp.generate(inputs_embeds=inputs_embeds, max_new_tokens=cp.config.num_code_groups - 1, do_sample=False)
+
+
+def time_paths(paths: dict, rounds: int, frames_per_round: int) -> dict[str, float]:
+    """Median over rounds of ms per frame; each round times every path once, in turn."""
+    samples = {name: [] for name in paths}
+    with torch.inference_mode():
+        for fn in paths.values():  # warmup
+            fn()
+        for _ in range(rounds):
+            for name, fn in paths.items():
+                start = time.perf_counter()
+                for _ in range(frames_per_round):
+                    fn()
+                samples[name].append((time.perf_counter() - start) / frames_per_round * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def memory_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Best-of copy bandwidth (read + write bytes) and read bandwidth (a sum) of a buffer well past L3."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    copy_s, read_s = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        read_s.append(time.perf_counter() - start)
+    return {"copy": 2 * num_bytes / min(copy_s) / 1e9, "read": num_bytes / min(read_s) / 1e9}
+
+
+def weight_bytes_per_frame(cp) -> int:
+    """Every predictor step reads all transformer weights once plus that step's lm_head."""
+    layer_bytes = sum(p.numel() * p.element_size() for p in cp.model.layers.parameters())
+    layer_bytes += cp.model.norm.weight.numel() * cp.model.norm.weight.element_size()
+    head = cp.lm_head[0].weight
+    num_steps = cp.config.num_code_groups - 1
+    return num_steps * (layer_bytes + head.numel() * head.element_size())
+
+
+def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    cp = build_cp(dims, dtype)
+    eager = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype)
+    use_compile = args.compile == "all" or args.compile == dtype_name
+    compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile=True) if use_compile else None
+    rows = []
+    for batch_size in batch_sizes:
+        g = torch.Generator().manual_seed(batch_size)
+        hidden = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(dtype)
+        cb0 = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(dtype)
+        paths = {
+            "hf_generate": lambda: hf_generate(cp, hidden, cb0),
+            "re_prefill": lambda: predict_residual_codes(cp, hidden, cb0),
+            "dynamic_cache": lambda: predict_residual_codes_kv(cp, hidden, cb0),
+            "runner_eager": lambda: eager.run(hidden, cb0),
+        }
+        compile_s = None
+        if compiled is not None:
+            start = time.perf_counter()
+            compiled.run(hidden, cb0)  # compiles this batch size's graphs
+            compile_s = time.perf_counter() - start
+            paths["runner_compiled"] = lambda: compiled.run(hidden, cb0)
+        with torch.inference_mode():
+            reference = hf_generate(cp, hidden, cb0)
+            same_codes = {}
+            for name, fn in paths.items():
+                out = fn()
+                codes = out.codes if hasattr(out, "codes") else out
+                same_codes[name] = bool(torch.equal(codes, reference))
+        frames = args.frames_real if dims == "real" else args.frames_tiny
+        ms = time_paths(paths, args.rounds, frames)
+        row = {
+            "dims": dims, "dtype": dtype_name, "batch_size": batch_size, "ms_per_frame": ms,
+            "speedup_vs_hf": {name: ms["hf_generate"] / value for name, value in ms.items()},
+            "same_codes_as_hf": same_codes, "compile_s": compile_s,
+        }
+        if dims == "real":
+            row["weight_bytes_per_frame"] = weight_bytes_per_frame(cp)
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def print_row(row: dict) -> None:
+    head = f"{row['dims']:>4} {row['dtype']} B={row['batch_size']}:"
+    parts = [f"{name} {ms:8.2f} ms ({row['speedup_vs_hf'][name]:.2f}x)" for name, ms in row["ms_per_frame"].items()]
+    print(head, " | ".join(parts), flush=True)
+    if row.get("compile_s"):
+        print(f"     compile (first call of this batch size): {row['compile_s']:.1f} s", flush=True)
+
+
+def add_floor(rows: list[dict], bandwidth_gbs: float) -> None:
+    for row in rows:
+        if "weight_bytes_per_frame" not in row:
+            continue
+        floor_ms = row["weight_bytes_per_frame"] / (bandwidth_gbs * 1e9) * 1e3
+        row["memory_floor_ms"] = floor_ms
+        row["ratio_to_floor"] = {name: ms / floor_ms for name, ms in row["ms_per_frame"].items()}
+        best = min(row["ms_per_frame"], key=row["ms_per_frame"].get)
+        print(
+            f"real {row['dtype']} B={row['batch_size']}: floor {floor_ms:.1f} ms "
+            f"({row['weight_bytes_per_frame'] / 1e9:.2f} GB / {bandwidth_gbs:.1f} GB/s); "
+            + " | ".join(f"{name} {r:.2f}x floor" for name, r in row["ratio_to_floor"].items())
+            + f"; best: {best}",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny dims, fp32, few repeats")
+    parser.add_argument(
+        "--compile", choices=["none", "fp32", "all"], default="fp32",
+        help="dtypes that also time the compiled runner (compiling takes tens of seconds per batch size)",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "code_predictor.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.frames_tiny, args.frames_real = 10, 1
+    cases = [(d, t) for d in ("tiny", "real") for t in ("fp32", "bf16")]
+    batch_sizes = [1, 8]
+    if args.quick:
+        cases, batch_sizes, args.rounds, args.frames_tiny = [("tiny", "fp32")], [1, 2], 2, 2
+    started = time.perf_counter()
+    bandwidth = memory_bandwidth_gbs()
+    print(f"memory bandwidth: copy {bandwidth['copy']:.1f} GB/s, read {bandwidth['read']:.1f} GB/s", flush=True)
+    rows = []
+    for dims, dtype_name in cases:
+        rows += bench_case(dims, dtype_name, batch_sizes, args)
+    # The faster of the two measurements gives the lower (stricter) floor.
+    add_floor(rows, max(bandwidth.values()))
+    result = {
+        "benchmark": "code_predictor", "threads": args.threads, "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
+        "memory_bandwidth_gbs": bandwidth, "rows": rows, "wall_s": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
