@@ -21,13 +21,14 @@ def demo():
 def test_shipped_checkpoint_layout_and_size():
     model_dir = demo_model_dir()
     names = {p.name for p in model_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "model-mtp.safetensors", "model.safetensors.index.json",
-            "tokenizer.json", "heldout_prompts.json"} <= names
+    assert {"config.json", "model-mtp.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "heldout_prompts.json"} <= names
     assert sum(p.stat().st_size for p in model_dir.iterdir()) <= 25 * 2**20
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "glm4_moe" and config["num_nextn_predict_layers"] == 1
     assert config["first_k_dense_replace"] > config["num_hidden_layers"]  # every target layer dense
     weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) <= names
     mtp_keys = [k for k, v in weight_map.items() if v == "model-mtp.safetensors"]
     assert mtp_keys and all(k.startswith(f"model.layers.{config['num_hidden_layers']}.") for k in mtp_keys)
 
@@ -61,3 +62,12 @@ def test_transformers_use_mtp_on_the_shipped_checkpoint_equals_plain_greedy(demo
     prompt = tokenizer(demo_heldout_prompts()[6], return_tensors="pt").input_ids
     plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(prompt, max_new_tokens=24, do_sample=False, use_mtp=True), plain)
+
+
+def test_spec_cli_defaults_to_the_shipped_model(capsys):
+    from omnimtp.cli import main
+
+    prompt = demo_heldout_prompts()[7]
+    assert main(["spec", "--prompt", prompt, "-k", "3", "--max-new-tokens", "24", "--compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["outputs_match"] is True and result["mean_acceptance_length"] > 1.5

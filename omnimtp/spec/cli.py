@@ -12,7 +12,8 @@ from omnimtp.sampling import SamplingParams
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("spec", help="MTP speculative decoding with a checkpoint's NextN layer")
-    parser.add_argument("--model", required=True, help="checkpoint dir: target + MTP layer + tokenizer")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint dir: target + MTP layer + tokenizer (default: the shipped demo model)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -31,9 +32,12 @@ def run(args) -> int:
     from omnimtp.spec.generate import speculative_generate
     from omnimtp.spec.head import load_target_and_head
 
+    from omnimtp.spec.demo import demo_model_dir
+
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    target, head = load_target_and_head(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model_dir = args.model if args.model is not None else demo_model_dir()
+    target, head = load_target_and_head(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     out = speculative_generate(
         target, head, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,

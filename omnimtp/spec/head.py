@@ -385,7 +385,9 @@ def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype |
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the MTP keys are "unexpected" for the target class; that is fine
     try:
-        target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype).eval()
+        # dtype=None passed explicitly makes transformers take the weights' storage dtype; "auto" honours
+        # the config's dtype first (checkpoints stored in bf16 with a float32 config load as float32).
+        target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype or "auto").eval()
     finally:
         logging.set_verbosity(verbosity)
     enable_transformers_mtp(target)
