@@ -5,17 +5,24 @@ Corpus: the Python standard library's own ``.py`` files shipped with the interpr
 deterministically by a hash of their relative path: one in ``--heldout-every`` is held out for
 evaluation and never seen in training (neither by the tokenizer nor by the LM or its MTP head).
 
-Model: a Glm4Moe config with every layer dense (``first_k_dense_replace`` > ``num_hidden_layers``, so
-the MTP layer ``model.layers.{N}`` is dense too) and ``num_nextn_predict_layers=1``: the architecture
-transformers' ``generate(use_mtp=True)`` decodes. Deep and narrow on purpose: drafting costs one layer
+Model: a Glm4Moe config with every target layer dense (``first_k_dense_replace`` > ``num_hidden_layers``)
+and ``num_nextn_predict_layers=1``: the architecture transformers' ``generate(use_mtp=True)`` decodes.
+transformers always builds the MTP layer ``model.layers.{N}`` as a MoE block, so the config's MoE fields
+(two always-active routed experts + one shared, each a quarter of the dense width) describe that layer only. Deep and narrow on purpose: drafting costs one layer
 plus the lm_head, verifying costs N layers plus the lm_head, so the head's share is small.
 
-Usage (about 30 minutes on one free CPU thread; the shipped model used the first line)::
+Usage (the shipped model used the first line: 300 steps, ~20 min on one free CPU thread, ~40 on a busy one)::
 
-    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --stop-at 200
-    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --stop-at 200 --resume
+    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300
+    python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --resume
 
-The MTP head is trained afterwards with ``omnimtp train-mtp`` (see README, "Training an MTP head").
+Then the MTP head (the shipped one; ``--tv-weight 0`` gives the CE-only comparison head)::
+
+    omnimtp train-mtp --model runs/demo_lm/lm --data "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+        --suffixes .py --out runs/demo_lm/head --with-target -k 3 --steps 200 --batch-size 8 --seq-len 256 \
+        --lr 2e-3 --tv-weight 1.0 --eval-every 50 --checkpoint-every 50 --threads 1
+
+and copy ``runs/demo_lm/head`` without ``mtp_train_state.pt`` to ``omnimtp/data/demo_lm``.
 """
 
 from __future__ import annotations
