@@ -178,3 +178,26 @@ def test_train_mtp_cli_end_to_end(target, tmp_path, capsys):
     assert loaded_head.layer_idx == target.config.num_hidden_layers
     assert cli_main(args + ["--resume", "--steps", "6"]) == 0  # continues from the saved state at step 4
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+
+
+def test_a_head_for_a_qwen3_target_trains_saves_and_decodes_losslessly(tmp_path):
+    """Qwen3 has no MTP layer of its own; train-mtp gives it one, stored as model.layers.{N}.*."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=TINY_LM_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         initializer_range=0.2)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    head = _fresh_head(target)
+    train_mtp_head(target, head, _stream(2000, 40), _stream(500, 41),
+                   MTPTrainConfig(num_draft_tokens=2, steps=4, batch_size=2, seq_len=16, num_eval_windows=2),
+                   progress=False)
+    target.save_pretrained(tmp_path)
+    head.save_pretrained(tmp_path)
+    loaded_target, loaded_head = load_target_and_head(tmp_path)
+    assert loaded_head.layer_idx == 2
+    prompt = _stream(6, 42).long()[None]
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    ours = speculative_generate(loaded_target, loaded_head, prompt, max_new_tokens=12, num_draft_tokens=3)
+    assert torch.equal(ours.sequences, plain)

@@ -41,7 +41,9 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
 
 # model_type -> layout of the NextN layer's keys in a checkpoint
-_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+# Families that ship a NextN layer at model.layers.{N}, plus dense/MoE Qwen3 targets that have none: a head trained
+# for them (`omnimtp train-mtp`) is stored the same way (transformers' use_mtp covers only the first two).
+_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3", "qwen3_moe")
 _MTP_PREFIX_MODEL_TYPES = ("qwen3_next",)
 
 # The head's own (non-block) modules, by checkpoint name for each layout.
