@@ -106,16 +106,30 @@ def test_talker_without_eos_stops_at_max_frames(pipe):
     assert out.audio.shape == (1920 * 7 - 555,)
 
 
+class _EosFavouringHead(torch.nn.Module):
+    """The talker's codec head plus a large logit on codec EOS, so EOS wins at the first frame."""
+
+    def __init__(self, head: torch.nn.Linear, eos: int):
+        super().__init__()
+        self.head = head
+        self.eos = eos
+
+    def forward(self, hidden):
+        logits = self.head(hidden)
+        boost = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        boost[self.eos] = 1e4
+        return logits + boost
+
+
 def test_talker_eos_gives_stop(pipe):
-    model = pipe.model
-    eos = model.config.talker_config.codec_eos_token_id
-    with torch.no_grad():
-        saved = model.talker.codec_head.weight[eos].clone()
-        model.talker.codec_head.weight[eos] = model.talker.codec_head.weight.abs().sum(0)  # EOS wins at once
-        try:
-            out = pipe.generate("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
-        finally:
-            model.talker.codec_head.weight[eos] = saved
+    talker = pipe.model.talker
+    eos = pipe.model.config.talker_config.codec_eos_token_id
+    original = talker.codec_head
+    talker.codec_head = _EosFavouringHead(original, eos)
+    try:
+        out = pipe.generate("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    finally:
+        talker.codec_head = original
     assert out.talker_finish_reason == "stop" and out.codes.shape[1] < MAX_FRAMES
 
 
