@@ -21,7 +21,6 @@ import asyncio
 import base64
 import json
 import os
-import statistics
 import sys
 import time
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -24,12 +24,10 @@ from transformers import Qwen2_5OmniForConditionalGeneration
 
 from omnimtp.handoff import (
     TalkerInputs,
-    _check_rows,
     build_talker_prefill,
     talker_inputs_from_rows,
-    trim_thinker_hidden,
 )
-from omnimtp.talker.qwen3_inputs import _prompt_list, lookup_speaker
+from omnimtp.talker.qwen3_inputs import _prompt_list, lookup_speaker, trimmed_thinker_rows
 
 
 class Qwen2_5TalkerInputBuilder:
@@ -96,17 +94,9 @@ def build_qwen2_5_talker_inputs(
     speaker: str,
 ) -> TalkerInputs:
     """One request's Qwen2.5-Omni talker inputs (intended construction), with the stop-row trim."""
-    dim = model.config.thinker_config.text_config.hidden_size
-    _check_rows("thinker_embeds", thinker_embeds, dim)
-    _check_rows("thinker_hidden", thinker_hidden, dim)
-    if thinker_hidden.shape[0] != thinker_embeds.shape[0]:
-        raise ValueError(f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows")
     prompt = _prompt_list(prompt_ids)
-    if thinker_embeds.shape[0] < len(prompt):
-        raise ValueError(f"thinker_embeds: {thinker_embeds.shape[0]} rows cannot cover the {len(prompt)} prompt tokens")
-    embeds_prefill, embeds_decode, _ = trim_thinker_hidden(thinker_embeds, prompt, output_ids, finish_reason)
-    hidden_prefill, hidden_decode, _ = trim_thinker_hidden(thinker_hidden, prompt, output_ids, finish_reason)
-    builder = Qwen2_5TalkerInputBuilder(model, prompt, speaker)
-    embeds = torch.cat([embeds_prefill, embeds_decode], dim=0)
-    hidden = torch.cat([hidden_prefill, hidden_decode], dim=0)
-    return talker_inputs_from_rows(builder, embeds, hidden)
+    embeds, hidden = trimmed_thinker_rows(
+        model.config.thinker_config.text_config.hidden_size,
+        prompt, output_ids, thinker_embeds, thinker_hidden, finish_reason,
+    )
+    return talker_inputs_from_rows(Qwen2_5TalkerInputBuilder(model, prompt, speaker), embeds, hidden)

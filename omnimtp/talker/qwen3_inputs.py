@@ -67,6 +67,26 @@ def lookup_speaker(speaker_ids: dict, speaker: str):
     return by_name[speaker.lower()]
 
 
+def trimmed_thinker_rows(
+    dim: int,
+    prompt: list[int],
+    output_ids: Sequence[int],
+    thinker_embeds: torch.Tensor,  # [R, D]
+    thinker_hidden: torch.Tensor,  # [R, D]
+    finish_reason: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both thinker row sets checked against each other and cut by the stop-row trim → ([R', D], [R', D])."""
+    _check_rows("thinker_embeds", thinker_embeds, dim)
+    _check_rows("thinker_hidden", thinker_hidden, dim)
+    if thinker_hidden.shape[0] != thinker_embeds.shape[0]:
+        raise ValueError(f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows")
+    if thinker_embeds.shape[0] < len(prompt):
+        raise ValueError(f"thinker_embeds: {thinker_embeds.shape[0]} rows cannot cover the {len(prompt)} prompt tokens")
+    embeds_prefill, embeds_decode, _ = trim_thinker_hidden(thinker_embeds, prompt, output_ids, finish_reason)
+    hidden_prefill, hidden_decode, _ = trim_thinker_hidden(thinker_hidden, prompt, output_ids, finish_reason)
+    return torch.cat([embeds_prefill, embeds_decode], dim=0), torch.cat([hidden_prefill, hidden_decode], dim=0)
+
+
 class Qwen3TalkerInputBuilder:
     """Builds one request's Qwen3-Omni talker inputs; see the module docstring for the layout.
 
@@ -206,17 +226,9 @@ def build_qwen3_talker_inputs(
     speaker, a prompt without an assistant turn, and a reply left with no row to speak."""
     if projection not in PROJECTIONS:
         raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
-    dim = model.config.thinker_config.text_config.hidden_size
-    _check_rows("thinker_embeds", thinker_embeds, dim)
-    _check_rows("thinker_hidden", thinker_hidden, dim)
-    if thinker_hidden.shape[0] != thinker_embeds.shape[0]:
-        raise ValueError(f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows")
     prompt = _prompt_list(prompt_ids)
-    if thinker_embeds.shape[0] < len(prompt):
-        raise ValueError(f"thinker_embeds: {thinker_embeds.shape[0]} rows cannot cover the {len(prompt)} prompt tokens")
-    embeds_prefill, embeds_decode, _ = trim_thinker_hidden(thinker_embeds, prompt, output_ids, finish_reason)
-    hidden_prefill, hidden_decode, _ = trim_thinker_hidden(thinker_hidden, prompt, output_ids, finish_reason)
-    builder = Qwen3TalkerInputBuilder(model, prompt, speaker)
-    embeds = torch.cat([embeds_prefill, embeds_decode], dim=0)
-    hidden = torch.cat([hidden_prefill, hidden_decode], dim=0)
-    return builder.build(embeds, hidden, projection)
+    embeds, hidden = trimmed_thinker_rows(
+        model.config.thinker_config.text_config.hidden_size,
+        prompt, output_ids, thinker_embeds, thinker_hidden, finish_reason,
+    )
+    return Qwen3TalkerInputBuilder(model, prompt, speaker).build(embeds, hidden, projection)
