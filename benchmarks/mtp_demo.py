@@ -1,10 +1,13 @@
 """The shipped demo LM + trained MTP head on held-out prompts: τ, per-position acceptance, tokens/s.
 
-    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--out FILE]
+    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--repeats 3] [--ks 1 2 3] [--no-sampled] [--out FILE]
 
 Batch 1, every held-out prompt of the checkpoint (`heldout_prompts.json`), in one process: plain greedy
 `generate`, transformers `generate(use_mtp=True)` (greedy; it drafts one token per step with one MTP
 layer), ours for k = 1..5 greedy and at temperature 1 (plain sampled `generate` as its baseline).
+Timing is interleaved: for each of --repeats repeats and each prompt every method runs back to back, so
+load from other processes hits all of them alike; tokens/s are medians over repeats and speed-ups are the
+median of same-repeat ratios (the per-repeat values are printed and written too).
 τ and per-position acceptance are pooled over prompts (accepted / verify steps). EOS is disabled so
 every run emits exactly --max-new-tokens tokens. `--other-head DIR` also measures a second head on the
 same target (e.g. a CE-only head) for the acceptance comparison.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -25,12 +29,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from omnimtp import SamplingParams, speculative_generate  # noqa: E402
 from omnimtp.spec.demo import demo_model_dir  # noqa: E402
 from omnimtp.spec.head import MTPHead, load_target_and_head  # noqa: E402
-
-
-def _timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def _pooled(stats_list, k: int) -> dict:
@@ -44,20 +42,35 @@ def _pooled(stats_list, k: int) -> dict:
     }
 
 
-def run_ours(target, head, prompts, k, sampling, max_new, plain_outputs=None) -> dict:
-    stats, total_s, matches = [], 0.0, []
-    for i, prompt in enumerate(prompts):
-        out, seconds = _timed(lambda: speculative_generate(
-            target, head, prompt, max_new_tokens=max_new, num_draft_tokens=k, sampling=sampling, seed=i,
-            eos_token_id=-1))
-        stats.append(out.stats)
-        total_s += seconds
-        if plain_outputs is not None:
-            matches.append(torch.equal(out.sequences, plain_outputs[i]))
-    entry = {"k": k, "tokens_per_s": len(prompts) * max_new / total_s, **_pooled(stats, k)}
-    if plain_outputs is not None:
-        entry["matches_plain"] = all(matches)
-    return entry
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class Method:
+    """One way of generating: run(i) decodes prompt i once and returns (sequences, stats or None)."""
+
+    def __init__(self, name: str, run, baseline: str | None):
+        self.name, self.run, self.baseline = name, run, baseline
+        self.seconds: list[float] = []  # one total per repeat (all prompts)
+        self.outputs: list[torch.Tensor] = []  # first repeat
+        self.stats: list = []  # first repeat
+
+
+def run_interleaved(methods: list[Method], num_prompts: int, repeats: int) -> None:
+    """For each repeat and prompt, run every method back to back (so load changes hit them alike)."""
+    for repeat in range(repeats):
+        totals = {m.name: 0.0 for m in methods}
+        for i in range(num_prompts):
+            for m in methods:
+                start = time.perf_counter()
+                sequences, stats = m.run(i)
+                totals[m.name] += time.perf_counter() - start
+                if repeat == 0:
+                    m.outputs.append(sequences)
+                    if stats is not None:
+                        m.stats.append(stats)
+        for m in methods:
+            m.seconds.append(totals[m.name])
 
 
 def main() -> None:
@@ -67,6 +80,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    parser.add_argument("--no-sampled", action="store_true", help="skip the temperature-1 runs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/mtp_demo.json")
     args = parser.parse_args()
@@ -82,61 +97,90 @@ def main() -> None:
     max_new = args.max_new_tokens
     gen_kw = dict(max_new_tokens=max_new, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
     greedy, sampled = SamplingParams.greedy(), SamplingParams(temperature=1.0)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # eos_token_id=-1 (no EOS, fixed lengths) warns on every generate call
 
     with torch.no_grad():  # warm-up
         target.generate(prompts[0], do_sample=False, max_new_tokens=4, eos_token_id=-1)
         speculative_generate(target, head, prompts[0], max_new_tokens=4, num_draft_tokens=2, eos_token_id=-1)
 
-    def plain_run(**kw):
-        outputs, total = [], 0.0
-        for i, prompt in enumerate(prompts):
+    def plain(**kw):
+        def run(i):
             torch.manual_seed(i)
             with torch.no_grad():
-                out, seconds = _timed(lambda: target.generate(prompt, **gen_kw, **kw))
-            outputs.append(out)
-            total += seconds
-        return outputs, len(prompts) * max_new / total
+                return target.generate(prompts[i], **gen_kw, **kw), None
+        return run
 
-    plain_greedy, plain_greedy_tps = plain_run(do_sample=False)
-    hf_mtp, hf_mtp_tps = plain_run(do_sample=False, use_mtp=True)
-    _, plain_sampled_tps = plain_run(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    results = {
-        "model": model_dir, "num_prompts": len(prompts), "max_new_tokens": max_new, "threads": args.threads,
-        "plain_greedy_tokens_per_s": plain_greedy_tps,
-        "hf_use_mtp_tokens_per_s": hf_mtp_tps,
-        "hf_use_mtp_matches_plain": all(torch.equal(a, b) for a, b in zip(hf_mtp, plain_greedy)),
-        "plain_sampled_tokens_per_s": plain_sampled_tps,
-        "greedy": [], "temperature_1": [],
-    }
-    print(f"plain greedy {plain_greedy_tps:.1f} tok/s; transformers use_mtp {hf_mtp_tps:.1f} tok/s "
-          f"({hf_mtp_tps / plain_greedy_tps:.2f}x, match {results['hf_use_mtp_matches_plain']}); "
-          f"plain sampled {plain_sampled_tps:.1f} tok/s")
-    for k in args.ks:
-        entry = run_ours(target, head, prompts, k, greedy, max_new, plain_greedy)
-        entry["speedup_vs_plain"] = entry["tokens_per_s"] / plain_greedy_tps
-        entry["speedup_vs_hf_use_mtp"] = entry["tokens_per_s"] / hf_mtp_tps
-        results["greedy"].append(entry)
-        print(f"greedy k={k}: tau {entry['tau']:.2f} per-pos "
-              + " ".join(f"{a:.2f}" for a in entry["acceptance_per_position"])
-              + f"  {entry['tokens_per_s']:.1f} tok/s = {entry['speedup_vs_plain']:.2f}x plain, "
-              f"{entry['speedup_vs_hf_use_mtp']:.2f}x use_mtp  match {entry['matches_plain']}  "
-              f"draft {entry['draft_time_s']:.2f}s verify {entry['verify_time_s']:.2f}s")
-    for k in args.ks:
-        entry = run_ours(target, head, prompts, k, sampled, max_new)
-        entry["speedup_vs_plain_sampled"] = entry["tokens_per_s"] / plain_sampled_tps
-        results["temperature_1"].append(entry)
-        print(f"T=1 k={k}: tau {entry['tau']:.2f} per-pos "
-              + " ".join(f"{a:.2f}" for a in entry["acceptance_per_position"])
-              + f"  {entry['tokens_per_s']:.1f} tok/s = {entry['speedup_vs_plain_sampled']:.2f}x plain sampled")
+    def ours(drafter, k, sampling):
+        def run(i):
+            out = speculative_generate(target, drafter, prompts[i], max_new_tokens=max_new, num_draft_tokens=k,
+                                       sampling=sampling, seed=i, eos_token_id=-1)
+            return out.sequences, out.stats
+        return run
+
+    methods = [
+        Method("plain_greedy", plain(do_sample=False), None),
+        Method("hf_use_mtp", plain(do_sample=False, use_mtp=True), "plain_greedy"),
+    ]
+    methods += [Method(f"greedy_k{k}", ours(head, k, greedy), "plain_greedy") for k in args.ks]
+    if not args.no_sampled:
+        methods.append(Method("plain_sampled", plain(do_sample=True, temperature=1.0, top_k=0, top_p=1.0), None))
+        methods += [Method(f"t1_k{k}", ours(head, k, sampled), "plain_sampled") for k in args.ks]
+    other = None
     if args.other_head:
         other = MTPHead.from_pretrained(args.other_head, target).float().eval()
-        results["other_head"] = {"dir": args.other_head}
-        for name, sampling in (("greedy", greedy), ("temperature_1", sampled)):
-            entry = run_ours(target, other, prompts, 3, sampling, max_new)
-            results["other_head"][name] = entry
-            mine = next(e for e in results[name] if e["k"] == 3) if 3 in args.ks else None
-            print(f"other head {name} k=3: tau {entry['tau']:.2f}"
-                  + (f" (this head {mine['tau']:.2f})" if mine else ""))
+        methods.append(Method("other_greedy_k3", ours(other, 3, greedy), "plain_greedy"))
+        if not args.no_sampled:
+            methods.append(Method("other_t1_k3", ours(other, 3, sampled), "plain_sampled"))
+    run_interleaved(methods, len(prompts), args.repeats)
+
+    by_name = {m.name: m for m in methods}
+    num_tokens = len(prompts) * max_new
+
+    def summary(m: Method) -> dict:
+        entry = {
+            "tokens_per_s": num_tokens / _median(m.seconds),
+            "tokens_per_s_per_repeat": [num_tokens / s for s in m.seconds],
+        }
+        if m.baseline is not None:
+            base = by_name[m.baseline]
+            ratios = [b / s for s, b in zip(m.seconds, base.seconds)]  # same-repeat ratios
+            entry["speedup_vs_" + m.baseline] = _median(ratios)
+            entry["speedup_per_repeat"] = ratios
+        if m.baseline == "plain_greedy":
+            entry["matches_plain"] = all(torch.equal(a, b) for a, b in zip(m.outputs, base.outputs))
+        if m.stats:
+            k = m.stats[0].num_draft_tokens
+            entry.update({"k": k, **_pooled(m.stats, k)})
+        return entry
+
+    results = {
+        "model": model_dir, "num_prompts": len(prompts), "max_new_tokens": max_new, "threads": args.threads,
+        "repeats": args.repeats, "note": "tokens_per_s: median over interleaved repeats; speed-ups: median of "
+        "same-repeat ratios; plain = transformers generate (greedy / do_sample)",
+        "methods": {m.name: summary(m) for m in methods},
+    }
+    res = results["methods"]
+    plain_tps = res["plain_greedy"]["tokens_per_s"]
+    print(f"plain greedy (transformers generate) {plain_tps:.1f} tok/s "
+          f"(repeats: {' '.join(f'{x:.1f}' for x in res['plain_greedy']['tokens_per_s_per_repeat'])})")
+    hf = res["hf_use_mtp"]
+    print(f"transformers use_mtp {hf['tokens_per_s']:.1f} tok/s = {hf['speedup_vs_plain_greedy']:.2f}x plain, "
+          f"match {hf['matches_plain']}")
+    for m in methods[2:]:
+        if not m.stats:
+            print(f"{m.name}: {res[m.name]['tokens_per_s']:.1f} tok/s")
+            continue
+        e = res[m.name]
+        speedup = e["speedup_vs_" + m.baseline]
+        line = (f"{m.name}: tau {e['tau']:.2f} per-pos " + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"])
+                + f"  {e['tokens_per_s']:.1f} tok/s = {speedup:.2f}x {m.baseline} (repeats "
+                + " ".join(f"{r:.2f}" for r in e["speedup_per_repeat"]) + ")")
+        if m.baseline == "plain_greedy":
+            line += (f" {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x use_mtp  match {e['matches_plain']}"
+                     f"  draft {e['draft_time_s']:.2f}s verify {e['verify_time_s']:.2f}s (first repeat)")
+        print(line)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
