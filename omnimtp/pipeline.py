@@ -86,7 +86,14 @@ class _Request:
 class OmniPipeline:
     """Qwen3-Omni text → text + speech. See the module docstring."""
 
-    def __init__(self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int = 256, max_frames: int = 4096):
+    def __init__(
+        self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int = 256, max_frames: int = 4096,
+        compile_predictor: bool = False,
+    ):
+        """compile_predictor: run the code predictor's step under torch.compile (`CodePredictorRunner`
+        compile=True). Each batch size compiles on first use (tens of seconds on a CPU), after which a
+        frame's residual codes cost a fraction of the eager loop's Python overhead; worth it for a
+        long-lived pipeline, not for a one-shot command."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -96,7 +103,7 @@ class OmniPipeline:
         self.eos_token_ids = {config.im_end_token_id}
         self.accept_hidden_layer = config.talker_config.accept_hidden_layer
         self.max_positions = config.thinker_config.text_config.max_position_embeddings
-        self.predictor = CodePredictorRunner(model.talker.code_predictor, max_batch_size)
+        self.predictor = CodePredictorRunner(model.talker.code_predictor, max_batch_size, compile=compile_predictor)
         self.codec = StreamingCode2Wav(model.code2wav)
         speakers = config.talker_config.speaker_id
         self.default_speaker = "ethan" if "ethan" in {s.lower() for s in speakers} else sorted(speakers)[0]
