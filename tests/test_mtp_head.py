@@ -43,6 +43,13 @@ def test_forward_matches_the_formula(target):
     expected = head.block(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
     torch.testing.assert_close(out.hidden, expected)
     torch.testing.assert_close(out.logits, target.lm_head(head.shared_head_norm(expected)))
+    # compute_logits=False skips the lm_head; logits() on any rows gives those rows' logits
+    hidden_only = head(ids, prev, compute_logits=False)
+    assert hidden_only.logits is None
+    torch.testing.assert_close(hidden_only.hidden, out.hidden, rtol=0, atol=0)
+    torch.testing.assert_close(head.logits(out.hidden[:, -1]), out.logits[:, -1])
+    # an all-ones attention_mask is the same as none
+    torch.testing.assert_close(head(ids, prev, attention_mask=torch.ones(2, 5, dtype=torch.long)).hidden, out.hidden)
     # with a cache, step by step == all at once
     cache = head.make_cache()
     first = head(ids[:, :3], prev[:, :3], cache=cache)

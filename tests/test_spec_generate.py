@@ -5,8 +5,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generate, tiny_lm
+from omnimtp.spec.generate import _greedy_verify
+from omnimtp.spec.rejection import rejection_sample
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 PAD = 0
@@ -135,3 +139,23 @@ def test_bad_input_raises_value_error(models):
     wide = tiny_lm("glm4_moe", seed=0, hidden_size=96)
     with pytest.raises(ValueError, match="head: hidden"):
         speculative_generate(wide, head, prompt, max_new_tokens=4, num_draft_tokens=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch_size=st.integers(1, 4),
+    k=st.integers(1, 5),
+    vocab=st.integers(2, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_greedy_verify_equals_rejection_sample(batch_size, k, vocab, seed):
+    """The greedy fast path of speculative_generate = rejection_sample on one-hot target probs."""
+    g = torch.Generator().manual_seed(seed)
+    target_argmax = torch.randint(0, vocab, (batch_size, k + 1), generator=g)
+    # drafts agree with the target at random places, so every accepted count 0..k occurs
+    draft_tokens = torch.where(
+        torch.rand(batch_size, k, generator=g) < 0.7, target_argmax[:, :k], torch.randint(0, vocab, (batch_size, k), generator=g)
+    )
+    expected = rejection_sample(torch.nn.functional.one_hot(target_argmax, vocab).float(), draft_tokens, greedy=True)
+    tokens, num_emitted = _greedy_verify(target_argmax, draft_tokens)
+    assert torch.equal(tokens, expected[0]) and torch.equal(num_emitted, expected[1])

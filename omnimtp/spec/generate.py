@@ -146,11 +146,29 @@ def _check_head(target, head: MTPHead) -> None:
 
 
 def _target_forward(target, input_ids, position_ids, kv_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32)."""
+    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32). A kv_mask without invalid slots is passed as
+    None (same attention; transformers then needs no padding mask, and none at all for one token)."""
+    if bool(kv_mask.all()):
+        kv_mask = None
     hidden = target.get_decoder()(
         input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=cache, use_cache=True
     ).last_hidden_state
     return hidden, target.get_output_embeddings()(hidden).float()
+
+
+def _greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample(one_hot(target_argmax), draft_tokens, greedy=True)` without building [B, k+1, V]
+    one-hot probabilities: target_argmax [B, k+1], draft_tokens [B, k] → tokens [B, k+1] (−1 padded),
+    num_emitted [B]. Same rule: accept while draft == argmax, then emit the argmax after the accepted prefix."""
+    batch_size, num_draft = draft_tokens.shape
+    rows = torch.arange(batch_size, device=draft_tokens.device)
+    accept = draft_tokens == target_argmax[:, :num_draft]  # [B, k]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    positions = torch.arange(num_draft + 1, device=draft_tokens.device)
+    padded_drafts = torch.cat([draft_tokens, draft_tokens.new_full((batch_size, 1), -1)], dim=1)  # [B, k+1]
+    tokens = torch.where(positions[None] < num_accepted[:, None], padded_drafts, -1)  # [B, k+1]
+    tokens[rows, num_accepted] = target_argmax[rows, num_accepted]
+    return tokens, num_accepted + 1
 
 
 @torch.no_grad()
@@ -239,10 +257,13 @@ def speculative_generate(
         verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
         hidden, logits = _target_forward(target, verify_ids, verify_positions, verify_mask, target_cache)
-        target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
-        tokens, num_emitted = rejection_sample(
-            target_probs, draft_tokens, draft_probs, greedy=sampling.is_greedy, generators=generators
-        )  # [B, k+1], [B]
+        if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
+            tokens, num_emitted = _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
+        else:
+            target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
+            tokens, num_emitted = rejection_sample(
+                target_probs, draft_tokens, draft_probs, greedy=False, generators=generators
+            )  # [B, k+1], [B]
         stats.verify_time_s += time.perf_counter() - t1
         stats.draft_time_s += t1 - t0
 

@@ -59,7 +59,7 @@ _MTP_PREFIX_NAMES = {
 @dataclass
 class MTPHeadOutput:
     hidden: torch.Tensor  # [B, T, H] block output, before shared_head_norm: the next draft step's prev_hidden
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when called with compute_logits=False (see `MTPHead.logits`)
 
 
 @dataclass(frozen=True)
@@ -236,12 +236,16 @@ class MTPHead(nn.Module):
         position_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
+        compute_logits: bool = True,
     ) -> MTPHeadOutput:
         """input_ids [B, T]: x_{t+1}; prev_hidden [B, T, H]: the target's post-norm hidden row h_t.
 
         position_ids [B, T] (default: cache length + 1 + arange(T), i.e. the position of x_{t+1});
-        attention_mask [B, cache length + T] over cache slots then new slots (default all ones);
-        cache: the head's own DynamicCache (see `make_cache`), appended to in place."""
+        attention_mask [B, cache length + T] over cache slots then new slots (default None: every slot
+        valid, which lets sdpa skip the mask for one new token);
+        cache: the head's own DynamicCache (see `make_cache`), appended to in place;
+        compute_logits=False skips the lm_head (logits None): a drafter that needs only some rows' logits
+        applies `logits(hidden_rows)` to those rows."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         batch_size, num_tokens = input_ids.shape
@@ -254,9 +258,7 @@ class MTPHead(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(num_tokens, device=input_ids.device) + num_past + 1
             position_ids = position_ids.unsqueeze(0).expand(batch_size, -1)
-        if attention_mask is None:
-            attention_mask = torch.ones(batch_size, num_past + num_tokens, dtype=torch.long, device=input_ids.device)
-        if attention_mask.shape != (batch_size, num_past + num_tokens):
+        if attention_mask is not None and attention_mask.shape != (batch_size, num_past + num_tokens):
             raise ValueError(
                 f"attention_mask must be [B, cache length + T] = {(batch_size, num_past + num_tokens)}, "
                 f"got {tuple(attention_mask.shape)}"
@@ -281,8 +283,11 @@ class MTPHead(nn.Module):
             use_cache=cache is not None,
             position_embeddings=position_embeddings,
         )  # [B, T, H]
-        logits = self.lm_head(self.shared_head_norm(hidden))  # [B, T, V]
-        return MTPHeadOutput(hidden=hidden, logits=logits)
+        return MTPHeadOutput(hidden=hidden, logits=self.logits(hidden) if compute_logits else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Block output rows [..., H] → draft logits [..., V] (shared_head norm, then the target's lm_head)."""
+        return self.lm_head(self.shared_head_norm(hidden))
 
 
 # -- checkpoint key layout ----------------------------------------------------------------------------------

@@ -89,17 +89,19 @@ class MTPProposer:
         if self.cache.get_seq_length(layer_idx) != num_aligned - width:
             raise ValueError("block: the drafter's cache is not aligned with the target's (call reset() first?)")
 
+        # No invalid slot anywhere (batch 1 without padding): no mask, so sdpa can skip it for one token.
+        kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
         out = head(
             block.next_ids,
             block.hidden,
             position_ids=block.position_ids + 1,
-            attention_mask=block.kv_mask,
+            attention_mask=kv_mask,
             cache=self.cache,
+            compute_logits=False,
         )
         hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
-        logits = out.logits[rows, block.last_index]  # [B, V]
+        logits = head.logits(hidden)[:, 0]  # [B, V] only the rows that draft
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
-        kv_mask = block.kv_mask
         draft_tokens, draft_probs = [], []
         for step in range(num_draft_tokens):
             token, probs = _draw(logits, sampling, generators)
@@ -107,7 +109,8 @@ class MTPProposer:
             draft_probs.append(probs)
             if step == num_draft_tokens - 1:
                 break
-            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            if kv_mask is not None:
+                kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
             out = head(
                 token[:, None],
                 hidden,
