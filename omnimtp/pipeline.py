@@ -3,7 +3,8 @@
 One loop serves `generate` and `stream`: each iteration runs one thinker step for the requests still
 writing, hands their new rows to the talker through `ThinkerToTalkerStream` (so the talker starts as
 soon as a request's chunk 0 exists), runs one talker step for every request whose next text row is
-ready, and decodes audio in chunks (2 frames first, then 25) with `StreamingCode2Wav`.
+ready, and decodes audio in chunks (2 frames first, then 25) with `StreamingCode2Wav`. `generate`
+streams nothing, so it decodes each request's frames in one block when its talker ends.
 
     pipe = OmniPipeline.tiny()
     out = pipe.generate("Hello")            # OmniOutput(text, text_ids, codes [G, T], audio, sample_rate, ...)
@@ -148,7 +149,7 @@ class OmniPipeline:
         """Text + speech for one prompt (→ OmniOutput) or a list of prompts (→ list). Arguments as `stream`."""
         outputs: dict[int, OmniOutput] = {}
         is_batch = _is_batch(prompt, kwargs.get("input_ids"))
-        for event in self.stream(prompt, **kwargs):
+        for event in self._events(prompt, is_audio_streamed=False, **kwargs):
             if event.output is not None:
                 outputs[event.index] = event.output
         ordered = [outputs[i] for i in sorted(outputs)]
@@ -170,6 +171,18 @@ class OmniPipeline:
         either; or input_ids: token ids (a list, or a list of lists). None sampling = greedy (the talker's
         greedy keeps transformers' repetition penalty 1.05). seed: one per request (an int seeds request
         i with seed + i); a request's output depends only on its own inputs and seed."""
+        yield from self._events(
+            prompt, input_ids=input_ids, speaker=speaker, thinker_sampling=thinker_sampling,
+            talker_sampling=talker_sampling, max_new_tokens=max_new_tokens, max_frames=max_frames, seed=seed,
+            is_audio_streamed=True,
+        )
+
+    def _events(
+        self, prompt, *, input_ids=None, speaker=None, thinker_sampling=None, talker_sampling=None,
+        max_new_tokens=None, max_frames=None, seed=None, is_audio_streamed: bool,
+    ) -> Iterator[OmniEvent]:
+        """`stream`'s events. is_audio_streamed=False (for `generate`) decodes each request's audio in one
+        block once its talker ends, which is the one-shot decode that the streamed chunks join into."""
         prompts = self._prompt_ids(prompt, input_ids)
         max_new_tokens = self.default_max_new_tokens if max_new_tokens is None else max_new_tokens
         max_frames = self.default_max_frames if max_frames is None else max_frames
@@ -209,11 +222,11 @@ class OmniPipeline:
             sampling=[thinker_sampling] * len(prompts), generators=thinker_generators,
         )
         talker = TalkerBatch(self.model.talker, self.max_batch_size, predictor=self.predictor)
-        yield from self._run(requests, thinker, talker, max_frames)
+        yield from self._run(requests, thinker, talker, max_frames, is_audio_streamed)
 
     # --- the loop --------------------------------------------------------------------------
 
-    def _run(self, requests: list[_Request], thinker: ThinkerRun, talker: TalkerBatch, max_frames: int):
+    def _run(self, requests: list[_Request], thinker: ThinkerRun, talker: TalkerBatch, max_frames: int, is_audio_streamed: bool):
         while not all(r.is_done for r in requests):
             events = []
             if not thinker.is_finished:
@@ -227,7 +240,7 @@ class OmniPipeline:
                     request.talker_finish_reason = frame.finish_reason
                     request.is_talker_done = True
                     talker.retire([frame.request_id])
-            events += self._decode_audio(requests)
+            events += self._decode_audio(requests, is_audio_streamed)
             events += [self._final_event(i, r) for i, r in enumerate(requests) if r.is_done and not r.is_reported]
             yield from events
 
@@ -271,11 +284,12 @@ class OmniPipeline:
         kept = min(num_kept_rows(num_prompt, num_output, finish_reason), num_prompt + num_output - 1)
         return kept >= request.handoff.builder.num_prefill_rows
 
-    def _decode_audio(self, requests: list[_Request]) -> list[OmniEvent]:
+    def _decode_audio(self, requests: list[_Request], is_audio_streamed: bool) -> list[OmniEvent]:
         ready = []
         for i, request in enumerate(requests):
             needed = FIRST_CHUNK_FRAMES if not request.audio else CHUNK_FRAMES
-            if request.pending_frames and (len(request.pending_frames) >= needed or request.is_talker_done):
+            is_chunk_full = is_audio_streamed and len(request.pending_frames) >= needed
+            if request.pending_frames and (is_chunk_full or request.is_talker_done):
                 ready.append(i)
         if not ready:
             return []

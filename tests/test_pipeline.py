@@ -70,7 +70,8 @@ def test_streamed_equals_generated(pipe):
     chunks = [e.audio for e in events if e.audio is not None]
     assert len(chunks) >= 2 and len(chunks[0]) == 1920 * 2 - 555  # a small first chunk
     assert "".join(e.text for e in events) == full.text
-    np.testing.assert_array_equal(np.concatenate(chunks), full.audio)
+    # generate decodes in one block: the chunks join into the one-shot decode (float rounding aside)
+    np.testing.assert_allclose(np.concatenate(chunks), full.audio, atol=1e-5)
     assert events[-1].finish_reason == full.finish_reason
     assert torch.equal(events[-1].output.codes, full.codes)
 
