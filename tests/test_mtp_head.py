@@ -121,3 +121,32 @@ def test_first_draft_equals_transformers_mtp_draft(target, tmp_path):
     )
     ours = loaded_head(next_ids, hidden)
     torch.testing.assert_close(ours.logits[:, -1], hf_logits[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [2, 4])  # some experts routed / every expert routed (the demo head's case)
+def test_draft_step_matches_forward(top_k):
+    """The lean one-token step = forward with T = 1 (up to float rounding), and appends to the same cache."""
+    target = tiny_lm("glm4_moe", seed=0)
+    torch.manual_seed(3)
+    head = MTPHead.from_config(target)
+    head.block.mlp.gate.top_k = top_k
+    assert head.supports_draft_step
+    torch.nn.init.normal_(head.block.mlp.gate.weight, std=1.0)  # distinct routing weights per expert
+    ids = torch.randint(3, 64, (1, 7))
+    prev = torch.randn(1, 7, target.config.hidden_size)
+    cache_a, cache_b = head.make_cache(), head.make_cache()
+    head(ids[:, :5], prev[:, :5], cache=cache_a)
+    head(ids[:, :5], prev[:, :5], cache=cache_b)
+    for t in (5, 6):  # two steps: the second attends to the first step's cache slot
+        position = torch.tensor([[t + 1]])
+        expected = head(ids[:, t : t + 1], prev[:, t : t + 1], position_ids=position, cache=cache_a)
+        hidden, logits = head.draft_step(ids[:, t : t + 1], prev[:, t : t + 1], position, cache_b)
+        torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, expected.logits[:, 0], atol=1e-5, rtol=1e-5)
+    assert cache_b.get_seq_length(head.layer_idx) == 7
+    with pytest.raises(ValueError, match="one token"):
+        head.draft_step(ids[:, :2], prev[:, :2], torch.tensor([[1, 2]]), cache_b)
+
+
+def test_draft_step_not_offered_for_deepseek_v3():
+    assert not MTPHead.from_config(tiny_lm("deepseek_v3", seed=0)).supports_draft_step

@@ -102,6 +102,8 @@ class MTPProposer:
         hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
         logits = head.logits(hidden)[:, 0]  # [B, V] only the rows that draft
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
+        # Batch 1 with no invalid slot: the head's lean one-token step (same math, less framework overhead).
+        lean = kv_mask is None and batch_size == 1 and head.supports_draft_step
         draft_tokens, draft_probs = [], []
         for step in range(num_draft_tokens):
             token, probs = _draw(logits, sampling, generators)
@@ -109,6 +111,9 @@ class MTPProposer:
             draft_probs.append(probs)
             if step == num_draft_tokens - 1:
                 break
+            if lean:
+                hidden, logits = head.draft_step(token[:, None], hidden, (position + step + 1)[:, None], self.cache)
+                continue
             if kv_mask is not None:
                 kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
             out = head(
