@@ -89,21 +89,24 @@ class MTPProposer:
         if self.cache.get_seq_length(layer_idx) != num_aligned - width:
             raise ValueError("block: the drafter's cache is not aligned with the target's (call reset() first?)")
 
-        # No invalid slot anywhere (batch 1 without padding): no mask, so sdpa can skip it for one token.
+        # No invalid slot anywhere (batch 1 without padding): no mask, so sdpa can skip it for one token,
+        # and one-token steps can take the head's lean `draft_step` (same math, less framework overhead).
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
-        out = head(
-            block.next_ids,
-            block.hidden,
-            position_ids=block.position_ids + 1,
-            attention_mask=kv_mask,
-            cache=self.cache,
-            compute_logits=False,
-        )
-        hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
-        logits = head.logits(hidden)[:, 0]  # [B, V] only the rows that draft
-        position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
-        # Batch 1 with no invalid slot: the head's lean one-token step (same math, less framework overhead).
         lean = kv_mask is None and batch_size == 1 and head.supports_draft_step
+        if lean and width == 1:  # the previous step accepted no draft: the block is the pending token alone
+            hidden, logits = head.draft_step(block.next_ids, block.hidden, block.position_ids + 1, self.cache)
+        else:
+            out = head(
+                block.next_ids,
+                block.hidden,
+                position_ids=block.position_ids + 1,
+                attention_mask=kv_mask,
+                cache=self.cache,
+                compute_logits=False,
+            )
+            hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
+            logits = head.logits(hidden)[:, 0]  # [B, V] only the rows that draft
+        position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
         draft_tokens, draft_probs = [], []
         for step in range(num_draft_tokens):
             token, probs = _draw(logits, sampling, generators)
