@@ -144,8 +144,14 @@ def test_draft_step_matches_forward(top_k):
         torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits, expected.logits[:, 0], atol=1e-5, rtol=1e-5)
     assert cache_b.get_seq_length(head.layer_idx) == 7
-    with pytest.raises(ValueError, match="one token"):
-        head.draft_step(ids[:, :2], prev[:, :2], torch.tensor([[1, 2]]), cache_b)
+    if top_k == 4:  # every expert routed: several tokens at once, causal among themselves
+        expected = head(ids[:, 3:7], prev[:, 3:7], position_ids=torch.arange(4, 8)[None], cache=cache_a)
+        hidden, logits = head.draft_step(ids[:, 3:7], prev[:, 3:7], torch.arange(4, 8)[None], cache_b)
+        torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="one token"):
+            head.draft_step(ids[:, :2], prev[:, :2], torch.tensor([[1, 2]]), cache_b)
 
 
 def test_draft_step_not_offered_for_deepseek_v3():

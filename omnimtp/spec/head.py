@@ -301,60 +301,74 @@ class MTPHead(nn.Module):
             and hasattr(block.mlp, "shared_experts")
         )
 
+    @property
+    def routes_every_expert(self) -> bool:
+        """The router picks every routed expert for every token (top-k = number of experts, one group), as in
+        the demo head: then `draft_step` takes several tokens at once."""
+        router = self.block.mlp.gate
+        return router.top_k == self.block.mlp.experts.gate_up_proj.shape[0] and router.num_group == 1
+
     def draft_step(
         self, input_ids: torch.LongTensor, prev_hidden: torch.Tensor, position_ids: torch.LongTensor, cache: DynamicCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for one new token of a batch of one with every cache slot valid, written out op by op.
+        """`forward` for a batch of one with every cache slot valid, written out op by op.
 
-        input_ids [1, 1], prev_hidden [1, 1, H], position_ids [1, 1] → (hidden [1, 1, H], logits [1, V]).
-        The same math as `forward` (same router, experts, rotary and cache), without transformers' generic
-        layer machinery, which costs more than the arithmetic at one token (about 0.7 vs 1.2 ms on the demo
-        head, 1 CPU thread). Floating-point results differ from `forward` by rounding only (the routed
-        experts are summed in another order); drafts feed verification, so outputs stay exact either way.
+        input_ids [1, T], prev_hidden [1, T, H], position_ids [1, T] → (hidden [1, T, H], logits of the last
+        token [1, V]). T = 1 always; T > 1 when `routes_every_expert`. The same math as `forward` (same router,
+        experts, rotary, causal attention, cache), without transformers' generic layer machinery, which
+        costs more than the arithmetic here (about 0.85 vs 1.2 ms per token on the demo head, 1 CPU thread).
+        Floating-point results differ from `forward` by rounding only (the routed experts are summed in
+        another order); drafts only feed verification, so outputs stay exact either way.
         Requires `supports_draft_step`."""
-        if input_ids.shape != (1, 1) or prev_hidden.shape != (1, 1, self.hidden_size):
-            raise ValueError(f"draft_step takes one token of one row, got input_ids {tuple(input_ids.shape)}")
+        num_tokens = input_ids.shape[-1]
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or prev_hidden.shape != (1, num_tokens, self.hidden_size):
+            raise ValueError(f"draft_step takes one row, got input_ids {tuple(input_ids.shape)}")
+        if num_tokens > 1 and not self.routes_every_expert:
+            raise ValueError(f"draft_step takes one token unless the router picks every expert, got {num_tokens}")
         block, attn, mlp = self.block, self.block.self_attn, self.block.mlp
         hidden = self.eh_proj(
             torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1)
-        )  # [1, 1, H]
+        )  # [1, T, H]
 
-        # attention (Glm4MoeAttention: partial rotary, GQA, scaling head_dim^-0.5)
+        # attention (Glm4MoeAttention: qk-norm if any, partial rotary, GQA, scaling head_dim^-0.5)
         residual = hidden
         x = block.input_layernorm(hidden)
         head_dim = attn.head_dim
-        q = attn.q_proj(x).view(1, 1, -1, head_dim)  # [1, 1, nh, d]
-        k = attn.k_proj(x).view(1, 1, -1, head_dim)  # [1, 1, nkv, d]
-        v = attn.v_proj(x).view(1, 1, -1, head_dim).transpose(1, 2)  # [1, nkv, 1, d]
+        q = attn.q_proj(x).view(1, num_tokens, -1, head_dim)  # [1, T, nh, d]
+        k = attn.k_proj(x).view(1, num_tokens, -1, head_dim)  # [1, T, nkv, d]
+        v = attn.v_proj(x).view(1, num_tokens, -1, head_dim).transpose(1, 2)  # [1, nkv, T, d]
         if attn.use_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, nh, 1, d], [1, nkv, 1, d]
-        cos, sin = self.rotary_emb(x, position_ids)  # [1, 1, rotary_dim]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, nh, T, d], [1, nkv, T, d]
+        cos, sin = self.rotary_emb(x, position_ids)  # [1, T, rotary_dim]
         q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        k, v = cache.update(k, v, self.layer_idx)  # [1, nkv, L+1, d]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scaling, enable_gqa=True)
-        hidden = residual + attn.o_proj(o.transpose(1, 2).reshape(1, 1, -1))  # [1, 1, H]
+        k, v = cache.update(k, v, self.layer_idx)  # [1, nkv, L+T, d]
+        mask = None  # one token attends to every slot
+        if num_tokens > 1:  # new token i sees the L cached slots and new tokens 0..i
+            mask = torch.ones(num_tokens, k.shape[2], dtype=torch.bool, device=k.device).tril(k.shape[2] - num_tokens)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        hidden = residual + attn.o_proj(o.transpose(1, 2).reshape(1, num_tokens, -1))  # [1, T, H]
 
-        # MoE (Glm4MoeMoE: transformers' router, then the chosen experts as two batched matmuls, + shared)
+        # MoE (Glm4MoeMoE: the router's weights, the chosen experts as one matmul + one batched matmul, + shared)
         residual = hidden
-        x = block.post_attention_layernorm(hidden).view(1, -1)  # [1, H]
+        x = block.post_attention_layernorm(hidden).view(num_tokens, -1)  # [T, H]
         router, gate_up_proj, down_proj = mlp.gate, mlp.experts.gate_up_proj, mlp.experts.down_proj
-        num_experts = gate_up_proj.shape[0]
-        if router.top_k == num_experts and router.num_group == 1:
-            # every expert is chosen: the router's weights are its sigmoid scores in expert order, normalised
-            weights = torch.nn.functional.linear(x.float(), router.weight.float()).sigmoid()[0]  # [E]
+        if self.routes_every_expert:
+            # the router's weights are its sigmoid scores in expert order, normalised per token
+            weights = torch.nn.functional.linear(x.float(), router.weight.float()).sigmoid()  # [T, E]
             if router.norm_topk_prob:
-                weights = weights / (weights.sum() + 1e-20)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             weights = weights * router.routed_scaling_factor
-        else:
-            _, top_weights, top_experts = router(x)  # [1, K], [1, K]
-            gate_up_proj, down_proj, weights = gate_up_proj[top_experts[0]], down_proj[top_experts[0]], top_weights[0]
-        gate_up = torch.nn.functional.linear(x, gate_up_proj.reshape(-1, x.shape[-1]))  # [1, K*2I]
-        gate, up = gate_up.view(weights.shape[0], 2, -1).unbind(dim=1)  # [K, I] each
-        act = mlp.experts.act_fn(gate) * up * weights.to(x.dtype)[:, None]  # [K, I]
-        routed = torch.bmm(down_proj, act[:, :, None]).sum(dim=0).t()  # [1, H]
-        hidden = residual + (routed + mlp.shared_experts(x)).view(1, 1, -1)  # [1, 1, H]
-        return hidden, self.logits(hidden[:, 0])
+        else:  # one token: gather its K experts
+            _, weights, experts = router(x)  # [1, K], [1, K]
+            gate_up_proj, down_proj = gate_up_proj[experts[0]], down_proj[experts[0]]
+        num_experts = gate_up_proj.shape[0]
+        gate_up = torch.nn.functional.linear(x, gate_up_proj.reshape(-1, x.shape[-1]))  # [T, K*2I]
+        gate, up = gate_up.view(num_tokens, num_experts, 2, -1).unbind(dim=2)  # [T, K, I] each
+        act = mlp.experts.act_fn(gate) * up * weights.to(x.dtype)[:, :, None]  # [T, K, I]
+        routed = torch.bmm(down_proj, act.permute(1, 2, 0)).sum(dim=0).t()  # [K, H, T] → [T, H]
+        hidden = residual + (routed + mlp.shared_experts(x)).view(1, num_tokens, -1)  # [1, T, H]
+        return hidden, self.logits(hidden[:, -1])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -93,8 +93,9 @@ class MTPProposer:
         # and one-token steps can take the head's lean `draft_step` (same math, less framework overhead).
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
         lean = kv_mask is None and batch_size == 1 and head.supports_draft_step
-        if lean and width == 1:  # the previous step accepted no draft: the block is the pending token alone
+        if lean and (width == 1 or head.routes_every_expert):
             hidden, logits = head.draft_step(block.next_ids, block.hidden, block.position_ids + 1, self.cache)
+            hidden = hidden[:, -1:]  # [1, 1, H] the last slot is the row's last real one (no padding)
         else:
             out = head(
                 block.next_ids,
