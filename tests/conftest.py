@@ -12,3 +12,14 @@ def _seed_global_rng():
     """Every test starts from the same global RNG state, so failures reproduce."""
     torch.manual_seed(1234)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny-model ops are too small to split across threads; on a shared CPU the threads only contend.
+
+    Use per module with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -10,13 +10,7 @@ from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_fram
 from omnimtp.models.tiny import tiny_qwen3_omni_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model ops are too small to split across threads; on a shared CPU the threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,7 @@ from omnimtp.thinker import ThinkerRun
 from omnimtp.tokenizer import byte_tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny-model ops are too small to split across threads; on a shared CPU the threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_repetition_penalty_matches_transformers():

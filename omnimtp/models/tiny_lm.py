@@ -22,6 +22,27 @@ TINY_LM_EOS_TOKEN_ID = 2
 TINY_LM_FAMILIES = ("glm4_moe", "deepseek_v3")
 
 
+def _shared_fields(vocab_size, hidden_size, num_hidden_layers, first_k_dense_replace, initializer_range) -> dict:
+    """The sizes and ids both tiny families share: MoE with 4 routed experts (top-2) + 1 shared, one NextN layer."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size // 2,
+        num_hidden_layers=num_hidden_layers,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=first_k_dense_replace,
+        max_position_embeddings=512,
+        initializer_range=initializer_range,
+        pad_token_id=TINY_LM_PAD_TOKEN_ID,
+        bos_token_id=TINY_LM_BOS_TOKEN_ID,
+        eos_token_id=TINY_LM_EOS_TOKEN_ID,
+        num_nextn_predict_layers=1,
+    )
+
+
 def tiny_glm4_moe_config(
     *,
     vocab_size: int = TINY_LM_VOCAB_SIZE,
@@ -32,28 +53,14 @@ def tiny_glm4_moe_config(
 ) -> Glm4MoeConfig:
     """GLM-4.5's real sizes: hidden 5120, 92 layers (MTP layer 92), 160 routed experts, top-8."""
     config = Glm4MoeConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size // 2,
-        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden_size // 4,
         partial_rotary_factor=0.5,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
         n_group=1,
         topk_group=1,
-        first_k_dense_replace=first_k_dense_replace,
         use_qk_norm=True,
-        max_position_embeddings=512,
-        initializer_range=initializer_range,
-        pad_token_id=TINY_LM_PAD_TOKEN_ID,
-        bos_token_id=TINY_LM_BOS_TOKEN_ID,
-        eos_token_id=TINY_LM_EOS_TOKEN_ID,
-        num_nextn_predict_layers=1,
+        **_shared_fields(vocab_size, hidden_size, num_hidden_layers, first_k_dense_replace, initializer_range),
     )
     config._attn_implementation = "sdpa"
     return config
@@ -69,11 +76,6 @@ def tiny_deepseek_v3_config(
 ) -> DeepseekV3Config:
     """DeepSeek-V3's real sizes: hidden 7168, 61 layers (MTP layer 61), MLA, 256 routed experts, top-8."""
     config = DeepseekV3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size // 2,
-        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=32,
@@ -81,18 +83,9 @@ def tiny_deepseek_v3_config(
         qk_rope_head_dim=8,
         qk_nope_head_dim=8,
         v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
         n_group=2,
         topk_group=1,
-        first_k_dense_replace=first_k_dense_replace,
-        max_position_embeddings=512,
-        initializer_range=initializer_range,
-        pad_token_id=TINY_LM_PAD_TOKEN_ID,
-        bos_token_id=TINY_LM_BOS_TOKEN_ID,
-        eos_token_id=TINY_LM_EOS_TOKEN_ID,
-        num_nextn_predict_layers=1,
+        **_shared_fields(vocab_size, hidden_size, num_hidden_layers, first_k_dense_replace, initializer_range),
     )
     config._attn_implementation = "sdpa"
     return config
