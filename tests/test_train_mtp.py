@@ -18,6 +18,7 @@ from omnimtp.spec.train import (
     distillation_losses,
     teacher_outputs,
     unrolled_draft_logits,
+    window_acceptance,
 )
 
 
@@ -75,6 +76,32 @@ def test_losses_and_acceptance_estimate_on_hand_built_logits():
     assert estimate["acceptance_per_position_sampled"][0] == pytest.approx(p_min.mean().item(), rel=1e-4)
 
 
+def test_window_acceptance_is_per_window_and_averages_to_the_estimate():
+    """Per-window rates: a window drafted exactly accepts everything, one drafted with the target's argmin
+    accepts nothing greedily; their mean over windows is `acceptance_estimate`'s figure."""
+    target_logits = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(1))
+    draft = [target_logits[:, i:].clone() for i in (1, 2, 3)]
+    wrong_token = target_logits.argmin(-1)  # [3, 7]
+    for i in (1, 2, 3):
+        draft[i - 1][1] = torch.nn.functional.one_hot(wrong_token[1, i:], 5).float() * 1e4
+    rates = window_acceptance(target_logits, draft)
+    assert rates["greedy"].shape == (3, 3) and rates["sampled"].shape == (3, 3)
+    torch.testing.assert_close(rates["greedy"][0], torch.ones(3))
+    torch.testing.assert_close(rates["greedy"][1], torch.zeros(3))
+    torch.testing.assert_close(rates["sampled"][2], torch.ones(3))
+    assert (rates["sampled"][1] < 1).all()
+    estimate = acceptance_estimate(target_logits, draft)
+    assert estimate["tau_greedy"] == pytest.approx(1 + rates["greedy"].mean(0).sum().item())
+    assert estimate["acceptance_per_position_sampled"] == pytest.approx(rates["sampled"].mean(0).tolist())
+
+
+def test_tv_weight_schedule():
+    constant = MTPTrainConfig(steps=11, tv_weight=2.0)
+    assert [constant.tv_weight_at(s) for s in (0, 5, 10)] == [2.0, 2.0, 2.0]
+    ramp = MTPTrainConfig(steps=11, tv_weight=3.0, tv_weight_start=0.0)
+    assert [ramp.tv_weight_at(s) for s in (0, 5, 10)] == pytest.approx([0.0, 1.5, 3.0])
+
+
 def test_training_lowers_loss_and_raises_heldout_acceptance(target):
     head = _fresh_head(target)
     config = MTPTrainConfig(num_draft_tokens=2, steps=20, batch_size=4, seq_len=16, lr=3e-3, warmup_steps=3,
@@ -124,7 +151,8 @@ def test_trained_head_round_trips_and_transformers_use_mtp_is_lossless(target, t
 def test_config_and_data_validation(tmp_path):
     for kwargs, name in [({"num_draft_tokens": 0}, "num_draft_tokens"), ({"steps": 0}, "steps"),
                          ({"lr": -1.0}, "lr"), ({"tv_weight": float("nan")}, "tv_weight"),
-                         ({"step_weights": (1.0,)}, "step_weights"), ({"seq_len": 3}, "seq_len")]:
+                         ({"step_weights": (1.0,)}, "step_weights"), ({"seq_len": 3}, "seq_len"),
+                         ({"tv_weight_start": -1.0}, "tv_weight_start")]:
         with pytest.raises(ValueError, match=name):
             MTPTrainConfig(**kwargs)
     with pytest.raises(ValueError, match="paths"):

@@ -182,12 +182,10 @@ def distillation_losses(
 
 
 @torch.no_grad()
-def acceptance_estimate(target_logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> dict:
-    """Acceptance of k-token chains starting at every row t < L - k, teacher-forced on the window's tokens.
-
-    greedy: position i is accepted when drafts 1..i all equal the target's argmax;
-    sampled (temperature 1): the probability that drafts 1..i are all accepted by rejection sampling,
-    Π_{j≤i} Σ_v min(p_j, q_j). τ = 1 + Σ_i acceptance_i (bonus token included)."""
+def window_acceptance(target_logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-window acceptance of k-token chains starting at every row t < L - k, teacher-forced on the
+    window's tokens: {"greedy", "sampled"} -> [B, k], the mean over the window's chains of "drafts 1..i
+    all accepted" for position i (see `acceptance_estimate`). Windows are the unit for standard errors."""
     num_steps = len(draft_logits)
     num_chains = target_logits.shape[1] - num_steps
     greedy_alive = torch.ones(target_logits.shape[0], num_chains, device=target_logits.device)  # [B, C]
@@ -199,8 +197,21 @@ def acceptance_estimate(target_logits: torch.Tensor, draft_logits: list[torch.Te
         greedy_alive = greedy_alive * (draft.argmax(-1) == target.argmax(-1)).float()
         overlap = torch.minimum(F.softmax(target, dim=-1), F.softmax(draft, dim=-1)).sum(-1)  # [B, C]
         sampled_alive = sampled_alive * overlap
-        greedy_rates.append(greedy_alive.mean().item())
-        sampled_rates.append(sampled_alive.mean().item())
+        greedy_rates.append(greedy_alive.mean(dim=1))  # [B]
+        sampled_rates.append(sampled_alive.mean(dim=1))  # [B]
+    return {"greedy": torch.stack(greedy_rates, dim=1), "sampled": torch.stack(sampled_rates, dim=1)}
+
+
+@torch.no_grad()
+def acceptance_estimate(target_logits: torch.Tensor, draft_logits: list[torch.Tensor]) -> dict:
+    """Acceptance of k-token chains starting at every row t < L - k, teacher-forced on the window's tokens.
+
+    greedy: position i is accepted when drafts 1..i all equal the target's argmax;
+    sampled (temperature 1): the probability that drafts 1..i are all accepted by rejection sampling,
+    Π_{j≤i} Σ_v min(p_j, q_j). τ = 1 + Σ_i acceptance_i (bonus token included)."""
+    rates = window_acceptance(target_logits, draft_logits)
+    greedy_rates = rates["greedy"].mean(dim=0).tolist()  # [k]
+    sampled_rates = rates["sampled"].mean(dim=0).tolist()  # [k]
     return {
         "tau_greedy": 1.0 + sum(greedy_rates),
         "tau_sampled": 1.0 + sum(sampled_rates),
@@ -242,7 +253,11 @@ def evaluate_head(target: nn.Module, head: MTPHead, windows: torch.Tensor, num_s
 
 @dataclass
 class MTPTrainConfig:
-    """Settings of `train_mtp_head`. `step_weights` default: 0.8 ** (i - 1) for draft step i."""
+    """Settings of `train_mtp_head`. `step_weights` default: 0.8 ** (i - 1) for draft step i.
+
+    `tv_weight_start`: when set, the TV weight moves linearly from it at step 0 to `tv_weight` at the last
+    step (e.g. 0 → 3: cross-entropy first, where TV's gradient, proportional to q, is weak on tokens the
+    head still misses; TV weighs more once q is near p). None: `tv_weight` throughout."""
 
     num_draft_tokens: int = 3
     steps: int = 1000
@@ -252,6 +267,7 @@ class MTPTrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     tv_weight: float = 1.0
+    tv_weight_start: float | None = None
     step_weights: tuple[float, ...] | None = None
     eval_every: int = 100
     num_eval_windows: int = 16
@@ -272,6 +288,8 @@ class MTPTrainConfig:
             raise ValueError("warmup_steps and weight_decay must be >= 0")
         if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
             raise ValueError(f"tv_weight must be a finite number >= 0, got {self.tv_weight}")
+        if self.tv_weight_start is not None and not (self.tv_weight_start >= 0 and math.isfinite(self.tv_weight_start)):
+            raise ValueError(f"tv_weight_start must be None or a finite number >= 0, got {self.tv_weight_start}")
         if self.step_weights is None:
             self.step_weights = tuple(0.8**i for i in range(self.num_draft_tokens))
         self.step_weights = tuple(float(w) for w in self.step_weights)
@@ -279,6 +297,13 @@ class MTPTrainConfig:
             raise ValueError(
                 f"step_weights must be {self.num_draft_tokens} numbers >= 0, got {self.step_weights}"
             )
+
+    def tv_weight_at(self, step: int) -> float:
+        """The TV weight of training step `step` (0-based)."""
+        if self.tv_weight_start is None:
+            return self.tv_weight
+        progress = min(1.0, step / max(1, self.steps - 1))
+        return self.tv_weight_start + (self.tv_weight - self.tv_weight_start) * progress
 
     def learning_rate(self, step: int) -> float:
         """Linear warmup, then cosine decay to 10% of `lr`."""
@@ -362,7 +387,8 @@ def train_mtp_head(
             hidden, target_logits = teacher_outputs(target, batch)
             draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens)
             ce, tv = distillation_losses(target_logits, draft_logits)
-            loss = sum(w * (c + config.tv_weight * t) for w, c, t in zip(config.step_weights, ce, tv))
+            tv_weight = config.tv_weight_at(step)
+            loss = sum(w * (c + tv_weight * t) for w, c, t in zip(config.step_weights, ce, tv))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(own.values()), 1.0)

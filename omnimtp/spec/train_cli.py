@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -33,6 +34,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--tv-weight", type=float, default=1.0)
+    parser.add_argument("--tv-weight-start", type=float, default=None,
+                        help="TV weight at step 0, moving linearly to --tv-weight at the last step (default: constant)")
     parser.add_argument("--step-weights", type=float, nargs="+", default=None,
                         help="loss weight of each draft step (default 0.8 ** (i - 1))")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     config = MTPTrainConfig(
         num_draft_tokens=args.num_draft_tokens, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, tv_weight=args.tv_weight,
-        step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
+        tv_weight_start=args.tv_weight_start, step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
         num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
     )
     model_dir, out_dir = Path(args.model), Path(args.out)
@@ -100,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         copy_target_files(model_dir, out_dir)
     head.save_pretrained(out_dir)
     summary = {"out": str(out_dir), "steps": config.steps, "tv_weight": config.tv_weight,
-               "num_draft_tokens": config.num_draft_tokens, "evals": result.evals}
+               "tv_weight_start": config.tv_weight_start, "num_draft_tokens": config.num_draft_tokens,
+               "config": dataclasses.asdict(config), "train_files": len(train_files),
+               "heldout_files": len(heldout_files), "evals": result.evals}
     (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))
     last = result.evals[-1]
     print(json.dumps({"step": last["step"], "tau_greedy": round(last["tau_greedy"], 3),
