@@ -5,7 +5,7 @@ codes (checked here). Reported per config: total wall time of each (ours: `gener
 time to the first audio chunk (`stream`) and its share of the reference's total, and real-time factors (wall time / audio time).
 Our code predictor step is compiled (`compile_predictor=True`) during the untimed warm-up unless --eager.
 
-    python benchmarks/e2e.py [--quick] [--threads 1] [--eager] [--out benchmarks/results/e2e.json]
+    python benchmarks/e2e.py [--quick] [--threads 1] [--eager] [--config mid] [--out benchmarks/results/e2e.json]
 """
 
 from __future__ import annotations
@@ -80,11 +80,13 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer tokens / frames / repeats")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="do not torch.compile our code predictor step")
+    parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
-    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, not args.eager) for name, kwargs in CONFIGS.items()]
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, not args.eager) for name, kwargs in CONFIGS.items()
+               if not args.config or name in args.config]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads,

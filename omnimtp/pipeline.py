@@ -24,6 +24,7 @@ import torch
 
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import ThinkerToTalkerStream, num_kept_rows
+from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams, make_generators
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import TalkerBatch, TalkerRequest
@@ -105,6 +106,9 @@ class OmniPipeline:
         self.accept_hidden_layer = config.talker_config.accept_hidden_layer
         self.max_positions = config.thinker_config.text_config.max_position_embeddings
         self.predictor = CodePredictorRunner(model.talker.code_predictor, max_batch_size, compile=compile_predictor)
+        # Packed once; the thinker and talker runs of every call share them.
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         self.codec = StreamingCode2Wav(model.code2wav)
         speakers = config.talker_config.speaker_id
         self.default_speaker = "ethan" if "ethan" in {s.lower() for s in speakers} else sorted(speakers)[0]
@@ -219,9 +223,9 @@ class OmniPipeline:
         thinker = ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens,
-            sampling=[thinker_sampling] * len(prompts), generators=thinker_generators,
+            sampling=[thinker_sampling] * len(prompts), generators=thinker_generators, decoder=self.thinker_decoder,
         )
-        talker = TalkerBatch(self.model.talker, self.max_batch_size, predictor=self.predictor)
+        talker = TalkerBatch(self.model.talker, self.max_batch_size, predictor=self.predictor, decoder=self.talker_decoder)
         yield from self._run(requests, thinker, talker, max_frames, is_audio_streamed)
 
     # --- the loop --------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""An explicit thinker decode loop over transformers' Qwen3-Omni thinker.
+"""An explicit thinker decode loop over Qwen3-Omni's thinker on packed weights (`PackedDecoder`).
 
-One forward per step over a left-padded batch with a `DynamicCache`; every forward's rows of the
-layer-0 input embeddings and of the hidden state at `accept_hidden_layer` are handed out with the
-token, which is what the talker needs. As in `generate`, there is no forward after a request's last
-token, so a request with P prompt and N output tokens leaves P + N − 1 captured rows.
+Each request has its own KV slot: the prefill runs per request (no padding), then one forward per
+step over the requests still writing. Every forward's rows of the layer-0 input embeddings and of
+the hidden state at `accept_hidden_layer` are handed out with the token, which is what the talker
+needs. As in `generate`, there is no forward after a request's last token, so a request with P
+prompt and N output tokens leaves P + N − 1 captured rows.
 
     run = ThinkerRun(model.thinker, [[256, 262, 10, 72, 257, 10, 256, 263, 10]], accept_hidden_layer=1,
                      eos_token_ids={257}, max_new_tokens=64)
@@ -17,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
+from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
 
 
@@ -38,7 +39,11 @@ class ThinkerEvent:
 
 
 class ThinkerRun:
-    """A batch of requests decoded in lockstep; finished rows ride along and are ignored."""
+    """A batch of requests decoded in lockstep; finished requests are no longer forwarded.
+
+    thinker: transformers' `Qwen3OmniMoeThinkerForConditionalGeneration`. decoder: the packed weights
+    of its text model (`PackedDecoder.from_module(thinker.model.language_model)`), made here when
+    None; pass one to share it between runs."""
 
     def __init__(
         self,
@@ -50,10 +55,18 @@ class ThinkerRun:
         max_new_tokens: int,
         sampling: list[SamplingParams | None] | None = None,
         generators: list[torch.Generator | None] | None = None,
-        pad_token_id: int = 0,
+        decoder: PackedDecoder | None = None,
     ):
         batch_size = len(prompts)
+        if batch_size == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one non-empty prompt")
+        if decoder is not None and not isinstance(decoder, PackedDecoder):
+            raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
+        num_layers = thinker.config.text_config.num_hidden_layers
+        if not 0 <= accept_hidden_layer <= num_layers:
+            raise ValueError(f"accept_hidden_layer must be in [0, {num_layers}], got {accept_hidden_layer!r}")
         self.thinker = thinker
+        self.decoder = decoder or PackedDecoder.from_module(thinker.model.language_model)
         self.accept_hidden_layer = accept_hidden_layer
         self.eos_token_ids = set(eos_token_ids)
         self.max_new_tokens = max_new_tokens
@@ -61,15 +74,9 @@ class ThinkerRun:
         self.generators = list(generators) if generators is not None else [None] * batch_size
         self.output_ids: list[list[int]] = [[] for _ in prompts]
         self.finish_reasons: list[str | None] = [None] * batch_size
-        self.cache = DynamicCache(config=thinker.config.text_config)
-        device = thinker.device
-        max_len = max(len(p) for p in prompts)
-        self._next_ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long, device=device)
-        self.attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long, device=device)
-        for i, prompt in enumerate(prompts):
-            self._next_ids[i, max_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            self.attention_mask[i, max_len - len(prompt):] = 1
-        self._prompt_lengths = [len(p) for p in prompts]
+        self.prompts = [list(p) for p in prompts]
+        capacity = max(len(p) for p in prompts) + max_new_tokens
+        self.kv = SlotKVCache(self.decoder, batch_size, capacity=capacity)  # slot i = request i
         self._is_prefill = True
 
     @property
@@ -77,38 +84,44 @@ class ThinkerRun:
         return all(reason is not None for reason in self.finish_reasons)
 
     def step(self) -> list[ThinkerEvent]:
-        """One forward for the whole batch → one event per request."""
-        mask = self.attention_mask
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -self._next_ids.shape[1]:]  # [B, S_new]
+        """One forward for every unfinished request (the first step: each request's prefill) → one
+        event per request."""
+        active = [i for i, reason in enumerate(self.finish_reasons) if reason is None]
+        device = self.decoder.device
+        embed_tokens = self.thinker.get_input_embeddings()
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # i → embeds, hidden, logits
         with torch.no_grad():
-            out = self.thinker(
-                input_ids=self._next_ids, attention_mask=mask, position_ids=positions[None].expand(4, -1, -1),
-                cache=self.cache, use_cache=True, output_hidden_states=True,
-            )
-        embeds = out.hidden_states[0]  # [B, S_new, D]
-        hidden = out.hidden_states[self.accept_hidden_layer]  # [B, S_new, D]
-        logits = out.logits[:, -1].float()  # [B, V]
+            if self._is_prefill:
+                for i in active:
+                    embeds = embed_tokens(torch.tensor([self.prompts[i]], device=device))  # [1, P, D]
+                    hidden, logits = self._forward(embeds, [i])
+                    rows[i] = (embeds[0], hidden[0], logits[0])
+            elif active:
+                ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
+                embeds = embed_tokens(ids)  # [R, 1, D]
+                hidden, logits = self._forward(embeds, active)
+                for r, i in enumerate(active):
+                    rows[i] = (embeds[r], hidden[r], logits[r])
+        self._is_prefill = False
         events = []
-        next_ids = []
         for i in range(len(self.output_ids)):
-            if self.finish_reasons[i] is not None:
-                empty = embeds.new_zeros((0, embeds.shape[-1]))
+            if i not in rows:
+                empty = torch.zeros((0, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
                 events.append(ThinkerEvent(i, None, empty, empty, None))
-                next_ids.append(self.output_ids[i][-1] if self.output_ids[i] else 0)
                 continue
-            num_rows = self._prompt_lengths[i] if self._is_prefill else 1
+            row_embeds, row_hidden, logits = rows[i]
             generator = [self.generators[i]] if self.generators[i] is not None else None
-            token_id = int(sample(logits[i : i + 1], self.sampling[i], generator)[0])
+            token_id = int(sample(logits[None].float(), self.sampling[i], generator)[0])
             self.output_ids[i].append(token_id)
             if token_id in self.eos_token_ids:
                 self.finish_reasons[i] = "stop"
             elif len(self.output_ids[i]) >= self.max_new_tokens:
                 self.finish_reasons[i] = "length"
-            row_embeds = embeds[i, -num_rows:].clone()  # [n, D]
-            row_hidden = hidden[i, -num_rows:].clone()  # [n, D]
             events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
-            next_ids.append(token_id)
-        self._is_prefill = False
-        self._next_ids = torch.tensor(next_ids, dtype=torch.long, device=mask.device)[:, None]  # [B, 1]
-        self.attention_mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         return events
+
+    def _forward(self, embeds: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D] and last-position logits [R, V]."""
+        out = decoder_forward(self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer)
+        logits = torch.nn.functional.linear(out.last_hidden, self.thinker.lm_head.weight)  # [R, V]
+        return out.captured, logits

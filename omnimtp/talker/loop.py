@@ -8,10 +8,10 @@ One step, for every active request:
 
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
 the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
-boundary. The talker KV is left-padded (an attention-mask column per cached position) and every row
-carries its own 3-D RoPE position, so a request's frames do not depend on who else is in the batch.
-A request whose next reply row has not arrived yet (streamed thinker) sits the step out: its column
-is masked and its state is untouched.
+boundary. The talker runs on packed weights (`PackedDecoder`) with one KV slot per request: a
+request's positions and cache never mix with another's, so its frames do not depend on who else is
+in the batch. A request whose next reply row has not arrived yet (streamed thinker) sits the step
+out: it is not forwarded and its state is untouched.
 
 Greedy defaults reproduce `Qwen3OmniMoeForConditionalGeneration.generate(talker_do_sample=False)`,
 whose repetition penalty 1.05 still applies; the last talker token (normally EOS) gets no residual
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
-from transformers import DynamicCache
 
+from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, decoder_forward
 from omnimtp.sampling import (
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
@@ -97,24 +97,30 @@ class _Row:
 class TalkerBatch:
     """The talker state over the active requests (see the module docstring).
 
-    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`."""
+    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`. decoder: its decoder's packed
+    weights (`PackedDecoder.from_module(talker.model)`), made here when None; pass one to share it
+    between batches. Row i of the batch is KV slot i."""
 
-    def __init__(self, talker, max_batch_size: int = 8, predictor: CodePredictorRunner | None = None):
+    def __init__(
+        self, talker, max_batch_size: int = 8, predictor: CodePredictorRunner | None = None,
+        decoder: PackedDecoder | None = None,
+    ):
         config = talker.config
         self.talker = talker
         self.max_batch_size = max_batch_size
         self.predictor = predictor or CodePredictorRunner(talker.code_predictor, max_batch_size)
         if self.predictor.max_batch_size < max_batch_size:
             raise ValueError(f"predictor.max_batch_size must be >= {max_batch_size}")
+        if decoder is not None and not isinstance(decoder, PackedDecoder):
+            raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
+        self.decoder = decoder or PackedDecoder.from_module(talker.model)
+        self.kv = SlotKVCache(self.decoder, max_batch_size)
         self.eos_id = config.codec_eos_token_id
         vocab_size = config.text_config.vocab_size
         self.is_suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=talker.device)  # [V]
         self.is_suppressed[vocab_size - 1024 :] = True
         self.is_suppressed[self.eos_id] = False
         self.rows: list[_Row] = []
-        self.cache: DynamicCache | None = None
-        self.attention_mask: torch.Tensor | None = None  # [B, S]
-        self.positions: torch.Tensor | None = None  # [B] next RoPE position of each row
         self.last_hidden: torch.Tensor | None = None  # [B, H] talker output at the last position
         self.code0: torch.Tensor | None = None  # [B] sampled, its frame not made yet
         self.seen: torch.Tensor | None = None  # [B, V] talker tokens each row generated (repetition penalty)
@@ -135,16 +141,17 @@ class TalkerBatch:
             known.add(request.request_id)
         if not requests:
             return []
-        embeds, mask = _left_pad([r.prefill_embeds for r in requests])  # [N, L, H], [N, L]
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [N, L]
-        cache = DynamicCache(config=self.talker.config.text_config)
-        hidden = self._forward(embeds, mask, positions, cache)  # [N, H]
+        hidden = []
+        for slot, request in enumerate(requests, start=len(self.rows)):  # one prefill per request, in its slot
+            self.kv.reset(slot)
+            hidden.append(self._forward(request.prefill_embeds[None], [slot]))
+        hidden = torch.cat(hidden)  # [N, H]
         new_rows = [
             _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
         ]
         seen = torch.zeros((len(requests), self.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
         code0 = self._sample_code0(hidden, seen, new_rows)  # [N]
-        self._merge(new_rows, cache, mask, positions[:, -1] + 1, hidden, code0, seen)
+        self._merge(new_rows, hidden, code0, seen)
         finished = []
         for row, code in zip(new_rows, code0.tolist()):
             if code == self.eos_id:
@@ -167,15 +174,10 @@ class TalkerBatch:
             return []
         index = torch.tensor(ready, device=self.code0.device)
         codes, next_inputs = self._make_frames(index)  # [R, G], [R, H]
-        step_embeds = self.last_hidden.new_zeros(self.last_hidden.shape).index_copy(0, index, next_inputs)
-        is_ready = torch.zeros(len(self.rows), dtype=torch.long, device=index.device).index_fill(0, index, 1)
-        mask = torch.cat([self.attention_mask, is_ready[:, None]], dim=1)  # [B, S+1]
-        hidden = self._forward(step_embeds[:, None], mask, self.positions[:, None], self.cache)  # [B, H]
-        self.attention_mask = mask
-        self.positions = self.positions + is_ready
+        hidden = self._forward(next_inputs[:, None], ready)  # [R, H]
         self.seen[index, self.code0[index]] = True
-        next_code0 = self._sample_code0(hidden[index], self.seen[index], [self.rows[i] for i in ready])
-        self.last_hidden = self.last_hidden.index_copy(0, index, hidden[index])
+        next_code0 = self._sample_code0(hidden, self.seen[index], [self.rows[i] for i in ready])
+        self.last_hidden = self.last_hidden.index_copy(0, index, hidden)
         self.code0 = self.code0.index_copy(0, index, next_code0)
         return [self._finish_frame(i, frame_codes, code) for i, frame_codes, code in zip(ready, codes, next_code0.tolist())]
 
@@ -187,15 +189,12 @@ class TalkerBatch:
             raise ValueError(f"request_ids: not in the batch: {sorted(map(repr, unknown))}")
         keep = [i for i, rid in enumerate(self.request_ids) if rid not in dropped]
         self.rows = [self.rows[i] for i in keep]
+        self.kv.keep(keep)
         if not keep:
-            self.cache = self.attention_mask = self.positions = self.last_hidden = self.code0 = self.seen = None
+            self.last_hidden = self.code0 = self.seen = None
             return
         index = torch.tensor(keep, device=self.code0.device)
-        mask = self.attention_mask[index]
-        first_used = int(mask.any(dim=0).nonzero()[0])  # columns before it are padding in every kept row
-        self.attention_mask = mask[:, first_used:]
-        self.cache = _rebuild_cache(self.cache, lambda kv: kv[index, :, first_used:], self.talker.config)
-        self.positions, self.last_hidden = self.positions[index], self.last_hidden[index]
+        self.last_hidden = self.last_hidden[index]
         self.code0, self.seen = self.code0[index], self.seen[index]
 
     # --- pieces of a step -------------------------------------------------------------------
@@ -219,14 +218,11 @@ class TalkerBatch:
         next_inputs = next_talker_input(self.talker.code_predictor, cb0_embed, residual, text)  # [R, H]
         return torch.cat([code0[:, None], residual], dim=1), next_inputs
 
-    def _forward(self, embeds, mask, positions, cache) -> torch.Tensor:
-        """Talker forward over embeds [B, S, H] → post-norm hidden at the last position [B, H]."""
-        position_ids = positions[None].expand(4, -1, -1)  # text + 3 mRoPE axes, equal for text-only rows
+    def _forward(self, embeds: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Talker forward of embeds [R, T, H] appended to KV slots `slots` → post-norm hidden at the
+        last position [R, H]."""
         with torch.no_grad():
-            out = self.talker.model(
-                inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-            )
-        return out.last_hidden_state[:, -1]
+            return decoder_forward(self.decoder, self.kv, embeds, slots).last_hidden
 
     def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it."""
@@ -250,23 +246,11 @@ class TalkerBatch:
             row.finish_reason = "length"
         return TalkerFrame(row.request.request_id, codes, row.finish_reason)
 
-    def _merge(self, new_rows, cache, mask, positions, hidden, code0, seen) -> None:
+    def _merge(self, new_rows, hidden, code0, seen) -> None:
         if not self.rows:
-            self.rows, self.cache, self.attention_mask = new_rows, cache, mask
-            self.positions, self.last_hidden, self.code0, self.seen = positions, hidden, code0, seen
+            self.rows, self.last_hidden, self.code0, self.seen = new_rows, hidden, code0, seen
             return
-        old_len, new_len = self.attention_mask.shape[1], mask.shape[1]
-        length = max(old_len, new_len)
-        old_cache, old_mask = self.cache, self.attention_mask
-        self.attention_mask = torch.cat([_pad_left(old_mask, length), _pad_left(mask, length)])
-        new_layers = iter(_layer_kv(cache))
-        self.cache = _rebuild_cache(
-            old_cache,
-            lambda kv: torch.cat([_pad_left(kv, length, dim=2), _pad_left(next(new_layers), length, dim=2)]),
-            self.talker.config,
-        )
         self.rows = self.rows + new_rows
-        self.positions = torch.cat([self.positions, positions])
         self.last_hidden = torch.cat([self.last_hidden, hidden])
         self.code0 = torch.cat([self.code0, code0])
         self.seen = torch.cat([self.seen, seen])
@@ -283,37 +267,3 @@ def _group_by_predictor_sampling(rows: list[_Row]) -> dict[SamplingParams | None
 
 def _pop_text_row(row: _Row) -> torch.Tensor:
     return row.text_rows.pop(0) if row.text_rows else row.request.tts_pad_embed
-
-
-def _left_pad(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[L_i, H] each → ([N, L, H] zero-padded on the left, [N, L] long mask)."""
-    length = max(s.shape[0] for s in sequences)
-    first = sequences[0]
-    embeds = first.new_zeros((len(sequences), length, first.shape[1]))
-    mask = torch.zeros((len(sequences), length), dtype=torch.long, device=first.device)
-    for i, s in enumerate(sequences):
-        embeds[i, length - s.shape[0]:] = s
-        mask[i, length - s.shape[0]:] = 1
-    return embeds, mask
-
-
-def _pad_left(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-
-def _layer_kv(cache: DynamicCache) -> list[torch.Tensor]:
-    """Keys and values of every layer, in order: [B, heads, S, D] each."""
-    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-def _rebuild_cache(cache: DynamicCache, transform, config) -> DynamicCache:
-    """A new cache whose every key/value tensor is `transform(old)` (row selection, padding, merging)."""
-    rebuilt = DynamicCache(config=config.text_config)
-    for layer_idx, layer in enumerate(cache.layers):
-        rebuilt.update(transform(layer.keys), transform(layer.values), layer_idx)
-    return rebuilt
