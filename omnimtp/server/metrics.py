@@ -27,6 +27,16 @@ class ServerMetrics:
             "omnimtp_frames_per_second", "Audio frames per second of a finished request", buckets=_FPS_BUCKETS,
             registry=r,
         )
+        self.first_audio_stage = Histogram(
+            "omnimtp_first_audio_stage_seconds",
+            "Time to first audio by stage: queue (submitted to admitted), thinker (to talker prefill), "
+            "talker (to first frame), code2wav (to first audio chunk)", ["stage"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_phase = Histogram(
+            "omnimtp_engine_phase_seconds", "Engine iteration time by phase: think, talker_admit, talk, code2wav",
+            ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.step_batch_size = Histogram(
             "omnimtp_talker_step_batch_size", "Requests in one talker step", buckets=_BATCH_BUCKETS, registry=r
         )

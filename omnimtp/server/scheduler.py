@@ -5,11 +5,15 @@ One background thread owns the models. Each iteration of its loop is one frame b
     retire   cancelled and finished requests (their slots free up now)
     admit    waiting requests, up to max_batch_size holding a slot; chat requests admitted together
              form a thinker cohort (one `ThinkerRun`), speech requests get their talker inputs
-    think    one thinker step per cohort; new reply rows go to the talker through the streamed
-             handoff, and requests whose talker prefill is ready are prefilled together
+    think    one thinker step per cohort; a cohort admitted this iteration takes up to
+             `max_start_steps` steps, until each of its speaking requests has its talker prefill and
+             the reply row its first frame needs (first audio in the iteration it was admitted);
+             new reply rows go to the talker through the streamed handoff, and requests whose talker
+             prefill is ready are prefilled together
     speak    one talker + code predictor step for every speaking request, as one batch
-    decode   code2wav for every request with a chunk of frames ready, as one batch (newcomers'
-             first chunks first: see `_decode_ready`)
+    decode   code2wav as one batch: every request's first chunk at once, later chunks oldest first
+             within a frame budget (see `_decode_ready`), so a wave of long chunks never holds up
+             the iteration that carries a newcomer's first audio
 
 The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
 events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
@@ -147,9 +151,11 @@ class _Slot:
     talker_finish: str | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # each [G]
     num_decoded: int = 0  # frames already turned into audio
-    num_deferred: int = 0  # iterations in a row its ready chunk waited for newcomers' first chunks
+    chunk_ready_step: int | None = None  # the iteration its next (not first) chunk became ready
     codec_stream: object | None = None  # omnimtp.codec.streaming.CodecStream
-    speak_started_at: float = 0.0
+    speak_started_at: float = 0.0  # admitted
+    talker_admitted_at: float | None = None
+    first_frame_at: float | None = None
     first_audio_at: float | None = None
 
     @property
@@ -181,13 +187,39 @@ class Engine:
     backend: the model side (`SpeechBackend`); it turns requests into thinker runs and talker
     inputs, owns the batched talker state and decodes code2wav windows.
     max_batch_size: requests holding a slot at once (thinking or speaking).
-    """
+    max_start_steps: thinker steps a newly admitted cohort may take in its first iteration (its
+    prefill counts as one); 3 give a reply its talker prefill and its first frame's text row.
+    max_decode_frames: frames of later (not first) chunks decoded per iteration, though always at
+    least the oldest chunk (default 2·max_batch_size: more than the talker makes per step, so no
+    backlog builds up).
+    max_defer_iterations: how many iterations in a row later chunks may wait while requests are queued
+    for a free slot (they are admitted first: time to first audio)."""
 
-    def __init__(self, backend: "SpeechBackend", *, max_batch_size: int = 16, model_id: str = "omnimtp-tiny"):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    def __init__(
+        self,
+        backend: "SpeechBackend",
+        *,
+        max_batch_size: int = 16,
+        model_id: str = "omnimtp-tiny",
+        max_start_steps: int = 3,
+        max_decode_frames: int | None = None,
+        max_defer_iterations: int = 2,
+    ):
+        for name, value in (("max_batch_size", max_batch_size), ("max_start_steps", max_start_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(max_defer_iterations, bool) or not isinstance(max_defer_iterations, int) or max_defer_iterations < 0:
+            raise ValueError(f"max_defer_iterations must be an integer >= 0, got {max_defer_iterations!r}")
+        if max_decode_frames is None:
+            max_decode_frames = 2 * max_batch_size
+        if isinstance(max_decode_frames, bool) or not isinstance(max_decode_frames, int) or max_decode_frames < 1:
+            raise ValueError(f"max_decode_frames must be an integer >= 1 or None, got {max_decode_frames!r}")
         self.backend = backend
         self.max_batch_size = max_batch_size
+        self.max_start_steps = max_start_steps
+        self.max_decode_frames = max_decode_frames
+        self.max_defer_iterations = max_defer_iterations
+        self._step_index = 0  # engine iterations so far (orders the later chunks waiting for code2wav)
         self.model_id = model_id
         self.created = int(time.time())
         self.max_queue = 64
@@ -335,9 +367,12 @@ class Engine:
             talker.retire(retire)
 
     def _iterate(self, admitted: list[_Slot], talker) -> None:
+        self._step_index += 1
+        started = time.perf_counter()
         chats = []
         for slot in admitted:
-            slot.speak_started_at = time.perf_counter()
+            slot.speak_started_at = started
+            self._observe_stage("queue", slot.speak_started_at - slot.submitted_at)
             if slot.request.speaker is not None:
                 slot.codec_stream = self.backend.new_codec_stream()
             if slot.request.messages is not None:
@@ -347,15 +382,21 @@ class Engine:
                 slot.pending_talker = _PendingTalker(
                     inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, is_text_finished=True
                 )
+        newcomers = None
         if chats:  # requests admitted together share one thinker run (one forward per step)
-            self._cohorts.append(_Cohort(self.backend.new_thinker(chats), chats))
+            newcomers = _Cohort(self.backend.new_thinker(chats), chats)
+            self._cohorts.append(newcomers)
         for cohort in self._cohorts:
-            for event in cohort.run.step():
-                slot = cohort.slots[event.index]
-                if event.token_id is not None and slot.is_thinking:
-                    self._take_token(slot, event, talker)
+            self._step_cohort(cohort, talker)
+        if newcomers is not None:  # their first frame needs the prefill and two reply rows: no waiting a frame each
+            for _ in range(self.max_start_steps - 1):
+                if newcomers.run.is_finished or all(self._can_speak(slot) for slot in newcomers.slots):
+                    break
+                self._step_cohort(newcomers, talker)
         self._cohorts = [c for c in self._cohorts if not c.run.is_finished and any(s.is_thinking for s in c.slots)]
+        started = self._observe_phase("think", started)
         self._admit_pending(talker)
+        started = self._observe_phase("talker_admit", started)
         if any(slot.talker_id is not None and slot.talker_finish is None for slot in self._active.values()):
             frames = talker.step()
             if self.metrics is not None and frames:
@@ -364,8 +405,37 @@ class Engine:
             finished = [frame.request_id for frame in frames if frame.finish_reason is not None]
             if finished:  # a finished row leaves the talker batch now; its audio may still be decoding
                 talker.retire(finished)
+        started = self._observe_phase("talk", started)
         self._decode_ready()
+        started = self._observe_phase("code2wav", started)
         self._retire_finished(talker)
+
+    def _step_cohort(self, cohort: _Cohort, talker) -> None:
+        for event in cohort.run.step():
+            slot = cohort.slots[event.index]
+            if event.token_id is not None and slot.is_thinking:
+                self._take_token(slot, event, talker)
+
+    @staticmethod
+    def _can_speak(slot: _Slot) -> bool:
+        """Whether a chat request waits for no more thinker rows before its first frame: its talker
+        prefill and one reply row are here (or its reply is over, or it has nothing to say)."""
+        if slot.request.speaker is None or not slot.is_thinking or slot.talker_finish is not None:
+            return True
+        pending = slot.pending_talker
+        if pending is None:
+            return slot.talker_id is not None
+        return pending.is_text_finished or sum(block.shape[0] for block in pending.trailing_text) > 0
+
+    def _observe_phase(self, phase: str, started: float) -> float:
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.engine_phase.labels(phase=phase).observe(now - started)
+        return now
+
+    def _observe_stage(self, stage: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.first_audio_stage.labels(stage=stage).observe(seconds)
 
     def _admit_pending(self, talker) -> None:
         """Prefill every request whose talker inputs became ready this iteration, as one batch."""
@@ -380,7 +450,11 @@ class Engine:
                 inputs.tts_pad_embed, inputs.is_text_finished, slot.request, slot.talker_generator,
             ))
             slot.talker_id = slot.handle.request_id
-        ended = talker.admit(requests)  # codec EOS straight after the prefill: no frames
+        ended = talker.admit(requests)
+        now = time.perf_counter()
+        for slot in pending:
+            slot.talker_admitted_at = now
+            self._observe_stage("thinker", now - slot.speak_started_at)  # codec EOS straight after the prefill: no frames
         for frame in ended:
             self._active[frame.request_id].talker_finish = frame.finish_reason
         if ended:
@@ -437,42 +511,63 @@ class Engine:
             slot = by_talker_id[frame.request_id]
             if frame.codes is not None:
                 slot.frames.append(frame.codes)
+                if slot.first_frame_at is None:
+                    slot.first_frame_at = time.perf_counter()
+                    self._observe_stage("talker", slot.first_frame_at - slot.talker_admitted_at)
             if frame.finish_reason is not None:
                 slot.talker_finish = frame.finish_reason
 
     def _decode_ready(self) -> None:
-        """code2wav for every request with a chunk ready, in one batch.
+        """code2wav for the requests with a chunk ready: first chunks in one batch, then later ones.
 
         Chunk boundaries are fixed per request (first_chunk_frames, then every chunk_frames, then the
-        rest), whatever else runs. A request's first chunk is always decoded at once (time to first
-        audio); while first chunks are waiting, later chunks wait, each for at most
-        `max_defer_iterations` iterations in a row (so a steady stream of newcomers cannot starve
-        requests already speaking)."""
+        rest), whatever else runs; only the iteration a chunk is decoded in depends on the load. Every
+        ready first chunk is decoded at once (time to first audio). Later chunks go oldest first (the
+        iteration they became ready, then request id): the oldest always, the next ones while their
+        frames fit in `max_decode_frames`. So requests that finish together spread their long last
+        chunks over several short iterations instead of one long one that every newcomer waits behind.
+        While requests are queued for a free slot, later chunks wait for the next iteration (the
+        oldest at most `max_defer_iterations` iterations), so the newcomers are admitted sooner."""
         first, later = [], []
         for slot in self._active.values():
             pending = len(slot.frames) - slot.num_decoded
             target = self.backend.first_chunk_frames if slot.num_decoded == 0 else self.backend.chunk_frames
             if pending >= target or (pending > 0 and slot.talker_finish is not None):
-                (first if slot.num_decoded == 0 else later).append((slot, min(pending, target)))
-        if first:
-            deferred = [slot for slot, _ in later if slot.num_deferred < self.backend.max_defer_iterations]
-            for slot in deferred:
-                slot.num_deferred += 1
-            later = [(slot, n) for slot, n in later if slot not in deferred]
-        for slot, _ in later:
-            slot.num_deferred = 0
-        ready = first + later
+                if slot.num_decoded == 0:
+                    first.append((slot, min(pending, target)))
+                    continue
+                if slot.chunk_ready_step is None:
+                    slot.chunk_ready_step = self._step_index
+                later.append((slot, min(pending, target)))
+        later.sort(key=lambda item: (item[0].chunk_ready_step, item[0].handle.request_id))
+        if later and self._step_index - later[0][0].chunk_ready_step < self.max_defer_iterations:
+            with self._cond:
+                has_newcomers = bool(self._waiting) and len(self._active) < self.max_batch_size
+            if has_newcomers:  # end the iteration: admitting them now beats decoding audio not yet due
+                later = []
+        budget = self.max_decode_frames
+        taken = []
+        for i, (slot, n) in enumerate(later):
+            if i > 0 and n > budget:
+                break  # strictly oldest first: a short chunk never overtakes a waiting long one
+            taken.append((slot, n))
+            slot.chunk_ready_step = None
+            budget -= n
+        self._decode(first)  # on their way before the later chunks' (longer) code2wav starts
+        self._decode(taken)
+
+    def _decode(self, ready: list[tuple[_Slot, int]]) -> None:
+        """The next n frames of each slot through code2wav in one batch; the audio goes out at once."""
         if not ready:
             return
         blocks = [torch.stack(slot.frames[slot.num_decoded : slot.num_decoded + n], dim=1) for slot, n in ready]
         chunks = self.backend.decode_chunks([slot.codec_stream for slot, _ in ready], blocks)  # [G, n] blocks
+        now = time.perf_counter()
         for (slot, n), samples in zip(ready, chunks):
             slot.num_decoded += n
-        ready = [slot for slot, _ in ready]
-        now = time.perf_counter()
-        for slot, samples in zip(ready, chunks):
             if slot.first_audio_at is None:
                 slot.first_audio_at = now
+                self._observe_stage("code2wav", now - slot.first_frame_at)
                 if self.metrics is not None:
                     self.metrics.time_to_first_audio.observe(now - slot.submitted_at)
             slot.handle._push(EngineEvent(audio=samples))
@@ -556,7 +651,6 @@ class SpeechBackend:
         max_prompt_tokens: int = 8192,
         first_chunk_frames: int = 1,
         chunk_frames: int = 25,
-        max_defer_iterations: int = 4,
     ):
         for name, value in (
             ("max_frames", max_frames), ("max_prompt_tokens", max_prompt_tokens),
@@ -564,8 +658,6 @@ class SpeechBackend:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(max_defer_iterations, bool) or not isinstance(max_defer_iterations, int) or max_defer_iterations < 0:
-            raise ValueError(f"max_defer_iterations must be an integer >= 0, got {max_defer_iterations!r}")
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("tokenizer must have a chat template")
         self.model = model
@@ -574,7 +666,6 @@ class SpeechBackend:
         self.max_prompt_tokens = max_prompt_tokens
         self.first_chunk_frames = first_chunk_frames
         self.chunk_frames = chunk_frames
-        self.max_defer_iterations = max_defer_iterations
         config = model.config
         self.speakers = tuple(config.talker_config.speaker_id)
         self.sample_rate = 24000
