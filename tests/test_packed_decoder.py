@@ -1,0 +1,167 @@
+"""PackedDecoder (packed thinker / talker decode on a slot KV buffer) against transformers' modules."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+from omnimtp.models.tiny import tiny_qwen3_omni
+from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, _rope, decoder_forward
+from omnimtp.talker.loop import TalkerBatch
+from omnimtp.thinker import ThinkerRun
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3_omni(0)
+
+
+def _modules(model):
+    return {"talker": model.talker.model, "thinker": model.thinker.model.language_model}
+
+
+def _reference_run(module, chunks):
+    """HF forward over successive chunks [1, T, H] with a DynamicCache → per chunk (last post-norm row
+    [1, H], hidden_states tuple)."""
+    cache = DynamicCache(config=module.config)
+    outs = []
+    with torch.no_grad():
+        for chunk in chunks:
+            out = module(inputs_embeds=chunk, cache=cache, use_cache=True, output_hidden_states=True)
+            outs.append((out.last_hidden_state[:, -1], out.hidden_states))
+    return outs
+
+
+@pytest.mark.parametrize("name", ["talker", "thinker"])
+def test_prefill_and_decode_match_the_module(model, name):
+    module = _modules(model)[name]
+    decoder = PackedDecoder.from_module(module)
+    num_layers = len(module.layers)
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(1, 9, 64, generator=gen)] + [torch.randn(1, 1, 64, generator=gen) for _ in range(40)]
+    reference = _reference_run(module, chunks)
+    cache = SlotKVCache(decoder, max_batch_size=3, capacity=8)  # grows several times on the way
+    for step, (chunk, (ref_last, ref_hidden)) in enumerate(zip(chunks, reference)):
+        layer = step % (num_layers + 1)
+        out = decoder_forward(decoder, cache, chunk, [2], capture_layer=layer)
+        assert torch.isfinite(ref_last).all(), f"step {step}: the reference itself is not finite"
+        assert torch.isfinite(out.last_hidden).all(), f"step {step}: not finite"
+        torch.testing.assert_close(out.last_hidden, ref_last, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.captured, ref_hidden[layer], atol=ATOL, rtol=0)
+    assert cache.lengths == [0, 0, 9 + 40] and cache.capacity >= 49
+
+
+def test_mrope_with_equal_axes_is_1d_rope(model):
+    for module in _modules(model).values():
+        assert module.config.rope_parameters["mrope_section"] and module.config.rope_parameters["interleaved"]
+        decoder = PackedDecoder.from_module(module)
+        positions = torch.tensor([[0, 1, 2, 7], [100, 1000, 4000, 8191]])  # [R, T]
+        cos, sin = module.rotary_emb(torch.empty(0), positions[None].expand(3, -1, -1))  # [R, T, D] each
+        ours_cos, signed_sin = _rope(decoder, positions, torch.float32)  # [R, T, 1, D]
+        half = decoder.head_dim // 2
+        assert torch.equal(ours_cos[:, :, 0], cos)
+        assert torch.equal(torch.cat([-signed_sin[..., :half], signed_sin[..., half:]], -1)[:, :, 0], sin)
+
+
+def test_batched_rows_equal_each_row_alone(model):
+    """Ragged slots stepped together (any slot order, one sitting out) give each slot's solo result."""
+    decoder = PackedDecoder.from_module(model.talker.model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randn(1, n, 64, generator=gen) for n in (5, 11, 8)]
+    steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(6)]
+    solo = []
+    for r in range(3):
+        cache = SlotKVCache(decoder, 1)
+        decoder_forward(decoder, cache, prompts[r], [0])
+        solo.append([decoder_forward(decoder, cache, step[r : r + 1], [0]).last_hidden for step in steps])
+    cache = SlotKVCache(decoder, 4, capacity=4)
+    for slot, prompt in zip((3, 0, 1), prompts):
+        decoder_forward(decoder, cache, prompt, [slot])
+    for step, x in enumerate(steps):
+        out = decoder_forward(decoder, cache, x, [3, 0, 1]).last_hidden  # rows in slot order 3, 0, 1
+        for r in range(3):
+            torch.testing.assert_close(out[r : r + 1], solo[r][step], atol=ATOL, rtol=0)  # mv vs gemm rounding only
+    cache.keep([1, 3])  # compaction: slot 0 ← old slot 1 (prompt 2), slot 1 ← old slot 3 (prompt 0)
+    assert cache.lengths == [8 + 6, 5 + 6, 0, 0]
+    x = torch.randn(2, 1, 64, generator=gen)
+    out = decoder_forward(decoder, cache, x, [0, 1]).last_hidden
+    for r, prompt_index in enumerate((2, 0)):
+        alone = SlotKVCache(decoder, 1)
+        decoder_forward(decoder, alone, prompts[prompt_index], [0])
+        for step in steps:
+            decoder_forward(decoder, alone, step[prompt_index : prompt_index + 1], [0])
+        expected = decoder_forward(decoder, alone, x[r : r + 1], [0]).last_hidden
+        torch.testing.assert_close(out[r : r + 1], expected, atol=ATOL, rtol=0)  # mv vs gemm rounding only
+
+
+def test_dense_mlp_layers_match_the_module(model):
+    config = copy.deepcopy(model.config.thinker_config.text_config)
+    config.mlp_only_layers = [0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        module = Qwen3OmniMoeThinkerTextModel(config).eval()
+    for p in module.parameters():  # the default init leaves experts empty / tiny: make every path matter
+        torch.nn.init.normal_(p, std=0.2)
+    decoder = PackedDecoder.from_module(module)
+    assert decoder.layers[0].num_experts == 0 and decoder.layers[1].num_experts > 0
+    chunks = [torch.randn(1, 6, 64)] + [torch.randn(1, 1, 64) for _ in range(5)]
+    cache = SlotKVCache(decoder, 1)
+    for chunk, (ref_last, _) in zip(chunks, _reference_run(module, chunks)):
+        torch.testing.assert_close(decoder_forward(decoder, cache, chunk, [0]).last_hidden, ref_last, atol=ATOL, rtol=0)
+
+
+def test_thinker_run_greedy_tokens_equal_generate(model):
+    """Many greedy steps, a ragged batch of two: each row's tokens equal HF's batch-1 generate."""
+    prompts = [[256, 262, 72, 101, 108, 108, 111, 257, 10, 256, 263, 10], [256, 262, 72, 105, 257, 10, 256, 263, 10]]
+    run = ThinkerRun(model.thinker, prompts, accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=40)
+    while not run.is_finished:
+        run.step()
+    for prompt, ours in zip(prompts, run.output_ids):
+        with torch.no_grad():
+            ref = model.thinker.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+            )
+        assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_bad_input(model):
+    decoder = PackedDecoder.from_module(model.talker.model)
+    with pytest.raises(ValueError, match="model"):
+        PackedDecoder.from_module(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="dtype"):
+        PackedDecoder.from_module(model.talker.model, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        SlotKVCache(decoder, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        SlotKVCache(decoder, 1, capacity=0)
+    cache = SlotKVCache(decoder, 2)
+    with pytest.raises(ValueError, match="embeds"):
+        decoder_forward(decoder, cache, torch.randn(1, 1, 32), [0])
+    with pytest.raises(ValueError, match="embeds"):
+        decoder_forward(decoder, cache, torch.randn(1, 1, 64, dtype=torch.float64), [0])
+    for slots in ([0, 1], [2], [-1], [True]):
+        with pytest.raises(ValueError, match="slots"):
+            decoder_forward(decoder, cache, torch.randn(1, 1, 64), slots)
+    with pytest.raises(ValueError, match="slots"):
+        decoder_forward(decoder, cache, torch.randn(2, 1, 64), [1, 1])
+    with pytest.raises(ValueError, match="slots"):
+        cache.keep([0, 0])
+    with pytest.raises(ValueError, match="capture_layer"):
+        decoder_forward(decoder, cache, torch.randn(1, 1, 64), [0], capture_layer=3)
+    assert cache.lengths == [0, 0]  # nothing was written by the rejected calls
+    with pytest.raises(ValueError, match="decoder"):
+        TalkerBatch(model.talker, 2, decoder="packed")
+    with pytest.raises(ValueError, match="decoder"):
+        ThinkerRun(model.thinker, [[1, 2]], accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=2, decoder=1)
+    with pytest.raises(ValueError, match="accept_hidden_layer"):
+        ThinkerRun(model.thinker, [[1, 2]], accept_hidden_layer=5, eos_token_ids=set(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompts"):
+        ThinkerRun(model.thinker, [[1, 2], []], accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=2)
