@@ -3,6 +3,8 @@
 Both sides run greedy with the same caps (thinker tokens, talker frames) and produce the same tokens and
 codes (checked here). Reported per config: total wall time of each (ours: `generate`) and the ratio, our
 time to the first audio chunk (`stream`) and its share of the reference's total, and real-time factors (wall time / audio time).
+CPU time of the process (`time.process_time`) is reported next to wall time: on a shared, loaded machine
+it is the steadier of the two for comparing ours with the reference (both run with the same thread count).
 Our code predictor step is compiled (`compile_predictor=True`) during the untimed warm-up unless --eager.
 
     python benchmarks/e2e.py [--quick] [--threads 1] [--eager] [--config mid] [--out benchmarks/results/e2e.json]
@@ -46,14 +48,16 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     )
     _reference(model, prompt, 2, 2)  # warm up both paths (and compile ours: not timed)
     pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2)
-    ref_times, our_times, first_audio = [], [], []
+    ref_times, our_times, ref_cpu, our_cpu, first_audio = [], [], [], [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         ref_ids, ref_audio = _reference(model, prompt, max_new_tokens, max_frames)
         ref_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        ref_cpu.append(time.process_time() - start_cpu)
+        start, start_cpu = time.perf_counter(), time.process_time()
         out = pipe.generate(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames)
         our_times.append(time.perf_counter() - start)
+        our_cpu.append(time.process_time() - start_cpu)
         start = time.perf_counter()
         for event in pipe.stream(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames):
             if event.audio is not None:
@@ -68,6 +72,8 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
         speedup_total=round(ref_total / our_total, 2),
+        reference_cpu_s=round(min(ref_cpu), 3), ours_cpu_s=round(min(our_cpu), 3),
+        speedup_cpu=round(min(ref_cpu) / min(our_cpu), 2),
         ours_time_to_first_audio_s=round(ttfa, 3), first_audio_share_of_reference_total=round(ttfa / ref_total, 3),
         reference_rtf=round(ref_total / audio_seconds, 3), ours_rtf=round(our_total / audio_seconds, 3),
     )
@@ -81,10 +87,12 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eager", action="store_true", help="do not torch.compile our code predictor step")
     parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
+    repeats = args.repeats or repeats
     results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, not args.eager) for name, kwargs in CONFIGS.items()
                if not args.config or name in args.config]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

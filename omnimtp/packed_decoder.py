@@ -206,10 +206,9 @@ class DecoderOutput(NamedTuple):
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3 RMSNorm: statistics in fp32, weight applied after casting back."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    """transformers' Qwen3 RMSNorm: x * rsqrt(mean(x²) + eps) in fp32, weight applied after casting
+    back (F.rms_norm without a weight is that formula in one op)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -229,22 +228,12 @@ def _rope(decoder: PackedDecoder, positions: torch.Tensor, dtype: torch.dtype) -
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention. query [R, T, Nq, D]; keys, values [R, Nkv, S, D]; mask [R, T, S]
-    additive fp32 or None (every column visible) → [R, T, Nq * D]. Query head h uses key head
-    h // (Nq / Nkv), as transformers' `repeat_kv` does; scores, softmax and the weighted sum in fp32."""
+    """Grouped-query attention through SDPA, as transformers' default "sdpa" attention runs it.
+    query [R, T, Nq, D]; keys, values [R, Nkv, S, D]; mask [R, 1, T, S] bool (True = attend) or None
+    (every column visible) → [R, T, Nq * D]. Query head h uses key head h // (Nq / Nkv)."""
     num_rows, num_new, num_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
-    q = query.view(num_rows, num_new, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q = q.reshape(num_rows, num_kv_heads, num_new * group, head_dim)  # rows ordered (t, g)
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5  # [R, Nkv, T*g, S]
-    if mask is not None:
-        scores = (scores.view(num_rows, num_kv_heads, num_new, group, -1) + mask[:, None, :, None]).view(
-            num_rows, num_kv_heads, num_new * group, -1
-        )
-    out = torch.matmul(scores.softmax(dim=-1), values.float()).to(query.dtype)  # [R, Nkv, T*g, D]
-    out = out.view(num_rows, num_kv_heads, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(num_rows, num_new, num_heads * head_dim)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2).reshape(num_rows, num_new, num_heads * head_dim)
 
 
 def _experts(layer: _Layer, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -321,12 +310,13 @@ def decoder_forward(
     device = embeds.device
     positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
     cos, signed_sin = _rope(decoder, positions, embeds.dtype)  # [R, T, 1, D]
+    is_uniform = min(starts) == max(starts)  # every row writes the same columns
     mask = None
-    if num_new > 1 or min(starts) != max(starts):
+    if num_new > 1 or not is_uniform:
         columns = torch.arange(num_columns, device=device)
-        is_visible = columns[None, None] <= positions[:, :, None]  # [R, T, S]
-        mask = torch.zeros(is_visible.shape, device=device).masked_fill(~is_visible, float("-inf"))
-    is_leading = slots == list(range(num_rows))  # slots 0..R-1: the buffer rows are a view, no gather
+        mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S]
+    # Consecutive slots are a view of the buffer (no gather); with equal starts the write is a slice too.
+    rows = slice(slots[0], slots[0] + num_rows) if slots == list(range(slots[0], slots[0] + num_rows)) else None
     slot_index = torch.tensor(slots, device=device)
     num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     half = head_dim // 2
@@ -339,10 +329,15 @@ def decoder_forward(
         qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, decoder.eps)
         qk = qk * cos + qk.roll(half, dims=-1) * signed_sin  # RoPE on queries and keys at once
         keys, values = cache.buffer[i, 0], cache.buffer[i, 1]  # [B_max, Nkv, S_cap, D]
-        keys[slot_index[:, None], :, positions] = qk[:, :, num_heads:]
-        values[slot_index[:, None], :, positions] = qkv[:, :, num_heads + num_kv_heads :]
-        if is_leading:
-            keys, values = keys[:num_rows, :, :num_columns], values[:num_rows, :, :num_columns]
+        new_keys, new_values = qk[:, :, num_heads:], qkv[:, :, num_heads + num_kv_heads :]  # [R, T, Nkv, D]
+        if rows is not None and is_uniform:
+            keys[rows, :, starts[0] : num_columns] = new_keys.transpose(1, 2)
+            values[rows, :, starts[0] : num_columns] = new_values.transpose(1, 2)
+        else:
+            keys[slot_index[:, None], :, positions] = new_keys
+            values[slot_index[:, None], :, positions] = new_values
+        if rows is not None:
+            keys, values = keys[rows, :, :num_columns], values[rows, :, :num_columns]
         else:
             keys = keys.index_select(0, slot_index)[:, :, :num_columns]
             values = values.index_select(0, slot_index)[:, :, :num_columns]
