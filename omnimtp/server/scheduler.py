@@ -37,6 +37,7 @@ import torch
 
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import num_kept_rows
+from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams, make_generators
 
 logger = logging.getLogger("omnimtp.server")
@@ -75,10 +76,12 @@ class EngineRequest:
 
 @dataclass
 class EngineEvent:
-    """One step of a request's output: a text delta, an audio chunk (float32), or the end."""
+    """One step of a request's output: a text delta, an audio chunk (float32), or the end.
+    step: the engine iteration that decoded an audio chunk (see `RequestHandle.admitted_step`)."""
 
     text: str = ""
     audio: np.ndarray | None = None
+    step: int | None = None
     finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
@@ -107,6 +110,7 @@ class RequestHandle:
         self._on_cancel = on_cancel
         self.is_cancelled = False
         self.is_done = False
+        self.admitted_step: int | None = None  # the engine iteration that gave it a slot
 
     def _push(self, event: EngineEvent | None) -> None:
         """Called from the engine thread."""
@@ -372,6 +376,7 @@ class Engine:
         chats = []
         for slot in admitted:
             slot.speak_started_at = started
+            slot.handle.admitted_step = self._step_index
             self._observe_stage("queue", slot.speak_started_at - slot.submitted_at)
             if slot.request.speaker is not None:
                 slot.codec_stream = self.backend.new_codec_stream()
@@ -570,7 +575,7 @@ class Engine:
                 self._observe_stage("code2wav", now - slot.first_frame_at)
                 if self.metrics is not None:
                     self.metrics.time_to_first_audio.observe(now - slot.submitted_at)
-            slot.handle._push(EngineEvent(audio=samples))
+            slot.handle._push(EngineEvent(audio=samples, step=self._step_index))
 
     def _is_complete(self, slot: _Slot) -> bool:
         if slot.request.messages is not None and slot.finish_reason is None:
@@ -674,6 +679,9 @@ class SpeechBackend:
         if tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self.codec = StreamingCode2Wav(model.code2wav)
+        # the thinker's and the talker's packed weights, made once and shared by every run and batch
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         # what the template adds to open the assistant turn ("<|im_start|>assistant\n")
         probe = [{"role": "user", "content": "x"}]
         opened = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -724,6 +732,7 @@ class SpeechBackend:
             self.model.thinker, [slot.prompt_ids for slot in slots], accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max(slot.request.max_new_tokens for slot in slots),
             sampling=[slot.request.sampling for slot in slots], generators=[slot.thinker_generator for slot in slots],
+            decoder=self.thinker_decoder,
         )
 
     def new_handoff(self, prompt_ids: list[int], speaker: str):
@@ -745,7 +754,7 @@ class SpeechBackend:
     def new_talker_batch(self, max_batch_size: int):
         from omnimtp.talker.loop import TalkerBatch
 
-        return TalkerBatch(self.model.talker, max_batch_size)
+        return TalkerBatch(self.model.talker, max_batch_size, decoder=self.talker_decoder)
 
     def talker_request(self, request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished, request,
                        generator):
