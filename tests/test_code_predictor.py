@@ -21,6 +21,7 @@ from omnimtp.models.tiny import tiny_code_predictor_config, tiny_qwen3_omni
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams, make_generators
 from omnimtp.talker.code_predictor import (
     CodePredictorRunner,
+    packed_gemm_available,
     ResidualCodes,
     next_talker_input,
     predict_residual_codes,
@@ -287,6 +288,65 @@ def test_compiled_runner_equals_hf_generate():
     out = runner.run(hidden, cb0)
     assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
     assert torch.equal(out.codes, CodePredictorRunner(cp, 2).run(hidden, cb0).codes)
+
+
+# --- MKL-packed GEMM (fp32 CPU batches of 4+ rows, padded to a power-of-two bucket) --------------
+
+needs_packed_gemm = pytest.mark.skipif(
+    not packed_gemm_available(torch.device("cpu"), torch.float32), reason="this torch build has no MKL packed GEMM"
+)
+
+
+@needs_packed_gemm
+@pytest.mark.parametrize("batch_size", [4, 5, 8])
+def test_packed_gemm_runner_equals_hf_generate_and_unpacked_rows(batch_size):
+    """Greedy: the packed path (B=5 is padded to 8) gives HF's codes; sampled: each row equals the
+    same row run alone (one row never uses packing) with its own seed, and the unpacked batch."""
+    cp = make_cp(16)
+    packed = CodePredictorRunner(cp, 8)
+    unpacked = CodePredictorRunner(cp, 8, packed_gemm=False)
+    assert packed.packed_gemm and not unpacked.packed_gemm
+    hidden, cb0 = frame_inputs(cp, batch_size, seed=batch_size)
+    out = packed.run(hidden, cb0)
+    assert sorted(packed._gemms) == [8 if batch_size > 4 else 4]
+    assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
+    assert torch.allclose(out.embed_sum, unpacked.run(hidden, cb0).embed_sum, atol=1e-5)
+    seeds = [100 + b for b in range(batch_size)]
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    sampled = packed.run(hidden, cb0, params, make_generators(seeds)).codes
+    assert torch.equal(sampled, unpacked.run(hidden, cb0, params, make_generators(seeds)).codes)
+    for b in range(batch_size):
+        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1], params, make_generators([seeds[b]])).codes
+        assert torch.equal(sampled[b], alone[0]), b
+
+
+@needs_packed_gemm
+def test_packed_gemm_buckets_stop_at_max_batch_size():
+    cp = make_cp(4)
+    runner = CodePredictorRunner(cp, 6)
+    hidden, cb0 = frame_inputs(cp, 5)
+    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+    assert sorted(runner._gemms) == [6]
+    hidden, cb0 = frame_inputs(cp, 3)
+    runner.run(hidden, cb0)
+    assert sorted(runner._gemms) == [6]  # below PACKED_GEMM_MIN_ROWS: plain kernels, nothing packed
+
+
+@needs_packed_gemm
+def test_compiled_runner_with_packed_gemm_equals_hf_generate():
+    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 4, compile=True)
+    hidden, cb0 = frame_inputs(cp, 4)
+    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+
+
+def test_packed_gemm_argument_is_validated():
+    cp = cached_cp(4, "sdpa")
+    with pytest.raises(ValueError, match="packed_gemm"):
+        CodePredictorRunner(cp, 4, packed_gemm="yes")
+    with pytest.raises(ValueError, match="packed_gemm"):
+        CodePredictorRunner(cp, 4, dtype=torch.bfloat16, packed_gemm=True)
+    assert not CodePredictorRunner(cp, 4, dtype=torch.bfloat16).packed_gemm
 
 
 # --- bf16 ----------------------------------------------------------------------------------------

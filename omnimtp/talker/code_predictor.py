@@ -17,7 +17,8 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 - `CodePredictorRunner`: the serving path. Weights are packed once (fused QKV and gate/up matmuls,
   stacked per-step tables, RoPE tables for the G positions); the frame runs on a static KV buffer
   written by index; sampling noise is drawn from each row's generator before the loop, so the loop
-  itself has no RNG and can be compiled whole.
+  itself has no RNG and can be compiled whole. On a CPU in fp32, batches of 4 or more rows are padded
+  to a power-of-two bucket and their matmuls run on MKL-packed weights (`_PackedGemm`).
 """
 
 from __future__ import annotations
@@ -246,12 +247,77 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * normed.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+# Batches of at least this many rows use MKL-packed weights (below it plain kernels are as fast).
+PACKED_GEMM_MIN_ROWS = 4
+
+
+def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch build can run fp32 matmuls on MKL-packed weights on `device`."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    )
+
+
+@torch.library.custom_op("omnimtp::mkl_packed_linear", mutates_args=())
+def _mkl_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`torch.ops.mkl._mkl_linear` as an opaque op, so torch.compile calls it instead of lowering it
+    (inductor's own lowering expects the packed weight to be a frozen constant)."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+
+
+@_mkl_packed_linear_op.register_fake
+def _(x, packed, weight, rows):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@dataclass(frozen=True)
+class _PackedGemm:
+    """MKL-packed copies of the runner's matrices for GEMMs of exactly `rows` rows.
+
+    MKL's packed SGEMM (what inductor's freezing pass uses for CPU linears) reorders a weight once
+    for a given row count; small-batch fp32 matmuls on it run about 2x faster than `F.linear` on a
+    CPU. The first step (2 positions per row) runs as two calls of `rows` rows."""
+
+    rows: int
+    layers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]  # qkv, o, gate_up, down
+    lm_heads: tuple[torch.Tensor, ...]  # [G-1] of this step's lm_head, packed
+
+
+def _pack_gemm(w: "_PackedWeights", rows: int) -> _PackedGemm:
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+
+    return _PackedGemm(
+        rows=rows,
+        layers=tuple((pack(l.qkv), pack(l.o), pack(l.gate_up), pack(l.down)) for l in w.layers),
+        lm_heads=tuple(pack(head) for head in w.lm_heads.unbind(0)),
+    )
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None, packed_rows: int = 0
+) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T. A single row goes through matrix-vector kernels, which stream
-    the weights at close to memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
-    if x.shape[:-1].numel() == 1:
+    the weights at close to memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less).
+    packed: `weight` packed by MKL for `packed_rows` rows, or None; x's row count must be a multiple
+    of packed_rows. A multiple runs as that many calls back to back: the later ones find the matrix
+    in cache, so the first step's 2 positions per row cost little more than one."""
+    rows = x.shape[:-1].numel()
+    if rows == 1:
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+    if packed is None:
+        return F.linear(x, weight)
+    outs = []
+    for chunk in x.reshape(rows, x.shape[-1]).split(packed_rows):  # [packed_rows, in] each
+        if torch.compiler.is_compiling():
+            outs.append(_mkl_packed_linear_op(chunk, packed, weight, packed_rows))
+        else:
+            outs.append(torch.ops.mkl._mkl_linear(chunk, packed, weight, None, packed_rows))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -284,13 +350,16 @@ def _step(
     embed_sum: torch.Tensor,
     sampling: SamplingParams | None,
     noise: torch.Tensor | None,
+    gemm: _PackedGemm | None = None,
+    packed_lm_head: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One predictor step: the transformer on the new positions, then one residual code.
 
     step_input [B, T, H] at positions [T] (long; T = 2 for the first step, then 1); the step's keys and
     values are written into kv_cache [L, 2, B_max, Nkv, G, D] at those positions. lm_head,
     lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
-    embeddings so far. noise [B, V] ~ Exp(1) when sampling.
+    embeddings so far. noise [B, V] ~ Exp(1) when sampling. gemm: None, or MKL-packed matrices for
+    B = gemm.rows rows (packed_lm_head: this step's lm_head).
     Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on the position, so one
     compiled graph serves every decode step."""
     batch_size, num_new, _ = step_input.shape
@@ -298,10 +367,14 @@ def _step(
     cos = w.cos.index_select(0, positions)  # [T, 1, D]
     signed_sin = w.signed_sin.index_select(0, positions)
     mask = w.causal_mask.index_select(0, positions)  # [T, G]
+    if gemm is not None and batch_size != gemm.rows:
+        raise ValueError(f"step_input has {batch_size} rows, the packed matrices are for {gemm.rows}")
+    rows = 0 if gemm is None else gemm.rows
     x = step_input
     for i, layer in enumerate(w.layers):
+        p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if gemm is None else gemm.layers[i]
         residual = x
-        qkv = _linear(_rms_norm(x, layer.input_norm, w.eps), layer.qkv)
+        qkv = _linear(_rms_norm(x, layer.input_norm, w.eps), layer.qkv, p_qkv, rows)
         qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
         qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, w.eps)
         qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
@@ -309,12 +382,12 @@ def _step(
         keys.index_copy_(2, positions, qk[:, :, num_heads:].transpose(1, 2))
         values.index_copy_(2, positions, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2))
         attn = _attend(qk[:, :, :num_heads], keys, values, mask)  # [B, T, Nq*D]
-        x = residual + _linear(attn, layer.o)
+        x = residual + _linear(attn, layer.o, p_o, rows)
         residual = x
-        gate, up = _linear(_rms_norm(x, layer.post_norm, w.eps), layer.gate_up).chunk(2, dim=-1)
-        x = residual + _linear(F.silu(gate) * up, layer.down)
+        gate, up = _linear(_rms_norm(x, layer.post_norm, w.eps), layer.gate_up, p_gate_up, rows).chunk(2, dim=-1)
+        x = residual + _linear(F.silu(gate) * up, layer.down, p_down, rows)
     hidden = _rms_norm(x[:, -1], w.final_norm, w.eps)  # [B, H]
-    logits = _linear(hidden, lm_head)  # [B, V]
+    logits = _linear(hidden, lm_head, packed_lm_head, rows)  # [B, V]
     if sampling is None:
         code = logits.argmax(dim=-1)
     else:
@@ -345,16 +418,26 @@ class CodePredictorRunner:
     torch.compile runs further shapes eagerly (same codes, slower), so callers should keep the set of
     batch sizes small (pad to a few buckets).
 
+    `packed_gemm` (default: on where available, i.e. fp32 on a CPU with MKL): a batch of B >= 4 rows
+    is padded with zero rows to the next power of two (at most max_batch_size) and its matmuls run
+    on weights packed by MKL for that row count (packed lazily, once per bucket; each bucket holds a
+    packed copy of the matrices). Padding also keeps the set of compiled shapes small.
+
     Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
     b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
     own inputs and generator — not on the batch size, the other rows or their order.
     """
 
-    def __init__(self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool = False):
+    def __init__(
+        self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool = False,
+        packed_gemm: bool | None = None,
+    ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+        if packed_gemm is not None and not isinstance(packed_gemm, bool):
+            raise ValueError(f"packed_gemm must be None, True or False, got {packed_gemm!r}")
         config = cp.config
         self.num_code_groups = config.num_code_groups
         self.hidden_size = config.hidden_size
@@ -363,6 +446,13 @@ class CodePredictorRunner:
         self.dtype = dtype if dtype is not None else _param_dtype(cp)
         self.device = next(cp.parameters()).device
         self.compiled = compile
+        available = packed_gemm_available(self.device, self.dtype)
+        if packed_gemm and not available:
+            raise ValueError(
+                f"packed_gemm=True needs float32 on a CPU with MKL; the runner has {self.dtype} on {self.device}"
+            )
+        self.packed_gemm = available if packed_gemm is None else packed_gemm
+        self._gemms: dict[int, _PackedGemm] = {}  # bucket rows -> packed matrices, made on first use
         with torch.no_grad():
             self.weights = _pack_weights(cp, self.dtype)
         w = self.weights
@@ -385,17 +475,35 @@ class CodePredictorRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H] x2 → codes [B, G-1], embed_sum [B, H]; noise [B, G-1, V] when sampling."""
         w = self.weights
+        batch_size = last_talker_hidden.shape[0]
+        gemm = self._packed_gemm_for(batch_size)
         step_input = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H], then [B, 1, H]
+        if gemm is not None and gemm.rows > batch_size:  # zero rows up to the bucket; dropped at the end
+            step_input = F.pad(step_input, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, 2, H]
+            if noise is not None:
+                noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, G-1, V]
         codes = []
-        embed_sum = torch.zeros_like(last_talker_hidden)  # [B, H]
+        embed_sum = torch.zeros_like(step_input[:, 0])  # [R, H]
         for j in range(self.num_code_groups - 1):
             code, embed, embed_sum = self._step(
                 w, self.kv_cache, step_input, self._positions[j], self._lm_heads[j], self._codec_embeddings[j],
                 embed_sum, sampling, None if noise is None else noise[:, j],
+                gemm, None if gemm is None else gemm.lm_heads[j],
             )
             codes.append(code)
             step_input = embed[:, None]
-        return torch.stack(codes, dim=1), embed_sum
+        return torch.stack(codes, dim=1)[:batch_size], embed_sum[:batch_size]
+
+    def _packed_gemm_for(self, batch_size: int) -> _PackedGemm | None:
+        """The packed matrices for a batch of `batch_size` rows (padded to a power-of-two bucket, at
+        most max_batch_size), or None when packing is off or the batch is small."""
+        if not self.packed_gemm or batch_size < PACKED_GEMM_MIN_ROWS:
+            return None
+        rows = min(1 << (batch_size - 1).bit_length(), self.max_batch_size)
+        if rows not in self._gemms:
+            with torch.no_grad():
+                self._gemms[rows] = _pack_gemm(self.weights, rows)
+        return self._gemms[rows]
 
     def run(
         self,
