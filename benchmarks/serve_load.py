@@ -11,6 +11,12 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
 
 Target (issue 6): TTFA p50 at concurrency 16 within 3× of concurrency 1 for ours.
 
+Each level also reads the server's /metrics before and after, and prints where the time to first
+audio went (server-side means): queue (submitted → admitted), thinker (→ talker prefill), talker
+(→ first frame), code2wav (→ first chunk), and the rest of the client's TTFA (HTTP, SSE, base64,
+event loop); plus the engine's mean iteration time by phase. The 1-minute load average is recorded
+(the machine may be shared: compare ratios within one run).
+
     python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
 """
 
@@ -100,14 +106,37 @@ async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int) ->
     return {"ok": True, "ttfa_s": first_audio, "total_s": total, "audio_s": audio_s}
 
 
+_STAGES = ("queue", "thinker", "talker", "code2wav")
+_PHASES = ("think", "talker_admit", "talk", "code2wav")
+
+
+async def histogram_sums(client: httpx.AsyncClient) -> dict[str, float]:
+    """`name{label}_sum` / `_count` values of the server's histograms, by their Prometheus line prefix."""
+    values = {}
+    for line in (await client.get("/metrics")).text.splitlines():
+        if not line.startswith("#") and ("_sum" in line or "_count" in line):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def mean_ms(before: dict, after: dict, name: str, label: str | None = None) -> float | None:
+    labels = "" if label is None else "{" + label + "}"
+    count = after.get(f"{name}_count{labels}", 0.0) - before.get(f"{name}_count{labels}", 0.0)
+    total = after.get(f"{name}_sum{labels}", 0.0) - before.get(f"{name}_sum{labels}", 0.0)
+    return 1000 * total / count if count else None
+
+
 async def run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as client:
         async def worker(w: int) -> list[dict]:
             return [await one_request(client, w * 1000 + r, max_tokens) for r in range(requests_per_client)]
 
+        before = await histogram_sums(client)
         started = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(worker(w) for w in range(concurrency))) for r in rs]
         wall = time.perf_counter() - started
+        after = await histogram_sums(client)
     done = [r for r in results if r["ok"]]
     ttfa = [r["ttfa_s"] for r in done if r["ttfa_s"] is not None]
     audio = sum(r["audio_s"] for r in done)
@@ -122,7 +151,27 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, max_to
         "rtf": wall / audio if audio else None,  # wall seconds per second of audio produced, all requests
         "per_request_rtf_p50": percentile([r["total_s"] / r["audio_s"] for r in done if r["audio_s"]], 50),
         "wall_s": wall,
+        "load_average_1min": os.getloadavg()[0],
+        "ttfa_mean_ms": 1000 * sum(ttfa) / len(ttfa) if ttfa else None,
+        "server_ttfa_mean_ms": mean_ms(before, after, "omnimtp_time_to_first_audio_seconds"),
+        "first_audio_stage_mean_ms": {
+            stage: mean_ms(before, after, "omnimtp_first_audio_stage_seconds", f'stage="{stage}"') for stage in _STAGES
+        },
+        "engine_phase_mean_ms": {
+            phase: mean_ms(before, after, "omnimtp_engine_phase_seconds", f'phase="{phase}"') for phase in _PHASES
+        },
     }
+
+
+def breakdown(level: dict) -> str:
+    """One line: the server-side stages of the mean TTFA, the client-side rest, and the engine phases."""
+    stages = level["first_audio_stage_mean_ms"]
+    parts = [f"{stage} {stages[stage]:.0f}" for stage in _STAGES if stages[stage] is not None]
+    if level["server_ttfa_mean_ms"] is not None and level["ttfa_mean_ms"] is not None:
+        parts.append(f"http+sse {level['ttfa_mean_ms'] - level['server_ttfa_mean_ms']:.0f}")
+    phases = level["engine_phase_mean_ms"]
+    iteration = " + ".join(f"{phase} {phases[phase]:.0f}" for phase in _PHASES if phases[phase] is not None)
+    return f"    mean TTFA {level['ttfa_mean_ms']:.0f} ms = " + " + ".join(parts) + f"; iteration ms: {iteration}"
 
 
 def main() -> None:
@@ -147,8 +196,9 @@ def main() -> None:
                 levels.append(level)
                 print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  TTFA p50 "
                       f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
-                      f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}",
-                      flush=True)
+                      f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}  "
+                      f"load {level['load_average_1min']:.2f}", flush=True)
+                print(breakdown(level), flush=True)
         report["results"][name] = levels
 
     ours = {level["concurrency"]: level for level in report["results"]["ours"]}

@@ -2,18 +2,20 @@
 
 One background thread owns the models. Each iteration of its loop is one frame boundary:
 
-    retire   cancelled and finished requests (their slots free up now)
-    admit    waiting requests, up to max_batch_size holding a slot; chat requests admitted together
-             form a thinker cohort (one `ThinkerRun`), speech requests get their talker inputs
-    think    one thinker step per cohort; a cohort admitted this iteration takes up to
-             `max_start_steps` steps, until each of its speaking requests has its talker prefill and
-             the reply row its first frame needs (first audio in the iteration it was admitted);
-             new reply rows go to the talker through the streamed handoff, and requests whose talker
-             prefill is ready are prefilled together
-    speak    one talker + code predictor step for every speaking request, as one batch
-    decode   code2wav as one batch: every request's first chunk at once, later chunks oldest first
-             within a frame budget (see `_decode_ready`), so a wave of long chunks never holds up
-             the iteration that carries a newcomer's first audio
+    retire   cancelled requests (their slots free up now)
+    think    one thinker step per running cohort (chat requests admitted together share one
+             `ThinkerRun`); new reply rows go to the talker through the streamed handoff
+    admit    waiting requests, up to max_batch_size holding a slot: speech requests get their talker
+             inputs, chat requests form a new cohort that takes up to `max_start_steps` thinker steps
+             at once, until each has its talker prefill and the reply row its first frame needs.
+             Admission comes after the running cohorts' step, right before the talker step, so a
+             request that arrived while the engine was thinking or decoding makes this frame
+    speak    the talker prefill of every request whose inputs are ready, then one talker + code
+             predictor step for every speaking request, as one batch
+    decode   code2wav: every request's first chunk at once (first audio in the iteration that
+             admitted it), then later chunks oldest first within a frame budget, skipped while
+             requests queue for a slot (see `_decode_ready`)
+    retire   finished requests
 
 The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
 events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
@@ -224,6 +226,7 @@ class Engine:
         self.max_decode_frames = max_decode_frames
         self.max_defer_iterations = max_defer_iterations
         self._step_index = 0  # engine iterations so far (orders the later chunks waiting for code2wav)
+        self._num_deferred = 0  # iterations in a row whose later chunks waited for queued requests
         self.model_id = model_id
         self.created = int(time.time())
         self.max_queue = 64
@@ -338,14 +341,9 @@ class Engine:
                     return
                 cancelled, self._cancelled = self._cancelled, set()
                 self._drop_cancelled(cancelled, talker)
-                admitted = []
-                while self._waiting and len(self._active) < self.max_batch_size:
-                    slot = self._waiting.popleft()
-                    self._active[slot.handle.request_id] = slot
-                    admitted.append(slot)
                 self._set_gauges()
             try:
-                self._iterate(admitted, talker)
+                self._iterate(talker)
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail_all(f"generation failed: {type(exc).__name__}")
@@ -370,34 +368,12 @@ class Engine:
         if retire:
             talker.retire(retire)
 
-    def _iterate(self, admitted: list[_Slot], talker) -> None:
+    def _iterate(self, talker) -> None:
         self._step_index += 1
         started = time.perf_counter()
-        chats = []
-        for slot in admitted:
-            slot.speak_started_at = started
-            slot.handle.admitted_step = self._step_index
-            self._observe_stage("queue", slot.speak_started_at - slot.submitted_at)
-            if slot.request.speaker is not None:
-                slot.codec_stream = self.backend.new_codec_stream()
-            if slot.request.messages is not None:
-                chats.append(slot)
-            else:
-                inputs = self.backend.speech_inputs(slot.prompt_ids, slot.request.speaker)
-                slot.pending_talker = _PendingTalker(
-                    inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, is_text_finished=True
-                )
-        newcomers = None
-        if chats:  # requests admitted together share one thinker run (one forward per step)
-            newcomers = _Cohort(self.backend.new_thinker(chats), chats)
-            self._cohorts.append(newcomers)
         for cohort in self._cohorts:
             self._step_cohort(cohort, talker)
-        if newcomers is not None:  # their first frame needs the prefill and two reply rows: no waiting a frame each
-            for _ in range(self.max_start_steps - 1):
-                if newcomers.run.is_finished or all(self._can_speak(slot) for slot in newcomers.slots):
-                    break
-                self._step_cohort(newcomers, talker)
+        self._admit_waiting(talker)  # after the running cohorts: requests that came meanwhile make this frame
         self._cohorts = [c for c in self._cohorts if not c.run.is_finished and any(s.is_thinking for s in c.slots)]
         started = self._observe_phase("think", started)
         self._admit_pending(talker)
@@ -414,6 +390,41 @@ class Engine:
         self._decode_ready()
         started = self._observe_phase("code2wav", started)
         self._retire_finished(talker)
+
+    def _admit_waiting(self, talker) -> None:
+        """Give free slots to waiting requests and start them: speech requests get their talker inputs,
+        chat requests one new cohort that takes up to `max_start_steps` thinker steps now (its first
+        frame needs the prefill and two reply rows), so they speak in this iteration's talker step."""
+        with self._cond:
+            admitted = []
+            while self._waiting and len(self._active) < self.max_batch_size:
+                slot = self._waiting.popleft()
+                self._active[slot.handle.request_id] = slot
+                admitted.append(slot)
+            self._set_gauges()
+        now = time.perf_counter()
+        chats = []
+        for slot in admitted:
+            slot.speak_started_at = now
+            slot.handle.admitted_step = self._step_index
+            self._observe_stage("queue", slot.speak_started_at - slot.submitted_at)
+            if slot.request.speaker is not None:
+                slot.codec_stream = self.backend.new_codec_stream()
+            if slot.request.messages is not None:
+                chats.append(slot)
+            else:
+                inputs = self.backend.speech_inputs(slot.prompt_ids, slot.request.speaker)
+                slot.pending_talker = _PendingTalker(
+                    inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, is_text_finished=True
+                )
+        if not chats:
+            return
+        newcomers = _Cohort(self.backend.new_thinker(chats), chats)  # one thinker forward per step for all
+        self._cohorts.append(newcomers)
+        for _ in range(self.max_start_steps):
+            self._step_cohort(newcomers, talker)
+            if newcomers.run.is_finished or all(self._can_speak(slot) for slot in chats):
+                break
 
     def _step_cohort(self, cohort: _Cohort, talker) -> None:
         for event in cohort.run.step():
@@ -531,8 +542,8 @@ class Engine:
         iteration they became ready, then request id): the oldest always, the next ones while their
         frames fit in `max_decode_frames`. So requests that finish together spread their long last
         chunks over several short iterations instead of one long one that every newcomer waits behind.
-        While requests are queued for a free slot, later chunks wait for the next iteration (the
-        oldest at most `max_defer_iterations` iterations), so the newcomers are admitted sooner."""
+        While requests are queued for a free slot, later chunks wait for the next iteration (at most
+        `max_defer_iterations` iterations in a row), so the newcomers are admitted sooner."""
         first, later = [], []
         for slot in self._active.values():
             pending = len(slot.frames) - slot.num_decoded
@@ -545,11 +556,14 @@ class Engine:
                     slot.chunk_ready_step = self._step_index
                 later.append((slot, min(pending, target)))
         later.sort(key=lambda item: (item[0].chunk_ready_step, item[0].handle.request_id))
-        if later and self._step_index - later[0][0].chunk_ready_step < self.max_defer_iterations:
+        if later and self._num_deferred < self.max_defer_iterations:
             with self._cond:
                 has_newcomers = bool(self._waiting) and len(self._active) < self.max_batch_size
             if has_newcomers:  # end the iteration: admitting them now beats decoding audio not yet due
+                self._num_deferred += 1
                 later = []
+        if later:
+            self._num_deferred = 0
         budget = self.max_decode_frames
         taken = []
         for i, (slot, n) in enumerate(later):
