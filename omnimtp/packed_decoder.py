@@ -5,9 +5,10 @@ building, cache objects, output recording, module calls). Here one forward is a 
 ops over weights packed once:
 
 - per layer: fused QKV; the q/k norm weights stacked per head (one RMSNorm for queries and keys);
-  one "MLP input" matrix per layer = [router rows; shared-expert gate row; shared-expert gate/up rows]
-  (the talker's MoE), [router rows] (the thinker's MoE) or the dense MLP's gate/up rows; the routed
-  experts are used as transformers stores them ([E, 2I, H], [E, H, I]: no copy);
+  one small "MLP input" matrix per layer = [router rows; shared-expert gate row] (the talker's MoE),
+  [router rows] (the thinker's MoE) or the dense MLP's gate/up rows; the routed experts and the
+  shared expert's projections are used as transformers stores them (no copy: at batch 1 the shared
+  expert is most of the talker's bytes, and fusing its gate/up would only duplicate them);
 - RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does;
 - routing as transformers' `TopKRouter` (softmax in fp32, top-k, optional renormalisation) and the
   experts as its default `grouped_mm` path (weighted outputs summed over the top-k in rank order);
@@ -42,7 +43,9 @@ class _Layer:
     qk_norm: torch.Tensor  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
     o: torch.Tensor  # [H, Nq * D]
     post_norm: torch.Tensor  # [H]
-    mlp_in: torch.Tensor  # [E + S + 2 I, H]: router rows, shared-expert gate row (S = 0 or 1), gate/up rows
+    mlp_in: torch.Tensor  # [E + 1, H] router + shared-expert gate rows, [E, H] router rows, or dense [2I, H]
+    shared_gate_proj: torch.Tensor | None  # [Is, H] (transformers' own tensor)
+    shared_up_proj: torch.Tensor | None  # [Is, H]
     mlp_down: torch.Tensor | None  # [H, I] of the dense MLP or the shared expert; None for experts only
     expert_gate_up: torch.Tensor | None  # [E, 2 Ie, H] (transformers' own tensor)
     expert_down: torch.Tensor | None  # [E, H, Ie]
@@ -126,7 +129,8 @@ def _pack_layer(layer, config, dtype: torch.dtype) -> _Layer:
     if not hasattr(mlp, "experts"):  # dense MLP
         return _Layer(
             **common, mlp_in=_cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype),
-            mlp_down=_cast(mlp.down_proj.weight, dtype), expert_gate_up=None, expert_down=None,
+            mlp_down=_cast(mlp.down_proj.weight, dtype), shared_gate_proj=None, shared_up_proj=None,
+            expert_gate_up=None, expert_down=None,
             num_experts=0, top_k=0, norm_topk_prob=False, has_shared_expert=False,
         )
     experts = mlp.experts
@@ -137,10 +141,12 @@ def _pack_layer(layer, config, dtype: torch.dtype) -> _Layer:
     rows = [mlp.gate.weight]
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
-        rows += [mlp.shared_expert_gate.weight, shared.gate_proj.weight, shared.up_proj.weight]
+        rows.append(mlp.shared_expert_gate.weight)
     return _Layer(
         **common,
         mlp_in=_cast(torch.cat(rows), dtype),
+        shared_gate_proj=None if shared is None else _cast(shared.gate_proj.weight, dtype),
+        shared_up_proj=None if shared is None else _cast(shared.up_proj.weight, dtype),
         mlp_down=None if shared is None else _cast(shared.down_proj.weight, dtype),
         expert_gate_up=_cast(experts.gate_up_proj, dtype),
         expert_down=_cast(experts.down_proj, dtype),
@@ -265,16 +271,16 @@ def _experts(layer: _Layer, x: torch.Tensor, router_logits: torch.Tensor) -> tor
 
 def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     """The layer's MLP on tokens x [N, H] → [N, H]."""
-    projected = _linear(x, layer.mlp_in)  # [N, E + S + 2I]
+    projected = _linear(x, layer.mlp_in)  # [N, E + 1], [N, E] or [N, 2I]
     if layer.num_experts == 0:
         gate, up = projected.chunk(2, dim=-1)
         return _linear(F.silu(gate) * up, layer.mlp_down)
     num_experts = layer.num_experts
     out = _experts(layer, x, projected[:, :num_experts])
     if layer.has_shared_expert:
-        gate, up = projected[:, num_experts + 1 :].chunk(2, dim=-1)
+        gate, up = _linear(x, layer.shared_gate_proj), _linear(x, layer.shared_up_proj)
         shared = _linear(F.silu(gate) * up, layer.mlp_down)
-        out = out + torch.sigmoid(projected[:, num_experts : num_experts + 1]) * shared
+        out = out + torch.sigmoid(projected[:, num_experts:]) * shared
     return out
 
 

@@ -19,9 +19,21 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ATOL = 2e-5
 
 
+def init_talker_experts(model, seed: int = 0):
+    """transformers' `_init_weights` leaves the talker's routed experts (`Qwen3OmniMoeTalkerTextExperts`)
+    as `torch.empty` memory: garbage that changes from process to process (tiny, NaN now and then).
+    Give them seeded values so these comparisons are deterministic and the experts matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.talker.model.layers:
+            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
+
+
 @pytest.fixture(scope="module")
 def model():
-    return tiny_qwen3_omni(0)
+    return init_talker_experts(tiny_qwen3_omni(0))
 
 
 def _modules(model):
@@ -165,3 +177,14 @@ def test_bad_input(model):
         ThinkerRun(model.thinker, [[1, 2]], accept_hidden_layer=5, eos_token_ids=set(), max_new_tokens=2)
     with pytest.raises(ValueError, match="prompts"):
         ThinkerRun(model.thinker, [[1, 2], []], accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=2)
+
+
+def test_big_expert_weights_are_shared_not_copied(model):
+    """The routed experts and the shared expert are transformers' own tensors (no second copy in memory)."""
+    module = model.talker.model
+    layer, mlp = PackedDecoder.from_module(module).layers[0], module.layers[0].mlp
+    assert layer.expert_gate_up.data_ptr() == mlp.experts.gate_up_proj.data_ptr()
+    assert layer.expert_down.data_ptr() == mlp.experts.down_proj.data_ptr()
+    assert layer.shared_gate_proj.data_ptr() == mlp.shared_expert.gate_proj.weight.data_ptr()
+    assert layer.shared_up_proj.data_ptr() == mlp.shared_expert.up_proj.weight.data_ptr()
+    assert layer.mlp_down.data_ptr() == mlp.shared_expert.down_proj.weight.data_ptr()
