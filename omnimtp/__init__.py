@@ -68,6 +68,9 @@ _EXPORTS = {
     "QWEN3_OMNI_TALKER_SAMPLING": "omnimtp.talker.loop",
     "StreamingCode2Wav": "omnimtp.codec.streaming",
     "ThinkerRun": "omnimtp.thinker",
+    "PackedDecoder": "omnimtp.packed_decoder",
+    "SlotKVCache": "omnimtp.packed_decoder",
+    "decoder_forward": "omnimtp.packed_decoder",
     "byte_tokenizer": "omnimtp.tokenizer",
     # issue 6: server
     "create_app": "omnimtp.server.app",
