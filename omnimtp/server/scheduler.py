@@ -196,8 +196,8 @@ class Engine:
     max_start_steps: thinker steps a newly admitted cohort may take in its first iteration (its
     prefill counts as one); 3 give a reply its talker prefill and its first frame's text row.
     max_decode_frames: frames of later (not first) chunks decoded per iteration, though always at
-    least the oldest chunk (default 2·max_batch_size: more than the talker makes per step, so no
-    backlog builds up).
+    least the oldest chunk (default 4·max_batch_size: well above the max_batch_size frames a talker
+    step makes, so a backlog drains fast and requests finish on time).
     max_defer_iterations: how many iterations in a row later chunks may wait while requests are queued
     for a free slot (they are admitted first: time to first audio)."""
 
@@ -217,7 +217,7 @@ class Engine:
         if isinstance(max_defer_iterations, bool) or not isinstance(max_defer_iterations, int) or max_defer_iterations < 0:
             raise ValueError(f"max_defer_iterations must be an integer >= 0, got {max_defer_iterations!r}")
         if max_decode_frames is None:
-            max_decode_frames = 2 * max_batch_size
+            max_decode_frames = 4 * max_batch_size
         if isinstance(max_decode_frames, bool) or not isinstance(max_decode_frames, int) or max_decode_frames < 1:
             raise ValueError(f"max_decode_frames must be an integer >= 1 or None, got {max_decode_frames!r}")
         self.backend = backend
