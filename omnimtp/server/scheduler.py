@@ -20,8 +20,8 @@ One background thread owns the models. Each iteration of its loop is one frame b
 The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
 events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
 Per-request generators make a seeded request's text and audio independent of who else is running;
-the batched forwards (left-padded thinker cohorts and talker rows, the conv stack of code2wav) change
-a row's floats only in the last bits, which the tests check leaves tokens, codes and PCM16 bytes alone.
+the batched forwards (thinker cohorts, talker rows, the conv stack of code2wav) change a row's
+floats only in the last bits, which the tests check leaves tokens, codes and PCM16 bytes alone.
 """
 
 from __future__ import annotations
