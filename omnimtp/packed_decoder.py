@@ -301,8 +301,8 @@ def decoder_forward(
     num_layers = len(decoder.layers)
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
-    if embeds.dtype != decoder.dtype or embeds.shape[1] < 1:
-        raise ValueError(f"embeds must have dtype {decoder.dtype} and T >= 1, got {embeds.dtype}, {tuple(embeds.shape)}")
+    if embeds.dtype != decoder.dtype or min(embeds.shape[:2]) < 1:
+        raise ValueError(f"embeds must have dtype {decoder.dtype}, R >= 1 and T >= 1, got {embeds.dtype}, {tuple(embeds.shape)}")
     if not isinstance(slots, (list, tuple)) or len(slots) != embeds.shape[0]:
         raise ValueError(f"slots must be a list of {embeds.shape[0]} slot indices (one per row), got {slots!r}")
     slots = list(slots)

@@ -159,6 +159,8 @@ def test_bad_input(model):
         decoder_forward(decoder, cache, torch.randn(1, 1, 32), [0])
     with pytest.raises(ValueError, match="embeds"):
         decoder_forward(decoder, cache, torch.randn(1, 1, 64, dtype=torch.float64), [0])
+    with pytest.raises(ValueError, match="embeds"):
+        decoder_forward(decoder, cache, torch.randn(0, 1, 64), [])
     for slots in ([0, 1], [2], [-1], [True]):
         with pytest.raises(ValueError, match="slots"):
             decoder_forward(decoder, cache, torch.randn(1, 1, 64), slots)
