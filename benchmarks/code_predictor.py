@@ -1,7 +1,8 @@
 """Code predictor: ms per frame (G-1 residual codes) of every path on the same weights, side by side.
 
 Paths: transformers `cp.generate` (the reference), re-prefill and DynamicCache loops
-(`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager and compiled. Dims: tiny (hidden 256,
+(`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager (with MKL-packed GEMMs at B >= 4 where
+available; the unpacked runner is timed too), step-compiled and frame-compiled. Dims: tiny (hidden 256,
 2 layers, G 16, vocab 2048, the other sizes `tiny_code_predictor_config`'s defaults) and Qwen3-Omni's
 real predictor (hidden 1024, 5 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072,
 vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
@@ -10,6 +11,8 @@ is printed: bytes of weights read per frame / memory bandwidth measured in the s
 
     python benchmarks/code_predictor.py            # full run (a few minutes on 2 cores)
     python benchmarks/code_predictor.py --quick    # smoke run
+    python benchmarks/code_predictor.py --threads 1 --clock thread --cases real-fp32 --batch-sizes 8
+                                                   # one case, CPU time of the timing thread
 """
 
 from __future__ import annotations
@@ -112,7 +115,11 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
     # The same runner without MKL-packed weights, to show what the packing buys at B >= 4.
     unpacked = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm=False) if eager.packed_gemm else None
     use_compile = args.compile == "all" or args.compile == dtype_name
-    compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile=True) if use_compile else None
+    compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile="step") if use_compile else None
+    # The whole frame as one graph: its first compile takes minutes at real dims on a CPU, so tiny only
+    # unless asked for.
+    use_frame = use_compile and (dims == "tiny" or args.frame_compile_real)
+    frame = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile="frame") if use_frame else None
     rows = []
     for batch_size in batch_sizes:
         g = torch.Generator().manual_seed(batch_size)
@@ -132,6 +139,13 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
             compiled.run(hidden, cb0)  # compiles this batch size's graphs
             compile_s = time.perf_counter() - start
             paths["runner_compiled"] = lambda: compiled.run(hidden, cb0)
+        if frame is not None:
+            start = time.perf_counter()
+            frame.run(hidden, cb0)
+            row_compile_frame_s = time.perf_counter() - start
+            paths["runner_frame_compiled"] = lambda: frame.run(hidden, cb0)
+        else:
+            row_compile_frame_s = None
         with torch.inference_mode():
             reference = hf_generate(cp, hidden, cb0)
             same_codes = {}
@@ -144,7 +158,7 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
         row = {
             "dims": dims, "dtype": dtype_name, "batch_size": batch_size, "ms_per_frame": ms,
             "speedup_vs_hf": {name: ms["hf_generate"] / value for name, value in ms.items()},
-            "same_codes_as_hf": same_codes, "compile_s": compile_s,
+            "same_codes_as_hf": same_codes, "compile_s": compile_s, "compile_frame_s": row_compile_frame_s,
         }
         if dims == "real":
             row["weight_bytes_per_frame"] = weight_bytes_per_frame(cp)
@@ -159,6 +173,8 @@ def print_row(row: dict) -> None:
     print(head, " | ".join(parts), flush=True)
     if row.get("compile_s"):
         print(f"     compile (first call of this batch size): {row['compile_s']:.1f} s", flush=True)
+    if row.get("compile_frame_s"):
+        print(f"     frame compile (first call of this batch size): {row['compile_frame_s']:.1f} s", flush=True)
 
 
 def add_floor(rows: list[dict], bandwidth_gbs: float) -> None:
@@ -191,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         choices=["tiny-fp32", "tiny-bf16", "real-fp32", "real-bf16"], help="dims-dtype cases to run",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--frame-compile-real", action="store_true",
+        help="also time the frame-compiled runner at real dims (its first compile takes minutes)",
+    )
     parser.add_argument(
         "--clock", choices=sorted(CLOCKS), default="wall",
         help="wall time, or the calling thread's CPU time (use with --threads 1 on a shared machine)",

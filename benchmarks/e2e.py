@@ -39,21 +39,8 @@ def _reference(model, prompt, max_new_tokens, max_frames):
     return sequences[0, len(prompt):].tolist(), wav[0, 0].numpy()
 
 
-def _seed_talker_experts(model, seed: int = 0) -> None:
-    """transformers' `_init_weights` leaves the talker's routed experts as `torch.empty` memory, so a
-    freshly built tiny model's talker (and how many frames it speaks) changes from run to run. Seeded
-    values make the workload repeatable; both sides run on the same weights either way."""
-    gen = torch.Generator().manual_seed(seed)
-    std = model.config.talker_config.text_config.initializer_range
-    with torch.no_grad():
-        for layer in model.talker.model.layers:
-            for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-
 def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor):
     model = tiny_qwen3_omni(0, **config_kwargs)
-    _seed_talker_experts(model)
     num_params = sum(p.numel() for p in model.parameters())
     pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1, compile_predictor=compile_predictor)
     prompt = pipe.tokenizer.apply_chat_template(

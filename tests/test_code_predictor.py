@@ -284,10 +284,33 @@ def test_seeded_row_alone_equals_same_row_in_any_batch(order):
 def test_compiled_runner_equals_hf_generate():
     cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
     runner = CodePredictorRunner(cp, 2, compile=True)
+    assert runner.compile_mode == "step"
     hidden, cb0 = frame_inputs(cp, 2)
     out = runner.run(hidden, cb0)
     assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
     assert torch.equal(out.codes, CodePredictorRunner(cp, 2).run(hidden, cb0).codes)
+
+
+def test_frame_compiled_runner_equals_eager_runner_greedy_and_sampled():
+    """The whole frame as one graph: HF's greedy codes; seeded sampled codes equal the eager runner's."""
+    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 2, compile="frame")
+    eager = CodePredictorRunner(cp, 2)
+    hidden, cb0 = frame_inputs(cp, 2)
+    out = runner.run(hidden, cb0)
+    assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
+    assert torch.allclose(out.embed_sum, eager.run(hidden, cb0).embed_sum, atol=1e-5)
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    sampled = runner.run(hidden, cb0, params, make_generators([3, 4])).codes
+    assert torch.equal(sampled, eager.run(hidden, cb0, params, make_generators([3, 4])).codes)
+
+
+def test_compile_argument_is_validated():
+    cp = cached_cp(4, "sdpa")
+    for bad in ("graph", 1, "True"):
+        with pytest.raises(ValueError, match="compile"):
+            CodePredictorRunner(cp, 2, compile=bad)
+    assert CodePredictorRunner(cp, 2).compile_mode is None
 
 
 # --- MKL-packed GEMM (fp32 CPU batches of 4+ rows, padded to a power-of-two bucket) --------------

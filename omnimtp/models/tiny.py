@@ -151,4 +151,19 @@ def tiny_qwen3_omni(seed: int = 0, **config_kwargs) -> Qwen3OmniMoeForConditiona
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config)
+        _init_talker_experts(model)
     return model.eval()
+
+
+def _init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration) -> None:
+    """transformers' `_init_weights` skips the talker's routed experts (`Qwen3OmniMoeTalkerTextExperts`
+    holds them as `torch.empty` parameters), so they would be whatever memory they got: different
+    build to build, now and then NaN. Draw them from the (seeded) global RNG like every other weight."""
+    std = model.config.talker_config.text_config.initializer_range
+    with torch.no_grad():
+        for layer in model.talker.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            for name in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, name, None)
+                if isinstance(param, torch.nn.Parameter):
+                    param.normal_(0.0, std)

@@ -396,6 +396,32 @@ def _step(
     return code, embed, embed_sum + embed
 
 
+def _frame_loop(
+    step,
+    w: _PackedWeights,
+    kv_cache: torch.Tensor,
+    step_input: torch.Tensor,
+    positions: list[torch.Tensor],
+    lm_heads: list[torch.Tensor],
+    codec_embeddings: list[torch.Tensor],
+    sampling: SamplingParams | None,
+    noise: torch.Tensor | None,
+    gemm: _PackedGemm | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The G-1 predictor steps of one frame. step_input [R, 2, H] = [h, E0(cb0)]; step: `_step` or
+    its compiled form. Returns codes [R, G-1] and their summed embeddings [R, H]."""
+    codes = []
+    embed_sum = torch.zeros_like(step_input[:, 0])  # [R, H]
+    for j in range(len(lm_heads)):
+        code, embed, embed_sum = step(
+            w, kv_cache, step_input, positions[j], lm_heads[j], codec_embeddings[j], embed_sum, sampling,
+            None if noise is None else noise[:, j], gemm, None if gemm is None else gemm.lm_heads[j],
+        )
+        codes.append(code)
+        step_input = embed[:, None]  # [R, 1, H]
+    return torch.stack(codes, dim=1), embed_sum
+
+
 def _own_copy(fn):
     """A new function object with its own code object. torch.compile caches graphs per code object,
     with a limit of 8 per code object: a copy per runner keeps one runner's graphs from evicting or
@@ -412,11 +438,15 @@ class CodePredictorRunner:
 
     cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`. Its weights are
     copied (cast to `dtype`, default cp's own) and packed at construction; later changes to cp are
-    not seen. `compile=True` wraps one predictor step in `torch.compile`: two graphs (first step, and
-    every later step) per batch size and sampling setting, each compiled on its first use. A runner
-    holds up to 8 graphs (torch.compile's recompile limit), e.g. 4 batch sizes greedy; past that
-    torch.compile runs further shapes eagerly (same codes, slower), so callers should keep the set of
-    batch sizes small (pad to a few buckets).
+    not seen.
+
+    compile: False (eager); "step" (or True) wraps one predictor step in `torch.compile`: two graphs
+    (first step, and every later step) per batch size and sampling setting; "frame" compiles the
+    whole frame, all G-1 steps, as one graph per batch size and sampling setting: no per-step
+    dispatch at all, the fastest at small dims, but its first compile takes minutes on a CPU
+    (inductor caches it on disk, so later processes take seconds). Each graph compiles on first use.
+    A runner holds up to 8 graphs (torch.compile's recompile limit); past that torch.compile runs
+    further shapes eagerly (same codes, slower), so callers should keep the set of batch sizes small.
 
     `packed_gemm` (default: on where available, i.e. fp32 on a CPU with MKL): a batch of B >= 4 rows
     is padded with zero rows to the next power of two (at most max_batch_size) and its matmuls run
@@ -429,13 +459,17 @@ class CodePredictorRunner:
     """
 
     def __init__(
-        self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool = False,
+        self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool | str = False,
         packed_gemm: bool | None = None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+        if compile is True:
+            compile = "step"
+        if compile not in (False, "step", "frame"):
+            raise ValueError(f'compile must be False, True, "step" or "frame", got {compile!r}')
         if packed_gemm is not None and not isinstance(packed_gemm, bool):
             raise ValueError(f"packed_gemm must be None, True or False, got {packed_gemm!r}")
         config = cp.config
@@ -445,7 +479,7 @@ class CodePredictorRunner:
         self.max_batch_size = max_batch_size
         self.dtype = dtype if dtype is not None else _param_dtype(cp)
         self.device = next(cp.parameters()).device
-        self.compiled = compile
+        self.compile_mode = compile or None  # None, "step" or "frame"
         available = packed_gemm_available(self.device, self.dtype)
         if packed_gemm and not available:
             raise ValueError(
@@ -460,7 +494,8 @@ class CodePredictorRunner:
             len(w.layers), 2, max_batch_size, w.num_kv_heads, self.num_code_groups, w.head_dim,
             dtype=self.dtype, device=self.device,
         )  # [L, 2, B_max, Nkv, G, D]
-        self._step = torch.compile(_own_copy(_step), dynamic=False) if compile else _step
+        self._step = torch.compile(_own_copy(_step), dynamic=False) if compile == "step" else _step
+        self._frame = torch.compile(_own_copy(_frame_loop), dynamic=False) if compile == "frame" else _frame_loop
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
         self._lm_heads = list(self.weights.lm_heads.unbind(0))
         self._codec_embeddings = list(self.weights.codec_embeddings.unbind(0))
@@ -482,17 +517,11 @@ class CodePredictorRunner:
             step_input = F.pad(step_input, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, 2, H]
             if noise is not None:
                 noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, G-1, V]
-        codes = []
-        embed_sum = torch.zeros_like(step_input[:, 0])  # [R, H]
-        for j in range(self.num_code_groups - 1):
-            code, embed, embed_sum = self._step(
-                w, self.kv_cache, step_input, self._positions[j], self._lm_heads[j], self._codec_embeddings[j],
-                embed_sum, sampling, None if noise is None else noise[:, j],
-                gemm, None if gemm is None else gemm.lm_heads[j],
-            )
-            codes.append(code)
-            step_input = embed[:, None]
-        return torch.stack(codes, dim=1)[:batch_size], embed_sum[:batch_size]
+        codes, embed_sum = self._frame(
+            self._step, w, self.kv_cache, step_input, self._positions, self._lm_heads, self._codec_embeddings,
+            sampling, noise, gemm,
+        )  # [R, G-1], [R, H]
+        return codes[:batch_size], embed_sum[:batch_size]
 
     def _packed_gemm_for(self, batch_size: int) -> _PackedGemm | None:
         """The packed matrices for a batch of `batch_size` rows (padded to a power-of-two bucket, at
