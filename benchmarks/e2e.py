@@ -5,9 +5,11 @@ codes (checked here). Reported per config: total wall time of each (ours: `gener
 time to the first audio chunk (`stream`) and its share of the reference's total, and real-time factors (wall time / audio time).
 CPU time of the process (`time.process_time`) is reported next to wall time: on a shared, loaded machine
 it is the steadier of the two for comparing ours with the reference (both run with the same thread count).
-Our code predictor step is compiled (`compile_predictor=True`) during the untimed warm-up unless --eager.
+Our code predictor is compiled during the untimed warm-up: the whole frame as one graph by default
+(`compile_predictor="frame"`; its first compile takes a minute or two per config on a CPU, later runs hit
+inductor's disk cache), `--compile step` for one graph per predictor step, `--compile none` for eager.
 
-    python benchmarks/e2e.py [--quick] [--threads 1] [--eager] [--config mid] [--out benchmarks/results/e2e.json]
+    python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid] [--out benchmarks/results/e2e.json]
 """
 
 from __future__ import annotations
@@ -85,7 +87,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens / frames / repeats")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--eager", action="store_true", help="do not torch.compile our code predictor step")
+    parser.add_argument(
+        "--compile", choices=["frame", "step", "none"], default="frame",
+        help="how our code predictor is compiled (CodePredictorRunner compile=...)",
+    )
     parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
@@ -93,7 +98,8 @@ def main():
     torch.set_num_threads(args.threads)
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
     repeats = args.repeats or repeats
-    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, not args.eager) for name, kwargs in CONFIGS.items()
+    compile_predictor = False if args.compile == "none" else args.compile
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor) for name, kwargs in CONFIGS.items()
                if not args.config or name in args.config]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

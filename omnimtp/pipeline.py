@@ -90,12 +90,13 @@ class OmniPipeline:
 
     def __init__(
         self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int = 256, max_frames: int = 4096,
-        compile_predictor: bool = False,
+        compile_predictor: bool | str = False,
     ):
-        """compile_predictor: run the code predictor's step under torch.compile (`CodePredictorRunner`
-        compile=True). Each batch size compiles on first use (tens of seconds on a CPU), after which a
-        frame's residual codes cost a fraction of the eager loop's Python overhead; worth it for a
-        long-lived pipeline, not for a one-shot command."""
+        """compile_predictor: `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each
+        predictor step is one compiled graph (tens of seconds per batch size on a CPU); "frame": the
+        whole frame is one graph (a minute or more per batch size the first time, seconds once
+        inductor's disk cache has it), the fastest. Worth it for a long-lived pipeline, not for a
+        one-shot command."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
