@@ -19,7 +19,7 @@ from server_harness import running_server
 
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import create_app
-from omnimtp.server.scheduler import Engine, SpeechBackend, seed_talker_experts
+from omnimtp.server.scheduler import Engine, SpeechBackend
 from omnimtp.tokenizer import byte_tokenizer
 
 MAX_FRAMES = 6
@@ -30,7 +30,7 @@ SAMPLES_PER_FRAME, TAIL = 1920, 555
 
 @pytest.fixture(scope="module")
 def tiny():
-    return seed_talker_experts(tiny_qwen3_omni(0)), byte_tokenizer()
+    return tiny_qwen3_omni(0), byte_tokenizer()
 
 
 def _backend(tiny, max_frames: int) -> SpeechBackend:

@@ -650,19 +650,6 @@ def _request_generators(seed: int | None) -> tuple[torch.Generator, torch.Genera
     return make_generators([2 * int(seed), 2 * int(seed) + 1])
 
 
-def seed_talker_experts(model, seed: int = 0):
-    """Give a freshly built tiny model's talker routed experts seeded values (in place; returns the
-    model). transformers' `_init_weights` leaves them as `torch.empty` memory, so without this a tiny
-    model's talker (how many frames it speaks, whether it stops at once) changes from build to build."""
-    gen = torch.Generator().manual_seed(seed)
-    std = model.config.talker_config.text_config.initializer_range
-    with torch.no_grad():
-        for layer in model.talker.model.layers:
-            for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-    return model
-
-
 class SpeechBackend:
     """The Qwen3-Omni side of the engine: tokenizer, thinker runs, talker inputs, the batched talker
     state and batched code2wav.
@@ -723,7 +710,7 @@ class SpeechBackend:
         from omnimtp.models.tiny import tiny_qwen3_omni
         from omnimtp.tokenizer import byte_tokenizer
 
-        return cls(seed_talker_experts(tiny_qwen3_omni(seed), seed), byte_tokenizer(), **kwargs)
+        return cls(tiny_qwen3_omni(seed), byte_tokenizer(), **kwargs)
 
     # -- requests → ids ---------------------------------------------------------------------------
 
