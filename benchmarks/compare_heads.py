@@ -13,12 +13,16 @@ never saw (the stdlib files `omnimtp train-mtp --data <stdlib> --suffixes .py` h
     (`omnimtp.spec.train.window_acceptance`): greedy τ = 1 + Σ_i P(drafts 1..i equal the target's argmax),
     sampled τ = 1 + Σ_i Π_{j≤i} Σ min(p_j, q_j). Mean over windows ± standard error over windows, and the
     paired difference to the first head ± its standard error (same windows, so the window-to-window
-    spread cancels).
+    spread cancels), also over means of --se-block consecutive windows (neighbouring windows come from
+    the same file; the blocked SE does not assume they are independent).
 (b) real speculative decoding (`speculative_generate`, batch 1, EOS disabled, --max-new-tokens each) on
-    --num-prompts held-out prompts (cut at line starts at 1/2, then 1/4, then 3/4 of each held-out file):
+    --num-prompts held-out prompts (cut at line starts at 1/2, then 1/4, 3/4, 1/8, ... of each held-out file):
     τ pooled over prompts (accepted / verify steps), greedy and temperature 1 (seed = prompt index), and
     the paired per-prompt τ difference to the first head ± standard error over prompts. Greedy outputs are
     checked against plain greedy decoding (`matches_plain`).
+(c) teacher-forced on the target's own greedy continuations of those prompts (the text greedy decoding
+    drafts on): (a)'s estimate over every chain starting in the generated part, mean ± SE over prompts and
+    the paired difference to the first head.
 """
 
 from __future__ import annotations
@@ -59,10 +63,10 @@ def mean_and_se(values: list[float]) -> tuple[float, float]:
 
 
 def heldout_prompt_texts(files, num_prompts: int, num_chars: int = 300) -> list[str]:
-    """Prompts of whole lines cut at a line start at 1/2 of each held-out file, then 1/4, then 3/4 (the
-    first pass equals the checkpoint's `heldout_prompts.json`)."""
+    """Prompts of whole lines cut at a line start at 1/2 of each held-out file, then 1/4, 3/4, 1/8, 3/8, 5/8,
+    7/8 (the first pass equals the checkpoint's `heldout_prompts.json`)."""
     prompts = []
-    for fraction in (0.5, 0.25, 0.75):
+    for fraction in (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
         for path in files:
             text = path.read_text(encoding="utf-8", errors="replace")
             start = text.find("\n", int(len(text) * fraction)) + 1
@@ -102,15 +106,25 @@ def teacher_forced(target, heads: list[MTPHead], windows: torch.Tensor, k: int, 
     return per_head
 
 
-def summarize(values_by_head: list[list[float]]) -> list[dict]:
-    """Mean ± SE per head and the paired difference to head 0 ± SE."""
+def block_means(values: list[float], block: int) -> list[float]:
+    """Means of consecutive blocks of `block` values (a last partial block dropped)."""
+    return [sum(values[i : i + block]) / block for i in range(0, len(values) - block + 1, block)]
+
+
+def summarize(values_by_head: list[list[float]], block: int = 0) -> list[dict]:
+    """Mean ± SE per head and the paired difference to head 0 ± SE. With `block` > 1 the difference's SE is
+    also computed over means of `block` consecutive values (`diff_se_blocked`: robust to neighbouring
+    windows of one file being alike)."""
     out = []
     for values in values_by_head:
         mean, se = mean_and_se(values)
         entry = {"mean": mean, "se": se}
         if out:
-            diff, diff_se = mean_and_se([a - b for a, b in zip(values, values_by_head[0])])
+            diffs = [a - b for a, b in zip(values, values_by_head[0])]
+            diff, diff_se = mean_and_se(diffs)
             entry.update({"diff_vs_first": diff, "diff_se": diff_se})
+            if block > 1 and len(diffs) >= 2 * block:
+                entry["diff_se_blocked"] = mean_and_se(block_means(diffs, block))[1]
         out.append(entry)
     return out
 
@@ -126,6 +140,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--num-windows", type=int, default=0, help="0: every non-overlapping held-out window")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--se-block", type=int, default=16,
+                        help="also give the paired difference's SE over means of this many consecutive windows")
     parser.add_argument("--num-prompts", type=int, default=48, help="0: skip the decoding runs")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--ks", type=int, nargs="+", default=[3])
@@ -162,7 +178,7 @@ def main() -> None:
           f"({time.perf_counter() - start:.0f} s); mean ± SE over windows, paired diff vs {names[0]}")
     results["teacher_forced"] = {"k": k_max, "num_windows": num_windows, "seq_len": args.seq_len, "heads": {}}
     for mode in ("greedy", "sampled"):
-        stats = summarize([acc[f"tau_{mode}"] for acc in tf])
+        stats = summarize([acc[f"tau_{mode}"] for acc in tf], block=args.se_block)
         for name, acc, s in zip(names, tf, stats):
             entry = results["teacher_forced"]["heads"].setdefault(
                 name, {"ce": acc["ce"], "tv": acc["tv"]})
@@ -175,7 +191,8 @@ def main() -> None:
             s = e[f"tau_{mode}"]
             line += f"  tau_{mode} {s['mean']:.4f} ± {s['se']:.4f}"
             if "diff_vs_first" in s:
-                line += f" (diff {s['diff_vs_first']:+.4f} ± {s['diff_se']:.4f})"
+                line += f" (diff {s['diff_vs_first']:+.4f} ± {s['diff_se']:.4f}"
+                line += f", blocked ± {s['diff_se_blocked']:.4f})" if "diff_se_blocked" in s else ")"
         print(line)
 
     # (b) real speculative decoding on held-out prompts
@@ -188,6 +205,35 @@ def main() -> None:
             for ids in prompts:
                 plain.append(target.generate(ids, do_sample=False, max_new_tokens=max_new, eos_token_id=-1,
                                              pad_token_id=tokenizer.pad_token_id))
+        # (c) teacher-forced on the target's own greedy continuations: every chain starting in the generated
+        # part (what greedy decoding drafts on), per prompt; paired differences over prompts.
+        own_text = [{"greedy": [], "sampled": []} for _ in heads]
+        with torch.inference_mode():
+            for ids, sequence in zip(prompts, plain):
+                hidden, target_logits = teacher_outputs(target, sequence)
+                first_row = ids.shape[1] - 1  # row predicting the first generated token
+                for head, acc in zip(heads, own_text):
+                    draft_logits = unrolled_draft_logits(head, sequence, hidden, k_max)
+                    rates = window_acceptance(target_logits[:, first_row:], [d[:, first_row:] for d in draft_logits])
+                    acc["greedy"].append(1.0 + rates["greedy"].sum().item())
+                    acc["sampled"].append(1.0 + rates["sampled"].sum().item())
+        results["teacher_forced_on_greedy_output"] = {"k": k_max, "num_prompts": len(prompts), "heads": {}}
+        print(f"teacher-forced on the target's greedy continuations: {len(prompts)} prompts x {max_new} tokens, "
+              f"k={k_max}; mean ± SE over prompts, paired diff vs {names[0]}")
+        for mode in ("greedy", "sampled"):
+            stats = summarize([acc[mode] for acc in own_text])
+            for name, s in zip(names, stats):
+                results["teacher_forced_on_greedy_output"]["heads"].setdefault(name, {})[f"tau_{mode}"] = s
+        for name in names:
+            e = results["teacher_forced_on_greedy_output"]["heads"][name]
+            line = f"  {name:>16}:"
+            for mode in ("greedy", "sampled"):
+                s = e[f"tau_{mode}"]
+                line += f"  tau_{mode} {s['mean']:.4f} ± {s['se']:.4f}"
+                if "diff_vs_first" in s:
+                    line += f" (diff {s['diff_vs_first']:+.4f} ± {s['diff_se']:.4f})"
+            print(line, flush=True)
+
         modes = [("greedy", SamplingParams.greedy())]
         if not args.no_sampled:
             modes.append(("t1", SamplingParams(temperature=1.0)))
