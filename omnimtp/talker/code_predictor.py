@@ -516,7 +516,7 @@ class CodePredictorRunner:
         if gemm is not None and gemm.rows > batch_size:  # zero rows up to the bucket; dropped at the end
             step_input = F.pad(step_input, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, 2, H]
             if noise is not None:
-                noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, G-1, V]
+                noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
         codes, embed_sum = self._frame(
             self._step, w, self.kv_cache, step_input, self._positions, self._lm_heads, self._codec_embeddings,
             sampling, noise, gemm,
