@@ -1,10 +1,13 @@
 """The shipped demo LM + trained MTP head on held-out prompts: τ, per-position acceptance, tokens/s.
 
-    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--repeats 3] [--ks 1 2 3] [--no-sampled] [--out FILE]
+    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--repeats 3] [--ks 1 2 3] [--no-sampled]
+        [--target-backend auto|packed|transformers] [--out FILE]
 
 Batch 1, every held-out prompt of the checkpoint (`heldout_prompts.json`), in one process: plain greedy
 `generate`, transformers `generate(use_mtp=True)` (greedy; it drafts one token per step with one MTP
-layer), ours for k = 1..5 greedy and at temperature 1 (plain sampled `generate` as its baseline).
+layer), our plain greedy decoding on the packed target (`packed_generate`, one token per forward: the
+honest baseline on the same forward), ours for k = 1..5 greedy and at temperature 1 (plain sampled
+`generate` as its baseline) with --target-backend (default auto = packed on this model).
 Timing is interleaved: for each of --repeats repeats and each prompt every method runs back to back, so
 load from other processes hits all of them alike; tokens/s are medians over repeats; a speed-up is the
 median over repeats of the same-repeat ratio of total times (per-repeat ratios are printed too, and the
@@ -28,7 +31,7 @@ from transformers import DynamicCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from omnimtp import SamplingParams, speculative_generate  # noqa: E402
+from omnimtp import SamplingParams, packed_generate, speculative_generate  # noqa: E402
 from omnimtp.spec.demo import demo_model_dir  # noqa: E402
 from omnimtp.spec.head import MTPHead, load_target_and_head  # noqa: E402
 
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--no-sampled", action="store_true", help="skip the temperature-1 runs")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--target-backend", default="auto", choices=["auto", "packed", "transformers"])
     parser.add_argument("--out", default="benchmarks/results/mtp_demo.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,7 +113,9 @@ def main() -> None:
 
     with torch.no_grad():  # warm-up
         target.generate(prompts[0], do_sample=False, max_new_tokens=4, eos_token_id=-1)
-        speculative_generate(target, head, prompts[0], max_new_tokens=4, num_draft_tokens=2, eos_token_id=-1)
+        speculative_generate(target, head, prompts[0], max_new_tokens=4, num_draft_tokens=2, eos_token_id=-1,
+                             target_backend=args.target_backend)
+        packed_generate(target, prompts[0], max_new_tokens=4, eos_token_id=-1)
 
     def plain(**kw):
         def run(i):
@@ -131,10 +137,13 @@ def main() -> None:
                 tokens.append(ids)
             return torch.cat([prompts[i]] + tokens, dim=1).clone(), None
 
+    def plain_packed(i):
+        return packed_generate(target, prompts[i], max_new_tokens=max_new, eos_token_id=-1), None
+
     def ours(drafter, k, sampling):
         def run(i):
             out = speculative_generate(target, drafter, prompts[i], max_new_tokens=max_new, num_draft_tokens=k,
-                                       sampling=sampling, seed=i, eos_token_id=-1)
+                                       sampling=sampling, seed=i, eos_token_id=-1, target_backend=args.target_backend)
             return out.sequences, out.stats
         return run
 
@@ -142,6 +151,7 @@ def main() -> None:
         Method("plain_greedy", plain(do_sample=False), None),
         Method("plain_lean", plain_lean, "plain_greedy"),
         Method("hf_use_mtp", plain(do_sample=False, use_mtp=True), "plain_greedy"),
+        Method("plain_packed", plain_packed, "plain_greedy"),
     ]
     methods += [Method(f"greedy_k{k}", ours(head, k, greedy), "plain_greedy") for k in args.ks]
     if not args.no_sampled:
@@ -180,9 +190,10 @@ def main() -> None:
 
     results = {
         "model": model_dir, "num_prompts": len(prompts), "max_new_tokens": max_new, "threads": args.threads,
-        "repeats": args.repeats, "note": "tokens_per_s: median over interleaved repeats; speed-ups: median over "
+        "repeats": args.repeats, "target_backend": args.target_backend, "note": "tokens_per_s: median over interleaved repeats; speed-ups: median over "
         "repeats of same-repeat total-time ratios; plain = transformers generate (greedy / do_sample); "
-        "plain_lean = the same lean decoder loop as ours, one token per forward",
+        "plain_lean = the same lean decoder loop as ours, one token per forward; plain_packed = our packed "
+        "target (packed_generate), one token per forward",
         "methods": {m.name: summary(m) for m in methods},
     }
     res = results["methods"]
@@ -195,7 +206,11 @@ def main() -> None:
     lean = res["plain_lean"]
     print(f"plain lean loop {lean['tokens_per_s']:.1f} tok/s = {lean['speedup_vs_plain_greedy']:.2f}x generate, "
           f"match {lean['matches_plain']}")
-    for m in methods[3:]:
+    packed = res["plain_packed"]
+    print(f"plain packed loop {packed['tokens_per_s']:.1f} tok/s = {packed['speedup_vs_plain_greedy']:.2f}x generate, "
+          f"match {packed['matches_plain']}")
+    print(f"ours: target_backend={args.target_backend}")
+    for m in methods[4:]:
         if not m.stats:
             print(f"{m.name}: {res[m.name]['tokens_per_s']:.1f} tok/s")
             continue
@@ -208,7 +223,10 @@ def main() -> None:
         if m.baseline == "plain_greedy":
             vs_lean = _median([b / s for s, b in zip(m.seconds, by_name["plain_lean"].seconds)])
             e["speedup_vs_plain_lean"] = vs_lean
-            line += (f" {vs_lean:.2f}x plain_lean {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x use_mtp"
+            vs_packed = _median([b / s for s, b in zip(m.seconds, by_name["plain_packed"].seconds)])
+            e["speedup_vs_plain_packed"] = vs_packed
+            line += (f" {vs_lean:.2f}x plain_lean {vs_packed:.2f}x plain_packed"
+                     f" {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x use_mtp"
                      f"  match {e['matches_plain']}"
                      f"  per step: draft {e['draft_time_s'] / e['num_steps'] * 1e3:.2f} ms verify "
                      f"{e['verify_time_s'] / e['num_steps'] * 1e3:.2f} ms (first repeat)")

@@ -55,6 +55,12 @@ _EXPORTS = {
     "SpecConfig": "omnimtp.spec.generate",
     "SpecStats": "omnimtp.spec.generate",
     "SpecOutput": "omnimtp.spec.generate",
+    "packed_generate": "omnimtp.spec.generate",
+    "PackedTarget": "omnimtp.spec.packed_target",
+    "PackedKVCache": "omnimtp.spec.packed_target",
+    "packed_forward": "omnimtp.spec.packed_target",
+    "packed_logits": "omnimtp.spec.packed_target",
+    "packed_target": "omnimtp.spec.packed_target",
     "tiny_lm": "omnimtp.models.tiny_lm",
     "tiny_lm_config": "omnimtp.models.tiny_lm",
     # issue 5: end-to-end pipeline

@@ -16,6 +16,11 @@ Left padding of the prompts is one more set of invalid slots in the same mask. T
 slots per step when rows disagree (never more than k per step; none when every row rejects at the same
 place). Rows that finished (EOS or max_new_tokens) keep riding along, emit nothing and count n_b = 1.
 
+Target backends. `target_backend="packed"` runs the target on `omnimtp.spec.packed_target` (packed
+weights, a static KV buffer with the same one-length + kv_mask + crop semantics, SDPA), which removes
+most of transformers' per-forward framework time on small models; "transformers" runs the model's own
+decoder with a `DynamicCache`; "auto" (default) takes "packed" for supported models on CPU.
+
 Randomness: every row has its own generator (`seed` + row index, or one seed per row); the first token,
 the drafts and the verification draw from it in a fixed order, so a seeded row gives the same tokens
 alone or in a batch.
@@ -31,6 +36,9 @@ from transformers import DynamicCache
 
 from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, sample
 from omnimtp.spec.head import MTPHead
+from omnimtp.spec.packed_target import (
+    PackedKVCache, PackedTarget, packed_forward, packed_logits, packed_target, unsupported_reason,
+)
 from omnimtp.spec.proposer import DraftInput, MTPProposer, Proposer
 from omnimtp.spec.rejection import rejection_sample
 
@@ -145,15 +153,53 @@ def _check_head(target, head: MTPHead) -> None:
         raise ValueError(f"head: vocab size {head.vocab_size} does not match the target's {target_vocab}")
 
 
-def _target_forward(target, input_ids, position_ids, kv_mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32). A kv_mask without invalid slots is passed as
-    None (same attention; transformers then needs no padding mask, and none at all for one token)."""
+TARGET_BACKENDS = ("auto", "packed", "transformers")
+
+
+def _packed_or_none(target, target_backend: str) -> PackedTarget | None:
+    """The packed target for backend "packed" (ValueError when unsupported) or "auto" on a supported CPU
+    model; None means transformers' forward."""
+    if target_backend not in TARGET_BACKENDS:
+        raise ValueError(f"target_backend must be one of {TARGET_BACKENDS}, got {target_backend!r}")
+    if target_backend == "transformers":
+        return None
+    if target_backend == "auto":
+        on_cpu = all(p.device.type == "cpu" for p in target.parameters())
+        return packed_target(target) if on_cpu and unsupported_reason(target) is None else None
+    reason = unsupported_reason(target)
+    if reason is not None:
+        raise ValueError(f"target_backend='packed': {reason}")
+    return packed_target(target)
+
+
+def _target_forward(
+    target, packed: PackedTarget | None, input_ids, position_ids, kv_mask, cache, last_logits_only: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32; [B, 1, V] with last_logits_only).
+    `cache` is a PackedKVCache when `packed` is given, else a DynamicCache. A kv_mask without invalid slots is
+    passed as None (same attention; no padding mask is needed, and none at all for one token)."""
     if bool(kv_mask.all()):
         kv_mask = None
+    if packed is not None:
+        hidden = packed_forward(packed, cache, input_ids, position_ids, kv_mask)
+        return hidden, packed_logits(packed, hidden[:, -1:] if last_logits_only else hidden)
     hidden = target.get_decoder()(
         input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=cache, use_cache=True
     ).last_hidden_state
-    return hidden, target.get_output_embeddings()(hidden).float()
+    return hidden, target.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
+
+
+def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
+    """Validate a left-padded prompt batch → its attention mask (all ones when None)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be a LongTensor [B, P] with P >= 1, got {getattr(input_ids, 'shape', input_ids)!r}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+    if not bool(attention_mask[:, -1].all()) or not bool((attention_mask.diff(dim=1) >= 0).all()):
+        raise ValueError("attention_mask must be left padding: 0s then 1s, with every row's last token real")
+    return attention_mask
 
 
 def _greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +228,7 @@ def speculative_generate(
     sampling: SamplingParams | None = None,
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
+    target_backend: str = "auto",
 ) -> SpecOutput:
     """Generate with drafts from `head` (an MTPHead, or any Proposer) verified by `target`.
 
@@ -189,6 +236,8 @@ def speculative_generate(
     output is token-for-token `target.generate(do_sample=False)`; with sampling every token has the
     target's (temperature/top-k/top-p filtered) distribution. eos_token_id defaults to the target's
     generation config; finished rows are padded with its pad_token_id (else the first EOS id).
+    target_backend: "auto" (packed on supported CPU models, else transformers), "packed" (ValueError if the
+    model is unsupported) or "transformers" (the model's own forward); see the module docstring.
 
     Runs under `torch.inference_mode` (about 10% less per-op overhead than no_grad on small CPU models);
     the returned sequences are ordinary tensors."""
@@ -196,24 +245,20 @@ def speculative_generate(
         out = _speculative_generate(
             target, head, input_ids, attention_mask, max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, eos_token_id=eos_token_id,
+            target_backend=target_backend,
         )
     return SpecOutput(sequences=out.sequences.clone(), stats=out.stats)  # clone: a normal tensor outside
 
 
 def _speculative_generate(
-    target, head, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling, seed, eos_token_id
+    target, head, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling, seed, eos_token_id,
+    target_backend,
 ) -> SpecOutput:
     config = SpecConfig(num_draft_tokens, max_new_tokens, sampling if sampling is not None else SamplingParams.greedy())
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be a LongTensor [B, P] with P >= 1, got {getattr(input_ids, 'shape', input_ids)!r}")
+    attention_mask = _check_prompt(input_ids, attention_mask)
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    if not bool(attention_mask[:, -1].all()) or not bool((attention_mask.diff(dim=1) >= 0).all()):
-        raise ValueError("attention_mask must be left padding: 0s then 1s, with every row's last token real")
+    packed = _packed_or_none(target, target_backend)
     if isinstance(head, MTPHead):
         _check_head(target, head)
         proposer: Proposer = MTPProposer(head)
@@ -233,8 +278,11 @@ def _speculative_generate(
     # Prefill: positions as `generate` computes them for left padding.
     kv_mask = attention_mask.long()  # [B, L] validity of every cache slot
     position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
-    target_cache = DynamicCache(config=target.config)
-    hidden, logits = _target_forward(target, input_ids, position_ids, kv_mask, target_cache)
+    if packed is not None:
+        target_cache = PackedKVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + k + 1)
+    else:
+        target_cache = DynamicCache(config=target.config)
+    hidden, logits = _target_forward(target, packed, input_ids, position_ids, kv_mask, target_cache, last_logits_only=True)
     first = sample(logits[:, -1], sampling, generators)  # [B]
 
     generated: list[list[int]] = [[] for _ in range(batch_size)]
@@ -269,7 +317,7 @@ def _speculative_generate(
         verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
         verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
-        hidden, logits = _target_forward(target, verify_ids, verify_positions, verify_mask, target_cache)
+        hidden, logits = _target_forward(target, packed, verify_ids, verify_positions, verify_mask, target_cache)
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
@@ -316,3 +364,54 @@ def _speculative_generate(
     stats.num_generated_tokens = sum(len(row) for row in generated)
     stats.total_time_s = time.perf_counter() - start
     return SpecOutput(sequences=torch.cat([input_ids, new_tokens], dim=1), stats=stats)
+
+
+def packed_generate(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    seed: int | list[int | None] | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> torch.Tensor:
+    """Plain decoding (one token per forward) on the packed target: the honest baseline for speculative
+    decoding on the same forward. Same contract as `speculative_generate` (left-padded input_ids [B, P],
+    sampling None = greedy = `target.generate(do_sample=False)`, seeds per row, EOS / padding like
+    `generate`) → sequences [B, P + generated]."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    sampling = sampling if sampling is not None else SamplingParams.greedy()
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
+    attention_mask = _check_prompt(input_ids, attention_mask)
+    batch_size = input_ids.shape[0]
+    device = input_ids.device
+    eos_ids = _eos_ids(target, eos_token_id)
+    pad_id = target.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    generators = None if sampling.is_greedy else make_generators(_row_seeds(seed, batch_size), device=device)
+    with torch.inference_mode():
+        packed = packed_target(target)
+        cache = PackedKVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
+        kv_mask = attention_mask.long()  # [B, L]
+        position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
+        hidden = packed_forward(packed, cache, input_ids, position_ids, kv_mask)
+        positions = position_ids[:, -1:]  # [B, 1]
+        eos = torch.tensor(eos_ids, device=device)
+        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        tokens = []
+        for step in range(max_new_tokens):
+            token = sample(packed_logits(packed, hidden[:, -1]), sampling, generators)  # [B]
+            token = torch.where(finished, pad_id, token)
+            tokens.append(token)
+            finished = finished | torch.isin(token, eos)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            positions = positions + 1
+            hidden = packed_forward(packed, cache, token[:, None], positions, kv_mask)
+        sequences = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+    return sequences.clone()
