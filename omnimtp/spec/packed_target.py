@@ -80,6 +80,7 @@ class PackedTarget:
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H] (the module's own tensor)
     inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
+    rope_source: torch.Tensor  # [D] channel each channel's rotate_half partner comes from (`_rope`)
     attention_scaling: float
     num_heads: int
     num_kv_heads: int
@@ -93,6 +94,7 @@ class PackedTarget:
     def rotary_dim(self) -> int:
         return 2 * self.inv_freq.shape[0]
 
+
     @classmethod
     def from_model(cls, target) -> "PackedTarget":
         """target: a transformers causal LM of a supported family (ValueError naming why not)."""
@@ -105,16 +107,20 @@ class PackedTarget:
         with torch.no_grad():
             layers = tuple(_pack_layer(layer, config, dtype) for layer in decoder.layers[: config.num_hidden_layers])
         rotary = decoder.rotary_emb
+        head_dim = decoder.layers[0].self_attn.head_dim
+        half = rotary.inv_freq.shape[0]  # the rotary channels' halves swap; pass-through channels stay
+        channels = torch.arange(head_dim, device=rotary.inv_freq.device)
         return cls(
             layers=layers,
             embed=decoder.embed_tokens.weight.detach(),
             final_norm=_cast(decoder.norm.weight, dtype),
             lm_head=target.get_output_embeddings().weight.detach(),
             inv_freq=rotary.inv_freq.detach().float().clone(),
+            rope_source=torch.where(channels < 2 * half, (channels + half) % (2 * half), channels),
             attention_scaling=float(rotary.attention_scaling),
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
-            head_dim=decoder.layers[0].self_attn.head_dim,
+            head_dim=head_dim,
             hidden_size=config.hidden_size,
             eps=config.rms_norm_eps,
             dtype=dtype,
@@ -263,12 +269,19 @@ class PackedKVCache:
 
 
 def _rope(packed: PackedTarget, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [B, T] → cos, signed_sin [B, T, 1, rotary_dim] as the module computes them (fp32 angles,
-    then cast); signed_sin = [-sin, sin] halves, so rotate_half(x) * sin == x.roll(rd/2) * signed_sin."""
+    """positions [B, T] → cos, signed_sin [B, T, 1, D] as the module computes them (fp32 angles, then cast)
+    on the first rotary_dim channels, padded with cos = 1, signed_sin = 0 on the channels RoPE passes
+    through (x * 1 + y * 0 == x exactly). signed_sin = [-sin, sin] halves, so on the rotary channels
+    rotate_half(x) * sin == x[..., packed.rope_source] * signed_sin."""
     freqs = positions[..., None].float() * packed.inv_freq  # [B, T, rd/2]
     cos = (freqs.cos() * packed.attention_scaling).to(dtype)
     sin = (freqs.sin() * packed.attention_scaling).to(dtype)
-    return torch.cat([cos, cos], dim=-1)[:, :, None], torch.cat([-sin, sin], dim=-1)[:, :, None]
+    parts_cos, parts_sin = [cos, cos], [-sin, sin]
+    num_pass = packed.head_dim - packed.rotary_dim
+    if num_pass:
+        parts_cos.append(cos.new_ones((*cos.shape[:-1], num_pass)))
+        parts_sin.append(sin.new_zeros((*sin.shape[:-1], num_pass)))
+    return torch.cat(parts_cos, dim=-1)[:, :, None], torch.cat(parts_sin, dim=-1)[:, :, None]
 
 
 def _glm4_moe(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -313,10 +326,13 @@ def _dense_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     return _linear(F.silu(gate) * up, layer.down)
 
 
-def _attention_mask(kv_mask: torch.Tensor | None, start: int, num_new: int, device) -> torch.Tensor | None:
-    """Boolean SDPA mask [B, 1, T, start + T] (True = attend): valid slots up to the query's own slot.
-    None when every slot is valid and T == 1. A query always sees its own slot, so rows of padding
-    tokens (no valid key at all) stay finite instead of NaN; real tokens never attend to them."""
+def _attention_mask(
+    kv_mask: torch.Tensor | None, start: int, num_new: int, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """Additive SDPA mask [B, 1, T, start + T] (0 = attend, -inf = not): valid slots up to the query's own
+    slot. SDPA turns a boolean mask into exactly this on every call; building it once per forward saves
+    that per layer. None when every slot is valid and T == 1. A query always sees its own slot, so rows
+    of padding tokens (no valid key at all) stay finite instead of NaN; real tokens never attend to them."""
     num_columns = start + num_new
     if kv_mask is not None and bool(kv_mask.all()):
         kv_mask = None
@@ -326,10 +342,11 @@ def _attention_mask(kv_mask: torch.Tensor | None, start: int, num_new: int, devi
     slots = start + torch.arange(num_new, device=device)
     mask = columns[None, :] <= slots[:, None]  # [T, S] causal by slot
     if kv_mask is None:
-        return mask[None, None]  # [1, 1, T, S] broadcast over rows
-    mask = mask[None] & kv_mask.bool()[:, None, :]  # [B, T, S]
-    mask = mask | (columns[None, :] == slots[:, None])[None]
-    return mask[:, None]
+        mask = mask[None]  # [1, T, S] broadcast over rows
+    else:
+        mask = mask[None] & kv_mask.bool()[:, None, :]  # [B, T, S]
+        mask = mask | (columns[None, :] == slots[:, None])[None]
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
 
 
 def packed_forward(
@@ -355,10 +372,9 @@ def packed_forward(
         raise ValueError(f"kv_mask must be [B, {start + num_new}] (cache length + T), got {tuple(kv_mask.shape)}")
     num_columns = start + num_new
     cache.reserve(num_columns)
-    mask = _attention_mask(kv_mask, start, num_new, input_ids.device)  # [B, 1, T, S] or None
+    mask = _attention_mask(kv_mask, start, num_new, packed.dtype, input_ids.device)  # [B, 1, T, S] or None
     cos, signed_sin = _rope(packed, position_ids, packed.dtype)  # [B, T, 1, rd]
     num_heads, num_kv_heads, head_dim = packed.num_heads, packed.num_kv_heads, packed.head_dim
-    rotary_dim = packed.rotary_dim
     x = F.embedding(input_ids, packed.embed)  # [B, T, H]
     for i, layer in enumerate(packed.layers):
         residual = x
@@ -369,9 +385,7 @@ def packed_forward(
         qk = qkv[:, :, : num_heads + num_kv_heads]
         if layer.qk_norm is not None:
             qk = _rms_norm(qk, layer.qk_norm, packed.eps)
-        rot = qk[..., :rotary_dim]
-        rot = rot * cos + rot.roll(rotary_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
-        qk = rot if rotary_dim == head_dim else torch.cat([rot, qk[..., rotary_dim:]], dim=-1)
+        qk = qk * cos + qk[..., packed.rope_source] * signed_sin  # RoPE on queries and keys at once
         keys, values = cache.buffer[i, 0], cache.buffer[i, 1]  # [B, Nkv, S_cap, D]
         keys[:, :, start:num_columns] = qk[:, :, num_heads:].transpose(1, 2)
         values[:, :, start:num_columns] = qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2)
