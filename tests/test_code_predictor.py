@@ -22,6 +22,7 @@ from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams,
 from omnimtp.talker.code_predictor import (
     CodePredictorRunner,
     packed_gemm_available,
+    packed_gemm_kind,
     ResidualCodes,
     next_talker_input,
     predict_residual_codes,
@@ -368,8 +369,8 @@ def test_packed_gemm_argument_is_validated():
     with pytest.raises(ValueError, match="packed_gemm"):
         CodePredictorRunner(cp, 4, packed_gemm="yes")
     with pytest.raises(ValueError, match="packed_gemm"):
-        CodePredictorRunner(cp, 4, dtype=torch.bfloat16, packed_gemm=True)
-    assert not CodePredictorRunner(cp, 4, dtype=torch.bfloat16).packed_gemm
+        CodePredictorRunner(cp, 4, dtype=torch.float16, packed_gemm=True)
+    assert not CodePredictorRunner(cp, 4, dtype=torch.float16).packed_gemm
 
 
 # --- bf16 ----------------------------------------------------------------------------------------
@@ -393,6 +394,45 @@ def test_bf16_runner_is_as_faithful_as_transformers_in_bf16():
         theirs.append((predict_residual_codes_kv(cp16, hidden.bfloat16(), cb0.bfloat16()) == truth).float().mean().item())
     assert sum(ours) / 3 >= sum(theirs) / 3 - 0.1, (ours, theirs)
     assert min(ours) > 0.5, ours
+
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    packed_gemm_kind(torch.device("cpu"), torch.bfloat16) != "onednn", reason="no oneDNN bf16 on this CPU"
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_bf16_onednn_packed_runner_equals_unpacked_and_rows_alone(batch_size):
+    """bf16 matmuls on oneDNN-reordered weights give the same codes and embeddings as plain bf16
+    kernels, greedy and sampled, and a seeded row alone equals its row in the batch."""
+    cp = make_cp(16).to(torch.bfloat16)
+    packed = CodePredictorRunner(cp, 8)
+    unpacked = CodePredictorRunner(cp, 8, packed_gemm=False)
+    assert packed.packed_gemm_kind == "onednn" and packed.packed_gemm and not unpacked.packed_gemm
+    hidden, cb0 = frame_inputs(cp, batch_size, seed=batch_size, dtype=torch.bfloat16)
+    out, plain = packed.run(hidden, cb0), unpacked.run(hidden, cb0)
+    assert sorted(packed._gemms) == [8]  # one reordered copy for every batch size
+    assert torch.equal(out.codes, plain.codes)
+    assert torch.equal(out.embed_sum, plain.embed_sum)
+    seeds = [200 + b for b in range(batch_size)]
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    sampled = packed.run(hidden, cb0, params, make_generators(seeds)).codes
+    assert torch.equal(sampled, unpacked.run(hidden, cb0, params, make_generators(seeds)).codes)
+    for b in range(batch_size):
+        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1], params, make_generators([seeds[b]])).codes
+        assert torch.equal(sampled[b], alone[0]), b
+
+
+@needs_onednn_bf16
+def test_compiled_bf16_runner_with_onednn_packing_equals_eager():
+    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8).to(torch.bfloat16)
+    compiled = CodePredictorRunner(cp, 4, compile=True)
+    eager = CodePredictorRunner(cp, 4, packed_gemm=False)
+    hidden, cb0 = frame_inputs(cp, 3, dtype=torch.bfloat16)
+    out = compiled.run(hidden, cb0)
+    assert compiled._gemms  # the compiled graph ran on the reordered weights
+    assert torch.equal(out.codes, eager.run(hidden, cb0).codes)
 
 
 # --- the seed's pitfalls, each caught by the checks above --------------------------------------
