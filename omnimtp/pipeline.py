@@ -1,10 +1,14 @@
 """End-to-end Qwen3-Omni speech: thinker → talker (+ code predictor) → streamed code2wav.
 
-One loop serves `generate` and `stream`: each iteration runs one thinker step for the requests still
-writing, hands their new rows to the talker through `ThinkerToTalkerStream` (so the talker starts as
-soon as a request's chunk 0 exists), runs one talker step for every request whose next text row is
-ready, and decodes audio in chunks (2 frames first, then 25) with `StreamingCode2Wav`. `generate`
-streams nothing, so it decodes each request's frames in one block when its talker ends.
+`stream` runs one loop: each iteration runs one thinker step for the requests still writing, hands
+their new rows to the talker through `ThinkerToTalkerStream` (so the talker starts as soon as a
+request's chunk 0 exists), runs one talker step for every request whose next text row is ready, and
+decodes audio in chunks (2 frames first, then 25) with `StreamingCode2Wav`. `generate` streams
+nothing, so it works as transformers does: the thinker runs to the end first, each request's talker
+inputs are built from all its rows at once (one text projection over the reply, bit-identical to
+transformers' call instead of one call per streamed row), then the talker loop runs and each request's
+frames are decoded in one block when its talker ends. On one CPU thread interleaving saves no work,
+and running the stages one after the other keeps each stage's weights in cache.
 
     pipe = OmniPipeline.tiny()
     out = pipe.generate("Hello")            # OmniOutput(text, text_ids, codes [G, T], audio, sample_rate, ...)
@@ -28,7 +32,7 @@ from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams, make_generators
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import TalkerBatch, TalkerRequest
-from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker
+from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
 from omnimtp.thinker import ThinkerRun
 
 SAMPLE_RATE = 24_000
@@ -71,6 +75,7 @@ class _Request:
     talker_sampling: SamplingParams | None
     talker_generator: torch.Generator | None
     text: str = ""
+    output_ids: list[int] = field(default_factory=list)  # the thinker's tokens, stop token included
     frames: list[torch.Tensor] = field(default_factory=list)  # [G] each
     pending_frames: list[torch.Tensor] = field(default_factory=list)  # not decoded yet
     audio: list[np.ndarray] = field(default_factory=list)
@@ -232,7 +237,9 @@ class OmniPipeline:
     # --- the loop --------------------------------------------------------------------------
 
     def _run(self, requests: list[_Request], thinker: ThinkerRun, talker: TalkerBatch, max_frames: int, is_audio_streamed: bool):
-        while not all(r.is_done for r in requests):
+        if not is_audio_streamed:
+            yield from self._thinker_first(requests, thinker, talker, max_frames)
+        while not all(r.is_reported for r in requests):
             events = []
             if not thinker.is_finished:
                 events += self._thinker_step(requests, thinker, talker, max_frames)
@@ -249,12 +256,50 @@ class OmniPipeline:
             events += [self._final_event(i, r) for i, r in enumerate(requests) if r.is_done and not r.is_reported]
             yield from events
 
+    def _thinker_first(self, requests, thinker, talker, max_frames) -> Iterator[OmniEvent]:
+        """`generate`: the whole thinker run, then every request's talker inputs from all its rows in
+        one `build` (transformers' single text projection over the reply) and one admission."""
+        embeds: list[list[torch.Tensor]] = [[] for _ in requests]  # [k, D] blocks per request
+        hidden: list[list[torch.Tensor]] = [[] for _ in requests]
+        while not thinker.is_finished:
+            events = []
+            for event in thinker.step():
+                if event.token_id is None:
+                    continue
+                request = requests[event.index]
+                embeds[event.index].append(event.embeds)
+                hidden[event.index].append(event.hidden)
+                request.output_ids.append(event.token_id)
+                request.thinker_finish_reason = event.finish_reason
+                events.append(OmniEvent(event.index, text=self._text_delta(request, thinker.output_ids[event.index])))
+            yield from events
+        admitted = []
+        for i, request in enumerate(requests):
+            if not self._has_speech(request, request.thinker_finish_reason):
+                request.is_talker_done = True
+                continue
+            builder = request.handoff.builder
+            rows = trimmed_thinker_rows(
+                builder.thinker_dim, request.prompt_ids, request.output_ids,
+                torch.cat(embeds[i]), torch.cat(hidden[i]), request.thinker_finish_reason,
+            )
+            inputs = builder.build(*rows, projection="reference")
+            admitted.append(TalkerRequest(
+                i, inputs.prefill_embeds, inputs.trailing_text, inputs.tts_pad_embed, is_text_finished=True,
+                sampling=request.talker_sampling, generator=request.talker_generator, max_frames=max_frames,
+            ))
+        for frame in talker.admit(admitted):  # talkers that ended before their first frame
+            requests[frame.request_id].talker_finish_reason = frame.finish_reason
+            requests[frame.request_id].is_talker_done = True
+            talker.retire([frame.request_id])
+
     def _thinker_step(self, requests, thinker, talker, max_frames) -> list[OmniEvent]:
         events = []
         for event in thinker.step():
             if event.token_id is None:
                 continue
             request = requests[event.index]
+            request.output_ids.append(event.token_id)
             chunks = request.handoff.push(event.embeds, event.hidden, [event.token_id])
             if event.finish_reason is not None:
                 request.thinker_finish_reason = event.finish_reason
@@ -285,7 +330,7 @@ class OmniPipeline:
     def _has_speech(self, request: _Request, finish_reason: str) -> bool:
         """Whether the trimmed reply keeps the row the talker prefill needs (our thinker, like
         transformers', never forwards the last token: P + N − 1 rows)."""
-        num_prompt, num_output = len(request.prompt_ids), len(request.handoff.output_ids)
+        num_prompt, num_output = len(request.prompt_ids), len(request.output_ids)
         kept = min(num_kept_rows(num_prompt, num_output, finish_reason), num_prompt + num_output - 1)
         return kept >= request.handoff.builder.num_prefill_rows
 
@@ -314,7 +359,7 @@ class OmniPipeline:
         audio = np.concatenate(request.audio) if request.audio else np.zeros(0, dtype=np.float32)
         reasons = (request.thinker_finish_reason, request.talker_finish_reason)
         output = OmniOutput(
-            text=request.text, text_ids=list(request.handoff.output_ids), codes=codes, audio=audio.astype(np.float32),
+            text=request.text, text_ids=list(request.output_ids), codes=codes, audio=audio.astype(np.float32),
             sample_rate=SAMPLE_RATE, finish_reason="length" if "length" in reasons else "stop",
             thinker_finish_reason=request.thinker_finish_reason, talker_finish_reason=request.talker_finish_reason,
         )
