@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omnimtp.packed_decoder import _attend, _cast, _linear, _rms_norm
+from omnimtp.packed_decoder import _cast, _linear, _rms_norm
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "llama", "qwen2", "qwen3")
 
@@ -85,6 +85,7 @@ class PackedTarget:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    scaling: float  # the attention modules' softmax scale (head_dim ** -0.5 in every supported family)
     hidden_size: int
     eps: float
     dtype: torch.dtype
@@ -121,6 +122,7 @@ class PackedTarget:
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=head_dim,
+            scaling=float(decoder.layers[0].self_attn.scaling),
             hidden_size=config.hidden_size,
             eps=config.rms_norm_eps,
             dtype=dtype,
@@ -389,7 +391,11 @@ def packed_forward(
         keys, values = cache.buffer[i, 0], cache.buffer[i, 1]  # [B, Nkv, S_cap, D]
         keys[:, :, start:num_columns] = qk[:, :, num_heads:].transpose(1, 2)
         values[:, :, start:num_columns] = qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2)
-        attn = _attend(qk[:, :, :num_heads], keys[:, :, :num_columns], values[:, :, :num_columns], mask)
+        attn = F.scaled_dot_product_attention(
+            qk[:, :, :num_heads].transpose(1, 2), keys[:, :, :num_columns], values[:, :, :num_columns],
+            attn_mask=mask, scale=packed.scaling, enable_gqa=True,
+        )  # [B, Nq, T, D]; query head h reads key head h // (Nq / Nkv), as transformers' sdpa attention
+        attn = attn.transpose(1, 2).reshape(batch_size, num_new, num_heads * head_dim)
         attn = _linear(attn, layer.o)
         if layer.o_bias is not None:
             attn = attn + layer.o_bias
