@@ -53,6 +53,9 @@ class _Layer:
     top_k: int
     norm_topk_prob: bool
     has_shared_expert: bool
+    # per-expert views of expert_gate_up / expert_down (no copy), so a decode step indexes a tuple
+    expert_gate_up_views: tuple[torch.Tensor, ...] = ()
+    expert_down_views: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,14 +145,17 @@ def _pack_layer(layer, config, dtype: torch.dtype) -> _Layer:
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         rows.append(mlp.shared_expert_gate.weight)
+    expert_gate_up, expert_down = _cast(experts.gate_up_proj, dtype), _cast(experts.down_proj, dtype)
     return _Layer(
         **common,
         mlp_in=_cast(torch.cat(rows), dtype),
         shared_gate_proj=None if shared is None else _cast(shared.gate_proj.weight, dtype),
         shared_up_proj=None if shared is None else _cast(shared.up_proj.weight, dtype),
         mlp_down=None if shared is None else _cast(shared.down_proj.weight, dtype),
-        expert_gate_up=_cast(experts.gate_up_proj, dtype),
-        expert_down=_cast(experts.down_proj, dtype),
+        expert_gate_up=expert_gate_up,
+        expert_down=expert_down,
+        expert_gate_up_views=tuple(expert_gate_up.unbind(0)),
+        expert_down_views=tuple(expert_down.unbind(0)),
         num_experts=mlp.gate.num_experts,
         top_k=mlp.gate.top_k,
         norm_topk_prob=bool(mlp.gate.norm_topk_prob),
@@ -252,6 +258,14 @@ def _experts(layer: _Layer, x: torch.Tensor, router_logits: torch.Tensor) -> tor
     if layer.norm_topk_prob:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
     top_weights = top_weights.to(router_logits.dtype)
+    if num_tokens == 1:  # a decode step: the same kernels as below with a fraction of the ops
+        row = x[0]  # [H]
+        outputs = []
+        for expert in top_experts[0].tolist():
+            gate, up = torch.mv(layer.expert_gate_up_views[expert], row).chunk(2)
+            outputs.append(torch.mv(layer.expert_down_views[expert], F.silu(gate) * up))
+        weighted = torch.stack(outputs) * top_weights.view(-1, 1)  # [k, H]
+        return weighted.view(1, top_k, -1).sum(dim=1)
     selections: dict[int, list[int]] = {}  # expert → flat (token * k + rank) indices
     for flat, expert in enumerate(top_experts.view(-1).tolist()):
         selections.setdefault(expert, []).append(flat)

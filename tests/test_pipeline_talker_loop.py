@@ -94,3 +94,21 @@ def test_a_request_waiting_for_text_sits_out_without_changing_its_frames():
             if frame.finish_reason:
                 batch.retire([frame.request_id])
     assert torch.equal(torch.stack(frames, 1), full)
+
+
+def test_next_inputs_equal_next_talker_input_bit_for_bit():
+    from omnimtp.talker.code_predictor import next_talker_input
+
+    model = tiny_qwen3_omni(0)
+    batch = TalkerBatch(model.talker, max_batch_size=3)
+    cp = model.talker.code_predictor
+    generator = torch.Generator().manual_seed(1)
+    hidden_size, num_groups = cp.config.hidden_size, cp.config.num_code_groups
+    cb0_embed = torch.randn(3, hidden_size, generator=generator)
+    codes = torch.randint(0, cp.config.vocab_size, (3, num_groups - 1), generator=generator)
+    text = torch.randn(3, hidden_size, generator=generator)
+    ours = batch._next_inputs(cb0_embed, codes, text)
+    assert torch.equal(ours, next_talker_input(cp, cb0_embed, codes, text))
+    # a wrong code changes it (the tables are really indexed)
+    codes[1, 4] = (codes[1, 4] + 1) % cp.config.vocab_size
+    assert not torch.equal(batch._next_inputs(cb0_embed, codes, text)[1], ours[1])

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 import torch
+import torch.nn.functional as F
 
 from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, decoder_forward
 from omnimtp.sampling import (
@@ -32,7 +33,7 @@ from omnimtp.sampling import (
     apply_repetition_penalty,
     sample,
 )
-from omnimtp.talker.code_predictor import CodePredictorRunner, next_talker_input
+from omnimtp.talker.code_predictor import CodePredictorRunner
 
 # What transformers' Qwen3-Omni `generate` uses for the talker (its defaults), greedy and sampled.
 QWEN3_OMNI_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
@@ -114,6 +115,8 @@ class TalkerBatch:
         if decoder is not None and not isinstance(decoder, PackedDecoder):
             raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
         self.decoder = decoder or PackedDecoder.from_module(talker.model)
+        # the code predictor's residual tables [V, H], one per residual codebook (the module's own tensors)
+        self.codec_tables = [table.weight.detach() for table in talker.code_predictor.model.codec_embedding]
         self.kv = SlotKVCache(self.decoder, max_batch_size)
         self.eos_id = config.codec_eos_token_id
         vocab_size = config.text_config.vocab_size
@@ -215,8 +218,14 @@ class TalkerBatch:
             )
             residual[sub] = result.codes
         text = torch.stack([_pop_text_row(row) for row in rows])  # [R, H]
-        next_inputs = next_talker_input(self.talker.code_predictor, cb0_embed, residual, text)  # [R, H]
-        return torch.cat([code0[:, None], residual], dim=1), next_inputs
+        return torch.cat([code0[:, None], residual], dim=1), self._next_inputs(cb0_embed, residual, text)
+
+    def _next_inputs(self, cb0_embed: torch.Tensor, residual: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """`next_talker_input` without its per-call checks and module calls: the frame's G codec
+        embeddings stacked [R, G, H] and summed over G (the same reduction, so the same bits) + text."""
+        with torch.no_grad():
+            embeds = [cb0_embed] + [F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables)]
+            return torch.stack(embeds, dim=1).sum(dim=1) + text  # [R, H]
 
     def _forward(self, embeds: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Talker forward of embeds [R, T, H] appended to KV slots `slots` → post-norm hidden at the
