@@ -119,6 +119,18 @@ def test_tiny_logits_match_transformers(name):
     _compare_prefill_and_decode(target, prompt)
 
 
+@pytest.mark.parametrize("name", ["glm4_moe_grouped", "qwen2"])
+def test_bf16_logits_match_transformers(name):
+    """bf16 rounds every op: biases inside the matmul, router in fp32, the MoE sum cast back as transformers
+    does (a bias added after the matmul alone is off by ~0.1 here)."""
+    target = _build(name).to(torch.bfloat16)
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    packed = packed_target(target)
+    with torch.inference_mode():
+        hidden = packed_forward(packed, PackedKVCache(packed, 1), prompt, torch.arange(9)[None])
+        torch.testing.assert_close(packed_logits(packed, hidden), target(prompt).logits.float(), atol=0.03, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["tiny_glm4_moe", "glm4_moe_grouped", "qwen3"])
 def test_kv_mask_holes_and_crop_match_transformers(name):
     """Ragged left-padded prefill, a 4-slot block, crop of 2 with row 0 keeping 1 slot (a hole), then

@@ -323,6 +323,11 @@ def _glm4_moe(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     return routed + _dense_mlp(layer, x)
 
 
+def _linear_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """nn.Linear: the bias is added inside the matmul as transformers' module does (one rounding in bf16)."""
+    return _linear(x, weight) if bias is None else F.linear(x, weight, bias)
+
+
 def _dense_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     gate, up = _linear(x, layer.gate_up).chunk(2, dim=-1)
     return _linear(F.silu(gate) * up, layer.down)
@@ -380,9 +385,7 @@ def packed_forward(
     x = F.embedding(input_ids, packed.embed)  # [B, T, H]
     for i, layer in enumerate(packed.layers):
         residual = x
-        qkv = _linear(_rms_norm(x, layer.input_norm, packed.eps), layer.qkv)
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias
+        qkv = _linear_bias(_rms_norm(x, layer.input_norm, packed.eps), layer.qkv, layer.qkv_bias)
         qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
         qk = qkv[:, :, : num_heads + num_kv_heads]
         if layer.qk_norm is not None:
@@ -396,10 +399,7 @@ def packed_forward(
             attn_mask=mask, scale=packed.scaling, enable_gqa=True,
         )  # [B, Nq, T, D]; query head h reads key head h // (Nq / Nkv), as transformers' sdpa attention
         attn = attn.transpose(1, 2).reshape(batch_size, num_new, num_heads * head_dim)
-        attn = _linear(attn, layer.o)
-        if layer.o_bias is not None:
-            attn = attn + layer.o_bias
-        x = residual + attn
+        x = residual + _linear_bias(attn, layer.o, layer.o_bias)
         residual = x
         normed = _rms_norm(x, layer.post_norm, packed.eps).view(batch_size * num_new, -1)
         mlp = _dense_mlp(layer, normed) if layer.router is None else _glm4_moe(layer, normed)
