@@ -1,6 +1,7 @@
 """Plain greedy vs our MTP speculative decoding vs transformers `generate(use_mtp=True)`, same checkpoint.
 
-    python benchmarks/spec_decode.py [--model DIR] [--quick] [--out benchmarks/results/spec_decode.json]
+    python benchmarks/spec_decode.py [--model DIR] [--quick] [--target-backend auto|packed|transformers]
+        [--out benchmarks/results/spec_decode.json]
 
 Without --model a tiny random Glm4Moe (+ random MTP head) is built and saved to a temp dir. A random head
 gives τ ≈ 1 (almost every draft rejected), so speculative decoding is *slower* there; the numbers that
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir with an MTP layer (default: tiny random)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--target-backend", default="auto", choices=["auto", "packed", "transformers"])
     parser.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -51,7 +53,8 @@ def main() -> None:
     target, head = load_target_and_head(model_dir)
     vocab = target.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    results = {"model": args.model or "tiny random glm4_moe", "max_new_tokens": max_new, "runs": []}
+    results = {"model": args.model or "tiny random glm4_moe", "max_new_tokens": max_new,
+               "target_backend": args.target_backend, "runs": []}
     for batch in (1, 4):
         prompt = torch.randint(3, vocab, (batch, 16), generator=g)
         kw = dict(max_new_tokens=max_new, eos_token_id=-1)
@@ -68,7 +71,8 @@ def main() -> None:
             row["hf_use_mtp_matches_plain"] = torch.equal(hf, plain)
         row["ours"] = []
         for k in ks:
-            out, ours_s = _timed(lambda: speculative_generate(target, head, prompt, num_draft_tokens=k, **kw))
+            out, ours_s = _timed(lambda: speculative_generate(
+                target, head, prompt, num_draft_tokens=k, target_backend=args.target_backend, **kw))
             stats = out.stats
             entry = {
                 "k": k,
