@@ -29,7 +29,7 @@ ops over weights packed once:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -75,6 +75,9 @@ class PackedDecoder:
     eps: float
     dtype: torch.dtype
     device: torch.device
+    # position → (cos, signed_sin) [1, 1, 1, D] of a one-row, one-position step, filled as positions
+    # are first used (the same `_rope` call on [[position]], so the same values)
+    step_rope: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_module(cls, model, dtype: torch.dtype | None = None) -> "PackedDecoder":
@@ -180,6 +183,7 @@ class SlotKVCache:
             len(decoder.layers), 2, max_batch_size, decoder.num_kv_heads, capacity, decoder.head_dim,
             dtype=decoder.dtype, device=decoder.device,
         )  # [L, 2, B_max, Nkv, S_cap, D]
+        self.layer_views = _layer_views(self.buffer)
 
     @property
     def capacity(self) -> int:
@@ -204,12 +208,18 @@ class SlotKVCache:
         grown = self.buffer.new_zeros((*self.buffer.shape[:4], max(length, 2 * self.capacity), self.buffer.shape[5]))
         grown[:, :, :, :, : self.capacity] = self.buffer
         self.buffer = grown
+        self.layer_views = _layer_views(grown)
 
     def _check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots) or any(
             isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.max_batch_size for s in slots
         ):
             raise ValueError(f"slots must be distinct integers in [0, {self.max_batch_size}), got {slots!r}")
+
+
+def _layer_views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) views [B_max, Nkv, S_cap, D] of the buffer, made once per buffer."""
+    return [(layer[0], layer[1]) for layer in buffer.unbind(0)]
 
 
 class DecoderOutput(NamedTuple):
@@ -219,7 +229,10 @@ class DecoderOutput(NamedTuple):
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Qwen3 RMSNorm: x * rsqrt(mean(x²) + eps) in fp32, weight applied after casting
-    back (F.rms_norm without a weight is that formula in one op)."""
+    back (F.rms_norm without a weight is that formula in one op). In fp32 there is no cast, and
+    F.rms_norm with the weight computes the same products (x * rsqrt(...)) * weight in one call."""
+    if x.dtype == torch.float32 and weight.dim() == 1 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -328,16 +341,21 @@ def decoder_forward(
     num_columns = max(starts) + num_new  # columns any row attends to
     cache.reserve(num_columns)
     device = embeds.device
-    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
-    cos, signed_sin = _rope(decoder, positions, embeds.dtype)  # [R, T, 1, D]
     is_uniform = min(starts) == max(starts)  # every row writes the same columns
-    mask = None
+    # Consecutive slots are a view of the buffer (no gather); with equal starts the write is a slice too.
+    rows = slice(slots[0], slots[0] + num_rows) if slots == list(range(slots[0], slots[0] + num_rows)) else None
+    mask = positions = slot_index = None
+    if num_rows == 1 and num_new == 1:  # a batch-1 decode step
+        if starts[0] not in decoder.step_rope:
+            decoder.step_rope[starts[0]] = _rope(decoder, torch.tensor([starts], device=device), embeds.dtype)
+        cos, signed_sin = decoder.step_rope[starts[0]]  # [1, 1, 1, D]
+    else:
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
+        cos, signed_sin = _rope(decoder, positions, embeds.dtype)  # [R, T, 1, D]
+        slot_index = torch.tensor(slots, device=device)
     if num_new > 1 or not is_uniform:
         columns = torch.arange(num_columns, device=device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S]
-    # Consecutive slots are a view of the buffer (no gather); with equal starts the write is a slice too.
-    rows = slice(slots[0], slots[0] + num_rows) if slots == list(range(slots[0], slots[0] + num_rows)) else None
-    slot_index = torch.tensor(slots, device=device)
     num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     half = head_dim // 2
     x = embeds
@@ -348,7 +366,7 @@ def decoder_forward(
         qkv = qkv.view(num_rows, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
         qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, decoder.eps)
         qk = qk * cos + qk.roll(half, dims=-1) * signed_sin  # RoPE on queries and keys at once
-        keys, values = cache.buffer[i, 0], cache.buffer[i, 1]  # [B_max, Nkv, S_cap, D]
+        keys, values = cache.layer_views[i]  # [B_max, Nkv, S_cap, D]
         new_keys, new_values = qk[:, :, num_heads:], qkv[:, :, num_heads + num_kv_heads :]  # [R, T, Nkv, D]
         if rows is not None and is_uniform:
             keys[rows, :, starts[0] : num_columns] = new_keys.transpose(1, 2)
