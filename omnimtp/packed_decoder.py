@@ -336,6 +336,19 @@ def decoder_forward(
     cache._check_slots(slots)
     if capture_layer is not None and not 0 <= capture_layer <= num_layers:
         raise ValueError(f"capture_layer must be in [0, {num_layers}], got {capture_layer!r}")
+    if embeds.shape[:2] == (1, 1):  # a batch-1 decode step
+        cache.reserve(cache.lengths[slots[0]] + 1)
+        last_hidden, captured = _one_row_step(decoder, cache, embeds.view(-1), slots[0], capture_layer)
+        cache.lengths[slots[0]] += 1
+        return DecoderOutput(last_hidden.view(1, -1), None if captured is None else captured.view(1, 1, -1))
+    return _rows_forward(decoder, cache, embeds, slots, capture_layer)
+
+
+def _rows_forward(
+    decoder: PackedDecoder, cache: SlotKVCache, embeds: torch.Tensor, slots: list[int], capture_layer: int | None
+) -> DecoderOutput:
+    """`decoder_forward` on checked arguments, any R and T."""
+    num_layers = len(decoder.layers)
     num_rows, num_new, _ = embeds.shape
     starts = [cache.lengths[s] for s in slots]
     num_columns = max(starts) + num_new  # columns any row attends to
@@ -344,15 +357,10 @@ def decoder_forward(
     is_uniform = min(starts) == max(starts)  # every row writes the same columns
     # Consecutive slots are a view of the buffer (no gather); with equal starts the write is a slice too.
     rows = slice(slots[0], slots[0] + num_rows) if slots == list(range(slots[0], slots[0] + num_rows)) else None
-    mask = positions = slot_index = None
-    if num_rows == 1 and num_new == 1:  # a batch-1 decode step
-        if starts[0] not in decoder.step_rope:
-            decoder.step_rope[starts[0]] = _rope(decoder, torch.tensor([starts], device=device), embeds.dtype)
-        cos, signed_sin = decoder.step_rope[starts[0]]  # [1, 1, 1, D]
-    else:
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
-        cos, signed_sin = _rope(decoder, positions, embeds.dtype)  # [R, T, 1, D]
-        slot_index = torch.tensor(slots, device=device)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
+    cos, signed_sin = _rope(decoder, positions, embeds.dtype)  # [R, T, 1, D]
+    slot_index = torch.tensor(slots, device=device)
+    mask = None
     if num_new > 1 or not is_uniform:
         columns = torch.arange(num_columns, device=device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S]
@@ -392,3 +400,63 @@ def decoder_forward(
         captured = _rms_norm(x, decoder.final_norm, decoder.eps)
         return DecoderOutput(captured[:, -1], captured)
     return DecoderOutput(_rms_norm(x[:, -1], decoder.final_norm, decoder.eps), captured)
+
+
+def _one_row_step(
+    decoder: PackedDecoder, cache: SlotKVCache, x: torch.Tensor, slot: int, capture_layer: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`decoder_forward` for one row and one position (a batch-1 decode step) on 1-D vectors: the
+    same kernels on the same values as the general path (tests check it bit for bit), without its
+    [R, T] reshapes and index bookkeeping. x [H] → (last_hidden [H], captured [H] or None)."""
+    start = cache.lengths[slot]
+    if start not in decoder.step_rope:  # this position's RoPE rows, as the general path computes them
+        cos, signed_sin = _rope(decoder, torch.tensor([[start]], device=x.device), x.dtype)
+        decoder.step_rope[start] = (cos.view(-1), signed_sin.view(-1))
+    cos, signed_sin = decoder.step_rope[start]  # [D]
+    num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+    num_qk = num_heads + num_kv_heads
+    captured = x if capture_layer == 0 else None
+    for i, layer in enumerate(decoder.layers):
+        residual = x
+        qkv = torch.mv(layer.qkv, _rms_norm(x, layer.input_norm, decoder.eps)).view(num_qk + num_kv_heads, head_dim)
+        qk = _rms_norm(qkv[:num_qk], layer.qk_norm, decoder.eps)  # [Nq + Nkv, D]
+        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
+        keys, values = cache.layer_views[i]  # [B_max, Nkv, S_cap, D]
+        keys[slot, :, start] = qk[num_heads:]
+        values[slot, :, start] = qkv[num_qk:]
+        query = qk[:num_heads].view(1, num_heads, 1, head_dim)
+        keys, values = keys[slot : slot + 1, :, : start + 1], values[slot : slot + 1, :, : start + 1]
+        attn = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True).view(-1)  # [Nq * D]
+        x = residual + torch.mv(layer.o, attn)
+        residual = x
+        x = residual + _one_row_mlp(layer, _rms_norm(x, layer.post_norm, decoder.eps))
+        if capture_layer == i + 1 and capture_layer < len(decoder.layers):
+            captured = x
+    last_hidden = _rms_norm(x, decoder.final_norm, decoder.eps)
+    if capture_layer == len(decoder.layers):
+        captured = last_hidden
+    return last_hidden, captured
+
+
+def _one_row_mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+    """`_mlp` of one token x [H] → [H] (as `_experts`' one-token path for the routed experts)."""
+    projected = torch.mv(layer.mlp_in, x)  # [E + 1], [E] or [2I]
+    if layer.num_experts == 0:
+        gate, up = projected.chunk(2)
+        return torch.mv(layer.mlp_down, F.silu(gate) * up)
+    num_experts, top_k = layer.num_experts, layer.top_k
+    probs = projected[:num_experts].softmax(dim=-1, dtype=torch.float)  # [E]
+    top_weights, top_experts = torch.topk(probs, top_k)  # [k]
+    if layer.norm_topk_prob:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    top_weights = top_weights.to(projected.dtype)
+    outputs = []
+    for expert in top_experts.tolist():
+        gate, up = torch.mv(layer.expert_gate_up_views[expert], x).chunk(2)
+        outputs.append(torch.mv(layer.expert_down_views[expert], F.silu(gate) * up))
+    out = (torch.stack(outputs) * top_weights.view(-1, 1)).view(1, top_k, -1).sum(dim=1).view(-1)  # [H]
+    if layer.has_shared_expert:
+        gate, up = torch.mv(layer.shared_gate_proj, x), torch.mv(layer.shared_up_proj, x)
+        shared = torch.mv(layer.mlp_down, F.silu(gate) * up)
+        out = out + torch.sigmoid(projected[num_experts:]) * shared
+    return out

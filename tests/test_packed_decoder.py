@@ -195,3 +195,38 @@ def test_tiny_model_builds_are_identical_and_finite():
             assert torch.isfinite(tensor).all(), name
     experts = first["talker.model.layers.0.mlp.experts.gate_up_proj"]
     assert experts.std() > 0.1  # drawn at initializer_range, not left near zero
+
+
+@pytest.mark.parametrize("name", ["talker", "thinker", "dense"])
+def test_one_row_decode_step_equals_the_general_path_bit_for_bit(model, name):
+    """decoder_forward's batch-1 decode path (1-D vectors) against the general [R, T] path it stands in for."""
+    from omnimtp.packed_decoder import _rows_forward
+
+    if name == "dense":
+        config = copy.deepcopy(model.config.thinker_config.text_config)
+        config.mlp_only_layers = [0]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            module = Qwen3OmniMoeThinkerTextModel(config).eval()
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+    else:
+        module = _modules(model)[name]
+    decoder = PackedDecoder.from_module(module)
+    num_layers = len(decoder.layers)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randn(1, 6, 64, generator=gen)
+    fast, general = SlotKVCache(decoder, 2, capacity=8), SlotKVCache(decoder, 2, capacity=8)  # both grow
+    decoder_forward(decoder, fast, prompt, [1])
+    decoder_forward(decoder, general, prompt, [1])
+    for step in range(12):
+        x = torch.randn(1, 1, 64, generator=gen)
+        layer = step % (num_layers + 2) if step % (num_layers + 2) <= num_layers else None
+        ours = decoder_forward(decoder, fast, x, [1], capture_layer=layer)
+        expected = _rows_forward(decoder, general, x, [1], layer)
+        assert torch.equal(ours.last_hidden, expected.last_hidden), step
+        assert (ours.captured is None) == (expected.captured is None)
+        if layer is not None:
+            assert ours.captured.shape == (1, 1, 64) and torch.equal(ours.captured, expected.captured), step
+    assert fast.lengths == general.lengths == [0, 18]
+    assert torch.equal(fast.buffer, general.buffer)
