@@ -85,6 +85,7 @@ _EXPORTS = {
     "SpeechBackend": "omnimtp.server.scheduler",
     # issue 7: MTP head training
     "train_mtp_head": "omnimtp.spec.train",
+    "generate_distill_rows": "omnimtp.spec.train",
     "MTPTrainConfig": "omnimtp.spec.train",
     "MTPTrainResult": "omnimtp.spec.train",
     "demo_model_dir": "omnimtp.spec.demo",

@@ -17,6 +17,10 @@ Loss of step i = CE(p, q_i) + tv_weight · TV(p, q_i), weighted by `step_weights
 token has probability Σ min(p, q) = 1 − TV(p, q), so the TV term pushes acceptance directly.
 
 Held-out acceptance is estimated on the same teacher-forced chains (see `acceptance_estimate`).
+
+Training text: windows of text files (`encode_files`), or self-distillation rows (`generate_distill_rows`):
+a window of the training text followed by the target's own continuation, the text greedy speculative
+decoding actually drafts on.
 """
 
 from __future__ import annotations
@@ -88,10 +92,16 @@ def encode_files(tokenizer, files: list[Path]) -> torch.Tensor:
 
 def sample_windows(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
     """`batch_size` random windows of `seq_len` tokens; a function of (seed, step) only, so a resumed run
-    sees the same batches. [B, L] int64."""
+    sees the same batches. `stream`: token ids [N], or rows [N, seq_len] (self-distillation data, see
+    `generate_distill_rows`) of which whole rows are drawn. [B, L] int64."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    if stream.dim() == 2:
+        if stream.shape[1] != seq_len or stream.shape[0] < 1:
+            raise ValueError(f"stream: rows of shape {tuple(stream.shape)}, need [N >= 1, seq_len={seq_len}]")
+        rows = torch.randint(0, stream.shape[0], (batch_size,), generator=generator)
+        return stream[rows].long()
     if stream.numel() <= seq_len:
         raise ValueError(f"stream: {stream.numel()} tokens, need more than seq_len={seq_len}")
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, stream.numel() - seq_len, (batch_size,), generator=generator)
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()]).long()
 
@@ -103,6 +113,62 @@ def eval_windows(stream: torch.Tensor, num_windows: int, seq_len: int) -> torch.
     stride = max(1, (stream.numel() - seq_len) // num_windows)
     starts = [min(i * stride, stream.numel() - seq_len) for i in range(num_windows)]
     return torch.stack([stream[s : s + seq_len] for s in starts]).long()
+
+
+@torch.no_grad()
+def generate_distill_rows(
+    target: nn.Module,
+    train_stream: torch.Tensor,
+    num_rows: int,
+    *,
+    seq_len: int = 256,
+    prompt_len: int = 64,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> torch.Tensor:
+    """Self-distillation data (Medusa-2 / EAGLE style): text the target itself generated.
+
+    Row r = a window of `prompt_len` tokens of `train_stream` (start drawn from `seed`) followed by the
+    target's own continuation of `seq_len - prompt_len` tokens (`packed_generate`: greedy at temperature 0,
+    else sampled at `temperature` with row seed `seed * 1_000_003 + r`, so a row does not depend on
+    `batch_size`). EOS does not end a row: the target continues past it as it does across the concatenated
+    training files. Greedy speculative decoding drafts on exactly such text (a prompt, then the target's
+    greedy output), which windows of the training files do not contain. → rows [num_rows, seq_len] int32.
+    """
+    from omnimtp.sampling import SamplingParams
+    from omnimtp.spec.generate import packed_generate
+
+    for name, value in (("num_rows", num_rows), ("prompt_len", prompt_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= prompt_len:
+        raise ValueError(f"seq_len must be an integer > prompt_len={prompt_len}, got {seq_len!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        0 <= temperature < float("inf")
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if train_stream.dim() != 1 or train_stream.numel() <= prompt_len:
+        raise ValueError(f"train_stream must be 1-D with more than prompt_len={prompt_len} tokens")
+    sampling = SamplingParams.greedy() if temperature == 0 else SamplingParams(temperature=float(temperature))
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, train_stream.numel() - prompt_len, (num_rows,), generator=generator).tolist()
+    was_training = target.training
+    target.eval()
+    rows = []
+    bar = _progress_bar(range(0, num_rows, batch_size), num_rows, 0, progress, desc="self-distill", unit_scale=batch_size)
+    try:
+        for first in bar:
+            batch_starts = starts[first : first + batch_size]
+            prompts = torch.stack([train_stream[s : s + prompt_len] for s in batch_starts]).long()  # [b, P]
+            row_seeds = [seed * 1_000_003 + first + i for i in range(len(batch_starts))]
+            sequences = packed_generate(target, prompts, max_new_tokens=seq_len - prompt_len, sampling=sampling,
+                                        seed=row_seeds, eos_token_id=[])  # [b, L]
+            rows.append(sequences.to(torch.int32))
+    finally:
+        target.train(was_training)
+    return torch.cat(rows)
 
 
 # -- the unrolled head ----------------------------------------------------------------------------------------
@@ -340,7 +406,8 @@ def train_mtp_head(
 ) -> MTPTrainResult:
     """Train `head` (in place) to draft `target`'s own distributions; the target stays frozen.
 
-    train_stream / eval_stream: token ids [N] (see `encode_files`). With `checkpoint_dir`, the training state
+    train_stream: token ids [N] (see `encode_files`) or rows [N, seq_len] (see `generate_distill_rows`);
+    eval_stream: token ids [N]. With `checkpoint_dir`, the training state
     (head, optimizer, step, history) is saved every `checkpoint_every` steps and at the end, and `resume=True`
     continues from it (batches depend only on (seed, step), so a resumed run matches an uninterrupted one).
     `stop_after` ends this call after that many steps (a time-boxed run; resume later).
@@ -348,8 +415,10 @@ def train_mtp_head(
     config = config or MTPTrainConfig()
     if stop_after is not None and stop_after < 1:
         raise ValueError(f"stop_after must be >= 1, got {stop_after}")
-    if train_stream.dim() != 1 or eval_stream.dim() != 1:
-        raise ValueError("train_stream and eval_stream must be 1-D token id tensors")
+    if train_stream.dim() not in (1, 2) or eval_stream.dim() != 1:
+        raise ValueError("train_stream must be 1-D token ids or 2-D rows [N, seq_len]; eval_stream 1-D token ids")
+    if train_stream.dim() == 2 and train_stream.shape[1] != config.seq_len:
+        raise ValueError(f"train_stream: rows of {train_stream.shape[1]} tokens, config.seq_len is {config.seq_len}")
     own = _head_parameters(head, target)
     if not own:
         raise ValueError("head has no parameters of its own to train")
@@ -415,9 +484,19 @@ def train_mtp_head(
     return result
 
 
-def _progress_bar(steps, total: int, initial: int, enabled: bool):
+def _progress_bar(steps, total: int, initial: int, enabled: bool, desc: str = "train-mtp", unit_scale: int = 1):
     if not enabled:
         return steps
     from tqdm.auto import tqdm
 
-    return tqdm(steps, total=total, initial=initial, desc="train-mtp", mininterval=2.0)
+    if unit_scale == 1:
+        return tqdm(steps, total=total, initial=initial, desc=desc, mininterval=2.0)
+    return _scaled_bar(steps, tqdm(total=total, initial=initial, desc=desc, mininterval=2.0), unit_scale)
+
+
+def _scaled_bar(steps, bar, unit_scale: int):
+    """Iterate `steps`, advancing `bar` by `unit_scale` units (capped at its total) after each one."""
+    with bar:
+        for item in steps:
+            yield item
+            bar.update(min(unit_scale, bar.total - bar.n))

@@ -45,7 +45,33 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--resume", action="store_true", help="continue from the training state in --out")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--distill-data", default=None,
+                        help="train on these self-distillation rows (a file `omnimtp gen-distill-data` wrote) instead "
+                        "of windows of the --data files; --data still gives the held-out evaluation text")
     parser.set_defaults(handler=run)
+
+    gen = subparsers.add_parser(
+        "gen-distill-data",
+        help="write self-distillation data for train-mtp: training-text prompts + the target's own continuations",
+        description="Rows of --seq-len tokens: --prompt-len tokens of a training file window (held-out files are "
+        "never used) followed by the target's own continuation (packed plain decoding; greedy, or sampled at "
+        "--temperature with per-row seeds). Train on them with `omnimtp train-mtp --distill-data FILE`.",
+    )
+    gen.add_argument("--model", required=True, help="transformers checkpoint dir (weights + tokenizer)")
+    gen.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
+    gen.add_argument("--heldout-every", type=int, default=16, help="the held-out split of train-mtp (same value)")
+    gen.add_argument("--suffixes", nargs="+", default=None)
+    gen.add_argument("--out", required=True, help="output file (safetensors: input_ids [rows, seq_len] int32)")
+    gen.add_argument("--num-tokens", type=int, required=True,
+                     help="generated tokens in all (rounded up to whole rows of seq_len - prompt_len)")
+    gen.add_argument("--seq-len", type=int, default=256, help="row length; train-mtp --seq-len must match")
+    gen.add_argument("--prompt-len", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--no-progress", action="store_true")
+    gen.set_defaults(handler=run_gen_distill_data)
 
 
 def copy_target_files(model_dir: Path, out_dir: Path) -> None:
@@ -93,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
     eval_stream = encode_files(tokenizer, heldout_files)
     print(f"train: {len(train_files)} files, {train_stream.numel()} tokens; "
           f"held out: {len(heldout_files)} files, {eval_stream.numel()} tokens", flush=True)
+    if args.distill_data is not None:
+        train_stream = load_distill_rows(args.distill_data)
+        if train_stream.shape[1] != config.seq_len:
+            raise ValueError(f"--distill-data: rows of {train_stream.shape[1]} tokens, --seq-len is {config.seq_len}")
+        print(f"training on self-distillation rows: {tuple(train_stream.shape)} from {args.distill_data}", flush=True)
 
     torch.manual_seed(args.seed)
     head = MTPHead.from_pretrained(args.init, target) if args.init else MTPHead.from_config(target)
@@ -105,10 +136,64 @@ def run(args: argparse.Namespace) -> int:
     summary = {"out": str(out_dir), "steps": config.steps, "tv_weight": config.tv_weight,
                "tv_weight_start": config.tv_weight_start, "num_draft_tokens": config.num_draft_tokens,
                "config": dataclasses.asdict(config), "train_files": len(train_files),
-               "heldout_files": len(heldout_files), "evals": result.evals}
+               "heldout_files": len(heldout_files), "distill_data": args.distill_data, "evals": result.evals}
     (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))
     last = result.evals[-1]
     print(json.dumps({"step": last["step"], "tau_greedy": round(last["tau_greedy"], 3),
                       "tau_sampled": round(last["tau_sampled"], 3), "ce": round(last["ce"], 4),
                       "tv": round(last["tv"], 4)}))
+    return 0
+
+
+DISTILL_ROWS_KEY = "input_ids"
+
+
+def load_distill_rows(path: str | Path):
+    """The rows [N, L] int32 of a file `omnimtp gen-distill-data` wrote."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--distill-data: {str(path)!r} is not a file")
+    tensors = load_file(path)
+    rows = tensors.get(DISTILL_ROWS_KEY)
+    if rows is None or rows.dim() != 2:
+        raise ValueError(f"--distill-data: {str(path)!r} holds no 2-D {DISTILL_ROWS_KEY!r} tensor")
+    return rows
+
+
+def run_gen_distill_data(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omnimtp.spec.train import DATA_SUFFIXES, collect_text_files, encode_files, generate_distill_rows
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.num_tokens < 1:
+        raise ValueError(f"--num-tokens must be >= 1, got {args.num_tokens}")
+    if args.prompt_len < 1 or args.seq_len <= args.prompt_len:
+        raise ValueError(f"--seq-len must exceed --prompt-len >= 1, got {args.seq_len} and {args.prompt_len}")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise ValueError(f"--model: {args.model!r} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
+    train_files, _ = collect_text_files(args.data, args.heldout_every, suffixes)
+    train_stream = encode_files(tokenizer, train_files)
+    continuation_len = args.seq_len - args.prompt_len
+    num_rows = -(-args.num_tokens // continuation_len)
+    rows = generate_distill_rows(target, train_stream, num_rows, seq_len=args.seq_len, prompt_len=args.prompt_len,
+                                 temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
+                                 progress=not args.no_progress)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"model": str(model_dir), "train_files": str(len(train_files)), "heldout_every": str(args.heldout_every),
+                "seq_len": str(args.seq_len), "prompt_len": str(args.prompt_len),
+                "temperature": str(args.temperature), "seed": str(args.seed)}
+    save_file({DISTILL_ROWS_KEY: rows.contiguous()}, str(out), metadata=metadata)
+    print(json.dumps({**metadata, "out": str(out), "rows": rows.shape[0],
+                      "generated_tokens": rows.shape[0] * continuation_len}))
     return 0
