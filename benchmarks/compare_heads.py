@@ -257,9 +257,10 @@ def main() -> None:
                     per_head_pooled.append(1.0 + accepted / row_steps)
                     matches.append(match)
                 stats = summarize(per_head_taus)
+                taus_of = dict(zip(names, per_head_taus))
                 line = f"  k={k} {mode:>6}:"
                 for name, pooled, s, match in zip(names, per_head_pooled, stats, matches):
-                    entry = {"tau_pooled": pooled, "tau_per_prompt": s}
+                    entry = {"tau_pooled": pooled, "tau_per_prompt": s, "tau_per_prompt_values": taus_of[name]}
                     if mode == "greedy":
                         entry["matches_plain"] = match
                     decoding.setdefault(f"k{k}_{mode}", {})[name] = entry
@@ -269,6 +270,12 @@ def main() -> None:
                 if mode == "greedy":
                     line += f"  match plain {all(matches)}"
                 print(line, flush=True)
+                for a in range(1, len(names)):  # every other pair (the first head's pairs are above)
+                    for b in range(a + 1, len(names)):
+                        diff, diff_se = mean_and_se([x - y for x, y in zip(per_head_taus[b], per_head_taus[a])])
+                        decoding[f"k{k}_{mode}"].setdefault("pairs", {})[f"{names[b]}-{names[a]}"] = {
+                            "diff": diff, "diff_se": diff_se}
+                        print(f"      {names[b]} - {names[a]}: {diff:+.3f} ± {diff_se:.3f}", flush=True)
         results["decoding"] = {"num_prompts": len(prompts), "max_new_tokens": max_new, "runs": decoding}
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
