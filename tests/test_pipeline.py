@@ -150,3 +150,38 @@ def test_speaker_is_case_insensitive(pipe):
     a = pipe.generate("Hi", speaker="CHELSIE", max_new_tokens=4, max_frames=5)
     b = pipe.generate("Hi", speaker="chelsie", max_new_tokens=4, max_frames=5)
     assert torch.equal(a.codes, b.codes)
+
+
+def test_generate_admits_talker_inputs_built_in_one_projection(pipe, monkeypatch):
+    """generate runs the thinker first and builds each request's talker inputs from all its rows in one
+    text projection (transformers' construction, `projection="reference"`), bit for bit."""
+    from omnimtp.talker.loop import TalkerBatch
+    from omnimtp.talker.qwen3_inputs import build_qwen3_talker_inputs
+    from omnimtp.thinker import ThinkerRun
+
+    admitted = []
+    original_admit = TalkerBatch.admit
+
+    def recording_admit(self, requests):
+        admitted.extend(requests)
+        return original_admit(self, requests)
+
+    monkeypatch.setattr(TalkerBatch, "admit", recording_admit)
+    prompt = _prompt(pipe, "Hello there, how are you?")
+    out = pipe.generate(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, max_frames=4)
+    assert len(admitted) == 1 and admitted[0].is_text_finished  # one admission, with the whole reply
+    run = ThinkerRun(pipe.model.thinker, [prompt], accept_hidden_layer=pipe.accept_hidden_layer,
+                     eos_token_ids=pipe.eos_token_ids, max_new_tokens=MAX_NEW_TOKENS, decoder=pipe.thinker_decoder)
+    embeds, hidden = [], []
+    while not run.is_finished:
+        for event in run.step():
+            embeds.append(event.embeds)
+            hidden.append(event.hidden)
+    assert run.output_ids[0] == out.text_ids
+    expected = build_qwen3_talker_inputs(
+        pipe.model, prompt, run.output_ids[0], torch.cat(embeds), torch.cat(hidden), run.finish_reasons[0], "ethan",
+        projection="reference",
+    )
+    assert torch.equal(admitted[0].prefill_embeds, expected.prefill_embeds)
+    assert torch.equal(admitted[0].trailing_text, expected.trailing_text)
+    assert torch.equal(admitted[0].tts_pad_embed, expected.tts_pad_embed)
