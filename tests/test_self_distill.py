@@ -2,6 +2,7 @@
 greedy (or seeded sampled) continuation, reproducible and independent of the batch size; training on them runs
 and is reproducible; gen-distill-data + train-mtp --distill-data end to end; argument errors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,24 @@ def test_training_on_distill_rows_runs_and_is_reproducible(target):
     assert first.losses == second.losses
     for (name, a), (_, b) in zip(first.head.state_dict().items(), second.head.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # distill_rows with distill_fraction 1 is the same training as rows passed as the training stream.
+    torch.manual_seed(1)
+    as_rows = train_mtp_head(target, MTPHead.from_config(target), stream, _stream(200, seed=6), config,
+                             progress=False, distill_rows=rows)
+    assert as_rows.losses == first.losses
+    # A mix: half of each batch from the rows, half from the text; differs from either alone.
+    mixed_config = dataclasses.replace(config, distill_fraction=0.5)
+    text_config = dataclasses.replace(config, distill_fraction=0.0)
+    losses = []
+    for cfg in (mixed_config, mixed_config, text_config):
+        torch.manual_seed(1)
+        losses.append(train_mtp_head(target, MTPHead.from_config(target), stream, _stream(200, seed=6), cfg,
+                                     progress=False, distill_rows=rows).losses)
+    assert losses[0] == losses[1] and losses[0] != first.losses and losses[0] != losses[2]
+    torch.manual_seed(1)
+    text_only = train_mtp_head(target, MTPHead.from_config(target), stream, _stream(200, seed=6), config,
+                               progress=False)
+    assert text_only.losses == losses[2]
 
 
 def test_argument_errors(target, tmp_path):
@@ -105,6 +124,11 @@ def test_argument_errors(target, tmp_path):
         sample_windows(torch.zeros(0, 16, dtype=torch.int32), 0, 2, 16, 0)
     with pytest.raises(ValueError, match="--distill-data"):
         load_distill_rows(tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="distill_rows"):
+        train_mtp_head(target, MTPHead.from_config(target), stream, stream, config, progress=False,
+                       distill_rows=torch.zeros(4, 12, dtype=torch.int32))
+    with pytest.raises(ValueError, match="distill_fraction"):
+        MTPTrainConfig(distill_fraction=1.5)
 
 
 def _char_tokenizer(text: str) -> PreTrainedTokenizerFast:

@@ -323,7 +323,10 @@ class MTPTrainConfig:
 
     `tv_weight_start`: when set, the TV weight moves linearly from it at step 0 to `tv_weight` at the last
     step (e.g. 0 → 3: cross-entropy first, where TV's gradient, proportional to q, is weak on tokens the
-    head still misses; TV weighs more once q is near p). None: `tv_weight` throughout."""
+    head still misses; TV weighs more once q is near p). None: `tv_weight` throughout.
+
+    `distill_fraction`: with `distill_rows` given to `train_mtp_head`, the share of each batch drawn from them
+    (round(distill_fraction * batch_size) rows; the rest are windows of the training text)."""
 
     num_draft_tokens: int = 3
     steps: int = 1000
@@ -339,6 +342,7 @@ class MTPTrainConfig:
     num_eval_windows: int = 16
     checkpoint_every: int = 100
     seed: int = 0
+    distill_fraction: float = 1.0
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -356,6 +360,8 @@ class MTPTrainConfig:
             raise ValueError(f"tv_weight must be a finite number >= 0, got {self.tv_weight}")
         if self.tv_weight_start is not None and not (self.tv_weight_start >= 0 and math.isfinite(self.tv_weight_start)):
             raise ValueError(f"tv_weight_start must be None or a finite number >= 0, got {self.tv_weight_start}")
+        if not (0.0 <= self.distill_fraction <= 1.0):
+            raise ValueError(f"distill_fraction must be in [0, 1], got {self.distill_fraction}")
         if self.step_weights is None:
             self.step_weights = tuple(0.8**i for i in range(self.num_draft_tokens))
         self.step_weights = tuple(float(w) for w in self.step_weights)
@@ -403,11 +409,13 @@ def train_mtp_head(
     resume: bool = False,
     stop_after: int | None = None,
     progress: bool = True,
+    distill_rows: torch.Tensor | None = None,
 ) -> MTPTrainResult:
     """Train `head` (in place) to draft `target`'s own distributions; the target stays frozen.
 
     train_stream: token ids [N] (see `encode_files`) or rows [N, seq_len] (see `generate_distill_rows`);
-    eval_stream: token ids [N]. With `checkpoint_dir`, the training state
+    eval_stream: token ids [N]. `distill_rows` [N, seq_len] (see `generate_distill_rows`): each batch takes
+    round(config.distill_fraction * batch_size) of its windows from them and the rest from train_stream. With `checkpoint_dir`, the training state
     (head, optimizer, step, history) is saved every `checkpoint_every` steps and at the end, and `resume=True`
     continues from it (batches depend only on (seed, step), so a resumed run matches an uninterrupted one).
     `stop_after` ends this call after that many steps (a time-boxed run; resume later).
@@ -419,6 +427,11 @@ def train_mtp_head(
         raise ValueError("train_stream must be 1-D token ids or 2-D rows [N, seq_len]; eval_stream 1-D token ids")
     if train_stream.dim() == 2 and train_stream.shape[1] != config.seq_len:
         raise ValueError(f"train_stream: rows of {train_stream.shape[1]} tokens, config.seq_len is {config.seq_len}")
+    num_distill = 0
+    if distill_rows is not None:
+        if distill_rows.dim() != 2 or distill_rows.shape[1] != config.seq_len:
+            raise ValueError(f"distill_rows: shape {tuple(distill_rows.shape)}, need [N, seq_len={config.seq_len}]")
+        num_distill = round(config.distill_fraction * config.batch_size)
     own = _head_parameters(head, target)
     if not own:
         raise ValueError("head has no parameters of its own to train")
@@ -452,7 +465,13 @@ def train_mtp_head(
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = config.learning_rate(step)
-            batch = sample_windows(train_stream, step, config.batch_size, config.seq_len, config.seed)  # [B, L]
+            parts = []  # [B, L] in all: self-distillation rows first, then text windows
+            if num_distill:
+                parts.append(sample_windows(distill_rows, step, num_distill, config.seq_len, config.seed))
+            if num_distill < config.batch_size:
+                parts.append(sample_windows(train_stream, step, config.batch_size - num_distill, config.seq_len,
+                                            config.seed))
+            batch = torch.cat(parts)  # [B, L]
             hidden, target_logits = teacher_outputs(target, batch)
             draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens)
             ce, tv = distillation_losses(target_logits, draft_logits)

@@ -48,6 +48,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--distill-data", default=None,
                         help="train on these self-distillation rows (a file `omnimtp gen-distill-data` wrote) instead "
                         "of windows of the --data files; --data still gives the held-out evaluation text")
+    parser.add_argument("--distill-fraction", type=float, default=1.0,
+                        help="with --distill-data: share of each batch taken from its rows, the rest are windows "
+                        "of the --data training files (default 1: rows only)")
     parser.set_defaults(handler=run)
 
     gen = subparsers.add_parser(
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, tv_weight=args.tv_weight,
         tv_weight_start=args.tv_weight_start, step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
         num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
+        distill_fraction=args.distill_fraction,
     )
     model_dir, out_dir = Path(args.model), Path(args.out)
     if not model_dir.is_dir():
@@ -119,17 +123,19 @@ def run(args: argparse.Namespace) -> int:
     eval_stream = encode_files(tokenizer, heldout_files)
     print(f"train: {len(train_files)} files, {train_stream.numel()} tokens; "
           f"held out: {len(heldout_files)} files, {eval_stream.numel()} tokens", flush=True)
+    distill_rows = None
     if args.distill_data is not None:
-        train_stream = load_distill_rows(args.distill_data)
-        if train_stream.shape[1] != config.seq_len:
-            raise ValueError(f"--distill-data: rows of {train_stream.shape[1]} tokens, --seq-len is {config.seq_len}")
-        print(f"training on self-distillation rows: {tuple(train_stream.shape)} from {args.distill_data}", flush=True)
+        distill_rows = load_distill_rows(args.distill_data)
+        if distill_rows.shape[1] != config.seq_len:
+            raise ValueError(f"--distill-data: rows of {distill_rows.shape[1]} tokens, --seq-len is {config.seq_len}")
+        print(f"self-distillation rows: {tuple(distill_rows.shape)} from {args.distill_data}, "
+              f"{config.distill_fraction:g} of each batch", flush=True)
 
     torch.manual_seed(args.seed)
     head = MTPHead.from_pretrained(args.init, target) if args.init else MTPHead.from_config(target)
     head.float()
     result = train_mtp_head(target, head, train_stream, eval_stream, config, checkpoint_dir=out_dir,
-                            resume=args.resume, progress=not args.no_progress)
+                            resume=args.resume, progress=not args.no_progress, distill_rows=distill_rows)
     if args.with_target:
         copy_target_files(model_dir, out_dir)
     head.save_pretrained(out_dir)
