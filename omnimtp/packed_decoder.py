@@ -279,10 +279,22 @@ def _experts(layer: _Layer, x: torch.Tensor, router_logits: torch.Tensor) -> tor
             outputs.append(torch.mv(layer.expert_down_views[expert], F.silu(gate) * up))
         weighted = torch.stack(outputs) * top_weights.view(-1, 1)  # [k, H]
         return weighted.view(1, top_k, -1).sum(dim=1)
+    outputs = expert_outputs(x, top_experts, layer.expert_gate_up, layer.expert_down)  # [N*k, H]
+    weighted = outputs * top_weights.view(-1, 1)
+    return weighted.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def expert_outputs(
+    x: torch.Tensor, top_experts: torch.Tensor, expert_gate_up: torch.Tensor, expert_down: torch.Tensor
+) -> torch.Tensor:
+    """Each token's picked SiLU-gated experts, unweighted: x [N, H], top_experts [N, k] →
+    [N*k, H] with row token * k + rank. expert_gate_up [E, 2I, H], expert_down [E, H, I] (transformers'
+    fused expert tensors). Only the experts some token picked are computed, each once over its tokens."""
+    top_k = top_experts.shape[1]
     selections: dict[int, list[int]] = {}  # expert → flat (token * k + rank) indices
     for flat, expert in enumerate(top_experts.view(-1).tolist()):
         selections.setdefault(expert, []).append(flat)
-    outputs = x.new_empty((num_tokens * top_k, x.shape[1]))  # [N*k, H]
+    outputs = x.new_empty((x.shape[0] * top_k, x.shape[1]))  # [N*k, H]
     for expert, flat in selections.items():
         if len(flat) == 1:
             rows = x[flat[0] // top_k][None]  # [1, H]
@@ -290,10 +302,9 @@ def _experts(layer: _Layer, x: torch.Tensor, router_logits: torch.Tensor) -> tor
         else:
             index = torch.tensor(flat, device=x.device)
             rows = x.index_select(0, index // top_k)  # [n, H]
-        gate, up = _linear(rows, layer.expert_gate_up[expert]).chunk(2, dim=-1)
-        outputs[index] = _linear(F.silu(gate) * up, layer.expert_down[expert])
-    weighted = outputs * top_weights.view(-1, 1)
-    return weighted.view(num_tokens, top_k, -1).sum(dim=1)
+        gate, up = _linear(rows, expert_gate_up[expert]).chunk(2, dim=-1)
+        outputs[index] = _linear(F.silu(gate) * up, expert_down[expert])
+    return outputs
 
 
 def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:

@@ -321,6 +321,19 @@ needs_packed_gemm = pytest.mark.skipif(
 )
 
 
+def _assert_sampled_packed_equals_unpacked_and_rows_alone(packed, unpacked, hidden, cb0, first_seed: int) -> None:
+    """Sampled with one seed per row: the packed runner == the unpacked one, and each row alone (one
+    row: no packed matmul after the first step) == its row in the batch."""
+    batch_size = hidden.shape[0]
+    seeds = [first_seed + b for b in range(batch_size)]
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    sampled = packed.run(hidden, cb0, params, make_generators(seeds)).codes
+    assert torch.equal(sampled, unpacked.run(hidden, cb0, params, make_generators(seeds)).codes)
+    for b in range(batch_size):
+        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1], params, make_generators([seeds[b]])).codes
+        assert torch.equal(sampled[b], alone[0]), b
+
+
 @needs_packed_gemm
 @pytest.mark.parametrize("batch_size", [4, 5, 8])
 def test_packed_gemm_runner_equals_hf_generate_and_unpacked_rows(batch_size):
@@ -335,13 +348,7 @@ def test_packed_gemm_runner_equals_hf_generate_and_unpacked_rows(batch_size):
     assert sorted(packed._gemms) == [8 if batch_size > 4 else 4]
     assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
     assert torch.allclose(out.embed_sum, unpacked.run(hidden, cb0).embed_sum, atol=1e-5)
-    seeds = [100 + b for b in range(batch_size)]
-    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
-    sampled = packed.run(hidden, cb0, params, make_generators(seeds)).codes
-    assert torch.equal(sampled, unpacked.run(hidden, cb0, params, make_generators(seeds)).codes)
-    for b in range(batch_size):
-        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1], params, make_generators([seeds[b]])).codes
-        assert torch.equal(sampled[b], alone[0]), b
+    _assert_sampled_packed_equals_unpacked_and_rows_alone(packed, unpacked, hidden, cb0, first_seed=100)
 
 
 @needs_packed_gemm
@@ -415,13 +422,7 @@ def test_bf16_onednn_packed_runner_equals_unpacked_and_rows_alone(batch_size):
     assert sorted(packed._gemms) == [8]  # one reordered copy for every batch size
     assert torch.equal(out.codes, plain.codes)
     assert torch.equal(out.embed_sum, plain.embed_sum)
-    seeds = [200 + b for b in range(batch_size)]
-    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
-    sampled = packed.run(hidden, cb0, params, make_generators(seeds)).codes
-    assert torch.equal(sampled, unpacked.run(hidden, cb0, params, make_generators(seeds)).codes)
-    for b in range(batch_size):
-        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1], params, make_generators([seeds[b]])).codes
-        assert torch.equal(sampled[b], alone[0]), b
+    _assert_sampled_packed_equals_unpacked_and_rows_alone(packed, unpacked, hidden, cb0, first_seed=200)
 
 
 @needs_onednn_bf16

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omnimtp.packed_decoder import _cast, _linear, _rms_norm
+from omnimtp.packed_decoder import _cast, _linear, _rms_norm, expert_outputs
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "llama", "qwen2", "qwen3")
 
@@ -306,19 +306,7 @@ def _glm4_moe(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
     top_weights = top_weights * router.routed_scaling_factor  # [N, k] fp32
 
     top_k = router.top_k
-    selections: dict[int, list[int]] = {}  # expert → flat (token * k + rank) indices
-    for flat, expert in enumerate(top_experts.view(-1).tolist()):
-        selections.setdefault(expert, []).append(flat)
-    outputs = x.new_empty((num_tokens * top_k, x.shape[1]))  # [N*k, H]
-    for expert, flat in selections.items():
-        if len(flat) == 1:
-            rows = x[flat[0] // top_k][None]  # [1, H]
-            index = slice(flat[0], flat[0] + 1)
-        else:
-            index = torch.tensor(flat, device=x.device)
-            rows = x.index_select(0, index // top_k)  # [n, H]
-        gate, up = _linear(rows, layer.expert_gate_up[expert]).chunk(2, dim=-1)
-        outputs[index] = _linear(F.silu(gate) * up, layer.expert_down[expert])
+    outputs = expert_outputs(x, top_experts, layer.expert_gate_up, layer.expert_down)  # [N*k, H]
     routed = (outputs * top_weights.view(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
     return routed + _dense_mlp(layer, x)
 
