@@ -292,8 +292,14 @@ def test_backend_selection_and_errors():
     mla_head = MTPHead.from_config(mla)
     with pytest.raises(ValueError, match="target_backend='packed'.*deepseek_v3"):
         speculative_generate(mla, mla_head, prompt, max_new_tokens=4, num_draft_tokens=2, target_backend="packed")
-    with pytest.raises(ValueError, match="target"):
-        packed_generate(mla, prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="target_backend='packed'.*deepseek_v3"):
+        packed_generate(mla, prompt, max_new_tokens=4, target_backend="packed")
+    with pytest.raises(ValueError, match="target_backend"):
+        packed_generate(target, prompt, max_new_tokens=4, target_backend="fast")
+    plain = mla.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1)
+    assert torch.equal(packed_generate(mla, prompt, max_new_tokens=8, eos_token_id=-1), plain)  # fell back
+    assert torch.equal(packed_generate(target, prompt, max_new_tokens=8, eos_token_id=-1, target_backend="transformers"),
+                       target.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1))
     assert _packed_or_none(mla, "auto") is None
     reference = mla.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1)
     out = speculative_generate(mla, mla_head, prompt, max_new_tokens=8, num_draft_tokens=2, eos_token_id=-1)

@@ -375,10 +375,13 @@ def packed_generate(
     sampling: SamplingParams | None = None,
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
+    target_backend: str = "auto",
 ) -> torch.Tensor:
-    """Plain decoding (one token per forward) on the packed target: the honest baseline for speculative
-    decoding on the same forward. Same contract as `speculative_generate` (left-padded input_ids [B, P],
-    sampling None = greedy = `target.generate(do_sample=False)`, seeds per row, EOS / padding like
+    """Plain decoding (one token per forward) on the same target forward `speculative_generate` uses:
+    the honest baseline for speculative decoding. target_backend as there: "auto" runs the packed target
+    on supported CPU models and transformers' forward otherwise (e.g. MLA models), "packed" (ValueError
+    if unsupported), "transformers". Same contract as `speculative_generate` (left-padded input_ids
+    [B, P], sampling None = greedy = `target.generate(do_sample=False)`, seeds per row, EOS / padding like
     `generate`) → sequences [B, P + generated]."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -394,17 +397,20 @@ def packed_generate(
         pad_id = eos_ids[0] if eos_ids else 0
     generators = None if sampling.is_greedy else make_generators(_row_seeds(seed, batch_size), device=device)
     with torch.inference_mode():
-        packed = packed_target(target)
-        cache = PackedKVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
+        packed = _packed_or_none(target, target_backend)
+        if packed is not None:
+            cache = PackedKVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
+        else:
+            cache = DynamicCache(config=target.config)
         kv_mask = attention_mask.long()  # [B, L]
         position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
-        hidden = packed_forward(packed, cache, input_ids, position_ids, kv_mask)
+        _, logits = _target_forward(target, packed, input_ids, position_ids, kv_mask, cache, last_logits_only=True)
         positions = position_ids[:, -1:]  # [B, 1]
         eos = torch.tensor(eos_ids, device=device)
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
         tokens = []
         for step in range(max_new_tokens):
-            token = sample(packed_logits(packed, hidden[:, -1]), sampling, generators)  # [B]
+            token = sample(logits[:, -1], sampling, generators)  # [B]
             token = torch.where(finished, pad_id, token)
             tokens.append(token)
             finished = finished | torch.isin(token, eos)
@@ -412,6 +418,6 @@ def packed_generate(
                 break
             kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
             positions = positions + 1
-            hidden = packed_forward(packed, cache, token[:, None], positions, kv_mask)
+            _, logits = _target_forward(target, packed, token[:, None], positions, kv_mask, cache)
         sequences = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
     return sequences.clone()
