@@ -306,7 +306,8 @@ class _PackedGemm:
     `F.linear` on a CPU. `rows` is that count: batches are padded to it, and the first step (2
     positions per row) runs as two calls of `rows` rows (the second finds the matrix in cache).
     kind "onednn" (bf16): oneDNN's reordered weights (what inductor's freezing uses for bf16 linears);
-    any row count, one call; `rows` is None. Both give the same values as `F.linear`."""
+    any row count, one call; `rows` is None. oneDNN gives the same values as `F.linear` (tested bit for
+    bit); MKL's packed SGEMM differs from it by rounding only (tested: the same greedy codes as transformers)."""
 
     kind: str  # "mkl" or "onednn"
     rows: int | None
@@ -494,7 +495,7 @@ class CodePredictorRunner:
     (packed lazily, once per bucket; each bucket holds a packed copy of the matrices; padding also
     keeps the set of compiled shapes small); bf16 — every batch of 2 or more rows (the first step
     included) runs on one copy of the matrices reordered by oneDNN (~20% less time per matmul than
-    `F.linear` at real dims). Packed and plain matmuls give the same values.
+    `F.linear` at real dims). bf16: the same values as plain kernels; fp32: equal up to rounding.
 
     Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
     b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
