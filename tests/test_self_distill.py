@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from omnimtp import MTPHead, MTPTrainConfig, generate_distill_rows, tiny_lm, train_mtp_head
 from omnimtp.cli import main as cli_main
+from text_corpus import char_tokenizer
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
 from omnimtp.spec.train import sample_windows
 from omnimtp.spec.train_cli import load_distill_rows
@@ -131,16 +130,6 @@ def test_argument_errors(target, tmp_path):
         MTPTrainConfig(distill_fraction=1.5)
 
 
-def _char_tokenizer(text: str) -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    trainer = trainers.BpeTrainer(vocab_size=TINY_LM_VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  show_progress=False)
-    tokenizer.train_from_iterator([text], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
 def test_gen_distill_data_and_train_mtp_cli_end_to_end(target, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
@@ -148,7 +137,7 @@ def test_gen_distill_data_and_train_mtp_cli_end_to_end(target, tmp_path, capsys)
         (data / f"f{i}.txt").write_text("".join(f"def f{j}(x): return x + {j}\n" for j in range(i, i + 30)))
     model_dir = tmp_path / "model"
     target.save_pretrained(model_dir)
-    _char_tokenizer("".join(p.read_text() for p in data.iterdir())).save_pretrained(model_dir)
+    char_tokenizer("".join(p.read_text() for p in data.iterdir())).save_pretrained(model_dir)
     distill = tmp_path / "distill.safetensors"
     gen_args = ["gen-distill-data", "--model", str(model_dir), "--data", str(data), "--heldout-every", "3",
                 "--out", str(distill), "--num-tokens", "25", "--seq-len", "16", "--prompt-len", "4", "--no-progress"]

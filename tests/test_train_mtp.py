@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from omnimtp import MTPHead, MTPTrainConfig, load_target_and_head, speculative_generate, tiny_lm, train_mtp_head
 from omnimtp.cli import main as cli_main
+from text_corpus import char_tokenizer
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
 from omnimtp.spec.train import (
     acceptance_estimate,
@@ -173,16 +172,6 @@ def test_collect_text_files_split_is_deterministic_and_skips_tests(tmp_path):
     assert collect_text_files([tmp_path], heldout_every=4) == (train, held_out)
 
 
-def _char_tokenizer(text: str) -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    trainer = trainers.BpeTrainer(vocab_size=TINY_LM_VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
-                                  show_progress=False)
-    tokenizer.train_from_iterator([text], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-
-
 def test_train_mtp_cli_end_to_end(target, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
@@ -190,7 +179,7 @@ def test_train_mtp_cli_end_to_end(target, tmp_path, capsys):
         (data / f"f{i}.txt").write_text("".join(f"def f{j}(x): return x + {j}\n" for j in range(i, i + 30)))
     model_dir = tmp_path / "model"
     target.save_pretrained(model_dir)
-    tokenizer = _char_tokenizer("".join(p.read_text() for p in data.iterdir()))
+    tokenizer = char_tokenizer("".join(p.read_text() for p in data.iterdir()))
     assert len(tokenizer) <= TINY_LM_VOCAB_SIZE
     tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"

@@ -92,12 +92,28 @@ def copy_target_files(model_dir: Path, out_dir: Path) -> None:
         (out_dir / SAFE_INDEX_NAME).write_text(json.dumps(weight_map, indent=2))
 
 
-def run(args: argparse.Namespace) -> int:
+def _load_model_and_data_args(args: argparse.Namespace):
+    """--model (a checkpoint dir: tokenizer + causal LM in fp32, eval mode) and --suffixes →
+    (model_dir, tokenizer, target, suffixes)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from omnimtp.spec.train import DATA_SUFFIXES
+
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise ValueError(f"--model: {args.model!r} is not a directory")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
+    return model_dir, tokenizer, target, suffixes
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
     from omnimtp.spec.head import MTPHead
-    from omnimtp.spec.train import DATA_SUFFIXES, MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
+    from omnimtp.spec.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -108,12 +124,8 @@ def run(args: argparse.Namespace) -> int:
         num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
         distill_fraction=args.distill_fraction,
     )
-    model_dir, out_dir = Path(args.model), Path(args.out)
-    if not model_dir.is_dir():
-        raise ValueError(f"--model: {args.model!r} is not a directory")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
+    out_dir = Path(args.out)
+    model_dir, tokenizer, target, suffixes = _load_model_and_data_args(args)
     train_files, heldout_files = collect_text_files(args.data, args.heldout_every, suffixes)
     if args.eval_data:
         heldout_files = collect_text_files(args.eval_data, 10**9, suffixes)[0]
@@ -171,9 +183,8 @@ def load_distill_rows(path: str | Path):
 def run_gen_distill_data(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from omnimtp.spec.train import DATA_SUFFIXES, collect_text_files, encode_files, generate_distill_rows
+    from omnimtp.spec.train import collect_text_files, encode_files, generate_distill_rows
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -181,12 +192,7 @@ def run_gen_distill_data(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-tokens must be >= 1, got {args.num_tokens}")
     if args.prompt_len < 1 or args.seq_len <= args.prompt_len:
         raise ValueError(f"--seq-len must exceed --prompt-len >= 1, got {args.seq_len} and {args.prompt_len}")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise ValueError(f"--model: {args.model!r} is not a directory")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
+    model_dir, tokenizer, target, suffixes = _load_model_and_data_args(args)
     train_files, _ = collect_text_files(args.data, args.heldout_every, suffixes)
     train_stream = encode_files(tokenizer, train_files)
     continuation_len = args.seq_len - args.prompt_len
