@@ -1,8 +1,10 @@
 """Code predictor: ms per frame (G-1 residual codes) of every path on the same weights, side by side.
 
 Paths: transformers `cp.generate` (the reference), re-prefill and DynamicCache loops
-(`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager (with MKL-packed GEMMs at B >= 4 where
-available; the unpacked runner is timed too), step-compiled and frame-compiled. Dims: tiny (hidden 256,
+(`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager (on its default packed matmuls: fp32
+omnimtp's AVX-512 small-batch kernel where it runs, else MKL's packed SGEMM at B >= 4; bf16 oneDNN; at
+B >= 4 the unpacked runner, and in fp32 the MKL-packed one, are timed too), step-compiled and
+frame-compiled. Dims: tiny (hidden 256,
 2 layers, G 16, vocab 2048, the other sizes `tiny_code_predictor_config`'s defaults) and Qwen3-Omni's
 real predictor (hidden 1024, 5 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072,
 vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
@@ -34,6 +36,7 @@ from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.talker.code_predictor import (
     PACKED_GEMM_MIN_ROWS,
     CodePredictorRunner,
+    packed_gemm_kinds,
     predict_residual_codes,
     predict_residual_codes_kv,
 )
@@ -114,6 +117,8 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
     eager = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype)
     # The same runner without MKL-packed weights, to show what the packing buys at B >= 4.
     unpacked = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm=False) if eager.packed_gemm else None
+    # fp32 with omnimtp's AVX-512 kernel: also MKL's packed SGEMM, the best library kernel, for comparison.
+    mkl = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm="mkl") if eager.packed_gemm_kind == "avx512" and "mkl" in packed_gemm_kinds(eager.device, dtype) else None
     use_compile = args.compile == "all" or args.compile == dtype_name
     compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile="step") if use_compile else None
     # The whole frame as one graph: its first compile takes minutes at real dims on a CPU, so tiny only
@@ -133,6 +138,8 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
         }
         if unpacked is not None and batch_size >= PACKED_GEMM_MIN_ROWS:
             paths["runner_eager_unpacked"] = lambda: unpacked.run(hidden, cb0)
+        if mkl is not None and batch_size >= PACKED_GEMM_MIN_ROWS:
+            paths["runner_eager_mkl"] = lambda: mkl.run(hidden, cb0)
         compile_s = None
         if compiled is not None:
             start = time.perf_counter()

@@ -23,6 +23,7 @@ from omnimtp.talker.code_predictor import (
     CodePredictorRunner,
     packed_gemm_available,
     packed_gemm_kind,
+    packed_gemm_kinds,
     ResidualCodes,
     next_talker_input,
     predict_residual_codes,
@@ -317,7 +318,11 @@ def test_compile_argument_is_validated():
 # --- MKL-packed GEMM (fp32 CPU batches of 4+ rows, padded to a power-of-two bucket) --------------
 
 needs_packed_gemm = pytest.mark.skipif(
-    not packed_gemm_available(torch.device("cpu"), torch.float32), reason="this torch build has no MKL packed GEMM"
+    "mkl" not in packed_gemm_kinds(torch.device("cpu"), torch.float32), reason="this torch build has no MKL packed GEMM"
+)
+needs_avx512_kernel = pytest.mark.skipif(
+    "avx512" not in packed_gemm_kinds(torch.device("cpu"), torch.float32),
+    reason="omnimtp's AVX-512 kernel does not run here",
 )
 
 
@@ -340,9 +345,9 @@ def test_packed_gemm_runner_equals_hf_generate_and_unpacked_rows(batch_size):
     """Greedy: the packed path (B=5 is padded to 8) gives HF's codes; sampled: each row equals the
     same row run alone (one row never uses packing) with its own seed, and the unpacked batch."""
     cp = make_cp(16)
-    packed = CodePredictorRunner(cp, 8)
+    packed = CodePredictorRunner(cp, 8, packed_gemm="mkl")
     unpacked = CodePredictorRunner(cp, 8, packed_gemm=False)
-    assert packed.packed_gemm and not unpacked.packed_gemm
+    assert packed.packed_gemm and packed.packed_gemm_kind == "mkl" and not unpacked.packed_gemm
     hidden, cb0 = frame_inputs(cp, batch_size, seed=batch_size)
     out = packed.run(hidden, cb0)
     assert sorted(packed._gemms) == [8 if batch_size > 4 else 4]
@@ -354,7 +359,7 @@ def test_packed_gemm_runner_equals_hf_generate_and_unpacked_rows(batch_size):
 @needs_packed_gemm
 def test_packed_gemm_buckets_stop_at_max_batch_size():
     cp = make_cp(4)
-    runner = CodePredictorRunner(cp, 6)
+    runner = CodePredictorRunner(cp, 6, packed_gemm="mkl")
     hidden, cb0 = frame_inputs(cp, 5)
     assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
     assert sorted(runner._gemms) == [6]
@@ -366,9 +371,56 @@ def test_packed_gemm_buckets_stop_at_max_batch_size():
 @needs_packed_gemm
 def test_compiled_runner_with_packed_gemm_equals_hf_generate():
     cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
-    runner = CodePredictorRunner(cp, 4, compile=True)
+    runner = CodePredictorRunner(cp, 4, compile=True, packed_gemm="mkl")
     hidden, cb0 = frame_inputs(cp, 4)
     assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+    assert runner._gemms
+
+
+# --- omnimtp's AVX-512 small-batch kernel (fp32 CPU batches of 2+ rows, one packed copy) ----------
+
+
+def test_default_fp32_kind_is_the_avx512_kernel_where_it_runs():
+    kinds = packed_gemm_kinds(torch.device("cpu"), torch.float32)
+    assert packed_gemm_kind(torch.device("cpu"), torch.float32) == (kinds[0] if kinds else None)
+    assert CodePredictorRunner(cached_cp(4, "sdpa"), 2).packed_gemm_kind == (kinds[0] if kinds else None)
+    assert packed_gemm_kinds(torch.device("cpu"), torch.float16) == []
+
+
+@needs_avx512_kernel
+@pytest.mark.parametrize("batch_size", [2, 3, 8])
+def test_avx512_runner_equals_hf_generate_and_unpacked_rows(batch_size):
+    """Greedy: HF's codes (the first step's 2 positions per row run as 2B rows in one call); sampled:
+    each row equals the same row alone (1 row: matrix-vector kernels) with its own seed, and the
+    unpacked batch."""
+    cp = make_cp(16)
+    packed = CodePredictorRunner(cp, 8, packed_gemm="avx512")
+    unpacked = CodePredictorRunner(cp, 8, packed_gemm=False)
+    hidden, cb0 = frame_inputs(cp, batch_size, seed=10 + batch_size)
+    out = packed.run(hidden, cb0)
+    assert sorted(packed._gemms) == [8]  # one packed copy for every batch size
+    assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
+    assert torch.allclose(out.embed_sum, unpacked.run(hidden, cb0).embed_sum, atol=1e-5)
+    _assert_sampled_packed_equals_unpacked_and_rows_alone(packed, unpacked, hidden, cb0, first_seed=300)
+
+
+@needs_avx512_kernel
+def test_avx512_runner_equals_hf_generate_at_odd_dims_and_16_rows():
+    """Dims that are not multiples of the kernel's 16-float panels, and a batch of 9 (18 rows in the
+    first step: a pass of 16 and a pass of 2)."""
+    cp = make_cp(16, hidden_size=40, intermediate_size=72, head_dim=12, vocab_size=100)
+    runner = CodePredictorRunner(cp, 9, packed_gemm="avx512")
+    hidden, cb0 = frame_inputs(cp, 9, seed=4)
+    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+
+
+@needs_avx512_kernel
+def test_compiled_runner_with_avx512_kernel_equals_hf_generate():
+    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 4, compile=True, packed_gemm="avx512")
+    hidden, cb0 = frame_inputs(cp, 3)
+    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+    assert runner._gemms  # the compiled graph ran on the packed weights
 
 
 def test_packed_gemm_argument_is_validated():
@@ -377,6 +429,10 @@ def test_packed_gemm_argument_is_validated():
         CodePredictorRunner(cp, 4, packed_gemm="yes")
     with pytest.raises(ValueError, match="packed_gemm"):
         CodePredictorRunner(cp, 4, dtype=torch.float16, packed_gemm=True)
+    with pytest.raises(ValueError, match="packed_gemm"):
+        CodePredictorRunner(cp, 4, dtype=torch.bfloat16, packed_gemm="avx512")  # an fp32 kernel
+    with pytest.raises(ValueError, match="packed_gemm"):
+        CodePredictorRunner(cp, 4, packed_gemm="onednn")  # a bf16 kernel
     assert not CodePredictorRunner(cp, 4, dtype=torch.float16).packed_gemm
 
 

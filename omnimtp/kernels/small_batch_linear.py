@@ -1,0 +1,158 @@
+"""fp32 linear layers for a few rows (2..16 per call) that stream their weights at close to a core's
+read bandwidth, on x86 CPUs with AVX-512F.
+
+The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
+on first use (about a second) into a per-user cache directory and loaded with ctypes: no torch headers,
+no build step at install time. Where it cannot be used — no AVX-512F, no compiler, another OS, or
+OMNIMTP_NATIVE_KERNELS=0 in the environment — `available()` is False and says why in `unavailable_reason()`;
+callers then use MKL's packed SGEMM or `F.linear`.
+
+    if available():
+        packed = pack_weight(linear.weight)                     # [ceil(N/16), K, 16], once
+        y = small_batch_linear(x, packed, linear.out_features)  # x [M, K] fp32 -> [M, N]
+
+Results equal `F.linear` up to fp32 rounding (not bit for bit); each row's output depends only on that
+row. Under torch.compile the call is one opaque op (`omnimtp::small_batch_linear`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("small_batch_linear.c")
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+PANEL = 16  # output columns per packed panel (one AVX-512 register)
+MAX_ROWS_PER_PASS = 16  # more rows run as passes of 16, each reading the weights again
+
+_unavailable: str | None = None  # why the kernel is off, once known
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("OMNIMTP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "omnimtp"
+    )
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernel (cached by source, flags and compiler) and return the shared library's path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"small_batch_linear-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: each writes its own file
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a reader sees the whole library or none
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    global _unavailable
+    if os.environ.get("OMNIMTP_NATIVE_KERNELS", "1") == "0":
+        _unavailable = "disabled by OMNIMTP_NATIVE_KERNELS=0"
+        return None
+    if not sys.platform.startswith("linux"):
+        _unavailable = f"only built on Linux (this is {sys.platform})"
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
+        _unavailable = f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _unavailable = "no C compiler found (set CC)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _unavailable = f"could not build {_SOURCE.name}: {exc}"
+        return None
+    fn = lib.omnimtp_small_batch_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel runs here (builds it on the first call)."""
+    return _library() is not None
+
+
+def unavailable_reason() -> str | None:
+    """None when available(), else why not."""
+    available()
+    return _unavailable
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear weight [N, K] fp32 → the kernel's layout [ceil(N/16), K, 16]: panels of 16 output
+    columns, each stored input by input (zero padded). A new tensor; weight is not modified."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"weight must be a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    out_features, in_features = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))  # [N32, K]
+    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the small-batch linear kernel is not available: {_unavailable}")
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows and out_features:
+        status = lib.omnimtp_small_batch_linear(
+            x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, in_features, out_features, torch.get_num_threads()
+        )
+        if status != 0:
+            raise MemoryError("small_batch_linear: out of memory")
+    return out
+
+
+def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T → [M, out_features], W packed by `pack_weight`. Needs `available()`
+    (RuntimeError otherwise). x and packed are not modified."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if not packed.is_contiguous() or packed.dim() != 3 or packed.shape[2] != PANEL or packed.dtype != torch.float32:
+        raise ValueError(f"packed must come from pack_weight, got {tuple(packed.shape)} {packed.dtype}")
+    if packed.shape[1] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features, the packed weight {packed.shape[1]}")
+    if not PANEL * (packed.shape[0] - 1) < out_features <= PANEL * packed.shape[0]:
+        raise ValueError(f"out_features={out_features} does not match the packed weight ({packed.shape[0]} panels of {PANEL})")
+    if torch.compiler.is_compiling():
+        return _small_batch_linear_op(x, packed, out_features)
+    return _run(x.contiguous(), packed, out_features)
+
+
+@torch.library.custom_op("omnimtp::small_batch_linear", mutates_args=())
+def _small_batch_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The kernel as one opaque op under torch.compile."""
+    return _run(x.contiguous(), packed, out_features)
+
+
+@_small_batch_linear_op.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)

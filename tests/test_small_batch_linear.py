@@ -1,0 +1,134 @@
+"""omnimtp's AVX-512 small-batch fp32 linear kernel against F.linear, and its fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnimtp.kernels import small_batch_linear as sbl
+from omnimtp.talker.code_predictor import CodePredictorRunner, packed_gemm_kinds
+from omnimtp.models.tiny import tiny_code_predictor_config
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+)
+
+needs_kernel = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
+
+
+def _tensors(rows: int, in_features: int, out_features: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 40), in_features=st.integers(1, 70), out_features=st.integers(1, 70), seed=st.integers(0, 99)
+)
+def test_equals_f_linear_up_to_rounding_for_any_shape(rows, in_features, out_features, seed):
+    x, weight = _tensors(rows, in_features, out_features, seed)
+    x_before, weight_before = x.clone(), weight.clone()
+    packed = sbl.pack_weight(weight)
+    out = sbl.small_batch_linear(x, packed, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5 * in_features**0.5)
+    assert torch.equal(x, x_before) and torch.equal(weight, weight_before)  # inputs untouched
+
+
+@needs_kernel
+def test_a_row_alone_equals_its_row_in_any_batch_and_any_thread_count():
+    """Bit for bit: a row's sums run in the same order whatever the other rows (passes of 16 rows
+    included) and however the panels are split over threads."""
+    x, weight = _tensors(37, 96, 200, seed=1)
+    packed = sbl.pack_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = sbl.small_batch_linear(x, packed, 200)
+        torch.set_num_threads(2)
+        two_threads = sbl.small_batch_linear(x, packed, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, two_threads)
+    for b in (0, 15, 16, 36):
+        assert torch.equal(sbl.small_batch_linear(x[b : b + 1], packed, 200)[0], one_thread[b]), b
+    assert torch.equal(sbl.small_batch_linear(x[3:11], packed, 200), one_thread[3:11])
+
+
+@needs_kernel
+def test_real_dims_and_non_contiguous_input():
+    x, weight = _tensors(8, 1024, 3 * 512, seed=2)
+    packed = sbl.pack_weight(weight)
+    torch.testing.assert_close(sbl.small_batch_linear(x, packed, 1536), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(1024, 8).t()  # [8, 1024], not contiguous
+    torch.testing.assert_close(sbl.small_batch_linear(strided, packed, 1536), F.linear(strided, weight), rtol=1e-5, atol=1e-4)
+    assert sbl.small_batch_linear(x[:0], packed, 1536).shape == (0, 1536)
+
+
+@needs_kernel
+def test_bad_arguments_raise_value_errors_naming_them():
+    x, weight = _tensors(4, 32, 48, seed=3)
+    packed = sbl.pack_weight(weight)
+    with pytest.raises(ValueError, match="weight"):
+        sbl.pack_weight(weight.double())
+    with pytest.raises(ValueError, match="weight"):
+        sbl.pack_weight(weight[0])
+    with pytest.raises(ValueError, match="x"):
+        sbl.small_batch_linear(x.double(), packed, 48)
+    with pytest.raises(ValueError, match="x"):
+        sbl.small_batch_linear(x[0], packed, 48)
+    with pytest.raises(ValueError, match="features"):
+        sbl.small_batch_linear(torch.randn(4, 31), packed, 48)
+    with pytest.raises(ValueError, match="out_features"):
+        sbl.small_batch_linear(x, packed, 64)
+    with pytest.raises(ValueError, match="out_features"):
+        sbl.small_batch_linear(x, packed, 16)
+    with pytest.raises(ValueError, match="packed"):
+        sbl.small_batch_linear(x, weight, 48)
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """The kernel loader with its cache cleared (and restored afterwards), building into tmp_path."""
+    monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
+    sbl._library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    sbl._library.cache_clear()
+    sbl.available()
+
+
+def test_disabled_by_environment_falls_back_to_mkl(fresh_library, monkeypatch):
+    monkeypatch.setenv("OMNIMTP_NATIVE_KERNELS", "0")
+    assert not sbl.available()
+    assert "OMNIMTP_NATIVE_KERNELS" in sbl.unavailable_reason()
+    assert "avx512" not in packed_gemm_kinds(torch.device("cpu"), torch.float32)
+    cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config(num_code_groups=4)).eval()
+    runner = CodePredictorRunner(cp, 4)
+    assert runner.packed_gemm_kind == ("mkl" if torch.backends.mkl.is_available() else None)
+    with pytest.raises(ValueError, match="avx512.*OMNIMTP_NATIVE_KERNELS"):
+        CodePredictorRunner(cp, 4, packed_gemm="avx512")
+    with pytest.raises(RuntimeError, match="not available"):
+        sbl.small_batch_linear(torch.randn(2, 16), sbl.pack_weight(torch.randn(16, 16)), 16)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX-512 CPU")
+def test_a_failing_compiler_leaves_the_kernel_off_with_the_reason(fresh_library, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # exists and always fails
+    assert not sbl.available()
+    assert "could not build" in sbl.unavailable_reason()
+    assert not list(fresh_library.rglob("*.so"))
+
+
+@needs_kernel
+def test_the_build_is_cached_per_source_and_compiler(fresh_library):
+    assert sbl.available()
+    built = list(fresh_library.rglob("*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    sbl._library.cache_clear()
+    assert sbl.available()  # found in the cache, not rebuilt
+    assert list(fresh_library.rglob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
