@@ -390,9 +390,9 @@ def test_default_fp32_kind_is_the_avx512_kernel_where_it_runs():
 @needs_avx512_kernel
 @pytest.mark.parametrize("batch_size", [2, 3, 8])
 def test_avx512_runner_equals_hf_generate_and_unpacked_rows(batch_size):
-    """Greedy: HF's codes (the first step's 2 positions per row run as 2B rows in one call); sampled:
-    each row equals the same row alone (1 row: matrix-vector kernels) with its own seed, and the
-    unpacked batch."""
+    """Greedy: HF's codes (the first step's 2 positions per row run as 2B rows in one call), and each
+    row alone gives the same codes and embedding sum bit for bit; sampled: each row equals the same
+    row alone with its own seed, and the unpacked batch."""
     cp = make_cp(16)
     packed = CodePredictorRunner(cp, 8, packed_gemm="avx512")
     unpacked = CodePredictorRunner(cp, 8, packed_gemm=False)
@@ -401,6 +401,9 @@ def test_avx512_runner_equals_hf_generate_and_unpacked_rows(batch_size):
     assert sorted(packed._gemms) == [8]  # one packed copy for every batch size
     assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
     assert torch.allclose(out.embed_sum, unpacked.run(hidden, cb0).embed_sum, atol=1e-5)
+    for b in range(batch_size):  # the kernel computes each row on its own: bit for bit in any batch
+        alone = packed.run(hidden[b : b + 1], cb0[b : b + 1])
+        assert torch.equal(alone.codes[0], out.codes[b]) and torch.equal(alone.embed_sum[0], out.embed_sum[b]), b
     _assert_sampled_packed_equals_unpacked_and_rows_alone(packed, unpacked, hidden, cb0, first_seed=300)
 
 

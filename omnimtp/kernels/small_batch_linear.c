@@ -2,12 +2,13 @@
  *
  * Why: at a batch of a few rows a linear layer is bound by reading its weights from memory, and a
  * general SGEMM (MKL's, packed or not) streams them well below one core's read bandwidth once it does
- * several rows of FMAs per weight: the FMAs fill the out-of-order window, fewer cache-line reads are
- * in flight, and the hardware prefetcher stops at every 4 KiB page. Here the weights are one
- * sequential stream, packed as [ceil(N/16)][K][16] (panels of 16 output columns, zero padded), and
- * the loop prefetches that stream ahead into L1 and, further ahead, into L2. Per input k the kernel
- * loads one 64-byte panel row and broadcasts x[m, k] for every row m (outer-product form: no
- * horizontal sums, and x is read once per panel row instead of once per weight vector).
+ * several rows of FMAs per weight: the FMAs fill the out-of-order window and fewer cache-line reads
+ * are in flight. Here the weights are packed as [ceil(N/16)][K][16] (panels of 16 output columns,
+ * each a sequential stream, zero padded); the kernel walks S panels at once, so S streams in
+ * different pages are in flight (the hardware prefetcher follows each), and prefetches each stream
+ * a little ahead. Per input k it loads one 64-byte row of each panel and broadcasts x[m, k] for every
+ * row m (outer-product form: no horizontal sums). Measured at Qwen3-Omni code-predictor dims on one
+ * core: about 1.5-2x MKL's packed SGEMM at 4-16 rows, and as fast as MKL's matrix-vector kernel.
  *
  * Numerics: each output is summed with fused multiply-adds in k order; it equals F.linear up to fp32
  * rounding, not bit for bit. Rows are independent: row m's output does not depend on the other rows
@@ -18,31 +19,55 @@
 #include <stdlib.h>
 
 #define PANEL 16         /* output columns per panel: one AVX-512 register */
-#define PREFETCH_L1 512  /* floats ahead in the stream (2 KiB: 32 panel rows) */
-#define PREFETCH_L2 4096 /* floats ahead (16 KiB) */
+#define MAX_STREAMS 8
+#define PREFETCH 256     /* floats ahead in each panel's stream (1 KiB: 16 panel rows) */
 
-/* One panel for M rows: M accumulators. xt is x transposed, [K][M]. */
-#define PANEL_FN(M)                                                                                    \
-  static void panel_##M(const float* xt, const float* w, float* y, int64_t K, int64_t N, int64_t col, \
-                        __mmask16 mask) {                                                             \
-    __m512 acc[M];                                                                                    \
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();                                         \
-    for (int64_t k = 0; k < K; ++k, w += PANEL, xt += M) {                                           \
-      _mm_prefetch((const char*)(w + PREFETCH_L1), _MM_HINT_T0);                                      \
-      _mm_prefetch((const char*)(w + PREFETCH_L2), _MM_HINT_T1);                                      \
-      const __m512 v = _mm512_loadu_ps(w);                                                            \
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(v, _mm512_set1_ps(xt[m]), acc[m]);         \
+/* S panels at once for M rows: S separate sequential streams (the L2 streamer tracks each; one
+ * stream alone leaves the memory system under-used), M * S accumulators. xt is x transposed, [K][M];
+ * w points at the first of the S panels; masks[s]: the valid columns of panel s. */
+#define GROUP_FN(M, S)                                                                                 \
+  static void group_##M##_##S(const float* xt, const float* w, float* y, int64_t K, int64_t N,         \
+                              int64_t col, const __mmask16* masks) {                                  \
+    __m512 acc[S][M];                                                                                 \
+    for (int s = 0; s < S; ++s)                                                                       \
+      for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();                                    \
+    for (int64_t k = 0; k < K; ++k, xt += M) {                                                       \
+      __m512 v[S];                                                                                    \
+      for (int s = 0; s < S; ++s) {                                                                   \
+        const float* ws = w + s * K * PANEL + k * PANEL;                                              \
+        _mm_prefetch((const char*)(ws + PREFETCH), _MM_HINT_T0);                                      \
+        v[s] = _mm512_loadu_ps(ws);                                                                   \
+      }                                                                                               \
+      for (int m = 0; m < M; ++m) {                                                                   \
+        const __m512 b = _mm512_set1_ps(xt[m]);                                                      \
+        for (int s = 0; s < S; ++s) acc[s][m] = _mm512_fmadd_ps(v[s], b, acc[s][m]);                  \
+      }                                                                                               \
     }                                                                                                 \
-    for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + col, mask, acc[m]);                 \
+    for (int s = 0; s < S; ++s)                                                                       \
+      for (int m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * N + col + s * PANEL, masks[s], acc[s][m]); \
   }
 
-PANEL_FN(1) PANEL_FN(2) PANEL_FN(3) PANEL_FN(4) PANEL_FN(5) PANEL_FN(6) PANEL_FN(7) PANEL_FN(8)
-PANEL_FN(9) PANEL_FN(10) PANEL_FN(11) PANEL_FN(12) PANEL_FN(13) PANEL_FN(14) PANEL_FN(15) PANEL_FN(16)
+/* Streams per group for M rows (measured on a Xeon with AVX-512: 4-8 streams saturate one core's
+ * reads; M * S accumulators, a few spilled to L1 at most). Only these S and smaller (the last group
+ * of a matrix) are compiled. */
+static const int kStreams[17] = {0, 8, 8, 8, 6, 5, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2};
+#define UP_TO_2(M) GROUP_FN(M, 1) GROUP_FN(M, 2)
+#define UP_TO_4(M) UP_TO_2(M) GROUP_FN(M, 3) GROUP_FN(M, 4)
+#define UP_TO_5(M) UP_TO_4(M) GROUP_FN(M, 5)
+#define UP_TO_6(M) UP_TO_5(M) GROUP_FN(M, 6)
+#define UP_TO_8(M) UP_TO_6(M) GROUP_FN(M, 7) GROUP_FN(M, 8)
+UP_TO_8(1) UP_TO_8(2) UP_TO_8(3) UP_TO_6(4) UP_TO_5(5) UP_TO_4(6) UP_TO_4(7) UP_TO_4(8)
+UP_TO_2(9) UP_TO_2(10) UP_TO_2(11) UP_TO_2(12) UP_TO_2(13) UP_TO_2(14) UP_TO_2(15) UP_TO_2(16)
 
-typedef void (*panel_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, __mmask16);
-static const panel_fn kPanelFns[17] = {
-    0,        panel_1,  panel_2,  panel_3,  panel_4,  panel_5,  panel_6,  panel_7,  panel_8,
-    panel_9,  panel_10, panel_11, panel_12, panel_13, panel_14, panel_15, panel_16,
+typedef void (*group_fn)(const float*, const float*, float*, int64_t, int64_t, int64_t, const __mmask16*);
+#define FNS_2(M) 0, group_##M##_1, group_##M##_2
+#define FNS_4(M) FNS_2(M), group_##M##_3, group_##M##_4
+#define FNS_5(M) FNS_4(M), group_##M##_5
+#define FNS_6(M) FNS_5(M), group_##M##_6
+#define FNS_8(M) FNS_6(M), group_##M##_7, group_##M##_8
+static const group_fn kGroupFns[17][MAX_STREAMS + 1] = {
+    {0},        {FNS_8(1)},  {FNS_8(2)},  {FNS_8(3)},  {FNS_6(4)},  {FNS_5(5)},  {FNS_4(6)},  {FNS_4(7)},  {FNS_4(8)},
+    {FNS_2(9)}, {FNS_2(10)}, {FNS_2(11)}, {FNS_2(12)}, {FNS_2(13)}, {FNS_2(14)}, {FNS_2(15)}, {FNS_2(16)},
 };
 
 static __mmask16 first_n(int64_t n) { /* mask of the first n (clamped to 0..16) lanes */
@@ -50,8 +75,8 @@ static __mmask16 first_n(int64_t n) { /* mask of the first n (clamped to 0..16) 
 }
 
 /* x [M, K] row-major, packed as described above, y [M, N] row-major; any M >= 0 (passes of 16 rows,
- * each reads the weights once). Splits the panels over `num_threads` OpenMP threads. Returns 0, or -1
- * when out of memory. */
+ * each reads the weights once). Splits the groups of panels over `num_threads` OpenMP threads.
+ * Returns 0, or -1 when out of memory. */
 int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, int64_t M, int64_t K, int64_t N,
                                int num_threads) {
   const int64_t panels = (N + PANEL - 1) / PANEL;
@@ -62,12 +87,16 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
     const int64_t rows = M - m0 < 16 ? M - m0 : 16;
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t k = 0; k < K; ++k) xt[k * rows + m] = x[(m0 + m) * K + k];
-    const panel_fn fn = kPanelFns[rows];
+    const int64_t streams = kStreams[rows];
+    const int64_t groups = (panels + streams - 1) / streams;
     float* ym = y + m0 * N;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t col = p * PANEL;
-      fn(xt, packed + p * K * PANEL, ym, K, N, col, first_n(N - col));
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * streams;
+      const int64_t count = panels - first < streams ? panels - first : streams;
+      __mmask16 masks[MAX_STREAMS];
+      for (int64_t s = 0; s < count; ++s) masks[s] = first_n(N - (first + s) * PANEL);
+      kGroupFns[rows][count](xt, packed + first * K * PANEL, ym, K, N, first * PANEL, masks);
     }
   }
   free(xt);

@@ -1,5 +1,5 @@
-"""fp32 linear layers for a few rows (2..16 per call) that stream their weights at close to a core's
-read bandwidth, on x86 CPUs with AVX-512F.
+"""fp32 linear layers for a few rows (1..16 per pass) that stream their weights at a core's read
+bandwidth, on x86 CPUs with AVX-512F (see the C source for how).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (about a second) into a per-user cache directory and loaded with ctypes: no torch headers,

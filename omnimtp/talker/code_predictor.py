@@ -249,7 +249,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * normed.to(x.dtype)
 
 
-# fp32 batches of at least this many rows use MKL-packed weights (below it plain kernels are as fast).
+# fp32 "mkl": batches of at least this many rows use MKL-packed weights (below it plain kernels are as fast).
 PACKED_GEMM_MIN_ROWS = 4
 
 
@@ -323,10 +323,10 @@ class _PackedGemm:
     kind "onednn" (bf16): oneDNN's reordered weights (what inductor's freezing uses for bf16 linears);
     any row count, one call; `rows` is None. oneDNN gives the same values as `F.linear` (tested bit for
     bit); MKL's packed SGEMM differs from it by rounding only (tested: the same greedy codes as transformers).
-    kind "avx512" (fp32): `omnimtp.kernels.small_batch_linear`: weights in panels, streamed with
-    software prefetch at close to a core's read bandwidth for 2..16 rows (MKL's packed SGEMM reads them
-    at ~60-70% of it at 8 rows); any row count, one call, `rows` is None; equal to `F.linear` up to
-    rounding (tested: the same greedy codes as transformers)."""
+    kind "avx512" (fp32): `omnimtp.kernels.small_batch_linear`: weights in panels, several streamed
+    at once, at a core's read bandwidth for 1..16 rows (MKL's packed SGEMM reads them at ~55% of it at
+    8 rows); any row count, one call, `rows` is None; equal to `F.linear` up to rounding (tested: the
+    same greedy codes as transformers), each row computed on its own."""
 
     kind: str  # "avx512", "mkl" or "onednn"
     rows: int | None
@@ -355,19 +355,21 @@ def _pack_gemm(w: "_PackedWeights", kind: str, rows: int) -> _PackedGemm:
 def _linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None, gemm: _PackedGemm | None = None
 ) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T. A single row goes through matrix-vector kernels, which stream
-    the weights at close to memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less).
-    packed: `weight` packed as `gemm` says, or None. For MKL, x's row count must be a multiple of
-    gemm.rows; a multiple runs as that many calls back to back: the later ones find the matrix in
-    cache, so the first step's 2 positions per row cost little more than one."""
+    """x [..., in] @ weight[out, in].T. packed: `weight` packed as `gemm` says, or None.
+    "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows).
+    Otherwise a single row goes through matrix-vector kernels, which stream the weights at close to
+    memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less). For MKL, x's row count
+    must be a multiple of gemm.rows; a multiple runs as that many calls back to back: the later ones
+    find the matrix in cache, so the first step's 2 positions per row cost little more than one."""
     rows = x.shape[:-1].numel()
+    if packed is not None and gemm.kind == "avx512":
+        out = small_batch_linear.small_batch_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
     if packed is None:
         return F.linear(x, weight)
     x2d = x.reshape(rows, x.shape[-1])
-    if gemm.kind == "avx512":
-        return small_batch_linear.small_batch_linear(x2d, packed, weight.shape[0]).view(*x.shape[:-1], weight.shape[0])
     compiling = torch.compiler.is_compiling()
     if gemm.kind == "onednn":
         if compiling:
@@ -514,10 +516,11 @@ class CodePredictorRunner:
 
     `packed_gemm`: None (default: the best available, see `packed_gemm_kinds`), False (plain kernels),
     True (the best available, an error if none), or a kind, "avx512", "mkl" or "onednn" (an error if it
-    cannot run here). fp32 "avx512" — every
-    matmul of 2 or more rows (the first step included) runs omnimtp's small-batch kernel on one copy of
-    the matrices in its panel layout (real dims, 8 rows: ~1.3-1.6x less time per matmul than MKL's
-    packed SGEMM, ~2x less than `F.linear`); fp32 "mkl" — a batch of B >= 4 rows is padded with zero
+    cannot run here). fp32 "avx512" — every matmul, of any batch size, runs omnimtp's small-batch
+    kernel on one copy of the matrices in its panel layout (real dims, one core: 8 rows ~1.8x less
+    time per matmul than MKL's packed SGEMM, ~3x less than `F.linear`; 1 row as fast as `torch.mv`),
+    and since it computes each row on its own, a row's codes are bit for bit the same in any batch;
+    fp32 "mkl" — a batch of B >= 4 rows is padded with zero
     rows to the next power of two (at most max_batch_size) and its matmuls run on weights packed by MKL
     for that row count (packed lazily, once per bucket; each bucket holds a packed copy of the matrices;
     padding also keeps the set of compiled shapes small); bf16 "onednn" — every batch of 2 or more rows runs on
