@@ -415,6 +415,29 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     return out.reshape(batch_size, num_new, num_heads * head_dim)
 
 
+def _write_kv(
+    kv_cache: torch.Tensor, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """kv_cache[layer, 0 / 1, :B, :, positions] = new_keys / new_values ([B, Nkv, T, D]). Eager: two
+    `index_copy_` into views of the buffer (the cheapest per call). Compiled: one `index_put_` on the
+    whole buffer, which inductor writes in place; an `index_copy_` into a view of the graph's input
+    makes it copy the layer's whole block in and out around the write."""
+    batch_size, num_kv_heads = new_keys.shape[:2]
+    if not torch.compiler.is_compiling():
+        kv_cache[layer, 0, :batch_size].index_copy_(2, positions, new_keys)
+        kv_cache[layer, 1, :batch_size].index_copy_(2, positions, new_values)
+        return
+    device = kv_cache.device
+    index = (
+        torch.tensor(layer, device=device),
+        torch.arange(2, device=device)[:, None, None, None],  # keys, values
+        torch.arange(batch_size, device=device)[:, None, None],
+        torch.arange(num_kv_heads, device=device)[:, None],
+        positions,
+    )  # broadcast to [2, B, Nkv, T]
+    kv_cache.index_put_(index, torch.stack([new_keys, new_values]))
+
+
 def _step(
     w: _PackedWeights,
     kv_cache: torch.Tensor,
@@ -452,9 +475,9 @@ def _step(
         qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
         qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, w.eps)
         qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
+        new_keys = qk[:, :, num_heads:].transpose(1, 2)  # [B, Nkv, T, D]
+        _write_kv(kv_cache, i, new_keys, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2), positions)
         keys, values = kv_cache[i, 0, :batch_size], kv_cache[i, 1, :batch_size]  # [B, Nkv, G, D]
-        keys.index_copy_(2, positions, qk[:, :, num_heads:].transpose(1, 2))
-        values.index_copy_(2, positions, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2))
         attn = _attend(qk[:, :, :num_heads], keys, values, mask)  # [B, T, Nq*D]
         x = residual + _linear(attn, layer.o, p_o, gemm)
         residual = x
