@@ -426,6 +426,23 @@ def test_compiled_runner_with_avx512_kernel_equals_hf_generate():
     assert runner._gemms  # the compiled graph ran on the packed weights
 
 
+@needs_avx512_kernel
+def test_compiled_runner_runs_large_matrices_on_the_kernel_even_for_one_row(monkeypatch):
+    """Under torch.compile one row of a matrix of 1M+ weights still runs the kernel (its custom op's
+    dispatch cost is small next to reading 4 MB); smaller ones stay on torch.mv."""
+    from omnimtp.kernels import small_batch_linear
+
+    cp = make_cp(4, hidden_size=512, num_hidden_layers=1, intermediate_size=1024, head_dim=64)
+    runner = CodePredictorRunner(cp, 2, compile=True, packed_gemm="avx512")
+    rows_seen = []
+    run = small_batch_linear._run
+    monkeypatch.setattr(small_batch_linear, "_run", lambda x, p, n: rows_seen.append((x.shape[0], n)) or run(x, p, n))
+    hidden, cb0 = frame_inputs(cp, 1, seed=7)
+    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
+    assert (1, 2048) in rows_seen  # gate_up, 2048 x 512, one row
+    assert all(n == 2048 for rows, n in rows_seen if rows == 1)  # the smaller matrices: torch.mv
+
+
 def test_packed_gemm_argument_is_validated():
     cp = cached_cp(4, "sdpa")
     with pytest.raises(ValueError, match="packed_gemm"):

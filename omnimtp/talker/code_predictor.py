@@ -250,8 +250,10 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 # fp32 "mkl": batches of at least this many rows use MKL-packed weights (below it plain kernels are as
-# fast); "avx512" under torch.compile: the kernel runs from this many rows (below it, plain kernels).
+# fast); "avx512" under torch.compile: the kernel runs from this many rows (below it, plain kernels),
+# or for matrices of at least COMPILED_KERNEL_MIN_WEIGHTS elements (4 MB: ~250 us to read).
 PACKED_GEMM_MIN_ROWS = 4
+COMPILED_KERNEL_MIN_WEIGHTS = 1 << 20
 
 
 PACKED_GEMM_KINDS = ("avx512", "mkl", "onednn")
@@ -358,18 +360,17 @@ def _linear(
 ) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T. packed: `weight` packed as `gemm` says, or None.
     "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
-    except fewer than PACKED_GEMM_MIN_ROWS rows under torch.compile.
+    except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix.
     Otherwise a single row goes through matrix-vector kernels, which stream the weights at close to
     memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less). For MKL, x's row count
     must be a multiple of gemm.rows; a multiple runs as that many calls back to back: the later ones
     find the matrix in cache, so the first step's 2 positions per row cost little more than one."""
     rows = x.shape[:-1].numel()
-    # Under torch.compile fewer than PACKED_GEMM_MIN_ROWS rows stay on `torch.mv` / `F.linear`, which
-    # inductor calls directly: the kernel is an opaque custom op there, whose Python dispatch (~25-50 us
-    # a call) would dominate a small model's frame.
-    if (
-        packed is not None and gemm.kind == "avx512"
-        and (rows >= PACKED_GEMM_MIN_ROWS or not torch.compiler.is_compiling())
+    # Under torch.compile the kernel is an opaque custom op whose Python dispatch costs ~25-50 us a
+    # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
+    # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
+    if packed is not None and gemm.kind == "avx512" and (
+        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
     ):
         out = small_batch_linear.small_batch_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -551,7 +552,7 @@ class CodePredictorRunner:
     kernel on one copy of the matrices in its panel layout (real dims, one core: 8 rows ~1.8x less
     time per matmul than MKL's packed SGEMM, ~3x less than `F.linear`; 1 row as fast as `torch.mv`),
     and since it computes each row on its own, a row's codes are bit for bit the same in any batch
-    (eager; compiled, fewer than 4 rows run `torch.mv` / `F.linear`);
+    (eager; compiled, fewer than 4 rows of a matrix under 4 MB run `torch.mv` / `F.linear`);
     fp32 "mkl" — a batch of B >= 4 rows is padded with zero
     rows to the next power of two (at most max_batch_size) and its matmuls run on weights packed by MKL
     for that row count (packed lazily, once per bucket; each bucket holds a packed copy of the matrices;
