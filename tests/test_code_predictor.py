@@ -368,22 +368,26 @@ def test_packed_gemm_buckets_stop_at_max_batch_size():
     assert sorted(runner._gemms) == [6]  # below PACKED_GEMM_MIN_ROWS: plain kernels, nothing packed
 
 
-@needs_packed_gemm
-def test_compiled_runner_with_packed_gemm_equals_hf_generate():
+@pytest.mark.parametrize("kind, batch_size", [("mkl", 4), ("avx512", 3)])
+def test_compiled_runner_with_packed_gemm_equals_hf_generate(kind, batch_size):
+    """avx512 with 3 rows: the first step (6 rows) runs the kernel, later steps plain kernels."""
+    if kind not in packed_gemm_kinds(torch.device("cpu"), torch.float32):
+        pytest.skip(f"{kind} does not run here")
     cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
-    runner = CodePredictorRunner(cp, 4, compile=True, packed_gemm="mkl")
-    hidden, cb0 = frame_inputs(cp, 4)
+    runner = CodePredictorRunner(cp, 4, compile=True, packed_gemm=kind)
+    hidden, cb0 = frame_inputs(cp, batch_size)
     assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
-    assert runner._gemms
+    assert runner._gemms  # the compiled graph ran on the packed weights
 
 
-# --- omnimtp's AVX-512 small-batch kernel (fp32 CPU batches of 2+ rows, one packed copy) ----------
+# --- omnimtp's AVX-512 small-batch kernel (fp32 CPU, every batch size, one packed copy) ----------
 
 
 def test_default_fp32_kind_is_the_avx512_kernel_where_it_runs():
     kinds = packed_gemm_kinds(torch.device("cpu"), torch.float32)
     assert packed_gemm_kind(torch.device("cpu"), torch.float32) == (kinds[0] if kinds else None)
     assert CodePredictorRunner(cached_cp(4, "sdpa"), 2).packed_gemm_kind == (kinds[0] if kinds else None)
+    assert packed_gemm_available(torch.device("cpu"), torch.float32) == bool(kinds)
     assert packed_gemm_kinds(torch.device("cpu"), torch.float16) == []
 
 
@@ -415,15 +419,6 @@ def test_avx512_runner_equals_hf_generate_at_odd_dims_and_16_rows():
     runner = CodePredictorRunner(cp, 9, packed_gemm="avx512")
     hidden, cb0 = frame_inputs(cp, 9, seed=4)
     assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
-
-
-@needs_avx512_kernel
-def test_compiled_runner_with_avx512_kernel_equals_hf_generate():
-    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
-    runner = CodePredictorRunner(cp, 4, compile=True, packed_gemm="avx512")
-    hidden, cb0 = frame_inputs(cp, 3)
-    assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
-    assert runner._gemms  # the compiled graph ran on the packed weights
 
 
 @needs_avx512_kernel
