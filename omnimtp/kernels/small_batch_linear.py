@@ -2,8 +2,8 @@
 bandwidth, on x86 CPUs with AVX-512F (see the C source for how).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
-on first use (about a second) into a per-user cache directory and loaded with ctypes: no torch headers,
-no build step at install time. Where it cannot be used — no AVX-512F, no compiler, another OS, or
+on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
+and loaded with ctypes: no torch headers, no build step at install time. Where it cannot be used — no AVX-512F, no compiler, another OS, or
 OMNIMTP_NATIVE_KERNELS=0 in the environment — `available()` is False and says why in `unavailable_reason()`;
 callers then use MKL's packed SGEMM or `F.linear`.
 
@@ -32,7 +32,6 @@ import torch
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PANEL = 16  # output columns per packed panel (one AVX-512 register)
-MAX_ROWS_PER_PASS = 16  # more rows run as passes of 16, each reading the weights again
 
 _unavailable: str | None = None  # why the kernel is off, once known
 
@@ -71,6 +70,7 @@ def _build(compiler: str) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     global _unavailable
+    _unavailable = None
     if os.environ.get("OMNIMTP_NATIVE_KERNELS", "1") == "0":
         _unavailable = "disabled by OMNIMTP_NATIVE_KERNELS=0"
         return None
@@ -112,7 +112,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"weight must be a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
     out_features, in_features = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))  # [N32, K]
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))  # [N rounded up to 16, K]
     return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
 
 
@@ -136,7 +136,10 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     (RuntimeError otherwise). x and packed are not modified."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
-    if not packed.is_contiguous() or packed.dim() != 3 or packed.shape[2] != PANEL or packed.dtype != torch.float32:
+    if (
+        not packed.is_contiguous() or packed.dim() != 3 or packed.shape[2] != PANEL
+        or packed.dtype != torch.float32 or packed.device.type != "cpu"
+    ):
         raise ValueError(f"packed must come from pack_weight, got {tuple(packed.shape)} {packed.dtype}")
     if packed.shape[1] != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features, the packed weight {packed.shape[1]}")

@@ -457,8 +457,8 @@ def _step(
     step_input [B, T, H] at positions [T] (long; T = 2 for the first step, then 1); the step's keys and
     values are written into kv_cache [L, 2, B_max, Nkv, G, D] at those positions. lm_head,
     lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
-    embeddings so far. noise [B, V] ~ Exp(1) when sampling. gemm: None, or MKL-packed matrices for
-    B = gemm.rows rows (packed_lm_head: this step's lm_head).
+    embeddings so far. noise [B, V] ~ Exp(1) when sampling. gemm: None, or the packed matrices (see
+    `_PackedGemm`; MKL's are for B = gemm.rows rows); packed_lm_head: this step's lm_head, packed.
     Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on the position, so one
     compiled graph serves every decode step."""
     batch_size, num_new, _ = step_input.shape
