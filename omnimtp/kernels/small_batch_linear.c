@@ -74,6 +74,15 @@ static __mmask16 first_n(int64_t n) { /* mask of the first n (clamped to 0..16) 
   return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
 }
 
+static void run_group(const float* xt, const float* packed, float* y, int64_t rows, int64_t K, int64_t N,
+                      int64_t panels, int64_t streams, int64_t g) {
+  const int64_t first = g * streams;
+  const int64_t count = panels - first < streams ? panels - first : streams;
+  __mmask16 masks[MAX_STREAMS];
+  for (int64_t s = 0; s < count; ++s) masks[s] = first_n(N - (first + s) * PANEL);
+  kGroupFns[rows][count](xt, packed + first * K * PANEL, y, K, N, first * PANEL, masks);
+}
+
 /* x [M, K] row-major, packed as described above, y [M, N] row-major; any M >= 0 (passes of 16 rows,
  * each reads the weights once). Splits the groups of panels over `num_threads` OpenMP threads.
  * Returns 0, or -1 when out of memory. */
@@ -90,13 +99,11 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
     const int64_t streams = kStreams[rows];
     const int64_t groups = (panels + streams - 1) / streams;
     float* ym = y + m0 * N;
+    if (num_threads <= 1 || groups == 1) { /* no OpenMP region: it costs about a microsecond */
+      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, rows, K, N, panels, streams, g);
+    } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = g * streams;
-      const int64_t count = panels - first < streams ? panels - first : streams;
-      __mmask16 masks[MAX_STREAMS];
-      for (int64_t s = 0; s < count; ++s) masks[s] = first_n(N - (first + s) * PANEL);
-      kGroupFns[rows][count](xt, packed + first * K * PANEL, ym, K, N, first * PANEL, masks);
+      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, rows, K, N, panels, streams, g);
     }
   }
   free(xt);

@@ -372,7 +372,7 @@ def _linear(
     if packed is not None and gemm.kind == "avx512" and (
         not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
     ):
-        out = small_batch_linear.small_batch_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
+        out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
