@@ -4,10 +4,9 @@ Paths: transformers `cp.generate` (the reference), re-prefill and DynamicCache l
 (`predict_residual_codes[_kv]`), and `CodePredictorRunner` eager (on its default packed matmuls: fp32
 omnimtp's AVX-512 small-batch kernel where it runs, else MKL's packed SGEMM at B >= 4; bf16 oneDNN; at
 B >= 4 the unpacked runner, and in fp32 the MKL-packed one, are timed too), step-compiled and
-frame-compiled. Dims: tiny (hidden 256,
-2 layers, G 16, vocab 2048, the other sizes `tiny_code_predictor_config`'s defaults) and Qwen3-Omni's
-real predictor (hidden 1024, 5 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072,
-vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
+frame-compiled. Dims: tiny (hidden 256, 2 layers, G 16, vocab 2048, the other sizes
+`tiny_code_predictor_config`'s defaults) and Qwen3-Omni's real predictor (hidden 1024, 5 layers, 16
+heads / 8 KV heads, head_dim 128, intermediate 3072, vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
 round is kept, so load from other processes hits every path alike. At real dims the memory-bound floor
 is printed: bytes of weights read per frame / memory bandwidth measured in the same run (the best of
 copy, sum and `torch.mv` probes, before and after the timings).
@@ -128,7 +127,9 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
     # The same runner without MKL-packed weights, to show what the packing buys at B >= 4.
     unpacked = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm=False) if eager.packed_gemm else None
     # fp32 with omnimtp's AVX-512 kernel: also MKL's packed SGEMM, the best library kernel, for comparison.
-    mkl = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm="mkl") if eager.packed_gemm_kind == "avx512" and "mkl" in packed_gemm_kinds(eager.device, dtype) else None
+    mkl = None
+    if eager.packed_gemm_kind == "avx512" and "mkl" in packed_gemm_kinds(eager.device, dtype):
+        mkl = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm="mkl")
     use_compile = args.compile == "all" or args.compile == dtype_name
     compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile="step") if use_compile else None
     # The whole frame as one graph: its first compile takes minutes at real dims on a CPU, so tiny only
