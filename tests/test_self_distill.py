@@ -10,7 +10,7 @@ import torch
 
 from omnimtp import MTPHead, MTPTrainConfig, generate_distill_rows, tiny_lm, train_mtp_head
 from omnimtp.cli import main as cli_main
-from text_corpus import char_tokenizer
+from text_corpus import write_code_corpus_and_model
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
 from omnimtp.spec.train import sample_windows
 from omnimtp.spec.train_cli import load_distill_rows
@@ -131,13 +131,7 @@ def test_argument_errors(target, tmp_path):
 
 
 def test_gen_distill_data_and_train_mtp_cli_end_to_end(target, tmp_path, capsys):
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(12):
-        (data / f"f{i}.txt").write_text("".join(f"def f{j}(x): return x + {j}\n" for j in range(i, i + 30)))
-    model_dir = tmp_path / "model"
-    target.save_pretrained(model_dir)
-    char_tokenizer("".join(p.read_text() for p in data.iterdir())).save_pretrained(model_dir)
+    data, model_dir, _ = write_code_corpus_and_model(target, tmp_path)
     distill = tmp_path / "distill.safetensors"
     gen_args = ["gen-distill-data", "--model", str(model_dir), "--data", str(data), "--heldout-every", "3",
                 "--out", str(distill), "--num-tokens", "25", "--seq-len", "16", "--prompt-len", "4", "--no-progress"]

@@ -9,7 +9,7 @@ import torch
 
 from omnimtp import MTPHead, MTPTrainConfig, load_target_and_head, speculative_generate, tiny_lm, train_mtp_head
 from omnimtp.cli import main as cli_main
-from text_corpus import char_tokenizer
+from text_corpus import write_code_corpus_and_model
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
 from omnimtp.spec.train import (
     acceptance_estimate,
@@ -173,15 +173,8 @@ def test_collect_text_files_split_is_deterministic_and_skips_tests(tmp_path):
 
 
 def test_train_mtp_cli_end_to_end(target, tmp_path, capsys):
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(12):
-        (data / f"f{i}.txt").write_text("".join(f"def f{j}(x): return x + {j}\n" for j in range(i, i + 30)))
-    model_dir = tmp_path / "model"
-    target.save_pretrained(model_dir)
-    tokenizer = char_tokenizer("".join(p.read_text() for p in data.iterdir()))
+    data, model_dir, tokenizer = write_code_corpus_and_model(target, tmp_path)
     assert len(tokenizer) <= TINY_LM_VOCAB_SIZE
-    tokenizer.save_pretrained(model_dir)
     out = tmp_path / "out"
     args = ["train-mtp", "--model", str(model_dir), "--data", str(data), "--out", str(out), "-k", "2",
             "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2", "--num-eval-windows", "2",
