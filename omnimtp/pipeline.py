@@ -29,7 +29,7 @@ import torch
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import ThinkerToTalkerStream, num_kept_rows
 from omnimtp.packed_decoder import PackedDecoder
-from omnimtp.sampling import SamplingParams, make_generators
+from omnimtp.sampling import SamplingParams, make_generators, request_seeds
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import TalkerBatch, TalkerRequest
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
@@ -220,12 +220,12 @@ class OmniPipeline:
                 handoff=ThinkerToTalkerStream(Qwen3TalkerInputBuilder(self.model, ids, speaker)),
                 thinker_sampling=thinker_sampling,
                 talker_sampling=talker_sampling,
-                talker_generator=None if s is None else make_generators([2 * s + 1])[0],
+                talker_generator=None if s is None else make_generators([request_seeds(s)[1]])[0],
                 codec_stream=self.codec.new_stream(),
             )
             for ids, s in zip(prompts, seeds)
         ]
-        thinker_generators = [None if s is None else make_generators([2 * s])[0] for s in seeds]
+        thinker_generators = [None if s is None else make_generators([request_seeds(s)[0]])[0] for s in seeds]
         thinker = ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens,

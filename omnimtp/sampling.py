@@ -134,14 +134,29 @@ def sample(
     return sample_from_probs(probs, noise)
 
 
+_UINT64 = 1 << 64
+
+
+def request_seeds(seed: int | None) -> tuple[int | None, int | None]:
+    """The thinker's and the talker's generator seeds of one omni request seeded `seed` (None: unseeded):
+    2·seed and 2·seed + 1 modulo 2^64, so any int64 seed (what OpenAI accepts) is valid and `manual_seed`
+    never overflows. Every driver (pipeline, server) seeds a request through this one rule."""
+    if seed is None:
+        return None, None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be None or an integer, got {seed!r}")
+    return (2 * seed) % _UINT64, (2 * seed + 1) % _UINT64
+
+
 def make_generators(seeds: list[int | None], device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One generator per request; a None seed draws a fresh nondeterministic seed."""
+    """One generator per request; a None seed draws a fresh nondeterministic seed. An int seed may be any
+    Python int: it is taken modulo 2^64 (the range `torch.Generator.manual_seed` accepts)."""
     generators = []
     for seed in seeds:
         g = torch.Generator(device=device)
         if seed is None:
             g.seed()
         else:
-            g.manual_seed(int(seed))
+            g.manual_seed(int(seed) % _UINT64)
         generators.append(g)
     return generators

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_frames
-from omnimtp.models.tiny import tiny_qwen3_omni_config
+from omnimtp.models.tiny import scale_code2wav_to_speech_level, tiny_qwen3_omni_config
+from audio_checks import assert_audio_close, assert_audio_equal
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -19,7 +20,9 @@ def code2wav():
     config.num_hidden_layers = 2  # two sliding-window layers reach 142 frames back
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return Qwen3OmniMoeCode2Wav(config).eval()
+        code2wav = Qwen3OmniMoeCode2Wav(config).eval()
+    scale_code2wav_to_speech_level(code2wav)
+    return code2wav
 
 
 def _codes(num_frames, seed=0):
@@ -42,7 +45,9 @@ def test_chunks_join_into_the_one_shot_decode(code2wav):
     assert all(len(c) == 1920 * 25 for c in chunks[1:-1])
     joined = np.concatenate(chunks)
     assert joined.shape == (1920 * 190 - 555,) == one_shot.shape
-    np.testing.assert_allclose(joined, one_shot, atol=1e-5)
+    assert_audio_close(joined, one_shot, rel=1e-5)
+    for start, chunk in zip(np.cumsum([0] + [len(c) for c in chunks]), chunks):
+        assert_audio_close(chunk, one_shot[start : start + len(chunk)], rel=1e-5)  # each chunk, not just the sum
 
 
 @settings(max_examples=8, deadline=None)
@@ -55,17 +60,22 @@ def test_any_chunking_is_exact(code2wav, sizes, seed):
         one_shot = code2wav(codes[None])[0, 0].numpy()
     joined = np.concatenate(_stream(decoder, codes, bounds))
     assert joined.shape == one_shot.shape == (decoder.num_samples(bounds[-1]),)
-    np.testing.assert_allclose(joined, one_shot, atol=1e-5)
+    assert_audio_close(joined, one_shot, rel=1e-5)
 
 
-def test_batched_streams_equal_single_streams(code2wav):
+def test_batched_streams_equal_single_streams_bit_for_bit(code2wav):
+    """A stream's samples do not depend on the other streams decoded in the same call, whether their
+    chunks have the same length or not."""
     decoder = StreamingCode2Wav(code2wav)
-    a, b = _codes(40, 1), _codes(40, 2)
-    sa, sb = decoder.new_stream(), decoder.new_stream()
-    batched = [decoder.decode([sa, sb], [a[:, i:j], b[:, i:j]]) for i, j in [(0, 3), (3, 20), (20, 40)]]
-    for k, codes in enumerate([a, b]):
-        single = np.concatenate(_stream(decoder, codes, [0, 3, 20, 40]))
-        np.testing.assert_allclose(np.concatenate([chunk[k] for chunk in batched]), single, atol=1e-6)
+    codes = [_codes(40, 1), _codes(40, 2), _codes(40, 3)]
+    bounds = [[0, 3, 20, 40], [0, 3, 20, 40], [0, 1, 2, 40]]
+    streams = [decoder.new_stream() for _ in codes]
+    batched = [
+        decoder.decode(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds)]) for step in range(3)
+    ]
+    for k in range(len(codes)):
+        single = np.concatenate(_stream(decoder, codes[k], bounds[k]))
+        assert_audio_equal(np.concatenate([chunks[k] for chunks in batched]), single)
 
 
 def test_context_covers_the_conv_receptive_field(code2wav):

@@ -8,6 +8,7 @@ import torch
 
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,26 +36,40 @@ def _prompt(pipe, text):
     )
 
 
-def _reference(model, prompt_ids, max_new_tokens, max_frames):
-    sequences, wav = model.generate(
-        input_ids=torch.tensor([prompt_ids]), return_audio=True, speaker="Ethan",
-        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
-        thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
-    )
-    return sequences[0, len(prompt_ids):].tolist(), wav[0, 0].numpy()
+def _reference(model, prompt_ids, max_new_tokens, max_frames, monkeypatch):
+    """transformers' greedy `generate(return_audio=True)`: (reply ids, talker codes [G, T], audio). The codes
+    are captured where transformers hands them to code2wav."""
+    captured = []
+    chunked_decode = model.code2wav.chunked_decode
+
+    def capturing_decode(codes, *args, **kwargs):
+        captured.append(codes.clone())
+        return chunked_decode(codes, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(model.code2wav, "chunked_decode", capturing_decode)
+        sequences, wav = model.generate(
+            input_ids=torch.tensor([prompt_ids]), return_audio=True, speaker="Ethan",
+            thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
+            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
+        )
+    assert len(captured) == 1
+    return sequences[0, len(prompt_ids):].tolist(), captured[0][0], wav[0, 0].numpy()
 
 
-def test_greedy_equals_reference_batch_1_and_ragged_batch_2(pipe):
+def test_greedy_equals_reference_batch_1_and_ragged_batch_2(pipe, monkeypatch):
     prompts = [_prompt(pipe, "Hello there, how are you?"), _prompt(pipe, "Hi")]
     single = pipe.generate(input_ids=prompts[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
     batch = pipe.generate(input_ids=prompts, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
     for prompt, ours in [(prompts[0], single), (prompts[0], batch[0]), (prompts[1], batch[1])]:
-        ref_ids, ref_audio = _reference(pipe.model, prompt, MAX_NEW_TOKENS, MAX_FRAMES)
+        ref_ids, ref_codes, ref_audio = _reference(pipe.model, prompt, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch)
         assert ours.text_ids == ref_ids
-        assert ours.audio.shape == ref_audio.shape
+        assert ref_codes.shape[1] >= 10  # enough frames for the talker's text rows and penalty to matter
+        assert torch.equal(ours.codes, ref_codes)
         assert ours.audio.shape[0] == 1920 * ours.codes.shape[1] - 555
-        np.testing.assert_allclose(ours.audio, ref_audio, atol=1e-5)
+        assert_audio_close(ours.audio, ref_audio, rel=1e-5)
     assert torch.equal(single.codes, batch[0].codes)
+    assert_audio_equal(batch[0].audio, single.audio)
 
 
 def test_streamed_equals_generated(pipe):
@@ -64,8 +79,10 @@ def test_streamed_equals_generated(pipe):
     chunks = [e.audio for e in events if e.audio is not None]
     assert len(chunks) >= 2 and len(chunks[0]) == 1920 * 2 - 555  # a small first chunk
     assert "".join(e.text for e in events) == full.text
+    for chunk in chunks:
+        assert_audible(chunk)
     # generate decodes in one block: the chunks join into the one-shot decode (float rounding aside)
-    np.testing.assert_allclose(np.concatenate(chunks), full.audio, atol=1e-5)
+    assert_audio_close(np.concatenate(chunks), full.audio, rel=1e-5)
     assert events[-1].finish_reason == full.finish_reason
     assert torch.equal(events[-1].output.codes, full.codes)
 
@@ -86,11 +103,15 @@ def test_seeded_sampling_repeats_and_is_batch_invariant(pipe):
     other = pipe.generate("Hello", seed=8, **sampling)
     batch = pipe.generate(["Something else entirely", "Hello"], seed=[3, 7], **sampling)
     assert a.text_ids == b.text_ids and torch.equal(a.codes, b.codes)
-    np.testing.assert_array_equal(a.audio, b.audio)
+    assert_audio_equal(a.audio, b.audio)
     assert not torch.equal(a.codes, other.codes)
     assert batch[1].text_ids == a.text_ids and torch.equal(batch[1].codes, a.codes)
-    # same codes; the conv stack decodes both requests in one batch, which moves the last float bits
-    np.testing.assert_allclose(batch[1].audio, a.audio, atol=1e-6)
+    assert_audio_equal(batch[1].audio, a.audio)
+    streamed = [e for e in pipe.stream(["Something else entirely", "Hello"], seed=[3, 7], **sampling)]
+    audio = np.concatenate([e.audio for e in streamed if e.index == 1 and e.audio is not None])
+    assert_audio_close(audio, a.audio, rel=1e-5)  # streamed chunks == the one-shot decode up to rounding
+    alone = np.concatenate([e.audio for e in pipe.stream("Hello", seed=7, **sampling) if e.audio is not None])
+    assert_audio_equal(audio, alone)  # and a streamed request's float audio does not depend on its batch
 
 
 def test_talker_without_eos_stops_at_max_frames(pipe):

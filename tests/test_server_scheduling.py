@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.scheduler import Engine, EngineRequest, SpeechBackend
+from audio_checks import assert_audible
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,6 +44,10 @@ async def _collect(handle) -> dict:
         final = event
     return {"text": "".join(text), "pcm": b"".join(pcm), "steps": steps, "admitted": handle.admitted_step,
             "frames": final.num_frames}
+
+
+def _assert_audible_pcm(pcm: bytes) -> None:
+    assert_audible(np.frombuffer(pcm, dtype=np.int16))
 
 
 def _alone(backend, request: EngineRequest) -> dict:
@@ -103,6 +109,8 @@ def test_a_newcomer_gets_first_audio_in_its_admission_iteration_while_a_long_req
         assert chat["admitted"] > long["steps"][0], "the chat request joined a running batch"
         assert chat["steps"][0] == chat["admitted"] + delay
         assert long["steps"][-1] > chat["steps"][0], "the long request was still speaking"
+        _assert_audible_pcm(long_alone["pcm"])
+        _assert_audible_pcm(chat_alone["pcm"])
         assert (long["pcm"], long["frames"]) == (long_alone["pcm"], long_alone["frames"])
         assert (chat["text"], chat["pcm"], chat["frames"]) == (chat_alone["text"], chat_alone["pcm"], chat_alone["frames"])
 
@@ -132,9 +140,37 @@ def test_last_chunks_of_requests_finishing_together_share_a_frame_budget(max_dec
     for result, single in zip(together, alone):
         assert result["frames"] == 6 and len(result["steps"]) == 2
         assert len(result["pcm"]) == 2 * (SAMPLES_PER_FRAME * 6 - TAIL)
+        _assert_audible_pcm(single["pcm"])
         assert result["pcm"] == single["pcm"]
     last_steps = [result["steps"][-1] for result in together]
     if spread:
         assert last_steps == [last_steps[0], last_steps[0] + 1, last_steps[0] + 2]
     else:
         assert len(set(last_steps)) == 1
+
+
+def test_sixteen_concurrent_seeded_requests_give_the_bytes_they_give_alone(backend):
+    """16 seeded requests (chat with audio and speech, different lengths) submitted at once to a 16-slot
+    engine: every batched forward and every code2wav call mixes them, yet each request's text and PCM16
+    bytes equal the same request run alone, on audio loud enough that one wrong LSB shows."""
+    requests = [_chat(f"Question {i}?", seed=100 + i) if i % 2 else _speech(f"Say {i} things", seed=100 + i)
+                for i in range(16)]
+    alone = [_alone(backend, request) for request in requests]
+    engine = Engine(backend, max_batch_size=16)
+
+    async def scenario():
+        engine.start()
+        try:
+            loop = asyncio.get_running_loop()
+            handles = [engine.submit(request, loop=loop) for request in requests]
+            return await asyncio.gather(*(_collect(handle) for handle in handles))
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    together = asyncio.run(scenario())
+    assert max(r["admitted"] for r in together) < min(r["steps"][-1] for r in together), "all 16 ran at once"
+    for i, (result, single) in enumerate(zip(together, alone)):
+        assert single["frames"] > 0, i
+        _assert_audible_pcm(single["pcm"])
+        assert (result["text"], result["frames"]) == (single["text"], single["frames"]), i
+        assert result["pcm"] == single["pcm"], f"request {i}: PCM differs from the same request alone"

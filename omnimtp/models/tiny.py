@@ -7,7 +7,9 @@ only widths and depths, so a full thinker → talker → code2wav run takes well
 
 Token ids of the thinker vocab (320 entries): 0..255 are bytes, the specials follow (see
 `THINKER_SPECIAL_TOKENS`). `initializer_range=0.2` keeps argmax away from near-ties, so greedy
-comparisons against the reference are stable.
+comparisons against the reference are stable. Random code2wav weights speak at about −140 dBFS, so the
+builder rescales code2wav's output layer to speech level (`TINY_SPEECH_RMS`): audio comparisons on the
+tiny model then compare real signals, where a wrong sample shows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ THINKER_SPECIAL_TOKENS = {
 }
 THINKER_VOCAB_SIZE = 320
 TINY_CODEBOOK_SIZE = 128
+TINY_SPEECH_RMS = 0.1  # RMS of the tiny code2wav's output on random codes (−20 dBFS); peaks stay < 1
 TINY_SPEAKERS = {"chelsie": TINY_CODEBOOK_SIZE + 20, "ethan": TINY_CODEBOOK_SIZE + 21, "aiden": TINY_CODEBOOK_SIZE + 22}
 
 
@@ -152,7 +155,9 @@ def tiny_qwen3_omni(seed: int = 0, **config_kwargs) -> Qwen3OmniMoeForConditiona
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config)
         _init_talker_experts(model)
-    return model.eval()
+    model.eval()
+    scale_code2wav_to_speech_level(model.code2wav)
+    return model
 
 
 def _init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration) -> None:
@@ -167,3 +172,19 @@ def _init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration) -> None:
                 param = getattr(experts, name, None)
                 if isinstance(param, torch.nn.Parameter):
                     param.normal_(0.0, std)
+
+
+@torch.no_grad()
+def scale_code2wav_to_speech_level(code2wav, target_rms: float = TINY_SPEECH_RMS) -> None:
+    """Scale code2wav's last convolution (weight and bias, so the waveform before the ±1 clamp scales
+    by the same factor) so that decoding random codes gives RMS `target_rms`. A deterministic function of
+    the weights: the calibration codes come from their own generator, not the global RNG."""
+    config = code2wav.config
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, config.codebook_size, (1, config.num_quantizers, 25), generator=generator)
+    rms = code2wav(codes).double().pow(2).mean().sqrt().item()
+    if rms == 0.0:
+        raise ValueError("code2wav: random weights decode to exact silence; cannot scale to speech level")
+    output = code2wav.decoder[-1].conv
+    output.weight.mul_(target_rms / rms)
+    output.bias.mul_(target_rms / rms)
