@@ -72,6 +72,14 @@ def test_greedy_equals_reference_batch_1_and_ragged_batch_2(pipe, monkeypatch):
     assert_audio_equal(batch[0].audio, single.audio)
 
 
+def test_the_embedded_default_speaks_at_speech_level():
+    """`OmniPipeline.tiny()` (what `omnimtp speak` runs without --model) gives audio at speech level, so
+    every audio comparison on it compares a real signal: RMS 0.05–0.2 (−26 to −14 dBFS), peak below clipping."""
+    out = OmniPipeline.tiny().generate("Hello")
+    rms = float(np.sqrt(np.mean(out.audio.astype(np.float64) ** 2)))
+    assert 0.05 <= rms <= 0.2 and float(np.abs(out.audio).max()) < 1.0
+
+
 def test_streamed_equals_generated(pipe):
     kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
     full = pipe.generate("Tell me a story", **kwargs)

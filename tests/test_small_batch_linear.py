@@ -133,3 +133,21 @@ def test_the_build_is_cached_per_source_and_compiler(fresh_library):
     sbl._library.cache_clear()
     assert sbl.available()  # found in the cache, not rebuilt
     assert list(fresh_library.rglob("*.so")) == built and built[0].stat().st_mtime_ns == mtime
+
+
+
+@pytest.mark.skipif(sbl._compiler() is None, reason="needs a C compiler")
+def test_a_cached_library_others_could_have_written_is_not_loaded(fresh_library):
+    """Loading a shared library runs its code: a cached one (or its directory) that another user could
+    have written is refused, with the path in the reason."""
+    built = sbl._build(sbl._compiler())  # compiles on any x86 host; only running it needs AVX-512
+    assert built.stat().st_mode & 0o022 == 0 and built.parent.stat().st_mode & 0o077 == 0
+    built.chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by group or others"):
+        sbl._build(sbl._compiler())
+    built.chmod(0o755)
+    built.parent.chmod(0o777)
+    with pytest.raises(RuntimeError, match=str(built.parent)):
+        sbl._build(sbl._compiler())
+    built.parent.chmod(0o700)
+    assert sbl._build(sbl._compiler()) == built

@@ -3,7 +3,8 @@ bandwidth, on x86 CPUs with AVX-512F (see the C source for how).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
-and loaded with ctypes: no torch headers, no build step at install time. Where it cannot be used — no AVX-512F, no compiler, another OS, or
+and loaded with ctypes: no torch headers, no build step at install time. A cached library is loaded only
+while this user owns it and neither it nor its directory is writable by group or others. Where it cannot be used — no AVX-512F, no compiler, another OS, or
 OMNIMTP_NATIVE_KERNELS=0 in the environment — `available()` is False and says why in `unavailable_reason()`;
 callers then use MKL's packed SGEMM or `F.linear`.
 
@@ -55,9 +56,11 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"small_batch_linear-{key}.so"
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(target.parent)
     if target.exists():
+        _check_private(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: each writes its own file
         built = Path(tmp) / target.name
         result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE)], capture_output=True, text=True)
@@ -65,6 +68,16 @@ def _build(compiler: str) -> Path:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a reader sees the whole library or none
     return target
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a cached library (or its directory) that someone else could have written: loading a
+    shared library runs its code in this process."""
+    info = path.lstat()
+    if info.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is owned by uid {info.st_uid}, not this user ({os.getuid()}); not loading it")
+    if info.st_mode & 0o022:
+        raise RuntimeError(f"{path} is writable by group or others (mode {info.st_mode & 0o777:o}); not loading it")
 
 
 @functools.cache
