@@ -1,4 +1,5 @@
-"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, for the server tests."""
+"""A real server on 127.0.0.1 (free port) in a background thread, for the server tests: the same
+uvicorn config `omnimtp serve` runs (`server_config`), with its timeouts as keyword arguments."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import uvicorn
 
+from omnimtp.server.serving import server_config
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -17,11 +20,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(app, timeout: float = 60.0):
-    """Serve `app` until the block ends; yields the base URL (http://127.0.0.1:PORT)."""
+def running_server(app, timeout: float = 60.0, **timeouts):
+    """Serve `app` until the block ends; yields the base URL (http://127.0.0.1:PORT). `timeouts`:
+    `server_config`'s headers_timeout_s, keep_alive_timeout_s, graceful_shutdown_timeout_s."""
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, log_level="warning", **timeouts))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

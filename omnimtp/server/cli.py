@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
+
+from omnimtp.server.serving import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_HEADERS_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+)
 
 TINY_MAX_FRAMES = 100  # the tiny model's random talker rarely emits codec EOS: keep its replies short
 CHECKPOINT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s
@@ -16,17 +25,40 @@ def add_parser(subparsers) -> None:
         "embedded tiny model (random weights: noise-like speech).",
     )
     parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni checkpoint directory (default: embedded tiny)")
+    parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
+                        help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
+                        "Any other `model` gets 404 model_not_found")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("OMNIMTP_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
+                        "printable ASCII. An empty key is refused: unset the variable to serve without one")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generating at once")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     parser.add_argument("--max-frames", type=int, default=None,
                         help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {CHECKPOINT_MAX_FRAMES} checkpoint)")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
+    parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
+                        help="seconds a request's headers may take to arrive (default %(default)g)")
+    parser.add_argument("--timeout-body", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="seconds a request's body may take to arrive after its headers (default %(default)g)")
+    parser.add_argument("--timeout-keep-alive", type=_seconds, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="S",
+                        help="seconds an idle connection stays open (default %(default)g)")
+    parser.add_argument("--timeout-graceful-shutdown", type=_seconds, default=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+                        metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
+                        "cancelled (default %(default)g)")
     parser.add_argument("--log-level", default="info")
     parser.set_defaults(handler=run)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None):
@@ -46,14 +78,37 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
 
 def run(args: argparse.Namespace) -> int:
+    from omnimtp.server.app import check_api_key
+
+    # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
+    # key no client can send (non-ASCII) must not quietly lock everyone out.
+    if args.api_key == "":
+        return _refuse("--api-key is empty (its default is $OMNIMTP_API_KEY): set a key, or unset "
+                       "OMNIMTP_API_KEY to serve without one")
+    try:
+        check_api_key(args.api_key)
+    except ValueError as exc:
+        return _refuse(f"--api-key: {exc}")
+
     import uvicorn
 
     from omnimtp.server.app import create_app
+    from omnimtp.server.serving import server_config
 
     engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames)
-    app = create_app(engine, api_key=args.api_key or None, max_queue=args.max_queue,
-                     max_tokens_limit=args.max_tokens_limit)
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
+                     body_timeout_s=args.timeout_body, served_model_names=args.served_model_name)
+    config = server_config(
+        app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
+        keep_alive_timeout_s=args.timeout_keep_alive, graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,
+        log_level=args.log_level,
+    )
     print(f"omnimtp: serving {engine.model_id} on http://{args.host}:{args.port}/v1 "
           f"(voices: {', '.join(engine.speakers)})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(config).run()
     return 0
+
+
+def _refuse(message: str) -> int:
+    print(f"omnimtp serve: error: {message}", file=sys.stderr)
+    return 2

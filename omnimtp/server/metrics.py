@@ -18,7 +18,11 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("omnimtp_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active_requests = Gauge("omnimtp_active_requests", "Requests holding a batch slot", registry=r)
-        self.cancelled = Counter("omnimtp_cancelled_requests", "Requests cancelled by their client", registry=r)
+        self.cancelled = Counter(
+            "omnimtp_cancelled_requests",
+            "Requests cancelled before they finished, queued or running: the client disconnected, or the "
+            "server's shutdown deadline passed", registry=r,
+        )
         self.time_to_first_audio = Histogram(
             "omnimtp_time_to_first_audio_seconds", "Submission to first audio chunk", buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -40,13 +40,24 @@ import torch
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import num_kept_rows
 from omnimtp.packed_decoder import PackedDecoder
-from omnimtp.sampling import SamplingParams, make_generators
+from omnimtp.sampling import SamplingParams, make_generators, request_seeds
 
 logger = logging.getLogger("omnimtp.server")
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; the HTTP layer answers 429."""
+
+
+class PromptTooLongError(ValueError):
+    """A request's prompt has more tokens than the backend takes; `param` names the request field
+    that holds the prompt ("messages" or "input"). The HTTP layer answers 400."""
+
+    def __init__(self, param: str, num_tokens: int, max_tokens: int):
+        super().__init__(f"{param}: {num_tokens} tokens is over the limit of {max_tokens}")
+        self.param = param
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
 
 
 @dataclass(frozen=True)
@@ -291,7 +302,7 @@ class Engine:
 
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Queue a request (called on the event loop). Raises QueueFullError at the bound and
-        ValueError for a request the model cannot take (naming the argument)."""
+        PromptTooLongError for a prompt over the backend's token limit (before anything is queued)."""
         prompt_ids = self.backend.request_ids(request)
         with self._cond:
             if not self._accepting:
@@ -350,9 +361,11 @@ class Engine:
                 talker = self.backend.new_talker_batch(self.max_batch_size)
 
     def _drop_cancelled(self, cancelled: set[int], talker) -> None:
-        """Free the slots of cancelled requests (called with the lock held, at a frame boundary)."""
+        """Free the slots of cancelled requests, waiting or admitted (called with the lock held, at a
+        frame boundary). Each one counts in the cancelled-requests metric."""
         if not cancelled:
             return
+        dropped = [slot for slot in self._waiting if slot.handle.request_id in cancelled]
         self._waiting = deque(slot for slot in self._waiting if slot.handle.request_id not in cancelled)
         retire = []
         for request_id in cancelled:
@@ -361,6 +374,8 @@ class Engine:
                 continue
             if slot.talker_id is not None and slot.talker_id in talker.request_ids:
                 retire.append(slot.talker_id)
+            dropped.append(slot)
+        for slot in dropped:
             if self.metrics is not None:
                 self.metrics.cancelled.inc()
             slot.handle.is_done = True
@@ -643,11 +658,9 @@ def _has_speech(handoff, num_prompt: int, finish_reason: str) -> bool:
 
 def _request_generators(seed: int | None) -> tuple[torch.Generator, torch.Generator]:
     """The thinker's and the talker's generators of one request, seeded as `OmniPipeline` seeds them
-    (2·seed and 2·seed + 1), so a served request equals `pipe.generate(..., seed=seed)`. An unseeded
+    (`request_seeds`), so a served request equals `pipe.generate(..., seed=seed)`. An unseeded
     request still gets its own, so it never draws from the global RNG other requests share."""
-    if seed is None:
-        return make_generators([None, None])
-    return make_generators([2 * int(seed), 2 * int(seed) + 1])
+    return make_generators(list(request_seeds(seed)))
 
 
 class SpeechBackend:
@@ -726,7 +739,7 @@ class SpeechBackend:
             ids = self.speech_header_ids + list(self.tokenizer.encode(request.speak_text, add_special_tokens=False))
             name = "input"
         if len(ids) > self.max_prompt_tokens:
-            raise ValueError(f"{name}: {len(ids)} tokens is over the limit of {self.max_prompt_tokens}")
+            raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
         return ids
 
     def decode(self, ids: list[int]) -> str:

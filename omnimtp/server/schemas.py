@@ -1,18 +1,24 @@
 """Request bodies of the OpenAI-compatible routes, validated strictly.
 
-Strict mode: a string is never coerced to a number or a boolean, and unknown top-level fields are
-rejected (an ignored parameter would be a silent fallback). Checks that need the served model
-(voice names, the max_tokens limit) live in `app.py`, next to the model they consult.
+Strict mode: a string is never coerced to a number or a boolean, a float must be finite (NaN and
+infinity are refused by name, not as "out of range"), and unknown top-level fields are rejected (an
+ignored parameter would be a silent fallback). Checks that need the served model (model names, voice
+names, the max_tokens limit) live in `app.py`, next to the model they consult.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
-_STRICT = ConfigDict(strict=True, extra="forbid")
-_STRICT_OPEN = ConfigDict(strict=True, extra="ignore")
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+_STRICT_OPEN = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+# OpenAI takes any int64 seed; the engine derives its generator seeds from it without overflow.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 # Output formats we encode (audio.py); anything else is rejected, never replaced by a default.
 CHAT_AUDIO_FORMATS = ("wav", "pcm16", "flac")
@@ -28,15 +34,32 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat turn. `content` is a string or a list of text parts (images/audio input unsupported)."""
+    """One chat turn. `content` is a string or a list of text parts; a string is read as one text part.
+    Media parts (image_url, input_audio, file, ...) are refused by their type: this server reads text."""
 
     model_config = _STRICT_OPEN
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content):
+        if isinstance(content, str):
+            return [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "content_part_unsupported",
+                    "content part {index} has type '{kind}', which is not supported: this server reads text "
+                    "parts only",
+                    {"index": index, "kind": kind},
+                )
+        return content
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
         return "".join(part.text for part in self.content)
 
 
@@ -59,7 +82,7 @@ class ChatCompletionRequest(BaseModel):
     audio: AudioOutput | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] | None = None
@@ -81,7 +104,7 @@ class SpeechRequest(BaseModel):
     response_format: Literal["wav", "pcm", "flac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
     speed: Literal[1.0] = 1.0
-    seed: int | None = None
+    seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=0)] | None = None

@@ -1,0 +1,112 @@
+"""The HTTP server around the app: uvicorn's h11 server with the timeouts a public endpoint needs.
+
+    headers     a request's headers must arrive within headers_timeout_s of its first byte (or of the
+                connection opening): 408 and the connection closes (here, in the protocol)
+    body        the body within body_timeout_s of the headers: 408 (the app's `_Guard`)
+    keep-alive  an idle connection closes after keep_alive_timeout_s (uvicorn)
+    shutdown    on SIGTERM/SIGINT new connections are refused and running requests get
+                graceful_shutdown_timeout_s to finish; then their tasks are cancelled, which cancels
+                their engine requests (uvicorn, then the app's lifespan)
+
+`server_config` is the one place these are put together: `omnimtp serve` and the tests use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+DEFAULT_HEADERS_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # enforced by the app (`create_app(body_timeout_s=...)`)
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class HeadersTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers. The timer starts when a
+    connection opens and when the first byte of a later request arrives (uvicorn's keep-alive timer
+    covers the wait before it), and stops once h11 has the whole request head. A client that opened
+    a connection and sent nothing is closed silently, one that began a request gets a 408."""
+
+    def __init__(self, *args, headers_timeout_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.headers_timeout_s = headers_timeout_s
+        self._headers_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._start_headers_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._headers_timer is None and self.conn.their_state is h11.IDLE:
+            self._start_headers_timer()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._stop_headers_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_headers_timer()
+        super().connection_lost(exc)
+
+    def _start_headers_timer(self) -> None:
+        self._headers_timer = self.loop.call_later(self.headers_timeout_s, self._on_headers_timeout)
+
+    def _stop_headers_timer(self) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def _on_headers_timeout(self) -> None:
+        self._headers_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        received, _ = self.conn.trailing_data
+        if received and self.conn.our_state is h11.IDLE:
+            message = f"the request headers did not arrive within {self.headers_timeout_s:g} s"
+            body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                         "code": "request_timeout"}}).encode()
+            headers = [("content-type", "application/json"), ("content-length", str(len(body))),
+                       ("connection", "close")]
+            output = self.conn.send(h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"))
+            output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+            self.transport.write(output)
+        self.transport.close()
+
+
+def _check_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def server_config(
+    app,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    headers_timeout_s: float = DEFAULT_HEADERS_TIMEOUT_S,
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    graceful_shutdown_timeout_s: float = DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    log_level: str = "info",
+) -> uvicorn.Config:
+    """The uvicorn config that serves `app` (from `create_app`, which holds the body timeout).
+    Run it with `uvicorn.Server(config).run()`."""
+    protocol = functools.partial(
+        HeadersTimeoutH11Protocol, headers_timeout_s=_check_seconds("headers_timeout_s", headers_timeout_s)
+    )
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        timeout_keep_alive=_check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
+        timeout_graceful_shutdown=_check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s),
+        lifespan="on",
+        log_level=log_level,
+    )
