@@ -7,9 +7,14 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
 
 - ours: continuous batching (`--max-batch-size`, default 16);
 - baseline: `max_batch_size=1`, the same engine serving one request at a time (what a server without
-  cross-request batching does: queued requests wait for the one in flight).
+  cross-request batching does: queued requests wait for the one in flight);
+- with `--previous-tree DIR`: the server of another checkout (e.g. `git worktree add DIR HEAD~1`) at
+  ours' batch size, to measure a change before/after in the same run.
 
-Target (issue 6): TTFA p50 at concurrency 16 within 3× of concurrency 1 for ours.
+All servers run at once (idle ones wait on a condition) and the levels interleave — each concurrency
+level runs on every server before the next level — so slow drift of a shared machine hits all alike.
+
+Target: TTFA p50 at concurrency 16 within 3× of concurrency 1 for ours.
 
 Each level also reads the server's /metrics before and after, and prints where the time to first
 audio went (server-side means): queue (submitted → admitted), thinker (→ talker prefill), talker
@@ -40,16 +45,19 @@ SAMPLE_RATE = 24000
 
 
 @contextlib.contextmanager
-def server_process(max_batch_size: int, max_frames: int, threads: int):
+def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str | None = None):
     """`omnimtp serve` (embedded tiny model) in its own process on a free loopback port, so the load
-    generator never shares an interpreter (or its GIL) with the server."""
+    generator never shares an interpreter (or its GIL) with the server; `tree`: run the omnimtp of that
+    checkout instead of the installed one."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if tree is not None:
+        env["PYTHONPATH"] = os.path.abspath(tree)
     command = [sys.executable, "-m", "omnimtp.cli", "serve", "--port", str(port), "--max-batch-size",
                str(max_batch_size), "--max-frames", str(max_frames), "--max-queue", "256", "--log-level", "warning"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -183,29 +191,40 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--previous-tree", metavar="DIR", help="also load the server of this checkout (before/after)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
-    setups = [("ours", args.max_batch_size)] + ([] if args.skip_baseline else [("baseline_batch1", 1)])
-    report = {"config": vars(args), "results": {}}
-    for name, max_batch_size in setups:
-        with server_process(max_batch_size, args.max_frames, args.threads) as url:
+    setups = [("ours", args.max_batch_size, None)]
+    if args.previous_tree:
+        setups.append(("previous", args.max_batch_size, args.previous_tree))
+    if not args.skip_baseline:
+        setups.append(("baseline_batch1", 1, None))
+    report = {"config": vars(args), "results": {name: [] for name, _, _ in setups}}
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(server_process(size, args.max_frames, args.threads, tree))
+                for name, size, tree in setups}
+        for url in urls.values():
             asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
-            levels = []
-            for concurrency in args.concurrency:
+        for concurrency in args.concurrency:
+            for name, url in urls.items():
                 level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens))
-                levels.append(level)
+                report["results"][name].append(level)
                 print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  TTFA p50 "
                       f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
                       f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}  "
                       f"load {level['load_average_1min']:.2f}", flush=True)
                 print(breakdown(level), flush=True)
-        report["results"][name] = levels
 
     ours = {level["concurrency"]: level for level in report["results"]["ours"]}
     lo, hi = min(ours), max(ours)
     ratio = ours[hi]["ttfa_p50_s"] / ours[lo]["ttfa_p50_s"]
     report["ttfa_p50_ratio_max_vs_min_concurrency"] = ratio
     print(f"ours: TTFA p50 at c={hi} / c={lo} = {ratio:.2f}x (target <= 3x)")
+    if "previous" in report["results"]:
+        previous = {level["concurrency"]: level for level in report["results"]["previous"]}
+        for c in sorted(ours):
+            print(f"c={c:3d}: ours/previous req/s {ours[c]['requests_per_s'] / previous[c]['requests_per_s']:.2f}x, "
+                  f"TTFA p50 {ours[c]['ttfa_p50_s']:.3f} vs {previous[c]['ttfa_p50_s']:.3f} s")
     if "baseline_batch1" in report["results"]:
         base = {level["concurrency"]: level for level in report["results"]["baseline_batch1"]}
         for c in sorted(ours):

@@ -18,13 +18,13 @@ _EXPORTS = {
     "tiny_qwen3_omni": "omnimtp.models.tiny",
     "tiny_qwen3_omni_config": "omnimtp.models.tiny",
     "tiny_code_predictor_config": "omnimtp.models.tiny",
-    # issue 2: code predictor
+    # code predictor
     "predict_residual_codes": "omnimtp.talker.code_predictor",
     "predict_residual_codes_kv": "omnimtp.talker.code_predictor",
     "next_talker_input": "omnimtp.talker.code_predictor",
     "CodePredictorRunner": "omnimtp.talker.code_predictor",
     "ResidualCodes": "omnimtp.talker.code_predictor",
-    # issue 3: thinker -> talker handoff
+    # thinker -> talker handoff
     "trim_thinker_hidden": "omnimtp.handoff",
     "build_talker_prefill": "omnimtp.handoff",
     "talker_decode_input": "omnimtp.handoff",
@@ -41,7 +41,7 @@ _EXPORTS = {
     "build_qwen2_5_talker_inputs": "omnimtp.talker.qwen2_5_inputs",
     "tiny_qwen2_5_omni": "omnimtp.models.tiny_qwen2_5_omni",
     "tiny_qwen2_5_omni_config": "omnimtp.models.tiny_qwen2_5_omni",
-    # issue 4: MTP speculative decoding
+    # MTP speculative decoding
     "MTPHead": "omnimtp.spec.head",
     "MTPHeadOutput": "omnimtp.spec.head",
     "enable_transformers_mtp": "omnimtp.spec.head",
@@ -63,7 +63,7 @@ _EXPORTS = {
     "packed_target": "omnimtp.spec.packed_target",
     "tiny_lm": "omnimtp.models.tiny_lm",
     "tiny_lm_config": "omnimtp.models.tiny_lm",
-    # issue 5: end-to-end pipeline
+    # end-to-end pipeline
     "OmniPipeline": "omnimtp.pipeline",
     "OmniOutput": "omnimtp.pipeline",
     "OmniEvent": "omnimtp.pipeline",
@@ -78,12 +78,12 @@ _EXPORTS = {
     "SlotKVCache": "omnimtp.packed_decoder",
     "decoder_forward": "omnimtp.packed_decoder",
     "byte_tokenizer": "omnimtp.tokenizer",
-    # issue 6: server
+    # server
     "create_app": "omnimtp.server.app",
     "Engine": "omnimtp.server.scheduler",
     "EngineRequest": "omnimtp.server.scheduler",
     "SpeechBackend": "omnimtp.server.scheduler",
-    # issue 7: MTP head training
+    # MTP head training
     "train_mtp_head": "omnimtp.spec.train",
     "generate_distill_rows": "omnimtp.spec.train",
     "MTPTrainConfig": "omnimtp.spec.train",
