@@ -1,0 +1,411 @@
+"""Mutation check: does the test suite notice when speech, sampling or speculative decoding break?
+
+Each mutation replaces one snippet of one source file with a plausible bug. The script copies the working
+tree (git-tracked files plus untracked, not ignored ones) into a scratch directory, checks that the
+unmutated baseline of every selected test file passes there, then applies one mutation at a time, runs
+that mutation's tests (`python -m pytest -x`, one thread) and restores the file. A mutation is caught when
+pytest fails (exit code 1, or 2 when collection breaks); it survives when the tests pass. The repository
+itself is never written.
+
+    python scripts/mutation_check.py                       # every mutation; markdown table on stdout
+    python scripts/mutation_check.py --only resample_from_p always_accept --json out.json
+    python scripts/mutation_check.py --list
+
+A mutation whose old snippet does not occur exactly once in its file is refused (exit 2), so an entry
+cannot silently stop testing anything after the code moves. Exit code 1 when a mutation survives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+CODEC = ("tests/test_codec_streaming.py", "tests/test_pipeline.py", "tests/test_server_scheduling.py")
+TALKER = ("tests/test_pipeline_talker_loop.py", "tests/test_pipeline.py", "tests/test_server_scheduling.py")
+CODE_PREDICTOR = ("tests/test_code_predictor.py", "tests/test_code_predictor_distribution.py", "tests/test_sampling.py")
+HANDOFF = ("tests/test_handoff.py", "tests/test_handoff_stream.py")
+REJECTION = ("tests/test_rejection.py", "tests/test_rejection_distribution.py", "tests/test_spec_distribution.py")
+SAMPLING = ("tests/test_sampling.py", "tests/test_spec_distribution.py")
+SPEC = ("tests/test_spec_generate.py", "tests/test_packed_target.py", "tests/test_spec_distribution.py")
+
+
+# filter_logits' three steps, verbatim, to reorder them.
+_TEMPERATURE = (
+    "    if params.temperature != 1.0:\n"
+    "        scores = scores / params.temperature\n"
+)
+_TOP_K = (
+    "    if params.top_k:\n"
+    "        k = min(params.top_k, scores.shape[-1])\n"
+    "        kth = torch.topk(scores, k, dim=-1).values[..., -1:]\n"
+    "        scores = scores.masked_fill(scores < kth, float(\"-inf\"))\n"
+)
+_TOP_P = (
+    "    if params.top_p < 1.0:\n"
+    "        sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)\n"
+    "        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)\n"
+    "        sorted_remove = cumulative <= (1.0 - params.top_p)\n"
+    "        sorted_remove[..., -1:] = False\n"
+    "        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)\n"
+    "        scores = scores.masked_fill(remove, float(\"-inf\"))\n"
+)
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest paths or node ids, relative to the repository root
+    description: str
+
+
+MUTATIONS = [
+    # --- speech: codec ------------------------------------------------------------------------------
+    Mutation(
+        "codec_all_zero_audio", "omnimtp/codec/streaming.py",
+        "return wav[start - window_start : stop - window_start].float().cpu().numpy()",
+        "return (0 * wav[start - window_start : stop - window_start]).float().cpu().numpy()",
+        CODEC, "the streaming code2wav returns silence of the right length",
+    ),
+    Mutation(
+        "codec_zero_first_sample_of_chunk", "omnimtp/codec/streaming.py",
+        "            audio.append(self._new_samples(stream, block.shape[1], window.shape[0], wav))",
+        "            chunk = self._new_samples(stream, block.shape[1], window.shape[0], wav)\n"
+        "            chunk[:1] = 0.0\n"
+        "            audio.append(chunk)",
+        CODEC, "the first sample of every decoded chunk is zeroed",
+    ),
+    Mutation(
+        "codec_transformer_drops_kv_cache", "omnimtp/codec/streaming.py",
+        "cache=stream.cache, use_cache=True)",
+        "cache=DynamicCache(config=c2w.config), use_cache=True)",
+        CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    # --- speech: talker loop ------------------------------------------------------------------------
+    Mutation(
+        "talker_tts_pad_instead_of_text_row", "omnimtp/talker/loop.py",
+        "    return row.text_rows.pop(0) if row.text_rows else row.request.tts_pad_embed",
+        "    if row.text_rows:\n        row.text_rows.pop(0)\n    return row.request.tts_pad_embed",
+        TALKER, "the talker consumes the reply's text rows but adds tts_pad instead",
+    ),
+    Mutation(
+        "talker_repetition_history_not_updated", "omnimtp/talker/loop.py",
+        "        self.seen[index, self.code0[index]] = True\n",
+        "",
+        TALKER, "the repetition-penalty history never records generated codes",
+    ),
+    Mutation(
+        "talker_residual_tables_shifted", "omnimtp/talker/loop.py",
+        "zip(residual.unbind(1), self.codec_tables)",
+        "zip(residual.unbind(1), self.codec_tables[1:] + self.codec_tables[:1])",
+        TALKER, "the talker's next input embeds residual code j with table j+1",
+    ),
+    # --- code predictor -----------------------------------------------------------------------------
+    Mutation(
+        "cp_codec_embedding_index_minus_one", "omnimtp/talker/code_predictor.py",
+        "positions[j], lm_heads[j], codec_embeddings[j], embed_sum",
+        "positions[j], lm_heads[j], codec_embeddings[j - 1], embed_sum",
+        CODE_PREDICTOR, "the runner embeds step j's code with codec_embedding[j-1]",
+    ),
+    Mutation(
+        "cp_lm_head_off_by_one", "omnimtp/talker/code_predictor.py",
+        "positions[j], lm_heads[j], codec_embeddings[j], embed_sum",
+        "positions[j], lm_heads[min(j + 1, len(lm_heads) - 1)], codec_embeddings[j], embed_sum",
+        CODE_PREDICTOR, "the runner predicts step j with lm_head[j+1]",
+    ),
+    Mutation(
+        "cp_noise_shared_across_rows", "omnimtp/talker/code_predictor.py",
+        "noise = exponential_noise(noise_shape, None if generators is None else list(generators), self.device)",
+        "noise = exponential_noise((1,) + noise_shape[1:], None if generators is None else list(generators)[:1],"
+        " self.device).expand(noise_shape)",
+        CODE_PREDICTOR, "every row of a frame uses the first row's sampling noise",
+    ),
+    Mutation(
+        "cp_noise_shared_across_steps", "omnimtp/talker/code_predictor.py",
+        "None if noise is None else noise[:, j], gemm",
+        "None if noise is None else noise[:, 0], gemm",
+        CODE_PREDICTOR, "every residual step of a frame reuses step 0's sampling noise",
+    ),
+    Mutation(
+        "cp_next_talker_input_table_shifted", "omnimtp/talker/code_predictor.py",
+        "embeds.append(cp.model.codec_embedding[j](residual_codes[:, j])[:, None])",
+        "embeds.append(cp.model.codec_embedding[j - 1](residual_codes[:, j])[:, None])",
+        ("tests/test_code_predictor.py",), "next_talker_input embeds residual code j with table j-1",
+    ),
+    # --- handoff ------------------------------------------------------------------------------------
+    Mutation(
+        "handoff_keeps_stop_row", "omnimtp/handoff.py",
+        'drop = 1 if finish_reason == "stop" and num_output_tokens > 0 else 0',
+        "drop = 0",
+        HANDOFF, "the stop token's row reaches the talker",
+    ),
+    Mutation(
+        "handoff_drops_two_rows_on_stop", "omnimtp/handoff.py",
+        'drop = 1 if finish_reason == "stop" and num_output_tokens > 0 else 0',
+        'drop = 2 if finish_reason == "stop" and num_output_tokens > 1 else 0',
+        HANDOFF, "the stop-row trim is off by one (drops the last real row too)",
+    ),
+    Mutation(
+        "handoff_drops_row_on_length", "omnimtp/handoff.py",
+        'drop = 1 if finish_reason == "stop" and num_output_tokens > 0 else 0',
+        "drop = 1 if num_output_tokens > 0 else 0",
+        HANDOFF, "a request that hit max tokens also loses its last row",
+    ),
+    Mutation(
+        "handoff_keeps_stop_id", "omnimtp/handoff.py",
+        "output_ids[: target - num_prompt]]",
+        "output_ids[: target - num_prompt + 1]]",
+        HANDOFF, "the trimmed output ids keep the stop id",
+    ),
+    Mutation(
+        "handoff_stream_releases_held_row", "omnimtp/handoff.py",
+        "safe = self.builder.num_prompt_rows + max(self._num_tokens - 1, 0)",
+        "safe = self.builder.num_prompt_rows + max(self._num_tokens, 0)",
+        HANDOFF, "the streamed handoff releases the newest token's row before it knows it is not the stop row",
+    ),
+    # --- rejection sampler --------------------------------------------------------------------------
+    Mutation(
+        "rejection_resample_from_p", "omnimtp/spec/rejection.py",
+        "residual = (p_final - q_final).clamp(min=0.0)  # [B, V]",
+        "residual = p_final.clone()  # [B, V]",
+        REJECTION, "the recovered token is drawn from p instead of max(p - q, 0)",
+    ),
+    Mutation(
+        "rejection_always_accept", "omnimtp/spec/rejection.py",
+        "accept_sampled = uniforms * q_draft < p_draft",
+        "accept_sampled = uniforms >= 0",
+        REJECTION, "every sampled draft is accepted",
+    ),
+    Mutation(
+        "rejection_accept_min_1_q_over_p", "omnimtp/spec/rejection.py",
+        "accept_sampled = uniforms * q_draft < p_draft",
+        "accept_sampled = uniforms * p_draft < q_draft",
+        REJECTION, "a draft is accepted with probability min(1, q/p)",
+    ),
+    Mutation(
+        "rejection_accept_with_p", "omnimtp/spec/rejection.py",
+        "accept_sampled = uniforms * q_draft < p_draft",
+        "accept_sampled = uniforms < p_draft",
+        REJECTION, "a draft is accepted with probability p(x) (q ignored)",
+    ),
+    Mutation(
+        "rejection_bonus_not_emitted", "omnimtp/spec/rejection.py",
+        "    return tokens, num_accepted + 1",
+        "    return tokens, (num_accepted + 1).clamp(max=num_draft)",
+        REJECTION, "after k accepted drafts the bonus token is not emitted",
+    ),
+    Mutation(
+        "rejection_bonus_from_last_draft_position", "omnimtp/spec/rejection.py",
+        "p_final = target_probs[rows, num_accepted].float()",
+        "p_final = target_probs[rows, num_accepted.clamp(max=num_draft - 1)].float()",
+        REJECTION, "the bonus token is drawn from p_k instead of p_{k+1}",
+    ),
+    # --- sampling filters ---------------------------------------------------------------------------
+    Mutation(
+        "sampling_top_p_before_top_k", "omnimtp/sampling.py",
+        _TOP_K + _TOP_P, _TOP_P + _TOP_K, SAMPLING, "top-p is applied before top-k",
+    ),
+    # Temperature after top-k alone is no bug (top-k does not change under a positive scale); after top-p it is.
+    Mutation(
+        "sampling_temperature_after_top_p", "omnimtp/sampling.py",
+        _TEMPERATURE + _TOP_K + _TOP_P, _TOP_K + _TOP_P + _TEMPERATURE, SAMPLING,
+        "temperature is applied after top-k and top-p",
+    ),
+    Mutation(
+        "sampling_top_k_keeps_one_more", "omnimtp/sampling.py",
+        "kth = torch.topk(scores, k, dim=-1).values[..., -1:]",
+        "kth = torch.topk(scores, min(k + 1, scores.shape[-1]), dim=-1).values[..., -1:]",
+        SAMPLING, "top-k keeps k + 1 tokens",
+    ),
+    # --- speculative decoding: rollback and bonus ---------------------------------------------------
+    Mutation(
+        "spec_no_kv_rollback", "omnimtp/spec/generate.py",
+        "            target_cache.crop(block_width - (k + 1))",
+        "            pass",
+        SPEC, "the target's KV slots of rejected drafts are never cropped",
+    ),
+    Mutation(
+        "spec_rollback_keeps_one_rejected_slot", "omnimtp/spec/generate.py",
+        "(offsets[None, :block_width] < num_kept[:, None])",
+        "(offsets[None, :block_width] <= num_kept[:, None])",
+        SPEC, "a row's first rejected draft stays visible in its kv_mask",
+    ),
+    Mutation(
+        "packed_crop_off_by_one", "omnimtp/spec/packed_target.py",
+        "self.length = max(0, self.length + n) if n < 0 else min(n, self.length)",
+        "self.length = max(0, self.length + n + 1) if n < 0 else min(n, self.length)",
+        SPEC, "the packed KV cache crops one slot too few",
+    ),
+    Mutation(
+        "spec_greedy_bonus_not_emitted", "omnimtp/spec/generate.py",
+        "    return tokens, num_accepted + 1",
+        "    return tokens, (num_accepted + 1).clamp(max=num_draft)",
+        SPEC, "greedy verification drops the bonus token after k accepted drafts",
+    ),
+    Mutation(
+        "spec_greedy_bonus_from_last_draft_position", "omnimtp/spec/generate.py",
+        "tokens[rows, num_accepted] = target_argmax[rows, num_accepted]",
+        "tokens[rows, num_accepted] = target_argmax[rows, num_accepted.clamp(max=num_draft - 1)]",
+        SPEC, "greedy verification emits argmax p_k as the bonus instead of argmax p_{k+1}",
+    ),
+]
+
+
+def _tree_files(repo: Path) -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, check=True, capture_output=True
+    ).stdout.decode()
+    return [name for name in out.split("\0") if name and (repo / name).is_file()]
+
+
+def make_scratch_copy(repo: Path, scratch: Path) -> None:
+    for name in _tree_files(repo):
+        target = scratch / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / name, target)
+
+
+def _env(scratch: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def check_import_path(scratch: Path) -> str:
+    """The scratch copy's omnimtp must shadow the editable install of the repository."""
+    out = subprocess.run(
+        [sys.executable, "-c", "import omnimtp; print(omnimtp.__file__)"],
+        cwd=scratch, env=_env(scratch), check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    if not Path(out).resolve().is_relative_to(scratch.resolve()):
+        raise SystemExit(f"mutation_check: the scratch run imports omnimtp from {out}, not from {scratch}")
+    return out
+
+
+def check_snippet(mutation: Mutation, source: str) -> None:
+    count = source.count(mutation.old)
+    if count != 1:
+        raise SystemExit(
+            f"mutation_check: {mutation.name}: the old snippet occurs {count} times in {mutation.path} (must be once)"
+        )
+
+
+def run_pytest(scratch: Path, tests: list[str], timeout_s: float) -> tuple[int | None, float, str]:
+    """→ (exit code, or None on timeout; seconds; output)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=scratch, env=_env(scratch), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as error:
+        output = error.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        return None, time.perf_counter() - start, output
+    return proc.returncode, time.perf_counter() - start, proc.stdout + proc.stderr
+
+
+def first_failure(output: str) -> str:
+    match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def run_mutation(scratch: Path, mutation: Mutation, timeout_s: float) -> dict:
+    path = scratch / mutation.path
+    original = path.read_text()
+    mutated = original.replace(mutation.old, mutation.new, 1)
+    compile(mutated, str(path), "exec")  # a mutation must be a bug, not a syntax error
+    path.write_text(mutated)
+    try:
+        code, seconds, output = run_pytest(scratch, list(mutation.tests), timeout_s)
+    finally:
+        path.write_text(original)
+    if code is None:
+        verdict = "caught (timeout)"
+    elif code in (1, 2):
+        verdict = "caught"
+    elif code == 0:
+        verdict = "SURVIVED"
+    else:
+        raise SystemExit(f"mutation_check: {mutation.name}: pytest exited {code}:\n{output[-3000:]}")
+    return {
+        "name": mutation.name, "file": mutation.path, "tests": list(mutation.tests), "verdict": verdict,
+        "caught": verdict != "SURVIVED", "seconds": round(seconds, 1), "first_failure": first_failure(output),
+        "description": mutation.description,
+    }
+
+
+def markdown_table(results: list[dict]) -> str:
+    lines = ["| mutation | file | tests run | caught? | seconds | first failing test |", "|---|---|---|---|---|---|"]
+    for r in results:
+        tests = ", ".join(Path(t).name for t in r["tests"])
+        failure = r["first_failure"].split("/")[-1] if r["first_failure"] else ""
+        lines.append(
+            f"| {r['name']} | {r['file']} | {tests} | {r['verdict']} | {r['seconds']:.0f} | {failure} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run (default 600)")
+    args = parser.parse_args(argv)
+
+    by_name = {m.name: m for m in MUTATIONS}
+    if len(by_name) != len(MUTATIONS):
+        raise SystemExit("mutation_check: duplicate mutation names")
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:45s} {m.path:36s} {m.description}")
+        return 0
+    unknown = [name for name in args.only or [] if name not in by_name]
+    if unknown:
+        raise SystemExit(f"mutation_check: unknown mutations {unknown}; see --list")
+    selected = [by_name[name] for name in args.only] if args.only else MUTATIONS
+    for m in selected:
+        check_snippet(m, (REPO / m.path).read_text())
+
+    with tempfile.TemporaryDirectory(prefix="omnimtp-mutation-") as tmp:
+        scratch = Path(tmp) / "repo"
+        make_scratch_copy(REPO, scratch)
+        for m in selected:  # the copy is what gets mutated: check it too
+            check_snippet(m, (scratch / m.path).read_text())
+        print(f"scratch copy: {scratch} (omnimtp imported from {check_import_path(scratch)})", file=sys.stderr)
+
+        baseline_tests = sorted({t for m in selected for t in m.tests})
+        code, seconds, output = run_pytest(scratch, baseline_tests, args.timeout)
+        print(f"baseline: {' '.join(baseline_tests)}: exit {code} in {seconds:.0f} s", file=sys.stderr)
+        if code != 0:
+            print(output[-5000:], file=sys.stderr)
+            raise SystemExit("mutation_check: the unmutated baseline is not green")
+
+        results = []
+        for m in selected:
+            result = run_mutation(scratch, m, args.timeout)
+            print(f"{m.name}: {result['verdict']} in {result['seconds']:.0f} s {result['first_failure']}", file=sys.stderr)
+            results.append(result)
+
+    print(markdown_table(results))
+    survivors = [r["name"] for r in results if not r["caught"]]
+    print(f"\n{len(results) - len(survivors)} of {len(results)} mutations caught; baseline {seconds:.0f} s", end="")
+    print(f"; survived: {', '.join(survivors)}" if survivors else "")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"baseline_s": round(seconds, 1), "results": results}, indent=2) + "\n")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Sampled decoding end to end on a tiny model: plain sampling and speculative sampling with a deliberately
+bad drafter both give the target's exact law of the first three tokens, computed here independently with
+transformers' logits warpers (temperature → top-k → top-p). The test also computes, for each plausible
+bug — recovering from p instead of max(p − q, 0), accepting every draft, accepting with min(1, q/p), top-p
+before top-k, temperature last, a bonus from the wrong position — the law it would give, and checks that it
+lies beyond twice the sample-size bound, so none of them can pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from omnimtp import SamplingParams, TargetProposer, packed_generate, speculative_generate, tiny_lm
+from test_rejection_distribution import assert_law
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SAMPLING = SamplingParams(temperature=0.8, top_k=10, top_p=0.7)
+# The drafter: the target itself, unfiltered and much too sharp (temperature 0.3): it is accepted about 85%
+# of the time, so both the accepted and the recovered paths carry weight.
+DRAFT_SAMPLING = SamplingParams(temperature=0.3)
+NUM_ROWS = 8000
+NUM_TOKENS = 3
+PROMPT = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm("glm4_moe", seed=0)
+
+
+class SharpDraft:
+    """A Proposer that drafts from the target at DRAFT_SAMPLING, whatever the run's sampling is."""
+
+    def __init__(self, target):
+        self.inner = TargetProposer(target)
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        return self.inner.propose(block, num_draft_tokens, DRAFT_SAMPLING, generators)
+
+
+def _warped(logits: torch.Tensor, params: SamplingParams, order: str = "tkp") -> torch.Tensor:
+    """transformers' warpers in `order` (t: temperature, k: top-k, p: top-p) → probs [..., V] float64."""
+    steps = {
+        "t": TemperatureLogitsWarper(params.temperature) if params.temperature != 1.0 else None,
+        "k": TopKLogitsWarper(params.top_k) if params.top_k else None,
+        "p": TopPLogitsWarper(params.top_p) if params.top_p < 1.0 else None,
+    }
+    warpers = LogitsProcessorList([steps[name] for name in order if steps[name] is not None])
+    return warpers(None, logits.double().clone()).softmax(dim=-1)
+
+
+def _next_logits(target, prefixes: torch.Tensor) -> torch.Tensor:
+    """Target logits after PROMPT + each prefix: prefixes [M, n] → [M, V]."""
+    with torch.no_grad():
+        ids = torch.cat([PROMPT.expand(prefixes.shape[0], -1), prefixes], dim=1)
+        return target(ids).logits[:, -1].double()
+
+
+def _plain_law(target, params: SamplingParams, order: str = "tkp") -> torch.Tensor:
+    """Exact law of the first NUM_TOKENS sampled tokens, dense [V^NUM_TOKENS] (index Σ t_i V^(n-1-i))."""
+    vocab = target.config.vocab_size
+    law = _warped(_next_logits(target, PROMPT[:, :0]), params, order)[0]  # [V]: prefixes of length 1
+    for length in range(1, NUM_TOKENS):
+        support = law.nonzero().squeeze(-1)  # codes of the prefixes with mass
+        prefixes = torch.stack([support // vocab ** (length - 1 - i) % vocab for i in range(length)], dim=1)
+        conditional = _warped(_next_logits(target, prefixes), params, order)  # [S, V]
+        grown = torch.zeros(law.numel() * vocab, dtype=torch.float64)
+        grown.view(-1, vocab)[support] = law[support, None] * conditional
+        law = grown
+    return law
+
+
+def _first_verified_laws(target) -> dict[str, torch.Tensor]:
+    """Law of (t1, t2) — t2 is the first verified token — under the correct rule and the wrong ones, dense [V²]."""
+    vocab = target.config.vocab_size
+    p1 = _warped(_next_logits(target, PROMPT[:, :0]), SAMPLING)[0]  # [V]
+    logits = _next_logits(target, torch.arange(vocab)[:, None])  # [V, V]: row x = after t1 = x
+    p2 = _warped(logits, SAMPLING)  # [V, V]
+    q2 = (logits / DRAFT_SAMPLING.temperature).softmax(dim=-1)  # the drafter's law of d1 given t1
+    accepted = torch.minimum(p2, q2)  # q · min(1, p/q)
+    residual = (p2 - q2).clamp(min=0)
+    residual_law = residual / residual.sum(-1, keepdim=True)
+    accepted_q_over_p = q2 * torch.where(p2 > 0, torch.minimum(torch.ones_like(p2), q2 / p2.clamp(min=1e-300)), 1.0)
+    conditionals = {
+        "correct": accepted + residual,
+        "resample_from_p": accepted + (1 - accepted.sum(-1, keepdim=True)) * p2,
+        "always_accept": q2,
+        "accept_min_1_q_over_p": accepted_q_over_p + (1 - accepted_q_over_p.sum(-1, keepdim=True)) * residual_law,
+    }
+    laws = {name: (p1[:, None] * conditional).flatten() for name, conditional in conditionals.items()}
+    torch.testing.assert_close(laws["correct"], (p1[:, None] * p2).flatten())  # accepted + residual = p
+    return laws
+
+
+def _bonus_from_wrong_position_law(target) -> torch.Tensor:
+    """k = 1: law of (t1, t2, t3) when the bonus after an accepted d1 = t2 is drawn from p(· | t1) (the
+    draft position's law) instead of p(· | t1, t2); a rejected d1 leaves t3 to the next, correct step."""
+    vocab = target.config.vocab_size
+    p1 = _warped(_next_logits(target, PROMPT[:, :0]), SAMPLING)[0]
+    logits = _next_logits(target, torch.arange(vocab)[:, None])
+    p2 = _warped(logits, SAMPLING)  # [V, V]
+    q2 = (logits / DRAFT_SAMPLING.temperature).softmax(dim=-1)
+    accepted = torch.minimum(p2, q2)
+    residual = (p2 - q2).clamp(min=0)
+    pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V², 2]
+    p3 = _warped(_next_logits(target, pairs), SAMPLING).view(vocab, vocab, vocab)  # [x, y, z]
+    law = p1[:, None, None] * (accepted[:, :, None] * p2[:, None, :] + residual[:, :, None] * p3)
+    return law.flatten()
+
+
+def _codes(sequences: torch.Tensor, vocab: int, num_tokens: int) -> torch.Tensor:
+    new = sequences[:, PROMPT.shape[1] : PROMPT.shape[1] + num_tokens]
+    powers = vocab ** torch.arange(num_tokens - 1, -1, -1)
+    return (new * powers).sum(dim=1)
+
+
+@pytest.fixture(scope="module")
+def exact(target):
+    return {
+        "plain": _plain_law(target, SAMPLING),
+        "top_p_before_top_k": _plain_law(target, SAMPLING, order="tpk"),
+        "temperature_after_top_p": _plain_law(target, SAMPLING, order="kpt"),
+        "first_verified": _first_verified_laws(target),
+        "bonus_from_wrong_position": _bonus_from_wrong_position_law(target),
+    }
+
+
+def _filter_order_laws(exact) -> dict[str, torch.Tensor]:
+    return {name: exact[name] for name in ("top_p_before_top_k", "temperature_after_top_p")}
+
+
+def test_plain_sampling_follows_the_filtered_law(target, exact):
+    sequences = packed_generate(
+        target, PROMPT.expand(NUM_ROWS, -1), max_new_tokens=NUM_TOKENS, sampling=SAMPLING,
+        seed=list(range(NUM_ROWS)), eos_token_id=-1,
+    )
+    assert_law(_codes(sequences, target.config.vocab_size, NUM_TOKENS), exact["plain"], _filter_order_laws(exact))
+
+
+@pytest.mark.parametrize("num_draft_tokens", [1, 2])
+def test_speculative_sampling_with_a_bad_drafter_follows_the_target_law(target, exact, num_draft_tokens):
+    vocab = target.config.vocab_size
+    out = speculative_generate(
+        target, SharpDraft(target), PROMPT.expand(NUM_ROWS, -1), max_new_tokens=NUM_TOKENS,
+        num_draft_tokens=num_draft_tokens, sampling=SAMPLING, seed=list(range(NUM_ROWS)), eos_token_id=-1,
+    )
+    acceptance = out.stats.acceptance_rate
+    assert 0.5 < acceptance < 0.98, f"the drafter should be accepted often but not always, got {acceptance:.3f}"
+    first_verified = dict(exact["first_verified"])
+    correct = first_verified.pop("correct")
+    wrong = {**first_verified, **{name: law.view(vocab, vocab, vocab).sum(-1).flatten() for name, law in _filter_order_laws(exact).items()}}
+    assert_law(_codes(out.sequences, vocab, 2), correct, wrong)
+    wrong3 = _filter_order_laws(exact)
+    if num_draft_tokens == 1:  # t3 is the bonus whenever d1 is accepted
+        wrong3["bonus_from_wrong_position"] = exact["bonus_from_wrong_position"]
+    assert_law(_codes(out.sequences, vocab, NUM_TOKENS), exact["plain"], wrong3)
