@@ -4,6 +4,9 @@ uvicorn config `omnimtp serve` runs (`server_config`), with its timeouts as keyw
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import http.client
+import json
 import socket
 import threading
 import time
@@ -37,3 +40,27 @@ def running_server(app, timeout: float = 60.0, **timeouts):
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]  # lowercase names
+    body: bytes
+    will_close: bool  # the server said `Connection: close` (or spoke HTTP/1.0)
+
+    def error(self) -> dict:
+        """The OpenAI error object of the body."""
+        return json.loads(self.body)["error"]
+
+
+def exchange(conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None = None,
+             headers: dict | None = None) -> Reply:
+    """One request on `conn` with exactly these body bytes (http.client sends header values given as
+    bytes unchanged), its whole response read. The connection stays open unless the server said it
+    closes, so a following request on `conn` fails if the server dropped it without saying so."""
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=body, headers=all_headers)
+    response = conn.getresponse()
+    data = response.read()
+    return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, data, response.will_close)

@@ -26,8 +26,13 @@ def test_every_format_carries_the_same_pcm16(values):
     samples = np.array(values, dtype=np.float32)
     pcm = to_pcm16(samples)
     assert pcm.dtype == np.dtype("<i2")
-    expected = np.rint(np.clip(samples.astype(np.float64), -1, 1) * 32767).astype(np.int64)
-    assert np.array_equal(pcm.astype(np.int64), expected)
+    exact = np.clip(samples.astype(np.float64), -1, 1) * 32767
+    expected = np.rint(exact).astype(np.int64)
+    # to_pcm16 scales in float32, whose rounding can turn a product within float32 precision of a
+    # half-integer into the tie (or off it): only there may it differ, by one step
+    near_tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-2
+    difference = np.abs(pcm.astype(np.int64) - expected)
+    assert difference.max() <= 1 and (difference[~near_tie] == 0).all()
     assert encode_audio(samples, 24000, "pcm") == encode_audio(samples, 24000, "pcm16") == pcm.tobytes()
     for fmt in ("wav", "flac"):
         decoded, sample_rate = sf.read(io.BytesIO(encode_audio(samples, 24000, fmt)), dtype="int16")

@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
@@ -49,6 +48,7 @@ _RETRY_AFTER_S = 1
 # Not an HTTP status a client sees: the client is gone. It labels such requests in the metrics
 # (nginx's "client closed request").
 _CLIENT_CLOSED = 499
+_DISCARD_FACTOR = 8
 # Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
 _API_KEY = re.compile(r"[\x21-\x7e]+")
 # A JSON string escape of a UTF-16 surrogate; only then can the parsed body hold a lone surrogate.
@@ -104,18 +104,29 @@ def _validation_error(exc: ValidationError) -> APIError:
 async def _read_json(request: Request, max_body_bytes: int) -> object:
     """The request body as JSON: valid UTF-8 (no encoded surrogates), nesting within Python's
     recursion limit, integers within its digit limit, and no string holding a lone surrogate (the
-    tokenizer and the JSON encoder of any error message would both fail on it)."""
+    tokenizer and the JSON encoder of any error message would both fail on it).
+
+    A body over `max_body_bytes` is a 413, but read to its end first when it is at most
+    _DISCARD_FACTOR times that: a client still sending when the server closes the connection gets a
+    reset instead of the answer (and the connection stays usable)."""
+    too_large = APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
+    max_read = _DISCARD_FACTOR * max_body_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
+    if declared is not None and declared.isdigit() and int(declared) > max_read:
+        raise too_large
+    body, num_received = bytearray(), 0
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(_CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
+        chunk = message.get("body", b"")
+        num_received += len(chunk)
+        if num_received <= max_body_bytes:
             body += chunk
-            if len(body) > max_body_bytes:
-                raise APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
-    except ClientDisconnect:
-        raise APIError(_CLIENT_CLOSED, "the client closed the connection", code="client_disconnected") from None
+        if num_received > max_read or not message.get("more_body", False):
+            break
+    if num_received > max_body_bytes:
+        raise too_large
     try:
         text = body.decode("utf-8")  # json.loads would let encoded surrogates through ("surrogatepass")
     except UnicodeDecodeError as exc:
