@@ -48,6 +48,7 @@ _RETRY_AFTER_S = 1
 # Not an HTTP status a client sees: the client is gone. It labels such requests in the metrics
 # (nginx's "client closed request").
 _CLIENT_CLOSED = 499
+# An over-limit body up to this many times the limit is read and dropped before the 413 (see `_read_json`).
 _DISCARD_FACTOR = 8
 # Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
 _API_KEY = re.compile(r"[\x21-\x7e]+")
