@@ -20,8 +20,9 @@ One background thread owns the models. Each iteration of its loop is one frame b
 The HTTP side only calls `Engine.submit` (from the event loop) and reads the returned handle's
 events; `RequestHandle.cancel` (a dropped client) takes effect at the next frame boundary.
 Per-request generators make a seeded request's text and audio independent of who else is running;
-the batched forwards (thinker cohorts, talker rows, the conv stack of code2wav) change a row's
-floats only in the last bits, which the tests check leaves tokens, codes and PCM16 bytes alone.
+the batched thinker and talker forwards change a row's floats only in the last bits, which the tests
+check leaves tokens and codes alone, and code2wav decodes each request's window on its own, so a
+seeded request's PCM16 bytes are the same alone or under any load (tested on audible audio).
 """
 
 from __future__ import annotations
@@ -800,6 +801,6 @@ class SpeechBackend:
         return self.codec.new_stream()
 
     def decode_chunks(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
-        """The next audio of several requests in one code2wav batch: blocks[i] [G, n_i] continues
+        """The next audio of several requests in one code2wav call: blocks[i] [G, n_i] continues
         streams[i]; chunk [a, b) holds samples [1920·a − 555, 1920·b − 555) of the one-shot decode."""
         return [np.asarray(chunk, dtype=np.float32) for chunk in self.codec.decode(streams, blocks)]
