@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+from audio_checks import assert_audible
 from server_harness import running_server
 
 from omnimtp.models.tiny import tiny_qwen3_omni
@@ -118,6 +119,7 @@ def test_chat_audio_decodes_with_exact_length(client, fmt):
     assert message.audio.id and message.audio.expires_at > 0
     # every format carries the same 16-bit samples
     reference = _pcm(base64.b64decode(_audio_chat(client, seed=7, fmt="pcm16").choices[0].message.audio.data))
+    assert_audible(reference)
     assert np.array_equal(samples, reference)
 
 
@@ -137,6 +139,7 @@ def test_chat_streamed_equals_non_streamed(client, http):
                     pcm.append(base64.b64decode(delta.audio.data))
             finish = choice.finish_reason or finish
     assert "".join(text) == whole.content == "".join(transcript)
+    assert_audible(_pcm(base64.b64decode(whole.audio.data)))
     assert b"".join(pcm) == base64.b64decode(whole.audio.data)
     assert finish in ("stop", "length")
     assert len(b"".join(pcm)) // 2 == SAMPLES_PER_FRAME * usage.completion_tokens_details.audio_tokens - TAIL
@@ -151,6 +154,7 @@ def test_speech_formats_agree(client):
     speak = dict(model="omnimtp-tiny", voice="chelsie", input="Good morning", extra_body={"seed": 5})
     pcm = _pcm(client.audio.speech.create(response_format="pcm", **speak).content)
     assert (len(pcm) + TAIL) % SAMPLES_PER_FRAME == 0 and 1 <= (len(pcm) + TAIL) // SAMPLES_PER_FRAME <= MAX_FRAMES
+    assert_audible(pcm)
     for fmt in ("wav", "flac"):
         samples, sample_rate = _decode(client.audio.speech.create(response_format=fmt, **speak).content)
         assert sample_rate == 24000
@@ -168,6 +172,7 @@ def test_speech_sse_matches_the_audio_body(http):
     events = [json.loads(line[len("data: "):]) for line in sse.text.split("\n\n") if line]
     deltas = [event for event in events if event["type"] == "speech.audio.delta"]
     assert deltas and events[-1]["type"] == "speech.audio.done"
+    assert_audible(_pcm(pcm))
     assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == pcm
     frames = events[-1]["usage"]["output_tokens"]
     assert len(pcm) // 2 == SAMPLES_PER_FRAME * frames - TAIL
@@ -195,6 +200,7 @@ def test_served_chat_equals_the_pipeline(tiny, http):
     pcm = _pcm(base64.b64decode(served["audio"]["data"])).astype(np.int32)
     reference = to_pcm16(output.audio).astype(np.int32)
     assert len(pcm) == len(reference) == SAMPLES_PER_FRAME * output.codes.shape[1] - TAIL
+    assert_audible(reference.astype(np.int16))
     assert np.abs(pcm - reference).max() <= 1
 
 
@@ -248,6 +254,8 @@ def test_batch_invariance_concurrent_equals_sequential(http):
         thread.start()
     for thread in threads:
         thread.join()
+    for _, audio in alone:
+        assert_audible(_pcm(audio))
     assert together == alone
     steps = _metric(http, "omnimtp_talker_step_batch_size_count") - steps_before
     rows = _metric(http, "omnimtp_talker_step_batch_size_sum") - rows_before
