@@ -9,6 +9,7 @@ itself is never written.
 
     python scripts/mutation_check.py                       # every mutation; markdown table on stdout
     python scripts/mutation_check.py --only resample_from_p always_accept --json out.json
+    python scripts/mutation_check.py --only rejection_resample_from_p --tests tests/test_spec_distribution.py
     python scripts/mutation_check.py --list
 
 A mutation whose old snippet does not occur exactly once in its file is refused (exit 2), so an entry
@@ -26,14 +27,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
 CODEC = ("tests/test_codec_streaming.py", "tests/test_pipeline.py", "tests/test_server_scheduling.py")
 TALKER = ("tests/test_pipeline_talker_loop.py", "tests/test_pipeline.py", "tests/test_server_scheduling.py")
-CODE_PREDICTOR = ("tests/test_code_predictor.py", "tests/test_code_predictor_distribution.py", "tests/test_sampling.py")
+CODE_PREDICTOR = ("tests/test_code_predictor_distribution.py", "tests/test_sampling.py", "tests/test_code_predictor.py")
 HANDOFF = ("tests/test_handoff.py", "tests/test_handoff_stream.py")
 REJECTION = ("tests/test_rejection.py", "tests/test_rejection_distribution.py", "tests/test_spec_distribution.py")
 SAMPLING = ("tests/test_sampling.py", "tests/test_spec_distribution.py")
@@ -121,9 +122,12 @@ MUTATIONS = [
     ),
     Mutation(
         "cp_lm_head_off_by_one", "omnimtp/talker/code_predictor.py",
-        "positions[j], lm_heads[j], codec_embeddings[j], embed_sum",
-        "positions[j], lm_heads[min(j + 1, len(lm_heads) - 1)], codec_embeddings[j], embed_sum",
-        CODE_PREDICTOR, "the runner predicts step j with lm_head[j+1]",
+        "lm_heads[j], codec_embeddings[j], embed_sum, sampling,\n"
+        "            None if noise is None else noise[:, j], gemm, None if gemm is None else gemm.lm_heads[j],",
+        "lm_heads[min(j + 1, len(lm_heads) - 1)], codec_embeddings[j], embed_sum, sampling,\n"
+        "            None if noise is None else noise[:, j], gemm,"
+        " None if gemm is None else gemm.lm_heads[min(j + 1, len(lm_heads) - 1)],",
+        CODE_PREDICTOR, "the runner predicts step j with lm_head[j+1] (plain and packed weights)",
     ),
     Mutation(
         "cp_noise_shared_across_rows", "omnimtp/talker/code_predictor.py",
@@ -361,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--tests", nargs="+", metavar="PATH", help="run these tests for every selected mutation instead of its own"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run (default 600)")
     args = parser.parse_args(argv)
 
@@ -375,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"mutation_check: unknown mutations {unknown}; see --list")
     selected = [by_name[name] for name in args.only] if args.only else MUTATIONS
+    if args.tests:
+        selected = [replace(m, tests=tuple(args.tests)) for m in selected]
     for m in selected:
         check_snippet(m, (REPO / m.path).read_text())
 
