@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -370,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per pytest run (default 600)")
     args = parser.parse_args(argv)
+    # SIGTERM as an exception: the running pytest is killed and the scratch directory removed on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     by_name = {m.name: m for m in MUTATIONS}
     if len(by_name) != len(MUTATIONS):
@@ -404,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for m in selected:
             result = run_mutation(scratch, m, args.timeout)
-            print(f"{m.name}: {result['verdict']} in {result['seconds']:.0f} s {result['first_failure']}", file=sys.stderr)
+            print(f"{m.name}: {result['verdict']} in {result['seconds']:.0f} s {result['first_failure']}",
+                  file=sys.stderr)
             results.append(result)
 
     print(markdown_table(results))

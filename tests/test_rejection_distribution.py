@@ -43,7 +43,7 @@ def assert_law(codes: torch.Tensor, exact: torch.Tensor, wrong: dict[str, torch.
     for name, law in wrong.items():
         assert abs(law.sum().item() - 1) < 1e-5, name
         distance = total_variation(law, exact)
-        assert distance > 2 * bound, f"the test cannot tell the '{name}' rule apart: TV {distance:.4f}, bound {bound:.4f}"
+        assert distance > 2 * bound, f"cannot tell the '{name}' rule apart: TV {distance:.4f}, bound {bound:.4f}"
     observed = total_variation(empirical_law(codes, exact.numel()), exact)
     assert observed <= bound, f"TV {observed:.4f} from the exact law exceeds {bound:.4f}"
 
@@ -140,30 +140,28 @@ def test_the_correct_law_emits_p_at_every_position():
     assert math.isclose(accepted_first, torch.minimum(P[0], Q[0]).sum().item())
 
 
-def _draw(num_rows: int, seed: int) -> torch.Tensor:
+def _draw(num_rows: int, seed: int, per_row_generators: bool) -> torch.Tensor:
+    """Drafts from Q, verified against P: emitted tokens [N, k+1] (−1 padded). Without per-row generators
+    rejection_sample draws from the global RNG."""
     generator = torch.Generator().manual_seed(seed)
-    drafts = torch.stack([torch.multinomial(Q[j], num_rows, replacement=True, generator=generator) for j in range(NUM_DRAFT)], 1)
+    drafts = torch.stack(
+        [torch.multinomial(Q[j], num_rows, replacement=True, generator=generator) for j in range(NUM_DRAFT)], dim=1
+    )  # [N, k]
+    generators = [torch.Generator().manual_seed(seed + row) for row in range(num_rows)] if per_row_generators else None
     tokens, num_emitted = rejection_sample(
         P.float().expand(num_rows, -1, -1), drafts, Q.float().expand(num_rows, -1, -1), greedy=False,
-        generators=None,
+        generators=generators,
     )
     assert torch.equal((tokens >= 0).sum(1), num_emitted)
     return tokens
 
 
 def test_emitted_sequences_follow_the_exact_law_and_no_wrong_rule_would():
-    torch.manual_seed(21)  # rejection_sample's own draws come from the global RNG here
-    tokens = _draw(200_000, seed=20)
+    tokens = _draw(200_000, seed=20, per_row_generators=False)
     assert_law(_codes(tokens), emitted_law(), {rule: emitted_law(rule) for rule in WRONG_RULES})
 
 
 def test_per_row_generators_give_the_same_law():
     """The seeded path (one generator per row, the one speculative_generate uses) draws from the same law."""
-    num_rows = 50_000
-    generator = torch.Generator().manual_seed(30)
-    drafts = torch.stack([torch.multinomial(Q[j], num_rows, replacement=True, generator=generator) for j in range(NUM_DRAFT)], 1)
-    tokens, _ = rejection_sample(
-        P.float().expand(num_rows, -1, -1), drafts, Q.float().expand(num_rows, -1, -1), greedy=False,
-        generators=[torch.Generator().manual_seed(row) for row in range(num_rows)],
-    )
+    tokens = _draw(50_000, seed=30, per_row_generators=True)
     assert_law(_codes(tokens), emitted_law(), {rule: emitted_law(rule) for rule in WRONG_RULES})
