@@ -15,7 +15,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, make_generators, probs_from_logits
 from omnimtp.talker.code_predictor import CodePredictorRunner
-from test_rejection_distribution import assert_law
+from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from omnimtp import SamplingParams, TargetProposer, packed_generate, speculative_generate, tiny_lm
-from test_rejection_distribution import assert_law
+from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

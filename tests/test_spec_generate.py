@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generate, tiny_lm
 from omnimtp.spec.generate import _greedy_verify
 from omnimtp.spec.rejection import rejection_sample
-from test_rejection_distribution import tv_bound
+from distribution_checks import tv_bound
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 PAD = 0
