@@ -83,11 +83,16 @@ MUTATIONS = [
     ),
     Mutation(
         "codec_zero_first_sample_of_chunk", "omnimtp/codec/streaming.py",
-        "            audio.append(self._new_samples(stream, block.shape[1], window.shape[0], wav))",
-        "            chunk = self._new_samples(stream, block.shape[1], window.shape[0], wav)\n"
-        "            chunk[:1] = 0.0\n"
-        "            audio.append(chunk)",
+        "                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])",
+        "                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])\n"
+        "                audio[i][:1] = 0.0",
         CODEC, "the first sample of every decoded chunk is zeroed",
+    ),
+    Mutation(
+        "codec_batched_convolutions", "omnimtp/codec/streaming.py",
+        "    _ROWWISE = {F.conv1d, F.conv_transpose1d, F.linear}",
+        "    _ROWWISE = set()",
+        CODEC, "code2wav runs its convolutions batched across requests (rounding then depends on the batch)",
     ),
     Mutation(
         "codec_transformer_drops_kv_cache", "omnimtp/codec/streaming.py",
