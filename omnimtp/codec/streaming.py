@@ -21,6 +21,7 @@ We stream it in two parts, both exact:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ class StreamingCode2Wav:
         """transformers' Code2Wav forward after its transformer: [m, T, Hc] → [m, S]. Row i's samples are
         bit for bit those of `_conv_stack(hidden[i:i+1])`: see `RowwiseMatmuls`."""
         hidden = hidden.permute(0, 2, 1)
-        with RowwiseMatmuls():
+        with RowwiseMatmuls() if hidden.shape[0] > 1 else contextlib.nullcontext():  # the mode costs per op
             for blocks in self.code2wav.upsample:
                 for block in blocks:
                     hidden = block(hidden)
