@@ -14,7 +14,6 @@ import asyncio
 import base64
 import json
 import logging
-import math
 import re
 import secrets
 import time
@@ -34,7 +33,7 @@ from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.scheduler import Engine, EngineRequest, PromptTooLongError, QueueFullError
 from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
-from omnimtp.server.serving import DEFAULT_BODY_TIMEOUT_S
+from omnimtp.server.serving import DEFAULT_BODY_TIMEOUT_S, check_seconds
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -201,9 +200,7 @@ def create_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_tokens_limit < 1:
         raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
-    if isinstance(body_timeout_s, bool) or not isinstance(body_timeout_s, (int, float)) \
-            or not math.isfinite(body_timeout_s) or body_timeout_s <= 0:
-        raise ValueError(f"body_timeout_s must be a finite number > 0, got {body_timeout_s!r}")
+    body_timeout_s = check_seconds("body_timeout_s", body_timeout_s)
     if isinstance(served_model_names, str):
         raise ValueError(f"served_model_names must be a sequence of names, not the string {served_model_names!r}")
     model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
@@ -225,7 +222,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
 
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, body_timeout_s=float(body_timeout_s))
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):

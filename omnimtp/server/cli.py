@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from omnimtp.server.serving import (
     DEFAULT_BODY_TIMEOUT_S,
+    check_seconds,
     DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     DEFAULT_HEADERS_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
@@ -56,9 +56,10 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
+    try:
+        return check_seconds("the value", value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None):

@@ -79,7 +79,8 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def _check_seconds(name: str, value) -> float:
+def check_seconds(name: str, value) -> float:
+    """`value` as float seconds; ValueError naming `name` unless it is a finite number > 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
@@ -98,15 +99,15 @@ def server_config(
     """The uvicorn config that serves `app` (from `create_app`, which holds the body timeout).
     Run it with `uvicorn.Server(config).run()`."""
     protocol = functools.partial(
-        HeadersTimeoutH11Protocol, headers_timeout_s=_check_seconds("headers_timeout_s", headers_timeout_s)
+        HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s)
     )
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         http=protocol,
-        timeout_keep_alive=_check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
-        timeout_graceful_shutdown=_check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s),
+        timeout_keep_alive=check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
+        timeout_graceful_shutdown=check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s),
         lifespan="on",
         log_level=log_level,
     )
