@@ -10,7 +10,7 @@ never saw (the stdlib files `omnimtp train-mtp --data <stdlib> --suffixes .py` h
 
 (a) teacher-forced: the held-out stream cut into non-overlapping windows of --seq-len tokens (all of them
     with --num-windows 0); in each window every k-token chain is drafted by the head unrolled on the text
-    (`omnimtp.spec.train.window_acceptance`): greedy τ = 1 + Σ_i P(drafts 1..i equal the target's argmax),
+    (`omnimtp.mtp.train.window_acceptance`): greedy τ = 1 + Σ_i P(drafts 1..i equal the target's argmax),
     sampled τ = 1 + Σ_i Π_{j≤i} Σ min(p_j, q_j). Mean over windows ± standard error over windows, and the
     paired difference to the first head ± its standard error (same windows, so the window-to-window
     spread cancels), also over means of --se-block consecutive windows (neighbouring windows come from
@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, speculative_generate  # noqa: E402
-from omnimtp.spec.demo import demo_model_dir  # noqa: E402
-from omnimtp.spec.head import MTPHead, load_target_and_head  # noqa: E402
-from omnimtp.spec.train import (  # noqa: E402
+from omnimtp.mtp.demo import demo_model_dir  # noqa: E402
+from omnimtp.mtp.head import MTPHead, load_target_and_head  # noqa: E402
+from omnimtp.mtp.train import (  # noqa: E402
     collect_text_files,
     distillation_losses,
     encode_files,

@@ -5,7 +5,7 @@
 
 Batch 1, every held-out prompt of the checkpoint (`heldout_prompts.json`), in one process: plain greedy
 `generate`, transformers `generate(use_mtp=True)` (greedy; it drafts one token per step with one MTP
-layer), our plain greedy decoding on the packed target (`packed_generate`, one token per forward: the
+layer), our plain greedy decoding on the packed target (`plain_generate`, one token per forward: the
 honest baseline on the same forward), ours for k = 1..5 greedy and at temperature 1 (plain sampled
 `generate` as its baseline) with --target-backend (default auto = packed on this model).
 Timing is interleaved: for each of --repeats repeats and each prompt every method runs back to back, so
@@ -31,9 +31,9 @@ from transformers import DynamicCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from omnimtp import SamplingParams, packed_generate, speculative_generate  # noqa: E402
-from omnimtp.spec.demo import demo_model_dir  # noqa: E402
-from omnimtp.spec.head import MTPHead, load_target_and_head  # noqa: E402
+from omnimtp import SamplingParams, plain_generate, speculative_generate  # noqa: E402
+from omnimtp.mtp.demo import demo_model_dir  # noqa: E402
+from omnimtp.mtp.head import MTPHead, load_target_and_head  # noqa: E402
 
 
 def _pooled(stats_list, k: int) -> dict:
@@ -115,7 +115,7 @@ def main() -> None:
         target.generate(prompts[0], do_sample=False, max_new_tokens=4, eos_token_id=-1)
         speculative_generate(target, head, prompts[0], max_new_tokens=4, num_draft_tokens=2, eos_token_id=-1,
                              target_backend=args.target_backend)
-        packed_generate(target, prompts[0], max_new_tokens=4, eos_token_id=-1)
+        plain_generate(target, prompts[0], max_new_tokens=4, eos_token_id=-1)
 
     def plain(**kw):
         def run(i):
@@ -138,7 +138,7 @@ def main() -> None:
             return torch.cat([prompts[i]] + tokens, dim=1).clone(), None
 
     def plain_packed(i):
-        return packed_generate(target, prompts[i], max_new_tokens=max_new, eos_token_id=-1), None
+        return plain_generate(target, prompts[i], max_new_tokens=max_new, eos_token_id=-1), None
 
     def ours(drafter, k, sampling):
         def run(i):
@@ -193,7 +193,7 @@ def main() -> None:
         "repeats": args.repeats, "target_backend": args.target_backend, "note": "tokens_per_s: median over interleaved repeats; speed-ups: median over "
         "repeats of same-repeat total-time ratios; plain = transformers generate (greedy / do_sample); "
         "plain_lean = the same lean decoder loop as ours, one token per forward; plain_packed = our packed "
-        "target (packed_generate), one token per forward",
+        "target (plain_generate), one token per forward",
         "methods": {m.name: summary(m) for m in methods},
     }
     res = results["methods"]

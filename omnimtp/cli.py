@@ -15,9 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
     from omnimtp import speak_cli
     speak_cli.add_parser(subparsers)
-    from omnimtp.spec import train_cli
+    from omnimtp.mtp import train_cli
     train_cli.add_parser(subparsers)
-    from omnimtp.spec import cli as spec_cli
+    from omnimtp.spec_decode import cli as spec_cli
     spec_cli.add_parser(subparsers)
     from omnimtp.server import cli as server_cli
     server_cli.add_parser(subparsers)

@@ -25,7 +25,8 @@ import torch
 FINISH_REASONS = ("stop", "length")
 
 
-def _check_rows(name: str, rows: torch.Tensor, dim: int | None = None) -> None:
+def check_rows(name: str, rows: torch.Tensor, dim: int | None = None) -> None:
+    """ValueError naming `name` unless rows is a 2-D tensor [rows, D] (with D == dim when given)."""
     if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
         shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ValueError(f"{name}: expected a 2-D tensor [rows, D], got {shape}")
@@ -33,7 +34,8 @@ def _check_rows(name: str, rows: torch.Tensor, dim: int | None = None) -> None:
         raise ValueError(f"{name}: expected D = {dim}, got {rows.shape[1]}")
 
 
-def _check_row(name: str, row: torch.Tensor, dim: int) -> None:
+def check_row(name: str, row: torch.Tensor, dim: int) -> None:
+    """ValueError naming `name` unless row is a 1-D tensor [dim]."""
     if not isinstance(row, torch.Tensor) or row.dim() != 1:
         shape = tuple(row.shape) if isinstance(row, torch.Tensor) else type(row).__name__
         raise ValueError(f"{name}: expected a 1-D tensor [D], got {shape}")
@@ -63,7 +65,7 @@ def trim_thinker_hidden(
 
     Rows beyond `P + len(output_ids) - drop` are discarded; fewer rows give a shorter decode part
     (n < len(new output_ids)); R < P raises. Nothing is mutated; the returned list is new."""
-    _check_rows("hidden", hidden)
+    check_rows("hidden", hidden)
     num_prompt = len(prompt_ids)
     if hidden.shape[0] < num_prompt:
         raise ValueError(f"hidden: {hidden.shape[0]} rows cannot cover the {num_prompt} prompt tokens (prompt_ids)")
@@ -86,13 +88,13 @@ def build_talker_prefill(
     """Qwen2.5-Omni talker prefill: `(ids, embeds [P+2, D])`.
 
     ids = [mask_id]*P + [pad_id, start_id]; embeds = prompt rows, spk + codec_pad, first_reply + codec_bos."""
-    _check_rows("prompt_embeds", prompt_embeds)
+    check_rows("prompt_embeds", prompt_embeds)
     dim = prompt_embeds.shape[1]
     for name, row in (
         ("first_reply", first_reply), ("spk_embed", spk_embed),
         ("codec_pad_embed", codec_pad_embed), ("codec_bos_embed", codec_bos_embed),
     ):
-        _check_row(name, row, dim)
+        check_row(name, row, dim)
     ids = [mask_id] * prompt_embeds.shape[0] + [pad_id, start_id]
     speaker_row = (spk_embed + codec_pad_embed).unsqueeze(0)  # [1, D]
     start_row = (first_reply + codec_bos_embed).unsqueeze(0)  # [1, D]
@@ -107,10 +109,10 @@ def talker_decode_input(
     """One talker decode input: `(head row of the queue + last_codec_embed [D], remaining queue [K-1, D])`.
 
     An empty queue uses `fallback` and comes back unchanged as the `[0, D]` queue (never None)."""
-    _check_rows("reply_queue", reply_queue)
+    check_rows("reply_queue", reply_queue)
     dim = reply_queue.shape[1]
-    _check_row("last_codec_embed", last_codec_embed, dim)
-    _check_row("fallback", fallback, dim)
+    check_row("last_codec_embed", last_codec_embed, dim)
+    check_row("fallback", fallback, dim)
     if reply_queue.shape[0] == 0:
         return fallback + last_codec_embed, reply_queue
     return reply_queue[0] + last_codec_embed, reply_queue[1:]
@@ -130,15 +132,15 @@ class TalkerInputs:
     tts_pad_embed: torch.Tensor
 
     def __post_init__(self):
-        _check_rows("prefill_embeds", self.prefill_embeds)
+        check_rows("prefill_embeds", self.prefill_embeds)
         dim = self.prefill_embeds.shape[1]
         ids = self.prefill_ids
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype != torch.long:
             raise ValueError("prefill_ids: expected a 1-D LongTensor")
         if ids.shape[0] != self.prefill_embeds.shape[0]:
             raise ValueError(f"prefill_ids: {ids.shape[0]} ids for {self.prefill_embeds.shape[0]} prefill rows")
-        _check_rows("trailing_text", self.trailing_text, dim)
-        _check_row("tts_pad_embed", self.tts_pad_embed, dim)
+        check_rows("trailing_text", self.trailing_text, dim)
+        check_row("tts_pad_embed", self.tts_pad_embed, dim)
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,8 @@ class ThinkerToTalkerStream:
     ) -> list[TalkerChunk]:
         if self.is_finished:
             raise ValueError("push: the stream is already finished")
-        _check_rows("embeds", embeds, self._dim)
-        _check_rows("hidden", hidden, self._dim)
+        check_rows("embeds", embeds, self._dim)
+        check_rows("hidden", hidden, self._dim)
         if hidden.shape[0] != embeds.shape[0]:
             raise ValueError(f"hidden: {hidden.shape[0]} rows for {embeds.shape[0]} embeds rows")
         self._dim = embeds.shape[1]

@@ -43,7 +43,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, PreTrainedTokenizerFast
 
-from omnimtp.spec.train import collect_text_files, encode_files
+from omnimtp.mtp.train import collect_text_files, encode_files
 
 EOS_TOKEN = "<|endoftext|>"
 

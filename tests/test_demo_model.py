@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnimtp import demo_model_dir, speculative_generate
-from omnimtp.spec.demo import demo_heldout_prompts, load_demo_model
+from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
 
 MAX_NEW_TOKENS = 32
 

@@ -1,7 +1,7 @@
-"""The packed target (omnimtp.spec.packed_target) against transformers' forward on the same weights: logits of
+"""The packed target (omnimtp.spec_decode.packed_target) against transformers' forward on the same weights: logits of
 prefill and decode (shipped demo LM; tiny Glm4Moe with dense + MoE layers, Qwen3, Llama, Qwen2), kv_mask holes +
 crop, buffer growth, repacking after a weight edit; speculative decoding on it (`target_backend`) and the plain
-`packed_generate` loop == `target.generate` greedy; seeded sampling repeats; backend selection and errors."""
+`plain_generate` loop == `target.generate` greedy; seeded sampling repeats; backend selection and errors."""
 
 import pytest
 import torch
@@ -17,10 +17,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from omnimtp import MTPHead, SamplingParams, packed_generate, speculative_generate, tiny_lm
-from omnimtp.spec.demo import demo_heldout_prompts, load_demo_model
-from omnimtp.spec.generate import _packed_or_none
-from omnimtp.spec.packed_target import PackedKVCache, packed_forward, packed_logits, packed_target, unsupported_reason
+from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate, tiny_lm
+from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
+from omnimtp.spec_decode.generate import _packed_or_none
+from omnimtp.spec_decode.packed_target import PackedKVCache, packed_forward, packed_logits, packed_target, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,7 +211,7 @@ def test_demo_greedy_packed_speculative_equals_generate(demo, k):
         assert torch.equal(out.sequences, reference)
         if k == 3:
             assert out.stats.mean_acceptance_length > 1.5  # the trained head really drafts
-            assert torch.equal(packed_generate(target, prompt, max_new_tokens=32, eos_token_id=-1), reference)
+            assert torch.equal(plain_generate(target, prompt, max_new_tokens=32, eos_token_id=-1), reference)
 
 
 def _ragged(prompts, lengths, pad_id):
@@ -232,7 +232,7 @@ def test_demo_greedy_packed_ragged_batch(demo):
         out = speculative_generate(target, head, ids, mask, max_new_tokens=24, num_draft_tokens=k, eos_token_id=-1,
                                    target_backend="packed")
         assert torch.equal(out.sequences, reference)
-    assert torch.equal(packed_generate(target, ids, mask, max_new_tokens=24, eos_token_id=-1), reference)
+    assert torch.equal(plain_generate(target, ids, mask, max_new_tokens=24, eos_token_id=-1), reference)
 
 
 @pytest.mark.parametrize("name", ["tiny_glm4_moe", "glm4_moe_grouped", "qwen2"])
@@ -247,7 +247,7 @@ def test_tiny_greedy_ragged_with_eos(name):
     eos = int(free[0, ids.shape[1] + 3])
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos)
     ids_before = ids.clone()
-    assert torch.equal(packed_generate(target, ids, mask, max_new_tokens=12, eos_token_id=eos), reference)
+    assert torch.equal(plain_generate(target, ids, mask, max_new_tokens=12, eos_token_id=eos), reference)
     if head is not None:
         for k in (1, 3):
             out = speculative_generate(target, head, ids, mask, max_new_tokens=12, num_draft_tokens=k,
@@ -269,10 +269,10 @@ def test_sampled_seeded_runs_repeat():
     # Same draws in the same order on (rounding-level) equal logits: the transformers backend agrees.
     other = speculative_generate(target, head, ids, mask, target_backend="transformers", **kwargs)
     assert torch.equal(first.sequences, other.sequences)
-    plain = [packed_generate(target, ids, mask, max_new_tokens=10, sampling=sampling, seed=[3, 4], eos_token_id=-1)
+    plain = [plain_generate(target, ids, mask, max_new_tokens=10, sampling=sampling, seed=[3, 4], eos_token_id=-1)
              for _ in range(2)]
     assert torch.equal(plain[0], plain[1])
-    assert not torch.equal(plain[0], packed_generate(target, ids, mask, max_new_tokens=10, sampling=sampling,
+    assert not torch.equal(plain[0], plain_generate(target, ids, mask, max_new_tokens=10, sampling=sampling,
                                                      seed=[5, 6], eos_token_id=-1))
 
 
@@ -293,16 +293,16 @@ def test_backend_selection_and_errors():
     with pytest.raises(ValueError, match="target_backend='packed'.*deepseek_v3"):
         speculative_generate(mla, mla_head, prompt, max_new_tokens=4, num_draft_tokens=2, target_backend="packed")
     with pytest.raises(ValueError, match="target_backend='packed'.*deepseek_v3"):
-        packed_generate(mla, prompt, max_new_tokens=4, target_backend="packed")
+        plain_generate(mla, prompt, max_new_tokens=4, target_backend="packed")
     with pytest.raises(ValueError, match="target_backend"):
-        packed_generate(target, prompt, max_new_tokens=4, target_backend="fast")
+        plain_generate(target, prompt, max_new_tokens=4, target_backend="fast")
     plain = mla.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1)
-    assert torch.equal(packed_generate(mla, prompt, max_new_tokens=8, eos_token_id=-1), plain)  # fell back
-    assert torch.equal(packed_generate(target, prompt, max_new_tokens=8, eos_token_id=-1, target_backend="transformers"),
+    assert torch.equal(plain_generate(mla, prompt, max_new_tokens=8, eos_token_id=-1), plain)  # fell back
+    assert torch.equal(plain_generate(target, prompt, max_new_tokens=8, eos_token_id=-1, target_backend="transformers"),
                        target.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1))
     assert _packed_or_none(mla, "auto") is None
     reference = mla.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=-1)
     out = speculative_generate(mla, mla_head, prompt, max_new_tokens=8, num_draft_tokens=2, eos_token_id=-1)
     assert torch.equal(out.sequences, reference)  # "auto" fell back to transformers
     with pytest.raises(ValueError, match="max_new_tokens"):
-        packed_generate(target, prompt, max_new_tokens=0)
+        plain_generate(target, prompt, max_new_tokens=0)

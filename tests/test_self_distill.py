@@ -12,8 +12,8 @@ from omnimtp import MTPHead, MTPTrainConfig, generate_distill_rows, tiny_lm, tra
 from omnimtp.cli import main as cli_main
 from text_corpus import write_code_corpus_and_model
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
-from omnimtp.spec.train import sample_windows
-from omnimtp.spec.train_cli import load_distill_rows
+from omnimtp.mtp.train import sample_windows
+from omnimtp.mtp.train_cli import load_distill_rows
 
 
 @pytest.fixture(scope="module")

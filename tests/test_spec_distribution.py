@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from omnimtp import SamplingParams, TargetProposer, packed_generate, speculative_generate, tiny_lm
+from omnimtp import SamplingParams, TargetProposer, plain_generate, speculative_generate, tiny_lm
 from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -140,7 +140,7 @@ def _filter_order_laws(exact) -> dict[str, torch.Tensor]:
 
 
 def test_plain_sampling_follows_the_filtered_law(target, exact):
-    sequences = packed_generate(
+    sequences = plain_generate(
         target, PROMPT.expand(NUM_ROWS, -1), max_new_tokens=NUM_TOKENS, sampling=SAMPLING,
         seed=list(range(NUM_ROWS)), eos_token_id=-1,
     )

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generate, tiny_lm
-from omnimtp.spec.generate import _greedy_verify
-from omnimtp.spec.rejection import rejection_sample
+from omnimtp.spec_decode.generate import _greedy_verify
+from omnimtp.spec_decode.rejection import rejection_sample
 from distribution_checks import tv_bound
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]

@@ -11,7 +11,7 @@ from omnimtp import MTPHead, MTPTrainConfig, load_target_and_head, speculative_g
 from omnimtp.cli import main as cli_main
 from text_corpus import write_code_corpus_and_model
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE
-from omnimtp.spec.train import (
+from omnimtp.mtp.train import (
     acceptance_estimate,
     collect_text_files,
     distillation_losses,

@@ -27,7 +27,7 @@ from omnimtp.handoff import (
     build_talker_prefill,
     talker_inputs_from_rows,
 )
-from omnimtp.talker.qwen3_inputs import _prompt_list, lookup_speaker, trimmed_thinker_rows
+from omnimtp.talker.qwen3_inputs import prompt_list, lookup_speaker, trimmed_thinker_rows
 
 
 class Qwen2_5TalkerInputBuilder:
@@ -39,7 +39,7 @@ class Qwen2_5TalkerInputBuilder:
     @torch.no_grad()
     def __init__(self, model: Qwen2_5OmniForConditionalGeneration, prompt_ids, speaker: str):
         talker = model.talker
-        self.prompt_ids = _prompt_list(prompt_ids)
+        self.prompt_ids = prompt_list(prompt_ids)
         self.num_prompt_rows = len(self.prompt_ids)
         self.num_prefill_rows = self.num_prompt_rows + 1  # the prompt and g0
         speaker_params = lookup_speaker(model.speaker_map, speaker)
@@ -94,7 +94,7 @@ def build_qwen2_5_talker_inputs(
     speaker: str,
 ) -> TalkerInputs:
     """One request's Qwen2.5-Omni talker inputs (intended construction), with the stop-row trim."""
-    prompt = _prompt_list(prompt_ids)
+    prompt = prompt_list(prompt_ids)
     embeds, hidden = trimmed_thinker_rows(
         model.config.thinker_config.text_config.hidden_size,
         prompt, output_ids, thinker_embeds, thinker_hidden, finish_reason,

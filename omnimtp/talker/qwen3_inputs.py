@@ -41,7 +41,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnimtp.handoff import (
     TalkerInputs,
-    _check_rows,
+    check_rows,
     check_prefill_rows,
     talker_inputs_from_rows,
     trim_thinker_hidden,
@@ -51,7 +51,8 @@ PROJECTIONS = ("reference", "per_row")
 NUM_ASSISTANT_ROWS = 9
 
 
-def _prompt_list(prompt_ids) -> list[int]:
+def prompt_list(prompt_ids) -> list[int]:
+    """Prompt token ids (a list or a 1-D tensor) as a list of ints."""
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() != 1:
             raise ValueError(f"prompt_ids: expected a 1-D tensor or a list, got shape {tuple(prompt_ids.shape)}")
@@ -76,8 +77,8 @@ def trimmed_thinker_rows(
     finish_reason: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both thinker row sets checked against each other and cut by the stop-row trim → ([R', D], [R', D])."""
-    _check_rows("thinker_embeds", thinker_embeds, dim)
-    _check_rows("thinker_hidden", thinker_hidden, dim)
+    check_rows("thinker_embeds", thinker_embeds, dim)
+    check_rows("thinker_hidden", thinker_hidden, dim)
     if thinker_hidden.shape[0] != thinker_embeds.shape[0]:
         raise ValueError(f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows")
     if thinker_embeds.shape[0] < len(prompt):
@@ -99,7 +100,7 @@ class Qwen3TalkerInputBuilder:
         config = model.config
         talker_config = config.talker_config
         self.model = model
-        self.prompt_ids = _prompt_list(prompt_ids)
+        self.prompt_ids = prompt_list(prompt_ids)
         self.speaker_id = lookup_speaker(talker_config.speaker_id, speaker)
         num_prompt = len(self.prompt_ids)
         self.num_prompt_rows = num_prompt
@@ -226,7 +227,7 @@ def build_qwen3_talker_inputs(
     speaker, a prompt without an assistant turn, and a reply left with no row to speak."""
     if projection not in PROJECTIONS:
         raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
-    prompt = _prompt_list(prompt_ids)
+    prompt = prompt_list(prompt_ids)
     embeds, hidden = trimmed_thinker_rows(
         model.config.thinker_config.text_config.hidden_size,
         prompt, output_ids, thinker_embeds, thinker_hidden, finish_reason,

@@ -24,8 +24,8 @@ and no sliding window. `unsupported_reason(target)` says why another model is no
     hidden = packed_forward(packed, cache, ids, positions, kv_mask)      # [B, T, H], appends T slots
     logits = packed_logits(packed, hidden[:, -1:])                       # [B, 1, V] float32
 
-`omnimtp.spec.generate` runs speculative decoding (`target_backend`) and plain decoding
-(`packed_generate`) on it.
+`omnimtp.spec_decode.generate` runs speculative decoding (`target_backend`) and plain decoding
+(`plain_generate`) on it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 from omnimtp.sampling import SamplingParams, exponential_noise, probs_from_logits, sample_from_probs
-from omnimtp.spec.head import MTPHead
+from omnimtp.mtp.head import MTPHead
 
 
 @dataclass

@@ -79,7 +79,7 @@ def add_parser(subparsers) -> None:
 
 def copy_target_files(model_dir: Path, out_dir: Path) -> None:
     """Copy the target checkpoint's files (not an MTP layer or index already there) into `out_dir`."""
-    from omnimtp.spec.head import MTP_WEIGHTS_NAME, SAFE_INDEX_NAME
+    from omnimtp.mtp.head import MTP_WEIGHTS_NAME, SAFE_INDEX_NAME
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in sorted(model_dir.iterdir()):
@@ -98,7 +98,7 @@ def _load_model_and_data_args(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from omnimtp.spec.train import DATA_SUFFIXES
+    from omnimtp.mtp.train import DATA_SUFFIXES
 
     model_dir = Path(args.model)
     if not model_dir.is_dir():
@@ -112,8 +112,8 @@ def _load_model_and_data_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from omnimtp.spec.head import MTPHead
-    from omnimtp.spec.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
+    from omnimtp.mtp.head import MTPHead
+    from omnimtp.mtp.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -184,7 +184,7 @@ def run_gen_distill_data(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from omnimtp.spec.train import collect_text_files, encode_files, generate_distill_rows
+    from omnimtp.mtp.train import collect_text_files, encode_files, generate_distill_rows
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -16,7 +16,7 @@ Left padding of the prompts is one more set of invalid slots in the same mask. T
 slots per step when rows disagree (never more than k per step; none when every row rejects at the same
 place). Rows that finished (EOS or max_new_tokens) keep riding along, emit nothing and count n_b = 1.
 
-Target backends. `target_backend="packed"` runs the target on `omnimtp.spec.packed_target` (packed
+Target backends. `target_backend="packed"` runs the target on `omnimtp.spec_decode.packed_target` (packed
 weights, a static KV buffer with the same one-length + kv_mask + crop semantics, SDPA), which removes
 most of transformers' per-forward framework time on small models; "transformers" runs the model's own
 decoder with a `DynamicCache`; "auto" (default) takes "packed" for supported models on CPU.
@@ -35,12 +35,12 @@ import torch
 from transformers import DynamicCache
 
 from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, sample
-from omnimtp.spec.head import MTPHead
-from omnimtp.spec.packed_target import (
+from omnimtp.mtp.head import MTPHead
+from omnimtp.spec_decode.packed_target import (
     PackedKVCache, PackedTarget, packed_forward, packed_logits, packed_target, unsupported_reason,
 )
-from omnimtp.spec.proposer import DraftInput, MTPProposer, Proposer
-from omnimtp.spec.rejection import rejection_sample
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
+from omnimtp.spec_decode.rejection import rejection_sample
 
 
 @dataclass(frozen=True)
@@ -366,7 +366,7 @@ def _speculative_generate(
     return SpecOutput(sequences=torch.cat([input_ids, new_tokens], dim=1), stats=stats)
 
 
-def packed_generate(
+def plain_generate(
     target,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,

@@ -29,10 +29,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from transformers import AutoTokenizer
 
-    from omnimtp.spec.generate import speculative_generate
-    from omnimtp.spec.head import load_target_and_head
+    from omnimtp.spec_decode.generate import speculative_generate
+    from omnimtp.mtp.head import load_target_and_head
 
-    from omnimtp.spec.demo import demo_model_dir
+    from omnimtp.mtp.demo import demo_model_dir
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model_dir = args.model if args.model is not None else demo_model_dir()

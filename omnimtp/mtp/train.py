@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from omnimtp.spec.head import MTPHead
+from omnimtp.mtp.head import MTPHead
 
 DATA_SUFFIXES = (".py", ".txt", ".md", ".rst")
 SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
@@ -131,14 +131,14 @@ def generate_distill_rows(
     """Self-distillation data (Medusa-2 / EAGLE style): text the target itself generated.
 
     Row r = a window of `prompt_len` tokens of `train_stream` (start drawn from `seed`) followed by the
-    target's own continuation of `seq_len - prompt_len` tokens (`packed_generate`: greedy at temperature 0,
+    target's own continuation of `seq_len - prompt_len` tokens (`plain_generate`: greedy at temperature 0,
     else sampled at `temperature` with row seed `seed * 1_000_003 + r`, so a row does not depend on
     `batch_size`). EOS does not end a row: the target continues past it as it does across the concatenated
     training files. Greedy speculative decoding drafts on exactly such text (a prompt, then the target's
     greedy output), which windows of the training files do not contain. → rows [num_rows, seq_len] int32.
     """
     from omnimtp.sampling import SamplingParams
-    from omnimtp.spec.generate import packed_generate
+    from omnimtp.spec_decode.generate import plain_generate
 
     for name, value in (("num_rows", num_rows), ("prompt_len", prompt_len), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -163,7 +163,7 @@ def generate_distill_rows(
             batch_starts = starts[first : first + batch_size]
             prompts = torch.stack([train_stream[s : s + prompt_len] for s in batch_starts]).long()  # [b, P]
             row_seeds = [seed * 1_000_003 + first + i for i in range(len(batch_starts))]
-            sequences = packed_generate(target, prompts, max_new_tokens=seq_len - prompt_len, sampling=sampling,
+            sequences = plain_generate(target, prompts, max_new_tokens=seq_len - prompt_len, sampling=sampling,
                                         seed=row_seeds, eos_token_id=[])  # [b, L]
             rows.append(sequences.to(torch.int32))
     finally:

@@ -25,7 +25,7 @@ def load_demo_model():
     """(target, head, tokenizer) of the demo checkpoint, float32, eval mode, target ready for `use_mtp`."""
     from transformers import AutoTokenizer
 
-    from omnimtp.spec.head import load_target_and_head
+    from omnimtp.mtp.head import load_target_and_head
 
     target, head = load_target_and_head(demo_model_dir())  # weights stored bf16, config dtype float32
     return target, head, AutoTokenizer.from_pretrained(demo_model_dir())

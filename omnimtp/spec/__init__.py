@@ -1,1 +1,0 @@
-"""MTP speculative decoding: NextN head, drafting, verification, rejection sampling, training."""
