@@ -55,6 +55,13 @@ def num_kept_rows(num_prompt_tokens: int, num_output_tokens: int, finish_reason:
     return num_prompt_tokens + num_output_tokens - drop
 
 
+def reply_has_speech(num_prompt_tokens: int, num_output_tokens: int, finish_reason: str, num_prefill_rows: int) -> bool:
+    """Whether a finished reply keeps the rows a talker prefill of `num_prefill_rows` needs after the
+    stop-row trim. A thinker never forwards its last token, so at most P + N − 1 rows exist."""
+    kept = min(num_kept_rows(num_prompt_tokens, num_output_tokens, finish_reason), num_prompt_tokens + num_output_tokens - 1)
+    return kept >= num_prefill_rows
+
+
 def trim_thinker_hidden(
     hidden: torch.Tensor,  # [R, D]
     prompt_ids: Sequence[int],

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from omnimtp.engine.core import EngineConfig
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
@@ -85,7 +86,8 @@ def test_streamed_equals_generated(pipe):
     full = pipe.generate("Tell me a story", **kwargs)
     events = list(pipe.stream("Tell me a story", **kwargs))
     chunks = [e.audio for e in events if e.audio is not None]
-    assert len(chunks) >= 2 and len(chunks[0]) == 1920 * 2 - 555  # a small first chunk
+    first_chunk_frames = EngineConfig().first_chunk_frames
+    assert len(chunks) >= 2 and len(chunks[0]) == 1920 * first_chunk_frames - 555  # a small first chunk
     assert "".join(e.text for e in events) == full.text
     for chunk in chunks:
         assert_audible(chunk)

@@ -1,0 +1,435 @@
+"""The one step loop every driver runs: `OmniPipeline.generate/stream`, the HTTP server, a batch job.
+
+    core = EngineCore(family, EngineConfig())
+    core.add(request)                       # a `Request`: prompt ids, speaker, sampling, seed, limits
+    while core.has_work():
+        for event in core.step():           # StepEvent: text delta | audio chunk | finished
+            ...
+
+One `step()` is one audio frame boundary:
+
+    think    one thinker step for every running cohort (requests admitted together share a run)
+    admit    waiting requests, up to max_batch_size holding a slot; chat requests form a new cohort that
+             takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
+             prefill and one reply row), so a request that arrived while the engine was busy speaks in
+             this step; speech requests get their talker inputs from the text to speak
+    prefill  the talker prefill of every request whose talker inputs are ready, as one batch
+    speak    one talker + code predictor step for every speaking request, as one batch
+    decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
+             `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
+    retire   finished requests
+
+The model family (`omnimtp.families`) supplies everything model-specific; the core only moves each
+request's state (`omnimtp.engine.request.Request`) through the stages. Each request has its own KV
+slots and generators, so a seeded request gives the same tokens, codes and PCM alone or in any batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
+from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings, one definition for every driver.
+
+    max_new_tokens, max_frames: a request's default thinker token and audio frame caps.
+    first_chunk_frames, chunk_frames: streamed audio goes out after first_chunk_frames frames (fast first
+    audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
+    admitted cohort takes in its first step (its prefill counts as one). max_decode_frames: frames of
+    later (not first) chunks decoded per step, though always the oldest chunk (None: every due chunk).
+    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot."""
+
+    max_batch_size: int = 8
+    max_new_tokens: int = 256
+    max_frames: int = 1500
+    first_chunk_frames: int = 1
+    chunk_frames: int = 25
+    max_start_steps: int = 3
+    max_decode_frames: int | None = None
+    max_defer_steps: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "max_decode_frames" and value is None:
+                continue
+            minimum = 0 if f.name == "max_defer_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{f.name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class _PendingTalker:
+    """A request's talker prefill, waiting for the step's talker admission."""
+
+    prefill_embeds: torch.Tensor  # [L, H]
+    trailing_text: list[torch.Tensor]  # [n, H] blocks, in order
+    tts_pad_embed: torch.Tensor  # [H]
+    is_text_finished: bool
+
+
+@dataclass
+class _Cohort:
+    """Chat requests admitted in the same step: one thinker run, one forward per step for all."""
+
+    run: object  # the family's thinker run (`omnimtp.thinker.ThinkerRun`)
+    requests: list[Request]
+
+    @property
+    def is_live(self) -> bool:
+        return not self.run.is_finished and any(r.is_thinking for r in self.requests)
+
+
+class EngineCore:
+    """The step loop (see the module docstring). Not thread-safe except `add` and the waiting queue,
+    which take `lock` (a driver that submits from another thread passes its own)."""
+
+    def __init__(self, family, config: EngineConfig | None = None, *, lock=None, observer=None):
+        self.family = family
+        self.config = config or EngineConfig()
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.observer = observer  # optional: .stage(name, s), .phase(name, s), .talker_batch(n)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[Hashable, Request] = {}
+        self.cohorts: list[_Cohort] = []
+        self.talker = family.new_talker_batch(self.config.max_batch_size)
+        self.num_steps = 0
+        self._num_deferred = 0
+
+    # --- the driver's side ---
+
+    def add(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise ValueError(f"request must be a Request, got {type(request).__name__}")
+        if request.speaker is not None:
+            self.family.check_speaker(request.speaker)
+        with self.lock:
+            if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
+                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+            request.status = Status.WAITING
+            self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.waiting or self.running)
+
+    def abort(self, request_id: Hashable) -> Request | None:
+        """Drop a waiting or running request (call between steps); None if it is not here."""
+        with self.lock:
+            request = next((r for r in self.waiting if r.request_id == request_id), None)
+            if request is not None:
+                self.waiting.remove(request)
+            else:
+                request = self.running.pop(request_id, None)
+        if request is None:
+            return None
+        if request.is_in_talker:
+            self.talker.retire([request_id])
+            request.is_in_talker = False
+        request.status = Status.ABORTED
+        return request
+
+    def fail_running(self) -> list[Request]:
+        """After a step raised: drop every running request (returned) and start a fresh talker batch."""
+        with self.lock:
+            failed = list(self.running.values())
+            self.running.clear()
+        for request in failed:
+            request.status = Status.ABORTED
+        self.cohorts.clear()
+        self.talker = self.family.new_talker_batch(self.config.max_batch_size)
+        return failed
+
+    def output(self, request: Request) -> OmniOutput:
+        """A finished request's result."""
+        num_groups = self.family.num_code_groups
+        codes = torch.stack(request.frames, dim=1) if request.frames else torch.zeros((num_groups, 0), dtype=torch.long)
+        audio = np.concatenate(request.audio) if request.audio else np.zeros(0, dtype=np.float32)
+        return OmniOutput(
+            text=self.family.decode_text(request.reply_ids), text_ids=list(request.output_ids), codes=codes,
+            audio=audio.astype(np.float32), sample_rate=self.family.sample_rate, finish_reason=request.finish_reason,
+            thinker_finish_reason=request.thinker_finish_reason, talker_finish_reason=request.talker_finish_reason,
+        )
+
+    # --- one step ---
+
+    def step(self) -> list[StepEvent]:
+        self.num_steps += 1
+        started = time.perf_counter()
+        events: list[StepEvent] = []
+        for cohort in self.cohorts:
+            events += self._think(cohort)
+        events += self._start(self._admit())
+        self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
+        started = self._phase("think", started)
+        self._prefill_talker()
+        started = self._phase("talker_admit", started)
+        self._speak()
+        started = self._phase("talk", started)
+        events += self._decode()
+        self._phase("code2wav", started)
+        events += self._retire()
+        return events
+
+    # --- admit ---
+
+    def _admit(self) -> list[Request]:
+        with self.lock:
+            admitted = []
+            while self.waiting and len(self.running) < self.config.max_batch_size:
+                request = self.waiting.popleft()
+                self.running[request.request_id] = request
+                admitted.append(request)
+        now = time.perf_counter()
+        for request in admitted:
+            request.status = Status.RUNNING
+            request.admitted_at, request.admitted_step = now, self.num_steps
+            self._stage("queue", now - request.submitted_at)
+            if not request.has_speech:
+                continue
+            request.codec_stream = self.family.new_codec_stream()
+            if not request.is_chat:
+                inputs = self.family.speech_talker_inputs(request.prompt_ids, request.speaker)
+                request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
+                continue
+            request.talker_builder = self.family.talker_builder(request.prompt_ids, request.speaker)
+            if request.is_streamed:
+                request.handoff = ThinkerToTalkerStream(request.talker_builder)
+        return admitted
+
+    def _start(self, admitted: list[Request]) -> list[StepEvent]:
+        """A new cohort for the admitted chat requests, with up to max_start_steps thinker steps now."""
+        chats = [request for request in admitted if request.is_chat]
+        if not chats:
+            return []
+        run = self.family.new_thinker(
+            [r.prompt_ids for r in chats], [r.thinker_sampling for r in chats], [r.thinker_generator for r in chats],
+            max(r.max_new_tokens for r in chats),
+        )
+        cohort = _Cohort(run, chats)
+        self.cohorts.append(cohort)
+        events = []
+        for _ in range(self.config.max_start_steps):
+            events += self._think(cohort)
+            if run.is_finished or all(_can_speak(request) for request in chats):
+                break
+        return events
+
+    # --- think ---
+
+    def _think(self, cohort: _Cohort) -> list[StepEvent]:
+        events = []
+        for event in cohort.run.step():
+            request = cohort.requests[event.index]
+            if event.token_id is not None and request.is_thinking:  # aborted rows ride along unread
+                events += self._take_token(request, event)
+        return events
+
+    def _take_token(self, request: Request, event) -> list[StepEvent]:
+        """One thinker token: a text delta, and the token's rows on to the talker when speaking."""
+        request.output_ids.append(event.token_id)
+        finish_reason = event.finish_reason
+        if finish_reason is None and len(request.output_ids) >= request.max_new_tokens:
+            finish_reason = "length"  # the cohort's run may allow more; this request's budget is spent
+        request.thinker_finish_reason = finish_reason
+        delta = request.text_delta(self.family.decode_text, is_final=finish_reason is not None)
+        events = [StepEvent(request, self.num_steps, text=delta)] if delta else []
+        if request.has_speech and request.talker_finish_reason is None:
+            self._hand_off(request, event, finish_reason)
+        return events
+
+    def _hand_off(self, request: Request, event, finish_reason: str | None) -> None:
+        if finish_reason is not None:
+            num_prompt, num_output = len(request.prompt_ids), len(request.output_ids)
+            if not reply_has_speech(num_prompt, num_output, finish_reason, request.talker_builder.num_prefill_rows):
+                request.talker_finish_reason = "stop"  # the reply kept no row to speak (an immediate stop)
+                return
+        if not request.is_streamed:
+            request.thinker_rows.append((event.embeds, event.hidden))
+            if finish_reason is not None:
+                embeds, hidden = (torch.cat(rows) for rows in zip(*request.thinker_rows))
+                inputs = self.family.reply_talker_inputs(
+                    request.talker_builder, request.prompt_ids, request.output_ids, embeds, hidden, finish_reason
+                )
+                request.thinker_rows = []
+                request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
+            return
+        chunks = request.handoff.push(event.embeds, event.hidden, [event.token_id])
+        if finish_reason is not None:
+            chunks += request.handoff.finish(finish_reason)
+        for chunk in chunks:
+            if chunk.index == 0:
+                request.talker_inputs = _PendingTalker(
+                    chunk.prefill_embeds, [chunk.trailing_text], chunk.tts_pad_embed, chunk.is_finished
+                )
+            elif request.talker_inputs is not None:  # not prefilled yet: the rows join its admission
+                request.talker_inputs.trailing_text.append(chunk.trailing_text)
+                request.talker_inputs.is_text_finished = chunk.is_finished
+            else:
+                self.talker.push_text(request.request_id, chunk.trailing_text, chunk.is_finished)
+
+    # --- prefill + speak ---
+
+    def _prefill_talker(self) -> None:
+        """The talker prefill of every request whose talker inputs are ready, as one admission."""
+        pending = [r for r in self.running.values() if r.talker_inputs is not None]
+        if not pending:
+            return
+        talker_requests = []
+        for request in pending:
+            inputs, request.talker_inputs = request.talker_inputs, None
+            talker_requests.append(self.family.talker_request(
+                request.request_id, inputs.prefill_embeds, torch.cat(inputs.trailing_text), inputs.tts_pad_embed,
+                inputs.is_text_finished, request.talker_sampling, request.talker_generator, request.max_frames,
+            ))
+            request.is_in_talker = True
+        ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames
+        now = time.perf_counter()
+        for request in pending:
+            request.talker_admitted_at = now
+            self._stage("thinker", now - request.admitted_at)
+        self._end_talkers([(frame.request_id, frame.finish_reason) for frame in ended])
+
+    def _speak(self) -> None:
+        if not self.talker.rows:
+            return
+        frames = self.talker.step()
+        if self.observer is not None and frames:
+            self.observer.talker_batch(len(frames))
+        ended = []
+        for frame in frames:
+            request = self.running[frame.request_id]
+            if frame.codes is not None:
+                request.frames.append(frame.codes)
+                if request.first_frame_at is None:
+                    request.first_frame_at = time.perf_counter()
+                    self._stage("talker", request.first_frame_at - request.talker_admitted_at)
+            if frame.finish_reason is not None:
+                ended.append((frame.request_id, frame.finish_reason))
+        self._end_talkers(ended)  # a finished row leaves the talker batch now; its audio may still be decoding
+
+    def _end_talkers(self, ended: list[tuple[Hashable, str]]) -> None:
+        if not ended:
+            return
+        self.talker.retire([request_id for request_id, _ in ended])
+        for request_id, finish_reason in ended:
+            request = self.running[request_id]
+            request.talker_finish_reason = finish_reason
+            request.is_in_talker = False
+
+    # --- decode ---
+
+    def _decode(self) -> list[StepEvent]:
+        """code2wav of the chunks that are due (see the module docstring).
+
+        Chunk boundaries are fixed per request (first_chunk_frames, then every chunk_frames, then the
+        rest; a request that is not streamed: all its frames once its talker ends), whatever else runs;
+        only the step a chunk is decoded in depends on the load. Later chunks go strictly oldest first
+        (the step they became due, then admission order), so requests that finish together spread their
+        long last chunks over several short steps instead of one long one every newcomer waits behind."""
+        config = self.config
+        first, later = [], []
+        for order, request in enumerate(self.running.values()):
+            pending = len(request.frames) - request.num_decoded
+            if pending == 0:
+                continue
+            is_talker_done = request.talker_finish_reason is not None
+            if not request.is_streamed:
+                size = pending if is_talker_done else 0
+            else:
+                target = config.first_chunk_frames if request.num_decoded == 0 else config.chunk_frames
+                size = min(pending, target) if pending >= target or is_talker_done else 0
+            if size == 0:
+                continue
+            if request.is_streamed and request.num_decoded == 0:
+                first.append((request, size))
+                continue
+            if request.chunk_ready_step is None:
+                request.chunk_ready_step = self.num_steps
+            later.append((order, request, size))
+        later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
+        if later and self._num_deferred < config.max_defer_steps:
+            with self.lock:
+                has_newcomers = bool(self.waiting) and len(self.running) < config.max_batch_size
+            if has_newcomers:  # end the step: admitting them now beats decoding audio not yet due
+                self._num_deferred += 1
+                later = []
+        if later:
+            self._num_deferred = 0
+        budget = config.max_decode_frames
+        taken = []
+        for i, (_, request, size) in enumerate(later):
+            if budget is not None and i > 0 and size > budget:
+                break  # strictly oldest first: a short chunk never overtakes a waiting long one
+            taken.append((request, size))
+            request.chunk_ready_step = None
+            if budget is not None:
+                budget -= size
+        return self._decode_blocks(first) + self._decode_blocks(taken)  # first chunks go out first
+
+    def _decode_blocks(self, ready: list[tuple[Request, int]]) -> list[StepEvent]:
+        """The next n frames of each request through code2wav in one batch."""
+        if not ready:
+            return []
+        blocks = [torch.stack(r.frames[r.num_decoded : r.num_decoded + n], dim=1) for r, n in ready]  # [G, n] each
+        chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks)
+        now = time.perf_counter()
+        events = []
+        for (request, n), audio in zip(ready, chunks):
+            request.num_decoded += n
+            request.audio.append(audio)
+            if request.first_audio_at is None:
+                request.first_audio_at = now
+                self._stage("code2wav", now - request.first_frame_at)
+            events.append(StepEvent(request, self.num_steps, audio=audio))
+        return events
+
+    # --- retire ---
+
+    def _retire(self) -> list[StepEvent]:
+        done = [request for request in self.running.values() if request.is_complete]
+        if not done:
+            return []
+        now = time.perf_counter()
+        with self.lock:
+            for request in done:
+                del self.running[request.request_id]
+        for request in done:
+            request.status, request.finished_at = Status.FINISHED, now
+        return [StepEvent(request, self.num_steps, is_finished=True) for request in done]
+
+    # --- observation ---
+
+    def _stage(self, stage: str, seconds: float) -> None:
+        if self.observer is not None:
+            self.observer.stage(stage, seconds)
+
+    def _phase(self, phase: str, started: float) -> float:
+        now = time.perf_counter()
+        if self.observer is not None:
+            self.observer.phase(phase, now - started)
+        return now
+
+
+def _can_speak(request: Request) -> bool:
+    """Whether a chat request waits for no more thinker rows before its first frame: its talker prefill
+    and one reply row are here (or its reply is over, it has nothing to say, or it is not streamed)."""
+    if not request.has_speech or not request.is_streamed or not request.is_thinking:
+        return True
+    if request.talker_finish_reason is not None:
+        return True
+    pending = request.talker_inputs
+    if pending is None:
+        return request.is_in_talker
+    return pending.is_text_finished or sum(block.shape[0] for block in pending.trailing_text) > 0

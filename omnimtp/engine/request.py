@@ -1,0 +1,168 @@
+"""One request's state, the events a step produces and the finished output.
+
+A `Request` is the only place a request's state lives, from `EngineCore.add` to its last event:
+what to generate (prompt, speaker, sampling, limits, whether audio streams) and how far it got
+(thinker tokens, talker frames, decoded audio, finish reasons, timestamps).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Hashable
+
+import numpy as np
+import torch
+
+from omnimtp.sampling import SamplingParams, make_generators, request_seeds
+
+FINISH_REASONS = ("stop", "length")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Request:
+    """What to generate and how far it got.
+
+    prompt_ids: the thinker's prompt (chat), or for a speech request (`is_chat=False`) an opened
+    assistant turn followed by the text to speak, which the talker speaks without a thinker run.
+    speaker: a speaker of the model, or None for a text-only reply. thinker_sampling and
+    talker_sampling: None = greedy (the talker's greedy keeps transformers' repetition penalty).
+    is_streamed: the talker starts on the streamed handoff and audio goes out in chunks as they are
+    due; False does what transformers' `generate` does: the talker inputs are built from all of the
+    thinker's rows once it has finished (one text projection over the reply) and the audio is
+    decoded in one block when the talker ends. seed: the request's generators are seeded by
+    `request_seeds(seed)`; None draws a seed from torch's global RNG, so `torch.manual_seed` repeats
+    an unseeded request too, and a request never draws from an RNG other requests share."""
+
+    request_id: Hashable
+    prompt_ids: list[int]
+    max_new_tokens: int
+    max_frames: int
+    speaker: str | None = None
+    thinker_sampling: SamplingParams | None = None
+    talker_sampling: SamplingParams | None = None
+    seed: int | None = None
+    is_chat: bool = True
+    is_streamed: bool = True
+    # --- state ---
+    status: Status = Status.WAITING
+    thinker_generator: torch.Generator | None = field(default=None, repr=False)
+    talker_generator: torch.Generator | None = field(default=None, repr=False)
+    output_ids: list[int] = field(default_factory=list)  # thinker tokens, stop token included
+    text: str = ""  # the text handed out so far
+    thinker_finish_reason: str | None = None
+    talker_finish_reason: str | None = None
+    talker_builder: object = field(default=None, repr=False)  # the family's TalkerInputBuilder (chat with speech)
+    handoff: object = field(default=None, repr=False)  # omnimtp.handoff.ThinkerToTalkerStream (streamed)
+    thinker_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)  # not streamed
+    talker_inputs: object = field(default=None, repr=False)  # the talker prefill waiting for admission
+    is_in_talker: bool = False
+    frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
+    num_decoded: int = 0  # frames already turned into audio
+    audio: list[np.ndarray] = field(default_factory=list, repr=False)
+    codec_stream: object = field(default=None, repr=False)
+    chunk_ready_step: int | None = None  # the step its next later chunk became due
+    submitted_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    admitted_step: int | None = None
+    talker_admitted_at: float | None = None
+    first_frame_at: float | None = None
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+
+    def __post_init__(self):
+        self.prompt_ids = [int(token) for token in self.prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids: empty prompt")
+        for name in ("max_new_tokens", "max_frames"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("thinker_sampling", "talker_sampling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, SamplingParams):
+                raise ValueError(f"{name} must be None or a SamplingParams, got {type(value).__name__}")
+        if not self.is_chat and self.speaker is None:
+            raise ValueError("speaker is required to speak a speech request's text")
+        seed = self.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()))
+        self.thinker_generator, self.talker_generator = make_generators(list(request_seeds(seed)))
+
+    # --- what the drivers read ---
+
+    @property
+    def has_speech(self) -> bool:
+        return self.speaker is not None
+
+    @property
+    def reply_ids(self) -> list[int]:
+        """The reply's tokens: the thinker's, without the stop token."""
+        if self.thinker_finish_reason == "stop":
+            return self.output_ids[:-1]
+        return list(self.output_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """None until finished; then "length" if the thinker or the talker hit its cap, else "stop"."""
+        if self.status is not Status.FINISHED:
+            return None
+        reasons = (self.thinker_finish_reason, self.talker_finish_reason)
+        return "length" if "length" in reasons else "stop"
+
+    @property
+    def is_thinking(self) -> bool:
+        return self.is_chat and self.thinker_finish_reason is None and self.status is Status.RUNNING
+
+    @property
+    def is_complete(self) -> bool:
+        if self.is_chat and self.thinker_finish_reason is None:
+            return False
+        if not self.has_speech:
+            return True
+        return self.talker_finish_reason is not None and self.num_decoded == len(self.frames)
+
+    def text_delta(self, decode: Callable[[list[int]], str], is_final: bool = False) -> str:
+        """New text since the last delta. A trailing incomplete UTF-8 sequence (decoded as U+FFFD) waits
+        for its next bytes; the final delta hands out the rest, so the deltas join into exactly
+        `decode(reply_ids)`, the whole reply decoded at once."""
+        text = decode(self.reply_ids)
+        if not is_final and text.endswith("\ufffd"):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+@dataclass
+class OmniOutput:
+    """One finished request. codes: [G, T] long; audio: float32 mono at `sample_rate`.
+    finish_reason: "length" when the thinker or the talker hit its cap, else "stop"."""
+
+    text: str
+    text_ids: list[int]
+    codes: torch.Tensor
+    audio: np.ndarray
+    sample_rate: int
+    finish_reason: str
+    thinker_finish_reason: str | None
+    talker_finish_reason: str | None
+
+
+@dataclass
+class StepEvent:
+    """What one step produced for one request: a text delta (possibly ""), an audio chunk, or its end
+    (`is_finished`; `request` then holds the whole result). step: the engine step that made it."""
+
+    request: Request
+    step: int
+    text: str = ""
+    audio: np.ndarray | None = None
+    is_finished: bool = False

@@ -1,0 +1,189 @@
+"""Qwen3-Omni behind the engine's family interface: ids, the thinker run, the talker inputs, the talker
+batch, the code predictor and code2wav.
+
+The engine core (`omnimtp.engine.core`) knows nothing about Qwen3-Omni; everything model-specific it
+needs goes through the methods below. The weights are packed once here (thinker and talker decoders,
+code predictor) and shared by every run, batch and driver.
+
+    family = Qwen3OmniFamily(model, tokenizer)          # or Qwen3OmniFamily.tiny()
+    core = EngineCore(family, EngineConfig())
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omnimtp.codec.streaming import StreamingCode2Wav
+from omnimtp.handoff import TalkerInputs
+from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
+from omnimtp.talker.code_predictor import CodePredictorRunner
+from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch, TalkerRequest
+from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
+from omnimtp.thinker import ThinkerRun
+
+SAMPLE_RATE = 24_000
+
+
+class Qwen3OmniFamily:
+    """Qwen3-Omni's side of the engine.
+
+    model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer, or None
+    (then requests come as token ids and no text is decoded). compile_predictor: `CodePredictorRunner`'s
+    compile mode (False, "step" or "frame"); worth it for a long-lived process, see `warm_up`."""
+
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, model, tokenizer=None, *, compile_predictor: bool | str = False):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.compile_predictor = compile_predictor
+        config = model.config
+        self.speakers = tuple(config.talker_config.speaker_id)
+        lowered = {s.lower() for s in self.speakers}
+        self.default_speaker = "ethan" if "ethan" in lowered else sorted(self.speakers)[0]
+        self.accept_hidden_layer = config.talker_config.accept_hidden_layer
+        self.num_code_groups = config.talker_config.num_code_groups
+        self.max_positions = config.thinker_config.text_config.max_position_embeddings
+        # The thinker stops on <|im_end|> (what transformers' generate is given) and on the tokenizer's EOS.
+        self.eos_token_ids = {config.im_end_token_id}
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
+        self.codec = StreamingCode2Wav(model.code2wav)
+        self._predictors: dict[int, CodePredictorRunner] = {}
+        self.speech_header_ids = self._speech_header_ids() if _has_chat_template(tokenizer) else None
+
+    @classmethod
+    def tiny(cls, seed: int = 0, **kwargs) -> "Qwen3OmniFamily":
+        """The embedded default: a seeded tiny Qwen3-Omni (random weights: noise-like, audible speech)
+        and its byte-level tokenizer."""
+        from omnimtp.models.tiny import tiny_qwen3_omni
+        from omnimtp.tokenizer import byte_tokenizer
+
+        return cls(tiny_qwen3_omni(seed), byte_tokenizer(), **kwargs)
+
+    # --- ids and text ---
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The templated prompt of chat messages, the assistant turn opened."""
+        if not _has_chat_template(self.tokenizer):
+            raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def speech_ids(self, text: str) -> list[int]:
+        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_text(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def match_speaker(self, name: str) -> str | None:
+        """The model's speaker called `name` (case-insensitive), or None."""
+        lowered = name.strip().lower()
+        return next((speaker for speaker in self.speakers if speaker.lower() == lowered), None)
+
+    def check_speaker(self, speaker: str) -> None:
+        lookup_speaker(self.model.config.talker_config.speaker_id, speaker)
+
+    def _speech_header_ids(self) -> list[int]:
+        probe = [{"role": "user", "content": "x"}]
+        opened = list(self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
+        closed = list(self.tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=True, return_dict=False))
+        if opened[: len(closed)] != closed or len(opened) == len(closed):
+            raise ValueError("tokenizer: its chat template does not open an assistant turn after the prompt")
+        return opened[len(closed):]
+
+    # --- thinker ---
+
+    def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
+                    generators: list[torch.Generator], max_new_tokens: int) -> ThinkerRun:
+        """One thinker run over `prompts` (one KV slot each), each row with its own sampling and generator."""
+        return ThinkerRun(
+            self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
+            eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            generators=generators, decoder=self.thinker_decoder,
+        )
+
+    # --- thinker → talker ---
+
+    def talker_builder(self, prompt_ids: list[int], speaker: str) -> Qwen3TalkerInputBuilder:
+        """The request's talker-input builder (`omnimtp.handoff.TalkerInputBuilder`)."""
+        return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker)
+
+    @staticmethod
+    def reply_talker_inputs(builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:
+        """The talker inputs of a finished reply from all its thinker rows [R, D], with transformers'
+        single text projection over the reply (bit for bit what its `generate` hands the talker)."""
+        rows = trimmed_thinker_rows(builder.thinker_dim, prompt_ids, output_ids, embeds, hidden, finish_reason)
+        return builder.build(*rows, projection="reference")
+
+    def speech_talker_inputs(self, ids: list[int], speaker: str) -> TalkerInputs:
+        """Talker inputs that speak ids[len(header):] as if the thinker had replied with them: the rows
+        are the thinker's input embeddings of the tokens (a text row's only thinker input)."""
+        builder = Qwen3TalkerInputBuilder(self.model, self.speech_header_ids, speaker)
+        with torch.no_grad():
+            embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.thinker_decoder.device))
+        return builder.build(embeds, embeds, projection="per_row")
+
+    # --- talker ---
+
+    def predictor(self, max_batch_size: int) -> CodePredictorRunner:
+        """The code predictor runner for batches up to max_batch_size, made once per size."""
+        if max_batch_size not in self._predictors:
+            self._predictors[max_batch_size] = CodePredictorRunner(
+                self.model.talker.code_predictor, max_batch_size, compile=self.compile_predictor
+            )
+        return self._predictors[max_batch_size]
+
+    def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
+        return TalkerBatch(self.model.talker, max_batch_size, predictor=self.predictor(max_batch_size),
+                           decoder=self.talker_decoder)
+
+    @staticmethod
+    def talker_request(request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished: bool,
+                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int) -> TalkerRequest:
+        """prefill_embeds [L, H], trailing_text [T, H] (the reply rows known so far), tts_pad_embed [H]."""
+        return TalkerRequest(
+            request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
+            sampling=sampling, generator=generator, max_frames=max_frames,
+        )
+
+    @staticmethod
+    def sampled_talker(thinker_sampling: SamplingParams | None) -> SamplingParams | None:
+        """The talker sampling of a request that samples its thinker with `thinker_sampling`: greedy stays
+        greedy, anything else samples the talker as transformers' `generate` does by default."""
+        if thinker_sampling is None or thinker_sampling.is_greedy:
+            return None
+        return QWEN3_OMNI_TALKER_SAMPLING
+
+    def warm_up(self, max_batch_size: int) -> None:
+        """Run one greedy and one sampled predictor frame at every batch size up to max_batch_size, so
+        a compiled predictor has every graph it serves with before the first request."""
+        predictor = self.predictor(max_batch_size)
+        hidden_size = predictor.hidden_size
+        generator = torch.Generator(device=predictor.device).manual_seed(0)
+        for batch_size in range(1, max_batch_size + 1):
+            rows = torch.zeros((batch_size, hidden_size), dtype=predictor.dtype, device=predictor.device)
+            predictor.run(rows, rows)
+            predictor.run(rows, rows, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, [generator] * batch_size)
+
+    # --- code2wav ---
+
+    def new_codec_stream(self):
+        return self.codec.new_stream()
+
+    def decode_audio(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
+        """The next audio of several requests in one code2wav call: blocks[i] [G, n_i] continues
+        streams[i]; chunk [a, b) holds samples [1920·a − 555, 1920·b − 555) of the one-shot decode."""
+        return [np.asarray(chunk, dtype=np.float32) for chunk in self.codec.decode(streams, blocks)]
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+
