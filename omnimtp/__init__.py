@@ -63,10 +63,15 @@ _EXPORTS = {
     "packed_target": "omnimtp.spec_decode.packed_target",
     "tiny_lm": "omnimtp.models.tiny_lm",
     "tiny_lm_config": "omnimtp.models.tiny_lm",
-    # end-to-end pipeline
+    # end-to-end pipeline and the engine under it
     "OmniPipeline": "omnimtp.pipeline",
-    "OmniOutput": "omnimtp.pipeline",
+    "OmniOutput": "omnimtp.engine.request",
     "OmniEvent": "omnimtp.pipeline",
+    "EngineCore": "omnimtp.engine.core",
+    "EngineConfig": "omnimtp.engine.core",
+    "Request": "omnimtp.engine.request",
+    "StepEvent": "omnimtp.engine.request",
+    "Qwen3OmniFamily": "omnimtp.families.qwen3_omni",
     "TalkerBatch": "omnimtp.talker.loop",
     "TalkerRequest": "omnimtp.talker.loop",
     "TalkerFrame": "omnimtp.talker.loop",
@@ -82,7 +87,6 @@ _EXPORTS = {
     "create_app": "omnimtp.server.app",
     "Engine": "omnimtp.server.scheduler",
     "EngineRequest": "omnimtp.server.scheduler",
-    "SpeechBackend": "omnimtp.server.scheduler",
     # MTP head training
     "train_mtp_head": "omnimtp.mtp.train",
     "generate_distill_rows": "omnimtp.mtp.train",

@@ -16,6 +16,25 @@ import uvicorn
 from omnimtp.server.serving import server_config
 
 
+class EngineSetup:
+    """A model family and the engine settings a test runs it with; `engine(**overrides)` makes an Engine."""
+
+    def __init__(self, family, **config):
+        self.family = family
+        self.config = config
+
+    @classmethod
+    def tiny(cls, seed: int = 0, **config) -> "EngineSetup":
+        from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+        return cls(Qwen3OmniFamily.tiny(seed), **config)
+
+    def engine(self, **overrides):
+        from omnimtp.server.scheduler import Engine
+
+        return Engine(self.family, **{**self.config, **overrides})
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -20,7 +20,8 @@ from server_harness import running_server
 
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import create_app
-from omnimtp.server.scheduler import Engine, SpeechBackend
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.server.scheduler import Engine
 from omnimtp.tokenizer import byte_tokenizer
 
 MAX_FRAMES = 6
@@ -34,14 +35,14 @@ def tiny():
     return tiny_qwen3_omni(0), byte_tokenizer()
 
 
-def _backend(tiny, max_frames: int) -> SpeechBackend:
-    model, tokenizer = tiny
-    return SpeechBackend(model, tokenizer, max_frames=max_frames, first_chunk_frames=2, chunk_frames=3)
+def _engine(tiny, max_frames: int, family: Qwen3OmniFamily | None = None, **config) -> Engine:
+    family = family or Qwen3OmniFamily(*tiny)
+    return Engine(family, max_frames=max_frames, first_chunk_frames=2, chunk_frames=3, **config)
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    engine = Engine(_backend(tiny, MAX_FRAMES), max_batch_size=8)
+    engine = _engine(tiny, MAX_FRAMES, max_batch_size=8)
     app = create_app(engine, max_tokens_limit=MAX_TOKENS_LIMIT, max_body_bytes=MAX_BODY_BYTES)
     with running_server(app) as url:
         yield url
@@ -139,8 +140,12 @@ def test_chat_streamed_equals_non_streamed(client, http):
                     pcm.append(base64.b64decode(delta.audio.data))
             finish = choice.finish_reason or finish
     assert "".join(text) == whole.content == "".join(transcript)
-    assert_audible(_pcm(base64.b64decode(whole.audio.data)))
-    assert b"".join(pcm) == base64.b64decode(whole.audio.data)
+    # a non-streamed response decodes its audio in one block, as `OmniPipeline.generate` does: the
+    # streamed chunks join into it up to float rounding (at most 1 LSB in int16)
+    whole_pcm = _pcm(base64.b64decode(whole.audio.data)).astype(np.int32)
+    streamed_pcm = _pcm(b"".join(pcm)).astype(np.int32)
+    assert_audible(whole_pcm.astype(np.int16))
+    assert len(streamed_pcm) == len(whole_pcm) and np.abs(streamed_pcm - whole_pcm).max() <= 1
     assert finish in ("stop", "length")
     assert len(b"".join(pcm)) // 2 == SAMPLES_PER_FRAME * usage.completion_tokens_details.audio_tokens - TAIL
     # the raw SSE framing ends with [DONE]
@@ -178,9 +183,11 @@ def test_speech_sse_matches_the_audio_body(http):
     assert len(pcm) // 2 == SAMPLES_PER_FRAME * frames - TAIL
 
 
-def test_served_chat_equals_the_pipeline(tiny, http):
-    """A seeded chat request through the server == `OmniPipeline.generate` with the same seed: same text,
-    same audio (the chunking differs, so samples may differ by float rounding: at most 1 LSB in int16)."""
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_served_chat_equals_the_pipeline(tiny, http, temperature):
+    """A seeded chat request through the real server == `OmniPipeline.generate` with the same seed, greedy
+    and sampled: the same text (the whole reply decoded, a trailing incomplete UTF-8 sequence included)
+    and the same PCM16 samples, on audible audio. Both run the one engine core."""
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.sampling import SamplingParams
     from omnimtp.server.audio import to_pcm16
@@ -189,19 +196,19 @@ def test_served_chat_equals_the_pipeline(tiny, http):
     model, tokenizer = tiny
     messages = [{"role": "user", "content": "Tell me something"}]
     body = {"messages": messages, "modalities": ["text", "audio"], "audio": {"voice": "aiden", "format": "pcm16"},
-            "seed": 21, "temperature": 0.9, "max_tokens": 6}
+            "seed": 21, "temperature": temperature, "max_tokens": 6}
     served = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    pipe = OmniPipeline(model, tokenizer)
-    output = pipe.generate(
-        messages, speaker="aiden", thinker_sampling=SamplingParams(temperature=0.9),
-        talker_sampling=QWEN3_OMNI_TALKER_SAMPLING, max_new_tokens=6, max_frames=MAX_FRAMES, seed=21,
+    is_sampled = temperature > 0
+    output = OmniPipeline(model, tokenizer).generate(
+        messages, speaker="aiden", thinker_sampling=SamplingParams(temperature=temperature) if is_sampled else None,
+        talker_sampling=QWEN3_OMNI_TALKER_SAMPLING if is_sampled else None, max_new_tokens=6,
+        max_frames=MAX_FRAMES, seed=21,
     )
-    assert served["content"] == tokenizer.decode(output.text_ids, skip_special_tokens=True)
-    pcm = _pcm(base64.b64decode(served["audio"]["data"])).astype(np.int32)
-    reference = to_pcm16(output.audio).astype(np.int32)
-    assert len(pcm) == len(reference) == SAMPLES_PER_FRAME * output.codes.shape[1] - TAIL
-    assert_audible(reference.astype(np.int16))
-    assert np.abs(pcm - reference).max() <= 1
+    assert served["content"] == output.text == tokenizer.decode(output.text_ids, skip_special_tokens=True)
+    pcm = _pcm(base64.b64decode(served["audio"]["data"]))
+    assert len(pcm) == SAMPLES_PER_FRAME * output.codes.shape[1] - TAIL
+    assert_audible(pcm)
+    assert np.array_equal(pcm, to_pcm16(output.audio))
 
 
 # -- batching --------------------------------------------------------------------------------------
@@ -349,7 +356,7 @@ def test_server_keeps_serving_after_bad_input(http, client):
 
 
 def test_api_key_is_required_when_set(tiny):
-    engine = Engine(_backend(tiny, MAX_FRAMES), max_batch_size=2)
+    engine = _engine(tiny, MAX_FRAMES, max_batch_size=2)
     with running_server(create_app(engine, api_key="sekrit")) as url:
         assert httpx.get(f"{url}/v1/models").status_code == 401
         wrong = httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer nope"})
@@ -371,7 +378,7 @@ def _wait_for(predicate, timeout=60.0):
 
 
 def test_dropped_stream_frees_its_slot_and_others_are_unaffected(tiny):
-    engine = Engine(_backend(tiny, max_frames=150), max_batch_size=2)
+    engine = _engine(tiny, 150, max_batch_size=2)
     other = {"input": "Another one", "voice": "aiden", "response_format": "pcm", "seed": 9}
     with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
         alone = http.post("/v1/audio/speech", json=other).content
@@ -392,7 +399,7 @@ def test_dropped_stream_frees_its_slot_and_others_are_unaffected(tiny):
 
 
 def test_full_queue_answers_429(tiny):
-    engine = Engine(_backend(tiny, max_frames=60), max_batch_size=1)
+    engine = _engine(tiny, 60, max_batch_size=1)
     body = {"input": "Busy", "voice": "ethan", "response_format": "pcm", "stream_format": "sse"}
     with running_server(create_app(engine, max_queue=1)) as url:
         statuses: list = []
@@ -416,8 +423,8 @@ def test_full_queue_answers_429(tiny):
 def test_a_model_error_fails_its_requests_cleanly_and_the_server_recovers(tiny):
     """An exception inside the engine step becomes a 500 OpenAI-style error for the requests in flight
     (no traceback in the body); the engine rebuilds its talker state and serves the next request."""
-    backend = _backend(tiny, MAX_FRAMES)
-    real_decode = backend.decode_chunks
+    family = Qwen3OmniFamily(*tiny)
+    real_decode = family.decode_audio
     calls = {"n": 0}
 
     def failing_once(streams, blocks):
@@ -426,8 +433,8 @@ def test_a_model_error_fails_its_requests_cleanly_and_the_server_recovers(tiny):
             raise RuntimeError("boom")
         return real_decode(streams, blocks)
 
-    backend.decode_chunks = failing_once
-    engine = Engine(backend, max_batch_size=2)
+    family.decode_audio = failing_once
+    engine = _engine(tiny, MAX_FRAMES, family, max_batch_size=2)
     body = {"input": "Hi", "voice": "ethan", "response_format": "flac", "seed": 1}
     with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
         failed = http.post("/v1/audio/speech", json=body)

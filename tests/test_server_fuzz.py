@@ -20,7 +20,8 @@ from server_harness import exchange, running_server
 
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import create_app
-from omnimtp.server.scheduler import Engine, SpeechBackend
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.server.scheduler import Engine
 from omnimtp.tokenizer import byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,9 +37,9 @@ FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 
 @pytest.fixture(scope="module")
 def server():
-    backend = SpeechBackend(tiny_qwen3_omni(0), byte_tokenizer(), max_frames=2, max_prompt_tokens=512,
-                            first_chunk_frames=1, chunk_frames=2)
-    app = create_app(Engine(backend, max_batch_size=4), api_key=API_KEY, max_tokens_limit=4,
+    engine = Engine(Qwen3OmniFamily(tiny_qwen3_omni(0), byte_tokenizer()), max_frames=2, max_prompt_tokens=512,
+                    first_chunk_frames=1, chunk_frames=2, max_batch_size=4)
+    app = create_app(engine, api_key=API_KEY, max_tokens_limit=4,
                      max_body_bytes=256 * 1024, body_timeout_s=10.0)
     with running_server(app) as url:
         yield url

@@ -22,7 +22,8 @@ from server_harness import exchange, free_port, running_server
 
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import check_api_key, create_app
-from omnimtp.server.scheduler import Engine, SpeechBackend
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import server_config
 from omnimtp.tokenizer import byte_tokenizer
 
@@ -41,11 +42,9 @@ def tiny():
     return tiny_qwen3_omni(0), byte_tokenizer()
 
 
-def _engine(tiny, *, max_frames=4, max_batch_size=4, **backend_kwargs) -> Engine:
-    model, tokenizer = tiny
-    backend = SpeechBackend(model, tokenizer, max_frames=max_frames, first_chunk_frames=2, chunk_frames=3,
-                            **backend_kwargs)
-    return Engine(backend, max_batch_size=max_batch_size)
+def _engine(tiny, *, max_frames=4, max_batch_size=4, **engine_kwargs) -> Engine:
+    return Engine(Qwen3OmniFamily(*tiny), max_frames=max_frames, first_chunk_frames=2, chunk_frames=3,
+                  max_batch_size=max_batch_size, **engine_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -209,14 +208,14 @@ def test_create_app_checks_its_arguments(tiny):
 
 def test_unexpected_error_is_a_500_that_closes_its_connection(tiny):
     engine = _engine(tiny)
-    real_request_ids = engine.backend.request_ids
+    real_request_ids = engine.prompt_ids
 
     def failing_on_boom(request):
         if request.messages is not None and request.messages[-1][1] == "boom":
             raise RuntimeError("a bug")
         return real_request_ids(request)
 
-    engine.backend.request_ids = failing_on_boom
+    engine.prompt_ids = failing_on_boom
     with running_server(create_app(engine)) as url:
         conn = _connection(url)
         try:
@@ -312,7 +311,7 @@ def test_sigterm_with_a_half_sent_body_exits_within_the_deadline():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
     env.pop("OMNIMTP_API_KEY", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "omnimtp.cli", "serve", "--port", str(port), "--max-frames", "4",
+        [sys.executable, "-m", "omnimtp.cli", "serve", "--eager", "--port", str(port), "--max-frames", "4",
          "--timeout-graceful-shutdown", "1", "--timeout-body", "300", "--timeout-headers", "300",
          "--log-level", "warning"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

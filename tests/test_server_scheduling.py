@@ -10,7 +10,8 @@ import pytest
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
-from omnimtp.server.scheduler import Engine, EngineRequest, SpeechBackend
+from server_harness import EngineSetup
+from omnimtp.server.scheduler import Engine, EngineRequest
 from audio_checks import assert_audible
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,7 +21,7 @@ SAMPLES_PER_FRAME, TAIL = 1920, 555
 
 @pytest.fixture(scope="module")
 def backend():
-    return SpeechBackend.tiny(0, max_frames=24, first_chunk_frames=1, chunk_frames=4)
+    return EngineSetup.tiny(0, max_frames=24, first_chunk_frames=1, chunk_frames=4)
 
 
 def _speech(text: str, seed: int) -> EngineRequest:
@@ -51,7 +52,7 @@ def _assert_audible_pcm(pcm: bytes) -> None:
 
 
 def _alone(backend, request: EngineRequest) -> dict:
-    engine = Engine(backend, max_batch_size=1)
+    engine = backend.engine(max_batch_size=1)
 
     async def scenario():
         engine.start()
@@ -65,7 +66,7 @@ def _alone(backend, request: EngineRequest) -> dict:
 
 def _newcomer_during_a_long_request(backend, max_start_steps: int) -> tuple[dict, dict]:
     """A long speech request runs; once its audio flows, a chat request with audio arrives."""
-    engine = Engine(backend, max_batch_size=4, max_start_steps=max_start_steps)
+    engine = backend.engine(max_batch_size=4, max_start_steps=max_start_steps)
 
     async def scenario():
         engine.start()
@@ -91,9 +92,9 @@ def _newcomer_during_a_long_request(backend, max_start_steps: int) -> tuple[dict
 
 def test_engine_checks_its_scheduling_arguments(backend):
     for name, value in (("max_batch_size", 0), ("max_start_steps", 0), ("max_start_steps", True),
-                        ("max_decode_frames", 0), ("max_defer_iterations", -1)):
+                        ("max_decode_frames", 0), ("max_defer_steps", -1)):
         with pytest.raises(ValueError, match=name):
-            Engine(backend, **{name: value})
+            backend.engine(**{name: value})
 
 
 def test_a_newcomer_gets_first_audio_in_its_admission_iteration_while_a_long_request_runs(backend):
@@ -120,10 +121,10 @@ def test_last_chunks_of_requests_finishing_together_share_a_frame_budget(max_dec
     """Three speech requests admitted together end on the same step, each with a 5-frame last chunk.
     Within a 1-frame budget their last chunks go one per iteration, oldest (then lowest id) first; with
     room for all, in one. Their bytes are the same either way, and the same as alone."""
-    backend = SpeechBackend.tiny(0, max_frames=6, first_chunk_frames=1, chunk_frames=50)
+    backend = EngineSetup.tiny(0, max_frames=6, first_chunk_frames=1, chunk_frames=50)
     requests = [_speech(f"Say number {i}", seed=10 + i) for i in range(3)]
     alone = [_alone(backend, request) for request in requests]
-    engine = Engine(backend, max_batch_size=4, max_decode_frames=max_decode_frames)
+    engine = backend.engine(max_batch_size=4, max_decode_frames=max_decode_frames)
 
     async def scenario():
         engine.start()
@@ -156,7 +157,7 @@ def test_sixteen_concurrent_seeded_requests_give_the_bytes_they_give_alone(backe
     requests = [_chat(f"Question {i}?", seed=100 + i) if i % 2 else _speech(f"Say {i} things", seed=100 + i)
                 for i in range(16)]
     alone = [_alone(backend, request) for request in requests]
-    engine = Engine(backend, max_batch_size=16)
+    engine = backend.engine(max_batch_size=16)
 
     async def scenario():
         engine.start()

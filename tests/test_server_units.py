@@ -17,7 +17,9 @@ from pydantic import ValidationError
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import encode_audio, streaming_wav_header, to_pcm16
 from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
-from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError, SpeechBackend
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from server_harness import EngineSetup
+from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError
 
 
 @settings(max_examples=30, deadline=None)
@@ -80,23 +82,27 @@ def test_engine_request_checks_its_arguments():
 
 @pytest.fixture(scope="module")
 def backend():
-    return SpeechBackend.tiny(0, max_frames=5, max_prompt_tokens=40, first_chunk_frames=2, chunk_frames=2)
+    return EngineSetup.tiny(0, max_frames=5, max_prompt_tokens=40, first_chunk_frames=2, chunk_frames=2)
 
 
-def test_backend_checks_arguments_and_prompt_length(backend):
+def test_engine_checks_arguments_and_prompt_length(backend):
+    family = backend.family
     with pytest.raises(ValueError, match="max_frames"):
-        SpeechBackend(backend.model, backend.tokenizer, max_frames=0)
+        Engine(family, max_frames=0)
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        Engine(family, max_prompt_tokens=0)
     with pytest.raises(ValueError, match="tokenizer"):
-        SpeechBackend(backend.model, None)
+        Engine(Qwen3OmniFamily(family.model, None))
+    engine = backend.engine()
     long = EngineRequest(messages=(("user", "x" * 100),), speak_text=None, speaker=None,
                          sampling=SamplingParams.greedy(), seed=None, max_new_tokens=1)
     with pytest.raises(ValueError, match="messages"):
-        backend.request_ids(long)
+        engine.prompt_ids(long)
     speech = EngineRequest(messages=None, speak_text="hi", speaker="ethan", sampling=SamplingParams.greedy(),
                            seed=None, max_new_tokens=0)
-    assert backend.request_ids(speech) == backend.speech_header_ids + list(b"hi")
-    assert Engine(backend).match_speaker("ETHAN") == "ethan"
-    assert Engine(backend).match_speaker("alloy") is None
+    assert engine.prompt_ids(speech) == family.speech_header_ids + list(b"hi")
+    assert engine.match_speaker("ETHAN") == "ethan"
+    assert engine.match_speaker("alloy") is None
 
 
 def test_speech_inputs_speak_the_text_as_the_reply(backend):
@@ -104,10 +110,11 @@ def test_speech_inputs_speak_the_text_as_the_reply(backend):
     text: the talker prefill ends with the first text token, the trailing rows are the rest + tts_eos."""
     from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
 
-    ids = backend.speech_header_ids + list(b"abc")
-    inputs = backend.speech_inputs(ids, "ethan")
-    builder = Qwen3TalkerInputBuilder(backend.model, backend.speech_header_ids, "ethan")
-    embeds = backend.model.thinker.get_input_embeddings()(torch.tensor(ids)).detach()
+    family = backend.family
+    ids = family.speech_header_ids + list(b"abc")
+    inputs = family.speech_talker_inputs(ids, "ethan")
+    builder = Qwen3TalkerInputBuilder(family.model, family.speech_header_ids, "ethan")
+    embeds = family.model.thinker.get_input_embeddings()(torch.tensor(ids)).detach()
     projected = [builder.build_trailing(embeds[i : i + 1], embeds[i : i + 1]) for i in range(len(ids))]
     assert inputs.prefill_embeds.shape[0] == 9  # no user turn: the 9 assistant rows
     assert inputs.trailing_text.shape[0] == 3  # "b", "c", tts_eos
@@ -117,7 +124,7 @@ def test_speech_inputs_speak_the_text_as_the_reply(backend):
 
 def test_shutdown_drains_queued_and_running_requests(backend):
     """Requests still waiting or running when shutdown starts all finish with their complete audio."""
-    engine = Engine(backend, max_batch_size=2)
+    engine = backend.engine(max_batch_size=2)
 
     async def scenario():
         engine.start(max_queue=8)

@@ -267,7 +267,12 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if engine.is_running else "stopping"}
+        """200 {"status": "ok"} once the engine serves; 503 while it warms up ("loading") or stops."""
+        if not engine.is_running:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        if not engine.is_ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -315,6 +320,7 @@ def create_app(
             sampling=_sampling(body.temperature, body.top_p, body.top_k),
             seed=body.seed,
             max_new_tokens=max_tokens or max_tokens_limit,
+            is_streamed=bool(body.stream),
         )
         handle = submit(engine_request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -359,7 +365,7 @@ def create_app(
             sampling=_sampling(body.temperature, body.top_p, body.top_k),
             seed=body.seed,
             max_new_tokens=0,
-        )
+        )  # streamed in every format, so that every format carries the same samples
         handle = submit(engine_request)
         fmt = body.response_format
         if body.stream_format == "sse":

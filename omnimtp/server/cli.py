@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from omnimtp.engine.core import EngineConfig
+from omnimtp.models.tiny import TINY_MAX_FRAMES
 from omnimtp.server.serving import (
     DEFAULT_BODY_TIMEOUT_S,
     check_seconds,
@@ -14,8 +16,6 @@ from omnimtp.server.serving import (
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
 )
 
-TINY_MAX_FRAMES = 100  # the tiny model's random talker rarely emits codec EOS: keep its replies short
-CHECKPOINT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s
 
 
 def add_parser(subparsers) -> None:
@@ -36,7 +36,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generating at once")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     parser.add_argument("--max-frames", type=int, default=None,
-                        help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {CHECKPOINT_MAX_FRAMES} checkpoint)")
+                        help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {EngineConfig.max_frames} "
+                        "checkpoint: 2 minutes of speech at 12.5 frames/s)")
+    parser.add_argument("--eager", action="store_true",
+                        help="run the code predictor eagerly: start in seconds instead of compiling its frame "
+                        "(by default each batch size's graph is compiled and warmed before /health reports ok)")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
     parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
@@ -62,20 +66,26 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None):
-    from omnimtp.server.scheduler import Engine, SpeechBackend
+def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False):
+    """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded
+    and packed once; compile_predictor ("frame", "step" or False) also warms the predictor up before the
+    engine reports ready."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.scheduler import Engine
 
+    warm_up = compile_predictor is not False
     if model_dir is None:
-        backend = SpeechBackend.tiny(0, max_frames=max_frames or TINY_MAX_FRAMES)
-        return Engine(backend, max_batch_size=max_batch_size, model_id="omnimtp-tiny")
+        family = Qwen3OmniFamily.tiny(0, compile_predictor=compile_predictor)
+        return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
+                      max_frames=max_frames or TINY_MAX_FRAMES)
     from omnimtp.pipeline import OmniPipeline
 
-    pipe = OmniPipeline.from_pretrained(model_dir)
+    pipe = OmniPipeline.from_pretrained(model_dir, compile_predictor=compile_predictor)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
-    backend = SpeechBackend(pipe.model, pipe.tokenizer, max_frames=max_frames or CHECKPOINT_MAX_FRAMES)
     model_id = os.path.basename(os.path.normpath(model_dir))
-    return Engine(backend, max_batch_size=max_batch_size, model_id=model_id)
+    return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
+                  max_frames=max_frames or EngineConfig.max_frames)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     from omnimtp.server.app import create_app
     from omnimtp.server.serving import server_config
 
-    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames)
+    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
+                          compile_predictor=False if args.eager else "frame")
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      body_timeout_s=args.timeout_body, served_model_names=args.served_model_name)
     config = server_config(
