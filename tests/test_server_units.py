@@ -152,3 +152,46 @@ def test_shutdown_drains_queued_and_running_requests(backend):
     for num_samples, final in asyncio.run(scenario()):
         assert final.finish_reason in ("stop", "length") and final.error is None
         assert num_samples == 1920 * final.num_frames - 555
+
+
+def test_health_says_loading_until_the_predictor_is_warm_and_requests_wait_for_it(backend):
+    """With warm_up the engine runs the code predictor at every batch size before it serves: /health is
+    503 "loading" until then, and a request sent meanwhile waits and is served after the warm-up."""
+    import httpx
+
+    from omnimtp.server.app import create_app
+    from server_harness import running_server
+
+    family = Qwen3OmniFamily(backend.family.model, backend.family.tokenizer)
+    release, sizes = threading.Event(), []
+    real_warm_up = family.warm_up
+
+    def gated_warm_up(max_batch_size):
+        release.wait(60)
+        sizes.append(max_batch_size)
+        real_warm_up(max_batch_size)
+
+    family.warm_up = gated_warm_up
+    engine = Engine(family, warm_up=True, max_batch_size=2, max_frames=3)
+    with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        loading = http.get("/health")
+        assert loading.status_code == 503 and loading.json() == {"status": "loading"}
+        result = {}
+        speaker = threading.Thread(target=lambda: result.update(
+            response=http.post("/v1/audio/speech", json={"input": "Hi", "voice": "ethan", "seed": 1})))
+        speaker.start()
+        release.set()
+        speaker.join(120)
+        assert result["response"].status_code == 200 and sizes == [2]
+        assert http.get("/health").json() == {"status": "ok"}
+
+
+def test_family_warm_up_runs_every_batch_size_greedy_and_sampled(backend):
+    family = Qwen3OmniFamily(backend.family.model, backend.family.tokenizer)
+    calls = []
+    predictor = family.predictor(3)
+    real_run = predictor.run
+    predictor.run = lambda hidden, embed, sampling=None, generators=None: (
+        calls.append((hidden.shape[0], sampling is not None)) or real_run(hidden, embed, sampling, generators))
+    family.warm_up(3)
+    assert calls == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
