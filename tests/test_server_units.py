@@ -195,3 +195,28 @@ def test_family_warm_up_runs_every_batch_size_greedy_and_sampled(backend):
         calls.append((hidden.shape[0], sampling is not None)) or real_run(hidden, embed, sampling, generators))
     family.warm_up(3)
     assert calls == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+
+
+def test_the_server_packs_each_decoder_once(monkeypatch, tmp_path):
+    """`omnimtp serve` builds one family: the thinker and the talker are packed once each, for the tiny
+    default and for a checkpoint directory, and the engine serves on those packed weights."""
+    from omnimtp.packed_decoder import PackedDecoder
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.server.cli import build_engine
+
+    OmniPipeline.tiny().save_pretrained(tmp_path)
+    real_from_module = PackedDecoder.from_module.__func__
+    packed = []
+
+    def counting(cls, module, *args, **kwargs):
+        packed.append(type(module).__name__)
+        return real_from_module(cls, module, *args, **kwargs)
+
+    monkeypatch.setattr(PackedDecoder, "from_module", classmethod(counting))
+    for model_dir in (None, str(tmp_path)):
+        packed.clear()
+        engine = build_engine(model_dir, max_batch_size=2, max_frames=3)
+        assert sorted(packed) == ["Qwen3OmniMoeTalkerModel", "Qwen3OmniMoeThinkerTextModel"]
+        engine.start()
+        engine.shutdown()
+        assert len(packed) == 2  # starting the engine packs nothing more
