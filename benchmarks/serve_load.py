@@ -45,10 +45,12 @@ SAMPLE_RATE = 24000
 
 
 @contextlib.contextmanager
-def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str | None = None):
+def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str | None = None,
+                   extra_args: tuple[str, ...] = (), start_timeout_s: float = 300):
     """`omnimtp serve` (embedded tiny model) in its own process on a free loopback port, so the load
     generator never shares an interpreter (or its GIL) with the server; `tree`: run the omnimtp of that
-    checkout instead of the installed one."""
+    checkout instead of the installed one; extra_args: more `serve` flags. Ready once /health is 200
+    (a server that warms its predictor up answers 503 until then)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -56,11 +58,12 @@ def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str
     if tree is not None:
         env["PYTHONPATH"] = os.path.abspath(tree)
     command = [sys.executable, "-m", "omnimtp.cli", "serve", "--port", str(port), "--max-batch-size",
-               str(max_batch_size), "--max-frames", str(max_frames), "--max-queue", "256", "--log-level", "warning"]
+               str(max_batch_size), "--max-frames", str(max_frames), "--max-queue", "256", "--log-level", "warning",
+               *extra_args]
     process = subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + start_timeout_s
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"the server exited with {process.returncode}")
@@ -192,17 +195,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--previous-tree", metavar="DIR", help="also load the server of this checkout (before/after)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="another `omnimtp serve` flag for this checkout's servers (repeatable), e.g. "
+                        "--serve-arg=--eager; the previous tree's server gets none")
+    parser.add_argument("--start-timeout", type=float, default=1800,
+                        help="seconds a server may take to report ready (its predictor warm-up included)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
-    setups = [("ours", args.max_batch_size, None)]
+    ours_args = tuple(args.serve_arg)
+    setups = [("ours", args.max_batch_size, None, ours_args)]
     if args.previous_tree:
-        setups.append(("previous", args.max_batch_size, args.previous_tree))
+        setups.append(("previous", args.max_batch_size, args.previous_tree, ()))
     if not args.skip_baseline:
-        setups.append(("baseline_batch1", 1, None))
-    report = {"config": vars(args), "results": {name: [] for name, _, _ in setups}}
+        setups.append(("baseline_batch1", 1, None, ours_args))
+    report = {"config": vars(args), "results": {name: [] for name, _, _, _ in setups}}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(server_process(size, args.max_frames, args.threads, tree))
-                for name, size, tree in setups}
+        urls = {name: stack.enter_context(server_process(size, args.max_frames, args.threads, tree, extra, args.start_timeout))
+                for name, size, tree, extra in setups}
         for url in urls.values():
             asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
         for concurrency in args.concurrency:
