@@ -216,3 +216,23 @@ def test_generate_admits_talker_inputs_built_in_one_projection(pipe, monkeypatch
     assert torch.equal(admitted[0].prefill_embeds, expected.prefill_embeds)
     assert torch.equal(admitted[0].trailing_text, expected.trailing_text)
     assert torch.equal(admitted[0].tts_pad_embed, expected.tts_pad_embed)
+
+
+def test_the_qwen3_omni_family_implements_the_engine_interface():
+    """Every method of the engine's `Family` interface exists on `Qwen3OmniFamily` with the same
+    parameters, so the core needs nothing else from a family."""
+    import inspect
+
+    from omnimtp.engine.family import Family
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    names = [name for name, value in vars(Family).items() if inspect.isfunction(value) and not name.startswith("_")]
+    assert len(names) >= 10
+    for name in names:
+        expected = list(inspect.signature(getattr(Family, name)).parameters)
+        actual = list(inspect.signature(getattr(Qwen3OmniFamily, name)).parameters)
+        if isinstance(inspect.getattr_static(Qwen3OmniFamily, name), staticmethod):
+            actual = ["self", *actual]
+        assert actual == expected, name
+    for attribute in ("sample_rate", "num_code_groups"):
+        assert attribute in Family.__annotations__

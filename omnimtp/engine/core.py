@@ -19,7 +19,8 @@ One `step()` is one audio frame boundary:
              `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
     retire   finished requests
 
-The model family (`omnimtp.families`) supplies everything model-specific; the core only moves each
+The model family (`omnimtp.engine.family.Family`, e.g. `omnimtp.families.qwen3_omni`) supplies
+everything model-specific; the core only moves each
 request's state (`omnimtp.engine.request.Request`) through the stages. Each request has its own KV
 slots and generators, so a seeded request gives the same tokens, codes and PCM alone or in any batch.
 """
@@ -35,6 +36,7 @@ from typing import Hashable
 import numpy as np
 import torch
 
+from omnimtp.engine.family import Family
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
 
@@ -95,7 +97,7 @@ class EngineCore:
     """The step loop (see the module docstring). Not thread-safe except `add` and the waiting queue,
     which take `lock` (a driver that submits from another thread passes its own)."""
 
-    def __init__(self, family, config: EngineConfig | None = None, *, lock=None, observer=None):
+    def __init__(self, family: Family, config: EngineConfig | None = None, *, lock=None, observer=None):
         self.family = family
         self.config = config or EngineConfig()
         self.lock = lock if lock is not None else contextlib.nullcontext()

@@ -1,0 +1,55 @@
+"""What a model family gives the engine core: the small interface `EngineCore` calls.
+
+A family (`omnimtp.families.qwen3_omni.Qwen3OmniFamily`) owns a model's weights (packed once) and
+everything model-specific: prompt ids, the thinker run, the talker-input builder, the talker batch,
+the codec. A second family is one new module implementing this, not a fork of the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Protocol
+
+import numpy as np
+import torch
+
+from omnimtp.sampling import SamplingParams
+
+
+class Family(Protocol):
+    sample_rate: int
+    num_code_groups: int
+
+    def check_speaker(self, speaker: str) -> None:
+        """ValueError naming `speaker` unless the model has that speaker."""
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Reply ids → text (special tokens skipped)."""
+
+    def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
+                    generators: list[torch.Generator], max_new_tokens: int):
+        """A thinker run over the prompts (`omnimtp.thinker.ThinkerRun`: `step()` → events with token_id,
+        embeds [n, D], hidden [n, D], finish_reason; `is_finished`)."""
+
+    def talker_builder(self, prompt_ids: list[int], speaker: str):
+        """The request's `omnimtp.handoff.TalkerInputBuilder` (streamed handoff and reply inputs)."""
+
+    def reply_talker_inputs(self, builder, prompt_ids: list[int], output_ids: list[int], embeds: torch.Tensor,
+                            hidden: torch.Tensor, finish_reason: str):
+        """The talker inputs (`omnimtp.handoff.TalkerInputs`) of a finished reply from all its rows."""
+
+    def speech_talker_inputs(self, ids: list[int], speaker: str):
+        """The talker inputs that speak a speech request's text."""
+
+    def new_talker_batch(self, max_batch_size: int):
+        """The batched talker state (`omnimtp.talker.loop.TalkerBatch`: admit / push_text / step / retire)."""
+
+    def talker_request(self, request_id: Hashable, prefill_embeds: torch.Tensor, trailing_text: torch.Tensor,
+                       tts_pad_embed: torch.Tensor, is_text_finished: bool, sampling: SamplingParams | None,
+                       generator: torch.Generator, max_frames: int):
+        """One request's talker admission (`omnimtp.talker.loop.TalkerRequest`)."""
+
+    def new_codec_stream(self):
+        """A request's codec state (its decoded history)."""
+
+    def decode_audio(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
+        """The next audio of several requests: blocks[i] [G, n_i] continues streams[i]."""
