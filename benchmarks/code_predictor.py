@@ -33,10 +33,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimtp.models.tiny import tiny_code_predictor_config
+from omnimtp.runtime.ops import PACKED_GEMM_MIN_ROWS, packed_gemm_kinds
 from omnimtp.talker.code_predictor import (
-    PACKED_GEMM_MIN_ROWS,
     CodePredictorRunner,
-    packed_gemm_kinds,
     predict_residual_codes,
     predict_residual_codes_kv,
 )

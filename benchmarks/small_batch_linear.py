@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omnimtp.kernels import small_batch_linear as sbl
+from omnimtp.runtime.kernels import small_batch_linear as sbl
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # [out, in] per layer
 NUM_LAYERS = 5

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, decoder_forward
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
 
 
@@ -76,7 +76,7 @@ class ThinkerRun:
         self.finish_reasons: list[str | None] = [None] * batch_size
         self.prompts = [list(p) for p in prompts]
         capacity = max(len(p) for p in prompts) + max_new_tokens
-        self.kv = SlotKVCache(self.decoder, batch_size, capacity=capacity)  # slot i = request i
+        self.kv = KVCache(self.decoder, batch_size, capacity=capacity)  # slot i = request i
         self._is_prefill = True
 
     @property

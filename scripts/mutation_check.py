@@ -253,9 +253,9 @@ MUTATIONS = [
         SPEC, "a row's first rejected draft stays visible in its kv_mask",
     ),
     Mutation(
-        "packed_crop_off_by_one", "omnimtp/spec_decode/packed_target.py",
-        "self.length = max(0, self.length + n) if n < 0 else min(n, self.length)",
-        "self.length = max(0, self.length + n + 1) if n < 0 else min(n, self.length)",
+        "packed_crop_off_by_one", "omnimtp/runtime/kv_cache.py",
+        "self.lengths = [max(0, length + n) if n < 0 else min(n, length) for length in self.lengths]",
+        "self.lengths = [max(0, length + n + 1) if n < 0 else min(n, length) for length in self.lengths]",
         SPEC, "the packed KV cache crops one slot too few",
     ),
     Mutation(

@@ -19,11 +19,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 import omnimtp
 from omnimtp.models.tiny import tiny_code_predictor_config, tiny_qwen3_omni
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams, make_generators
+from omnimtp.runtime.ops import packed_gemm_available, packed_gemm_kind, packed_gemm_kinds
 from omnimtp.talker.code_predictor import (
     CodePredictorRunner,
-    packed_gemm_available,
-    packed_gemm_kind,
-    packed_gemm_kinds,
     ResidualCodes,
     next_talker_input,
     predict_residual_codes,
@@ -425,7 +423,7 @@ def test_avx512_runner_equals_hf_generate_at_odd_dims_and_16_rows():
 def test_compiled_runner_runs_large_matrices_on_the_kernel_even_for_one_row(monkeypatch):
     """Under torch.compile one row of a matrix of 1M+ weights still runs the kernel (its custom op's
     dispatch cost is small next to reading 4 MB); smaller ones stay on torch.mv."""
-    from omnimtp.kernels import small_batch_linear
+    from omnimtp.runtime.kernels import small_batch_linear
 
     cp = make_cp(4, hidden_size=512, num_hidden_layers=1, intermediate_size=1024, head_dim=64)
     runner = CodePredictorRunner(cp, 2, compile=True, packed_gemm="avx512")

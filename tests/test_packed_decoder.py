@@ -1,4 +1,4 @@
-"""PackedDecoder (packed thinker / talker decode on a slot KV buffer) against transformers' modules."""
+"""PackedDecoder (packed thinker / talker decode on a slot KV cache) against transformers' modules."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
 
 from omnimtp.models.tiny import tiny_qwen3_omni
-from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, _rope, decoder_forward
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.decoder import decoder_layers
+from omnimtp.runtime.ops import rms_norm
 from omnimtp.talker.loop import TalkerBatch
 from omnimtp.thinker import ThinkerRun
 
@@ -48,7 +50,7 @@ def test_prefill_and_decode_match_the_module(model, name):
     gen = torch.Generator().manual_seed(0)
     chunks = [torch.randn(1, 9, 64, generator=gen)] + [torch.randn(1, 1, 64, generator=gen) for _ in range(40)]
     reference = _reference_run(module, chunks)
-    cache = SlotKVCache(decoder, max_batch_size=3, capacity=8)  # grows several times on the way
+    cache = KVCache(decoder, max_batch_size=3, capacity=8)  # grows several times on the way
     for step, (chunk, (ref_last, ref_hidden)) in enumerate(zip(chunks, reference)):
         layer = step % (num_layers + 1)
         out = decoder_forward(decoder, cache, chunk, [2], capture_layer=layer)
@@ -65,10 +67,25 @@ def test_mrope_with_equal_axes_is_1d_rope(model):
         decoder = PackedDecoder.from_module(module)
         positions = torch.tensor([[0, 1, 2, 7], [100, 1000, 4000, 8191]])  # [R, T]
         cos, sin = module.rotary_emb(torch.empty(0), positions[None].expand(3, -1, -1))  # [R, T, D] each
-        ours_cos, signed_sin = _rope(decoder, positions, torch.float32)  # [R, T, 1, D]
+        ours_cos, signed_sin = decoder.rope.tables(positions, torch.float32)  # [R, T, 1, D]
         half = decoder.head_dim // 2
         assert torch.equal(ours_cos[:, :, 0], cos)
         assert torch.equal(torch.cat([-signed_sin[..., :half], signed_sin[..., half:]], -1)[:, :, 0], sin)
+
+
+def test_mrope_angles_match_the_module_on_distinct_axes(model):
+    """[3, R, T] position ids with different temporal / height / width positions (vision rows): the
+    interleaved M-RoPE tables equal the module's bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    for module in _modules(model).values():
+        decoder = PackedDecoder.from_module(module)
+        position_ids = torch.randint(0, 4096, (3, 2, 5), generator=gen)  # [3, R, T]
+        cos, sin = module.rotary_emb(torch.empty(0), position_ids)  # [R, T, D] each
+        ours_cos, signed_sin = decoder.rope.tables(position_ids, torch.float32)  # [R, T, 1, D]
+        half = decoder.head_dim // 2
+        assert torch.equal(ours_cos[:, :, 0], cos)
+        assert torch.equal(torch.cat([-signed_sin[..., :half], signed_sin[..., half:]], -1)[:, :, 0], sin)
+        assert not torch.equal(ours_cos, decoder.rope.tables(position_ids[0], torch.float32)[0])  # the axes matter
 
 
 def test_batched_rows_equal_each_row_alone(model):
@@ -79,10 +96,10 @@ def test_batched_rows_equal_each_row_alone(model):
     steps = [torch.randn(3, 1, 64, generator=gen) for _ in range(6)]
     solo = []
     for r in range(3):
-        cache = SlotKVCache(decoder, 1)
+        cache = KVCache(decoder, 1)
         decoder_forward(decoder, cache, prompts[r], [0])
         solo.append([decoder_forward(decoder, cache, step[r : r + 1], [0]).last_hidden for step in steps])
-    cache = SlotKVCache(decoder, 4, capacity=4)
+    cache = KVCache(decoder, 4, capacity=4)
     for slot, prompt in zip((3, 0, 1), prompts):
         decoder_forward(decoder, cache, prompt, [slot])
     for step, x in enumerate(steps):
@@ -94,7 +111,7 @@ def test_batched_rows_equal_each_row_alone(model):
     x = torch.randn(2, 1, 64, generator=gen)
     out = decoder_forward(decoder, cache, x, [0, 1]).last_hidden
     for r, prompt_index in enumerate((2, 0)):
-        alone = SlotKVCache(decoder, 1)
+        alone = KVCache(decoder, 1)
         decoder_forward(decoder, alone, prompts[prompt_index], [0])
         for step in steps:
             decoder_forward(decoder, alone, step[prompt_index : prompt_index + 1], [0])
@@ -113,7 +130,7 @@ def test_dense_mlp_layers_match_the_module(model):
     decoder = PackedDecoder.from_module(module)
     assert decoder.layers[0].num_experts == 0 and decoder.layers[1].num_experts > 0
     chunks = [torch.randn(1, 6, 64)] + [torch.randn(1, 1, 64) for _ in range(5)]
-    cache = SlotKVCache(decoder, 1)
+    cache = KVCache(decoder, 1)
     for chunk, (ref_last, _) in zip(chunks, _reference_run(module, chunks)):
         torch.testing.assert_close(decoder_forward(decoder, cache, chunk, [0]).last_hidden, ref_last, atol=ATOL, rtol=0)
 
@@ -139,10 +156,10 @@ def test_bad_input(model):
     with pytest.raises(ValueError, match="dtype"):
         PackedDecoder.from_module(model.talker.model, dtype=torch.int32)
     with pytest.raises(ValueError, match="max_batch_size"):
-        SlotKVCache(decoder, 0)
+        KVCache(decoder, 0)
     with pytest.raises(ValueError, match="capacity"):
-        SlotKVCache(decoder, 1, capacity=0)
-    cache = SlotKVCache(decoder, 2)
+        KVCache(decoder, 1, capacity=0)
+    cache = KVCache(decoder, 2)
     with pytest.raises(ValueError, match="embeds"):
         decoder_forward(decoder, cache, torch.randn(1, 1, 32), [0])
     with pytest.raises(ValueError, match="embeds"):
@@ -199,9 +216,8 @@ def test_tiny_model_builds_are_identical_and_finite():
 
 @pytest.mark.parametrize("name", ["talker", "thinker", "dense"])
 def test_one_row_decode_step_equals_the_general_path_bit_for_bit(model, name):
-    """decoder_forward's batch-1 decode path (1-D vectors) against the general [R, T] path it stands in for."""
-    from omnimtp.packed_decoder import _rows_forward
-
+    """decoder_forward's batch-1 decode step (RoPE rows cached per position, no mask, torch.mv kernels)
+    against the layers run with freshly computed RoPE tables on an identical cache."""
     if name == "dense":
         config = copy.deepcopy(model.config.thinker_config.text_config)
         config.mlp_only_layers = [0]
@@ -216,17 +232,23 @@ def test_one_row_decode_step_equals_the_general_path_bit_for_bit(model, name):
     num_layers = len(decoder.layers)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randn(1, 6, 64, generator=gen)
-    fast, general = SlotKVCache(decoder, 2, capacity=8), SlotKVCache(decoder, 2, capacity=8)  # both grow
+    fast, general = KVCache(decoder, 2, capacity=8), KVCache(decoder, 2, capacity=8)  # both grow
     decoder_forward(decoder, fast, prompt, [1])
     decoder_forward(decoder, general, prompt, [1])
     for step in range(12):
         x = torch.randn(1, 1, 64, generator=gen)
         layer = step % (num_layers + 2) if step % (num_layers + 2) <= num_layers else None
         ours = decoder_forward(decoder, fast, x, [1], capture_layer=layer)
-        expected = _rows_forward(decoder, general, x, [1], layer)
-        assert torch.equal(ours.last_hidden, expected.last_hidden), step
-        assert (ours.captured is None) == (expected.captured is None)
+        where = general.plan([1], 1)
+        rope = decoder.rope.tables(torch.tensor([[where.start]]), x.dtype)
+        hidden, captured = decoder_layers(decoder, x, rope, general.buffer, where, None, layer)
+        general.commit([1], 1)
+        last_hidden = rms_norm(hidden[:, -1], decoder.final_norm, decoder.eps)
+        if layer == num_layers:
+            captured = last_hidden[:, None]
+        assert torch.equal(ours.last_hidden, last_hidden), step
+        assert (ours.captured is None) == (captured is None)
         if layer is not None:
-            assert ours.captured.shape == (1, 1, 64) and torch.equal(ours.captured, expected.captured), step
+            assert ours.captured.shape == (1, 1, 64) and torch.equal(ours.captured, captured), step
     assert fast.lengths == general.lengths == [0, 18]
     assert torch.equal(fast.buffer, general.buffer)

@@ -20,7 +20,8 @@ from transformers import (
 from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate, tiny_lm
 from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
 from omnimtp.spec_decode.generate import _packed_or_none
-from omnimtp.spec_decode.packed_target import PackedKVCache, packed_forward, packed_logits, packed_target, unsupported_reason
+from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,7 +89,7 @@ def _reference(target, input_ids, position_ids, kv_mask, cache):
 
 def _compare_prefill_and_decode(target, prompt):
     packed = packed_target(target)
-    cache, ref_cache = PackedKVCache(packed, 1, capacity=8), DynamicCache(config=target.config)
+    cache, ref_cache = KVCache(packed, 1, capacity=8), DynamicCache(config=target.config)
     length = prompt.shape[1]
     steps = [(prompt, torch.arange(length)[None]),  # prefill (grows the 8-slot buffer)
              (prompt[:, :1], torch.tensor([[length]])),  # one token
@@ -127,7 +128,7 @@ def test_bf16_logits_match_transformers(name):
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
     packed = packed_target(target)
     with torch.inference_mode():
-        hidden = packed_forward(packed, PackedKVCache(packed, 1), prompt, torch.arange(9)[None])
+        hidden = packed_forward(packed, KVCache(packed, 1), prompt, torch.arange(9)[None])
         torch.testing.assert_close(packed_logits(packed, hidden), target(prompt).logits.float(), atol=0.03, rtol=0)
 
 
@@ -142,7 +143,7 @@ def test_kv_mask_holes_and_crop_match_transformers(name):
     kv_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     ids[0, :2] = 0
     positions = (kv_mask.cumsum(-1) - 1).masked_fill(kv_mask == 0, 1)
-    cache, ref_cache = PackedKVCache(packed, 2), DynamicCache(config=target.config)
+    cache, ref_cache = KVCache(packed, 2), DynamicCache(config=target.config)
     block = torch.randint(3, VOCAB, (2, 4), generator=g)
     block_positions = positions[:, -1:] + 1 + torch.arange(4)
     next_block = torch.randint(3, VOCAB, (2, 3), generator=g)
@@ -171,7 +172,7 @@ def test_kv_mask_holes_and_crop_match_transformers(name):
 
 def test_cache_crop_semantics_and_errors():
     packed = packed_target(_build("qwen3"))
-    cache = PackedKVCache(packed, 1, capacity=2)
+    cache = KVCache(packed, 1, capacity=2)
     ids = torch.randint(3, VOCAB, (1, 5))
     with torch.inference_mode():
         packed_forward(packed, cache, ids, torch.arange(5)[None])
@@ -183,7 +184,7 @@ def test_cache_crop_semantics_and_errors():
     cache.crop(1)
     assert cache.length == 1
     with pytest.raises(ValueError, match="batch_size"):
-        PackedKVCache(packed, 0)
+        KVCache(packed, 0)
     with pytest.raises(ValueError, match="kv_mask"):
         packed_forward(packed, cache, ids[:, :2], torch.arange(2)[None], torch.ones(1, 2))
     with pytest.raises(ValueError, match="input_ids"):

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnimtp.kernels import small_batch_linear as sbl
-from omnimtp.talker.code_predictor import CodePredictorRunner, packed_gemm_kinds
+from omnimtp.runtime.kernels import small_batch_linear as sbl
+from omnimtp.runtime.ops import packed_gemm_kinds
+from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.models.tiny import tiny_code_predictor_config
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,

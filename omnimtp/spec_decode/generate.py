@@ -36,9 +36,9 @@ from transformers import DynamicCache
 
 from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, sample
 from omnimtp.mtp.head import MTPHead
-from omnimtp.spec_decode.packed_target import (
-    PackedKVCache, PackedTarget, packed_forward, packed_logits, packed_target, unsupported_reason,
-)
+from omnimtp.runtime.decoder import PackedDecoder
+from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
 from omnimtp.spec_decode.rejection import rejection_sample
 
@@ -156,7 +156,7 @@ def _check_head(target, head: MTPHead) -> None:
 TARGET_BACKENDS = ("auto", "packed", "transformers")
 
 
-def _packed_or_none(target, target_backend: str) -> PackedTarget | None:
+def _packed_or_none(target, target_backend: str) -> PackedDecoder | None:
     """The packed target for backend "packed" (ValueError when unsupported) or "auto" on a supported CPU
     model; None means transformers' forward."""
     if target_backend not in TARGET_BACKENDS:
@@ -173,10 +173,10 @@ def _packed_or_none(target, target_backend: str) -> PackedTarget | None:
 
 
 def _target_forward(
-    target, packed: PackedTarget | None, input_ids, position_ids, kv_mask, cache, last_logits_only: bool = False
+    target, packed: PackedDecoder | None, input_ids, position_ids, kv_mask, cache, last_logits_only: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ post-norm hidden [B, T, H], logits [B, T, V] (float32; [B, 1, V] with last_logits_only).
-    `cache` is a PackedKVCache when `packed` is given, else a DynamicCache. A kv_mask without invalid slots is
+    `cache` is a `KVCache` when `packed` is given, else a DynamicCache. A kv_mask without invalid slots is
     passed as None (same attention; no padding mask is needed, and none at all for one token)."""
     if bool(kv_mask.all()):
         kv_mask = None
@@ -279,7 +279,7 @@ def _speculative_generate(
     kv_mask = attention_mask.long()  # [B, L] validity of every cache slot
     position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
     if packed is not None:
-        target_cache = PackedKVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + k + 1)
+        target_cache = KVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + k + 1)
     else:
         target_cache = DynamicCache(config=target.config)
     hidden, logits = _target_forward(target, packed, input_ids, position_ids, kv_mask, target_cache, last_logits_only=True)
@@ -399,7 +399,7 @@ def plain_generate(
     with torch.inference_mode():
         packed = _packed_or_none(target, target_backend)
         if packed is not None:
-            cache = PackedKVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
+            cache = KVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
         else:
             cache = DynamicCache(config=target.config)
         kv_mask = attention_mask.long()  # [B, L]

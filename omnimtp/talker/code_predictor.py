@@ -19,7 +19,8 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
   written by index; sampling noise is drawn from each row's generator before the loop, so the loop
   itself has no RNG and can be compiled whole. On a CPU in fp32, batches of 4 or more rows are padded
   to a power-of-two bucket and their matmuls run on MKL-packed weights; in bf16, batches of 2 or
-  more rows run on oneDNN-reordered weights (`_PackedGemm`).
+  more rows run on oneDNN-reordered weights (`PackedMatrices`). The transformer is `omnimtp.runtime`'s
+  decoder stack; its KV buffer is a fixed `KVCache` of G positions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,18 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from omnimtp.kernels import small_batch_linear
+from omnimtp.runtime.decoder import PackedDecoder, decoder_layers
+from omnimtp.runtime.kernels import small_batch_linear
+from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.runtime.ops import (
+    PACKED_GEMM_KINDS,
+    PACKED_GEMM_MIN_ROWS,
+    PackedGemm,
+    cast,
+    linear,
+    packed_gemm_kinds,
+    rms_norm,
+)
 from omnimtp.sampling import SamplingParams, exponential_noise, filter_logits, sample_from_probs
 
 
@@ -162,285 +174,65 @@ def next_talker_input(
 
 
 @dataclass(frozen=True)
-class _LayerWeights:
-    input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Nq + 2 Nkv) * D, H]; matrices are nn.Linear-shaped [out, in]
-    qk_norm: torch.Tensor  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
-    o: torch.Tensor  # [H, Nq * D]
-    post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H]
-    down: torch.Tensor  # [H, I]
+class PredictorWeights:
+    """The code predictor's transformer as a `PackedDecoder` (RMSNorm written op by op, fp32 manual
+    attention: see the runtime's `rms_norm` and `attention`) plus its per-step tables."""
 
-
-@dataclass(frozen=True)
-class _PackedWeights:
-    layers: tuple[_LayerWeights, ...]
-    final_norm: torch.Tensor  # [H]
+    decoder: PackedDecoder
     lm_heads: torch.Tensor  # [G-1, V, H]
     codec_embeddings: torch.Tensor  # [G-1, V, H]
     cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
     signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
     causal_mask: torch.Tensor  # [G, G] fp32 additive: row p is 0 up to column p, -inf after
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
 
 
-def _pack_weights(cp, dtype: torch.dtype) -> _PackedWeights:
+def pack_predictor_weights(cp, dtype: torch.dtype) -> PredictorWeights:
     config = cp.config
     num_code_groups = config.num_code_groups
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dtype).contiguous()
-
-    def matrix(*linear_weights: torch.Tensor) -> torch.Tensor:
-        """nn.Linear weights [out_k, in] fused along out: [sum out_k, in]."""
-        return cast(torch.cat(linear_weights, dim=0))
-
-    layers = []
-    for layer in cp.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_proj.bias is not None or attn.sliding_window is not None:
-            raise ValueError("cp: attention biases and sliding windows are not supported by CodePredictorRunner")
-        layers.append(
-            _LayerWeights(
-                input_norm=cast(layer.input_layernorm.weight),
-                qkv=matrix(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                qk_norm=cast(
-                    torch.cat([
-                        attn.q_norm.weight.expand(config.num_attention_heads, head_dim),
-                        attn.k_norm.weight.expand(config.num_key_value_heads, head_dim),
-                    ])
-                ),
-                o=matrix(attn.o_proj.weight),
-                post_norm=cast(layer.post_attention_layernorm.weight),
-                gate_up=matrix(mlp.gate_proj.weight, mlp.up_proj.weight),
-                down=matrix(mlp.down_proj.weight),
-            )
-        )
-    # RoPE exactly as the module computes it (fp32 angles, then cast), for positions 0..G-1.
-    rotary = cp.model.rotary_emb
-    positions = torch.arange(num_code_groups, device=rotary.inv_freq.device)[None]  # [1, G]
-    probe = torch.empty(0, dtype=dtype, device=rotary.inv_freq.device)
-    cos, sin = rotary(probe, positions)  # [1, G, D] each
-    half = head_dim // 2
-    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-    return _PackedWeights(
-        layers=tuple(layers),
-        final_norm=cast(cp.model.norm.weight),
-        lm_heads=cast(torch.stack([head.weight for head in cp.lm_head])),
-        codec_embeddings=cast(torch.stack([table.weight for table in cp.model.codec_embedding])),
-        cos=cos[0][:, None].contiguous(),
-        signed_sin=signed_sin[0][:, None].contiguous(),
-        causal_mask=torch.full((num_code_groups, num_code_groups), float("-inf"), device=probe.device).triu(1),
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        eps=config.rms_norm_eps,
+    decoder = PackedDecoder.from_module(cp.model, dtype=dtype, fused_norm=False, fp32_attention=True)
+    if any(layer.router is not None or layer.qkv_bias is not None for layer in decoder.layers):
+        raise ValueError("cp: only dense layers without attention biases are supported by CodePredictorRunner")
+    positions = torch.arange(num_code_groups, device=decoder.device)[None]  # [1, G]
+    cos, signed_sin = decoder.rope.tables(positions, dtype)  # [1, G, 1, D] each, as the module computes them
+    return PredictorWeights(
+        decoder=decoder,
+        lm_heads=cast(torch.stack([head.weight for head in cp.lm_head]), dtype),
+        codec_embeddings=cast(torch.stack([table.weight for table in cp.model.codec_embedding]), dtype),
+        cos=cos[0].contiguous(),
+        signed_sin=signed_sin[0].contiguous(),
+        causal_mask=torch.full((num_code_groups, num_code_groups), float("-inf"), device=decoder.device).triu(1),
     )
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3 RMSNorm: statistics in fp32, weight applied after casting back."""
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-# fp32 "mkl": batches of at least this many rows use MKL-packed weights (below it plain kernels are as
-# fast); "avx512" under torch.compile: the kernel runs from this many rows (below it, plain kernels),
-# or for matrices of at least COMPILED_KERNEL_MIN_WEIGHTS elements (4 MB: ~250 us to read).
-PACKED_GEMM_MIN_ROWS = 4
-COMPILED_KERNEL_MIN_WEIGHTS = 1 << 20
-
-
-PACKED_GEMM_KINDS = ("avx512", "mkl", "onednn")
-
-
-def packed_gemm_kinds(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The packed-weight matmuls that can run `dtype` batches on `device`, best first: "avx512" (fp32:
-    omnimtp's own small-batch kernel, `omnimtp.kernels.small_batch_linear`, on x86 CPUs with AVX-512F
-    and a C compiler; built on the first call), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
-    oneDNN's reordered weights, where oneDNN supports bf16)."""
-    if torch.device(device).type != "cpu":
-        return []
-    kinds = []
-    if dtype == torch.float32 and small_batch_linear.available():
-        kinds.append("avx512")
-    if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
-        kinds.append("mkl")
-    if (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
-        kinds.append("onednn")
-    return kinds
-
-
-def packed_gemm_kind(device: torch.device, dtype: torch.dtype) -> str | None:
-    """The best packed-weight matmul for `dtype` on `device` (see packed_gemm_kinds), or None."""
-    kinds = packed_gemm_kinds(device, dtype)
-    return kinds[0] if kinds else None
-
-
-def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build can run `dtype` matmuls on packed weights on `device` (see packed_gemm_kind)."""
-    return packed_gemm_kind(device, dtype) is not None
-
-
-@torch.library.custom_op("omnimtp::mkl_packed_linear", mutates_args=())
-def _mkl_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """`torch.ops.mkl._mkl_linear` as an opaque op, so torch.compile calls it instead of lowering it
-    (inductor's own lowering expects the packed weight to be a frozen constant)."""
-    return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-
-
-@_mkl_packed_linear_op.register_fake
-def _(x, packed, weight, rows):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("omnimtp::onednn_packed_linear", mutates_args=())
-def _onednn_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """oneDNN's linear on a reordered (opaque) weight, kept opaque under torch.compile as above."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-@_onednn_packed_linear_op.register_fake
-def _(x, packed, out_features):
-    return x.new_empty(x.shape[0], out_features)
 
 
 @dataclass(frozen=True)
-class _PackedGemm:
-    """Packed copies of the runner's matrices.
+class PackedMatrices:
+    """Packed copies of the runner's matrices for one `PackedGemm` (see it for the kinds). MKL packs for
+    `op.rows` rows: batches are padded to it, and the first step (2 positions per row) runs as two calls
+    of `rows` rows (the second finds the matrix in cache). oneDNN and avx512 take any row count."""
 
-    kind "mkl" (fp32): MKL's packed SGEMM (what inductor's freezing pass uses for CPU linears) reorders
-    a weight once for a given row count; small-batch fp32 matmuls on it run about 1.6x faster than
-    `F.linear` on a CPU. `rows` is that count: batches are padded to it, and the first step (2
-    positions per row) runs as two calls of `rows` rows (the second finds the matrix in cache).
-    kind "onednn" (bf16): oneDNN's reordered weights (what inductor's freezing uses for bf16 linears);
-    any row count, one call; `rows` is None. oneDNN gives the same values as `F.linear` (tested bit for
-    bit); MKL's packed SGEMM differs from it by rounding only (tested: the same greedy codes as transformers).
-    kind "avx512" (fp32): `omnimtp.kernels.small_batch_linear`: weights in panels, several streamed
-    at once, at a core's read bandwidth for 1..16 rows (MKL's packed SGEMM reads them at ~55% of it at
-    8 rows); any row count, one call, `rows` is None; equal to `F.linear` up to rounding (tested: the
-    same greedy codes as transformers), each row computed on its own."""
-
-    kind: str  # "avx512", "mkl" or "onednn"
-    rows: int | None
+    op: PackedGemm
     layers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]  # qkv, o, gate_up, down
     lm_heads: tuple[torch.Tensor, ...]  # [G-1] of this step's lm_head, packed
 
+    @property
+    def rows(self) -> int | None:
+        return self.op.rows
 
-def _pack_gemm(w: "_PackedWeights", kind: str, rows: int) -> _PackedGemm:
+
+def pack_matrices(w: PredictorWeights, kind: str, rows: int) -> PackedMatrices:
     """Pack every matrix of w; rows: the row count MKL packs for (oneDNN takes it as a hint)."""
-
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        if kind == "avx512":
-            return small_batch_linear.pack_weight(weight)
-        if kind == "mkl":
-            return torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-    return _PackedGemm(
-        kind=kind,
-        rows=rows if kind == "mkl" else None,
-        layers=tuple((pack(l.qkv), pack(l.o), pack(l.gate_up), pack(l.down)) for l in w.layers),
-        lm_heads=tuple(pack(head) for head in w.lm_heads.unbind(0)),
+    op = PackedGemm(kind, rows if kind == "mkl" else None)
+    return PackedMatrices(
+        op=op,
+        layers=tuple(
+            tuple(op.pack(m, rows) for m in (l.qkv, l.o, l.gate_up, l.mlp_down)) for l in w.decoder.layers
+        ),
+        lm_heads=tuple(op.pack(head, rows) for head in w.lm_heads.unbind(0)),
     )
 
 
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None = None, gemm: _PackedGemm | None = None
-) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T. packed: `weight` packed as `gemm` says, or None.
-    "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
-    except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix.
-    Otherwise a single row goes through matrix-vector kernels, which stream the weights at close to
-    memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less). For MKL, x's row count
-    must be a multiple of gemm.rows; a multiple runs as that many calls back to back: the later ones
-    find the matrix in cache, so the first step's 2 positions per row cost little more than one."""
-    rows = x.shape[:-1].numel()
-    # Under torch.compile the kernel is an opaque custom op whose Python dispatch costs ~25-50 us a
-    # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
-    # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
-    if packed is not None and gemm.kind == "avx512" and (
-        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
-    ):
-        out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
-        return out.view(*x.shape[:-1], weight.shape[0])
-    if rows == 1:
-        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
-    if packed is None or gemm.kind == "avx512":
-        return F.linear(x, weight)
-    x2d = x.reshape(rows, x.shape[-1])
-    compiling = torch.compiler.is_compiling()
-    if gemm.kind == "onednn":
-        if compiling:
-            out = _onednn_packed_linear_op(x2d, packed, weight.shape[0])
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [], "")
-        return out.view(*x.shape[:-1], weight.shape[0])
-    outs = []
-    for chunk in x2d.split(gemm.rows):  # [gemm.rows, in] each
-        if compiling:
-            outs.append(_mkl_packed_linear_op(chunk, packed, weight, gemm.rows))
-        else:
-            outs.append(torch.ops.mkl._mkl_linear(chunk, packed, weight, None, gemm.rows))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention over all G cache slots.
-
-    query [B, T, Nq, D]; keys, values [B, Nkv, G, D]; mask [T, G] additive (-inf past each row's
-    position, so unwritten or stale slots get weight exactly 0) → [B, T, Nq * D]. Query head h uses
-    key head h // (Nq / Nkv), as transformers' `repeat_kv` does."""
-    batch_size, num_new, num_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[1]
-    group = num_heads // num_kv_heads
-    q = query.view(batch_size, num_new, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-    q = q.reshape(batch_size, num_kv_heads, num_new * group, head_dim)  # rows ordered (t, g)
-    # Scores, softmax and the weighted sum in fp32 (as SDPA's CPU kernels do), whatever the dtype.
-    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * head_dim**-0.5  # [B, Nkv, T*g, G]
-    scores = scores.view(batch_size, num_kv_heads, num_new, group, -1) + mask[:, None]
-    probs = scores.softmax(dim=-1).view(batch_size, num_kv_heads, num_new * group, -1)
-    out = torch.matmul(probs, values.float()).to(query.dtype)  # [B, Nkv, T*g, D]
-    out = out.view(batch_size, num_kv_heads, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(batch_size, num_new, num_heads * head_dim)
-
-
-def _write_kv(
-    kv_cache: torch.Tensor, layer: int, new_keys: torch.Tensor, new_values: torch.Tensor, positions: torch.Tensor
-) -> None:
-    """kv_cache[layer, 0 / 1, :B, :, positions] = new_keys / new_values ([B, Nkv, T, D]). Eager: two
-    `index_copy_` into views of the buffer (the cheapest per call). Compiled: one `index_put_` on the
-    whole buffer, which inductor writes in place; an `index_copy_` into a view of the graph's input
-    makes it copy the layer's whole block in and out around the write."""
-    batch_size, num_kv_heads = new_keys.shape[:2]
-    if not torch.compiler.is_compiling():
-        kv_cache[layer, 0, :batch_size].index_copy_(2, positions, new_keys)
-        kv_cache[layer, 1, :batch_size].index_copy_(2, positions, new_values)
-        return
-    device = kv_cache.device
-    index = (
-        torch.tensor(layer, device=device),
-        torch.arange(2, device=device)[:, None, None, None],  # keys, values
-        torch.arange(batch_size, device=device)[:, None, None],
-        torch.arange(num_kv_heads, device=device)[:, None],
-        positions,
-    )  # broadcast to [2, B, Nkv, T]
-    kv_cache.index_put_(index, torch.stack([new_keys, new_values]))
-
-
 def _step(
-    w: _PackedWeights,
+    w: PredictorWeights,
     kv_cache: torch.Tensor,
     step_input: torch.Tensor,
     positions: torch.Tensor,
@@ -449,43 +241,30 @@ def _step(
     embed_sum: torch.Tensor,
     sampling: SamplingParams | None,
     noise: torch.Tensor | None,
-    gemm: _PackedGemm | None = None,
+    gemm: PackedMatrices | None = None,
     packed_lm_head: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One predictor step: the transformer on the new positions, then one residual code.
 
     step_input [B, T, H] at positions [T] (long; T = 2 for the first step, then 1); the step's keys and
-    values are written into kv_cache [L, 2, B_max, Nkv, G, D] at those positions. lm_head,
-    lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
+    values are written into kv_cache [L, 2, B_max, Nkv, G, D] (the runner's `KVCache` buffer) at those
+    positions. lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
     embeddings so far. noise [B, V] ~ Exp(1) when sampling. gemm: None, or the packed matrices (see
-    `_PackedGemm`; MKL's are for B = gemm.rows rows); packed_lm_head: this step's lm_head, packed.
-    Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on the position, so one
-    compiled graph serves every decode step."""
-    batch_size, num_new, _ = step_input.shape
-    num_heads, num_kv_heads, head_dim = w.num_heads, w.num_kv_heads, w.head_dim
-    cos = w.cos.index_select(0, positions)  # [T, 1, D]
-    signed_sin = w.signed_sin.index_select(0, positions)
+    `PackedMatrices`; MKL's are for B = gemm.rows rows); packed_lm_head: this step's lm_head, packed.
+    Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on
+    the position, so one compiled graph serves every decode step."""
+    batch_size = step_input.shape[0]
+    decoder = w.decoder
+    rope = (w.cos.index_select(0, positions), w.signed_sin.index_select(0, positions))  # [T, 1, D] each
     mask = w.causal_mask.index_select(0, positions)  # [T, G]
     if gemm is not None and gemm.rows is not None and batch_size != gemm.rows:
         raise ValueError(f"step_input has {batch_size} rows, the packed matrices are for {gemm.rows}")
-    x = step_input
-    for i, layer in enumerate(w.layers):
-        p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if gemm is None else gemm.layers[i]
-        residual = x
-        qkv = _linear(_rms_norm(x, layer.input_norm, w.eps), layer.qkv, p_qkv, gemm)
-        qkv = qkv.view(batch_size, num_new, num_heads + 2 * num_kv_heads, head_dim)  # [B, T, Nq+2Nkv, D]
-        qk = _rms_norm(qkv[:, :, : num_heads + num_kv_heads], layer.qk_norm, w.eps)
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * signed_sin  # RoPE on queries and keys at once
-        new_keys = qk[:, :, num_heads:].transpose(1, 2)  # [B, Nkv, T, D]
-        _write_kv(kv_cache, i, new_keys, qkv[:, :, num_heads + num_kv_heads :].transpose(1, 2), positions)
-        keys, values = kv_cache[i, 0, :batch_size], kv_cache[i, 1, :batch_size]  # [B, Nkv, G, D]
-        attn = _attend(qk[:, :, :num_heads], keys, values, mask)  # [B, T, Nq*D]
-        x = residual + _linear(attn, layer.o, p_o, gemm)
-        residual = x
-        gate, up = _linear(_rms_norm(x, layer.post_norm, w.eps), layer.gate_up, p_gate_up, gemm).chunk(2, dim=-1)
-        x = residual + _linear(F.silu(gate) * up, layer.down, p_down, gemm)
-    hidden = _rms_norm(x[:, -1], w.final_norm, w.eps)  # [B, H]
-    logits = _linear(hidden, lm_head, packed_lm_head, gemm)  # [B, V]
+    op = None if gemm is None else gemm.op
+    x, _ = decoder_layers(
+        decoder, step_input, rope, kv_cache, positions, mask, packed_layers=None if gemm is None else gemm.layers, gemm=op,
+    )
+    hidden = rms_norm(x[:, -1], decoder.final_norm, decoder.eps, fused=False)  # [B, H]
+    logits = linear(hidden, lm_head, packed=packed_lm_head, gemm=op)  # [B, V]
     if sampling is None:
         code = logits.argmax(dim=-1)
     else:
@@ -496,7 +275,7 @@ def _step(
 
 def _frame_loop(
     step,
-    w: _PackedWeights,
+    w: PredictorWeights,
     kv_cache: torch.Tensor,
     step_input: torch.Tensor,
     positions: list[torch.Tensor],
@@ -504,7 +283,7 @@ def _frame_loop(
     codec_embeddings: list[torch.Tensor],
     sampling: SamplingParams | None,
     noise: torch.Tensor | None,
-    gemm: _PackedGemm | None,
+    gemm: PackedMatrices | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The G-1 predictor steps of one frame. step_input [R, 2, H] = [h, E0(cb0)]; step: `_step` or
     its compiled form. Returns codes [R, G-1] and their summed embeddings [R, H]."""
@@ -601,14 +380,11 @@ class CodePredictorRunner:
         # "avx512", "mkl", "onednn" or None: what batches of several rows run on
         self.packed_gemm_kind = packed_gemm if isinstance(packed_gemm, str) else (kinds[0] if kinds else None)
         self.packed_gemm = self.packed_gemm_kind is not None and packed_gemm is not False
-        self._gemms: dict[int, _PackedGemm] = {}  # bucket rows -> packed matrices, made on first use
+        self._gemms: dict[int, PackedMatrices] = {}  # bucket rows -> packed matrices, made on first use
         with torch.no_grad():
-            self.weights = _pack_weights(cp, self.dtype)
-        w = self.weights
-        self.kv_cache = torch.zeros(
-            len(w.layers), 2, max_batch_size, w.num_kv_heads, self.num_code_groups, w.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # [L, 2, B_max, Nkv, G, D]
+            self.weights = pack_predictor_weights(cp, self.dtype)
+        # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
+        self.kv = KVCache(self.weights.decoder, max_batch_size, capacity=self.num_code_groups, is_growable=False)
         self._step = torch.compile(_own_copy(_step), dynamic=False) if compile == "step" else _step
         self._frame = torch.compile(_own_copy(_frame_loop), dynamic=False) if compile == "frame" else _frame_loop
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
@@ -633,12 +409,12 @@ class CodePredictorRunner:
             if noise is not None:
                 noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
         codes, embed_sum = self._frame(
-            self._step, w, self.kv_cache, step_input, self._positions, self._lm_heads, self._codec_embeddings,
+            self._step, w, self.kv.buffer, step_input, self._positions, self._lm_heads, self._codec_embeddings,
             sampling, noise, gemm,
         )  # [R, G-1], [R, H]
         return codes[:batch_size], embed_sum[:batch_size]
 
-    def _packed_gemm_for(self, batch_size: int) -> _PackedGemm | None:
+    def _packed_gemm_for(self, batch_size: int) -> PackedMatrices | None:
         """The packed matrices for a batch of `batch_size` rows, or None when packing is off or (MKL)
         the batch is small. MKL: one set per power-of-two bucket (at most max_batch_size), the batch is
         padded to it; oneDNN: one set for every row count, packed with max_batch_size as the hint."""
@@ -652,7 +428,7 @@ class CodePredictorRunner:
             rows = min(1 << (batch_size - 1).bit_length(), self.max_batch_size)
         if rows not in self._gemms:
             with torch.no_grad():
-                self._gemms[rows] = _pack_gemm(self.weights, self.packed_gemm_kind, rows)
+                self._gemms[rows] = pack_matrices(self.weights, self.packed_gemm_kind, rows)
         return self._gemms[rows]
 
     def run(

@@ -26,7 +26,7 @@ from typing import Hashable
 import torch
 import torch.nn.functional as F
 
-from omnimtp.packed_decoder import PackedDecoder, SlotKVCache, decoder_forward
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import (
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
@@ -117,7 +117,7 @@ class TalkerBatch:
         self.decoder = decoder or PackedDecoder.from_module(talker.model)
         # the code predictor's residual tables [V, H], one per residual codebook (the module's own tensors)
         self.codec_tables = [table.weight.detach() for table in talker.code_predictor.model.codec_embedding]
-        self.kv = SlotKVCache(self.decoder, max_batch_size)
+        self.kv = KVCache(self.decoder, max_batch_size)
         self.eos_id = config.codec_eos_token_id
         vocab_size = config.text_config.vocab_size
         self.is_suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=talker.device)  # [V]

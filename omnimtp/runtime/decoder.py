@@ -1,0 +1,370 @@
+"""The packed decoder stack and its one layer function, shared by every decoder omnimtp runs.
+
+transformers' forward spends a large share of a small-batch step in framework code (mask building,
+cache objects, output recording, module calls). Here a forward is a short loop of tensor ops over
+weights packed once (`PackedDecoder.from_module`), and every decoder runs the same `decoder_layer`:
+
+    x = decoder_layer(decoder, layer, x, (cos, signed_sin), cache.buffer, i, where, mask)   # [R, T, H]
+
+- per layer: fused QKV (+ bias), the q/k norm weights stacked per head (one RMSNorm for queries and
+  keys) when the model has them, RoPE on queries and keys at once (partial rotary as transformers'
+  `apply_rotary_pos_emb`), grouped-query attention over a `KVCache`, the output projection (+ bias);
+- the MLP: dense (fused gate/up); Qwen3-MoE (one matrix [router rows; shared-expert gate row], softmax
+  top-k router, the shared expert's projections used as transformers stores them: at batch 1 it is most
+  of the talker's bytes, and fusing its gate/up would only duplicate them); glm4_moe (group-limited
+  sigmoid router in fp32 + fused shared experts). Routed experts are transformers' own tensors;
+- RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does.
+
+What differs between the decoders is a parameter, not a copy: the cache semantics (`where`: ragged
+slots, one shared length, or a fixed buffer at static positions), the mask (bool causal, additive from a
+kv_mask, or the code predictor's [T, G]), packed GEMM matrices (`packed`, `gemm`), and two numeric
+variants fixed at construction (`fused_norm`, `fp32_attention`, the code predictor's choices). One row
+and one position runs the same ops, which the linears and the expert dispatch turn into `torch.mv`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
+from omnimtp.runtime.moe import GroupLimitedSigmoid, Router, SoftmaxTopK, routed_experts
+from omnimtp.runtime.ops import PackedGemm, Rope, apply_rope, attention, cast, gated_mlp, linear, rms_norm
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's packed weights. Matrices are nn.Linear-shaped [out, in]."""
+
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Nq + 2 Nkv) * D, H]
+    qkv_bias: torch.Tensor | None  # [(Nq + 2 Nkv) * D]
+    qk_norm: torch.Tensor | None  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
+    o: torch.Tensor  # [H, Nq * D]
+    o_bias: torch.Tensor | None  # [H]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor | None  # [2I, H]: the dense MLP, or glm4_moe's shared experts
+    mlp_down: torch.Tensor | None  # [H, I] of gate_up's MLP or of the Qwen3-MoE shared expert
+    router_in: torch.Tensor | None = None  # Qwen3-MoE [E (+ 1), H]: router rows (+ shared-expert gate row)
+    shared_gate_proj: torch.Tensor | None = None  # [Is, H] Qwen3-MoE shared expert (transformers' own tensor)
+    shared_up_proj: torch.Tensor | None = None  # [Is, H]
+    router: Router | None = None  # None: dense MLP
+    expert_gate_up: torch.Tensor | None = None  # [E, 2 Ie, H] (transformers' own tensor)
+    expert_down: torch.Tensor | None = None  # [E, H, Ie]
+    # per-expert views of expert_gate_up / expert_down (no copy), so a decode step indexes a tuple
+    expert_gate_up_views: tuple[torch.Tensor, ...] = ()
+    expert_down_views: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def num_experts(self) -> int:
+        return 0 if self.router is None else self.router.num_experts
+
+
+@dataclass(frozen=True)
+class PackedDecoder:
+    """The packed weights of one decoder stack (see the module docstring). Immutable; share it between
+    runs. Later changes to the module's weights are not seen (except the experts, the module's own tensors).
+
+    embed, lm_head: a causal LM's token embedding and output matrices (`from_causal_lm`), else None."""
+
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor  # [H]
+    rope: Rope
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float  # the attention modules' softmax scale
+    hidden_size: int
+    eps: float
+    dtype: torch.dtype
+    device: torch.device
+    embed: torch.Tensor | None = None  # [V, H] (the module's own tensor)
+    lm_head: torch.Tensor | None = None  # [V, H] (the module's own tensor)
+    fused_norm: bool = True  # see `rms_norm`
+    fp32_attention: bool = False  # see `attention(fp32_manual=...)`
+    # position → (cos, signed_sin) [1, 1, 1, D] of a one-row, one-position step, filled as positions are
+    # first used (the same `Rope.tables` call on [[position]], so the same values)
+    step_rope: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def from_module(
+        cls, model, dtype: torch.dtype | None = None, num_layers: int | None = None, **options
+    ) -> "PackedDecoder":
+        """model: a transformers decoder (`layers`, `norm`, `rotary_emb`): Qwen3-Omni's thinker text model
+        or talker model, its code predictor's model, or a supported causal LM's `get_decoder()`. dtype:
+        default the module's own. num_layers: the first layers only (default all). options: `fused_norm`,
+        `fp32_attention`. ValueError when a layer is not supported."""
+        if not hasattr(model, "layers") or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
+            raise ValueError(f"model must be a transformers decoder model (layers, norm, rotary_emb), got {type(model).__name__}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
+        config = model.config
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"model: rope_type {rope_type!r} is not supported (only 'default')")
+        if config.hidden_act != "silu":
+            raise ValueError(f"model: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        dtype = dtype or next(model.parameters()).dtype
+        layers = model.layers[: num_layers or len(model.layers)]
+        return cls.from_layers(layers, config, model.rotary_emb, model.norm, dtype, **options)
+
+    @classmethod
+    def from_layers(cls, layers, config, rotary, final_norm, dtype: torch.dtype, **options) -> "PackedDecoder":
+        """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm."""
+        with torch.no_grad():
+            packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+        attn = layers[0].self_attn
+        return cls(
+            layers=packed_layers,
+            final_norm=cast(final_norm.weight, dtype),
+            rope=Rope.from_module(rotary, attn.head_dim),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim,
+            scaling=float(attn.scaling),
+            hidden_size=config.hidden_size,
+            eps=config.rms_norm_eps,
+            dtype=dtype,
+            device=rotary.inv_freq.device,
+            **options,
+        )
+
+    @classmethod
+    def from_causal_lm(cls, target) -> "PackedDecoder":
+        """A transformers causal LM: its decoder's first `num_hidden_layers` layers, embedding and lm_head."""
+        decoder = target.get_decoder()
+        packed = cls.from_module(
+            decoder, dtype=decoder.embed_tokens.weight.dtype, num_layers=decoder.config.num_hidden_layers
+        )
+        return replace(
+            packed, embed=decoder.embed_tokens.weight.detach(), lm_head=target.get_output_embeddings().weight.detach(),
+            device=decoder.embed_tokens.weight.device,
+        )
+
+
+def unsupported_layer_reason(layer) -> str | None:
+    """None if `pack_layer` can pack this transformers decoder layer, else why not (one phrase)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if getattr(attn, "sliding_window", None) is not None:
+        return "sliding windows are not supported"
+    biases = [getattr(attn, name).bias is None for name in ("q_proj", "k_proj", "v_proj")]
+    if len(set(biases)) != 1:
+        return "q/k/v projections must all have biases or none"
+    if not hasattr(mlp, "experts"):
+        return "MLP biases are not supported" if mlp.gate_proj.bias is not None else None
+    experts = mlp.experts
+    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False) or not getattr(
+        experts, "is_concatenated", True
+    ):
+        return "only concatenated [gate; up] experts without bias are supported"
+    if hasattr(mlp.gate, "e_score_correction_bias"):
+        if mlp.gate.num_experts // mlp.gate.num_group < 2:
+            return "group-limited routing needs >= 2 experts per group"
+    elif not hasattr(mlp.gate, "norm_topk_prob"):
+        return f"router {type(mlp.gate).__name__} is not supported"
+    return None
+
+
+def pack_layer(layer, config, dtype: torch.dtype) -> LayerWeights:
+    """One transformers decoder layer → LayerWeights: attention (+ biases, + qk norm), and a dense MLP, a
+    Qwen3-MoE block (softmax top-k router, optional gated shared expert) or a glm4_moe block
+    (group-limited sigmoid router, shared experts)."""
+    reason = unsupported_layer_reason(layer)
+    if reason is not None:
+        raise ValueError(f"model: {reason}")
+    attn, mlp = layer.self_attn, layer.mlp
+    qk_norm = None
+    if getattr(attn, "q_norm", None) is not None:
+        qk_norm = cast(torch.cat([
+            attn.q_norm.weight.expand(config.num_attention_heads, attn.head_dim),
+            attn.k_norm.weight.expand(config.num_key_value_heads, attn.head_dim),
+        ]), dtype)
+    qkv_bias = None
+    if attn.q_proj.bias is not None:
+        qkv_bias = cast(torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]), dtype)
+    common = dict(
+        input_norm=cast(layer.input_layernorm.weight, dtype),
+        qkv=cast(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), dtype),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        o=cast(attn.o_proj.weight, dtype),
+        o_bias=None if attn.o_proj.bias is None else cast(attn.o_proj.bias, dtype),
+        post_norm=cast(layer.post_attention_layernorm.weight, dtype),
+    )
+    if not hasattr(mlp, "experts"):  # dense MLP
+        return LayerWeights(
+            **common, gate_up=cast(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), dtype),
+            mlp_down=cast(mlp.down_proj.weight, dtype),
+        )
+    gate = mlp.gate
+    expert_gate_up, expert_down = cast(mlp.experts.gate_up_proj, dtype), cast(mlp.experts.down_proj, dtype)
+    experts = dict(
+        expert_gate_up=expert_gate_up, expert_down=expert_down,
+        expert_gate_up_views=tuple(expert_gate_up.unbind(0)), expert_down_views=tuple(expert_down.unbind(0)),
+    )
+    if hasattr(gate, "e_score_correction_bias"):  # glm4_moe
+        shared = mlp.shared_experts
+        router = GroupLimitedSigmoid(
+            weight=gate.weight.detach().float(), correction_bias=gate.e_score_correction_bias.detach().float(),
+            num_groups=gate.num_group, top_k_groups=gate.topk_group, top_k=gate.top_k,
+            norm_topk_prob=bool(gate.norm_topk_prob), routed_scaling_factor=float(gate.routed_scaling_factor),
+        )
+        return LayerWeights(
+            **common, gate_up=cast(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]), dtype),
+            mlp_down=cast(shared.down_proj.weight, dtype), router=router, **experts,
+        )
+    shared = getattr(mlp, "shared_expert", None)  # Qwen3-MoE
+    rows = [gate.weight] if shared is None else [gate.weight, mlp.shared_expert_gate.weight]
+    return LayerWeights(
+        **common,
+        gate_up=None,
+        mlp_down=None if shared is None else cast(shared.down_proj.weight, dtype),
+        router_in=cast(torch.cat(rows), dtype),
+        shared_gate_proj=None if shared is None else cast(shared.gate_proj.weight, dtype),
+        shared_up_proj=None if shared is None else cast(shared.up_proj.weight, dtype),
+        router=SoftmaxTopK(num_experts=gate.num_experts, top_k=gate.top_k, norm_topk_prob=bool(gate.norm_topk_prob)),
+        **experts,
+    )
+
+
+def mlp_block(
+    layer: LayerWeights,
+    x: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gemm: PackedGemm | None = None,
+) -> torch.Tensor:
+    """The layer's MLP on tokens x [N, H] → [N, H]. packed: (gate_up, down) packed by `gemm` (dense only)."""
+    router = layer.router
+    if router is None:
+        return gated_mlp(x, layer.gate_up, layer.mlp_down, packed=packed, gemm=gemm)
+    views = (layer.expert_gate_up_views, layer.expert_down_views)
+    if isinstance(router, GroupLimitedSigmoid):
+        routed = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, None, *views)
+        return routed + gated_mlp(x, layer.gate_up, layer.mlp_down)
+    projected = linear(x, layer.router_in)  # [N, E (+ 1)]
+    num_experts = router.num_experts
+    out = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, projected[:, :num_experts], *views)
+    if layer.shared_gate_proj is not None:
+        shared = gated_mlp(x, None, layer.mlp_down, gate=layer.shared_gate_proj, up=layer.shared_up_proj)
+        out = out + torch.sigmoid(projected[:, num_experts:]) * shared
+    return out
+
+
+def decoder_layer(
+    decoder: PackedDecoder,
+    layer: LayerWeights,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_buffer: torch.Tensor,
+    layer_index: int,
+    where: KVWrite | torch.Tensor,
+    mask: torch.Tensor | None,
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    gemm: PackedGemm | None = None,
+) -> torch.Tensor:
+    """One decoder layer on x [R, T, H] → [R, T, H]: attention block, then MLP block, each pre-norm with
+    a residual.
+
+    rope: (cos, signed_sin) broadcastable to [R, T, 1, D]; kv_buffer, layer_index, where: the layer's
+    keys and values are appended by `append_kv`; mask: for `attention` (None: every column visible);
+    packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None."""
+    num_rows, num_new, _ = x.shape
+    num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+    num_qk = num_heads + num_kv_heads
+    p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if packed is None else packed
+    fused = decoder.fused_norm
+    residual = x
+    qkv = linear(rms_norm(x, layer.input_norm, decoder.eps, fused=fused), layer.qkv, layer.qkv_bias, p_qkv, gemm)
+    qkv = qkv.view(num_rows, num_new, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
+    qk = qkv[:, :, :num_qk]
+    if layer.qk_norm is not None:
+        qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
+    qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
+    keys, values = append_kv(kv_buffer, layer_index, qk[:, :, num_heads:], qkv[:, :, num_qk:], where)
+    attn = attention(qk[:, :, :num_heads], keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
+    x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
+    residual = x
+    normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused).view(num_rows * num_new, -1)
+    mlp_packed = None if packed is None else (p_gate_up, p_down)
+    return residual + mlp_block(layer, normed, mlp_packed, gemm).view(num_rows, num_new, -1)
+
+
+def decoder_layers(
+    decoder: PackedDecoder,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_buffer: torch.Tensor,
+    where: KVWrite | torch.Tensor,
+    mask: torch.Tensor | None,
+    capture_layer: int | None = None,
+    packed_layers: tuple | None = None,
+    gemm: PackedGemm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every layer of `decoder` on x [R, T, H] → (output of the last layer [R, T, H] before the final
+    norm, the hidden state `capture_layer` as transformers' `hidden_states` numbers them: 0 = x, k < L =
+    output of layer k-1; None when capture_layer is None or L, which the caller takes after its norm)."""
+    captured = x if capture_layer == 0 else None
+    for i, layer in enumerate(decoder.layers):
+        packed = None if packed_layers is None else packed_layers[i]
+        x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm)
+        if capture_layer == i + 1 and capture_layer < decoder.num_layers:
+            captured = x
+    return x, captured
+
+
+def shared_length_forward(
+    decoder: PackedDecoder,
+    cache: KVCache,
+    x: torch.Tensor,
+    position_ids: torch.Tensor,
+    kv_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The stack on input embeddings x [B, T, H] appended to slots 0..B-1 of a `cache` whose slots share
+    one length (the speculative loops' cache: the target and the MTP head), RoPE at position_ids [B, T],
+    attention limited by kv_mask [B, length + T] (1 = a real position; None = all real) and causal by
+    slot. → the last layer's output [B, T, H] before the final norm."""
+    batch_size, num_new, _ = x.shape
+    slots = list(range(batch_size))
+    start = cache.length
+    if kv_mask is not None and tuple(kv_mask.shape) != (batch_size, start + num_new):
+        raise ValueError(f"kv_mask must be [B, {start + num_new}] (cache length + T), got {tuple(kv_mask.shape)}")
+    where = cache.plan(slots, num_new)
+    mask = kv_mask_attention_mask(kv_mask, start, num_new, decoder.dtype, x.device)  # [B, 1, T, S] or None
+    rope = decoder.rope.tables(position_ids, decoder.dtype)  # [B, T, 1, D]
+    x, _ = decoder_layers(decoder, x, rope, cache.buffer, where, mask)
+    cache.commit(slots, num_new)
+    return x
+
+
+def kv_mask_attention_mask(
+    kv_mask: torch.Tensor | None, start: int, num_new: int, dtype: torch.dtype, device
+) -> torch.Tensor | None:
+    """Additive SDPA mask [B, 1, T, start + T] (0 = attend, -inf = not): valid slots up to the query's own
+    slot. SDPA turns a boolean mask into exactly this on every call; building it once per forward saves
+    that per layer. None when every slot is valid and T == 1. A query always sees its own slot, so rows
+    of padding tokens (no valid key at all) stay finite instead of NaN; real tokens never attend to them."""
+    num_columns = start + num_new
+    if kv_mask is not None and bool(kv_mask.all()):
+        kv_mask = None
+    if kv_mask is None and num_new == 1:
+        return None
+    columns = torch.arange(num_columns, device=device)
+    slots = start + torch.arange(num_new, device=device)
+    mask = columns[None, :] <= slots[:, None]  # [T, S] causal by slot
+    if kv_mask is None:
+        mask = mask[None]  # [1, T, S] broadcast over rows
+    else:
+        mask = mask[None] & kv_mask.bool()[:, None, :]  # [B, T, S]
+        mask = mask | (columns[None, :] == slots[:, None])[None]
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
+
+
+def weights_fingerprint(model) -> tuple:
+    """Identity and in-place version of every parameter: changes when a weight is replaced or edited
+    (what packed copies are checked against)."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())

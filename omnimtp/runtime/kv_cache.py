@@ -1,0 +1,190 @@
+"""The one KV cache of every packed decoder: a static buffer written by index, one slot per sequence.
+
+    cache = KVCache(decoder, max_batch_size=4)              # buffer [L, 2, B_max, Nkv, S_cap, D], zeros
+    where = cache.plan(slots=[0, 2], num_new=1)              # reserve room; where each row's keys go
+    keys, values = append_kv(cache.buffer, i, new_keys, new_values, where)   # per layer
+    cache.commit([0, 2], 1)                                  # the slots' lengths grow
+
+Slot s holds its sequence's positions 0..lengths[s]-1 with no padding, so a sequence never attends to
+another's keys. The buffer grows (doubling) when a sequence outgrows it, unless it was made fixed
+(`is_growable=False`: the code predictor's G-slot buffer, written at static positions by a compiled
+step). Columns at or past a slot's length are never attended to (masked or not read), and the buffer
+starts as zeros, so stale columns stay finite.
+
+Uses:
+- thinker / talker: ragged slots (`plan(slots, T)`, `keep` compaction, `reset` for a new request);
+- the speculative target and the MTP head: every slot shares one length (`length`, `crop`), which slots
+  a row may attend to is the caller's kv_mask (left padding, rejected drafts of ragged rows);
+- the code predictor: a fixed buffer of G columns written at positions [T] shared by the rows
+  (`append_kv` with a positions tensor: compile-friendly writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """Where one forward's T new positions go, the same for every layer.
+
+    rows: the forward's slots as one slice of the buffer (consecutive slots), else None (gathered by
+    slot_index); start: every row writes columns start..start+T-1 (equal lengths), else None;
+    positions [R, T]: each row's new columns, or None when the write is one slice (rows and start);
+    num_columns: columns attention reads (the longest slot after the write)."""
+
+    rows: slice | None
+    slot_index: torch.Tensor | None  # [R]
+    start: int | None
+    positions: torch.Tensor | None  # [R, T]
+    num_columns: int
+
+
+class KVCache:
+    """The KV buffer [L, 2, B_max, Nkv, S_cap, D] of a packed decoder and each slot's length.
+
+    decoder: anything with `num_layers`, `num_kv_heads`, `head_dim`, `dtype`, `device` (a `PackedDecoder`).
+    `reset` empties a slot for a new sequence; `keep` compacts (slot i takes the old slot keep[i]); `crop`
+    shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead)."""
+
+    def __init__(self, decoder, max_batch_size: int, capacity: int = 256, *, is_growable: bool = True):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
+        self.max_batch_size = max_batch_size
+        self.is_growable = is_growable
+        self.lengths = [0] * max_batch_size
+        self.buffer = torch.zeros(
+            decoder.num_layers, 2, max_batch_size, decoder.num_kv_heads, capacity, decoder.head_dim,
+            dtype=decoder.dtype, device=decoder.device,
+        )  # [L, 2, B_max, Nkv, S_cap, D]
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[4]
+
+    @property
+    def length(self) -> int:
+        """The one length every slot shares (the speculative loops' cache)."""
+        if min(self.lengths) != max(self.lengths):
+            raise ValueError(f"the slots have different lengths {self.lengths}; use `lengths`")
+        return self.lengths[0]
+
+    def get_seq_length(self, layer_idx: int | None = None) -> int:
+        """`length`, under transformers' `Cache` name (every layer holds the same positions)."""
+        return self.length
+
+    def check_slots(self, slots: list[int]) -> None:
+        if len(set(slots)) != len(slots) or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.max_batch_size for s in slots
+        ):
+            raise ValueError(f"slots must be distinct integers in [0, {self.max_batch_size}), got {slots!r}")
+
+    def reset(self, slot: int) -> None:
+        self.check_slots([slot])
+        self.lengths[slot] = 0
+
+    def keep(self, slots: list[int]) -> None:
+        """Compact: slot i becomes the old slot slots[i] for i < len(slots); the rest are emptied."""
+        self.check_slots(slots)
+        if slots != list(range(len(slots))):
+            index = torch.tensor(slots, device=self.buffer.device)
+            self.buffer[:, :, : len(slots)] = self.buffer.index_select(2, index)
+        self.lengths = [self.lengths[s] for s in slots] + [0] * (self.max_batch_size - len(slots))
+
+    def crop(self, n: int) -> None:
+        """Every slot keeps its first n positions (n < 0: drops its last -n, as `DynamicCache.crop`)."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"n must be an integer, got {n!r}")
+        self.lengths = [max(0, length + n) if n < 0 else min(n, length) for length in self.lengths]
+
+    def snapshot(self) -> tuple[int, ...]:
+        """The slots' lengths, for `restore` (valid while no `keep` runs in between)."""
+        return tuple(self.lengths)
+
+    def restore(self, snapshot: tuple[int, ...]) -> None:
+        """Roll every slot back to its snapshot length; what was appended since is never read again."""
+        if len(snapshot) != self.max_batch_size or any(new > old for new, old in zip(snapshot, self.lengths)):
+            raise ValueError(f"snapshot {snapshot!r} does not roll back lengths {self.lengths}")
+        self.lengths = list(snapshot)
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` positions per slot (the buffer at least doubles)."""
+        if length <= self.capacity:
+            return
+        if not self.is_growable:
+            raise ValueError(f"the KV buffer holds {self.capacity} positions, {length} were asked for")
+        used = max(self.lengths)
+        grown = self.buffer.new_zeros((*self.buffer.shape[:4], max(length, 2 * self.capacity), self.buffer.shape[5]))
+        grown[:, :, :, :, :used] = self.buffer[:, :, :, :, :used]
+        self.buffer = grown
+
+    def plan(self, slots: list[int], num_new: int) -> KVWrite:
+        """Reserve room for `num_new` positions after each slot's length and say where they go (checked slots)."""
+        starts = [self.lengths[s] for s in slots]
+        num_columns = max(starts) + num_new
+        self.reserve(num_columns)
+        num_rows = len(slots)
+        rows = slice(slots[0], slots[0] + num_rows) if slots == list(range(slots[0], slots[0] + num_rows)) else None
+        start = starts[0] if min(starts) == max(starts) else None
+        if rows is not None and start is not None:
+            return KVWrite(rows, None, start, None, num_columns)
+        device = self.buffer.device
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [R, T]
+        return KVWrite(rows, torch.tensor(slots, device=device), start, positions, num_columns)
+
+    def commit(self, slots: list[int], num_new: int) -> None:
+        """The slots now hold `num_new` more positions (after every layer wrote them)."""
+        for slot in slots:
+            self.lengths[slot] += num_new
+
+
+def append_kv(
+    buffer: torch.Tensor,
+    layer: int,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    where: KVWrite | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new keys / values [R, T, Nkv, D] into buffer [L, 2, B_max, Nkv, S, D] and return
+    the keys and values the new queries attend to, [R, Nkv, S', D].
+
+    where: a `KVWrite` (from `KVCache.plan`); or positions [T] long, the same columns for rows 0..R-1 of a
+    fixed buffer, all of whose S columns are returned (the caller masks what is not written yet). Eager:
+    two `index_copy_` into views of the buffer (the cheapest per call). Compiled: one `index_put_` on
+    the whole buffer, which inductor writes in place; an `index_copy_` into a view of the graph's input
+    makes it copy the layer's whole block in and out around the write."""
+    if isinstance(where, torch.Tensor):
+        positions, num_rows, num_kv_heads = where, new_keys.shape[0], new_keys.shape[2]
+        new_keys, new_values = new_keys.transpose(1, 2), new_values.transpose(1, 2)  # [R, Nkv, T, D]
+        if not torch.compiler.is_compiling():
+            buffer[layer, 0, :num_rows].index_copy_(2, positions, new_keys)
+            buffer[layer, 1, :num_rows].index_copy_(2, positions, new_values)
+        else:
+            device = buffer.device
+            index = (
+                torch.tensor(layer, device=device),
+                torch.arange(2, device=device)[:, None, None, None],  # keys, values
+                torch.arange(num_rows, device=device)[:, None, None],
+                torch.arange(num_kv_heads, device=device)[:, None],
+                positions,
+            )  # broadcast to [2, R, Nkv, T]
+            buffer.index_put_(index, torch.stack([new_keys, new_values]))
+        return buffer[layer, 0, :num_rows], buffer[layer, 1, :num_rows]
+    keys, values = buffer[layer, 0], buffer[layer, 1]  # [B_max, Nkv, S_cap, D]
+    if where.positions is None:
+        stop = where.start + new_keys.shape[1]
+        keys[where.rows, :, where.start : stop] = new_keys.transpose(1, 2)
+        values[where.rows, :, where.start : stop] = new_values.transpose(1, 2)
+    else:
+        keys[where.slot_index[:, None], :, where.positions] = new_keys
+        values[where.slot_index[:, None], :, where.positions] = new_values
+    if where.rows is not None:
+        return keys[where.rows, :, : where.num_columns], values[where.rows, :, : where.num_columns]
+    return (
+        keys.index_select(0, where.slot_index)[:, :, : where.num_columns],
+        values.index_select(0, where.slot_index)[:, :, : where.num_columns],
+    )

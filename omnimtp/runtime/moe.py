@@ -1,0 +1,140 @@
+"""Mixture-of-experts: the routers and the expert dispatch every MoE decoder uses.
+
+    top_weights, top_experts = route(router, x, router_logits)        # [N, k] each
+    outputs = expert_outputs(x, top_experts, gate_up, down)           # [N*k, H], only picked experts
+    routed = combine(outputs, top_weights, x.dtype)                   # [N, H], rank-order sums
+
+Routers, exactly as transformers computes them:
+- `SoftmaxTopK` (Qwen3-MoE / Qwen3-Omni `TopKRouter`): softmax of the logits in fp32, top-k, optional
+  renormalisation, weights cast back to the logits' dtype;
+- `GroupLimitedSigmoid` (glm4_moe's `Glm4MoeTopkRouter`): sigmoid scores in fp32, `e_score_correction_bias`
+  for the choice only, the best `top_k_groups` groups (by the sum of their two best scores), top-k among
+  their experts, optional renormalisation, `routed_scaling_factor`; weights stay fp32.
+Experts are transformers' fused tensors (gate_up [E, 2I, H], down [E, H, I], SiLU-gated) summed over each
+token's top-k in rank order, as its default `grouped_mm` path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from omnimtp.runtime.ops import linear
+
+
+@dataclass(frozen=True)
+class SoftmaxTopK:
+    """Qwen3-MoE's router; its logits come from the caller's matmul (router rows, in the model dtype)."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+
+
+@dataclass(frozen=True)
+class GroupLimitedSigmoid:
+    """glm4_moe's router (weights as transformers keeps them: fp32)."""
+
+    weight: torch.Tensor  # [E, H] fp32
+    correction_bias: torch.Tensor  # [E] fp32
+    num_groups: int
+    top_k_groups: int
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+
+Router = SoftmaxTopK | GroupLimitedSigmoid
+
+
+def route(router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens x [N, H] → (top_weights [N, k], top_experts [N, k]). SoftmaxTopK takes the router's logits
+    [N, E] (computed by the caller, often fused with another matmul); GroupLimitedSigmoid computes its own."""
+    if isinstance(router, SoftmaxTopK):
+        probs = router_logits.softmax(dim=-1, dtype=torch.float)  # [N, E]
+        top_weights, top_experts = torch.topk(probs, router.top_k, dim=-1)  # [N, k]
+        if router.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return top_weights.to(router_logits.dtype), top_experts
+    num_tokens, num_experts = x.shape[0], router.num_experts
+    scores = F.linear(x.float(), router.weight).sigmoid()  # [N, E]
+    scores_for_choice = scores + router.correction_bias
+    group_scores = scores_for_choice.view(-1, router.num_groups, num_experts // router.num_groups).topk(2, dim=-1)[0]
+    group_idx = torch.topk(group_scores.sum(dim=-1), k=router.top_k_groups, dim=-1, sorted=False)[1]  # [N, G']
+    group_mask = torch.zeros(num_tokens, router.num_groups, device=x.device).scatter_(1, group_idx, 1)
+    score_mask = group_mask[:, :, None].expand(-1, -1, num_experts // router.num_groups).reshape(-1, num_experts)
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    top_experts = torch.topk(scores_for_choice, k=router.top_k, dim=-1, sorted=False)[1]  # [N, k]
+    top_weights = scores.gather(1, top_experts)
+    if router.norm_topk_prob:
+        top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return top_weights * router.routed_scaling_factor, top_experts  # [N, k] fp32
+
+
+def expert_outputs(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    expert_gate_up: torch.Tensor,
+    expert_down: torch.Tensor,
+    gate_up_views: tuple[torch.Tensor, ...] = (),
+    down_views: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
+    """Each token's picked SiLU-gated experts, unweighted: x [N, H], top_experts [N, k] → [N*k, H] with
+    row token * k + rank. expert_gate_up [E, 2I, H], expert_down [E, H, I] (transformers' fused expert
+    tensors); gate_up_views / down_views: the same per expert (`unbind(0)`, no copy), to skip an index op
+    per expert. Only the experts some token picked are computed, each once over its tokens.
+
+    One token (a decode step) takes a short path: the same `torch.mv` kernels on the same values as the
+    general path, without its bookkeeping."""
+    top_k = top_experts.shape[1]
+    if x.shape[0] == 1:
+        row = x[0]  # [H]
+        outputs = []
+        for expert in top_experts[0].tolist():
+            gate_up = gate_up_views[expert] if gate_up_views else expert_gate_up[expert]
+            down = down_views[expert] if down_views else expert_down[expert]
+            gate, up = torch.mv(gate_up, row).chunk(2)
+            outputs.append(torch.mv(down, F.silu(gate) * up))
+        return torch.stack(outputs)  # [k, H]
+    selections: dict[int, list[int]] = {}  # expert → flat (token * k + rank) indices
+    for flat, expert in enumerate(top_experts.view(-1).tolist()):
+        selections.setdefault(expert, []).append(flat)
+    outputs = x.new_empty((x.shape[0] * top_k, x.shape[1]))  # [N*k, H]
+    for expert, flat in selections.items():
+        if len(flat) == 1:
+            rows = x[flat[0] // top_k][None]  # [1, H]
+            index = slice(flat[0], flat[0] + 1)
+        else:
+            index = torch.tensor(flat, device=x.device)
+            rows = x.index_select(0, index // top_k)  # [n, H]
+        gate, up = linear(rows, expert_gate_up[expert]).chunk(2, dim=-1)
+        outputs[index] = linear(F.silu(gate) * up, expert_down[expert])
+    return outputs
+
+
+def combine(outputs: torch.Tensor, top_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """outputs [N*k, H] weighted by top_weights [N, k] and summed over each token's k in rank order → [N, H]
+    in `dtype` (fp32 weights, as glm4_moe's, give an fp32 sum that is cast back once)."""
+    num_tokens, top_k = top_weights.shape
+    return (outputs * top_weights.reshape(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1).to(dtype)
+
+
+def routed_experts(
+    router: Router,
+    x: torch.Tensor,
+    expert_gate_up: torch.Tensor,
+    expert_down: torch.Tensor,
+    router_logits: torch.Tensor | None = None,
+    gate_up_views: tuple[torch.Tensor, ...] = (),
+    down_views: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
+    """The routed experts of an MoE block on tokens x [N, H] → [N, H]: `route`, `expert_outputs`, `combine`."""
+    top_weights, top_experts = route(router, x, router_logits)
+    outputs = expert_outputs(x, top_experts, expert_gate_up, expert_down, gate_up_views, down_views)
+    return combine(outputs, top_weights, x.dtype)

@@ -1,0 +1,331 @@
+"""The tensor math every decoder shares: RMSNorm, linear layers (+ packed-GEMM kinds), RoPE, attention.
+
+Each function is the one implementation of its op; numeric variants that callers need (the fp32 fused
+RMSNorm, the code predictor's fp32 manual attention, the one-row `torch.mv` path) are named options of
+it, so a fix or a faster kernel reaches every decoder at once.
+
+    normed = rms_norm(x, weight, eps)                           # transformers' Qwen3 RMSNorm
+    y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
+    cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
+    qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
+    out = attention(q, keys, values, mask, scale)               # SDPA, GQA; [R, T, Nq * D]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from omnimtp.runtime.kernels import small_batch_linear
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous detached copy (or the tensor itself when nothing changes) in `dtype`."""
+    return t.detach().to(dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, fused: bool = True) -> torch.Tensor:
+    """transformers' Qwen3 RMSNorm: x * rsqrt(mean(x²) + eps) in fp32, weight applied after casting back.
+
+    fused=True: `F.rms_norm` without a weight computes that formula in one op; in fp32 there is no cast
+    and `F.rms_norm` with the weight computes the same products (x * rsqrt(...)) * weight in one call.
+    fused=False: the formula op by op, exactly as the module writes it (the code predictor's choice: its
+    compiled graphs and its bits stay what they are). weight [D] or stacked per head [heads, D]."""
+    if not fused:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if x.dtype == torch.float32 and weight.dim() == 1 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers and packed-weight GEMMs (CPU only)
+
+PACKED_GEMM_KINDS = ("avx512", "mkl", "onednn")
+# fp32 "mkl": batches of at least this many rows use MKL-packed weights (below it plain kernels are as
+# fast); "avx512" under torch.compile: the kernel runs from this many rows (below it, plain kernels),
+# or for matrices of at least COMPILED_KERNEL_MIN_WEIGHTS elements (4 MB: ~250 us to read).
+PACKED_GEMM_MIN_ROWS = 4
+COMPILED_KERNEL_MIN_WEIGHTS = 1 << 20
+
+
+def packed_gemm_kinds(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """The packed-weight matmuls that can run `dtype` batches on `device`, best first: "avx512" (fp32:
+    omnimtp's own small-batch kernel, `omnimtp.runtime.kernels.small_batch_linear`, on x86 CPUs with
+    AVX-512F and a C compiler; built on the first call), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
+    oneDNN's reordered weights, where oneDNN supports bf16). Every kind is a CPU kernel: any other device
+    (cuda, meta, ...) gets none, and its linears run as plain torch ops."""
+    if torch.device(device).type != "cpu":
+        return []
+    kinds = []
+    if dtype == torch.float32 and small_batch_linear.available():
+        kinds.append("avx512")
+    if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+        kinds.append("mkl")
+    if (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        kinds.append("onednn")
+    return kinds
+
+
+def packed_gemm_kind(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """The best packed-weight matmul for `dtype` on `device` (see packed_gemm_kinds), or None."""
+    kinds = packed_gemm_kinds(device, dtype)
+    return kinds[0] if kinds else None
+
+
+def packed_gemm_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether this torch build can run `dtype` matmuls on packed weights on `device` (see packed_gemm_kind)."""
+    return packed_gemm_kind(device, dtype) is not None
+
+
+@torch.library.custom_op("omnimtp::mkl_packed_linear", mutates_args=())
+def _mkl_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """`torch.ops.mkl._mkl_linear` as an opaque op, so torch.compile calls it instead of lowering it
+    (inductor's own lowering expects the packed weight to be a frozen constant)."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+
+
+@_mkl_packed_linear_op.register_fake
+def _(x, packed, weight, rows):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("omnimtp::onednn_packed_linear", mutates_args=())
+def _onednn_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """oneDNN's linear on a reordered (opaque) weight, kept opaque under torch.compile as above."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@_onednn_packed_linear_op.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@dataclass(frozen=True)
+class PackedGemm:
+    """A packed-weight matmul kind (CPU only; see `packed_gemm_kinds`).
+
+    kind "mkl" (fp32): MKL's packed SGEMM (what inductor's freezing pass uses for CPU linears) reorders
+    a weight once for a given row count; small-batch fp32 matmuls on it run about 1.6x faster than
+    `F.linear` on a CPU. `rows` is that count: inputs must have a multiple of it, and run as that many
+    calls back to back (the later ones find the matrix in cache).
+    kind "onednn" (bf16): oneDNN's reordered weights (what inductor's freezing uses for bf16 linears);
+    any row count, one call; `rows` is None. oneDNN gives the same values as `F.linear`; MKL's packed
+    SGEMM differs from it by rounding only.
+    kind "avx512" (fp32): `omnimtp.runtime.kernels.small_batch_linear`: weights in panels, several streamed
+    at once, at a core's read bandwidth for 1..16 rows; any row count, one call, `rows` is None; equal to
+    `F.linear` up to rounding, each row computed on its own."""
+
+    kind: str  # "avx512", "mkl" or "onednn"
+    rows: int | None
+
+    def pack(self, weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+        """nn.Linear weight [out, in] → its packed form (rows_hint: the row count oneDNN tunes for)."""
+        if self.kind == "avx512":
+            return small_batch_linear.pack_weight(weight)
+        if self.kind == "mkl":
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    gemm: PackedGemm | None = None,
+) -> torch.Tensor:
+    """nn.Linear: x [..., in] @ weight[out, in].T (+ bias, added inside the matmul as the module does: one
+    rounding in bf16). packed: `weight` packed by `gemm`, or None.
+
+    "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
+    except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix. Otherwise a
+    single row without bias goes through matrix-vector kernels, which stream the weights at close to
+    memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
+    if bias is not None:
+        return F.linear(x, weight, bias)
+    rows = x.shape[:-1].numel()
+    # Under torch.compile the kernel is an opaque custom op whose Python dispatch costs ~25-50 us a
+    # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
+    # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
+    if packed is not None and gemm.kind == "avx512" and (
+        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
+    ):
+        out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if rows == 1:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+    if packed is None or gemm.kind == "avx512":
+        return F.linear(x, weight)
+    x2d = x.reshape(rows, x.shape[-1])
+    compiling = torch.compiler.is_compiling()
+    if gemm.kind == "onednn":
+        if compiling:
+            out = _onednn_packed_linear_op(x2d, packed, weight.shape[0])
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [], "")
+        return out.view(*x.shape[:-1], weight.shape[0])
+    outs = []
+    for chunk in x2d.split(gemm.rows):  # [gemm.rows, in] each
+        if compiling:
+            outs.append(_mkl_packed_linear_op(chunk, packed, weight, gemm.rows))
+        else:
+            outs.append(torch.ops.mkl._mkl_linear(chunk, packed, weight, None, gemm.rows))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor | None,
+    down: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    up: torch.Tensor | None = None,
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gemm: PackedGemm | None = None,
+) -> torch.Tensor:
+    """SiLU-gated MLP x [..., H] → down(silu(gate(x)) * up(x)) [..., H]. gate_up [2I, H] fused, or (gate_up
+    None) separate gate, up [I, H] (transformers' own tensors, used without a copy). packed: (gate_up,
+    down) packed by `gemm`."""
+    packed_gate_up, packed_down = (None, None) if packed is None else packed
+    if gate_up is None:
+        gate_out, up_out = linear(x, gate), linear(x, up)
+    else:
+        gate_out, up_out = linear(x, gate_up, packed=packed_gate_up, gemm=gemm).chunk(2, dim=-1)
+    return linear(F.silu(gate_out) * up_out, down, packed=packed_down, gemm=gemm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE as a transformers rotary module computes it: fp32 angles position * inv_freq, cos / sin
+    scaled by `attention_scaling`, cast to the model dtype, on the first `rotary_dim` channels of each head
+    (partial rotary, rotate_half convention; the other channels pass through).
+
+    Qwen3-Omni's M-RoPE: with position ids [3, R, T] (temporal, height, width) and `mrope_section`, the
+    angles of channel pairs are taken from the axes as transformers' interleaved layout does
+    (`mrope_angles`). For text and audio rows the three axes carry the same position, so the sections
+    select equal angles and M-RoPE is exactly 1-D RoPE on [R, T] positions: the decoders pass those."""
+
+    inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
+    attention_scaling: float
+    head_dim: int
+    mrope_section: tuple[int, ...] | None = None
+    # [D] channel each channel's rotate_half partner comes from, when rotary_dim < head_dim; None: a roll
+    source: torch.Tensor | None = None
+
+    @classmethod
+    def from_module(cls, rotary, head_dim: int) -> "Rope":
+        """rotary: a transformers rotary embedding module (its `inv_freq`, `attention_scaling` and, for
+        M-RoPE, `mrope_section`)."""
+        inv_freq = rotary.inv_freq.detach().float().clone()
+        half = inv_freq.shape[0]
+        source = None
+        if 2 * half != head_dim:
+            channels = torch.arange(head_dim, device=inv_freq.device)
+            source = torch.where(channels < 2 * half, (channels + half) % (2 * half), channels)
+        section = getattr(rotary, "mrope_section", None)
+        return cls(
+            inv_freq=inv_freq, attention_scaling=float(rotary.attention_scaling), head_dim=head_dim,
+            mrope_section=None if section is None else tuple(section), source=source,
+        )
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [R, T] (or [3, R, T] M-RoPE ids) → cos, signed_sin [R, T, 1, D] in `dtype`.
+        signed_sin = [-sin, sin] halves, so rotate_half(x) * sin == partner(x) * signed_sin; on channels
+        RoPE passes through, cos = 1 and signed_sin = 0 (x * 1 + y * 0 == x exactly)."""
+        if positions.dim() == 3:
+            freqs = mrope_angles(self.inv_freq, positions, self.mrope_section)  # [R, T, rd/2]
+        else:
+            freqs = positions[..., None].float() * self.inv_freq  # [R, T, rd/2]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        parts_cos, parts_sin = [cos, cos], [-sin, sin]
+        num_pass = self.head_dim - self.rotary_dim
+        if num_pass:
+            parts_cos.append(cos.new_ones((*cos.shape[:-1], num_pass)))
+            parts_sin.append(sin.new_zeros((*sin.shape[:-1], num_pass)))
+        return torch.cat(parts_cos, dim=-1)[:, :, None], torch.cat(parts_sin, dim=-1)[:, :, None]
+
+
+def mrope_angles(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
+    """Qwen3-Omni's interleaved M-RoPE angles: position_ids [3, R, T] (temporal, height, width) → [R, T, D/2].
+
+    Channel pair i takes the temporal axis' angle, except pairs 1, 4, 7, ... below 3 * mrope_section[1]
+    (height) and 2, 5, 8, ... below 3 * mrope_section[2] (width), as transformers'
+    `recomposition_frequencies`. Example: mrope_section (2, 1, 1), D/2 = 4: pairs (t, h, w, t)."""
+    if mrope_section is None:
+        raise ValueError("mrope_section is needed for [3, R, T] position ids")
+    freqs = position_ids[..., None].float() * inv_freq  # [3, R, T, D/2]
+    angles = freqs[0].clone()
+    for axis, offset in ((1, 1), (2, 2)):
+        index = slice(offset, mrope_section[axis] * 3, 3)
+        angles[..., index] = freqs[axis, ..., index]
+    return angles
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, source: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., heads, D] rotated: x * cos + partner(x) * signed_sin, with partner the rotate_half channel
+    (a roll by D/2 for full rotary, a gather by `source` for partial rotary: the same values)."""
+    partner = x.roll(x.shape[-1] // 2, dims=-1) if source is None else x[..., source]
+    return x * cos + partner * signed_sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    fp32_manual: bool = False,
+) -> torch.Tensor:
+    """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
+    head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does.
+
+    Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
+    attend) or additive, or None (every column visible).
+    fp32_manual: scores, softmax and the weighted sum written out in fp32 (as SDPA's CPU kernels compute
+    them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
+    torch.compile fuses (the code predictor's compiled step)."""
+    num_rows, num_new, num_heads, head_dim = query.shape
+    if not fp32_manual:
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [R, Nq, T, D]
+        return out.transpose(1, 2).reshape(num_rows, num_new, num_heads * head_dim)
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    q = query.view(num_rows, num_new, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    q = q.reshape(num_rows, num_kv_heads, num_new * group, head_dim)  # rows ordered (t, g)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [R, Nkv, T*g, S]
+    scores = scores.view(num_rows, num_kv_heads, num_new, group, -1) + mask[:, None]
+    probs = scores.softmax(dim=-1).view(num_rows, num_kv_heads, num_new * group, -1)
+    out = torch.matmul(probs, values.float()).to(query.dtype)  # [R, Nkv, T*g, D]
+    out = out.view(num_rows, num_kv_heads, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(num_rows, num_new, num_heads * head_dim)
