@@ -292,17 +292,19 @@ def test_compiled_runner_equals_hf_generate():
 
 
 def test_frame_compiled_runner_equals_eager_runner_greedy_and_sampled():
-    """The whole frame as one graph: HF's greedy codes; seeded sampled codes equal the eager runner's."""
+    """The whole frame as one graph: HF's greedy codes; seeded sampled codes equal the eager runner's. A
+    batch of 3 runs on the 4-row bucket graph (zero rows padded, dropped)."""
     cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
-    runner = CodePredictorRunner(cp, 2, compile="frame")
-    eager = CodePredictorRunner(cp, 2)
-    hidden, cb0 = frame_inputs(cp, 2)
+    runner = CodePredictorRunner(cp, 4, compile="frame", packed_gemm=False)
+    eager = CodePredictorRunner(cp, 4, packed_gemm=False)
+    assert [runner.bucket_rows(b) for b in (1, 2, 3, 4)] == [1, 2, 4, 4] and runner.num_graphs == 6
+    hidden, cb0 = frame_inputs(cp, 3)
     out = runner.run(hidden, cb0)
     assert torch.equal(out.codes, hf_codes(cp, hidden, cb0))
     assert torch.allclose(out.embed_sum, eager.run(hidden, cb0).embed_sum, atol=1e-5)
     params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
-    sampled = runner.run(hidden, cb0, params, make_generators([3, 4])).codes
-    assert torch.equal(sampled, eager.run(hidden, cb0, params, make_generators([3, 4])).codes)
+    sampled = runner.run(hidden, cb0, params, make_generators([3, 4, 5])).codes
+    assert torch.equal(sampled, eager.run(hidden, cb0, params, make_generators([3, 4, 5])).codes)
 
 
 def test_compile_argument_is_validated():

@@ -164,7 +164,8 @@ class Qwen3OmniFamily:
 
     def warm_up(self, max_batch_size: int) -> None:
         """Run one greedy and one sampled predictor frame at every batch size up to max_batch_size, so
-        a compiled predictor has every graph it serves with before the first request."""
+        a compiled predictor has every graph it serves with (one per batch bucket) before the first
+        request."""
         predictor = self.predictor(max_batch_size)
         hidden_size = predictor.hidden_size
         generator = torch.Generator(device=predictor.device).manual_seed(0)

@@ -25,6 +25,7 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -402,17 +403,41 @@ class CodePredictorRunner:
         """[B, H] x2 → codes [B, G-1], embed_sum [B, H]; noise [B, G-1, V] when sampling."""
         w = self.weights
         batch_size = last_talker_hidden.shape[0]
-        gemm = self._packed_gemm_for(batch_size)
+        num_rows = batch_size if self.compile_mode is None else self.bucket_rows(batch_size)
+        gemm = self._packed_gemm_for(num_rows)
+        if gemm is not None and gemm.rows is not None:
+            num_rows = max(num_rows, gemm.rows)
         step_input = torch.stack([last_talker_hidden, cb0_embed], dim=1)  # [B, 2, H], then [B, 1, H]
-        if gemm is not None and gemm.rows is not None and gemm.rows > batch_size:  # zero rows up to the bucket; dropped at the end
-            step_input = F.pad(step_input, (0, 0, 0, 0, 0, gemm.rows - batch_size))  # [R, 2, H]
+        if num_rows > batch_size:  # zero rows up to the bucket; dropped at the end
+            step_input = F.pad(step_input, (0, 0, 0, 0, 0, num_rows - batch_size))  # [R, 2, H]
             if noise is not None:
-                noise = F.pad(noise, (0, 0, 0, 0, 0, gemm.rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
-        codes, embed_sum = self._frame(
-            self._step, w, self.kv.buffer, step_input, self._positions, self._lm_heads, self._codec_embeddings,
-            sampling, noise, gemm,
-        )  # [R, G-1], [R, H]
+                noise = F.pad(noise, (0, 0, 0, 0, 0, num_rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
+        with self._graph_limit():
+            codes, embed_sum = self._frame(
+                self._step, w, self.kv.buffer, step_input, self._positions, self._lm_heads, self._codec_embeddings,
+                sampling, noise, gemm,
+            )  # [R, G-1], [R, H]
         return codes[:batch_size], embed_sum[:batch_size]
+
+    def bucket_rows(self, batch_size: int) -> int:
+        """The rows a compiled runner runs a batch of `batch_size` on: the next power of two, at most
+        max_batch_size. Padding to a few buckets keeps the compiled graphs few (a server warms them all
+        up), and a row's codes do not depend on the zero rows beside it."""
+        return min(1 << (batch_size - 1).bit_length(), self.max_batch_size)
+
+    @property
+    def num_graphs(self) -> int:
+        """How many graphs a compiled runner may build: per bucket, greedy and sampled ("step": the
+        first step and the later ones each)."""
+        num_buckets = len({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
+        return num_buckets * 2 * (2 if self.compile_mode == "step" else 1)
+
+    def _graph_limit(self):
+        """torch.compile keeps at most `recompile_limit` graphs per function (8 by default) and runs
+        eagerly past it; this runner's own code object gets room for all its buckets."""
+        if self.compile_mode is None:
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(recompile_limit=max(8, self.num_graphs))
 
     def _packed_gemm_for(self, batch_size: int) -> PackedMatrices | None:
         """The packed matrices for a batch of `batch_size` rows, or None when packing is off or (MKL)
@@ -425,7 +450,7 @@ class CodePredictorRunner:
         elif batch_size < PACKED_GEMM_MIN_ROWS:
             return None
         else:
-            rows = min(1 << (batch_size - 1).bit_length(), self.max_batch_size)
+            rows = self.bucket_rows(batch_size)
         if rows not in self._gemms:
             with torch.no_grad():
                 self._gemms[rows] = pack_matrices(self.weights, self.packed_gemm_kind, rows)
