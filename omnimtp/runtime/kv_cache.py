@@ -149,8 +149,8 @@ def append_kv(
     new_values: torch.Tensor,
     where: KVWrite | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write one layer's new keys / values [R, T, Nkv, D] into buffer [L, 2, B_max, Nkv, S, D] and return
-    the keys and values the new queries attend to, [R, Nkv, S', D].
+    """Write one layer's new keys / values [R, T, Nkv, D] (one row at one position: [Nkv, D]) into buffer
+    [L, 2, B_max, Nkv, S, D] and return the keys and values the new queries attend to, [R, Nkv, S', D].
 
     where: a `KVWrite` (from `KVCache.plan`); or positions [T] long, the same columns for rows 0..R-1 of a
     fixed buffer, all of whose S columns are returned (the caller masks what is not written yet). Eager:
@@ -175,7 +175,10 @@ def append_kv(
             buffer.index_put_(index, torch.stack([new_keys, new_values]))
         return buffer[layer, 0, :num_rows], buffer[layer, 1, :num_rows]
     keys, values = buffer[layer, 0], buffer[layer, 1]  # [B_max, Nkv, S_cap, D]
-    if where.positions is None:
+    if new_keys.dim() == 2:  # one row at one position: [Nkv, D]
+        keys[where.rows.start, :, where.start] = new_keys
+        values[where.rows.start, :, where.start] = new_values
+    elif where.positions is None:
         stop = where.start + new_keys.shape[1]
         keys[where.rows, :, where.start : stop] = new_keys.transpose(1, 2)
         values[where.rows, :, where.start : stop] = new_values.transpose(1, 2)
