@@ -61,7 +61,7 @@ def decoder_forward(
     where = cache.plan(slots, num_new)
     if num_rows == 1 and num_new == 1:  # a batch-1 decode step, on 1-D vectors
         x, captured = decoder_layers(
-            decoder, embeds.view(-1), decoder.step_tables(where.start), cache.buffer, where, None, capture_layer
+            decoder, embeds.view(-1), decoder.step_tables(where.start), cache.layer_views, where, None, capture_layer
         )  # [H]
         cache.commit(slots, num_new)
         last_hidden = rms_norm(x, decoder.final_norm, decoder.eps)
@@ -76,7 +76,7 @@ def decoder_forward(
     if num_new > 1 or where.start is None:  # causal by position, and past each row's own length
         columns = torch.arange(where.num_columns, device=embeds.device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
-    x, captured = decoder_layers(decoder, embeds, rope, cache.buffer, where, mask, capture_layer)
+    x, captured = decoder_layers(decoder, embeds, rope, cache.layer_views, where, mask, capture_layer)
     cache.commit(slots, num_new)
     if capture_layer == num_layers:
         captured = rms_norm(x, decoder.final_norm, decoder.eps)

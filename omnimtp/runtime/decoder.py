@@ -268,7 +268,7 @@ def decoder_layer(
     layer: LayerWeights,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor,
+    kv_buffer: torch.Tensor | list,
     layer_index: int,
     where: KVWrite | torch.Tensor,
     mask: torch.Tensor | None,
@@ -310,7 +310,7 @@ def decoder_layers(
     decoder: PackedDecoder,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor,
+    kv_buffer: torch.Tensor | list,
     where: KVWrite | torch.Tensor,
     mask: torch.Tensor | None,
     capture_layer: int | None = None,
@@ -349,11 +349,11 @@ def shared_length_forward(
     mask = kv_mask_attention_mask(kv_mask, start, num_new, decoder.dtype, x.device)  # [B, 1, T, S] or None
     if batch_size == 1 and num_new == 1 and position_ids.device.type == "cpu":  # one token on 1-D vectors
         rope = decoder.step_tables(int(position_ids))
-        out, _ = decoder_layers(decoder, x.view(-1), rope, cache.buffer, where, mask)
+        out, _ = decoder_layers(decoder, x.view(-1), rope, cache.layer_views, where, mask)
         out = out.view(1, 1, -1)
     else:
         rope = decoder.rope.tables(position_ids, decoder.dtype)  # [B, T, 1, D]
-        out, _ = decoder_layers(decoder, x, rope, cache.buffer, where, mask)
+        out, _ = decoder_layers(decoder, x, rope, cache.layer_views, where, mask)
     cache.commit(slots, num_new)
     return out
 
