@@ -44,8 +44,8 @@ def decoder_forward(
     that slot's length). capture_layer: also return hidden state k as transformers' `hidden_states[k]`
     numbers them (0 = the input embeddings, k < L = output of layer k-1, L = after the final norm).
     Returns DecoderOutput(last_hidden [R, H] after the final norm at each row's last position,
-    captured [R, T, H] or None). Rows at equal lengths need no mask; a batch-1 decode step also reuses
-    its position's RoPE rows."""
+    captured [R, T, H] or None). Rows at equal lengths need no mask; a batch-1 decode step runs on 1-D
+    vectors with its position's RoPE rows cached (`PackedDecoder.step_tables`)."""
     num_layers = decoder.num_layers
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
@@ -59,21 +59,24 @@ def decoder_forward(
         raise ValueError(f"capture_layer must be in [0, {num_layers}], got {capture_layer!r}")
     num_rows, num_new, _ = embeds.shape
     where = cache.plan(slots, num_new)
+    if num_rows == 1 and num_new == 1:  # a batch-1 decode step, on 1-D vectors
+        x, captured = decoder_layers(
+            decoder, embeds.view(-1), decoder.step_tables(where.start), cache.layer_views, where, None, capture_layer
+        )  # [H]
+        cache.commit(slots, num_new)
+        last_hidden = rms_norm(x, decoder.final_norm, decoder.eps)
+        if capture_layer == num_layers:
+            captured = last_hidden
+        return DecoderOutput(last_hidden.view(1, -1), None if captured is None else captured.view(1, 1, -1))
+    positions = where.positions
+    if positions is None:
+        positions = where.start + torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]
+    rope = decoder.rope.tables(positions, embeds.dtype)  # [R, T, 1, D]
     mask = None
-    if num_rows == 1 and num_new == 1:  # a batch-1 decode step
-        if where.start not in decoder.step_rope:
-            positions = torch.tensor([[where.start]], device=embeds.device)
-            decoder.step_rope[where.start] = decoder.rope.tables(positions, embeds.dtype)
-        rope = decoder.step_rope[where.start]  # [1, 1, 1, D] each
-    else:
-        positions = where.positions
-        if positions is None:
-            positions = where.start + torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]
-        rope = decoder.rope.tables(positions, embeds.dtype)  # [R, T, 1, D]
-        if num_new > 1 or where.start is None:  # causal by position, and past each row's own length
-            columns = torch.arange(where.num_columns, device=embeds.device)
-            mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
-    x, captured = decoder_layers(decoder, embeds, rope, cache.buffer, where, mask, capture_layer)
+    if num_new > 1 or where.start is None:  # causal by position, and past each row's own length
+        columns = torch.arange(where.num_columns, device=embeds.device)
+        mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
+    x, captured = decoder_layers(decoder, embeds, rope, cache.layer_views, where, mask, capture_layer)
     cache.commit(slots, num_new)
     if capture_layer == num_layers:
         captured = rms_norm(x, decoder.final_norm, decoder.eps)

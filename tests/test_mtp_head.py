@@ -125,7 +125,8 @@ def test_first_draft_equals_transformers_mtp_draft(target, tmp_path):
 
 @pytest.mark.parametrize("top_k", [2, 4])  # some experts routed / every expert routed (the demo head's case)
 def test_draft_step_matches_forward(top_k):
-    """The lean one-token step = forward with T = 1 (up to float rounding), and appends to the same cache."""
+    """The packed step = forward (up to float rounding): a prefill, one-token steps that attend to the
+    earlier slots, and a several-token block causal among itself; ragged rows behind a kv_mask."""
     target = tiny_lm("glm4_moe", seed=0)
     torch.manual_seed(3)
     head = MTPHead.from_config(target)
@@ -134,9 +135,11 @@ def test_draft_step_matches_forward(top_k):
     torch.nn.init.normal_(head.block.mlp.gate.weight, std=1.0)  # distinct routing weights per expert
     ids = torch.randint(3, 64, (1, 7))
     prev = torch.randn(1, 7, target.config.hidden_size)
-    cache_a, cache_b = head.make_cache(), head.make_cache()
-    head(ids[:, :5], prev[:, :5], cache=cache_a)
-    head(ids[:, :5], prev[:, :5], cache=cache_b)
+    cache_a, cache_b = head.make_cache(), head.make_draft_cache(1, capacity=4)  # the packed cache grows
+    expected = head(ids[:, :5], prev[:, :5], cache=cache_a)
+    hidden, logits = head.draft_step(ids[:, :5], prev[:, :5], torch.arange(1, 6)[None], cache_b)
+    torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
     for t in (5, 6):  # two steps: the second attends to the first step's cache slot
         position = torch.tensor([[t + 1]])
         expected = head(ids[:, t : t + 1], prev[:, t : t + 1], position_ids=position, cache=cache_a)
@@ -144,14 +147,24 @@ def test_draft_step_matches_forward(top_k):
         torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(logits, expected.logits[:, 0], atol=1e-5, rtol=1e-5)
     assert cache_b.get_seq_length(head.layer_idx) == 7
-    if top_k == 4:  # every expert routed: several tokens at once, causal among themselves
-        expected = head(ids[:, 3:7], prev[:, 3:7], position_ids=torch.arange(4, 8)[None], cache=cache_a)
-        hidden, logits = head.draft_step(ids[:, 3:7], prev[:, 3:7], torch.arange(4, 8)[None], cache_b)
-        torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
-    else:
-        with pytest.raises(ValueError, match="one token"):
-            head.draft_step(ids[:, :2], prev[:, :2], torch.tensor([[1, 2]]), cache_b)
+    cache_a.crop(-4)
+    cache_b.crop(-4)
+    expected = head(ids[:, 3:7], prev[:, 3:7], position_ids=torch.arange(4, 8)[None], cache=cache_a)
+    hidden, logits = head.draft_step(ids[:, 3:7], prev[:, 3:7], torch.arange(4, 8)[None], cache_b)
+    torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
+
+    # two rows, the second left-padded by two slots: its real slots match the head alone on them
+    batch_ids, batch_prev = ids[:, :5].repeat(2, 1), prev[:, :5].repeat(2, 1, 1)
+    kv_mask = torch.ones(2, 5, dtype=torch.long)
+    kv_mask[1, :2] = 0
+    positions = torch.tensor([[1, 2, 3, 4, 5], [1, 1, 1, 2, 3]])
+    batch_cache = head.make_draft_cache(2)
+    hidden, logits = head.draft_step(batch_ids, batch_prev, positions, batch_cache, kv_mask, torch.tensor([4, 4]))
+    alone = head(ids[:, 2:5], prev[:, 2:5])
+    torch.testing.assert_close(hidden[1, 2:], alone.hidden[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], alone.logits[0, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], head(ids[:, :5], prev[:, :5]).logits[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_draft_step_not_offered_for_deepseek_v3():

@@ -35,6 +35,15 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from omnimtp.runtime.decoder import (
+    PackedDecoder,
+    shared_length_forward,
+    unsupported_layer_reason,
+    weights_fingerprint,
+)
+from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.runtime.ops import cast, linear, rms_norm
+
 MTP_WEIGHTS_NAME = "model-mtp.safetensors"
 MAIN_WEIGHTS_NAME = "model-main.safetensors"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -127,6 +136,7 @@ class MTPHead(nn.Module):
             rotary_emb=decoder.rotary_emb,
         )
         self.to(device=target_model.device, dtype=target_model.dtype)
+        self._packed: tuple | None = None  # (weights fingerprint, PackedHead), see `packed`
 
     # -- shared modules -------------------------------------------------------------------------------------
 
@@ -299,84 +309,72 @@ class MTPHead(nn.Module):
             self.model_type == "glm4_moe"
             and hasattr(getattr(block.mlp, "experts", None), "gate_up_proj")
             and hasattr(block.mlp, "shared_experts")
+            and unsupported_layer_reason(block) is None
         )
 
-    @property
-    def routes_every_expert(self) -> bool:
-        """The router picks every routed expert for every token (top-k = number of experts, one group), as in
-        the demo head: then `draft_step` takes several tokens at once."""
-        router = self.block.mlp.gate
-        return router.top_k == self.block.mlp.experts.gate_up_proj.shape[0] and router.num_group == 1
+    def packed(self) -> "PackedHead":
+        """The head's weights packed for `draft_step` (made on first use, again after any weight edit)."""
+        fingerprint = weights_fingerprint(self)
+        if self._packed is None or self._packed[0] != fingerprint:
+            dtype = self.eh_proj.weight.dtype
+            decoder = PackedDecoder.from_layers([self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype)
+            packed = PackedHead(
+                decoder=decoder, enorm=cast(self.enorm.weight, dtype), hnorm=cast(self.hnorm.weight, dtype),
+                eh_proj=cast(self.eh_proj.weight, dtype),
+            )
+            self._packed = (fingerprint, packed)
+        return self._packed[1]
+
+    def make_draft_cache(self, batch_size: int = 1, capacity: int = 256) -> KVCache:
+        """An empty KV cache for `draft_step`: `batch_size` slots sharing one length."""
+        return KVCache(self.packed().decoder, batch_size, capacity=capacity)
 
     def draft_step(
-        self, input_ids: torch.LongTensor, prev_hidden: torch.Tensor, position_ids: torch.LongTensor, cache: DynamicCache
+        self,
+        input_ids: torch.LongTensor,
+        prev_hidden: torch.Tensor,
+        position_ids: torch.LongTensor,
+        cache: KVCache,
+        kv_mask: torch.Tensor | None = None,
+        last_index: torch.Tensor | None = None,
+        packed: PackedHead | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a batch of one with every cache slot valid, written out op by op.
+        """`forward` on the head's packed weights (`omnimtp.runtime`'s decoder layer), appended to a
+        `make_draft_cache` cache.
 
-        input_ids [1, T], prev_hidden [1, T, H], position_ids [1, T] → (hidden [1, T, H], logits of the last
-        token [1, V]). T = 1 always; T > 1 when `routes_every_expert`. The same math as `forward` (same router,
-        experts, rotary, causal attention, cache), without transformers' generic layer machinery, which
-        costs more than the arithmetic here (about 0.85 vs 1.2 ms per token on the demo head, 1 CPU thread).
-        Floating-point results differ from `forward` by rounding only (the routed experts are summed in
-        another order); drafts only feed verification, so outputs stay exact either way.
-        Requires `supports_draft_step`."""
-        num_tokens = input_ids.shape[-1]
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or prev_hidden.shape != (1, num_tokens, self.hidden_size):
-            raise ValueError(f"draft_step takes one row, got input_ids {tuple(input_ids.shape)}")
-        if num_tokens > 1 and not self.routes_every_expert:
-            raise ValueError(f"draft_step takes one token unless the router picks every expert, got {num_tokens}")
-        block, attn, mlp = self.block, self.block.self_attn, self.block.mlp
-        hidden = self.eh_proj(
-            torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(prev_hidden)], dim=-1)
-        )  # [1, T, H]
-
-        # attention (Glm4MoeAttention: qk-norm if any, partial rotary, GQA, scaling head_dim^-0.5)
-        residual = hidden
-        x = block.input_layernorm(hidden)
-        head_dim = attn.head_dim
-        q = attn.q_proj(x).view(1, num_tokens, -1, head_dim)  # [1, T, nh, d]
-        k = attn.k_proj(x).view(1, num_tokens, -1, head_dim)  # [1, T, nkv, d]
-        v = attn.v_proj(x).view(1, num_tokens, -1, head_dim).transpose(1, 2)  # [1, nkv, T, d]
-        if attn.use_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, nh, T, d], [1, nkv, T, d]
-        cos, sin = self.rotary_emb(x, position_ids)  # [1, T, rotary_dim]
-        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        k, v = cache.update(k, v, self.layer_idx)  # [1, nkv, L+T, d]
-        mask = None  # one token attends to every slot
-        if num_tokens > 1:  # new token i sees the L cached slots and new tokens 0..i
-            mask = torch.ones(num_tokens, k.shape[2], dtype=torch.bool, device=k.device).tril(k.shape[2] - num_tokens)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-        hidden = residual + attn.o_proj(o.transpose(1, 2).reshape(1, num_tokens, -1))  # [1, T, H]
-
-        # MoE (Glm4MoeMoE: the router's weights, the chosen experts as one matmul + one batched matmul, + shared)
-        residual = hidden
-        x = block.post_attention_layernorm(hidden).view(num_tokens, -1)  # [T, H]
-        router, gate_up_proj, down_proj = mlp.gate, mlp.experts.gate_up_proj, mlp.experts.down_proj
-        if self.routes_every_expert:
-            # the router's weights are its sigmoid scores in expert order, normalised per token
-            weights = torch.nn.functional.linear(x.float(), router.weight.float()).sigmoid()  # [T, E]
-            if router.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            weights = weights * router.routed_scaling_factor
-        else:  # one token: gather its K experts
-            _, weights, experts = router(x)  # [1, K], [1, K]
-            gate_up_proj, down_proj = gate_up_proj[experts[0]], down_proj[experts[0]]
-        num_experts = gate_up_proj.shape[0]
-        gate_up = torch.nn.functional.linear(x, gate_up_proj.reshape(-1, x.shape[-1]))  # [T, K*2I]
-        gate, up = gate_up.view(num_tokens, num_experts, 2, -1).unbind(dim=2)  # [T, K, I] each
-        act = mlp.experts.act_fn(gate) * up * weights.to(x.dtype)[:, :, None]  # [T, K, I]
-        routed = torch.bmm(down_proj, act.permute(1, 2, 0)).sum(dim=0).t()  # [K, H, T] → [T, H]
-        hidden = residual + (routed + mlp.shared_experts(x)).view(1, num_tokens, -1)  # [1, T, H]
-        return hidden, self.logits(hidden[:, -1])
+        input_ids [B, T], prev_hidden [B, T, H], position_ids [B, T]; kv_mask [B, cache length + T] (1 = a
+        real slot, None = all real); last_index [B]: the slot whose logits are returned (default the last);
+        packed: `self.packed()` (which checks the weights, ~45 us on the demo head; a drafting loop takes it
+        once per block) → (hidden [B, T, H], logits [B, V]). The same math as `forward` (same router,
+        experts, rotary, causal attention) without transformers' generic layer machinery, which costs more
+        than the arithmetic here. Floating-point results differ from `forward` by rounding only (other
+        matmul kernels, e.g. `torch.mv` for one token); drafts only feed verification, so outputs stay
+        exact either way. Requires `supports_draft_step`."""
+        if input_ids.dim() != 2 or prev_hidden.shape != (*input_ids.shape, self.hidden_size):
+            raise ValueError(
+                f"draft_step takes input_ids [B, T] and prev_hidden [B, T, {self.hidden_size}], got "
+                f"{tuple(input_ids.shape)} and {tuple(prev_hidden.shape)}"
+            )
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(f"position_ids must be [B, T] like input_ids, got {tuple(position_ids.shape)}")
+        packed = packed or self.packed()
+        decoder = packed.decoder
+        embeds = rms_norm(self.embed_tokens(input_ids), packed.enorm, decoder.eps)
+        x = linear(torch.cat([embeds, rms_norm(prev_hidden, packed.hnorm, decoder.eps)], dim=-1), packed.eh_proj)
+        hidden = shared_length_forward(decoder, cache, x, position_ids, kv_mask)  # [B, T, H]
+        last = hidden[:, -1] if last_index is None else hidden[torch.arange(hidden.shape[0]), last_index]
+        return hidden, self.logits(last)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on the first cos.shape[-1] channels of x [B, heads, T, d] (rotate_half convention)."""
-    rotary_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    return torch.cat([x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin, x_pass], dim=-1)
+@dataclass(frozen=True)
+class PackedHead:
+    """`MTPHead`'s weights for `draft_step`: its block as a one-layer `PackedDecoder` (final norm:
+    shared_head_norm) and the input side (enorm, hnorm, eh_proj)."""
+
+    decoder: PackedDecoder
+    enorm: torch.Tensor  # [H]
+    hnorm: torch.Tensor  # [H]
+    eh_proj: torch.Tensor  # [H, 2H]
 
 
 # -- checkpoint key layout ----------------------------------------------------------------------------------

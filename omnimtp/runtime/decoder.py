@@ -83,13 +83,20 @@ class PackedDecoder:
     lm_head: torch.Tensor | None = None  # [V, H] (the module's own tensor)
     fused_norm: bool = True  # see `rms_norm`
     fp32_attention: bool = False  # see `attention(fp32_manual=...)`
-    # position → (cos, signed_sin) [1, 1, 1, D] of a one-row, one-position step, filled as positions are
-    # first used (the same `Rope.tables` call on [[position]], so the same values)
+    # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def step_tables(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [D] at one position, for a one-row step on 1-D vectors: the `Rope.tables` call
+        on [[position]] (so the same values), made on first use and kept."""
+        if position not in self.step_rope:
+            cos, signed_sin = self.rope.tables(torch.tensor([[position]], device=self.device), self.dtype)
+            self.step_rope[position] = (cos.view(-1), signed_sin.view(-1))
+        return self.step_rope[position]
 
     @classmethod
     def from_module(
@@ -238,7 +245,8 @@ def mlp_block(
     packed: tuple[torch.Tensor, torch.Tensor] | None = None,
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
-    """The layer's MLP on tokens x [N, H] → [N, H]. packed: (gate_up, down) packed by `gemm` (dense only)."""
+    """The layer's MLP on tokens x [N, H] (or one token [H]) → [N, H]. packed: (gate_up, down) packed by
+    `gemm` (dense only)."""
     router = layer.router
     if router is None:
         return gated_mlp(x, layer.gate_up, layer.mlp_down, packed=packed, gemm=gemm)
@@ -248,10 +256,10 @@ def mlp_block(
         return routed + gated_mlp(x, layer.gate_up, layer.mlp_down)
     projected = linear(x, layer.router_in)  # [N, E (+ 1)]
     num_experts = router.num_experts
-    out = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, projected[:, :num_experts], *views)
+    out = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, projected[..., :num_experts], *views)
     if layer.shared_gate_proj is not None:
         shared = gated_mlp(x, None, layer.mlp_down, gate=layer.shared_gate_proj, up=layer.shared_up_proj)
-        out = out + torch.sigmoid(projected[:, num_experts:]) * shared
+        out = out + torch.sigmoid(projected[..., num_experts:]) * shared
     return out
 
 
@@ -260,7 +268,7 @@ def decoder_layer(
     layer: LayerWeights,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor,
+    kv_buffer: torch.Tensor | list,
     layer_index: int,
     where: KVWrite | torch.Tensor,
     mask: torch.Tensor | None,
@@ -268,37 +276,41 @@ def decoder_layer(
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
     """One decoder layer on x [R, T, H] → [R, T, H]: attention block, then MLP block, each pre-norm with
-    a residual.
+    a residual. One row at one position may come as x [H] with rope tables [D] (a decode step): the same
+    kernels on the same values, without the [R, T] reshapes.
 
     rope: (cos, signed_sin) broadcastable to [R, T, 1, D]; kv_buffer, layer_index, where: the layer's
     keys and values are appended by `append_kv`; mask: for `attention` (None: every column visible);
     packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None."""
-    num_rows, num_new, _ = x.shape
+    lead = x.shape[:-1]  # (R, T), or () for one row at one position
     num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     num_qk = num_heads + num_kv_heads
     p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if packed is None else packed
     fused = decoder.fused_norm
     residual = x
     qkv = linear(rms_norm(x, layer.input_norm, decoder.eps, fused=fused), layer.qkv, layer.qkv_bias, p_qkv, gemm)
-    qkv = qkv.view(num_rows, num_new, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
-    qk = qkv[:, :, :num_qk]
+    qkv = qkv.view(*lead, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
+    qk = qkv[..., :num_qk, :]
     if layer.qk_norm is not None:
         qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
     qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
-    keys, values = append_kv(kv_buffer, layer_index, qk[:, :, num_heads:], qkv[:, :, num_qk:], where)
-    attn = attention(qk[:, :, :num_heads], keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
+    keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
+    attn = attention(qk[..., :num_heads, :], keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
     x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
     residual = x
-    normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused).view(num_rows * num_new, -1)
+    normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)
     mlp_packed = None if packed is None else (p_gate_up, p_down)
-    return residual + mlp_block(layer, normed, mlp_packed, gemm).view(num_rows, num_new, -1)
+    if not lead:
+        return residual + mlp_block(layer, normed, mlp_packed, gemm)
+    out = mlp_block(layer, normed.view(lead.numel(), -1), mlp_packed, gemm)  # [R*T, H]
+    return residual + out.view(*lead, -1)
 
 
 def decoder_layers(
     decoder: PackedDecoder,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor,
+    kv_buffer: torch.Tensor | list,
     where: KVWrite | torch.Tensor,
     mask: torch.Tensor | None,
     capture_layer: int | None = None,
@@ -335,10 +347,15 @@ def shared_length_forward(
         raise ValueError(f"kv_mask must be [B, {start + num_new}] (cache length + T), got {tuple(kv_mask.shape)}")
     where = cache.plan(slots, num_new)
     mask = kv_mask_attention_mask(kv_mask, start, num_new, decoder.dtype, x.device)  # [B, 1, T, S] or None
-    rope = decoder.rope.tables(position_ids, decoder.dtype)  # [B, T, 1, D]
-    x, _ = decoder_layers(decoder, x, rope, cache.buffer, where, mask)
+    if batch_size == 1 and num_new == 1 and position_ids.device.type == "cpu":  # one token on 1-D vectors
+        rope = decoder.step_tables(int(position_ids))
+        out, _ = decoder_layers(decoder, x.view(-1), rope, cache.layer_views, where, mask)
+        out = out.view(1, 1, -1)
+    else:
+        rope = decoder.rope.tables(position_ids, decoder.dtype)  # [B, T, 1, D]
+        out, _ = decoder_layers(decoder, x, rope, cache.layer_views, where, mask)
     cache.commit(slots, num_new)
-    return x
+    return out
 
 
 def kv_mask_attention_mask(
@@ -366,5 +383,8 @@ def kv_mask_attention_mask(
 
 def weights_fingerprint(model) -> tuple:
     """Identity and in-place version of every parameter: changes when a weight is replaced or edited
-    (what packed copies are checked against)."""
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    (what packed copies are checked against). Inference tensors (made under `torch.inference_mode`) keep
+    no version counter: for them only a replaced weight shows."""
+    return tuple(
+        (p.data_ptr(), None if p.is_inference() else p._version, p.dtype, p.device) for p in model.parameters()
+    )

@@ -61,6 +61,7 @@ class KVCache:
             decoder.num_layers, 2, max_batch_size, decoder.num_kv_heads, capacity, decoder.head_dim,
             dtype=decoder.dtype, device=decoder.device,
         )  # [L, 2, B_max, Nkv, S_cap, D]
+        self.layer_views = layer_views(self.buffer)
 
     @property
     def capacity(self) -> int:
@@ -121,6 +122,7 @@ class KVCache:
         grown = self.buffer.new_zeros((*self.buffer.shape[:4], max(length, 2 * self.capacity), self.buffer.shape[5]))
         grown[:, :, :, :, :used] = self.buffer[:, :, :, :, :used]
         self.buffer = grown
+        self.layer_views = layer_views(grown)
 
     def plan(self, slots: list[int], num_new: int) -> KVWrite:
         """Reserve room for `num_new` positions after each slot's length and say where they go (checked slots)."""
@@ -142,15 +144,22 @@ class KVCache:
             self.lengths[slot] += num_new
 
 
+def layer_views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) views [B_max, Nkv, S_cap, D] of a buffer, made once per buffer (a decode
+    step then indexes a list instead of slicing the buffer twice per layer)."""
+    return [(buffer[i, 0], buffer[i, 1]) for i in range(buffer.shape[0])]
+
+
 def append_kv(
-    buffer: torch.Tensor,
+    buffer: torch.Tensor | list[tuple[torch.Tensor, torch.Tensor]],
     layer: int,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
     where: KVWrite | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write one layer's new keys / values [R, T, Nkv, D] into buffer [L, 2, B_max, Nkv, S, D] and return
-    the keys and values the new queries attend to, [R, Nkv, S', D].
+    """Write one layer's new keys / values [R, T, Nkv, D] (one row at one position: [Nkv, D]) into buffer
+    [L, 2, B_max, Nkv, S, D] and return the keys and values the new queries attend to, [R, Nkv, S', D].
+    With a `KVWrite`, buffer may be the cache's `layer_views` instead.
 
     where: a `KVWrite` (from `KVCache.plan`); or positions [T] long, the same columns for rows 0..R-1 of a
     fixed buffer, all of whose S columns are returned (the caller masks what is not written yet). Eager:
@@ -174,8 +183,11 @@ def append_kv(
             )  # broadcast to [2, R, Nkv, T]
             buffer.index_put_(index, torch.stack([new_keys, new_values]))
         return buffer[layer, 0, :num_rows], buffer[layer, 1, :num_rows]
-    keys, values = buffer[layer, 0], buffer[layer, 1]  # [B_max, Nkv, S_cap, D]
-    if where.positions is None:
+    keys, values = buffer[layer] if isinstance(buffer, list) else (buffer[layer, 0], buffer[layer, 1])  # [B_max, Nkv, S_cap, D]
+    if new_keys.dim() == 2:  # one row at one position: [Nkv, D]
+        keys[where.rows.start, :, where.start] = new_keys
+        values[where.rows.start, :, where.start] = new_values
+    elif where.positions is None:
         stop = where.start + new_keys.shape[1]
         keys[where.rows, :, where.start : stop] = new_keys.transpose(1, 2)
         values[where.rows, :, where.start : stop] = new_values.transpose(1, 2)

@@ -55,13 +55,17 @@ Router = SoftmaxTopK | GroupLimitedSigmoid
 
 def route(router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens x [N, H] → (top_weights [N, k], top_experts [N, k]). SoftmaxTopK takes the router's logits
-    [N, E] (computed by the caller, often fused with another matmul); GroupLimitedSigmoid computes its own."""
+    [N, E] (computed by the caller, often fused with another matmul; one token may come as [E] → [k]);
+    GroupLimitedSigmoid computes its own."""
     if isinstance(router, SoftmaxTopK):
         probs = router_logits.softmax(dim=-1, dtype=torch.float)  # [N, E]
         top_weights, top_experts = torch.topk(probs, router.top_k, dim=-1)  # [N, k]
         if router.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return top_weights.to(router_logits.dtype), top_experts
+    if x.dim() == 1:  # one token
+        top_weights, top_experts = route(router, x[None])
+        return top_weights[0], top_experts[0]
     num_tokens, num_experts = x.shape[0], router.num_experts
     scores = F.linear(x.float(), router.weight).sigmoid()  # [N, E]
     scores_for_choice = scores + router.correction_bias
@@ -90,13 +94,13 @@ def expert_outputs(
     tensors); gate_up_views / down_views: the same per expert (`unbind(0)`, no copy), to skip an index op
     per expert. Only the experts some token picked are computed, each once over its tokens.
 
-    One token (a decode step) takes a short path: the same `torch.mv` kernels on the same values as the
-    general path, without its bookkeeping."""
-    top_k = top_experts.shape[1]
-    if x.shape[0] == 1:
-        row = x[0]  # [H]
+    One token (a decode step; x [1, H] or [H], top_experts [1, k] or [k]) takes a short path: the same
+    `torch.mv` kernels on the same values as the general path, without its bookkeeping."""
+    top_k = top_experts.shape[-1]
+    if x.dim() == 1 or x.shape[0] == 1:
+        row = x if x.dim() == 1 else x[0]  # [H]
         outputs = []
-        for expert in top_experts[0].tolist():
+        for expert in (top_experts if top_experts.dim() == 1 else top_experts[0]).tolist():
             gate_up = gate_up_views[expert] if gate_up_views else expert_gate_up[expert]
             down = down_views[expert] if down_views else expert_down[expert]
             gate, up = torch.mv(gate_up, row).chunk(2)
@@ -120,9 +124,14 @@ def expert_outputs(
 
 def combine(outputs: torch.Tensor, top_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """outputs [N*k, H] weighted by top_weights [N, k] and summed over each token's k in rank order → [N, H]
-    in `dtype` (fp32 weights, as glm4_moe's, give an fp32 sum that is cast back once)."""
-    num_tokens, top_k = top_weights.shape
-    return (outputs * top_weights.reshape(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1).to(dtype)
+    in `dtype` (fp32 weights, as glm4_moe's, give an fp32 sum that is cast back once). One token may come
+    as top_weights [k] → [H]."""
+    top_k = top_weights.shape[-1]
+    num_tokens = 1 if top_weights.dim() == 1 else top_weights.shape[0]
+    out = (outputs * top_weights.view(-1, 1)).view(num_tokens, top_k, -1).sum(dim=1)
+    if out.dtype != dtype:
+        out = out.to(dtype)
+    return out.view(-1) if top_weights.dim() == 1 else out
 
 
 def routed_experts(

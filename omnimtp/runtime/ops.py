@@ -166,6 +166,8 @@ def linear(
         out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
     if rows == 1:
+        if x.dim() == 1:  # a one-row step on 1-D vectors
+            return torch.mv(weight, x)
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
     if packed is None or gemm.kind == "avx512":
         return F.linear(x, weight)
@@ -306,13 +308,19 @@ def attention(
     fp32_manual: bool = False,
 ) -> torch.Tensor:
     """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
-    head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does.
+    head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
+    come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]: the same SDPA call.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
     attend) or additive, or None (every column visible).
     fp32_manual: scores, softmax and the weighted sum written out in fp32 (as SDPA's CPU kernels compute
     them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
     torch.compile fuses (the code predictor's compiled step)."""
+    if query.dim() == 2:
+        out = F.scaled_dot_product_attention(
+            query.view(1, query.shape[0], 1, query.shape[1]), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )  # [1, Nq, 1, D]
+        return out.view(-1)
     num_rows, num_new, num_heads, head_dim = query.shape
     if not fp32_manual:
         out = F.scaled_dot_product_attention(

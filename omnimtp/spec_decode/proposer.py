@@ -71,14 +71,29 @@ class MTPProposer:
     """Drafts with one MTP head applied k times; its output hidden feeds the next step.
 
     Step 1 reads the pairs (next_ids, hidden) of the whole new block at positions + 1 and drafts from each
-    row's last real slot; steps 2..k read (previous draft, previous head hidden) one slot at a time."""
+    row's last real slot; steps 2..k read (previous draft, previous head hidden) one slot at a time.
+    Heads with a packed `draft_step` (glm4_moe) run it on a `KVCache` (made for the first block's batch
+    size); others run the head's transformers forward on a `DynamicCache`."""
 
     def __init__(self, head: MTPHead):
         self.head = head
-        self.cache = head.make_cache()
+        self.cache = None if head.supports_draft_step else head.make_cache()
 
     def reset(self) -> None:
-        self.cache = self.head.make_cache()
+        self.cache = None if self.head.supports_draft_step else self.head.make_cache()
+
+    def _step(self, input_ids, prev_hidden, position_ids, kv_mask, last_index=None, packed=None):
+        """One head pass appended to the cache → (hidden [B, T, H], logits [B, V] at last_index or the last
+        slot). packed: the head's packed weights (heads with `draft_step`)."""
+        head = self.head
+        if packed is not None:
+            return head.draft_step(input_ids, prev_hidden, position_ids, self.cache, kv_mask, last_index, packed)
+        out = head(
+            input_ids, prev_hidden, position_ids=position_ids, attention_mask=kv_mask, cache=self.cache,
+            compute_logits=False,
+        )
+        last = out.hidden[:, -1] if last_index is None else out.hidden[torch.arange(out.hidden.shape[0]), last_index]
+        return out.hidden, head.logits(last)
 
     @torch.no_grad()
     def propose(self, block, num_draft_tokens, sampling, generators):
@@ -86,27 +101,18 @@ class MTPProposer:
         batch_size, width = block.next_ids.shape
         rows = torch.arange(batch_size, device=block.next_ids.device)
         num_aligned = block.kv_mask.shape[1]
+        if self.cache is None:
+            self.cache = head.make_draft_cache(batch_size, capacity=num_aligned + num_draft_tokens)
         if self.cache.get_seq_length(layer_idx) != num_aligned - width:
             raise ValueError("block: the drafter's cache is not aligned with the target's (call reset() first?)")
 
-        # No invalid slot anywhere (batch 1 without padding): no mask, so sdpa can skip it for one token,
-        # and one-token steps can take the head's lean `draft_step` (same math, less framework overhead).
+        # No invalid slot anywhere (batch 1 without padding): no mask, so attention can skip it for one token.
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
-        lean = kv_mask is None and batch_size == 1 and head.supports_draft_step
-        if lean and (width == 1 or head.routes_every_expert):
-            hidden, logits = head.draft_step(block.next_ids, block.hidden, block.position_ids + 1, self.cache)
-            hidden = hidden[:, -1:]  # [1, 1, H] the last slot is the row's last real one (no padding)
-        else:
-            out = head(
-                block.next_ids,
-                block.hidden,
-                position_ids=block.position_ids + 1,
-                attention_mask=kv_mask,
-                cache=self.cache,
-                compute_logits=False,
-            )
-            hidden = out.hidden[rows, block.last_index][:, None]  # [B, 1, H]
-            logits = head.logits(hidden)[:, 0]  # [B, V] only the rows that draft
+        packed = head.packed() if head.supports_draft_step else None
+        hidden, logits = self._step(
+            block.next_ids, block.hidden, block.position_ids + 1, kv_mask, block.last_index, packed
+        )
+        hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
         draft_tokens, draft_probs = [], []
         for step in range(num_draft_tokens):
@@ -115,20 +121,9 @@ class MTPProposer:
             draft_probs.append(probs)
             if step == num_draft_tokens - 1:
                 break
-            if lean:
-                hidden, logits = head.draft_step(token[:, None], hidden, (position + step + 1)[:, None], self.cache)
-                continue
             if kv_mask is not None:
                 kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
-            out = head(
-                token[:, None],
-                hidden,
-                position_ids=(position + step + 1)[:, None],
-                attention_mask=kv_mask,
-                cache=self.cache,
-            )
-            hidden = out.hidden  # [B, 1, H]
-            logits = out.logits[:, -1]  # [B, V]
+            hidden, logits = self._step(token[:, None], hidden, (position + step + 1)[:, None], kv_mask, None, packed)
         _crop_to(self.cache, num_aligned, layer_idx)
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
 
