@@ -28,7 +28,7 @@ import torch
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
-from omnimtp.sampling import SamplingParams
+from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
 
@@ -176,7 +176,7 @@ class OmniPipeline:
             raise ValueError(f"prompt: {len(prompts)} requests, more than max_batch_size={self.config.max_batch_size}")
         speaker = self.family.default_speaker if speaker is None else speaker
         self.family.check_speaker(speaker)
-        seeds = _request_seeds(seed, len(prompts))
+        seeds = row_seeds(seed, len(prompts))
         requests = [
             Request(
                 i, ids, max_new_tokens=max_new_tokens, max_frames=max_frames, speaker=speaker,
@@ -234,13 +234,3 @@ def _is_batch(prompt, input_ids) -> bool:
     if isinstance(prompt, list) and prompt:
         return isinstance(prompt[0], (str, list))
     return False
-
-
-def _request_seeds(seed, num_requests: int) -> list[int | None]:
-    if seed is None:
-        return [None] * num_requests
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return [seed + i for i in range(num_requests)]
-    if isinstance(seed, (list, tuple)) and len(seed) == num_requests:
-        return list(seed)
-    raise ValueError(f"seed must be None, an int or a list of {num_requests} seeds, got {seed!r}")

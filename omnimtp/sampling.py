@@ -148,6 +148,22 @@ def request_seeds(seed: int | None) -> tuple[int | None, int | None]:
     return (2 * seed) % _UINT64, (2 * seed + 1) % _UINT64
 
 
+def row_seeds(seed, num_rows: int) -> list[int | None]:
+    """One seed per row of a batch from a call's `seed`: None (every row unseeded), an int (row i gets
+    seed + i) or one int / None per row. Every batched entry point (pipeline, speculative and plain
+    decoding) reads its `seed` argument through this."""
+    if seed is None:
+        return [None] * num_rows
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        return [seed + row for row in range(num_rows)]
+    if not isinstance(seed, (list, tuple)):
+        raise ValueError(f"seed must be None, an int, or one int/None per row ({num_rows}), got {seed!r}")
+    seeds = list(seed)
+    if len(seeds) != num_rows or any(s is not None and (isinstance(s, bool) or not isinstance(s, int)) for s in seeds):
+        raise ValueError(f"seed must be None, an int, or one int/None per row ({num_rows}), got {seed!r}")
+    return seeds
+
+
 def make_generators(seeds: list[int | None], device: torch.device | str = "cpu") -> list[torch.Generator]:
     """One generator per request; a None seed draws a fresh nondeterministic seed. An int seed may be any
     Python int: it is taken modulo 2^64 (the range `torch.Generator.manual_seed` accepts)."""

@@ -127,3 +127,14 @@ def test_sampled_codes_stay_in_the_top_k_top_p_support_at_every_step():
             kept = torch.isfinite(scores).sum(1)
             assert (kept <= 50).all()
     assert len(set(codes[:, 0].tolist())) > 1  # really sampled, not argmax
+
+
+def test_row_seeds_is_the_one_seed_rule_of_batched_calls():
+    from omnimtp.sampling import row_seeds
+
+    assert row_seeds(None, 3) == [None, None, None]
+    assert row_seeds(7, 3) == [7, 8, 9]
+    assert row_seeds([1, None], 2) == [1, None]
+    for bad in ([1], [1, 2.0], [True, 1], "12", 1.5):
+        with pytest.raises(ValueError, match="seed"):
+            row_seeds(bad, 2)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, sample
+from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, row_seeds, sample
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
 from omnimtp.runtime.kv_cache import KVCache
@@ -131,17 +131,6 @@ def _eos_ids(target, eos_token_id) -> list[int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}")
     return ids
-
-
-def _row_seeds(seed, batch_size: int) -> list[int | None]:
-    if seed is None:
-        return [None] * batch_size
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return [seed + row for row in range(batch_size)]
-    seeds = list(seed)
-    if len(seeds) != batch_size or any(s is not None and (isinstance(s, bool) or not isinstance(s, int)) for s in seeds):
-        raise ValueError(f"seed must be None, an int, or one int/None per row ({batch_size}), got {seed!r}")
-    return seeds
 
 
 def _check_head(target, head: MTPHead) -> None:
@@ -271,7 +260,7 @@ def _speculative_generate(
         pad_id = eos_ids[0] if eos_ids else 0
     sampling = config.sampling
     k = config.num_draft_tokens
-    generators = None if sampling.is_greedy else make_generators(_row_seeds(seed, batch_size), device=device)
+    generators = None if sampling.is_greedy else make_generators(row_seeds(seed, batch_size), device=device)
     stats = SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k)
     start = time.perf_counter()
 
@@ -395,7 +384,7 @@ def plain_generate(
     pad_id = target.generation_config.pad_token_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
-    generators = None if sampling.is_greedy else make_generators(_row_seeds(seed, batch_size), device=device)
+    generators = None if sampling.is_greedy else make_generators(row_seeds(seed, batch_size), device=device)
     with torch.inference_mode():
         packed = _packed_or_none(target, target_backend)
         if packed is not None:
