@@ -9,22 +9,46 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it, grouped by job
 _EXPORTS = {
-    # sampling
+    # speech from Qwen3-Omni: the Python API
+    "OmniPipeline": "omnimtp.pipeline",
+    "OmniOutput": "omnimtp.engine.request",
+    "OmniEvent": "omnimtp.pipeline",
     "SamplingParams": "omnimtp.sampling",
-    "QWEN3_OMNI_CODE_PREDICTOR_SAMPLING": "omnimtp.sampling",
-    # tiny seeded models
-    "tiny_qwen3_omni": "omnimtp.models.tiny",
-    "tiny_qwen3_omni_config": "omnimtp.models.tiny",
-    "tiny_code_predictor_config": "omnimtp.models.tiny",
-    # code predictor
-    "predict_residual_codes": "omnimtp.talker.code_predictor",
-    "predict_residual_codes_kv": "omnimtp.talker.code_predictor",
-    "next_talker_input": "omnimtp.talker.code_predictor",
-    "CodePredictorRunner": "omnimtp.talker.code_predictor",
-    "ResidualCodes": "omnimtp.talker.code_predictor",
-    # thinker -> talker handoff
+    # the OpenAI-compatible server
+    "create_app": "omnimtp.server.app",
+    "Engine": "omnimtp.server.scheduler",
+    "EngineRequest": "omnimtp.server.scheduler",
+    # speculative decoding with an MTP head
+    "speculative_generate": "omnimtp.spec_decode.generate",
+    "plain_generate": "omnimtp.spec_decode.generate",
+    "SpecConfig": "omnimtp.spec_decode.generate",
+    "SpecStats": "omnimtp.spec_decode.generate",
+    "SpecOutput": "omnimtp.spec_decode.generate",
+    "load_target_and_head": "omnimtp.mtp.head",
+    "demo_model_dir": "omnimtp.mtp.demo",
+    "rejection_sample": "omnimtp.spec_decode.rejection",
+    "Proposer": "omnimtp.spec_decode.proposer",
+    "DraftInput": "omnimtp.spec_decode.proposer",
+    "MTPProposer": "omnimtp.spec_decode.proposer",
+    "TargetProposer": "omnimtp.spec_decode.proposer",
+    # MTP heads and their training
+    "MTPHead": "omnimtp.mtp.head",
+    "MTPHeadOutput": "omnimtp.mtp.head",
+    "enable_transformers_mtp": "omnimtp.mtp.head",
+    "train_mtp_head": "omnimtp.mtp.train",
+    "generate_distill_rows": "omnimtp.mtp.train",
+    "MTPTrainConfig": "omnimtp.mtp.train",
+    "MTPTrainResult": "omnimtp.mtp.train",
+    # the engine core and the model families behind it
+    "EngineCore": "omnimtp.engine.core",
+    "EngineConfig": "omnimtp.engine.core",
+    "Request": "omnimtp.engine.request",
+    "StepEvent": "omnimtp.engine.request",
+    "Qwen3OmniFamily": "omnimtp.families.qwen3_omni",
+    # the stages, for study and for other engines: thinker, handoff, talker, code predictor, codec
+    "ThinkerRun": "omnimtp.thinker",
     "trim_thinker_hidden": "omnimtp.handoff",
     "build_talker_prefill": "omnimtp.handoff",
     "talker_decode_input": "omnimtp.handoff",
@@ -39,58 +63,34 @@ _EXPORTS = {
     "build_qwen3_talker_inputs": "omnimtp.talker.qwen3_inputs",
     "Qwen2_5TalkerInputBuilder": "omnimtp.talker.qwen2_5_inputs",
     "build_qwen2_5_talker_inputs": "omnimtp.talker.qwen2_5_inputs",
-    "tiny_qwen2_5_omni": "omnimtp.models.tiny_qwen2_5_omni",
-    "tiny_qwen2_5_omni_config": "omnimtp.models.tiny_qwen2_5_omni",
-    # MTP speculative decoding
-    "MTPHead": "omnimtp.mtp.head",
-    "MTPHeadOutput": "omnimtp.mtp.head",
-    "enable_transformers_mtp": "omnimtp.mtp.head",
-    "load_target_and_head": "omnimtp.mtp.head",
-    "rejection_sample": "omnimtp.spec_decode.rejection",
-    "DraftInput": "omnimtp.spec_decode.proposer",
-    "Proposer": "omnimtp.spec_decode.proposer",
-    "MTPProposer": "omnimtp.spec_decode.proposer",
-    "TargetProposer": "omnimtp.spec_decode.proposer",
-    "speculative_generate": "omnimtp.spec_decode.generate",
-    "SpecConfig": "omnimtp.spec_decode.generate",
-    "SpecStats": "omnimtp.spec_decode.generate",
-    "SpecOutput": "omnimtp.spec_decode.generate",
-    "plain_generate": "omnimtp.spec_decode.generate",
-    "packed_forward": "omnimtp.spec_decode.packed_target",
-    "packed_logits": "omnimtp.spec_decode.packed_target",
-    "packed_target": "omnimtp.spec_decode.packed_target",
-    "tiny_lm": "omnimtp.models.tiny_lm",
-    "tiny_lm_config": "omnimtp.models.tiny_lm",
-    # end-to-end pipeline and the engine under it
-    "OmniPipeline": "omnimtp.pipeline",
-    "OmniOutput": "omnimtp.engine.request",
-    "OmniEvent": "omnimtp.pipeline",
-    "EngineCore": "omnimtp.engine.core",
-    "EngineConfig": "omnimtp.engine.core",
-    "Request": "omnimtp.engine.request",
-    "StepEvent": "omnimtp.engine.request",
-    "Qwen3OmniFamily": "omnimtp.families.qwen3_omni",
     "TalkerBatch": "omnimtp.talker.loop",
     "TalkerRequest": "omnimtp.talker.loop",
     "TalkerFrame": "omnimtp.talker.loop",
     "QWEN3_OMNI_TALKER_GREEDY": "omnimtp.talker.loop",
     "QWEN3_OMNI_TALKER_SAMPLING": "omnimtp.talker.loop",
+    "QWEN3_OMNI_CODE_PREDICTOR_SAMPLING": "omnimtp.sampling",
+    "predict_residual_codes": "omnimtp.talker.code_predictor",
+    "predict_residual_codes_kv": "omnimtp.talker.code_predictor",
+    "next_talker_input": "omnimtp.talker.code_predictor",
+    "CodePredictorRunner": "omnimtp.talker.code_predictor",
+    "ResidualCodes": "omnimtp.talker.code_predictor",
     "StreamingCode2Wav": "omnimtp.codec.streaming",
-    "ThinkerRun": "omnimtp.thinker",
+    # the runtime: packed decoders on one KV cache type
     "PackedDecoder": "omnimtp.runtime.decoder",
     "KVCache": "omnimtp.runtime.kv_cache",
     "decoder_forward": "omnimtp.packed_decoder",
+    "packed_target": "omnimtp.spec_decode.packed_target",
+    "packed_forward": "omnimtp.spec_decode.packed_target",
+    "packed_logits": "omnimtp.spec_decode.packed_target",
+    # tiny seeded models and the byte tokenizer (tests, the embedded default)
+    "tiny_qwen3_omni": "omnimtp.models.tiny",
+    "tiny_qwen3_omni_config": "omnimtp.models.tiny",
+    "tiny_code_predictor_config": "omnimtp.models.tiny",
+    "tiny_qwen2_5_omni": "omnimtp.models.tiny_qwen2_5_omni",
+    "tiny_qwen2_5_omni_config": "omnimtp.models.tiny_qwen2_5_omni",
+    "tiny_lm": "omnimtp.models.tiny_lm",
+    "tiny_lm_config": "omnimtp.models.tiny_lm",
     "byte_tokenizer": "omnimtp.tokenizer",
-    # server
-    "create_app": "omnimtp.server.app",
-    "Engine": "omnimtp.server.scheduler",
-    "EngineRequest": "omnimtp.server.scheduler",
-    # MTP head training
-    "train_mtp_head": "omnimtp.mtp.train",
-    "generate_distill_rows": "omnimtp.mtp.train",
-    "MTPTrainConfig": "omnimtp.mtp.train",
-    "MTPTrainResult": "omnimtp.mtp.train",
-    "demo_model_dir": "omnimtp.mtp.demo",
 }
 
 
