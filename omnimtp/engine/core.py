@@ -31,7 +31,7 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Hashable
+from typing import Hashable, Iterator
 
 import numpy as np
 import torch
@@ -166,23 +166,25 @@ class EngineCore:
 
     # --- one step ---
 
-    def step(self) -> list[StepEvent]:
+    def step(self) -> Iterator[StepEvent]:
+        """One step; its events are yielded as they are made (a first audio chunk goes out before the
+        step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
         started = time.perf_counter()
-        events: list[StepEvent] = []
         for cohort in self.cohorts:
-            events += self._think(cohort)
-        events += self._start(self._admit())
+            yield from self._think(cohort)
+        yield from self._start(self._admit())
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
         self._prefill_talker()
         started = self._phase("talker_admit", started)
         self._speak()
         started = self._phase("talk", started)
-        events += self._decode()
+        first, later = self._due_chunks()
+        yield from self._decode_blocks(first)
+        yield from self._decode_blocks(later)
         self._phase("code2wav", started)
-        events += self._retire()
-        return events
+        yield from self._retire()
 
     # --- admit ---
 
@@ -332,8 +334,8 @@ class EngineCore:
 
     # --- decode ---
 
-    def _decode(self) -> list[StepEvent]:
-        """code2wav of the chunks that are due (see the module docstring).
+    def _due_chunks(self) -> tuple[list[tuple[Request, int]], list[tuple[Request, int]]]:
+        """The chunks code2wav decodes this step, first chunks and later ones (see the module docstring).
 
         Chunk boundaries are fixed per request (first_chunk_frames, then every chunk_frames, then the
         rest; a request that is not streamed: all its frames once its talker ends), whatever else runs;
@@ -378,7 +380,7 @@ class EngineCore:
             request.chunk_ready_step = None
             if budget is not None:
                 budget -= size
-        return self._decode_blocks(first) + self._decode_blocks(taken)  # first chunks go out first
+        return first, taken  # first chunks go out first
 
     def _decode_blocks(self, ready: list[tuple[Request, int]]) -> list[StepEvent]:
         """The next n frames of each request through code2wav in one batch."""

@@ -319,12 +319,10 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
             self._drop_cancelled(cancelled)
             try:
-                events = core.step()
+                self._deliver(core.step())  # each event goes out as soon as the step makes it
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
-                continue
-            self._deliver(events)
 
     def _drop_cancelled(self, cancelled: set[int]) -> None:
         """Free the slots of cancelled requests, waiting or admitted (at a frame boundary). Each one
