@@ -405,3 +405,17 @@ def test_non_streaming_disconnects_cancel_running_and_queued_requests(tiny):
         assert _metric(url, "omnimtp_frames_per_second_count") == 0, "a cancelled request ran to its end"
         served = httpx.post(f"{url}{CHAT}", json=_chat(), timeout=60)
         assert served.status_code == 200
+
+
+def test_an_unparsable_request_gets_its_400_without_a_connection_reset(tiny):
+    """A header h11 refuses (a NUL byte) gets a 400 with an OpenAI-style body, and the connection closes
+    only after the client has read it: a close with the client's bytes still arriving would reset it."""
+    with running_server(create_app(_engine(tiny))) as url:
+        for _ in range(40):
+            conn = _connection(url)
+            try:
+                reply = exchange(conn, "POST", CHAT, _json(_chat()), {"Authorization": b"\x00bad"})
+            finally:
+                conn.close()
+            assert reply.status == 400 and reply.will_close
+            assert reply.error()["code"] == "invalid_http_request"

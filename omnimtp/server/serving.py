@@ -26,6 +26,7 @@ DEFAULT_HEADERS_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # enforced by the app (`create_app(body_timeout_s=...)`)
 DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+_LINGER_S = 2.0  # how long a connection closing after an error response keeps reading (and discarding)
 
 
 class HeadersTimeoutH11Protocol(H11Protocol):
@@ -38,12 +39,15 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.headers_timeout_s = headers_timeout_s
         self._headers_timer: asyncio.TimerHandle | None = None
+        self._is_closing = False  # an error response went out: what the client still sends is discarded
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._start_headers_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._is_closing:
+            return
         if self._headers_timer is None and self.conn.their_state is h11.IDLE:
             self._start_headers_timer()
         super().data_received(data)
@@ -77,6 +81,28 @@ class HeadersTimeoutH11Protocol(H11Protocol):
             output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
             self.transport.write(output)
         self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a NUL in a header, ...): 400 with an OpenAI-style body, then a
+        lingering close. Closing the socket at once while the client's bytes still arrive makes the
+        kernel send a reset, which can destroy the response before the client reads it; so the write
+        side shuts down first, further bytes are discarded, and the socket closes when the client does
+        (or after `_LINGER_S`)."""
+        body = json.dumps({"error": {"message": "invalid HTTP request: " + msg, "type": "invalid_request_error",
+                                     "param": None, "code": "invalid_http_request"}}).encode()
+        headers = [("content-type", "application/json"), ("content-length", str(len(body))), ("connection", "close")]
+        output = self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
+        output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
+        self.transport.write(output)
+        self._is_closing = True
+        self._stop_headers_timer()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_S, self._close_lingering)
+
+    def _close_lingering(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 def check_seconds(name: str, value) -> float:
