@@ -449,8 +449,6 @@ class _Guard:
             if path in self._COUNTED:
                 status = 500 if exchange["status"] is None else exchange["status"]
                 self.metrics.requests.labels(route=path, status=str(status)).inc()
-        if exchange["status"] is not None and not exchange["body_complete"]:
-            await _drain_body(receive_in_time, exchange)
 
     def _is_authorized(self, scope) -> bool:
         header = b""
@@ -459,23 +457,6 @@ class _Guard:
                 header = value
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
-
-
-_MAX_DRAIN_BYTES = 1 << 20
-
-
-async def _drain_body(receive, exchange) -> None:
-    """After an early response (a 401, 413, ...), read the rest of a small request body (up to 1 MiB,
-    within the body deadline) before the connection closes: a server that closes a socket with the
-    client's body still arriving makes the kernel send a reset, which can destroy the response the
-    client has not read yet."""
-    num_bytes = 0
-    while not exchange["body_complete"] and num_bytes <= _MAX_DRAIN_BYTES:
-        try:
-            message = await receive()
-        except APIError:  # the body deadline passed
-            return
-        num_bytes += len(message.get("body", b""))
 
 
 def _has_body(headers) -> bool:
