@@ -15,6 +15,7 @@ from typing import Callable, Hashable
 import numpy as np
 import torch
 
+from omnimtp.media import MediaInputs
 from omnimtp.sampling import SamplingParams, make_generators, request_seeds
 
 FINISH_REASONS = ("stop", "length")
@@ -40,7 +41,9 @@ class Request:
     thinker's rows once it has finished (one text projection over the reply) and the audio is
     decoded in one block when the talker ends. seed: the request's generators are seeded by
     `request_seeds(seed)`; None draws a seed from torch's global RNG, so `torch.manual_seed` repeats
-    an unseeded request too, and a request never draws from an RNG other requests share."""
+    an unseeded request too, and a request never draws from an RNG other requests share. media: the
+    prompt's audio / image / video tensors (`omnimtp.media.MediaInputs`), one encoder row per media pad
+    id of prompt_ids; None for a text prompt."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -52,6 +55,7 @@ class Request:
     seed: int | None = None
     is_chat: bool = True
     is_streamed: bool = True
+    media: MediaInputs | None = field(default=None, repr=False)
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -90,6 +94,8 @@ class Request:
             value = getattr(self, name)
             if value is not None and not isinstance(value, SamplingParams):
                 raise ValueError(f"{name} must be None or a SamplingParams, got {type(value).__name__}")
+        if self.media is not None and (not isinstance(self.media, MediaInputs) or not self.is_chat):
+            raise ValueError("media must be None or a MediaInputs, and only a chat request takes media")
         if not self.is_chat and self.speaker is None:
             raise ValueError("speaker is required to speak a speech request's text")
         seed = self.seed

@@ -34,6 +34,8 @@ THINKER_SPECIAL_TOKENS = {
     "<|video_pad|>": 266,
     "<|audio_start|>": 267,
     "<|vision_start|>": 268,
+    "<|audio_end|>": 269,
+    "<|vision_end|>": 270,
 }
 THINKER_VOCAB_SIZE = 320
 TINY_CODEBOOK_SIZE = 128
