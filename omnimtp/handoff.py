@@ -190,12 +190,14 @@ class TalkerInputBuilder(Protocol):
 
     Thinker rows 0..num_prefill_rows-1 make the talker prefill; every later kept row makes one trailing
     text row, computed row by row (a row's result never depends on the other rows); `end_rows` follow the
-    last kept row; `tts_pad_embed` is the fallback once the trailing rows run out."""
+    last kept row; `tts_pad_embed` is the fallback once the trailing rows run out; `prefill_positions`
+    are the prefill's M-RoPE ids (a prompt with images or videos), None for 1-D positions."""
 
     num_prompt_rows: int
     num_prefill_rows: int
     end_rows: torch.Tensor  # [E, D_talker]
     tts_pad_embed: torch.Tensor  # [D_talker]
+    prefill_positions: torch.Tensor | None  # [3, L]
 
     def build_prefill(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 

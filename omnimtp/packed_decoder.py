@@ -3,9 +3,9 @@
 The weights are a `PackedDecoder` (`omnimtp.runtime.decoder`) and the cache a `KVCache`
 (`omnimtp.runtime.kv_cache`) with one slot per sequence: slot s holds its sequence's positions
 0..length-1 with no padding, so a sequence never attends to another's keys and its RoPE position is its
-cache index. For text and audio rows the three M-RoPE axes (temporal, height, width) carry the same
-position, so M-RoPE is exactly the 1-D rotary embedding on those positions (`Rope`; tests check it
-against the module).
+cache index plus the slot's offset. For text and audio rows the three M-RoPE axes (temporal, height,
+width) carry the same position, so M-RoPE is exactly the 1-D rotary embedding on those positions (`Rope`;
+tests check it against the module); a prompt with images or video passes its 3-D positions.
 
     decoder = PackedDecoder.from_module(model.talker.model)           # weights, shareable
     cache = KVCache(decoder, max_batch_size=4)                        # per run
@@ -37,6 +37,8 @@ def decoder_forward(
     embeds: torch.Tensor,
     slots: list[int],
     capture_layer: int | None = None,
+    rope_positions: torch.Tensor | None = None,
+    layer_adds: tuple[torch.Tensor, ...] = (),
 ) -> DecoderOutput:
     """Append T positions to each of R slots and run the decoder on them.
 
@@ -45,7 +47,13 @@ def decoder_forward(
     numbers them (0 = the input embeddings, k < L = output of layer k-1, L = after the final norm).
     Returns DecoderOutput(last_hidden [R, H] after the final norm at each row's last position,
     captured [R, T, H] or None). Rows at equal lengths need no mask; a batch-1 decode step runs on 1-D
-    vectors with its position's RoPE rows cached (`PackedDecoder.step_tables`)."""
+    vectors with its position's RoPE rows cached (`PackedDecoder.step_tables`).
+
+    RoPE positions: each new position's cache index plus its slot's `cache.rope_offsets`, unless
+    rope_positions [3, R, T] (M-RoPE ids, as transformers' `get_rope_index` makes them for a multimodal
+    prompt) are given; then each slot's offset becomes max + 1 − its new length, so decoding continues
+    where transformers' rope_deltas put it. The mask is causal by cache index either way. layer_adds:
+    see `decoder_layers` (deepstack features of a prefill)."""
     num_layers = decoder.num_layers
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
@@ -58,11 +66,13 @@ def decoder_forward(
     if capture_layer is not None and not 0 <= capture_layer <= num_layers:
         raise ValueError(f"capture_layer must be in [0, {num_layers}], got {capture_layer!r}")
     num_rows, num_new, _ = embeds.shape
+    if rope_positions is not None and tuple(rope_positions.shape) != (3, num_rows, num_new):
+        raise ValueError(f"rope_positions must be [3, {num_rows}, {num_new}], got {tuple(rope_positions.shape)}")
+    offsets = [cache.rope_offsets[slot] for slot in slots]
     where = cache.plan(slots, num_new)
-    if num_rows == 1 and num_new == 1:  # a batch-1 decode step, on 1-D vectors
-        x, captured = decoder_layers(
-            decoder, embeds.view(-1), decoder.step_tables(where.start), cache.layer_views, where, None, capture_layer
-        )  # [H]
+    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds:  # a batch-1 decode step
+        rope = decoder.step_tables(where.start + offsets[0])
+        x, captured = decoder_layers(decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer)  # [H]
         cache.commit(slots, num_new)
         last_hidden = rms_norm(x, decoder.final_norm, decoder.eps)
         if capture_layer == num_layers:
@@ -71,12 +81,20 @@ def decoder_forward(
     positions = where.positions
     if positions is None:
         positions = where.start + torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]
-    rope = decoder.rope.tables(positions, embeds.dtype)  # [R, T, 1, D]
+    if rope_positions is None:
+        rope_positions = positions if not any(offsets) else positions + torch.tensor(offsets, device=embeds.device)[:, None]
+    else:
+        ends = rope_positions.amax(dim=(0, 2)).tolist()  # [R]
+        for slot, end in zip(slots, ends):
+            cache.rope_offsets[slot] = int(end) + 1 - (cache.lengths[slot] + num_new)
+    rope = decoder.rope.tables(rope_positions, embeds.dtype)  # [R, T, 1, D]
     mask = None
-    if num_new > 1 or where.start is None:  # causal by position, and past each row's own length
+    if num_new > 1 or where.start is None:  # causal by cache index, and past each row's own length
         columns = torch.arange(where.num_columns, device=embeds.device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
-    x, captured = decoder_layers(decoder, embeds, rope, cache.layer_views, where, mask, capture_layer)
+    x, captured = decoder_layers(
+        decoder, embeds, rope, cache.layer_views, where, mask, capture_layer, layer_adds=tuple(layer_adds)
+    )
     cache.commit(slots, num_new)
     if capture_layer == num_layers:
         captured = rms_norm(x, decoder.final_norm, decoder.eps)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
 
@@ -56,10 +57,14 @@ class ThinkerRun:
         sampling: list[SamplingParams | None] | None = None,
         generators: list[torch.Generator | None] | None = None,
         decoder: PackedDecoder | None = None,
+        media: list[MediaInputs | None] | None = None,
     ):
         batch_size = len(prompts)
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one non-empty prompt")
+        self.media = list(media) if media is not None else [None] * batch_size
+        if len(self.media) != batch_size or any(m is not None and not isinstance(m, MediaInputs) for m in self.media):
+            raise ValueError(f"media must be a list of {batch_size} MediaInputs or None")
         if decoder is not None and not isinstance(decoder, PackedDecoder):
             raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
         num_layers = thinker.config.text_config.num_hidden_layers
@@ -93,9 +98,9 @@ class ThinkerRun:
         with torch.no_grad():
             if self._is_prefill:
                 for i in active:
-                    embeds = embed_tokens(torch.tensor([self.prompts[i]], device=device))  # [1, P, D]
-                    hidden, logits = self._forward(embeds, [i])
-                    rows[i] = (embeds[0], hidden[0], logits[0])
+                    prefill = multimodal_prefill(self.thinker, self.prompts[i], self.media[i], device)
+                    hidden, logits = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
+                    rows[i] = (prefill.embeds[0], hidden[0], logits[0])
             elif active:
                 ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
                 embeds = embed_tokens(ids)  # [R, 1, D]
@@ -120,8 +125,87 @@ class ThinkerRun:
             events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
         return events
 
-    def _forward(self, embeds: torch.Tensor, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=()):
         """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D] and last-position logits [R, V]."""
-        out = decoder_forward(self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer)
+        out = decoder_forward(
+            self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer,
+            rope_positions=rope_positions, layer_adds=layer_adds,
+        )
         logits = torch.nn.functional.linear(out.last_hidden, self.thinker.lm_head.weight)  # [R, V]
         return out.captured, logits
+
+
+@dataclass
+class Prefill:
+    """A prompt's thinker prefill inputs: embeds [1, P, D] (encoder rows scattered in), rope_positions
+    [3, 1, P] M-RoPE ids (None: the cache positions, text and audio), layer_adds: deepstack visual
+    features [1, P, D] added after layers 0, 1, ... (zero off the visual rows)."""
+
+    embeds: torch.Tensor
+    rope_positions: torch.Tensor | None = None
+    layer_adds: tuple[torch.Tensor, ...] = ()
+
+
+@torch.no_grad()
+def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, device) -> Prefill:
+    """The prefill of one prompt as transformers' `Qwen3OmniMoeThinkerModel.forward` builds it: the token
+    embeddings; transformers' own audio and vision encoders on the media tensors, their rows in place of
+    the `<|audio_pad|>` / `<|image_pad|>` / `<|video_pad|>` ids (one row per id, else ValueError); the
+    deepstack features of images and videos; M-RoPE positions from `get_rope_index` when there are images
+    or videos (audio and text advance all three axes together: the 1-D cache positions)."""
+    config = thinker.config
+    ids = torch.tensor([prompt], device=device)  # [1, P]
+    embeds = thinker.get_input_embeddings()(ids)  # [1, P, D]
+    if media is None:
+        return Prefill(embeds)
+    kinds = (
+        ("audio", config.audio_token_id, media.input_features),
+        ("image", config.image_token_id, media.pixel_values),
+        ("video", config.video_token_id, media.pixel_values_videos),
+    )
+    for name, token_id, values in kinds:
+        if values is None and bool((ids == token_id).any()):
+            raise ValueError(f"prompt: it holds {name} pad ids but no {name} inputs were given")
+    if media.has_audio:
+        audio = thinker.get_audio_features(
+            media.input_features.to(device, thinker.model.audio_tower.dtype), media.feature_attention_mask.to(device),
+            return_dict=True,
+        ).last_hidden_state
+        embeds = _scatter(embeds, ids == config.audio_token_id, audio, "audio")
+    visual_masks, visual_levels = [], []
+    for values, grid, token_id, name in (
+        (media.pixel_values, media.image_grid_thw, config.image_token_id, "image"),
+        (media.pixel_values_videos, media.video_grid_thw, config.video_token_id, "video"),
+    ):
+        if grid is None:
+            continue
+        encode = thinker.get_image_features if name == "image" else thinker.get_video_features
+        out = encode(values.to(device), grid.to(device), return_dict=True)
+        mask = ids == token_id
+        embeds = _scatter(embeds, mask, torch.cat(out.pooler_output), name)
+        visual_masks.append(mask)
+        visual_levels.append([torch.cat(level) for level in out.deepstack_features])
+    layer_adds = []
+    for levels in zip(*visual_levels):  # one deepstack level: its image rows and its video rows
+        add = torch.zeros_like(embeds)
+        for mask, rows in zip(visual_masks, levels):
+            add[mask] = rows.to(embeds.dtype)
+        layer_adds.append(add)
+    rope_positions = None
+    if media.has_vision:
+        second_per_grid = media.video_second_per_grid
+        if media.video_grid_thw is not None and second_per_grid is None:
+            second_per_grid = torch.full((media.video_grid_thw.shape[0],), float(config.vision_config.temporal_patch_size))
+        rope_positions, _ = thinker.get_rope_index(
+            ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False,
+            media.audio_lengths, second_per_grid,
+        )  # [3, 1, P]
+    return Prefill(embeds, rope_positions, tuple(layer_adds))
+
+
+def _scatter(embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, name: str) -> torch.Tensor:
+    """embeds [1, P, D] with rows [n, D] at the n positions of mask [1, P] (transformers' masked_scatter)."""
+    num_ids = int(mask.sum())
+    if num_ids != rows.shape[0]:
+        raise ValueError(f"prompt: {num_ids} {name} pad ids for {rows.shape[0]} {name} encoder rows")
+    return embeds.masked_scatter(mask[..., None], rows.to(embeds.dtype))

@@ -207,7 +207,7 @@ class EngineCore:
                 inputs = self.family.speech_talker_inputs(request.prompt_ids, request.speaker)
                 request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
                 continue
-            request.talker_builder = self.family.talker_builder(request.prompt_ids, request.speaker)
+            request.talker_builder = self.family.talker_builder(request.prompt_ids, request.speaker, request.media)
             if request.is_streamed:
                 request.handoff = ThinkerToTalkerStream(request.talker_builder)
         return admitted
@@ -219,7 +219,7 @@ class EngineCore:
             return []
         run = self.family.new_thinker(
             [r.prompt_ids for r in chats], [r.thinker_sampling for r in chats], [r.thinker_generator for r in chats],
-            max(r.max_new_tokens for r in chats),
+            max(r.max_new_tokens for r in chats), [r.media for r in chats],
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
@@ -293,9 +293,11 @@ class EngineCore:
         talker_requests = []
         for request in pending:
             inputs, request.talker_inputs = request.talker_inputs, None
+            builder = request.talker_builder
             talker_requests.append(self.family.talker_request(
                 request.request_id, inputs.prefill_embeds, torch.cat(inputs.trailing_text), inputs.tts_pad_embed,
                 inputs.is_text_finished, request.talker_sampling, request.talker_generator, request.max_frames,
+                None if builder is None else builder.prefill_positions,
             ))
             request.is_in_talker = True
         ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames

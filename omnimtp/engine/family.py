@@ -12,6 +12,7 @@ from typing import Hashable, Protocol
 import numpy as np
 import torch
 
+from omnimtp.media import MediaInputs
 from omnimtp.sampling import SamplingParams
 
 
@@ -26,12 +27,13 @@ class Family(Protocol):
         """Reply ids → text (special tokens skipped)."""
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
-                    generators: list[torch.Generator], max_new_tokens: int):
-        """A thinker run over the prompts (`omnimtp.thinker.ThinkerRun`: `step()` → events with token_id,
-        embeds [n, D], hidden [n, D], finish_reason; `is_finished`)."""
+                    generators: list[torch.Generator], max_new_tokens: int, media: list[MediaInputs | None]):
+        """A thinker run over the prompts and their media (`omnimtp.thinker.ThinkerRun`: `step()` → events
+        with token_id, embeds [n, D], hidden [n, D], finish_reason; `is_finished`)."""
 
-    def talker_builder(self, prompt_ids: list[int], speaker: str):
-        """The request's `omnimtp.handoff.TalkerInputBuilder` (streamed handoff and reply inputs)."""
+    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None):
+        """The request's `omnimtp.handoff.TalkerInputBuilder` (streamed handoff and reply inputs); its
+        `prefill_positions` ([3, L] or None) are the talker prefill's RoPE positions."""
 
     def reply_talker_inputs(self, builder, prompt_ids: list[int], output_ids: list[int], embeds: torch.Tensor,
                             hidden: torch.Tensor, finish_reason: str):
@@ -45,7 +47,7 @@ class Family(Protocol):
 
     def talker_request(self, request_id: Hashable, prefill_embeds: torch.Tensor, trailing_text: torch.Tensor,
                        tts_pad_embed: torch.Tensor, is_text_finished: bool, sampling: SamplingParams | None,
-                       generator: torch.Generator, max_frames: int):
+                       generator: torch.Generator, max_frames: int, prefill_positions: torch.Tensor | None):
         """One request's talker admission (`omnimtp.talker.loop.TalkerRequest`)."""
 
     def new_codec_stream(self):

@@ -16,6 +16,7 @@ import torch
 
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import TalkerInputs
+from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
@@ -102,19 +103,21 @@ class Qwen3OmniFamily:
     # --- thinker ---
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
-                    generators: list[torch.Generator], max_new_tokens: int) -> ThinkerRun:
-        """One thinker run over `prompts` (one KV slot each), each row with its own sampling and generator."""
+                    generators: list[torch.Generator], max_new_tokens: int,
+                    media: list[MediaInputs | None] | None = None) -> ThinkerRun:
+        """One thinker run over `prompts` (one KV slot each), each row with its own sampling, generator
+        and media (its encoders run in the row's prefill)."""
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generators=generators, decoder=self.thinker_decoder,
+            generators=generators, decoder=self.thinker_decoder, media=media,
         )
 
     # --- thinker → talker ---
 
-    def talker_builder(self, prompt_ids: list[int], speaker: str) -> Qwen3TalkerInputBuilder:
+    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None) -> Qwen3TalkerInputBuilder:
         """The request's talker-input builder (`omnimtp.handoff.TalkerInputBuilder`)."""
-        return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker)
+        return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker, media)
 
     @staticmethod
     def reply_talker_inputs(builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:
@@ -147,11 +150,13 @@ class Qwen3OmniFamily:
 
     @staticmethod
     def talker_request(request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished: bool,
-                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int) -> TalkerRequest:
-        """prefill_embeds [L, H], trailing_text [T, H] (the reply rows known so far), tts_pad_embed [H]."""
+                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int,
+                       prefill_positions: torch.Tensor | None = None) -> TalkerRequest:
+        """prefill_embeds [L, H], trailing_text [T, H] (the reply rows known so far), tts_pad_embed [H],
+        prefill_positions [3, L] or None (the builder's)."""
         return TalkerRequest(
             request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
-            sampling=sampling, generator=generator, max_frames=max_frames,
+            sampling=sampling, generator=generator, max_frames=max_frames, prefill_positions=prefill_positions,
         )
 
     @staticmethod

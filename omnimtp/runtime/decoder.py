@@ -316,16 +316,23 @@ def decoder_layers(
     capture_layer: int | None = None,
     packed_layers: tuple | None = None,
     gemm: PackedGemm | None = None,
+    layer_adds: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer of `decoder` on x [R, T, H] → (output of the last layer [R, T, H] before the final
     norm, the hidden state `capture_layer` as transformers' `hidden_states` numbers them: 0 = x, k < L =
-    output of layer k-1; None when capture_layer is None or L, which the caller takes after its norm)."""
+    output of layer k-1; None when capture_layer is None or L, which the caller takes after its norm).
+
+    layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
+    deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
+    as transformers records it."""
     captured = x if capture_layer == 0 else None
     for i, layer in enumerate(decoder.layers):
         packed = None if packed_layers is None else packed_layers[i]
         x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm)
         if capture_layer == i + 1 and capture_layer < decoder.num_layers:
             captured = x
+        if i < len(layer_adds):
+            x = x + layer_adds[i]
     return x, captured
 
 

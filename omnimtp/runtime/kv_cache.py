@@ -6,7 +6,8 @@
     cache.commit([0, 2], 1)                                  # the slots' lengths grow
 
 Slot s holds its sequence's positions 0..lengths[s]-1 with no padding, so a sequence never attends to
-another's keys. The buffer grows (doubling) when a sequence outgrows it, unless it was made fixed
+another's keys. Its RoPE position is its cache index plus the slot's `rope_offsets[s]` (0 unless a
+prefill gave M-RoPE positions: then decoding continues from their maximum + 1, transformers' rope_deltas). The buffer grows (doubling) when a sequence outgrows it, unless it was made fixed
 (`is_growable=False`: the code predictor's G-slot buffer, written at static positions by a compiled
 step). Columns at or past a slot's length are never attended to (masked or not read), and the buffer
 starts as zeros, so stale columns stay finite.
@@ -47,7 +48,8 @@ class KVCache:
 
     decoder: anything with `num_layers`, `num_kv_heads`, `head_dim`, `dtype`, `device` (a `PackedDecoder`).
     `reset` empties a slot for a new sequence; `keep` compacts (slot i takes the old slot keep[i]); `crop`
-    shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead)."""
+    shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead).
+    rope_offsets[s]: the RoPE position of slot s's cache index i is i + rope_offsets[s]."""
 
     def __init__(self, decoder, max_batch_size: int, capacity: int = 256, *, is_growable: bool = True):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -57,6 +59,7 @@ class KVCache:
         self.max_batch_size = max_batch_size
         self.is_growable = is_growable
         self.lengths = [0] * max_batch_size
+        self.rope_offsets = [0] * max_batch_size
         self.buffer = torch.zeros(
             decoder.num_layers, 2, max_batch_size, decoder.num_kv_heads, capacity, decoder.head_dim,
             dtype=decoder.dtype, device=decoder.device,
@@ -87,6 +90,7 @@ class KVCache:
     def reset(self, slot: int) -> None:
         self.check_slots([slot])
         self.lengths[slot] = 0
+        self.rope_offsets[slot] = 0
 
     def keep(self, slots: list[int]) -> None:
         """Compact: slot i becomes the old slot slots[i] for i < len(slots); the rest are emptied."""
@@ -94,7 +98,9 @@ class KVCache:
         if slots != list(range(len(slots))):
             index = torch.tensor(slots, device=self.buffer.device)
             self.buffer[:, :, : len(slots)] = self.buffer.index_select(2, index)
-        self.lengths = [self.lengths[s] for s in slots] + [0] * (self.max_batch_size - len(slots))
+        emptied = [0] * (self.max_batch_size - len(slots))
+        self.lengths = [self.lengths[s] for s in slots] + emptied
+        self.rope_offsets = [self.rope_offsets[s] for s in slots] + emptied
 
     def crop(self, n: int) -> None:
         """Every slot keeps its first n positions (n < 0: drops its last -n, as `DynamicCache.crop`)."""

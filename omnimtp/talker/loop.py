@@ -47,7 +47,8 @@ class TalkerRequest:
     prefill_embeds: [L, H] talker prefill rows; trailing_text: [T, H] reply rows known so far (more
     can follow through `TalkerBatch.push_text` until `is_text_finished`); tts_pad_embed: [H].
     sampling: None = QWEN3_OMNI_TALKER_GREEDY. The code predictor is greedy when the talker is and
-    samples with QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does."""
+    samples with QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does. prefill_positions:
+    [3, L] M-RoPE ids of the prefill (a prompt with images or videos), None for 1-D positions."""
 
     request_id: Hashable
     prefill_embeds: torch.Tensor
@@ -57,10 +58,14 @@ class TalkerRequest:
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
     max_frames: int = 4096
+    prefill_positions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.prefill_embeds.dim() != 2 or self.prefill_embeds.shape[0] == 0:
             raise ValueError(f"prefill_embeds must be [L, H] with L >= 1, got {tuple(self.prefill_embeds.shape)}")
+        positions = self.prefill_positions
+        if positions is not None and tuple(positions.shape) != (3, self.prefill_embeds.shape[0]):
+            raise ValueError(f"prefill_positions must be [3, {self.prefill_embeds.shape[0]}], got {tuple(positions.shape)}")
         hidden_size = self.prefill_embeds.shape[1]
         if self.trailing_text.dim() != 2 or self.trailing_text.shape[1] != hidden_size:
             raise ValueError(f"trailing_text must be [T, {hidden_size}], got {tuple(self.trailing_text.shape)}")
@@ -147,7 +152,8 @@ class TalkerBatch:
         hidden = []
         for slot, request in enumerate(requests, start=len(self.rows)):  # one prefill per request, in its slot
             self.kv.reset(slot)
-            hidden.append(self._forward(request.prefill_embeds[None], [slot]))
+            positions = None if request.prefill_positions is None else request.prefill_positions[:, None]
+            hidden.append(self._forward(request.prefill_embeds[None], [slot], positions))
         hidden = torch.cat(hidden)  # [N, H]
         new_rows = [
             _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
@@ -227,11 +233,11 @@ class TalkerBatch:
             embeds = [cb0_embed] + [F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables)]
             return torch.stack(embeds, dim=1).sum(dim=1) + text  # [R, H]
 
-    def _forward(self, embeds: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Talker forward of embeds [R, T, H] appended to KV slots `slots` → post-norm hidden at the
-        last position [R, H]."""
+    def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None) -> torch.Tensor:
+        """Talker forward of embeds [R, T, H] appended to KV slots `slots` (RoPE at rope_positions
+        [3, R, T], else the slots' positions) → post-norm hidden at the last position [R, H]."""
         with torch.no_grad():
-            return decoder_forward(self.decoder, self.kv, embeds, slots).last_hidden
+            return decoder_forward(self.decoder, self.kv, embeds, slots, rope_positions=rope_positions).last_hidden
 
     def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it."""

@@ -65,6 +65,7 @@ class Qwen2_5TalkerInputBuilder:
         self.codec_mask_id = talker.codec_mask_token
         self.codec_pad_id = talker.codec_pad_token
         self.codec_bos_id = talker.codec_bos_token
+        self.prefill_positions = None  # text prompts: 1-D positions (no media path for Qwen2.5-Omni yet)
 
     def build_prefill(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..P (prompt and g0) -> (prefill_embeds [P + 2, D], prefill_ids [P + 2])."""

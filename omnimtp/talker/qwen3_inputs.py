@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
+from omnimtp.media import MediaInputs
 from omnimtp.handoff import (
     TalkerInputs,
     check_rows,
@@ -96,7 +97,7 @@ class Qwen3TalkerInputBuilder:
     g0 for a prompt ending in "<|im_start|>assistant\\n"); `build_trailing` projects each later row alone."""
 
     @torch.no_grad()
-    def __init__(self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str):
+    def __init__(self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None):
         config = model.config
         talker_config = config.talker_config
         self.model = model
@@ -149,6 +150,26 @@ class Qwen3TalkerInputBuilder:
         zeros = torch.zeros(3, self.talker_dim, dtype=codec_rows.dtype, device=device)
         self.assistant_codec_rows = torch.cat([zeros, codec_rows], dim=0)  # [9, D_talker]
         self.assistant_ids = [config.tts_pad_token_id] * NUM_ASSISTANT_ROWS
+        self.prefill_positions = self._prefill_positions(media)
+
+    def _prefill_positions(self, media: MediaInputs | None) -> torch.Tensor | None:
+        """[3, U + 9] M-RoPE ids of the talker prefill when the prompt has images or videos, from the
+        talker's own `get_rope_index` on its prefill ids as transformers' talker computes them (its user
+        turns keep the vision ids); None otherwise (audio and text: 1-D positions)."""
+        if media is None or not media.has_vision:
+            return None
+        talker = self.model.talker
+        ids = torch.tensor([[self.prompt_ids[p] for p in self.user_positions] + self.assistant_ids])
+        ids = ids.to(talker.device)
+        second_per_grid = media.video_second_per_grid
+        if media.video_grid_thw is not None and second_per_grid is None:
+            patch = self.model.config.thinker_config.vision_config.temporal_patch_size
+            second_per_grid = torch.full((media.video_grid_thw.shape[0],), float(patch))
+        positions, _ = talker.get_rope_index(
+            ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False, media.audio_lengths,
+            second_per_grid,
+        )
+        return positions[:, 0]  # [3, L]
 
     def _user_rows(self, prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor) -> torch.Tensor:
         """[U, D_talker], projected over the whole prompt in one call per kind, as transformers does."""
