@@ -17,6 +17,7 @@ the same text and PCM as here.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -28,9 +29,15 @@ import torch
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
+from omnimtp.media import MediaInputs
 from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
+
+MEDIA_ARGUMENTS = (
+    "input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+    "video_grid_thw", "video_second_per_grid",
+)
 
 
 @dataclass
@@ -129,7 +136,7 @@ class OmniPipeline:
         """Text + speech for one prompt (→ OmniOutput) or a list of prompts (→ list). Arguments as `stream`."""
         outputs: dict[int, OmniOutput] = {}
         is_batch = _is_batch(prompt, kwargs.get("input_ids"))
-        for event in self._events(prompt, is_streamed=False, **kwargs):
+        for event in self._stream(prompt, kwargs, is_streamed=False):
             if event.output is not None:
                 outputs[event.index] = event.output
         ordered = [outputs[i] for i in sorted(outputs)]
@@ -146,22 +153,43 @@ class OmniPipeline:
         max_new_tokens: int | None = None,
         max_frames: int | None = None,
         seed: int | list[int | None] | None = None,
+        input_features: torch.Tensor | None = None,
+        feature_attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        video_second_per_grid: torch.Tensor | None = None,
     ) -> Iterator[OmniEvent]:
         """Events as they are ready (see `OmniEvent`). prompt: a string, chat messages, or a list of
         either; or input_ids: token ids (a list, or a list of lists). None sampling = greedy (the talker's
         greedy keeps transformers' repetition penalty 1.05). seed: one per request (an int seeds request
-        i with seed + i); a request's output depends only on its own inputs and seed."""
-        yield from self._events(
-            prompt, input_ids=input_ids, speaker=speaker, thinker_sampling=thinker_sampling,
-            talker_sampling=talker_sampling, max_new_tokens=max_new_tokens, max_frames=max_frames, seed=seed,
-            is_streamed=True,
-        )
+        i with seed + i); a request's output depends only on its own inputs and seed.
+
+        Media: the processor's tensors under transformers' names go with input_ids that hold their
+        placeholders (`Qwen3OmniMoeProcessor` output: input_features + feature_attention_mask,
+        pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw (+ video_second_per_grid)); for a
+        batch, every prompt's media in prompt order, as the processor batches them. Prompts with and
+        without media mix in one call."""
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "prompt")}
+        yield from self._stream(prompt, arguments, is_streamed=True)
+
+    def _stream(self, prompt, arguments: dict, *, is_streamed: bool) -> Iterator[OmniEvent]:
+        """`stream`'s keyword arguments (checked against its signature, for `generate`) → events."""
+        bound = inspect.signature(self.stream).bind(prompt, **arguments)  # TypeError on an unknown name
+        bound.apply_defaults()
+        values = {name: value for name, value in bound.arguments.items() if name != "prompt"}
+        media = MediaInputs.from_dict({name: values.pop(name) for name in MEDIA_ARGUMENTS})
+        yield from self._events(prompt, media=media, is_streamed=is_streamed, **values)
 
     def _events(
         self, prompt, *, input_ids=None, speaker=None, thinker_sampling=None, talker_sampling=None,
-        max_new_tokens=None, max_frames=None, seed=None, is_streamed: bool,
+        max_new_tokens=None, max_frames=None, seed=None, media: MediaInputs | None = None, is_streamed: bool,
     ) -> Iterator[OmniEvent]:
         prompts = self._prompt_ids(prompt, input_ids)
+        if media is not None and input_ids is None:
+            raise ValueError("input_ids: media tensors go with input_ids that hold their placeholders")
+        media_rows = self.family.split_media(prompts, media)
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         max_frames = self.config.max_frames if max_frames is None else max_frames
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -181,8 +209,9 @@ class OmniPipeline:
             Request(
                 i, ids, max_new_tokens=max_new_tokens, max_frames=max_frames, speaker=speaker,
                 thinker_sampling=thinker_sampling, talker_sampling=talker_sampling, seed=s, is_streamed=is_streamed,
+                media=m,
             )
-            for i, (ids, s) in enumerate(zip(prompts, seeds))
+            for i, (ids, s, m) in enumerate(zip(prompts, seeds, media_rows))
         ]
         core = EngineCore(self.family, self.config)  # one per call: an abandoned stream leaves nothing behind
         for request in requests:

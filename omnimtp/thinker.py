@@ -156,16 +156,17 @@ def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, de
     config = thinker.config
     ids = torch.tensor([prompt], device=device)  # [1, P]
     embeds = thinker.get_input_embeddings()(ids)  # [1, P, D]
-    if media is None:
-        return Prefill(embeds)
-    kinds = (
+    media = media or MediaInputs()
+    tokens = set(prompt)
+    for name, token_id, values in (
         ("audio", config.audio_token_id, media.input_features),
         ("image", config.image_token_id, media.pixel_values),
         ("video", config.video_token_id, media.pixel_values_videos),
-    )
-    for name, token_id, values in kinds:
-        if values is None and bool((ids == token_id).any()):
-            raise ValueError(f"prompt: it holds {name} pad ids but no {name} inputs were given")
+    ):
+        if values is None and token_id in tokens:
+            raise ValueError(f"prompt: it holds {name} placeholder ids but no {name} inputs were given")
+    if not media.has_audio and not media.has_vision:
+        return Prefill(embeds)
     if media.has_audio:
         audio = thinker.get_audio_features(
             media.input_features.to(device, thinker.model.audio_tower.dtype), media.feature_attention_mask.to(device),

@@ -116,6 +116,8 @@ class EngineCore:
             raise ValueError(f"request must be a Request, got {type(request).__name__}")
         if request.speaker is not None:
             self.family.check_speaker(request.speaker)
+        if request.is_chat:
+            self.family.check_media(request.prompt_ids, request.media)
         with self.lock:
             if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")

@@ -23,6 +23,9 @@ class Family(Protocol):
     def check_speaker(self, speaker: str) -> None:
         """ValueError naming `speaker` unless the model has that speaker."""
 
+    def check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
+        """ValueError unless the prompt's media placeholders match `media` (before anything runs)."""
+
     def decode_text(self, ids: list[int]) -> str:
         """Reply ids → text (special tokens skipped)."""
 

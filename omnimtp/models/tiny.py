@@ -115,10 +115,12 @@ def tiny_qwen3_omni_config(
         audio_config=dict(
             d_model=32, encoder_attention_heads=4, encoder_ffn_dim=32, encoder_layers=1, num_mel_bins=16,
             output_dim=h, downsample_hidden_size=16, n_window=50, n_window_infer=100,
+            initializer_range=initializer_range,  # at the default 0.02 the tiny tower's rows barely see the audio
         ),
         vision_config=dict(
             depth=1, hidden_size=32, out_hidden_size=h, intermediate_size=32, num_heads=4, patch_size=16,
             spatial_merge_size=1, temporal_patch_size=2, deepstack_visual_indexes=[0],
+            initializer_range=initializer_range,
         ),
         user_token_id=ids["user"], initializer_range=initializer_range, **multimodal_ids,
     )
