@@ -34,6 +34,8 @@ Where we deliberately differ from transformers:
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -165,8 +167,19 @@ class Qwen3TalkerInputBuilder:
         if media.video_grid_thw is not None and second_per_grid is None:
             patch = self.model.config.thinker_config.vision_config.temporal_patch_size
             second_per_grid = torch.full((media.video_grid_thw.shape[0],), float(patch))
-        positions, _ = talker.get_rope_index(
-            ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False, media.audio_lengths,
+        owner = talker
+        if media.has_audio and not hasattr(talker.config, "audio_config"):
+            # transformers' talker config has no audio_config, so its get_rope_index fails on a prompt with
+            # audio and images (transformers' generate raises there); the audio runs' lengths need the
+            # audio encoder's n_window, which is the thinker's
+            config = copy.copy(talker.config)
+            config.audio_config = self.model.config.thinker_config.audio_config
+            owner = SimpleNamespace(
+                config=config, spatial_merge_size=talker.spatial_merge_size,
+                get_llm_pos_ids_for_vision=talker.get_llm_pos_ids_for_vision,
+            )
+        positions, _ = type(talker).get_rope_index(
+            owner, ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False, media.audio_lengths,
             second_per_grid,
         )
         return positions[:, 0]  # [3, L]
