@@ -9,7 +9,12 @@ Our code predictor is compiled during the untimed warm-up: the whole frame as on
 (`compile_predictor="frame"`; its first compile takes a minute or two per config on a CPU, later runs hit
 inductor's disk cache), `--compile step` for one graph per predictor step, `--compile none` for eager.
 
-    python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid] [--out benchmarks/results/e2e.json]
+`--input audio` asks a spoken question instead (5 s of log-mel features through transformers' audio encoder,
+65 audio rows in the prompt), `--input image` shows a 224×224-sized image (14 × 14 patches): the time to the first
+audio then includes the encoder. The features are random (the encoders' work does not depend on them).
+
+    python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid] [--input text|audio|image]
+        [--out benchmarks/results/e2e.json]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 
 import torch
 
-from omnimtp.models.tiny import tiny_qwen3_omni
+from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, tiny_qwen3_omni
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.tokenizer import byte_tokenizer
 
@@ -32,36 +37,58 @@ CONFIGS = {
 }
 
 
-def _reference(model, prompt, max_new_tokens, max_frames):
+def _reference(model, prompt, max_new_tokens, max_frames, media):
     sequences, wav = model.generate(
-        input_ids=torch.tensor([prompt]), return_audio=True, speaker="Ethan",
-        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
-        thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
+        input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), return_audio=True,
+        speaker="Ethan", thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
+        thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1, **media,
     )
     return sequences[0, len(prompt):].tolist(), wav[0, 0].numpy()
 
 
-def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor):
+def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
+    """The prompt ids and media tensors of a question in `kind` (text, audio or image)."""
+    text = "Tell me about the weather today." if kind == "text" else "What is this?"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    if kind == "text":
+        return ids, {}
+    tokens, generator = THINKER_SPECIAL_TOKENS, torch.Generator().manual_seed(0)
+    thinker_config = model.config.thinker_config
+    if kind == "audio":
+        frames = 500  # 5 s at the feature extractor's 100 frames per second
+        mel = thinker_config.audio_config.num_mel_bins
+        media = dict(input_features=torch.randn(1, mel, frames, generator=generator),
+                     feature_attention_mask=torch.ones(1, frames, dtype=torch.long))
+        run = [tokens["<|audio_start|>"]] + [tokens["<|audio_pad|>"]] * 65 + [tokens["<|audio_end|>"]]
+    else:
+        vision = thinker_config.vision_config
+        grid = torch.tensor([[1, 14, 14]])
+        patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        media = dict(pixel_values=torch.randn(196, patch, generator=generator), image_grid_thw=grid)
+        rows = 196 // vision.spatial_merge_size**2
+        run = [tokens["<|vision_start|>"]] + [tokens["<|image_pad|>"]] * rows + [tokens["<|vision_end|>"]]
+    return ids[:3] + run + ids[3:], media
+
+
+def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor, kind="text"):
     model = tiny_qwen3_omni(0, **config_kwargs)
     num_params = sum(p.numel() for p in model.parameters())
     pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1, compile_predictor=compile_predictor)
-    prompt = pipe.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Tell me about the weather today."}], add_generation_prompt=True, return_dict=False
-    )
-    _reference(model, prompt, 2, 2)  # warm up both paths (and compile ours: not timed)
-    pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2)
+    prompt, media = _question(pipe.tokenizer, model, kind)
+    _reference(model, prompt, 2, 2, media)  # warm up both paths (and compile ours: not timed)
+    pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2, **media)
     ref_times, our_times, ref_cpu, our_cpu, first_audio = [], [], [], [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
-        ref_ids, ref_audio = _reference(model, prompt, max_new_tokens, max_frames)
+        ref_ids, ref_audio = _reference(model, prompt, max_new_tokens, max_frames, media)
         ref_times.append(time.perf_counter() - start)
         ref_cpu.append(time.process_time() - start_cpu)
         start, start_cpu = time.perf_counter(), time.process_time()
-        out = pipe.generate(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames)
+        out = pipe.generate(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames, **media)
         our_times.append(time.perf_counter() - start)
         our_cpu.append(time.process_time() - start_cpu)
         start = time.perf_counter()
-        for event in pipe.stream(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames):
+        for event in pipe.stream(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames, **media):
             if event.audio is not None:
                 first_audio.append(time.perf_counter() - start)
                 break
@@ -69,7 +96,7 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     audio_seconds = len(out.audio) / out.sample_rate
     ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
     result = dict(
-        config=name, compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        config=name, input=kind, prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
         thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
@@ -92,6 +119,7 @@ def main():
         help="how our code predictor is compiled (CodePredictorRunner compile=...)",
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
+    parser.add_argument("--input", choices=["text", "audio", "image"], default="text", help="what the question is")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     args = parser.parse_args()
@@ -99,11 +127,11 @@ def main():
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
     repeats = args.repeats or repeats
     compile_predictor = False if args.compile == "none" else args.compile
-    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor) for name, kwargs in CONFIGS.items()
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor, args.input) for name, kwargs in CONFIGS.items()
                if not args.config or name in args.config]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads,
+        json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads, input=args.input,
                        max_new_tokens=max_new_tokens, max_frames=max_frames, results=results), f, indent=2)
     print(f"wrote {args.out}")
 
