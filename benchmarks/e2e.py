@@ -48,7 +48,7 @@ def _reference(model, prompt, max_new_tokens, max_frames, media):
 
 def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
     """The prompt ids and media tensors of a question in `kind` (text, audio or image)."""
-    text = "Tell me about the weather today." if kind == "text" else "What is this?"
+    text = {"text": "Tell me about the weather today.", "audio": "Answer the question.", "image": "What is this?"}[kind]
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
     if kind == "text":
         return ids, {}
