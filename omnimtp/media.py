@@ -1,17 +1,35 @@
-"""Media inputs of one request: the processor's audio, image and video tensors under transformers' names.
+"""Media inputs of one request: reading audio and images, and the processor's tensors under transformers' names.
 
     media = MediaInputs(input_features=feats, feature_attention_mask=mask)      # [N, mel, F], [N, F]
     media = MediaInputs(pixel_values=patches, image_grid_thw=grid)              # [P, C·T·p·p], [N, 3]
 
 The prompt holds one `<|audio_pad|>` / `<|image_pad|>` / `<|video_pad|>` id per encoder output row (the
 processor expands them); the thinker's encoders turn these tensors into those rows.
+
+Reading media: `decode_audio` / `decode_image` (request bytes, e.g. base64 from `decode_base64` /
+`decode_image_url`) and `load_audio` / `load_image` (the Python API's chat parts) check `MediaLimits`
+and raise `MediaError` (a ValueError naming the part). `chat_media_inputs` turns chat messages with
+audio and image parts into prompt ids and `MediaInputs` through the checkpoint's processor
+(`load_processor`, or `tiny_processor` for the embedded tiny model).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import math
+import os
 from dataclasses import dataclass, fields
 
+import numpy as np
+import soundfile
+import soxr
 import torch
+from PIL import Image
+from transformers import Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.processing_utils import ProcessorMixin
 
 
 @dataclass(frozen=True)
@@ -91,3 +109,389 @@ class MediaInputs:
     def audio_lengths(self) -> torch.Tensor | None:
         """Frames of each audio [N_audio] (what transformers calls audio_feature_lengths)."""
         return None if self.feature_attention_mask is None else self.feature_attention_mask.sum(-1)
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+# Audio formats a request may name (OpenAI's input_audio.format, plus FLAC) → libsndfile's names for them.
+AUDIO_FORMATS = ("wav", "mp3", "flac")
+_LIBSNDFILE_FORMATS = {"wav": ("WAV", "WAVEX"), "mp3": ("MP3",), "flac": ("FLAC",)}
+# Image formats decoded (OpenAI's list); other PIL decoders are never reached by request bytes.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# What Qwen3-Omni's feature extractor (WhisperFeatureExtractor) reads.
+AUDIO_SAMPLING_RATE = 16_000
+# Shorter audio gives the feature extractor no analysis window (Whisper's 400-sample FFT at 16 kHz).
+MIN_AUDIO_SECONDS = 0.025
+# Qwen2-VL's image processor refuses a longer side over 200 times the shorter one.
+MAX_IMAGE_ASPECT_RATIO = 200
+# Audio is decoded, downmixed and resampled this many frames at a time, so memory follows the output.
+_AUDIO_BLOCK_FRAMES = 1 << 16
+
+
+class MediaError(ValueError):
+    """Media that cannot be read; `param` names the part that holds it
+    (`messages[0].content[1].audio`, or over HTTP `messages.0.content.1.input_audio.data`)."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one request's media may hold; larger media is refused, never cut or shrunk.
+
+    max_audio_seconds: per audio, measured before resampling. max_image_pixels: width × height per image,
+    read from the header before the image is decoded (Qwen's processor allows 12,845,056 = 3584²).
+    max_parts: audio and image parts per request."""
+
+    max_audio_seconds: float = 300.0
+    max_image_pixels: int = 12_845_056
+    max_parts: int = 8
+
+    def __post_init__(self):
+        seconds = self.max_audio_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds <= 0:
+            raise ValueError(f"max_audio_seconds must be a finite number > 0, got {seconds!r}")
+        for name in ("max_image_pixels", "max_parts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def decode_base64(text: str, param: str) -> bytes:
+    """Standard base64 (RFC 4648 alphabet, padded, no whitespace) → non-empty bytes."""
+    if not isinstance(text, str):
+        raise MediaError(param, f"must be a base64 string, got {type(text).__name__}")
+    if not text:
+        raise MediaError(param, "is empty")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError(param, "is not valid base64") from None
+    if not data:
+        raise MediaError(param, "is empty")
+    return data
+
+
+def decode_image_url(url: str, param: str) -> bytes:
+    """The bytes of `data:image/<subtype>;base64,<data>`. Remote URLs are refused, never fetched."""
+    if not isinstance(url, str):
+        raise MediaError(param, f"must be a string, got {type(url).__name__}")
+    scheme = url.partition(":")[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise MediaError(param, "remote URLs are not fetched; send a data: URL (data:image/png;base64,...)")
+    if scheme != "data":
+        raise MediaError(param, "must be a data: URL (data:image/png;base64,...)")
+    header, comma, payload = url[len("data:"):].partition(",")
+    if not comma:
+        raise MediaError(param, "data: URL has no ',' before its data")
+    media_type, *options = header.split(";")
+    if not media_type.lower().startswith("image/"):
+        raise MediaError(param, f"data: URL must hold an image (image/...), got {media_type or 'no media type'!r}")
+    if not options or options[-1].lower() != "base64":
+        raise MediaError(param, "data: URL must be base64-encoded (data:image/png;base64,...)")
+    return decode_base64(payload, param)
+
+
+def decode_audio(data: bytes, format: str | None, sampling_rate: int, limits: MediaLimits = MediaLimits(),
+                 param: str = "audio") -> np.ndarray:
+    """Encoded audio → float32 mono samples at `sampling_rate` (channels averaged, resampled with soxr).
+
+    format: one of AUDIO_FORMATS, which the bytes must be; None reads any format libsndfile knows (files
+    on the Python API). The length is checked against limits.max_audio_seconds before the audio is
+    resampled, and while it is decoded (a header may understate it)."""
+    _check_sampling_rate(sampling_rate)
+    if format is not None and format not in AUDIO_FORMATS:
+        raise MediaError(param, f"audio format {format!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}")
+    if not data:
+        raise MediaError(param, "is empty")
+    return _read_audio(io.BytesIO(data), format, sampling_rate, limits, param)
+
+
+def _read_audio(file, format: str | None, sampling_rate: int, limits: MediaLimits, param: str) -> np.ndarray:
+    try:
+        sound = soundfile.SoundFile(file)
+    except (soundfile.SoundFileError, RuntimeError, TypeError):
+        raise MediaError(param, "is not audio that can be decoded") from None
+    with sound:
+        if format is not None and sound.format not in _LIBSNDFILE_FORMATS[format]:
+            raise MediaError(param, f"format is {format!r} but the data is {sound.format.lower()} audio")
+        rate = sound.samplerate
+        max_frames = math.floor(limits.max_audio_seconds * rate)
+        if sound.frames > max_frames:
+            raise MediaError(param, f"{sound.frames / rate:.1f} s of audio is over the limit of "
+                             f"{limits.max_audio_seconds:g} s")
+        resampler = None if rate == sampling_rate else soxr.ResampleStream(rate, sampling_rate, 1, dtype="float32")
+        pieces, num_frames = [], 0
+        try:
+            for block in sound.blocks(_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True):
+                num_frames += len(block)
+                if num_frames > max_frames:
+                    raise MediaError(param, f"audio is longer than the limit of {limits.max_audio_seconds:g} s")
+                mono = block.mean(axis=1, dtype=np.float32)  # [frames]
+                pieces.append(mono if resampler is None else resampler.resample_chunk(mono))
+        except (soundfile.SoundFileError, RuntimeError):
+            raise MediaError(param, "is not audio that can be decoded") from None
+        if resampler is not None:
+            pieces.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
+    if num_frames == 0:
+        raise MediaError(param, "audio has no samples")
+    return _checked_samples(np.concatenate(pieces), sampling_rate, param)
+
+
+def decode_image(data: bytes, limits: MediaLimits = MediaLimits(), param: str = "image") -> Image.Image:
+    """Encoded PNG, JPEG, WebP or GIF → an RGB image. The size is read from the header and checked
+    against limits.max_image_pixels (and the aspect ratio against Qwen's processor's bound) before any
+    pixel is decoded. Animated images are refused, as OpenAI does: which frame the model should see is
+    the client's choice."""
+    if not data:
+        raise MediaError(param, "is empty")
+    return _read_image(io.BytesIO(data), limits, param)
+
+
+def _read_image(file, limits: MediaLimits, param: str) -> Image.Image:
+    try:
+        image = Image.open(file, formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise MediaError(param, f"image is over the limit of {limits.max_image_pixels} pixels") from None
+    except (OSError, ValueError, SyntaxError):
+        raise MediaError(param, f"is not an image that can be decoded ({', '.join(IMAGE_FORMATS)})") from None
+    return _checked_image(image, limits, param)
+
+
+def load_audio(audio, sampling_rate: int, limits: MediaLimits = MediaLimits(), param: str = "audio") -> np.ndarray:
+    """A chat audio part's value → float32 mono samples at `sampling_rate`.
+
+    audio: a file path (any format libsndfile reads), a (samples, sample_rate) pair, or samples already
+    at `sampling_rate`; samples are a 1-D float array (mono: downmix before)."""
+    _check_sampling_rate(sampling_rate)
+    if isinstance(audio, (str, os.PathLike)):
+        with _open_file(audio, param) as file:
+            return _read_audio(file, None, sampling_rate, limits, param)
+    rate = sampling_rate
+    if isinstance(audio, tuple):
+        if len(audio) != 2:
+            raise MediaError(param, "must be a path, samples, or a (samples, sample_rate) pair")
+        audio, rate = audio
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate < 1:
+            raise MediaError(param, f"sample rate must be an integer >= 1, got {rate!r}")
+        rate = int(rate)
+    if not isinstance(audio, np.ndarray):
+        raise MediaError(param, f"must be a path, a numpy array or a (numpy array, sample_rate) pair, "
+                         f"got {type(audio).__name__}")
+    if audio.ndim != 1 or not np.issubdtype(audio.dtype, np.floating):
+        raise MediaError(param, f"samples must be a 1-D float array (mono), got {audio.dtype} {audio.shape}")
+    if audio.size == 0:
+        raise MediaError(param, "audio has no samples")
+    if audio.size > limits.max_audio_seconds * rate:
+        raise MediaError(param, f"{audio.size / rate:.1f} s of audio is over the limit of "
+                         f"{limits.max_audio_seconds:g} s")
+    samples = audio.astype(np.float32)
+    if rate != sampling_rate:
+        samples = soxr.resample(samples, rate, sampling_rate).astype(np.float32)
+    return _checked_samples(samples, sampling_rate, param)
+
+
+def load_image(image, limits: MediaLimits = MediaLimits(), param: str = "image") -> Image.Image:
+    """A chat image part's value (a file path or a PIL image) → an RGB image, as `decode_image`."""
+    if isinstance(image, (str, os.PathLike)):
+        with _open_file(image, param) as file:
+            return _read_image(file, limits, param)
+    if not isinstance(image, Image.Image):
+        raise MediaError(param, f"must be a path or a PIL image, got {type(image).__name__}")
+    return _checked_image(image, limits, param)
+
+
+def _open_file(path, param: str):
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise MediaError(param, f"cannot read {os.fspath(path)!r}: {exc.strerror}") from None
+
+
+def _check_sampling_rate(sampling_rate) -> None:
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, int) or sampling_rate < 1:
+        raise ValueError(f"sampling_rate must be an integer >= 1, got {sampling_rate!r}")
+
+
+def _checked_samples(samples: np.ndarray, sampling_rate: int, param: str) -> np.ndarray:
+    if len(samples) < round(MIN_AUDIO_SECONDS * sampling_rate):
+        raise MediaError(param, f"audio is shorter than {1000 * MIN_AUDIO_SECONDS:g} ms")
+    if not np.isfinite(samples).all():
+        raise MediaError(param, "audio has NaN or infinite samples")
+    return samples
+
+
+def _checked_image(image: Image.Image, limits: MediaLimits, param: str) -> Image.Image:
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise MediaError(param, f"image is empty ({width}×{height})")
+    if width * height > limits.max_image_pixels:
+        raise MediaError(param, f"{width}×{height} image is over the limit of {limits.max_image_pixels} pixels")
+    if max(width, height) > MAX_IMAGE_ASPECT_RATIO * min(width, height):
+        raise MediaError(param, f"{width}×{height} image has a longer side over {MAX_IMAGE_ASPECT_RATIO} times "
+                         "its shorter side")
+    # A camera's multi-picture JPEG (MPO) opens on its primary picture; its others are previews or depth.
+    if getattr(image, "n_frames", 1) > 1 and image.format != "MPO":
+        raise MediaError(param, f"animated image ({image.n_frames} frames) is not supported; send one frame")
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError):
+        raise MediaError(param, "image data is truncated or corrupt") from None
+
+
+# --- chat messages → prompt ids and media tensors --------------------------------------------------
+
+_MEDIA_PART_TYPES = ("audio", "image")
+
+
+def has_media(messages: list[dict]) -> bool:
+    """Whether any message's content holds a part other than text (such messages go through the processor)."""
+    return any(
+        isinstance(part, dict) and part.get("type") != "text"
+        for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def chat_media_inputs(processor, messages: list[dict],
+                      limits: MediaLimits = MediaLimits()) -> tuple[list[int], MediaInputs | None]:
+    """The templated prompt of chat messages with media, and the media's tensors.
+
+    messages: transformers' chat format; a content is a string or a list of parts
+    `{"type": "text", "text": str}`, `{"type": "audio", "audio": path | (samples, sample_rate) | samples at
+    the feature extractor's rate}`, `{"type": "image", "image": path | PIL image}`; media only in user turns.
+    The processor expands each media part's one pad into one pad per encoder row:
+
+        [{"role": "user", "content": [{"type": "audio", "audio": one_second}, {"type": "text", "text": "Hi"}]}]
+        → ids    <|im_start|>user\\n<|audio_start|> <|audio_pad|>×13 <|audio_end|>Hi<|im_end|>\\n
+                 <|im_start|>assistant\\n
+          media  MediaInputs(input_features [1, mel, 100], feature_attention_mask [1, 100])
+
+    Without media the ids are the tokenizer's `apply_chat_template` ids and media is None."""
+    audios, images = [], []
+    template_messages = []
+    for i, message in enumerate(_checked_messages(messages)):
+        content = message["content"]
+        if isinstance(content, str):
+            template_messages.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{param}.text must be a string")
+                parts.append(part)
+                continue
+            if kind not in _MEDIA_PART_TYPES:
+                raise ValueError(f"{param}.type: {kind!r} is not a part type; use 'text', 'audio' or 'image'")
+            if message["role"] != "user":
+                raise ValueError(f"{param}: {kind} parts are only read in user messages, not {message['role']!r}")
+            if kind not in part:
+                raise ValueError(f"{param}.{kind} is missing")
+            if processor is None:
+                raise ValueError(f"{param}: this checkpoint has no processor (preprocessor_config.json) to read "
+                                 f"{kind} input")
+            if len(audios) + len(images) == limits.max_parts:
+                raise MediaError("messages", f"more than {limits.max_parts} media parts")
+            if kind == "audio":
+                sampling_rate = processor.feature_extractor.sampling_rate
+                audios.append(load_audio(part["audio"], sampling_rate, limits, f"{param}.audio"))
+            else:
+                images.append(load_image(part["image"], limits, f"{param}.image"))
+            parts.append({"type": kind})  # what the template reads: the part's type, not its data
+        template_messages.append({**message, "content": parts})
+    if not audios and not images:
+        if processor is None:
+            raise ValueError("processor: None; text-only messages take the tokenizer's apply_chat_template")
+        ids = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+        return list(ids), None
+    templater = processor if processor.chat_template is not None else processor.tokenizer
+    prompt = templater.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+    output = processor(text=[prompt], audio=audios or None, images=images or None, return_tensors="pt",
+                       add_special_tokens=False)
+    return output["input_ids"][0].tolist(), MediaInputs.from_dict(output)
+
+
+def _checked_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of chat messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a 'role' string")
+        content = message.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise ValueError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts")
+    return messages
+
+
+# --- the processor ---------------------------------------------------------------------------------
+
+
+class Qwen3OmniAudioImageProcessor(Qwen3OmniMoeProcessor):
+    """transformers' `Qwen3OmniMoeProcessor` without its video processor.
+
+    transformers' video processors need torchvision, and `Qwen3OmniMoeProcessor` can neither be built
+    nor loaded without one (its constructor checks the class of every sub-processor; `from_pretrained`
+    loads one through `AutoVideoProcessor`; `AutoProcessor` quietly returns only the tokenizer). This
+    subclass has the same tokens, audio and image processing and files, and refuses videos: those reach
+    the engine as tensors (`MediaInputs.pixel_values_videos`, `video_grid_thw`)."""
+
+    def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None):
+        ProcessorMixin.__init__(self, image_processor, feature_extractor, tokenizer, chat_template=chat_template)
+        for name in ("image_token", "audio_token", "video_token", "image_token_id", "audio_token_id", "video_token_id",
+                     "vision_bos_token", "vision_eos_token", "audio_bos_token", "audio_eos_token"):
+            setattr(self, name, getattr(tokenizer, name))
+
+    def __call__(self, text=None, images=None, videos=None, audio=None, **kwargs):
+        if videos is not None:
+            raise ValueError("videos: this processor reads audio and images; pass a video as MediaInputs "
+                             "(pixel_values_videos, video_grid_thw)")
+        return super().__call__(text=text, images=images, audio=audio, **kwargs)
+
+    @property
+    def model_input_names(self) -> list[str]:
+        names = self.tokenizer.model_input_names + self.feature_extractor.model_input_names
+        return list(dict.fromkeys(names + self.image_processor.model_input_names + ["feature_attention_mask"]))
+
+
+def tiny_processor(tokenizer) -> Qwen3OmniAudioImageProcessor:
+    """The embedded tiny model's processor: a WhisperFeatureExtractor with its 16 mel bins at 16 kHz (up to
+    the 300 s of the real extractor) and Qwen2-VL's PIL image processor with its vision encoder's patch
+    sizes; images are resized to 1024..4096 pixels, so a 64×64 image gives 16 tokens. tokenizer: the
+    byte tokenizer (`omnimtp.tokenizer.byte_tokenizer`)."""
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+    config = tiny_qwen3_omni_config().thinker_config
+    audio, vision = config.audio_config, config.vision_config
+    feature_extractor = WhisperFeatureExtractor(
+        feature_size=audio.num_mel_bins, sampling_rate=AUDIO_SAMPLING_RATE, chunk_length=300,
+        return_attention_mask=True,
+    )
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size, min_pixels=32 * 32, max_pixels=64 * 64,
+    )
+    return Qwen3OmniAudioImageProcessor(image_processor=image_processor, feature_extractor=feature_extractor,
+                                        tokenizer=tokenizer)
+
+
+def load_processor(path) -> Qwen3OmniAudioImageProcessor | None:
+    """The processor of a checkpoint directory (audio and images, see `Qwen3OmniAudioImageProcessor`), or
+    None when it has none (no preprocessor_config.json or processor_config.json). Reads a real Qwen3-Omni
+    checkpoint's files and what `save_pretrained` of this processor writes."""
+    path = os.fspath(path)
+    names = ("preprocessor_config.json", "processor_config.json")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in names):
+        return None
+    return Qwen3OmniAudioImageProcessor.from_pretrained(path)

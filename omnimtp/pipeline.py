@@ -13,6 +13,7 @@ the same text and PCM as here.
     out = pipe.generate("Hello")            # OmniOutput(text, text_ids, codes [G, T], audio, sample_rate, ...)
     for event in pipe.stream("Hello"):      # OmniEvent(text delta, audio chunk or None, finish_reason)
         ...
+    pipe.generate([{"role": "user", "content": [{"type": "audio", "audio": "question.wav"}]}])   # a spoken question
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
-from omnimtp.media import MediaInputs
+from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
@@ -53,24 +54,28 @@ class OmniEvent:
 
 
 class OmniPipeline:
-    """Qwen3-Omni text → text + speech. See the module docstring."""
+    """Qwen3-Omni text, audio, images and video → text + speech. See the module docstring."""
 
     def __init__(
         self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
-        max_frames: int | None = None, compile_predictor: bool | str = False,
+        max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
+        media_limits: MediaLimits | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
         compiled graph (tens of seconds per batch size on a CPU); "frame": the whole frame is one graph
         (a minute or more per batch size the first time, seconds once inductor's disk cache has it), the
-        fastest. Worth it for a long-lived pipeline, not for a one-shot command."""
+        fastest. Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
+        audio and image processor (None: chat messages with media parts are refused); media_limits: what
+        such a part may hold (`omnimtp.media.MediaLimits`)."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
             max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
             max_frames=defaults.max_frames if max_frames is None else max_frames,
         )
-        self.family = Qwen3OmniFamily(model, tokenizer, compile_predictor=compile_predictor)
+        self.family = Qwen3OmniFamily(model, tokenizer, processor=processor, compile_predictor=compile_predictor)
+        self.media_limits = media_limits or MediaLimits()
 
     @property
     def model(self):
@@ -79,6 +84,10 @@ class OmniPipeline:
     @property
     def tokenizer(self):
         return self.family.tokenizer
+
+    @property
+    def processor(self):
+        return self.family.processor
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -103,11 +112,15 @@ class OmniPipeline:
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         family = Qwen3OmniFamily.tiny(seed)
-        return cls(family.model, family.tokenizer, max_new_tokens=TINY_MAX_NEW_TOKENS, max_frames=TINY_MAX_FRAMES)
+        return cls(
+            family.model, family.tokenizer, processor=family.processor, max_new_tokens=TINY_MAX_NEW_TOKENS,
+            max_frames=TINY_MAX_FRAMES,
+        )
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
-        """A Qwen3-Omni checkpoint directory (config.json with model_type "qwen3_omni_moe")."""
+        """A Qwen3-Omni checkpoint directory (config.json with model_type "qwen3_omni_moe"); its tokenizer and
+        processor (audio and images, `omnimtp.media.load_processor`) when it has them."""
         from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
         path = os.fspath(path)
@@ -123,11 +136,14 @@ class OmniPipeline:
             model = model.to(device)
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, tokenizer, processor=load_processor(path), **kwargs)
 
     def save_pretrained(self, path) -> None:
+        """The model, its tokenizer and its processor, in a checkpoint's layout."""
         self.model.save_pretrained(path)
-        if self.tokenizer is not None:
+        if self.processor is not None:
+            self.processor.save_pretrained(path)  # its tokenizer too
+        elif self.tokenizer is not None:
             self.tokenizer.save_pretrained(path)
 
     # --- public entry points -----------------------------------------------------------------
@@ -166,7 +182,9 @@ class OmniPipeline:
         greedy keeps transformers' repetition penalty 1.05). seed: one per request (an int seeds request
         i with seed + i); a request's output depends only on its own inputs and seed.
 
-        Media: the processor's tensors under transformers' names go with input_ids that hold their
+        Media: chat messages take parts `{"type": "audio", "audio": path | (array, sample_rate)}` and
+        `{"type": "image", "image": path | PIL.Image}` next to text parts; the checkpoint's processor turns
+        them into ids and tensors. Or the processor's tensors under transformers' names go with input_ids that hold their
         placeholders (`Qwen3OmniMoeProcessor` output: input_features + feature_attention_mask,
         pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw (+ video_second_per_grid)); for a
         batch, every prompt's media in prompt order, as the processor batches them. Prompts with and
@@ -186,10 +204,7 @@ class OmniPipeline:
         self, prompt, *, input_ids=None, speaker=None, thinker_sampling=None, talker_sampling=None,
         max_new_tokens=None, max_frames=None, seed=None, media: MediaInputs | None = None, is_streamed: bool,
     ) -> Iterator[OmniEvent]:
-        prompts = self._prompt_ids(prompt, input_ids)
-        if media is not None and input_ids is None:
-            raise ValueError("input_ids: media tensors go with input_ids that hold their placeholders")
-        media_rows = self.family.split_media(prompts, media)
+        prompts, media_rows = self._prompts(prompt, input_ids, media)
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         max_frames = self.config.max_frames if max_frames is None else max_frames
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -227,7 +242,10 @@ class OmniPipeline:
 
     # --- inputs -----------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt, input_ids) -> list[list[int]]:
+    def _prompts(self, prompt, input_ids, media: MediaInputs | None) -> tuple[list[list[int]], list[MediaInputs | None]]:
+        """The requests' prompt ids and media: input_ids with the batch's media tensors split per prompt,
+        or prompts (strings, chat messages) whose audio / image parts the checkpoint's processor turns
+        into ids and tensors."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give exactly one of prompt or input_ids")
         if input_ids is not None:
@@ -235,24 +253,27 @@ class OmniPipeline:
                 input_ids = input_ids.tolist()
             rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
             prompts = [[int(t) for t in row] for row in rows]
-        else:
-            if self.tokenizer is None:
-                raise ValueError("prompt: this checkpoint has no tokenizer; pass input_ids")
-            items = prompt if _is_batch(prompt, None) else [prompt]
-            prompts = [self._encode(item) for item in items]
-        if not prompts or any(len(p) == 0 for p in prompts):
+            if not prompts or any(len(p) == 0 for p in prompts):
+                raise ValueError("prompt: empty prompt")
+            return prompts, self.family.split_media(prompts, media)
+        if media is not None:
+            raise ValueError("input_ids: media tensors go with input_ids that hold their placeholders")
+        if self.tokenizer is None:
+            raise ValueError("prompt: this checkpoint has no tokenizer; pass input_ids")
+        items = prompt if _is_batch(prompt, None) else [prompt]
+        if not items:
             raise ValueError("prompt: empty prompt")
-        return prompts
+        encoded = [self._encode(item) for item in items]
+        return [ids for ids, _ in encoded], [item_media for _, item_media in encoded]
 
-    def _encode(self, item) -> list[int]:
+    def _encode(self, item) -> tuple[list[int], MediaInputs | None]:
         if isinstance(item, str):
             if not item.strip():
                 raise ValueError("prompt: empty prompt")
             item = [{"role": "user", "content": item}]
         if not isinstance(item, list) or not all(isinstance(m, dict) for m in item) or not item:
             raise ValueError("prompt: expected a string or a non-empty list of chat messages")
-        ids = self.tokenizer.apply_chat_template(item, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return self.family.chat_inputs(item, self.media_limits)
 
 
 def _is_batch(prompt, input_ids) -> bool:

@@ -1,4 +1,9 @@
-"""`omnimtp speak` and `omnimtp chat`: text in, the answer as text and 24 kHz speech out."""
+"""`omnimtp speak` and `omnimtp chat`: text (and for speak audio and images) in, the answer as text and 24 kHz
+speech out.
+
+    omnimtp speak "Hello" -o answer.wav
+    omnimtp speak --audio question.wav --image photo.png "What do you hear and see?" -o answer.wav
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,12 @@ import numpy as np
 
 def add_parser(subparsers) -> None:
     speak = subparsers.add_parser("speak", help="answer a prompt with text and speech, write the audio file")
-    speak.add_argument("text", help="what to say to the model")
+    speak.add_argument("text", nargs="?", default=None, help="what to say to the model (optional with --audio/--image)")
     speak.add_argument("-o", "--output", required=True, help="audio file to write (.wav, or .flac)")
+    speak.add_argument("--audio", action="append", default=[], metavar="FILE",
+                       help="an audio file the model hears before the text (repeatable; wav, flac, mp3, ogg, ...)")
+    speak.add_argument("--image", action="append", default=[], metavar="FILE",
+                       help="an image the model sees before the text (repeatable; png, jpeg, webp, gif)")
     _add_common(speak)
     speak.add_argument("--stream", action="store_true", help="print text and report audio chunks as they arrive")
     speak.set_defaults(handler=run_speak)
@@ -87,10 +96,35 @@ def _speak(pipe, messages, args, output: str, live: bool):
 def run_speak(args: argparse.Namespace) -> int:
     ext = os.path.splitext(args.output)[1].lower()
     if ext not in (".wav", ".flac"):
-        raise SystemExit(f"omnimtp speak: --output must end in .wav or .flac, got {args.output!r}")
-    pipe = _load(args)
-    _speak(pipe, args.text, args, args.output, live=args.stream)
+        return _refuse(f"--output must end in .wav or .flac, got {args.output!r}")
+    try:
+        prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
+        pipe = _load(args)
+        _speak(pipe, prompt, args, args.output, live=args.stream)
+    except ValueError as exc:
+        return _refuse(str(exc))
     return 0
+
+
+def _speak_prompt(text: str | None, audio_files: list[str], image_files: list[str]):
+    """The text alone, or one user turn: the audio and image parts (decoded here), then the text."""
+    from omnimtp.media import AUDIO_SAMPLING_RATE, load_audio, load_image
+
+    if not text and not audio_files and not image_files:
+        raise ValueError("give the text to say, or --audio / --image")
+    if not audio_files and not image_files:
+        return text
+    parts = [{"type": "audio", "audio": (load_audio(path, AUDIO_SAMPLING_RATE, param=f"--audio {path}"),
+                                         AUDIO_SAMPLING_RATE)} for path in audio_files]
+    parts += [{"type": "image", "image": load_image(path, param=f"--image {path}")} for path in image_files]
+    if text:
+        parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+def _refuse(message: str) -> int:
+    print(f"omnimtp speak: error: {message}", file=sys.stderr)
+    return 2
 
 
 def run_chat(args: argparse.Namespace) -> int:

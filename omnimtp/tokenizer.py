@@ -2,7 +2,8 @@
 
 Ids 0..255 are the UTF-8 bytes, the specials of `omnimtp.models.tiny.THINKER_SPECIAL_TOKENS` follow.
 It is a `PreTrainedTokenizerFast` with a Qwen-style chat template, so `apply_chat_template`,
-`save_pretrained` and `AutoTokenizer.from_pretrained` work on it like on a real checkpoint's tokenizer.
+`save_pretrained` and `AutoTokenizer.from_pretrained` work on it like on a real checkpoint's tokenizer,
+and it names its media tokens as `Qwen3OmniMoeProcessor` expects (`audio_token`, `image_token`, ...).
 
     >>> tok = byte_tokenizer()
     >>> tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
@@ -21,12 +22,34 @@ from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS
 # match as whole words, so "username" stays bytes.
 ROLE_TOKENS = ("system", "user", "assistant")
 
+# The multimodal tokens under the names transformers' Qwen3-Omni processor reads from its tokenizer
+# (saved in tokenizer_config.json, so they survive save_pretrained / from_pretrained).
+MEDIA_TOKENS = {
+    "audio_token": "<|audio_pad|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+}
+
+# Content parts render as Qwen3-Omni's own template renders them: one pad per media part between its
+# start and end tokens (the processor expands the pad to one per encoder row), text parts as text.
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['content'] is string %}{% set content = message['content'] %}"
-    "{% else %}{% set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') %}{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'audio' or 'audio' in part or 'audio_url' in part %}"
+    "<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -51,6 +74,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         chat_template=QWEN_CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
+        **MEDIA_TOKENS,
     )
 
 

@@ -49,7 +49,7 @@ def _engine(tiny, *, max_frames=4, max_batch_size=4, **engine_kwargs) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    app = create_app(_engine(tiny), api_key=API_KEY, max_tokens_limit=8, served_model_names=[ALIAS])
+    app = create_app(_engine(tiny), api_key=API_KEY, max_tokens_limit=8, served_model_names=[ALIAS], max_body_bytes=1 << 20)
     with running_server(app) as url:
         yield url
 
@@ -128,18 +128,18 @@ _CASES = [
      "model_not_found"),
     ("audio without the audio modality", CHAT, _json(_chat(audio={"voice": "ethan", "format": "wav"})), {}, 400,
      "audio", "invalid_value"),
-    ("image_url content part", CHAT,
-     _json(_chat([{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}])), {},
-     400, "messages.0.content", "invalid_value"),
-    ("input_audio content part", CHAT,
-     _json(_chat([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])), {}, 400,
-     "messages.0.content", "invalid_value"),
+    ("file content part", CHAT,
+     _json(_chat([{"type": "text", "text": "What is this?"}, {"type": "file", "file": {"file_id": "x"}}])), {},
+     400, "messages.0.content.1", "invalid_value"),
+    ("video_url content part", CHAT,
+     _json(_chat([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}])), {}, 400,
+     "messages.0.content.0", "invalid_value"),
 ]
 # What the messages must say, beyond naming the field.
 _MESSAGES = {
     "NaN temperature": "finite", "1e999 temperature": "finite", "Infinity top_p (speech)": "finite",
-    "image_url content part": "'image_url', which is not supported", "unknown model": "gpt-4o",
-    "input_audio content part": "'input_audio', which is not supported", "nesting 100000 deep": "nested too deeply",
+    "file content part": "'file' found using 'type'", "unknown model": "gpt-4o",
+    "video_url content part": "'video_url' found using 'type'", "nesting 100000 deep": "nested too deeply",
 }
 
 

@@ -100,7 +100,7 @@ def test_engine_checks_arguments_and_prompt_length(backend):
         engine.prompt_ids(long)
     speech = EngineRequest(messages=None, speak_text="hi", speaker="ethan", sampling=SamplingParams.greedy(),
                            seed=None, max_new_tokens=0)
-    assert engine.prompt_ids(speech) == family.speech_header_ids + list(b"hi")
+    assert engine.prompt_ids(speech) == (family.speech_header_ids + list(b"hi"), None)
     assert engine.match_speaker("ETHAN") == "ethan"
     assert engine.match_speaker("alloy") is None
 

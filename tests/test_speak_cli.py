@@ -29,3 +29,55 @@ def test_chat_answers_each_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--out-dir", str(tmp_path), "--max-new-tokens", "4", "--max-frames", "3"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["answer_1.wav", "answer_2.wav"]
+
+
+def _media_files(tmp_path, hz: float = 330.0):
+    from media_samples import encode, tone
+    from PIL import Image
+
+    audio, image = tmp_path / f"question_{hz:g}.wav", tmp_path / "photo.png"
+    audio.write_bytes(encode(tone(1.0, 22_050, hz=hz), 22_050))
+    Image.effect_noise((64, 64), 50).convert("RGB").save(image)
+    return str(audio), str(image)
+
+
+def test_speak_answers_audio_and_an_image_without_text(tmp_path):
+    audio, image = _media_files(tmp_path)
+    out = tmp_path / "answer.wav"
+    assert main(["speak", "--audio", audio, "--image", image, "-o", str(out), "--max-new-tokens", "4",
+                 "--max-frames", "4"]) == 0
+    samples, rate = soundfile.read(out, dtype="int16")
+    assert rate == 24000 and len(samples) > 0
+    assert_audible(samples)
+
+
+def test_speak_hears_the_audio(tmp_path):
+    """Greedy, same text: a different question audio gives a different answer."""
+    answers = []
+    for hz in (330.0, 2000.0):
+        audio, _ = _media_files(tmp_path, hz)
+        out = tmp_path / f"answer_{hz:g}.wav"
+        assert main(["speak", "--audio", audio, "Answer.", "-o", str(out), "--max-new-tokens", "6",
+                     "--max-frames", "4"]) == 0
+        answers.append(soundfile.read(out, dtype="int16")[0])
+    assert len(answers[0]) != len(answers[1]) or not np.array_equal(answers[0], answers[1])
+
+
+def test_speak_refuses_bad_input_with_exit_code_2(tmp_path, capsys):
+    audio, image = _media_files(tmp_path)
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"not audio at all" * 10)
+    out = str(tmp_path / "a.wav")
+    cases = [
+        (["-o", out], "give the text to say, or --audio / --image"),
+        (["Hi", "-o", str(tmp_path / "a.mp3")], "--output must end in .wav or .flac"),
+        (["--audio", str(tmp_path / "missing.wav"), "-o", out], f"--audio {tmp_path / 'missing.wav'}: cannot read"),
+        (["--audio", str(junk), "-o", out], f"--audio {junk}: is not audio that can be decoded"),
+        (["--image", audio, "-o", out], f"--image {audio}: is not an image that can be decoded"),
+        (["--audio", audio, "Hi", "-o", out, "--speaker", "nobody"], "nobody"),
+    ]
+    for args, words in cases:
+        assert main(["speak", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("omnimtp speak: error: ") and words in err, err
+    assert not (tmp_path / "a.wav").exists()

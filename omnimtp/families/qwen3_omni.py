@@ -17,7 +17,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import TalkerInputs
-from omnimtp.media import MediaInputs
+from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
@@ -32,14 +32,17 @@ class Qwen3OmniFamily:
     """Qwen3-Omni's side of the engine.
 
     model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer, or None
-    (then requests come as token ids and no text is decoded). compile_predictor: `CodePredictorRunner`'s
-    compile mode (False, "step" or "frame"); worth it for a long-lived process, see `warm_up`."""
+    (then requests come as token ids and no text is decoded). processor: its audio and image processor
+    (`omnimtp.media.load_processor`), or None when the checkpoint has none (then chat media is refused).
+    compile_predictor: `CodePredictorRunner`'s compile mode (False, "step" or "frame"); worth it for a
+    long-lived process, see `warm_up`."""
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, model, tokenizer=None, *, compile_predictor: bool | str = False):
+    def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.processor = processor
         self.compile_predictor = compile_predictor
         config = model.config
         self.speakers = tuple(config.talker_config.speaker_id)
@@ -60,12 +63,14 @@ class Qwen3OmniFamily:
 
     @classmethod
     def tiny(cls, seed: int = 0, **kwargs) -> "Qwen3OmniFamily":
-        """The embedded default: a seeded tiny Qwen3-Omni (random weights: noise-like, audible speech)
-        and its byte-level tokenizer."""
+        """The embedded default: a seeded tiny Qwen3-Omni (random weights: noise-like, audible speech),
+        its byte-level tokenizer and its processor."""
+        from omnimtp.media import tiny_processor
         from omnimtp.models.tiny import tiny_qwen3_omni
         from omnimtp.tokenizer import byte_tokenizer
 
-        return cls(tiny_qwen3_omni(seed), byte_tokenizer(), **kwargs)
+        tokenizer = byte_tokenizer()
+        return cls(tiny_qwen3_omni(seed), tokenizer, processor=tiny_processor(tokenizer), **kwargs)
 
     # --- ids and text ---
 
@@ -75,6 +80,13 @@ class Qwen3OmniFamily:
             raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
+
+    def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
+        """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
+        text-only messages give `chat_ids` and None."""
+        if not has_media(messages):
+            return self.chat_ids(messages), None
+        return chat_media_inputs(self.processor, messages, limits)
 
     def speech_ids(self, text: str) -> list[int]:
         """An opened assistant turn followed by `text`: what a speech request's talker speaks."""

@@ -6,6 +6,10 @@ final event. Every error leaves as an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}` — never a traceback: client input gets a 4xx that
 names the field, anything unexpected a 500 that also closes the connection. A request whose client
 disconnects is cancelled in the engine, streamed or not.
+
+Chat media (input_audio and image_url parts of user turns) is decoded here, off the event loop, and
+the processor runs before the request is queued: bad media is a 400 naming the part
+(`messages.0.content.1.input_audio.data`), never a failed generation.
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnimtp.media import MediaError, MediaLimits, decode_audio, decode_base64, decode_image, decode_image_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.scheduler import Engine, EngineRequest, PromptTooLongError, QueueFullError
-from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
+from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, SpeechRequest, TextPart
 from omnimtp.server.serving import DEFAULT_BODY_TIMEOUT_S, check_seconds
 
 logger = logging.getLogger("omnimtp.server")
 
 DEFAULT_MAX_QUEUE = 64
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 # How long a returned audio id is said to live (we keep nothing; the field is part of the format).
 _AUDIO_TTL_S = 3600
@@ -90,9 +96,17 @@ def check_api_key(api_key: str | None) -> None:
         raise ValueError("api_key must be printable ASCII without spaces: clients send it in an ASCII HTTP header")
 
 
+# The types of chat content parts: pydantic puts a part's type into the error location of its fields.
+_PART_TYPES = ("text", "input_audio", "image_url")
+
+
 def _validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    loc = first["loc"]
+    # ("messages", 0, "content", 1, "input_audio", "input_audio", "data") → messages.0.content.1.input_audio.data
+    loc = [part for k, part in enumerate(loc)
+           if not (k >= 2 and loc[k - 2] == "content" and isinstance(loc[k - 1], int) and part in _PART_TYPES)]
+    param = ".".join(str(part) for part in loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
     if first["type"] == "extra_forbidden":
@@ -167,6 +181,53 @@ def _lone_surrogate_path(value) -> str | None:
         elif isinstance(item, list):
             stack.extend((f"{path}.{index}" if path else str(index), child) for index, child in enumerate(item))
     return None
+
+
+def _check_media(messages: list[ChatMessage], limits: MediaLimits, has_processor: bool) -> None:
+    """Refuse media a request cannot have before any of it is decoded: media outside user turns (the
+    model reads media in user turns), media for a model without a processor, too many parts."""
+    num_parts = 0
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                continue
+            param = f"messages.{i}.content.{j}"
+            if message.role != "user":
+                raise APIError(400, f"{param}: {part.type} parts are only read in user messages, not in "
+                               f"{message.role} messages", param=param, code="invalid_value")
+            if not has_processor:
+                raise APIError(400, f"{param}: this model has no processor (preprocessor_config.json) to read "
+                               f"{part.type} parts", param=param, code="invalid_value")
+            num_parts += 1
+    if num_parts > limits.max_parts:
+        raise APIError(400, f"messages: {num_parts} media parts is over the limit of {limits.max_parts}",
+                       param="messages", code="invalid_value")
+
+
+def _decoded_messages(messages: list[ChatMessage], limits: MediaLimits, sampling_rate: int | None) -> tuple:
+    """The engine's chat turns: (role, text) for a text turn, (role, parts) with the media decoded
+    (`EngineRequest.messages`). Raises MediaError naming the part."""
+    turns = []
+    for i, message in enumerate(messages):
+        if not message.has_media:
+            turns.append((message.role, message.text()))
+            continue
+        parts = []
+        for j, part in enumerate(message.content):
+            param = f"messages.{i}.content.{j}"
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, InputAudioPart):
+                param += ".input_audio.data"
+                data = decode_base64(part.input_audio.data, param)
+                parts.append({"type": "audio", "audio": decode_audio(data, part.input_audio.format, sampling_rate,
+                                                                     limits, param)})
+            else:
+                param += ".image_url.url"
+                parts.append({"type": "image", "image": decode_image(decode_image_url(part.image_url.url, param),
+                                                                     limits, param)})
+        turns.append((message.role, tuple(parts)))
+    return tuple(turns)
 
 
 def _sampling(temperature: float, top_p: float, top_k: int | None) -> SamplingParams:
@@ -254,13 +315,18 @@ def create_app(
             raise APIError(400, f"unknown voice {voice!r}; this model has: {names}", param=param, code="invalid_value")
         return speaker
 
-    def submit(request: EngineRequest):
+    async def submit(request: EngineRequest):
         if not engine.is_running:
             raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         try:
-            return engine.submit(request, loop=asyncio.get_running_loop())
+            # The processor (feature extraction, image resizing) runs off the event loop; a request whose
+            # client leaves meanwhile is not queued.
+            prompt = await run_in_threadpool(engine.prompt_ids, request) if request.has_media else None
+            return engine.submit(request, loop=asyncio.get_running_loop(), prompt=prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
                            headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
@@ -310,11 +376,20 @@ def create_app(
         elif body.audio is not None:
             raise APIError(400, 'audio is given but modalities do not include "audio": add it, or drop audio',
                            param="audio", code="invalid_value")
-        if not any(message.role == "user" and message.text() for message in body.messages):
+        if not any(message.role == "user" and (message.text() or message.has_media) for message in body.messages):
             raise APIError(400, "messages must contain a non-empty user message", param="messages",
                            code="invalid_value")
+        limits = engine.media_limits
+        if any(message.has_media for message in body.messages):
+            _check_media(body.messages, limits, has_processor=engine.audio_sampling_rate is not None)
+            try:
+                messages = await run_in_threadpool(_decoded_messages, body.messages, limits, engine.audio_sampling_rate)
+            except MediaError as exc:
+                raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        else:
+            messages = _decoded_messages(body.messages, limits, None)
         engine_request = EngineRequest(
-            messages=tuple((message.role, message.text()) for message in body.messages),
+            messages=messages,
             speak_text=None,
             speaker=speaker,
             sampling=_sampling(body.temperature, body.top_p, body.top_k),
@@ -322,7 +397,7 @@ def create_app(
             max_new_tokens=max_tokens or max_tokens_limit,
             is_streamed=bool(body.stream),
         )
-        handle = submit(engine_request)
+        handle = await submit(engine_request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
@@ -366,7 +441,7 @@ def create_app(
             seed=body.seed,
             max_new_tokens=0,
         )  # streamed in every format, so that every format carries the same samples
-        handle = submit(engine_request)
+        handle = await submit(engine_request)
         fmt = body.response_format
         if body.stream_format == "sse":
             return StreamingResponse(_speech_sse(handle), media_type="text/event-stream")

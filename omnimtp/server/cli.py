@@ -7,6 +7,7 @@ import os
 import sys
 
 from omnimtp.engine.core import EngineConfig
+from omnimtp.media import MediaLimits
 from omnimtp.models.tiny import TINY_MAX_FRAMES
 from omnimtp.server.serving import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -19,6 +20,8 @@ from omnimtp.server.serving import (
 
 
 def add_parser(subparsers) -> None:
+    from omnimtp.server.app import DEFAULT_MAX_BODY_BYTES
+
     parser = subparsers.add_parser(
         "serve", help="serve /v1/chat/completions and /v1/audio/speech (OpenAI-compatible)",
         description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
@@ -42,6 +45,15 @@ def add_parser(subparsers) -> None:
                         help="run the code predictor eagerly: start in seconds instead of compiling its frame "
                         "(by default each batch size's graph is compiled and warmed before /health reports ok)")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                        help="the largest request body (default %(default)d, 16 MiB; base64 media is 4/3 of its "
+                        "size: raise it to accept longer audio or larger images)")
+    parser.add_argument("--max-audio-seconds", type=_seconds, default=MediaLimits.max_audio_seconds, metavar="S",
+                        help="the longest input audio part (default %(default)g)")
+    parser.add_argument("--max-image-pixels", type=_positive_int, default=MediaLimits.max_image_pixels, metavar="N",
+                        help="the largest input image, width × height (default %(default)d)")
+    parser.add_argument("--max-media-parts", type=_positive_int, default=MediaLimits.max_parts, metavar="N",
+                        help="input audio and image parts per request (default %(default)d)")
     parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
     parser.add_argument("--timeout-body", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
@@ -66,10 +78,21 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False):
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
+                 media_limits: MediaLimits = MediaLimits()):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded
     and packed once; compile_predictor ("frame", "step" or False) also warms the predictor up before the
-    engine reports ready."""
+    engine reports ready. media_limits: what a request's audio and images may hold."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
 
@@ -77,7 +100,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     if model_dir is None:
         family = Qwen3OmniFamily.tiny(0, compile_predictor=compile_predictor)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
-                      max_frames=max_frames or TINY_MAX_FRAMES)
+                      max_frames=max_frames or TINY_MAX_FRAMES, media_limits=media_limits)
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, compile_predictor=compile_predictor)
@@ -85,7 +108,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     model_id = os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
-                  max_frames=max_frames or EngineConfig.max_frames)
+                  max_frames=max_frames or EngineConfig.max_frames, media_limits=media_limits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,10 +129,13 @@ def run(args: argparse.Namespace) -> int:
     from omnimtp.server.app import create_app
     from omnimtp.server.serving import server_config
 
+    media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
+                               max_parts=args.max_media_parts)
     engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
-                          compile_predictor=False if args.eager else "frame")
+                          compile_predictor=False if args.eager else "frame", media_limits=media_limits)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                     body_timeout_s=args.timeout_body, served_model_names=args.served_model_name)
+                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
+                     served_model_names=args.served_model_name)
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
         keep_alive_timeout_s=args.timeout_keep_alive, graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,

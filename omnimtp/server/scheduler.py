@@ -26,6 +26,7 @@ import numpy as np
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
+from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 
 logger = logging.getLogger("omnimtp.server")
@@ -50,7 +51,10 @@ class PromptTooLongError(ValueError):
 class EngineRequest:
     """What to generate, as the HTTP layer parsed it.
 
-    messages: chat turns (role, text) → the thinker writes a reply; None for speech requests.
+    messages: chat turns (role, content) → the thinker writes a reply; None for speech requests. content
+    is the turn's text, or a tuple of parts in transformers' chat format with the media decoded:
+    `{"type": "text", "text": str}`, `{"type": "audio", "audio": float32 mono samples at the processor's
+    rate}`, `{"type": "image", "image": RGB PIL image}`.
     speak_text: the text to speak directly (the thinker's text path is skipped); None for chat.
     speaker: a speaker name of the model (already matched), or None for a text-only reply.
     sampling: the thinker's sampling (temperature 0 = greedy, and then the whole request is greedy;
@@ -59,7 +63,7 @@ class EngineRequest:
     is made; False (a non-streaming response) generates exactly as `OmniPipeline.generate` does.
     """
 
-    messages: tuple[tuple[str, str], ...] | None
+    messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
     speak_text: str | None
     speaker: str | None
     sampling: SamplingParams
@@ -74,6 +78,11 @@ class EngineRequest:
             raise ValueError("speaker is required to speak speak_text")
         if self.messages is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def has_media(self) -> bool:
+        return self.messages is not None and any(not isinstance(content, str) and any(
+            part["type"] != "text" for part in content) for _, content in self.messages)
 
 
 @dataclass
@@ -166,12 +175,15 @@ class Engine:
     max_decode_frames 4·max_batch_size (well above the max_batch_size frames a talker step makes, so a
     backlog drains fast) and max_defer_steps 2. max_prompt_tokens: longer prompts are refused (400).
     warm_up: run the code predictor at every batch size before reporting ready (`is_ready`), so a
-    compiled predictor has its graphs before the first request."""
+    compiled predictor has its graphs before the first request. media_limits: what a chat request's
+    audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
-                 warm_up: bool = False, **config):
+                 warm_up: bool = False, media_limits: MediaLimits = MediaLimits(), **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
+        if not isinstance(media_limits, MediaLimits):
+            raise ValueError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
         if family.speech_header_ids is None:
             raise ValueError("tokenizer must have a chat template")
         batch_size = config.setdefault("max_batch_size", 16)
@@ -182,6 +194,7 @@ class Engine:
         self.family = family
         self.model_id = model_id
         self.max_prompt_tokens = max_prompt_tokens
+        self.media_limits = media_limits
         self.warm_up = warm_up
         self.created = int(time.time())
         self.max_queue = 64
@@ -210,22 +223,32 @@ class Engine:
     def is_running(self) -> bool:
         return self._accepting
 
+    @property
+    def audio_sampling_rate(self) -> int | None:
+        """The rate chat audio is decoded to (the processor's feature extractor's); None: no processor,
+        so chat media is refused."""
+        processor = self.family.processor
+        return None if processor is None else processor.feature_extractor.sampling_rate
+
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None: no fallback voice."""
         return self.family.match_speaker(name)
 
-    def prompt_ids(self, request: EngineRequest) -> list[int]:
-        """Chat: the templated prompt. Speech: an opened assistant turn followed by the text to say."""
+    def prompt_ids(self, request: EngineRequest) -> tuple[list[int], MediaInputs | None]:
+        """(prompt ids, media tensors or None). Chat: the templated prompt, one pad per media encoder row.
+        Speech: an opened assistant turn followed by the text to say."""
+        media = None
         if request.messages is not None:
             messages = [
-                {"role": "system" if role == "developer" else role, "content": text} for role, text in request.messages
+                {"role": "system" if role == "developer" else role, "content": content if isinstance(content, str)
+                 else list(content)} for role, content in request.messages
             ]
-            ids, name = self.family.chat_ids(messages), "messages"
+            (ids, media), name = self.family.chat_inputs(messages, self.media_limits), "messages"
         else:
             ids, name = self.family.speech_ids(request.speak_text), "input"
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
-        return ids
+        return ids, media
 
     def start(self, *, metrics=None, max_queue: int = 64) -> None:
         if max_queue < 1:
@@ -254,10 +277,13 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
-    def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop) -> RequestHandle:
+    def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
+               prompt: tuple[list[int], MediaInputs | None] | None = None) -> RequestHandle:
         """Queue a request (called on the event loop). Raises QueueFullError at the bound and
-        PromptTooLongError for a prompt over max_prompt_tokens (before anything is queued)."""
-        prompt_ids = self.prompt_ids(request)
+        PromptTooLongError for a prompt over max_prompt_tokens (before anything is queued). prompt: what
+        `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
+        off the event loop)."""
+        prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
         is_chat = request.messages is not None
         with self._cond:
             if not self._accepting:
@@ -270,7 +296,7 @@ class Engine:
                 handle.request_id, prompt_ids, max_new_tokens=max(request.max_new_tokens, 1),
                 max_frames=self.config.max_frames, speaker=request.speaker, thinker_sampling=sampling,
                 talker_sampling=self.family.sampled_talker(sampling), seed=request.seed, is_chat=is_chat,
-                is_streamed=request.is_streamed,
+                is_streamed=request.is_streamed, media=media,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)

@@ -33,13 +33,45 @@ class TextPart(BaseModel):
     text: str
 
 
+class InputAudio(BaseModel):
+    model_config = _STRICT_OPEN
+    data: str  # base64 of the encoded audio
+    format: Literal["wav", "mp3", "flac"]  # omnimtp.media.AUDIO_FORMATS
+
+
+class InputAudioPart(BaseModel):
+    model_config = _STRICT_OPEN
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class ImageUrl(BaseModel):
+    """url: a data: URL (remote URLs are never fetched). detail: only "auto": the processor's own
+    resizing applies, and another value would be ignored."""
+
+    model_config = _STRICT_OPEN
+    url: str
+    detail: Literal["auto"] = "auto"
+
+
+class ImageUrlPart(BaseModel):
+    model_config = _STRICT_OPEN
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | InputAudioPart | ImageUrlPart, Field(discriminator="type")]
+MediaPart = InputAudioPart | ImageUrlPart
+
+
 class ChatMessage(BaseModel):
-    """One chat turn. `content` is a string or a list of text parts; a string is read as one text part.
-    Media parts (image_url, input_audio, file, ...) are refused by their type: this server reads text."""
+    """One chat turn. `content` is a string or a list of content parts; a string is read as one text part.
+    Parts are text, input_audio and image_url (media in user turns only, checked in `app.py`); any other
+    type (file, ...) is refused by its type."""
 
     model_config = _STRICT_OPEN
     role: Literal["system", "developer", "user", "assistant"]
-    content: list[TextPart]
+    content: list[ContentPart]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -48,19 +80,14 @@ class ChatMessage(BaseModel):
             return [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
-        for index, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise PydanticCustomError(
-                    "content_part_unsupported",
-                    "content part {index} has type '{kind}', which is not supported: this server reads text "
-                    "parts only",
-                    {"index": index, "kind": kind},
-                )
         return content
 
     def text(self) -> str:
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def has_media(self) -> bool:
+        return any(not isinstance(part, TextPart) for part in self.content)
 
 
 class AudioOutput(BaseModel):
