@@ -16,6 +16,7 @@ from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
 from omnimtp.thinker import ThinkerRun
 from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
 from media_samples import tone
+from reference_omni import reference_generate
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -62,29 +63,10 @@ def video_case(seed: int = 3, grid=(2, 4, 4)):
 CASES = {"audio": audio_case, "image": image_case, "video": video_case}
 
 
-def _reference(model, ids, media, monkeypatch):
-    """transformers' greedy generate(return_audio=True) → (reply ids, codes [G, T], audio)."""
-    captured = []
-    chunked_decode = model.code2wav.chunked_decode
-
-    def capturing_decode(codes, *args, **kwargs):
-        captured.append(codes.clone())
-        return chunked_decode(codes, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(model.code2wav, "chunked_decode", capturing_decode)
-        sequences, wav = model.generate(
-            input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), return_audio=True,
-            speaker="Ethan", thinker_max_new_tokens=MAX_NEW_TOKENS, thinker_eos_token_id=model.config.im_end_token_id,
-            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=MAX_FRAMES + 1, **media,
-        )
-    return sequences[0, len(ids):].tolist(), captured[0][0], wav[0, 0].numpy()
-
-
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_greedy_equals_reference(pipe, kind, monkeypatch):
     ids, media = CASES[kind]()
-    ref_ids, ref_codes, ref_audio = _reference(pipe.model, ids, media, monkeypatch)
+    ref_ids, ref_codes, ref_audio = reference_generate(pipe.model, ids, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch, **media)
     ours = pipe.generate(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
     assert ours.text_ids == ref_ids
     assert ref_codes.shape[1] >= 10

@@ -10,6 +10,7 @@ from omnimtp.engine.core import EngineConfig
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
+from reference_omni import reference_generate
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,33 +38,12 @@ def _prompt(pipe, text):
     )
 
 
-def _reference(model, prompt_ids, max_new_tokens, max_frames, monkeypatch):
-    """transformers' greedy `generate(return_audio=True)`: (reply ids, talker codes [G, T], audio). The codes
-    are captured where transformers hands them to code2wav."""
-    captured = []
-    chunked_decode = model.code2wav.chunked_decode
-
-    def capturing_decode(codes, *args, **kwargs):
-        captured.append(codes.clone())
-        return chunked_decode(codes, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(model.code2wav, "chunked_decode", capturing_decode)
-        sequences, wav = model.generate(
-            input_ids=torch.tensor([prompt_ids]), return_audio=True, speaker="Ethan",
-            thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
-            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1,
-        )
-    assert len(captured) == 1
-    return sequences[0, len(prompt_ids):].tolist(), captured[0][0], wav[0, 0].numpy()
-
-
 def test_greedy_equals_reference_batch_1_and_ragged_batch_2(pipe, monkeypatch):
     prompts = [_prompt(pipe, "Hello there, how are you?"), _prompt(pipe, "Hi")]
     single = pipe.generate(input_ids=prompts[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
     batch = pipe.generate(input_ids=prompts, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
     for prompt, ours in [(prompts[0], single), (prompts[0], batch[0]), (prompts[1], batch[1])]:
-        ref_ids, ref_codes, ref_audio = _reference(pipe.model, prompt, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch)
+        ref_ids, ref_codes, ref_audio = reference_generate(pipe.model, prompt, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch)
         assert ours.text_ids == ref_ids
         assert ref_codes.shape[1] >= 10  # enough frames for the talker's text rows and penalty to matter
         assert torch.equal(ours.codes, ref_codes)
