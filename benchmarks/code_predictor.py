@@ -71,17 +71,21 @@ CLOCKS = {
 }
 
 
-def time_paths(paths: dict, rounds: int, frames_per_round: int, clock=time.perf_counter) -> dict[str, float]:
-    """Median over rounds of ms per frame; each round times every path once, in turn."""
+def time_paths(paths: dict, rounds: int, frames_per_round: int, clock=time.perf_counter, device=None) -> dict[str, float]:
+    """Median over rounds of ms per frame; each round times every path once, in turn (on a GPU, up to
+    the end of its queued work)."""
+    sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else (lambda: None)
     samples = {name: [] for name in paths}
     with torch.inference_mode():
         for fn in paths.values():  # warmup
             fn()
         for _ in range(rounds):
             for name, fn in paths.items():
+                sync()
                 start = clock()
                 for _ in range(frames_per_round):
                     fn()
+                sync()
                 samples[name].append((clock() - start) / frames_per_round * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -121,7 +125,8 @@ def weight_bytes_per_frame(cp) -> int:
 
 def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list[dict]:
     dtype = DTYPES[dtype_name]
-    cp = build_cp(dims, dtype)
+    device = torch.device(args.device)
+    cp = build_cp(dims, dtype).to(device)
     eager = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype)
     # The same runner without MKL-packed weights, to show what the packing buys at B >= 4.
     unpacked = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm=False) if eager.packed_gemm else None
@@ -138,8 +143,8 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
     rows = []
     for batch_size in batch_sizes:
         g = torch.Generator().manual_seed(batch_size)
-        hidden = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(dtype)
-        cb0 = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(dtype)
+        hidden = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(device, dtype)
+        cb0 = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(device, dtype)
         paths = {
             "hf_generate": lambda: hf_generate(cp, hidden, cb0),
             "re_prefill": lambda: predict_residual_codes(cp, hidden, cb0),
@@ -171,7 +176,7 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
                 codes = out.codes if hasattr(out, "codes") else out
                 same_codes[name] = bool(torch.equal(codes, reference))
         frames = args.frames_real if dims == "real" else args.frames_tiny
-        ms = time_paths(paths, args.rounds, frames, CLOCKS[args.clock])
+        ms = time_paths(paths, args.rounds, frames, CLOCKS[args.clock], device)
         row = {
             "dims": dims, "dtype": dtype_name, "batch_size": batch_size, "ms_per_frame": ms,
             "speedup_vs_hf": {name: ms["hf_generate"] / value for name, value in ms.items()},
@@ -233,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         help="wall time, or the calling thread's CPU time (use with --threads 1 on a shared machine)",
     )
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where the predictor runs (cpu, cuda, cuda:N)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "code_predictor.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -244,19 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cases, batch_sizes, args.rounds, args.frames_tiny = [("tiny", "fp32")], [1, 2], 2, 2
     started = time.perf_counter()
-    before = memory_bandwidth_gbs()
-    print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in before.items()), flush=True)
+    on_cpu = torch.device(args.device).type == "cpu"
+    before = memory_bandwidth_gbs() if on_cpu else {}  # the floor is the host's: a CPU run only
+    if before:
+        print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in before.items()), flush=True)
     rows = []
     for dims, dtype_name in cases:
         rows += bench_case(dims, dtype_name, batch_sizes, args)
     # Measured again after the timings (the host's bandwidth drifts); the fastest probe of either
     # measurement gives the lowest (strictest) floor.
-    after = memory_bandwidth_gbs() if any(dims == "real" for dims, _ in cases) else before
-    bandwidth = {name: max(before[name], after[name]) for name in before}
-    print("memory bandwidth (best of before/after): " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
-    add_floor(rows, max(bandwidth.values()))
+    bandwidth = {}
+    if on_cpu:
+        after = memory_bandwidth_gbs() if any(dims == "real" for dims, _ in cases) else before
+        bandwidth = {name: max(before[name], after[name]) for name in before}
+        print("memory bandwidth (best of before/after): " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
+        add_floor(rows, max(bandwidth.values()))
     result = {
-        "benchmark": "code_predictor", "threads": args.threads, "clock": args.clock, "torch": torch.__version__,
+        "benchmark": "code_predictor", "device": args.device, "threads": args.threads, "clock": args.clock,
+        "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
         "memory_bandwidth_gbs": bandwidth, "rows": rows, "wall_s": time.perf_counter() - started,
     }

@@ -39,11 +39,12 @@ CONFIGS = {
 
 def _reference(model, prompt, max_new_tokens, max_frames, media):
     sequences, wav = model.generate(
-        input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), return_audio=True,
+        input_ids=torch.tensor([prompt], device=model.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device), return_audio=True,
         speaker="Ethan", thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=model.config.im_end_token_id,
         thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1, **media,
     )
-    return sequences[0, len(prompt):].tolist(), wav[0, 0].numpy()
+    return sequences[0, len(prompt):].tolist(), wav[0, 0].cpu().numpy()
 
 
 def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
@@ -70,11 +71,12 @@ def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
     return ids[:3] + run + ids[3:], media
 
 
-def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor, kind="text"):
-    model = tiny_qwen3_omni(0, **config_kwargs)
+def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor, kind="text", device="cpu"):
+    model = tiny_qwen3_omni(0, **config_kwargs).to(device)
     num_params = sum(p.numel() for p in model.parameters())
     pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1, compile_predictor=compile_predictor)
     prompt, media = _question(pipe.tokenizer, model, kind)
+    media = {name: value.to(device) for name, value in media.items()}
     _reference(model, prompt, 2, 2, media)  # warm up both paths (and compile ours: not timed)
     pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2, **media)
     ref_times, our_times, ref_cpu, our_cpu, first_audio = [], [], [], [], []
@@ -96,7 +98,7 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     audio_seconds = len(out.audio) / out.sample_rate
     ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
     result = dict(
-        config=name, input=kind, prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        config=name, input=kind, device=str(device), prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
         thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
@@ -119,6 +121,7 @@ def main():
         help="how our code predictor is compiled (CodePredictorRunner compile=...)",
     )
     parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
+    parser.add_argument("--device", default="cpu", help="where both sides run (cpu, cuda, cuda:N)")
     parser.add_argument("--input", choices=["text", "audio", "image"], default="text", help="what the question is")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
@@ -127,7 +130,8 @@ def main():
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
     repeats = args.repeats or repeats
     compile_predictor = False if args.compile == "none" else args.compile
-    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor, args.input) for name, kwargs in CONFIGS.items()
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor, args.input, args.device)
+               for name, kwargs in CONFIGS.items()
                if not args.config or name in args.config]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

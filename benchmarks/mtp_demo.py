@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     parser.add_argument("--no-sampled", action="store_true", help="skip the temperature-1 runs")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where target and head run (cpu, cuda, cuda:N)")
     parser.add_argument("--target-backend", default="auto", choices=["auto", "packed", "transformers"])
     parser.add_argument("--out", default="benchmarks/results/mtp_demo.json")
     args = parser.parse_args()
@@ -100,10 +101,11 @@ def main() -> None:
 
     model_dir = args.model or str(demo_model_dir())
     target, head = load_target_and_head(model_dir)
+    target, head = target.to(args.device), head.to(args.device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(model_dir, "heldout_prompts.json")) as f:
         texts = json.load(f)[: args.num_prompts]
-    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    prompts = [tokenizer(t, return_tensors="pt").input_ids.to(args.device) for t in texts]
     max_new = args.max_new_tokens
     gen_kw = dict(max_new_tokens=max_new, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id)
     greedy, sampled = SamplingParams.greedy(), SamplingParams(temperature=1.0)

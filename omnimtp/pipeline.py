@@ -31,6 +31,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
+from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
@@ -106,12 +107,13 @@ class OmniPipeline:
         return self.config.max_frames
 
     @classmethod
-    def tiny(cls, seed: int = 0) -> "OmniPipeline":
+    def tiny(cls, seed: int = 0, device=None) -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
-        with the byte-level tokenizer; short caps keep a run to a few seconds."""
+        with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
+        where it runs (default the CPU)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
-        family = Qwen3OmniFamily.tiny(seed)
+        family = Qwen3OmniFamily.tiny(seed, device=device)
         return cls(
             family.model, family.tokenizer, processor=family.processor, max_new_tokens=TINY_MAX_NEW_TOKENS,
             max_frames=TINY_MAX_FRAMES,
@@ -131,9 +133,10 @@ class OmniPipeline:
             model_type = json.load(f).get("model_type")
         if model_type != "qwen3_omni_moe":
             raise ValueError(f"path: {path!r} holds a {model_type!r} model, not a Qwen3-Omni (qwen3_omni_moe) checkpoint")
+        device = None if device is None else resolve_device(device)
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype)
         if device is not None:
-            model = model.to(device)
+            model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         return cls(model, tokenizer, processor=load_processor(path), **kwargs)

@@ -38,17 +38,20 @@ def _add_common(parser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--max-frames", type=int, default=None, help="cap on audio frames (12.5 per second)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
 
 
 def _load(args):
     import torch
 
     from omnimtp.pipeline import OmniPipeline
+    from omnimtp.runtime.device import resolve_device
 
+    resolve_device(args.device, "--device")
     if args.model is None:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny()
-    return OmniPipeline.from_pretrained(args.model)
+        return OmniPipeline.tiny(device=args.device)
+    return OmniPipeline.from_pretrained(args.model, device=args.device)
 
 
 def _sampling(args) -> dict:

@@ -118,6 +118,7 @@ class EngineCore:
             self.family.check_speaker(request.speaker)
         if request.is_chat:
             self.family.check_media(request.prompt_ids, request.media)
+        request.place_generators(self.family.device)
         with self.lock:
             if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
@@ -158,7 +159,7 @@ class EngineCore:
     def output(self, request: Request) -> OmniOutput:
         """A finished request's result."""
         num_groups = self.family.num_code_groups
-        codes = torch.stack(request.frames, dim=1) if request.frames else torch.zeros((num_groups, 0), dtype=torch.long)
+        codes = torch.stack(request.frames, dim=1).cpu() if request.frames else torch.zeros((num_groups, 0), dtype=torch.long)
         audio = np.concatenate(request.audio) if request.audio else np.zeros(0, dtype=np.float32)
         return OmniOutput(
             text=self.family.decode_text(request.reply_ids), text_ids=list(request.output_ids), codes=codes,

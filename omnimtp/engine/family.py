@@ -19,6 +19,7 @@ from omnimtp.sampling import SamplingParams
 class Family(Protocol):
     sample_rate: int
     num_code_groups: int
+    device: torch.device  # where the weights are: requests' generators and sampling live there
 
     def check_speaker(self, speaker: str) -> None:
         """ValueError naming `speaker` unless the model has that speaker."""

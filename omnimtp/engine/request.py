@@ -101,7 +101,15 @@ class Request:
         seed = self.seed
         if seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()))
-        self.thinker_generator, self.talker_generator = make_generators(list(request_seeds(seed)))
+        self.generator_seeds = request_seeds(seed)  # (thinker, talker)
+        self.thinker_generator, self.talker_generator = make_generators(list(self.generator_seeds))
+
+    def place_generators(self, device: torch.device | str) -> None:
+        """Remake the request's generators on `device` (the model's), from the same seeds, so sampling draws
+        its noise where the logits are; a no-op when they are there already."""
+        device = torch.device(device)
+        if self.thinker_generator.device != device:
+            self.thinker_generator, self.talker_generator = make_generators(list(self.generator_seeds), device)
 
     # --- what the drivers read ---
 
@@ -149,7 +157,7 @@ class Request:
 
 @dataclass
 class OmniOutput:
-    """One finished request. codes: [G, T] long; audio: float32 mono at `sample_rate`.
+    """One finished request. codes: [G, T] long (on the CPU); audio: float32 mono at `sample_rate`.
     finish_reason: "length" when the thinker or the talker hit its cap, else "stop"."""
 
     text: str

@@ -62,15 +62,23 @@ class Qwen3OmniFamily:
         self.speech_header_ids = self._speech_header_ids() if _has_chat_template(tokenizer) else None
 
     @classmethod
-    def tiny(cls, seed: int = 0, **kwargs) -> "Qwen3OmniFamily":
+    def tiny(cls, seed: int = 0, device=None, **kwargs) -> "Qwen3OmniFamily":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: noise-like, audible speech),
-        its byte-level tokenizer and its processor."""
+        its byte-level tokenizer and its processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor
         from omnimtp.models.tiny import tiny_qwen3_omni
+        from omnimtp.runtime.device import resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
+        model = tiny_qwen3_omni(seed)
+        if device is not None:
+            model = model.to(resolve_device(device))
         tokenizer = byte_tokenizer()
-        return cls(tiny_qwen3_omni(seed), tokenizer, processor=tiny_processor(tokenizer), **kwargs)
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer), **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.thinker_decoder.device
 
     # --- ids and text ---
 

@@ -9,6 +9,7 @@ import sys
 from omnimtp.engine.core import EngineConfig
 from omnimtp.media import MediaLimits
 from omnimtp.models.tiny import TINY_MAX_FRAMES
+from omnimtp.runtime.device import resolve_device
 from omnimtp.server.serving import (
     DEFAULT_BODY_TIMEOUT_S,
     check_seconds,
@@ -36,6 +37,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--api-key", default=os.environ.get("OMNIMTP_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
                         "printable ASCII. An empty key is refused: unset the variable to serve without one")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generating at once")
     parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     parser.add_argument("--max-frames", type=int, default=None,
@@ -89,21 +91,21 @@ def _positive_int(text: str) -> int:
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
-                 media_limits: MediaLimits = MediaLimits()):
-    """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded
-    and packed once; compile_predictor ("frame", "step" or False) also warms the predictor up before the
-    engine reports ready. media_limits: what a request's audio and images may hold."""
+                 media_limits: MediaLimits = MediaLimits(), device="cpu"):
+    """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
+    moved to `device` and packed once; compile_predictor ("frame", "step" or False) also warms the
+    predictor up before the engine reports ready. media_limits: what a request's audio and images may hold."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
 
     warm_up = compile_predictor is not False
     if model_dir is None:
-        family = Qwen3OmniFamily.tiny(0, compile_predictor=compile_predictor)
+        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, media_limits=media_limits)
     from omnimtp.pipeline import OmniPipeline
 
-    pipe = OmniPipeline.from_pretrained(model_dir, compile_predictor=compile_predictor)
+    pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     model_id = os.path.basename(os.path.normpath(model_dir))
@@ -124,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _refuse(f"--api-key: {exc}")
 
+    try:
+        resolve_device(args.device, "--device")
+    except ValueError as exc:
+        return _refuse(str(exc))
+
     import uvicorn
 
     from omnimtp.server.app import create_app
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                                max_parts=args.max_media_parts)
     engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
-                          compile_predictor=False if args.eager else "frame", media_limits=media_limits)
+                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
+                          device=args.device)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name)

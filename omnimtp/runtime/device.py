@@ -1,0 +1,35 @@
+"""Where a model runs: a device name checked once, before any weight moves.
+
+    device = resolve_device("cuda:0")     # torch.device, or ValueError naming what is missing
+
+Everything else follows the weights: the packed decoders take the device of the module they pack, the
+requests' generators are made there (`Request.place_generators`), sampling draws its noise there, and the
+CPU-only kernels (the AVX-512 matmul, MKL / oneDNN packing) are chosen only for CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(device, param: str = "device") -> torch.device:
+    """`device` ("cpu", "cuda", "cuda:1", "mps", a torch.device) → torch.device, checked to exist here:
+    ValueError naming `param` for an unknown name, a backend this torch build lacks, or an index past
+    the visible devices."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{param}: {device!r} is not a device ({error})") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{param}: {device!r} asked for CUDA, but this torch build sees no CUDA device")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"{param}: {device!r}, but only {torch.cuda.device_count()} CUDA devices are visible")
+        return resolved
+    if resolved.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"{param}: {device!r} asked for MPS, which is not available here")
+        return resolved
+    raise ValueError(f"{param}: {device!r}: only cpu, cuda and mps devices are supported")
