@@ -108,15 +108,19 @@ class ThinkerRun:
                 for r, i in enumerate(active):
                     rows[i] = (embeds[r], hidden[r], logits[r])
         self._is_prefill = False
+        sampled = []  # each row with its own sampling and generator, on the device; read back at once
+        for i in rows:
+            generator = [self.generators[i]] if self.generators[i] is not None else None
+            sampled.append(sample(rows[i][2][None].float(), self.sampling[i], generator))
+        token_ids = dict(zip(rows, torch.cat(sampled).tolist())) if sampled else {}
         events = []
         for i in range(len(self.output_ids)):
             if i not in rows:
                 empty = torch.zeros((0, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
                 events.append(ThinkerEvent(i, None, empty, empty, None))
                 continue
-            row_embeds, row_hidden, logits = rows[i]
-            generator = [self.generators[i]] if self.generators[i] is not None else None
-            token_id = int(sample(logits[None].float(), self.sampling[i], generator)[0])
+            row_embeds, row_hidden, _ = rows[i]
+            token_id = token_ids[i]
             self.output_ids[i].append(token_id)
             if token_id in self.eos_token_ids:
                 self.finish_reasons[i] = "stop"
