@@ -17,7 +17,12 @@ Checkpoint layout (what `save_pretrained` writes and `from_pretrained` reads):
   own keys `model.layers.{N}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*`, with N =
   `num_hidden_layers` and routed experts stored one module per expert (`mlp.experts.{e}.gate_proj.weight`,
   ...), exactly as transformers writes the target's own layers;
-- qwen3_next: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` and `mtp.layers.0.*`.
+- qwen3_next, qwen3_5, qwen3_5_moe (the text configs `qwen3_5_text` / `qwen3_5_moe_text`):
+  `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` and `mtp.layers.0.*` (a full-attention
+  layer; experts one module per expert, as their released checkpoints store them). transformers drops
+  `mtp.*` when it loads these targets (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`), so a checkpoint
+  holding both loads as the target alone. The released configs say `mtp_num_hidden_layers: 1`; every draft
+  step runs layer 0. A config with more MTP layers is refused.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ SAFE_INDEX_NAME = "model.safetensors.index.json"
 # Families that ship a NextN layer at model.layers.{N}, plus dense/MoE Qwen3 targets that have none: a head trained
 # for them (`omnimtp train-mtp`) is stored the same way (transformers' use_mtp covers only the first two).
 _LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3", "qwen3_moe")
-_MTP_PREFIX_MODEL_TYPES = ("qwen3_next",)
+_MTP_PREFIX_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 # The head's own (non-block) modules, by checkpoint name for each layout.
 _LAYERED_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
@@ -88,6 +93,12 @@ def _checkpoint_layout(config) -> str:
     if config.model_type in _LAYERED_MODEL_TYPES:
         return "layered"
     if config.model_type in _MTP_PREFIX_MODEL_TYPES:
+        num_mtp_layers = getattr(config, "mtp_num_hidden_layers", 1)
+        if num_mtp_layers != 1:
+            raise ValueError(
+                f"target_model: config.mtp_num_hidden_layers must be 1 (one MTP layer, reused by every draft "
+                f"step), got {num_mtp_layers!r}"
+            )
         return "mtp_prefix"
     raise ValueError(
         f"target_model: MTP heads are supported for model types {_LAYERED_MODEL_TYPES + _MTP_PREFIX_MODEL_TYPES}, "
