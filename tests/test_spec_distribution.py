@@ -1,4 +1,4 @@
-"""Sampled decoding end to end on tiny models of each family (GLM-4.5, the hybrid Qwen3-Next / Qwen3.5 /
+"""Sampled decoding end to end on tiny models of each family (GLM-4.5, GLM-5, the hybrid Qwen3-Next / Qwen3.5 /
 Qwen3.5-MoE): plain sampling and speculative sampling with a deliberately bad drafter both give the target's
 exact law of the first three tokens, computed here independently (prefill then one-token decode steps, as
 `generate` runs the model) with transformers' logits warpers (temperature → top-k → top-p). The test also computes, for each plausible
@@ -33,7 +33,7 @@ NUM_TOKENS = 3
 PROMPT = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(1))
 
 
-FAMILIES = ["glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+FAMILIES = ["glm4_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm_moe_dsa"]
 BATCH_ROWS = 4000  # rows per speculative_generate call (the hybrids' verify pads each row's block to 64 tokens)
 
 

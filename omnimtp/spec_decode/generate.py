@@ -21,6 +21,9 @@ weights, a static KV buffer with the same one-length + kv_mask + crop semantics,
 most of transformers' per-forward framework time on small models; "transformers" runs the model's own
 decoder with a `DynamicCache`; "auto" (default) takes "packed" for supported models on CPU.
 
+GLM-5 targets (DSA) verify on `omnimtp.spec_decode.dsa_target`, whose rows select their sparse-attention
+keys exactly as one-token decoding does; their prefill is transformers' forward.
+
 Hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) run on transformers' forward. Their linear-attention
 layers hold a recurrent state rather than slots, so no hole can be masked there: each row's state is put
 back at its own accepted length after every verify (`omnimtp.spec_decode.hybrid`), while their
@@ -43,6 +46,7 @@ from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits,
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
 from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
@@ -260,6 +264,7 @@ def _speculative_generate(
     device = input_ids.device
     packed = _packed_or_none(target, target_backend)
     linear_layers = linear_layer_indices(target) if packed is None else []
+    dsa = packed is None and is_dsa_target(target)
     if isinstance(head, MTPHead):
         _check_head(target, head)
         proposer: Proposer = MTPProposer(head)
@@ -321,9 +326,14 @@ def _speculative_generate(
         verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
         saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
-        hidden, logits, layer_inputs = _target_forward(
-            target, packed, verify_ids, verify_positions, verify_mask, target_cache, record_layer_inputs=bool(linear_layers)
-        )
+        if dsa:
+            hidden = dsa_verify_forward(target, verify_ids, verify_positions, verify_mask, target_cache, prompt_len)
+            logits, layer_inputs = target.get_output_embeddings()(hidden).float(), None
+        else:
+            hidden, logits, layer_inputs = _target_forward(
+                target, packed, verify_ids, verify_positions, verify_mask, target_cache,
+                record_layer_inputs=bool(linear_layers),
+            )
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
