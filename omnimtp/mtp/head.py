@@ -17,7 +17,18 @@ Checkpoint layout (what `save_pretrained` writes and `from_pretrained` reads):
   own keys `model.layers.{N}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*`, with N =
   `num_hidden_layers` and routed experts stored one module per expert (`mlp.experts.{e}.gate_proj.weight`,
   ...), exactly as transformers writes the target's own layers;
-- qwen3_next: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` and `mtp.layers.0.*`.
+- glm_moe_dsa (GLM-5): the layered layout; the block is a GLM-5 decoder layer with its own DSA indexer
+  (`self_attn.indexer.{wq_b,wk,k_norm,weights_proj}`). `shared_head.head` / `embed_tokens` copies of the
+  target's weights, which some exports carry at layer N, are read past (the head shares the target's).
+  The head drafts with `omnimtp.mtp.dsa.dsa_layer` over its own cache (MLA latents + indexer keys); with
+  `index_share_for_mtp_iteration: true` in the config, draft steps after the first reuse the first step's
+  key selection (`MTPHeadOutput.selection`, passed back as `shared_selection`).
+- qwen3_next, qwen3_5, qwen3_5_moe (the text configs `qwen3_5_text` / `qwen3_5_moe_text`):
+  `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` and `mtp.layers.0.*` (a full-attention
+  layer; experts one module per expert, as their released checkpoints store them). transformers drops
+  `mtp.*` when it loads these targets (`_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]`), so a checkpoint
+  holding both loads as the target alone. The released configs say `mtp_num_hidden_layers: 1`; every draft
+  step runs layer 0. A config with more MTP layers is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
+from omnimtp.mtp.dsa import dsa_layer
 from omnimtp.runtime.decoder import (
     PackedDecoder,
     shared_length_forward,
@@ -52,8 +64,8 @@ SAFE_INDEX_NAME = "model.safetensors.index.json"
 # model_type -> layout of the NextN layer's keys in a checkpoint
 # Families that ship a NextN layer at model.layers.{N}, plus dense/MoE Qwen3 targets that have none: a head trained
 # for them (`omnimtp train-mtp`) is stored the same way (transformers' use_mtp covers only the first two).
-_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "qwen3", "qwen3_moe")
-_MTP_PREFIX_MODEL_TYPES = ("qwen3_next",)
+_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3", "qwen3_moe")
+_MTP_PREFIX_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 # The head's own (non-block) modules, by checkpoint name for each layout.
 _LAYERED_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head_norm": "shared_head.norm"}
@@ -69,6 +81,7 @@ _MTP_PREFIX_NAMES = {
 class MTPHeadOutput:
     hidden: torch.Tensor  # [B, T, H] block output, before shared_head_norm: the next draft step's prev_hidden
     logits: torch.Tensor | None  # [B, T, V]; None when called with compute_logits=False (see `MTPHead.logits`)
+    selection: torch.Tensor | None = None  # [B, T, S] bool: the keys each row attended to (DSA blocks only)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,12 @@ def _checkpoint_layout(config) -> str:
     if config.model_type in _LAYERED_MODEL_TYPES:
         return "layered"
     if config.model_type in _MTP_PREFIX_MODEL_TYPES:
+        num_mtp_layers = getattr(config, "mtp_num_hidden_layers", 1)
+        if num_mtp_layers != 1:
+            raise ValueError(
+                f"target_model: config.mtp_num_hidden_layers must be 1 (one MTP layer, reused by every draft "
+                f"step), got {num_mtp_layers!r}"
+            )
         return "mtp_prefix"
     raise ValueError(
         f"target_model: MTP heads are supported for model types {_LAYERED_MODEL_TYPES + _MTP_PREFIX_MODEL_TYPES}, "
@@ -102,9 +121,12 @@ def _block_config(config):
     if getattr(block_config, "first_k_dense_replace", None) is not None:
         block_config.first_k_dense_replace = 0
     num_layers = config.num_hidden_layers
-    layer_types = getattr(block_config, "layer_types", None)
-    if layer_types is not None and len(layer_types) <= num_layers:
-        block_config.layer_types = list(layer_types) + ["full_attention"] * (num_layers + 1 - len(layer_types))
+    mtp_entries = {"layer_types": "indexed_attention" if config.model_type == "glm_moe_dsa" else "full_attention",
+                   "mlp_layer_types": "sparse", "indexer_types": "full"}
+    for name, entry in mtp_entries.items():
+        values = getattr(block_config, name, None)
+        if values is not None and len(values) <= num_layers:
+            setattr(block_config, name, list(values)[:num_layers] + [entry])
     return block_config
 
 
@@ -124,6 +146,8 @@ class MTPHead(nn.Module):
         self.layer_idx = config.num_hidden_layers
         self.hidden_size = hidden_size
         self.vocab_size = target_model.get_output_embeddings().weight.shape[0]
+        self.is_dsa = config.model_type == "glm_moe_dsa"
+        self.index_share = self.is_dsa and bool(getattr(config, "index_share_for_mtp_iteration", False))
 
         self.enorm = norm_cls(hidden_size, eps=config.rms_norm_eps)
         self.hnorm = norm_cls(hidden_size, eps=config.rms_norm_eps)
@@ -233,8 +257,13 @@ class MTPHead(nn.Module):
         return path
 
     def make_cache(self) -> DynamicCache:
-        """An empty KV cache for the head (its block writes layer index N = num_hidden_layers)."""
-        return DynamicCache()
+        """An empty KV cache for the head (its block writes layer index N = num_hidden_layers; a DSA block's
+        layer also keeps its indexer keys)."""
+        if not self.is_dsa:
+            return DynamicCache()
+        cache_config = copy.deepcopy(self.config)
+        cache_config.num_hidden_layers = self.layer_idx + 1  # transformers makes one cache layer per layer
+        return DynamicCache(config=cache_config)
 
     # -- forward --------------------------------------------------------------------------------------------
 
@@ -247,6 +276,7 @@ class MTPHead(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
         compute_logits: bool = True,
+        shared_selection: torch.Tensor | None = None,
     ) -> MTPHeadOutput:
         """input_ids [B, T]: x_{t+1}; prev_hidden [B, T, H]: the target's post-norm hidden row h_t.
 
@@ -255,7 +285,9 @@ class MTPHead(nn.Module):
         valid, which lets sdpa skip the mask for one new token);
         cache: the head's own DynamicCache (see `make_cache`), appended to in place;
         compute_logits=False skips the lm_head (logits None): a drafter that needs only some rows' logits
-        applies `logits(hidden_rows)` to those rows."""
+        applies `logits(hidden_rows)` to those rows.
+        shared_selection [B, T, S'] (DSA blocks): the selected keys among the first S' cache slots, reused
+        instead of the indexer's (IndexShare); the slots after them follow the causal mask."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         batch_size, num_tokens = input_ids.shape
@@ -276,6 +308,19 @@ class MTPHead(nn.Module):
 
         embeds = self.embed_tokens(input_ids)  # [B, T, H]
         hidden = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))  # [B, T, H]
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        if self.is_dsa:
+            if cache is None:
+                cache = self.make_cache()
+            valid = torch.ones(batch_size, num_past + num_tokens, dtype=torch.bool, device=hidden.device)
+            if attention_mask is not None:
+                valid = attention_mask.bool()
+            slots = torch.arange(num_past + num_tokens, device=hidden.device)
+            causal = slots[None, :] <= (num_past + torch.arange(num_tokens, device=hidden.device))[:, None]  # [T, S]
+            hidden, selection = dsa_layer(
+                self.block, hidden, position_embeddings, cache, valid[:, None, :] & causal[None], shared_selection
+            )
+            return MTPHeadOutput(hidden=hidden, logits=self.logits(hidden) if compute_logits else None, selection=selection)
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=hidden,
@@ -284,7 +329,6 @@ class MTPHead(nn.Module):
             position_ids=position_ids,
             layer_idx=self.layer_idx,
         )
-        position_embeddings = self.rotary_emb(hidden, position_ids)
         hidden = self.block(
             hidden,
             attention_mask=causal_mask,

@@ -11,7 +11,9 @@ where g_{i-1}[t] is the head's own output hidden of step i-1 (before `shared_hea
 tokens are the text's own tokens (the accepted tokens at inference). Attention follows the inference
 cache too: at inference the head's cache holds step-1 rows for every accepted position plus the
 current chain, so step i at index t attends to step-1 rows u ≤ t and to the chain rows (step j, index
-t) for 2 ≤ j ≤ i — not to other step-i rows, which never coexist in the cache.
+t) for 2 ≤ j ≤ i — not to other step-i rows, which never coexist in the cache. A GLM-5 head selects
+its DSA keys among those (`omnimtp.mtp.dsa`), and under IndexShare steps 2..k reuse step 1's selection at
+the same index; its indexer is not trained here (the selection is not differentiable).
 
 Loss of step i = CE(p, q_i) + tv_weight · TV(p, q_i), weighted by `step_weights[i-1]`. One accepted
 token has probability Σ min(p, q) = 1 − TV(p, q), so the TV term pushes acceptance directly.
@@ -34,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
+from omnimtp.mtp.dsa import dsa_layer
 from omnimtp.mtp.head import MTPHead
 
 DATA_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -211,9 +213,10 @@ def unrolled_draft_logits(
     if num_steps < 1 or num_steps >= seq_len:
         raise ValueError(f"num_steps must be in 1..{seq_len - 1} for windows of {seq_len} tokens, got {num_steps}")
     num_rows = [seq_len - i for i in range(1, num_steps + 1)]
-    cache = DynamicCache()
+    cache = head.make_cache()
     prev_hidden = target_hidden[:, : seq_len - 1]  # [B, L-1, H]
     all_logits = []
+    first_selection = None  # DSA heads: step 1's key selection, reused by later steps under IndexShare
     for step in range(1, num_steps + 1):
         rows = num_rows[step - 1]
         step_ids = input_ids[:, step : step + rows]  # [B, rows] tokens x_{t+step}
@@ -221,14 +224,19 @@ def unrolled_draft_logits(
         embeds = head.embed_tokens(step_ids)  # [B, rows, H]
         hidden = head.eh_proj(torch.cat([head.enorm(embeds), head.hnorm(prev_hidden)], dim=-1))  # [B, rows, H]
         position_ids = (torch.arange(rows, device=input_ids.device) + step)[None].expand(batch_size, -1)
-        hidden = head.block(
-            hidden,
-            attention_mask=_chain_mask(num_rows, step, hidden.dtype, hidden.device),
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            position_embeddings=head.rotary_emb(hidden, position_ids),
-        )  # [B, rows, H]
+        mask = _chain_mask(num_rows, step, hidden.dtype, hidden.device)  # [1, 1, rows, K]
+        position_embeddings = head.rotary_emb(hidden, position_ids)
+        if head.is_dsa:
+            allowed = (mask[:, 0] == 0).expand(batch_size, -1, -1)  # [B, rows, K]
+            shared = first_selection[:, :rows] if head.index_share and first_selection is not None else None
+            hidden, selection = dsa_layer(head.block, hidden, position_embeddings, cache, allowed, shared)
+            if first_selection is None:
+                first_selection = selection  # [B, L-1, L-1]
+        else:
+            hidden = head.block(
+                hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
+                position_embeddings=position_embeddings,
+            )  # [B, rows, H]
         all_logits.append(head.lm_head(head.shared_head_norm(hidden)))  # [B, rows, V]
         prev_hidden = hidden
     return all_logits

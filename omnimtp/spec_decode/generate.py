@@ -21,6 +21,14 @@ weights, a static KV buffer with the same one-length + kv_mask + crop semantics,
 most of transformers' per-forward framework time on small models; "transformers" runs the model's own
 decoder with a `DynamicCache`; "auto" (default) takes "packed" for supported models on CPU.
 
+GLM-5 targets (DSA) verify on `omnimtp.spec_decode.dsa_target`, whose rows select their sparse-attention
+keys exactly as one-token decoding does; their prefill is transformers' forward.
+
+Hybrid targets (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) run on transformers' forward. Their linear-attention
+layers hold a recurrent state rather than slots, so no hole can be masked there: each row's state is put
+back at its own accepted length after every verify (`omnimtp.spec_decode.hybrid`), while their
+full-attention layers follow the slot scheme above.
+
 Randomness: every row has its own generator (`seed` + row index, or one seed per row); the first token,
 the drafts and the verification draw from it in a fixed order, so a seeded row gives the same tokens
 alone or in a batch.
@@ -38,6 +46,8 @@ from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits,
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
 from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
+from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
 from omnimtp.spec_decode.rejection import rejection_sample
@@ -162,20 +172,25 @@ def _packed_or_none(target, target_backend: str) -> PackedDecoder | None:
 
 
 def _target_forward(
-    target, packed: PackedDecoder | None, input_ids, position_ids, kv_mask, cache, last_logits_only: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32; [B, 1, V] with last_logits_only).
+    target, packed: PackedDecoder | None, input_ids, position_ids, kv_mask, cache, last_logits_only: bool = False,
+    record_layer_inputs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """→ post-norm hidden [B, T, H], logits [B, T, V] (float32; [B, 1, V] with last_logits_only), and with
+    record_layer_inputs (transformers' forward only) the input of every decoder layer (`hidden_states`).
     `cache` is a `KVCache` when `packed` is given, else a DynamicCache. A kv_mask without invalid slots is
     passed as None (same attention; no padding mask is needed, and none at all for one token)."""
     if bool(kv_mask.all()):
         kv_mask = None
     if packed is not None:
         hidden = packed_forward(packed, cache, input_ids, position_ids, kv_mask)
-        return hidden, packed_logits(packed, hidden[:, -1:] if last_logits_only else hidden)
-    hidden = target.get_decoder()(
-        input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=cache, use_cache=True
-    ).last_hidden_state
-    return hidden, target.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
+        return hidden, packed_logits(packed, hidden[:, -1:] if last_logits_only else hidden), None
+    out = target.get_decoder()(
+        input_ids=input_ids, attention_mask=kv_mask, position_ids=position_ids, cache=cache, use_cache=True,
+        output_hidden_states=record_layer_inputs,
+    )
+    hidden = out.last_hidden_state
+    logits = target.get_output_embeddings()(hidden[:, -1:] if last_logits_only else hidden).float()
+    return hidden, logits, out.hidden_states if record_layer_inputs else None
 
 
 def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
@@ -248,6 +263,8 @@ def _speculative_generate(
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
     packed = _packed_or_none(target, target_backend)
+    linear_layers = linear_layer_indices(target) if packed is None else []
+    dsa = packed is None and is_dsa_target(target)
     if isinstance(head, MTPHead):
         _check_head(target, head)
         proposer: Proposer = MTPProposer(head)
@@ -271,7 +288,9 @@ def _speculative_generate(
         target_cache = KVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + k + 1)
     else:
         target_cache = DynamicCache(config=target.config)
-    hidden, logits = _target_forward(target, packed, input_ids, position_ids, kv_mask, target_cache, last_logits_only=True)
+    hidden, logits, _ = _target_forward(
+        target, packed, input_ids, position_ids, kv_mask, target_cache, last_logits_only=True
+    )
     first = sample(logits[:, -1], sampling, generators)  # [B]
 
     generated: list[list[int]] = [[] for _ in range(batch_size)]
@@ -306,7 +325,15 @@ def _speculative_generate(
         verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
         verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
-        hidden, logits = _target_forward(target, packed, verify_ids, verify_positions, verify_mask, target_cache)
+        saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
+        if dsa:
+            hidden = dsa_verify_forward(target, verify_ids, verify_positions, verify_mask, target_cache, prompt_len)
+            logits, layer_inputs = target.get_output_embeddings()(hidden).float(), None
+        else:
+            hidden, logits, layer_inputs = _target_forward(
+                target, packed, verify_ids, verify_positions, verify_mask, target_cache,
+                record_layer_inputs=bool(linear_layers),
+            )
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
@@ -329,7 +356,12 @@ def _speculative_generate(
         num_kept = torch.where(active, num_emitted, torch.ones_like(num_emitted))  # [B]
         block_width = int(num_kept.max())
         if block_width < k + 1:
-            target_cache.crop(block_width - (k + 1))
+            if packed is not None:
+                target_cache.crop(block_width - (k + 1))
+            else:
+                crop_attention(target_cache, k + 1 - block_width)
+        if linear_layers:
+            rollback(target, target_cache, saved_states, layer_inputs, num_kept)
         kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
 
         for row in range(batch_size):
@@ -393,7 +425,7 @@ def plain_generate(
             cache = DynamicCache(config=target.config)
         kv_mask = attention_mask.long()  # [B, L]
         position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
-        _, logits = _target_forward(target, packed, input_ids, position_ids, kv_mask, cache, last_logits_only=True)
+        _, logits, _ = _target_forward(target, packed, input_ids, position_ids, kv_mask, cache, last_logits_only=True)
         positions = position_ids[:, -1:]  # [B, 1]
         eos = torch.tensor(eos_ids, device=device)
         finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
@@ -407,6 +439,6 @@ def plain_generate(
                 break
             kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
             positions = positions + 1
-            _, logits = _target_forward(target, packed, token[:, None], positions, kv_mask, cache)
+            _, logits, _ = _target_forward(target, packed, token[:, None], positions, kv_mask, cache)
         sequences = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
     return sequences.clone()

@@ -73,7 +73,8 @@ class MTPProposer:
     Step 1 reads the pairs (next_ids, hidden) of the whole new block at positions + 1 and drafts from each
     row's last real slot; steps 2..k read (previous draft, previous head hidden) one slot at a time.
     Heads with a packed `draft_step` (glm4_moe) run it on a `KVCache` (made for the first block's batch
-    size); others run the head's transformers forward on a `DynamicCache`."""
+    size); others run the head's transformers forward on a `DynamicCache`. A GLM-5 head with IndexShare
+    runs its indexer in step 1 only; steps 2..k reuse that step's key selection at the drafting row."""
 
     def __init__(self, head: MTPHead):
         self.head = head
@@ -82,18 +83,21 @@ class MTPProposer:
     def reset(self) -> None:
         self.cache = None if self.head.supports_draft_step else self.head.make_cache()
 
-    def _step(self, input_ids, prev_hidden, position_ids, kv_mask, last_index=None, packed=None):
+    def _step(self, input_ids, prev_hidden, position_ids, kv_mask, last_index=None, packed=None, shared_selection=None):
         """One head pass appended to the cache → (hidden [B, T, H], logits [B, V] at last_index or the last
-        slot). packed: the head's packed weights (heads with `draft_step`)."""
+        slot, the DSA key selection of that slot [B, S] or None). packed: the head's packed weights (heads
+        with `draft_step`); shared_selection [B, 1, S']: IndexShare's reused selection (DSA heads)."""
         head = self.head
         if packed is not None:
-            return head.draft_step(input_ids, prev_hidden, position_ids, self.cache, kv_mask, last_index, packed)
+            return (*head.draft_step(input_ids, prev_hidden, position_ids, self.cache, kv_mask, last_index, packed), None)
         out = head(
             input_ids, prev_hidden, position_ids=position_ids, attention_mask=kv_mask, cache=self.cache,
-            compute_logits=False,
+            compute_logits=False, shared_selection=shared_selection,
         )
-        last = out.hidden[:, -1] if last_index is None else out.hidden[torch.arange(out.hidden.shape[0]), last_index]
-        return out.hidden, head.logits(last)
+        rows = torch.arange(out.hidden.shape[0])
+        index = torch.full_like(rows, out.hidden.shape[1] - 1) if last_index is None else last_index
+        selection = None if out.selection is None else out.selection[rows, index]
+        return out.hidden, head.logits(out.hidden[rows, index]), selection
 
     @torch.no_grad()
     def propose(self, block, num_draft_tokens, sampling, generators):
@@ -109,9 +113,11 @@ class MTPProposer:
         # No invalid slot anywhere (batch 1 without padding): no mask, so attention can skip it for one token.
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
         packed = head.packed() if head.supports_draft_step else None
-        hidden, logits = self._step(
+        hidden, logits, selection = self._step(
             block.next_ids, block.hidden, block.position_ids + 1, kv_mask, block.last_index, packed
         )
+        # IndexShare: steps 2..k attend to step 1's selection (+ the chain's own keys)
+        shared_selection = selection[:, None] if head.index_share else None  # [B, 1, S]
         hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
         draft_tokens, draft_probs = [], []
@@ -123,7 +129,9 @@ class MTPProposer:
                 break
             if kv_mask is not None:
                 kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
-            hidden, logits = self._step(token[:, None], hidden, (position + step + 1)[:, None], kv_mask, None, packed)
+            hidden, logits, _ = self._step(
+                token[:, None], hidden, (position + step + 1)[:, None], kv_mask, None, packed, shared_selection
+            )
         _crop_to(self.cache, num_aligned, layer_idx)
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
 

@@ -1,0 +1,130 @@
+"""GLM-5 (`glm_moe_dsa`) decoder layers with the DSA key selection made explicit.
+
+transformers' `GlmMoeDsaAttention` runs its indexer and attends to the top-k keys it picks. A speculative
+verify and the MTP head need other selections than a plain forward makes:
+
+- verify of k+1 tokens: each row must pick its top-k among the keys at or before it *exactly as one-token
+  decoding does*. The indexer's ReLU makes many scores exactly 0, so top-k breaks ties, and which tied keys
+  it keeps depends on the length and order of the array it sorts: row t of a block forward (keys after t
+  masked to -inf) can keep other keys than decoding token t, and its output then differs. `decode_selection`
+  sorts, per row, the array `generate` would sort: the prompt's slots (its left padding at -inf), then that
+  row's real slots up to the query — the holes of rejected drafts are left out.
+- IndexShare (`index_share_for_mtp_iteration`): MTP draft steps 1..k-1 attend to draft step 0's selection
+  plus the draft chain's own newer keys, instead of running the indexer again (its keys are still written).
+
+`dsa_layer` is the decoder layer with the selection given (or made by the indexer): the layer's own
+modules, transformers' attention function and cache (`update` for the MLA latents, `update_indexer` for
+the indexer keys), so with transformers' selection it equals the layer's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+    apply_rotary_pos_emb_interleave,
+    eager_attention_forward,
+)
+
+
+def _rotate(x: torch.Tensor, rope_dim: int, cos, sin) -> torch.Tensor:
+    """Interleaved RoPE on the first `rope_dim` features of x [B, T, heads, D]."""
+    x_rot, x_pass = torch.split(x, [rope_dim, x.shape[-1] - rope_dim], dim=-1)
+    x_rot, _ = apply_rotary_pos_emb_interleave(x_rot, x_rot, cos, sin, unsqueeze_dim=2)
+    return torch.cat([x_rot, x_pass], dim=-1)
+
+
+@torch.no_grad()
+def indexer_scores(indexer, hidden, q_resid, position_embeddings, cache, layer_idx: int) -> torch.Tensor:
+    """The indexer's scores of every cached key (the new keys written to `cache` first), as
+    `GlmMoeDsaIndexer.forward` computes them before its mask and top-k: → [B, T, S] float32."""
+    batch_size, num_tokens, _ = hidden.shape
+    cos, sin = position_embeddings
+    rope_dim = indexer.qk_rope_head_dim
+    q = indexer.wq_b(q_resid).view(batch_size, num_tokens, indexer.n_heads, indexer.head_dim)  # [B, T, h, D]
+    q = _rotate(q, rope_dim, cos, sin)
+    k = _rotate(indexer.k_norm(indexer.wk(hidden)).unsqueeze(2), rope_dim, cos, sin).squeeze(2)  # [B, T, D]
+    keys = cache.update_indexer(k, layer_idx)  # [B, S, D]
+    scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
+
+
+def topk_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: int) -> torch.Tensor:
+    """The top `index_topk` allowed keys of each row: scores, allowed [B, T, S] → selected [B, T, S] bool."""
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    top = masked.topk(min(index_topk, scores.shape[-1]), dim=-1).indices
+    return torch.zeros_like(allowed).scatter(-1, top, True) & allowed
+
+
+def decode_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: int, num_prompt_slots: int) -> torch.Tensor:
+    """`topk_selection` row by row on the array one-token decoding sorts (see the module docstring): the
+    first `num_prompt_slots` slots (masked ones at -inf), then the allowed later slots in order."""
+    selected = torch.zeros_like(allowed)
+    batch_size, num_tokens, num_slots = scores.shape
+    slots = torch.arange(num_slots, device=scores.device)
+    for row in range(batch_size):
+        for t in range(num_tokens):
+            keep = allowed[row, t] | (slots < num_prompt_slots)
+            columns = slots[keep]
+            values = scores[row, t, columns].masked_fill(~allowed[row, t, columns], float("-inf"))
+            top = values.topk(min(index_topk, columns.numel())).indices
+            selected[row, t, columns[top]] = True
+    return selected & allowed
+
+
+def dsa_layer(
+    layer,
+    hidden: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    cache,
+    allowed: torch.Tensor,
+    selection: torch.Tensor | None = None,
+    num_prompt_slots: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One `GlmMoeDsaDecoderLayer` appended to `cache`: hidden [B, T, H] → (hidden [B, T, H], selected [B, T, S]).
+
+    allowed [B, T, S] bool: the keys each new row may attend to (causal, real slots). selection [B, T, S']
+    (S' ≤ S): the selection of the first S' key columns, given (IndexShare, or a "shared" indexer layer's
+    previous selection); later columns follow `allowed`. None: the layer's indexer selects, by
+    `decode_selection` with `num_prompt_slots` when given, else `topk_selection`."""
+    attn = layer.self_attn
+    batch_size, num_tokens, _ = hidden.shape
+    residual = hidden
+    x = layer.input_layernorm(hidden)
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q_states = attn.q_b_proj(q_resid).view(batch_size, num_tokens, -1, attn.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    k_pass = attn.kv_a_layernorm(kv_pass).view(batch_size, 1, num_tokens, attn.kv_lora_rank)
+    k_rot = k_rot.view(batch_size, 1, num_tokens, attn.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    k_pass, k_rot = cache.update(k_pass, k_rot, attn.layer_idx)
+    key_states, value_states = attn.expand_kv(k_pass, k_rot)
+
+    if attn.indexer is not None and selection is None:
+        scores = indexer_scores(attn.indexer, x, q_resid, position_embeddings, cache, attn.layer_idx)
+        if num_prompt_slots is None:
+            selected = topk_selection(scores, allowed, attn.indexer.index_topk)
+        else:
+            selected = decode_selection(scores, allowed, attn.indexer.index_topk, num_prompt_slots)
+    else:
+        if selection is None:
+            raise ValueError("selection: a layer without its own indexer needs the previous layer's selection")
+        if attn.indexer is not None:  # IndexShare: the keys are written, the indexer does not select
+            indexer = attn.indexer
+            k = _rotate(indexer.k_norm(indexer.wk(x)).unsqueeze(2), indexer.qk_rope_head_dim, cos, sin).squeeze(2)
+            cache.update_indexer(k, attn.layer_idx)
+        tail = allowed[..., selection.shape[-1] :]
+        selected = torch.cat([selection & allowed[..., : selection.shape[-1]], tail], dim=-1)
+
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+    mask = selected[:, None]  # [B, 1, T, S]
+    if attn.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~mask, torch.finfo(hidden.dtype).min)
+    query_states = torch.cat((q_pass, q_rot), dim=-1)
+    out, _ = attention(attn, query_states, key_states, value_states, mask, dropout=0.0, scaling=attn.scaling)
+    hidden = residual + attn.o_proj(out.reshape(batch_size, num_tokens, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selected

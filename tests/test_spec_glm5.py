@@ -1,0 +1,142 @@
+"""GLM-5 (`glm_moe_dsa`, DSA sparse attention): `dsa_layer` equals transformers' layer; greedy speculative decoding
+== `generate` with index_topk below and above the sequence length, IndexShare on and off, k = 1..4, batch 1 and a
+ragged batch of 3; a one-forward verify would not be; IndexShare reuses draft step 1's selection; rollback drops
+the indexer's keys; the MTP head's checkpoint layout (`model.layers.{N}.*`, extra shared copies read past)."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+
+from omnimtp import MTPHead, speculative_generate, tiny_lm
+from omnimtp.mtp.dsa import dsa_layer
+from omnimtp.spec_decode.dsa_target import dsa_verify_forward
+from omnimtp.spec_decode.hybrid import crop_attention
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer
+from omnimtp.sampling import SamplingParams
+from spec_checkpoints import train_save_load_and_spec
+from spec_drafters import RecomputingDraft
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CASES = [(4, True), (4, False), (64, True), (64, False)]  # (index_topk, index_share_for_mtp_iteration)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"topk{c[0]}-share{c[1]}")
+def target(request):
+    index_topk, share = request.param
+    return tiny_lm("glm_moe_dsa", seed=0, index_topk=index_topk, index_share_for_mtp_iteration=share)
+
+
+def _ragged_batch(seed: int, lengths=(7, 5, 3)):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 64, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def test_dsa_layer_equals_transformers_layer(target):
+    decoder = target.get_decoder()
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = decoder.embed_tokens(ids)
+        positions = torch.arange(9)[None].expand(2, -1)
+        position_embeddings = decoder.rotary_emb(hidden, positions)
+        reference_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
+        mask = create_causal_mask(config=target.config, inputs_embeds=hidden, attention_mask=None, cache=reference_cache,
+                                  position_ids=positions, allow_is_causal_skip=False)
+        expected, _ = decoder.layers[1](hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                                        position_ids=positions, cache=reference_cache)
+        allowed = torch.ones(9, 9, dtype=torch.bool).tril()[None].expand(2, -1, -1)
+        ours, selected = dsa_layer(decoder.layers[1], hidden, position_embeddings, cache, allowed)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    assert (selected.sum(-1) == torch.arange(1, 10).clamp(max=target.config.index_topk)).all()
+    assert torch.equal(cache.layers[1].indexer_keys, reference_cache.layers[1].indexer_keys)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_identical_to_generate(target, k):
+    torch.manual_seed(1)
+    head = MTPHead.from_config(target)
+    for ids, mask in (_ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
+        reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
+        for drafter in (RecomputingDraft(target, corrupt_rate=0.3, seed=k), head):
+            out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k, eos_token_id=-1)
+            assert torch.equal(out.sequences, reference), (type(drafter).__name__, ids.shape)
+
+
+def test_a_one_forward_verify_would_not_be_exact():
+    """The pitfall the verify avoids: with index_topk below the length, a sequence's one forward gives other
+    argmaxes than its own generate (top-k ties at ReLU's exact zeros); `dsa_verify_forward` gives generate's."""
+    target = tiny_lm("glm_moe_dsa", seed=0, index_topk=4)
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    sequence = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=-1)
+    with torch.no_grad():
+        one_forward = target(sequence).logits[0, 5:-1].argmax(-1)
+        assert not torch.equal(one_forward, sequence[0, 6:])
+        cache = DynamicCache(config=target.config)
+        target.get_decoder()(input_ids=sequence[:, :6], cache=cache, use_cache=True)
+        block = sequence[:, 6:]
+        hidden = dsa_verify_forward(target, block, torch.arange(6, 18)[None], torch.ones(1, 18, dtype=torch.long), cache, 6)
+        assert torch.equal(target.lm_head(hidden)[0, :-1].argmax(-1), sequence[0, 7:])
+        # rollback drops the indexer's keys with the latents
+        crop_attention(cache, 5)
+        for layer in cache.layers:
+            assert layer.indexer_keys.shape[1] == layer.keys.shape[-2] == 13
+
+
+def test_index_share_reuses_the_first_steps_selection(target):
+    """With IndexShare the head's steps 2..k attend to step 1's selection (+ the chain's keys): with
+    index_topk ≥ the length that is every key, so on and off draft alike; below it they differ after step 1."""
+    torch.manual_seed(3)
+    head = MTPHead.from_config(target)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    hidden = target.get_decoder()(input_ids=ids).last_hidden_state
+    block = DraftInput(input_ids=ids, next_ids=torch.cat([ids[:, 1:], ids[:, :1]], 1), hidden=hidden,
+                       position_ids=torch.arange(9)[None].expand(2, -1), kv_mask=torch.ones(2, 9, dtype=torch.long),
+                       last_index=torch.tensor([8, 8]))
+    sampling = SamplingParams(temperature=1.0)
+    probs = {}
+    for share in (True, False):
+        head.index_share = share
+        generators = [torch.Generator().manual_seed(row) for row in range(2)]  # the same drafts unless probs differ
+        _, probs[share] = MTPProposer(head).propose(block, 3, sampling, generators)
+    head.index_share = target.config.index_share_for_mtp_iteration
+    torch.testing.assert_close(probs[True][:, 0], probs[False][:, 0])
+    if target.config.index_topk >= 12:
+        torch.testing.assert_close(probs[True], probs[False])
+    else:
+        assert not torch.allclose(probs[True][:, 1:], probs[False][:, 1:])
+
+
+def test_head_layout_reads_past_shared_copies(target, tmp_path):
+    torch.manual_seed(2)
+    head = MTPHead.from_config(target)
+    assert head.block.self_attn.indexer is not None and hasattr(head.block.mlp, "experts")
+    n = target.config.num_hidden_layers
+    target.save_pretrained(tmp_path)
+    path = head.save_pretrained(tmp_path)
+    tensors = load_file(path)
+    assert f"model.layers.{n}.self_attn.indexer.wq_b.weight" in tensors and f"model.layers.{n}.eh_proj.weight" in tensors
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = target.lm_head.weight.detach().clone()
+    tensors[f"model.layers.{n}.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    loaded = MTPHead.from_pretrained(tmp_path, target)
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.randint(3, 64, (1, 6))
+    prev = torch.randn(1, 6, target.config.hidden_size)
+    torch.testing.assert_close(loaded(ids, prev).logits, head(ids, prev).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", [0])
+def test_train_mtp_cli_save_load_and_spec_cli(target, tmp_path, capsys, case):
+    if target.config.index_topk != 4 or not target.config.index_share_for_mtp_iteration:
+        pytest.skip("one GLM-5 case end to end")
+    train_save_load_and_spec(target, tmp_path, capsys)
