@@ -58,6 +58,12 @@ def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(tmp_path, 
     assert main(["speak", "Hi", "-o", str(tmp_path / "a.wav"), "--device", missing]) == 2
     assert "--device" in capsys.readouterr().err
     assert not (tmp_path / "a.wav").exists()
+    assert main(["spec", "--prompt", "import os", "--device", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omnimtp spec: error: --device") and "Traceback" not in err
+    out_dir = tmp_path / "head"
+    assert main(["train-mtp", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(out_dir), "--device", missing]) == 2
+    assert "--device" in capsys.readouterr().err and not out_dir.exists()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     done = subprocess.run([sys.executable, "-m", "omnimtp.cli", "serve", "--port", "1", "--device", "tpu"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -457,7 +457,8 @@ def train_mtp_head(
             optimizer.load_state_dict(state["optimizer"])
             start_step, result.losses, result.evals = state["step"], state["losses"], state["evals"]
 
-    windows = eval_windows(eval_stream, config.num_eval_windows, config.seq_len)
+    device = next(target.parameters()).device  # batches are drawn on the CPU (seeded) and moved there
+    windows = eval_windows(eval_stream, config.num_eval_windows, config.seq_len).to(device)
     shared = [p for p in target.parameters()]
     saved_requires_grad = [p.requires_grad for p in shared]
     was_training = (target.training, head.training)
@@ -479,7 +480,7 @@ def train_mtp_head(
             if num_distill < config.batch_size:
                 parts.append(sample_windows(train_stream, step, config.batch_size - num_distill, config.seq_len,
                                             config.seed))
-            batch = torch.cat(parts)  # [B, L]
+            batch = torch.cat(parts).to(device)  # [B, L]
             hidden, target_logits = teacher_outputs(target, batch)
             draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens)
             ce, tv = distillation_losses(target_logits, draft_logits)

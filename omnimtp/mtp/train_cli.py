@@ -43,6 +43,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, cuda:N)")
     parser.add_argument("--resume", action="store_true", help="continue from the training state in --out")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--distill-data", default=None,
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     from omnimtp.mtp.head import MTPHead
     from omnimtp.mtp.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head
+    from omnimtp.runtime.device import resolve_device
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -125,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
         distill_fraction=args.distill_fraction,
     )
     out_dir = Path(args.out)
+    device = resolve_device(args.device, "--device")
     model_dir, tokenizer, target, suffixes = _load_model_and_data_args(args)
+    target = target.to(device)  # the head is made on the target's device
     train_files, heldout_files = collect_text_files(args.data, args.heldout_every, suffixes)
     if args.eval_data:
         heldout_files = collect_text_files(args.eval_data, 10**9, suffixes)[0]

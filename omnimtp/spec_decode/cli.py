@@ -23,6 +23,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", default="cpu", help="where target and head run (cpu, cuda, cuda:N)")
     parser.set_defaults(handler=run)
 
 
@@ -33,12 +34,15 @@ def run(args) -> int:
     from omnimtp.mtp.head import load_target_and_head
 
     from omnimtp.mtp.demo import demo_model_dir
+    from omnimtp.runtime.device import resolve_device
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model_dir = args.model if args.model is not None else demo_model_dir()
+    device = resolve_device(args.device, "--device")
     target, head = load_target_and_head(model_dir)
+    target, head = target.to(device), head.to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     out = speculative_generate(
         target, head, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
         sampling=sampling, seed=args.seed,
