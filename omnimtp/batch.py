@@ -173,8 +173,11 @@ class PipelineSpeaker:
         self.limits = dict(max_new_tokens=max_new_tokens, max_frames=max_frames)
 
     def __call__(self, batch: dict) -> dict:
+        from omnimtp.sampling import SamplingParams
         from omnimtp.server.audio import encode_audio
-        from omnimtp.speak_cli import _sampling as speak_sampling
+
+        # Qwen3-Omni's thinker defaults, the values `omnimtp speak --seed` samples with
+        thinker_sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
 
         rows = [json.loads(request) for request in batch["request"]]
         groups: dict[tuple, list[int]] = {}  # one generate call per voice, sampled or greedy
@@ -185,9 +188,9 @@ class PipelineSpeaker:
                                                           "audio_seconds", "audio")}
         for (voice, is_greedy), indices in groups.items():
             prompts = [rows[i].get("prompt", rows[i].get("messages")) for i in indices]
-            # `omnimtp speak --seed`'s sampling, each prompt with its own seed
-            sampling = {} if is_greedy else {**speak_sampling(argparse.Namespace(seed=0)),
-                                              "seed": [rows[i]["seed"] for i in indices]}
+            sampling = {} if is_greedy else {
+                "thinker_sampling": thinker_sampling, "seed": [rows[i]["seed"] for i in indices],
+                "talker_sampling": self.pipe.family.sampled_talker(thinker_sampling)}
             outputs = self.pipe.generate(prompts, speaker=voice, **sampling, **self.limits)
             for i, output in zip(indices, outputs):
                 columns["id"][i] = rows[i]["id"]
