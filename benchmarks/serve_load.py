@@ -8,6 +8,8 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
 - ours: continuous batching (`--max-batch-size`, default 16);
 - baseline: `max_batch_size=1`, the same engine serving one request at a time (what a server without
   cross-request batching does: queued requests wait for the one in flight);
+- with `--replicas N [N ...]`: `omnimtp serve --replicas N` (Ray Serve on a local Ray instance of its
+  own), --threads CPUs split over the N replicas, to see what replicas give and what Ray costs;
 - with `--previous-tree DIR`: the server of another checkout (e.g. `git worktree add DIR HEAD~1`) at
   ours' batch size, to measure a change before/after in the same run.
 
@@ -198,6 +200,8 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="another `omnimtp serve` flag for this checkout's servers (repeatable), e.g. "
                         "--serve-arg=--eager; the previous tree's server gets none")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[], metavar="N",
+                        help="also load `serve --replicas N` for each N (Ray Serve; --threads CPUs split over them)")
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds a server may take to report ready (its predictor warm-up included)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
@@ -206,6 +210,10 @@ def main() -> None:
     setups = [("ours", args.max_batch_size, None, ours_args)]
     if args.previous_tree:
         setups.append(("previous", args.max_batch_size, args.previous_tree, ()))
+    for num_replicas in args.replicas:
+        cpus = f"{args.threads / num_replicas:g}"
+        setups.append((f"ray_x{num_replicas}", args.max_batch_size, None,
+                       (*ours_args, "--replicas", str(num_replicas), "--num-cpus-per-replica", cpus)))
     if not args.skip_baseline:
         setups.append(("baseline_batch1", 1, None, ours_args))
     report = {"config": vars(args), "results": {name: [] for name, _, _, _ in setups}}
@@ -234,6 +242,12 @@ def main() -> None:
         for c in sorted(ours):
             print(f"c={c:3d}: ours/previous req/s {ours[c]['requests_per_s'] / previous[c]['requests_per_s']:.2f}x, "
                   f"TTFA p50 {ours[c]['ttfa_p50_s']:.3f} vs {previous[c]['ttfa_p50_s']:.3f} s")
+    for num_replicas in args.replicas:
+        ray_levels = {level["concurrency"]: level for level in report["results"][f"ray_x{num_replicas}"]}
+        for c in sorted(ours):
+            print(f"c={c:3d}: ray_x{num_replicas}/ours req/s "
+                  f"{ray_levels[c]['requests_per_s'] / ours[c]['requests_per_s']:.2f}x, TTFA p50 "
+                  f"{ray_levels[c]['ttfa_p50_s']:.3f} vs {ours[c]['ttfa_p50_s']:.3f} s")
     if "baseline_batch1" in report["results"]:
         base = {level["concurrency"]: level for level in report["results"]["baseline_batch1"]}
         for c in sorted(ours):

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec_cli.add_parser(subparsers)
     from omnimtp.server import cli as server_cli
     server_cli.add_parser(subparsers)
+    from omnimtp import batch
+    batch.add_parser(subparsers)
     return parser
 
 

@@ -66,6 +66,9 @@ def add_parser(subparsers) -> None:
                         metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default %(default)g)")
     parser.add_argument("--log-level", default="info")
+    from omnimtp.server import ray_serve
+
+    ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
 
 
@@ -131,19 +134,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _refuse(str(exc))
 
+    from omnimtp.server import ray_serve
+
+    if ray_serve.is_requested(args):
+        return ray_serve.run(args)  # Ray Serve replicas (imports Ray)
+
     import uvicorn
 
-    from omnimtp.server.app import create_app
     from omnimtp.server.serving import server_config
 
-    media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
-                               max_parts=args.max_media_parts)
-    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
-                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device)
-    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
-                     served_model_names=args.served_model_name)
+    engine, app = build_app(args)
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
         keep_alive_timeout_s=args.timeout_keep_alive, graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,
@@ -153,6 +153,21 @@ def run(args: argparse.Namespace) -> int:
           f"(voices: {', '.join(engine.speakers)})", flush=True)
     uvicorn.Server(config).run()
     return 0
+
+
+def build_app(args: argparse.Namespace):
+    """(engine, app) of `serve`'s arguments: what one server process, or one Ray Serve replica, runs."""
+    from omnimtp.server.app import create_app
+
+    media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
+                               max_parts=args.max_media_parts)
+    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
+                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
+                          device=args.device)
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
+                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
+                     served_model_names=args.served_model_name)
+    return engine, app
 
 
 def _refuse(message: str) -> int:

@@ -1,0 +1,254 @@
+"""Ray Serve replicas and Ray Data batch jobs on one local Ray instance (started once for the module).
+
+The deployment is what `omnimtp serve --replicas 2` runs (`ray_serve.deploy` of the parsed command
+line): 2 replicas of the tiny model at 0.5 CPU each (the instance has 2 logical CPUs, so that the batch
+job's 2 actors at 0.5 CPU fit beside them), spoken to with the official `openai` client."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+from audio_checks import assert_audible, assert_audio_equal
+from server_harness import free_port, running_server
+
+import ray
+from ray import serve
+
+from omnimtp.cli import build_parser
+from omnimtp.server import ray_serve
+from omnimtp.server.cli import build_app
+
+# The reference engine in this process runs one torch thread, as each replica does (0.5 CPU): a
+# different thread count may round a few samples differently.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-key"
+MAX_FRAMES = 6
+
+
+def _serve_args(port: int):
+    return build_parser().parse_args([
+        "serve", "--replicas", "2", "--num-cpus-per-replica", "0.5", "--eager", "--max-batch-size", "4",
+        "--max-frames", str(MAX_FRAMES), "--max-tokens-limit", "64", "--max-body-bytes", "32768",
+        "--api-key", API_KEY, "--host", "127.0.0.1", "--port", str(port), "--timeout-graceful-shutdown", "10",
+    ])
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    # Every worker of the instance (also those of the batch job's driver, a separate process) imports
+    # this checkout's omnimtp.
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = ROOT
+    ray_serve.init_ray(None, num_cpus=2, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+
+
+@pytest.fixture(scope="module")
+def url(ray_address):
+    port = free_port()
+    ray_serve.deploy(_serve_args(port))
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def single_process(ray_address):
+    """The same command line without Ray: one engine in this process (the reference)."""
+    _, app = build_app(_serve_args(0))
+    with running_server(app) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _chat(client, seed, **kwargs):
+    return client.chat.completions.create(
+        model="omnimtp-tiny", messages=[{"role": "user", "content": "Hi there"}], modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"}, seed=seed, max_tokens=5, **kwargs,
+    )
+
+
+def _pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2")
+
+
+def _replica_samples(url: str, route: str, status: str = "200") -> dict[str, float]:
+    """omnimtp_requests_total of `route` by replica, from the deployment's /metrics."""
+    counts = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("omnimtp_requests_total{") and f'route="{route}"' in line and f'status="{status}"' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            counts[replica] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_health_reports_every_replica(url):
+    reply = httpx.get(f"{url}/health")
+    assert reply.status_code == 200
+    assert reply.json() == {"status": "ok", "replicas": {"running": 2, "total": 2}}
+
+
+def test_seeded_chat_matches_the_single_process_server(client, single_process):
+    ours = _chat(client, seed=7).choices[0].message
+    reference = _chat(single_process, seed=7).choices[0].message
+    assert ours.content == reference.content
+    assert_audio_equal(_pcm(base64.b64decode(ours.audio.data)), _pcm(base64.b64decode(reference.audio.data)))
+
+
+def _streamed(client, seed) -> tuple[str, np.ndarray]:
+    text, pcm = [], []
+    for chunk in _chat(client, seed=seed, stream=True):
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            if choice.delta.audio is not None and choice.delta.audio.data:
+                pcm.append(base64.b64decode(choice.delta.audio.data))
+    return "".join(text), _pcm(b"".join(pcm))
+
+
+def test_streamed_chat_matches_the_single_process_server(client, single_process):
+    text, samples = _streamed(client, seed=11)
+    reference_text, reference = _streamed(single_process, seed=11)
+    assert text == reference_text
+    assert_audio_equal(samples, reference)
+
+
+def test_speech_chunked_and_sse_match_the_single_process_server(client, single_process, url):
+    speech = dict(model="omnimtp-tiny", voice="ethan", input="Hello there", response_format="wav", extra_body={"seed": 3})
+    samples, rate = sf.read(io.BytesIO(client.audio.speech.create(**speech).content), dtype="int16")
+    reference, _ = sf.read(io.BytesIO(single_process.audio.speech.create(**speech).content), dtype="int16")
+    assert rate == 24000
+    assert_audio_equal(samples, reference)
+    body = {"model": "omnimtp-tiny", "voice": "ethan", "input": "Hello there", "seed": 3, "stream_format": "sse"}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    events = [json.loads(line[len("data: "):]) for line in httpx.post(
+        f"{url}/v1/audio/speech", json=body, headers=headers, timeout=120).text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    streamed = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert_audio_equal(_pcm(streamed), reference)
+
+
+def test_bad_input_is_an_openai_4xx(client, url):
+    with pytest.raises(openai.BadRequestError) as bad_voice:
+        client.audio.speech.create(model="omnimtp-tiny", voice="nobody", input="Hi")
+    assert bad_voice.value.body["param"] == "voice"
+    with pytest.raises(openai.NotFoundError) as bad_model:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+    assert bad_model.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    not_json = httpx.post(f"{url}/v1/chat/completions", content=b"{bad", headers=headers)
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_json"
+    too_large = httpx.post(f"{url}/v1/chat/completions", content=b" " * 40_000, headers=headers)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+
+
+def test_requests_spread_over_replicas_and_metrics_label_each(client, url):
+    before = sum(_replica_samples(url, "/v1/chat/completions").values())
+    threads = [threading.Thread(target=lambda i=i: client.chat.completions.create(
+        model="omnimtp-tiny", messages=[{"role": "user", "content": f"Hello {i}"}], max_tokens=3)) for i in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    deadline = time.monotonic() + 15
+    while True:  # the other replica's snapshot arrives within a second
+        counts = _replica_samples(url, "/v1/chat/completions")
+        if sum(counts.values()) >= before + 12 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sum(counts.values()) == before + 12
+    assert len(counts) == 2, f"every request went to one replica: {counts}"
+
+
+def test_a_killed_replica_is_replaced_and_later_requests_succeed(client, url):
+    replicas = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+                if actor["name"].startswith(f"SERVE_REPLICA::{ray_serve.APP_NAME}#{ray_serve.DEPLOYMENT_NAME}#")]
+    assert len(replicas) == 2
+    in_flight = _chat(client, seed=5, stream=True)
+    next(iter(in_flight))
+    in_flight.close()
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    for seed in range(6):
+        message = _chat(client, seed=seed).choices[0].message
+        assert_audible(_pcm(base64.b64decode(message.audio.data)))
+    deadline = time.monotonic() + 120
+    while (health := httpx.get(f"{url}/health")).status_code != 200:
+        assert health.json()["status"] == "loading"
+        assert time.monotonic() < deadline, f"the replica was not replaced: {health.json()}"
+        time.sleep(0.5)
+    assert health.json()["replicas"] == {"running": 2, "total": 2}
+
+
+# -- omnimtp batch ------------------------------------------------------------------------------------
+
+
+def _batch(ray_address, prompts, output, *extra):
+    command = [sys.executable, "-m", "omnimtp.cli", "batch", "--input", str(prompts), "--output", str(output),
+               "--replicas", "2", "--num-cpus-per-replica", "0.5", "--batch-size", "1", "--ray-address", ray_address,
+               *extra]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _lines(path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_batch_interrupted_and_resumed_writes_every_prompt_once(ray_address, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": f"p{i:02d}", "prompt": f"Tell me about number {i}.", **({"seed": i} if i % 3 == 0 else {}),
+             **({"voice": "Chelsie"} if i % 4 == 0 else {})} for i in range(20)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out"
+    results = output / "results.jsonl"
+
+    first = _batch(ray_address, prompts, output)
+    deadline = time.monotonic() + 240
+    while len(_lines(results)) < 3:
+        assert first.poll() is None, first.stdout.read()
+        assert time.monotonic() < deadline, "no result within 240 s"
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.communicate()
+    num_before = len(_lines(results))
+    assert num_before < len(rows), "the first run finished before it was interrupted: nothing was resumed"
+
+    second = _batch(ray_address, prompts, output)
+    log, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, log
+    assert f"{num_before} already in" in log
+    written = _lines(results)
+    assert sorted(r["id"] for r in written) == [row["id"] for row in rows]  # each once
+    assert sorted(os.listdir(output)) == sorted([f"{row['id']}.wav" for row in rows] + ["results.jsonl"])
+    for result in written:
+        samples, rate = sf.read(output / result["audio"], dtype="int16")
+        assert rate == 24000 and len(samples) == round(result["audio_seconds"] * rate)
+        assert_audible(samples)

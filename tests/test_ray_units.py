@@ -1,0 +1,124 @@
+"""`serve --replicas` and `batch` pieces that need no Ray instance: flags → Serve options, the metrics
+merge, the prompt file and resume bookkeeping, and that one-process `serve` never imports Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from omnimtp.batch import BatchInputError, finished_ids, read_prompts
+from omnimtp.cli import build_parser, main
+from omnimtp.server import ray_serve
+from omnimtp.server.metrics import ServerMetrics
+
+
+def _options(*flags):
+    return ray_serve.deployment_options(build_parser().parse_args(["serve", *flags]))
+
+
+def test_fixed_replicas_take_a_whole_batch_and_queue_each():
+    options = _options("--replicas", "3", "--num-cpus-per-replica", "0.5", "--num-gpus-per-replica", "1",
+                       "--max-batch-size", "8", "--max-queue", "32")
+    assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    assert options["max_ongoing_requests"] == 8 + 32 + 4
+    assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1.0}
+    assert options["graceful_shutdown_timeout_s"] == 30.0
+
+
+def test_autoscaling_options():
+    options = _options("--min-replicas", "1", "--max-replicas", "4", "--replicas", "2", "--max-batch-size", "8")
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2,
+                                             "target_ongoing_requests": 8.0}
+    assert _options("--max-replicas", "3", "--target-ongoing-requests", "5")["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 3, "initial_replicas": 1, "target_ongoing_requests": 5.0}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replicas", "2", "--target-ongoing-requests", "4"], "--target-ongoing-requests needs"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "below --min-replicas"),
+    (["--min-replicas", "1", "--max-replicas", "2", "--replicas", "5"], "must be within"),
+])
+def test_bad_scaling_is_refused_before_ray_starts(flags, message, capsys):
+    with pytest.raises(ValueError, match=message):
+        _options(*flags)
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--replicas=0", "--num-cpus-per-replica=-1", "--target-ongoing-requests=nan"])
+def test_bad_flag_values_are_usage_errors(flag):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", flag])
+
+
+def test_missing_ray_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'omnimtp\[ray\]'"):
+        ray_serve.import_serve()
+
+
+def test_one_process_serve_never_imports_ray():
+    code = ("import sys; from omnimtp.cli import build_parser; from omnimtp.server.cli import build_app; "
+            "build_app(build_parser().parse_args(['serve', '--eager'])); assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_merge_metrics_labels_every_sample_by_replica():
+    first, second = ServerMetrics(), ServerMetrics()
+    first.requests.labels(route="/v1/models", status="200").inc()
+    second.requests.labels(route="/v1/models", status="200").inc(2)
+    second.time_to_first_audio.observe(0.3)
+    merged = ray_serve.merge_metrics({"b": second.render(), "a": first.render()}).decode()
+    families = {family.name: family for family in text_string_to_metric_families(merged)}
+    requests = {s.labels["replica"]: s.value for s in families["omnimtp_requests"].samples if s.name.endswith("_total")}
+    assert requests == {"a": 1.0, "b": 2.0}
+    counts = {s.labels["replica"]: s.value for s in families["omnimtp_time_to_first_audio_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"a": 0.0, "b": 1.0}
+    assert merged.count("# TYPE omnimtp_requests_total counter") == 1
+
+
+def _write(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{bad", "not valid JSON"),
+    ({"prompt": "hi"}, "id must be"),
+    ({"id": "../x", "prompt": "hi"}, "id must be"),
+    ({"id": "a"}, "exactly one of prompt and messages"),
+    ({"id": "a", "prompt": " "}, "non-empty string"),
+    ({"id": "a", "messages": [{"role": "user"}]}, "messages must be"),
+    ({"id": "a", "prompt": "hi", "seed": 2**63}, "int64"),
+    ({"id": "a", "prompt": "hi", "speed": 2}, "unknown field 'speed'"),
+])
+def test_bad_prompt_lines_are_named(tmp_path, line, message):
+    path = _write(tmp_path / "p.jsonl", [{"id": "ok", "prompt": "fine"}, line])
+    with pytest.raises(BatchInputError, match=rf"p\.jsonl:2: .*{message}"):
+        read_prompts(path)
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    path = _write(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}, "", {"id": "a", "prompt": "y"}])
+    with pytest.raises(BatchInputError, match="p.jsonl:3: id 'a' is also on line 1"):
+        read_prompts(path)
+
+
+def test_a_torn_last_result_line_is_cut_and_not_counted(tmp_path):
+    results = tmp_path / "results.jsonl"
+    results.write_bytes(b'{"id": "a"}\n{"id": "b"}\n{"id": "c", "te')
+    assert finished_ids(str(tmp_path)) == {"a", "b"}
+    assert results.read_bytes() == b'{"id": "a"}\n{"id": "b"}\n'
+    assert finished_ids(str(tmp_path / "missing")) == set()
+
+
+def test_batch_refuses_an_unknown_voice_before_ray_starts(tmp_path, capsys):
+    path = _write(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x", "voice": "nobody"}])
+    assert main(["batch", "--input", path, "--output", str(tmp_path / "out")]) == 2
+    assert "unknown voice 'nobody'" in capsys.readouterr().err
