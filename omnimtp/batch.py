@@ -22,6 +22,8 @@ import os
 import re
 import sys
 
+from omnimtp.argtypes import non_negative_float, positive_int
+
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
 _ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -45,29 +47,19 @@ def add_parser(subparsers) -> None:
                         "on a cluster, at this path on every node")
     parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's)")
     parser.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="audio file format")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
-    parser.add_argument("--max-frames", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N")
+    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
                         help="audio frames per prompt (12.5 per second)")
-    parser.add_argument("--replicas", type=_positive_int, default=1, metavar="N",
+    parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                         help="pipeline actors generating at once (default %(default)d)")
-    parser.add_argument("--batch-size", type=_positive_int, default=4, metavar="B",
+    parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
                         help="prompts one actor generates together (default %(default)d)")
-    parser.add_argument("--num-cpus-per-replica", type=float, default=1.0, metavar="C",
+    parser.add_argument("--num-cpus-per-replica", type=non_negative_float, default=1.0, metavar="C",
                         help="CPUs Ray reserves for each actor (default %(default)g; fractions allowed)")
-    parser.add_argument("--num-gpus-per-replica", type=float, default=0.0, metavar="G",
+    parser.add_argument("--num-gpus-per-replica", type=non_negative_float, default=0.0, metavar="G",
                         help="GPUs Ray reserves for each actor (default %(default)g)")
     parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster to run on (default: a local instance)")
     parser.set_defaults(handler=run)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 # -- input and output files ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from omnimtp.argtypes import positive_int
 from omnimtp.engine.core import EngineConfig
 from omnimtp.media import MediaLimits
 from omnimtp.models.tiny import TINY_MAX_FRAMES
@@ -47,14 +48,14 @@ def add_parser(subparsers) -> None:
                         help="run the code predictor eagerly: start in seconds instead of compiling its frame "
                         "(by default each batch size's graph is compiled and warmed before /health reports ok)")
     parser.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="the largest request body (default %(default)d, 16 MiB; base64 media is 4/3 of its "
                         "size: raise it to accept longer audio or larger images)")
     parser.add_argument("--max-audio-seconds", type=_seconds, default=MediaLimits.max_audio_seconds, metavar="S",
                         help="the longest input audio part (default %(default)g)")
-    parser.add_argument("--max-image-pixels", type=_positive_int, default=MediaLimits.max_image_pixels, metavar="N",
+    parser.add_argument("--max-image-pixels", type=positive_int, default=MediaLimits.max_image_pixels, metavar="N",
                         help="the largest input image, width × height (default %(default)d)")
-    parser.add_argument("--max-media-parts", type=_positive_int, default=MediaLimits.max_parts, metavar="N",
+    parser.add_argument("--max-media-parts", type=positive_int, default=MediaLimits.max_parts, metavar="N",
                         help="input audio and image parts per request (default %(default)d)")
     parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
@@ -81,16 +82,6 @@ def _seconds(text: str) -> float:
         return check_seconds("the value", value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,

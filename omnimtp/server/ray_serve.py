@@ -36,6 +36,8 @@ import signal
 import sys
 import threading
 
+from omnimtp.argtypes import non_negative_float, positive_float, positive_int
+
 APP_NAME = "omnimtp"
 DEPLOYMENT_NAME = "OmniReplica"
 INSTALL_HINT = "pip install 'omnimtp[ray]'"
@@ -62,60 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`serve`'s Ray Serve flags. None of them given: one process, Ray is not imported."""
     group = parser.add_argument_group(
         "Ray Serve", f"run the server as a Ray Serve deployment of independent engines (needs {INSTALL_HINT})")
-    group.add_argument("--replicas", type=_count, metavar="N",
+    group.add_argument("--replicas", type=positive_int, metavar="N",
                        help="replicas, each an engine with its own continuous batching; with --min-replicas / "
                        "--max-replicas, the number it starts with")
-    group.add_argument("--min-replicas", type=_count, metavar="N",
+    group.add_argument("--min-replicas", type=positive_int, metavar="N",
                        help="autoscale: the fewest replicas (default 1 with --max-replicas)")
-    group.add_argument("--max-replicas", type=_count, metavar="N",
+    group.add_argument("--max-replicas", type=positive_int, metavar="N",
                        help="autoscale: the most replicas (default --min-replicas)")
-    group.add_argument("--target-ongoing-requests", type=_positive_float, metavar="R",
+    group.add_argument("--target-ongoing-requests", type=positive_float, metavar="R",
                        help="autoscale: ongoing requests per replica Serve aims for (default --max-batch-size)")
     group.add_argument("--ray-address", metavar="ADDR",
                        help="the Ray cluster to deploy on (e.g. ray://head:10001 or head:6379); default: start a "
                        "local Ray instance")
-    group.add_argument("--num-cpus-per-replica", type=_non_negative_float, default=1.0, metavar="C",
+    group.add_argument("--num-cpus-per-replica", type=non_negative_float, default=1.0, metavar="C",
                        help="CPUs Ray reserves for each replica (default %(default)g; fractions allowed)")
-    group.add_argument("--num-gpus-per-replica", type=_non_negative_float, default=0.0, metavar="G",
+    group.add_argument("--num-gpus-per-replica", type=non_negative_float, default=0.0, metavar="G",
                        help="GPUs Ray reserves for each replica (default %(default)g)")
 
 
 def is_requested(args: argparse.Namespace) -> bool:
     return args.replicas is not None or args.min_replicas is not None or args.max_replicas is not None
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value
 
 
 def deployment_options(args: argparse.Namespace) -> dict:
