@@ -40,6 +40,8 @@ HANDOFF = ("tests/test_handoff.py", "tests/test_handoff_stream.py")
 REJECTION = ("tests/test_rejection.py", "tests/test_rejection_distribution.py", "tests/test_spec_distribution.py")
 SAMPLING = ("tests/test_sampling.py", "tests/test_spec_distribution.py")
 SPEC = ("tests/test_spec_generate.py", "tests/test_packed_target.py", "tests/test_spec_distribution.py")
+MEDIA = ("tests/test_media_input.py",)
+HYBRID = ("tests/test_spec_hybrid.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -269,6 +271,38 @@ MUTATIONS = [
         "tokens[rows, num_accepted] = target_argmax[rows, num_accepted]",
         "tokens[rows, num_accepted] = target_argmax[rows, num_accepted.clamp(max=num_draft - 1)]",
         SPEC, "greedy verification emits argmax p_k as the bonus instead of argmax p_{k+1}",
+    ),
+    # --- media input ------------------------------------------------------------------------------------
+    Mutation(
+        "media_decode_ignores_rope_offsets", "omnimtp/packed_decoder.py",
+        "            cache.rope_offsets[slot] = int(end) + 1 - (cache.lengths[slot] + num_new)",
+        "            cache.rope_offsets[slot] = 0",
+        MEDIA, "decoding after an image or video prompt continues at the cache index, not at its M-RoPE maximum + 1",
+    ),
+    Mutation(
+        "media_no_deepstack", "omnimtp/runtime/decoder.py",
+        "        if i < len(layer_adds):\n            x = x + layer_adds[i]",
+        "        if False:\n            x = x + layer_adds[i]",
+        MEDIA, "the deepstack visual features are never added",
+    ),
+    Mutation(
+        "media_talker_flat_positions", "omnimtp/talker/qwen3_inputs.py",
+        "        if media is None or not media.has_vision:\n            return None",
+        "        if True:\n            return None",
+        MEDIA, "the talker prefill of an image or video prompt gets 1-D positions",
+    ),
+    Mutation(
+        "media_audio_rows_not_scattered", "omnimtp/thinker.py",
+        "        embeds = _scatter(embeds, ids == config.audio_token_id, audio, \"audio\")",
+        "        _scatter(embeds, ids == config.audio_token_id, audio, \"audio\")",
+        MEDIA, "the audio encoder's rows never reach the prompt embeddings",
+    ),
+    # --- speculative decoding on hybrid targets ---------------------------------------------------------
+    Mutation(
+        "hybrid_no_rollback", "omnimtp/spec_decode/generate.py",
+        "        if linear_layers:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
+        "        if False:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
+        HYBRID, "rejected drafts stay in the Gated-DeltaNet recurrent and conv states",
     ),
 ]
 
