@@ -16,6 +16,9 @@ _EXPORTS = {
     "OmniOutput": "omnimtp.engine.request",
     "OmniEvent": "omnimtp.pipeline",
     "SamplingParams": "omnimtp.sampling",
+    "MediaInputs": "omnimtp.media",
+    "MediaLimits": "omnimtp.media",
+    "load_processor": "omnimtp.media",
     # the OpenAI-compatible server
     "create_app": "omnimtp.server.app",
     "Engine": "omnimtp.server.scheduler",
