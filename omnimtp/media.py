@@ -38,7 +38,8 @@ class MediaInputs:
 
     input_features [N_audio, mel, F] + feature_attention_mask [N_audio, F]; pixel_values [patches, C·T·p·p]
     + image_grid_thw [N_image, 3]; pixel_values_videos + video_grid_thw [N_video, 3] (+ video_second_per_grid
-    [N_video], seconds per temporal grid step, default the processor's 2 frames at 1 fps = 1.0)."""
+    [N_video], seconds per temporal grid step; default, as the processor at its 1 fps: the vision encoder's
+    temporal_patch_size frames = 2.0)."""
 
     input_features: torch.Tensor | None = None
     feature_attention_mask: torch.Tensor | None = None
