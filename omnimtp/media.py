@@ -106,6 +106,13 @@ class MediaInputs:
     def has_vision(self) -> bool:
         return self.image_grid_thw is not None or self.video_grid_thw is not None
 
+    def seconds_per_grid(self, temporal_patch_size: int) -> torch.Tensor | None:
+        """video_second_per_grid, or its default when videos come without it (the processor at 1 fps:
+        temporal_patch_size seconds per grid step); None without videos."""
+        if self.video_grid_thw is None or self.video_second_per_grid is not None:
+            return self.video_second_per_grid
+        return torch.full((self.video_grid_thw.shape[0],), float(temporal_patch_size))
+
     @property
     def audio_lengths(self) -> torch.Tensor | None:
         """Frames of each audio [N_audio] (what transformers calls audio_feature_lengths)."""

@@ -198,12 +198,9 @@ def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, de
         layer_adds.append(add)
     rope_positions = None
     if media.has_vision:
-        second_per_grid = media.video_second_per_grid
-        if media.video_grid_thw is not None and second_per_grid is None:
-            second_per_grid = torch.full((media.video_grid_thw.shape[0],), float(config.vision_config.temporal_patch_size))
         rope_positions, _ = thinker.get_rope_index(
             ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False,
-            media.audio_lengths, second_per_grid,
+            media.audio_lengths, media.seconds_per_grid(config.vision_config.temporal_patch_size),
         )  # [3, 1, P]
     return Prefill(embeds, rope_positions, tuple(layer_adds))
 

@@ -1,6 +1,7 @@
 """Test drafters that share no cache or rollback code with the target: each draft step re-reads every row's
 whole history through the target with transformers' plain forward (left-padded), so whatever the target's
-cache does, the drafts depend only on the tokens."""
+cache does, the drafts depend only on the tokens. And the left-padded ragged prompt batch the speculative
+tests decode."""
 
 from __future__ import annotations
 
@@ -8,6 +9,18 @@ import torch
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.proposer import _draw
+
+
+def ragged_batch(seed: int, lengths=(7, 5, 3), pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts of `lengths` (ids 3..63) and their attention mask, [B, max(lengths)] each."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 64, (n,), generator=g)
+        mask[row, width - n :] = 1
+    return ids, mask
 
 
 class RecomputingDraft:

@@ -10,6 +10,7 @@ from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generat
 from omnimtp.spec_decode.generate import _greedy_verify
 from omnimtp.spec_decode.rejection import rejection_sample
 from distribution_checks import tv_bound
+from spec_drafters import ragged_batch
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 PAD = 0
@@ -22,17 +23,6 @@ def models(request):
     return target, MTPHead.from_config(target)
 
 
-def _ragged_batch(seed: int, lengths=(7, 5, 3, 6)):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, 64, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
-
-
 def _eos_mid_output(target, ids, mask, max_new_tokens):
     """An EOS id that some row emits early and another row doesn't, so rows finish at different times."""
     free = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
@@ -43,7 +33,7 @@ def _eos_mid_output(target, ids, mask, max_new_tokens):
 @pytest.mark.parametrize("drafter", ["mtp_head", "target"])
 def test_greedy_identical_to_generate_ragged_batch_with_eos(models, k, drafter):
     target, head = models
-    ids, mask = _ragged_batch(seed=k)
+    ids, mask = ragged_batch(lengths=(7, 5, 3, 6), pad_id=PAD, seed=k)
     eos = _eos_mid_output(target, ids, mask, 10)
     reference = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
     proposer = head if drafter == "mtp_head" else TargetProposer(target)
@@ -70,7 +60,7 @@ def test_greedy_identical_to_generate_batch_one(models, k):
 
 def test_stats_are_consistent(models):
     target, head = models
-    ids, mask = _ragged_batch(seed=3)
+    ids, mask = ragged_batch(lengths=(7, 5, 3, 6), pad_id=PAD, seed=3)
     out = speculative_generate(target, head, ids, mask, max_new_tokens=10, num_draft_tokens=3, eos_token_id=-1)
     stats = out.stats
     assert stats.mean_acceptance_length == pytest.approx(1 + sum(stats.acceptance_per_position))
@@ -108,7 +98,7 @@ def test_sampled_tokens_follow_target_distribution(models):
 
 def test_seeded_runs_repeat_and_rows_are_batch_independent(models):
     target, head = models
-    ids, mask = _ragged_batch(seed=5)
+    ids, mask = ragged_batch(lengths=(7, 5, 3, 6), pad_id=PAD, seed=5)
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
     kwargs = dict(max_new_tokens=10, num_draft_tokens=3, sampling=sampling, eos_token_id=-1)
     seeds = [11, 12, 13, 14]

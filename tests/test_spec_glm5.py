@@ -17,7 +17,7 @@ from omnimtp.spec_decode.hybrid import crop_attention
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer
 from omnimtp.sampling import SamplingParams
 from spec_checkpoints import train_save_load_and_spec
-from spec_drafters import RecomputingDraft
+from spec_drafters import RecomputingDraft, ragged_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -28,17 +28,6 @@ CASES = [(4, True), (4, False), (64, True), (64, False)]  # (index_topk, index_s
 def target(request):
     index_topk, share = request.param
     return tiny_lm("glm_moe_dsa", seed=0, index_topk=index_topk, index_share_for_mtp_iteration=share)
-
-
-def _ragged_batch(seed: int, lengths=(7, 5, 3)):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, 64, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
 
 
 def test_dsa_layer_equals_transformers_layer(target):
@@ -64,7 +53,7 @@ def test_dsa_layer_equals_transformers_layer(target):
 def test_greedy_identical_to_generate(target, k):
     torch.manual_seed(1)
     head = MTPHead.from_config(target)
-    for ids, mask in (_ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
+    for ids, mask in (ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
         reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
         for drafter in (RecomputingDraft(target, corrupt_rate=0.3, seed=k), head):
             out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k, eos_token_id=-1)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from omnimtp import MTPHead, speculative_generate, tiny_lm
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from spec_checkpoints import train_save_load_and_spec
-from spec_drafters import RecomputingDraft
+from spec_drafters import RecomputingDraft, ragged_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -21,24 +21,13 @@ def target(request):
     return tiny_lm(request.param, seed=0)
 
 
-def _ragged_batch(seed: int, lengths=(7, 5, 3)):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, 64, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_identical_to_generate(target, k):
     """A drafter right ~70% of the time makes rows accept 0..k drafts, differently per row and step, so every
     rollback length occurs; the random MTP head (almost always rejected) drafts on the same prompts."""
     torch.manual_seed(1)
     head = MTPHead.from_config(target)
-    for ids, mask in (_ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
+    for ids, mask in (ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
         reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
         for drafter in (RecomputingDraft(target, corrupt_rate=0.3, seed=k), head):
             out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k, eos_token_id=-1)
@@ -49,7 +38,7 @@ def test_greedy_identical_to_generate(target, k):
 
 def test_drafts_accepted_partially_and_fully(target):
     """The drafter of the greedy test really exercises partial rollbacks and the all-accepted path."""
-    ids, mask = _ragged_batch(seed=9)
+    ids, mask = ragged_batch(seed=9)
     out = speculative_generate(
         target, RecomputingDraft(target, corrupt_rate=0.3, seed=9), ids, mask, max_new_tokens=14,
         num_draft_tokens=3, eos_token_id=-1,

@@ -141,10 +141,12 @@ def tiny_glm_moe_dsa_config(
     return config
 
 
-def _qwen_hybrid_fields(vocab_size, hidden_size, num_hidden_layers, initializer_range) -> dict:
-    """Qwen3-Next / Qwen3.5 layers: Gated DeltaNet (linear attention) except every `num_hidden_layers`-th,
-    which is gated full attention with a quarter of each head rotated; one MTP layer (`mtp_num_hidden_layers`)."""
-    return dict(
+def _qwen_hybrid_config(config_class, vocab_size, hidden_size, num_hidden_layers, initializer_range, **fields):
+    """A Qwen3-Next / Qwen3.5 config (sdpa): Gated DeltaNet (linear attention) layers except every
+    `num_hidden_layers`-th, which is gated full attention with a quarter of each head rotated; one MTP layer
+    (`mtp_num_hidden_layers`). fields: the family's MLP sizes."""
+    config = config_class(
+        **fields,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_hidden_layers=num_hidden_layers,
@@ -164,6 +166,8 @@ def _qwen_hybrid_fields(vocab_size, hidden_size, num_hidden_layers, initializer_
         eos_token_id=TINY_LM_EOS_TOKEN_ID,
         mtp_num_hidden_layers=1,
     )
+    config._attn_implementation = "sdpa"
+    return config
 
 
 def _moe_fields(hidden_size) -> dict:
@@ -176,12 +180,10 @@ def tiny_qwen3_next_config(
     initializer_range: float = 0.2,
 ) -> Qwen3NextConfig:
     """Qwen3-Next-80B-A3B's real sizes: hidden 2048, 48 layers (full attention every 4th), 512 experts, top-10."""
-    config = Qwen3NextConfig(
+    return _qwen_hybrid_config(
+        Qwen3NextConfig, vocab_size, hidden_size, num_hidden_layers, initializer_range,
         intermediate_size=2 * hidden_size, **_moe_fields(hidden_size),
-        **_qwen_hybrid_fields(vocab_size, hidden_size, num_hidden_layers, initializer_range),
     )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def tiny_qwen3_5_config(
@@ -189,12 +191,10 @@ def tiny_qwen3_5_config(
     initializer_range: float = 0.2,
 ) -> Qwen3_5TextConfig:
     """Qwen3.5 (dense) text model; the real 27B: hidden 5120, 64 layers (full attention every 4th)."""
-    config = Qwen3_5TextConfig(
+    return _qwen_hybrid_config(
+        Qwen3_5TextConfig, vocab_size, hidden_size, num_hidden_layers, initializer_range,
         intermediate_size=2 * hidden_size,
-        **_qwen_hybrid_fields(vocab_size, hidden_size, num_hidden_layers, initializer_range),
     )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 def tiny_qwen3_5_moe_config(
@@ -202,11 +202,9 @@ def tiny_qwen3_5_moe_config(
     initializer_range: float = 0.2,
 ) -> Qwen3_5MoeTextConfig:
     """Qwen3.5-MoE text model; the real 397B-A17B: hidden 4096, 60 layers, 512 experts, top-10."""
-    config = Qwen3_5MoeTextConfig(
-        **_moe_fields(hidden_size), **_qwen_hybrid_fields(vocab_size, hidden_size, num_hidden_layers, initializer_range),
+    return _qwen_hybrid_config(
+        Qwen3_5MoeTextConfig, vocab_size, hidden_size, num_hidden_layers, initializer_range, **_moe_fields(hidden_size),
     )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 _TINY_CONFIGS = {

@@ -163,10 +163,6 @@ class Qwen3TalkerInputBuilder:
         talker = self.model.talker
         ids = torch.tensor([[self.prompt_ids[p] for p in self.user_positions] + self.assistant_ids])
         ids = ids.to(talker.device)
-        second_per_grid = media.video_second_per_grid
-        if media.video_grid_thw is not None and second_per_grid is None:
-            patch = self.model.config.thinker_config.vision_config.temporal_patch_size
-            second_per_grid = torch.full((media.video_grid_thw.shape[0],), float(patch))
         owner = talker
         if media.has_audio and not hasattr(talker.config, "audio_config"):
             # transformers' talker config has no audio_config, so its get_rope_index fails on a prompt with
@@ -180,7 +176,7 @@ class Qwen3TalkerInputBuilder:
             )
         positions, _ = type(talker).get_rope_index(
             owner, ids, media.image_grid_thw, media.video_grid_thw, torch.ones_like(ids), False, media.audio_lengths,
-            second_per_grid,
+            media.seconds_per_grid(self.model.config.thinker_config.vision_config.temporal_patch_size),
         )
         return positions[:, 0]  # [3, L]
 
