@@ -168,8 +168,21 @@ def test_bad_input_is_an_openai_4xx(client, url):
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
 
 
+def _settled_chat_count(url) -> float:
+    """The chat requests /metrics counts once every replica's snapshot has caught up (each replica pushes
+    one every `ray_serve._METRICS_PUSH_S`): two reads that far apart agree."""
+    count = sum(_replica_samples(url, "/v1/chat/completions").values())
+    for _ in range(20):
+        time.sleep(1.5 * ray_serve._METRICS_PUSH_S)
+        again = sum(_replica_samples(url, "/v1/chat/completions").values())
+        if again == count:
+            return count
+        count = again
+    return count
+
+
 def test_requests_spread_over_replicas_and_metrics_label_each(client, url):
-    before = sum(_replica_samples(url, "/v1/chat/completions").values())
+    before = _settled_chat_count(url)  # earlier tests' last requests may not be pushed yet
     threads = [threading.Thread(target=lambda i=i: client.chat.completions.create(
         model="omnimtp-tiny", messages=[{"role": "user", "content": f"Hello {i}"}], max_tokens=3)) for i in range(12)]
     for thread in threads:
