@@ -1,4 +1,5 @@
-"""End-to-end Qwen3-Omni speech: thinker → talker (+ code predictor) → code2wav, as a Python API.
+"""End-to-end omni speech: thinker → talker → codec, as a Python API, for Qwen3-Omni (talker + code predictor
+→ code2wav) and Qwen2.5-Omni (single-codebook talker → token2wav).
 
 `OmniPipeline` is a synchronous driver of the engine core (`omnimtp.engine.core.EngineCore`): it turns
 prompts into requests, steps the core until they are done and hands out the events. `stream` streams:
@@ -9,7 +10,7 @@ written (one text projection over the reply, bit for bit transformers' call) and
 in one block when its talker ends. The server runs the same core, so a request served over HTTP gives
 the same text and PCM as here.
 
-    pipe = OmniPipeline.tiny()
+    pipe = OmniPipeline.tiny()              # Qwen3-Omni; OmniPipeline.tiny(family="qwen2_5"): Qwen2.5-Omni
     out = pipe.generate("Hello")            # OmniOutput(text, text_ids, codes [G, T], audio, sample_rate, ...)
     for event in pipe.stream("Hello"):      # OmniEvent(text delta, audio chunk or None, finish_reason)
         ...
@@ -29,12 +30,19 @@ import torch
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
+from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
+
+# config.json's model_type → (family, transformers class name)
+MODEL_TYPES = {
+    "qwen3_omni_moe": (Qwen3OmniFamily, "Qwen3OmniMoeForConditionalGeneration"),
+    "qwen2_5_omni": (Qwen2_5OmniFamily, "Qwen2_5OmniForConditionalGeneration"),
+}
 
 MEDIA_ARGUMENTS = (
     "input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
@@ -55,12 +63,12 @@ class OmniEvent:
 
 
 class OmniPipeline:
-    """Qwen3-Omni text, audio, images and video → text + speech. See the module docstring."""
+    """Text (and, for Qwen3-Omni, audio, images and video) → text + speech. See the module docstring."""
 
     def __init__(
-        self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
+        self, model=None, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
-        media_limits: MediaLimits | None = None,
+        media_limits: MediaLimits | None = None, family=None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -68,14 +76,26 @@ class OmniPipeline:
         (a minute or more per batch size the first time, seconds once inductor's disk cache has it), the
         fastest. Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
         audio and image processor (None: chat messages with media parts are refused); media_limits: what
-        such a part may hold (`omnimtp.media.MediaLimits`)."""
+        such a part may hold (`omnimtp.media.MediaLimits`). family: a ready family
+        (`Qwen3OmniFamily`, `Qwen2_5OmniFamily`) instead of model, tokenizer and processor; else the family
+        follows the model's `config.model_type`."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
             max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
             max_frames=defaults.max_frames if max_frames is None else max_frames,
         )
-        self.family = Qwen3OmniFamily(model, tokenizer, processor=processor, compile_predictor=compile_predictor)
+        if (family is None) == (model is None):
+            raise ValueError("model: give exactly one of model or family")
+        if family is None:
+            model_type = model.config.model_type
+            if model_type not in MODEL_TYPES:
+                raise ValueError(f"model: a {model_type!r} model; supported: {sorted(MODEL_TYPES)}")
+            if model_type == "qwen2_5_omni":
+                family = Qwen2_5OmniFamily(model, tokenizer)
+            else:
+                family = Qwen3OmniFamily(model, tokenizer, processor=processor, compile_predictor=compile_predictor)
+        self.family = family
         self.media_limits = media_limits or MediaLimits()
 
     @property
@@ -107,23 +127,27 @@ class OmniPipeline:
         return self.config.max_frames
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None) -> "OmniPipeline":
+    def tiny(cls, seed: int = 0, device=None, family: str = "qwen3") -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU)."""
+        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni, text input)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
-        family = Qwen3OmniFamily.tiny(seed, device=device)
-        return cls(
-            family.model, family.tokenizer, processor=family.processor, max_new_tokens=TINY_MAX_NEW_TOKENS,
-            max_frames=TINY_MAX_FRAMES,
-        )
+        if family == "qwen3":
+            made = Qwen3OmniFamily.tiny(seed, device=device)
+        elif family == "qwen2_5":
+            made = Qwen2_5OmniFamily.tiny(seed, device=device)
+        else:
+            raise ValueError(f"family must be 'qwen3' or 'qwen2_5', got {family!r}")
+        return cls(family=made, max_new_tokens=TINY_MAX_NEW_TOKENS, max_frames=TINY_MAX_FRAMES)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
-        """A Qwen3-Omni checkpoint directory (config.json with model_type "qwen3_omni_moe"); its tokenizer and
-        processor (audio and images, `omnimtp.media.load_processor`) when it has them."""
-        from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+        """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
+        "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt); its tokenizer, and for Qwen3-Omni
+        its processor (audio and images, `omnimtp.media.load_processor`), when it has them."""
+        import transformers
+        from transformers import AutoTokenizer
 
         path = os.fspath(path)
         config_path = os.path.join(path, "config.json")
@@ -131,19 +155,25 @@ class OmniPipeline:
             raise ValueError(f"path: {path!r} is not a checkpoint directory (no config.json)")
         with open(config_path) as f:
             model_type = json.load(f).get("model_type")
-        if model_type != "qwen3_omni_moe":
-            raise ValueError(f"path: {path!r} holds a {model_type!r} model, not a Qwen3-Omni (qwen3_omni_moe) checkpoint")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"path: {path!r} holds a {model_type!r} model; supported model types: {sorted(MODEL_TYPES)}")
+        if model_type == "qwen2_5_omni" and not os.path.isfile(os.path.join(path, "spk_dict.pt")):
+            raise ValueError(f"path: {path!r} has no spk_dict.pt (a Qwen2.5-Omni checkpoint keeps its speakers there)")
         device = None if device is None else resolve_device(device)
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=dtype)
+        model = getattr(transformers, MODEL_TYPES[model_type][1]).from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-        return cls(model, tokenizer, processor=load_processor(path), **kwargs)
+        processor = load_processor(path) if model_type == "qwen3_omni_moe" else None
+        return cls(model, tokenizer, processor=processor, **kwargs)
 
     def save_pretrained(self, path) -> None:
-        """The model, its tokenizer and its processor, in a checkpoint's layout."""
+        """The model (Qwen2.5-Omni: its speakers in spk_dict.pt), its tokenizer and its processor, in a
+        checkpoint's layout."""
         self.model.save_pretrained(path)
+        if self.model.config.model_type == "qwen2_5_omni":
+            torch.save(self.model.speaker_map, os.path.join(os.fspath(path), "spk_dict.pt"))
         if self.processor is not None:
             self.processor.save_pretrained(path)  # its tokenizer too
         elif self.tokenizer is not None:

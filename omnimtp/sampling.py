@@ -137,15 +137,30 @@ def sample(
 _UINT64 = 1 << 64
 
 
-def request_seeds(seed: int | None) -> tuple[int | None, int | None]:
-    """The thinker's and the talker's generator seeds of one omni request seeded `seed` (None: unseeded):
-    2·seed and 2·seed + 1 modulo 2^64, so any int64 seed (what OpenAI accepts) is valid and `manual_seed`
-    never overflows. Every driver (pipeline, server) seeds a request through this one rule."""
+def request_seeds(seed: int | None) -> tuple[int | None, int | None, int | None]:
+    """The thinker's, the talker's and the codec's generator seeds of one omni request seeded `seed` (None:
+    unseeded): 2·seed and 2·seed + 1 modulo 2^64, so any int64 seed (what OpenAI accepts) is valid and
+    `manual_seed` never overflows; the codec's is splitmix64(seed mod 2^64), a bijection, so two requests'
+    codec seeds never collide, moved off the request's own two seeds in the rare case it hits one (its
+    top bit flipped keeps its parity: it then differs from both). Every driver (pipeline, server) seeds a
+    request through this one rule."""
     if seed is None:
-        return None, None
+        return None, None, None
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be None or an integer, got {seed!r}")
-    return (2 * seed) % _UINT64, (2 * seed + 1) % _UINT64
+    thinker, talker = (2 * seed) % _UINT64, (2 * seed + 1) % _UINT64
+    codec = _splitmix64(seed % _UINT64)
+    if codec in (thinker, talker):
+        codec ^= 1 << 63
+    return thinker, talker, codec
+
+
+def _splitmix64(value: int) -> int:
+    """splitmix64's output function: a bijection of [0, 2^64) that scatters neighbouring seeds."""
+    value = (value + 0x9E3779B97F4A7C15) % _UINT64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) % _UINT64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) % _UINT64
+    return value ^ (value >> 31)
 
 
 def row_seeds(seed, num_rows: int) -> list[int | None]:

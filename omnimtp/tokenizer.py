@@ -55,8 +55,9 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny model's tokenizer: 256 byte tokens + the thinker specials at their fixed ids."""
+def byte_tokenizer(special_tokens: dict[str, int] = THINKER_SPECIAL_TOKENS) -> PreTrainedTokenizerFast:
+    """A tiny model's tokenizer: 256 byte tokens + the thinker specials at their fixed ids (default the tiny
+    Qwen3-Omni's; `omnimtp.models.tiny_qwen2_5_omni.QWEN2_5_THINKER_SPECIAL_TOKENS` for the tiny Qwen2.5-Omni)."""
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     byte_to_char = _bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
@@ -64,7 +65,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    for name, token_id in sorted(THINKER_SPECIAL_TOKENS.items(), key=lambda item: item[1]):
+    for name, token_id in sorted(special_tokens.items(), key=lambda item: item[1]):
         is_role = name in ROLE_TOKENS
         tokenizer.add_tokens([AddedToken(name, special=not is_role, single_word=is_role, normalized=False)])
         if tokenizer.token_to_id(name) != token_id:

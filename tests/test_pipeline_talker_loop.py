@@ -107,8 +107,8 @@ def test_next_inputs_equal_next_talker_input_bit_for_bit():
     cb0_embed = torch.randn(3, hidden_size, generator=generator)
     codes = torch.randint(0, cp.config.vocab_size, (3, num_groups - 1), generator=generator)
     text = torch.randn(3, hidden_size, generator=generator)
-    ours = batch._next_inputs(cb0_embed, codes, text)
+    ours = batch.frames.next_inputs(cb0_embed, codes, text)
     assert torch.equal(ours, next_talker_input(cp, cb0_embed, codes, text))
     # a wrong code changes it (the tables are really indexed)
     codes[1, 4] = (codes[1, 4] + 1) % cp.config.vocab_size
-    assert not torch.equal(batch._next_inputs(cb0_embed, codes, text)[1], ours[1])
+    assert not torch.equal(batch.frames.next_inputs(cb0_embed, codes, text)[1], ours[1])

@@ -80,8 +80,8 @@ def test_every_decoder_keeps_its_keys_in_the_one_kv_cache():
     run = ThinkerRun(model.thinker, [[256, 262, 10]], accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=2)
     talker = TalkerBatch(model.talker, 2)
     assert isinstance(run.kv, KVCache) and isinstance(talker.kv, KVCache)
-    assert isinstance(talker.predictor.kv, KVCache) and not talker.predictor.kv.is_growable
-    assert talker.predictor.kv.capacity == model.talker.code_predictor.config.num_code_groups
+    assert isinstance(talker.frames.predictor.kv, KVCache) and not talker.frames.predictor.kv.is_growable
+    assert talker.frames.predictor.kv.capacity == model.talker.code_predictor.config.num_code_groups
 
     target = tiny_lm("glm4_moe", seed=0)
     torch.manual_seed(1)

@@ -427,11 +427,11 @@ def test_a_model_error_fails_its_requests_cleanly_and_the_server_recovers(tiny):
     real_decode = family.decode_audio
     calls = {"n": 0}
 
-    def failing_once(streams, blocks):
+    def failing_once(streams, blocks, is_final):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom")
-        return real_decode(streams, blocks)
+        return real_decode(streams, blocks, is_final)
 
     family.decode_audio = failing_once
     engine = _engine(tiny, MAX_FRAMES, family, max_batch_size=2)

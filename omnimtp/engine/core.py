@@ -19,7 +19,7 @@ One `step()` is one audio frame boundary:
              `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
     retire   finished requests
 
-The model family (`omnimtp.engine.family.Family`, e.g. `omnimtp.families.qwen3_omni`) supplies
+The model family (`omnimtp.engine.family.Family`: `omnimtp.families.qwen3_omni`, `qwen2_5_omni`) supplies
 everything model-specific; the core only moves each
 request's state (`omnimtp.engine.request.Request`) through the stages. Each request has its own KV
 slots and generators, so a seeded request gives the same tokens, codes and PCM alone or in any batch.
@@ -205,7 +205,7 @@ class EngineCore:
             self._stage("queue", now - request.submitted_at)
             if not request.has_speech:
                 continue
-            request.codec_stream = self.family.new_codec_stream()
+            request.codec_stream = self.family.new_codec_stream(request.speaker, request.codec_generator)
             if not request.is_chat:
                 inputs = self.family.speech_talker_inputs(request.prompt_ids, request.speaker)
                 request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
@@ -392,11 +392,14 @@ class EngineCore:
         if not ready:
             return []
         blocks = [torch.stack(r.frames[r.num_decoded : r.num_decoded + n], dim=1) for r, n in ready]  # [G, n] each
-        chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks)
+        is_final = [r.talker_finish_reason is not None and r.num_decoded + n == len(r.frames) for r, n in ready]
+        chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks, is_final)
         now = time.perf_counter()
         events = []
         for (request, n), audio in zip(ready, chunks):
             request.num_decoded += n
+            if audio.size == 0:  # a codec that looks ahead holds this block's samples back
+                continue
             request.audio.append(audio)
             if request.first_audio_at is None:
                 request.first_audio_at = now

@@ -2,7 +2,8 @@
 
 A family (`omnimtp.families.qwen3_omni.Qwen3OmniFamily`) owns a model's weights (packed once) and
 everything model-specific: prompt ids, the thinker run, the talker-input builder, the talker batch,
-the codec. A second family is one new module implementing this, not a fork of the loop.
+the codec. A second family (`omnimtp.families.qwen2_5_omni.Qwen2_5OmniFamily`) is one module implementing this,
+not a fork of the loop.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class Family(Protocol):
                        generator: torch.Generator, max_frames: int, prefill_positions: torch.Tensor | None):
         """One request's talker admission (`omnimtp.talker.loop.TalkerRequest`)."""
 
-    def new_codec_stream(self):
-        """A request's codec state (its decoded history)."""
+    def new_codec_stream(self, speaker: str, generator: torch.Generator | None):
+        """A request's codec state (its decoded history) for `speaker`; generator: the request's codec noise
+        (`Request.codec_generator`; None: torch's global RNG when the audio is decoded)."""
 
-    def decode_audio(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
-        """The next audio of several requests: blocks[i] [G, n_i] continues streams[i]."""
+    def decode_audio(self, streams: list, blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
+        """The next audio of several requests: blocks[i] [G, n_i] continues streams[i]; is_final[i]: the
+        block ends the request's frames (a codec that looks ahead may hold samples back until then)."""

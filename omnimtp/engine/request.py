@@ -40,8 +40,12 @@ class Request:
     due; False does what transformers' `generate` does: the talker inputs are built from all of the
     thinker's rows once it has finished (one text projection over the reply) and the audio is
     decoded in one block when the talker ends. seed: the request's generators are seeded by
-    `request_seeds(seed)`; None draws a seed from torch's global RNG, so `torch.manual_seed` repeats
-    an unseeded request too, and a request never draws from an RNG other requests share. media: the
+    `request_seeds(seed)` (thinker, talker, codec); None: a request that samples its thinker or talker
+    draws a seed from torch's global RNG for those two, so `torch.manual_seed` repeats an unseeded request
+    too, and it never draws from an RNG other requests share; a greedy unseeded request draws nothing (its
+    generators are unused). codec_generator: a seeded request's codec noise (Qwen2.5-Omni's DiT), so
+    `seed=s` repeats bit for bit whatever else ran; None for an unseeded request, whose codec noise comes
+    from torch's global RNG when its audio is decoded, as transformers draws it. media: the
     prompt's audio / image / video tensors (`omnimtp.media.MediaInputs`), one encoder row per media pad
     id of prompt_ids; None for a text prompt."""
 
@@ -60,6 +64,7 @@ class Request:
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
     talker_generator: torch.Generator | None = field(default=None, repr=False)
+    codec_generator: torch.Generator | None = field(default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)  # thinker tokens, stop token included
     text: str = ""  # the text handed out so far
     thinker_finish_reason: str | None = None
@@ -99,17 +104,24 @@ class Request:
         if not self.is_chat and self.speaker is None:
             raise ValueError("speaker is required to speak a speech request's text")
         seed = self.seed
-        if seed is None:
+        is_sampled = any(s is not None and not s.is_greedy for s in (self.thinker_sampling, self.talker_sampling))
+        if seed is None and is_sampled:
             seed = int(torch.randint(0, 2**63 - 1, ()))
-        self.generator_seeds = request_seeds(seed)  # (thinker, talker)
-        self.thinker_generator, self.talker_generator = make_generators(list(self.generator_seeds))
+        thinker_seed, talker_seed, codec_seed = request_seeds(seed)
+        self.generator_seeds = (thinker_seed, talker_seed)
+        self.codec_seed = codec_seed if self.seed is not None else None
+        self._make_generators("cpu")
+
+    def _make_generators(self, device: torch.device | str) -> None:
+        self.thinker_generator, self.talker_generator = make_generators(list(self.generator_seeds), device)
+        self.codec_generator = None if self.codec_seed is None else make_generators([self.codec_seed], device)[0]
 
     def place_generators(self, device: torch.device | str) -> None:
         """Remake the request's generators on `device` (the model's), from the same seeds, so sampling draws
         its noise where the logits are; a no-op when they are there already."""
         device = torch.device(device)
         if self.thinker_generator.device != device:
-            self.thinker_generator, self.talker_generator = make_generators(list(self.generator_seeds), device)
+            self._make_generators(device)
 
     # --- what the drivers read ---
 

@@ -274,12 +274,14 @@ class Qwen3OmniFamily:
 
     # --- code2wav ---
 
-    def new_codec_stream(self):
+    def new_codec_stream(self, speaker: str, generator: torch.Generator | None):
+        """code2wav's stream state (code2wav has neither speaker nor noise: both unused)."""
         return self.codec.new_stream()
 
-    def decode_audio(self, streams: list, blocks: list[torch.Tensor]) -> list[np.ndarray]:
+    def decode_audio(self, streams: list, blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
         """The next audio of several requests in one code2wav call: blocks[i] [G, n_i] continues
-        streams[i]; chunk [a, b) holds samples [1920·a − 555, 1920·b − 555) of the one-shot decode."""
+        streams[i]; chunk [a, b) holds samples [1920·a − 555, 1920·b − 555) of the one-shot decode
+        (code2wav looks at no later frame, so is_final changes nothing)."""
         return [np.asarray(chunk, dtype=np.float32) for chunk in self.codec.decode(streams, blocks)]
 
 

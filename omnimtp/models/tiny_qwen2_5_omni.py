@@ -1,20 +1,28 @@
 """A tiny, seeded Qwen2.5-Omni built from the real transformers config classes.
 
-Only the thinker and the talker matter to us (the thinker → talker handoff); token2wav is built at its
-smallest so the class constructs, and is never run by our tests. The thinker vocab mirrors
-`omnimtp.models.tiny`: 0..255 are bytes, then the chat and TTS specials of `QWEN2_5_THINKER_SPECIAL_TOKENS`.
+Thinker, talker and token2wav (DiT + BigVGAN) at tiny widths; BigVGAN keeps `upsample_initial_channel` = 64
+so its channels survive its six halvings. The thinker vocab mirrors `omnimtp.models.tiny`: 0..255 are
+bytes, then the chat and TTS specials of `QWEN2_5_THINKER_SPECIAL_TOKENS`; `qwen2_5_byte_tokenizer` is its
+tokenizer with a chat template. Random BigVGAN weights speak at about −150 dBFS, so the builder rescales
+its output convolution to speech level (`TINY_SPEECH_RMS`): audio comparisons then compare real signals.
 
 Two things the real checkpoint carries outside the config must be supplied here:
-- speakers live in `spk_dict.pt`, loaded into `model.speaker_map` by `from_pretrained`; we fill
-  `speaker_map` with one entry per name in `TINY_QWEN2_5_SPEAKERS` (its `bos_token` is a thinker id);
+- speakers live in `spk_dict.pt` (`{name: {"bos_token", "cond", "ref_mel"}}`), loaded into
+  `model.speaker_map` by `from_pretrained`; we fill `speaker_map` with one entry per name in
+  `TINY_QWEN2_5_SPEAKERS` (its `bos_token` is a thinker id), and `save_tiny_qwen2_5_omni` writes it;
 - `generate` defaults the talker EOS to the hard-coded ids `[8292, 8294]`, outside a tiny codec vocab:
-  callers pass `talker_eos_token_id=[TINY_QWEN2_5_CODEC["eos"]]`.
+  callers pass `talker_eos_token_id=[TINY_QWEN2_5_CODEC["eos"], TINY_QWEN2_5_CODEC["pad"]]` (the config's
+  codec end and pad ids, what those hard-coded ids are in the real vocab).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+from omnimtp.models.tiny import TINY_SPEECH_RMS
 
 QWEN2_5_THINKER_SPECIAL_TOKENS = {
     "<|im_start|>": 256,
@@ -40,6 +48,7 @@ TINY_QWEN2_5_CODEC_VOCAB = 64
 # codec specials sit at the top of the tiny codec vocab, like 8292..8296 in the real 8448-entry vocab
 TINY_QWEN2_5_CODEC = {"pad": 58, "bos": 59, "eos": 60, "mask": 62}
 TINY_QWEN2_5_SPEAKERS = {"Chelsie": "<|chelsie_bos|>", "Ethan": "<|ethan_bos|>"}
+TINY_QWEN2_5_REF_MEL_FRAMES = 8
 
 
 def tiny_qwen2_5_omni_config(
@@ -88,7 +97,7 @@ def tiny_qwen2_5_omni_config(
             num_embeds=TINY_QWEN2_5_CODEC_VOCAB + 1, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 48],
             enc_attention_channels=8, enc_se_channels=8, look_ahead_layers=[0], look_backward_layers=[0],
         ),
-        bigvgan_config=dict(upsample_initial_channel=32),
+        bigvgan_config=dict(upsample_initial_channel=64),
     )
     return Qwen2_5OmniConfig(
         thinker_config=thinker_config, talker_config=talker_config, token2wav_config=token2wav_config
@@ -96,7 +105,9 @@ def tiny_qwen2_5_omni_config(
 
 
 def tiny_qwen2_5_omni(seed: int = 0, **config_kwargs) -> Qwen2_5OmniForConditionalGeneration:
-    """A seeded tiny `Qwen2_5OmniForConditionalGeneration` in eval mode (fp32, CPU), with `speaker_map` filled.
+    """A seeded tiny `Qwen2_5OmniForConditionalGeneration` in eval mode (fp32, CPU), with `speaker_map`
+    filled (`bos_token` a thinker id, `cond` [enc_emb_dim], `ref_mel` [1, frames, mel_dim], as in the real
+    spk_dict.pt) and token2wav at speech level.
 
     The global torch RNG is saved and restored, so building a model never disturbs the caller's seed."""
     config = tiny_qwen2_5_omni_config(**config_kwargs)
@@ -109,6 +120,44 @@ def tiny_qwen2_5_omni(seed: int = 0, **config_kwargs) -> Qwen2_5OmniForCondition
             model.speaker_map[name] = {
                 "bos_token": QWEN2_5_THINKER_SPECIAL_TOKENS[token],
                 "cond": torch.randn(enc_emb_dim),
-                "ref_mel": torch.randn(1, 8, mel_dim),
+                "ref_mel": torch.randn(1, TINY_QWEN2_5_REF_MEL_FRAMES, mel_dim),
             }
-    return model.eval()
+    model.eval()
+    scale_token2wav_to_speech_level(model)
+    return model
+
+
+@torch.no_grad()
+def scale_token2wav_to_speech_level(model: Qwen2_5OmniForConditionalGeneration, target_rms: float = TINY_SPEECH_RMS) -> None:
+    """Scale BigVGAN's last convolution (it has no bias, so the waveform before the ±1 clamp scales by the
+    same factor) so that token2wav of random codes, first speaker, gives RMS `target_rms`. A deterministic
+    function of the weights: the codes and the DiT noise come from a forked, seeded RNG."""
+    token2wav = model.token2wav
+    speaker = next(iter(model.speaker_map.values()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        codes = torch.randint(0, TINY_QWEN2_5_CODEC["pad"], (1, 25))
+        wav = token2wav(codes, conditioning=speaker["cond"][None].float(), reference_mel=speaker["ref_mel"].float())
+    rms = wav.double().pow(2).mean().sqrt().item()
+    if rms == 0.0:
+        raise ValueError("token2wav: random weights decode to exact silence; cannot scale to speech level")
+    token2wav.code2wav_bigvgan_model.conv_post.weight.mul_(target_rms / rms)
+
+
+def qwen2_5_byte_tokenizer():
+    """The tiny Qwen2.5-Omni's tokenizer: bytes + `QWEN2_5_THINKER_SPECIAL_TOKENS`, Qwen's chat template."""
+    from omnimtp.tokenizer import byte_tokenizer
+
+    return byte_tokenizer(QWEN2_5_THINKER_SPECIAL_TOKENS)
+
+
+def save_tiny_qwen2_5_omni(path, seed: int = 0, **config_kwargs) -> Qwen2_5OmniForConditionalGeneration:
+    """Write a tiny Qwen2.5-Omni checkpoint to `path` as the real one is laid out: `save_pretrained` weights
+    and config, `spk_dict.pt` (the speakers, read back by `from_pretrained` with weights_only=True) and the
+    tokenizer with its chat template. Returns the model written."""
+    model = tiny_qwen2_5_omni(seed, **config_kwargs)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    torch.save(model.speaker_map, os.path.join(path, "spk_dict.pt"))
+    qwen2_5_byte_tokenizer().save_pretrained(path)
+    return model

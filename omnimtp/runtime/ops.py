@@ -219,15 +219,17 @@ class Rope:
     scaled by `attention_scaling`, cast to the model dtype, on the first `rotary_dim` channels of each head
     (partial rotary, rotate_half convention; the other channels pass through).
 
-    Qwen3-Omni's M-RoPE: with position ids [3, R, T] (temporal, height, width) and `mrope_section`, the
-    angles of channel pairs are taken from the axes as transformers' interleaved layout does
-    (`mrope_angles`). For text and audio rows the three axes carry the same position, so the sections
-    select equal angles and M-RoPE is exactly 1-D RoPE on [R, T] positions: the decoders pass those."""
+    M-RoPE: with position ids [3, R, T] (temporal, height, width) and `mrope_section`, the angles of
+    channel pairs are taken from the axes in the module's layout (`mrope_angles`): interleaved (Qwen3-Omni)
+    or in consecutive sections (Qwen2.5-Omni). For text and audio rows the three axes carry the same
+    position, so the sections select equal angles and M-RoPE is exactly 1-D RoPE on [R, T] positions: the
+    decoders pass those."""
 
     inv_freq: torch.Tensor  # [rotary_dim / 2] fp32
     attention_scaling: float
     head_dim: int
     mrope_section: tuple[int, ...] | None = None
+    is_mrope_interleaved: bool = True
     # [D] channel each channel's rotate_half partner comes from, when rotary_dim < head_dim; None: a roll
     source: torch.Tensor | None = None
 
@@ -244,7 +246,8 @@ class Rope:
         section = getattr(rotary, "mrope_section", None)
         return cls(
             inv_freq=inv_freq, attention_scaling=float(rotary.attention_scaling), head_dim=head_dim,
-            mrope_section=None if section is None else tuple(section), source=source,
+            mrope_section=None if section is None else tuple(section),
+            is_mrope_interleaved=section is None or _is_interleaved_layout(rotary, half), source=source,
         )
 
     @property
@@ -256,7 +259,7 @@ class Rope:
         signed_sin = [-sin, sin] halves, so rotate_half(x) * sin == partner(x) * signed_sin; on channels
         RoPE passes through, cos = 1 and signed_sin = 0 (x * 1 + y * 0 == x exactly)."""
         if positions.dim() == 3:
-            freqs = mrope_angles(self.inv_freq, positions, self.mrope_section)  # [R, T, rd/2]
+            freqs = mrope_angles(self.inv_freq, positions, self.mrope_section, self.is_mrope_interleaved)  # [R, T, rd/2]
         else:
             freqs = positions[..., None].float() * self.inv_freq  # [R, T, rd/2]
         cos = (freqs.cos() * self.attention_scaling).to(dtype)
@@ -269,20 +272,38 @@ class Rope:
         return torch.cat(parts_cos, dim=-1)[:, :, None], torch.cat(parts_sin, dim=-1)[:, :, None]
 
 
-def mrope_angles(inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section) -> torch.Tensor:
-    """Qwen3-Omni's interleaved M-RoPE angles: position_ids [3, R, T] (temporal, height, width) → [R, T, D/2].
+def mrope_angles(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, mrope_section, is_interleaved: bool = True
+) -> torch.Tensor:
+    """M-RoPE angles: position_ids [3, R, T] (temporal, height, width) → [R, T, D/2].
 
-    Channel pair i takes the temporal axis' angle, except pairs 1, 4, 7, ... below 3 * mrope_section[1]
-    (height) and 2, 5, 8, ... below 3 * mrope_section[2] (width), as transformers'
-    `recomposition_frequencies`. Example: mrope_section (2, 1, 1), D/2 = 4: pairs (t, h, w, t)."""
+    Interleaved (Qwen3-Omni, transformers' `recomposition_frequencies` there): channel pair i takes the
+    temporal axis' angle, except pairs 1, 4, 7, ... below 3 * mrope_section[1] (height) and 2, 5, 8, ...
+    below 3 * mrope_section[2] (width). Example: mrope_section (2, 1, 1), D/2 = 4: pairs (t, h, w, t).
+    Sections (Qwen2.5-Omni): the first mrope_section[0] pairs take the temporal axis, the next
+    mrope_section[1] the height, the last mrope_section[2] the width; (2, 1, 1): pairs (t, t, h, w)."""
     if mrope_section is None:
         raise ValueError("mrope_section is needed for [3, R, T] position ids")
     freqs = position_ids[..., None].float() * inv_freq  # [3, R, T, D/2]
+    if not is_interleaved:
+        return torch.cat([part[axis % 3] for axis, part in enumerate(freqs.split(list(mrope_section), dim=-1))], dim=-1)
     angles = freqs[0].clone()
     for axis, offset in ((1, 1), (2, 2)):
         index = slice(offset, mrope_section[axis] * 3, 3)
         angles[..., index] = freqs[axis, ..., index]
     return angles
+
+
+def _is_interleaved_layout(rotary, num_pairs: int) -> bool:
+    """Whether a transformers M-RoPE module interleaves its axes: its own `recomposition_frequencies` on
+    angles that name their axis (0, 1, 2) shows which axis channel pair 1 takes (interleaved: height;
+    in sections it stays temporal whenever mrope_section[0] > 1). A module without it: interleaved."""
+    if not hasattr(rotary, "recomposition_frequencies"):
+        return True
+    probe = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 1, num_pairs).clone()
+    recomposed = rotary.recomposition_frequencies(probe)[..., :num_pairs].reshape(-1)  # [D/2]
+    layout = mrope_angles(torch.ones(num_pairs), torch.arange(3).view(3, 1, 1), rotary.mrope_section, False).reshape(-1)
+    return not torch.equal(recomposed, layout)
 
 
 def apply_rope(

@@ -1,10 +1,18 @@
-"""Our explicit Qwen3-Omni talker loop: a batch of requests that is stepped one audio frame at a time.
+"""Our explicit talker loop: a batch of requests that is stepped one audio frame at a time.
 
 One step, for every active request:
 
-    code 0 (sampled last step) → residual codes 1..G-1 (`CodePredictorRunner`)
-      → Σ of the frame's G codec embeddings + the next reply text row (tts_pad once they run out)
-      → one talker forward → code 0 of the next frame (top-1024 ids suppressed except codec EOS)
+    code 0 (sampled last step) → the frame's codes and the next talker input (the family's `FrameMaker`)
+      → one talker forward → code 0 of the next frame (repetition penalty, suppressed ids, codec EOS)
+
+The loop is the same for every family; what differs lives in a small `FrameMaker`:
+- Qwen3-Omni (`Qwen3FrameMaker`): residual codes 1..G-1 from the code predictor (`CodePredictorRunner`),
+  next input = Σ of the frame's G codec embeddings + the next reply text row (tts_pad once they run out);
+  the top 1024 ids are suppressed except codec EOS;
+- Qwen2.5-Omni (`Qwen2_5FrameMaker`): one codebook, so the frame is code 0; next input =
+  `thinker_to_talker_proj`(codec embedding of code 0 + the next reply row), the prefill goes through the
+  same projection; codec_bos is suppressed; EOS = codec end or pad; the repetition penalty counts the
+  prefill ids `[codec_mask] * P + [codec_pad, codec_bos]` as seen, as transformers' `generate` does.
 
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
 the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
@@ -13,15 +21,14 @@ request's positions and cache never mix with another's, so its frames do not dep
 in the batch. A request whose next reply row has not arrived yet (streamed thinker) sits the step
 out: it is not forwarded and its state is untouched.
 
-Greedy defaults reproduce `Qwen3OmniMoeForConditionalGeneration.generate(talker_do_sample=False)`,
-whose repetition penalty 1.05 still applies; the last talker token (normally EOS) gets no residual
-codes, so frames = talker tokens − 1.
+Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whose repetition penalty
+1.05 still applies; the last talker token (normally EOS) makes no frame.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +45,9 @@ from omnimtp.talker.code_predictor import CodePredictorRunner
 # What transformers' Qwen3-Omni `generate` uses for the talker (its defaults), greedy and sampled.
 QWEN3_OMNI_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
 QWEN3_OMNI_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+# ... and Qwen2.5-Omni's `generate` (talker_top_k 40, talker_top_p 0.8, talker_temperature 0.9).
+QWEN2_5_OMNI_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
+QWEN2_5_OMNI_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
 
 
 @dataclass
@@ -45,9 +55,10 @@ class TalkerRequest:
     """One request's talker inputs and settings.
 
     prefill_embeds: [L, H] talker prefill rows; trailing_text: [T, H] reply rows known so far (more
-    can follow through `TalkerBatch.push_text` until `is_text_finished`); tts_pad_embed: [H].
-    sampling: None = QWEN3_OMNI_TALKER_GREEDY. The code predictor is greedy when the talker is and
-    samples with QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does. prefill_positions:
+    can follow through `TalkerBatch.push_text` until `is_text_finished`); tts_pad_embed: [H] (H: the
+    width the family's `FrameMaker` projects from). sampling: None = the family's talker greedy
+    (`FrameMaker.greedy`). Qwen3's code predictor is greedy when the talker is and samples with
+    QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does. prefill_positions:
     [3, L] M-RoPE ids of the prefill (a prompt with images or videos), None for 1-D positions."""
 
     request_id: Hashable
@@ -100,38 +111,141 @@ class _Row:
         return self.finish_reason is None and (bool(self.text_rows) or self.is_text_finished)
 
 
-class TalkerBatch:
-    """The talker state over the active requests (see the module docstring).
+class FrameMaker(Protocol):
+    """A family's part of a talker step (see the module docstring)."""
 
-    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`. decoder: its decoder's packed
-    weights (`PackedDecoder.from_module(talker.model)`), made here when None; pass one to share it
-    between batches. Row i of the batch is KV slot i."""
+    eos_ids: frozenset[int]  # code 0 ids that end a request (no frame)
+    is_suppressed: torch.Tensor  # [V] bool: ids never sampled
+    greedy: SamplingParams  # the talker's sampling when a request gives none
 
-    def __init__(
-        self, talker, max_batch_size: int = 8, predictor: CodePredictorRunner | None = None,
-        decoder: PackedDecoder | None = None,
-    ):
+    def project(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Talker inputs [R, T, D] → the decoder's input embeddings [R, T, H]."""
+
+    def prompt_codes(self, request: TalkerRequest) -> list[int]:
+        """Ids the repetition penalty counts as already generated when the request is admitted."""
+
+    def make_frames(self, code0: torch.Tensor, last_hidden: torch.Tensor, text: torch.Tensor,
+                    requests: list[TalkerRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """code0 [R], talker hidden at the last position [R, H], the next text rows [R, D] → the frames'
+        codes [R, G] and the next talker inputs [R, H] (already projected)."""
+
+
+class Qwen3FrameMaker:
+    """Qwen3-Omni: residual codes from the code predictor; next input = Σ of the G codec embeddings + text.
+
+    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`; predictor: its code predictor's
+    runner for the batch size (made here when None)."""
+
+    def __init__(self, talker, max_batch_size: int, predictor: CodePredictorRunner | None = None):
         config = talker.config
         self.talker = talker
-        self.max_batch_size = max_batch_size
         self.predictor = predictor or CodePredictorRunner(talker.code_predictor, max_batch_size)
         if self.predictor.max_batch_size < max_batch_size:
             raise ValueError(f"predictor.max_batch_size must be >= {max_batch_size}")
-        if decoder is not None and not isinstance(decoder, PackedDecoder):
-            raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
-        self.decoder = decoder or PackedDecoder.from_module(talker.model)
         # the code predictor's residual tables [V, H], one per residual codebook (the module's own tensors)
         self.codec_tables = [table.weight.detach() for table in talker.code_predictor.model.codec_embedding]
-        self.kv = KVCache(self.decoder, max_batch_size)
-        self.eos_id = config.codec_eos_token_id
+        self.eos_ids = frozenset([config.codec_eos_token_id])
         vocab_size = config.text_config.vocab_size
         self.is_suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=talker.device)  # [V]
         self.is_suppressed[vocab_size - 1024 :] = True
-        self.is_suppressed[self.eos_id] = False
+        self.is_suppressed[config.codec_eos_token_id] = False
+        self.greedy = QWEN3_OMNI_TALKER_GREEDY
+
+    def project(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds  # the talker inputs are built in the talker's width
+
+    def prompt_codes(self, request: TalkerRequest) -> list[int]:
+        return []  # transformers' talker generate gets embeddings only: nothing seen at first
+
+    def make_frames(self, code0, last_hidden, text, requests):
+        with torch.no_grad():
+            cb0_embed = self.talker.get_input_embeddings()(code0)  # [R, H]
+        residual = torch.empty((len(requests), self.predictor.num_code_groups - 1), dtype=torch.long, device=code0.device)
+        for sampling, members in self._group_by_predictor_sampling(requests).items():
+            sub = torch.tensor(members, device=code0.device)
+            generators = [requests[m].generator for m in members]
+            has_generators = sampling is not None and all(g is not None for g in generators)
+            result = self.predictor.run(
+                last_hidden[sub], cb0_embed[sub], sampling, generators if has_generators else None
+            )
+            residual[sub] = result.codes
+        return torch.cat([code0[:, None], residual], dim=1), self.next_inputs(cb0_embed, residual, text)
+
+    def next_inputs(self, cb0_embed: torch.Tensor, residual: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """`next_talker_input` without its per-call checks and module calls: the frame's G codec
+        embeddings stacked [R, G, H] and summed over G (the same reduction, so the same bits) + text."""
+        with torch.no_grad():
+            embeds = [cb0_embed] + [F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables)]
+            return torch.stack(embeds, dim=1).sum(dim=1) + text  # [R, H]
+
+    def _group_by_predictor_sampling(self, requests: list[TalkerRequest]) -> dict[SamplingParams | None, list[int]]:
+        groups: dict[SamplingParams | None, list[int]] = {}
+        for i, request in enumerate(requests):
+            talker_sampling = request.sampling or self.greedy
+            sampling = None if talker_sampling.is_greedy else QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+            groups.setdefault(sampling, []).append(i)
+        return groups
+
+
+class Qwen2_5FrameMaker:
+    """Qwen2.5-Omni: one codebook; inputs built in the thinker's width D and projected to the talker's H by
+    `thinker_to_talker_proj` (the prefill and every next input), as its talker's forward does.
+
+    talker: transformers' `Qwen2_5OmniTalkerForConditionalGeneration`. EOS: the config's codec end and pad
+    ids (what transformers' hard-coded default [8292, 8294] is for the real checkpoint)."""
+
+    def __init__(self, talker):
+        config = talker.config
+        self.talker = talker
+        self.eos_ids = frozenset([config.tts_codec_end_token_id, config.tts_codec_pad_token_id])
+        self.is_suppressed = torch.zeros(config.vocab_size, dtype=torch.bool, device=talker.device)  # [V]
+        self.is_suppressed[config.tts_codec_start_token_id] = True
+        self.greedy = QWEN2_5_OMNI_TALKER_GREEDY
+        self.codec_mask_id = config.tts_codec_mask_token_id
+        self.codec_pad_id = config.tts_codec_pad_token_id
+        self.codec_bos_id = config.tts_codec_start_token_id
+
+    def project(self, embeds: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.talker.thinker_to_talker_proj(embeds)
+
+    def prompt_codes(self, request: TalkerRequest) -> list[int]:
+        """The prefill's ids `[codec_mask] * P + [codec_pad, codec_bos]` (L = P + 2 rows)."""
+        num_prompt = request.prefill_embeds.shape[0] - 2
+        return [self.codec_mask_id] * num_prompt + [self.codec_pad_id, self.codec_bos_id]
+
+    def make_frames(self, code0, last_hidden, text, requests):
+        with torch.no_grad():
+            codec_embed = self.talker.get_input_embeddings()(code0)  # [R, D]
+        return code0[:, None], self.project(codec_embed + text)  # [R, 1], [R, H]
+
+
+class TalkerBatch:
+    """The talker state over the active requests (see the module docstring).
+
+    talker: transformers' talker (`Qwen3OmniMoeTalkerForConditionalGeneration` or
+    `Qwen2_5OmniTalkerForConditionalGeneration`). frames: the family's `FrameMaker`; None makes Qwen3's
+    (`Qwen3FrameMaker(talker, max_batch_size, predictor)`). decoder: its decoder's packed weights
+    (`PackedDecoder.from_module(talker.model)`), made here when None; pass one to share it between batches.
+    Row i of the batch is KV slot i."""
+
+    def __init__(
+        self, talker, max_batch_size: int = 8, predictor: CodePredictorRunner | None = None,
+        decoder: PackedDecoder | None = None, frames: FrameMaker | None = None,
+    ):
+        self.talker = talker
+        self.max_batch_size = max_batch_size
+        if frames is not None and predictor is not None:
+            raise ValueError("predictor: give it to the FrameMaker (frames), not to both")
+        self.frames = frames or Qwen3FrameMaker(talker, max_batch_size, predictor)
+        if decoder is not None and not isinstance(decoder, PackedDecoder):
+            raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
+        self.decoder = decoder or PackedDecoder.from_module(talker.model)
+        self.kv = KVCache(self.decoder, max_batch_size)
         self.rows: list[_Row] = []
         self.last_hidden: torch.Tensor | None = None  # [B, H] talker output at the last position
         self.code0: torch.Tensor | None = None  # [B] sampled, its frame not made yet
-        self.seen: torch.Tensor | None = None  # [B, V] talker tokens each row generated (repetition penalty)
+        self.seen: torch.Tensor | None = None  # [B, V] talker tokens each row has seen (repetition penalty)
 
     @property
     def request_ids(self) -> list[Hashable]:
@@ -153,17 +267,19 @@ class TalkerBatch:
         for slot, request in enumerate(requests, start=len(self.rows)):  # one prefill per request, in its slot
             self.kv.reset(slot)
             positions = None if request.prefill_positions is None else request.prefill_positions[:, None]
-            hidden.append(self._forward(request.prefill_embeds[None], [slot], positions))
+            hidden.append(self._forward(self.frames.project(request.prefill_embeds[None]), [slot], positions))
         hidden = torch.cat(hidden)  # [N, H]
         new_rows = [
             _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
         ]
-        seen = torch.zeros((len(requests), self.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
+        seen = torch.zeros((len(requests), self.frames.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
+        for i, request in enumerate(requests):
+            seen[i, self.frames.prompt_codes(request)] = True
         code0 = self._sample_code0(hidden, seen, new_rows)  # [N]
         self._merge(new_rows, hidden, code0, seen)
         finished = []
         for row, code in zip(new_rows, code0.tolist()):
-            if code == self.eos_id:
+            if code in self.frames.eos_ids:
                 row.finish_reason = "stop"
                 finished.append(TalkerFrame(row.request.request_id, None, "stop"))
         return finished
@@ -182,10 +298,14 @@ class TalkerBatch:
         if not ready:
             return []
         index = torch.tensor(ready, device=self.code0.device)
-        codes, next_inputs = self._make_frames(index)  # [R, G], [R, H]
+        rows = [self.rows[i] for i in ready]
+        text = torch.stack([_pop_text_row(row) for row in rows])  # [R, D]
+        codes, next_inputs = self.frames.make_frames(
+            self.code0[index], self.last_hidden[index], text, [row.request for row in rows]
+        )  # [R, G], [R, H]
         hidden = self._forward(next_inputs[:, None], ready)  # [R, H]
         self.seen[index, self.code0[index]] = True
-        next_code0 = self._sample_code0(hidden, self.seen[index], [self.rows[i] for i in ready])
+        next_code0 = self._sample_code0(hidden, self.seen[index], rows)
         self.last_hidden = self.last_hidden.index_copy(0, index, hidden)
         self.code0 = self.code0.index_copy(0, index, next_code0)
         return [self._finish_frame(i, frame_codes, code) for i, frame_codes, code in zip(ready, codes, next_code0.tolist())]
@@ -208,31 +328,6 @@ class TalkerBatch:
 
     # --- pieces of a step -------------------------------------------------------------------
 
-    def _make_frames(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual codes for the rows `index` and their next talker inputs: [R, G] codes, [R, H]."""
-        code0 = self.code0[index]  # [R]
-        cb0_embed = self.talker.get_input_embeddings()(code0)  # [R, H]
-        last_hidden = self.last_hidden[index]  # [R, H]
-        rows = [self.rows[i] for i in index.tolist()]
-        residual = torch.empty((len(rows), self.predictor.num_code_groups - 1), dtype=torch.long, device=code0.device)
-        for sampling, members in _group_by_predictor_sampling(rows).items():
-            sub = torch.tensor(members, device=code0.device)
-            generators = [rows[m].request.generator for m in members]
-            has_generators = sampling is not None and all(g is not None for g in generators)
-            result = self.predictor.run(
-                last_hidden[sub], cb0_embed[sub], sampling, generators if has_generators else None
-            )
-            residual[sub] = result.codes
-        text = torch.stack([_pop_text_row(row) for row in rows])  # [R, H]
-        return torch.cat([code0[:, None], residual], dim=1), self._next_inputs(cb0_embed, residual, text)
-
-    def _next_inputs(self, cb0_embed: torch.Tensor, residual: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """`next_talker_input` without its per-call checks and module calls: the frame's G codec
-        embeddings stacked [R, G, H] and summed over G (the same reduction, so the same bits) + text."""
-        with torch.no_grad():
-            embeds = [cb0_embed] + [F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables)]
-            return torch.stack(embeds, dim=1).sum(dim=1) + text  # [R, H]
-
     def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None) -> torch.Tensor:
         """Talker forward of embeds [R, T, H] appended to KV slots `slots` (RoPE at rope_positions
         [3, R, T], else the slots' positions) → post-norm hidden at the last position [R, H]."""
@@ -240,14 +335,15 @@ class TalkerBatch:
             return decoder_forward(self.decoder, self.kv, embeds, slots, rope_positions=rope_positions).last_hidden
 
     def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it."""
+        """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it (repetition
+        penalty, then the suppressed ids, then the sampler)."""
         with torch.no_grad():
             logits = self.talker.codec_head(hidden).float()  # [R, V]
         codes = []
         for i, row in enumerate(rows):
-            sampling = row.request.sampling or QWEN3_OMNI_TALKER_GREEDY
+            sampling = row.request.sampling or self.frames.greedy
             scores = apply_repetition_penalty(logits[i : i + 1], seen[i : i + 1], sampling.repetition_penalty)
-            scores = scores.masked_fill(self.is_suppressed, float("-inf"))  # [1, V]
+            scores = scores.masked_fill(self.frames.is_suppressed, float("-inf"))  # [1, V]
             generators = [row.request.generator] if row.request.generator is not None else None
             codes.append(sample(scores, sampling, generators))
         return torch.cat(codes)
@@ -255,7 +351,7 @@ class TalkerBatch:
     def _finish_frame(self, i: int, codes: torch.Tensor, next_code0: int) -> TalkerFrame:
         row = self.rows[i]
         row.num_frames += 1
-        if next_code0 == self.eos_id:
+        if next_code0 in self.frames.eos_ids:
             row.finish_reason = "stop"
         elif row.num_frames >= row.request.max_frames:
             row.finish_reason = "length"
@@ -269,15 +365,6 @@ class TalkerBatch:
         self.last_hidden = torch.cat([self.last_hidden, hidden])
         self.code0 = torch.cat([self.code0, code0])
         self.seen = torch.cat([self.seen, seen])
-
-
-def _group_by_predictor_sampling(rows: list[_Row]) -> dict[SamplingParams | None, list[int]]:
-    groups: dict[SamplingParams | None, list[int]] = {}
-    for i, row in enumerate(rows):
-        talker_sampling = row.request.sampling or QWEN3_OMNI_TALKER_GREEDY
-        sampling = None if talker_sampling.is_greedy else QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
-        groups.setdefault(sampling, []).append(i)
-    return groups
 
 
 def _pop_text_row(row: _Row) -> torch.Tensor:

@@ -8,11 +8,15 @@ input embedding (multimodal placeholder embeddings zeroed), then:
     decode k = codec embedding of the previous code + trailing_text[k]: [g1, ..., last kept token, text_eos],
                then the text_pad embedding for ever (transformers reuses the last row of its reply part)
 
-The all-ones-mask trap: transformers adds the codec pad / bos embeddings to the last two prefill rows inside
-the talker's forward, and only when that forward gets an attention mask. Its generate passes the talker a mask
-only if the caller gave one, and the talker's generate drops an all-ones mask; so an unpadded call WITH an
-attention mask skips both additions (and the 3-D RoPE positions), while a call without one gets them. We
-always build the intended prefill (both additions in the embeddings we return).
+The attention-mask trap. transformers adds the codec pad / bos embeddings to the last two prefill rows inside
+the talker's forward, and only when that forward gets an attention mask (then it also takes its RoPE
+positions from the mask). The talker's `generate` infers a mask from `input_ids != pad_token_id` only when the
+pad id (codec_pad) is not one of its EOS ids; the real checkpoint's default EOS ids [8292, 8294] are codec pad
+and codec end, so with them (or the config's end and pad ids) no mask is inferred, the all-ones default is
+dropped, and the talker sees the prefill WITHOUT the two codec embeddings, at 1-D positions 0..P+1. So:
+
+    layout="seed"      the intended prefill (both codec embeddings added), the seed's worked layout
+    layout="generate"  what `generate` runs with the config's EOS ids: speaker bos row, g0 row, no codec rows
 """
 
 from __future__ import annotations
@@ -29,15 +33,19 @@ from omnimtp.handoff import (
 )
 from omnimtp.talker.qwen3_inputs import prompt_list, lookup_speaker, trimmed_thinker_rows
 
+PREFILL_LAYOUTS = ("seed", "generate")
+
 
 class Qwen2_5TalkerInputBuilder:
     """Builds one request's Qwen2.5-Omni talker inputs; satisfies `omnimtp.handoff.TalkerInputBuilder`.
 
     Rows are in the thinker's width (the talker applies `thinker_to_talker_proj` itself). `hidden` rows are
-    the thinker's last hidden layer."""
+    the thinker's last hidden layer. layout: "seed" or "generate" (see the module docstring)."""
 
     @torch.no_grad()
-    def __init__(self, model: Qwen2_5OmniForConditionalGeneration, prompt_ids, speaker: str):
+    def __init__(self, model: Qwen2_5OmniForConditionalGeneration, prompt_ids, speaker: str, layout: str = "seed"):
+        if layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"layout must be one of {PREFILL_LAYOUTS}, got {layout!r}")
         talker = model.talker
         self.prompt_ids = prompt_list(prompt_ids)
         self.num_prompt_rows = len(self.prompt_ids)
@@ -61,6 +69,8 @@ class Qwen2_5TalkerInputBuilder:
         codec = talker.get_input_embeddings()(
             torch.tensor([talker.codec_pad_token, talker.codec_bos_token], device=device)
         )  # [2, D]
+        if layout == "generate":
+            codec = torch.zeros_like(codec)
         self.codec_pad_embed, self.codec_bos_embed = codec[0], codec[1]
         self.codec_mask_id = talker.codec_mask_token
         self.codec_pad_id = talker.codec_pad_token
@@ -93,11 +103,12 @@ def build_qwen2_5_talker_inputs(
     thinker_hidden: torch.Tensor,  # [R, D], last hidden layer
     finish_reason: str,
     speaker: str,
+    layout: str = "seed",
 ) -> TalkerInputs:
-    """One request's Qwen2.5-Omni talker inputs (intended construction), with the stop-row trim."""
+    """One request's Qwen2.5-Omni talker inputs in `layout`, with the stop-row trim."""
     prompt = prompt_list(prompt_ids)
     embeds, hidden = trimmed_thinker_rows(
         model.config.thinker_config.text_config.hidden_size,
         prompt, output_ids, thinker_embeds, thinker_hidden, finish_reason,
     )
-    return talker_inputs_from_rows(Qwen2_5TalkerInputBuilder(model, prompt, speaker), embeds, hidden)
+    return talker_inputs_from_rows(Qwen2_5TalkerInputBuilder(model, prompt, speaker, layout), embeds, hidden)

@@ -1,0 +1,290 @@
+"""Qwen2.5-Omni behind the engine's family interface: ids, the thinker run, the seed's talker inputs, the
+single-codebook talker batch and token2wav (DiT flow matching + BigVGAN).
+
+    thinker  dense Qwen2.5 LLM on packed weights; its rows: the input embeddings (multimodal rows zeroed) and
+             the last hidden layer after the final norm (transformers' `hidden_states[-1]`)
+    handoff  prefill [prompt rows] + [speaker bos (+ codec_pad)] + [first reply row (+ codec_bos)],
+             ids [codec_mask] * P + [codec_pad, codec_bos]; one reply row per step, then the text pad row
+             (`omnimtp.talker.qwen2_5_inputs`: the codec rows are added in the seed's layout, not in what
+             transformers' `generate` runs with the checkpoint's EOS ids, the default here)
+    talker   `omnimtp.talker.loop.TalkerBatch` with `Qwen2_5FrameMaker`: one code per frame
+    codec    token2wav of the whole reply's codes with the speaker's `cond` and `ref_mel`
+
+    family = Qwen2_5OmniFamily(model, tokenizer)        # or Qwen2_5OmniFamily.tiny()
+    core = EngineCore(family, EngineConfig())
+
+Speakers come from the checkpoint's `spk_dict.pt` (`model.speaker_map`). The DiT starts from one
+`torch.randn` of transformers' shape: from a seeded request's codec generator, else from torch's global RNG
+at decode time (what transformers' `generate` draws).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
+from omnimtp.media import MediaInputs, MediaLimits, has_media
+from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.sampling import SamplingParams
+from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
+from omnimtp.talker.qwen2_5_inputs import PREFILL_LAYOUTS, Qwen2_5TalkerInputBuilder
+from omnimtp.talker.qwen3_inputs import lookup_speaker, trimmed_thinker_rows
+from omnimtp.thinker import ThinkerRun
+
+SAMPLE_RATE = 24_000
+
+
+class Qwen2_5OmniFamily:
+    """Qwen2.5-Omni's side of the engine.
+
+    model: transformers' `Qwen2_5OmniForConditionalGeneration` with `speaker_map` loaded; tokenizer: its text
+    tokenizer, or None (then requests come as token ids and no text is decoded). Chat media is refused.
+    talker_layout: the talker prefill (`omnimtp.talker.qwen2_5_inputs`): "generate" (default) is what
+    transformers' `generate` runs with the checkpoint's EOS ids (no codec pad / bos rows), "seed" the intended
+    layout with both codec embeddings."""
+
+    sample_rate = SAMPLE_RATE
+    num_code_groups = 1
+    processor = None
+
+    def __init__(self, model, tokenizer=None, *, talker_layout: str = "generate"):
+        if talker_layout not in PREFILL_LAYOUTS:
+            raise ValueError(f"talker_layout must be one of {PREFILL_LAYOUTS}, got {talker_layout!r}")
+        self.talker_layout = talker_layout
+        if not model.speaker_map:
+            raise ValueError("model: no speakers (a Qwen2.5-Omni checkpoint keeps them in spk_dict.pt)")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.speakers = tuple(model.speaker_map)
+        self.default_speaker = "Chelsie" if "Chelsie" in self.speakers else sorted(self.speakers)[0]
+        text_config = model.config.thinker_config.text_config
+        self.accept_hidden_layer = text_config.num_hidden_layers  # the last layer after the final norm
+        self.max_positions = text_config.max_position_embeddings
+        self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
+        self.codec = OneShotToken2Wav(model.token2wav)
+        self.speech_header_ids = _speech_header_ids(tokenizer) if _has_chat_template(tokenizer) else None
+
+    @classmethod
+    def tiny(cls, seed: int = 0, device=None) -> "Qwen2_5OmniFamily":
+        """A seeded tiny Qwen2.5-Omni (random weights: noise-like, audible speech) and its byte tokenizer, on
+        `device` (default the CPU)."""
+        from omnimtp.models.tiny_qwen2_5_omni import qwen2_5_byte_tokenizer, tiny_qwen2_5_omni
+        from omnimtp.runtime.device import resolve_device
+
+        model = tiny_qwen2_5_omni(seed)
+        if device is not None:
+            model = model.to(resolve_device(device))
+        return cls(model, qwen2_5_byte_tokenizer())
+
+    @property
+    def device(self) -> torch.device:
+        return self.thinker_decoder.device
+
+    # --- ids and text ---
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The templated prompt of chat messages, the assistant turn opened."""
+        if not _has_chat_template(self.tokenizer):
+            raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
+        """The templated prompt of text-only chat messages (media parts: ValueError)."""
+        if has_media(messages):
+            raise ValueError("messages: audio, image and video input are not supported for Qwen2.5-Omni yet")
+        return self.chat_ids(messages), None
+
+    def speech_ids(self, text: str) -> list[int]:
+        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_text(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def match_speaker(self, name: str) -> str | None:
+        """The model's speaker called `name` (case-insensitive), or None."""
+        lowered = name.strip().lower()
+        return next((speaker for speaker in self.speakers if speaker.lower() == lowered), None)
+
+    def check_speaker(self, speaker: str) -> None:
+        lookup_speaker(self.model.speaker_map, speaker)
+
+    # --- media ---
+
+    def check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
+        """ValueError for media tensors or media placeholder ids: text prompts only."""
+        config = self.model.config.thinker_config
+        if media is not None and (media.has_audio or media.has_vision):
+            raise ValueError("media: audio, image and video input are not supported for Qwen2.5-Omni yet")
+        placeholders = {config.audio_token_index, config.image_token_index, config.video_token_index}
+        if placeholders & set(prompt_ids):
+            raise ValueError("prompt: it holds media placeholder ids, and Qwen2.5-Omni takes text prompts only here")
+
+    def split_media(self, prompts: list[list[int]], media: MediaInputs | None) -> list[MediaInputs | None]:
+        if media is not None:
+            raise ValueError("media: audio, image and video input are not supported for Qwen2.5-Omni yet")
+        return [None] * len(prompts)
+
+    # --- thinker ---
+
+    def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
+                    generators: list[torch.Generator], max_new_tokens: int,
+                    media: list[MediaInputs | None] | None = None) -> ThinkerRun:
+        """One thinker run over `prompts` (one KV slot each); its hidden rows are the last layer after the
+        final norm, what transformers hands the talker."""
+        return ThinkerRun(
+            self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
+            eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            generators=generators, decoder=self.thinker_decoder, media=media,
+        )
+
+    # --- thinker → talker ---
+
+    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None) -> Qwen2_5TalkerInputBuilder:
+        return Qwen2_5TalkerInputBuilder(self.model, prompt_ids, speaker, self.talker_layout)
+
+    def reply_talker_inputs(self, builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:
+        """The talker inputs of a finished reply from all its thinker rows [R, D] (the stop-row trim, then
+        the seed's layout; row by row, so the same bits as the streamed handoff and as transformers)."""
+        dim = self.model.config.thinker_config.text_config.hidden_size
+        rows = trimmed_thinker_rows(dim, prompt_ids, output_ids, embeds, hidden, finish_reason)
+        return talker_inputs_from_rows(builder, *rows)
+
+    def speech_talker_inputs(self, ids: list[int], speaker: str) -> TalkerInputs:
+        """Talker inputs that speak ids[len(header):]: each row is the token's thinker input embedding (its
+        hidden part zero, since no thinker ran). transformers has no such path: an approximation."""
+        builder = Qwen2_5TalkerInputBuilder(self.model, self.speech_header_ids, speaker, self.talker_layout)
+        with torch.no_grad():
+            embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.device))  # [N, D]
+        header = len(self.speech_header_ids)
+        if len(ids) <= header:
+            raise ValueError("input: nothing to speak")
+        return talker_inputs_from_rows(builder, embeds, torch.zeros_like(embeds))
+
+    # --- talker ---
+
+    def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
+        talker = self.model.talker
+        return TalkerBatch(talker, max_batch_size, decoder=self.talker_decoder, frames=Qwen2_5FrameMaker(talker))
+
+    @staticmethod
+    def talker_request(request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished: bool,
+                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int,
+                       prefill_positions: torch.Tensor | None = None) -> TalkerRequest:
+        """prefill_embeds [P + 2, D], trailing_text [T, D] (thinker width: the talker projects them)."""
+        return TalkerRequest(
+            request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
+            sampling=sampling, generator=generator, max_frames=max_frames, prefill_positions=prefill_positions,
+        )
+
+    @staticmethod
+    def sampled_talker(thinker_sampling: SamplingParams | None) -> SamplingParams | None:
+        """Greedy stays greedy; a sampled thinker samples the talker as transformers' `generate` defaults."""
+        if thinker_sampling is None or thinker_sampling.is_greedy:
+            return None
+        return QWEN2_5_OMNI_TALKER_SAMPLING
+
+    def warm_up(self, max_batch_size: int) -> None:
+        """Nothing is compiled: nothing to warm up."""
+
+    # --- token2wav ---
+
+    def new_codec_stream(self, speaker: str, generator: torch.Generator | None):
+        params = lookup_speaker(self.model.speaker_map, speaker)
+        device = self.model.token2wav.device
+        conditioning = params["cond"].to(device).float()[None]  # [1, enc_emb_dim]
+        reference_mel = params["ref_mel"].to(device).float()  # [1, frames, mel_dim]
+        return self.codec.new_stream(conditioning, reference_mel, generator)
+
+    def decode_audio(self, streams: list, blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
+        """blocks[i] [1, n_i] continues streams[i]; token2wav looks at every code of the reply, so audio comes
+        only with the final block (earlier blocks give empty chunks)."""
+        return self.codec.decode(streams, blocks, is_final)
+
+
+class _Stream:
+    """One request's token2wav state: its speaker tensors, noise generator and codes so far."""
+
+    def __init__(self, conditioning: torch.Tensor, reference_mel: torch.Tensor, generator: torch.Generator | None):
+        self.conditioning = conditioning  # [1, enc_emb_dim]
+        self.reference_mel = reference_mel  # [1, frames, mel_dim]
+        self.generator = generator
+        self.codes: list[torch.Tensor] = []  # [1, n] blocks
+
+
+class OneShotToken2Wav:
+    """transformers' token2wav behind the agreed `omnimtp.codec.token2wav.StreamingToken2Wav` calls, decoding
+    each request once, when its last block arrives (exact: transformers' own call on all its codes).
+
+    The DiT's initial noise is transformers' one `torch.randn([1, T * repeats, mel_dim])`: with a generator,
+    torch's global RNG is forked and seeded from the generator around the call (the caller's global state
+    is untouched); without one, it comes from the global RNG as in transformers' `generate`."""
+
+    def __init__(self, token2wav, *, num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
+        self.token2wav = token2wav
+        self.settings = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
+
+    def new_stream(self, conditioning: torch.Tensor, reference_mel: torch.Tensor, generator: torch.Generator | None) -> _Stream:
+        return _Stream(conditioning, reference_mel, generator)
+
+    def decode(self, streams: list[_Stream], blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
+        chunks = []
+        for stream, block, final in zip(streams, blocks, is_final):
+            stream.codes.append(block)
+            if not final:
+                chunks.append(np.zeros(0, dtype=np.float32))
+                continue
+            codes, stream.codes = torch.cat(stream.codes, dim=1), []  # [1, T]
+            chunks.append(self.one_shot(codes, stream.conditioning, stream.reference_mel, stream.generator))
+        return chunks
+
+    @torch.no_grad()
+    def one_shot(self, codes: torch.Tensor, conditioning: torch.Tensor, reference_mel: torch.Tensor,
+                 generator: torch.Generator | None) -> np.ndarray:
+        """codes [T] or [1, T] → float32 audio, transformers' `token2wav(code, conditioning, reference_mel)`."""
+        codes = codes.reshape(1, -1).to(self.token2wav.device)
+        if codes.shape[1] == 0:
+            return np.zeros(0, dtype=np.float32)
+        if generator is None:
+            wav = self.token2wav(codes, conditioning=conditioning, reference_mel=reference_mel, **self.settings)
+        else:
+            seed = int(torch.randint(0, 2**63 - 1, (), generator=generator, device=generator.device))
+            devices = [] if codes.device.type == "cpu" else [codes.device]
+            with torch.random.fork_rng(devices=devices, device_type=codes.device.type):
+                torch.manual_seed(seed)
+                wav = self.token2wav(codes, conditioning=conditioning, reference_mel=reference_mel, **self.settings)
+        return wav.reshape(-1).float().numpy()
+
+
+def _thinker_eos_ids(model, tokenizer) -> set[int]:
+    """<|im_end|> (the tokenizer's EOS) and the thinker's generation config EOS ids."""
+    ids = set()
+    configured = model.thinker.generation_config.eos_token_id
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    if tokenizer is not None:
+        for token_id in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")):
+            if token_id is not None and token_id != tokenizer.unk_token_id:
+                ids.add(int(token_id))
+    if not ids:
+        raise ValueError("model: no thinker EOS id (neither its generation config nor a tokenizer gives one)")
+    return ids
+
+
+def _speech_header_ids(tokenizer) -> list[int]:
+    probe = [{"role": "user", "content": "x"}]
+    opened = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
+    closed = list(tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=True, return_dict=False))
+    if opened[: len(closed)] != closed or len(opened) == len(closed):
+        raise ValueError("tokenizer: its chat template does not open an assistant turn after the prompt")
+    return opened[len(closed):]
+
+
+def _has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
