@@ -1,0 +1,220 @@
+"""Qwen2.5-Omni end to end through the one engine, against transformers'
+`Qwen2_5OmniForConditionalGeneration.generate` on the same saved tiny checkpoint (weights + spk_dict.pt +
+tokenizer), loaded back through `OmniPipeline.from_pretrained`.
+
+The reference call is `generate(input_ids, speaker=..., thinker_*/talker_* max tokens, greedy, talker EOS =
+the config's codec end and pad ids)` without an attention mask, with `torch.manual_seed` set identically
+before ours and before it: token2wav's DiT draws its one `torch.randn` from the global RNG, and our greedy
+unseeded request draws nothing else from it.
+"""
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2_5OmniForConditionalGeneration
+
+from audio_checks import assert_audible, assert_audio_equal
+from omnimtp.engine.request import Request
+from omnimtp.models.tiny_qwen2_5_omni import TINY_QWEN2_5_CODEC, save_tiny_qwen2_5_omni
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.runtime.ops import Rope
+from omnimtp.sampling import SamplingParams, request_seeds
+from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_NEW_TOKENS = 12
+MAX_FRAMES = 40
+SAMPLES_PER_CODE = 480  # 2 mel frames per code (DiT repeats) × BigVGAN's 240 samples per mel frame
+CONFIG_EOS = [TINY_QWEN2_5_CODEC["eos"], TINY_QWEN2_5_CODEC["pad"]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2_5_omni")
+    save_tiny_qwen2_5_omni(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe(checkpoint):
+    return OmniPipeline.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference_model(checkpoint):
+    return Qwen2_5OmniForConditionalGeneration.from_pretrained(checkpoint).eval()
+
+
+def _prompt(pipe, text):
+    return pipe.family.chat_ids([{"role": "user", "content": text}])
+
+
+def reference_generate(model, pipe, prompt, speaker="Chelsie", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES,
+                       seed=0):
+    """transformers' generate: (reply ids, talker codes [1, T] before EOS, audio)."""
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def record(**kwargs):
+        result = talker_generate(**kwargs)
+        captured["codes"] = result[:, kwargs["input_ids"].shape[1]:]
+        return result
+
+    model.talker.generate = record
+    try:
+        torch.manual_seed(seed)
+        sequences, audio = model.generate(
+            torch.tensor([prompt]), speaker=speaker, thinker_max_new_tokens=max_new_tokens,
+            talker_max_new_tokens=max_frames, thinker_do_sample=False, talker_do_sample=False,
+            talker_eos_token_id=CONFIG_EOS, thinker_eos_token_id=sorted(pipe.family.eos_token_ids),
+        )
+    finally:
+        del model.talker.generate
+    codes = captured["codes"]
+    is_eos = torch.isin(codes[0], torch.tensor(CONFIG_EOS))
+    length = int(is_eos.nonzero()[0, 0]) if is_eos.any() else codes.shape[1]
+    return sequences[0, len(prompt):].tolist(), codes[:, :length], audio.numpy()
+
+
+@pytest.mark.parametrize("text, speaker", [("Hello there, how are you?", "Chelsie"), ("Hi", "Ethan")])
+def test_greedy_equals_transformers_generate(pipe, reference_model, text, speaker):
+    prompt = _prompt(pipe, text)
+    ref_ids, ref_codes, ref_audio = reference_generate(reference_model, pipe, prompt, speaker, seed=3)
+    torch.manual_seed(3)
+    ours = pipe.generate(input_ids=prompt, speaker=speaker, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    assert ours.text_ids == ref_ids
+    assert ours.text == pipe.tokenizer.decode(ref_ids[:-1] if ours.thinker_finish_reason == "stop" else ref_ids,
+                                              skip_special_tokens=True)
+    assert ref_codes.shape[1] >= 5  # enough codes for the reply rows and the penalty to matter
+    assert ours.codes.shape == (1, ref_codes.shape[1]) and torch.equal(ours.codes, ref_codes)
+    assert ours.sample_rate == 24000 and ours.audio.shape == (SAMPLES_PER_CODE * ours.codes.shape[1],)
+    assert_audio_equal(ours.audio, ref_audio)
+
+
+def test_max_frames_caps_the_talker_as_talker_max_new_tokens(pipe, reference_model):
+    prompt = _prompt(pipe, "Hello there, how are you?")
+    _, ref_codes, ref_audio = reference_generate(reference_model, pipe, prompt, max_frames=3, seed=5)
+    torch.manual_seed(5)
+    ours = pipe.generate(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, max_frames=3)
+    assert ours.codes.shape == (1, 3) and ours.talker_finish_reason == "length" and ours.finish_reason == "length"
+    assert torch.equal(ours.codes, ref_codes)
+    assert_audio_equal(ours.audio, ref_audio)
+
+
+def test_seeded_batch_rows_equal_alone_and_repeat_whatever_the_global_rng(pipe):
+    prompts = [_prompt(pipe, "Hello there, how are you?"), _prompt(pipe, "Hi")]
+    sampled = SamplingParams(temperature=0.8, top_k=20)
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, thinker_sampling=sampled,
+                  talker_sampling=QWEN2_5_OMNI_TALKER_SAMPLING)
+    torch.manual_seed(0)
+    batch = pipe.generate(input_ids=prompts, seed=[11, 12], **kwargs)
+    torch.manual_seed(1)  # a seeded request's noise (DiT included) is its own
+    alone = [pipe.generate(input_ids=p, seed=s, **kwargs) for p, s in zip(prompts, [11, 12])]
+    for row, single in zip(batch, alone):
+        assert row.text_ids == single.text_ids and torch.equal(row.codes, single.codes)
+        assert_audio_equal(row.audio, single.audio)
+    other = pipe.generate(input_ids=prompts[0], seed=13, **kwargs)
+    assert_audible(other.audio)
+    assert other.audio.shape != alone[0].audio.shape or not np.array_equal(other.audio, alone[0].audio)
+
+
+def test_the_dit_noise_of_a_seeded_request_is_its_own(pipe):
+    """Greedy thinker and talker, so only the DiT noise depends on the seed: the same seed repeats bit for
+    bit whatever the global RNG, another seed (or an unseeded request) changes the audio, not the codes."""
+    prompt = _prompt(pipe, "Hi")
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    torch.manual_seed(0)
+    first = pipe.generate(input_ids=prompt, seed=4, **kwargs)
+    torch.manual_seed(99)
+    again = pipe.generate(input_ids=prompt, seed=4, **kwargs)
+    other = pipe.generate(input_ids=prompt, seed=5, **kwargs)
+    assert_audio_equal(again.audio, first.audio)
+    assert torch.equal(other.codes, first.codes)
+    assert_audible(other.audio)
+    assert np.abs(other.audio - first.audio).max() > 0.05 * np.abs(first.audio).max()
+
+
+def test_sampled_talker_with_a_seed(pipe):
+    prompt = _prompt(pipe, "Hello there, how are you?")
+    kwargs = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, talker_sampling=QWEN2_5_OMNI_TALKER_SAMPLING)
+    greedy = pipe.generate(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    runs = [pipe.generate(input_ids=prompt, seed=seed, **kwargs) for seed in (21, 21, 22)]
+    assert torch.equal(runs[0].codes, runs[1].codes)
+    assert_audio_equal(runs[1].audio, runs[0].audio)
+    assert runs[0].text_ids == greedy.text_ids  # the thinker stays greedy
+    sampled_codes = [r.codes for r in runs]
+    assert any(c.shape != greedy.codes.shape or not torch.equal(c, greedy.codes) for c in sampled_codes)
+    specials = torch.tensor([TINY_QWEN2_5_CODEC["bos"], *CONFIG_EOS])  # suppressed, or the end of the codes
+    assert not any(torch.isin(c, specials).any() for c in sampled_codes)
+
+
+def test_streamed_equals_one_shot(pipe):
+    prompt = _prompt(pipe, "Hello there, how are you?")
+    whole = pipe.generate(input_ids=prompt, seed=7, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    events = list(pipe.stream(input_ids=prompt, seed=7, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES))
+    chunks = [e.audio for e in events if e.audio is not None]
+    assert all(chunk.size > 0 for chunk in chunks)
+    assert "".join(e.text for e in events) == whole.text
+    final = events[-1].output
+    assert torch.equal(final.codes, whole.codes)
+    assert_audio_equal(np.concatenate(chunks), whole.audio)
+
+
+def test_unknown_speaker_is_refused_naming_the_speakers(pipe):
+    with pytest.raises(ValueError, match=r"speaker.*'Nobody'.*Chelsie.*Ethan"):
+        pipe.generate("Hi", speaker="Nobody")
+    assert pipe.family.speakers == ("Chelsie", "Ethan") and pipe.family.match_speaker("ethan") == "Ethan"
+
+
+def test_chat_prompt_and_tiny_default(pipe):
+    out = pipe.generate([{"role": "user", "content": "Hello"}], max_frames=6)
+    assert out.codes.shape[0] == 1 and 1 <= out.codes.shape[1] <= 6
+    assert_audible(out.audio)
+    tiny = OmniPipeline.tiny(family="qwen2_5")
+    assert tiny.family.num_code_groups == 1 and tiny.family.sample_rate == 24000
+    with pytest.raises(ValueError, match="family"):
+        OmniPipeline.tiny(family="qwen4")
+
+
+def test_missing_speakers_file_is_refused(tmp_path):
+    save_tiny_qwen2_5_omni(tmp_path)
+    (tmp_path / "spk_dict.pt").unlink()
+    with pytest.raises(ValueError, match="spk_dict.pt"):
+        OmniPipeline.from_pretrained(tmp_path)
+
+
+def test_a_greedy_unseeded_request_draws_nothing_from_the_global_rng():
+    state = torch.get_rng_state()
+    request = Request(0, [1, 2], max_new_tokens=2, max_frames=2, speaker="Chelsie")
+    assert torch.equal(torch.get_rng_state(), state) and request.codec_generator is None
+    Request(1, [1, 2], max_new_tokens=2, max_frames=2, talker_sampling=QWEN2_5_OMNI_TALKER_SAMPLING)
+    assert not torch.equal(torch.get_rng_state(), state)  # a sampled one draws its seed from it
+    seeded = Request(2, [1, 2], max_new_tokens=2, max_frames=2, seed=3)
+    assert seeded.codec_generator.initial_seed() == request_seeds(3)[2]
+
+
+def test_request_seeds_keep_thinker_and_talker_and_add_a_distinct_codec_seed():
+    for seed in (0, 1, 7, -1, 2**63 - 1, -(2**63)):
+        thinker, talker, codec = request_seeds(seed)
+        assert (thinker, talker) == ((2 * seed) % 2**64, (2 * seed + 1) % 2**64)
+        assert codec not in (thinker, talker) and 0 <= codec < 2**64
+    assert len({request_seeds(seed)[2] for seed in range(1000)}) == 1000
+
+
+def test_mrope_in_sections_equals_the_qwen2_5_rotary_module(reference_model):
+    """Qwen2.5-Omni's M-RoPE takes consecutive channel sections per axis (not Qwen3's interleaving): our
+    tables equal the module's cos / sin on 3-D positions that differ per axis."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import apply_rotary_pos_emb
+
+    rotary = reference_model.thinker.model.language_model.rotary_emb
+    head_dim = reference_model.config.thinker_config.text_config.hidden_size // 4
+    rope = Rope.from_module(rotary, head_dim)
+    assert not rope.is_mrope_interleaved
+    positions = torch.stack([torch.arange(6), torch.arange(6) * 2 + 1, torch.arange(6) * 3 + 2])[:, None]  # [3, 1, 6]
+    x = torch.randn(1, 6, 2, head_dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = rotary(x, positions)  # [1, 6, D]
+    expected, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
+    ours_cos, ours_sin = rope.tables(positions, torch.float32)  # [1, 6, 1, D]
+    rolled = x.roll(head_dim // 2, dims=-1)
+    assert torch.allclose((x * ours_cos + rolled * ours_sin).transpose(1, 2), expected, atol=1e-6)
