@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3-Omni checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--model", default=None, help="Qwen3-Omni or Qwen2.5-Omni checkpoint directory (default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name (case-insensitive)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
@@ -54,21 +54,20 @@ def _load(args):
     return OmniPipeline.from_pretrained(args.model, device=args.device)
 
 
-def _sampling(args) -> dict:
+def _sampling(pipe, args) -> dict:
     if args.seed is None:
         return {}
     from omnimtp.sampling import SamplingParams
-    from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING
 
-    return dict(thinker_sampling=SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
-                talker_sampling=QWEN3_OMNI_TALKER_SAMPLING, seed=args.seed)
+    thinker = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
+    return dict(thinker_sampling=thinker, talker_sampling=pipe.family.sampled_talker(thinker), seed=args.seed)
 
 
 def _speak(pipe, messages, args, output: str, live: bool):
     import soundfile
     from tqdm import tqdm
 
-    kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames, **_sampling(args))
+    kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames, **_sampling(pipe, args))
     start = time.perf_counter()
     first_audio = None
     chunks, final = [], None

@@ -218,3 +218,58 @@ def test_mrope_in_sections_equals_the_qwen2_5_rotary_module(reference_model):
     ours_cos, ours_sin = rope.tables(positions, torch.float32)  # [1, 6, 1, D]
     rolled = x.roll(head_dim // 2, dims=-1)
     assert torch.allclose((x * ours_cos + rolled * ours_sin).transpose(1, 2), expected, atol=1e-6)
+
+
+# -- the CLI and the server, through `--model <dir>` ---------------------------------------------------
+
+
+def test_speak_cli_with_a_qwen2_5_checkpoint(pipe, checkpoint, tmp_path):
+    import soundfile
+
+    from omnimtp.cli import main
+
+    torch.manual_seed(0)
+    expected = pipe.generate([{"role": "user", "content": "Hello"}], max_new_tokens=6, max_frames=8)
+    path = tmp_path / "a.wav"
+    torch.manual_seed(0)
+    assert main(["speak", "Hello", "-o", str(path), "--model", str(checkpoint), "--max-new-tokens", "6",
+                 "--max-frames", "8"]) == 0
+    audio, rate = soundfile.read(path, dtype="float32")
+    assert rate == 24000 and len(audio) == SAMPLES_PER_CODE * expected.codes.shape[1]
+    assert_audible(audio)
+    assert np.abs(audio - expected.audio).max() <= 2 / 32768  # through libsndfile's 16-bit wav
+
+
+def test_served_chat_with_audio_and_an_unknown_voice(pipe, checkpoint):
+    import base64
+
+    import openai
+    from server_harness import running_server
+
+    from omnimtp.server.app import create_app
+    from omnimtp.server.audio import to_pcm16
+    from omnimtp.server.cli import build_engine
+
+    engine = build_engine(str(checkpoint), max_batch_size=2, max_frames=8)
+    assert engine.speakers == pipe.family.speakers
+    messages = [{"role": "user", "content": "Tell me something"}]
+    with running_server(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        served = client.chat.completions.create(
+            model=engine.model_id, messages=messages, modalities=["text", "audio"],
+            audio={"voice": "ethan", "format": "pcm16"}, seed=21, temperature=0.0, max_tokens=6,
+        )
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.chat.completions.create(
+                model=engine.model_id, messages=messages, modalities=["text", "audio"],
+                audio={"voice": "alloy", "format": "pcm16"}, max_tokens=2,
+            )
+    assert raised.value.status_code == 400 and raised.value.body["param"] == "audio.voice"
+    assert "alloy" in raised.value.body["message"] and "Chelsie" in raised.value.body["message"]
+    output = pipe.generate(messages, speaker="Ethan", max_new_tokens=6, max_frames=8, seed=21)
+    message = served.choices[0].message
+    assert message.content == output.text
+    assert served.usage.completion_tokens_details.audio_tokens == output.codes.shape[1]
+    pcm = np.frombuffer(base64.b64decode(message.audio.data), dtype="<i2")
+    assert_audible(pcm)
+    assert np.array_equal(pcm, to_pcm16(output.audio))
