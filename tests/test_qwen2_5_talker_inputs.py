@@ -1,14 +1,16 @@
 """Qwen2.5-Omni talker inputs against transformers' `Qwen2_5OmniForConditionalGeneration.generate`.
 
-What the reference does (transformers 5.24), and where we deliberately differ:
+What the reference does (transformers 5.24), and where the layouts differ:
 - `generate` passes the talker `inputs_embeds` whose last two prefill rows are the speaker's bos embedding and
   the first reply row WITHOUT the codec pad / bos embeddings; the talker's forward adds them in place, but
-  only when it receives an attention mask. Called without an attention mask (the talker's generate then
-  builds one), the talker's first forward sees the intended prefill: we check that our prefill equals exactly
-  what that forward feeds `thinker_to_talker_proj`.
-- The all-ones-mask trap: called WITH an all-ones attention mask (what a processor returns for an unpadded
-  prompt), the talker's generate drops it, the forward skips both additions, and the prefill differs from the
-  intended one. We always build the intended prefill; the test records that the reference does not.
+  only when it receives an attention mask.
+- Whether it does depends on the talker EOS ids. The talker's generate infers a mask (`input_ids != pad`)
+  only when codec_pad is not an EOS id: with talker_eos_token_id=[codec_end] its first forward sees the
+  seed's intended prefill (both additions: our layout="seed"); with the config's [codec_end, codec_pad] (what
+  the real default [8292, 8294] is) no mask is inferred and it sees no codec rows (our layout="generate",
+  what the engine runs by default and matches end to end in test_qwen2_5_omni.py).
+- Called WITH an all-ones attention mask (what a processor returns for an unpadded prompt), the talker's
+  generate drops it, the forward skips both additions, and the prefill differs from the intended one.
 - Decode: the reference's reply part is [g1, ..., text_eos, text_pad] and it reuses the last row forever; ours
   is trailing_text = [g1, ..., text_eos] with tts_pad_embed as the fallback: the same sequence of rows.
 - The talker EOS defaults to hard-coded ids outside a tiny codec vocab, so we pass `talker_eos_token_id`.
@@ -40,7 +42,8 @@ def model():
     return tiny_qwen2_5_omni(0)
 
 
-def reference_run(model, eos, run_talker=False, speaker="Chelsie", **generate_kwargs):
+def reference_run(model, eos, run_talker=False, speaker="Chelsie", talker_eos=(TINY_QWEN2_5_CODEC["eos"],),
+                  **generate_kwargs):
     """transformers' generate; returns (thinker result, talker.generate kwargs, first thinker_to_talker_proj input)."""
     captured = {"proj": []}
     thinker_generate, talker_generate = model.thinker.generate, model.talker.generate
@@ -65,7 +68,7 @@ def reference_run(model, eos, run_talker=False, speaker="Chelsie", **generate_kw
             model.generate(
                 torch.tensor([PROMPT]), speaker=speaker, thinker_max_new_tokens=MAX_NEW, thinker_eos_token_id=eos,
                 thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=2,
-                talker_eos_token_id=[TINY_QWEN2_5_CODEC["eos"]], **generate_kwargs,
+                talker_eos_token_id=list(talker_eos), **generate_kwargs,
             )
     finally:
         hook.remove()
@@ -104,7 +107,7 @@ def test_matches_intended_reference_construction(model, finish):
     assert torch.equal(ours.prefill_embeds[:num_prompt], passed[:num_prompt])
     assert torch.equal(ours.prefill_embeds[num_prompt], passed[num_prompt] + codec[TINY_QWEN2_5_CODEC["pad"]])
     assert torch.equal(ours.prefill_embeds[num_prompt + 1], passed[num_prompt + 1] + codec[TINY_QWEN2_5_CODEC["bos"]])
-    # ...which is exactly what the talker's first forward projects when called without an attention mask
+    # ...which is exactly what the talker's first forward projects when its generate infers a mask (pad ∉ EOS)
     assert torch.equal(ours.prefill_embeds, first_forward)
     reply = talker_kwargs["thinker_reply_part"][0]  # [g1 .. g_{N-2}, text_eos, text_pad]
     assert torch.equal(ours.trailing_text, reply[:-1]) and torch.equal(ours.tts_pad_embed, reply[-1])
@@ -120,6 +123,27 @@ def test_matches_intended_reference_construction(model, finish):
     streamed = assemble_talker_chunks(chunks)
     for name in ("prefill_embeds", "prefill_ids", "trailing_text", "tts_pad_embed"):
         assert torch.equal(getattr(streamed, name), getattr(ours, name)), name
+
+
+def test_generate_layout_is_what_the_talker_sees_with_the_config_eos_ids(model):
+    """With talker EOS = the config's codec end and pad ids, the talker's first forward projects the prefill
+    without the codec rows: exactly our layout="generate"; layout="seed" adds the two codec embeddings."""
+    config_eos = (TINY_QWEN2_5_CODEC["eos"], TINY_QWEN2_5_CODEC["pad"])
+    result, _, first_forward = reference_run(model, NEVER_EMITTED, run_talker=True, talker_eos=config_eos)
+    output_ids = result.sequences[0, len(PROMPT):].tolist()
+    embeds, hidden = thinker_rows(result)
+    generate = build_qwen2_5_talker_inputs(model, PROMPT, output_ids, embeds, hidden, "length", "Chelsie", "generate")
+    seed = build_qwen2_5_talker_inputs(model, PROMPT, output_ids, embeds, hidden, "length", "Chelsie", "seed")
+    assert torch.equal(generate.prefill_embeds, first_forward)
+    codec = model.talker.get_input_embeddings().weight
+    num_prompt = len(PROMPT)
+    assert torch.equal(seed.prefill_embeds[:num_prompt], generate.prefill_embeds[:num_prompt])
+    assert torch.equal(seed.prefill_embeds[num_prompt], generate.prefill_embeds[num_prompt] + codec[TINY_QWEN2_5_CODEC["pad"]])
+    assert torch.equal(seed.prefill_embeds[-1], generate.prefill_embeds[-1] + codec[TINY_QWEN2_5_CODEC["bos"]])
+    for name in ("prefill_ids", "trailing_text", "tts_pad_embed"):
+        assert torch.equal(getattr(seed, name), getattr(generate, name)), name
+    with pytest.raises(ValueError, match="layout"):
+        build_qwen2_5_talker_inputs(model, PROMPT, output_ids, embeds, hidden, "length", "Chelsie", "vllm")
 
 
 def test_all_ones_mask_trap_reference_skips_codec_rows(model):
