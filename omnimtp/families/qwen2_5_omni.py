@@ -25,6 +25,7 @@ import torch
 
 from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
 from omnimtp.media import MediaInputs, MediaLimits, has_media
+from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
@@ -65,7 +66,7 @@ class Qwen2_5OmniFamily:
         self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
         self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         self.codec = OneShotToken2Wav(model.token2wav)
-        self.speech_header_ids = _speech_header_ids(tokenizer) if _has_chat_template(tokenizer) else None
+        self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
     def tiny(cls, seed: int = 0, device=None) -> "Qwen2_5OmniFamily":
@@ -87,10 +88,7 @@ class Qwen2_5OmniFamily:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The templated prompt of chat messages, the assistant turn opened."""
-        if not _has_chat_template(self.tokenizer):
-            raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return chat_ids(self.tokenizer, messages)
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
         """The templated prompt of text-only chat messages (media parts: ValueError)."""
@@ -109,8 +107,7 @@ class Qwen2_5OmniFamily:
 
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None."""
-        lowered = name.strip().lower()
-        return next((speaker for speaker in self.speakers if speaker.lower() == lowered), None)
+        return match_speaker(self.speakers, name)
 
     def check_speaker(self, speaker: str) -> None:
         lookup_speaker(self.model.speaker_map, speaker)
@@ -275,16 +272,3 @@ def _thinker_eos_ids(model, tokenizer) -> set[int]:
     if not ids:
         raise ValueError("model: no thinker EOS id (neither its generation config nor a tokenizer gives one)")
     return ids
-
-
-def _speech_header_ids(tokenizer) -> list[int]:
-    probe = [{"role": "user", "content": "x"}]
-    opened = list(tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
-    closed = list(tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=True, return_dict=False))
-    if opened[: len(closed)] != closed or len(opened) == len(closed):
-        raise ValueError("tokenizer: its chat template does not open an assistant turn after the prompt")
-    return opened[len(closed):]
-
-
-def _has_chat_template(tokenizer) -> bool:
-    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None

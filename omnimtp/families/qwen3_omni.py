@@ -18,6 +18,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.handoff import TalkerInputs
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
@@ -59,7 +60,7 @@ class Qwen3OmniFamily:
         self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         self.codec = StreamingCode2Wav(model.code2wav)
         self._predictors: dict[int, CodePredictorRunner] = {}
-        self.speech_header_ids = self._speech_header_ids() if _has_chat_template(tokenizer) else None
+        self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
     def tiny(cls, seed: int = 0, device=None, **kwargs) -> "Qwen3OmniFamily":
@@ -84,10 +85,7 @@ class Qwen3OmniFamily:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The templated prompt of chat messages, the assistant turn opened."""
-        if not _has_chat_template(self.tokenizer):
-            raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return list(ids)
+        return chat_ids(self.tokenizer, messages)
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
         """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
@@ -107,19 +105,10 @@ class Qwen3OmniFamily:
 
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None."""
-        lowered = name.strip().lower()
-        return next((speaker for speaker in self.speakers if speaker.lower() == lowered), None)
+        return match_speaker(self.speakers, name)
 
     def check_speaker(self, speaker: str) -> None:
         lookup_speaker(self.model.config.talker_config.speaker_id, speaker)
-
-    def _speech_header_ids(self) -> list[int]:
-        probe = [{"role": "user", "content": "x"}]
-        opened = list(self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=True, return_dict=False))
-        closed = list(self.tokenizer.apply_chat_template(probe, add_generation_prompt=False, tokenize=True, return_dict=False))
-        if opened[: len(closed)] != closed or len(opened) == len(closed):
-            raise ValueError("tokenizer: its chat template does not open an assistant turn after the prompt")
-        return opened[len(closed):]
 
     # --- media ---
 
@@ -312,8 +301,3 @@ def _media_slice(media: MediaInputs, starts: list[int], counts: tuple[int, int, 
     if num_video and media.video_second_per_grid is not None:
         fields["video_second_per_grid"] = media.video_second_per_grid[video : video + num_video]
     return MediaInputs(**fields)
-
-
-def _has_chat_template(tokenizer) -> bool:
-    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
-
