@@ -9,12 +9,18 @@ Our code predictor is compiled during the untimed warm-up: the whole frame as on
 (`compile_predictor="frame"`; its first compile takes a minute or two per config on a CPU, later runs hit
 inductor's disk cache), `--compile step` for one graph per predictor step, `--compile none` for eager.
 
+`--family qwen2_5` runs Qwen2.5-Omni instead (thinker → single-codebook talker → token2wav, text questions):
+both sides greedy with `torch.manual_seed` set identically before each, so the audio is the same bits (token2wav's
+DiT noise comes from the global RNG); token2wav decodes once at the end, so the first audio is the whole audio.
+`--real-dims` builds its thinker and talker at the real Qwen2.5-Omni-3B widths with 2 layers each (tiny
+vocabularies and token2wav).
+
 `--input audio` asks a spoken question instead (5 s of log-mel features through transformers' audio encoder,
 65 audio rows in the prompt), `--input image` shows a 224×224-sized image (14 × 14 patches): the time to the first
 audio then includes the encoder. The features are random (the encoders' work does not depend on them).
 
     python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid] [--input text|audio|image]
-        [--out benchmarks/results/e2e.json]
+        [--family qwen3|qwen2_5] [--real-dims] [--out benchmarks/results/e2e.json]
 """
 
 from __future__ import annotations
@@ -28,12 +34,23 @@ import time
 import torch
 
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, tiny_qwen3_omni
+from omnimtp.models.tiny_qwen2_5_omni import (
+    QWEN2_5_OMNI_3B_TALKER,
+    QWEN2_5_OMNI_3B_THINKER,
+    TINY_QWEN2_5_CODEC,
+    qwen2_5_byte_tokenizer,
+    tiny_qwen2_5_omni,
+)
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.tokenizer import byte_tokenizer
 
 CONFIGS = {
     "tiny": dict(),
     "mid": dict(hidden_size=1024, num_thinker_layers=4, num_talker_layers=4),
+}
+QWEN2_5_CONFIGS = {
+    "tiny": dict(),
+    "real-dims": dict(thinker_widths=QWEN2_5_OMNI_3B_THINKER, talker_widths=QWEN2_5_OMNI_3B_TALKER),
 }
 
 
@@ -45,6 +62,21 @@ def _reference(model, prompt, max_new_tokens, max_frames, media):
         thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=max_frames + 1, **media,
     )
     return sequences[0, len(prompt):].tolist(), wav[0, 0].cpu().numpy()
+
+
+def _reference_qwen2_5(model, prompt, max_new_tokens, max_frames, media):
+    """transformers' Qwen2.5-Omni generate, greedy, talker EOS = the config's codec end and pad ids."""
+    torch.manual_seed(0)
+    sequences, wav = model.generate(
+        input_ids=torch.tensor([prompt], device=model.device), speaker="Chelsie",
+        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=QWEN2_5_EOS, thinker_do_sample=False,
+        talker_do_sample=False, talker_max_new_tokens=max_frames,
+        talker_eos_token_id=[TINY_QWEN2_5_CODEC["eos"], TINY_QWEN2_5_CODEC["pad"]],
+    )
+    return sequences[0, len(prompt):].tolist(), wav.cpu().numpy()
+
+
+QWEN2_5_EOS = 257  # <|im_end|> of the tiny vocab
 
 
 def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
@@ -71,20 +103,28 @@ def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
     return ids[:3] + run + ids[3:], media
 
 
-def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor, kind="text", device="cpu"):
-    model = tiny_qwen3_omni(0, **config_kwargs).to(device)
+def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_predictor, kind="text", device="cpu",
+          family="qwen3"):
+    if family == "qwen2_5":
+        model = tiny_qwen2_5_omni(0, **config_kwargs).to(device)
+        pipe = OmniPipeline(model, qwen2_5_byte_tokenizer(), max_batch_size=1)
+        reference = _reference_qwen2_5
+    else:
+        model = tiny_qwen3_omni(0, **config_kwargs).to(device)
+        pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1, compile_predictor=compile_predictor)
+        reference = _reference
     num_params = sum(p.numel() for p in model.parameters())
-    pipe = OmniPipeline(model, byte_tokenizer(), max_batch_size=1, compile_predictor=compile_predictor)
     prompt, media = _question(pipe.tokenizer, model, kind)
     media = {name: value.to(device) for name, value in media.items()}
-    _reference(model, prompt, 2, 2, media)  # warm up both paths (and compile ours: not timed)
+    reference(model, prompt, 2, 2, media)  # warm up both paths (and compile ours: not timed)
     pipe.generate(input_ids=prompt, max_new_tokens=2, max_frames=2, **media)
     ref_times, our_times, ref_cpu, our_cpu, first_audio = [], [], [], [], []
     for _ in range(repeats):
         start, start_cpu = time.perf_counter(), time.process_time()
-        ref_ids, ref_audio = _reference(model, prompt, max_new_tokens, max_frames, media)
+        ref_ids, ref_audio = reference(model, prompt, max_new_tokens, max_frames, media)
         ref_times.append(time.perf_counter() - start)
         ref_cpu.append(time.process_time() - start_cpu)
+        torch.manual_seed(0)
         start, start_cpu = time.perf_counter(), time.process_time()
         out = pipe.generate(input_ids=prompt, max_new_tokens=max_new_tokens, max_frames=max_frames, **media)
         our_times.append(time.perf_counter() - start)
@@ -98,7 +138,7 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     audio_seconds = len(out.audio) / out.sample_rate
     ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
     result = dict(
-        config=name, input=kind, device=str(device), prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        family=family, config=name, input=kind, device=str(device), prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
         thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
@@ -124,18 +164,29 @@ def main():
     parser.add_argument("--device", default="cpu", help="where both sides run (cpu, cuda, cuda:N)")
     parser.add_argument("--input", choices=["text", "audio", "image"], default="text", help="what the question is")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
+    parser.add_argument("--family", choices=["qwen3", "qwen2_5"], default="qwen3", help="which omni model family")
+    parser.add_argument("--real-dims", action="store_true",
+                        help="qwen2_5: also the config at the real 3B thinker / talker widths (2 layers each)")
     parser.add_argument("--out", default="benchmarks/results/e2e.json")
     args = parser.parse_args()
+    if args.family == "qwen2_5" and args.input != "text":
+        parser.error("--family qwen2_5 takes text questions only (--input text)")
+    if args.real_dims and args.family != "qwen2_5":
+        parser.error("--real-dims is for --family qwen2_5 (Qwen3 has --config mid)")
     torch.set_num_threads(args.threads)
     max_new_tokens, max_frames, repeats = (16, 40, 1) if args.quick else (32, 100, 3)
     repeats = args.repeats or repeats
     compile_predictor = False if args.compile == "none" else args.compile
-    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor, args.input, args.device)
-               for name, kwargs in CONFIGS.items()
-               if not args.config or name in args.config]
+    if args.family == "qwen2_5":
+        configs = {name: kwargs for name, kwargs in QWEN2_5_CONFIGS.items() if name == "tiny" or args.real_dims}
+    else:
+        configs = {name: kwargs for name, kwargs in CONFIGS.items() if not args.config or name in args.config}
+    results = [bench(name, kwargs, max_new_tokens, max_frames, repeats, compile_predictor, args.input, args.device,
+                     args.family) for name, kwargs in configs.items()]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads, input=args.input,
+        json.dump(dict(machine=platform.processor() or platform.machine(), threads=args.threads, family=args.family,
+                       input=args.input,
                        max_new_tokens=max_new_tokens, max_frames=max_frames, results=results), f, indent=2)
     print(f"wrote {args.out}")
 

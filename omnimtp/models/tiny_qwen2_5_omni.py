@@ -51,17 +51,42 @@ TINY_QWEN2_5_SPEAKERS = {"Chelsie": "<|chelsie_bos|>", "Ethan": "<|ethan_bos|>"}
 TINY_QWEN2_5_REF_MEL_FRAMES = 8
 
 
+# The real Qwen2.5-Omni-3B widths (its published config.json), for benchmarks at real per-layer cost.
+QWEN2_5_OMNI_3B_THINKER = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2)
+QWEN2_5_OMNI_3B_TALKER = dict(
+    hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+)
+
+
+def _rope(head_dim: int) -> dict:
+    """M-RoPE sections over head_dim / 2 channel pairs in the real proportions (128 → [16, 24, 24])."""
+    half = head_dim // 2
+    spatial = 3 * half // 8
+    return {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [half - 2 * spatial, spatial, spatial]}
+
+
 def tiny_qwen2_5_omni_config(
-    *, hidden_size: int = 64, num_thinker_layers: int = 2, num_talker_layers: int = 2, initializer_range: float = 0.2
+    *, hidden_size: int = 64, num_thinker_layers: int = 2, num_talker_layers: int = 2, initializer_range: float = 0.2,
+    thinker_widths: dict | None = None, talker_widths: dict | None = None,
 ) -> Qwen2_5OmniConfig:
-    """A complete thinker + talker + token2wav config of the real classes, at tiny widths."""
-    h = hidden_size
+    """A complete thinker + talker + token2wav config of the real classes, at tiny widths. thinker_widths,
+    talker_widths: text-model fields that replace the tiny ones (e.g. `QWEN2_5_OMNI_3B_THINKER`,
+    `QWEN2_5_OMNI_3B_TALKER`); the talker's embedding_size follows the thinker's width. The vocabularies
+    and token2wav stay tiny."""
+    thinker_widths = dict(
+        dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_attention_heads=4, num_key_value_heads=2),
+        **(thinker_widths or {}),
+    )
+    h = thinker_widths["hidden_size"]
+    talker_widths = dict(
+        dict(hidden_size=h, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        **(talker_widths or {}),
+    )
     ids = QWEN2_5_THINKER_SPECIAL_TOKENS
-    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [2, 3, 3]}
     text_config = dict(
-        vocab_size=QWEN2_5_THINKER_VOCAB_SIZE, hidden_size=h, intermediate_size=2 * h,
-        num_hidden_layers=num_thinker_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4096, initializer_range=initializer_range, rope_parameters=rope, pad_token_id=0,
+        vocab_size=QWEN2_5_THINKER_VOCAB_SIZE, num_hidden_layers=num_thinker_layers,
+        max_position_embeddings=4096, initializer_range=initializer_range,
+        rope_parameters=_rope(h // thinker_widths["num_attention_heads"]), pad_token_id=0, **thinker_widths,
     )
     thinker_config = dict(
         text_config=text_config,
@@ -79,9 +104,9 @@ def tiny_qwen2_5_omni_config(
         vision_start_token_id=ids["<|vision_start|>"],  # read by get_rope_index, not declared by the config class
     )
     talker_config = dict(
-        vocab_size=TINY_QWEN2_5_CODEC_VOCAB, embedding_size=h, hidden_size=h, intermediate_size=2 * h,
-        num_hidden_layers=num_talker_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=4096, rope_parameters=rope, initializer_range=initializer_range,
+        vocab_size=TINY_QWEN2_5_CODEC_VOCAB, embedding_size=h, num_hidden_layers=num_talker_layers,
+        max_position_embeddings=4096, rope_parameters=_rope(talker_widths["head_dim"]),
+        initializer_range=initializer_range, **talker_widths,
         tts_text_start_token_id=ids["<|tts_text_bos|>"], tts_text_end_token_id=ids["<|tts_text_eos|>"],
         tts_text_pad_token_id=ids["<|tts_text_pad|>"], tts_codec_start_token_id=TINY_QWEN2_5_CODEC["bos"],
         tts_codec_end_token_id=TINY_QWEN2_5_CODEC["eos"], tts_codec_pad_token_id=TINY_QWEN2_5_CODEC["pad"],
