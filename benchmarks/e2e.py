@@ -138,7 +138,8 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     audio_seconds = len(out.audio) / out.sample_rate
     ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
     result = dict(
-        family=family, config=name, input=kind, device=str(device), prompt_tokens=len(prompt), compile_predictor=compile_predictor, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        family=family, config=name, input=kind, device=str(device), prompt_tokens=len(prompt),
+        compile_predictor=compile_predictor if family == "qwen3" else None, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
         thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
