@@ -1,8 +1,10 @@
-"""An explicit thinker decode loop over Qwen3-Omni's thinker on packed weights (`PackedDecoder`).
+"""An explicit thinker decode loop over an omni thinker (Qwen3-Omni, Qwen2.5-Omni) on packed weights
+(`PackedDecoder`).
 
 Each request has its own KV slot: the prefill runs per request (no padding), then one forward per
 step over the requests still writing. Every forward's rows of the layer-0 input embeddings and of
-the hidden state at `accept_hidden_layer` are handed out with the token, which is what the talker
+the hidden state at `accept_hidden_layer` (Qwen3-Omni: a middle layer; Qwen2.5-Omni: the number of
+layers, the last layer after the final norm) are handed out with the token, which is what the talker
 needs. As in `generate`, there is no forward after a request's last token, so a request with P
 prompt and N output tokens leaves P + N − 1 captured rows.
 
@@ -42,7 +44,9 @@ class ThinkerEvent:
 class ThinkerRun:
     """A batch of requests decoded in lockstep; finished requests are no longer forwarded.
 
-    thinker: transformers' `Qwen3OmniMoeThinkerForConditionalGeneration`. decoder: the packed weights
+    thinker: transformers' `Qwen3OmniMoeThinkerForConditionalGeneration` or
+    `Qwen2_5OmniThinkerForConditionalGeneration` (the same layout: `model.language_model`, `lm_head`,
+    `get_audio_features`, `get_image_features`, `get_rope_index`). decoder: the packed weights
     of its text model (`PackedDecoder.from_module(thinker.model.language_model)`), made here when
     None; pass one to share it between runs."""
 
@@ -152,7 +156,8 @@ class Prefill:
 
 @torch.no_grad()
 def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, device) -> Prefill:
-    """The prefill of one prompt as transformers' `Qwen3OmniMoeThinkerModel.forward` builds it: the token
+    """The prefill of one prompt as transformers' thinker model's forward builds it (Qwen3-Omni's and
+    Qwen2.5-Omni's alike; Qwen2.5 has no deepstack features): the token
     embeddings; transformers' own audio and vision encoders on the media tensors, their rows in place of
     the `<|audio_pad|>` / `<|image_pad|>` / `<|video_pad|>` ids (one row per id, else ValueError); the
     deepstack features of images and videos; M-RoPE positions from `get_rope_index` when there are images
@@ -189,7 +194,7 @@ def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, de
         mask = ids == token_id
         embeds = _scatter(embeds, mask, torch.cat(out.pooler_output), name)
         visual_masks.append(mask)
-        visual_levels.append([torch.cat(level) for level in out.deepstack_features])
+        visual_levels.append([torch.cat(level) for level in getattr(out, "deepstack_features", None) or ()])
     layer_adds = []
     for levels in zip(*visual_levels):  # one deepstack level: its image rows and its video rows
         add = torch.zeros_like(embeds)

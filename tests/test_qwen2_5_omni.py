@@ -273,3 +273,68 @@ def test_served_chat_with_audio_and_an_unknown_voice(pipe, checkpoint):
     pcm = np.frombuffer(base64.b64decode(message.audio.data), dtype="<i2")
     assert_audible(pcm)
     assert np.array_equal(pcm, to_pcm16(output.audio))
+
+
+# -- audio and image input (processor tensors with input_ids) -------------------------------------------
+
+
+QUESTION = "Tell me more"
+
+
+def _media_prompt(pipe, kind):
+    """A user turn that holds one audio (30 feature frames) or one 2×2-patch image, and its tensors."""
+    from omnimtp.models.tiny_qwen2_5_omni import QWEN2_5_THINKER_SPECIAL_TOKENS as S
+
+    generator = torch.Generator().manual_seed(1)
+    if kind == "audio":
+        frames = 30
+        media = dict(input_features=torch.randn(1, 16, frames, generator=generator),
+                     feature_attention_mask=torch.ones(1, frames, dtype=torch.long))
+        rows = ((frames - 1) // 2 + 1 - 2) // 2 + 1  # the Qwen2.5 audio tower's output length
+        run = [S["<|audio_start|>"]] + [S["<|audio_pad|>"]] * rows + [S["<|audio_end|>"]]
+    else:
+        media = dict(pixel_values=torch.randn(4, 3 * 2 * 16 * 16, generator=generator),
+                     image_grid_thw=torch.tensor([[1, 2, 2]]))
+        run = [S["<|vision_start|>"]] + [S["<|image_pad|>"]] * 4 + [S["<|vision_end|>"]]
+    ids = _prompt(pipe, QUESTION)
+    return ids[:3] + run + ids[3:], media
+
+
+@pytest.mark.parametrize("kind", ["audio", "image"])
+def test_media_input_equals_transformers_generate(pipe, reference_model, kind):
+    prompt, media = _media_prompt(pipe, kind)
+    captured = {}
+    talker_generate = reference_model.talker.generate
+
+    def record(**kwargs):
+        result = talker_generate(**kwargs)
+        captured["codes"] = result[:, kwargs["input_ids"].shape[1]:]
+        return result
+
+    reference_model.talker.generate = record
+    try:
+        torch.manual_seed(2)
+        sequences, ref_audio = reference_model.generate(
+            torch.tensor([prompt]), speaker="Chelsie", thinker_max_new_tokens=MAX_NEW_TOKENS,
+            talker_max_new_tokens=MAX_FRAMES, thinker_do_sample=False, talker_do_sample=False,
+            talker_eos_token_id=CONFIG_EOS, thinker_eos_token_id=sorted(pipe.family.eos_token_ids),
+            **{("thinker_" + name if name == "pixel_values" else name): value for name, value in media.items()},
+        )  # generate hands unprefixed pixel_values to the talker too, whose generate refuses them
+    finally:
+        del reference_model.talker.generate
+    torch.manual_seed(2)
+    ours = pipe.generate(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
+    text_only = pipe.generate(input_ids=_prompt(pipe, QUESTION), max_new_tokens=MAX_NEW_TOKENS, max_frames=4)
+    assert ours.text_ids == sequences[0, len(prompt):].tolist() != text_only.text_ids
+    codes = captured["codes"]
+    assert torch.equal(ours.codes, codes[:, : ours.codes.shape[1]]) and ours.codes.shape[1] >= 3
+    assert ours.codes.shape[1] == codes.shape[1] or int(codes[0, ours.codes.shape[1]]) in CONFIG_EOS
+    assert_audio_equal(ours.audio, ref_audio.numpy())
+
+
+def test_media_placeholders_must_match_the_tensors(pipe):
+    prompt, media = _media_prompt(pipe, "audio")
+    with pytest.raises(ValueError, match="audio"):
+        pipe.generate(input_ids=prompt[:5] + prompt[6:], max_frames=2, **media)  # one pad short
+    with pytest.raises(ValueError, match="audio"):
+        pipe.generate(input_ids=prompt, max_frames=2)  # placeholders without the features

@@ -23,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omnimtp.families.placeholders import check_placeholders, split_media
+from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
 from omnimtp.media import MediaInputs, MediaLimits, has_media
-from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
@@ -40,7 +41,9 @@ class Qwen2_5OmniFamily:
     """Qwen2.5-Omni's side of the engine.
 
     model: transformers' `Qwen2_5OmniForConditionalGeneration` with `speaker_map` loaded; tokenizer: its text
-    tokenizer, or None (then requests come as token ids and no text is decoded). Chat media is refused.
+    tokenizer, or None (then requests come as token ids and no text is decoded). Audio, image and video come as
+    transformers' processor tensors with prompt ids that hold their placeholders (chat messages with media
+    parts are refused: no processor).
     talker_layout: the talker prefill (`omnimtp.talker.qwen2_5_inputs`): "generate" (default) is what
     transformers' `generate` runs with the checkpoint's EOS ids (no codec pad / bos rows), "seed" the intended
     layout with both codec embeddings."""
@@ -91,9 +94,11 @@ class Qwen2_5OmniFamily:
         return chat_ids(self.tokenizer, messages)
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
-        """The templated prompt of text-only chat messages (media parts: ValueError)."""
+        """The templated prompt of text-only chat messages. Media parts: ValueError (there is no Qwen2.5-Omni
+        processor here; its tensors go through the Python API with input_ids)."""
         if has_media(messages):
-            raise ValueError("messages: audio, image and video input are not supported for Qwen2.5-Omni yet")
+            raise ValueError("messages: audio, image and video parts need a processor; Qwen2.5-Omni takes media "
+                             "as processor tensors with input_ids (OmniPipeline.generate) only")
         return self.chat_ids(messages), None
 
     def speech_ids(self, text: str) -> list[int]:
@@ -115,26 +120,25 @@ class Qwen2_5OmniFamily:
     # --- media ---
 
     def check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
-        """ValueError for media tensors or media placeholder ids: text prompts only."""
-        config = self.model.config.thinker_config
-        if media is not None and (media.has_audio or media.has_vision):
-            raise ValueError("media: audio, image and video input are not supported for Qwen2.5-Omni yet")
-        placeholders = {config.audio_token_index, config.image_token_index, config.video_token_index}
-        if placeholders & set(prompt_ids):
-            raise ValueError("prompt: it holds media placeholder ids, and Qwen2.5-Omni takes text prompts only here")
+        """`omnimtp.families.placeholders.check_placeholders` with Qwen2.5-Omni's audio rows (its audio
+        tower's `_get_feat_extract_output_lengths` of the feature frames)."""
+        check_placeholders(self.model.config.thinker_config, prompt_ids, media, self._audio_rows)
 
     def split_media(self, prompts: list[list[int]], media: MediaInputs | None) -> list[MediaInputs | None]:
-        if media is not None:
-            raise ValueError("media: audio, image and video input are not supported for Qwen2.5-Omni yet")
-        return [None] * len(prompts)
+        """`omnimtp.families.placeholders.split_media`: the batch's tensors per prompt."""
+        return split_media(self.model.config.thinker_config, prompts, media)
+
+    def _audio_rows(self, lengths: torch.Tensor) -> list[int]:
+        return self.model.thinker.model.audio_tower._get_feat_extract_output_lengths(lengths)[1].tolist()
 
     # --- thinker ---
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
                     generators: list[torch.Generator], max_new_tokens: int,
                     media: list[MediaInputs | None] | None = None) -> ThinkerRun:
-        """One thinker run over `prompts` (one KV slot each); its hidden rows are the last layer after the
-        final norm, what transformers hands the talker."""
+        """One thinker run over `prompts` (one KV slot each), each row's media encoded in its prefill
+        (`omnimtp.thinker.multimodal_prefill`); its hidden rows are the last layer after the final norm, what
+        transformers hands the talker."""
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
