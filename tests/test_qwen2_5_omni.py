@@ -259,11 +259,16 @@ def test_served_chat_with_audio_and_an_unknown_voice(pipe, checkpoint):
             model=engine.model_id, messages=messages, modalities=["text", "audio"],
             audio={"voice": "ethan", "format": "pcm16"}, seed=21, temperature=0.0, max_tokens=6,
         )
+        speech = np.frombuffer(client.audio.speech.create(
+            model=engine.model_id, voice="Chelsie", input="Hello there", response_format="pcm",
+        ).content, dtype="<i2")  # a speech request: the text's thinker embeddings as the talker's rows
         with pytest.raises(openai.BadRequestError) as raised:
             client.chat.completions.create(
                 model=engine.model_id, messages=messages, modalities=["text", "audio"],
                 audio={"voice": "alloy", "format": "pcm16"}, max_tokens=2,
             )
+    assert speech.size > 0 and speech.size % SAMPLES_PER_CODE == 0
+    assert_audible(speech)
     assert raised.value.status_code == 400 and raised.value.body["param"] == "audio.voice"
     assert "alloy" in raised.value.body["message"] and "Chelsie" in raised.value.body["message"]
     output = pipe.generate(messages, speaker="Ethan", max_new_tokens=6, max_frames=8, seed=21)

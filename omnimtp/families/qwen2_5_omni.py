@@ -163,9 +163,6 @@ class Qwen2_5OmniFamily:
         builder = Qwen2_5TalkerInputBuilder(self.model, self.speech_header_ids, speaker, self.talker_layout)
         with torch.no_grad():
             embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.device))  # [N, D]
-        header = len(self.speech_header_ids)
-        if len(ids) <= header:
-            raise ValueError("input: nothing to speak")
         return talker_inputs_from_rows(builder, embeds, torch.zeros_like(embeds))
 
     # --- talker ---
