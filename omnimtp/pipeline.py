@@ -38,10 +38,10 @@ from omnimtp.sampling import SamplingParams, row_seeds
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
 
-# config.json's model_type → (family, transformers class name)
+# config.json's model_type → the transformers class of the whole model
 MODEL_TYPES = {
-    "qwen3_omni_moe": (Qwen3OmniFamily, "Qwen3OmniMoeForConditionalGeneration"),
-    "qwen2_5_omni": (Qwen2_5OmniFamily, "Qwen2_5OmniForConditionalGeneration"),
+    "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration",
+    "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
 }
 
 MEDIA_ARGUMENTS = (
@@ -63,7 +63,8 @@ class OmniEvent:
 
 
 class OmniPipeline:
-    """Text (and, for Qwen3-Omni, audio, images and video) → text + speech. See the module docstring."""
+    """Text, audio and images (Qwen3-Omni: also video, and media parts of chat messages) → text + speech.
+    See the module docstring."""
 
     def __init__(
         self, model=None, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
@@ -130,7 +131,7 @@ class OmniPipeline:
     def tiny(cls, seed: int = 0, device=None, family: str = "qwen3") -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni, text input)."""
+        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni and its byte tokenizer)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         if family == "qwen3":
@@ -160,7 +161,7 @@ class OmniPipeline:
         if model_type == "qwen2_5_omni" and not os.path.isfile(os.path.join(path, "spk_dict.pt")):
             raise ValueError(f"path: {path!r} has no spk_dict.pt (a Qwen2.5-Omni checkpoint keeps its speakers there)")
         device = None if device is None else resolve_device(device)
-        model = getattr(transformers, MODEL_TYPES[model_type][1]).from_pretrained(path, dtype=dtype)
+        model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
