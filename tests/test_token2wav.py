@@ -102,13 +102,29 @@ def test_a_single_final_block_is_the_one_shot_decode(token2wav, speaker):
 
 
 def test_streamed_noise_is_the_one_shot_noise(token2wav, speaker):
+    """The stream's lazy draws, joined, are the one-shot's single randn (a property of CPU randn on whole
+    mel frames of 80 values) — so streamed vs one-shot differ by the chunking alone."""
     decoder = StreamingToken2Wav(token2wav, chunk_frames=25)
+    draws = []
+    draw_noise = decoder._draw_noise
+    decoder._draw_noise = lambda *args: draws.append(draw_noise(*args)) or draws[-1]
     codes = _codes(NUM_CODES)
     stream = decoder.new_stream(speaker["cond"], speaker["ref_mel"], _gen(3))
     for start in range(0, NUM_CODES, 13):
         decoder.decode([stream], [codes[:, start : start + 13]], [start + 13 >= NUM_CODES])
+    assert len(draws) > 3
     expected = torch.randn([1, 2 * NUM_CODES, 80], generator=_gen(3))
-    assert torch.equal(stream.noise, expected)
+    assert torch.equal(torch.cat(draws, dim=1), expected)
+
+
+def test_a_stream_keeps_only_the_tail_later_windows_read(token2wav, speaker):
+    decoder = StreamingToken2Wav(token2wav, chunk_frames=25, look_back_frames=24, vocoder_context_frames=16)
+    codes = _codes(NUM_CODES)
+    stream = decoder.new_stream(speaker["cond"], speaker["ref_mel"], _gen(3))
+    decoder.decode([stream], [codes[:, :90]], [False])  # chunks 0-2 final; chunk 3's window starts at code 48
+    assert stream.num_chunks == 3 and stream.codes_start == 48 and stream.noise_start == 96
+    assert stream.num_codes == 90 and stream.codes.shape[1] == 42
+    assert stream.num_samples == (150 - 32) * 240 and stream.mel_start == 150 - 64  # 16 codes of context kept
 
 
 @pytest.mark.parametrize("chunk_frames", [25, 50])

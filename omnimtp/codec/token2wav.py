@@ -87,18 +87,33 @@ def sample_mel(
 
 @dataclass
 class Token2WavStream:
-    """One request's streaming state. Mel tensors are [1, frames, mel_dim], the DiT's layout."""
+    """One request's streaming state. Mel tensors are [1, frames, mel_dim], the DiT's layout.
+
+
+    Only what later windows read is kept: `codes`, `noise` and `mel` hold the tail from `*_start` on.
+    """
 
     conditioning: torch.Tensor  # [1, enc_emb_dim]
     reference_mel: torch.Tensor  # [1, T_ref, mel_dim]
     generator: torch.Generator | None
-    codes: torch.Tensor  # [1, n] every code so far
-    noise: torch.Tensor  # [1, F_noise, mel_dim] noise drawn so far, mel frames 0..F_noise-1
-    mel: torch.Tensor  # [1, F_mel, mel_dim] finalized mel, frames 0..F_mel-1
+    codes: torch.Tensor  # [1, n'] codes codes_start.. of the stream
+    noise: torch.Tensor  # [1, F', mel_dim] the noise drawn for mel frames noise_start..
+    mel: torch.Tensor  # [1, F'', mel_dim] finalized mel frames mel_start..
     look_ahead_mel: torch.Tensor  # [1, F_ahead, mel_dim] the last window's mel after its chunk
+    codes_start: int = 0
+    noise_start: int = 0
+    mel_start: int = 0
     num_chunks: int = 0  # chunks whose mel is final
     num_samples: int = 0  # audio samples returned so far
     is_finished: bool = False
+
+    @property
+    def num_codes(self) -> int:
+        return self.codes_start + self.codes.shape[1]
+
+    @property
+    def num_mel_frames(self) -> int:
+        return self.mel_start + self.mel.shape[1]
 
 
 class StreamingToken2Wav:
@@ -224,7 +239,7 @@ class StreamingToken2Wav:
         """Finalize every chunk the known codes allow (at the final call: all the rest, in one window) and
         voice each as it is finalized, so the audio depends only on the codes and on how many were known
         before the final call, never on how the earlier ones were split into blocks."""
-        num_codes = stream.codes.shape[1]
+        num_codes = stream.num_codes
         chunk = self.chunk_frames
         pieces = []
         if is_final:
@@ -243,11 +258,11 @@ class StreamingToken2Wav:
         """Run the DiT window of the next chunk, [k·C, chunk_end) codes, and append its mel."""
         r = self.repeats
         chunk_start = stream.num_chunks * self.chunk_frames
-        window_end = min(chunk_end + self.look_ahead_frames, stream.codes.shape[1])
-        window_start_mel = max(chunk_start - self.look_back_frames, 0) * r // self.window_grid * self.window_grid
+        window_end = min(chunk_end + self.look_ahead_frames, stream.num_codes)
+        window_start_mel = self._window_start_mel(chunk_start)
         window_start = window_start_mel // r
         noise = self._stream_noise(stream, window_start_mel, window_end * r)  # [1, W·r, mel_dim]
-        codes = stream.codes[:, window_start:window_end]  # [1, W]
+        codes = stream.codes[:, window_start - stream.codes_start : window_end - stream.codes_start]  # [1, W]
         window_mel = self._sample(stream.conditioning, stream.reference_mel, codes, noise)  # [1, W·r, mel_dim]
         chunk_mel = window_mel[:, (chunk_start - window_start) * r : (chunk_end - window_start) * r]
         num_fade = min(self.crossfade_frames * r, stream.look_ahead_mel.shape[1], chunk_mel.shape[1])
@@ -259,27 +274,40 @@ class StreamingToken2Wav:
         stream.look_ahead_mel = window_mel[:, (chunk_end - window_start) * r :]
         stream.mel = chunk_mel if stream.mel.shape[1] == 0 else torch.cat([stream.mel, chunk_mel], dim=1)
         stream.num_chunks += 1
+        next_window_start_mel = self._window_start_mel(stream.num_chunks * self.chunk_frames)
+        stream.codes = stream.codes[:, next_window_start_mel // r - stream.codes_start :]
+        stream.codes_start = next_window_start_mel // r
+        stream.noise = stream.noise[:, next_window_start_mel - stream.noise_start :]
+        stream.noise_start = next_window_start_mel
+
+    def _window_start_mel(self, chunk_start: int) -> int:
+        """First mel frame of the DiT window of the chunk starting at code `chunk_start`: look-back
+        codes earlier, rounded down to the DiT block grid."""
+        return max(chunk_start - self.look_back_frames, 0) * self.repeats // self.window_grid * self.window_grid
 
     def _advance_vocoder(self, stream: Token2WavStream, is_final: bool) -> np.ndarray:
         hop = self.samples_per_mel_frame
         context = self.vocoder_context_frames * self.repeats  # mel frames
-        num_mel = stream.mel.shape[1]
+        num_mel = stream.num_mel_frames
         start = stream.num_samples // hop  # first mel frame not yet voiced
         end = num_mel if is_final else max(num_mel - context, start)
         if end == start:
             return np.zeros(0, dtype=np.float32)
         input_start = max(start - context, 0)
-        wav = self._vocode(stream.mel[:, input_start:num_mel])  # [(num_mel - input_start)·hop]
+        wav = self._vocode(stream.mel[:, input_start - stream.mel_start :])  # [(num_mel - input_start)·hop]
         stream.num_samples = end * hop
+        keep_from = max(end - context, 0)
+        stream.mel = stream.mel[:, keep_from - stream.mel_start :]
+        stream.mel_start = keep_from
         return wav[(start - input_start) * hop : (end - input_start) * hop]
 
     def _stream_noise(self, stream: Token2WavStream, start: int, end: int) -> torch.Tensor:
         """The stream's noise for mel frames [start, end), drawing the frames not drawn yet."""
-        num_missing = end - stream.noise.shape[1]
+        num_missing = end - (stream.noise_start + stream.noise.shape[1])
         if num_missing > 0:
             fresh = self._draw_noise(stream.generator, num_missing, stream.reference_mel)
             stream.noise = fresh if stream.noise.shape[1] == 0 else torch.cat([stream.noise, fresh], dim=1)
-        return stream.noise[:, start:end]
+        return stream.noise[:, start - stream.noise_start : end - stream.noise_start]
 
     def _draw_noise(self, generator, num_mel_frames: int, reference_mel: torch.Tensor) -> torch.Tensor:
         shape = [1, num_mel_frames, self.mel_dim]
