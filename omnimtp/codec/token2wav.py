@@ -117,7 +117,10 @@ class Token2WavStream:
 
 
 class StreamingToken2Wav:
-    """Chunked Qwen2.5-Omni token2wav; see the module docstring. All chunk settings count codes.
+    """Chunked Qwen2.5-Omni token2wav; see the module docstring. Chunk settings count codes (talker
+    frames, 50 per second): `chunk_frames` per DiT window, `look_back_frames` / `look_ahead_frames` of
+    context around it, `crossfade_frames` of overlap faded at each seam, `vocoder_context_frames` of mel
+    on each side of the samples BigVGAN emits.
 
     A stream's audio does not depend on the other streams of a `decode` call when each has its own
     generator (streams are decoded one after another; with `generator=None` they draw from the global RNG
