@@ -8,7 +8,9 @@ single-codebook talker batch and token2wav (DiT flow matching + BigVGAN).
              (`omnimtp.talker.qwen2_5_inputs`: the codec rows are added in the seed's layout, not in what
              transformers' `generate` runs with the checkpoint's EOS ids, the default here)
     talker   `omnimtp.talker.loop.TalkerBatch` with `Qwen2_5FrameMaker`: one code per frame
-    codec    token2wav of the whole reply's codes with the speaker's `cond` and `ref_mel`
+    codec    token2wav with the speaker's `cond` and `ref_mel` (`omnimtp.codec.token2wav`): the whole reply's
+             codes at once (`generate`, bit for bit transformers'), or streamed in chunks with look-back /
+             look-ahead context (`stream`; not the one-shot bits, see `benchmarks/token2wav_stream.py`)
 
     family = Qwen2_5OmniFamily(model, tokenizer)        # or Qwen2_5OmniFamily.tiny()
     core = EngineCore(family, EngineConfig())
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
 from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
@@ -68,7 +71,7 @@ class Qwen2_5OmniFamily:
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
         self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
         self.talker_decoder = PackedDecoder.from_module(model.talker.model)
-        self.codec = OneShotToken2Wav(model.token2wav)
+        self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
@@ -201,63 +204,10 @@ class Qwen2_5OmniFamily:
         return self.codec.new_stream(conditioning, reference_mel, generator)
 
     def decode_audio(self, streams: list, blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
-        """blocks[i] [1, n_i] continues streams[i]; token2wav looks at every code of the reply, so audio comes
-        only with the final block (earlier blocks give empty chunks)."""
+        """blocks[i] [1, n_i] continues streams[i]. The DiT looks ahead, so a non-final block may give less audio
+        than it covers (or none); the final block flushes. A request decoded in one final block (`generate`) is
+        transformers' one-shot token2wav."""
         return self.codec.decode(streams, blocks, is_final)
-
-
-class _Stream:
-    """One request's token2wav state: its speaker tensors, noise generator and codes so far."""
-
-    def __init__(self, conditioning: torch.Tensor, reference_mel: torch.Tensor, generator: torch.Generator | None):
-        self.conditioning = conditioning  # [1, enc_emb_dim]
-        self.reference_mel = reference_mel  # [1, frames, mel_dim]
-        self.generator = generator
-        self.codes: list[torch.Tensor] = []  # [1, n] blocks
-
-
-class OneShotToken2Wav:
-    """transformers' token2wav behind the agreed `omnimtp.codec.token2wav.StreamingToken2Wav` calls, decoding
-    each request once, when its last block arrives (exact: transformers' own call on all its codes).
-
-    The DiT's initial noise is transformers' one `torch.randn([1, T * repeats, mel_dim])`: with a generator,
-    torch's global RNG is forked and seeded from the generator around the call (the caller's global state
-    is untouched); without one, it comes from the global RNG as in transformers' `generate`."""
-
-    def __init__(self, token2wav, *, num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0):
-        self.token2wav = token2wav
-        self.settings = dict(num_steps=num_steps, guidance_scale=guidance_scale, sway_coefficient=sway_coefficient)
-
-    def new_stream(self, conditioning: torch.Tensor, reference_mel: torch.Tensor, generator: torch.Generator | None) -> _Stream:
-        return _Stream(conditioning, reference_mel, generator)
-
-    def decode(self, streams: list[_Stream], blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
-        chunks = []
-        for stream, block, final in zip(streams, blocks, is_final):
-            stream.codes.append(block)
-            if not final:
-                chunks.append(np.zeros(0, dtype=np.float32))
-                continue
-            codes, stream.codes = torch.cat(stream.codes, dim=1), []  # [1, T]
-            chunks.append(self.one_shot(codes, stream.conditioning, stream.reference_mel, stream.generator))
-        return chunks
-
-    @torch.no_grad()
-    def one_shot(self, codes: torch.Tensor, conditioning: torch.Tensor, reference_mel: torch.Tensor,
-                 generator: torch.Generator | None) -> np.ndarray:
-        """codes [T] or [1, T] → float32 audio, transformers' `token2wav(code, conditioning, reference_mel)`."""
-        codes = codes.reshape(1, -1).to(self.token2wav.device)
-        if codes.shape[1] == 0:
-            return np.zeros(0, dtype=np.float32)
-        if generator is None:
-            wav = self.token2wav(codes, conditioning=conditioning, reference_mel=reference_mel, **self.settings)
-        else:
-            seed = int(torch.randint(0, 2**63 - 1, (), generator=generator, device=generator.device))
-            devices = [] if codes.device.type == "cpu" else [codes.device]
-            with torch.random.fork_rng(devices=devices, device_type=codes.device.type):
-                torch.manual_seed(seed)
-                wav = self.token2wav(codes, conditioning=conditioning, reference_mel=reference_mel, **self.settings)
-        return wav.reshape(-1).float().numpy()
 
 
 def _thinker_eos_ids(model, tokenizer) -> set[int]:

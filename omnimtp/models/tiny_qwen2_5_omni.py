@@ -3,8 +3,9 @@
 Thinker, talker and token2wav (DiT + BigVGAN) at tiny widths; BigVGAN keeps `upsample_initial_channel` = 64
 so its channels survive its six halvings. The thinker vocab mirrors `omnimtp.models.tiny`: 0..255 are
 bytes, then the chat and TTS specials of `QWEN2_5_THINKER_SPECIAL_TOKENS`; `qwen2_5_byte_tokenizer` is its
-tokenizer with a chat template. Random BigVGAN weights speak at about −150 dBFS, so the builder rescales
-its output convolution to speech level (`TINY_SPEECH_RMS`): audio comparisons then compare real signals.
+tokenizer with a chat template. transformers' init makes token2wav silent (about −150 dBFS) with a DiT that hardly reads its codes, so
+the builder redraws token2wav's weights at speech level (`omnimtp.codec.token2wav.scale_token2wav_weights`):
+audio comparisons then compare real signals that depend on the codes.
 
 Two things the real checkpoint carries outside the config must be supplied here:
 - speakers live in `spk_dict.pt` (`{name: {"bos_token", "cond", "ref_mel"}}`), loaded into
@@ -22,7 +23,7 @@ import os
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
-from omnimtp.models.tiny import TINY_SPEECH_RMS
+from omnimtp.codec.token2wav import scale_token2wav_weights
 
 QWEN2_5_THINKER_SPECIAL_TOKENS = {
     "<|im_start|>": 256,
@@ -147,26 +148,9 @@ def tiny_qwen2_5_omni(seed: int = 0, **config_kwargs) -> Qwen2_5OmniForCondition
                 "cond": torch.randn(enc_emb_dim),
                 "ref_mel": torch.randn(1, TINY_QWEN2_5_REF_MEL_FRAMES, mel_dim),
             }
-    model.eval()
-    scale_token2wav_to_speech_level(model)
-    return model
-
-
-@torch.no_grad()
-def scale_token2wav_to_speech_level(model: Qwen2_5OmniForConditionalGeneration, target_rms: float = TINY_SPEECH_RMS) -> None:
-    """Scale BigVGAN's last convolution (it has no bias, so the waveform before the ±1 clamp scales by the
-    same factor) so that token2wav of random codes, first speaker, gives RMS `target_rms`. A deterministic
-    function of the weights: the codes and the DiT noise come from a forked, seeded RNG."""
-    token2wav = model.token2wav
-    speaker = next(iter(model.speaker_map.values()))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        codes = torch.randint(0, TINY_QWEN2_5_CODEC["pad"], (1, 25))
-        wav = token2wav(codes, conditioning=speaker["cond"][None].float(), reference_mel=speaker["ref_mel"].float())
-    rms = wav.double().pow(2).mean().sqrt().item()
-    if rms == 0.0:
-        raise ValueError("token2wav: random weights decode to exact silence; cannot scale to speech level")
-    token2wav.code2wav_bigvgan_model.conv_post.weight.mul_(target_rms / rms)
+        # transformers' 0.02 init decodes to silence and a DiT that ignores its codes: speech-level weights
+        scale_token2wav_weights(model.token2wav, generator=torch.Generator().manual_seed(seed))
+    return model.eval()
 
 
 def qwen2_5_byte_tokenizer():
