@@ -42,6 +42,8 @@ SAMPLING = ("tests/test_sampling.py", "tests/test_spec_distribution.py")
 SPEC = ("tests/test_spec_generate.py", "tests/test_packed_target.py", "tests/test_spec_distribution.py")
 MEDIA = ("tests/test_media_input.py",)
 HYBRID = ("tests/test_spec_hybrid.py",)
+QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
+TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -101,6 +103,31 @@ MUTATIONS = [
         "cache=stream.cache, use_cache=True)",
         "cache=DynamicCache(config=c2w.config), use_cache=True)",
         CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    # --- Qwen2.5-Omni: talker and token2wav ----------------------------------------------------------
+    Mutation(
+        "qwen2_5_talker_eos_end_only", "omnimtp/talker/loop.py",
+        "self.eos_ids = frozenset([config.tts_codec_end_token_id, config.tts_codec_pad_token_id])",
+        "self.eos_ids = frozenset([config.tts_codec_end_token_id])",
+        QWEN2_5, "Qwen2.5's talker stops on codec end only (codec pad is an EOS id too)",
+    ),
+    Mutation(
+        "qwen2_5_next_input_without_reply_row", "omnimtp/talker/loop.py",
+        "return code0[:, None], self.project(codec_embed + text)  # [R, 1], [R, H]",
+        "return code0[:, None], self.project(codec_embed)  # [R, 1], [R, H]",
+        QWEN2_5, "Qwen2.5's talker step drops the reply row from its next input",
+    ),
+    Mutation(
+        "qwen2_5_mrope_sections_as_interleaved", "omnimtp/runtime/ops.py",
+        "    if not is_interleaved:\n        return torch.cat(",
+        "    if False:\n        return torch.cat(",
+        QWEN2_5, "Qwen2.5's section M-RoPE is computed interleaved (Qwen3's layout)",
+    ),
+    Mutation(
+        "token2wav_noise_scaled", "omnimtp/codec/token2wav.py",
+        "        return torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
+        "        return 0.5 * torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
+        TOKEN2WAV, "the DiT's initial noise is not transformers' standard normal draw",
     ),
     # --- speech: talker loop ------------------------------------------------------------------------
     Mutation(

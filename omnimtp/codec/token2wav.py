@@ -330,7 +330,7 @@ class StreamingToken2Wav:
     def _vocode(self, mel: torch.Tensor) -> np.ndarray:
         """[1, F, mel_dim] → float32 numpy [F·240]; BigVGAN takes the DiT's output permuted, as transformers."""
         wav = self.vocoder(mel.permute(0, 2, 1))
-        return wav.reshape(-1).float().numpy()
+        return wav.reshape(-1).float().cpu().numpy()
 
     def _speaker(self, conditioning: torch.Tensor, reference_mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         enc_emb_dim = self.dit.config.enc_emb_dim
