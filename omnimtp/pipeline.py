@@ -33,6 +33,7 @@ from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
+from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
 
@@ -60,7 +61,7 @@ class OmniPipeline:
     def __init__(
         self, model, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
-        media_limits: MediaLimits | None = None,
+        media_limits: MediaLimits | None = None, thinker_mtp=None, num_draft_tokens: int | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -68,14 +69,20 @@ class OmniPipeline:
         (a minute or more per batch size the first time, seconds once inductor's disk cache has it), the
         fastest. Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
         audio and image processor (None: chat messages with media parts are refused); media_limits: what
-        such a part may hold (`omnimtp.media.MediaLimits`)."""
+        such a part may hold (`omnimtp.media.MediaLimits`). thinker_mtp: speculative thinker steps drafted
+        by the thinker's MTP head (a directory holding it, an `MTPHead`) or any `Proposer`, k =
+        num_draft_tokens (default 3) drafts per step; greedy text is token for token the plain loop's,
+        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`)."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
             max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
             max_frames=defaults.max_frames if max_frames is None else max_frames,
         )
-        self.family = Qwen3OmniFamily(model, tokenizer, processor=processor, compile_predictor=compile_predictor)
+        speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
+        self.family = Qwen3OmniFamily(
+            model, tokenizer, processor=processor, compile_predictor=compile_predictor, thinker_speculation=speculation
+        )
         self.media_limits = media_limits or MediaLimits()
 
     @property
@@ -107,16 +114,16 @@ class OmniPipeline:
         return self.config.max_frames
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None) -> "OmniPipeline":
+    def tiny(cls, seed: int = 0, device=None, **kwargs) -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU)."""
+        where it runs (default the CPU); kwargs: `OmniPipeline`'s (e.g. thinker_mtp)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         family = Qwen3OmniFamily.tiny(seed, device=device)
         return cls(
             family.model, family.tokenizer, processor=family.processor, max_new_tokens=TINY_MAX_NEW_TOKENS,
-            max_frames=TINY_MAX_FRAMES,
+            max_frames=TINY_MAX_FRAMES, **kwargs,
         )
 
     @classmethod

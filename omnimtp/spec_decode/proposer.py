@@ -46,14 +46,25 @@ class Proposer(Protocol):
         self,
         block: DraftInput,
         num_draft_tokens: int,
-        sampling: SamplingParams,
+        sampling: SamplingParams | list[SamplingParams],
         generators: list[torch.Generator] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ draft_tokens [B, k] long, draft_probs [B, k, V] (one-hot for greedy sampling)."""
+        """→ draft_tokens [B, k] long, draft_probs [B, k, V] (one-hot for greedy sampling). sampling: the
+        run's, or one per row (drawn by `_draw`)."""
 
 
-def _draw(logits: torch.Tensor, sampling: SamplingParams, generators) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] → (token [B], probs [B, V]) filtered exactly as the target's are."""
+def _draw(
+    logits: torch.Tensor, sampling: SamplingParams | list[SamplingParams], generators
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] → (token [B], probs [B, V]) filtered exactly as the target's are. sampling: one for
+    every row, or a list with one per row (the omni thinker's cohorts mix requests); a greedy row of such
+    a list draws no noise, a sampled row draws from its own generator only."""
+    if isinstance(sampling, list):
+        drawn = [
+            _draw(logits[b : b + 1], params, None if generators is None else [generators[b]])
+            for b, params in enumerate(sampling)
+        ]
+        return torch.cat([token for token, _ in drawn]), torch.cat([probs for _, probs in drawn])
     probs = probs_from_logits(logits, sampling)  # [B, V]
     if sampling.is_greedy:
         return logits.argmax(dim=-1), probs
