@@ -127,6 +127,17 @@ class OmniPipeline:
         )
 
     @classmethod
+    def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> "OmniPipeline":
+        """The shipped demo Qwen3-Omni (`omnimtp.mtp.demo.demo_omni_dir`: a trained byte-level thinker and its
+        trained MTP head; random talker), fp32, speculative with the shipped head unless thinker_mtp is None
+        (or another drafter); kwargs: `from_pretrained`'s (num_draft_tokens, max_new_tokens, ...)."""
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        path = demo_omni_dir()
+        return cls.from_pretrained(path, dtype=torch.float32, device=device,
+                                   thinker_mtp=path if thinker_mtp == "shipped" else thinker_mtp, **kwargs)
+
+    @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
         """A Qwen3-Omni checkpoint directory (config.json with model_type "qwen3_omni_moe"); its tokenizer and
         processor (audio and images, `omnimtp.media.load_processor`) when it has them."""

@@ -43,7 +43,10 @@ def _add_common(parser) -> None:
 
 
 def add_thinker_mtp_arguments(parser) -> None:
-    """--thinker-mtp DIR -k K: speculative thinker steps (speak, chat, serve)."""
+    """--thinker-mtp DIR -k K and --demo: speculative thinker steps (speak, chat, serve)."""
+    parser.add_argument("--demo", action="store_true",
+                        help="the shipped demo Qwen3-Omni instead of --model: a trained byte-level thinker (Python "
+                        "code) with its trained MTP head, speculative by default (its head, -k 3); random talker")
     parser.add_argument("--thinker-mtp", default=None, metavar="DIR",
                         help="speculative thinker steps drafted by the MTP head stored in DIR (model-mtp.safetensors, "
                         "e.g. what `omnimtp train-mtp --model <omni dir>` wrote); greedy text stays token for token "
@@ -59,6 +62,9 @@ def _load(args):
     from omnimtp.runtime.device import resolve_device
 
     resolve_device(args.device, "--device")
+    if args.demo:
+        torch.set_num_threads(1)
+        return OmniPipeline.demo(device=args.device, **thinker_mtp_kwargs(args))
     if args.model is None:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
         return OmniPipeline.tiny(device=args.device, **thinker_mtp_kwargs(args))
@@ -68,6 +74,12 @@ def _load(args):
 def thinker_mtp_kwargs(args) -> dict:
     """`OmniPipeline`'s thinker_mtp / num_draft_tokens from --thinker-mtp / -k (ValueErrors name the flags)."""
     thinker_mtp, num_draft_tokens = getattr(args, "thinker_mtp", None), getattr(args, "num_draft_tokens", None)
+    if getattr(args, "demo", False):
+        if getattr(args, "model", None) is not None:
+            raise ValueError("--demo: give either --demo or --model")
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        thinker_mtp = thinker_mtp or str(demo_omni_dir())
     if thinker_mtp is None and num_draft_tokens is not None:
         raise ValueError("-k/--num-draft-tokens: set only with --thinker-mtp")
     if num_draft_tokens is not None and num_draft_tokens < 1:

@@ -124,6 +124,9 @@ def _block_config(config):
     if getattr(block_config, "first_k_dense_replace", None) is not None:
         block_config.first_k_dense_replace = 0
     num_layers = config.num_hidden_layers
+    dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
+    if config.model_type == _OMNI_THINKER_MODEL_TYPE and set(range(num_layers)) <= set(dense_layers):
+        block_config.mlp_only_layers = dense_layers + [num_layers]  # a dense thinker gets a dense head block
     mtp_entries = {"layer_types": "indexed_attention" if config.model_type == "glm_moe_dsa" else "full_attention",
                    "mlp_layer_types": "sparse", "indexer_types": "full"}
     for name, entry in mtp_entries.items():
@@ -355,13 +358,16 @@ class MTPHead(nn.Module):
     @property
     def supports_draft_step(self) -> bool:
         """Whether `draft_step` applies: a glm4_moe block (attention + routed/shared MoE) or a Qwen3-Omni
-        thinker block (attention + Qwen3-MoE experts)."""
+        thinker block (attention + a dense MLP or Qwen3-MoE experts)."""
         block = self.block
-        if not hasattr(getattr(block.mlp, "experts", None), "gate_up_proj") or unsupported_layer_reason(block) is not None:
-            return False
         if self.model_type == _OMNI_THINKER_MODEL_TYPE:
-            return True
-        return self.model_type == "glm4_moe" and hasattr(block.mlp, "shared_experts")
+            return unsupported_layer_reason(block) is None
+        return (
+            self.model_type == "glm4_moe"
+            and hasattr(getattr(block.mlp, "experts", None), "gate_up_proj")
+            and hasattr(block.mlp, "shared_experts")
+            and unsupported_layer_reason(block) is None
+        )
 
     def packed(self) -> "PackedHead":
         """The head's weights packed for `draft_step` (made on first use, again after any weight edit)."""

@@ -159,7 +159,12 @@ def build_app(args: argparse.Namespace):
 
     media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                                max_parts=args.max_media_parts)
-    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
+    model = args.model
+    if getattr(args, "demo", False):
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        model = None if args.model is not None else str(demo_omni_dir())  # thinker_mtp_kwargs refuses both
+    engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
                           device=args.device, **thinker_mtp_kwargs(args))
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
