@@ -120,6 +120,7 @@ class ThinkerRun:
             return self._speculative_step(active)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # i → embeds, hidden, logits
         final_rows: dict[int, torch.Tensor] = {}  # i → [P, D] after the final norm (speculative runs)
+        rope_rows: dict[int, torch.Tensor] = {}  # i → [3, P] M-RoPE ids of a prefill with images / video
         with torch.no_grad():
             if self._is_prefill:
                 for i in active:
@@ -128,6 +129,8 @@ class ThinkerRun:
                     rows[i] = (prefill.embeds[0], hidden[0], logits[0])
                     if final is not None:
                         final_rows[i] = final[0]
+                    if prefill.rope_positions is not None:
+                        rope_rows[i] = prefill.rope_positions[:, 0]
             elif active:
                 ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
                 embeds = embed_tokens(ids)  # [R, 1, D]
@@ -157,7 +160,10 @@ class ThinkerRun:
         if is_prefill and self.speculation is not None:
             positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]
             first_ids = [ids[0] for ids in self.output_ids]
-            self._layout = DraftLayout(self.prompts, first_ids, [final_rows[i] for i in range(len(self.prompts))], positions)
+            self._layout = DraftLayout(
+                self.prompts, first_ids, [final_rows[i] for i in range(len(self.prompts))], positions,
+                [rope_rows.get(i) for i in range(len(self.prompts))],
+            )
         return events
 
     def _speculative_step(self, active: list[int]) -> list[ThinkerEvent]:

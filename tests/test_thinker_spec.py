@@ -27,7 +27,7 @@ from audio_checks import assert_audible, assert_audio_equal
 from distribution_checks import empirical_law, total_variation, tv_bound
 from server_harness import running_server
 from spec_drafters import RecomputingDraft
-from test_media_input import audio_case
+from test_media_input import audio_case, image_case
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -183,6 +183,17 @@ def test_audio_input_greedy_speculative_equals_plain(plain):
         _assert_same_speech(_spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=0.3), k).generate(**kwargs), expected)
 
 
+def test_image_input_with_the_mtp_head_equals_plain(plain, checkpoint):
+    """An image prompt (3-D M-RoPE ids in the prefill, which the head's first step reads) next to a text one."""
+    image_ids, media = image_case()
+    prompts = [image_ids, plain.family.chat_ids([{"role": "user", "content": PROMPTS[1]}])]
+    kwargs = dict(input_ids=prompts, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
+    expected = plain.generate(**kwargs)
+    head = MTPHead.from_pretrained(checkpoint, plain.model.thinker)
+    for ours, reference in zip(_spec_pipe(plain, head, 2).generate(**kwargs), expected):
+        _assert_same_speech(ours, reference)
+
+
 # -- sampling -------------------------------------------------------------------------------------------
 
 LAW_SAMPLING = SamplingParams(temperature=1.5, top_k=3)
@@ -294,3 +305,31 @@ def test_server_with_spec_on_gives_byte_identical_replies_under_load_and_reports
     drafted, accepted = counts["omnimtp_thinker_draft_tokens_total"], counts["omnimtp_thinker_accepted_tokens_total"]
     assert 0 < accepted <= drafted
     assert counts['omnimtp_thinker_acceptance_rate_bucket{le="+Inf"}'] == 2 * len(bodies)
+
+
+# -- CLIs -----------------------------------------------------------------------------------------------
+
+
+def test_train_mtp_on_an_omni_checkpoint_then_speak_with_its_head(checkpoint, reference, tmp_path, capsys):
+    """`omnimtp train-mtp --model <omni dir>` trains a head for the thinker (frozen teacher) and saves it;
+    `omnimtp speak --model <omni dir> --thinker-mtp <head dir> -k 2` speaks with it, greedy text as plain's."""
+    from omnimtp.cli import main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(12):
+        (data / f"f{i}.txt").write_text("".join(f"def f{j}(x): return x + {j}\n" for j in range(i, i + 30)))
+    out = tmp_path / "head"
+    assert main(["train-mtp", "--model", str(checkpoint), "--data", str(data), "--out", str(out), "-k", "2",
+                 "--steps", "4", "--batch-size", "2", "--seq-len", "16", "--eval-every", "4", "--num-eval-windows", "2",
+                 "--heldout-every", "3", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    pipe = OmniPipeline.from_pretrained(checkpoint, thinker_mtp=out, num_draft_tokens=2)
+    assert pipe.generate(PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES).text_ids == reference[0].text_ids
+    wav = tmp_path / "a.wav"
+    assert main(["speak", PROMPTS[0], "-o", str(wav), "--model", str(checkpoint), "--thinker-mtp", str(out), "-k", "2",
+                 "--max-new-tokens", "6", "--max-frames", "8"]) == 0
+    assert "thinker speculation: k=2" in capsys.readouterr().err and wav.stat().st_size > 0
+    assert main(["speak", "Hi", "-o", str(wav), "-k", "2"]) == 2  # -k without a drafter
+    assert "--num-draft-tokens" in capsys.readouterr().err
+

@@ -92,9 +92,13 @@ def thinker_speculation(thinker, thinker_mtp, num_draft_tokens: int | None) -> T
 class DraftLayout:
     """The proposer's shared-length view of a run's B rows (see the module docstring)."""
 
-    def __init__(self, prompts: list[list[int]], first_ids: list[int], hidden: list[torch.Tensor], positions: list[torch.Tensor]):
+    def __init__(
+        self, prompts: list[list[int]], first_ids: list[int], hidden: list[torch.Tensor], positions: list[torch.Tensor],
+        rope_positions: list[torch.Tensor | None],
+    ):
         """prompts[b] (P_b ids), first_ids[b] (the token the prefill sampled), hidden[b] [P_b, H] the
-        prefill's rows after the final norm, positions[b] [P_b] their RoPE positions."""
+        prefill's rows after the final norm, positions[b] [P_b] their 1-D RoPE positions (cache index + the
+        slot's offset), rope_positions[b] [3, P_b] the prefill's M-RoPE ids where it had images or video."""
         batch_size, width = len(prompts), max(len(p) for p in prompts)
         device, dtype = hidden[0].device, hidden[0].dtype
         input_ids = torch.zeros(batch_size, width, dtype=torch.long, device=device)
@@ -109,9 +113,15 @@ class DraftLayout:
             position_ids[b, pad:] = positions[b]
             kv_mask[b, pad:] = 1
             rows[b, pad:] = hidden[b]
+        next_position_ids = None  # the M-RoPE ids of x_{t+1}: the prompt's own, then the first token's (all axes)
+        if any(r is not None for r in rope_positions):
+            next_position_ids = (position_ids + 1).expand(3, -1, -1).clone()  # [3, B, W]
+            for b, rope in enumerate(rope_positions):
+                if rope is not None:
+                    next_position_ids[:, b, width - len(prompts[b]) : -1] = rope[:, 1:]
         self.block = DraftInput(
             input_ids=input_ids, next_ids=next_ids, hidden=rows, position_ids=position_ids, kv_mask=kv_mask,
-            last_index=torch.full((batch_size,), width - 1, device=device),
+            last_index=torch.full((batch_size,), width - 1, device=device), next_position_ids=next_position_ids,
         )
         self.pending = torch.tensor(first_ids, device=device)  # [B] emitted, not yet read by the thinker
         self.next_positions = position_ids[:, -1] + 1  # [B] the pending token's position
