@@ -27,16 +27,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts  # noqa: E402
 from omnimtp.mtp.head import MTPHead  # noqa: E402
 from omnimtp.pipeline import OmniPipeline  # noqa: E402
+from omnimtp.sampling import SamplingParams, make_generators  # noqa: E402
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation  # noqa: E402
 from omnimtp.thinker import ThinkerRun  # noqa: E402
 
 KS = (1, 2, 3, 4)
+SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)  # Qwen3-Omni's thinker defaults (speak --seed)
 
 
-def thinker_run(pipe: OmniPipeline, prompt_ids: list[int], max_new_tokens: int, speculation) -> tuple[list[int], float, ThinkerRun]:
+def thinker_run(pipe: OmniPipeline, prompt_ids: list[int], max_new_tokens: int, speculation,
+                sampling: SamplingParams | None = None, seed: int = 0) -> tuple[list[int], float, ThinkerRun]:
     run = ThinkerRun(pipe.model.thinker, [prompt_ids], accept_hidden_layer=pipe.accept_hidden_layer,
                      eos_token_ids=pipe.eos_token_ids, max_new_tokens=max_new_tokens, decoder=pipe.thinker_decoder,
-                     speculation=speculation)
+                     speculation=speculation, sampling=[sampling], generators=make_generators([seed]))
     start = time.perf_counter()
     with torch.inference_mode():
         while not run.is_finished:
@@ -44,15 +47,16 @@ def thinker_run(pipe: OmniPipeline, prompt_ids: list[int], max_new_tokens: int, 
     return run.output_ids[0], time.perf_counter() - start, run
 
 
-def thinker_side(pipe, head, prompts, max_new_tokens) -> dict:
+def thinker_side(pipe, head, prompts, max_new_tokens, sampling=None) -> dict:
+    """sampling None: greedy (speculative ids checked equal to plain's); else seeded sampling (seed = prompt index)."""
     results = {}
     reference = None
     for k in (0, *KS):
         speculation = None if k == 0 else ThinkerSpeculation(head, k)
-        thinker_run(pipe, prompts[0], max_new_tokens, speculation)  # warm-up
+        thinker_run(pipe, prompts[0], max_new_tokens, speculation, sampling)  # warm-up
         ids, seconds, stats = [], 0.0, []
-        for prompt in prompts:
-            out, elapsed, run = thinker_run(pipe, prompt, max_new_tokens, speculation)
+        for seed, prompt in enumerate(prompts):
+            out, elapsed, run = thinker_run(pipe, prompt, max_new_tokens, speculation, sampling, seed)
             ids.append(out)
             seconds += elapsed
             if run.spec_stats:
@@ -64,7 +68,7 @@ def thinker_side(pipe, head, prompts, max_new_tokens) -> dict:
         else:
             row_steps = sum(s.num_row_steps for s in stats)
             entry.update(
-                outputs_match=ids == reference,
+                outputs_match=ids == reference if sampling is None else None,
                 tau=1 + sum(s.num_accepted for s in stats) / row_steps,
                 acceptance_per_position=[sum(s.accepted_per_position[i] for s in stats) / row_steps for i in range(k)],
                 draft_ms_per_step=1e3 * sum(s.draft_time_s for s in stats) / row_steps,
@@ -129,6 +133,7 @@ def main() -> None:
     prompts = [plain.family.chat_ids([{"role": "user", "content": text}]) for text in texts]
 
     thinker = thinker_side(plain, head, prompts, args.max_new_tokens)
+    sampled = thinker_side(plain, head, prompts, args.max_new_tokens, SAMPLED)
     pipes = {"plain": plain}
     for k in KS:
         pipes[f"k{k}"] = OmniPipeline(plain.model, plain.tokenizer, processor=plain.processor, thinker_mtp=head,
@@ -148,13 +153,18 @@ def main() -> None:
         match = t.get("outputs_match", True) and e["outputs_match"]
         print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} {position:>28} "
               f"{timing:>16} {e['time_to_first_audio_s']:7.3f} {e['total_s']:7.3f} {str(match):>5}")
+    print(f"thinker alone, sampled {SAMPLED}:")
+    for name in ("plain", *[f"k{k}" for k in KS]):
+        t = sampled[name]
+        position = " ".join(f"{a:.2f}" for a in t.get("acceptance_per_position", []))
+        print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} {position:>28}")
     for name, rows in profile.items():
         print(f"top ops by self CPU time, {name}, one prompt:")
         for row in rows:
             print(f"  {row['op']:40} {row['calls']:6d} calls {row['self_ms']:8.2f} ms")
     if args.out:
         result = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "args": vars(args),
-                  "thinker": thinker, "end_to_end": e2e, "profile": profile}
+                  "thinker": thinker, "thinker_sampled": sampled, "end_to_end": e2e, "profile": profile}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
