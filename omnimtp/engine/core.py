@@ -227,8 +227,9 @@ class EngineCore:
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
+        spec_stats = getattr(run, "spec_stats", None)  # a speculative run's per-request counts, updated as it steps
         for index, request in enumerate(chats):
-            request.spec_stats = None if run.spec_stats is None else run.spec_stats[index]
+            request.spec_stats = None if spec_stats is None else spec_stats[index]
         events = []
         for _ in range(self.config.max_start_steps):
             events += self._think(cohort)
