@@ -175,6 +175,43 @@ def test_handed_over_rows_are_one_token_rows_up_to_rounding(plain):
     assert worst < 1e-5, worst
 
 
+def test_eos_and_a_request_budget_cut_an_accepted_run(plain):
+    """EOS inside an accepted run ends the request there (the rest of the run is dropped), and a request of
+    a cohort whose budget is below the run's stops at its own max_new_tokens, as plain decoding does."""
+    thinker = plain.model.thinker
+    prompts = [plain.family.chat_ids([{"role": "user", "content": text}]) for text in PROMPTS]
+
+    def output_ids(speculation, eos_token_ids):
+        run = ThinkerRun(thinker, prompts, accept_hidden_layer=plain.accept_hidden_layer, eos_token_ids=eos_token_ids,
+                         max_new_tokens=MAX_NEW_TOKENS, speculation=speculation)
+        while not run.is_finished:
+            run.step()
+        return run.output_ids, run.finish_reasons
+
+    free, _ = output_ids(None, set())
+    eos = {free[0][5], free[1][7]}  # tokens the plain replies reach mid-way
+    expected = output_ids(None, eos)
+    assert expected[1] == ["stop", "stop"] and max(len(ids) for ids in expected[0]) < MAX_NEW_TOKENS
+    assert output_ids(ThinkerSpeculation(RecomputingDraft(thinker), 3), eos) == expected  # every draft accepted
+    kwargs = dict(max_frames=MAX_FRAMES)
+    reference = plain.generate(input_ids=prompts, max_new_tokens=5, **kwargs)
+    pipe = _spec_pipe(plain, RecomputingDraft(thinker), 3)
+    engine_prompts = [(prompts[0], 5), (prompts[1], 9)]  # one cohort, budgets 5 and 9: the run takes 9
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+
+    core = EngineCore(pipe.family, pipe.config)
+    for i, (ids, budget) in enumerate(engine_prompts):
+        core.add(Request(i, ids, max_new_tokens=budget, max_frames=MAX_FRAMES, is_streamed=False))
+    outputs = {}
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                outputs[event.request.request_id] = core.output(event.request)
+    assert outputs[0].text_ids == reference[0].text_ids and outputs[0].thinker_finish_reason == "length"
+    assert outputs[1].text_ids == plain.generate(input_ids=prompts[1], max_new_tokens=9, **kwargs).text_ids
+
+
 def test_audio_input_greedy_speculative_equals_plain(plain):
     ids, media = audio_case()
     kwargs = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
