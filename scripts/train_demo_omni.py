@@ -12,7 +12,9 @@ file, and the assistant's reply continuing the file, closed by ``<|im_end|>``::
 so a chat prompt holding code gets the code's continuation, and replies end. Thinker: every layer dense
 (``mlp_only_layers``), deep and narrow (drafting costs one layer and the lm_head, verifying all of them),
 M-RoPE as the real model. Then the thinker's MTP head trains on the same rows with the thinker frozen
-(`omnimtp.mtp.train.train_mtp_head`, CE + TV, k = 3). Lines lose their indentation (`dedented`). Seeded; about 12 minutes on one
+(`omnimtp.mtp.train.train_mtp_head`, CE + TV, k = 3), half of each batch text windows and half the
+thinker's own greedy replies to training prompts (self-distillation: what it drafts for at inference).
+Lines lose their indentation (`dedented`). Seeded; about 12 minutes on one
 core of a busy 2-core box::
 
     python scripts/train_demo_omni.py --out omnimtp/data/demo_omni
@@ -110,6 +112,31 @@ def train_thinker(thinker, rows: torch.Tensor, args) -> None:
     thinker.eval()
 
 
+def distill_rows(model, rows: torch.Tensor, num_rows: int, seq_len: int, reply_len: int, seed: int) -> torch.Tensor:
+    """Self-distillation rows for the head: user turns of `num_rows` training rows followed by the trained
+    thinker's own greedy reply (`ThinkerRun`, what the head drafts for at inference), padded with <|im_end|>."""
+    from omnimtp.thinker import ThinkerRun
+
+    generator = torch.Generator().manual_seed(seed)
+    picked = rows[torch.randperm(rows.shape[0], generator=generator)[:num_rows]].tolist()
+    prompts = []
+    for row in picked:
+        end = next(i for i in range(len(row)) if row[i : i + len(ASSISTANT_HEADER)] == ASSISTANT_HEADER)
+        prompts.append(row[: end + len(ASSISTANT_HEADER)])
+    out = []
+    for start in range(0, len(prompts), 64):
+        batch = prompts[start : start + 64]
+        run = ThinkerRun(model.thinker, batch, accept_hidden_layer=model.config.talker_config.accept_hidden_layer,
+                         eos_token_ids={END[0]}, max_new_tokens=reply_len)
+        with torch.inference_mode():
+            while not run.is_finished:
+                run.step()
+        for prompt, reply in zip(batch, run.output_ids):
+            ids = (prompt + reply)[:seq_len]
+            out.append(ids + END * (seq_len - len(ids)))
+    return torch.tensor(out, dtype=torch.int32)
+
+
 def heldout_prompts(files: list[Path], num_prompts: int, num_bytes: int = 96) -> list[str]:
     """User turns cut at line starts from held-out files (never trained on)."""
     prompts = []
@@ -139,6 +166,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=4e-3)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--head-steps", type=int, default=120)
+    parser.add_argument("--distill-rows", type=int, default=512,
+                        help="rows of the thinker's own greedy replies the head also trains on (half of each batch)")
+    parser.add_argument("--thinker-from", type=Path, default=None,
+                        help="skip the thinker's training: take the omni checkpoint this script wrote there (same seed)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -154,32 +185,38 @@ def main() -> None:
     print(f"files train={len(train_files)} heldout={len(heldout_files)} rows train={len(train_rows)} "
           f"heldout={len(heldout_rows)}", flush=True)
 
-    config = tiny_qwen3_omni_config(accept_hidden_layer=args.num_layers // 2, thinker_text=demo_thinker_text(args))
-    with torch.random.fork_rng(devices=[]):
+    if args.thinker_from is not None:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(args.thinker_from, dtype=torch.float32).eval()
+        thinker = model.thinker
+    else:
+        config = tiny_qwen3_omni_config(accept_hidden_layer=args.num_layers // 2, thinker_text=demo_thinker_text(args))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            model = Qwen3OmniMoeForConditionalGeneration(config)
+            _init_talker_experts(model)
+            with torch.no_grad():  # the thinker's own init scale (the tiny config's 0.2 is the random talker's)
+                model.thinker.get_input_embeddings().weight.normal_(0.0, 0.02)
+                model.thinker.lm_head.weight.normal_(0.0, 0.02)
+        model.eval()
+        scale_code2wav_to_speech_level(model.code2wav)
+        thinker = model.thinker
+        print(f"thinker text parameters: {sum(p.numel() for p in thinker.model.language_model.parameters()) / 1e6:.2f} M", flush=True)
         torch.manual_seed(args.seed)
-        model = Qwen3OmniMoeForConditionalGeneration(config)
-        _init_talker_experts(model)
-        with torch.no_grad():  # the thinker's own init scale (the tiny config's 0.2 is the random talker's)
-            model.thinker.get_input_embeddings().weight.normal_(0.0, 0.02)
-            model.thinker.lm_head.weight.normal_(0.0, 0.02)
-    model.eval()
-    scale_code2wav_to_speech_level(model.code2wav)
-    thinker = model.thinker
-    print(f"thinker text parameters: {sum(p.numel() for p in thinker.model.language_model.parameters()) / 1e6:.2f} M", flush=True)
-    torch.manual_seed(args.seed)
-    train_thinker(thinker, train_rows, args)
+        train_thinker(thinker, train_rows, args)
     for p in model.parameters():
         p.requires_grad_(False)
 
+    distilled = distill_rows(model, train_rows, args.distill_rows, args.seq_len, 128, args.seed) if args.distill_rows else None
     torch.manual_seed(args.seed)
     head = MTPHead.from_config(thinker).float()
     head_config = MTPTrainConfig(
         num_draft_tokens=3, steps=args.head_steps, batch_size=8, seq_len=args.seq_len, lr=2e-3, warmup_steps=8,
         tv_weight=6.0, eval_every=args.head_steps, num_eval_windows=8, checkpoint_every=10**9, seed=args.seed,
+        distill_fraction=0.5,
     )
     work = args.out.parent / (args.out.name + "_work")
     result = train_mtp_head(thinker, head, train_rows.flatten(), heldout_rows.flatten(), head_config,
-                            checkpoint_dir=work, progress=False)
+                            checkpoint_dir=work, progress=False, distill_rows=distilled)
     print(json.dumps({k: v for k, v in result.evals[-1].items() if not isinstance(v, list)}), flush=True)
 
     tokenizer = byte_tokenizer()
