@@ -31,11 +31,13 @@ _EXPORTS = {
     "SpecOutput": "omnimtp.spec_decode.generate",
     "load_target_and_head": "omnimtp.mtp.head",
     "demo_model_dir": "omnimtp.mtp.demo",
+    "demo_omni_dir": "omnimtp.mtp.demo",
     "rejection_sample": "omnimtp.spec_decode.rejection",
     "Proposer": "omnimtp.spec_decode.proposer",
     "DraftInput": "omnimtp.spec_decode.proposer",
     "MTPProposer": "omnimtp.spec_decode.proposer",
     "TargetProposer": "omnimtp.spec_decode.proposer",
+    "ThinkerSpeculation": "omnimtp.spec_decode.thinker_spec",
     # MTP heads and their training
     "MTPHead": "omnimtp.mtp.head",
     "MTPHeadOutput": "omnimtp.mtp.head",

@@ -29,6 +29,7 @@ __all__ = ["DecoderOutput", "KVCache", "PackedDecoder", "decoder_forward"]
 class DecoderOutput(NamedTuple):
     last_hidden: torch.Tensor  # [R, H] after the final norm, at each row's last new position
     captured: torch.Tensor | None  # [R, T, H] hidden state `capture_layer` (transformers' hidden_states index)
+    final: torch.Tensor | None = None  # [R, T, H] after the final norm at every new position (`all_final=True`)
 
 
 def decoder_forward(
@@ -39,6 +40,7 @@ def decoder_forward(
     capture_layer: int | None = None,
     rope_positions: torch.Tensor | None = None,
     layer_adds: tuple[torch.Tensor, ...] = (),
+    all_final: bool = False,
 ) -> DecoderOutput:
     """Append T positions to each of R slots and run the decoder on them.
 
@@ -53,7 +55,8 @@ def decoder_forward(
     rope_positions [3, R, T] (M-RoPE ids, as transformers' `get_rope_index` makes them for a multimodal
     prompt) are given; then each slot's offset becomes max + 1 − its new length, so decoding continues
     where transformers' rope_deltas put it. The mask is causal by cache index either way. layer_adds:
-    see `decoder_layers` (deepstack features of a prefill)."""
+    see `decoder_layers` (deepstack features of a prefill). all_final: also return every new position's
+    row after the final norm (`final` [R, T, H]: what a speculative verify and an MTP head read)."""
     num_layers = decoder.num_layers
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
@@ -70,7 +73,7 @@ def decoder_forward(
         raise ValueError(f"rope_positions must be [3, {num_rows}, {num_new}], got {tuple(rope_positions.shape)}")
     offsets = [cache.rope_offsets[slot] for slot in slots]
     where = cache.plan(slots, num_new)
-    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds:  # a batch-1 decode step
+    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds and not all_final:  # a batch-1 decode step
         rope = decoder.step_tables(where.start + offsets[0])
         x, captured = decoder_layers(decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer)  # [H]
         cache.commit(slots, num_new)
@@ -96,7 +99,7 @@ def decoder_forward(
         decoder, embeds, rope, cache.layer_views, where, mask, capture_layer, layer_adds=tuple(layer_adds)
     )
     cache.commit(slots, num_new)
-    if capture_layer == num_layers:
-        captured = rms_norm(x, decoder.final_norm, decoder.eps)
-        return DecoderOutput(captured[:, -1], captured)
+    if capture_layer == num_layers or all_final:
+        final = rms_norm(x, decoder.final_norm, decoder.eps)
+        return DecoderOutput(final[:, -1], final if capture_layer == num_layers else captured, final if all_final else None)
     return DecoderOutput(rms_norm(x[:, -1], decoder.final_norm, decoder.eps), captured)

@@ -35,6 +35,7 @@ from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
+from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
 
@@ -69,7 +70,7 @@ class OmniPipeline:
     def __init__(
         self, model=None, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
-        media_limits: MediaLimits | None = None, family=None,
+        media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -79,7 +80,10 @@ class OmniPipeline:
         audio and image processor (None: chat messages with media parts are refused); media_limits: what
         such a part may hold (`omnimtp.media.MediaLimits`). family: a ready family
         (`Qwen3OmniFamily`, `Qwen2_5OmniFamily`) instead of model, tokenizer and processor; else the family
-        follows the model's `config.model_type`."""
+        follows the model's `config.model_type`. thinker_mtp (Qwen3-Omni): speculative thinker steps drafted
+        by the thinker's MTP head (a directory holding it, an `MTPHead`) or any `Proposer`, k =
+        num_draft_tokens (default 3) drafts per step; greedy text is token for token the plain loop's,
+        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`)."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -88,14 +92,22 @@ class OmniPipeline:
         )
         if (family is None) == (model is None):
             raise ValueError("model: give exactly one of model or family")
+        if family is not None and (thinker_mtp is not None or num_draft_tokens is not None):
+            raise ValueError("thinker_mtp: give the speculation to the family (Qwen3OmniFamily(thinker_speculation=))")
         if family is None:
             model_type = model.config.model_type
             if model_type not in MODEL_TYPES:
                 raise ValueError(f"model: a {model_type!r} model; supported: {sorted(MODEL_TYPES)}")
             if model_type == "qwen2_5_omni":
+                if thinker_mtp is not None or num_draft_tokens is not None:
+                    raise ValueError("thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's")
                 family = Qwen2_5OmniFamily(model, tokenizer)
             else:
-                family = Qwen3OmniFamily(model, tokenizer, processor=processor, compile_predictor=compile_predictor)
+                speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
+                family = Qwen3OmniFamily(
+                    model, tokenizer, processor=processor, compile_predictor=compile_predictor,
+                    thinker_speculation=speculation,
+                )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
 
@@ -128,19 +140,31 @@ class OmniPipeline:
         return self.config.max_frames
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None, family: str = "qwen3") -> "OmniPipeline":
+    def tiny(cls, seed: int = 0, device=None, family: str = "qwen3", **kwargs) -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni and its byte tokenizer)."""
+        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni and its byte
+        tokenizer). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
+        kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
-        elif family == "qwen2_5":
-            made = Qwen2_5OmniFamily.tiny(seed, device=device)
-        else:
-            raise ValueError(f"family must be 'qwen3' or 'qwen2_5', got {family!r}")
-        return cls(family=made, max_new_tokens=TINY_MAX_NEW_TOKENS, max_frames=TINY_MAX_FRAMES)
+            return cls(made.model, made.tokenizer, processor=made.processor, **kwargs)
+        if family == "qwen2_5":
+            return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device), **kwargs)
+        raise ValueError(f"family must be 'qwen3' or 'qwen2_5', got {family!r}")
+
+    @classmethod
+    def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> "OmniPipeline":
+        """The shipped demo Qwen3-Omni (`omnimtp.mtp.demo.demo_omni_dir`: a trained byte-level thinker and its
+        trained MTP head; random talker), fp32, speculative with the shipped head unless thinker_mtp is None
+        (or another drafter); kwargs: `from_pretrained`'s (num_draft_tokens, max_new_tokens, ...)."""
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        path = demo_omni_dir()
+        return cls.from_pretrained(path, dtype=torch.float32, device=device,
+                                   thinker_mtp=path if thinker_mtp == "shipped" else thinker_mtp, **kwargs)
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":

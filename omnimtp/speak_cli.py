@@ -39,6 +39,20 @@ def _add_common(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--max-frames", type=int, default=None, help="cap on audio frames (12.5 per second)")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_thinker_mtp_arguments(parser)
+
+
+def add_thinker_mtp_arguments(parser) -> None:
+    """--thinker-mtp DIR -k K and --demo: speculative thinker steps (speak, chat, serve)."""
+    parser.add_argument("--demo", action="store_true",
+                        help="the shipped demo Qwen3-Omni instead of --model: a trained byte-level thinker (Python "
+                        "code) with its trained MTP head, speculative by default (its head, -k 3); random talker")
+    parser.add_argument("--thinker-mtp", default=None, metavar="DIR",
+                        help="speculative thinker steps drafted by the MTP head stored in DIR (model-mtp.safetensors, "
+                        "e.g. what `omnimtp train-mtp --model <omni dir>` wrote); greedy text stays token for token "
+                        "the plain loop's")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, metavar="K",
+                        help="drafted thinker tokens per step with --thinker-mtp (default 3)")
 
 
 def _load(args):
@@ -48,10 +62,29 @@ def _load(args):
     from omnimtp.runtime.device import resolve_device
 
     resolve_device(args.device, "--device")
+    if args.demo:
+        torch.set_num_threads(1)
+        return OmniPipeline.demo(device=args.device, **thinker_mtp_kwargs(args))
     if args.model is None:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny(device=args.device)
-    return OmniPipeline.from_pretrained(args.model, device=args.device)
+        return OmniPipeline.tiny(device=args.device, **thinker_mtp_kwargs(args))
+    return OmniPipeline.from_pretrained(args.model, device=args.device, **thinker_mtp_kwargs(args))
+
+
+def thinker_mtp_kwargs(args) -> dict:
+    """`OmniPipeline`'s thinker_mtp / num_draft_tokens from --thinker-mtp / -k (ValueErrors name the flags)."""
+    thinker_mtp, num_draft_tokens = getattr(args, "thinker_mtp", None), getattr(args, "num_draft_tokens", None)
+    if getattr(args, "demo", False):
+        if getattr(args, "model", None) is not None:
+            raise ValueError("--demo: give either --demo or --model")
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        thinker_mtp = thinker_mtp or str(demo_omni_dir())
+    if thinker_mtp is None and num_draft_tokens is not None:
+        raise ValueError("-k/--num-draft-tokens: set only with --thinker-mtp")
+    if num_draft_tokens is not None and num_draft_tokens < 1:
+        raise ValueError(f"-k/--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    return dict(thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
 
 
 def _sampling(pipe, args) -> dict:
@@ -92,6 +125,10 @@ def _speak(pipe, messages, args, output: str, live: bool):
     rtf = f"{elapsed / seconds:.2f}" if seconds else "n/a"
     print(f"[{output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "
           f"time to first audio {first}, total {elapsed:.2f} s, RTF {rtf}]", file=sys.stderr)
+    if final.spec_stats is not None:
+        stats = final.spec_stats
+        print(f"[thinker speculation: k={stats.num_draft_tokens}, τ {stats.mean_acceptance_length:.2f}, accepted "
+              f"{stats.num_accepted}/{stats.num_drafted} drafts]", file=sys.stderr)
     return final
 
 

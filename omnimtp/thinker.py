@@ -13,17 +13,27 @@ prompt and N output tokens leaves P + N − 1 captured rows.
     while not run.is_finished:
         for event in run.step():   # ThinkerEvent(index, token_id, embeds [n, D], hidden [n, D], finish_reason)
             ...
+
+Speculative mode (`speculation=ThinkerSpeculation(head_or_proposer, k)`, see
+`omnimtp.spec_decode.thinker_spec`): after the prefill, each step drafts k tokens per request, verifies
+them in one forward over [last, d1..dk] and emits one event per accepted token, in order, each with the
+one verify row that produced it — (row(last), d1), (row(d1), d2), ..., (row(d_a), bonus) — so the events
+read as a run of one-token steps; rows of rejected drafts are rolled back and never handed out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
+from omnimtp.spec_decode.generate import SpecStats
+from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
 
 
 @dataclass
@@ -48,7 +58,8 @@ class ThinkerRun:
     `Qwen2_5OmniThinkerForConditionalGeneration` (the same layout: `model.language_model`, `lm_head`,
     `get_audio_features`, `get_image_features`, `get_rope_index`). decoder: the packed weights
     of its text model (`PackedDecoder.from_module(thinker.model.language_model)`), made here when
-    None; pass one to share it between runs."""
+    None; pass one to share it between runs. speculation: speculative steps (see the module docstring);
+    `spec_stats[i]` then counts request i's drafts and acceptances."""
 
     def __init__(
         self,
@@ -62,6 +73,7 @@ class ThinkerRun:
         generators: list[torch.Generator | None] | None = None,
         decoder: PackedDecoder | None = None,
         media: list[MediaInputs | None] | None = None,
+        speculation: ThinkerSpeculation | None = None,
     ):
         batch_size = len(prompts)
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
@@ -87,6 +99,16 @@ class ThinkerRun:
         capacity = max(len(p) for p in prompts) + max_new_tokens
         self.kv = KVCache(self.decoder, batch_size, capacity=capacity)  # slot i = request i
         self._is_prefill = True
+        if speculation is not None and not isinstance(speculation, ThinkerSpeculation):
+            raise ValueError(f"speculation must be None or a ThinkerSpeculation, got {type(speculation).__name__}")
+        self.speculation = speculation
+        self.spec_stats: list[SpecStats] | None = None
+        if speculation is not None:
+            speculation.check(thinker)
+            k = speculation.num_draft_tokens
+            self.proposer = speculation.new_proposer()
+            self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
+            self._layout: DraftLayout | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -98,20 +120,28 @@ class ThinkerRun:
         active = [i for i, reason in enumerate(self.finish_reasons) if reason is None]
         device = self.decoder.device
         embed_tokens = self.thinker.get_input_embeddings()
+        if self.speculation is not None and not self._is_prefill:
+            return self._speculative_step(active)
         rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # i → embeds, hidden, logits
+        final_rows: dict[int, torch.Tensor] = {}  # i → [P, D] after the final norm (speculative runs)
+        rope_rows: dict[int, torch.Tensor] = {}  # i → [3, P] M-RoPE ids of a prefill with images / video
         with torch.no_grad():
             if self._is_prefill:
                 for i in active:
                     prefill = multimodal_prefill(self.thinker, self.prompts[i], self.media[i], device)
-                    hidden, logits = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
+                    hidden, logits, final = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
                     rows[i] = (prefill.embeds[0], hidden[0], logits[0])
+                    if final is not None:
+                        final_rows[i] = final[0]
+                    if prefill.rope_positions is not None:
+                        rope_rows[i] = prefill.rope_positions[:, 0]
             elif active:
                 ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
                 embeds = embed_tokens(ids)  # [R, 1, D]
-                hidden, logits = self._forward(embeds, active)
+                hidden, logits, _ = self._forward(embeds, active)
                 for r, i in enumerate(active):
                     rows[i] = (embeds[r], hidden[r], logits[r])
-        self._is_prefill = False
+        is_prefill, self._is_prefill = self._is_prefill, False
         sampled = []  # each row with its own sampling and generator, on the device; read back at once
         for i in rows:
             generator = [self.generators[i]] if self.generators[i] is not None else None
@@ -131,16 +161,90 @@ class ThinkerRun:
             elif len(self.output_ids[i]) >= self.max_new_tokens:
                 self.finish_reasons[i] = "length"
             events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
+        if is_prefill and self.speculation is not None:
+            positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]
+            first_ids = [ids[0] for ids in self.output_ids]
+            self._layout = DraftLayout(
+                self.prompts, first_ids, [final_rows[i] for i in range(len(self.prompts))], positions,
+                [rope_rows.get(i) for i in range(len(self.prompts))],
+            )
         return events
 
-    def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=()):
-        """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D] and last-position logits [R, V]."""
+    def _speculative_step(self, active: list[int]) -> list[ThinkerEvent]:
+        """Draft k tokens for every row, verify the unfinished rows' drafts in one forward, roll back the
+        rejected ones → the accepted tokens' events, in request order (see the module docstring)."""
+        k = self.speculation.num_draft_tokens
+        layout, device = self._layout, self.decoder.device
+        batch_size = len(self.output_ids)
+        started = time.perf_counter()
+        with torch.no_grad():
+            generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
+            draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
+            drafted = time.perf_counter()
+            verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
+            num_kept = torch.ones(batch_size, dtype=torch.long, device=device)  # [B]
+            tokens = verify_ids.new_full(verify_ids.shape, -1)  # [B, k+1]
+            final_rows = torch.zeros((batch_size, k + 1, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
+            if active:
+                index = torch.tensor(active, device=device)
+                embeds = self.thinker.get_input_embeddings()(verify_ids[index])  # [R, k+1, D]
+                starts = [self.kv.lengths[i] for i in active]
+                hidden, logits, final = self._forward(embeds, active, all_logits=True)  # [R, k+1, D], [R, k+1, V], [R, k+1, D]
+                row_tokens, num_emitted = verify(
+                    logits, draft_tokens[index], draft_probs[index], [self.sampling[i] for i in active],
+                    [self.generators[i] for i in active],
+                )  # [R, k+1], [R]
+                lengths = list(self.kv.lengths)
+                for r, i in enumerate(active):
+                    lengths[i] = starts[r] + int(num_emitted[r])  # last + the accepted drafts; the rest rolls back
+                self.kv.restore(tuple(lengths))
+                num_kept[index], tokens[index], final_rows[index] = num_emitted, row_tokens, final
+        verified = time.perf_counter()
+        layout.advance(verify_ids, tokens, final_rows, num_kept)
+        emitted = dict(zip(active, row_tokens.tolist())) if active else {}
+        events = []
+        for i in range(batch_size):
+            if i not in emitted:
+                empty = torch.zeros((0, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
+                events.append(ThinkerEvent(i, None, empty, empty, None))
+                continue
+            r = active.index(i)
+            num_accepted = int(num_kept[i]) - 1
+            stats = self.spec_stats[i]
+            stats.num_steps += 1
+            stats.num_row_steps += 1
+            stats.num_drafted += k
+            stats.num_accepted += num_accepted
+            for position in range(num_accepted):
+                stats.accepted_per_position[position] += 1
+            stats.draft_time_s += drafted - started
+            stats.verify_time_s += verified - drafted
+            for j, token_id in enumerate(emitted[i][: num_accepted + 1]):
+                self.output_ids[i].append(token_id)
+                stats.num_generated_tokens += 1
+                if token_id in self.eos_token_ids:
+                    self.finish_reasons[i] = "stop"
+                elif len(self.output_ids[i]) >= self.max_new_tokens:
+                    self.finish_reasons[i] = "length"
+                events.append(ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i]))
+                if self.finish_reasons[i] is not None:
+                    break  # the rest of the accepted run is past the request's end
+        step_time = time.perf_counter() - started
+        for i in emitted:
+            self.spec_stats[i].total_time_s += step_time
+        return events
+
+    def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False):
+        """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D], logits [R, V] at the last position
+        ([R, T, V] with all_logits) and, in a speculative run, every row after the final norm [R, T, D]
+        (else None): what the MTP head reads."""
         out = decoder_forward(
             self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer,
-            rope_positions=rope_positions, layer_adds=layer_adds,
+            rope_positions=rope_positions, layer_adds=layer_adds, all_final=self.speculation is not None,
         )
-        logits = torch.nn.functional.linear(out.last_hidden, self.thinker.lm_head.weight)  # [R, V]
-        return out.captured, logits
+        last = out.final if all_logits else out.last_hidden
+        logits = torch.nn.functional.linear(last, self.thinker.lm_head.weight)  # [R, V] or [R, T, V]
+        return out.captured, logits, out.final
 
 
 @dataclass

@@ -165,6 +165,7 @@ class EngineCore:
             text=self.family.decode_text(request.reply_ids), text_ids=list(request.output_ids), codes=codes,
             audio=audio.astype(np.float32), sample_rate=self.family.sample_rate, finish_reason=request.finish_reason,
             thinker_finish_reason=request.thinker_finish_reason, talker_finish_reason=request.talker_finish_reason,
+            spec_stats=request.spec_stats,
         )
 
     # --- one step ---
@@ -226,6 +227,9 @@ class EngineCore:
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
+        spec_stats = getattr(run, "spec_stats", None)  # a speculative run's per-request counts, updated as it steps
+        for index, request in enumerate(chats):
+            request.spec_stats = None if spec_stats is None else spec_stats[index]
         events = []
         for _ in range(self.config.max_start_steps):
             events += self._think(cohort)

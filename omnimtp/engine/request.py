@@ -78,6 +78,7 @@ class Request:
     num_decoded: int = 0  # frames already turned into audio
     audio: list[np.ndarray] = field(default_factory=list, repr=False)
     codec_stream: object = field(default=None, repr=False)
+    spec_stats: object = field(default=None, repr=False)  # its thinker run's SpecStats (speculative runs)
     chunk_ready_step: int | None = None  # the step its next later chunk became due
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -170,7 +171,9 @@ class Request:
 @dataclass
 class OmniOutput:
     """One finished request. codes: [G, T] long (on the CPU); audio: float32 mono at `sample_rate`.
-    finish_reason: "length" when the thinker or the talker hit its cap, else "stop"."""
+    finish_reason: "length" when the thinker or the talker hit its cap, else "stop". spec_stats: the
+    thinker's speculative steps (`omnimtp.spec_decode.generate.SpecStats`: τ, per-position acceptance,
+    drafted / accepted counts), None without speculation."""
 
     text: str
     text_ids: list[int]
@@ -180,6 +183,7 @@ class OmniOutput:
     finish_reason: str
     thinker_finish_reason: str | None
     talker_finish_reason: str | None
+    spec_stats: object = None
 
 
 @dataclass

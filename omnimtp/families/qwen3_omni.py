@@ -22,6 +22,7 @@ from omnimtp.handoff import TalkerInputs
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
+from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch, TalkerRequest
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
@@ -37,12 +38,15 @@ class Qwen3OmniFamily:
     (then requests come as token ids and no text is decoded). processor: its audio and image processor
     (`omnimtp.media.load_processor`), or None when the checkpoint has none (then chat media is refused).
     compile_predictor: `CodePredictorRunner`'s compile mode (False, "step" or "frame"); worth it for a
-    long-lived process, see `warm_up`."""
+    long-lived process, see `warm_up`. thinker_speculation: the thinker's speculative steps
+    (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step."""
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False):
+    def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
+                 thinker_speculation: ThinkerSpeculation | None = None):
         self.model = model.eval()
+        self.thinker_speculation = thinker_speculation
         self.tokenizer = tokenizer
         self.processor = processor
         self.compile_predictor = compile_predictor
@@ -133,7 +137,7 @@ class Qwen3OmniFamily:
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generators=generators, decoder=self.thinker_decoder, media=media,
+            generators=generators, decoder=self.thinker_decoder, media=media, speculation=self.thinker_speculation,
         )
 
     # --- thinker → talker ---

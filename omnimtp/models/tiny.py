@@ -94,8 +94,11 @@ def tiny_qwen3_omni_config(
     num_code_groups: int = 16,
     accept_hidden_layer: int = 1,
     initializer_range: float = 0.2,
+    thinker_text: dict | None = None,
 ) -> Qwen3OmniMoeConfig:
-    """A complete thinker + talker + code predictor + code2wav config of the real classes."""
+    """A complete thinker + talker + code predictor + code2wav config of the real classes. thinker_text:
+    overrides of the thinker's text config (its own hidden_size, depth, ...: the trained demo's thinker);
+    the encoders' outputs and the talker's thinker_hidden_size follow its hidden_size."""
     h = hidden_size
     c = TINY_CODEBOOK_SIZE
     ids = THINKER_SPECIAL_TOKENS
@@ -106,6 +109,8 @@ def tiny_qwen3_omni_config(
         rope_parameters=_rope(mrope=True), max_position_embeddings=4096, initializer_range=initializer_range,
         pad_token_id=0, **attn, **moe,
     )
+    text_config.update(thinker_text or {})
+    thinker_h = text_config["hidden_size"]
     multimodal_ids = dict(
         audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         audio_start_token_id=ids["<|audio_start|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -114,11 +119,11 @@ def tiny_qwen3_omni_config(
         text_config=text_config,
         audio_config=dict(
             d_model=32, encoder_attention_heads=4, encoder_ffn_dim=32, encoder_layers=1, num_mel_bins=16,
-            output_dim=h, downsample_hidden_size=16, n_window=50, n_window_infer=100,
+            output_dim=thinker_h, downsample_hidden_size=16, n_window=50, n_window_infer=100,
             initializer_range=initializer_range,  # at the default 0.02 the tiny tower's rows barely see the audio
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, out_hidden_size=h, intermediate_size=32, num_heads=4, patch_size=16,
+            depth=1, hidden_size=32, out_hidden_size=thinker_h, intermediate_size=32, num_heads=4, patch_size=16,
             spatial_merge_size=1, temporal_patch_size=2, deepstack_visual_indexes=[0],
             initializer_range=initializer_range,
         ),
@@ -134,7 +139,7 @@ def tiny_qwen3_omni_config(
     ).to_dict()
     talker_config = dict(
         text_config=talker_text_config, code_predictor_config=code_predictor_config,
-        num_code_groups=num_code_groups, thinker_hidden_size=h, accept_hidden_layer=accept_hidden_layer,
+        num_code_groups=num_code_groups, thinker_hidden_size=thinker_h, accept_hidden_layer=accept_hidden_layer,
         codec_pad_id=c + 2, codec_bos_id=c + 3, codec_eos_token_id=c + 4,
         codec_nothink_id=c + 7, codec_think_bos_id=c + 8, codec_think_eos_id=c + 9,
         speaker_id=dict(TINY_SPEAKERS), spatial_merge_size=1, initializer_range=initializer_range,

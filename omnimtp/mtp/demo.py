@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_lm"
+DEMO_OMNI_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_omni"
 
 
 def demo_model_dir() -> Path:
@@ -14,6 +15,20 @@ def demo_model_dir() -> Path:
     if not (DEMO_MODEL_DIR / "config.json").exists():
         raise FileNotFoundError(f"the demo checkpoint is missing from the package: {DEMO_MODEL_DIR}")
     return DEMO_MODEL_DIR
+
+
+def demo_omni_dir() -> Path:
+    """Directory of the shipped demo Qwen3-Omni (`scripts/train_demo_omni.py`): a tiny Qwen3-Omni whose thinker
+    is a small byte-level LM trained on the standard library's sources, with its trained MTP head
+    (`model-mtp.safetensors`); encoders, talker and code2wav are the seeded random tiny ones."""
+    if not (DEMO_OMNI_DIR / "config.json").exists():
+        raise FileNotFoundError(f"the demo Qwen3-Omni is missing from the package: {DEMO_OMNI_DIR}")
+    return DEMO_OMNI_DIR
+
+
+def demo_omni_prompts() -> list[str]:
+    """User turns (code lines) cut from stdlib files the demo thinker and its head never saw."""
+    return json.loads((demo_omni_dir() / "heldout_prompts.json").read_text())
 
 
 def demo_heldout_prompts() -> list[str]:

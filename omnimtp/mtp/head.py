@@ -64,7 +64,10 @@ SAFE_INDEX_NAME = "model.safetensors.index.json"
 # model_type -> layout of the NextN layer's keys in a checkpoint
 # Families that ship a NextN layer at model.layers.{N}, plus dense/MoE Qwen3 targets that have none: a head trained
 # for them (`omnimtp train-mtp`) is stored the same way (transformers' use_mtp covers only the first two).
-_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3", "qwen3_moe")
+_LAYERED_MODEL_TYPES = ("deepseek_v3", "glm4_moe", "glm_moe_dsa", "qwen3", "qwen3_moe", "qwen3_omni_moe_text")
+# Qwen3-Omni's thinker: its head lives next to an omni checkpoint under the thinker's own layer names; the
+# checkpoint's index is left alone (transformers' Qwen3-Omni loader would report the head's keys as unexpected).
+_OMNI_THINKER_MODEL_TYPE = "qwen3_omni_moe_text"
 _MTP_PREFIX_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 # The head's own (non-block) modules, by checkpoint name for each layout.
@@ -121,6 +124,9 @@ def _block_config(config):
     if getattr(block_config, "first_k_dense_replace", None) is not None:
         block_config.first_k_dense_replace = 0
     num_layers = config.num_hidden_layers
+    dense_layers = list(getattr(config, "mlp_only_layers", None) or [])
+    if config.model_type == _OMNI_THINKER_MODEL_TYPE and set(range(num_layers)) <= set(dense_layers):
+        block_config.mlp_only_layers = dense_layers + [num_layers]  # a dense thinker gets a dense head block
     mtp_entries = {"layer_types": "indexed_attention" if config.model_type == "glm_moe_dsa" else "full_attention",
                    "mlp_layer_types": "sparse", "indexer_types": "full"}
     for name, entry in mtp_entries.items():
@@ -218,6 +224,8 @@ class MTPHead(nn.Module):
 
     @property
     def checkpoint_prefix(self) -> str:
+        if self.model_type == _OMNI_THINKER_MODEL_TYPE:
+            return f"thinker.model.language_model.layers.{self.layer_idx}."
         return f"model.layers.{self.layer_idx}." if self.layout == "layered" else "mtp."
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
@@ -237,6 +245,8 @@ class MTPHead(nn.Module):
         }
         path = os.path.join(save_directory, MTP_WEIGHTS_NAME)
         save_file(tensors, path, metadata={"format": "pt"})
+        if self.model_type == _OMNI_THINKER_MODEL_TYPE:
+            return path  # a file next to the omni checkpoint, outside its weight map
 
         index_path = os.path.join(save_directory, SAFE_INDEX_NAME)
         single_path = os.path.join(save_directory, SAFE_WEIGHTS_NAME)
@@ -347,8 +357,11 @@ class MTPHead(nn.Module):
 
     @property
     def supports_draft_step(self) -> bool:
-        """Whether `draft_step` applies: a glm4_moe block (attention + routed/shared MoE)."""
+        """Whether `draft_step` applies: a glm4_moe block (attention + routed/shared MoE) or a Qwen3-Omni
+        thinker block (attention + a dense MLP or Qwen3-MoE experts)."""
         block = self.block
+        if self.model_type == _OMNI_THINKER_MODEL_TYPE:
+            return unsupported_layer_reason(block) is None
         return (
             self.model_type == "glm4_moe"
             and hasattr(getattr(block.mlp, "experts", None), "gate_up_proj")
@@ -386,7 +399,8 @@ class MTPHead(nn.Module):
         """`forward` on the head's packed weights (`omnimtp.runtime`'s decoder layer), appended to a
         `make_draft_cache` cache.
 
-        input_ids [B, T], prev_hidden [B, T, H], position_ids [B, T]; kv_mask [B, cache length + T] (1 = a
+        input_ids [B, T], prev_hidden [B, T, H], position_ids [B, T] (or [3, B, T]: a Qwen3-Omni thinker
+        prefill's M-RoPE ids); kv_mask [B, cache length + T] (1 = a
         real slot, None = all real); last_index [B]: the slot whose logits are returned (default the last);
         packed: `self.packed()` (which checks the weights, ~45 us on the demo head; a drafting loop takes it
         once per block) → (hidden [B, T, H], logits [B, V]). The same math as `forward` (same router,
@@ -399,8 +413,8 @@ class MTPHead(nn.Module):
                 f"draft_step takes input_ids [B, T] and prev_hidden [B, T, {self.hidden_size}], got "
                 f"{tuple(input_ids.shape)} and {tuple(prev_hidden.shape)}"
             )
-        if position_ids.shape != input_ids.shape:
-            raise ValueError(f"position_ids must be [B, T] like input_ids, got {tuple(position_ids.shape)}")
+        if position_ids.shape not in (input_ids.shape, (3, *input_ids.shape)):
+            raise ValueError(f"position_ids must be [B, T] like input_ids (or [3, B, T] M-RoPE ids), got {tuple(position_ids.shape)}")
         packed = packed or self.packed()
         decoder = packed.decoder
         embeds = rms_norm(self.embed_tokens(input_ids), packed.enorm, decoder.eps)

@@ -16,7 +16,9 @@ def add_parser(subparsers) -> None:
         description="Train an MTP head: the target is frozen; the head learns the target's own next-token "
         "distributions from its hidden rows, unrolled k steps as at inference (loss = CE + tv_weight * TV).",
     )
-    parser.add_argument("--model", required=True, help="transformers checkpoint dir (weights + tokenizer)")
+    parser.add_argument("--model", required=True,
+                        help="transformers checkpoint dir (weights + tokenizer); a Qwen3-Omni checkpoint trains a head "
+                        "for its thinker")
     parser.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
     parser.add_argument("--eval-data", nargs="+", default=None,
                         help="held-out text (default: one file in --heldout-every of --data)")
@@ -93,11 +95,22 @@ def copy_target_files(model_dir: Path, out_dir: Path) -> None:
         (out_dir / SAFE_INDEX_NAME).write_text(json.dumps(weight_map, indent=2))
 
 
-def _load_model_and_data_args(args: argparse.Namespace):
-    """--model (a checkpoint dir: tokenizer + causal LM in fp32, eval mode) and --suffixes →
-    (model_dir, tokenizer, target, suffixes)."""
+def load_target(model_dir: Path):
+    """The causal LM of a checkpoint dir in fp32, eval mode; for a Qwen3-Omni checkpoint (model_type
+    "qwen3_omni_moe") its thinker, the LM an MTP head drafts for."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, Qwen3OmniMoeForConditionalGeneration
+
+    config = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    if config.get("model_type") == "qwen3_omni_moe":
+        return Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).thinker.eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _load_model_and_data_args(args: argparse.Namespace):
+    """--model (a checkpoint dir: tokenizer + causal LM in fp32, eval mode; a Qwen3-Omni's thinker) and --suffixes →
+    (model_dir, tokenizer, target, suffixes)."""
+    from transformers import AutoTokenizer
 
     from omnimtp.mtp.train import DATA_SUFFIXES
 
@@ -105,7 +118,7 @@ def _load_model_and_data_args(args: argparse.Namespace):
     if not model_dir.is_dir():
         raise ValueError(f"--model: {args.model!r} is not a directory")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    target = load_target(model_dir)
     suffixes = tuple(args.suffixes) if args.suffixes else DATA_SUFFIXES
     return model_dir, tokenizer, target, suffixes
 

@@ -346,7 +346,7 @@ def shared_length_forward(
     """The stack on input embeddings x [B, T, H] appended to slots 0..B-1 of a `cache` whose slots share
     one length (the speculative loops' cache: the target and the MTP head), RoPE at position_ids [B, T],
     attention limited by kv_mask [B, length + T] (1 = a real position; None = all real) and causal by
-    slot. → the last layer's output [B, T, H] before the final norm."""
+    slot; position_ids may be [3, B, T] M-RoPE ids. → the last layer's output [B, T, H] before the final norm."""
     batch_size, num_new, _ = x.shape
     slots = list(range(batch_size))
     start = cache.length
@@ -354,7 +354,7 @@ def shared_length_forward(
         raise ValueError(f"kv_mask must be [B, {start + num_new}] (cache length + T), got {tuple(kv_mask.shape)}")
     where = cache.plan(slots, num_new)
     mask = kv_mask_attention_mask(kv_mask, start, num_new, decoder.dtype, x.device)  # [B, 1, T, S] or None
-    if batch_size == 1 and num_new == 1 and position_ids.device.type == "cpu":  # one token on 1-D vectors
+    if batch_size == 1 and num_new == 1 and position_ids.dim() == 2 and position_ids.device.type == "cpu":  # one token on 1-D vectors
         rope = decoder.step_tables(int(position_ids))
         out, _ = decoder_layers(decoder, x.view(-1), rope, cache.layer_views, where, mask)
         out = out.view(1, 1, -1)

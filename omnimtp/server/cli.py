@@ -11,6 +11,7 @@ from omnimtp.engine.core import EngineConfig
 from omnimtp.media import MediaLimits
 from omnimtp.models.tiny import TINY_MAX_FRAMES
 from omnimtp.runtime.device import resolve_device
+from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 from omnimtp.server.serving import (
     DEFAULT_BODY_TIMEOUT_S,
     check_seconds,
@@ -67,6 +68,7 @@ def add_parser(subparsers) -> None:
                         metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default %(default)g)")
     parser.add_argument("--log-level", default="info")
+    add_thinker_mtp_arguments(parser)
     from omnimtp.server import ray_serve
 
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
@@ -85,21 +87,26 @@ def _seconds(text: str) -> float:
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
-                 media_limits: MediaLimits = MediaLimits(), device="cpu"):
+                 media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
+                 num_draft_tokens: int | None = None):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
     moved to `device` and packed once; compile_predictor ("frame", "step" or False) also warms the
-    predictor up before the engine reports ready. media_limits: what a request's audio and images may hold."""
+    predictor up before the engine reports ready. media_limits: what a request's audio and images may hold.
+    thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
+    from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
     warm_up = compile_predictor is not False
     if model_dir is None:
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
+        family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, media_limits=media_limits)
     from omnimtp.pipeline import OmniPipeline
 
-    pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor)
+    pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
+                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     model_id = os.path.basename(os.path.normpath(model_dir))
@@ -152,9 +159,14 @@ def build_app(args: argparse.Namespace):
 
     media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                                max_parts=args.max_media_parts)
-    engine = build_engine(args.model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
+    model = args.model
+    if getattr(args, "demo", False):
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        model = None if args.model is not None else str(demo_omni_dir())  # thinker_mtp_kwargs refuses both
+    engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device)
+                          device=args.device, **thinker_mtp_kwargs(args))
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name)

@@ -7,6 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _FPS_BUCKETS = (1, 2.5, 5, 10, 12.5, 25, 50, 100, 250, 500, 1000, 2500)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+_ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+_ACCEPTANCE_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class ServerMetrics:
@@ -44,6 +46,34 @@ class ServerMetrics:
         self.step_batch_size = Histogram(
             "omnimtp_talker_step_batch_size", "Requests in one talker step", buckets=_BATCH_BUCKETS, registry=r
         )
+
+        # speculative thinker steps (`serve --thinker-mtp`): per finished request, and totals for the mean τ
+        self.thinker_acceptance_length = Histogram(
+            "omnimtp_thinker_mean_acceptance_length",
+            "Mean accepted thinker tokens per speculative step of a finished request (τ, the bonus token included)",
+            buckets=_ACCEPTANCE_LENGTH_BUCKETS, registry=r,
+        )
+        self.thinker_acceptance_rate = Histogram(
+            "omnimtp_thinker_acceptance_rate", "Accepted / drafted thinker tokens of a finished request",
+            buckets=_ACCEPTANCE_RATE_BUCKETS, registry=r,
+        )
+        self.thinker_spec_steps = Counter(
+            "omnimtp_thinker_spec_steps", "Speculative thinker steps, one per request and verify forward", registry=r
+        )
+        self.thinker_draft_tokens = Counter("omnimtp_thinker_draft_tokens", "Drafted thinker tokens", registry=r)
+        self.thinker_accepted_tokens = Counter(
+            "omnimtp_thinker_accepted_tokens", "Accepted drafted thinker tokens (τ = 1 + accepted / spec steps)", registry=r
+        )
+
+    def observe_spec(self, stats) -> None:
+        """A finished request's `SpecStats` (nothing when it took no speculative step)."""
+        if stats is None or stats.num_row_steps == 0:
+            return
+        self.thinker_acceptance_length.observe(stats.mean_acceptance_length)
+        self.thinker_acceptance_rate.observe(stats.acceptance_rate)
+        self.thinker_spec_steps.inc(stats.num_row_steps)
+        self.thinker_draft_tokens.inc(stats.num_drafted)
+        self.thinker_accepted_tokens.inc(stats.num_accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

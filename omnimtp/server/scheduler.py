@@ -391,6 +391,8 @@ class Engine:
         if self.metrics is not None and request.frames:
             elapsed = max(request.finished_at - request.admitted_at, 1e-9)
             self.metrics.frames_per_second.observe(len(request.frames) / elapsed)
+        if self.metrics is not None:
+            self.metrics.observe_spec(request.spec_stats)
 
     def _fail(self, requests: list[Request], message: str) -> None:
         for request in requests:

@@ -28,7 +28,9 @@ class DraftInput:
     hidden [B, W, H]: the target's post-norm last hidden row of each slot;
     position_ids [B, W]: position of input_ids;
     kv_mask [B, L + W]: validity of every slot so far, the block included;
-    last_index [B]: slot (in the block) of each row's last real token; its next id is the newest token."""
+    last_index [B]: slot (in the block) of each row's last real token; its next id is the newest token;
+    next_position_ids [3, B, W] or None: the positions of next_ids where they are not position_ids + 1 (the
+    M-RoPE ids of an omni prompt with images or video)."""
 
     input_ids: torch.Tensor
     next_ids: torch.Tensor
@@ -36,6 +38,7 @@ class DraftInput:
     position_ids: torch.Tensor
     kv_mask: torch.Tensor
     last_index: torch.Tensor
+    next_position_ids: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -46,14 +49,25 @@ class Proposer(Protocol):
         self,
         block: DraftInput,
         num_draft_tokens: int,
-        sampling: SamplingParams,
+        sampling: SamplingParams | list[SamplingParams],
         generators: list[torch.Generator] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ draft_tokens [B, k] long, draft_probs [B, k, V] (one-hot for greedy sampling)."""
+        """→ draft_tokens [B, k] long, draft_probs [B, k, V] (one-hot for greedy sampling). sampling: the
+        run's, or one per row (drawn by `_draw`)."""
 
 
-def _draw(logits: torch.Tensor, sampling: SamplingParams, generators) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] → (token [B], probs [B, V]) filtered exactly as the target's are."""
+def _draw(
+    logits: torch.Tensor, sampling: SamplingParams | list[SamplingParams], generators
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] → (token [B], probs [B, V]) filtered exactly as the target's are. sampling: one for
+    every row, or a list with one per row (the omni thinker's cohorts mix requests); a greedy row of such
+    a list draws no noise, a sampled row draws from its own generator only."""
+    if isinstance(sampling, list):
+        drawn = [
+            _draw(logits[b : b + 1], params, None if generators is None else [generators[b]])
+            for b, params in enumerate(sampling)
+        ]
+        return torch.cat([token for token, _ in drawn]), torch.cat([probs for _, probs in drawn])
     probs = probs_from_logits(logits, sampling)  # [B, V]
     if sampling.is_greedy:
         return logits.argmax(dim=-1), probs
@@ -113,9 +127,8 @@ class MTPProposer:
         # No invalid slot anywhere (batch 1 without padding): no mask, so attention can skip it for one token.
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
         packed = head.packed() if head.supports_draft_step else None
-        hidden, logits, selection = self._step(
-            block.next_ids, block.hidden, block.position_ids + 1, kv_mask, block.last_index, packed
-        )
+        next_positions = block.position_ids + 1 if block.next_position_ids is None else block.next_position_ids
+        hidden, logits, selection = self._step(block.next_ids, block.hidden, next_positions, kv_mask, block.last_index, packed)
         # IndexShare: steps 2..k attend to step 1's selection (+ the chain's own keys)
         shared_selection = selection[:, None] if head.index_share else None  # [B, 1, S]
         hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]
