@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generate, tiny_lm
-from omnimtp.spec_decode.generate import _greedy_verify
+from omnimtp.spec_decode.generate import greedy_verify
 from omnimtp.spec_decode.rejection import rejection_sample
 from distribution_checks import tv_bound
 from spec_drafters import ragged_batch
@@ -148,5 +148,5 @@ def test_greedy_verify_equals_rejection_sample(batch_size, k, vocab, seed):
         torch.rand(batch_size, k, generator=g) < 0.7, target_argmax[:, :k], torch.randint(0, vocab, (batch_size, k), generator=g)
     )
     expected = rejection_sample(torch.nn.functional.one_hot(target_argmax, vocab).float(), draft_tokens, greedy=True)
-    tokens, num_emitted = _greedy_verify(target_argmax, draft_tokens)
+    tokens, num_emitted = greedy_verify(target_argmax, draft_tokens)
     assert torch.equal(tokens, expected[0]) and torch.equal(num_emitted, expected[1])

@@ -206,7 +206,7 @@ def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
     return attention_mask
 
 
-def _greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`rejection_sample(one_hot(target_argmax), draft_tokens, greedy=True)` without building [B, k+1, V]
     one-hot probabilities: target_argmax [B, k+1], draft_tokens [B, k] → tokens [B, k+1] (−1 padded),
     num_emitted [B]. Same rule: accept while draft == argmax, then emit the argmax after the accepted prefix."""
@@ -335,7 +335,7 @@ def _speculative_generate(
                 record_layer_inputs=bool(linear_layers),
             )
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
-            tokens, num_emitted = _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
+            tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
             target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
             tokens, num_emitted = rejection_sample(

@@ -26,7 +26,7 @@ import torch
 
 from omnimtp.mtp.head import MTPHead
 from omnimtp.sampling import SamplingParams, probs_from_logits
-from omnimtp.spec_decode.generate import _greedy_verify
+from omnimtp.spec_decode.generate import greedy_verify
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
 from omnimtp.spec_decode.rejection import rejection_sample
 
@@ -159,7 +159,7 @@ def verify(
     the draft is the argmax and draw nothing)."""
     params = [s or GREEDY for s in sampling]
     if all(p.is_greedy for p in params):
-        return _greedy_verify(logits.argmax(dim=-1), draft_tokens.long())
+        return greedy_verify(logits.argmax(dim=-1), draft_tokens.long())
     target_probs = torch.stack([probs_from_logits(logits[r].float(), p) for r, p in enumerate(params)])  # [R, k+1, V]
     greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     return rejection_sample(target_probs, draft_tokens, draft_probs, greedy=greedy, generators=list(generators))
