@@ -42,6 +42,7 @@ SAMPLING = ("tests/test_sampling.py", "tests/test_spec_distribution.py")
 SPEC = ("tests/test_spec_generate.py", "tests/test_packed_target.py", "tests/test_spec_distribution.py")
 MEDIA = ("tests/test_media_input.py",)
 HYBRID = ("tests/test_spec_hybrid.py",)
+THINKER_SPEC = ("tests/test_thinker_spec.py",)
 QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
 TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
 
@@ -103,6 +104,19 @@ MUTATIONS = [
         "cache=stream.cache, use_cache=True)",
         "cache=DynamicCache(config=c2w.config), use_cache=True)",
         CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    # --- speculative thinker steps ------------------------------------------------------------------
+    Mutation(
+        "thinker_spec_no_rollback", "omnimtp/thinker.py",
+        "                self.kv.restore(tuple(lengths))\n",
+        "",
+        THINKER_SPEC, "the speculative thinker keeps the KV of rejected drafts",
+    ),
+    Mutation(
+        "thinker_spec_hands_over_the_first_verify_row", "omnimtp/thinker.py",
+        "ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i])",
+        "ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, :1], self.finish_reasons[i])",
+        THINKER_SPEC, "every accepted token hands the talker the verify's first hidden row",
     ),
     # --- Qwen2.5-Omni: talker and token2wav ----------------------------------------------------------
     Mutation(
