@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -27,14 +28,14 @@ import soundfile
 import soxr
 import torch
 from PIL import Image
-from transformers import Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+from transformers import Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
 
 @dataclass(frozen=True)
 class MediaInputs:
-    """One request's media tensors, as `Qwen3OmniMoeProcessor` returns them for one prompt.
+    """One request's media tensors, as `Qwen3OmniMoeProcessor` or `Qwen2_5OmniProcessor` returns them for a prompt.
 
     input_features [N_audio, mel, F] + feature_attention_mask [N_audio, F]; pixel_values [patches, C·T·p·p]
     + image_grid_thw [N_image, 3]; pixel_values_videos + video_grid_thw [N_video, 3] (+ video_second_per_grid
@@ -446,14 +447,15 @@ def _checked_messages(messages) -> list[dict]:
 # --- the processor ---------------------------------------------------------------------------------
 
 
-class Qwen3OmniAudioImageProcessor(Qwen3OmniMoeProcessor):
-    """transformers' `Qwen3OmniMoeProcessor` without its video processor.
+class AudioImageProcessor:
+    """transformers' Qwen-Omni processor (the class this is mixed into) without its video processor.
 
-    transformers' video processors need torchvision, and `Qwen3OmniMoeProcessor` can neither be built
-    nor loaded without one (its constructor checks the class of every sub-processor; `from_pretrained`
-    loads one through `AutoVideoProcessor`; `AutoProcessor` quietly returns only the tokenizer). This
-    subclass has the same tokens, audio and image processing and files, and refuses videos: those reach
-    the engine as tensors (`MediaInputs.pixel_values_videos`, `video_grid_thw`)."""
+    transformers' video processors need torchvision, and `Qwen3OmniMoeProcessor` / `Qwen2_5OmniProcessor`
+    can neither be built nor loaded without one (the constructor checks the class of every sub-processor;
+    `from_pretrained` loads one through `AutoVideoProcessor`; `AutoProcessor` quietly returns only the
+    tokenizer). A subclass has its processor's tokens, audio and image processing (placeholder expansion,
+    audio token counts) and files, and refuses videos: those reach the engine as tensors
+    (`MediaInputs.pixel_values_videos`, `video_grid_thw`)."""
 
     def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None):
         ProcessorMixin.__init__(self, image_processor, feature_extractor, tokenizer, chat_template=chat_template)
@@ -473,14 +475,43 @@ class Qwen3OmniAudioImageProcessor(Qwen3OmniMoeProcessor):
         return list(dict.fromkeys(names + self.image_processor.model_input_names + ["feature_attention_mask"]))
 
 
-def tiny_processor(tokenizer) -> Qwen3OmniAudioImageProcessor:
-    """The embedded tiny model's processor: a WhisperFeatureExtractor with its 16 mel bins at 16 kHz (up to
-    the 300 s of the real extractor) and Qwen2-VL's PIL image processor with its vision encoder's patch
-    sizes; images are resized to 1024..4096 pixels, so a 64×64 image gives 16 tokens. tokenizer: the
-    byte tokenizer (`omnimtp.tokenizer.byte_tokenizer`)."""
-    from omnimtp.models.tiny import tiny_qwen3_omni_config
+class Qwen3OmniAudioImageProcessor(AudioImageProcessor, Qwen3OmniMoeProcessor):
+    """`Qwen3OmniMoeProcessor` for audio and images (`AudioImageProcessor`)."""
 
-    config = tiny_qwen3_omni_config().thinker_config
+
+class Qwen2_5OmniAudioImageProcessor(AudioImageProcessor, Qwen2_5OmniProcessor):
+    """`Qwen2_5OmniProcessor` for audio and images (`AudioImageProcessor`): its feature extractor pads every
+    audio to the extractor's full chunk_length (the mask marks the frames), and an audio's token count is the
+    Qwen2.5 audio tower's output length."""
+
+
+# config.json's model_type → the audio and image processor of that model
+PROCESSOR_CLASSES = {
+    "qwen3_omni_moe": Qwen3OmniAudioImageProcessor,
+    "qwen2_5_omni": Qwen2_5OmniAudioImageProcessor,
+}
+# processor_class in a processor's files (transformers' own, or ours as save_pretrained writes it) → model_type
+_PROCESSOR_MODEL_TYPES = {
+    "Qwen3OmniMoeProcessor": "qwen3_omni_moe",
+    "Qwen3OmniAudioImageProcessor": "qwen3_omni_moe",
+    "Qwen2_5OmniProcessor": "qwen2_5_omni",
+    "Qwen2_5OmniAudioImageProcessor": "qwen2_5_omni",
+}
+
+
+def tiny_processor(tokenizer, model_type: str = "qwen3_omni_moe") -> AudioImageProcessor:
+    """A tiny model's processor: a WhisperFeatureExtractor with its 16 mel bins at 16 kHz (up to the 300 s of
+    the real extractor) and Qwen2-VL's PIL image processor with its vision encoder's patch sizes; images are
+    resized to 1024..4096 pixels, so a 64×64 image gives 16 tokens. tokenizer: the byte tokenizer
+    (`omnimtp.tokenizer.byte_tokenizer`, or `omnimtp.models.tiny_qwen2_5_omni.qwen2_5_byte_tokenizer`);
+    model_type: "qwen3_omni_moe" (the tiny Qwen3-Omni) or "qwen2_5_omni" (the tiny Qwen2.5-Omni)."""
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+    from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
+
+    configs = {"qwen3_omni_moe": tiny_qwen3_omni_config, "qwen2_5_omni": tiny_qwen2_5_omni_config}
+    if model_type not in configs:
+        raise ValueError(f"model_type must be one of {sorted(configs)}, got {model_type!r}")
+    config = configs[model_type]().thinker_config
     audio, vision = config.audio_config, config.vision_config
     feature_extractor = WhisperFeatureExtractor(
         feature_size=audio.num_mel_bins, sampling_rate=AUDIO_SAMPLING_RATE, chunk_length=300,
@@ -490,16 +521,29 @@ def tiny_processor(tokenizer) -> Qwen3OmniAudioImageProcessor:
         patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
         temporal_patch_size=vision.temporal_patch_size, min_pixels=32 * 32, max_pixels=64 * 64,
     )
-    return Qwen3OmniAudioImageProcessor(image_processor=image_processor, feature_extractor=feature_extractor,
-                                        tokenizer=tokenizer)
+    return PROCESSOR_CLASSES[model_type](image_processor=image_processor, feature_extractor=feature_extractor,
+                                         tokenizer=tokenizer)
 
 
-def load_processor(path) -> Qwen3OmniAudioImageProcessor | None:
-    """The processor of a checkpoint directory (audio and images, see `Qwen3OmniAudioImageProcessor`), or
-    None when it has none (no preprocessor_config.json or processor_config.json). Reads a real Qwen3-Omni
-    checkpoint's files and what `save_pretrained` of this processor writes."""
+def load_processor(path) -> AudioImageProcessor | None:
+    """The audio and image processor of a checkpoint directory (`AudioImageProcessor`), or None when it has
+    none (no preprocessor_config.json or processor_config.json). Its class follows the files' processor_class
+    (a real Qwen3-Omni or Qwen2.5-Omni checkpoint's, or what `save_pretrained` of these processors writes),
+    else config.json's model_type."""
     path = os.fspath(path)
-    names = ("preprocessor_config.json", "processor_config.json")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in names):
+    names = ("processor_config.json", "preprocessor_config.json", "config.json")
+    found = {}
+    for name in names:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                found[name] = json.load(f)
+    if not any(name in found for name in names[:2]):
         return None
-    return Qwen3OmniAudioImageProcessor.from_pretrained(path)
+    processor_classes = [found[name].get("processor_class") for name in names[:2] if name in found]
+    model_types = [_PROCESSOR_MODEL_TYPES[c] for c in processor_classes if c in _PROCESSOR_MODEL_TYPES]
+    model_type = model_types[0] if model_types else found.get("config.json", {}).get("model_type")
+    if model_type not in PROCESSOR_CLASSES:
+        raise ValueError(f"path: {path!r} holds a processor of {processor_classes or model_type!r}; supported: "
+                         f"{sorted(_PROCESSOR_MODEL_TYPES)}")
+    return PROCESSOR_CLASSES[model_type].from_pretrained(path)

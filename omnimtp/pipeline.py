@@ -64,7 +64,7 @@ class OmniEvent:
 
 
 class OmniPipeline:
-    """Text, audio and images (Qwen3-Omni: also video, and media parts of chat messages) → text + speech.
+    """Text, audio and images (also as media parts of chat messages) and video → text + speech.
     See the module docstring."""
 
     def __init__(
@@ -101,7 +101,7 @@ class OmniPipeline:
             if model_type == "qwen2_5_omni":
                 if thinker_mtp is not None or num_draft_tokens is not None:
                     raise ValueError("thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's")
-                family = Qwen2_5OmniFamily(model, tokenizer)
+                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor)
             else:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
                 family = Qwen3OmniFamily(
@@ -143,8 +143,8 @@ class OmniPipeline:
     def tiny(cls, seed: int = 0, device=None, family: str = "qwen3", **kwargs) -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni and its byte
-        tokenizer). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
+        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni, its byte
+        tokenizer and its processor). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
@@ -169,8 +169,8 @@ class OmniPipeline:
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
         """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
-        "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt); its tokenizer, and for Qwen3-Omni
-        its processor (audio and images, `omnimtp.media.load_processor`), when it has them."""
+        "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt); its tokenizer and its processor
+        (audio and images, `omnimtp.media.load_processor`), when it has them."""
         import transformers
         from transformers import AutoTokenizer
 
@@ -190,7 +190,7 @@ class OmniPipeline:
             model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-        processor = load_processor(path) if model_type == "qwen3_omni_moe" else None
+        processor = load_processor(path)
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def save_pretrained(self, path) -> None:
@@ -243,7 +243,7 @@ class OmniPipeline:
         Media: chat messages take parts `{"type": "audio", "audio": path | (array, sample_rate)}` and
         `{"type": "image", "image": path | PIL.Image}` next to text parts; the checkpoint's processor turns
         them into ids and tensors. Or the processor's tensors under transformers' names go with input_ids that hold their
-        placeholders (`Qwen3OmniMoeProcessor` output: input_features + feature_attention_mask,
+        placeholders (`Qwen3OmniMoeProcessor` / `Qwen2_5OmniProcessor` output: input_features + feature_attention_mask,
         pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw (+ video_second_per_grid)); for a
         batch, every prompt's media in prompt order, as the processor batches them. Prompts with and
         without media mix in one call."""

@@ -21,6 +21,7 @@ from omnimtp.media import (
     MediaError,
     MediaInputs,
     MediaLimits,
+    PROCESSOR_CLASSES,
     Qwen3OmniAudioImageProcessor,
     chat_media_inputs,
     decode_audio,
@@ -308,22 +309,30 @@ def test_processor_saves_and_loads_back(processor, tmp_path):
     assert load_processor(tmp_path / "nothing") is None
 
 
-def test_processor_reads_a_checkpoints_merged_preprocessor_config(tokenizer, tmp_path):
-    """A real Qwen3-Omni directory has one preprocessor_config.json (feature extractor and image processor
-    together), chat_template.json and the tokenizer files, no processor_config.json."""
+@pytest.mark.parametrize("processor_class, model_type", [
+    ("Qwen3OmniMoeProcessor", "qwen3_omni_moe"), ("Qwen2_5OmniProcessor", "qwen2_5_omni")])
+def test_processor_reads_a_checkpoints_merged_preprocessor_config(processor_class, model_type, tmp_path):
+    """A real Qwen3-Omni / Qwen2.5-Omni directory has one preprocessor_config.json (feature extractor and
+    image processor together, its processor_class naming the model's processor), chat_template.json and the
+    tokenizer files, no processor_config.json."""
     import json
 
+    from omnimtp.models.tiny_qwen2_5_omni import qwen2_5_byte_tokenizer
+
+    tokenizer = byte_tokenizer() if model_type == "qwen3_omni_moe" else qwen2_5_byte_tokenizer()
     tokenizer.save_pretrained(tmp_path)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({
-        "processor_class": "Qwen3OmniMoeProcessor", "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 16, "hop_length": 160, "n_fft": 400, "n_samples": 4_800_000, "nb_max_frames": 30_000,
+        "processor_class": processor_class, "feature_extractor_type": "WhisperFeatureExtractor",
+        "chunk_length": 300, "feature_size": 16, "hop_length": 160, "n_fft": 400, "n_samples": 4_800_000,
+        "nb_max_frames": 30_000,
         "sampling_rate": 16_000, "return_attention_mask": True, "image_processor_type": "Qwen2VLImageProcessor",
         "patch_size": 16, "temporal_patch_size": 2, "merge_size": 1, "min_pixels": 1024, "max_pixels": 4096,
     }))
     loaded = load_processor(tmp_path)
+    assert type(loaded) is PROCESSOR_CLASSES[model_type]
     messages = _media_messages(tone(0.7, AUDIO_SAMPLING_RATE), Image.new("RGB", (64, 64), (9, 9, 9)))
     ids, media = chat_media_inputs(loaded, messages)
-    expected_ids, expected = chat_media_inputs(tiny_processor(tokenizer), messages)
+    expected_ids, expected = chat_media_inputs(tiny_processor(tokenizer, model_type), messages)
     assert ids == expected_ids
     assert torch.allclose(media.input_features, expected.input_features)
     assert torch.equal(media.pixel_values, expected.pixel_values)

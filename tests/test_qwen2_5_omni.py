@@ -14,8 +14,11 @@ import torch
 from transformers import Qwen2_5OmniForConditionalGeneration
 
 from audio_checks import assert_audible, assert_audio_equal
+from media_samples import b64, encode, tone
+from PIL import Image
 from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.engine.request import Request
+from omnimtp.media import AUDIO_SAMPLING_RATE, Qwen2_5OmniAudioImageProcessor
 from omnimtp.models.tiny_qwen2_5_omni import TINY_QWEN2_5_CODEC, save_tiny_qwen2_5_omni
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.ops import Rope
@@ -52,8 +55,10 @@ def _prompt(pipe, text):
 
 
 def reference_generate(model, pipe, prompt, speaker="Chelsie", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES,
-                       seed=0):
-    """transformers' generate: (reply ids, talker codes [1, T] before EOS, audio)."""
+                       seed=0, **media):
+    """transformers' generate: (reply ids, talker codes [1, T] before EOS, audio). media: the processor's
+    tensors; pixel_values go in as thinker_pixel_values (generate hands unprefixed pixel_values to the talker
+    too, whose generate refuses them)."""
     captured = {}
     talker_generate = model.talker.generate
 
@@ -69,6 +74,7 @@ def reference_generate(model, pipe, prompt, speaker="Chelsie", max_new_tokens=MA
             torch.tensor([prompt]), speaker=speaker, thinker_max_new_tokens=max_new_tokens,
             talker_max_new_tokens=max_frames, thinker_do_sample=False, talker_do_sample=False,
             talker_eos_token_id=CONFIG_EOS, thinker_eos_token_id=sorted(pipe.family.eos_token_ids),
+            **{("thinker_" + name if name == "pixel_values" else name): value for name, value in media.items()},
         )
     finally:
         del model.talker.generate
@@ -189,6 +195,7 @@ def test_chat_prompt_and_tiny_default(pipe):
     assert_audible(out.audio)
     tiny = OmniPipeline.tiny(family="qwen2_5")
     assert tiny.family.num_code_groups == 1 and tiny.family.sample_rate == 24000
+    assert type(tiny.processor) is Qwen2_5OmniAudioImageProcessor
     with pytest.raises(ValueError, match="family"):
         OmniPipeline.tiny(family="qwen4")
 
@@ -324,33 +331,116 @@ def _media_prompt(pipe, kind):
 @pytest.mark.parametrize("kind", ["audio", "image"])
 def test_media_input_equals_transformers_generate(pipe, reference_model, kind):
     prompt, media = _media_prompt(pipe, kind)
-    captured = {}
-    talker_generate = reference_model.talker.generate
-
-    def record(**kwargs):
-        result = talker_generate(**kwargs)
-        captured["codes"] = result[:, kwargs["input_ids"].shape[1]:]
-        return result
-
-    reference_model.talker.generate = record
-    try:
-        torch.manual_seed(2)
-        sequences, ref_audio = reference_model.generate(
-            torch.tensor([prompt]), speaker="Chelsie", thinker_max_new_tokens=MAX_NEW_TOKENS,
-            talker_max_new_tokens=MAX_FRAMES, thinker_do_sample=False, talker_do_sample=False,
-            talker_eos_token_id=CONFIG_EOS, thinker_eos_token_id=sorted(pipe.family.eos_token_ids),
-            **{("thinker_" + name if name == "pixel_values" else name): value for name, value in media.items()},
-        )  # generate hands unprefixed pixel_values to the talker too, whose generate refuses them
-    finally:
-        del reference_model.talker.generate
+    ref_ids, ref_codes, ref_audio = reference_generate(reference_model, pipe, prompt, seed=2, **media)
     torch.manual_seed(2)
     ours = pipe.generate(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
     text_only = pipe.generate(input_ids=_prompt(pipe, QUESTION), max_new_tokens=MAX_NEW_TOKENS, max_frames=4)
-    assert ours.text_ids == sequences[0, len(prompt):].tolist() != text_only.text_ids
-    codes = captured["codes"]
-    assert torch.equal(ours.codes, codes[:, : ours.codes.shape[1]]) and ours.codes.shape[1] >= 3
-    assert ours.codes.shape[1] == codes.shape[1] or int(codes[0, ours.codes.shape[1]]) in CONFIG_EOS
-    assert_audio_equal(ours.audio, ref_audio.numpy())
+    assert ours.text_ids == ref_ids != text_only.text_ids
+    assert ref_codes.shape[1] >= 3 and torch.equal(ours.codes, ref_codes)
+    assert_audio_equal(ours.audio, ref_audio)
+
+
+# -- audio and image parts of chat messages (the checkpoint's processor) ----------------------------------
+
+
+def _media_part(kind):
+    if kind == "audio":
+        return {"type": "audio", "audio": tone(1.2, AUDIO_SAMPLING_RATE, hz=330.0)}  # 120 feature frames
+    noise = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)  # 64×48: 3×4 patches
+    return {"type": "image", "image": Image.fromarray(noise)}
+
+
+@pytest.mark.parametrize("kind, num_pads", [("audio", 30), ("image", 12)])
+def test_chat_media_parts_equal_transformers_generate_on_the_processor_output(pipe, reference_model, kind, num_pads):
+    """The saved-and-loaded processor is transformers' Qwen2.5-Omni processor (video-less); its output for the
+    same messages, handed to transformers' generate, gives our tokens, codes and audio."""
+    from omnimtp.models.tiny_qwen2_5_omni import QWEN2_5_THINKER_SPECIAL_TOKENS as S
+
+    part = _media_part(kind)
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+    processor = pipe.processor
+    assert type(processor) is Qwen2_5OmniAudioImageProcessor
+    template = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": QUESTION}]}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    inputs = processor(text=[template], return_tensors="pt", add_special_tokens=False,
+                       **{"audio" if kind == "audio" else "images": [part[kind]]})
+    prompt = inputs["input_ids"][0].tolist()
+    media = {name: value for name, value in inputs.items() if name not in ("input_ids", "attention_mask")}
+    assert prompt.count(S["<|audio_pad|>" if kind == "audio" else "<|image_pad|>"]) == num_pads
+    assert pipe.family.chat_inputs(messages, pipe.media_limits)[0] == prompt
+    ref_ids, ref_codes, ref_audio = reference_generate(reference_model, pipe, prompt, seed=4, **media)
+    torch.manual_seed(4)
+    ours = pipe.generate(messages, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    assert ours.text_ids == ref_ids
+    assert ref_codes.shape[1] >= 3 and torch.equal(ours.codes, ref_codes)
+    assert_audible(ours.audio)
+    assert_audio_equal(ours.audio, ref_audio)
+
+
+def test_served_input_audio_is_the_pipelines_reply(pipe, checkpoint):
+    import base64
+
+    import openai
+    from server_harness import running_server
+
+    from omnimtp.media import decode_audio
+    from omnimtp.server.app import create_app
+    from omnimtp.server.audio import to_pcm16
+    from omnimtp.server.cli import build_engine
+
+    data = encode(tone(1.0, AUDIO_SAMPLING_RATE, hz=330.0), AUDIO_SAMPLING_RATE)
+    engine = build_engine(str(checkpoint), max_batch_size=2, max_frames=8)
+    with running_server(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        served = client.chat.completions.create(
+            model=engine.model_id, modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "pcm16"},
+            messages=[{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": b64(data), "format": "wav"}},
+                {"type": "text", "text": QUESTION}]}],
+            seed=21, temperature=0.0, max_tokens=6,
+        )
+    samples = decode_audio(data, "wav", AUDIO_SAMPLING_RATE)
+    output = pipe.generate([{"role": "user", "content": [{"type": "audio", "audio": samples},
+                                                          {"type": "text", "text": QUESTION}]}],
+                           speaker="Chelsie", max_new_tokens=6, max_frames=8, seed=21)
+    message = served.choices[0].message
+    assert message.content == output.text
+    assert served.usage.prompt_tokens == len(pipe.family.chat_inputs(
+        [{"role": "user", "content": [{"type": "audio", "audio": samples}, {"type": "text", "text": QUESTION}]}],
+        pipe.media_limits)[0])
+    pcm = np.frombuffer(base64.b64decode(message.audio.data), dtype="<i2")
+    assert_audible(pcm)
+    assert np.array_equal(pcm, to_pcm16(output.audio))
+
+
+def test_a_checkpoint_without_a_processor_refuses_media_and_serves_text(pipe, tmp_path):
+    import httpx
+    from server_harness import running_server
+
+    from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
+    from omnimtp.server.app import create_app
+    from omnimtp.server.scheduler import Engine
+
+    save_tiny_qwen2_5_omni(tmp_path)
+    (tmp_path / "processor_config.json").unlink()
+    bare = OmniPipeline.from_pretrained(tmp_path)
+    assert bare.processor is None
+    messages = [{"role": "user", "content": [_media_part("audio"), {"type": "text", "text": QUESTION}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: this checkpoint has no processor"):
+        bare.generate(messages, max_frames=2)
+    engine = Engine(Qwen2_5OmniFamily(pipe.model, pipe.tokenizer), max_frames=2, max_batch_size=2)
+    audio = {"type": "input_audio", "input_audio": {"data": b64(encode(tone(0.5, AUDIO_SAMPLING_RATE),
+                                                                       AUDIO_SAMPLING_RATE)), "format": "wav"}}
+    with running_server(create_app(engine, max_tokens_limit=4)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}, audio]}], "max_tokens": 2})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == "messages.0.content.1" and "no processor" in error["message"]
+        text = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=text).status_code == 200
 
 
 def test_media_placeholders_must_match_the_tensors(pipe):

@@ -29,7 +29,7 @@ from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
 from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
 from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
-from omnimtp.media import MediaInputs, MediaLimits, has_media
+from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
@@ -44,18 +44,17 @@ class Qwen2_5OmniFamily:
     """Qwen2.5-Omni's side of the engine.
 
     model: transformers' `Qwen2_5OmniForConditionalGeneration` with `speaker_map` loaded; tokenizer: its text
-    tokenizer, or None (then requests come as token ids and no text is decoded). Audio, image and video come as
-    transformers' processor tensors with prompt ids that hold their placeholders (chat messages with media
-    parts are refused: no processor).
+    tokenizer, or None (then requests come as token ids and no text is decoded). processor: its audio and image
+    processor (`omnimtp.media.load_processor`), or None when the checkpoint has none (then chat media is
+    refused). Video comes as transformers' processor tensors with prompt ids that hold its placeholders.
     talker_layout: the talker prefill (`omnimtp.talker.qwen2_5_inputs`): "generate" (default) is what
     transformers' `generate` runs with the checkpoint's EOS ids (no codec pad / bos rows), "seed" the intended
     layout with both codec embeddings."""
 
     sample_rate = SAMPLE_RATE
     num_code_groups = 1
-    processor = None
 
-    def __init__(self, model, tokenizer=None, *, talker_layout: str = "generate"):
+    def __init__(self, model, tokenizer=None, *, processor=None, talker_layout: str = "generate"):
         if talker_layout not in PREFILL_LAYOUTS:
             raise ValueError(f"talker_layout must be one of {PREFILL_LAYOUTS}, got {talker_layout!r}")
         self.talker_layout = talker_layout
@@ -63,6 +62,7 @@ class Qwen2_5OmniFamily:
             raise ValueError("model: no speakers (a Qwen2.5-Omni checkpoint keeps them in spk_dict.pt)")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.processor = processor
         self.speakers = tuple(model.speaker_map)
         self.default_speaker = "Chelsie" if "Chelsie" in self.speakers else sorted(self.speakers)[0]
         text_config = model.config.thinker_config.text_config
@@ -76,15 +76,17 @@ class Qwen2_5OmniFamily:
 
     @classmethod
     def tiny(cls, seed: int = 0, device=None) -> "Qwen2_5OmniFamily":
-        """A seeded tiny Qwen2.5-Omni (random weights: noise-like, audible speech) and its byte tokenizer, on
-        `device` (default the CPU)."""
+        """A seeded tiny Qwen2.5-Omni (random weights: noise-like, audible speech), its byte tokenizer and its
+        processor, on `device` (default the CPU)."""
+        from omnimtp.media import tiny_processor
         from omnimtp.models.tiny_qwen2_5_omni import qwen2_5_byte_tokenizer, tiny_qwen2_5_omni
         from omnimtp.runtime.device import resolve_device
 
         model = tiny_qwen2_5_omni(seed)
         if device is not None:
             model = model.to(resolve_device(device))
-        return cls(model, qwen2_5_byte_tokenizer())
+        tokenizer = qwen2_5_byte_tokenizer()
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer, "qwen2_5_omni"))
 
     @property
     def device(self) -> torch.device:
@@ -97,12 +99,11 @@ class Qwen2_5OmniFamily:
         return chat_ids(self.tokenizer, messages)
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
-        """The templated prompt of text-only chat messages. Media parts: ValueError (there is no Qwen2.5-Omni
-        processor here; its tensors go through the Python API with input_ids)."""
-        if has_media(messages):
-            raise ValueError("messages: audio, image and video parts need a processor; Qwen2.5-Omni takes media "
-                             "as processor tensors with input_ids (OmniPipeline.generate) only")
-        return self.chat_ids(messages), None
+        """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
+        text-only messages give `chat_ids` and None."""
+        if not has_media(messages):
+            return self.chat_ids(messages), None
+        return chat_media_inputs(self.processor, messages, limits)
 
     def speech_ids(self, text: str) -> list[int]:
         """An opened assistant turn followed by `text`: what a speech request's talker speaks."""

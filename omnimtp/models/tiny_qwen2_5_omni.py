@@ -163,10 +163,12 @@ def qwen2_5_byte_tokenizer():
 def save_tiny_qwen2_5_omni(path, seed: int = 0, **config_kwargs) -> Qwen2_5OmniForConditionalGeneration:
     """Write a tiny Qwen2.5-Omni checkpoint to `path` as the real one is laid out: `save_pretrained` weights
     and config, `spk_dict.pt` (the speakers, read back by `from_pretrained` with weights_only=True) and the
-    tokenizer with its chat template. Returns the model written."""
+    processor (`omnimtp.media.tiny_processor`) with its tokenizer and chat template. Returns the model written."""
     model = tiny_qwen2_5_omni(seed, **config_kwargs)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    from omnimtp.media import tiny_processor
+
     torch.save(model.speaker_map, os.path.join(path, "spk_dict.pt"))
-    qwen2_5_byte_tokenizer().save_pretrained(path)
+    tiny_processor(qwen2_5_byte_tokenizer(), "qwen2_5_omni").save_pretrained(path)  # its tokenizer too
     return model
