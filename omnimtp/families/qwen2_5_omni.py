@@ -27,9 +27,9 @@ import torch
 
 from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
-from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
+from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
-from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
@@ -40,7 +40,7 @@ from omnimtp.thinker import ThinkerRun
 SAMPLE_RATE = 24_000
 
 
-class Qwen2_5OmniFamily:
+class Qwen2_5OmniFamily(ChatText):
     """Qwen2.5-Omni's side of the engine.
 
     model: transformers' `Qwen2_5OmniForConditionalGeneration` with `speaker_map` loaded; tokenizer: its text
@@ -92,31 +92,7 @@ class Qwen2_5OmniFamily:
     def device(self) -> torch.device:
         return self.thinker_decoder.device
 
-    # --- ids and text ---
-
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The templated prompt of chat messages, the assistant turn opened."""
-        return chat_ids(self.tokenizer, messages)
-
-    def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
-        """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
-        text-only messages give `chat_ids` and None."""
-        if not has_media(messages):
-            return self.chat_ids(messages), None
-        return chat_media_inputs(self.processor, messages, limits)
-
-    def speech_ids(self, text: str) -> list[int]:
-        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
-        if self.speech_header_ids is None:
-            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
-        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode_text(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def match_speaker(self, name: str) -> str | None:
-        """The model's speaker called `name` (case-insensitive), or None."""
-        return match_speaker(self.speakers, name)
+    # --- ids and text: `omnimtp.families.text.ChatText` ---
 
     def check_speaker(self, speaker: str) -> None:
         lookup_speaker(self.model.speaker_map, speaker)

@@ -17,9 +17,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
-from omnimtp.families.text import chat_ids, match_speaker, speech_header_ids
+from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import TalkerInputs
-from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
@@ -31,7 +31,7 @@ from omnimtp.thinker import ThinkerRun
 SAMPLE_RATE = 24_000
 
 
-class Qwen3OmniFamily:
+class Qwen3OmniFamily(ChatText):
     """Qwen3-Omni's side of the engine.
 
     model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer, or None
@@ -86,31 +86,7 @@ class Qwen3OmniFamily:
     def device(self) -> torch.device:
         return self.thinker_decoder.device
 
-    # --- ids and text ---
-
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """The templated prompt of chat messages, the assistant turn opened."""
-        return chat_ids(self.tokenizer, messages)
-
-    def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
-        """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
-        text-only messages give `chat_ids` and None."""
-        if not has_media(messages):
-            return self.chat_ids(messages), None
-        return chat_media_inputs(self.processor, messages, limits)
-
-    def speech_ids(self, text: str) -> list[int]:
-        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
-        if self.speech_header_ids is None:
-            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
-        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode_text(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def match_speaker(self, name: str) -> str | None:
-        """The model's speaker called `name` (case-insensitive), or None."""
-        return match_speaker(self.speakers, name)
+    # --- ids and text: `omnimtp.families.text.ChatText` ---
 
     def check_speaker(self, speaker: str) -> None:
         lookup_speaker(self.model.config.talker_config.speaker_id, speaker)

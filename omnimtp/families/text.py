@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+
 
 def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
@@ -31,3 +33,39 @@ def match_speaker(speakers, name: str) -> str | None:
     """The speaker of `speakers` called `name` (case-insensitive), or None."""
     lowered = name.strip().lower()
     return next((speaker for speaker in speakers if speaker.lower() == lowered), None)
+
+
+class ChatText:
+    """A family's prompt ids and reply text, the same for every family: it has `tokenizer` (or None: requests
+    come as token ids and no text is decoded), `processor` (or None: media parts are refused),
+    `speech_header_ids` (`speech_header_ids(tokenizer)`) and `speakers`."""
+
+    tokenizer = None
+    processor = None
+    speech_header_ids: list[int] | None = None
+    speakers: tuple[str, ...] = ()
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The templated prompt of chat messages, the assistant turn opened."""
+        return chat_ids(self.tokenizer, messages)
+
+    def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
+        """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
+        text-only messages give `chat_ids` and None."""
+        if not has_media(messages):
+            return self.chat_ids(messages), None
+        return chat_media_inputs(self.processor, messages, limits)
+
+    def speech_ids(self, text: str) -> list[int]:
+        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_text(self, ids: list[int]) -> str:
+        """Reply ids → text (special tokens skipped); "" without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def match_speaker(self, name: str) -> str | None:
+        """The model's speaker called `name` (case-insensitive), or None."""
+        return match_speaker(self.speakers, name)
