@@ -379,37 +379,43 @@ def test_chat_media_parts_equal_transformers_generate_on_the_processor_output(pi
     assert_audio_equal(ours.audio, ref_audio)
 
 
-def test_served_input_audio_is_the_pipelines_reply(pipe, checkpoint):
+@pytest.mark.parametrize("kind", ["audio", "image"])
+def test_served_media_is_the_pipelines_reply(pipe, checkpoint, kind):
+    """An `input_audio` / `image_url` part over HTTP gives the text, prompt length and PCM of the pipeline on
+    the same decoded media."""
     import base64
 
     import openai
     from server_harness import running_server
 
-    from omnimtp.media import decode_audio
+    from media_samples import image_bytes
+    from omnimtp.media import decode_audio, decode_image
     from omnimtp.server.app import create_app
     from omnimtp.server.audio import to_pcm16
     from omnimtp.server.cli import build_engine
 
-    data = encode(tone(1.0, AUDIO_SAMPLING_RATE, hz=330.0), AUDIO_SAMPLING_RATE)
+    if kind == "audio":
+        data = encode(tone(1.0, AUDIO_SAMPLING_RATE, hz=330.0), AUDIO_SAMPLING_RATE)
+        http_part = {"type": "input_audio", "input_audio": {"data": b64(data), "format": "wav"}}
+        part = {"type": "audio", "audio": decode_audio(data, "wav", AUDIO_SAMPLING_RATE)}
+    else:
+        data = image_bytes(_media_part("image")["image"])
+        http_part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(data)}"}}
+        part = {"type": "image", "image": decode_image(data)}
     engine = build_engine(str(checkpoint), max_batch_size=2, max_frames=8)
     with running_server(create_app(engine)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         served = client.chat.completions.create(
             model=engine.model_id, modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "pcm16"},
-            messages=[{"role": "user", "content": [
-                {"type": "input_audio", "input_audio": {"data": b64(data), "format": "wav"}},
-                {"type": "text", "text": QUESTION}]}],
+            messages=[{"role": "user", "content": [http_part, {"type": "text", "text": QUESTION}]}],
             seed=21, temperature=0.0, max_tokens=6,
         )
-    samples = decode_audio(data, "wav", AUDIO_SAMPLING_RATE)
-    output = pipe.generate([{"role": "user", "content": [{"type": "audio", "audio": samples},
-                                                          {"type": "text", "text": QUESTION}]}],
-                           speaker="Chelsie", max_new_tokens=6, max_frames=8, seed=21)
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+    output = pipe.generate(messages, speaker="Chelsie", max_new_tokens=6, max_frames=8, seed=21)
     message = served.choices[0].message
     assert message.content == output.text
-    assert served.usage.prompt_tokens == len(pipe.family.chat_inputs(
-        [{"role": "user", "content": [{"type": "audio", "audio": samples}, {"type": "text", "text": QUESTION}]}],
-        pipe.media_limits)[0])
+    prompt_ids, media = pipe.family.chat_inputs(messages, pipe.media_limits)
+    assert media is not None and served.usage.prompt_tokens == len(prompt_ids)
     pcm = np.frombuffer(base64.b64decode(message.audio.data), dtype="<i2")
     assert_audible(pcm)
     assert np.array_equal(pcm, to_pcm16(output.audio))
