@@ -23,9 +23,8 @@ read as a run of one-token steps; rows of rejected drafts are rolled back and ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import torch
 
