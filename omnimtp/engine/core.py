@@ -39,6 +39,7 @@ import torch
 from omnimtp.engine.family import Family
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
+from omnimtp.talker.loop import TalkerRequest
 
 
 @dataclass(frozen=True)
@@ -301,10 +302,11 @@ class EngineCore:
         for request in pending:
             inputs, request.talker_inputs = request.talker_inputs, None
             builder = request.talker_builder
-            talker_requests.append(self.family.talker_request(
+            talker_requests.append(TalkerRequest(
                 request.request_id, inputs.prefill_embeds, torch.cat(inputs.trailing_text), inputs.tts_pad_embed,
-                inputs.is_text_finished, request.talker_sampling, request.talker_generator, request.max_frames,
-                None if builder is None else builder.prefill_positions,
+                is_text_finished=inputs.is_text_finished, sampling=request.talker_sampling,
+                generator=request.talker_generator, max_frames=request.max_frames,
+                prefill_positions=None if builder is None else builder.prefill_positions,
             ))
             request.is_in_talker = True
         ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames

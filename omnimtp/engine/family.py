@@ -8,7 +8,7 @@ not a fork of the loop.
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -49,12 +49,8 @@ class Family(Protocol):
         """The talker inputs that speak a speech request's text."""
 
     def new_talker_batch(self, max_batch_size: int):
-        """The batched talker state (`omnimtp.talker.loop.TalkerBatch`: admit / push_text / step / retire)."""
-
-    def talker_request(self, request_id: Hashable, prefill_embeds: torch.Tensor, trailing_text: torch.Tensor,
-                       tts_pad_embed: torch.Tensor, is_text_finished: bool, sampling: SamplingParams | None,
-                       generator: torch.Generator, max_frames: int, prefill_positions: torch.Tensor | None):
-        """One request's talker admission (`omnimtp.talker.loop.TalkerRequest`)."""
+        """The batched talker state (`omnimtp.talker.loop.TalkerBatch`: admit / push_text / step / retire), admitting
+        `omnimtp.talker.loop.TalkerRequest`s."""
 
     def new_codec_stream(self, speaker: str, generator: torch.Generator | None):
         """A request's codec state (its decoded history) for `speaker`; generator: the request's codec noise

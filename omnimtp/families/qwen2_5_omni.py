@@ -32,7 +32,7 @@ from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
-from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch, TalkerRequest
+from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch
 from omnimtp.talker.qwen2_5_inputs import PREFILL_LAYOUTS, Qwen2_5TalkerInputBuilder
 from omnimtp.talker.qwen3_inputs import lookup_speaker, trimmed_thinker_rows
 from omnimtp.thinker import ThinkerRun
@@ -150,16 +150,6 @@ class Qwen2_5OmniFamily(ChatText):
     def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
         talker = self.model.talker
         return TalkerBatch(talker, max_batch_size, decoder=self.talker_decoder, frames=Qwen2_5FrameMaker(talker))
-
-    @staticmethod
-    def talker_request(request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished: bool,
-                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int,
-                       prefill_positions: torch.Tensor | None = None) -> TalkerRequest:
-        """prefill_embeds [P + 2, D], trailing_text [T, D] (thinker width: the talker projects them)."""
-        return TalkerRequest(
-            request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
-            sampling=sampling, generator=generator, max_frames=max_frames, prefill_positions=prefill_positions,
-        )
 
     @staticmethod
     def sampled_talker(thinker_sampling: SamplingParams | None) -> SamplingParams | None:

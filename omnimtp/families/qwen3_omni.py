@@ -24,7 +24,7 @@ from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
-from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch, TalkerRequest
+from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
 from omnimtp.thinker import ThinkerRun
 
@@ -150,17 +150,6 @@ class Qwen3OmniFamily(ChatText):
     def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
         return TalkerBatch(self.model.talker, max_batch_size, predictor=self.predictor(max_batch_size),
                            decoder=self.talker_decoder)
-
-    @staticmethod
-    def talker_request(request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished: bool,
-                       sampling: SamplingParams | None, generator: torch.Generator, max_frames: int,
-                       prefill_positions: torch.Tensor | None = None) -> TalkerRequest:
-        """prefill_embeds [L, H], trailing_text [T, H] (the reply rows known so far), tts_pad_embed [H],
-        prefill_positions [3, L] or None (the builder's)."""
-        return TalkerRequest(
-            request_id, prefill_embeds, trailing_text, tts_pad_embed, is_text_finished=is_text_finished,
-            sampling=sampling, generator=generator, max_frames=max_frames, prefill_positions=prefill_positions,
-        )
 
     @staticmethod
     def sampled_talker(thinker_sampling: SamplingParams | None) -> SamplingParams | None:

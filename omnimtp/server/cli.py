@@ -159,14 +159,15 @@ def build_app(args: argparse.Namespace):
 
     media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                                max_parts=args.max_media_parts)
+    speculation = thinker_mtp_kwargs(args)  # ValueError for --demo with --model
     model = args.model
     if getattr(args, "demo", False):
         from omnimtp.mtp.demo import demo_omni_dir
 
-        model = None if args.model is not None else str(demo_omni_dir())  # thinker_mtp_kwargs refuses both
+        model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, **thinker_mtp_kwargs(args))
+                          device=args.device, **speculation)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name)
