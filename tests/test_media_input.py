@@ -174,6 +174,26 @@ def test_deepstack_and_talker_positions_are_used(pipe, monkeypatch):
     assert flat.text_ids == full.text_ids and not torch.equal(flat.codes, full.codes)
 
 
+def test_a_video_without_seconds_per_grid_is_one_at_the_temporal_patch_size(pipe):
+    """A video without video_second_per_grid is the processor's default (1 fps: temporal_patch_size seconds
+    per grid step): the same reply and M-RoPE offset as the same video with the field given; another value
+    moves the offset, so the comparison can fail."""
+    ids, media = video_case()
+    del media["video_second_per_grid"]
+    temporal_patch = pipe.model.config.thinker_config.vision_config.temporal_patch_size
+    common = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=12)
+
+    def offset(**seconds):
+        return _thinker_rows(pipe, ids, {**media, **seconds}, pipe.accept_hidden_layer)[2].kv.rope_offsets[0]
+
+    given = torch.tensor([float(temporal_patch)])
+    assert offset() == offset(video_second_per_grid=given)
+    assert offset(video_second_per_grid=torch.tensor([1.0])) != offset()
+    default, explicit = pipe.generate(**common, **media), pipe.generate(**common, **media, video_second_per_grid=given)
+    assert default.text_ids == explicit.text_ids and torch.equal(default.codes, explicit.codes)
+    assert_audio_equal(default.audio, explicit.audio)
+
+
 def test_bad_media_is_a_clear_error(pipe):
     audio_ids, audio = audio_case()
     image_ids, image = image_case()
