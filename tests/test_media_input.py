@@ -149,23 +149,24 @@ def test_changing_the_media_changes_the_output(pipe, kind):
 
 
 def test_deepstack_and_talker_positions_are_used(pipe, monkeypatch):
-    """Dropping the deepstack features changes the thinker's last hidden rows, dropping the talker's 3-D
-    positions changes an image reply's codes: neither is a no-op on the tiny model, so the equalities
-    with the reference above cover both."""
+    """Dropping the deepstack features (all of them, or every level after the first) changes the thinker's
+    last hidden rows, dropping the talker's 3-D positions changes an image reply's codes: none is a no-op
+    on the tiny model (two deepstack levels), so the equalities with the reference above cover them."""
     ids, media = image_case()
     last_layer = pipe.model.config.thinker_config.text_config.num_hidden_layers
     _, full_rows, _ = _thinker_rows(pipe, ids, media, last_layer)
     prefill = thinker_module.multimodal_prefill
+    for num_levels in (0, 1):
 
-    def without_deepstack(*args):
-        full_prefill = prefill(*args)
-        assert full_prefill.layer_adds
-        return thinker_module.Prefill(full_prefill.embeds, full_prefill.rope_positions)
+        def fewer_levels(*args):
+            full_prefill = prefill(*args)
+            assert len(full_prefill.layer_adds) == 2
+            return thinker_module.Prefill(full_prefill.embeds, full_prefill.rope_positions, full_prefill.layer_adds[:num_levels])
 
-    with monkeypatch.context() as patch:
-        patch.setattr(thinker_module, "multimodal_prefill", without_deepstack)
-        _, rows, _ = _thinker_rows(pipe, ids, media, last_layer)
-    assert rows.shape == full_rows.shape and (rows - full_rows).abs().max() > 1e-3
+        with monkeypatch.context() as patch:
+            patch.setattr(thinker_module, "multimodal_prefill", fewer_levels)
+            _, rows, _ = _thinker_rows(pipe, ids, media, last_layer)
+        assert rows.shape == full_rows.shape and (rows - full_rows).abs().max() > 1e-3, num_levels
     common = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=12, **media)
     full = pipe.generate(**common)
     with monkeypatch.context() as patch:
