@@ -12,6 +12,7 @@ import torch
 
 from omnimtp.engine.core import EngineCore
 from omnimtp.engine.request import Request
+from omnimtp.media import MediaInputs
 from omnimtp.pipeline import OmniPipeline
 from audio_checks import assert_audible, assert_audio_equal
 from server_harness import EngineSetup, running_server
@@ -65,8 +66,8 @@ def test_http_requests_of_one_cohort_stop_at_their_own_max_tokens():
         replies: dict[int, dict] = {}
 
         def send(max_tokens):
-            body = {"messages": [{"role": "user", "content": "Tell me more"}], "max_tokens": max_tokens, "modalities": ["text"],
-                    "temperature": 0}
+            body = {"messages": [{"role": "user", "content": "Tell me more"}], "modalities": ["text"],
+                    "max_tokens": max_tokens, "temperature": 0}
             response = http.post("/v1/chat/completions", json=body)
             assert response.status_code == 200, response.text
             replies[max_tokens] = response.json()
@@ -104,8 +105,6 @@ def test_a_talker_row_that_ends_early_leaves_the_others_as_they_are_alone(pipe, 
     speaker = pipe.family.default_speaker
 
     def request(i, ids, media, max_frames):
-        from omnimtp.media import MediaInputs
-
         return Request(i, ids, max_new_tokens=6, max_frames=max_frames, speaker=speaker, is_streamed=False,
                        media=None if media is None else MediaInputs(**media))
 
