@@ -45,6 +45,8 @@ HYBRID = ("tests/test_spec_hybrid.py",)
 THINKER_SPEC = ("tests/test_thinker_spec.py",)
 QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
 TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
+ENGINE_ROWS = ("tests/test_engine_rows.py",)
+THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -118,6 +120,24 @@ MUTATIONS = [
         "ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, :1], self.finish_reasons[i])",
         THINKER_SPEC, "every accepted token hands the talker the verify's first hidden row",
     ),
+    Mutation(
+        "thinker_draft_prefill_positions_without_rope_offsets", "omnimtp/thinker.py",
+        "positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]",
+        "positions = [torch.arange(len(p), device=device) for i, p in enumerate(self.prompts)]",
+        THINKER_DRAFTS, "the drafter reads an image prompt's prefill at cache indexes, not at the thinker's M-RoPE positions",
+    ),
+    Mutation(
+        "thinker_draft_next_positions_one_short", "omnimtp/spec_decode/thinker_spec.py",
+        "self.next_positions = self.next_positions + num_kept",
+        "self.next_positions = self.next_positions + num_kept - 1",
+        THINKER_DRAFTS, "the drafter's positions fall one further behind the thinker's each speculative step",
+    ),
+    Mutation(
+        "thinker_draft_sampling_of_row_zero", "omnimtp/spec_decode/thinker_spec.py",
+        "return params[0] if all(p == params[0] for p in params) else params",
+        "return params[0]",
+        THINKER_DRAFTS, "every row of a speculative run drafts with row 0's sampling",
+    ),
     # --- Qwen2.5-Omni: talker and token2wav ----------------------------------------------------------
     Mutation(
         "qwen2_5_talker_eos_end_only", "omnimtp/talker/loop.py",
@@ -142,6 +162,12 @@ MUTATIONS = [
         "        return torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
         "        return 0.5 * torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
         TOKEN2WAV, "the DiT's initial noise is not transformers' standard normal draw",
+    ),
+    Mutation(
+        "token2wav_crossfade_reversed", "omnimtp/codec/token2wav.py",
+        "stream.look_ahead_mel[:, :num_fade] * (1 - weight) + chunk_mel[:, :num_fade] * weight",
+        "stream.look_ahead_mel[:, :num_fade] * weight + chunk_mel[:, :num_fade] * (1 - weight)",
+        ("tests/test_token2wav.py",), "the crossfade at a chunk seam rises towards the old window instead of the new",
     ),
     # --- speech: talker loop ------------------------------------------------------------------------
     Mutation(
@@ -265,6 +291,14 @@ MUTATIONS = [
         "p_final = target_probs[rows, num_accepted.clamp(max=num_draft - 1)].float()",
         REJECTION, "the bonus token is drawn from p_k instead of p_{k+1}",
     ),
+    Mutation(
+        "rejection_noise_before_uniforms", "omnimtp/spec_decode/rejection.py",
+        "        uniform_rows.append(torch.rand(num_draft, dtype=torch.float64, device=device, generator=g))\n"
+        "        noise_rows.append(torch.empty(vocab_size, device=device).exponential_(generator=g))\n",
+        "        noise_rows.append(torch.empty(vocab_size, device=device).exponential_(generator=g))\n"
+        "        uniform_rows.append(torch.rand(num_draft, dtype=torch.float64, device=device, generator=g))\n",
+        ("tests/test_rejection.py",), "a seeded row draws its Exp(1) noise before its uniforms (same law, other tokens)",
+    ),
     # --- sampling filters ---------------------------------------------------------------------------
     Mutation(
         "sampling_top_p_before_top_k", "omnimtp/sampling.py",
@@ -313,6 +347,27 @@ MUTATIONS = [
         "tokens[rows, num_accepted] = target_argmax[rows, num_accepted.clamp(max=num_draft - 1)]",
         SPEC, "greedy verification emits argmax p_k as the bonus instead of argmax p_{k+1}",
     ),
+    # --- rows of one batch ending at different steps ------------------------------------------------
+    Mutation(
+        "engine_request_budget_one_over", "omnimtp/engine/core.py",
+        "len(request.output_ids) >= request.max_new_tokens",
+        "len(request.output_ids) > request.max_new_tokens",
+        ENGINE_ROWS, "a request of a cohort whose run allows more gets one token over its own budget",
+    ),
+    Mutation(
+        "kv_keep_leaves_rope_offsets", "omnimtp/runtime/kv_cache.py",
+        "        self.rope_offsets = [self.rope_offsets[s] for s in slots] + emptied\n",
+        "",
+        ENGINE_ROWS, "compacting the KV slots moves their lengths but not their M-RoPE offsets",
+    ),
+    Mutation(
+        "seeds_talker_equals_thinker", "omnimtp/sampling.py",
+        "thinker, talker = (2 * seed) % _UINT64, (2 * seed + 1) % _UINT64",
+        "thinker, talker = (2 * seed) % _UINT64, (2 * seed) % _UINT64",
+        ("tests/test_qwen2_5_omni.py::test_request_seeds_keep_thinker_and_talker_and_add_a_distinct_codec_seed",
+         "tests/test_sampling.py"),
+        "a request's talker generator is seeded as its thinker's (their draws coincide)",
+    ),
     # --- media input ------------------------------------------------------------------------------------
     Mutation(
         "media_decode_ignores_rope_offsets", "omnimtp/packed_decoder.py",
@@ -327,6 +382,12 @@ MUTATIONS = [
         MEDIA, "the deepstack visual features are never added",
     ),
     Mutation(
+        "media_deepstack_first_level_only", "omnimtp/runtime/decoder.py",
+        "        if i < len(layer_adds):\n            x = x + layer_adds[i]",
+        "        if i < min(len(layer_adds), 1):\n            x = x + layer_adds[i]",
+        MEDIA, "only the first deepstack level is added (levels 2..n are dropped)",
+    ),
+    Mutation(
         "media_talker_flat_positions", "omnimtp/talker/qwen3_inputs.py",
         "        if media is None or not media.has_vision:\n            return None",
         "        if True:\n            return None",
@@ -337,6 +398,12 @@ MUTATIONS = [
         "        embeds = _scatter(embeds, ids == config.audio_token_id, audio, \"audio\")",
         "        _scatter(embeds, ids == config.audio_token_id, audio, \"audio\")",
         MEDIA, "the audio encoder's rows never reach the prompt embeddings",
+    ),
+    Mutation(
+        "media_video_seconds_per_grid_default_one", "omnimtp/media.py",
+        "return torch.full((self.video_grid_thw.shape[0],), float(temporal_patch_size))",
+        "return torch.full((self.video_grid_thw.shape[0],), 1.0)",
+        MEDIA, "a video without video_second_per_grid gets 1.0 seconds per grid step, not temporal_patch_size",
     ),
     # --- speculative decoding on hybrid targets ---------------------------------------------------------
     Mutation(

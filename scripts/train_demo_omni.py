@@ -190,6 +190,8 @@ def main() -> None:
         thinker = model.thinker
     else:
         config = tiny_qwen3_omni_config(accept_hidden_layer=args.num_layers // 2, thinker_text=demo_thinker_text(args))
+        vision = config.thinker_config.vision_config  # the shipped demo's one-block tower (its thinker learns text only)
+        vision.depth, vision.deepstack_visual_indexes = 1, [0]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             model = Qwen3OmniMoeForConditionalGeneration(config)

@@ -149,29 +149,50 @@ def test_changing_the_media_changes_the_output(pipe, kind):
 
 
 def test_deepstack_and_talker_positions_are_used(pipe, monkeypatch):
-    """Dropping the deepstack features changes the thinker's last hidden rows, dropping the talker's 3-D
-    positions changes an image reply's codes: neither is a no-op on the tiny model, so the equalities
-    with the reference above cover both."""
+    """Dropping the deepstack features (all of them, or every level after the first) changes the thinker's
+    last hidden rows, dropping the talker's 3-D positions changes an image reply's codes: none is a no-op
+    on the tiny model (two deepstack levels), so the equalities with the reference above cover them."""
     ids, media = image_case()
     last_layer = pipe.model.config.thinker_config.text_config.num_hidden_layers
     _, full_rows, _ = _thinker_rows(pipe, ids, media, last_layer)
     prefill = thinker_module.multimodal_prefill
+    for num_levels in (0, 1):
 
-    def without_deepstack(*args):
-        full_prefill = prefill(*args)
-        assert full_prefill.layer_adds
-        return thinker_module.Prefill(full_prefill.embeds, full_prefill.rope_positions)
+        def fewer_levels(*args):
+            full_prefill = prefill(*args)
+            assert len(full_prefill.layer_adds) == 2
+            return thinker_module.Prefill(full_prefill.embeds, full_prefill.rope_positions, full_prefill.layer_adds[:num_levels])
 
-    with monkeypatch.context() as patch:
-        patch.setattr(thinker_module, "multimodal_prefill", without_deepstack)
-        _, rows, _ = _thinker_rows(pipe, ids, media, last_layer)
-    assert rows.shape == full_rows.shape and (rows - full_rows).abs().max() > 1e-3
+        with monkeypatch.context() as patch:
+            patch.setattr(thinker_module, "multimodal_prefill", fewer_levels)
+            _, rows, _ = _thinker_rows(pipe, ids, media, last_layer)
+        assert rows.shape == full_rows.shape and (rows - full_rows).abs().max() > 1e-3, num_levels
     common = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=12, **media)
     full = pipe.generate(**common)
     with monkeypatch.context() as patch:
         patch.setattr(Qwen3TalkerInputBuilder, "_prefill_positions", lambda self, media: None)
         flat = pipe.generate(**common)
     assert flat.text_ids == full.text_ids and not torch.equal(flat.codes, full.codes)
+
+
+def test_a_video_without_seconds_per_grid_is_one_at_the_temporal_patch_size(pipe):
+    """A video without video_second_per_grid is the processor's default (1 fps: temporal_patch_size seconds
+    per grid step): the same reply and M-RoPE offset as the same video with the field given; another value
+    moves the offset, so the comparison can fail."""
+    ids, media = video_case()
+    del media["video_second_per_grid"]
+    temporal_patch = pipe.model.config.thinker_config.vision_config.temporal_patch_size
+    common = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=12)
+
+    def offset(**seconds):
+        return _thinker_rows(pipe, ids, {**media, **seconds}, pipe.accept_hidden_layer)[2].kv.rope_offsets[0]
+
+    given = torch.tensor([float(temporal_patch)])
+    assert offset() == offset(video_second_per_grid=given)
+    assert offset(video_second_per_grid=torch.tensor([1.0])) != offset()
+    default, explicit = pipe.generate(**common, **media), pipe.generate(**common, **media, video_second_per_grid=given)
+    assert default.text_ids == explicit.text_ids and torch.equal(default.codes, explicit.codes)
+    assert_audio_equal(default.audio, explicit.audio)
 
 
 def test_bad_media_is_a_clear_error(pipe):

@@ -115,6 +115,49 @@ def test_per_row_generators_make_rows_independent_of_the_batch():
     assert torch.equal(again, tokens)
 
 
+def test_seeded_rows_follow_the_documented_draw_order():
+    """A golden stream: each seeded row draws k float64 uniforms, then V float32 Exp(1) variables, from its
+    generator, and nothing else. The expected tokens are computed here from that order on a clone of each
+    generator (accept draft i while u_i·q_i(x_i) < p_i(x_i); the final token is argmax residual / noise,
+    residual = max(p − q, 0) at the first rejection or p_{k+1} after k acceptances), so a change of the
+    order, of the amount drawn or of the rule changes a seeded request's tokens and fails here."""
+    generator = torch.Generator().manual_seed(9)
+    vocab, k, batch = 16, 3, 12
+    p = torch.stack([_random_dist(generator, vocab) for _ in range(batch * (k + 1))]).view(batch, k + 1, vocab)
+    q = torch.stack([_random_dist(generator, vocab) for _ in range(batch * k)]).view(batch, k, vocab)
+    q[: batch // 2] = 0.2 * q[: batch // 2] + 0.8 * p[: batch // 2, :k]  # rows that accept long runs
+    drafts = torch.stack([torch.multinomial(q[row], 1, generator=generator)[:, 0] for row in range(batch)])  # [B, k]
+    gens = [torch.Generator().manual_seed(200 + row) for row in range(batch)]
+    expected_tokens, expected_emitted = [], []
+    for row, g in enumerate(gens):
+        clone = torch.Generator()
+        clone.set_state(g.get_state())
+        uniforms = torch.rand(k, dtype=torch.float64, generator=clone)
+        noise = torch.empty(vocab).exponential_(generator=clone)
+        num_accepted = 0
+        while num_accepted < k:
+            x = int(drafts[row, num_accepted])
+            if not uniforms[num_accepted] * float(q[row, num_accepted, x]) < float(p[row, num_accepted, x]):
+                break
+            num_accepted += 1
+        if num_accepted < k:
+            residual = (p[row, num_accepted] - q[row, num_accepted]).clamp(min=0.0)
+        else:
+            residual = p[row, k]
+        final = int((residual / noise).argmax())
+        expected_tokens.append(drafts[row, :num_accepted].tolist() + [final] + [-1] * (k - num_accepted))
+        expected_emitted.append(num_accepted + 1)
+    assert len(set(expected_emitted)) >= 3  # rejections at several positions and full acceptances
+    tokens, num_emitted = rejection_sample(p, drafts, q, greedy=False, generators=gens)
+    assert tokens.tolist() == expected_tokens
+    assert num_emitted.tolist() == expected_emitted
+    for row, g in enumerate(gens):  # exactly k uniforms and V Exp(1) variables were drawn
+        clone = torch.Generator().manual_seed(200 + row)
+        torch.rand(k, dtype=torch.float64, generator=clone)
+        torch.empty(vocab).exponential_(generator=clone)
+        assert torch.equal(g.get_state(), clone.get_state()), row
+
+
 def test_inputs_are_not_mutated():
     generator = torch.Generator().manual_seed(5)
     p = torch.stack([_random_dist(generator, 8) for _ in range(3)])[None]

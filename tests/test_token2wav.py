@@ -146,6 +146,44 @@ def test_streamed_chunks_have_the_one_shot_length_and_stay_close(token2wav, spea
     assert _snr_db(other_seed, streamed) < 20.0  # the noise comes from the stream's generator
 
 
+def test_each_seam_is_the_linear_crossfade_of_the_two_windows(token2wav, speaker):
+    """Chunk k's first F = crossfade_frames·repeats mel frames are the previous window's look-ahead mel
+    times (1 − w_i) plus this window's mel times w_i, w_i = (i + 1) / (F + 1) rising towards the new window;
+    every other frame of a chunk is its window's own mel. Checked on every chunk of a stream (the SNR test
+    above cannot see a wrong fade)."""
+    decoder = StreamingToken2Wav(token2wav, chunk_frames=25)
+    r, num_fade = decoder.repeats, decoder.crossfade_frames * decoder.repeats
+    windows, chunks = [], []
+    sample, finalize = decoder._sample, decoder._finalize_chunk
+
+    def record_window(*args):
+        windows.append(sample(*args))
+        return windows[-1]
+
+    def record_chunk(stream, chunk_end):
+        chunk_start, num_mel = stream.num_chunks * decoder.chunk_frames, stream.num_mel_frames
+        finalize(stream, chunk_end)
+        chunks.append((chunk_start, chunk_end, stream.mel[:, num_mel - stream.mel_start :].clone()))
+
+    decoder._sample, decoder._finalize_chunk = record_window, record_chunk
+    _stream(decoder, speaker, _codes(NUM_CODES), list(range(0, NUM_CODES, 10)) + [NUM_CODES], seed=3)
+    assert len(chunks) == len(windows) == 4
+    previous_ahead = None
+    for (chunk_start, chunk_end, mel), window in zip(chunks, windows):
+        window_start = decoder._window_start_mel(chunk_start)
+        own = window[:, chunk_start * r - window_start : chunk_end * r - window_start]
+        assert mel.shape == own.shape
+        if previous_ahead is None:
+            assert torch.equal(mel, own)  # the first chunk has no seam
+        else:
+            assert (previous_ahead[:, :num_fade] - own[:, :num_fade]).abs().max() > 1e-2  # the fade matters
+            weight = (torch.arange(1, num_fade + 1, dtype=mel.dtype) / (num_fade + 1))[None, :, None]
+            faded = previous_ahead[:, :num_fade] * (1 - weight) + own[:, :num_fade] * weight
+            torch.testing.assert_close(mel[:, :num_fade], faded, rtol=0, atol=1e-6)
+            assert torch.equal(mel[:, num_fade:], own[:, num_fade:])
+        previous_ahead = window[:, chunk_end * r - window_start :]
+
+
 def test_streamed_audio_does_not_depend_on_the_block_split(token2wav, speaker):
     """Chunks run at fixed code positions, so only the codes known before the final call matter."""
     decoder = StreamingToken2Wav(token2wav, chunk_frames=25)

@@ -123,8 +123,8 @@ def tiny_qwen3_omni_config(
             initializer_range=initializer_range,  # at the default 0.02 the tiny tower's rows barely see the audio
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, out_hidden_size=thinker_h, intermediate_size=32, num_heads=4, patch_size=16,
-            spatial_merge_size=1, temporal_patch_size=2, deepstack_visual_indexes=[0],
+            depth=2, hidden_size=32, out_hidden_size=thinker_h, intermediate_size=32, num_heads=4, patch_size=16,
+            spatial_merge_size=1, temporal_patch_size=2, deepstack_visual_indexes=[0, 1],  # two deepstack levels
             initializer_range=initializer_range,
         ),
         user_token_id=ids["user"], initializer_range=initializer_range, **multimodal_ids,
@@ -161,15 +161,38 @@ def tiny_qwen3_omni_config(
 def tiny_qwen3_omni(seed: int = 0, **config_kwargs) -> Qwen3OmniMoeForConditionalGeneration:
     """A seeded tiny `Qwen3OmniMoeForConditionalGeneration` in eval mode (fp32, CPU).
 
-    The global torch RNG is saved and restored, so building a model never disturbs the caller's seed."""
+    The global torch RNG is saved and restored, so building a model never disturbs the caller's seed.
+    The vision tower's blocks after the first (and their deepstack mergers) are drawn after everything
+    else, from their own seed: every other weight is what a one-block tower gives, whatever the depth."""
     config = tiny_qwen3_omni_config(**config_kwargs)
+    vision = config.thinker_config.vision_config
+    depth, levels = vision.depth, list(vision.deepstack_visual_indexes)
+    vision.depth, vision.deepstack_visual_indexes = 1, [i for i in levels if i < 1]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config)
         _init_talker_experts(model)
+        torch.manual_seed(seed + 1)
+        _deepen_vision_tower(model.thinker.model.visual, depth, levels)
     model.eval()
     scale_code2wav_to_speech_level(model.code2wav)
     return model
+
+
+def _deepen_vision_tower(visual, depth: int, levels: list[int]) -> None:
+    """Give a one-block vision tower `depth` blocks and the deepstack `levels` (block indexes), the new
+    blocks and mergers initialized as transformers initializes the tower's own, from the global RNG."""
+    config = visual.config
+    block_type, merger_type = type(visual.blocks[0]), type(visual.merger)
+    new_modules = [block_type(config) for _ in range(1, depth)]
+    new_modules += [merger_type(config=config, use_postshuffle_norm=True) for i in levels if i >= 1]
+    for module in new_modules:
+        for part in module.modules():
+            visual._init_weights(part)
+    visual.blocks.extend(new_modules[: depth - 1])
+    visual.merger_list.extend(new_modules[depth - 1 :])
+    config.depth, config.deepstack_visual_indexes = depth, list(levels)
+    visual.deepstack_visual_indexes = config.deepstack_visual_indexes
 
 
 def _init_talker_experts(model: Qwen3OmniMoeForConditionalGeneration) -> None:
