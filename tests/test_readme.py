@@ -170,3 +170,11 @@ def test_the_shipped_samples_are_what_make_samples_writes(tmp_path):
     shipped, shipped_rate = soundfile.read(REPO_ROOT / "examples" / "question.wav", dtype="int16")
     assert rate == shipped_rate == 16_000 and np.array_equal(written, shipped) and np.abs(shipped).max() > 1000
     assert np.array_equal(np.asarray(Image.open(image_path)), np.asarray(Image.open(REPO_ROOT / "examples" / "photo.png")))
+
+
+def test_the_slow_marker_names_existing_files():
+    """`-m "not slow"` (the README's fast subset) leaves out exactly the files conftest lists."""
+    from conftest import SLOW_FILES
+
+    missing = sorted(name for name in SLOW_FILES if not (REPO_ROOT / "tests" / name).is_file())
+    assert not missing, f"SLOW_FILES names files that do not exist: {missing}"
