@@ -39,11 +39,9 @@ FAST_FILES = {
     "test_media.py",
     "test_packed_decoder.py",
     "test_qwen2_5_talker_inputs.py",
-    "test_qwen3_talker_inputs.py",
     "test_readme.py",
     "test_rejection.py",
     "test_runtime.py",
-    "test_server_units.py",
     "test_spec_cli.py",
     "test_tokenizer.py",
 }
