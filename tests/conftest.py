@@ -26,7 +26,7 @@ def one_torch_thread():
 
 
 
-# The fast subset, `python -m pytest -m "not slow"` (about a minute on 2 cores): pure pieces, small parity
+# The fast subset, `python -m pytest -m "not slow"` (about 100 s of CPU): pure pieces, small parity
 # checks and the README's commands. Every other file (servers, Ray, training, statistical checks, fuzzing,
 # compiled kernels, full parity runs: tens of seconds each) is marked `slow`, a new file too until it is
 # listed here.
