@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from omnimtp import MTPHead, load_target_and_head, speculative_generate, tiny_lm  # noqa: E402
+from omnimtp import MTPHead, load_target_and_head, speculative_generate  # noqa: E402
+from omnimtp.models.tiny_lm import tiny_lm  # noqa: E402
 
 
 def _timed(fn):

@@ -16,7 +16,6 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
 )
 
-import omnimtp
 from omnimtp.models.tiny import tiny_code_predictor_config, tiny_qwen3_omni
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams, make_generators
 from omnimtp.runtime.ops import packed_gemm_available, packed_gemm_kind, packed_gemm_kinds
@@ -664,9 +663,3 @@ def test_next_talker_input_rejects_bad_arguments():
         next_talker_input(cp, e, codes, t[:, :-1])
     with pytest.raises(ValueError, match="cb0_embed"):
         next_talker_input(cp, e[0], codes, t)
-
-
-def test_public_names_are_exported():
-    for name in ("predict_residual_codes", "predict_residual_codes_kv", "next_talker_input",
-                 "CodePredictorRunner", "ResidualCodes"):
-        assert getattr(omnimtp, name) is globals()[name]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from omnimtp import MTPHead, load_target_and_head, speculative_generate, tiny_lm
+from omnimtp import MTPHead, load_target_and_head, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 

@@ -17,7 +17,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate, tiny_lm
+from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
 from omnimtp.spec_decode.generate import _packed_or_none
 from omnimtp.runtime.kv_cache import KVCache

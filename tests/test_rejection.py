@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from omnimtp import rejection_sample
+from omnimtp.spec_decode.rejection import rejection_sample
 
 
 def _chi2_critical(df: int, z: float = 3.719) -> float:

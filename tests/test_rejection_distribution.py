@@ -10,7 +10,7 @@ import math
 import torch
 
 from distribution_checks import assert_law
-from omnimtp import rejection_sample
+from omnimtp.spec_decode.rejection import rejection_sample
 
 # ---------------------------------------------------------------------------------------------------------
 # The exact law of one verification: k context-free positions.

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from omnimtp import MTPHead, tiny_lm
+from omnimtp import MTPHead
 from omnimtp.cli import main
 from omnimtp.models.tiny import THINKER_VOCAB_SIZE
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.tokenizer import byte_tokenizer
 
 

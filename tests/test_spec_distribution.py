@@ -19,7 +19,9 @@ from transformers.generation.logits_process import (
 
 from transformers import DynamicCache
 
-from omnimtp import SamplingParams, TargetProposer, plain_generate, speculative_generate, tiny_lm
+from omnimtp import SamplingParams, plain_generate, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
+from omnimtp.spec_decode.proposer import TargetProposer
 from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

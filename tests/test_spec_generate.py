@@ -6,8 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnimtp import MTPHead, SamplingParams, TargetProposer, speculative_generate, tiny_lm
+from omnimtp import MTPHead, SamplingParams, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.spec_decode.generate import greedy_verify
+from omnimtp.spec_decode.proposer import TargetProposer
 from omnimtp.spec_decode.rejection import rejection_sample
 from distribution_checks import tv_bound
 from spec_drafters import ragged_batch

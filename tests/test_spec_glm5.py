@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
-from omnimtp import MTPHead, speculative_generate, tiny_lm
+from omnimtp import MTPHead, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.mtp.dsa import dsa_layer
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward
 from omnimtp.spec_decode.hybrid import crop_attention

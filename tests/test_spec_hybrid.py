@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from omnimtp import MTPHead, speculative_generate, tiny_lm
+from omnimtp import MTPHead, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from spec_checkpoints import train_save_load_and_spec
 from spec_drafters import RecomputingDraft, ragged_batch

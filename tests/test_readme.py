@@ -1,0 +1,182 @@
+"""The README runs as written, on the tiny models that ship with the package.
+
+Every command of its ```bash blocks is either run (the `omnimtp` CLI's own `main`, in this process, with
+small --max-new-tokens / --max-frames added where it has none) or listed in NOT_RUN with the reason; every
+```python block is executed (its pipelines capped to a few tokens and frames; the OpenAI client's snippet
+against the app `omnimtp serve --eager` builds). A README command that is neither, or a NOT_RUN entry that
+matches no command, fails the test, so the list follows the README.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from omnimtp.cli import build_parser, main
+from omnimtp.pipeline import OmniPipeline
+from server_harness import running_server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+README = (REPO_ROOT / "README.md").read_text()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# command prefix (as shlex.join writes it) → why the test does not run it
+NOT_RUN = {
+    "python3 -m venv": "installation: the test runs in the installed tree",
+    ". .venv/bin/activate": "installation",
+    "pip install": "installation",
+    "python -m pytest": "the test suite itself",
+    "hf download": "downloads a released checkpoint",
+    "omnimtp speak 'Tell me a joke' -o joke.wav --model": "a released checkpoint",
+    "omnimtp speak 'Tell me a joke' -o joke.flac --model": "a released checkpoint",
+    "omnimtp chat": "interactive (tests/test_speak_cli.py answers two turns)",
+    "omnimtp serve --port 8000": "a server that runs until stopped: the OpenAI snippet runs against its app",
+    "omnimtp serve '[--model'": "a synopsis of serve's flags",
+    "omnimtp serve --model OMNI_DIR": "placeholder directories (your checkpoint and its trained head)",
+    "omnimtp speak 'def f(x):' -o out.wav --model OMNI_DIR": "placeholder directories",
+    "omnimtp train-mtp": "placeholder directories and a long training run (tests/test_train_mtp.py)",
+    "omnimtp gen-distill-data": "placeholder directories (tests/test_self_distill.py)",
+    "omnimtp serve --replicas": "Ray Serve replicas (tests/test_ray.py)",
+    "omnimtp serve --min-replicas": "Ray Serve autoscaling (tests/test_ray.py)",
+    "omnimtp batch": "a Ray Data job over your prompts.jsonl (tests/test_ray.py)",
+}
+# caps added to a command that sets none, so a run takes seconds
+CAPS = {"speak": {"--max-new-tokens": "4", "--max-frames": "6"}, "spec": {"--max-new-tokens": "16"}}
+SNIPPET_CAPS = dict(max_new_tokens=6, max_frames=8)
+
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<language>\w*)\s*$")
+
+
+def readme_blocks(language: str) -> list[str]:
+    """The README's fenced blocks in `language`, in order, each dedented to its fence."""
+    blocks, lines, i = [], README.splitlines(), 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        i += 1
+        if fence is None or not fence["language"]:
+            continue
+        indent, body = len(fence["indent"]), []
+        while not re.fullmatch(r" *```\s*", lines[i]):
+            body.append(lines[i][indent:])
+            i += 1
+        i += 1
+        if fence["language"] == language:
+            blocks.append("\n".join(body) + "\n")
+    return blocks
+
+
+def readme_commands() -> list[list[str]]:
+    """Every command of the ```bash blocks as argv: continuations joined, comments cut, `&&` chains split."""
+    commands = []
+    for block in readme_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            tokens = shlex.split(line, comments=True)
+            while tokens:
+                cut = tokens.index("&&") if "&&" in tokens else len(tokens)
+                commands.append(tokens[:cut])
+                tokens = tokens[cut + 1:]
+    return commands
+
+
+def why_not_run(command: list[str]) -> str | None:
+    line = shlex.join(command)
+    return next((reason for prefix, reason in NOT_RUN.items() if line.startswith(prefix)), None)
+
+
+def with_caps(argv: list[str]) -> list[str]:
+    caps = CAPS.get(argv[0], {})
+    return argv + [item for flag, value in caps.items() if flag not in argv for item in (flag, value)]
+
+
+@pytest.fixture
+def readme_dir(tmp_path, monkeypatch):
+    """A working directory holding the README's sample inputs, as the repository root does."""
+    shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def capped_pipelines(monkeypatch):
+    """Every OmniPipeline the snippets make stops after a few tokens and frames."""
+    init = OmniPipeline.__init__
+
+    def capped(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, **SNIPPET_CAPS})
+
+    monkeypatch.setattr(OmniPipeline, "__init__", capped)
+
+
+def test_every_command_is_run_or_listed_with_a_reason():
+    commands = readme_commands()
+    assert len(commands) >= 20
+    unlisted = [shlex.join(c) for c in commands if c[0] != "omnimtp" and why_not_run(c) is None]
+    assert not unlisted, f"README commands neither run here nor in NOT_RUN: {unlisted}"
+    lines = [shlex.join(c) for c in commands]
+    stale = [prefix for prefix in NOT_RUN if not any(line.startswith(prefix) for line in lines)]
+    assert not stale, f"NOT_RUN entries that match no README command: {stale}"
+
+
+def test_the_cli_commands_run(readme_dir, capsys):
+    run = []
+    for command in readme_commands():
+        if why_not_run(command) is not None or command in run:
+            continue
+        assert command[0] == "omnimtp", command
+        argv = with_caps(command[1:])
+        assert main(argv) == 0, f"{shlex.join(command)}: {capsys.readouterr().err[-2000:]}"
+        if "-o" in argv:
+            audio, rate = soundfile.read(argv[argv.index("-o") + 1])
+            assert rate == 24_000 and len(audio) > 0 and np.abs(audio).max() > 0, shlex.join(command)
+        run.append(command)
+    assert {c[1] for c in run} == {"speak", "spec"} and len(run) >= 4
+
+
+def test_the_python_snippets_run(readme_dir, capped_pipelines):
+    blocks = readme_blocks("python")
+    assert len(blocks) == 4
+    served = [block for block in blocks if "from openai import OpenAI" in block]
+    assert len(served) == 1
+    for block in blocks:
+        if block in served:
+            continue
+        exec(compile(block, "README.md", "exec"), {"__name__": "readme"})
+    # the OpenAI client against what `omnimtp serve --eager` serves (on a free port instead of 8000)
+    from omnimtp.server.cli import build_app
+
+    args = build_parser().parse_args(["serve", "--eager", "--max-frames", "8", "--max-tokens-limit", "8"])
+    _, app = build_app(args)
+    with running_server(app) as url:
+        block = served[0].replace("http://127.0.0.1:8000", url)
+        assert block != served[0]
+        namespace = {"__name__": "readme"}
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert Path("reply.wav").stat().st_size > 44 and Path("hello.wav").stat().st_size > 44
+    assert namespace["pcm"] and namespace["answer"].choices[0].message.audio.data
+
+
+def test_the_shipped_samples_are_what_make_samples_writes(tmp_path):
+    import runpy
+
+    script = runpy.run_path(str(REPO_ROOT / "scripts" / "make_samples.py"))
+    audio_path, image_path = script["write_samples"](tmp_path)
+    written, rate = soundfile.read(audio_path, dtype="int16")
+    shipped, shipped_rate = soundfile.read(REPO_ROOT / "examples" / "question.wav", dtype="int16")
+    assert rate == shipped_rate == 16_000 and np.array_equal(written, shipped) and np.abs(shipped).max() > 1000
+    assert np.array_equal(np.asarray(Image.open(image_path)), np.asarray(Image.open(REPO_ROOT / "examples" / "photo.png")))
+
+
+def test_the_fast_subset_names_existing_files():
+    """`-m "not slow"` (the README's fast subset) runs exactly the files conftest lists."""
+    from conftest import FAST_FILES
+
+    missing = sorted(name for name in FAST_FILES if not (REPO_ROOT / "tests" / name).is_file())
+    assert not missing, f"FAST_FILES names files that do not exist: {missing}"
+    assert "test_readme.py" in FAST_FILES
