@@ -86,6 +86,8 @@ _EXPORTS = {
     "CodePredictorRunner": "omnimtp.talker.code_predictor",
     "ResidualCodes": "omnimtp.talker.code_predictor",
     "StreamingCode2Wav": "omnimtp.codec.streaming",
+    "SpeechTokenizerDecoder": "omnimtp.codec.speech_tokenizer",
+    "tiny_speech_tokenizer": "omnimtp.codec.speech_tokenizer",
     # the runtime: packed decoders on one KV cache type
     "PackedDecoder": "omnimtp.runtime.decoder",
     "KVCache": "omnimtp.runtime.kv_cache",
