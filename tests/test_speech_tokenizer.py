@@ -212,3 +212,15 @@ def test_bad_stream_blocks_are_a_value_error_naming_them(decoder):
     with pytest.raises(ValueError, match="is_final"):
         decoder.decode_streams([stream], [_codes(1)], [True, False])
     assert stream.num_frames == 0  # a refused call decodes nothing
+
+
+def test_importing_the_reference_leaves_transformers_models_buildable():
+    """`qwen_tts` puts a RoPE initializer into transformers' global table; `qwen_tts_reference` keeps it to the
+    reference's modules, so later tests in the same process still build Qwen3-Omni models."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+    qwen_tts_reference.load()
+    code2wav = Qwen3OmniMoeCode2Wav(tiny_qwen3_omni_config().code2wav_config)
+    assert torch.isfinite(code2wav.pre_transformer.rotary_emb.inv_freq).all()
