@@ -7,12 +7,14 @@ the top; Qwen3-TTS's 12 Hz models never call them, so they are registered as emp
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import sys
 import types
 
 import pytest
+import torch
 
 _UNUSED_BY_12HZ = ("sox", "onnxruntime", "torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi")
 
@@ -34,4 +36,76 @@ def load() -> types.ModuleType:
     pytest.importorskip("librosa")
     for name in _UNUSED_BY_12HZ:
         _register_empty(name)
-    return pytest.importorskip("qwen_tts")
+    qwen_tts = pytest.importorskip("qwen_tts")
+    _keep_default_rope_private()
+    return qwen_tts
+
+
+def load_speech_tokenizer(path):
+    """The reference's 12 Hz `Qwen3TTSTokenizerV2Model` loaded from a `speech_tokenizer/` directory, decoder only.
+
+    Its Mimi encoder does not build on transformers 5.24 (it assigns `upsample = None`, a read-only property
+    of 5.24's `MimiModel`), and the decoder never calls it, so the model is built with an empty module in its
+    place; encoder weights in the file are left unused."""
+    load()
+    from qwen_tts._transformers_compat import restore_rope_buffers
+    from qwen_tts.core import Qwen3TTSTokenizerV2Model
+
+    with _speech_tokenizer_without_encoder():
+        model = Qwen3TTSTokenizerV2Model.from_pretrained(str(path))
+    restore_rope_buffers(model)  # what the reference's own loader does: the meta-device load leaves RoPE empty
+    return model.eval()
+
+
+def new_speech_tokenizer(config: dict):
+    """A reference `Qwen3TTSTokenizerV2Model` at its own init from a config.json dict, decoder only (see
+    `load_speech_tokenizer`)."""
+    load()
+    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
+
+    config = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    with _speech_tokenizer_without_encoder():
+        return Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**config)).eval()
+
+
+@contextlib.contextmanager
+def _speech_tokenizer_without_encoder():
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as modeling
+
+    original = modeling.Qwen3TTSTokenizerV2Encoder
+    modeling.Qwen3TTSTokenizerV2Encoder = _NoEncoder
+    try:
+        yield
+    finally:
+        modeling.Qwen3TTSTokenizerV2Encoder = original
+
+
+class _NoEncoder:
+    @staticmethod
+    def _from_config(config):
+        return torch.nn.Module()
+
+
+def _keep_default_rope_private() -> None:
+    """`qwen_tts` registers a "default" RoPE initializer in transformers' global table (5.24 has none: each
+    model computes its own) that reads `config.rope_theta`. transformers' `_init_weights` prefers the table's
+    "default" to a model's own, so once `qwen_tts` is imported, building any 5.24 model with a default RoPE
+    (Qwen3-Omni, Mimi) raises on its config, which keeps `rope_parameters`. So the reference's modules get
+    the table with that "default" as a private copy (their RoPE modules look it up at construction), their
+    RoPE classes get it as their own `compute_default_rope_parameters` (what `_init_weights` uses when the
+    table has none), and the global table is left as transformers ships it."""
+    from qwen_tts import _transformers_compat
+    from qwen_tts.core.models import modeling_qwen3_tts
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    default = _transformers_compat._default_rope_parameters
+    if ROPE_INIT_FUNCTIONS.get("default") is not default:
+        return
+    private = dict(ROPE_INIT_FUNCTIONS)
+    for module in (modeling_qwen3_tts, modeling_qwen3_tts_tokenizer_v2):
+        module.ROPE_INIT_FUNCTIONS = private
+        for cls in vars(module).values():
+            if isinstance(cls, type) and cls.__name__.endswith(("RotaryEmbedding", "RotatoryEmbedding")):
+                cls.compute_default_rope_parameters = staticmethod(default)
+    del ROPE_INIT_FUNCTIONS["default"]
