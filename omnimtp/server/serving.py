@@ -2,7 +2,7 @@
 
     headers     a request's headers must arrive within headers_timeout_s of its first byte (or of the
                 connection opening): 408 and the connection closes (here, in the protocol)
-    body        the body within body_timeout_s of the headers: 408 (the app's `_Guard`)
+    body        the body within body_timeout_s of the headers: 408 (the app's `Guard`)
     keep-alive  an idle connection closes after keep_alive_timeout_s (uvicorn)
     shutdown    on SIGTERM/SIGINT new connections are refused and running requests get
                 graceful_shutdown_timeout_s to finish; then their tasks are cancelled, which cancels
