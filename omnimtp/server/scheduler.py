@@ -28,6 +28,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
+from omnimtp.tokenizer import message_texts
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -40,8 +41,9 @@ class PromptTooLongError(ValueError):
     """A request's prompt has more tokens than the engine takes; `param` names the request field
     that holds the prompt ("messages" or "input"). The HTTP layer answers 400."""
 
-    def __init__(self, param: str, num_tokens: int, max_tokens: int):
-        super().__init__(f"{param}: {num_tokens} tokens is over the limit of {max_tokens}")
+    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False):
+        at_least = "at least " if is_lower_bound else ""
+        super().__init__(f"{param}: {at_least}{num_tokens} tokens is over the limit of {max_tokens}")
         self.param = param
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
@@ -236,16 +238,24 @@ class Engine:
 
     def prompt_ids(self, request: EngineRequest) -> tuple[list[int], MediaInputs | None]:
         """(prompt ids, media tensors or None). Chat: the templated prompt, one pad per media encoder row.
-        Speech: an opened assistant turn followed by the text to say."""
+        Speech: an opened assistant turn followed by the text to say. PromptTooLongError over max_prompt_tokens:
+        a text too long for it by its length alone is refused before it is tokenized
+        (`ChatText.min_prompt_tokens`). Tokenizing can take a while: call it off the event loop."""
         media = None
+        name = "input" if request.messages is None else "messages"
+        texts = [request.speak_text] if request.messages is None else list(message_texts(
+            {"content": content if isinstance(content, str) else list(content)} for _, content in request.messages))
+        min_tokens = self.family.min_prompt_tokens(texts)
+        if min_tokens is not None and min_tokens > self.max_prompt_tokens:  # refused before it is tokenized
+            raise PromptTooLongError(name, min_tokens, self.max_prompt_tokens, is_lower_bound=True)
         if request.messages is not None:
             messages = [
                 {"role": "system" if role == "developer" else role, "content": content if isinstance(content, str)
                  else list(content)} for role, content in request.messages
             ]
-            (ids, media), name = self.family.chat_inputs(messages, self.media_limits), "messages"
+            ids, media = self.family.chat_inputs(messages, self.media_limits)
         else:
-            ids, name = self.family.speech_ids(request.speak_text), "input"
+            ids = self.family.speech_ids(request.speak_text)
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
         return ids, media

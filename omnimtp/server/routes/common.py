@@ -70,9 +70,9 @@ class ServingContext:
         if not engine.is_running:
             raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         try:
-            # The processor (feature extraction, image resizing) runs off the event loop; a request whose
-            # client leaves meanwhile is not queued.
-            prompt = await run_in_threadpool(engine.prompt_ids, request) if request.has_media else None
+            # Tokenizing and the processor (feature extraction, image resizing) run off the event loop: other
+            # requests' streams and /health go on meanwhile. A request whose client leaves meanwhile is not queued.
+            prompt = await run_in_threadpool(engine.prompt_ids, request)
             return engine.submit(request, loop=asyncio.get_running_loop(), prompt=prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
@@ -106,26 +106,51 @@ def error_event(message: str) -> dict:
     return {"message": message, "type": "server_error", "param": None, "code": None}
 
 
-async def collect(handle, request: Request):
-    """Wait for a whole request: (text, float32 samples, final event), while watching the client: a
-    disconnect cancels the engine request at once (its slot frees up at the next frame boundary).
-    Raises APIError on engine errors."""
-    result = asyncio.ensure_future(_gather(handle))
+async def collect(handle, request: Request, events=None):
+    """Wait for a whole request: (text, float32 samples, final event), while watching the client (`watched`).
+    events: the handle's events still to read (default all of them). Raises APIError on engine errors."""
+    return await watched(_gather(handle.events() if events is None else events), handle, request)
+
+
+async def watched(work, handle, request: Request):
+    """The result of the coroutine `work` on `handle`'s events, while watching the client: a disconnect
+    cancels the engine request at once (its slot frees up at the next frame boundary) and is an APIError
+    499, as is any error `work` raises after cancelling the request."""
+    result = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait((result, disconnect), return_when=asyncio.FIRST_COMPLETED)
         if result.done():
             return result.result()
         raise APIError(CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
+    except BaseException:
+        handle.cancel()
+        raise
     finally:
         result.cancel()
         disconnect.cancel()
+
+
+async def first_event(handle, request: Request, events):
+    """The first of `events` (an audio chunk, or the end of a request that made no audio), watching the client;
+    APIError 500 for an engine error: nothing has been sent yet, so it leaves as an error body."""
+    event = await watched(anext(events), handle, request)
+    if event.error is not None:
         handle.cancel()
+        raise APIError(500, event.error, type="server_error")
+    return event
 
 
-async def _gather(handle):
+async def prepended(event, events):
+    """`event`, then the rest of `events`."""
+    yield event
+    async for later in events:
+        yield later
+
+
+async def _gather(events):
     texts, chunks = [], []
-    async for event in handle.events():
+    async for event in events:
         if event.error is not None:
             raise APIError(500, event.error, type="server_error")
         texts.append(event.text)
