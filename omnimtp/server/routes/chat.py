@@ -71,7 +71,8 @@ async def chat_completions(request: Request):
         speaker=speaker,
         sampling=sampling_params(body.temperature, body.top_p, body.top_k),
         seed=body.seed,
-        max_new_tokens=max_tokens or max_tokens_limit,
+        # without max_tokens: the model's default cap, the one `OmniPipeline` applies (at most the limit)
+        max_new_tokens=max_tokens or min(engine.config.max_new_tokens, max_tokens_limit),
         is_streamed=bool(body.stream),
     )
     handle = await context.submit(engine_request)
@@ -165,7 +166,7 @@ async def _chat_stream(handle, completion_id, created, model_id, with_audio, inc
         yield chunk({"role": "assistant", "content": ""})
         async for event in handle.events():
             if event.error is not None:
-                yield sse({"error": error_event(event.error)})
+                yield sse({"error": error_event(event)})
                 break
             if event.text:
                 yield chunk({"content": event.text})

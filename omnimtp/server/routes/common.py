@@ -101,9 +101,15 @@ def b64_pcm16(samples: np.ndarray) -> str:
     return base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
 
 
-def error_event(message: str) -> dict:
-    """The OpenAI error object of an engine error in a stream."""
-    return {"message": message, "type": "server_error", "param": None, "code": None}
+def error_event(event) -> dict:
+    """The OpenAI error object of an engine error event in a stream."""
+    return {"message": event.error, "type": "server_error", "param": None, "code": event.error_code}
+
+
+def event_error(event) -> APIError:
+    """An engine error event as the error of a whole response: 503 when the server ended it (shutting down)."""
+    status = 503 if event.error_code == "server_shutting_down" else 500
+    return APIError(status, event.error, type="server_error", code=event.error_code)
 
 
 async def collect(handle, request: Request, events=None):
@@ -137,7 +143,7 @@ async def first_event(handle, request: Request, events):
     event = await watched(anext(events), handle, request)
     if event.error is not None:
         handle.cancel()
-        raise APIError(500, event.error, type="server_error")
+        raise event_error(event)
     return event
 
 
@@ -152,7 +158,7 @@ async def _gather(events):
     texts, chunks = [], []
     async for event in events:
         if event.error is not None:
-            raise APIError(500, event.error, type="server_error")
+            raise event_error(event)
         texts.append(event.text)
         if event.audio is not None:
             chunks.append(event.audio)

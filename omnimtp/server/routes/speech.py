@@ -63,7 +63,7 @@ async def _speech_sse(handle, events):
     try:
         async for event in events:
             if event.error is not None:
-                yield sse({"type": "error", "error": error_event(event.error)})
+                yield sse({"type": "error", "error": error_event(event)})
                 break
             if event.audio is not None and event.audio.size:
                 yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
