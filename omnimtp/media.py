@@ -32,6 +32,8 @@ from transformers import Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor, WhisperFea
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from omnimtp.tokenizer import message_texts, prompt_tokenizer
+
 
 @dataclass(frozen=True)
 class MediaInputs:
@@ -380,7 +382,8 @@ def chat_media_inputs(processor, messages: list[dict],
                  <|im_start|>assistant\\n
           media  MediaInputs(input_features [1, mel, 100], feature_attention_mask [1, 100])
 
-    Without media the ids are the tokenizer's `apply_chat_template` ids and media is None."""
+    Without media the ids are the tokenizer's `apply_chat_template` ids and media is None. Message text stays
+    text: a special-token string in it is tokenized as characters (`omnimtp.tokenizer.PromptTokenizer`)."""
     audios, images = [], []
     template_messages = []
     for i, message in enumerate(_checked_messages(messages)):
@@ -415,17 +418,24 @@ def chat_media_inputs(processor, messages: list[dict],
                 images.append(load_image(part["image"], limits, f"{param}.image"))
             parts.append({"type": kind})  # what the template reads: the part's type, not its data
         template_messages.append({**message, "content": parts})
+    if processor is None:
+        raise ValueError("processor: None; text-only messages take the tokenizer's apply_chat_template")
+    text = prompt_tokenizer(processor.tokenizer)
     if not audios and not images:
-        if processor is None:
-            raise ValueError("processor: None; text-only messages take the tokenizer's apply_chat_template")
-        ids = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False)
-        return list(ids), None
+        return text.chat_ids(messages), None
     templater = processor if processor.chat_template is not None else processor.tokenizer
-    prompt = templater.apply_chat_template(template_messages, add_generation_prompt=True, tokenize=False)
+    if text.has_special_text(message_texts(template_messages)):
+        prompt, restore = text.rendered(template_messages, renderer=templater)
+    else:
+        prompt, restore = templater.apply_chat_template(template_messages, add_generation_prompt=True,
+                                                        tokenize=False), None
     output = processor(text=[prompt], audio=audios or None, images=images or None, return_tensors="pt",
                        add_special_tokens=False)
-    return output["input_ids"][0].tolist(), MediaInputs.from_dict(output)
+    ids = output["input_ids"][0].tolist()
+    if restore is not None:  # special-token strings in the text: their placeholders' ids become the text's
+        pad_ids = {processor.audio_token_id, processor.image_token_id, processor.video_token_id}
+        ids = text.processed_ids(prompt, restore, ids, pad_ids)
+    return ids, MediaInputs.from_dict(output)
 
 
 def _checked_messages(messages) -> list[dict]:

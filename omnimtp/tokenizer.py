@@ -12,6 +12,11 @@ and it names its media tokens as `Qwen3OmniMoeProcessor` expects (`audio_token`,
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+import weakref
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import PreTrainedTokenizerFast
@@ -91,3 +96,173 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return dict(zip(printable, map(chr, chars)))
+
+
+# --- prompts: the template's structure as special ids, message text as text ---------------------------
+
+# Private-use characters: one that no message holds marks where a special-token string stood in a message.
+_PRIVATE_USE = range(0xE000, 0xF900)
+
+
+class PromptTokenizer:
+    """A chat tokenizer that keeps message text as text: a special-token string inside a message
+    (`<|im_end|>`, `<|image_pad|>`, ...) is tokenized as ordinary characters, so only the chat template's
+    own structure yields special ids and a message can neither forge a turn boundary nor a media
+    placeholder. Text without special-token strings gets exactly the tokenizer's `apply_chat_template` ids.
+
+    How: a special-token string in a message is replaced by a private-use placeholder, the template is
+    rendered, the rendered prompt is cut at its special tokens (the template's, found by the tokenizer
+    itself), and each piece between them, placeholders restored, is encoded with special tokens read as
+    text. The tokenizer splits at added tokens before anything else and encodes the pieces independently,
+    so a piece's ids are what the tokenizer gives that piece inside the whole prompt.
+
+        >>> PromptTokenizer(byte_tokenizer()).chat_ids([{"role": "user", "content": "<|im_end|>"}])[:4]
+        [256, 262, 10, 60]    # <|im_start|> user \\n "<" ..., no 257 (<|im_end|>) until the template's own
+
+    tokenizer: a tokenizers-backed transformers tokenizer (`backend_tokenizer`) with a chat template.
+    Encoding goes through `encode_batch`, which releases the GIL: a long prompt tokenized off the event
+    loop does not hold up the loop."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._literal = Tokenizer.from_str(self._backend.to_str())
+        self._literal.encode_special_tokens = True
+        specials = {token.content: token_id for token_id, token in tokenizer.added_tokens_decoder.items()
+                    if token.special}
+        self.special_ids = frozenset(specials.values())
+        self.specials = tuple(sorted(specials, key=len, reverse=True))  # longest first: the longest match wins
+        self._special = re.compile("|".join(map(re.escape, self.specials))) if specials else None
+        self.max_chars_per_token = _max_chars_per_token(tokenizer, set(specials))
+
+    def encode(self, text: str) -> list[int]:
+        """`text` as ordinary text: special-token strings in it are characters."""
+        return self._literal.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def has_special_text(self, texts) -> bool:
+        """Whether any of `texts` holds a special-token string."""
+        return self._special is not None and any(self._special.search(text) for text in texts)
+
+    def min_num_tokens(self, texts) -> int | None:
+        """A lower bound on the tokens `texts` take in any prompt, from their lengths alone, or None when the
+        tokenizer gives no bound (`max_chars_per_token`). Cheap next to tokenizing: it bounds a prompt before
+        it is tokenized."""
+        if self.max_chars_per_token is None:
+            return None
+        normalizer = self._backend.normalizer
+        lengths = (len(normalizer.normalize_str(text) if normalizer is not None else text) for text in texts)
+        return sum(-(-length // self.max_chars_per_token) for length in lengths)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The templated prompt of chat messages (content strings or text parts), the assistant turn opened."""
+        texts = list(message_texts(messages))
+        if not self.has_special_text(texts):
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        prompt, restore = self.rendered(messages)
+        ids = []
+        for piece in self.pieces(prompt):
+            ids.extend([piece] if isinstance(piece, int) else self.encode(restore(piece)))
+        return ids
+
+    def rendered(self, messages: list[dict], renderer=None) -> tuple[str, "callable"]:
+        """(the prompt the template renders with every special-token string of the messages' text replaced by a
+        placeholder, restore: a piece of that prompt → its text with the strings back). renderer: what renders
+        the template (default the tokenizer; a processor for messages with media parts)."""
+        texts = list(message_texts(messages))
+        used = set().union(*map(set, texts)) if texts else set()
+        marker = chr(next(c for c in _PRIVATE_USE if chr(c) not in used))
+        index = {special: k for k, special in enumerate(self.specials)}
+
+        def hide(text: str) -> str:
+            return self._special.sub(lambda m: f"{marker}{index[m.group()]}{marker}", text)
+
+        hidden = [{**message, "content": hide(message["content"]) if isinstance(message["content"], str) else [
+            {**part, "text": hide(part["text"])} if part.get("type") == "text" else part
+            for part in message["content"]]} for message in messages]
+        prompt = (renderer or self.tokenizer).apply_chat_template(hidden, add_generation_prompt=True, tokenize=False)
+        placeholder = re.compile(f"{marker}(\\d+){marker}")
+
+        def restore(piece: str) -> str:
+            return placeholder.sub(lambda m: self.specials[int(m.group(1))], piece)
+
+        return prompt, restore
+
+    def pieces(self, prompt: str) -> list[int | str]:
+        """`prompt` cut at its special tokens: each special token as its id, the text between as a string."""
+        encoding = self._backend.encode_batch([prompt], add_special_tokens=False)[0]
+        pieces, start = [], 0
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self.special_ids:
+                if begin > start:
+                    pieces.append(prompt[start:begin])
+                pieces.append(token_id)
+                start = end
+        if start < len(prompt):
+            pieces.append(prompt[start:])
+        return pieces
+
+    def processed_ids(self, prompt: str, restore, ids: list[int], pad_ids) -> list[int]:
+        """The ids a processor gave for `prompt` (from `rendered`), each piece of placeholder text replaced by its
+        restored text's ids: the processor's pad expansion (each id of `pad_ids` repeated per encoder row) is
+        kept. RuntimeError if the processor's ids do not follow the prompt's pieces."""
+        restored, position = [], 0
+        for piece in self.pieces(prompt):
+            if isinstance(piece, int):
+                end = position + 1
+                if piece in pad_ids:
+                    while end < len(ids) and ids[end] == piece:
+                        end += 1
+                if ids[position:position + 1] != [piece]:
+                    raise RuntimeError(f"the processor's ids do not follow the prompt at id {position}")
+                restored.extend(ids[position:end])
+            else:
+                given = self._backend.encode_batch([piece], add_special_tokens=False)[0].ids
+                end = position + len(given)
+                if ids[position:end] != given:
+                    raise RuntimeError(f"the processor's ids do not follow the prompt at id {position}")
+                restored.extend(self.encode(restore(piece)))
+            position = end
+        if position != len(ids):
+            raise RuntimeError("the processor's ids do not follow the prompt: it gave more ids")
+        return restored
+
+
+_prompt_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_prompt_tokenizers_lock = threading.Lock()
+
+
+def prompt_tokenizer(tokenizer) -> PromptTokenizer:
+    """The `PromptTokenizer` of `tokenizer`, made once per tokenizer (it copies the tokenizer's backend)."""
+    with _prompt_tokenizers_lock:
+        made = _prompt_tokenizers.get(tokenizer)
+        if made is None:
+            made = _prompt_tokenizers[tokenizer] = PromptTokenizer(tokenizer)
+        return made
+
+
+def message_texts(messages: list[dict]):
+    """Every text of chat messages: string contents and the text of text parts."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str))
+
+
+def _max_chars_per_token(tokenizer, specials: set[str]) -> int | None:
+    """The most characters of (normalized) message text one token can stand for, or None when nothing bounds it.
+
+    A BPE token stands for its vocabulary entry: with a byte-level pre-tokenizer an entry spells one
+    character per byte, so it covers at most len(entry) bytes and so at most len(entry) characters; without
+    one (SentencePiece-style entries, byte-fallback `<0xNN>` pieces) it covers at most len(entry) characters.
+    An added token that is not special matches its own content. So a text of n characters takes at least
+    n / max len(entry) tokens. An unknown-token run fused into one token (`fuse_unk`), and other models
+    (WordPiece's and WordLevel's whole-word unknowns), cover any length: no bound."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    if model.get("type") != "BPE" or model.get("fuse_unk"):
+        return None
+    entries = [entry for entry in tokenizer.get_vocab() if entry not in specials]
+    return max(map(len, entries), default=None)

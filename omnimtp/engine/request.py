@@ -139,9 +139,13 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """None until finished; then "length" if the thinker or the talker hit its cap, else "stop"."""
+        """None until finished; then "no_audio" if speech was asked and the talker ended before its first frame
+        (an immediate codec EOS, or a reply with no row to speak), else "length" if the thinker or the talker
+        hit its cap, else "stop"."""
         if self.status is not Status.FINISHED:
             return None
+        if self.has_speech and not self.frames:
+            return "no_audio"
         reasons = (self.thinker_finish_reason, self.talker_finish_reason)
         return "length" if "length" in reasons else "stop"
 
@@ -171,7 +175,8 @@ class Request:
 @dataclass
 class OmniOutput:
     """One finished request. codes: [G, T] long (on the CPU); audio: float32 mono at `sample_rate`.
-    finish_reason: "length" when the thinker or the talker hit its cap, else "stop". spec_stats: the
+    finish_reason: "no_audio" when speech was asked and the talker ended before its first frame (audio and
+    codes are then empty), else "length" when the thinker or the talker hit its cap, else "stop". spec_stats: the
     thinker's speculative steps (`omnimtp.spec_decode.generate.SpecStats`: τ, per-position acceptance,
     drafted / accepted counts), None without speculation."""
 

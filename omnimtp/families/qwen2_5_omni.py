@@ -178,11 +178,14 @@ class Qwen2_5OmniFamily(ChatText):
 
 
 def _thinker_eos_ids(model, tokenizer) -> set[int]:
-    """<|im_end|> (the tokenizer's EOS) and the thinker's generation config EOS ids."""
+    """<|im_end|> (the tokenizer's EOS) and the EOS ids of the generation configs: the checkpoint's
+    generation_config.json, which loading puts on the top-level model (the thinker's stays empty), and the
+    thinker's own."""
     ids = set()
-    configured = model.thinker.generation_config.eos_token_id
-    if configured is not None:
-        ids.update([configured] if isinstance(configured, int) else configured)
+    for generation_config in (model.generation_config, model.thinker.generation_config):
+        configured = None if generation_config is None else generation_config.eos_token_id
+        if configured is not None:
+            ids.update([configured] if isinstance(configured, int) else configured)
     if tokenizer is not None:
         for token_id in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")):
             if token_id is not None and token_id != tokenizer.unk_token_id:

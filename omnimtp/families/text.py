@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.tokenizer import prompt_tokenizer
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -10,10 +11,11 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The templated prompt of chat messages, the assistant turn opened."""
+    """The templated prompt of chat messages, the assistant turn opened; message text stays text (a special-token
+    string in it is characters, `omnimtp.tokenizer.PromptTokenizer`)."""
     if not has_chat_template(tokenizer):
         raise ValueError("prompt: this checkpoint's tokenizer has no chat template; pass input_ids")
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return prompt_tokenizer(tokenizer).chat_ids(messages)
 
 
 def speech_header_ids(tokenizer) -> list[int] | None:
@@ -57,10 +59,19 @@ class ChatText:
         return chat_media_inputs(self.processor, messages, limits)
 
     def speech_ids(self, text: str) -> list[int]:
-        """An opened assistant turn followed by `text`: what a speech request's talker speaks."""
+        """An opened assistant turn followed by `text` (as text: special-token strings are characters): what a
+        speech request's talker speaks."""
         if self.speech_header_ids is None:
             raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
-        return self.speech_header_ids + list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.speech_header_ids + prompt_tokenizer(self.tokenizer).encode(text)
+
+    def min_prompt_tokens(self, texts) -> int | None:
+        """A lower bound on the prompt tokens of a request whose text is `texts` (chat message texts, or the text
+        to speak), from their lengths alone (`PromptTokenizer.min_num_tokens`); None without a tokenizer or a
+        bound."""
+        if self.tokenizer is None:
+            return None
+        return prompt_tokenizer(self.tokenizer).min_num_tokens(texts)
 
     def decode_text(self, ids: list[int]) -> str:
         """Reply ids → text (special tokens skipped); "" without a tokenizer."""

@@ -1,7 +1,8 @@
 """Audio encoding for responses: float32 samples → PCM16 raw, WAV or FLAC bytes.
 
 Every format carries the same 16-bit samples (`to_pcm16`), so a WAV or FLAC response decodes to
-exactly the raw PCM a `pcm` response (or the base64 deltas of a stream) carries.
+exactly the raw PCM a `pcm` response (or the base64 deltas of a stream) carries. No samples is still a
+file of its format: a WAV with an empty data chunk, a FLAC stream with no frames, empty raw PCM.
 """
 
 from __future__ import annotations
@@ -35,9 +36,20 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     container = _SUBTYPE_CONTAINERS.get(fmt)
     if container is None:
         raise ValueError(f"fmt must be one of wav, flac, pcm, pcm16, got {fmt!r}")
+    if container == "FLAC" and not pcm.size:
+        return _empty_flac(sample_rate)  # libsndfile writes nothing for no samples
     buffer = io.BytesIO()
     sf.write(buffer, pcm, sample_rate, format=container, subtype="PCM_16")
     return buffer.getvalue()
+
+
+def _empty_flac(sample_rate: int) -> bytes:
+    """A FLAC stream of no audio frames (RFC 9639 §6): the `fLaC` marker and one STREAMINFO block (the last
+    metadata block) for 16-bit mono at `sample_rate`: block sizes 4096, frame sizes and MD5 0 (unknown), total
+    samples 0 (for FLAC: not stated; the stream ends before any frame)."""
+    info = struct.pack(">HH", 4096, 4096) + bytes(6)
+    info += ((sample_rate << 44) | (0 << 41) | (15 << 36)).to_bytes(8, "big") + bytes(16)  # 1 channel, 16 bits
+    return b"fLaC" + bytes([0x80]) + len(info).to_bytes(3, "big") + info
 
 
 def streaming_wav_header(sample_rate: int) -> bytes:

@@ -236,7 +236,7 @@ class ReplicaApp:
     async def all_metrics(self):
         from fastapi.responses import Response
 
-        from omnimtp.server.app import APIError
+        from omnimtp.server.errors import APIError
 
         try:
             hub = self._metrics_hub()

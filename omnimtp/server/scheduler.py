@@ -28,6 +28,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
+from omnimtp.tokenizer import message_texts
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -40,8 +41,9 @@ class PromptTooLongError(ValueError):
     """A request's prompt has more tokens than the engine takes; `param` names the request field
     that holds the prompt ("messages" or "input"). The HTTP layer answers 400."""
 
-    def __init__(self, param: str, num_tokens: int, max_tokens: int):
-        super().__init__(f"{param}: {num_tokens} tokens is over the limit of {max_tokens}")
+    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False):
+        at_least = "at least " if is_lower_bound else ""
+        super().__init__(f"{param}: {at_least}{num_tokens} tokens is over the limit of {max_tokens}")
         self.param = param
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
@@ -88,13 +90,15 @@ class EngineRequest:
 @dataclass
 class EngineEvent:
     """One step of a request's output: a text delta, an audio chunk (float32), or the end.
-    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`)."""
+    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`). error_code:
+    "server_shutting_down" when the server ended the request (`Engine.end_requests`), else None."""
 
     text: str = ""
     audio: np.ndarray | None = None
     step: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_frames: int = 0
@@ -208,6 +212,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = False
+        self._end_message: str | None = None  # set by `end_requests`
 
     # -- the HTTP side ----------------------------------------------------------------------------
 
@@ -236,16 +241,24 @@ class Engine:
 
     def prompt_ids(self, request: EngineRequest) -> tuple[list[int], MediaInputs | None]:
         """(prompt ids, media tensors or None). Chat: the templated prompt, one pad per media encoder row.
-        Speech: an opened assistant turn followed by the text to say."""
+        Speech: an opened assistant turn followed by the text to say. PromptTooLongError over max_prompt_tokens:
+        a text too long for it by its length alone is refused before it is tokenized
+        (`ChatText.min_prompt_tokens`). Tokenizing can take a while: call it off the event loop."""
         media = None
+        name = "input" if request.messages is None else "messages"
+        texts = [request.speak_text] if request.messages is None else list(message_texts(
+            {"content": content if isinstance(content, str) else list(content)} for _, content in request.messages))
+        min_tokens = self.family.min_prompt_tokens(texts)
+        if min_tokens is not None and min_tokens > self.max_prompt_tokens:  # refused before it is tokenized
+            raise PromptTooLongError(name, min_tokens, self.max_prompt_tokens, is_lower_bound=True)
         if request.messages is not None:
             messages = [
                 {"role": "system" if role == "developer" else role, "content": content if isinstance(content, str)
                  else list(content)} for role, content in request.messages
             ]
-            (ids, media), name = self.family.chat_inputs(messages, self.media_limits), "messages"
+            ids, media = self.family.chat_inputs(messages, self.media_limits)
         else:
-            ids, name = self.family.speech_ids(request.speak_text), "input"
+            ids = self.family.speech_ids(request.speak_text)
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
         return ids, media
@@ -276,6 +289,17 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+    def end_requests(self, message: str) -> None:
+        """Stop accepting and end every waiting and running request with an error event saying `message`
+        (at the next frame boundary): the server's shutdown deadline is near."""
+        with self._cond:
+            self._accepting = False
+            if self._handles:
+                logger.warning("ending %d unfinished request(s): %s", len(self._handles), message)
+            self._end_message = message
+            self._cancelled.update(self._handles)
+            self._cond.notify_all()
 
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
                prompt: tuple[list[int], MediaInputs | None] | None = None) -> RequestHandle:
@@ -360,7 +384,8 @@ class Engine:
             if self._core.abort(request_id) is not None and self.metrics is not None:
                 self.metrics.cancelled.inc()  # not counted: cancelled in the step that finished it
             handle.is_done = True
-            handle.push(None)
+            handle.push(None if self._end_message is None else EngineEvent(error=self._end_message,
+                                                                            error_code="server_shutting_down"))
         with self._cond:
             self._set_gauges()
 

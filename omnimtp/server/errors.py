@@ -1,0 +1,51 @@
+"""The one error shape of the HTTP API: `APIError` leaves as an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}` with its status (and headers)."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+# Not an HTTP status a client sees: the client is gone. It labels such requests in the metrics
+# (nginx's "client closed request").
+CLIENT_CLOSED = 499
+
+
+class APIError(Exception):
+    """An error that leaves the server as an OpenAI-style body with `status` (and `headers`)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# The types of chat content parts: pydantic puts a part's type into the error location of its fields.
+_PART_TYPES = ("text", "input_audio", "image_url")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A request body's first schema error as a 400 naming the field (`messages.0.content.1.input_audio.data`)."""
+    first = exc.errors()[0]
+    loc = first["loc"]
+    # ("messages", 0, "content", 1, "input_audio", "input_audio", "data") → messages.0.content.1.input_audio.data
+    loc = [part for k, part in enumerate(loc)
+           if not (k >= 2 and loc[k - 2] == "content" and isinstance(loc[k - 1], int) and part in _PART_TYPES)]
+    param = ".".join(str(part) for part in loc) or None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+        code = "unknown_parameter"
+    return APIError(400, message, param=param, code=code)

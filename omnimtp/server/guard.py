@@ -1,0 +1,190 @@
+"""What every HTTP request passes through before a route runs: `Guard` (the ASGI middleware: API key,
+body deadline, connection close after early answers, the 500 of last resort, request counts) and
+`read_json`, the one reader of a JSON body (size limit, UTF-8, JSON, lone surrogates)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+
+from fastapi import Request
+
+from omnimtp.server.errors import CLIENT_CLOSED, APIError
+from omnimtp.server.metrics import ServerMetrics
+
+logger = logging.getLogger("omnimtp.server")
+
+# An over-limit body up to this many times the limit is read and dropped before the 413 (see `read_json`).
+_DISCARD_FACTOR = 8
+# A JSON string escape of a UTF-16 surrogate; only then can the parsed body hold a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CHARSET = re.compile(r"charset\s*=\s*\"?([^\";\s]+)", re.IGNORECASE)
+_UTF8 = ("utf-8", "utf8")
+
+
+async def read_json(request: Request, max_body_bytes: int) -> object:
+    """The request body as JSON: valid UTF-8 (no encoded surrogates), nesting within Python's
+    recursion limit, integers within its digit limit, and no string holding a lone surrogate (the
+    tokenizer and the JSON encoder of any error message would both fail on it).
+
+    A Content-Type other than application/json (charset utf-8, if one is named) is a 415. A body declared
+    (Content-Length) over `max_body_bytes` is a 413 at once; a chunked body that runs over is read to its
+    end first when it is at most _DISCARD_FACTOR times that: a client still sending when the server closes
+    the connection gets a reset instead of the answer (and the connection stays usable)."""
+    content_type = request.headers.get("content-type", "")
+    media_type, _, parameters = content_type.partition(";")
+    charset = _CHARSET.search(parameters)
+    if media_type.strip().lower() != "application/json" or (charset and charset.group(1).lower() not in _UTF8):
+        # A cross-site form or text/plain POST (which a browser sends without asking) never starts generation.
+        raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                       code="unsupported_media_type")
+    too_large = APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
+        raise too_large  # at once: the body is not awaited (the connection closes, lingering, see serving.py)
+    max_read = _DISCARD_FACTOR * max_body_bytes
+    body, num_received = bytearray(), 0
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
+        chunk = message.get("body", b"")
+        num_received += len(chunk)
+        if num_received <= max_body_bytes:
+            body += chunk
+        if num_received > max_read or not message.get("more_body", False):
+            break
+    if num_received > max_body_bytes:
+        raise too_large
+    try:
+        text = body.decode("utf-8")  # json.loads would let encoded surrogates through ("surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})",
+                       code="invalid_json") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except ValueError:  # an integer with more digits than int() converts
+        raise APIError(400, "request body is not valid JSON: a number has too many digits",
+                       code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(text):
+        path = _lone_surrogate_path(value)
+        if path is not None:
+            raise APIError(400, f"{path or 'body'}: contains a lone UTF-16 surrogate, which is not valid Unicode",
+                           param=path or None, code="invalid_value")
+    return value
+
+
+def _lone_surrogate_path(value) -> str | None:
+    """The dotted path ("messages.0.content") of a string holding a lone surrogate, "" for
+    the top level, or None. Iterative: the parsed body may be nested hundreds of levels deep. An
+    object key that holds one is reported as its object's path (the key itself cannot be echoed)."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return path
+                stack.append((f"{path}.{key}" if path else key, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}.{index}" if path else str(index), child) for index, child in enumerate(item))
+    return None
+
+
+
+_CLOSE = (b"connection", b"close")
+
+
+class Guard:
+    """Pure ASGI middleware around every HTTP request:
+
+    - the API-key check on /v1/ routes (the header's bytes against the key's);
+    - the request body must arrive within `body_timeout_s` of the headers, else 408;
+    - a response sent before the request body was read to its end (a 401, 408, 413) or with a 5xx
+      status says `Connection: close`: the connection's state is unknown, so the client opens a new
+      one instead of finding this one reset under its next request;
+    - an unexpected exception becomes a logged 500 with an OpenAI body (once a response has started,
+      the server can only cut the connection);
+    - requests counted by route and status.
+
+    (Not `BaseHTTPMiddleware`: it wraps `receive`, which hides a streaming client's disconnect.)"""
+
+    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/models")
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, body_timeout_s: float):
+        self.app = app
+        self.api_key = None if api_key is None else api_key.encode("ascii")
+        self.metrics = metrics
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+        exchange = {"status": None, "body_complete": not _has_body(scope["headers"])}
+
+        async def receive_in_time():
+            if exchange["body_complete"]:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               code="request_timeout") from None
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                exchange["body_complete"] = True
+            return message
+
+        async def send_guarded(message):
+            if message["type"] == "http.response.start":
+                exchange["status"] = message["status"]
+                headers = list(message.get("headers", []))
+                if (message["status"] >= 500 or not exchange["body_complete"]) and _CLOSE not in headers:
+                    message = {**message, "headers": [*headers, _CLOSE]}
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1/") and not self._is_authorized(scope):
+                error = APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+                await error.response()(scope, receive_in_time, send_guarded)
+            else:
+                await self.app(scope, receive_in_time, send_guarded)
+        except Exception:
+            if exchange["status"] is not None:
+                raise  # the response has started: the server cuts the connection, a truncated body
+            logger.exception("unhandled error on %s", path)
+            error = APIError(500, "internal server error", type="server_error")
+            await error.response()(scope, receive_in_time, send_guarded)
+        finally:
+            if path in self._COUNTED:
+                status = 500 if exchange["status"] is None else exchange["status"]
+                self.metrics.requests.labels(route=path, status=str(status)).inc()
+
+    def _is_authorized(self, scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+
+def _has_body(headers) -> bool:
+    for name, value in headers:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False

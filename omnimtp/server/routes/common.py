@@ -1,0 +1,175 @@
+"""What every API module shares (vLLM's `serving_engine.py`): the one engine handle and the checks
+that consult the served model (`ServingContext`), and the request plumbing: the whole result of a request
+while watching its client (`collect`), SSE framing, PCM deltas, sampling fields."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from omnimtp.media import MediaError
+from omnimtp.sampling import SamplingParams
+from omnimtp.server.audio import to_pcm16
+from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
+from omnimtp.server.guard import read_json
+from omnimtp.server.scheduler import Engine, EngineRequest, PromptTooLongError, QueueFullError
+
+# A client told "queue full" may retry after this many seconds (a slot frees up every few frames).
+_RETRY_AFTER_S = 1
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """The engine handle every route uses, and the server's limits. model_names: the names `model` may
+    take (the engine's model id first), all listed by /v1/models."""
+
+    engine: Engine
+    model_names: Sequence[str]
+    max_body_bytes: int
+    max_tokens_limit: int
+
+    async def read_body(self, request: Request, schema: type[Body]) -> Body:
+        """The request's JSON body validated by `schema`; APIError 400 naming the field."""
+        try:
+            return schema.model_validate(await read_json(request, self.max_body_bytes))
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    def check_model(self, model: str | None) -> str:
+        """The name the response reports: the requested one, or the engine's model id."""
+        if model is None:
+            return self.engine.model_id
+        if model not in self.model_names:
+            served = ", ".join(self.model_names)
+            raise APIError(404, f"The model {model!r} does not exist; this server serves: {served}",
+                           param="model", code="model_not_found")
+        return model
+
+    def check_voice(self, voice: str, param: str) -> str:
+        speaker = self.engine.match_speaker(voice)
+        if speaker is None:
+            names = ", ".join(self.engine.speakers)
+            raise APIError(400, f"unknown voice {voice!r}; this model has: {names}", param=param, code="invalid_value")
+        return speaker
+
+    async def submit(self, request: EngineRequest):
+        """Queue `request` in the engine: its `RequestHandle`. APIError for a prompt over the limit (400), bad
+        media (400), a full queue (429) or a stopping server (503)."""
+        engine = self.engine
+        if not engine.is_running:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+        try:
+            # Tokenizing and the processor (feature extraction, image resizing) run off the event loop: other
+            # requests' streams and /health go on meanwhile. A request whose client leaves meanwhile is not queued.
+            prompt = await run_in_threadpool(engine.prompt_ids, request)
+            return engine.submit(request, loop=asyncio.get_running_loop(), prompt=prompt)
+        except PromptTooLongError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
+                           headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
+
+
+def serving(request: Request) -> ServingContext:
+    """The app's `ServingContext` (set by `create_app`)."""
+    return request.app.state.serving
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int | None) -> SamplingParams:
+    return SamplingParams(temperature=float(temperature), top_k=top_k or None, top_p=float(top_p))
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def b64_pcm16(samples: np.ndarray) -> str:
+    return base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
+
+
+def stream_error(event) -> dict:
+    """The OpenAI error object of an engine error event in a stream."""
+    return {"message": event.error, "type": "server_error", "param": None, "code": event.error_code}
+
+
+def response_error(event) -> APIError:
+    """An engine error event as the error of a whole response: 503 when the server ended it (shutting down)."""
+    status = 503 if event.error_code == "server_shutting_down" else 500
+    return APIError(status, event.error, type="server_error", code=event.error_code)
+
+
+async def collect(handle, request: Request, events=None):
+    """Wait for a whole request: (text, float32 samples, final event), while watching the client (`watched`).
+    events: the handle's events still to read (default all of them). Raises APIError on engine errors."""
+    return await watched(_gather(handle.events() if events is None else events), handle, request)
+
+
+async def watched(work, handle, request: Request):
+    """The result of the coroutine `work` on `handle`'s events, while watching the client: a disconnect
+    cancels the engine request at once (its slot frees up at the next frame boundary) and is an APIError
+    499; an error `work` raises cancels the request too, and is raised."""
+    result = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((result, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        if result.done():
+            return result.result()
+        raise APIError(CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
+    except BaseException:
+        handle.cancel()
+        raise
+    finally:
+        result.cancel()
+        disconnect.cancel()
+
+
+async def first_event(handle, request: Request, events):
+    """The first of `events` (an audio chunk, or the end of a request that made no audio), watching the client;
+    APIError 500 for an engine error: nothing has been sent yet, so it leaves as an error body."""
+    event = await watched(anext(events), handle, request)
+    if event.error is not None:
+        handle.cancel()
+        raise response_error(event)
+    return event
+
+
+async def prepended(event, events):
+    """`event`, then the rest of `events`."""
+    yield event
+    async for later in events:
+        yield later
+
+
+async def _gather(events):
+    texts, chunks = [], []
+    async for event in events:
+        if event.error is not None:
+            raise response_error(event)
+        texts.append(event.text)
+        if event.audio is not None:
+            chunks.append(event.audio)
+        if event.finish_reason is not None:
+            samples = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+            return "".join(texts), samples, event
+    raise APIError(500, "request ended without a result", type="server_error")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body has been read: `receive` only reports that now)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+

@@ -1,0 +1,91 @@
+"""`/v1/audio/speech`: text spoken in a voice, as a whole file (wav, pcm, flac) or streamed (raw audio
+chunks, or SSE `speech.audio.delta` events).
+
+A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
+an empty data chunk, a FLAC stream without frames, empty PCM; SSE: only `speech.audio.done`) and says
+`X-Finish-Reason: no_audio`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
+from omnimtp.server.routes.common import (
+    b64_pcm16, collect, first_event, prepended, sampling_params, serving, sse, stream_error,
+)
+from omnimtp.server.scheduler import EngineRequest
+from omnimtp.server.schemas import SpeechRequest
+
+# How the speech ended ("stop", "length", or "no_audio": the talker ended before its first frame), where it is
+# known before the body starts: a whole-file response (flac, or any format without audio) and a stream whose
+# request made no audio. A streamed response with audio says it in its last SSE event.
+FINISH_REASON_HEADER = "X-Finish-Reason"
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/speech")
+async def speech(request: Request):
+    context = serving(request)
+    engine = context.engine
+    body = await context.read_body(request, SpeechRequest)
+    context.check_model(body.model)
+    speaker = context.check_voice(body.voice, "voice")
+    engine_request = EngineRequest(
+        messages=None,
+        speak_text=body.input,
+        speaker=speaker,
+        sampling=sampling_params(body.temperature, body.top_p, body.top_k),
+        seed=body.seed,
+        max_new_tokens=0,
+    )  # streamed in every format, so that every format carries the same samples
+    handle = await context.submit(engine_request)
+    fmt, sample_rate = body.response_format, engine.sample_rate
+    # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
+    # an engine error before any audio is an error body.
+    events = handle.events()
+    first = await first_event(handle, request, events)
+    events = prepended(first, events)
+    headers = {} if first.finish_reason is None else {FINISH_REASON_HEADER: first.finish_reason}
+    if body.stream_format == "sse":
+        return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
+    if fmt in ("pcm", "wav") and first.finish_reason is None:
+        return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt])
+    # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
+    # file of any format, whose length is then known).
+    _, samples, final = await collect(handle, request, events)
+    return Response(encode_audio(samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
+                    headers={FINISH_REASON_HEADER: final.finish_reason})
+
+
+async def _speech_sse(handle, events):
+    try:
+        async for event in events:
+            if event.error is not None:
+                yield sse({"type": "error", "error": stream_error(event)})
+                break
+            if event.audio is not None and event.audio.size:
+                yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
+            if event.finish_reason is not None:
+                usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
+                         "total_tokens": event.prompt_tokens + event.num_frames}
+                yield sse({"type": "speech.audio.done", "usage": usage, "finish_reason": event.finish_reason})
+                break
+    finally:
+        handle.cancel()
+
+
+async def _speech_chunks(handle, events, fmt: str, sample_rate: int):
+    try:
+        if fmt == "wav":
+            yield streaming_wav_header(sample_rate)
+        async for event in events:
+            if event.error is not None:
+                break  # headers are gone; a truncated body is the only signal left (logged by the engine)
+            if event.audio is not None and event.audio.size:
+                yield to_pcm16(event.audio).tobytes()
+            if event.finish_reason is not None:
+                break
+    finally:
+        handle.cancel()
