@@ -45,7 +45,7 @@ def test_spec_sampled_text_output(checkpoint, capsys):
 def test_spec_bad_args(checkpoint, tmp_path, capsys):
     """Bad input is a message naming it and exit code 2, not a traceback."""
     assert main(["spec", "--model", str(checkpoint), "--prompt", "x", "-k", "0"]) == 2
-    assert "omnimtp spec: error: num_draft_tokens" in capsys.readouterr().err
+    assert "omnimtp spec: error: argument -k/--num-draft-tokens" in capsys.readouterr().err
     target = tiny_lm("glm4_moe", seed=0, vocab_size=THINKER_VOCAB_SIZE)
     target.save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)
