@@ -17,6 +17,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def draft_tokens(text: str) -> int | str:
+    """-k: a number of drafted tokens >= 1, or "auto" (adaptive drafting)."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
+
+
 def finite_float(text: str) -> float:
     try:
         value = float(text)

@@ -73,14 +73,17 @@ def decoder_forward(
         raise ValueError(f"rope_positions must be [3, {num_rows}, {num_new}], got {tuple(rope_positions.shape)}")
     offsets = [cache.rope_offsets[slot] for slot in slots]
     where = cache.plan(slots, num_new)
-    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds and not all_final:  # a batch-1 decode step
+    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds:  # a batch-1 decode step
         rope = decoder.step_tables(where.start + offsets[0])
         x, captured = decoder_layers(decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer)  # [H]
         cache.commit(slots, num_new)
         last_hidden = rms_norm(x, decoder.final_norm, decoder.eps)
         if capture_layer == num_layers:
             captured = last_hidden
-        return DecoderOutput(last_hidden.view(1, -1), None if captured is None else captured.view(1, 1, -1))
+        return DecoderOutput(
+            last_hidden.view(1, -1), None if captured is None else captured.view(1, 1, -1),
+            last_hidden.view(1, 1, -1) if all_final else None,
+        )
     positions = where.positions
     if positions is None:
         positions = where.start + torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]

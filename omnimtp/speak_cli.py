@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from omnimtp.argtypes import draft_tokens
+
 
 def add_parser(subparsers) -> None:
     speak = subparsers.add_parser("speak", help="answer a prompt with text and speech, write the audio file")
@@ -51,8 +53,9 @@ def add_thinker_mtp_arguments(parser) -> None:
                         help="speculative thinker steps drafted by the MTP head stored in DIR (model-mtp.safetensors, "
                         "e.g. what `omnimtp train-mtp --model <omni dir>` wrote); greedy text stays token for token "
                         "the plain loop's")
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, metavar="K",
-                        help="drafted thinker tokens per step with --thinker-mtp (default 3)")
+    parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=None, metavar="K",
+                        help="drafted thinker tokens per step with --thinker-mtp, or 'auto': 0..4 a step, as many as "
+                        "the acceptance so far pays for (default 3)")
 
 
 def _load(args):
@@ -82,8 +85,8 @@ def thinker_mtp_kwargs(args) -> dict:
         thinker_mtp = thinker_mtp or str(demo_omni_dir())
     if thinker_mtp is None and num_draft_tokens is not None:
         raise ValueError("-k/--num-draft-tokens: set only with --thinker-mtp")
-    if num_draft_tokens is not None and num_draft_tokens < 1:
-        raise ValueError(f"-k/--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    if num_draft_tokens is not None and num_draft_tokens != "auto" and num_draft_tokens < 1:
+        raise ValueError(f"-k/--num-draft-tokens must be >= 1 or 'auto', got {num_draft_tokens}")
     return dict(thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
 
 
@@ -126,9 +129,15 @@ def _speak(pipe, messages, args, output: str, live: bool):
     print(f"[{output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "
           f"time to first audio {first}, total {elapsed:.2f} s, RTF {rtf}]", file=sys.stderr)
     if final.spec_stats is not None:
+        from omnimtp.spec_decode.adaptive import acceptance_warning
+
         stats = final.spec_stats
-        print(f"[thinker speculation: k={stats.num_draft_tokens}, τ {stats.mean_acceptance_length:.2f}, accepted "
+        k = f"auto (steps per k: {dict(sorted(stats.draft_histogram.items()))})" if stats.is_adaptive else stats.num_draft_tokens
+        print(f"[thinker speculation: k={k}, τ {stats.mean_acceptance_length:.2f}, accepted "
               f"{stats.num_accepted}/{stats.num_drafted} drafts]", file=sys.stderr)
+        warning = acceptance_warning(stats)
+        if warning is not None:
+            print(warning, file=sys.stderr)
     return final
 
 

@@ -31,6 +31,7 @@ import torch
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
+from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS, DraftCosts, FixedDrafts, calibrate
 from omnimtp.spec_decode.generate import SpecStats
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
 
@@ -104,9 +105,18 @@ class ThinkerRun:
         self.spec_stats: list[SpecStats] | None = None
         if speculation is not None:
             speculation.check(thinker)
-            k = speculation.num_draft_tokens
+            costs = None
+            if speculation.is_adaptive and speculation.draft_costs is None:
+                costs = calibrate_thinker_costs(
+                    thinker, self.decoder, speculation, accept_hidden_layer, batch_size, self.sampling, self.generators,
+                )
+            self.controller = speculation.new_controller(costs, batch_size)
+            k = self.controller.max_draft_tokens
             self.proposer = speculation.new_proposer()
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
+            if speculation.is_adaptive:
+                for stats in self.spec_stats:
+                    stats.draft_costs = self.controller.costs.step
             self._layout: DraftLayout | None = None
 
     @property
@@ -170,15 +180,20 @@ class ThinkerRun:
         return events
 
     def _speculative_step(self, active: list[int]) -> list[ThinkerEvent]:
-        """Draft k tokens for every row, verify the unfinished rows' drafts in one forward, roll back the
-        rejected ones → the accepted tokens' events, in request order (see the module docstring)."""
-        k = self.speculation.num_draft_tokens
+        """Draft k tokens for every row (k = 0: a plain step), verify the unfinished rows' drafts in one
+        forward, roll back the rejected ones → the accepted tokens' events, in request order (see the
+        module docstring)."""
         layout, device = self._layout, self.decoder.device
         batch_size = len(self.output_ids)
+        is_active = [reason is None for reason in self.finish_reasons]
+        k = self.controller.choose(is_active)
         started = time.perf_counter()
         with torch.no_grad():
             generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
-            draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
+            if k > 0:
+                draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
+            else:  # the proposer reads this step's slot with the next step that drafts
+                draft_tokens, draft_probs = layout.pending.new_zeros(batch_size, 0), None
             drafted = time.perf_counter()
             verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
             num_kept = torch.ones(batch_size, dtype=torch.long, device=device)  # [B]
@@ -190,8 +205,8 @@ class ThinkerRun:
                 starts = [self.kv.lengths[i] for i in active]
                 hidden, logits, final = self._forward(embeds, active, all_logits=True)  # [R, k+1, D], [R, k+1, V], [R, k+1, D]
                 row_tokens, num_emitted = verify(
-                    logits, draft_tokens[index], draft_probs[index], [self.sampling[i] for i in active],
-                    [self.generators[i] for i in active],
+                    logits, draft_tokens[index], None if draft_probs is None else draft_probs[index],
+                    [self.sampling[i] for i in active], [self.generators[i] for i in active],
                 )  # [R, k+1], [R]
                 lengths = list(self.kv.lengths)
                 for r, i in enumerate(active):
@@ -199,6 +214,7 @@ class ThinkerRun:
                 self.kv.restore(tuple(lengths))
                 num_kept[index], tokens[index], final_rows[index] = num_emitted, row_tokens, final
         verified = time.perf_counter()
+        self.controller.update(k, (num_kept - 1).tolist(), is_active)
         layout.advance(verify_ids, tokens, final_rows, num_kept)
         emitted = dict(zip(active, row_tokens.tolist())) if active else {}
         events = []
@@ -213,6 +229,7 @@ class ThinkerRun:
             stats.num_steps += 1
             stats.num_row_steps += 1
             stats.num_drafted += k
+            stats.draft_histogram[k] = stats.draft_histogram.get(k, 0) + 1
             stats.num_accepted += num_accepted
             for position in range(num_accepted):
                 stats.accepted_per_position[position] += 1
@@ -244,6 +261,36 @@ class ThinkerRun:
         last = out.final if all_logits else out.last_hidden
         logits = torch.nn.functional.linear(last, self.thinker.lm_head.weight)  # [R, V] or [R, T, V]
         return out.captured, logits, out.final
+
+
+def calibrate_thinker_costs(
+    thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, batch_size: int,
+    sampling: list[SamplingParams | None], generators: list[torch.Generator | None],
+) -> DraftCosts:
+    """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
+    k on a fixed 16-token prompt per row, at this batch size, greedy or sampled like the run (measured
+    once per thinker and key, then reused)."""
+    vocab = thinker.get_output_embeddings().weight.shape[0]
+    prompt = [(7 * i + 3) % vocab for i in range(16)]
+    is_sampled = any(s is not None and not s.is_greedy for s in sampling)
+    run_sampling = [next((s for s in sampling if s is not None and not s.is_greedy), None)] * batch_size
+
+    def seconds_per_step(k: int) -> float:
+        run = ThinkerRun(
+            thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
+            max_new_tokens=64, sampling=run_sampling, decoder=decoder,
+            generators=[torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled else None,
+            speculation=ThinkerSpeculation(speculation.drafter, max(k, 1)),
+        )
+        run.controller = FixedDrafts(k)  # k = 0: the speculative loop's own plain step
+        run.step()  # the prefill
+        start = time.perf_counter()
+        for _ in range(6):
+            run.step()
+        return (time.perf_counter() - start) / 6
+
+    key = (id(speculation.drafter), batch_size, run_sampling[0], str(decoder.device))
+    return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS)
 
 
 @dataclass

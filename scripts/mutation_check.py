@@ -43,6 +43,7 @@ SPEC = ("tests/test_spec_generate.py", "tests/test_packed_target.py", "tests/tes
 MEDIA = ("tests/test_media_input.py",)
 HYBRID = ("tests/test_spec_hybrid.py",)
 THINKER_SPEC = ("tests/test_thinker_spec.py",)
+ADAPTIVE = ("tests/test_adaptive_drafting.py",)
 QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
 TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
 ENGINE_ROWS = ("tests/test_engine_rows.py",)
@@ -126,6 +127,25 @@ MUTATIONS = [
         "                module._embed = None",
         "                module._embed = module.embed_sum",
         SPEECH_TOKENIZER, "the codebook lookup uses the EMA embedding_sum without dividing by cluster_usage",
+    ),
+    # --- adaptive drafting ---------------------------------------------------------------------------
+    Mutation(
+        "adaptive_k_from_the_clock", "omnimtp/spec_decode/adaptive.py",
+        "k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts",
+        "k = __import__(\"time\").perf_counter_ns() // 1000 % len(goodput)",
+        ADAPTIVE, "the adaptive controller picks k from the clock: a seeded request no longer repeats",
+    ),
+    Mutation(
+        "adaptive_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/generate.py",
+        "block = new_block if k > 0 else extend_block(block, new_block)",
+        "block = new_block",
+        ADAPTIVE, "after plain steps the drafter reads only the newest slot (its cache falls out of line)",
+    ),
+    Mutation(
+        "adaptive_thinker_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/thinker_spec.py",
+        "self.block = block if verify_ids.shape[1] > 1 else extend_block(self.block, block)",
+        "self.block = block",
+        ADAPTIVE, "the thinker's drafter reads only the newest slot after plain steps",
     ),
     # --- speculative thinker steps ------------------------------------------------------------------
     Mutation(

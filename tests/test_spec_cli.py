@@ -26,11 +26,25 @@ def checkpoint(tmp_path_factory):
 def test_spec_json_compare_greedy_matches(checkpoint, capsys):
     assert main(["spec", "--model", str(checkpoint), "--prompt", "Hello", "-k", "3", "--max-new-tokens", "12",
                  "--compare", "--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
-    for key in ("mean_acceptance_length", "acceptance_per_position", "tokens_per_s", "plain_tokens_per_s", "speedup"):
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    for key in ("mean_acceptance_length", "acceptance_per_position", "tokens_per_s", "plain_tokens_per_s", "speedup",
+                "generate_tokens_per_s", "speedup_vs_generate"):  # both baselines: plain_generate and generate
         assert key in result
     assert len(result["acceptance_per_position"]) == 3
     assert result["outputs_match"] is True
+    # a random head: τ near 1 at k = 3 does not pay, and stderr says so in one line with τ and what to do
+    assert result["mean_acceptance_length"] < 2.5
+    warning = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "τ" in warning[0] and "-k auto" in warning[0]
+
+
+def test_spec_auto_reports_its_costs_and_steps(checkpoint, capsys):
+    assert main(["spec", "--model", str(checkpoint), "--prompt", "Hello", "-k", "auto", "--max-new-tokens", "12",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["draft_costs"]) == 5 and result["draft_costs"][0] == 1.0
+    assert sum(result["draft_histogram"].values()) == result["num_steps"]
 
 
 def test_spec_sampled_text_output(checkpoint, capsys):
@@ -45,8 +59,10 @@ def test_spec_sampled_text_output(checkpoint, capsys):
 
 def test_spec_bad_args(checkpoint, tmp_path, capsys):
     """Bad input is a message naming it and exit code 2, not a traceback."""
-    assert main(["spec", "--model", str(checkpoint), "--prompt", "x", "-k", "0"]) == 2
-    assert "omnimtp spec: error: num_draft_tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["spec", "--model", str(checkpoint), "--prompt", "x", "-k", "0"])
+    assert exit_info.value.code == 2
+    assert "omnimtp spec: error: argument -k/--num-draft-tokens" in capsys.readouterr().err
     target = tiny_lm("glm4_moe", seed=0, vocab_size=THINKER_VOCAB_SIZE)
     target.save_pretrained(tmp_path)
     byte_tokenizer().save_pretrained(tmp_path)

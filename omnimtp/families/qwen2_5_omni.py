@@ -69,7 +69,7 @@ class Qwen2_5OmniFamily(ChatText):
         self.accept_hidden_layer = text_config.num_hidden_layers  # the last layer after the final norm
         self.max_positions = text_config.max_position_embeddings
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
-        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel()
         self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)

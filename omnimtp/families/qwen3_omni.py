@@ -61,7 +61,7 @@ class Qwen3OmniFamily(ChatText):
         self.eos_token_ids = {config.im_end_token_id}
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model)
+        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel()
         self.talker_decoder = PackedDecoder.from_module(model.talker.model)
         self.codec = StreamingCode2Wav(model.code2wav)
         self._predictors: dict[int, CodePredictorRunner] = {}

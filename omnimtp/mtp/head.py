@@ -48,11 +48,14 @@ from transformers.masking_utils import create_causal_mask
 
 from omnimtp.mtp.dsa import dsa_layer
 from omnimtp.runtime.decoder import (
+    ROW_KERNEL,
+    ROW_KERNEL_MAX_ROWS,
     PackedDecoder,
     shared_length_forward,
     unsupported_layer_reason,
     weights_fingerprint,
 )
+from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache
 from omnimtp.runtime.ops import cast, linear, rms_norm
 
@@ -375,9 +378,14 @@ class MTPHead(nn.Module):
         if self._packed is None or self._packed[0] != fingerprint:
             dtype = self.eh_proj.weight.dtype
             decoder = PackedDecoder.from_layers([self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype)
+            decoder = decoder.with_row_kernel()
+            eh_proj, lm_head = cast(self.eh_proj.weight, dtype), self.lm_head.weight.detach()
+            rows = decoder.row_kernel is not None and lm_head.dtype == torch.float32
             packed = PackedHead(
                 decoder=decoder, enorm=cast(self.enorm.weight, dtype), hnorm=cast(self.hnorm.weight, dtype),
-                eh_proj=cast(self.eh_proj.weight, dtype),
+                eh_proj=eh_proj, lm_head=lm_head,
+                eh_proj_rows=small_batch_linear.pack_weight(eh_proj) if rows else None,
+                lm_head_rows=small_batch_linear.pack_weight(lm_head) if rows else None,
             )
             self._packed = (fingerprint, packed)
         return self._packed[1]
@@ -417,11 +425,19 @@ class MTPHead(nn.Module):
             raise ValueError(f"position_ids must be [B, T] like input_ids (or [3, B, T] M-RoPE ids), got {tuple(position_ids.shape)}")
         packed = packed or self.packed()
         decoder = packed.decoder
+        # the row kernel (see `PackedDecoder.with_row_kernel`) for blocks of up to ROW_KERNEL_MAX_ROWS rows
+        on_rows = packed.eh_proj_rows is not None and input_ids.numel() <= ROW_KERNEL_MAX_ROWS
+        gemm = ROW_KERNEL if on_rows else None
         embeds = rms_norm(self.embed_tokens(input_ids), packed.enorm, decoder.eps)
-        x = linear(torch.cat([embeds, rms_norm(prev_hidden, packed.hnorm, decoder.eps)], dim=-1), packed.eh_proj)
+        x = linear(
+            torch.cat([embeds, rms_norm(prev_hidden, packed.hnorm, decoder.eps)], dim=-1), packed.eh_proj,
+            packed=packed.eh_proj_rows if on_rows else None, gemm=gemm,
+        )
         hidden = shared_length_forward(decoder, cache, x, position_ids, kv_mask)  # [B, T, H]
         last = hidden[:, -1] if last_index is None else hidden[torch.arange(hidden.shape[0]), last_index]
-        return hidden, self.logits(last)
+        normed = rms_norm(last, decoder.final_norm, decoder.eps)  # shared_head_norm
+        rows = packed.lm_head_rows is not None and normed.shape[0] <= ROW_KERNEL_MAX_ROWS
+        return hidden, linear(normed, packed.lm_head, packed=packed.lm_head_rows if rows else None, gemm=ROW_KERNEL if rows else None)
 
 
 @dataclass(frozen=True)
@@ -433,6 +449,9 @@ class PackedHead:
     enorm: torch.Tensor  # [H]
     hnorm: torch.Tensor  # [H]
     eh_proj: torch.Tensor  # [H, 2H]
+    lm_head: torch.Tensor  # [V, H] the target's (shared)
+    eh_proj_rows: torch.Tensor | None = None  # eh_proj and lm_head packed for the row kernel, where it runs
+    lm_head_rows: torch.Tensor | None = None
 
 
 # -- checkpoint key layout ----------------------------------------------------------------------------------

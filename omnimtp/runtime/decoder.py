@@ -28,9 +28,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
 from omnimtp.runtime.moe import GroupLimitedSigmoid, Router, SoftmaxTopK, routed_experts
 from omnimtp.runtime.ops import PackedGemm, Rope, apply_rope, attention, cast, gated_mlp, linear, rms_norm
+
+
+ROW_KERNEL = PackedGemm("avx512", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
+ROW_KERNEL_MAX_ROWS = 16  # one pass of the kernel; longer blocks (prefills) run on MKL's GEMM
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,26 @@ class PackedDecoder:
     fp32_attention: bool = False  # see `attention(fp32_manual=...)`
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
+    # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
+    row_kernel: tuple | None = field(default=None, compare=False, repr=False)
+    row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def with_row_kernel(self) -> "PackedDecoder":
+        """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a
+        speculative verify) on omnimtp's small-batch kernel (`omnimtp.runtime.kernels.small_batch_linear`:
+        AVX-512F or AVX2), which reads the weights once for all rows — as fast for 4 rows as `torch.mv`
+        for one on a CPU, where a small-M GEMM takes twice as long — and computes each row on its own, so
+        a row's values do not depend on how many rows run with it. fp32 CPU decoders where the kernel
+        builds; any other decoder is returned as it is. The packed copies double the matrices' memory."""
+        if self.dtype != torch.float32 or self.device.type != "cpu" or not small_batch_linear.available():
+            return self
+        pack = small_batch_linear.pack_weight
+        layers = tuple(
+            (pack(layer.qkv), pack(layer.o), *((pack(layer.gate_up), pack(layer.mlp_down)) if layer.router is None else (None, None)))
+            for layer in self.layers
+        )
+        lm_head = None if self.lm_head is None else pack(self.lm_head.float())
+        return replace(self, row_kernel=layers, row_kernel_lm_head=lm_head, step_rope={})
 
     @property
     def num_layers(self) -> int:
@@ -307,7 +332,7 @@ def decoder_layer(
 
 
 def decoder_layers(
-    decoder: PackedDecoder,
+    decoder: "PackedDecoder",
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_buffer: torch.Tensor | list,
@@ -326,6 +351,8 @@ def decoder_layers(
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
     as transformers records it."""
     captured = x if capture_layer == 0 else None
+    if packed_layers is None and decoder.row_kernel is not None and x.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
+        packed_layers, gemm = decoder.row_kernel, ROW_KERNEL
     for i, layer in enumerate(decoder.layers):
         packed = None if packed_layers is None else packed_layers[i]
         x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm)

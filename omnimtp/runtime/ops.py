@@ -59,13 +59,14 @@ COMPILED_KERNEL_MIN_WEIGHTS = 1 << 20
 def packed_gemm_kinds(device: torch.device | str, dtype: torch.dtype) -> list[str]:
     """The packed-weight matmuls that can run `dtype` batches on `device`, best first: "avx512" (fp32:
     omnimtp's own small-batch kernel, `omnimtp.runtime.kernels.small_batch_linear`, on x86 CPUs with
-    AVX-512F and a C compiler; built on the first call), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
+    AVX-512F and a C compiler; built on the first call; its AVX2 build is not offered here, only to the
+    decoders that opt in with `PackedDecoder.with_row_kernel`), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
     oneDNN's reordered weights, where oneDNN supports bf16). Every kind is a CPU kernel: any other device
     (cuda, meta, ...) gets none, and its linears run as plain torch ops."""
     if torch.device(device).type != "cpu":
         return []
     kinds = []
-    if dtype == torch.float32 and small_batch_linear.available():
+    if dtype == torch.float32 and small_batch_linear.isa() == "AVX512" and small_batch_linear.available():
         kinds.append("avx512")
     if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         kinds.append("mkl")

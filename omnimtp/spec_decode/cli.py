@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
 
+from omnimtp.argtypes import draft_tokens
 from omnimtp.sampling import SamplingParams
 
 
@@ -15,13 +17,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", default=None,
                         help="checkpoint dir: target + MTP layer + tokenizer (default: the shipped demo model)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3)
+    parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=3,
+                        help="drafted tokens per step, or 'auto': 0..4 a step, as many as the acceptance so far pays "
+                        "for (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--compare", action="store_true", help="also run plain decoding and compare")
+    parser.add_argument("--compare", action="store_true",
+                        help="also run plain decoding, ours on the same forward (plain_generate) and transformers' "
+                        "generate, and report the speed-up over each")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cpu", help="where target and head run (cpu, cuda, cuda:N)")
     parser.set_defaults(handler=run)
@@ -30,7 +36,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from transformers import AutoTokenizer
 
-    from omnimtp.spec_decode.generate import speculative_generate
+    from omnimtp.spec_decode.adaptive import acceptance_warning
+    from omnimtp.spec_decode.generate import plain_generate, speculative_generate
     from omnimtp.mtp.head import load_target_and_head
 
     from omnimtp.mtp.demo import demo_model_dir
@@ -43,13 +50,18 @@ def run(args) -> int:
     target, head = target.to(device), head.to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
-    out = speculative_generate(
-        target, head, input_ids, max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-        sampling=sampling, seed=args.seed,
-    )
+    spec_kwargs = dict(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, sampling=sampling,
+                       seed=args.seed)
+    if args.compare:  # warm-up (and, with -k auto, the one-time cost calibration) outside the timed runs
+        speculative_generate(target, head, input_ids, **spec_kwargs)
+        plain_generate(target, input_ids, max_new_tokens=2)
+    out = speculative_generate(target, head, input_ids, **spec_kwargs)
     text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
     result = {"text": text, **out.stats.to_dict()}
     if args.compare:
+        start = time.perf_counter()
+        ours = plain_generate(target, input_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+        ours_time = time.perf_counter() - start
         generate_kwargs = {"do_sample": False} if sampling.is_greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
         }
@@ -59,24 +71,30 @@ def run(args) -> int:
         with torch.no_grad():
             plain = target.generate(input_ids, max_new_tokens=args.max_new_tokens, **generate_kwargs)
         plain_time = time.perf_counter() - start
-        num_plain = plain.shape[1] - input_ids.shape[1]
-        result["plain_tokens_per_s"] = num_plain / plain_time
+        result["plain_tokens_per_s"] = (ours.shape[1] - input_ids.shape[1]) / ours_time
         result["speedup"] = result["tokens_per_s"] / result["plain_tokens_per_s"]
+        result["generate_tokens_per_s"] = (plain.shape[1] - input_ids.shape[1]) / plain_time
+        result["speedup_vs_generate"] = result["tokens_per_s"] / result["generate_tokens_per_s"]
         # Sampled runs draw different random numbers, so only greedy outputs are expected to match.
-        result["outputs_match"] = torch.equal(plain, out.sequences)
+        result["outputs_match"] = torch.equal(plain, out.sequences) and torch.equal(ours, out.sequences)
         result["plain_text"] = tokenizer.decode(plain[0, input_ids.shape[1]:], skip_special_tokens=True)
     if args.json:
         print(json.dumps(result))
     else:
         print(text)
+        k = f"auto (steps per k {dict(sorted(out.stats.draft_histogram.items()))})" if out.stats.is_adaptive else args.num_draft_tokens
         print(
-            f"tau {result['mean_acceptance_length']:.2f}  per-position "
+            f"k {k}  tau {result['mean_acceptance_length']:.2f}  per-position "
             + " ".join(f"{a:.2f}" for a in result["acceptance_per_position"])
             + f"  {result['tokens_per_s']:.1f} tok/s"
         )
         if args.compare:
             print(
-                f"plain {result['plain_tokens_per_s']:.1f} tok/s  speedup {result['speedup']:.2f}x  "
-                f"outputs match: {result['outputs_match']}"
+                f"plain (ours, same forward) {result['plain_tokens_per_s']:.1f} tok/s: speedup {result['speedup']:.2f}x  "
+                f"transformers generate {result['generate_tokens_per_s']:.1f} tok/s: speedup "
+                f"{result['speedup_vs_generate']:.2f}x  outputs match: {result['outputs_match']}"
             )
+    warning = acceptance_warning(out.stats)
+    if warning is not None:
+        print(warning, file=sys.stderr)
     return 0

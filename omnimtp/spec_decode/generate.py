@@ -29,6 +29,11 @@ layers hold a recurrent state rather than slots, so no hole can be masked there:
 back at its own accepted length after every verify (`omnimtp.spec_decode.hybrid`), while their
 full-attention layers follow the slot scheme above.
 
+Adaptive drafting (`num_draft_tokens="auto"`, `omnimtp.spec_decode.adaptive`): before each step a
+controller picks k in 0..K from the rows' past acceptance and costs measured once per model; k = 0 is a
+plain one-token step (the target reads the pending token, the next one is sampled from its logits) and
+the drafter reads the slots it missed with the next step that drafts.
+
 Randomness: every row has its own generator (`seed` + row index, or one seed per row); the first token,
 the drafts and the verification draw from it in a fixed order, so a seeded row gives the same tokens
 alone or in a batch.
@@ -46,10 +51,13 @@ from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits,
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
 from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.adaptive import (
+    AUTO, DEFAULT_MAX_DRAFT_TOKENS, DraftController, DraftCosts, FixedDrafts, calibrate, check_num_draft_tokens,
+)
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, extend_block
 from omnimtp.spec_decode.rejection import rejection_sample
 
 
@@ -57,15 +65,15 @@ from omnimtp.spec_decode.rejection import rejection_sample
 class SpecConfig:
     """Validated settings of one speculative run."""
 
-    num_draft_tokens: int
+    num_draft_tokens: int | str  # k >= 1, or "auto" (adaptive, see `omnimtp.spec_decode.adaptive`)
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams.greedy)
 
     def __post_init__(self):
-        for name in ("num_draft_tokens", "max_new_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_num_draft_tokens(self.num_draft_tokens)
+        value = self.max_new_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {value!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
         if self.sampling.repetition_penalty != 1.0:
@@ -78,7 +86,10 @@ class SpecStats:
 
     mean_acceptance_length τ = 1 + accepted / row-steps (the bonus/recovered token included);
     acceptance_per_position[i] = row-steps whose draft i+1 was accepted / row-steps;
-    acceptance_rate = accepted / drafted. Counts come from verification, before EOS/length truncation."""
+    acceptance_rate = accepted / drafted. Counts come from verification, before EOS/length truncation.
+    num_draft_tokens: k, or the most an adaptive run may draft; an adaptive run also reports the costs it
+    decided with (`draft_costs`, relative to a plain step) and how many steps drafted each k
+    (`draft_histogram`, k = 0: plain steps; they count as row-steps)."""
 
     num_draft_tokens: int
     num_steps: int = 0  # verify forwards (batch-wide)
@@ -89,7 +100,14 @@ class SpecStats:
     num_generated_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    decode_time_s: float = 0.0  # the steps after the prefill (drafts, verifies and the loop's own work)
     total_time_s: float = 0.0
+    draft_costs: tuple[float, ...] | None = None
+    draft_histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.draft_costs is not None
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -120,8 +138,11 @@ class SpecStats:
             "num_generated_tokens": self.num_generated_tokens,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "decode_time_s": self.decode_time_s,
             "total_time_s": self.total_time_s,
             "tokens_per_s": self.tokens_per_s,
+            "draft_costs": self.draft_costs,
+            "draft_histogram": dict(self.draft_histogram),
         }
 
 
@@ -228,11 +249,12 @@ def speculative_generate(
     attention_mask: torch.Tensor | None = None,
     *,
     max_new_tokens: int,
-    num_draft_tokens: int,
+    num_draft_tokens: int | str,
     sampling: SamplingParams | None = None,
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
     target_backend: str = "auto",
+    draft_costs: DraftCosts | None = None,
 ) -> SpecOutput:
     """Generate with drafts from `head` (an MTPHead, or any Proposer) verified by `target`.
 
@@ -242,23 +264,69 @@ def speculative_generate(
     generation config; finished rows are padded with its pad_token_id (else the first EOS id).
     target_backend: "auto" (packed on supported CPU models, else transformers), "packed" (ValueError if the
     model is unsupported) or "transformers" (the model's own forward); see the module docstring.
+    num_draft_tokens: k >= 1 drafts every step, or "auto": each step drafts 0..K tokens, whatever the rows'
+    acceptance so far makes fastest (`omnimtp.spec_decode.adaptive`), with draft_costs (K = its
+    max_draft_tokens) or, when None, costs measured once per model, batch size and sampling and then
+    reused (`calibrate_draft_costs`); the stats report them. Greedy output is the same either way, and a
+    seeded request repeats exactly with the same costs.
 
     Runs under `torch.inference_mode` (about 10% less per-op overhead than no_grad on small CPU models);
     the returned sequences are ordinary tensors."""
+    config = SpecConfig(num_draft_tokens, max_new_tokens, sampling if sampling is not None else SamplingParams.greedy())
+    if draft_costs is not None and not isinstance(draft_costs, DraftCosts):
+        raise ValueError(f"draft_costs must be None or a DraftCosts, got {type(draft_costs).__name__}")
+    if draft_costs is not None and num_draft_tokens != AUTO:
+        raise ValueError("draft_costs: set only with num_draft_tokens='auto'")
+    _check_prompt(input_ids, attention_mask)
     with torch.inference_mode():
+        if num_draft_tokens == AUTO:
+            if draft_costs is None:
+                draft_costs = calibrate_draft_costs(
+                    target, head, batch_size=input_ids.shape[0], sampling=config.sampling, target_backend=target_backend
+                )
+            controller = DraftController(draft_costs, input_ids.shape[0])
+        else:
+            controller = FixedDrafts(num_draft_tokens)
         out = _speculative_generate(
-            target, head, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-            num_draft_tokens=num_draft_tokens, sampling=sampling, seed=seed, eos_token_id=eos_token_id,
-            target_backend=target_backend,
+            target, head, input_ids, attention_mask, controller, max_new_tokens=max_new_tokens,
+            sampling=config.sampling, seed=seed, eos_token_id=eos_token_id, target_backend=target_backend,
         )
     return SpecOutput(sequences=out.sequences.clone(), stats=out.stats)  # clone: a normal tensor outside
 
 
+def calibrate_draft_costs(
+    target, head: MTPHead | Proposer, *, batch_size: int = 1, sampling: SamplingParams | None = None,
+    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+) -> DraftCosts:
+    """What a step drafting k = 0..max_draft_tokens tokens costs relative to a plain step, measured on
+    this target, drafter and backend at this batch size and sampling: a few steps of this loop with each
+    fixed k on a fixed 16-token prompt (the faster of two runs). Measured once per model and key, then
+    reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs."""
+    sampling = sampling if sampling is not None else SamplingParams.greedy()
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+        raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    device = target.get_output_embeddings().weight.device
+    prompt = (torch.arange(16, device=device) * 7 + 3).remainder(vocab).expand(batch_size, -1)  # [B, 16]
+
+    def seconds_per_step(k: int) -> float:
+        with torch.inference_mode():
+            out = _speculative_generate(
+                target, head, prompt, None, FixedDrafts(k), max_new_tokens=64, sampling=sampling, seed=0,
+                eos_token_id=[], target_backend=target_backend, max_steps=6,
+            )
+        return out.stats.decode_time_s / max(out.stats.num_steps, 1)
+
+    key = (id(head), target_backend, sampling, batch_size, str(device))
+    return calibrate(target, key, seconds_per_step, max_draft_tokens)
+
+
 def _speculative_generate(
-    target, head, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling, seed, eos_token_id,
-    target_backend,
+    target, head, input_ids, attention_mask, controller, *, max_new_tokens, sampling, seed, eos_token_id,
+    target_backend, max_steps: int | None = None,
 ) -> SpecOutput:
-    config = SpecConfig(num_draft_tokens, max_new_tokens, sampling if sampling is not None else SamplingParams.greedy())
+    """The loop; controller: a `DraftController` or `FixedDrafts`; max_steps: stop after that many steps
+    (what calibration times), else at EOS / max_new_tokens."""
     attention_mask = _check_prompt(input_ids, attention_mask)
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
@@ -275,17 +343,18 @@ def _speculative_generate(
     pad_id = target.generation_config.pad_token_id
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
-    sampling = config.sampling
-    k = config.num_draft_tokens
+    max_k = controller.max_draft_tokens
     generators = None if sampling.is_greedy else make_generators(row_seeds(seed, batch_size), device=device)
-    stats = SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k)
+    stats = SpecStats(num_draft_tokens=max_k, accepted_per_position=[0] * max_k)
+    if isinstance(controller, DraftController):
+        stats.draft_costs = controller.costs.step
     start = time.perf_counter()
 
     # Prefill: positions as `generate` computes them for left padding.
     kv_mask = attention_mask.long()  # [B, L] validity of every cache slot
     position_ids = (kv_mask.cumsum(dim=-1) - 1).masked_fill(kv_mask == 0, 1)  # [B, P]
     if packed is not None:
-        target_cache = KVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + k + 1)
+        target_cache = KVCache(packed, batch_size, capacity=prompt_len + max_new_tokens + max_k + 1)
     else:
         target_cache = DynamicCache(config=target.config)
     hidden, logits, _ = _target_forward(
@@ -306,7 +375,7 @@ def _speculative_generate(
     for row in range(batch_size):
         emit(row, [int(first[row])])
     pending = first  # [B] emitted, not yet read by the target
-    block = DraftInput(
+    block = DraftInput(  # the slots the drafter has not read yet
         input_ids=input_ids,
         next_ids=torch.cat([input_ids[:, 1:], first[:, None]], dim=1),
         hidden=hidden,
@@ -314,27 +383,36 @@ def _speculative_generate(
         kv_mask=kv_mask,
         last_index=torch.full((batch_size,), prompt_len - 1, device=device),
     )
-    offsets = torch.arange(k + 1, device=device)
+    rows = torch.arange(batch_size, device=device)
+    decode_start = time.perf_counter()
 
-    while not all(finished):
-        active = torch.tensor([not f for f in finished], device=device)  # [B]
+    while not all(finished) and (max_steps is None or stats.num_steps < max_steps):
+        is_active = [not f for f in finished]
+        active = torch.tensor(is_active, device=device)  # [B]
+        k = controller.choose(is_active)
         t0 = time.perf_counter()
-        draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
+        if k > 0:
+            draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
+        else:  # a plain step: the drafter reads these slots with the next step that drafts
+            draft_tokens, draft_probs = pending.new_zeros(batch_size, 0), None
         t1 = time.perf_counter()
 
+        offsets = torch.arange(k + 1, device=device)
         verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
-        verify_positions = block.position_ids[torch.arange(batch_size), block.last_index][:, None] + 1 + offsets
+        verify_positions = block.position_ids[rows, block.last_index][:, None] + 1 + offsets
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
-        saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
+        saved_states = snapshot(target_cache, linear_layers) if linear_layers and k > 0 else None
         if dsa:
             hidden = dsa_verify_forward(target, verify_ids, verify_positions, verify_mask, target_cache, prompt_len)
             logits, layer_inputs = target.get_output_embeddings()(hidden).float(), None
         else:
             hidden, logits, layer_inputs = _target_forward(
                 target, packed, verify_ids, verify_positions, verify_mask, target_cache,
-                record_layer_inputs=bool(linear_layers),
+                record_layer_inputs=saved_states is not None,
             )
-        if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
+        if k == 0:
+            tokens, num_emitted = sample(logits[:, 0], sampling, generators)[:, None], pending.new_ones(batch_size)
+        elif sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
             target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
@@ -345,7 +423,9 @@ def _speculative_generate(
         stats.draft_time_s += t1 - t0
 
         num_accepted = num_emitted - 1
+        controller.update(k, num_accepted.tolist(), is_active)
         stats.num_steps += 1
+        stats.draft_histogram[k] = stats.draft_histogram.get(k, 0) + 1
         stats.num_row_steps += int(active.sum())
         stats.num_drafted += k * int(active.sum())
         stats.num_accepted += int(num_accepted[active].sum())
@@ -360,7 +440,7 @@ def _speculative_generate(
                 target_cache.crop(block_width - (k + 1))
             else:
                 crop_attention(target_cache, k + 1 - block_width)
-        if linear_layers:
+        if saved_states is not None:
             rollback(target, target_cache, saved_states, layer_inputs, num_kept)
         kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
 
@@ -368,8 +448,8 @@ def _speculative_generate(
             if not finished[row]:
                 emit(row, tokens[row, : int(num_emitted[row])].tolist())
         last_index = num_kept - 1  # [B]
-        pending = tokens[torch.arange(batch_size), last_index].clamp(min=0)  # finished rows: any valid id
-        block = DraftInput(
+        pending = tokens[rows, last_index].clamp(min=0)  # finished rows: any valid id
+        new_block = DraftInput(
             input_ids=verify_ids[:, :block_width],
             next_ids=tokens[:, :block_width].clamp(min=0),
             hidden=hidden[:, :block_width],
@@ -377,13 +457,16 @@ def _speculative_generate(
             kv_mask=kv_mask,
             last_index=last_index,
         )
+        block = new_block if k > 0 else extend_block(block, new_block)
 
     num_new = max(len(row) for row in generated)
     new_tokens = torch.full((batch_size, num_new), pad_id, dtype=input_ids.dtype, device=device)
     for row in range(batch_size):
         new_tokens[row, : len(generated[row])] = torch.tensor(generated[row], dtype=input_ids.dtype)
     stats.num_generated_tokens = sum(len(row) for row in generated)
-    stats.total_time_s = time.perf_counter() - start
+    end = time.perf_counter()
+    stats.decode_time_s = end - decode_start
+    stats.total_time_s = end - start
     return SpecOutput(sequences=torch.cat([input_ids, new_tokens], dim=1), stats=stats)
 
 

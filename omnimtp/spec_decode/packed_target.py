@@ -28,7 +28,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.decoder import PackedDecoder, shared_length_forward, unsupported_layer_reason, weights_fingerprint
+from omnimtp.runtime.decoder import (
+    ROW_KERNEL, ROW_KERNEL_MAX_ROWS, PackedDecoder, shared_length_forward, unsupported_layer_reason, weights_fingerprint,
+)
 from omnimtp.runtime.kv_cache import KVCache
 from omnimtp.runtime.ops import linear, rms_norm
 
@@ -62,15 +64,16 @@ _PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → 
 
 
 def packed_target(target) -> PackedDecoder:
-    """`PackedDecoder.from_causal_lm(target)` (ValueError naming why a model is not supported), cached per
-    model (repacked when its weights change)."""
+    """`PackedDecoder.from_causal_lm(target).with_row_kernel()` (ValueError naming why a model is not
+    supported), cached per model (repacked when its weights change): a verify of k + 1 rows and a plain
+    step run the same row kernel where it builds, so they cost about the same and agree bit for bit."""
     fingerprint = weights_fingerprint(target)
     entry = _PACKED.get(target)
     if entry is None or entry[0] != fingerprint:
         reason = unsupported_reason(target)
         if reason is not None:
             raise ValueError(f"target: {reason}")
-        entry = (fingerprint, PackedDecoder.from_causal_lm(target))
+        entry = (fingerprint, PackedDecoder.from_causal_lm(target).with_row_kernel())
         _PACKED[target] = entry
     return entry[1]
 
@@ -98,5 +101,7 @@ def packed_forward(
 
 
 def packed_logits(packed: PackedDecoder, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [B, T, H] → logits [B, T, V] float32 (the LM head)."""
+    """hidden [B, T, H] → logits [B, T, V] float32 (the LM head; on the row kernel for up to 16 rows)."""
+    if packed.row_kernel_lm_head is not None and hidden.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
+        return linear(hidden, packed.lm_head, packed=packed.row_kernel_lm_head, gemm=ROW_KERNEL).float()
     return linear(hidden, packed.lm_head).float()

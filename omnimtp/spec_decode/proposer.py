@@ -41,6 +41,26 @@ class DraftInput:
     next_position_ids: torch.Tensor | None = None
 
 
+def extend_block(block: DraftInput, new: DraftInput) -> DraftInput:
+    """The slots of `block` followed by those of `new` (appended after it) as one block: what a drafter
+    reads after steps that drafted nothing (plain steps of an adaptive run)."""
+    next_positions = None
+    if block.next_position_ids is not None or new.next_position_ids is not None:
+        next_positions = torch.cat([
+            (b.position_ids + 1).expand(3, -1, -1) if b.next_position_ids is None else b.next_position_ids
+            for b in (block, new)
+        ], dim=2)  # [3, B, W + W']
+    return DraftInput(
+        input_ids=torch.cat([block.input_ids, new.input_ids], dim=1),
+        next_ids=torch.cat([block.next_ids, new.next_ids], dim=1),
+        hidden=torch.cat([block.hidden, new.hidden], dim=1),
+        position_ids=torch.cat([block.position_ids, new.position_ids], dim=1),
+        kv_mask=new.kv_mask,
+        last_index=block.input_ids.shape[1] + new.last_index,
+        next_position_ids=next_positions,
+    )
+
+
 class Proposer(Protocol):
     def reset(self) -> None:
         """Forget any state (call before a new batch of prompts)."""

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from omnimtp.mtp.head import MTPHead
-from omnimtp.sampling import SamplingParams, probs_from_logits
+from omnimtp.sampling import SamplingParams, probs_from_logits, sample
+from omnimtp.spec_decode.adaptive import AUTO, DraftController, DraftCosts, FixedDrafts, check_num_draft_tokens
 from omnimtp.spec_decode.generate import greedy_verify
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, extend_block
 from omnimtp.spec_decode.rejection import rejection_sample
 
 GREEDY = SamplingParams.greedy()
@@ -38,15 +39,18 @@ class ThinkerSpeculation:
     """Validated settings of the thinker's speculative steps.
 
     drafter: an `MTPHead` for the thinker, or any `Proposer` (each run drafts with its own `copy.copy`
-    of it, `reset()` first, so runs that overlap never share drafter state). num_draft_tokens: k >= 1."""
+    of it, `reset()` first, so runs that overlap never share drafter state). num_draft_tokens: k >= 1, or
+    "auto" (`omnimtp.spec_decode.adaptive`: each step of a run drafts 0..K tokens, one k for the run's
+    rows, with draft_costs or, when None, costs measured once per thinker and batch size on first use)."""
 
     drafter: object
-    num_draft_tokens: int
+    num_draft_tokens: int | str
+    draft_costs: DraftCosts | None = None
 
     def __post_init__(self):
-        k = self.num_draft_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"num_draft_tokens must be an integer >= 1, got {k!r}")
+        check_num_draft_tokens(self.num_draft_tokens)
+        if self.draft_costs is not None and (self.num_draft_tokens != AUTO or not isinstance(self.draft_costs, DraftCosts)):
+            raise ValueError("draft_costs: a DraftCosts, set only with num_draft_tokens='auto'")
         drafter = self.drafter
         if not isinstance(drafter, MTPHead) and not (callable(getattr(drafter, "propose", None)) and callable(getattr(drafter, "reset", None))):
             raise ValueError(f"thinker_mtp must be an MTPHead, a Proposer or a head directory, got {type(drafter).__name__}")
@@ -62,6 +66,16 @@ class ThinkerSpeculation:
         if self.drafter.vocab_size != vocab:
             raise ValueError(f"thinker_mtp: vocab size {self.drafter.vocab_size} does not match the thinker's {vocab}")
 
+    @property
+    def is_adaptive(self) -> bool:
+        return self.num_draft_tokens == AUTO
+
+    def new_controller(self, costs: DraftCosts | None, num_rows: int) -> DraftController | FixedDrafts:
+        """A run's controller: fixed k, or adaptive with `costs` (draft_costs when given)."""
+        if not self.is_adaptive:
+            return FixedDrafts(self.num_draft_tokens)
+        return DraftController(self.draft_costs or costs, num_rows)
+
     def new_proposer(self) -> Proposer:
         if isinstance(self.drafter, MTPHead):
             return MTPProposer(self.drafter)
@@ -70,11 +84,11 @@ class ThinkerSpeculation:
         return proposer
 
 
-def thinker_speculation(thinker, thinker_mtp, num_draft_tokens: int | None) -> ThinkerSpeculation | None:
+def thinker_speculation(thinker, thinker_mtp, num_draft_tokens: int | str | None) -> ThinkerSpeculation | None:
     """What `OmniPipeline(thinker_mtp=..., num_draft_tokens=...)` and `--thinker-mtp DIR -k K` ask for:
     thinker_mtp None (no speculation; num_draft_tokens must be None too), a directory holding the thinker's
     MTP head (`model-mtp.safetensors`, see `omnimtp.mtp.head`), an `MTPHead` or any `Proposer`;
-    num_draft_tokens default 3. ValueError naming the argument otherwise."""
+    num_draft_tokens k >= 1 or "auto", default 3. ValueError naming the argument otherwise."""
     if thinker_mtp is None:
         if num_draft_tokens is not None:
             raise ValueError("num_draft_tokens: set only with thinker_mtp (the drafter of the thinker's speculative steps)")
@@ -129,16 +143,18 @@ class DraftLayout:
     def advance(self, verify_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, num_kept: torch.Tensor) -> None:
         """After a verify: verify_ids [B, k+1] (the pending token, the drafts), tokens [B, k+1] (−1 padded),
         hidden [B, k+1, H] (zeros on rows not verified), num_kept [B] (slots the thinker kept; 1 on rows
-        not verified)."""
+        not verified). After a plain step (k = 0) the proposer has not read the block before: the new
+        slots are appended to it."""
         width = int(num_kept.max())
         offsets = torch.arange(verify_ids.shape[1], device=verify_ids.device)
         positions = self.next_positions[:, None] + offsets  # [B, k+1]
         kv_mask = torch.cat([self.block.kv_mask, (offsets[None, :width] < num_kept[:, None]).long()], dim=1)
         last_index = num_kept - 1  # [B]
-        self.block = DraftInput(
+        block = DraftInput(
             input_ids=verify_ids[:, :width], next_ids=tokens[:, :width].clamp(min=0), hidden=hidden[:, :width],
             position_ids=positions[:, :width], kv_mask=kv_mask, last_index=last_index,
         )
+        self.block = block if verify_ids.shape[1] > 1 else extend_block(self.block, block)
         self.pending = tokens[torch.arange(tokens.shape[0], device=tokens.device), last_index].clamp(min=0)
         self.next_positions = self.next_positions + num_kept
 
@@ -158,6 +174,11 @@ def verify(
     bonus token, −1 padded) and num_emitted [R] in 1..k+1 (`rejection_sample`; greedy rows accept while
     the draft is the argmax and draw nothing)."""
     params = [s or GREEDY for s in sampling]
+    if draft_tokens.shape[1] == 0:  # a plain step: each row samples its next token as the plain loop does
+        tokens = torch.cat([
+            sample(logits[r, :1].float(), p, None if g is None else [g]) for r, (p, g) in enumerate(zip(params, generators))
+        ])
+        return tokens[:, None], torch.ones_like(tokens)
     if all(p.is_greedy for p in params):
         return greedy_verify(logits.argmax(dim=-1), draft_tokens.long())
     target_probs = torch.stack([probs_from_logits(logits[r].float(), p) for r, p in enumerate(params)])  # [R, k+1, V]

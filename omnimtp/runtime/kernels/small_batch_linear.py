@@ -1,10 +1,10 @@
 """fp32 linear layers for a few rows (1..16 per pass) that stream their weights at a core's read
-bandwidth, on x86 CPUs with AVX-512F (see the C source for how).
+bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which build runs).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
 and loaded with ctypes: no torch headers, no build step at install time. A cached library is loaded only
-while this user owns it and neither it nor its directory is writable by group or others. Where it cannot be used — no AVX-512F, no compiler, another OS, or
+while this user owns it and neither it nor its directory is writable by group or others. Where it cannot be used — neither AVX-512F nor AVX2, no compiler, another OS, or
 OMNIMTP_NATIVE_KERNELS=0 in the environment — `available()` is False and says why in `unavailable_reason()`;
 callers then use MKL's packed SGEMM or `F.linear`.
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-fPIC", "-shared"]
-PANEL = 16  # output columns per packed panel (one AVX-512 register)
+_ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's CPU capability → build
+PANEL = 16  # output columns per packed panel (one AVX-512 register, two AVX2 ones)
 
 _unavailable: str | None = None  # why the kernel is off, once known
 
@@ -51,10 +51,20 @@ def _compiler() -> str | None:
     return None
 
 
+def isa() -> str | None:
+    """The instruction set the kernel is built for on this CPU ("AVX512" or "AVX2"), or None."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _ISA_FLAGS else None
+
+
+def _flags() -> list[str]:
+    return ["-O3", *_ISA_FLAGS[isa() or "AVX512"], "-fopenmp", "-fPIC", "-shared"]
+
+
 def _build(compiler: str) -> Path:
     """Compile the kernel (cached by source, flags and compiler) and return the shared library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_flags()), version]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"small_batch_linear-{key}.so"
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(target.parent)
@@ -63,7 +73,7 @@ def _build(compiler: str) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: each writes its own file
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *_flags(), "-o", str(built), str(_SOURCE)], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a reader sees the whole library or none
@@ -90,8 +100,8 @@ def _library() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         _unavailable = f"only built on Linux (this is {sys.platform})"
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512",):
-        _unavailable = f"needs AVX-512 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
+    if isa() is None:
+        _unavailable = f"needs AVX-512F or AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})"
         return None
     compiler = _compiler()
     if compiler is None:

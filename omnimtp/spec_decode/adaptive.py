@@ -1,0 +1,175 @@
+"""Adaptive drafting: how many tokens the next speculative step drafts (k = 0 is a plain one-token step).
+
+A step drafting k tokens costs c_k (`DraftCosts`, in units of a plain step: c_0 = 1) and emits in
+expectation
+
+    E_k = 1 + α + α² + ... + α^k        tokens,
+
+where α is the request's acceptance of a draft given the drafts before it were accepted. The controller
+keeps an estimate of α per request (an exponential moving average over the verified drafts: each
+accepted draft and each first rejection is one observation; a draft after a rejection was not verified
+and says nothing) and drafts the k that maximises E_k / c_k, expected tokens per unit of time — the
+goodput rule of SmartSpec (Liu et al., "Optimizing Speculative Decoding for Serving LLMs Using Goodput",
+2024), which vLLM's dynamic speculation follows, with one acceptance rate per request as there (one
+number learns from every verified position, so a request drafting 1 token still learns whether 4 would
+pay); EAGLE-2 and SGLang adapt a draft *tree* from draft confidences instead. A batch drafts one k for
+all its rows: the one maximising Σ_rows E_k / c_k.
+
+Worked example, c = (1, 1.6, 2.0, 2.4) for k = 0..3. α = 0.9: E = 1, 1.9, 2.71, 3.44 → E/c = 1, 1.19,
+1.36, 1.43: draft 3. α = 0.3: E/c = 1, 0.81, 0.70, 0.6: a plain step.
+
+Lossless and repeatable whatever k does. Speculative sampling emits exactly the target's distribution for
+any k fixed before the step's drafts are drawn, so k is chosen from the request's past verifications only:
+never from the step's own draft or target probabilities (cutting a chain where the drafted token looks
+unlikely to the drafter biases the output) and never from the clock. The costs are fixed before the run
+(measured once per model by `calibrate` and frozen, or given), so a seeded request repeats exactly with
+the same costs; greedy output is plain greedy's for any k.
+
+No acceptance is observed while k = 0 wins; after `probe_interval` plain steps in a row one step drafts a
+single token (a fixed schedule, not a random one), so a request whose text turns predictable again gets
+its drafts back.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+AUTO = "auto"
+DEFAULT_MAX_DRAFT_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class DraftCosts:
+    """step[k]: the cost of one speculative step that drafts k tokens (drafts, the (k+1)-row verify, the
+    loop's own work) relative to a plain one-token step, k = 0..max_draft_tokens; step[0] = 1."""
+
+    step: tuple[float, ...]
+
+    def __post_init__(self):
+        step = tuple(self.step)
+        if len(step) < 2 or any(isinstance(c, bool) or not isinstance(c, (int, float)) for c in step):
+            raise ValueError(f"draft_costs.step must be >= 2 numbers (k = 0, 1, ...), got {self.step!r}")
+        if any(not (0 < c < math.inf) for c in step) or step[0] != 1.0:
+            raise ValueError(f"draft_costs.step must be finite positive numbers with step[0] == 1.0, got {self.step!r}")
+        object.__setattr__(self, "step", tuple(float(c) for c in step))
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return len(self.step) - 1
+
+    @classmethod
+    def from_seconds(cls, seconds: list[float]) -> "DraftCosts":
+        """seconds[k]: measured seconds of a step drafting k tokens → costs relative to seconds[0], made
+        non-decreasing in k (drafting more is never cheaper; a noisy measurement must not say it is)."""
+        costs = [1.0]
+        for s in seconds[1:]:
+            costs.append(max(s / seconds[0], costs[-1]))
+        return cls(tuple(costs))
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """E_k = 1 + α + ... + α^k (see the module docstring)."""
+    return sum(acceptance**j for j in range(k + 1))
+
+
+class DraftController:
+    """Per-request acceptance estimates and the k of the next step (see the module docstring).
+
+    num_rows: the rows of the run (requests); costs: frozen `DraftCosts`; prior: the acceptance assumed
+    before a position was ever verified; smoothing: the weight of one new verification in the moving
+    average."""
+
+    def __init__(self, costs: DraftCosts, num_rows: int, *, prior: float = 0.7, smoothing: float = 0.1,
+                 probe_interval: int = 4):
+        if not isinstance(costs, DraftCosts):
+            raise ValueError(f"draft_costs must be a DraftCosts, got {type(costs).__name__}")
+        self.costs = costs
+        self.smoothing = smoothing
+        self.probe_interval = probe_interval
+        self.acceptance = [prior] * num_rows  # [B] α estimates
+        self.num_plain_in_a_row = 0
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.costs.max_draft_tokens
+
+    def choose(self, active: list[bool]) -> int:
+        """The number of drafts of the next step for the rows still generating (active[b])."""
+        rows = [self.acceptance[b] for b, is_active in enumerate(active) if is_active]
+        if not rows:
+            return 0
+        goodput = [sum(expected_tokens(a, k) for a in rows) / cost for k, cost in enumerate(self.costs.step)]
+        k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
+        if k == 0 and self.num_plain_in_a_row >= self.probe_interval:
+            k = 1
+        self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
+        return k
+
+    def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
+        """After verifying num_drafted drafts per row: num_accepted[b] of row b's were accepted."""
+        beta = self.smoothing
+        for b, is_active in enumerate(active):
+            if not is_active:
+                continue
+            for i in range(min(num_accepted[b] + 1, num_drafted)):  # verified drafts: accepted ones + the first rejection
+                observed = 1.0 if i < num_accepted[b] else 0.0
+                self.acceptance[b] += beta * (observed - self.acceptance[b])
+
+
+class FixedDrafts:
+    """The controller of a fixed k: every step drafts k tokens."""
+
+    def __init__(self, num_draft_tokens: int):
+        self.max_draft_tokens = num_draft_tokens
+
+    def choose(self, active: list[bool]) -> int:
+        return self.max_draft_tokens
+
+    def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
+        pass
+
+
+def check_num_draft_tokens(value, name: str = "num_draft_tokens") -> None:
+    """ValueError unless value is an int >= 1 or "auto"."""
+    if value == AUTO:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
+
+
+_CALIBRATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {key: DraftCosts}
+
+
+def calibrate(model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int) -> DraftCosts:
+    """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
+    k tokens and returns the seconds of one step; the smaller of two measurements is kept for each k."""
+    cache = _CALIBRATED.setdefault(model, {})
+    key = (*key, max_draft_tokens)
+    if key not in cache:
+        seconds = [min(seconds_per_step(k), seconds_per_step(k)) for k in range(max_draft_tokens + 1)]
+        cache[key] = DraftCosts.from_seconds(seconds)
+    return cache[key]
+
+
+def acceptance_warning(stats) -> str | None:
+    """A one-line warning when a run's acceptance did not pay for its drafts (None when it did): a fixed k
+    whose τ stayed below 1 + k/2 (on CPU a step of k drafts costs about that many plain steps and more), or
+    an adaptive run that fell back to plain steps in most of its steps."""
+    tau = stats.mean_acceptance_length
+    if stats.num_row_steps == 0:
+        return None
+    if stats.is_adaptive:
+        plain = stats.draft_histogram.get(0, 0) / max(stats.num_steps, 1)
+        if plain < 0.5:
+            return None
+        return (f"warning: speculation paid in few steps (τ {tau:.2f}; {plain:.0%} of steps fell back to plain "
+                "decoding): the MTP head rarely agrees with the target; train it on the target's own outputs")
+    k = stats.num_draft_tokens
+    if tau >= 1 + k / 2:
+        return None
+    return (f"warning: τ {tau:.2f} at k = {k} is too low for speculation to pay (a step of {k} drafts costs about "
+            f"{1 + k / 2:.1f} plain steps or more): use -k auto (drafts only while they pay), a smaller k, or a "
+            "better-trained MTP head")

@@ -1,0 +1,226 @@
+"""Adaptive drafting (`num_draft_tokens="auto"`): the controller's rule on hand-made histories; greedy output
+== transformers' `generate` == `plain_generate` whatever k does (tiny ragged batches with EOS, the demo LM,
+the demo omni thinker); the sampled joint law of three tokens is the target's with k moving between steps;
+seeded runs repeat; bad settings are ValueErrors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from omnimtp import MTPHead, SamplingParams, TargetProposer, plain_generate, speculative_generate, tiny_lm
+from omnimtp.spec_decode.adaptive import DraftController, DraftCosts, acceptance_warning, expected_tokens
+from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_costs
+from distribution_checks import assert_law
+from spec_drafters import ragged_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CHEAP = DraftCosts((1.0, 1.1, 1.2, 1.3, 1.4))  # drafting pays at any acceptance above ~0.1
+MIXED = DraftCosts((1.0, 1.5, 1.8, 2.1))  # pays only while acceptance is high: k moves with the history
+DEAR = DraftCosts((1.0, 3.0, 5.0))  # plain steps, with a one-draft probe every few steps
+
+
+# --- the controller --------------------------------------------------------------------------------------
+
+
+def test_the_goodput_rule_on_the_worked_example():
+    costs = DraftCosts((1.0, 1.6, 2.0, 2.4))
+    assert [round(expected_tokens(0.9, k), 3) for k in range(4)] == [1, 1.9, 2.71, 3.439]
+    high, low = DraftController(costs, 1, prior=0.9), DraftController(costs, 1, prior=0.3)
+    assert high.choose([True]) == 3 and low.choose([True]) == 0
+
+
+def test_only_verified_drafts_move_the_estimate_and_a_run_of_plain_steps_probes():
+    controller = DraftController(MIXED, 2, prior=0.7, smoothing=0.5, probe_interval=2)
+    controller.update(3, [1, 3], [True, True])  # row 0: accepted, rejected (draft 3 unverified); row 1: 3 accepted
+    assert controller.acceptance == pytest.approx([(0.7 + 1) / 2 / 2, 0.7 + 0.3 * 0.875])
+    controller.update(2, [0, 0], [True, False])  # a finished row learns nothing
+    assert controller.acceptance[1] == pytest.approx(0.7 + 0.3 * 0.875)
+    low = DraftController(DEAR, 1, probe_interval=2)
+    assert [low.choose([True]) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
+    assert DraftController(MIXED, 1).choose([False]) == 0
+
+
+def test_costs_are_checked_and_measured_costs_never_fall_with_k():
+    for bad in [(1.0,), (2.0, 3.0), (1.0, -1.0), (1.0, float("inf")), (1.0, True)]:
+        with pytest.raises(ValueError, match="draft_costs"):
+            DraftCosts(bad)
+    assert DraftCosts.from_seconds([0.01, 0.015, 0.012, 0.02]).step == pytest.approx((1.0, 1.5, 1.5, 2.0))
+
+
+def test_the_warning_names_tau_and_what_to_do():
+    weak = SpecStats(num_draft_tokens=3, num_row_steps=10, num_accepted=2, num_steps=10)
+    assert "τ 1.20" in acceptance_warning(weak) and "-k auto" in acceptance_warning(weak)
+    assert acceptance_warning(SpecStats(num_draft_tokens=3, num_row_steps=10, num_accepted=20, num_steps=10)) is None
+    fell_back = SpecStats(num_draft_tokens=4, num_row_steps=10, num_steps=10, draft_costs=DEAR.step, draft_histogram={0: 8, 1: 2})
+    assert "80% of steps" in acceptance_warning(fell_back)
+
+
+# --- greedy: the plain loop's tokens, whatever k does ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_lm("glm4_moe", seed=0)
+    torch.manual_seed(1)
+    return target, MTPHead.from_config(target)
+
+
+@pytest.mark.parametrize("costs", [CHEAP, MIXED, DEAR], ids=["cheap", "mixed", "dear"])
+@pytest.mark.parametrize("drafter", ["mtp_head", "target"])
+def test_greedy_auto_equals_generate_ragged_batch_with_eos(tiny, costs, drafter):
+    target, head = tiny
+    ids, mask = ragged_batch(lengths=(7, 5, 3, 6), pad_id=0, seed=4)
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
+    eos = int(free[0, ids.shape[1] + 5])
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=eos)
+    proposer = head if drafter == "mtp_head" else TargetProposer(target)
+    out = speculative_generate(target, proposer, ids, mask, max_new_tokens=14, num_draft_tokens="auto",
+                               draft_costs=costs, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    assert torch.equal(plain_generate(target, ids, mask, max_new_tokens=14, eos_token_id=eos), reference)
+    stats = out.stats
+    assert stats.draft_costs == costs.step and sum(stats.draft_histogram.values()) == stats.num_steps
+    if costs is DEAR:
+        assert stats.draft_histogram.get(0, 0) > stats.num_steps // 2  # mostly plain steps, and probes
+        assert stats.draft_histogram.get(1, 0) >= 1
+    if drafter == "target" and costs is CHEAP:  # every draft accepted: the most drafts every step
+        assert set(stats.draft_histogram) == {4}
+
+
+def test_calibrated_costs_are_measured_once_and_reused(tiny):
+    target, head = tiny
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    costs = calibrate_draft_costs(target, head, max_draft_tokens=2)
+    assert costs is calibrate_draft_costs(target, head, max_draft_tokens=2)  # frozen per model and key
+    assert costs.step[0] == 1.0 and len(costs.step) == 3
+    out = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens="auto", eos_token_id=-1)
+    assert out.stats.draft_costs is not None and len(out.stats.draft_costs) == 5
+    assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=-1))
+
+
+def test_greedy_auto_on_the_demo_lm_equals_plain_and_generate():
+    from transformers import AutoTokenizer
+
+    from omnimtp.mtp.demo import demo_model_dir
+    from omnimtp.mtp.head import load_target_and_head
+
+    target, head = load_target_and_head(demo_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
+    text = json.loads((demo_model_dir() / "heldout_prompts.json").read_text())[0]
+    prompt = tokenizer(text, return_tensors="pt").input_ids
+    reference = target.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=-1)
+    assert torch.equal(plain_generate(target, prompt, max_new_tokens=40, eos_token_id=-1), reference)
+    for costs in (CHEAP, MIXED):
+        out = speculative_generate(target, head, prompt, max_new_tokens=40, num_draft_tokens="auto", draft_costs=costs,
+                                   eos_token_id=-1)
+        assert torch.equal(out.sequences, reference)
+        assert out.stats.num_accepted > 0
+
+
+def test_greedy_auto_on_the_demo_omni_thinker_equals_plain():
+    from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+    from omnimtp.thinker import ThinkerRun
+
+    pipe = OmniPipeline.demo(thinker_mtp=None)
+    head = MTPHead.from_pretrained(demo_omni_dir(), pipe.model.thinker).eval()
+    prompts = [pipe.family.chat_ids([{"role": "user", "content": t}]) for t in demo_omni_prompts()[:2]]
+
+    def run(speculation):
+        thinker_run = ThinkerRun(pipe.model.thinker, prompts, accept_hidden_layer=pipe.accept_hidden_layer,
+                                 eos_token_ids=pipe.eos_token_ids, max_new_tokens=32, decoder=pipe.thinker_decoder,
+                                 speculation=speculation)
+        with torch.inference_mode():
+            while not thinker_run.is_finished:
+                thinker_run.step()
+        return thinker_run
+
+    plain = run(None).output_ids
+    for costs in (CHEAP, MIXED, DEAR):
+        spec = run(ThinkerSpeculation(head, "auto", draft_costs=costs))
+        assert spec.output_ids == plain
+        assert sum(s.num_accepted for s in spec.spec_stats) > 0
+    with pytest.raises(ValueError, match="draft_costs"):
+        ThinkerSpeculation(head, 3, draft_costs=CHEAP)
+
+
+# --- sampled: the target's law, repeatable -------------------------------------------------------------
+
+
+SAMPLING = SamplingParams(temperature=0.8, top_k=10, top_p=0.7)
+NUM_ROWS = 8000
+
+
+class SharpDraft:
+    """The target drafting for itself at temperature 0.3 (accepted often, not always; q is not one-hot)."""
+
+    def __init__(self, target):
+        self.inner = TargetProposer(target)
+
+    def reset(self):
+        self.inner.reset()
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        return self.inner.propose(block, num_draft_tokens, SamplingParams(temperature=0.3), generators)
+
+
+def _plain_law(target, prompt, num_tokens: int) -> torch.Tensor:
+    """The exact law [V^n] of the first num_tokens sampled tokens (outcome code Σ t_i V^(n-1-i)), enumerated
+    with the target's own forward over every prefix in the filtered support."""
+    from omnimtp.sampling import probs_from_logits
+
+    vocab = target.config.vocab_size
+    law, codes, prefixes = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.long), prompt
+    for _ in range(num_tokens):
+        with torch.no_grad():
+            probs = probs_from_logits(target(prefixes).logits[:, -1].float(), SAMPLING).double()  # [N, V]
+        law, codes = (law[:, None] * probs).flatten(), (codes[:, None] * vocab + torch.arange(vocab)).flatten()
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1)
+        keep = law > 0
+        law, codes, prefixes = law[keep], codes[keep], prefixes[keep]
+    exact = torch.zeros(vocab**num_tokens, dtype=torch.float64)
+    exact[codes] = law
+    return exact.float()
+
+
+def test_sampled_auto_follows_the_target_law(tiny):
+    """k = 2 at the prior, then whatever the batch's acceptance pays for (MIXED costs, at most 2 drafts): the
+    first two tokens and the first three follow the target's law within the sample-size bound."""
+    target, _ = tiny
+    prompt = torch.randint(3, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    vocab = target.config.vocab_size
+    costs = DraftCosts(MIXED.step[:3])
+    out = speculative_generate(target, SharpDraft(target), prompt.expand(NUM_ROWS, -1), max_new_tokens=3,
+                               num_draft_tokens="auto", draft_costs=costs, sampling=SAMPLING,
+                               seed=list(range(NUM_ROWS)), eos_token_id=-1)
+    assert 0.5 < out.stats.acceptance_rate < 0.98
+    new = out.sequences[:, prompt.shape[1]:]
+    for n in (2, 3):
+        assert_law((new[:, :n] * vocab ** torch.arange(n - 1, -1, -1)).sum(1), _plain_law(target, prompt, n), {})
+
+
+def test_seeded_auto_request_repeats(tiny):
+    target, head = tiny
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(5))
+    runs = [speculative_generate(target, head, prompt, max_new_tokens=24, num_draft_tokens="auto", draft_costs=MIXED,
+                                 sampling=SAMPLING, seed=11, eos_token_id=-1) for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert runs[0].stats.draft_histogram == runs[1].stats.draft_histogram
+    assert len(runs[0].stats.draft_histogram) > 1  # k moved during the run
+
+
+def test_bad_settings_raise_value_errors(tiny):
+    target, head = tiny
+    prompt = torch.ones(1, 3, dtype=torch.long)
+    for k in ("fast", 0, 2.5, True):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            speculative_generate(target, head, prompt, max_new_tokens=4, num_draft_tokens=k)
+    with pytest.raises(ValueError, match="draft_costs"):
+        speculative_generate(target, head, prompt, max_new_tokens=4, num_draft_tokens=3, draft_costs=CHEAP)
+    with pytest.raises(ValueError, match="draft_costs"):
+        speculative_generate(target, head, prompt, max_new_tokens=4, num_draft_tokens="auto", draft_costs=(1.0, 2.0))
