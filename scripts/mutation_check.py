@@ -448,7 +448,7 @@ MUTATIONS = [
     # --- speculative decoding on hybrid targets ---------------------------------------------------------
     Mutation(
         "hybrid_no_rollback", "omnimtp/spec_decode/generate.py",
-        "        if linear_layers:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
+        "        if saved_states is not None:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         "        if False:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         HYBRID, "rejected drafts stay in the Gated-DeltaNet recurrent and conv states",
     ),
