@@ -7,10 +7,13 @@ the top; Qwen3-TTS's 12 Hz models never call them, so they are registered as emp
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import importlib.machinery
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -34,4 +37,46 @@ def load() -> types.ModuleType:
     pytest.importorskip("librosa")
     for name in _UNUSED_BY_12HZ:
         _register_empty(name)
-    return pytest.importorskip("qwen_tts")
+    qwen_tts = pytest.importorskip("qwen_tts")
+    _patch_models_for_transformers_5()
+    return qwen_tts
+
+
+_PATCHED: set[str] = set()
+
+
+def _patch_models_for_transformers_5() -> None:
+    """What the talker model needs on transformers 5.24 (once per process):
+
+    - 5.24's `generate` hands the cache to `forward` as `cache=` and renames an output's `past_key_values` to
+      `cache`: the two output dataclasses get a `cache` field and the two generating models take `cache` as
+      their `past_key_values` (without this the reference would silently run every step uncached);
+    - `save_pretrained` wants `_tied_weights_keys` as a dict (nothing is tied: `tie_word_embeddings` is False).
+    """
+    if "models" in _PATCHED:
+        return
+    from qwen_tts.core.models import modeling_qwen3_tts as modeling
+
+    for name in ("Qwen3TTSTalkerOutputWithPast", "Qwen3TTSTalkerCodePredictorOutputWithPast"):
+        original = getattr(modeling, name)
+        patched = dataclasses.make_dataclass(name, [("cache", Any, dataclasses.field(default=None))], bases=(original,))
+        patched.__module__ = modeling.__name__
+        setattr(modeling, name, patched)
+    for cls in (modeling.Qwen3TTSTalkerForConditionalGeneration, modeling.Qwen3TTSTalkerCodePredictorModelForConditionalGeneration):
+        cls.forward = _cache_as_past_key_values(cls.forward)
+    for cls in vars(modeling).values():
+        if isinstance(cls, type) and isinstance(getattr(cls, "_tied_weights_keys", None), list):
+            cls._tied_weights_keys = {}
+    _PATCHED.add("models")
+
+
+def _cache_as_past_key_values(forward):
+    @functools.wraps(forward)
+    def wrapped(self, *args, **kwargs):
+        if "cache" in kwargs:
+            if kwargs.get("past_key_values") is not None:
+                raise ValueError("both cache and past_key_values given")
+            kwargs["past_key_values"] = kwargs.pop("cache")
+        return forward(self, *args, **kwargs)
+
+    return wrapped
