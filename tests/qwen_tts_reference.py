@@ -80,3 +80,17 @@ def _cache_as_past_key_values(forward):
         return forward(self, *args, **kwargs)
 
     return wrapped
+
+
+def talker_model(path):
+    """The reference `Qwen3TTSForConditionalGeneration` of a checkpoint directory in the released layout,
+    through transformers' `from_pretrained` (what the reference's own `from_pretrained` does before it
+    loads `speech_tokenizer/`), with the reference's RoPE buffers restored; eval mode."""
+    load()
+    from qwen_tts._transformers_compat import restore_rope_buffers
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+    from transformers import PreTrainedModel
+
+    model = PreTrainedModel.from_pretrained.__func__(Qwen3TTSForConditionalGeneration, path)
+    restore_rope_buffers(model)
+    return model.eval()
