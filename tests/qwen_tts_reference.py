@@ -7,6 +7,7 @@ the top; Qwen3-TTS's 12 Hz models never call them, so they are registered as emp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -51,10 +52,15 @@ def _patch_models_for_transformers_5() -> None:
     - 5.24's `generate` hands the cache to `forward` as `cache=` and renames an output's `past_key_values` to
       `cache`: the two output dataclasses get a `cache` field and the two generating models take `cache` as
       their `past_key_values` (without this the reference would silently run every step uncached);
-    - `save_pretrained` wants `_tied_weights_keys` as a dict (nothing is tied: `tie_word_embeddings` is False).
+    - `save_pretrained` wants `_tied_weights_keys` as a dict (nothing is tied: `tie_word_embeddings` is False);
+    - `qwen_tts` registers a "default" RoPE initializer in transformers' global table that reads
+      `config.rope_theta`; 5.24 configs keep it in `rope_parameters`, so the registered function is wrapped
+      to read it there (otherwise building any transformers model with a default RoPE fails once `qwen_tts`
+      is imported).
     """
     if "models" in _PATCHED:
         return
+    _default_rope_reads_rope_parameters()
     from qwen_tts.core.models import modeling_qwen3_tts as modeling
 
     for name in ("Qwen3TTSTalkerOutputWithPast", "Qwen3TTSTalkerCodePredictorOutputWithPast"):
@@ -68,6 +74,23 @@ def _patch_models_for_transformers_5() -> None:
         if isinstance(cls, type) and isinstance(getattr(cls, "_tied_weights_keys", None), list):
             cls._tied_weights_keys = {}
     _PATCHED.add("models")
+
+
+def _default_rope_reads_rope_parameters() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    registered = ROPE_INIT_FUNCTIONS.get("default")
+    if registered is None or getattr(registered, "reads_rope_parameters", False):
+        return
+
+    def default(config, *args, **kwargs):
+        if getattr(config, "rope_theta", None) is None:
+            config = copy.copy(config)
+            config.rope_theta = config.rope_parameters["rope_theta"]
+        return registered(config, *args, **kwargs)
+
+    default.reads_rope_parameters = True
+    ROPE_INIT_FUNCTIONS["default"] = default
 
 
 def _cache_as_past_key_values(forward):

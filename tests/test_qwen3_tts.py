@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import qwen_tts_reference
+from audio_checks import assert_audible, assert_audio_close
+from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING, Qwen3TTSFamily
 from omnimtp.models.qwen3_tts import TINY_CODEC_IDS, tiny_qwen3_tts
 from omnimtp.pipeline import OmniPipeline
@@ -30,10 +33,11 @@ INSTRUCTIONS = "A calm, low voice, speaking slowly."
 
 
 def _save(path, tts_model_type: str, seed: int) -> str:
-    """A tiny checkpoint in the released layout: config.json, generation_config.json, model.safetensors and
-    the text tokenizer files."""
+    """A tiny checkpoint in the released layout: config.json, generation_config.json, model.safetensors, the
+    text tokenizer files and speech_tokenizer/ (decoder weights only)."""
     tiny_qwen3_tts(seed, tts_model_type).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
+    tiny_speech_tokenizer(seed).save_pretrained(os.path.join(path, "speech_tokenizer"))
     return os.fspath(path)
 
 
@@ -219,3 +223,32 @@ def test_tiny_pipeline_and_save_pretrained_round_trip(tmp_path):
     loaded = OmniPipeline.from_pretrained(tmp_path / "saved", max_frames=4)
     assert torch.equal(loaded.speech(OTHER_TEXT).codes, pipe.speech(OTHER_TEXT, max_frames=4).codes)
     qwen_tts_reference.talker_model(tmp_path / "saved")  # the reference loads what we save
+
+
+# --- audio ----------------------------------------------------------------------------------------------
+
+
+def test_audio_matches_reference_generate_and_decode(checkpoints, pipes, references):
+    """Ours end to end == the reference's generate + its speech tokenizer's decode, up to float rounding."""
+    pipe = pipes["custom_voice"]
+    out = pipe.speech(TEXT, voice="aiden", language="english")
+    codes = reference_codes(references["custom_voice"], pipe.family.speech_ids(TEXT), "aiden", "english")
+    tokenizer = qwen_tts_reference.load_speech_tokenizer(os.path.join(checkpoints["custom_voice"], "speech_tokenizer"))
+    with torch.no_grad():
+        expected = tokenizer.decode(audio_codes=codes.T[None]).audio_values[0].float().numpy()
+    assert out.sample_rate == 24_000 and out.audio.dtype == np.float32
+    assert out.audio.shape == (1920 * codes.shape[1],)
+    assert_audible(out.audio)
+    assert_audio_close(out.audio, expected)
+
+
+def test_streamed_chunks_join_into_the_one_shot_audio(pipes):
+    pipe = pipes["voice_design"]
+    items = list(pipe.stream_speech(TEXT, instructions=INSTRUCTIONS))
+    *chunks, output = items
+    one_shot = pipe.speech(TEXT, instructions=INSTRUCTIONS)
+    assert len(chunks) >= 2 and chunks[0].shape == (1920,)  # a 1-frame first chunk
+    assert torch.equal(output.codes, one_shot.codes)
+    assert_audible(one_shot.audio)
+    assert_audio_close(np.concatenate(chunks), one_shot.audio)
+    assert np.array_equal(np.concatenate(chunks), output.audio)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, tiny_speech_tokenizer
 from omnimtp.families.text import ChatText, match_speaker
 from omnimtp.handoff import TalkerInputs
 from omnimtp.models.qwen3_tts import Qwen3TTSModel
@@ -72,8 +73,8 @@ class Qwen3TTSFamily(ChatText):
 
     model: `omnimtp.models.qwen3_tts.Qwen3TTSModel`; tokenizer: its text tokenizer, or None (then requests
     come as input_ids of the assistant-text template and no instructions are taken as text). codec: the
-    12 Hz speech tokenizer's decoder (`new_stream()`, `decode_streams(streams, blocks, is_final)`), or None:
-    codes only, no audio. non_streaming_mode: the reference's other prompt layout (the whole text in the
+    12 Hz speech tokenizer's decoder (`omnimtp.codec.speech_tokenizer.SpeechTokenizerDecoder`), or None: codes
+    only (every output's audio is empty). non_streaming_mode: the reference's other prompt layout (the whole text in the
     prefill). compile_predictor: `CodePredictorRunner`'s compile mode."""
 
     sample_rate = SAMPLE_RATE
@@ -84,6 +85,8 @@ class Qwen3TTSFamily(ChatText):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.codec = codec
+        if codec is not None:
+            self.sample_rate = codec.sample_rate
         self.non_streaming_mode = bool(non_streaming_mode)
         self.compile_predictor = compile_predictor
         config = model.config
@@ -114,7 +117,8 @@ class Qwen3TTSFamily(ChatText):
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "Qwen3TTSFamily":
         """A checkpoint in the released layout: config.json + model.safetensors, the text tokenizer when its
-        files are there, and speech_tokenizer/'s decoder when it has one (only its decoder is read)."""
+        files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
+        is read: a tokenizer without encoder weights serves CustomVoice and VoiceDesign)."""
         from transformers import AutoTokenizer
 
         from omnimtp.runtime.device import resolve_device
@@ -126,20 +130,25 @@ class Qwen3TTSFamily(ChatText):
             model._restore_rope()
         has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-        return cls(model, tokenizer, codec=_load_codec(os.path.join(path, "speech_tokenizer")), **kwargs)
+        codec_path = os.path.join(path, "speech_tokenizer")
+        if not os.path.isdir(codec_path):
+            raise ValueError(f"path: {path!r} has no speech_tokenizer/ (a Qwen3-TTS checkpoint keeps its codec there)")
+        codec = SpeechTokenizerDecoder.from_pretrained(codec_path, device=model.talker.device)
+        return cls(model, tokenizer, codec=codec, **kwargs)
 
     @classmethod
     def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> "Qwen3TTSFamily":
-        """A seeded tiny Qwen3-TTS (`omnimtp.models.qwen3_tts.tiny_qwen3_tts`) with the byte-level tokenizer."""
+        """A seeded tiny Qwen3-TTS (`omnimtp.models.qwen3_tts.tiny_qwen3_tts`) with the byte-level tokenizer and
+        a seeded tiny speech tokenizer decoder (`tiny_speech_tokenizer`: audible on random codes)."""
         from omnimtp.models.qwen3_tts import tiny_qwen3_tts
         from omnimtp.runtime.device import resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
-        model = tiny_qwen3_tts(seed, tts_model_type)
+        model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed)
         if device is not None:
-            model = model.to(resolve_device(device))
+            model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))
             model._restore_rope()
-        return cls(model, byte_tokenizer(), **kwargs)
+        return cls(model, byte_tokenizer(), codec=codec, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -292,11 +301,3 @@ class Qwen3TTSFamily(ChatText):
         chunks = self.codec.decode_streams(streams, blocks, is_final)
         return [np.asarray(chunk, dtype=np.float32) for chunk in chunks]
 
-
-def _load_codec(path: str):
-    """speech_tokenizer/'s decoder, or None when the directory is absent."""
-    if not os.path.isdir(path):
-        return None
-    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
-
-    return SpeechTokenizerDecoder.from_pretrained(path)
