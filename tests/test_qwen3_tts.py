@@ -252,3 +252,41 @@ def test_streamed_chunks_join_into_the_one_shot_audio(pipes):
     assert_audible(one_shot.audio)
     assert_audio_close(np.concatenate(chunks), one_shot.audio)
     assert np.array_equal(np.concatenate(chunks), output.audio)
+
+
+def test_speak_cli_on_a_tts_checkpoint(checkpoints, pipes, tmp_path):
+    import subprocess
+    import sys
+
+    import soundfile
+
+    output = tmp_path / "out.wav"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "omnimtp.cli", "speak", "--model", checkpoints["custom_voice"], TEXT,
+               "--voice", "aiden", "--language", "english", "--max-frames", str(FRAMES), "-o", str(output)]
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    audio, sample_rate = soundfile.read(output, dtype="float32")
+    expected = pipes["custom_voice"].speech(TEXT, voice="aiden", language="english").audio
+    assert sample_rate == 24_000
+    assert_audio_close(audio, expected, rel=1e-3)  # 16-bit PCM in the file
+    refused = subprocess.run(command[:-2] + ["--voice", "nobody", "-o", str(output)], cwd=repo, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2 and "voice: unknown voice 'nobody'" in refused.stderr
+
+
+def test_batch_job_actor_speaks_tts_rows(checkpoints, pipes):
+    """`omnimtp batch`'s actor on a Qwen3-TTS checkpoint: each row's text in its voice, as `speech` gives it."""
+    import json
+
+    from omnimtp.batch import PipelineSpeaker
+
+    actor = PipelineSpeaker(checkpoints["custom_voice"], None, "wav", None, FRAMES, 4)
+    rows = [{"id": "a", "prompt": TEXT, "voice": "aiden", "language": "english"},
+            {"id": "b", "prompt": OTHER_TEXT, "voice": "vivian", "seed": 7}]
+    columns = actor({"request": [json.dumps(row) for row in rows]})
+    assert columns["id"] == ["a", "b"]
+    expected = [pipes["custom_voice"].speech(TEXT, voice="aiden", language="english"),
+                pipes["custom_voice"].speech(OTHER_TEXT, voice="vivian", sampling=QWEN3_TTS_SAMPLING, seed=7)]
+    assert columns["num_frames"] == [out.codes.shape[1] for out in expected]
+    assert all(len(audio) > 44 for audio in columns["audio"])

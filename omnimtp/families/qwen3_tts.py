@@ -160,7 +160,9 @@ class Qwen3TTSFamily(ChatText):
         """The assistant-text template around `text` (what the reference's processor gives)."""
         if self.tokenizer is None:
             raise ValueError("text: this checkpoint has no text tokenizer; pass input_ids")
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a string (or a list of strings), got {type(text).__name__}")
+        if not text.strip():
             raise ValueError("text: empty text")
         return list(self.tokenizer.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n",
                                           add_special_tokens=False))
