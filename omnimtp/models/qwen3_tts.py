@@ -190,6 +190,12 @@ class Qwen3TTSModel(nn.Module):
 
 # --- the tiny seeded model ------------------------------------------------------------------------------
 
+# The released Qwen3-TTS-12Hz-0.6B's widths (its predictor has the talker's width: no input projection).
+QWEN3_TTS_0_6B_TALKER = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, text_hidden_size=2048)
+QWEN3_TTS_0_6B_PREDICTOR = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                                num_key_value_heads=8, head_dim=128)
+
 TINY_CODEBOOK_SIZE = 128
 # codec specials sit in the suppressed top 1024 ids, as in the released vocab (codebook 2048 + 1024)
 TINY_CODEC_IDS = {
@@ -206,11 +212,13 @@ TINY_LANGUAGES = {"english": TINY_CODEBOOK_SIZE + 150, "chinese": TINY_CODEBOOK_
 
 
 def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int = 64, predictor_hidden_size: int = 32,
-                num_layers: int = 2, initializer_range: float = 0.2) -> dict:
+                num_layers: int = 2, initializer_range: float = 0.2, talker: dict | None = None,
+                predictor: dict | None = None) -> dict:
     """A tiny config.json of the released structure (16 codebooks, codec vocab = codebook + 1024, the byte
     tokenizer's specials as the text ids). custom_voice: tts_model_size "0b6" (takes no instructions);
     voice_design: "1b7", no speakers. The predictor is narrower than the talker, so its input projection
-    is a Linear, as in the released 1.7B models."""
+    is a Linear, as in the released 1.7B models. talker, predictor: overrides of their config entries (e.g.
+    `QWEN3_TTS_0_6B_TALKER`, `QWEN3_TTS_0_6B_PREDICTOR` for the released 0.6B widths)."""
     if tts_model_type not in ("custom_voice", "voice_design"):
         raise ValueError(f"tts_model_type must be 'custom_voice' or 'voice_design', got {tts_model_type!r}")
     is_custom = tts_model_type == "custom_voice"
@@ -218,7 +226,9 @@ def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int
               "hidden_act": "silu", "max_position_embeddings": 4096}
     predictor = {**common, "vocab_size": TINY_CODEBOOK_SIZE, "hidden_size": predictor_hidden_size,
                  "intermediate_size": 2 * predictor_hidden_size, "num_hidden_layers": num_layers,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_code_groups": 16}
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_code_groups": 16,
+                 **(predictor or {})}
+    talker_overrides = talker or {}
     talker = {
         **common, "vocab_size": TINY_CODEBOOK_SIZE + 1024, "hidden_size": talker_hidden_size,
         "intermediate_size": 2 * talker_hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": 4,
@@ -230,6 +240,7 @@ def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int
         "spk_is_dialect": dict(TINY_DIALECTS) if is_custom else {},
         "codec_language_id": dict(TINY_LANGUAGES),
         "code_predictor_config": predictor,
+        **talker_overrides,
     }
     return {
         "model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"],
