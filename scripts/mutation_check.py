@@ -46,6 +46,7 @@ THINKER_SPEC = ("tests/test_thinker_spec.py",)
 QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
 TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
+SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -105,6 +106,25 @@ MUTATIONS = [
         "cache=stream.cache, use_cache=True)",
         "cache=DynamicCache(config=c2w.config), use_cache=True)",
         CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    # --- Qwen3-TTS: the 12 Hz speech tokenizer decoder ------------------------------------------------
+    Mutation(
+        "tts_codec_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
+        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames, 0) :]",
+        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames + 1, 0) :]",
+        SPEECH_TOKENIZER, "a chunk's conv body sees one frame of transformer output less than its exact left context",
+    ),
+    Mutation(
+        "tts_codec_pre_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
+        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 1",
+        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 2",
+        SPEECH_TOKENIZER, "a chunk's causal pre-conv sees one quantizer frame less than its kernel needs",
+    ),
+    Mutation(
+        "tts_codec_codebook_is_the_raw_ema_sum", "omnimtp/codec/speech_tokenizer.py",
+        "                module._embed = None",
+        "                module._embed = module.embed_sum",
+        SPEECH_TOKENIZER, "the codebook lookup uses the EMA embedding_sum without dividing by cluster_usage",
     ),
     # --- speculative thinker steps ------------------------------------------------------------------
     Mutation(

@@ -7,6 +7,7 @@ the top; Qwen3-TTS's 12 Hz models never call them, so they are registered as emp
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -17,6 +18,7 @@ import types
 from typing import Any
 
 import pytest
+import torch
 
 _UNUSED_BY_12HZ = ("sox", "onnxruntime", "torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi")
 
@@ -74,6 +76,55 @@ def _patch_models_for_transformers_5() -> None:
         if isinstance(cls, type) and isinstance(getattr(cls, "_tied_weights_keys", None), list):
             cls._tied_weights_keys = {}
     _PATCHED.add("models")
+
+
+def load_speech_tokenizer(path):
+    """The reference's 12 Hz `Qwen3TTSTokenizerV2Model` loaded from a `speech_tokenizer/` directory, decoder only.
+
+    Its Mimi encoder does not build on transformers 5.24 (it assigns `upsample = None`, a read-only property
+    of 5.24's `MimiModel`), and the decoder never calls it, so the model is built with an empty module in its
+    place; encoder weights in the file are left unused. `qwen_tts` registers a "default" RoPE initializer in
+    transformers' global table that reads `config.rope_theta`; 5.24 configs keep it in `rope_parameters`, so
+    the registered function is wrapped to read it there (otherwise building any transformers model with a
+    default RoPE fails once `qwen_tts` is imported)."""
+    load()
+    from qwen_tts._transformers_compat import restore_rope_buffers
+    from qwen_tts.core import Qwen3TTSTokenizerV2Model
+
+    with _speech_tokenizer_without_encoder():
+        model = Qwen3TTSTokenizerV2Model.from_pretrained(str(path))
+    restore_rope_buffers(model)  # what the reference's own loader does: the meta-device load leaves RoPE empty
+    return model.eval()
+
+
+def new_speech_tokenizer(config: dict):
+    """A reference `Qwen3TTSTokenizerV2Model` at its own init from a config.json dict, decoder only (see
+    `load_speech_tokenizer`)."""
+    load()
+    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
+
+    config = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    with _speech_tokenizer_without_encoder():
+        return Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**config)).eval()
+
+
+@contextlib.contextmanager
+def _speech_tokenizer_without_encoder():
+    _default_rope_reads_rope_parameters()
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as modeling
+
+    original = modeling.Qwen3TTSTokenizerV2Encoder
+    modeling.Qwen3TTSTokenizerV2Encoder = _NoEncoder
+    try:
+        yield
+    finally:
+        modeling.Qwen3TTSTokenizerV2Encoder = original
+
+
+class _NoEncoder:
+    @staticmethod
+    def _from_config(config):
+        return torch.nn.Module()
 
 
 def _default_rope_reads_rope_parameters() -> None:
