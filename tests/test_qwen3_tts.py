@@ -147,9 +147,13 @@ def test_input_ids_and_a_checkpoint_without_tokenizer(checkpoints, pipes, tmp_pa
 
 
 def test_repetition_penalty_matches_reference(pipes, references):
-    """A strong penalty changes the codes, and ours changes them as the reference does."""
+    """The default greedy penalty (1.05) and a strong one change the codes, as the reference's do."""
     pipe = pipes["custom_voice"]
     ids = pipe.family.speech_ids(OTHER_TEXT)
+    default = pipe.speech(OTHER_TEXT, voice="vivian", language="chinese")
+    assert torch.equal(default.codes, reference_codes(references["custom_voice"], ids, "vivian", "chinese"))
+    without = pipe.speech(OTHER_TEXT, voice="vivian", language="chinese", sampling=SamplingParams(temperature=0.0))
+    assert not torch.equal(default.codes, without.codes)
     greedy = SamplingParams(temperature=0.0, repetition_penalty=3.0)
     out = pipe.speech(OTHER_TEXT, voice="vivian", sampling=greedy, max_frames=16)
     expected = reference_codes(references["custom_voice"], ids, "vivian", None, frames=16, repetition_penalty=3.0)
