@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qwen_tts_reference
-from audio_checks import assert_audible, assert_audio_close
+from audio_checks import assert_audible, assert_audio_close, rms_dbfs
 from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING, Qwen3TTSFamily
 from omnimtp.models.qwen3_tts import TINY_CODEC_IDS, tiny_qwen3_tts
@@ -225,7 +225,10 @@ def test_tiny_pipeline_and_save_pretrained_round_trip(tmp_path):
     assert design.family.tts_model_type == "voice_design"
     pipe.save_pretrained(tmp_path / "saved")
     loaded = OmniPipeline.from_pretrained(tmp_path / "saved", max_frames=4)
-    assert torch.equal(loaded.speech(OTHER_TEXT).codes, pipe.speech(OTHER_TEXT, max_frames=4).codes)
+    out = pipe.speech(OTHER_TEXT, max_frames=4)
+    assert torch.equal(loaded.speech(OTHER_TEXT).codes, out.codes)
+    assert np.array_equal(loaded.speech(OTHER_TEXT).audio, out.audio)
+    assert -40.0 <= rms_dbfs(out.audio) <= -6.0  # the tiny model speaks at speech level
     qwen_tts_reference.talker_model(tmp_path / "saved")  # the reference loads what we save
 
 
@@ -268,15 +271,13 @@ def test_speak_cli_on_a_tts_checkpoint(checkpoints, pipes, tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     command = [sys.executable, "-m", "omnimtp.cli", "speak", "--model", checkpoints["custom_voice"], TEXT,
                "--voice", "aiden", "--language", "english", "--max-frames", str(FRAMES), "-o", str(output)]
-    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr
     audio, sample_rate = soundfile.read(output, dtype="float32")
     expected = pipes["custom_voice"].speech(TEXT, voice="aiden", language="english").audio
     assert sample_rate == 24_000
     assert_audio_close(audio, expected, rel=1e-3)  # 16-bit PCM in the file
-    refused = subprocess.run(command[:-2] + ["--voice", "nobody", "-o", str(output)], cwd=repo, capture_output=True,
-                             text=True, timeout=300)
-    assert refused.returncode == 2 and "voice: unknown voice 'nobody'" in refused.stderr
 
 
 def test_batch_job_actor_speaks_tts_rows(checkpoints, pipes):
