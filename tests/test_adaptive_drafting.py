@@ -10,7 +10,9 @@ import json
 import pytest
 import torch
 
-from omnimtp import MTPHead, SamplingParams, TargetProposer, plain_generate, speculative_generate, tiny_lm
+from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
+from omnimtp.spec_decode.proposer import TargetProposer
 from omnimtp.spec_decode.adaptive import DraftController, DraftCosts, acceptance_warning, expected_tokens
 from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_costs
 from distribution_checks import assert_law
