@@ -4,7 +4,9 @@
 
 Each input line is a JSON object: `id` (letters, digits, `.`, `_`, `-`; unique), and `prompt` (a string)
 or `messages` (chat turns with text content); optionally `voice` (default --voice) and `seed` (sample
-with Qwen3-Omni's defaults, as `omnimtp speak --seed`; without it the request is greedy).
+with Qwen3-Omni's defaults, as `omnimtp speak --seed`; without it the request is greedy). On a Qwen3-TTS
+model `prompt` is the text to speak (no chat), optionally with `language` and `instructions`, and `seed`
+samples with `QWEN3_TTS_SAMPLING`.
 
 Ray Data reads the pending prompts and `map_batches` runs them through `OmniPipeline.generate` on
 --replicas actors (each loads the model once and generates --batch-size prompts at a time). The driver
@@ -172,6 +174,8 @@ class PipelineSpeaker:
         thinker_sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
 
         rows = [json.loads(request) for request in batch["request"]]
+        if not self.pipe.family.has_chat:
+            return self._speak_texts(rows)
         groups: dict[tuple, list[int]] = {}  # one generate call per voice, sampled or greedy
         for index, row in enumerate(rows):
             voice = self.pipe.family.match_speaker(row.get("voice", self.voice))
@@ -187,6 +191,34 @@ class PipelineSpeaker:
             for i, output in zip(indices, outputs):
                 columns["id"][i] = rows[i]["id"]
                 columns["text"][i] = output.text
+                columns["finish_reason"][i] = output.finish_reason
+                columns["num_frames"][i] = int(output.codes.shape[-1])
+                columns["audio_seconds"][i] = len(output.audio) / output.sample_rate
+                columns["audio"][i] = encode_audio(output.audio, output.sample_rate, self.fmt)
+        return columns
+
+    def _speak_texts(self, rows: list[dict]) -> dict:
+        """A Qwen3-TTS model's batch: each row's prompt spoken in its voice, language and instructions (one
+        `speech` call for the greedy rows and one for the sampled)."""
+        from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+        from omnimtp.server.audio import encode_audio
+
+        columns = {name: [None] * len(rows) for name in ("id", "text", "finish_reason", "num_frames",
+                                                          "audio_seconds", "audio")}
+        for is_greedy in (True, False):
+            indices = [i for i, row in enumerate(rows) if (row.get("seed") is None) == is_greedy]
+            if not indices:
+                continue
+            chosen = [rows[i] for i in indices]
+            outputs = self.pipe.speech(
+                [row.get("prompt") for row in chosen], voice=[row.get("voice", self.voice) for row in chosen],
+                language=[row.get("language") for row in chosen], instructions=[row.get("instructions") for row in chosen],
+                sampling=None if is_greedy else QWEN3_TTS_SAMPLING,
+                seed=None if is_greedy else [row["seed"] for row in chosen], max_frames=self.limits["max_frames"],
+            )
+            for i, output in zip(indices, outputs):
+                columns["id"][i] = rows[i]["id"]
+                columns["text"][i] = rows[i].get("prompt")
                 columns["finish_reason"][i] = output.finish_reason
                 columns["num_frames"][i] = int(output.codes.shape[-1])
                 columns["audio_seconds"][i] = len(output.audio) / output.sample_rate
@@ -264,7 +296,8 @@ def check_voices(model: str | None, voices: set[str]) -> None:
         speakers = set(TINY_SPEAKERS)
     else:
         with open(os.path.join(model, "config.json")) as f:
-            speakers = set(json.load(f)["talker_config"]["speaker_id"])
+            talker_config = json.load(f)["talker_config"]
+        speakers = set(talker_config.get("speaker_id") or talker_config.get("spk_id") or {})  # Qwen3-TTS: spk_id
     lowered = {speaker.lower() for speaker in speakers}
     unknown = sorted(voice for voice in voices if voice.lower() not in lowered)
     if unknown:

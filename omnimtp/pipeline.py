@@ -1,5 +1,6 @@
 """End-to-end omni speech: thinker → talker → codec, as a Python API, for Qwen3-Omni (talker + code predictor
-→ code2wav) and Qwen2.5-Omni (single-codebook talker → token2wav).
+→ code2wav) and Qwen2.5-Omni (single-codebook talker → token2wav); and text → speech for Qwen3-TTS (talker +
+code predictor → the 12 Hz speech tokenizer's decoder, no thinker).
 
 `OmniPipeline` is a synchronous driver of the engine core (`omnimtp.engine.core.EngineCore`): it turns
 prompts into requests, steps the core until they are done and hands out the events. `stream` streams:
@@ -15,6 +16,11 @@ the same text and PCM as here.
     for event in pipe.stream("Hello"):      # OmniEvent(text delta, audio chunk or None, finish_reason)
         ...
     pipe.generate([{"role": "user", "content": [{"type": "audio", "audio": "question.wav"}]}])   # a spoken question
+
+    tts = OmniPipeline.from_pretrained("Qwen3-TTS-12Hz-0.6B-CustomVoice")   # or OmniPipeline.tiny(family="qwen3_tts")
+    out = tts.speech("Hello there", voice="aiden", language="english")      # OmniOutput(codes [16, T], audio, ...)
+    for item in tts.stream_speech("Hello there"):                          # audio chunks, then the OmniOutput
+        ...
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
+from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
@@ -143,17 +150,22 @@ class OmniPipeline:
     def tiny(cls, seed: int = 0, device=None, family: str = "qwen3", **kwargs) -> "OmniPipeline":
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
-        where it runs (default the CPU). family: "qwen3" or "qwen2_5" (a tiny Qwen2.5-Omni, its byte
-        tokenizer and its processor). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
+        where it runs (default the CPU). family: "qwen3", "qwen2_5" (a tiny Qwen2.5-Omni, its byte
+        tokenizer and its processor) or "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
+        vivian and eric (a Sichuan-dialect speaker) and the languages english and chinese; `tts_model_type=
+        "voice_design"` for its VoiceDesign twin). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
+        tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
+        if family == "qwen3_tts":
+            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device), **kwargs)
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
             return cls(made.model, made.tokenizer, processor=made.processor, **kwargs)
         if family == "qwen2_5":
             return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device), **kwargs)
-        raise ValueError(f"family must be 'qwen3' or 'qwen2_5', got {family!r}")
+        raise ValueError(f"family must be 'qwen3', 'qwen2_5' or 'qwen3_tts', got {family!r}")
 
     @classmethod
     def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> "OmniPipeline":
@@ -169,8 +181,9 @@ class OmniPipeline:
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
         """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
-        "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt); its tokenizer and its processor
-        (audio and images, `omnimtp.media.load_processor`), when it has them."""
+        "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
+        layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode); its tokenizer and its
+        processor (audio and images, `omnimtp.media.load_processor`), when it has them."""
         import transformers
         from transformers import AutoTokenizer
 
@@ -180,8 +193,13 @@ class OmniPipeline:
             raise ValueError(f"path: {path!r} is not a checkpoint directory (no config.json)")
         with open(config_path) as f:
             model_type = json.load(f).get("model_type")
+        if model_type == "qwen3_tts":
+            family_options = {name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs}
+            return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs)
         if model_type not in MODEL_TYPES:
-            raise ValueError(f"path: {path!r} holds a {model_type!r} model; supported model types: {sorted(MODEL_TYPES)}")
+            raise ValueError(
+                f"path: {path!r} holds a {model_type!r} model; supported model types: {sorted([*MODEL_TYPES, 'qwen3_tts'])}"
+            )
         if model_type == "qwen2_5_omni" and not os.path.isfile(os.path.join(path, "spk_dict.pt")):
             raise ValueError(f"path: {path!r} has no spk_dict.pt (a Qwen2.5-Omni checkpoint keeps its speakers there)")
         device = None if device is None else resolve_device(device)
@@ -194,9 +212,15 @@ class OmniPipeline:
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def save_pretrained(self, path) -> None:
-        """The model (Qwen2.5-Omni: its speakers in spk_dict.pt), its tokenizer and its processor, in a
-        checkpoint's layout."""
+        """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder in
+        speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout."""
         self.model.save_pretrained(path)
+        if isinstance(self.family, Qwen3TTSFamily):
+            if self.family.codec is not None:
+                self.family.codec.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(path)
+            return
         if self.model.config.model_type == "qwen2_5_omni":
             torch.save(self.model.speaker_map, os.path.join(os.fspath(path), "spk_dict.pt"))
         if self.processor is not None:
@@ -262,6 +286,8 @@ class OmniPipeline:
         self, prompt, *, input_ids=None, speaker=None, thinker_sampling=None, talker_sampling=None,
         max_new_tokens=None, max_frames=None, seed=None, media: MediaInputs | None = None, is_streamed: bool,
     ) -> Iterator[OmniEvent]:
+        if not self.family.has_chat:
+            raise ValueError("prompt: this model has no chat; it speaks text (OmniPipeline.speech)")
         prompts, media_rows = self._prompts(prompt, input_ids, media)
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         max_frames = self.config.max_frames if max_frames is None else max_frames
@@ -286,6 +312,10 @@ class OmniPipeline:
             )
             for i, (ids, s, m) in enumerate(zip(prompts, seeds, media_rows))
         ]
+        yield from self._run(requests)
+
+    def _run(self, requests: list[Request]) -> Iterator[OmniEvent]:
+        """The requests through one engine core, stepped until they are done."""
         core = EngineCore(self.family, self.config)  # one per call: an abandoned stream leaves nothing behind
         for request in requests:
             core.add(request)
@@ -297,6 +327,93 @@ class OmniPipeline:
                     yield OmniEvent(index, finish_reason=output.finish_reason, output=output)
                 else:
                     yield OmniEvent(index, text=event.text, audio=event.audio)
+
+    # --- text to speech (Qwen3-TTS) ------------------------------------------------------------
+
+    def speech(
+        self, text=None, *, input_ids=None, voice=None, language: str | None = None, instructions: str | None = None,
+        sampling: SamplingParams | None = None, seed: int | list[int | None] | None = None, max_frames: int | None = None,
+    ) -> OmniOutput | list[OmniOutput]:
+        """`text` spoken (→ OmniOutput: codes [G, T], float32 audio at `sample_rate`, finish_reason), or a list
+        of texts (→ a list). input_ids instead of text: the ids of the assistant-text template
+        `<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n` (a list, or a list of lists), what the
+        reference's processor gives. voice: a CustomVoice speaker name (case-insensitive; None: the model's
+        default); language: a language of the model or None / "auto"; instructions: the VoiceDesign voice
+        description (or a CustomVoice 1.7B model's style). voice, language and instructions are one value for
+        every text or a list with one per text. sampling: None = greedy (with the repetition penalty 1.05, as
+        the reference's `generate`), or a `SamplingParams` for the talker (the code predictor samples the same
+        way without the penalty; `QWEN3_TTS_SAMPLING` is the reference's default); seed: one per request (an
+        int seeds request i with seed + i). The audio is decoded in one block when a request's frames end."""
+        requests, is_batch = self._speech_requests(text, input_ids, voice, language, instructions, sampling, seed,
+                                                   max_frames, is_streamed=False)
+        outputs = {event.index: event.output for event in self._run(requests) if event.output is not None}
+        ordered = [outputs[i] for i in sorted(outputs)]
+        return ordered if is_batch else ordered[0]
+
+    def stream_speech(
+        self, text=None, *, input_ids=None, voice=None, language: str | None = None, instructions: str | None = None,
+        sampling: SamplingParams | None = None, seed: int | None = None, max_frames: int | None = None,
+    ) -> Iterator[np.ndarray | OmniOutput]:
+        """One text spoken as it is made: float32 audio chunks (the first after `EngineConfig.first_chunk_frames`
+        frames, then every `chunk_frames`), then the `OmniOutput`. Arguments as `speech`, for one text."""
+        requests, is_batch = self._speech_requests(text, input_ids, voice, language, instructions, sampling, seed,
+                                                   max_frames, is_streamed=True)
+        if is_batch:
+            raise ValueError("text: stream_speech speaks one text; use speech for a list")
+        for event in self._run(requests):
+            if event.output is not None:
+                yield event.output
+            elif event.audio is not None:
+                yield event.audio
+
+    def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
+                         is_streamed: bool) -> tuple[list[Request], bool]:
+        family = self.family
+        if not hasattr(family, "voice"):
+            raise ValueError("text: this model speaks its chat replies; use generate or stream")
+        if (text is None) == (input_ids is None):
+            raise ValueError("text: give exactly one of text or input_ids")
+        if input_ids is not None:
+            is_batch = _is_batch(None, input_ids)
+            if isinstance(input_ids, torch.Tensor):
+                input_ids = input_ids.tolist()
+            rows = [[int(t) for t in row] for row in (input_ids if is_batch else [input_ids])]
+            if not rows:
+                raise ValueError("input_ids: no ids")
+            for ids in rows:
+                family.check_speech_ids(ids)
+        else:
+            is_batch = isinstance(text, (list, tuple))
+            texts = list(text) if is_batch else [text]
+            if not texts:
+                raise ValueError("text: empty text")
+            rows = [family.speech_ids(t) for t in texts]
+        num_rows = len(rows)
+        if num_rows > self.config.max_batch_size:
+            raise ValueError(f"text: {num_rows} texts, more than max_batch_size={self.config.max_batch_size}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
+        max_frames = self.config.max_frames if max_frames is None else max_frames
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+            raise ValueError(f"max_frames must be an integer >= 1, got {max_frames!r}")
+        voices = [
+            family.voice(v, l, i) for v, l, i in zip(
+                *(_per_row(name, value, num_rows) for name, value in
+                  (("voice", voice), ("language", language), ("instructions", instructions)))
+            )
+        ]
+        for i, (ids, row_voice) in enumerate(zip(rows, voices)):
+            num_prefill = len(ids) + len(row_voice.instruct_ids or ()) + 8
+            if num_prefill + max_frames > family.max_positions:
+                raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
+                                 f"{family.max_positions} positions")
+        seeds = row_seeds(seed, num_rows)
+        requests = [
+            Request(i, ids, max_new_tokens=1, max_frames=max_frames, speaker=row_voice, talker_sampling=sampling,
+                    seed=s, is_chat=False, is_streamed=is_streamed)
+            for i, (ids, row_voice, s) in enumerate(zip(rows, voices, seeds))
+        ]
+        return requests, is_batch
 
     # --- inputs -----------------------------------------------------------------------------
 
@@ -332,6 +449,15 @@ class OmniPipeline:
         if not isinstance(item, list) or not all(isinstance(m, dict) for m in item) or not item:
             raise ValueError("prompt: expected a string or a non-empty list of chat messages")
         return self.family.chat_inputs(item, self.media_limits)
+
+
+def _per_row(name: str, value, num_rows: int) -> list:
+    """A per-request argument: one value for every row, or a list with one per row."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_rows:
+            raise ValueError(f"{name}: {len(value)} values for {num_rows} texts")
+        return list(value)
+    return [value] * num_rows
 
 
 def _is_batch(prompt, input_ids) -> bool:

@@ -3,6 +3,8 @@ speech out.
 
     omnimtp speak "Hello" -o answer.wav
     omnimtp speak --audio question.wav --image photo.png "What do you hear and see?" -o answer.wav
+    omnimtp speak --model Qwen3-TTS-12Hz-0.6B-CustomVoice "Hello" --voice aiden --language english -o hello.wav
+    omnimtp speak --model Qwen3-TTS-12Hz-1.7B-VoiceDesign "Hello" --instructions "a calm low voice" -o hello.wav
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def add_parser(subparsers) -> None:
                        help="an image the model sees before the text (repeatable; png, jpeg, webp, gif)")
     _add_common(speak)
     speak.add_argument("--stream", action="store_true", help="print text and report audio chunks as they arrive")
+    speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive)")
+    speak.add_argument("--language", default=None, help="Qwen3-TTS: the language to speak (default: auto)")
+    speak.add_argument("--instructions", default=None,
+                       help="Qwen3-TTS: the voice described in words (VoiceDesign; CustomVoice 1.7B: the style)")
     speak.set_defaults(handler=run_speak)
     chat = subparsers.add_parser("chat", help="interactive chat; each answer is spoken into a numbered WAV file")
     _add_common(chat)
@@ -33,7 +39,7 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3-Omni or Qwen2.5-Omni checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name (case-insensitive)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
@@ -139,10 +145,47 @@ def run_speak(args: argparse.Namespace) -> int:
     try:
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
+        if not pipe.family.has_chat:
+            _say(pipe, prompt, args)
+            return 0
+        for flag in ("language", "instructions"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag}: only a Qwen3-TTS model takes it")
+        if args.voice is not None:
+            args.speaker = args.speaker or args.voice
         _speak(pipe, prompt, args, args.output, live=args.stream)
     except ValueError as exc:
         return _refuse(str(exc))
     return 0
+
+
+def _say(pipe, text, args) -> None:
+    """A Qwen3-TTS model speaks the text itself (it has no chat) into args.output."""
+    import soundfile
+
+    from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+
+    if not isinstance(text, str):
+        raise ValueError("--audio/--image: a Qwen3-TTS model speaks text; it takes no media")
+    if args.speaker is not None and args.voice is not None:
+        raise ValueError("--speaker: give --voice or --speaker, not both")
+    start = time.perf_counter()
+    first_audio, chunks, final = None, [], None
+    for item in pipe.stream_speech(text, voice=args.voice or args.speaker, language=args.language,
+                                   instructions=args.instructions, sampling=None if args.seed is None else QWEN3_TTS_SAMPLING,
+                                   seed=args.seed, max_frames=args.max_frames):
+        if isinstance(item, np.ndarray):
+            first_audio = first_audio or time.perf_counter() - start
+            chunks.append(item)
+        else:
+            final = item
+    elapsed = time.perf_counter() - start
+    audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+    soundfile.write(args.output, audio, final.sample_rate)
+    seconds = len(audio) / final.sample_rate
+    first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
+    print(f"[{args.output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "
+          f"time to first audio {first}, total {elapsed:.2f} s]", file=sys.stderr)
 
 
 def _speak_prompt(text: str | None, audio_files: list[str], image_files: list[str]):
@@ -168,6 +211,8 @@ def _refuse(message: str) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     pipe = _load(args)
+    if not pipe.family.has_chat:
+        return _refuse("--model: a Qwen3-TTS model has no chat; use omnimtp speak")
     messages = []
     turn = 0
     print("omnimtp chat — empty line or Ctrl-D to quit", file=sys.stderr)

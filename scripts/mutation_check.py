@@ -45,6 +45,8 @@ HYBRID = ("tests/test_spec_hybrid.py",)
 THINKER_SPEC = ("tests/test_thinker_spec.py",)
 QWEN2_5 = ("tests/test_qwen2_5_omni.py", "tests/test_qwen2_5_talker_inputs.py")
 TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
+QWEN3_TTS = ("tests/test_qwen3_tts.py",)
+SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -104,6 +106,25 @@ MUTATIONS = [
         "cache=stream.cache, use_cache=True)",
         "cache=DynamicCache(config=c2w.config), use_cache=True)",
         CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    # --- Qwen3-TTS: the 12 Hz speech tokenizer decoder ------------------------------------------------
+    Mutation(
+        "tts_codec_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
+        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames, 0) :]",
+        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames + 1, 0) :]",
+        SPEECH_TOKENIZER, "a chunk's conv body sees one frame of transformer output less than its exact left context",
+    ),
+    Mutation(
+        "tts_codec_pre_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
+        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 1",
+        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 2",
+        SPEECH_TOKENIZER, "a chunk's causal pre-conv sees one quantizer frame less than its kernel needs",
+    ),
+    Mutation(
+        "tts_codec_codebook_is_the_raw_ema_sum", "omnimtp/codec/speech_tokenizer.py",
+        "                module._embed = None",
+        "                module._embed = module.embed_sum",
+        SPEECH_TOKENIZER, "the codebook lookup uses the EMA embedding_sum without dividing by cluster_usage",
     ),
     # --- speculative thinker steps ------------------------------------------------------------------
     Mutation(
@@ -344,6 +365,67 @@ MUTATIONS = [
         "        if linear_layers:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         "        if False:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         HYBRID, "rejected drafts stay in the Gated-DeltaNet recurrent and conv states",
+    ),
+    # --- Qwen3-TTS ------------------------------------------------------------------------------------
+    Mutation(
+        "tts_no_speaker_row", "omnimtp/families/qwen3_tts.py",
+        "        if voice.speaker_id is not None:\n",
+        "        if False:\n",
+        QWEN3_TTS, "the CustomVoice speaker row is left out of the talker prefill",
+    ),
+    Mutation(
+        "tts_no_language_row", "omnimtp/families/qwen3_tts.py",
+        "        if voice.language_id is None:\n",
+        "        if True:\n",
+        QWEN3_TTS, "the language row is never written (every request speaks as auto)",
+    ),
+    Mutation(
+        "tts_no_dialect", "omnimtp/families/qwen3_tts.py",
+        '        if dialect and key in (AUTO_LANGUAGE, "chinese"):',
+        "        if False:",
+        QWEN3_TTS, "a dialect speaker's Chinese or auto request does not get its dialect's language row",
+    ),
+    Mutation(
+        "tts_drops_instructions", "omnimtp/families/qwen3_tts.py",
+        "        rows = [] if voice.instruct_ids is None else",
+        "        rows = [] if True else",
+        QWEN3_TTS, "the instructions' user turn is left out of the prefill",
+    ),
+    Mutation(
+        "tts_trailing_text_off_by_one", "omnimtp/families/qwen3_tts.py",
+        "trailing = torch.cat([self._text_rows(text[:, 1:]), eos], dim=1)[0]",
+        "trailing = torch.cat([self._text_rows(text[:, 2:]), eos], dim=1)[0]",
+        QWEN3_TTS, "the trailing text skips the second text token",
+    ),
+    Mutation(
+        "tts_predictor_projects_once", "omnimtp/talker/code_predictor.py",
+        "        step_input = _project(w, embed[:, None])  # [R, 1, H]",
+        "        step_input = embed[:, None] @ torch.eye(embed.shape[-1], w.decoder.hidden_size, dtype=embed.dtype)",
+        QWEN3_TTS, "the code predictor's small_to_mtp_projection is applied to its first step only",
+    ),
+    Mutation(
+        "tts_greedy_without_repetition_penalty", "omnimtp/families/qwen3_tts.py",
+        "QWEN3_TTS_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)",
+        "QWEN3_TTS_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.0)",
+        QWEN3_TTS, "greedy requests drop the reference's repetition penalty 1.05",
+    ),
+    Mutation(
+        "talker_repetition_penalty_ignored", "omnimtp/talker/loop.py",
+        "apply_repetition_penalty(logits[i : i + 1], seen[i : i + 1], sampling.repetition_penalty)",
+        "apply_repetition_penalty(logits[i : i + 1], seen[i : i + 1], 1.0)",
+        QWEN3_TTS, "the talker ignores the request's repetition penalty",
+    ),
+    Mutation(
+        "talker_no_suppression", "omnimtp/talker/loop.py",
+        '            scores = scores.masked_fill(self.frames.is_suppressed, float("-inf"))  # [1, V]',
+        "            scores = scores  # [1, V]",
+        QWEN3_TTS, "the talker samples the suppressed top 1024 codec ids",
+    ),
+    Mutation(
+        "tts_no_min_new_tokens", "omnimtp/families/qwen3_tts.py",
+        "MIN_NEW_TOKENS = 2",
+        "MIN_NEW_TOKENS = 0",
+        QWEN3_TTS, "codec EOS may end a request before its second talker token",
     ),
 ]
 

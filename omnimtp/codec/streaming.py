@@ -22,7 +22,6 @@ We stream it in two parts, both exact:
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,33 +135,43 @@ class RowwiseMatmuls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _conv_stack_modules(code2wav) -> list:
+    """The conv stack's modules in the order the signal runs through them."""
+    return [m for blocks in code2wav.upsample for m in blocks.modules()] + [m for block in code2wav.decoder for m in block.modules()]
+
+
 def _num_lost_samples(code2wav) -> int:
-    """Samples the causal transposed convolutions drop at the end (555 for Qwen3-Omni)."""
+    """Samples the causal transposed convolutions drop at the end: each one's left trim, at its own output
+    rate (Qwen3-Omni: 555; a transposed conv that trims only on the right, as Qwen3-TTS's, drops none)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
+
     lost = 0
-    scale = 1
-    for rate in reversed(list(code2wav.config.upsample_rates)):
-        lost += rate * scale  # each decoder block trims `rate` samples at its own output rate
-        scale *= rate
-    return lost  # the upsampling transposed convs (kernel == stride) trim nothing
+    for module in _conv_stack_modules(code2wav):
+        if isinstance(module, Qwen3OmniMoeCausalTransConvNet):
+            lost = lost * module.conv.stride[0] + module.left_pad
+    return lost
 
 
 def conv_receptive_field_frames(code2wav) -> int:
-    """How many frames of transformer output before a sample the conv stack can reach, plus one.
+    """How many frames of transformer output before a chunk the conv stack needs for the chunk's first
+    new sample: exact, so one frame less changes that sample.
 
-    Walks the stack from the waveform back to the frames: a causal conv of effective kernel K reaches
-    K − 1 samples back; a transposed conv of stride s maps a reach of r output samples to ceil(r / s)
-    input samples, plus one because each output also depends on the input before."""
+    Walks the stack from that sample back to the frames. A chunk starting at frame a emits from sample
+    p = spf·a − lost (`_num_lost_samples`); every stride divides spf, so the walk is the same for every a and
+    runs at a = 0 with Python's floor division. A causal conv of effective kernel K needs K − 1 earlier
+    samples; a transposed conv (kernel k, stride s, left trim L) computes output t from inputs
+    i with 0 <= t + L − i·s < k, the earliest being (t + L − k) // s + 1. Everything the first new sample
+    needs is then inside the window, and so is everything the later ones need."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeCausalConvNet,
         Qwen3OmniMoeCausalTransConvNet,
     )
 
-    modules = [m for blocks in code2wav.upsample for m in blocks.modules()]
-    modules += [m for block in code2wav.decoder for m in block.modules()]
-    reach = 0
-    for module in reversed(modules):
+    earliest = -_num_lost_samples(code2wav)
+    for module in reversed(_conv_stack_modules(code2wav)):
         if isinstance(module, Qwen3OmniMoeCausalConvNet):
-            reach += module.kernel_size - 1
+            earliest -= module.kernel_size - 1
         elif isinstance(module, Qwen3OmniMoeCausalTransConvNet):
-            reach = math.ceil(reach / module.conv.stride[0]) + 1
-    return reach + 1
+            kernel, stride = module.conv.kernel_size[0], module.conv.stride[0]
+            earliest = (earliest + module.left_pad - kernel) // stride + 1
+    return -earliest

@@ -3,7 +3,8 @@
 A family (`omnimtp.families.qwen3_omni.Qwen3OmniFamily`) owns a model's weights (packed once) and
 everything model-specific: prompt ids, the thinker run, the talker-input builder, the talker batch,
 the codec. A second family (`omnimtp.families.qwen2_5_omni.Qwen2_5OmniFamily`) is one module implementing this,
-not a fork of the loop.
+not a fork of the loop. A family without a thinker (`omnimtp.families.qwen3_tts.Qwen3TTSFamily`, `has_chat`
+False) takes speech requests only: they go straight to `speech_talker_inputs`, and its chat methods refuse.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class Family(Protocol):
                             hidden: torch.Tensor, finish_reason: str):
         """The talker inputs (`omnimtp.handoff.TalkerInputs`) of a finished reply from all its rows."""
 
-    def speech_talker_inputs(self, ids: list[int], speaker: str):
-        """The talker inputs that speak a speech request's text."""
+    def speech_talker_inputs(self, ids: list[int], speaker):
+        """The talker inputs that speak a speech request's text in `speaker` (a name, or the family's voice
+        object: Qwen3-TTS's `TTSVoice`)."""
 
     def new_talker_batch(self, max_batch_size: int):
         """The batched talker state (`omnimtp.talker.loop.TalkerBatch`: admit / push_text / step / retire), admitting

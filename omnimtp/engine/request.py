@@ -33,8 +33,10 @@ class Request:
     """What to generate and how far it got.
 
     prompt_ids: the thinker's prompt (chat), or for a speech request (`is_chat=False`) an opened
-    assistant turn followed by the text to speak, which the talker speaks without a thinker run.
-    speaker: a speaker of the model, or None for a text-only reply. thinker_sampling and
+    assistant turn followed by the text to speak, which the talker speaks without a thinker run (Qwen3-TTS:
+    the assistant-text template around the text). speaker: a speaker of the model, or None for a text-only
+    reply; for a family with richer voices, the family's voice object (Qwen3-TTS: a `TTSVoice` with the
+    speaker, language and instructions), which the core hands back to the family untouched. thinker_sampling and
     talker_sampling: None = greedy (the talker's greedy keeps transformers' repetition penalty).
     is_streamed: the talker starts on the streamed handoff and audio goes out in chunks as they are
     due; False does what transformers' `generate` does: the talker inputs are built from all of the

@@ -40,8 +40,10 @@ def match_speaker(speakers, name: str) -> str | None:
 class ChatText:
     """A family's prompt ids and reply text, the same for every family: it has `tokenizer` (or None: requests
     come as token ids and no text is decoded), `processor` (or None: media parts are refused),
-    `speech_header_ids` (`speech_header_ids(tokenizer)`) and `speakers`."""
+    `speech_header_ids` (`speech_header_ids(tokenizer)`) and `speakers`; has_chat: whether it answers chat
+    prompts (a thinker), False for a speech-only model."""
 
+    has_chat = True
     tokenizer = None
     processor = None
     speech_header_ids: list[int] | None = None

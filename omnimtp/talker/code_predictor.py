@@ -11,6 +11,11 @@ of code 0. Step j (0..G-2) predicts code j+1 with `lm_head[j]`; that code is emb
         seq += codec_embedding[j](code_j)            # [B, 1, H]
     next_talker_input = E0(cb0) + sum_j codec_embedding[j](code_j) + text_step
 
+Qwen3-TTS's code predictor keeps its codebook tables in the *talker's* width and maps every input row to
+its own width with `small_to_mtp_projection` (a Linear when the widths differ): `CodePredictorRunner` then
+projects [h_talker, E0(cb0)] and each code's embedding before the transformer, while the sum handed back
+stays in the talker's width.
+
 Three readings of that loop, all giving the same greedy codes as transformers' `cp.generate`:
 - `predict_residual_codes`: re-prefill — the whole sequence every step, no cache.
 - `predict_residual_codes_kv`: incremental with a transformers `DynamicCache` (2 positions, then 1).
@@ -185,11 +190,20 @@ class PredictorWeights:
     cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
     signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
     causal_mask: torch.Tensor  # [G, G] fp32 additive: row p is 0 up to column p, -inf after
+    # Qwen3-TTS's `small_to_mtp_projection` (weight [H_cp, H_talker], bias [H_cp]); None: inputs in the predictor's width
+    input_projection: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+def input_projection(cp) -> torch.nn.Linear | None:
+    """The code predictor's input projection (Qwen3-TTS's `small_to_mtp_projection` when it is a Linear), or None."""
+    projection = getattr(cp, "small_to_mtp_projection", None)
+    return projection if isinstance(projection, torch.nn.Linear) else None
 
 
 def pack_predictor_weights(cp, dtype: torch.dtype) -> PredictorWeights:
     config = cp.config
     num_code_groups = config.num_code_groups
+    projection = input_projection(cp)
     decoder = PackedDecoder.from_module(cp.model, dtype=dtype, fused_norm=False, fp32_attention=True)
     if any(layer.router is not None or layer.qkv_bias is not None for layer in decoder.layers):
         raise ValueError("cp: only dense layers without attention biases are supported by CodePredictorRunner")
@@ -202,7 +216,17 @@ def pack_predictor_weights(cp, dtype: torch.dtype) -> PredictorWeights:
         cos=cos[0].contiguous(),
         signed_sin=signed_sin[0].contiguous(),
         causal_mask=torch.full((num_code_groups, num_code_groups), float("-inf"), device=decoder.device).triu(1),
+        input_projection=None if projection is None else (
+            cast(projection.weight, dtype), None if projection.bias is None else cast(projection.bias, dtype)
+        ),
     )
+
+
+def _project(w: PredictorWeights, rows: torch.Tensor) -> torch.Tensor:
+    """Input rows [B, T, H_in] in the predictor's width (the reference's one Linear call on them)."""
+    if w.input_projection is None:
+        return rows
+    return F.linear(rows, *w.input_projection)
 
 
 @dataclass(frozen=True)
@@ -252,7 +276,8 @@ def _step(
     positions. lm_head: this step's [V, H], codec_embedding: its [V, H]. embed_sum [B, H]: the residual
     embeddings so far. noise [B, V] ~ Exp(1) when sampling. gemm: None, or the packed matrices (see
     `PackedMatrices`; MKL's are for B = gemm.rows rows); packed_lm_head: this step's lm_head, packed.
-    Returns code [B] (long), its embedding [B, H] and embed_sum + that embedding. Shapes never depend on
+    Returns code [B] (long), its embedding [B, H_in] (the codec table's width) and embed_sum + that
+    embedding; step_input is already in the predictor's width (`_project`). Shapes never depend on
     the position, so one compiled graph serves every decode step."""
     batch_size = step_input.shape[0]
     decoder = w.decoder
@@ -286,17 +311,18 @@ def _frame_loop(
     noise: torch.Tensor | None,
     gemm: PackedMatrices | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The G-1 predictor steps of one frame. step_input [R, 2, H] = [h, E0(cb0)]; step: `_step` or
-    its compiled form. Returns codes [R, G-1] and their summed embeddings [R, H]."""
+    """The G-1 predictor steps of one frame. step_input [R, 2, H_in] = [h, E0(cb0)]; step: `_step` or
+    its compiled form. Returns codes [R, G-1] and their summed embeddings [R, H_in]."""
     codes = []
-    embed_sum = torch.zeros_like(step_input[:, 0])  # [R, H]
+    embed_sum = torch.zeros_like(step_input[:, 0])  # [R, H_in]
+    step_input = _project(w, step_input)
     for j in range(len(lm_heads)):
         code, embed, embed_sum = step(
             w, kv_cache, step_input, positions[j], lm_heads[j], codec_embeddings[j], embed_sum, sampling,
             None if noise is None else noise[:, j], gemm, None if gemm is None else gemm.lm_heads[j],
         )
         codes.append(code)
-        step_input = embed[:, None]  # [R, 1, H]
+        step_input = _project(w, embed[:, None])  # [R, 1, H]
     return torch.stack(codes, dim=1), embed_sum
 
 
@@ -314,7 +340,8 @@ class CodePredictorRunner:
         codes, embed_sum = runner.run(last_talker_hidden, cb0_embed)                     # greedy
         out = runner.run(h, e0, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, make_generators([1, 2]))
 
-    cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`. Its weights are
+    cp: transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`, or Qwen3-TTS's code
+    predictor (`omnimtp.models.qwen3_tts`: inputs in the talker's width, `small_to_mtp_projection`). Its weights are
     copied (cast to `dtype`, default cp's own) and packed at construction; later changes to cp are
     not seen.
 
@@ -361,7 +388,8 @@ class CodePredictorRunner:
             raise ValueError(f"packed_gemm must be None, True, False or one of {PACKED_GEMM_KINDS}, got {packed_gemm!r}")
         config = cp.config
         self.num_code_groups = config.num_code_groups
-        self.hidden_size = config.hidden_size
+        # the width of its inputs: the talker's (the codec tables'), the predictor's own unless projected
+        self.hidden_size = cp.model.codec_embedding[0].weight.shape[1]
         self.vocab_size = config.vocab_size
         self.max_batch_size = max_batch_size
         self.dtype = dtype if dtype is not None else _param_dtype(cp)

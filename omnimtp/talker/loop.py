@@ -8,7 +8,8 @@ One step, for every active request:
 The loop is the same for every family; what differs lives in a small `FrameMaker`:
 - Qwen3-Omni (`Qwen3FrameMaker`): residual codes 1..G-1 from the code predictor (`CodePredictorRunner`),
   next input = Σ of the frame's G codec embeddings + the next reply text row (tts_pad once they run out);
-  the top 1024 ids are suppressed except codec EOS;
+  the top 1024 ids are suppressed except codec EOS; Qwen3-TTS is the same frame with its own sampling
+  defaults and codec EOS banned for the first `min_new_tokens` (2) talker tokens, as its `generate` has it;
 - Qwen2.5-Omni (`Qwen2_5FrameMaker`): one codebook, so the frame is code 0; next input =
   `thinker_to_talker_proj`(codec embedding of code 0 + the next reply row), the prefill goes through the
   same projection; codec_bos is suppressed; EOS = codec end or pad; the repetition penalty counts the
@@ -27,7 +28,7 @@ Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Protocol
 
 import torch
@@ -117,6 +118,7 @@ class FrameMaker(Protocol):
     eos_ids: frozenset[int]  # code 0 ids that end a request (no frame)
     is_suppressed: torch.Tensor  # [V] bool: ids never sampled
     greedy: SamplingParams  # the talker's sampling when a request gives none
+    min_new_tokens: int  # EOS is not sampled while a request has generated fewer talker tokens
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker inputs [R, T, D] → the decoder's input embeddings [R, T, H]."""
@@ -133,10 +135,18 @@ class FrameMaker(Protocol):
 class Qwen3FrameMaker:
     """Qwen3-Omni: residual codes from the code predictor; next input = Σ of the G codec embeddings + text.
 
-    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration`; predictor: its code predictor's
-    runner for the batch size (made here when None)."""
+    talker: transformers' `Qwen3OmniMoeTalkerForConditionalGeneration` (or Qwen3-TTS's talker,
+    `omnimtp.models.qwen3_tts`, with the keywords below); predictor: its code predictor's runner for the
+    batch size (made here when None). vocab_size: the talker's codec vocab (default its text config's);
+    greedy: the talker's sampling when a request gives none; predictor_sampling: the code predictor's when
+    the talker samples (None: the talker's own without its repetition penalty, as Qwen3-TTS's `generate`
+    defaults them); min_new_tokens: talker tokens before EOS may be sampled."""
 
-    def __init__(self, talker, max_batch_size: int, predictor: CodePredictorRunner | None = None):
+    def __init__(
+        self, talker, max_batch_size: int, predictor: CodePredictorRunner | None = None, *,
+        vocab_size: int | None = None, greedy: SamplingParams = QWEN3_OMNI_TALKER_GREEDY,
+        predictor_sampling: SamplingParams | None = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, min_new_tokens: int = 0,
+    ):
         config = talker.config
         self.talker = talker
         self.predictor = predictor or CodePredictorRunner(talker.code_predictor, max_batch_size)
@@ -145,11 +155,13 @@ class Qwen3FrameMaker:
         # the code predictor's residual tables [V, H], one per residual codebook (the module's own tensors)
         self.codec_tables = [table.weight.detach() for table in talker.code_predictor.model.codec_embedding]
         self.eos_ids = frozenset([config.codec_eos_token_id])
-        vocab_size = config.text_config.vocab_size
+        vocab_size = config.text_config.vocab_size if vocab_size is None else vocab_size
         self.is_suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=talker.device)  # [V]
         self.is_suppressed[vocab_size - 1024 :] = True
         self.is_suppressed[config.codec_eos_token_id] = False
-        self.greedy = QWEN3_OMNI_TALKER_GREEDY
+        self.greedy = greedy
+        self.predictor_sampling = predictor_sampling
+        self.min_new_tokens = min_new_tokens
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         return embeds  # the talker inputs are built in the talker's width
@@ -182,7 +194,12 @@ class Qwen3FrameMaker:
         groups: dict[SamplingParams | None, list[int]] = {}
         for i, request in enumerate(requests):
             talker_sampling = request.sampling or self.greedy
-            sampling = None if talker_sampling.is_greedy else QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+            if talker_sampling.is_greedy:
+                sampling = None
+            elif self.predictor_sampling is None:
+                sampling = replace(talker_sampling, repetition_penalty=1.0)
+            else:
+                sampling = self.predictor_sampling
             groups.setdefault(sampling, []).append(i)
         return groups
 
@@ -201,6 +218,7 @@ class Qwen2_5FrameMaker:
         self.is_suppressed = torch.zeros(config.vocab_size, dtype=torch.bool, device=talker.device)  # [V]
         self.is_suppressed[config.tts_codec_start_token_id] = True
         self.greedy = QWEN2_5_OMNI_TALKER_GREEDY
+        self.min_new_tokens = 0
         self.codec_mask_id = config.tts_codec_mask_token_id
         self.codec_pad_id = config.tts_codec_pad_token_id
         self.codec_bos_id = config.tts_codec_start_token_id
@@ -275,7 +293,7 @@ class TalkerBatch:
         seen = torch.zeros((len(requests), self.frames.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
         for i, request in enumerate(requests):
             seen[i, self.frames.prompt_codes(request)] = True
-        code0 = self._sample_code0(hidden, seen, new_rows)  # [N]
+        code0 = self._sample_code0(hidden, seen, new_rows, [0] * len(new_rows))  # [N]
         self._merge(new_rows, hidden, code0, seen)
         finished = []
         for row, code in zip(new_rows, code0.tolist()):
@@ -305,7 +323,7 @@ class TalkerBatch:
         )  # [R, G], [R, H]
         hidden = self._forward(next_inputs[:, None], ready)  # [R, H]
         self.seen[index, self.code0[index]] = True
-        next_code0 = self._sample_code0(hidden, self.seen[index], rows)
+        next_code0 = self._sample_code0(hidden, self.seen[index], rows, [row.num_frames + 1 for row in rows])
         self.last_hidden = self.last_hidden.index_copy(0, index, hidden)
         self.code0 = self.code0.index_copy(0, index, next_code0)
         return [self._finish_frame(i, frame_codes, code) for i, frame_codes, code in zip(ready, codes, next_code0.tolist())]
@@ -334,9 +352,10 @@ class TalkerBatch:
         with torch.no_grad():
             return decoder_forward(self.decoder, self.kv, embeds, slots, rope_positions=rope_positions).last_hidden
 
-    def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+    def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row], num_generated: list[int]) -> torch.Tensor:
         """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it (repetition
-        penalty, then the suppressed ids, then the sampler)."""
+        penalty, then the suppressed ids and, while a row has generated fewer than `min_new_tokens` talker
+        tokens (num_generated), EOS, then the sampler)."""
         with torch.no_grad():
             logits = self.talker.codec_head(hidden).float()  # [R, V]
         codes = []
@@ -344,6 +363,8 @@ class TalkerBatch:
             sampling = row.request.sampling or self.frames.greedy
             scores = apply_repetition_penalty(logits[i : i + 1], seen[i : i + 1], sampling.repetition_penalty)
             scores = scores.masked_fill(self.frames.is_suppressed, float("-inf"))  # [1, V]
+            if num_generated[i] < self.frames.min_new_tokens:
+                scores[:, sorted(self.frames.eos_ids)] = float("-inf")
             generators = [row.request.generator] if row.request.generator is not None else None
             codes.append(sample(scores, sampling, generators))
         return torch.cat(codes)

@@ -1,0 +1,214 @@
+"""Qwen3-TTS's 12 Hz speech tokenizer decoder: equal to the `qwen_tts` reference on the same weights, loaded
+from the released layout, streamed in chunks that join into the one-shot decode."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from safetensors.torch import load_file, save_file
+
+import qwen_tts_reference
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal, rms_dbfs
+from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, real_size_config, tiny_speech_tokenizer
+from omnimtp.codec.streaming import conv_receptive_field_frames
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Streamed vs one-shot: the transformer's KV-cache path (n new frames against the cached ones) rounds its
+# matmuls differently from the full-sequence forward (~1e-6 on its output); the unit-gain conv body
+# carries that to ~3e-5 of the peak (measured). One frame less of left context is off by 2e-3 to 4e-3 (the
+# dropped frame reaches only the chunk's first samples, through the edge of the conv body's reach).
+STREAM_REL = 1e-4
+# Ours vs the reference: the same modules' math; measured bit for bit at 40 frames and 1.4e-5 of the peak at
+# one frame (the attention of a one-frame sequence takes another SDPA path on one side).
+REFERENCE_REL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return tiny_speech_tokenizer(seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(decoder, tmp_path_factory):
+    path = tmp_path_factory.mktemp("speech_tokenizer")
+    decoder.save_pretrained(path)
+    return path
+
+
+def _codes(num_frames, seed=0, codebook_size=2048):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, codebook_size, (16, num_frames), generator=generator)
+
+
+def _stream(decoder, codes, bounds):
+    stream = decoder.new_stream()
+    return [decoder.decode_streams([stream], [codes[:, a:b]], [b == bounds[-1]])[0] for a, b in zip(bounds, bounds[1:])]
+
+
+def _reference_decode(reference, codes):
+    with torch.no_grad():
+        return reference.decode(codes.T[None]).audio_values[0].numpy()  # the reference takes [B, T, 16]
+
+
+def test_tiny_decoder_is_audible_at_the_real_frame_rate(decoder):
+    assert (decoder.sample_rate, decoder.num_quantizers, decoder.samples_per_frame) == (24000, 16, 1920)
+    audio = decoder.decode(_codes(30))
+    assert audio.dtype == np.float32 and audio.shape == (30 * 1920,)
+    rms = float(np.sqrt(np.mean(audio.astype(np.float64) ** 2)))
+    assert 0.02 <= rms <= 0.5, rms
+    assert np.mean(np.abs(audio) >= 1.0) < 0.01  # not a clipped square wave
+
+
+def test_decode_equals_the_reference_on_our_saved_weights(decoder, saved):
+    reference = qwen_tts_reference.load_speech_tokenizer(saved)
+    for num_frames, seed in ((1, 1), (40, 2)):
+        codes = _codes(num_frames, seed)
+        ours = decoder.decode(codes)
+        assert_audible(ours)
+        assert_audio_close(ours, _reference_decode(reference, codes), rel=REFERENCE_REL)
+
+
+def test_our_loader_reads_the_reference_save(decoder, saved, tmp_path):
+    """The reference's own save_pretrained (its config.json, its key names) loads into ours."""
+    qwen_tts_reference.load()
+    reference = qwen_tts_reference.new_speech_tokenizer(json.loads((saved / "config.json").read_text()))
+    weights = load_file(str(saved / "model.safetensors"))
+    reference.decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in weights.items()})
+    reference.save_pretrained(tmp_path)
+    ours = SpeechTokenizerDecoder.from_pretrained(tmp_path)
+    codes = _codes(20, 3)
+    assert_audio_close(ours.decode(codes), _reference_decode(reference, codes), rel=REFERENCE_REL)
+
+
+def test_released_layout_with_and_without_encoder_weights(decoder, saved, tmp_path):
+    """Encoder weights and config (the Mimi encoder, used only for voice cloning) are ignored; the decoder is
+    the same either way."""
+    weights = load_file(str(saved / "model.safetensors"))
+    encoder_weights = {
+        "encoder.encoder.layers.0.conv.weight": torch.randn(4, 1, 7),
+        "encoder.quantizer.semantic_residual_vector_quantizer.layers.0.codebook.embed_sum": torch.randn(8, 4),
+        "encoder.encoder_transformer.layers.0.self_attn.q_proj.weight": torch.randn(4, 4),
+    }
+    save_file({**weights, **encoder_weights}, str(tmp_path / "model.safetensors"))
+    config = json.loads((saved / "config.json").read_text())
+    config["encoder_config"] = {"hidden_size": 4, "num_quantizers": 32, "codebook_dim": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with_encoder = SpeechTokenizerDecoder.from_pretrained(tmp_path)
+    without_encoder = SpeechTokenizerDecoder.from_pretrained(saved)
+    for (name, ours), (_, theirs) in zip(with_encoder.state_dict().items(), decoder.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    codes = _codes(8, 4)
+    assert_audio_equal(with_encoder.decode(codes), decoder.decode(codes))
+    assert_audio_equal(without_encoder.decode(codes), decoder.decode(codes))
+
+
+def test_missing_or_foreign_decoder_weights_are_refused(saved, tmp_path):
+    weights = load_file(str(saved / "model.safetensors"))
+    (tmp_path / "config.json").write_text((saved / "config.json").read_text())
+    dropped = next(k for k in weights if "cluster_usage" in k)
+    save_file({k: v for k, v in weights.items() if k != dropped}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="path: .*missing .*cluster_usage"):
+        SpeechTokenizerDecoder.from_pretrained(tmp_path)
+    save_file({**weights, "decoder.extra.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="path: .*unexpected .*decoder.extra|path: .*unexpected .*extra"):
+        SpeechTokenizerDecoder.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="path"):
+        SpeechTokenizerDecoder.from_pretrained(tmp_path / "absent")
+
+
+def test_save_load_round_trip_is_bit_exact(decoder, saved):
+    loaded = SpeechTokenizerDecoder.from_pretrained(saved)
+    assert loaded.tokenizer_config == decoder.tokenizer_config
+    codes = _codes(6, 5)
+    assert_audio_equal(loaded.decode(codes), decoder.decode(codes))
+
+
+def test_streamed_chunks_join_into_the_one_shot_decode(decoder):
+    codes = _codes(60, 6)
+    one_shot = decoder.decode(codes)
+    bounds = [0, 1, 26, 51, 60]  # a 1-frame first chunk, then 25 frames
+    chunks = _stream(decoder, codes, bounds)
+    assert [len(c) for c in chunks] == [1920 * (b - a) for a, b in zip(bounds, bounds[1:])]
+    offsets = np.cumsum([0] + [len(c) for c in chunks])
+    for start, chunk in zip(offsets, chunks):
+        assert_audio_close(chunk, one_shot[start : start + len(chunk)], rel=STREAM_REL)  # each chunk, not just the sum
+    assert_audio_close(np.concatenate(chunks), one_shot, rel=STREAM_REL)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(1, 14), min_size=1, max_size=5), st.integers(0, 1000))
+def test_any_chunking_joins_into_the_one_shot_decode(decoder, sizes, seed):
+    bounds = np.cumsum([0] + sizes).tolist()
+    codes = _codes(bounds[-1], seed)
+    assert_audio_close(np.concatenate(_stream(decoder, codes, bounds)), decoder.decode(codes), rel=STREAM_REL)
+
+
+def test_the_left_context_is_exact(decoder):
+    """2 frames of quantizer output for the pre-conv and 10 of transformer output for the conv body (the same
+    10 at the real widths); one frame less of either moves the audio far beyond the streaming tolerance."""
+    streaming = decoder._streaming
+    assert (streaming.pre_conv_context_frames, streaming.conv_context_frames) == (2, 10)
+    with torch.device("meta"):
+        real = SpeechTokenizerDecoder(real_size_config())
+    assert conv_receptive_field_frames(real) == 10 and real.samples_per_frame == 1920
+    codes = _codes(40, 7)
+    one_shot = decoder.decode(codes)
+    peak = float(np.abs(one_shot).max())
+    bounds = [0, 1, 13, 26, 40]
+    for name in ("pre_conv_context_frames", "conv_context_frames"):
+        exact = getattr(streaming, name)
+        setattr(streaming, name, exact - 1)
+        try:
+            short = np.concatenate(_stream(decoder, codes, bounds))
+        finally:
+            setattr(streaming, name, exact)
+        assert np.abs(short - one_shot).max() > 5 * STREAM_REL * peak, name
+
+
+def test_batched_streams_equal_single_streams_bit_for_bit(decoder):
+    codes = [_codes(30, 11), _codes(30, 12), _codes(30, 13)]
+    bounds = [[0, 1, 26, 30], [0, 1, 26, 30], [0, 2, 3, 30]]
+    streams = [decoder.new_stream() for _ in codes]
+    steps = [
+        decoder.decode_streams(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds)], [step == 2] * 3)
+        for step in range(3)
+    ]
+    for k in range(len(codes)):
+        single = np.concatenate(_stream(decoder, codes[k], bounds[k]))
+        assert_audio_equal(np.concatenate([chunks[k] for chunks in steps]), single)
+
+
+def test_decode_leaves_the_callers_codes_alone(decoder):
+    codes = _codes(3, 14)
+    before = codes.clone()
+    decoder.decode(codes)
+    decoder.decode_streams([decoder.new_stream()], [codes])
+    assert torch.equal(codes, before)
+    assert rms_dbfs(decoder.decode(codes.numpy())) > -40  # numpy ids are accepted too
+
+
+@pytest.mark.parametrize("codes, message", [
+    (torch.zeros(15, 4, dtype=torch.long), r"codes: must be \[16, T>=1\]"),
+    (torch.zeros(16, 0, dtype=torch.long), r"codes: must be \[16, T>=1\]"),
+    (torch.zeros(16, dtype=torch.long), r"codes: must be \[16, T>=1\]"),
+    (torch.full((16, 2), 2048), r"codes: code ids must be in \[0, 2048\)"),
+    (torch.full((16, 2), -1), r"codes: code ids must be in \[0, 2048\)"),
+    (torch.zeros(16, 2), "codes: codes must be integer ids"),
+])
+def test_bad_codes_are_a_value_error_naming_them(decoder, codes, message):
+    with pytest.raises(ValueError, match=message):
+        decoder.decode(codes)
+
+
+def test_bad_stream_blocks_are_a_value_error_naming_them(decoder):
+    stream = decoder.new_stream()
+    with pytest.raises(ValueError, match="blocks"):
+        decoder.decode_streams([stream], [])
+    with pytest.raises(ValueError, match=r"blocks\[1\]: code ids"):
+        decoder.decode_streams([stream, decoder.new_stream()], [_codes(1), torch.full((16, 1), 4096)])
+    with pytest.raises(ValueError, match="is_final"):
+        decoder.decode_streams([stream], [_codes(1)], [True, False])
+    assert stream.num_frames == 0  # a refused call decodes nothing
