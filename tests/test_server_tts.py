@@ -169,7 +169,7 @@ def test_bad_input_is_a_400_naming_the_field(servers, kind, fields, param, words
 def test_omni_model_refuses_the_tts_fields():
     """A model with a thinker takes none of the Qwen3-TTS fields, and needs a voice."""
     context = ServingContext(Engine(Qwen3OmniFamily.tiny(0)), ("omnimtp-tiny",), 1 << 20, 64)
-    assert context.speech_voice("ethan", None, None, None) == "Ethan"
+    assert context.speech_voice("Ethan", None, None, None) == "ethan"
     for name, arguments in (("language", ("ethan", "english", None, None)),
                             ("instructions", ("ethan", None, "calm", None)),
                             ("task_type", ("ethan", None, None, "CustomVoice")), ("voice", (None, None, None, None))):
