@@ -82,6 +82,8 @@ def test_openai_client_speech_equals_the_pipeline(pipes, clients):
     wav = _speech(client, "custom_voice", voice="aiden", response_format="wav", extra_body=greedy)
     samples, sample_rate = sf.read(io.BytesIO(wav), dtype="int16")
     assert sample_rate == 24_000 and samples.tobytes() == expected
+    flac = _speech(client, "custom_voice", voice="aiden", response_format="flac", extra_body=greedy)
+    assert sf.read(io.BytesIO(flac), dtype="int16")[0].tobytes() == expected
     with client.audio.speech.with_streaming_response.create(
         model=MODELS["custom_voice"], input=TEXT, voice="aiden", response_format="pcm", extra_body=greedy,
     ) as response:
@@ -197,12 +199,39 @@ def test_models_say_what_the_model_is(clients):
     assert (design["tts_model_type"], design["task_type"], design["voices"]) == ("voice_design", "VoiceDesign", [])
 
 
-def test_serve_builds_a_tts_engine_from_a_checkpoint(pipes, tmp_path):
+@pytest.fixture(scope="module")
+def checkpoint(pipes, tmp_path_factory):
+    path = tmp_path_factory.mktemp("served") / "tts"
+    pipes["custom_voice"].save_pretrained(path)
+    return str(path)
+
+
+def test_serve_builds_a_tts_engine_from_a_checkpoint(checkpoint):
     """`omnimtp serve --model TTS_DIR`'s engine: the checkpoint's family, and its predictor warms up."""
     from omnimtp.server.cli import build_engine
 
-    pipes["custom_voice"].save_pretrained(tmp_path / "tts")
-    engine = build_engine(str(tmp_path / "tts"), max_batch_size=2, max_frames=4)
+    engine = build_engine(checkpoint, max_batch_size=2, max_frames=4)
     assert engine.model_id == "tts" and engine.model_card()["tts_model_type"] == "custom_voice"
     assert engine.speakers == ("aiden", "eric", "vivian") and not engine.has_chat
     engine.family.warm_up(2)
+
+
+def test_batch_rows_on_a_tts_model(checkpoint, tmp_path):
+    """`omnimtp batch`'s prompt file takes a Qwen3-TTS row's language and instructions, and the rows are checked
+    against the model before Ray starts: no chat messages on a TTS model, no TTS fields on an Omni one."""
+    from omnimtp.batch import BatchInputError, check_model_fields, read_prompts
+
+    lines = [{"id": "a", "prompt": TEXT, "voice": "aiden", "language": "english"},
+             {"id": "b", "prompt": OTHER_TEXT, "instructions": "calm", "seed": 3}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = read_prompts(str(path))
+    assert rows == lines
+    check_model_fields(checkpoint, rows)
+    with pytest.raises(ValueError, match="id 'a': language is taken only by a Qwen3-TTS model"):
+        check_model_fields(None, rows)
+    with pytest.raises(ValueError, match="id 'c': a Qwen3-TTS model has no chat"):
+        check_model_fields(checkpoint, [{"id": "c", "messages": [{"role": "user", "content": "hi"}]}])
+    path.write_text(json.dumps({"id": "d", "prompt": TEXT, "language": 1}) + "\n")
+    with pytest.raises(BatchInputError, match="language must be a string"):
+        read_prompts(str(path))
