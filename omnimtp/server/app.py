@@ -18,6 +18,7 @@ disconnects is cancelled in the engine, streamed or not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
@@ -39,6 +40,7 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 
 DEFAULT_MAX_TOKENS_LIMIT = 2048
 # Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
 _API_KEY = re.compile(r"[\x21-\x7e]+")
+_SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"
 
 
 def check_api_key(api_key: str | None) -> None:
@@ -95,10 +97,14 @@ def create_app(
             # shutdown deadline), and a cancelled task cancels its engine request: nothing is left to drain.
             await asyncio.to_thread(engine.shutdown, drain=False)
 
-    app = FastAPI(title="omnimtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: a redirect would point at the client's own Host header; a 404 instead.
+    app = FastAPI(title="omnimtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.metrics = metrics
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit)
+    # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
+    app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
     for api in (chat, speech, models):
         app.include_router(api.router)
 

@@ -9,7 +9,7 @@ import sys
 from omnimtp.argtypes import positive_int
 from omnimtp.engine.core import EngineConfig
 from omnimtp.media import MediaLimits
-from omnimtp.models.tiny import TINY_MAX_FRAMES
+from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 from omnimtp.runtime.device import resolve_device
 from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 from omnimtp.server.serving import (
@@ -102,7 +102,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
-                      max_frames=max_frames or TINY_MAX_FRAMES, media_limits=media_limits)
+                      max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
+                      media_limits=media_limits)
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,

@@ -22,6 +22,8 @@ _DISCARD_FACTOR = 8
 # A JSON string escape of a UTF-16 surrogate; only then can the parsed body hold a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_CHARSET = re.compile(r"charset\s*=\s*\"?([^\";\s]+)", re.IGNORECASE)
+_UTF8 = ("utf-8", "utf8")
 
 
 async def read_json(request: Request, max_body_bytes: int) -> object:
@@ -29,14 +31,22 @@ async def read_json(request: Request, max_body_bytes: int) -> object:
     recursion limit, integers within its digit limit, and no string holding a lone surrogate (the
     tokenizer and the JSON encoder of any error message would both fail on it).
 
-    A body over `max_body_bytes` is a 413, but read to its end first when it is at most
-    _DISCARD_FACTOR times that: a client still sending when the server closes the connection gets a
-    reset instead of the answer (and the connection stays usable)."""
+    A Content-Type other than application/json (charset utf-8, if one is named) is a 415. A body declared
+    (Content-Length) over `max_body_bytes` is a 413 at once; a chunked body that runs over is read to its
+    end first when it is at most _DISCARD_FACTOR times that: a client still sending when the server closes
+    the connection gets a reset instead of the answer (and the connection stays usable)."""
+    content_type = request.headers.get("content-type", "")
+    media_type, _, parameters = content_type.partition(";")
+    charset = _CHARSET.search(parameters)
+    if media_type.strip().lower() != "application/json" or (charset and charset.group(1).lower() not in _UTF8):
+        # A cross-site form or text/plain POST (which a browser sends without asking) never starts generation.
+        raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                       code="unsupported_media_type")
     too_large = APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
-    max_read = _DISCARD_FACTOR * max_body_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_read:
-        raise too_large
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
+        raise too_large  # at once: the body is not awaited (the connection closes, lingering, see serving.py)
+    max_read = _DISCARD_FACTOR * max_body_bytes
     body, num_received = bytearray(), 0
     while True:
         message = await request.receive()

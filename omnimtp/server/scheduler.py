@@ -97,13 +97,15 @@ class EngineRequest:
 @dataclass
 class EngineEvent:
     """One step of a request's output: a text delta, an audio chunk (float32), or the end.
-    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`)."""
+    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`). error_code:
+    "server_shutting_down" when the server ended the request (`Engine.end_requests`), else None."""
 
     text: str = ""
     audio: np.ndarray | None = None
     step: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_frames: int = 0
@@ -219,6 +221,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = False
+        self._end_message: str | None = None  # set by `end_requests`
 
     # -- the HTTP side ----------------------------------------------------------------------------
 
@@ -339,6 +342,17 @@ class Engine:
             self._thread.join(timeout)
             self._thread = None
 
+    def end_requests(self, message: str) -> None:
+        """Stop accepting and end every waiting and running request with an error event saying `message`
+        (at the next frame boundary): the server's shutdown deadline is near."""
+        with self._cond:
+            self._accepting = False
+            if self._handles:
+                logger.warning("ending %d unfinished request(s): %s", len(self._handles), message)
+            self._end_message = message
+            self._cancelled.update(self._handles)
+            self._cond.notify_all()
+
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
                prompt: tuple[list[int], MediaInputs | None] | None = None) -> RequestHandle:
         """Queue a request (called on the event loop). Raises QueueFullError at the bound and
@@ -426,7 +440,8 @@ class Engine:
             if self._core.abort(request_id) is not None and self.metrics is not None:
                 self.metrics.cancelled.inc()  # not counted: cancelled in the step that finished it
             handle.is_done = True
-            handle.push(None)
+            handle.push(None if self._end_message is None else EngineEvent(error=self._end_message,
+                                                                            error_code="server_shutting_down"))
         with self._cond:
             self._set_gauges()
 

@@ -115,7 +115,7 @@ class ChatCompletionRequest(BaseModel):
     top_k: Annotated[int, Field(ge=0)] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=1)] = 1  # an int, never a bool (a Literal would take True == 1)
     user: str | None = None
 
     @property
@@ -143,7 +143,7 @@ class SpeechRequest(BaseModel):
     task_type: Literal[TASK_TYPES] | None = None
     response_format: Literal["wav", "pcm", "flac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
-    speed: Literal[1.0] = 1.0
+    speed: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0  # a number, never a bool
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

@@ -5,8 +5,9 @@
     body        the body within body_timeout_s of the headers: 408 (the app's `Guard`)
     keep-alive  an idle connection closes after keep_alive_timeout_s (uvicorn)
     shutdown    on SIGTERM/SIGINT new connections are refused and running requests get
-                graceful_shutdown_timeout_s to finish; then their tasks are cancelled, which cancels
-                their engine requests (uvicorn, then the app's lifespan)
+                graceful_shutdown_timeout_s to finish; just before that deadline the app ends the ones
+                still running with an error (a stream's last event; `ShutdownDeadline`), so uvicorn has
+                no task left to cancel
 
 `server_config` is the one place these are put together: `omnimtp serve` and the tests use it.
 """
@@ -29,20 +30,39 @@ DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 _LINGER_S = 2.0  # how long a connection closing after an error response keeps reading (and discarding)
 
 
+class ShutdownDeadline:
+    """What happens just before the graceful shutdown deadline: uvicorn would cancel the tasks of running
+    requests (a stream then ends as an incomplete chunked body, with a traceback in the log), so
+    `on_deadline` (the app's `state.on_shutdown_deadline`: ending every request with an error event) runs
+    first, `margin_s` before it. `start` is called by each connection when shutdown begins; the first starts
+    the clock."""
+
+    def __init__(self, graceful_shutdown_timeout_s: float, on_deadline):
+        self.delay_s = max(graceful_shutdown_timeout_s - min(1.0, graceful_shutdown_timeout_s / 2), 0.0)
+        self.on_deadline = on_deadline
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is None and self.on_deadline is not None:
+            self._timer = loop.call_later(self.delay_s, self.on_deadline)
+
+
 class HeadersTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's headers. The timer starts when a
     connection opens and when the first byte of a later request arrives (uvicorn's keep-alive timer
     covers the wait before it), and stops once h11 has the whole request head. A client that opened
     a connection and sent nothing is closed silently, one that began a request gets a 408."""
 
-    def __init__(self, *args, headers_timeout_s: float, **kwargs):
+    def __init__(self, *args, headers_timeout_s: float, shutdown_deadline: ShutdownDeadline | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.headers_timeout_s = headers_timeout_s
+        self.shutdown_deadline = shutdown_deadline
         self._headers_timer: asyncio.TimerHandle | None = None
         self._is_closing = False  # an error response went out: what the client still sends is discarded
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        self._raw_transport = transport
+        super().connection_made(_LingeringTransport(transport, self))
         self._start_headers_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -53,6 +73,11 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._stop_headers_timer()
+
+    def shutdown(self) -> None:
+        if self.shutdown_deadline is not None:
+            self.shutdown_deadline.start(self.loop)
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_headers_timer()
@@ -94,15 +119,43 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         output = self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
         output += self.conn.send(h11.Data(data=body)) + self.conn.send(h11.EndOfMessage())
         self.transport.write(output)
+        self.linger()
+
+    def linger(self) -> None:
+        """Close after a response while the client may still be sending (its body, or a request h11 cannot
+        parse): the write side shuts down, what still arrives is discarded, and the socket closes when the
+        client closes (or after `_LINGER_S`); closing at once would make the kernel reset the connection,
+        which can destroy the response before the client reads it."""
+        if self._is_closing:
+            return
         self._is_closing = True
         self._stop_headers_timer()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        if self._raw_transport.can_write_eof():
+            self._raw_transport.write_eof()
         self.loop.call_later(_LINGER_S, self._close_lingering)
 
     def _close_lingering(self) -> None:
-        if not self.transport.is_closing():
-            self.transport.close()
+        if not self._raw_transport.is_closing():
+            self._raw_transport.close()
+
+
+class _LingeringTransport:
+    """A connection's transport whose `close` lingers (`HeadersTimeoutH11Protocol.linger`) when the client
+    has not sent its whole request body: a response that went out early (413 on a declared Content-Length,
+    401, 408) reaches the client instead of a reset."""
+
+    def __init__(self, transport, protocol: HeadersTimeoutH11Protocol):
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._protocol.conn.their_state is h11.SEND_BODY and not self._transport.is_closing():
+            self._protocol.linger()
+        else:
+            self._transport.close()
 
 
 def check_seconds(name: str, value) -> float:
@@ -124,8 +177,11 @@ def server_config(
 ) -> uvicorn.Config:
     """The uvicorn config that serves `app` (from `create_app`, which holds the body timeout).
     Run it with `uvicorn.Server(config).run()`."""
+    graceful_shutdown_timeout_s = check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s)
+    on_deadline = getattr(getattr(app, "state", None), "on_shutdown_deadline", None)
     protocol = functools.partial(
-        HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s)
+        HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s),
+        shutdown_deadline=ShutdownDeadline(graceful_shutdown_timeout_s, on_deadline),
     )
     return uvicorn.Config(
         app,
@@ -133,7 +189,7 @@ def server_config(
         port=port,
         http=protocol,
         timeout_keep_alive=check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
-        timeout_graceful_shutdown=check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s),
+        timeout_graceful_shutdown=graceful_shutdown_timeout_s,
         lifespan="on",
         log_level=log_level,
     )

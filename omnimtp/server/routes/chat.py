@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from omnimtp.media import MediaError, MediaLimits, decode_audio, decode_base64, decode_image, decode_image_url
 from omnimtp.server.audio import encode_audio
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import b64_pcm16, collect, error_event, sampling_params, serving, sse
+from omnimtp.server.routes.common import b64_pcm16, collect, sampling_params, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, TextPart
 
@@ -72,7 +72,8 @@ async def chat_completions(request: Request):
         speaker=speaker,
         sampling=sampling_params(body.temperature, body.top_p, body.top_k),
         seed=body.seed,
-        max_new_tokens=max_tokens or max_tokens_limit,
+        # without max_tokens: the model's default cap, the one `OmniPipeline` applies (at most the limit)
+        max_new_tokens=max_tokens or min(engine.config.max_new_tokens, max_tokens_limit),
         is_streamed=bool(body.stream),
     )
     handle = await context.submit(engine_request)
@@ -166,7 +167,7 @@ async def _chat_stream(handle, completion_id, created, model_id, with_audio, inc
         yield chunk({"role": "assistant", "content": ""})
         async for event in handle.events():
             if event.error is not None:
-                yield sse({"error": error_event(event.error)})
+                yield sse({"error": stream_error(event)})
                 break
             if event.text:
                 yield chunk({"content": event.text})

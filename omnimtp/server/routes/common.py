@@ -139,9 +139,15 @@ def b64_pcm16(samples: np.ndarray) -> str:
     return base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
 
 
-def error_event(message: str) -> dict:
-    """The OpenAI error object of an engine error in a stream."""
-    return {"message": message, "type": "server_error", "param": None, "code": None}
+def stream_error(event) -> dict:
+    """The OpenAI error object of an engine error event in a stream."""
+    return {"message": event.error, "type": "server_error", "param": None, "code": event.error_code}
+
+
+def response_error(event) -> APIError:
+    """An engine error event as the error of a whole response: 503 when the server ended it (shutting down)."""
+    status = 503 if event.error_code == "server_shutting_down" else 500
+    return APIError(status, event.error, type="server_error", code=event.error_code)
 
 
 async def collect(handle, request: Request, events=None):
@@ -153,7 +159,7 @@ async def collect(handle, request: Request, events=None):
 async def watched(work, handle, request: Request):
     """The result of the coroutine `work` on `handle`'s events, while watching the client: a disconnect
     cancels the engine request at once (its slot frees up at the next frame boundary) and is an APIError
-    499, as is any error `work` raises after cancelling the request."""
+    499; an error `work` raises cancels the request too, and is raised."""
     result = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -175,7 +181,7 @@ async def first_event(handle, request: Request, events):
     event = await watched(anext(events), handle, request)
     if event.error is not None:
         handle.cancel()
-        raise APIError(500, event.error, type="server_error")
+        raise response_error(event)
     return event
 
 
@@ -190,7 +196,7 @@ async def _gather(events):
     texts, chunks = [], []
     async for event in events:
         if event.error is not None:
-            raise APIError(500, event.error, type="server_error")
+            raise response_error(event)
         texts.append(event.text)
         if event.audio is not None:
             chunks.append(event.audio)

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import b64_pcm16, collect, error_event, first_event, prepended, serving, sse
+from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechRequest
 
@@ -71,7 +71,7 @@ async def _speech_sse(handle, events):
     try:
         async for event in events:
             if event.error is not None:
-                yield sse({"type": "error", "error": error_event(event.error)})
+                yield sse({"type": "error", "error": stream_error(event)})
                 break
             if event.audio is not None and event.audio.size:
                 yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
