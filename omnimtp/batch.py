@@ -29,6 +29,7 @@ from omnimtp.argtypes import non_negative_float, positive_int
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
 _ID = re.compile(r"[A-Za-z0-9._-]{1,200}")
+TTS_FIELDS = ("language", "instructions")  # the row fields only a Qwen3-TTS model takes
 
 
 class BatchInputError(ValueError):
@@ -43,10 +44,11 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[2].strip() + f" Needs Ray: {INSTALL_HINT}.",
     )
     parser.add_argument("--input", required=True, metavar="FILE", help="JSONL prompts: {\"id\", \"prompt\" | "
-                        "\"messages\", \"voice\"?, \"seed\"?} per line")
+                        "\"messages\", \"voice\"?, \"seed\"?} per line; on a Qwen3-TTS model {\"id\", \"prompt\" "
+                        "(the text to speak), \"voice\"?, \"language\"?, \"instructions\"?, \"seed\"?}")
     parser.add_argument("--output", required=True, metavar="DIR", help="audio files and results.jsonl go here")
-    parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni checkpoint directory (default: embedded tiny); "
-                        "on a cluster, at this path on every node")
+    parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory "
+                        "(default: embedded tiny); on a cluster, at this path on every node")
     parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's)")
     parser.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="audio file format")
     parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N")
@@ -90,9 +92,13 @@ def read_prompts(path: str) -> list[dict]:
 def _check_row(row, where: str) -> dict:
     if not isinstance(row, dict):
         raise BatchInputError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    unknown = sorted(set(row) - {"id", "prompt", "messages", "voice", "seed"})
+    unknown = sorted(set(row) - {"id", "prompt", "messages", "voice", "seed", *TTS_FIELDS})
     if unknown:
-        raise BatchInputError(f"{where}: unknown field {unknown[0]!r} (fields: id, prompt | messages, voice, seed)")
+        raise BatchInputError(f"{where}: unknown field {unknown[0]!r} (fields: id, prompt | messages, voice, seed; "
+                              "Qwen3-TTS: language, instructions)")
+    for name in TTS_FIELDS:
+        if name in row and not isinstance(row[name], str):
+            raise BatchInputError(f"{where}: {name} must be a string")
     if not isinstance(row.get("id"), str) or not _ID.fullmatch(row["id"]):
         raise BatchInputError(f"{where}: id must be 1-200 letters, digits, '.', '_' or '-' (it names the audio "
                               f"file), got {row.get('id')!r}")
@@ -241,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     voices = {row.get("voice", args.voice) for row in rows} - {None}
     try:
         check_voices(args.model, voices)
+        check_model_fields(args.model, rows)
     except ValueError as exc:
         return _refuse(str(exc))
     try:
@@ -284,6 +291,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def check_model_fields(model: str | None, rows: list[dict]) -> None:
+    """ValueError naming the row's id unless every row is something the model does (read from the checkpoint's
+    config, before Ray starts): a Qwen3-TTS model speaks `prompt` texts (no `messages`); only it takes
+    `language` and `instructions`."""
+    model_type = None
+    if model is not None:
+        with open(os.path.join(model, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    is_tts = model_type == "qwen3_tts"
+    for row in rows:
+        if is_tts and "messages" in row:
+            raise ValueError(f"id {row['id']!r}: a Qwen3-TTS model has no chat; give the text to speak as prompt")
+        given = [name for name in TTS_FIELDS if name in row]
+        if given and not is_tts:
+            raise ValueError(f"id {row['id']!r}: {given[0]} is taken only by a Qwen3-TTS model")
 
 
 def check_voices(model: str | None, voices: set[str]) -> None:

@@ -51,6 +51,7 @@ class Qwen2_5OmniFamily(ChatText):
     transformers' `generate` runs with the checkpoint's EOS ids (no codec pad / bos rows), "seed" the intended
     layout with both codec embeddings."""
 
+    model_type = "qwen2_5_omni"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
     num_code_groups = 1
 

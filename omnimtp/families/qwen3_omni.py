@@ -41,6 +41,7 @@ class Qwen3OmniFamily(ChatText):
     long-lived process, see `warm_up`. thinker_speculation: the thinker's speculative steps
     (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step."""
 
+    model_type = "qwen3_omni_moe"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
 
     def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
@@ -163,13 +164,7 @@ class Qwen3OmniFamily(ChatText):
         """Run one greedy and one sampled predictor frame at every batch size up to max_batch_size, so
         a compiled predictor has every graph it serves with (one per batch bucket) before the first
         request."""
-        predictor = self.predictor(max_batch_size)
-        hidden_size = predictor.hidden_size
-        generator = torch.Generator(device=predictor.device).manual_seed(0)
-        for batch_size in range(1, max_batch_size + 1):
-            rows = torch.zeros((batch_size, hidden_size), dtype=predictor.dtype, device=predictor.device)
-            predictor.run(rows, rows)
-            predictor.run(rows, rows, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, [generator] * batch_size)
+        self.predictor(max_batch_size).warm_up(QWEN3_OMNI_CODE_PREDICTOR_SAMPLING)
 
     # --- code2wav ---
 

@@ -30,7 +30,7 @@ bit for bit the reference's.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,8 +77,10 @@ class Qwen3TTSFamily(ChatText):
     only (every output's audio is empty). non_streaming_mode: the reference's other prompt layout (the whole text in the
     prefill). compile_predictor: `CodePredictorRunner`'s compile mode."""
 
+    model_type = "qwen3_tts"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
     has_chat = False
+    default_sampling = QWEN3_TTS_SAMPLING  # a sampled request's settings where it gives none (the reference's)
 
     def __init__(self, model: Qwen3TTSModel, tokenizer=None, *, codec=None, non_streaming_mode: bool = False,
                  compile_predictor: bool | str = False):
@@ -282,6 +284,11 @@ class Qwen3TTSFamily(ChatText):
                 self.talker.code_predictor, max_batch_size, compile=self.compile_predictor
             )
         return self._predictors[max_batch_size]
+
+    def warm_up(self, max_batch_size: int) -> None:
+        """The code predictor's graphs at every batch size, greedy and sampled as `default_sampling` samples it
+        (the talker's settings without the repetition penalty)."""
+        self.predictor(max_batch_size).warm_up(replace(QWEN3_TTS_SAMPLING, repetition_penalty=1.0))
 
     def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
         frames = Qwen3FrameMaker(

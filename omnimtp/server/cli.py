@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
         description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
         "embedded tiny model (random weights: noise-like speech).",
     )
-    parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni or Qwen2.5-Omni checkpoint directory (default: embedded tiny)")
+    parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")

@@ -20,17 +20,21 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
+from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
 
 logger = logging.getLogger("omnimtp.server")
+
+# A Qwen3-TTS model's tts_model_type → the `task_type` it serves (vllm-omni's names).
+TTS_TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 
 
 class QueueFullError(RuntimeError):
@@ -58,16 +62,19 @@ class EngineRequest:
     `{"type": "text", "text": str}`, `{"type": "audio", "audio": float32 mono samples at the processor's
     rate}`, `{"type": "image", "image": RGB PIL image}`.
     speak_text: the text to speak directly (the thinker's text path is skipped); None for chat.
-    speaker: a speaker name of the model (already matched), or None for a text-only reply.
+    speaker: a speaker name of the model (already matched), or None for a text-only reply; for a speech-only
+    model, the family's voice object (Qwen3-TTS: `family.voice(...)`, a `TTSVoice`).
     sampling: the thinker's sampling (temperature 0 = greedy, and then the whole request is greedy;
-    otherwise the talker samples as transformers does by default); the code predictor keeps its own.
+    otherwise the talker samples as transformers does by default); the code predictor keeps its own. A
+    speech-only model (no thinker) samples its talker with it (its code predictor the same way without the
+    repetition penalty).
     max_new_tokens: thinker token budget (chat only). is_streamed: the client reads the reply as it
     is made; False (a non-streaming response) generates exactly as `OmniPipeline.generate` does.
     """
 
     messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
     speak_text: str | None
-    speaker: str | None
+    speaker: object | None
     sampling: SamplingParams
     seed: int | None
     max_new_tokens: int
@@ -188,8 +195,10 @@ class Engine:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
         if not isinstance(media_limits, MediaLimits):
             raise ValueError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
-        if family.speech_header_ids is None:
+        if family.has_chat and family.speech_header_ids is None:
             raise ValueError("tokenizer must have a chat template")
+        if not family.has_chat and family.tokenizer is None:
+            raise ValueError("tokenizer: a speech-only model needs its text tokenizer to read the text to speak")
         batch_size = config.setdefault("max_batch_size", 16)
         if isinstance(batch_size, int) and not isinstance(batch_size, bool):
             config.setdefault("max_decode_frames", 4 * batch_size)
@@ -225,6 +234,11 @@ class Engine:
         return self.family.speakers
 
     @property
+    def has_chat(self) -> bool:
+        """Whether the model answers chat (a thinker); False for a speech-only model (Qwen3-TTS)."""
+        return self.family.has_chat
+
+    @property
     def is_running(self) -> bool:
         return self._accepting
 
@@ -238,6 +252,44 @@ class Engine:
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None: no fallback voice."""
         return self.family.match_speaker(name)
+
+    @property
+    def tts_model_type(self) -> str | None:
+        """A Qwen3-TTS model's kind ("custom_voice", "voice_design" or "base"); None for a model with a thinker."""
+        return getattr(self.family, "tts_model_type", None)
+
+    def speech_voice(self, voice: str | None, language: str | None, instructions: str | None):
+        """A speech-only model's voice object for `EngineRequest.speaker` (Qwen3-TTS: `family.voice`, a
+        `TTSVoice`); ValueError naming voice, language or instructions."""
+        return self.family.voice(voice, language, instructions)
+
+    def speech_sampling(self, temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingParams:
+        """A speech request's sampling: the fields it gives (top_k 0: no limit) over the model's defaults (a
+        speech-only model's `default_sampling`, the reference's; otherwise OpenAI's T 1, top-p 1, no top-k).
+        Temperature 0 is greedy."""
+        defaults = getattr(self.family, "default_sampling", None) or SamplingParams()
+        given = {}
+        if temperature is not None:
+            given["temperature"] = float(temperature)
+        if top_p is not None:
+            given["top_p"] = float(top_p)
+        if top_k is not None:
+            given["top_k"] = top_k or None
+        return replace(defaults, **given)
+
+    def model_card(self) -> dict:
+        """What /v1/models says about the model besides its name: the family (its config.json model_type), the
+        APIs it serves and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves and
+        its languages ("auto" first)."""
+        family = self.family
+        card = {"family": getattr(family, "model_type", None),
+                "endpoints": (["/v1/chat/completions"] if self.has_chat else []) + ["/v1/audio/speech"],
+                "voices": list(self.speakers)}
+        if self.tts_model_type is not None:
+            card["tts_model_type"] = self.tts_model_type
+            card["task_type"] = TTS_TASK_TYPES[self.tts_model_type]
+            card["languages"] = [AUTO_LANGUAGE, *family.languages]
+        return card
 
     def prompt_ids(self, request: EngineRequest) -> tuple[list[int], MediaInputs | None]:
         """(prompt ids, media tensors or None). Chat: the templated prompt, one pad per media encoder row.
@@ -316,10 +368,14 @@ class Engine:
                 raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             sampling = None if request.sampling.is_greedy else request.sampling
+            # A model with a thinker samples it as asked and its talker as the family does; a speech-only
+            # model's sampling is its talker's.
+            thinker_sampling, talker_sampling = (
+                (sampling, self.family.sampled_talker(sampling)) if self.has_chat else (None, sampling))
             handle.request = Request(
                 handle.request_id, prompt_ids, max_new_tokens=max(request.max_new_tokens, 1),
-                max_frames=self.config.max_frames, speaker=request.speaker, thinker_sampling=sampling,
-                talker_sampling=self.family.sampled_talker(sampling), seed=request.seed, is_chat=is_chat,
+                max_frames=self.config.max_frames, speaker=request.speaker, thinker_sampling=thinker_sampling,
+                talker_sampling=talker_sampling, seed=request.seed, is_chat=is_chat,
                 is_streamed=request.is_streamed, media=media,
             )
             self._handles[handle.request_id] = handle

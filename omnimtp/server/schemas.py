@@ -123,16 +123,29 @@ class ChatCompletionRequest(BaseModel):
         return "audio" in self.modalities
 
 
+# What a Qwen3-TTS speech request asks for (vllm-omni's `task_type`): a named speaker, a voice described in
+# `instructions`, or a cloned voice (a Base model).
+TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
+
+
 class SpeechRequest(BaseModel):
+    """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
+    `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
+    or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
+    against the model in `routes/speech.py`)."""
+
     model_config = _STRICT
     model: str | None = None
     input: Annotated[str, Field(min_length=1, max_length=4096)]
-    voice: NonEmptyStr
+    voice: NonEmptyStr | None = None
+    language: NonEmptyStr | None = None
+    instructions: Annotated[str, Field(max_length=4096)] | None = None
+    task_type: Literal[TASK_TYPES] | None = None
     response_format: Literal["wav", "pcm", "flac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
     speed: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0  # a number, never a bool
     seed: Seed | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None

@@ -520,3 +520,12 @@ class CodePredictorRunner:
         with torch.inference_mode():
             codes, embed_sum = self._run_frame(last_talker_hidden, cb0_embed, sampling, noise)
         return ResidualCodes(codes=codes.clone(), embed_sum=embed_sum.clone())
+
+    def warm_up(self, sampling: SamplingParams) -> None:
+        """Run one greedy frame and one frame sampled with `sampling` at every batch size up to max_batch_size,
+        so a compiled runner has every graph it serves with (one per batch bucket) before the first request."""
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        for batch_size in range(1, self.max_batch_size + 1):
+            rows = torch.zeros((batch_size, self.hidden_size), dtype=self.dtype, device=self.device)
+            self.run(rows, rows)
+            self.run(rows, rows, sampling, [generator] * batch_size)

@@ -34,6 +34,7 @@ async def chat_completions(request: Request):
     engine, max_tokens_limit = context.engine, context.max_tokens_limit
     body = await context.read_body(request, ChatCompletionRequest)
     model_name = context.check_model(body.model)
+    context.check_chat()
     param, max_tokens = "max_tokens", body.max_tokens
     if body.max_completion_tokens is not None:
         param, max_tokens = "max_completion_tokens", body.max_completion_tokens

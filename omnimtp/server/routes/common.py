@@ -21,12 +21,15 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
 from omnimtp.server.guard import read_json
-from omnimtp.server.scheduler import Engine, EngineRequest, PromptTooLongError, QueueFullError
+from omnimtp.server.scheduler import TTS_TASK_TYPES, Engine, EngineRequest, PromptTooLongError, QueueFullError
 
 # A client told "queue full" may retry after this many seconds (a slot frees up every few frames).
 _RETRY_AFTER_S = 1
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# The speech request fields a Qwen3-TTS model's voice is made of (its ValueErrors start with the field's name).
+_VOICE_FIELDS = ("voice", "language", "instructions")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,41 @@ class ServingContext:
             names = ", ".join(self.engine.speakers)
             raise APIError(400, f"unknown voice {voice!r}; this model has: {names}", param=param, code="invalid_value")
         return speaker
+
+    def check_chat(self) -> None:
+        """APIError 400 unless the model answers chat (a Qwen3-TTS model only speaks text)."""
+        if not self.engine.has_chat:
+            raise APIError(400, f"the model {self.engine.model_id!r} is a speech-only model (text to speech) and has "
+                           "no chat; speak text with /v1/audio/speech", param="model",
+                           code="model_not_supported")
+
+    def speech_voice(self, voice: str | None, language: str | None, instructions: str | None,
+                     task_type: str | None):
+        """The `EngineRequest.speaker` of a speech request: a speaker name of a model with a thinker (which
+        takes no language, instructions or task_type), or a Qwen3-TTS model's voice object. APIError 400
+        naming the field: an unknown voice (listing the voices) or language (listing them), instructions the
+        model ignores or that a VoiceDesign model lacks, a task_type that is not the model's."""
+        engine = self.engine
+        model_type = engine.tts_model_type
+        if model_type is None:
+            for name, value in (("language", language), ("instructions", instructions), ("task_type", task_type)):
+                if value is not None:
+                    raise APIError(400, f"{name}: the model {engine.model_id!r} takes no {name} (only Qwen3-TTS "
+                                   "models do)", param=name, code="invalid_value")
+            if voice is None:
+                raise APIError(400, "voice: required", param="voice", code="missing_required_parameter")
+            return self.check_voice(voice, "voice")
+        served = TTS_TASK_TYPES[model_type]
+        if task_type is not None and task_type != served:
+            clone = " (voice cloning needs a Base model)" if task_type == "Base" else ""
+            raise APIError(400, f"task_type: the model {engine.model_id!r} serves {served}, not {task_type}{clone}",
+                           param="task_type", code="invalid_value")
+        try:
+            return engine.speech_voice(voice, language, instructions)
+        except ValueError as exc:
+            name = str(exc).partition(":")[0]
+            raise APIError(400, str(exc), param=name if name in _VOICE_FIELDS else None,
+                           code="invalid_value") from None
 
     async def submit(self, request: EngineRequest):
         """Queue `request` in the engine: its `RequestHandle`. APIError for a prompt over the limit (400), bad

@@ -28,7 +28,9 @@ async def prometheus_metrics(request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
+    """OpenAI's model list; each model also says its family, endpoints and voices (`Engine.model_card`)."""
     context = serving(request)
-    models = [{"id": name, "object": "model", "created": context.engine.created, "owned_by": "omnimtp"}
+    card = context.engine.model_card()
+    models = [{"id": name, "object": "model", "created": context.engine.created, "owned_by": "omnimtp", **card}
               for name in context.model_names]
     return {"object": "list", "data": models}

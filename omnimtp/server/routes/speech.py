@@ -1,6 +1,13 @@
 """`/v1/audio/speech`: text spoken in a voice, as a whole file (wav, pcm, flac) or streamed (raw audio
 chunks, or SSE `speech.audio.delta` events).
 
+On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-TTS model the request also
+takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
+by VoiceDesign, refused by a model that ignores it) and `task_type` (checked against the model: "CustomVoice"
+or "VoiceDesign"); `voice` is a CustomVoice speaker (default: the model's) and sampling fields left out are
+the reference's defaults (T 0.9, top-k 50, repetition penalty 1.05; temperature 0: greedy). It runs in the
+same engine step loop as every other request.
+
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
 an empty data chunk, a FLAC stream without frames, empty PCM; SSE: only `speech.audio.done`) and says
 `X-Finish-Reason: no_audio`."""
@@ -11,9 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
-from omnimtp.server.routes.common import (
-    b64_pcm16, collect, first_event, prepended, sampling_params, serving, sse, stream_error,
-)
+from omnimtp.server.errors import APIError
+from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechRequest
 
@@ -31,12 +37,14 @@ async def speech(request: Request):
     engine = context.engine
     body = await context.read_body(request, SpeechRequest)
     context.check_model(body.model)
-    speaker = context.check_voice(body.voice, "voice")
+    if not body.input.strip():
+        raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
+    speaker = context.speech_voice(body.voice, body.language, body.instructions, body.task_type)
     engine_request = EngineRequest(
         messages=None,
         speak_text=body.input,
         speaker=speaker,
-        sampling=sampling_params(body.temperature, body.top_p, body.top_k),
+        sampling=engine.speech_sampling(body.temperature, body.top_p, body.top_k),
         seed=body.seed,
         max_new_tokens=0,
     )  # streamed in every format, so that every format carries the same samples
