@@ -1,0 +1,194 @@
+"""Train the GLM-5 demo LM that ships with omnimtp (`glm_moe_dsa`; seeded, reproducible, resumable).
+
+Data and tokenizer are the demo LM's (`scripts/train_demo_lm.py`): the standard library's ``.py`` sources,
+the same hash split (held-out files never seen by the tokenizer, the LM or its MTP head) and the shipped
+demo LM's BPE tokenizer (trained on the same training files), so both demos read the same token streams.
+
+Model: transformers' GlmMoeDsa: MLA attention, a DSA indexer per layer choosing ``index_topk`` keys (below
+the training and decoding context, so the selection matters), MoE layers after the first dense one, one MTP
+layer and ``index_share_for_mtp_iteration: true``.
+
+The indexer: transformers' `GlmMoeDsaIndexer.forward` runs under ``no_grad`` (top-k is not differentiable),
+so the LM loss never reaches it and a random indexer would pick random keys. It is trained as DeepSeek-V3.2's
+DSA trains its lightning indexer: a KL loss pulling the indexer's softmax over the causal keys towards the
+main attention's distribution (probabilities summed over heads, renormalised), with the attention side and
+the indexer's inputs detached, so the indexer loss changes the indexer only (DSA's dense warm-up objective,
+here alongside the LM loss from step 0; the LM itself always trains with the sparse selection it decodes with).
+
+Usage (the shipped model)::
+
+    python scripts/train_demo_glm5.py --work runs/demo_glm5 --out runs/demo_glm5/lm
+
+then the MTP head and its ablation arms with ``benchmarks/mtp_ablation.py`` (which copies the best head
+into the output directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_demo_lm import batch_at, heldout_loss, heldout_prompts, learning_rate, stdlib_files  # noqa: E402
+
+from omnimtp.mtp.demo import DEMO_MODEL_DIR  # noqa: E402
+from omnimtp.mtp.dsa import indexer_kl_loss  # noqa: E402
+from omnimtp.mtp.train import encode_files  # noqa: E402
+
+
+def demo_glm5_config(vocab_size: int, eos_token_id: int, args: argparse.Namespace) -> GlmMoeDsaConfig:
+    hidden = args.hidden_size
+    config = GlmMoeDsaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=args.intermediate_size,
+        moe_intermediate_size=args.intermediate_size // 4,
+        num_hidden_layers=args.num_layers,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=48,
+        index_topk=args.index_topk,
+        index_head_dim=32,
+        index_n_heads=4,
+        num_nextn_predict_layers=1,
+        index_share_for_mtp_iteration=True,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class IndexerLoss:
+    """Collects, during a training forward, each DSA layer's indexer KL loss against its main attention
+    (see the module docstring). Hooks on every `GlmMoeDsaAttention`; `pop()` returns the mean and resets."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM):
+        self.losses: list[torch.Tensor] = []
+        self.handles = [
+            layer.self_attn.register_forward_pre_hook(self._hook, with_kwargs=True)
+            for layer in model.model.layers
+            if layer.self_attn.indexer is not None
+        ]
+
+    def _hook(self, attn, args, kwargs):
+        if attn.training:
+            self.losses.append(indexer_kl_loss(attn, kwargs["hidden_states"], kwargs["position_embeddings"]))
+
+    def pop(self) -> torch.Tensor:
+        loss = torch.stack(self.losses).mean()
+        self.losses = []
+        return loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints")
+    parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--index-topk", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=400, help="length of the learning-rate schedule")
+    parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--indexer-weight", type=float, default=1.0)
+    parser.add_argument("--checkpoint-every", type=int, default=25)
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    args.work.mkdir(parents=True, exist_ok=True)
+    train_files, heldout_files = stdlib_files(args.heldout_every)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(DEMO_MODEL_DIR)
+    streams_path = args.work / "streams.pt"
+    if not streams_path.exists():
+        torch.save({"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, heldout_files)},
+                   streams_path)
+    streams = torch.load(streams_path)
+    print(f"files train={len(train_files)} heldout={len(heldout_files)} "
+          f"tokens train={streams['train'].numel()} heldout={streams['heldout'].numel()}", flush=True)
+
+    torch.manual_seed(args.seed)
+    config = demo_glm5_config(len(tokenizer), tokenizer.eos_token_id, args)
+    model = GlmMoeDsaForCausalLM(config)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    checkpoint_path = args.work / "checkpoint.pt"
+    start_step = 0
+    if args.resume and checkpoint_path.exists():
+        state = torch.load(checkpoint_path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        print(f"resumed at step {start_step}", flush=True)
+
+    indexer_loss = IndexerLoss(model)
+    model.train()
+    started = time.time()
+    end_step = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
+    for step in range(start_step, end_step):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        batch = batch_at(streams["train"], step, args.batch_size, args.seq_len, args.seed)  # [B, T+1]
+        logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+        lm_loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        kl = indexer_loss.pop()
+        optimizer.zero_grad(set_to_none=True)
+        (lm_loss + args.indexer_weight * kl).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 10 == 0:
+            print(f"step {step} loss {lm_loss.item():.4f} indexer_kl {kl.item():.4f} "
+                  f"lr {learning_rate(step, args):.2e} {time.time() - started:.0f}s", flush=True)
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == end_step:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+                       checkpoint_path)
+    model.eval()
+    print(f"heldout loss {heldout_loss(model, streams['heldout'], args.seq_len, 16):.4f}", flush=True)
+
+    model.to(torch.bfloat16)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    # Stored in bfloat16 to fit the size budget; the config says float32 so `from_pretrained` casts back.
+    config_path = args.out / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["dtype"] = "float32"
+    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(args.out)
+    prompts = heldout_prompts(heldout_files, args.num_prompts)
+    (args.out / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1))
+    print(f"saved to {args.out} ({len(prompts)} held-out prompts) in {time.time() - started:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
