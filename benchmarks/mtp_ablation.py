@@ -115,6 +115,67 @@ def prompt_taus(target, drafter, prompts: list[torch.Tensor], k: int, sampling, 
     return taus, sequences
 
 
+def _greedy_twin(arm: Arm) -> Arm | None:
+    """The arm with the same head and argmax drafts, whose greedy runs are `arm`'s (None: `arm` is one)."""
+    if arm.argmax_drafts:
+        return None
+    return next((other for other in ARMS if other.head == arm.head and other.argmax_drafts), None)
+
+
+def evaluate(target, tokenizer, head_dirs: dict[str, Path], arms: list[Arm], args) -> list[dict]:
+    """One row per (arm, k, mode): mean τ over the held-out prompts with its 95 % bootstrap interval."""
+    texts = json.loads((args.model / "heldout_prompts.json").read_text())[: args.num_prompts]
+    if len(texts) < args.num_prompts:
+        raise ValueError(f"--num-prompts {args.num_prompts}: the checkpoint holds {len(texts)} held-out prompts")
+    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in texts]
+    plain = None
+    heads = {}
+    for name in {arm.head for arm in arms}:
+        heads[name] = MTPHead.from_pretrained(head_dirs[name], target).eval()
+        heads[name].index_share = HEADS[name].index_share
+    modes = {"greedy": SamplingParams.greedy(), "T=1": SamplingParams(temperature=1.0)}
+    rows = []
+    started = time.time()
+    for arm in arms:
+        for k in args.ks:
+            for mode, sampling in modes.items():
+                if mode == "greedy" and _greedy_twin(arm) is not None:
+                    continue  # greedy drafts are argmax in every arm: the twin arm's greedy cell is this one's
+                proposer = MTPProposer(heads[arm.head])
+                drafter = ArgmaxDrafts(proposer) if arm.argmax_drafts else proposer
+                taus, sequences = prompt_taus(target, drafter, prompts, k, sampling, args.max_new_tokens)
+                low, high = bootstrap_interval(taus, seed=args.seed)
+                row = {"arm": arm.name, "head": arm.head, "k": k, "mode": mode, "tau": sum(taus) / len(taus),
+                       "ci95": [low, high], "per_prompt_tau": taus}
+                if mode == "greedy":
+                    if plain is None:
+                        with torch.no_grad():
+                            plain = [target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens,
+                                                     eos_token_id=-1) for ids in prompts]
+                    row["greedy_matches_generate"] = all(torch.equal(a, b) for a, b in zip(sequences, plain))
+                rows.append(row)
+                print(f"{arm.name:>20} k={k} {mode:>6}: tau {row['tau']:.3f} [{low:.3f}, {high:.3f}] "
+                      f"({time.time() - started:.0f}s)", flush=True)
+
+    return rows
+
+
+def print_table(rows: list[dict], ks: list[int]) -> None:
+    modes = ("greedy", "T=1")
+    print(f"\n{'arm':>20} | " + " | ".join(f"k={k} {mode:>6}" for k in ks for mode in modes) + " | seed (GLM-5.2)")
+    for arm in ARMS:
+        cells = []
+        for k in ks:
+            for mode in modes:
+                name = _greedy_twin(arm).name if mode == "greedy" and _greedy_twin(arm) else arm.name
+                row = next((r for r in rows if r["arm"] == name and r["k"] == k and r["mode"] == mode), None)
+                if row is None:
+                    cells.append("-")
+                    continue
+                cells.append(f"{row['tau']:.2f} [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]")
+        print(f"{arm.name:>20} | " + " | ".join(cells) + f" | {SEED_TAU[arm.name]:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="the GLM-5 target checkpoint dir")
@@ -131,6 +192,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ks", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--arms", nargs="+", choices=[arm.name for arm in ARMS], default=[arm.name for arm in ARMS])
+    parser.add_argument("--rows", nargs="+", default=None,
+                        help="JSON files of earlier runs: print their rows' table (and --install) instead of decoding")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--install", type=Path, default=None,
                         help="write the target with the best head (greedy τ at the first k, among the heads "
@@ -154,56 +218,23 @@ def main() -> None:
     if args.train_only:
         return
 
-    texts = json.loads((args.model / "heldout_prompts.json").read_text())[: args.num_prompts]
-    if len(texts) < args.num_prompts:
-        raise ValueError(f"--num-prompts {args.num_prompts}: the checkpoint holds {len(texts)} held-out prompts")
-    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in texts]
-    with torch.no_grad():
-        plain = [target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens, eos_token_id=-1)
-                 for ids in prompts]
-    heads = {}
-    for name, directory in head_dirs.items():
-        heads[name] = MTPHead.from_pretrained(directory, target).eval()
-        heads[name].index_share = HEADS[name].index_share
-    modes = {"greedy": SamplingParams.greedy(), "T=1": SamplingParams(temperature=1.0)}
-    rows = []
-    started = time.time()
-    for arm in ARMS:
-        for k in args.ks:
-            for mode, sampling in modes.items():
-                proposer = MTPProposer(heads[arm.head])
-                drafter = ArgmaxDrafts(proposer) if arm.argmax_drafts else proposer
-                taus, sequences = prompt_taus(target, drafter, prompts, k, sampling, args.max_new_tokens)
-                low, high = bootstrap_interval(taus, seed=args.seed)
-                row = {"arm": arm.name, "head": arm.head, "k": k, "mode": mode, "tau": sum(taus) / len(taus),
-                       "ci95": [low, high], "per_prompt_tau": taus}
-                if mode == "greedy":
-                    row["greedy_matches_generate"] = all(torch.equal(a, b) for a, b in zip(sequences, plain))
-                rows.append(row)
-                print(f"{arm.name:>20} k={k} {mode:>6}: tau {row['tau']:.3f} [{low:.3f}, {high:.3f}] "
-                      f"({time.time() - started:.0f}s)", flush=True)
-
-    print(f"\n{'arm':>20} | " + " | ".join(f"k={k} {mode:>6}" for k in args.ks for mode in modes) + " | seed (GLM-5.2)")
-    for arm in ARMS:
-        cells = []
-        for k in args.ks:
-            for mode in modes:
-                row = next(r for r in rows if r["arm"] == arm.name and r["k"] == k and r["mode"] == mode)
-                cells.append(f"{row['tau']:.2f} [{row['ci95'][0]:.2f}, {row['ci95'][1]:.2f}]")
-        print(f"{arm.name:>20} | " + " | ".join(cells) + f" | {SEED_TAU[arm.name]:.2f}")
-
+    if args.rows:  # the table of earlier runs (e.g. one process per arm)
+        rows = [row for path in args.rows for row in json.loads(Path(path).read_text())["rows"]]
+    else:
+        rows = evaluate(target, tokenizer, head_dirs, [arm for arm in ARMS if arm.name in args.arms], args)
+    print_table(rows, args.ks)
     first_k = args.ks[0]
     shipped_share = bool(target.config.index_share_for_mtp_iteration)  # the head drafts as the config says
     candidates = [name for name in HEADS if HEADS[name].index_share == shipped_share]
-    best = max(candidates, key=lambda name: next(r["tau"] for r in rows if r["head"] == name and r["k"] == first_k
-                                            and r["mode"] == "greedy"))
+    greedy_tau = {r["head"]: r["tau"] for r in rows if r["k"] == first_k and r["mode"] == "greedy"}
+    best = max((name for name in candidates if name in greedy_tau), key=greedy_tau.get, default=None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": str(args.model), "args": {k: str(v) for k, v in vars(args).items()},
                                     "seed_tau": SEED_TAU, "best_head": best, "rows": rows}, indent=1))
     print(f"best head (greedy tau at k={first_k}): {best}; wrote {args.out}")
-    if args.install is not None:
+    if args.install is not None and best is not None:
         copy_target_files(args.model, args.install)
-        heads[best].save_pretrained(args.install)
+        MTPHead.from_pretrained(head_dirs[best], target).save_pretrained(args.install)
         log = head_dirs[best] / "mtp_train_log.json"
         if log.exists():
             (args.install / "mtp_train_log.json").write_text(log.read_text())
