@@ -47,7 +47,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, speculative_generate  # noqa: E402
 from omnimtp.mtp.head import MTPHead  # noqa: E402
-from omnimtp.mtp.train import MTPTrainConfig, collect_text_files, encode_files, train_mtp_head  # noqa: E402
+from omnimtp.mtp.train import (  # noqa: E402
+    CHECKPOINT_NAME, MTPTrainConfig, collect_text_files, encode_files, train_mtp_head,
+)
 from omnimtp.mtp.train_cli import copy_target_files, load_target  # noqa: E402
 from omnimtp.spec_decode.proposer import ArgmaxDrafts, MTPProposer  # noqa: E402
 
@@ -82,16 +84,21 @@ def train_head(target, name: str, recipe: HeadRecipe, streams, work: Path, args)
     head = MTPHead.from_config(target)
     head.index_share = recipe.index_share
     config = MTPTrainConfig(num_draft_tokens=args.train_k, steps=args.steps, batch_size=args.batch_size,
-                            seq_len=args.seq_len, lr=args.lr, tv_weight=recipe.tv_weight, eval_every=args.steps,
+                            seq_len=args.seq_len, lr=args.lr, tv_weight=recipe.tv_weight, eval_every=25,
                             checkpoint_every=25, seed=args.seed)
     started = time.time()
+    stop_after = None
+    if args.stop_at is not None:  # the schedule of --steps cut at --stop-at (resumed runs count what is done)
+        state_path = out / CHECKPOINT_NAME
+        done = torch.load(state_path, map_location="cpu")["step"] if state_path.exists() else 0
+        stop_after = max(1, args.stop_at - done)
     result = train_mtp_head(target, head, streams["train"], streams["heldout"], config, checkpoint_dir=out,
-                            resume=True, progress=False)
+                            resume=True, progress=False, stop_after=stop_after)
     head.save_pretrained(out)
     log = {"recipe": recipe.__dict__, "config": config.__dict__,
            "evals": result.evals, "train_s": time.time() - started}
     (out / "mtp_train_log.json").write_text(json.dumps(log, indent=1, default=str))
-    print(f"head {name}: trained {args.steps} steps in {time.time() - started:.0f}s, "
+    print(f"head {name}: trained to step {len(result.losses)} in {time.time() - started:.0f}s, "
           f"held-out teacher-forced tau {result.evals[-1]['tau_greedy']:.3f}", flush=True)
     return out
 
@@ -184,6 +191,7 @@ def main() -> None:
     parser.add_argument("--data", default=sysconfig.get_paths()["stdlib"])
     parser.add_argument("--heldout-every", type=int, default=16)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--stop-at", type=int, default=None, help="end the heads' training at this step")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--train-k", type=int, default=3, help="draft steps the heads are unrolled in training")
