@@ -18,7 +18,7 @@ here alongside the LM loss from step 0; the LM itself always trains with the spa
 Usage (the shipped model: the schedule of 400 steps cut at 250, ~18 min at ~4.4 s a step on one thread of a
 busy 2-core machine; 3.6 M parameters, held-out loss 4.57; run from the repository root)::
 
-    PYTHONPATH=. python scripts/train_demo_glm5.py --work runs/demo_glm5 --out runs/demo_glm5/lm --stop-at 250
+    python scripts/train_demo_glm5.py --work runs/demo_glm5 --out runs/demo_glm5/lm --stop-at 250
 
 then the MTP heads of the ablation's arms, and the best one installed with the target (see
 ``benchmarks/mtp_ablation.py``)::
@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this tree's omnimtp
 from train_demo_lm import (  # noqa: E402
     batch_at, heldout_loss, heldout_prompts, learning_rate, resume, save_model, stdlib_files, token_streams,
+    training_parser,
 )
 
 from omnimtp.mtp.demo import DEMO_MODEL_DIR  # noqa: E402
@@ -108,26 +109,10 @@ class IndexerLoss:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints")
-    parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heldout-every", type=int, default=16)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=4)
+    parser = training_parser(__doc__, num_layers=4, seq_len=128, batch_size=8, steps=400, checkpoint_every=25)
     parser.add_argument("--index-topk", type=int, default=32)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=400, help="length of the learning-rate schedule")
-    parser.add_argument("--stop-at", type=int, default=None)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--indexer-weight", type=float, default=1.0)
-    parser.add_argument("--checkpoint-every", type=int, default=25)
     parser.add_argument("--num-prompts", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)

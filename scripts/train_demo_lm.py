@@ -145,6 +145,30 @@ def heldout_loss(model: Glm4MoeForCausalLM, stream: torch.Tensor, seq_len: int, 
     return sum(losses) / len(losses)
 
 
+def training_parser(description: str, *, num_layers: int, seq_len: int, batch_size: int, steps: int,
+                    checkpoint_every: int) -> argparse.ArgumentParser:
+    """The arguments both demo LMs' training scripts take (model width, data, schedule, resuming)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints, log")
+    parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=num_layers)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=steps, help="length of the learning-rate schedule")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="end training at this step (the schedule still spans --steps)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
+    parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
 def token_streams(work: Path, tokenizer, train_files: list[Path], heldout_files: list[Path]) -> dict[str, torch.Tensor]:
     """{"train", "heldout"} token streams of the files, cached in `work`/streams.pt."""
     streams_path = work / "streams.pt"
@@ -183,25 +207,8 @@ def save_model(model, tokenizer, out: Path, prompts: list[str], dtype: torch.dty
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints, log")
-    parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heldout-every", type=int, default=16)
+    parser = training_parser(__doc__, num_layers=12, seq_len=256, batch_size=16, steps=300, checkpoint_every=50)
     parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--intermediate-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300, help="length of the learning-rate schedule")
-    parser.add_argument("--stop-at", type=int, default=None,
-                        help="end training at this step (the schedule still spans --steps)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--checkpoint-every", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
 
