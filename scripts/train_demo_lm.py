@@ -145,26 +145,70 @@ def heldout_loss(model: Glm4MoeForCausalLM, stream: torch.Tensor, seq_len: int, 
     return sum(losses) / len(losses)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def training_parser(description: str, *, num_layers: int, seq_len: int, batch_size: int, steps: int,
+                    checkpoint_every: int) -> argparse.ArgumentParser:
+    """The arguments both demo LMs' training scripts take (model width, data, schedule, resuming)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, required=True, help="scratch dir: token streams, checkpoints, log")
     parser.add_argument("--out", type=Path, required=True, help="final model dir (save_pretrained + tokenizer)")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout-every", type=int, default=16)
-    parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--intermediate-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300, help="length of the learning-rate schedule")
+    parser.add_argument("--num-layers", type=int, default=num_layers)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=steps, help="length of the learning-rate schedule")
     parser.add_argument("--stop-at", type=int, default=None,
                         help="end training at this step (the schedule still spans --steps)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every)
     parser.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def token_streams(work: Path, tokenizer, train_files: list[Path], heldout_files: list[Path]) -> dict[str, torch.Tensor]:
+    """{"train", "heldout"} token streams of the files, cached in `work`/streams.pt."""
+    streams_path = work / "streams.pt"
+    if not streams_path.exists():
+        torch.save({"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, heldout_files)},
+                   streams_path)
+    streams = torch.load(streams_path)
+    print(f"files train={len(train_files)} heldout={len(heldout_files)} "
+          f"tokens train={streams['train'].numel()} heldout={streams['heldout'].numel()}", flush=True)
+    return streams
+
+
+def resume(model, optimizer, checkpoint_path: Path) -> int:
+    """Load the training state saved at `checkpoint_path` when there is one; returns the step to start at."""
+    if not checkpoint_path.exists():
+        return 0
+    state = torch.load(checkpoint_path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    print(f"resumed at step {state['step']}", flush=True)
+    return state["step"]
+
+
+def save_model(model, tokenizer, out: Path, prompts: list[str], dtype: torch.dtype) -> None:
+    """`save_pretrained` in `dtype` with the tokenizer and `heldout_prompts.json`; the config says float32, so
+    `from_pretrained` casts back (weights stored in bfloat16 fit the size budget)."""
+    model.to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    config_path = out / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["dtype"] = "float32"
+    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(out)
+    (out / "heldout_prompts.json").write_text(json.dumps(prompts, indent=1))
+
+
+def main() -> None:
+    parser = training_parser(__doc__, num_layers=12, seq_len=256, batch_size=16, steps=300, checkpoint_every=50)
+    parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
 
@@ -176,13 +220,7 @@ def main() -> None:
     if not (tokenizer_dir / "tokenizer.json").exists():
         train_tokenizer(train_files, args.vocab_size).save_pretrained(tokenizer_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    streams_path = args.work / "streams.pt"
-    if not streams_path.exists():
-        torch.save({"train": encode_files(tokenizer, train_files), "heldout": encode_files(tokenizer, heldout_files)},
-                   streams_path)
-    streams = torch.load(streams_path)
-    print(f"files train={len(train_files)} heldout={len(heldout_files)} "
-          f"tokens train={streams['train'].numel()} heldout={streams['heldout'].numel()}", flush=True)
+    streams = token_streams(args.work, tokenizer, train_files, heldout_files)
 
     torch.manual_seed(args.seed)
     config = demo_config(len(tokenizer), tokenizer.eos_token_id, args)
@@ -190,13 +228,7 @@ def main() -> None:
     print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     checkpoint_path = args.work / "checkpoint.pt"
-    start_step = 0
-    if args.resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start_step = state["step"]
-        print(f"resumed at step {start_step}", flush=True)
+    start_step = resume(model, optimizer, checkpoint_path) if args.resume else 0
 
     model.train()
     started = time.time()
@@ -220,16 +252,7 @@ def main() -> None:
     print(f"heldout loss {heldout_loss(model, streams['heldout'], args.seq_len, 16):.4f}", flush=True)
 
     model.eval()
-    model.to(getattr(torch, args.save_dtype))
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)
-    # Stored in bfloat16 to fit the size budget; the config says float32 so `from_pretrained` casts back.
-    config_path = args.out / "config.json"
-    config_json = json.loads(config_path.read_text())
-    config_json["dtype"] = "float32"
-    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-    tokenizer.save_pretrained(args.out)
-    (args.out / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(heldout_files, 16), indent=1))
+    save_model(model, tokenizer, args.out, heldout_prompts(heldout_files, 16), getattr(torch, args.save_dtype))
     print(f"saved to {args.out}", flush=True)
 
 

@@ -35,20 +35,32 @@ def _rotate(x: torch.Tensor, rope_dim: int, cos, sin) -> torch.Tensor:
     return torch.cat([x_rot, x_pass], dim=-1)
 
 
-@torch.no_grad()
-def indexer_scores(indexer, hidden, q_resid, position_embeddings, cache, layer_idx: int) -> torch.Tensor:
-    """The indexer's scores of every cached key (the new keys written to `cache` first), as
-    `GlmMoeDsaIndexer.forward` computes them before its mask and top-k: → [B, T, S] float32."""
+def indexer_logits(indexer, hidden, q_resid, position_embeddings, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The indexer's scores, as `GlmMoeDsaIndexer.forward` computes them before its mask and top-k, of the
+    cached `keys` [B, S, D] (None: the T new tokens' own keys) → [B, T, S] float32. Differentiable (the
+    indexer's training loss uses it; decoding goes through `indexer_scores`)."""
     batch_size, num_tokens, _ = hidden.shape
     cos, sin = position_embeddings
-    rope_dim = indexer.qk_rope_head_dim
     q = indexer.wq_b(q_resid).view(batch_size, num_tokens, indexer.n_heads, indexer.head_dim)  # [B, T, h, D]
-    q = _rotate(q, rope_dim, cos, sin)
-    k = _rotate(indexer.k_norm(indexer.wk(hidden)).unsqueeze(2), rope_dim, cos, sin).squeeze(2)  # [B, T, D]
-    keys = cache.update_indexer(k, layer_idx)  # [B, S, D]
+    q = _rotate(q, indexer.qk_rope_head_dim, cos, sin)
+    if keys is None:
+        keys = indexer_keys(indexer, hidden, position_embeddings)
     scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
     weights = indexer.weights_proj(hidden.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
+
+
+def indexer_keys(indexer, hidden, position_embeddings) -> torch.Tensor:
+    """The indexer keys of hidden [B, T, H] → [B, T, D]."""
+    cos, sin = position_embeddings
+    return _rotate(indexer.k_norm(indexer.wk(hidden)).unsqueeze(2), indexer.qk_rope_head_dim, cos, sin).squeeze(2)
+
+
+@torch.no_grad()
+def indexer_scores(indexer, hidden, q_resid, position_embeddings, cache, layer_idx: int) -> torch.Tensor:
+    """The indexer's scores of every cached key (the new keys written to `cache` first): → [B, T, S] float32."""
+    keys = cache.update_indexer(indexer_keys(indexer, hidden, position_embeddings), layer_idx)  # [B, S, D]
+    return indexer_logits(indexer, hidden, q_resid, position_embeddings, keys)
 
 
 def topk_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: int) -> torch.Tensor:
@@ -74,6 +86,20 @@ def decode_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: in
     return selected & allowed
 
 
+def mla_projections(attn, x: torch.Tensor, position_embeddings):
+    """`GlmMoeDsaAttention`'s projections of x [B, T, H] (the normed layer input), RoPE applied:
+    (q_resid [B, T, q_lora], queries [B, heads, T, D], latent k_pass [B, 1, T, kv_lora], k_rot [B, 1, T, rope])."""
+    batch_size, num_tokens, _ = x.shape
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q_states = attn.q_b_proj(q_resid).view(batch_size, num_tokens, -1, attn.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+    k_pass = attn.kv_a_layernorm(kv_pass).view(batch_size, 1, num_tokens, attn.kv_lora_rank)
+    k_rot = k_rot.view(batch_size, 1, num_tokens, attn.qk_rope_head_dim)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, *position_embeddings)
+    return q_resid, torch.cat((q_pass, q_rot), dim=-1), k_pass, k_rot
+
+
 def dsa_layer(
     layer,
     hidden: torch.Tensor,
@@ -93,14 +119,7 @@ def dsa_layer(
     batch_size, num_tokens, _ = hidden.shape
     residual = hidden
     x = layer.input_layernorm(hidden)
-    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
-    q_states = attn.q_b_proj(q_resid).view(batch_size, num_tokens, -1, attn.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q_states, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
-    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
-    k_pass = attn.kv_a_layernorm(kv_pass).view(batch_size, 1, num_tokens, attn.kv_lora_rank)
-    k_rot = k_rot.view(batch_size, 1, num_tokens, attn.qk_rope_head_dim)
-    cos, sin = position_embeddings
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    q_resid, query_states, k_pass, k_rot = mla_projections(attn, x, position_embeddings)
     k_pass, k_rot = cache.update(k_pass, k_rot, attn.layer_idx)
     key_states, value_states = attn.expand_kv(k_pass, k_rot)
 
@@ -114,9 +133,7 @@ def dsa_layer(
         if selection is None:
             raise ValueError("selection: a layer without its own indexer needs the previous layer's selection")
         if attn.indexer is not None:  # IndexShare: the keys are written, the indexer does not select
-            indexer = attn.indexer
-            k = _rotate(indexer.k_norm(indexer.wk(x)).unsqueeze(2), indexer.qk_rope_head_dim, cos, sin).squeeze(2)
-            cache.update_indexer(k, attn.layer_idx)
+            cache.update_indexer(indexer_keys(attn.indexer, x, position_embeddings), attn.layer_idx)
         tail = allowed[..., selection.shape[-1] :]
         selected = torch.cat([selection & allowed[..., : selection.shape[-1]], tail], dim=-1)
 
@@ -124,7 +141,27 @@ def dsa_layer(
     mask = selected[:, None]  # [B, 1, T, S]
     if attn.config._attn_implementation == "eager":
         mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~mask, torch.finfo(hidden.dtype).min)
-    query_states = torch.cat((q_pass, q_rot), dim=-1)
     out, _ = attention(attn, query_states, key_states, value_states, mask, dropout=0.0, scaling=attn.scaling)
     hidden = residual + attn.o_proj(out.reshape(batch_size, num_tokens, -1))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selected
+
+
+def indexer_kl_loss(attn, hidden: torch.Tensor, position_embeddings) -> torch.Tensor:
+    """The DSA indexer's training loss (DeepSeek-V3.2's lightning-indexer objective, dense form): KL from the
+    main attention's distribution over the causal keys (softmax probabilities summed over heads, renormalised)
+    to the indexer's softmax over the same keys, averaged over queries. hidden [B, T, H]: the layer's normed
+    input (`input_layernorm` output), every query attending to its own and earlier rows. The attention side and
+    the inputs are detached: gradients reach the indexer's own weights only (the selection itself is top-k,
+    not differentiable, so nothing else trains the indexer)."""
+    hidden = hidden.detach()
+    num_tokens = hidden.shape[1]
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=hidden.device).tril()
+    with torch.no_grad():
+        q_resid, queries, k_pass, k_rot = mla_projections(attn, hidden, position_embeddings)
+        keys, _ = attn.expand_kv(k_pass, k_rot)
+        scores = torch.matmul(queries, keys.transpose(-1, -2)) * attn.scaling  # [B, heads, T, T]
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).sum(1)
+        target = probs / probs.sum(-1, keepdim=True)  # [B, T, T]
+    logits = indexer_logits(attn.indexer, hidden, q_resid, position_embeddings)  # [B, T, T]
+    log_q = logits.masked_fill(~causal, float("-inf")).log_softmax(-1)
+    return (target * (target.clamp_min(1e-12).log() - log_q).masked_fill(~causal, 0.0)).sum(-1).mean()

@@ -13,7 +13,8 @@ cache too: at inference the head's cache holds step-1 rows for every accepted po
 current chain, so step i at index t attends to step-1 rows u ≤ t and to the chain rows (step j, index
 t) for 2 ≤ j ≤ i — not to other step-i rows, which never coexist in the cache. A GLM-5 head selects
 its DSA keys among those (`omnimtp.mtp.dsa`), and under IndexShare steps 2..k reuse step 1's selection at
-the same index; its indexer is not trained here (the selection is not differentiable).
+the same index. Its DSA indexer, which no loss below reaches (top-k is not differentiable), is trained by
+`indexer_weight` · `omnimtp.mtp.dsa.indexer_kl_loss` on step 1 (the head's own attention as its teacher).
 
 Loss of step i = CE(p, q_i) + tv_weight · TV(p, q_i), weighted by `step_weights[i-1]`. One accepted
 token has probability Σ min(p, q) = 1 − TV(p, q), so the TV term pushes acceptance directly.
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnimtp.mtp.dsa import dsa_layer
+from omnimtp.mtp.dsa import dsa_layer, indexer_kl_loss
 from omnimtp.mtp.head import MTPHead
 
 DATA_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -202,13 +203,15 @@ def _chain_mask(num_rows: list[int], step: int, dtype: torch.dtype, device) -> t
 
 
 def unrolled_draft_logits(
-    head: MTPHead, input_ids: torch.Tensor, target_hidden: torch.Tensor, num_steps: int
+    head: MTPHead, input_ids: torch.Tensor, target_hidden: torch.Tensor, num_steps: int,
+    indexer_losses: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """The head unrolled `num_steps` times on teacher-forced windows, attending like its inference cache.
 
     input_ids [B, L]; target_hidden [B, L, H] (the target's final-norm rows). Returns one logits tensor per
     step, step i (1-based) of shape [B, L - i, V]: row t predicts token t + 1 + i (teacher: target logits
-    row t + i). Step 1 equals `head(input_ids[:, 1:], target_hidden[:, :-1]).logits`."""
+    row t + i). Step 1 equals `head(input_ids[:, 1:], target_hidden[:, :-1]).logits`. `indexer_losses`: a
+    list that receives a DSA head's step-1 `indexer_kl_loss` (its step-1 rows attend causally to each other)."""
     batch_size, seq_len = input_ids.shape
     if num_steps < 1 or num_steps >= seq_len:
         raise ValueError(f"num_steps must be in 1..{seq_len - 1} for windows of {seq_len} tokens, got {num_steps}")
@@ -227,6 +230,9 @@ def unrolled_draft_logits(
         mask = _chain_mask(num_rows, step, hidden.dtype, hidden.device)  # [1, 1, rows, K]
         position_embeddings = head.rotary_emb(hidden, position_ids)
         if head.is_dsa:
+            if step == 1 and indexer_losses is not None:
+                normed = head.block.input_layernorm(hidden)
+                indexer_losses.append(indexer_kl_loss(head.block.self_attn, normed, position_embeddings))
             allowed = (mask[:, 0] == 0).expand(batch_size, -1, -1)  # [B, rows, K]
             shared = first_selection[:, :rows] if head.index_share and first_selection is not None else None
             hidden, selection = dsa_layer(head.block, hidden, position_embeddings, cache, allowed, shared)
@@ -333,6 +339,8 @@ class MTPTrainConfig:
     step (e.g. 0 → 3: cross-entropy first, where TV's gradient, proportional to q, is weak on tokens the
     head still misses; TV weighs more once q is near p). None: `tv_weight` throughout.
 
+    `indexer_weight`: weight of a GLM-5 head's indexer loss (see the module docstring; other heads have none).
+
     `distill_fraction`: with `distill_rows` given to `train_mtp_head`, the share of each batch drawn from them
     (round(distill_fraction * batch_size) rows; the rest are windows of the training text)."""
 
@@ -345,6 +353,7 @@ class MTPTrainConfig:
     weight_decay: float = 0.0
     tv_weight: float = 1.0
     tv_weight_start: float | None = None
+    indexer_weight: float = 1.0
     step_weights: tuple[float, ...] | None = None
     eval_every: int = 100
     num_eval_windows: int = 16
@@ -366,6 +375,8 @@ class MTPTrainConfig:
             raise ValueError("warmup_steps and weight_decay must be >= 0")
         if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
             raise ValueError(f"tv_weight must be a finite number >= 0, got {self.tv_weight}")
+        if not (self.indexer_weight >= 0 and math.isfinite(self.indexer_weight)):
+            raise ValueError(f"indexer_weight must be a finite number >= 0, got {self.indexer_weight}")
         if self.tv_weight_start is not None and not (self.tv_weight_start >= 0 and math.isfinite(self.tv_weight_start)):
             raise ValueError(f"tv_weight_start must be None or a finite number >= 0, got {self.tv_weight_start}")
         if not (0.0 <= self.distill_fraction <= 1.0):
@@ -482,10 +493,13 @@ def train_mtp_head(
                                             config.seed))
             batch = torch.cat(parts).to(device)  # [B, L]
             hidden, target_logits = teacher_outputs(target, batch)
-            draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens)
+            indexer_losses = [] if head.is_dsa and config.indexer_weight > 0 else None
+            draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens, indexer_losses)
             ce, tv = distillation_losses(target_logits, draft_logits)
             tv_weight = config.tv_weight_at(step)
             loss = sum(w * (c + tv_weight * t) for w, c, t in zip(config.step_weights, ce, tv))
+            if indexer_losses:
+                loss = loss + config.indexer_weight * indexer_losses[0]
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(list(own.values()), 1.0)

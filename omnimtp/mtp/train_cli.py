@@ -38,6 +38,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tv-weight", type=float, default=1.0)
     parser.add_argument("--tv-weight-start", type=float, default=None,
                         help="TV weight at step 0, moving linearly to --tv-weight at the last step (default: constant)")
+    parser.add_argument("--indexer-weight", type=float, default=1.0,
+                        help="GLM-5 heads: weight of the DSA indexer's KL loss to the head's attention")
     parser.add_argument("--step-weights", type=float, nargs="+", default=None,
                         help="loss weight of each draft step (default 0.8 ** (i - 1))")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     config = MTPTrainConfig(
         num_draft_tokens=args.num_draft_tokens, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, tv_weight=args.tv_weight,
-        tv_weight_start=args.tv_weight_start, step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
+        tv_weight_start=args.tv_weight_start, indexer_weight=args.indexer_weight, step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
         num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
         distill_fraction=args.distill_fraction,
     )
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         copy_target_files(model_dir, out_dir)
     head.save_pretrained(out_dir)
     summary = {"out": str(out_dir), "steps": config.steps, "tv_weight": config.tv_weight,
-               "tv_weight_start": config.tv_weight_start, "num_draft_tokens": config.num_draft_tokens,
+               "tv_weight_start": config.tv_weight_start, "indexer_weight": config.indexer_weight, "num_draft_tokens": config.num_draft_tokens,
                "config": dataclasses.asdict(config), "train_files": len(train_files),
                "heldout_files": len(heldout_files), "distill_data": args.distill_data, "evals": result.evals}
     (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))

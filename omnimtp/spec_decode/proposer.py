@@ -169,6 +169,22 @@ class MTPProposer:
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
 
 
+class ArgmaxDrafts:
+    """Another proposer's drafts taken by argmax whatever the sampling (q one-hot, as vLLM drafts): a sampled
+    run's verification then accepts draft x with probability p(x) and resamples from p without x, still
+    lossless but accepting less than drafts sampled from q and verified with min(1, p/q). Greedy runs are
+    unchanged. The inner proposer draws no random numbers."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def reset(self) -> None:
+        self.proposer.reset()
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        return self.proposer.propose(block, num_draft_tokens, SamplingParams.greedy(), None)
+
+
 class TargetProposer:
     """The target drafting for itself (a drafter that always agrees with greedy verification).
 
