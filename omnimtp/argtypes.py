@@ -1,5 +1,8 @@
-"""argparse `type=` converters shared by the subcommands: a bad value is argparse's own usage error (exit
-code 2) naming the flag, never a traceback."""
+"""What the subcommands' parsers share: `type=` converters (a bad value is argparse's own usage error, exit
+code 2, naming the flag, never a traceback) and the help formatter that shows each flag's default.
+
+Parsers import only this, argparse and other light modules: `omnimtp --help` and a usage error never
+load torch or transformers."""
 
 from __future__ import annotations
 
@@ -39,3 +42,15 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, for the defaults worth showing: a flag whose help already speaks of
+    its default, or whose default is None (unset: its help says what that means) or False (a switch), is
+    left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.default == []:
+            return text
+        return super()._get_help_string(action)

@@ -33,19 +33,17 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnimtp.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_LIMIT
 from omnimtp.media import MediaError, MediaLimits, decode_audio, decode_base64, decode_image, decode_image_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.scheduler import Engine, EngineRequest, PromptTooLongError, QueueFullError
 from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, SpeechRequest, TextPart
-from omnimtp.server.serving import DEFAULT_BODY_TIMEOUT_S, check_seconds
+from omnimtp.server.serving import check_seconds
 
 logger = logging.getLogger("omnimtp.server")
 
-DEFAULT_MAX_QUEUE = 64
-DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
-DEFAULT_MAX_TOKENS_LIMIT = 2048
 # How long a returned audio id is said to live (we keep nothing; the field is part of the format).
 _AUDIO_TTL_S = 3600
 # A client told "queue full" may retry after this many seconds (a slot frees up every few frames).

@@ -29,7 +29,6 @@ storage). Ray is an optional extra: `pip install 'omnimtp[ray]'`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import signal
@@ -201,6 +200,8 @@ class ReplicaApp:
         await self.app(scope, receive, send)
 
     def _started_when_warm(self, send):
+        import asyncio
+
         async def send_when_warm(message):
             if message["type"] == "lifespan.startup.complete":
                 while self.engine.is_running and not self.engine.is_ready:
@@ -216,6 +217,8 @@ class ReplicaApp:
         return send_when_warm
 
     async def health(self):
+        import asyncio
+
         from fastapi.responses import JSONResponse
         from ray.serve.schema import DeploymentStatus
 
@@ -258,6 +261,8 @@ class ReplicaApp:
         return self.hub
 
     def _start_metrics_pusher(self) -> None:
+        import asyncio
+
         async def push():
             while True:
                 try:
