@@ -232,10 +232,13 @@ def run(args: argparse.Namespace) -> int:
           f"{os.path.join(args.output, RESULTS_FILE)}, {len(pending)} to go", flush=True)
     if not pending:
         return 0
+    from omnimtp.console import interrupt_on_signals, signals_ignored, stopped_by
     from omnimtp.server.ray_serve import init_ray
 
-    init_ray(args.ray_address)
+    num_done = len(rows) - len(pending)
     try:
+        init_ray(args.ray_address)
+        interrupt_on_signals()  # Ray's handlers replaced: Ctrl-C and SIGTERM stop the job
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the job's own bar counts prompts
         dataset = ray.data.from_items([{"id": row["id"], "request": json.dumps(row)} for row in pending])
@@ -252,9 +255,16 @@ def run(args: argparse.Namespace) -> int:
                 result = {name: _plain(row[name]) for name in ("id", "text", "finish_reason", "num_frames",
                                                                "audio_seconds")}
                 write_result(args.output, result, bytes(row["audio"]), args.format, out)
+                num_done += 1
                 progress.update(1)
+    except KeyboardInterrupt as exc:
+        signum = stopped_by(exc)
+        print(f"omnimtp batch: stopped ({signum.name}) with {num_done} of {len(rows)} prompts done; run the same "
+              "command again to finish the rest", file=sys.stderr, flush=True)
+        return 128 + signum
     finally:
-        ray.shutdown()
+        with signals_ignored():
+            ray.shutdown()
     return 0
 
 

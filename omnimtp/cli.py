@@ -2,7 +2,8 @@
 
 Each subcommand's parser and handler live next to the code they drive; this module only wires them up.
 Parsers are built from light modules only (no torch, transformers or server stack): `--help` and a usage
-error answer at once, and each handler imports what it runs.
+error answer at once, and each handler imports what it runs. Ctrl-C and SIGTERM stop any command with one
+line (`omnimtp speak: stopped (SIGINT)`, exit status 128 + the signal), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import threading
 
 from omnimtp.argtypes import HelpFormatter
+from omnimtp.console import interrupt_on_signals, quiet_expected_warnings, stopped_by
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,35 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread runs, so that it unwinds as Ctrl-C does (files closed, Ray
-    shut down) instead of the process dying mid-write."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from omnimtp.console import quiet_expected_warnings
-
     quiet_expected_warnings()
     is_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if is_main_thread else None
+    previous = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) if is_main_thread else None
+    if is_main_thread:
+        interrupt_on_signals()
     try:
         return int(args.handler(args) or 0)
     except ValueError as exc:  # bad input, named by the code that found it: a message, not a traceback
         print(f"omnimtp {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, no traceback
-        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
-        print(f"omnimtp {args.command}: stopped ({signal.Signals(signum).name})", file=sys.stderr)
+        signum = stopped_by(exc)
+        print(f"omnimtp {args.command}: stopped ({signum.name})", file=sys.stderr)
         return 128 + signum
     finally:
         if is_main_thread:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            for signum, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""What the command line prints besides its own lines: model text made safe for a terminal, and library
-warnings that say nothing to a user of these models kept out of the way."""
+"""What the command line shares besides its parsers: model text made safe for a terminal, library warnings
+that say nothing to a user of these models kept out of the way, and Ctrl-C / SIGTERM as an exception that
+unwinds the main thread (files closed, Ray shut down) instead of a process killed mid-write."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 
 # transformers' rope validation does not know the M-RoPE keys that Qwen-Omni configs carry (its rope
 # functions read them): the warning it logs for them is expected.
@@ -48,3 +51,35 @@ _ROPE_FILTER = _ExpectedRopeKeys()
 def quiet_expected_warnings() -> None:
     """Install the filter above on transformers' logger (idempotent; transformers need not be imported)."""
     logging.getLogger(_ROPE_LOGGER).addFilter(_ROPE_FILTER)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+def interrupt_on_signals() -> None:
+    """SIGINT raises KeyboardInterrupt and SIGTERM `Terminated` in the main thread. Call it again after a
+    library installs its own handlers (`ray.init` does: its SIGTERM handler prints a C++ stack trace)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def stopped_by(exc: KeyboardInterrupt) -> signal.Signals:
+    """The signal a KeyboardInterrupt stands for."""
+    return signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """SIGINT and SIGTERM ignored inside (cleanup that must finish, e.g. shutting Ray down), then
+    `interrupt_on_signals` again."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        interrupt_on_signals()

@@ -47,8 +47,8 @@ def add_parser(subparsers) -> None:
                         help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {DEFAULT_MAX_FRAMES} "
                         "checkpoint: 2 minutes of speech at 12.5 frames/s)")
     parser.add_argument("--eager", action="store_true",
-                        help="run the code predictor eagerly: start in seconds instead of compiling its frame "
-                        "(by default each batch size's graph is compiled and warmed before /health reports ok)")
+                        help="never compile the code predictor (by default it serves eagerly at once while each "
+                        "batch size's graph is compiled in the background, then runs compiled)")
     parser.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT, metavar="N",
                         help="the largest max_tokens a request may ask")
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
@@ -80,8 +80,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
-    moved to `device` and packed once; compile_predictor ("frame", "step" or False) also warms the
-    predictor up before the engine reports ready. media_limits: what a request's audio and images may hold.
+    moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
+    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up). media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     from omnimtp.server.serving import server_config
 
+    _log_to_stderr(args.log_level)
     engine, app = build_app(args)
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
@@ -167,6 +168,17 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name)
     return engine, app
+
+
+def _log_to_stderr(level: str) -> None:
+    """omnimtp's log lines (warm-up progress, engine errors) on stderr beside uvicorn's, at its level."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("omnimtp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
 
 def _refuse(message: str) -> int:
