@@ -26,9 +26,9 @@ def _env() -> dict:
     return env
 
 
-def _start(*argv: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "omnimtp.cli", *argv], cwd=REPO, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def _start(*argv: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "omnimtp.cli", *argv], cwd=REPO, env={**_env(), **env},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _children() -> dict[int, list[int]]:

@@ -8,6 +8,7 @@ import sys
 
 from omnimtp.argtypes import positive_float, positive_int
 from omnimtp.checkpoint import omni_model_type
+from omnimtp.console import stopped_by
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
@@ -145,8 +146,20 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"omnimtp: serving {engine.model_id} on http://{args.host}:{args.port}/v1 "
           f"(voices: {', '.join(engine.speakers)})", flush=True)
-    uvicorn.Server(config).run()
-    return 0
+    code = 0
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt as exc:  # uvicorn re-raises the signal it stopped on, once it has stopped
+        signum = stopped_by(exc)
+        print(f"omnimtp serve: stopped ({signum.name})", file=sys.stderr, flush=True)
+        code = 128 + signum
+    if engine.is_warming:
+        # A graph being built cannot be interrupted, and torch's compile threads are joined at exit:
+        # the server has stopped, so leave now rather than after the compile.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def build_app(args: argparse.Namespace):
