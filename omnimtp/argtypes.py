@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
+
 
 def positive_int(text: str) -> int:
     try:
@@ -54,3 +56,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.default == []:
             return text
         return super()._get_help_string(action)
+
+
+def add_reply_caps(parser: argparse.ArgumentParser) -> None:
+    """--max-new-tokens and --max-frames: a reply's caps, defaulting to the model's (speak, chat, batch)."""
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                        help=f"cap on the thinker's reply tokens (default {TINY_MAX_NEW_TOKENS} tiny, "
+                        f"{DEFAULT_MAX_NEW_TOKENS} checkpoint)")
+    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
+                        help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
+                        f"{DEFAULT_MAX_FRAMES} checkpoint)")

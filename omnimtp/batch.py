@@ -22,8 +22,7 @@ import os
 import re
 import sys
 
-from omnimtp.argtypes import non_negative_float, positive_int
-from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
+from omnimtp.argtypes import add_reply_caps, non_negative_float, positive_int
 
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
@@ -48,12 +47,7 @@ def add_parser(subparsers) -> None:
                         "on a cluster, at this path on every node")
     parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's)")
     parser.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="audio file format")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                        help=f"cap on each reply's thinker tokens (default {TINY_MAX_NEW_TOKENS} tiny, "
-                        f"{DEFAULT_MAX_NEW_TOKENS} checkpoint)")
-    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
-                        help=f"audio frames per prompt, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
-                        f"{DEFAULT_MAX_FRAMES} checkpoint)")
+    add_reply_caps(parser)
     parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                         help="pipeline actors generating at once (default %(default)d)")
     parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",

@@ -12,10 +12,9 @@ import os
 import sys
 import time
 
-from omnimtp.argtypes import positive_int
+from omnimtp.argtypes import add_reply_caps
 from omnimtp.checkpoint import omni_model_type
 from omnimtp.console import printable
-from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
 
 def add_parser(subparsers) -> None:
@@ -42,12 +41,7 @@ def _add_common(parser) -> None:
     parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
                         "Ethan where it has one)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                        help=f"cap on the thinker's reply tokens (default {TINY_MAX_NEW_TOKENS} tiny, "
-                        f"{DEFAULT_MAX_NEW_TOKENS} checkpoint)")
-    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
-                        help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
-                        f"{DEFAULT_MAX_FRAMES} checkpoint)")
+    add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
     add_thinker_mtp_arguments(parser)
 
