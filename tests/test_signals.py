@@ -110,7 +110,8 @@ def test_sigint_stops_an_eager_server_leaving_no_process():
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 0 and not left, output[-3000:]
+    assert process.returncode == 128 + signal.SIGINT and not left, output[-3000:]
+    assert "omnimtp serve: stopped (SIGINT)" in output
     assert "Traceback" not in output
 
 

@@ -153,13 +153,12 @@ def run(args: argparse.Namespace) -> int:
         signum = stopped_by(exc)
         print(f"omnimtp serve: stopped ({signum.name})", file=sys.stderr, flush=True)
         code = 128 + signum
-    if engine.is_warming:
-        # A graph being built cannot be interrupted, and torch's compile threads are joined at exit:
-        # the server has stopped, so leave now rather than after the compile.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    # The server has stopped and its engine with it: leave at once. Interpreter exit joins worker
+    # threads (torch's compile threads while the predictor still compiles, the event loop's executor),
+    # which can take longer than the graceful deadline promised.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_app(args: argparse.Namespace):

@@ -203,7 +203,6 @@ class Engine:
         self.is_ready = False
         self.is_warm = False
         self._warm_stop = threading.Event()
-        self._warm_thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._core: EngineCore | None = None
         self._handles: dict[int, RequestHandle] = {}
@@ -226,11 +225,6 @@ class Engine:
     @property
     def is_running(self) -> bool:
         return self._accepting
-
-    @property
-    def is_warming(self) -> bool:
-        """The warm-up thread is building a graph (it stops before the next one once the engine stops)."""
-        return self._warm_thread is not None and self._warm_thread.is_alive()
 
     @property
     def audio_sampling_rate(self) -> int | None:
@@ -275,8 +269,7 @@ class Engine:
         self._thread.start()
         if self.warm_up:
             self._warm_stop.clear()
-            self._warm_thread = threading.Thread(target=self._warm_up, name="omnimtp-warm-up", daemon=True)
-            self._warm_thread.start()
+            threading.Thread(target=self._warm_up, name="omnimtp-warm-up", daemon=True).start()
 
     def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish every admitted and waiting request first."""
