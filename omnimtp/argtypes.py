@@ -1,10 +1,15 @@
-"""argparse `type=` converters shared by the subcommands: a bad value is argparse's own usage error (exit
-code 2) naming the flag, never a traceback."""
+"""What the subcommands' parsers share: `type=` converters (a bad value is argparse's own usage error, exit
+code 2, naming the flag, never a traceback) and the help formatter that shows each flag's default.
+
+Parsers import only this, argparse and other light modules: `omnimtp --help` and a usage error never
+load torch or transformers."""
 
 from __future__ import annotations
 
 import argparse
 import math
+
+from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
 
 def positive_int(text: str) -> int:
@@ -49,3 +54,25 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
     return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, for the defaults worth showing: a flag whose help already speaks of
+    its default, or whose default is None (unset: its help says what that means) or False (a switch), is
+    left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_reply_caps(parser: argparse.ArgumentParser) -> None:
+    """--max-new-tokens and --max-frames: a reply's caps, defaulting to the model's (speak, chat, batch)."""
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                        help=f"cap on the thinker's reply tokens (default {TINY_MAX_NEW_TOKENS} tiny, "
+                        f"{DEFAULT_MAX_NEW_TOKENS} checkpoint)")
+    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
+                        help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
+                        f"{DEFAULT_MAX_FRAMES} checkpoint)")

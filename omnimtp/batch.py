@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-from omnimtp.argtypes import non_negative_float, positive_int
+from omnimtp.argtypes import add_reply_caps, non_negative_float, positive_int
 
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
@@ -51,9 +51,7 @@ def add_parser(subparsers) -> None:
                         "(default: embedded tiny); on a cluster, at this path on every node")
     parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's)")
     parser.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="audio file format")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N")
-    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
-                        help="audio frames per prompt (12.5 per second)")
+    add_reply_caps(parser)
     parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                         help="pipeline actors generating at once (default %(default)d)")
     parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
@@ -267,10 +265,13 @@ def run(args: argparse.Namespace) -> int:
           f"{os.path.join(args.output, RESULTS_FILE)}, {len(pending)} to go", flush=True)
     if not pending:
         return 0
+    from omnimtp.console import interrupt_on_signals, signals_ignored, stopped_by
     from omnimtp.server.ray_serve import init_ray
 
-    init_ray(args.ray_address)
+    num_done = len(rows) - len(pending)
     try:
+        init_ray(args.ray_address)
+        interrupt_on_signals()  # Ray's handlers replaced: Ctrl-C and SIGTERM stop the job
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the job's own bar counts prompts
         dataset = ray.data.from_items([{"id": row["id"], "request": json.dumps(row)} for row in pending])
@@ -287,9 +288,16 @@ def run(args: argparse.Namespace) -> int:
                 result = {name: _plain(row[name]) for name in ("id", "text", "finish_reason", "num_frames",
                                                                "audio_seconds")}
                 write_result(args.output, result, bytes(row["audio"]), args.format, out)
+                num_done += 1
                 progress.update(1)
+    except KeyboardInterrupt as exc:
+        signum = stopped_by(exc)
+        print(f"omnimtp batch: stopped ({signum.name}) with {num_done} of {len(rows)} prompts done; run the same "
+              "command again to finish the rest", file=sys.stderr, flush=True)
+        return 128 + signum
     finally:
-        ray.shutdown()
+        with signals_ignored():
+            ray.shutdown()
     return 0
 
 

@@ -32,6 +32,7 @@ from transformers import Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor, WhisperFea
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
+from omnimtp.limits import MediaLimits
 from omnimtp.tokenizer import message_texts, prompt_tokenizer
 
 
@@ -147,29 +148,6 @@ class MediaError(ValueError):
         super().__init__(f"{param}: {reason}")
         self.param = param
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class MediaLimits:
-    """What one request's media may hold; larger media is refused, never cut or shrunk.
-
-    max_audio_seconds: per audio, measured before resampling. max_image_pixels: width × height per image,
-    read from the header before the image is decoded (Qwen's processor allows 12,845,056 = 3584²).
-    max_parts: audio and image parts per request."""
-
-    max_audio_seconds: float = 300.0
-    max_image_pixels: int = 12_845_056
-    max_parts: int = 8
-
-    def __post_init__(self):
-        seconds = self.max_audio_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                or seconds <= 0:
-            raise ValueError(f"max_audio_seconds must be a finite number > 0, got {seconds!r}")
-        for name in ("max_image_pixels", "max_parts"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def decode_base64(text: str, param: str) -> bytes:

@@ -26,7 +26,6 @@ the same text and PCM as here.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -34,6 +33,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
@@ -45,12 +45,6 @@ from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
-
-# config.json's model_type → the transformers class of the whole model
-MODEL_TYPES = {
-    "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration",
-    "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
-}
 
 MEDIA_ARGUMENTS = (
     "input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
@@ -154,7 +148,7 @@ class OmniPipeline:
         tokenizer and its processor) or "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
         vivian and eric (a Sichuan-dialect speaker) and the languages english and chinese; `tts_model_type=
         "voice_design"` for its VoiceDesign twin). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
-        from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
+        from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
@@ -188,20 +182,10 @@ class OmniPipeline:
         from transformers import AutoTokenizer
 
         path = os.fspath(path)
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"path: {path!r} is not a checkpoint directory (no config.json)")
-        with open(config_path) as f:
-            model_type = json.load(f).get("model_type")
+        model_type = omni_model_type(path)
         if model_type == "qwen3_tts":
             family_options = {name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs}
             return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs)
-        if model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"path: {path!r} holds a {model_type!r} model; supported model types: {sorted([*MODEL_TYPES, 'qwen3_tts'])}"
-            )
-        if model_type == "qwen2_5_omni" and not os.path.isfile(os.path.join(path, "spk_dict.pt")):
-            raise ValueError(f"path: {path!r} has no spk_dict.pt (a Qwen2.5-Omni checkpoint keeps its speakers there)")
         device = None if device is None else resolve_device(device)
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:

@@ -14,9 +14,9 @@ import os
 import sys
 import time
 
-import numpy as np
-
-from omnimtp.argtypes import draft_tokens
+from omnimtp.argtypes import add_reply_caps, draft_tokens
+from omnimtp.checkpoint import omni_model_type
+from omnimtp.console import printable
 
 
 def add_parser(subparsers) -> None:
@@ -28,7 +28,9 @@ def add_parser(subparsers) -> None:
     speak.add_argument("--image", action="append", default=[], metavar="FILE",
                        help="an image the model sees before the text (repeatable; png, jpeg, webp, gif)")
     _add_common(speak)
-    speak.add_argument("--stream", action="store_true", help="print text and report audio chunks as they arrive")
+    speak.add_argument("--stream", action="store_true",
+                       help="print the text as it is written; the summary counts the audio chunks as they arrived "
+                       "and the time to the first")
     speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive)")
     speak.add_argument("--language", default=None, help="Qwen3-TTS: the language to speak (default: auto)")
     speak.add_argument("--instructions", default=None,
@@ -36,16 +38,16 @@ def add_parser(subparsers) -> None:
     speak.set_defaults(handler=run_speak)
     chat = subparsers.add_parser("chat", help="interactive chat; each answer is spoken into a numbered WAV file")
     _add_common(chat)
-    chat.add_argument("--out-dir", default=".", help="where answer_N.wav files go")
+    chat.add_argument("--out-dir", default=".", help="where answer_N.wav files go (made if missing)")
     chat.set_defaults(handler=run_chat)
 
 
 def _add_common(parser) -> None:
     parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny model)")
-    parser.add_argument("--speaker", default=None, help="voice name (case-insensitive)")
+    parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
+                        "Ethan where it has one)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
-    parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--max-frames", type=int, default=None, help="cap on audio frames (12.5 per second)")
+    add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
     add_thinker_mtp_arguments(parser)
 
@@ -64,7 +66,17 @@ def add_thinker_mtp_arguments(parser) -> None:
                         "the acceptance so far pays for (default 3)")
 
 
+def _check_model_args(args) -> dict:
+    """--model, --demo, --thinker-mtp and -k checked before anything heavy loads (ValueErrors name the
+    flag) → `thinker_mtp_kwargs`."""
+    speculation = thinker_mtp_kwargs(args)
+    if args.model is not None:
+        omni_model_type(args.model, "--model")
+    return speculation
+
+
 def _load(args):
+    speculation = _check_model_args(args)
     import torch
 
     from omnimtp.pipeline import OmniPipeline
@@ -73,11 +85,11 @@ def _load(args):
     resolve_device(args.device, "--device")
     if args.demo:
         torch.set_num_threads(1)
-        return OmniPipeline.demo(device=args.device, **thinker_mtp_kwargs(args))
+        return OmniPipeline.demo(device=args.device, **speculation)
     if args.model is None:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny(device=args.device, **thinker_mtp_kwargs(args))
-    return OmniPipeline.from_pretrained(args.model, device=args.device, **thinker_mtp_kwargs(args))
+        return OmniPipeline.tiny(device=args.device, **speculation)
+    return OmniPipeline.from_pretrained(args.model, device=args.device, **speculation)
 
 
 def thinker_mtp_kwargs(args) -> dict:
@@ -106,6 +118,7 @@ def _sampling(pipe, args) -> dict:
 
 
 def _speak(pipe, messages, args, output: str, live: bool):
+    import numpy as np
     import soundfile
     from tqdm import tqdm
 
@@ -117,7 +130,7 @@ def _speak(pipe, messages, args, output: str, live: bool):
     with tqdm(total=max_frames, unit="frame", desc="speech", disable=live or None, file=sys.stderr, leave=False) as bar:
         for event in pipe.stream(messages, **kwargs):
             if live and event.text:
-                print(event.text, end="", flush=True)
+                print(printable(event.text), end="", flush=True)
             if event.audio is not None:
                 if first_audio is None:
                     first_audio = time.perf_counter() - start
@@ -129,11 +142,12 @@ def _speak(pipe, messages, args, output: str, live: bool):
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
     soundfile.write(output, audio, final.sample_rate)
     seconds = len(audio) / final.sample_rate
-    print("" if live else final.text)
+    print("" if live else printable(final.text))
     first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
     rtf = f"{elapsed / seconds:.2f}" if seconds else "n/a"
-    print(f"[{output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "
-          f"time to first audio {first}, total {elapsed:.2f} s, RTF {rtf}]", file=sys.stderr)
+    print(f"[{output}: {seconds:.2f} s of audio in {len(chunks)} chunks, {final.codes.shape[1]} frames, "
+          f"finish={final.finish_reason}; time to first audio {first}, total {elapsed:.2f} s, RTF {rtf}]",
+          file=sys.stderr)
     if final.spec_stats is not None:
         from omnimtp.spec_decode.adaptive import acceptance_warning
 
@@ -152,6 +166,7 @@ def run_speak(args: argparse.Namespace) -> int:
     if ext not in (".wav", ".flac"):
         return _refuse(f"--output must end in .wav or .flac, got {args.output!r}")
     try:
+        _check_model_args(args)
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
         if not pipe.family.has_chat:
@@ -170,6 +185,7 @@ def run_speak(args: argparse.Namespace) -> int:
 
 def _say(pipe, text, args) -> None:
     """A Qwen3-TTS model speaks the text itself (it has no chat) into args.output."""
+    import numpy as np
     import soundfile
 
     from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
@@ -199,12 +215,12 @@ def _say(pipe, text, args) -> None:
 
 def _speak_prompt(text: str | None, audio_files: list[str], image_files: list[str]):
     """The text alone, or one user turn: the audio and image parts (decoded here), then the text."""
-    from omnimtp.media import AUDIO_SAMPLING_RATE, load_audio, load_image
-
     if not text and not audio_files and not image_files:
         raise ValueError("give the text to say, or --audio / --image")
     if not audio_files and not image_files:
         return text
+    from omnimtp.media import AUDIO_SAMPLING_RATE, load_audio, load_image
+
     parts = [{"type": "audio", "audio": (load_audio(path, AUDIO_SAMPLING_RATE, param=f"--audio {path}"),
                                          AUDIO_SAMPLING_RATE)} for path in audio_files]
     parts += [{"type": "image", "image": load_image(path, param=f"--image {path}")} for path in image_files]
@@ -213,12 +229,16 @@ def _speak_prompt(text: str | None, audio_files: list[str], image_files: list[st
     return [{"role": "user", "content": parts}]
 
 
-def _refuse(message: str) -> int:
-    print(f"omnimtp speak: error: {message}", file=sys.stderr)
+def _refuse(message: str, command: str = "speak") -> int:
+    print(f"omnimtp {command}: error: {message}", file=sys.stderr)
     return 2
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)  # before the model loads: a bad path fails at once
+    except OSError as exc:
+        return _refuse(f"--out-dir: cannot create {args.out_dir!r} ({exc.strerror})", "chat")
     pipe = _load(args)
     if not pipe.family.has_chat:
         return _refuse("--model: a Qwen3-TTS model has no chat; use omnimtp speak")

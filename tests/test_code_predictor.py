@@ -306,6 +306,53 @@ def test_frame_compiled_runner_equals_eager_runner_greedy_and_sampled():
     assert torch.equal(sampled, eager.run(hidden, cb0, params, make_generators([3, 4, 5])).codes)
 
 
+def test_background_warm_up_compiles_every_bucket_while_serving_stays_exact(monkeypatch):
+    """warm_up in a thread while this one serves every batch size: each frame equals the eager runner's,
+    bit for bit, before, during and after the switch to the compiled graphs; every bucket gets its own
+    graphs (5 buckets × greedy/sampled = 10, past torch.compile's default limit of 8 per function) and
+    serving a warm bucket builds no further one. Compiled with dynamo's eager backend: the graph capture,
+    guards and caches are what is tested here, not inductor's code (see the test above)."""
+    import functools
+    import threading
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cp = make_cp(3, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 16, compile="frame", packed_gemm=False)
+    eager = CodePredictorRunner(cp, 16, packed_gemm=False)
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    progress = []
+    thread = threading.Thread(target=lambda: progress.append(runner.warm_up(lambda *a: progress.append(a[:3]))))
+    thread.start()
+
+    def check(batch_size):
+        hidden, cb0 = frame_inputs(cp, batch_size, seed=batch_size)
+        for got, want in [(runner.run(hidden, cb0), eager.run(hidden, cb0)),
+                          (runner.run(hidden, cb0, params, make_generators(list(range(batch_size)))),
+                           eager.run(hidden, cb0, params, make_generators(list(range(batch_size)))))]:
+            assert torch.equal(got.codes, want.codes) and torch.equal(got.embed_sum, want.embed_sum)
+
+    while thread.is_alive():
+        for batch_size in range(1, 17):
+            check(batch_size)
+    thread.join()
+    assert progress == [(1, 5, 1), (2, 5, 2), (3, 5, 4), (4, 5, 8), (5, 5, 16), True]
+    assert runner.num_compiled_graphs == runner.num_graphs == 10
+    for batch_size in range(1, 17):  # now on the compiled graphs
+        check(batch_size)
+    assert runner.num_compiled_graphs == 10
+
+
+def test_warm_up_stops_between_buckets_and_an_eager_runner_has_none():
+    import threading
+
+    cp = make_cp(4, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    stop = threading.Event()
+    stop.set()
+    runner = CodePredictorRunner(cp, 4, compile="frame", packed_gemm=False)
+    assert runner.warm_up(stop=stop) is False and runner.num_compiled_graphs == 0
+    assert CodePredictorRunner(cp, 4).warm_up() is False
+
+
 def test_compile_argument_is_validated():
     cp = cached_cp(4, "sdpa")
     for bad in ("graph", 1, "True"):

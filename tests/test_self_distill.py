@@ -136,7 +136,9 @@ def test_gen_distill_data_and_train_mtp_cli_end_to_end(target, tmp_path, capsys)
     gen_args = ["gen-distill-data", "--model", str(model_dir), "--data", str(data), "--heldout-every", "3",
                 "--out", str(distill), "--num-tokens", "25", "--seq-len", "16", "--prompt-len", "4", "--no-progress"]
     assert cli_main(gen_args) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert lines[-2].startswith("gen-distill-data: 3 rows of 16 tokens (36 generated) from ")
     rows = load_distill_rows(distill)
     assert rows.shape == (3, 16) and summary["rows"] == 3 and summary["generated_tokens"] == 36
     for row in rows:

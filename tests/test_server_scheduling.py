@@ -11,7 +11,7 @@ import pytest
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from server_harness import EngineSetup
-from omnimtp.server.scheduler import Engine, EngineRequest
+from omnimtp.server.scheduler import EngineRequest
 from audio_checks import assert_audible
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -20,8 +20,21 @@ def test_speak_writes_the_pipelines_speech_as_a_24khz_file(tmp_path, capsys):
         # speak writes streamed chunks (== the one-shot decode up to float rounding) through libsndfile's
         # own float → int16 conversion: at most 1 LSB from the pipeline's samples
         assert np.abs(audio.astype(np.int32) - expected_pcm).max() <= 1
-    err = capsys.readouterr().err
-    assert "time to first audio" in err and "RTF" in err
+        err = capsys.readouterr().err
+        assert "time to first audio" in err and "RTF" in err
+        # the first frame goes out alone (fast first audio), the other 7 in the next chunk
+        assert "in 2 chunks" in err
+
+
+def test_speak_prints_model_text_escaped(tmp_path, capsys):
+    """The tiny model's random bytes reach the terminal escaped, never as raw control characters."""
+    seen = ""
+    for seed in range(4):
+        assert main(["speak", "Hello", "-o", str(tmp_path / "a.wav"), "--seed", str(seed), "--max-new-tokens", "32",
+                     "--max-frames", "2", *(["--stream"] if seed % 2 else [])]) == 0
+        seen += capsys.readouterr().out
+    assert not any(ch not in "\n\t" and not ch.isprintable() for ch in seen)
+    assert "\\x" in seen or "\\u" in seen  # some random characters were unprintable, shown escaped
 
 
 def test_chat_answers_each_line(tmp_path, monkeypatch, capsys):
@@ -29,6 +42,21 @@ def test_chat_answers_each_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--out-dir", str(tmp_path), "--max-new-tokens", "4", "--max-frames", "3"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["answer_1.wav", "answer_2.wav"]
+
+
+def test_chat_makes_its_out_dir(tmp_path, monkeypatch):
+    lines = iter(["Hi", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    out = tmp_path / "answers" / "today"
+    assert main(["chat", "--out-dir", str(out), "--max-new-tokens", "4", "--max-frames", "3"]) == 0
+    assert [p.name for p in out.iterdir()] == ["answer_1.wav"]
+
+
+def test_chat_refuses_an_out_dir_it_cannot_make_before_loading(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["chat", "--out-dir", str(blocker / "answers")]) == 2
+    assert "omnimtp chat: error: --out-dir: cannot create" in capsys.readouterr().err
 
 
 def _media_files(tmp_path, hz: float = 330.0):

@@ -5,7 +5,6 @@ the indexer's keys; the MTP head's checkpoint layout (`model.layers.{N}.*`, extr
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask

@@ -187,7 +187,11 @@ def test_train_mtp_cli_end_to_end(target, tmp_path, capsys):
     loaded_target, loaded_head = load_target_and_head(out)
     assert loaded_head.layer_idx == target.config.num_hidden_layers
     assert cli_main(args + ["--resume", "--steps", "6"]) == 0  # continues from the saved state at step 4
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 6
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1])["step"] == 6
+    # --no-progress still says what happened, in a line for people
+    assert lines[-2].startswith("train-mtp: resumed at step 4, steps 4→6 of 6 in ")
+    assert f"head written to {out}" in lines[-2]
 
 
 def test_a_head_for_a_qwen3_target_trains_saves_and_decodes_losslessly(tmp_path):

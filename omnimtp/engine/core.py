@@ -39,6 +39,7 @@ import torch
 from omnimtp.engine.family import Family
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
+from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS
 from omnimtp.talker.loop import TalkerRequest
 
 
@@ -54,8 +55,8 @@ class EngineConfig:
     max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot."""
 
     max_batch_size: int = 8
-    max_new_tokens: int = 256
-    max_frames: int = 1500
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_frames: int = DEFAULT_MAX_FRAMES
     first_chunk_frames: int = 1
     chunk_frames: int = 25
     max_start_steps: int = 3

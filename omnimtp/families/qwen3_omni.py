@@ -21,7 +21,7 @@ from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import TalkerInputs
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
-from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams
+from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch
@@ -160,11 +160,11 @@ class Qwen3OmniFamily(ChatText):
             return None
         return QWEN3_OMNI_TALKER_SAMPLING
 
-    def warm_up(self, max_batch_size: int) -> None:
-        """Run one greedy and one sampled predictor frame at every batch size up to max_batch_size, so
-        a compiled predictor has every graph it serves with (one per batch bucket) before the first
-        request."""
-        self.predictor(max_batch_size).warm_up(QWEN3_OMNI_CODE_PREDICTOR_SAMPLING)
+    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None) -> bool:
+        """Build the compiled predictor's graphs for every batch bucket up to max_batch_size, greedy and
+        sampled (`CodePredictorRunner.warm_up`: safe beside serving, which runs eagerly meanwhile).
+        Returns whether every bucket is warm (False for an eager predictor)."""
+        return self.predictor(max_batch_size).warm_up(on_bucket, stop)
 
     # --- code2wav ---
 

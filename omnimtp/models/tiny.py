@@ -39,9 +39,6 @@ THINKER_SPECIAL_TOKENS = {
 }
 THINKER_VOCAB_SIZE = 320
 TINY_CODEBOOK_SIZE = 128
-# The embedded default's caps: its random talker rarely emits codec EOS, so replies stay short.
-TINY_MAX_NEW_TOKENS = 32
-TINY_MAX_FRAMES = 100
 TINY_SPEECH_RMS = 0.1  # RMS of the tiny code2wav's output on random codes (−20 dBFS); peaks stay < 1
 TINY_SPEAKERS = {"chelsie": TINY_CODEBOOK_SIZE + 20, "ethan": TINY_CODEBOOK_SIZE + 21, "aiden": TINY_CODEBOOK_SIZE + 22}
 

@@ -409,6 +409,7 @@ class MTPTrainResult:
     head: MTPHead
     losses: list[float] = field(default_factory=list)  # training loss per step (this run and resumed ones)
     evals: list[dict] = field(default_factory=list)  # {"step": ..., held-out metrics} per evaluation
+    start_step: int = 0  # the step this run began at (> 0: resumed from a training state)
 
 
 def _head_parameters(head: MTPHead, target: nn.Module) -> dict[str, nn.Parameter]:
@@ -467,6 +468,7 @@ def train_mtp_head(
             head.load_state_dict(state["head"], strict=True)
             optimizer.load_state_dict(state["optimizer"])
             start_step, result.losses, result.evals = state["step"], state["losses"], state["evals"]
+            result.start_step = start_step
 
     device = next(target.parameters()).device  # batches are drawn on the CPU (seeded) and moved there
     windows = eval_windows(eval_stream, config.num_eval_windows, config.seq_len).to(device)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 
 
@@ -22,34 +23,34 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
     parser.add_argument("--eval-data", nargs="+", default=None,
                         help="held-out text (default: one file in --heldout-every of --data)")
-    parser.add_argument("--heldout-every", type=int, default=16)
+    parser.add_argument("--heldout-every", type=int, default=16, help="every N-th --data file is held out for evaluation")
     parser.add_argument("--suffixes", nargs="+", default=None,
                         help="file endings read from directories (default .py .txt .md .rst)")
     parser.add_argument("--out", required=True, help="output dir: the head (model-mtp.safetensors) + training state")
     parser.add_argument("--with-target", action="store_true",
                         help="also copy the target's files into --out, making it a complete checkpoint")
     parser.add_argument("--init", default=None, help="start from the MTP head stored in this checkpoint dir")
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--tv-weight", type=float, default=1.0)
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3, help="draft steps the head is unrolled and trained for")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW: linear warm-up, then cosine decay to a tenth)")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warm-up steps")
+    parser.add_argument("--tv-weight", type=float, default=1.0, help="weight of the total-variation term of the loss")
     parser.add_argument("--tv-weight-start", type=float, default=None,
                         help="TV weight at step 0, moving linearly to --tv-weight at the last step (default: constant)")
     parser.add_argument("--indexer-weight", type=float, default=1.0,
                         help="GLM-5 heads: weight of the DSA indexer's KL loss to the head's attention")
     parser.add_argument("--step-weights", type=float, nargs="+", default=None,
                         help="loss weight of each draft step (default 0.8 ** (i - 1))")
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--num-eval-windows", type=int, default=16)
-    parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (acceptance τ)")
+    parser.add_argument("--num-eval-windows", type=int, default=16, help="held-out windows per evaluation")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between saved training states (--resume)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the head's init and the data order")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, cuda:N)")
     parser.add_argument("--resume", action="store_true", help="continue from the training state in --out")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the summary lines still print)")
     parser.add_argument("--distill-data", default=None,
                         help="train on these self-distillation rows (a file `omnimtp gen-distill-data` wrote) instead "
                         "of windows of the --data files; --data still gives the held-out evaluation text")
@@ -68,17 +69,18 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--model", required=True, help="transformers checkpoint dir (weights + tokenizer)")
     gen.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
     gen.add_argument("--heldout-every", type=int, default=16, help="the held-out split of train-mtp (same value)")
-    gen.add_argument("--suffixes", nargs="+", default=None)
+    gen.add_argument("--suffixes", nargs="+", default=None,
+                     help="file endings read from directories (default .py .txt .md .rst)")
     gen.add_argument("--out", required=True, help="output file (safetensors: input_ids [rows, seq_len] int32)")
     gen.add_argument("--num-tokens", type=int, required=True,
                      help="generated tokens in all (rounded up to whole rows of seq_len - prompt_len)")
     gen.add_argument("--seq-len", type=int, default=256, help="row length; train-mtp --seq-len must match")
-    gen.add_argument("--prompt-len", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--prompt-len", type=int, default=64, help="tokens of training text that start each row")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the continuations; 0: greedy")
     gen.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="seed of the window choice and the sampled rows")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar (the summary line still prints)")
     gen.set_defaults(handler=run_gen_distill_data)
 
 
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     head = MTPHead.from_pretrained(args.init, target) if args.init else MTPHead.from_config(target)
     head.float()
+    start = time.perf_counter()
     result = train_mtp_head(target, head, train_stream, eval_stream, config, checkpoint_dir=out_dir,
                             resume=args.resume, progress=not args.no_progress, distill_rows=distill_rows)
     if args.with_target:
@@ -176,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
                "heldout_files": len(heldout_files), "distill_data": args.distill_data, "evals": result.evals}
     (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))
     last = result.evals[-1]
+    resumed = f"resumed at step {result.start_step}, " if result.start_step else ""
+    print(f"train-mtp: {resumed}steps {result.start_step}→{len(result.losses)} of {config.steps} in "
+          f"{time.perf_counter() - start:.1f} s; held-out τ {last['tau_greedy']:.2f} greedy, "
+          f"{last['tau_sampled']:.2f} sampled at step {last['step']}; head written to {out_dir}", flush=True)
     print(json.dumps({"step": last["step"], "tau_greedy": round(last["tau_greedy"], 3),
                       "tau_sampled": round(last["tau_sampled"], 3), "ce": round(last["ce"], 4),
                       "tv": round(last["tv"], 4)}))
@@ -216,6 +223,7 @@ def run_gen_distill_data(args: argparse.Namespace) -> int:
     train_stream = encode_files(tokenizer, train_files)
     continuation_len = args.seq_len - args.prompt_len
     num_rows = -(-args.num_tokens // continuation_len)
+    start = time.perf_counter()
     rows = generate_distill_rows(target, train_stream, num_rows, seq_len=args.seq_len, prompt_len=args.prompt_len,
                                  temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
                                  progress=not args.no_progress)
@@ -225,6 +233,9 @@ def run_gen_distill_data(args: argparse.Namespace) -> int:
                 "seq_len": str(args.seq_len), "prompt_len": str(args.prompt_len),
                 "temperature": str(args.temperature), "seed": str(args.seed)}
     save_file({DISTILL_ROWS_KEY: rows.contiguous()}, str(out), metadata=metadata)
+    print(f"gen-distill-data: {rows.shape[0]} rows of {args.seq_len} tokens ({rows.shape[0] * continuation_len} "
+          f"generated) from {len(train_files)} files in {time.perf_counter() - start:.1f} s; written to {out}",
+          flush=True)
     print(json.dumps({**metadata, "out": str(out), "rows": rows.shape[0],
                       "generated_tokens": rows.shape[0] * continuation_len}))
     return 0

@@ -27,17 +27,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnimtp.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_LIMIT
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.routes import chat, models, speech
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
-from omnimtp.server.serving import DEFAULT_BODY_TIMEOUT_S, check_seconds
+from omnimtp.server.serving import check_seconds
 
-DEFAULT_MAX_QUEUE = 64
-DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
-DEFAULT_MAX_TOKENS_LIMIT = 2048
 # Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
 _API_KEY = re.compile(r"[\x21-\x7e]+")
 _SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"

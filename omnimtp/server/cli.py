@@ -6,25 +6,27 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import positive_int
-from omnimtp.engine.core import EngineConfig
-from omnimtp.media import MediaLimits
-from omnimtp.models.tiny import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
-from omnimtp.runtime.device import resolve_device
-from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
-from omnimtp.server.serving import (
+from omnimtp.argtypes import positive_float, positive_int
+from omnimtp.checkpoint import omni_model_type
+from omnimtp.console import stopped_by
+from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
-    check_seconds,
     DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     DEFAULT_HEADERS_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    TINY_MAX_FRAMES,
+    TINY_MAX_NEW_TOKENS,
+    MediaLimits,
 )
-
+from omnimtp.server import ray_serve
+from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 
 
 def add_parser(subparsers) -> None:
-    from omnimtp.server.app import DEFAULT_MAX_BODY_BYTES
-
     parser = subparsers.add_parser(
         "serve", help="serve /v1/chat/completions and /v1/audio/speech (OpenAI-compatible)",
         description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
@@ -34,64 +36,54 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--api-key", default=os.environ.get("OMNIMTP_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
                         "printable ASCII. An empty key is refused: unset the variable to serve without one")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="requests generating at once")
-    parser.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    parser.add_argument("--max-frames", type=int, default=None,
-                        help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {EngineConfig.max_frames} "
+    parser.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N", help="requests generating at once")
+    parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                        help="waiting requests before 429")
+    parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
+                        help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {DEFAULT_MAX_FRAMES} "
                         "checkpoint: 2 minutes of speech at 12.5 frames/s)")
     parser.add_argument("--eager", action="store_true",
-                        help="run the code predictor eagerly: start in seconds instead of compiling its frame "
-                        "(by default each batch size's graph is compiled and warmed before /health reports ok)")
-    parser.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
+                        help="never compile the code predictor (by default it serves eagerly at once while each "
+                        "batch size's graph is compiled in the background, then runs compiled)")
+    parser.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT, metavar="N",
+                        help="the largest max_tokens a request may ask")
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                         help="the largest request body (default %(default)d, 16 MiB; base64 media is 4/3 of its "
                         "size: raise it to accept longer audio or larger images)")
-    parser.add_argument("--max-audio-seconds", type=_seconds, default=MediaLimits.max_audio_seconds, metavar="S",
+    parser.add_argument("--max-audio-seconds", type=positive_float, default=MediaLimits.max_audio_seconds, metavar="S",
                         help="the longest input audio part (default %(default)g)")
     parser.add_argument("--max-image-pixels", type=positive_int, default=MediaLimits.max_image_pixels, metavar="N",
                         help="the largest input image, width × height (default %(default)d)")
     parser.add_argument("--max-media-parts", type=positive_int, default=MediaLimits.max_parts, metavar="N",
                         help="input audio and image parts per request (default %(default)d)")
-    parser.add_argument("--timeout-headers", type=_seconds, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout-headers", type=positive_float, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
-    parser.add_argument("--timeout-body", type=_seconds, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout-body", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="seconds a request's body may take to arrive after its headers (default %(default)g)")
-    parser.add_argument("--timeout-keep-alive", type=_seconds, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout-keep-alive", type=positive_float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="S",
                         help="seconds an idle connection stays open (default %(default)g)")
-    parser.add_argument("--timeout-graceful-shutdown", type=_seconds, default=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    parser.add_argument("--timeout-graceful-shutdown", type=positive_float, default=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                         metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default %(default)g)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="uvicorn's and omnimtp's log level")
     add_thinker_mtp_arguments(parser)
-    from omnimtp.server import ray_serve
-
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    try:
-        return check_seconds("the value", value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
-    moved to `device` and packed once; compile_predictor ("frame", "step" or False) also warms the
-    predictor up before the engine reports ready. media_limits: what a request's audio and images may hold.
+    moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
+    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up). media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
@@ -112,10 +104,17 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     model_id = os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
-                  max_frames=max_frames or EngineConfig.max_frames, media_limits=media_limits)
+                  max_frames=max_frames or DEFAULT_MAX_FRAMES, media_limits=media_limits)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        thinker_mtp_kwargs(args)  # --demo with --model, -k without --thinker-mtp
+        if args.model is not None and not (ray_serve.is_requested(args) and args.ray_address is not None):
+            omni_model_type(args.model, "--model")  # (on a Ray cluster, the path is the nodes')
+    except ValueError as exc:
+        return _refuse(str(exc))
+    from omnimtp.runtime.device import resolve_device
     from omnimtp.server.app import check_api_key
 
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
@@ -133,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _refuse(str(exc))
 
-    from omnimtp.server import ray_serve
-
     if ray_serve.is_requested(args):
         return ray_serve.run(args)  # Ray Serve replicas (imports Ray)
 
@@ -142,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     from omnimtp.server.serving import server_config
 
+    _log_to_stderr(args.log_level)
     engine, app = build_app(args)
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
@@ -150,8 +148,19 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"omnimtp: serving {engine.model_id} on http://{args.host}:{args.port}/v1 "
           f"(voices: {', '.join(engine.speakers)})", flush=True)
-    uvicorn.Server(config).run()
-    return 0
+    code = 0
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt as exc:  # uvicorn re-raises the signal it stopped on, once it has stopped
+        signum = stopped_by(exc)
+        print(f"omnimtp serve: stopped ({signum.name})", file=sys.stderr, flush=True)
+        code = 128 + signum
+    # The server has stopped and its engine with it: leave at once. Interpreter exit joins worker
+    # threads (torch's compile threads while the predictor still compiles, the event loop's executor),
+    # which can take longer than the graceful deadline promised.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_app(args: argparse.Namespace):
@@ -173,6 +182,17 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name)
     return engine, app
+
+
+def _log_to_stderr(level: str) -> None:
+    """omnimtp's log lines (warm-up progress, engine errors) on stderr beside uvicorn's, at its level."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("omnimtp")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
 
 def _refuse(message: str) -> int:

@@ -10,8 +10,8 @@ ongoing requests); the controller restarts a replica that dies and, with `--min-
 What the deployment changes:
 
     /health    the whole deployment's readiness: 200 {"status": "ok", "replicas": {...}} only while
-               every replica is running and warm (a replica reports started once its engine is warm,
-               so Serve never routes to a cold one); 503 "loading" while one starts or restarts
+               every replica is running (a replica reports started once its engine serves; a compiled
+               predictor warms up beside it); 503 "loading" while one starts or restarts
     /metrics   every replica's Prometheus samples in one scrape, each labelled replica="<id>"
                (`MetricsHub`: replicas push a snapshot every second; a removed replica's last one stays,
                so its counters never go back); sum over the label for the deployment's totals
@@ -29,14 +29,13 @@ storage). Ray is an optional extra: `pip install 'omnimtp[ray]'`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 
 from omnimtp.argtypes import non_negative_float, positive_float, positive_int
+from omnimtp.console import interrupt_on_signals, signals_ignored, stopped_by
 
 APP_NAME = "omnimtp"
 DEPLOYMENT_NAME = "OmniReplica"
@@ -176,7 +175,7 @@ def app_builder(config: dict):
 class ReplicaApp:
     """The ASGI app of one replica: `app` (from `create_app`) for every route but /health and /metrics,
     which speak for the whole deployment (see the module docstring). Its lifespan reports started only
-    once the engine is warm."""
+    once the engine serves."""
 
     def __init__(self, app, engine, *, app_name: str, replica_id: str):
         self.app = app
@@ -185,11 +184,11 @@ class ReplicaApp:
         self.replica_id = replica_id
         self.metrics = app.state.metrics
         self.hub = None
-        self._pusher: asyncio.Task | None = None
+        self._pusher = None  # the asyncio task that pushes metrics, once started
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            await self.app(scope, receive, self._started_when_warm(send))
+            await self.app(scope, receive, self._started_when_serving(send))
             return
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
             if scope["path"] == "/health":
@@ -200,8 +199,10 @@ class ReplicaApp:
                 return
         await self.app(scope, receive, send)
 
-    def _started_when_warm(self, send):
-        async def send_when_warm(message):
+    def _started_when_serving(self, send):
+        import asyncio
+
+        async def send_when_serving(message):
             if message["type"] == "lifespan.startup.complete":
                 while self.engine.is_running and not self.engine.is_ready:
                     await asyncio.sleep(0.05)
@@ -213,9 +214,11 @@ class ReplicaApp:
                 self._pusher.cancel()
             await send(message)
 
-        return send_when_warm
+        return send_when_serving
 
     async def health(self):
+        import asyncio
+
         from fastapi.responses import JSONResponse
         from ray.serve.schema import DeploymentStatus
 
@@ -258,6 +261,8 @@ class ReplicaApp:
         return self.hub
 
     def _start_metrics_pusher(self) -> None:
+        import asyncio
+
         async def push():
             while True:
                 try:
@@ -312,7 +317,8 @@ def merge_metrics(snapshots: dict[str, bytes]) -> bytes:
 
 def run(args: argparse.Namespace) -> int:
     """Deploy on a local Ray instance (started here, stopped at exit) or the cluster at --ray-address,
-    serve until SIGINT / SIGTERM, then delete the application (each replica drains)."""
+    serve until SIGINT / SIGTERM, then delete the application (each replica drains). A signal while the
+    replicas deploy stops the deploy; the local instance is shut down either way, leaving no process."""
     try:
         options = deployment_options(args)
         serve = import_serve()
@@ -322,37 +328,46 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     is_local = args.ray_address is None
-    init_ray(args.ray_address)
-    if is_local:
-        needed = _replicas_at_start(options) * args.num_cpus_per_replica
-        available = ray.cluster_resources().get("CPU", 0.0)
-        if needed > available:
-            ray.shutdown()
-            print(f"omnimtp serve: error: {_replicas_at_start(options)} replicas × {args.num_cpus_per_replica:g} "
-                  f"CPUs need {needed:g} CPUs; this machine has {available:g}: lower --num-cpus-per-replica "
-                  "(fractions are allowed) or --replicas", file=sys.stderr)
-            return 2
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    is_deploying = False
     try:
+        init_ray(args.ray_address)
+        interrupt_on_signals()  # Ray's handlers replaced: Ctrl-C and SIGTERM stop a deploy under way too
+        if is_local:
+            needed = _replicas_at_start(options) * args.num_cpus_per_replica
+            available = ray.cluster_resources().get("CPU", 0.0)
+            if needed > available:
+                print(f"omnimtp serve: error: {_replicas_at_start(options)} replicas × {args.num_cpus_per_replica:g} "
+                      f"CPUs need {needed:g} CPUs; this machine has {available:g}: lower --num-cpus-per-replica "
+                      "(fractions are allowed) or --replicas", file=sys.stderr)
+                return 2
+        print(f"omnimtp: deploying {_describe(options)} on Ray Serve (Ctrl-C stops)", flush=True)
+        is_deploying = True
         deploy(args)
         print(f"omnimtp: serving on http://{args.host}:{args.port}/v1 with Ray Serve "
               f"({_describe(options)})", flush=True)
-        stop.wait()
-        print("omnimtp: draining the replicas", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt as exc:
+        print(f"omnimtp: stopping ({stopped_by(exc).name})" + (": draining the replicas" if is_deploying else ""),
+              flush=True)
     finally:
-        serve.delete(APP_NAME)
-        _kill_metrics_hub(ray)
-        if is_local:
-            serve.shutdown()
-        ray.shutdown()
+        if is_deploying:
+            try:
+                serve.delete(APP_NAME)  # each replica finishes its requests within --timeout-graceful-shutdown
+                _kill_metrics_hub(ray)
+            except KeyboardInterrupt:  # a second Ctrl-C: no drain
+                pass
+            except Exception as exc:  # stopped before Serve was up: nothing to delete
+                logger.warning("deleting the application: %s: %s", type(exc).__name__, exc)
+        with signals_ignored():  # Ray's processes must go, whatever arrives now
+            if is_local and is_deploying:
+                serve.shutdown()
+            ray.shutdown()
     return 0
 
 
 def deploy(args: argparse.Namespace) -> None:
     """Start Serve's proxy on --host/--port (on the connected Ray cluster) and run the application;
-    returns once every replica is running and warm."""
+    returns once every replica is running."""
     serve = import_serve()
     serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": args.timeout_keep_alive})
     serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)

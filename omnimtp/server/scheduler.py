@@ -185,8 +185,9 @@ class Engine:
     template). config: `EngineConfig` fields; the server's defaults are max_batch_size 16,
     max_decode_frames 4·max_batch_size (well above the max_batch_size frames a talker step makes, so a
     backlog drains fast) and max_defer_steps 2. max_prompt_tokens: longer prompts are refused (400).
-    warm_up: run the code predictor at every batch size before reporting ready (`is_ready`), so a
-    compiled predictor has its graphs before the first request. media_limits: what a chat request's
+    warm_up: build a compiled predictor's graphs for every batch bucket in a background thread
+    ("omnimtp-warm-up", one log line per bucket) while the engine already serves on the eager predictor;
+    each bucket switches to its compiled graph once it is built (`is_warm` when all are). media_limits: what a chat request's
     audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
@@ -213,6 +214,8 @@ class Engine:
         self.max_queue = 64
         self.metrics = None
         self.is_ready = False
+        self.is_warm = False
+        self._warm_stop = threading.Event()
         self._cond = threading.Condition()
         self._core: EngineCore | None = None
         self._handles: dict[int, RequestHandle] = {}
@@ -326,12 +329,16 @@ class Engine:
         self.max_queue = max_queue
         self._stopping = False
         self._accepting = True
-        self.is_ready = not self.warm_up
+        self.is_ready = True  # the eager predictor serves at once; a compiled one warms up beside it
         self._thread = threading.Thread(target=self._run, name="omnimtp-engine", daemon=True)
         self._thread.start()
+        if self.warm_up:
+            self._warm_stop.clear()
+            threading.Thread(target=self._warm_up, name="omnimtp-warm-up", daemon=True).start()
 
     def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish every admitted and waiting request first."""
+        self._warm_stop.set()  # a graph being built finishes in its daemon thread; no further bucket starts
         with self._cond:
             self._accepting = False
             if not drain:
@@ -396,11 +403,31 @@ class Engine:
 
     # -- the engine thread ------------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """The warm-up thread: the compiled predictor's graphs, bucket by bucket, logged as they are built."""
+        started = time.perf_counter()
+        logger.info("warm-up: compiling the code predictor for batches up to %d in the background; serving on "
+                    "the eager predictor meanwhile", self.config.max_batch_size)
+
+        smallest = 1
+
+        def on_bucket(index: int, num_buckets: int, rows: int, seconds: float) -> None:
+            nonlocal smallest
+            sizes = f"batch size {rows}" if smallest == rows else f"batch sizes {smallest}-{rows}"
+            logger.info("warm-up: code predictor compiled for %s (bucket %d/%d) in %.1f s, %.1f s in all", sizes,
+                        index, num_buckets, seconds, time.perf_counter() - started)
+            smallest = rows + 1
+
+        try:
+            self.is_warm = self.family.warm_up(self.config.max_batch_size, on_bucket, self._warm_stop)
+        except Exception:  # serving goes on eagerly
+            logger.exception("warm-up failed; the code predictor stays eager")
+            return
+        if self.is_warm:
+            logger.info("warm-up: done in %.1f s, every batch size runs compiled", time.perf_counter() - started)
+
     def _run(self) -> None:
         try:
-            if self.warm_up:
-                self.family.warm_up(self.config.max_batch_size)
-                self.is_ready = True
             self._loop()
         except BaseException:  # the loop itself broke: nothing can be served any more
             logger.exception("engine loop stopped")

@@ -23,10 +23,12 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-DEFAULT_HEADERS_TIMEOUT_S = 10.0
-DEFAULT_BODY_TIMEOUT_S = 30.0  # enforced by the app (`create_app(body_timeout_s=...)`)
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
-DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+from omnimtp.limits import (
+    DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_HEADERS_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+)
+
 _LINGER_S = 2.0  # how long a connection closing after an error response keeps reading (and discarding)
 
 

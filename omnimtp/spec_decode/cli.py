@@ -6,25 +6,24 @@ import json
 import sys
 import time
 
-import torch
-
 from omnimtp.argtypes import draft_tokens
-from omnimtp.sampling import SamplingParams
+from omnimtp.console import printable
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("spec", help="MTP speculative decoding with a checkpoint's NextN layer")
     parser.add_argument("--model", default=None,
                         help="checkpoint dir: target + MTP layer + tokenizer (default: the shipped demo model)")
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", required=True, help="the text the model continues")
     parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=3,
                         help="drafted tokens per step, or 'auto': 0..4 a step, as many as the acceptance so far pays "
-                        "for (default 3)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+                        "for")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                        "holding this probability (1 = all)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampled run (default: unseeded)")
     parser.add_argument("--compare", action="store_true",
                         help="also run plain decoding, ours on the same forward (plain_generate) and transformers' "
                         "generate, and report the speed-up over each")
@@ -34,6 +33,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    import torch
     from transformers import AutoTokenizer
 
     from omnimtp.spec_decode.adaptive import acceptance_warning
@@ -42,6 +42,7 @@ def run(args) -> int:
 
     from omnimtp.mtp.demo import demo_model_dir
     from omnimtp.runtime.device import resolve_device
+    from omnimtp.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model_dir = args.model if args.model is not None else demo_model_dir()
@@ -81,7 +82,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(text)
+        print(printable(text))
         k = f"auto (steps per k {dict(sorted(out.stats.draft_histogram.items()))})" if out.stats.is_adaptive else args.num_draft_tokens
         print(
             f"k {k}  tau {result['mean_acceptance_length']:.2f}  per-position "

@@ -30,7 +30,8 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 
 from __future__ import annotations
 
-import contextlib
+import threading
+import time
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -51,7 +52,13 @@ from omnimtp.runtime.ops import (
     packed_gemm_kinds,
     rms_norm,
 )
-from omnimtp.sampling import SamplingParams, exponential_noise, filter_logits, sample_from_probs
+from omnimtp.sampling import (
+    QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
+    SamplingParams,
+    exponential_noise,
+    filter_logits,
+    sample_from_probs,
+)
 
 
 class ResidualCodes(NamedTuple):
@@ -328,9 +335,17 @@ def _frame_loop(
 
 def _own_copy(fn):
     """A new function object with its own code object. torch.compile caches graphs per code object,
-    with a limit of 8 per code object: a copy per runner keeps one runner's graphs from evicting or
-    exhausting another's."""
+    with a limit of 8 per code object (`recompile_limit`): a copy per runner and bucket keeps one
+    bucket's graphs from evicting or exhausting another's, however many buckets a runner has."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _compiled_pair(mode: str):
+    """(step, frame) callables of one bucket's compiled graphs: "step" compiles `_step` (two graphs:
+    the first step and every later one), "frame" the whole `_frame_loop` (one graph)."""
+    if mode == "step":
+        return torch.compile(_own_copy(_step), dynamic=False), _frame_loop
+    return _step, torch.compile(_own_copy(_frame_loop), dynamic=False)
 
 
 class CodePredictorRunner:
@@ -349,9 +364,11 @@ class CodePredictorRunner:
     (first step, and every later step) per batch size and sampling setting; "frame" compiles the
     whole frame, all G-1 steps, as one graph per batch size and sampling setting: no per-step
     dispatch at all, the fastest at small dims, but its first compile takes minutes on a CPU
-    (inductor caches it on disk, so later processes take seconds). Each graph compiles on first use.
-    A runner holds up to 8 graphs (torch.compile's recompile limit); past that torch.compile runs
-    further shapes eagerly (same codes, slower), so callers should keep the set of batch sizes small.
+    (inductor caches it on disk, so later processes take seconds). Each bucket (below) and sampling
+    setting has compiled callables of its own, so every bucket is really compiled, never cut off by
+    torch.compile's recompile limit. A graph compiles on first use, or ahead of it with `warm_up`, which a
+    server runs in a background thread: meanwhile `run` serves each bucket eagerly (same padding, same
+    packed weights, the same codes) and switches to its compiled graph once that is built.
 
     `packed_gemm`: None (default: the best available, see `packed_gemm_kinds`), False (plain kernels),
     True (the best available, an error if none), or a kind, "avx512", "mkl" or "onednn" (an error if it
@@ -410,12 +427,16 @@ class CodePredictorRunner:
         self.packed_gemm_kind = packed_gemm if isinstance(packed_gemm, str) else (kinds[0] if kinds else None)
         self.packed_gemm = self.packed_gemm_kind is not None and packed_gemm is not False
         self._gemms: dict[int, PackedMatrices] = {}  # bucket rows -> packed matrices, made on first use
+        self._lock = threading.Lock()  # `_gemms` and `_compiled` are filled from the serving and warm-up threads
+        # (bucket rows, is_sampled) -> its (step, frame) callables; `_warm`: the keys whose graphs are built
+        self._compiled: dict[tuple[int, bool], tuple] = {}
+        self._warm: set[tuple[int, bool]] = set()
+        self._building: set[tuple[int, bool]] = set()  # keys whose graphs a thread is building now
+        self._is_warming = False  # a `warm_up` is under way: `run` does not compile, it runs eagerly meanwhile
         with torch.no_grad():
             self.weights = pack_predictor_weights(cp, self.dtype)
         # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
         self.kv = KVCache(self.weights.decoder, max_batch_size, capacity=self.num_code_groups, is_growable=False)
-        self._step = torch.compile(_own_copy(_step), dynamic=False) if compile == "step" else _step
-        self._frame = torch.compile(_own_copy(_frame_loop), dynamic=False) if compile == "frame" else _frame_loop
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
         self._lm_heads = list(self.weights.lm_heads.unbind(0))
         self._codec_embeddings = list(self.weights.codec_embeddings.unbind(0))
@@ -426,9 +447,10 @@ class CodePredictorRunner:
 
     def _run_frame(
         self, last_talker_hidden: torch.Tensor, cb0_embed: torch.Tensor, sampling: SamplingParams | None,
-        noise: torch.Tensor | None,
+        noise: torch.Tensor | None, kv: KVCache | None = None, is_warm_up: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H] x2 → codes [B, G-1], embed_sum [B, H]; noise [B, G-1, V] when sampling."""
+        """[B, H] x2 → codes [B, G-1], embed_sum [B, H]; noise [B, G-1, V] when sampling. kv: the KV buffer
+        (default the runner's; `warm_up` has its own). is_warm_up: build the bucket's graph now."""
         w = self.weights
         batch_size = last_talker_hidden.shape[0]
         num_rows = batch_size if self.compile_mode is None else self.bucket_rows(batch_size)
@@ -440,12 +462,78 @@ class CodePredictorRunner:
             step_input = F.pad(step_input, (0, 0, 0, 0, 0, num_rows - batch_size))  # [R, 2, H]
             if noise is not None:
                 noise = F.pad(noise, (0, 0, 0, 0, 0, num_rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
-        with self._graph_limit():
-            codes, embed_sum = self._frame(
-                self._step, w, self.kv.buffer, step_input, self._positions, self._lm_heads, self._codec_embeddings,
-                sampling, noise, gemm,
+        key = (num_rows, noise is not None)
+        step, frame, is_building = self._callables(key, is_warm_up)
+        try:
+            codes, embed_sum = frame(
+                step, w, (kv or self.kv).buffer, step_input, self._positions, self._lm_heads,
+                self._codec_embeddings, sampling, noise, gemm,
             )  # [R, G-1], [R, H]
+        finally:
+            if is_building:
+                with self._lock:
+                    self._building.discard(key)
+        if is_building:
+            self._warm.add(key)
         return codes[:batch_size], embed_sum[:batch_size]
+
+    def _callables(self, key: tuple[int, bool], is_warm_up: bool):
+        """(step, frame, is_building) for a bucket: its compiled callables once its graphs are built;
+        otherwise the caller builds them (is_building), unless another thread is building them or a
+        warm-up is under way (not the caller): then eager, the same codes without waiting."""
+        if self.compile_mode is None:
+            return _step, _frame_loop, False
+        with self._lock:
+            if key not in self._compiled:
+                self._compiled[key] = _compiled_pair(self.compile_mode)
+            if key in self._warm:
+                return *self._compiled[key], False
+            if key in self._building or (self._is_warming and not is_warm_up):
+                return _step, _frame_loop, False
+            self._building.add(key)
+            return *self._compiled[key], True
+
+    def warm_up(self, on_bucket=None, stop: threading.Event | None = None, *,
+                sampling: SamplingParams = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING) -> bool:
+        """Build every bucket's graphs (greedy, and sampled with `sampling`: the family's predictor settings)
+        before they are needed, on zero inputs and a KV buffer of its own: safe to run in a background thread
+        while another thread calls `run`, which serves a bucket eagerly until its graphs are built, then runs
+        them. on_bucket(index, num_buckets, rows, seconds): called after each bucket. stop: checked between
+        buckets (a graph being built cannot be interrupted). Returns whether every bucket is warm (False:
+        stopped, or an eager runner)."""
+        if self.compile_mode is None:
+            return False
+        buckets = sorted({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
+        kv = KVCache(self.weights.decoder, self.max_batch_size, capacity=self.num_code_groups, is_growable=False)
+        noise_shape = (self.num_code_groups - 1, self.vocab_size)
+        self._is_warming = True
+        try:
+            for index, rows in enumerate(buckets, 1):
+                if stop is not None and stop.is_set():
+                    return False
+                started = time.perf_counter()
+                rows_in = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
+                with torch.inference_mode():
+                    self._run_frame(rows_in, rows_in, None, None, kv, is_warm_up=True)
+                    noise = torch.ones((rows, *noise_shape), device=self.device)  # a valid Exp(1) draw
+                    self._run_frame(rows_in, rows_in, sampling, noise, kv, is_warm_up=True)
+                if on_bucket is not None:
+                    on_bucket(index, len(buckets), rows, time.perf_counter() - started)
+            return True
+        finally:
+            self._is_warming = False
+
+    @property
+    def num_compiled_graphs(self) -> int:
+        """Graphs torch.compile has built for this runner, over every bucket's callables."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        count = 0
+        for pair in self._compiled.values():
+            for fn in pair:
+                if fn is not _step and fn is not _frame_loop:
+                    count += len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__))
+        return count
 
     def bucket_rows(self, batch_size: int) -> int:
         """The rows a compiled runner runs a batch of `batch_size` on: the next power of two, at most
@@ -455,17 +543,10 @@ class CodePredictorRunner:
 
     @property
     def num_graphs(self) -> int:
-        """How many graphs a compiled runner may build: per bucket, greedy and sampled ("step": the
-        first step and the later ones each)."""
+        """How many graphs a compiled runner builds: per bucket, greedy and sampled ("step": the first
+        step and the later ones each)."""
         num_buckets = len({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
         return num_buckets * 2 * (2 if self.compile_mode == "step" else 1)
-
-    def _graph_limit(self):
-        """torch.compile keeps at most `recompile_limit` graphs per function (8 by default) and runs
-        eagerly past it; this runner's own code object gets room for all its buckets."""
-        if self.compile_mode is None:
-            return contextlib.nullcontext()
-        return torch._dynamo.config.patch(recompile_limit=max(8, self.num_graphs))
 
     def _packed_gemm_for(self, batch_size: int) -> PackedMatrices | None:
         """The packed matrices for a batch of `batch_size` rows, or None when packing is off or (MKL)
@@ -479,10 +560,11 @@ class CodePredictorRunner:
             return None
         else:
             rows = self.bucket_rows(batch_size)
-        if rows not in self._gemms:
-            with torch.no_grad():
-                self._gemms[rows] = pack_matrices(self.weights, self.packed_gemm_kind, rows)
-        return self._gemms[rows]
+        with self._lock:
+            if rows not in self._gemms:
+                with torch.no_grad():
+                    self._gemms[rows] = pack_matrices(self.weights, self.packed_gemm_kind, rows)
+            return self._gemms[rows]
 
     def run(
         self,
@@ -514,18 +596,12 @@ class CodePredictorRunner:
         if sampling is not None and sampling.is_greedy:
             sampling = None
         noise = None
-        if sampling is not None:
-            noise_shape = (batch_size, self.num_code_groups - 1, self.vocab_size)
-            noise = exponential_noise(noise_shape, None if generators is None else list(generators), self.device)
+        # Every tensor the frame gets is made under inference mode, padded or not, as in `warm_up`: the
+        # compiled graphs' guards see one kind of tensor, so a warm bucket never recompiles.
         with torch.inference_mode():
+            if sampling is not None:
+                noise_shape = (batch_size, self.num_code_groups - 1, self.vocab_size)
+                noise = exponential_noise(noise_shape, None if generators is None else list(generators), self.device)
             codes, embed_sum = self._run_frame(last_talker_hidden, cb0_embed, sampling, noise)
         return ResidualCodes(codes=codes.clone(), embed_sum=embed_sum.clone())
 
-    def warm_up(self, sampling: SamplingParams) -> None:
-        """Run one greedy frame and one frame sampled with `sampling` at every batch size up to max_batch_size,
-        so a compiled runner has every graph it serves with (one per batch bucket) before the first request."""
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        for batch_size in range(1, self.max_batch_size + 1):
-            rows = torch.zeros((batch_size, self.hidden_size), dtype=self.dtype, device=self.device)
-            self.run(rows, rows)
-            self.run(rows, rows, sampling, [generator] * batch_size)

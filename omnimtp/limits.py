@@ -1,0 +1,50 @@
+"""The default caps and limits every driver shares (Python API, server, CLI), importable without torch or
+the server stack, so that the command line can show them in `--help` before anything heavy loads.
+
+`MediaLimits` (what one request's audio and images may hold) lives here for the same reason;
+`omnimtp.media` is where it is used and exported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# A request's default thinker token and audio frame caps (`omnimtp.engine.core.EngineConfig`).
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s
+# The embedded tiny model's caps: its random talker rarely emits codec EOS, so replies stay short.
+TINY_MAX_NEW_TOKENS = 32
+TINY_MAX_FRAMES = 100
+
+# The server's timeouts (`omnimtp.server.serving`) and request limits (`omnimtp.server.app.create_app`).
+DEFAULT_HEADERS_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # enforced by the app (`create_app(body_timeout_s=...)`)
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_QUEUE = 64  # waiting requests before 429
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
+DEFAULT_MAX_TOKENS_LIMIT = 2048  # the largest max_tokens a request may ask
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What one request's media may hold; larger media is refused, never cut or shrunk.
+
+    max_audio_seconds: per audio, measured before resampling. max_image_pixels: width × height per image,
+    read from the header before the image is decoded (Qwen's processor allows 12,845,056 = 3584²).
+    max_parts: audio and image parts per request."""
+
+    max_audio_seconds: float = 300.0
+    max_image_pixels: int = 12_845_056
+    max_parts: int = 8
+
+    def __post_init__(self):
+        seconds = self.max_audio_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds <= 0:
+            raise ValueError(f"max_audio_seconds must be a finite number > 0, got {seconds!r}")
+        for name in ("max_image_pixels", "max_parts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,121 @@
+"""The command line before any work: help and usage errors without the heavy stack, every flag documented,
+model text printed safely, expected library warnings kept quiet."""
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnimtp.cli import build_parser
+from omnimtp.console import printable, quiet_expected_warnings
+
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers", "fastapi", "ray")
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_help_and_usage_errors_import_neither_torch_nor_transformers(tmp_path):
+    """Every subcommand's --help, a flag argparse refuses and a --model that is no checkpoint: answered
+    from argparse-level modules, so the heavy stack is never imported (what keeps them under a second)."""
+    names = sorted(_subcommands(build_parser()))
+    code = f"""
+import contextlib, io, json, sys
+from omnimtp.cli import main
+runs = [["--help"]] + [[name, "--help"] for name in {names!r}] + [
+    ["speak", "--max-frames", "0", "hi", "-o", "x.wav"],
+    ["speak", "--model", "/nonexistent", "hi", "-o", "x.wav"],
+    ["chat", "--model", "/nonexistent"],
+    ["serve", "--model", {str(tmp_path)!r}],
+]
+codes = []
+for argv in runs:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        try:
+            codes.append(main(argv))
+        except SystemExit as exc:
+            codes.append(exc.code)
+    if argv[1:2] == ["--model"]:
+        codes.append(err.getvalue())
+print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    codes = result["codes"]
+    assert codes[: len(names) + 1] == [0] * (len(names) + 1)
+    assert codes[len(names) + 1] == 2  # argparse's usage error
+    speak_code, speak_err, chat_code, chat_err, serve_code, serve_err = codes[len(names) + 2:]
+    assert speak_code == chat_code == serve_code == 2
+    assert "--model: '/nonexistent' does not exist" in speak_err and "Traceback" not in speak_err
+    assert "--model: '/nonexistent' does not exist" in chat_err
+    assert "is not a checkpoint directory (no config.json)" in serve_err
+
+
+def test_every_flag_says_what_it_does_and_shows_its_default():
+    parser = build_parser()
+    subcommands = _subcommands(parser)
+    assert {"speak", "chat", "serve", "batch", "spec", "train-mtp", "gen-distill-data"} <= set(subcommands)
+    for name, sub in subcommands.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help.strip(), f"{flag} has no help"
+            shown = formatter._expand_help(action)  # what --help prints for it
+            if action.default not in (None, False, [], argparse.SUPPRESS):
+                assert "default" in shown, f"{flag} does not show its default"
+    serve = subcommands["serve"].format_help()
+    for text in ("--host HOST", "(default: 127.0.0.1)", "(default: 8000)"):
+        assert text in serve
+    assert "(default: 1000)" in subcommands["train-mtp"].format_help()  # --steps
+    assert "(default: 0.001)" in subcommands["train-mtp"].format_help()  # --lr
+
+
+def test_printable_escapes_what_a_terminal_would_act_on():
+    assert printable("Hello, wörld 🙂") == "Hello, wörld 🙂"
+    assert printable("a\x05b\x7fc\x1b[31md") == "a\\x05b\\x7fc\\x1b[31md"
+    assert printable("line\nnext\tcol\rback") == "line\nnext\tcol\\x0dback"
+    assert printable("zero\u200bwidth\U000e0001") == "zero\\u200bwidth\\U000e0001"
+    text = "raw \x00 bytes"
+    printable(text)
+    assert text == "raw \x00 bytes"
+
+
+def test_only_the_expected_rope_warning_is_quiet(caplog):
+    quiet_expected_warnings()
+    quiet_expected_warnings()  # idempotent
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    assert logger.filters.count(logger.filters[0]) == 1 and len(logger.filters) == 1
+    with caplog.at_level(logging.WARNING, logger="transformers.modeling_rope_utils"):
+        logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section', 'interleaved'}")
+        logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section'}")
+        logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='yarn': {'mrope_section', 'factorr'}")
+        logger.warning("something else")
+    assert [r.getMessage()[-30:] for r in caplog.records] == [
+        "yarn': {'mrope_section', 'factorr'}"[-30:], "something else"]
+
+
+def test_tiny_model_configs_build_without_the_rope_warning(capfd):
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+    quiet_expected_warnings()
+    tiny_qwen3_omni_config()
+    assert "Unrecognized keys" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "x"], ["speak", "--max-new-tokens", "-1", "-o", "a.wav", "hi"]])
+def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert f"argument {argv[1]}" in capsys.readouterr().err
