@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from omnimtp import MTPHead, MTPTrainConfig, SamplingParams, demo_model_dir, speculative_generate, tiny_lm
+from omnimtp import MTPHead, MTPTrainConfig, SamplingParams, demo_model_dir, speculative_generate
+from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
 from omnimtp.mtp.train import train_mtp_head
 from omnimtp.spec_decode.generate import plain_generate
