@@ -84,9 +84,10 @@ def test_greedy_equals_reference(pipe, kind, monkeypatch):
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_thinker_rows_equal_the_reference_hidden_states(kind):
     """Every row handed to the talker (layer-0 embeddings with the encoder rows, the accept layer) is
-    transformers' own, bit for bit, and a vision prompt's decode positions continue from its 3-D maximum.
-    On the model as built: after a safetensors round trip the decode rows differ from transformers' in the
-    last bits (~3e-6, text prompts alike; the prefill rows stay exact, the codes equal)."""
+    transformers' own: the embeddings and the prefill rows bit for bit, the decode rows up to float rounding
+    (a one-row decode step runs its linears on the row kernel, the one a speculative verify uses, so plain and
+    speculative rows agree bit for bit; transformers' runs `mv`); and a vision prompt's decode positions
+    continue from its 3-D maximum."""
     ids, media = CASES[kind]()
     pipe = OmniPipeline.tiny(seed=0)
     thinker = pipe.model.thinker
@@ -100,7 +101,10 @@ def test_thinker_rows_equal_the_reference_hidden_states(kind):
         embeds, hidden, run = _thinker_rows(pipe, ids, media, layer)
         assert run.output_ids[0] == ref.sequences[0, len(ids):].tolist()
         assert torch.equal(embeds, torch.cat([h[0] for h in ref.hidden_states], dim=1)[0])
-        assert torch.equal(hidden, torch.cat([h[layer] for h in ref.hidden_states], dim=1)[0])
+        expected = torch.cat([h[layer] for h in ref.hidden_states], dim=1)[0]
+        assert torch.equal(hidden[: len(ids)], expected[: len(ids)])
+        scale = expected[len(ids):].abs().max()
+        assert scale > 0 and (hidden[len(ids):] - expected[len(ids):]).abs().max() <= 1e-5 * scale
     offset = run.kv.rope_offsets[0]
     assert (offset != 0) == (kind != "audio")  # audio advances all three axes: plain 1-D positions
 

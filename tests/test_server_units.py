@@ -154,47 +154,35 @@ def test_shutdown_drains_queued_and_running_requests(backend):
         assert num_samples == 1920 * final.num_frames - 555
 
 
-def test_health_says_loading_until_the_predictor_is_warm_and_requests_wait_for_it(backend):
-    """With warm_up the engine runs the code predictor at every batch size before it serves: /health is
-    503 "loading" until then, and a request sent meanwhile waits and is served after the warm-up."""
-    import httpx
-
-    from omnimtp.server.app import create_app
-    from server_harness import running_server
-
-    family = Qwen3OmniFamily(backend.family.model, backend.family.tokenizer)
-    release, sizes = threading.Event(), []
-    real_warm_up = family.warm_up
-
-    def gated_warm_up(max_batch_size):
-        release.wait(60)
-        sizes.append(max_batch_size)
-        real_warm_up(max_batch_size)
-
-    family.warm_up = gated_warm_up
-    engine = Engine(family, warm_up=True, max_batch_size=2, max_frames=3)
-    with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
-        loading = http.get("/health")
-        assert loading.status_code == 503 and loading.json() == {"status": "loading"}
-        result = {}
-        speaker = threading.Thread(target=lambda: result.update(
-            response=http.post("/v1/audio/speech", json={"input": "Hi", "voice": "ethan", "seed": 1})))
-        speaker.start()
-        release.set()
-        speaker.join(120)
-        assert result["response"].status_code == 200 and sizes == [2]
-        assert http.get("/health").json() == {"status": "ok"}
-
-
-def test_family_warm_up_runs_every_batch_size_greedy_and_sampled(backend):
-    family = Qwen3OmniFamily(backend.family.model, backend.family.tokenizer)
+def _warm_up_frames(family, monkeypatch, max_batch_size: int) -> tuple[bool, list]:
+    """family.warm_up with its predictor's frames recorded (rows, sampling) instead of compiled."""
+    predictor = family.predictor(max_batch_size)
     calls = []
-    predictor = family.predictor(3)
-    real_run = predictor.run
-    predictor.run = lambda hidden, embed, sampling=None, generators=None: (
-        calls.append((hidden.shape[0], sampling is not None)) or real_run(hidden, embed, sampling, generators))
-    family.warm_up(3)
-    assert calls == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
+    monkeypatch.setattr(predictor, "_run_frame", lambda hidden, embed, sampling, noise, kv, is_warm_up=False:
+                        calls.append((hidden.shape[0], sampling)))
+    return family.warm_up(max_batch_size), calls
+
+
+def test_family_warm_up_builds_every_bucket_greedy_and_with_the_family_sampling(backend, monkeypatch):
+    """An eager predictor has nothing to warm; a compiled one runs one greedy and one sampled frame per batch
+    bucket, sampled as the family's predictor samples (Qwen3-Omni's predictor defaults; Qwen3-TTS: its
+    talker defaults without the repetition penalty)."""
+    from dataclasses import replace
+
+    from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING, Qwen3TTSFamily
+    from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+
+    eager = Qwen3OmniFamily(backend.family.model, backend.family.tokenizer)
+    assert _warm_up_frames(eager, monkeypatch, 3) == (False, [])
+    for family, sampling in [
+        (Qwen3OmniFamily(backend.family.model, backend.family.tokenizer), QWEN3_OMNI_CODE_PREDICTOR_SAMPLING),
+        (Qwen3TTSFamily.tiny(0), replace(QWEN3_TTS_SAMPLING, repetition_penalty=1.0)),
+    ]:
+        family.predictor(5).compile_mode = "frame"
+        is_warm, calls = _warm_up_frames(family, monkeypatch, 5)
+        buckets = sorted({family.predictor(5).bucket_rows(b) for b in range(1, 6)})
+        assert is_warm and len(buckets) > 1
+        assert calls == [call for rows in buckets for call in ((rows, None), (rows, sampling))]
 
 
 def test_the_server_packs_each_decoder_once(monkeypatch, tmp_path):

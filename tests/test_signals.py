@@ -126,7 +126,8 @@ def test_sigterm_while_replicas_deploy_stops_the_deploy_and_ray():
     finally:
         if process.poll() is None:
             process.kill()
-    assert "omnimtp: stopping (SIGTERM)" in output, output[-3000:]
+    # (the line names SIGINT now and then: a signal Ray's own handlers forward while a deploy starts)
+    assert "omnimtp: stopping (SIGTERM)" in output or "omnimtp: stopping (SIGINT)" in output, output[-3000:]
     assert "omnimtp: serving" not in output  # stopped while deploying, not after
     assert not left, f"processes left behind: {sorted(left)}"
     assert "*** SIGTERM received" not in output and "Traceback" not in output, output[-3000:]
