@@ -133,8 +133,8 @@ def _keep_default_rope_private() -> None:
     from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    registered = _transformers_compat._default_rope_parameters
-    if ROPE_INIT_FUNCTIONS.get("default") is not registered:
+    registered = ROPE_INIT_FUNCTIONS.get("default")
+    if getattr(registered, "__module__", None) != _transformers_compat.__name__:
         return
 
     def default(config, *args, **kwargs):  # 5.24 configs keep rope_theta in rope_parameters
@@ -147,7 +147,8 @@ def _keep_default_rope_private() -> None:
     for module in (modeling_qwen3_tts, modeling_qwen3_tts_tokenizer_v2):
         module.ROPE_INIT_FUNCTIONS = private
         for cls in vars(module).values():
-            if isinstance(cls, type) and cls.__name__.endswith(("RotaryEmbedding", "RotatoryEmbedding")):
+            if (isinstance(cls, type) and cls.__module__ == module.__name__  # not transformers' own, imported there
+                    and cls.__name__.endswith(("RotaryEmbedding", "RotatoryEmbedding"))):
                 cls.compute_default_rope_parameters = staticmethod(default)
     del ROPE_INIT_FUNCTIONS["default"]
 
