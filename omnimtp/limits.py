@@ -8,6 +8,7 @@ the server stack, so that the command line can show them in `--help` before anyt
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 # A request's default thinker token and audio frame caps (`omnimtp.engine.core.EngineConfig`).
@@ -48,3 +49,21 @@ class MediaLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+# Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
+_API_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Raise ValueError unless `api_key` is None (no auth) or a key every client can send: printable
+    ASCII without spaces (clients encode headers as ASCII; any other key would lock everyone out).
+    The message never shows the key."""
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise ValueError(f"api_key must be a string or None, got {type(api_key).__name__}")
+    if not api_key:
+        raise ValueError("api_key must not be empty (None serves without a key)")
+    if not _API_KEY.fullmatch(api_key):
+        raise ValueError("api_key must be printable ASCII without spaces: clients send it in an ASCII HTTP header")

@@ -23,26 +23,32 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def test_help_and_usage_errors_import_neither_torch_nor_transformers(tmp_path):
-    """Every subcommand's --help, a flag argparse refuses and a --model that is no checkpoint: answered
+    """Every subcommand's --help, a flag argparse refuses, a --model that is no checkpoint and an API key
+    nobody could use (non-ASCII, or an empty $OMNIMTP_API_KEY that must not quietly turn auth off): answered
     from argparse-level modules, so the heavy stack is never imported (what keeps them under a second)."""
     names = sorted(_subcommands(build_parser()))
     code = f"""
-import contextlib, io, json, sys
+import contextlib, io, json, os, sys
 from omnimtp.cli import main
 runs = [["--help"]] + [[name, "--help"] for name in {names!r}] + [
     ["speak", "--max-frames", "0", "hi", "-o", "x.wav"],
     ["speak", "--model", "/nonexistent", "hi", "-o", "x.wav"],
     ["chat", "--model", "/nonexistent"],
     ["serve", "--model", {str(tmp_path)!r}],
+    ["serve", "--api-key", "sekrit-k\u00e9y"],
+    ["serve", "--api-key", ""],
 ]
 codes = []
 for argv in runs:
+    if argv[1:2] == ["--api-key"] and not argv[2]:  # an empty $OMNIMTP_API_KEY, the flag's default
+        os.environ["OMNIMTP_API_KEY"] = ""
+        argv = argv[:1]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
         try:
             codes.append(main(argv))
         except SystemExit as exc:
             codes.append(exc.code)
-    if argv[1:2] == ["--model"]:
+    if argv[1:2] in (["--model"], ["--api-key"]) or argv == ["serve"]:
         codes.append(err.getvalue())
 print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
 """
@@ -53,8 +59,12 @@ print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.mo
     codes = result["codes"]
     assert codes[: len(names) + 1] == [0] * (len(names) + 1)
     assert codes[len(names) + 1] == 2  # argparse's usage error
-    speak_code, speak_err, chat_code, chat_err, serve_code, serve_err = codes[len(names) + 2:]
+    speak_code, speak_err, chat_code, chat_err, serve_code, serve_err, *key_results = codes[len(names) + 2:]
     assert speak_code == chat_code == serve_code == 2
+    ascii_code, ascii_err, empty_code, empty_err = key_results
+    assert ascii_code == empty_code == 2
+    assert "--api-key" in ascii_err and "printable ASCII" in ascii_err and "k\u00e9y" not in ascii_err
+    assert "--api-key is empty" in empty_err and "OMNIMTP_API_KEY" in empty_err
     assert "--model: '/nonexistent' does not exist" in speak_err and "Traceback" not in speak_err
     assert "--model: '/nonexistent' does not exist" in chat_err
     assert "is not a checkpoint directory (no config.json)" in serve_err

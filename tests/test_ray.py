@@ -238,12 +238,13 @@ def _lines(path) -> list[dict]:
 def test_batch_interrupted_and_resumed_writes_every_prompt_once(ray_address, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"id": f"p{i:02d}", "prompt": f"Tell me about number {i}.", **({"seed": i} if i % 3 == 0 else {}),
-             **({"voice": "Chelsie"} if i % 4 == 0 else {})} for i in range(20)]
+             **({"voice": "Chelsie"} if i % 4 == 0 else {})} for i in range(10)]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output = tmp_path / "out"
     results = output / "results.jsonl"
 
-    first = _batch(ray_address, prompts, output)
+    short = ("--max-new-tokens", "8", "--max-frames", "12")  # what is tested is the resume, not long replies
+    first = _batch(ray_address, prompts, output, *short)
     deadline = time.monotonic() + 240
     while len(_lines(results)) < 3:
         assert first.poll() is None, first.stdout.read()
@@ -254,7 +255,7 @@ def test_batch_interrupted_and_resumed_writes_every_prompt_once(ray_address, tmp
     num_before = len(_lines(results))
     assert num_before < len(rows), "the first run finished before it was interrupted: nothing was resumed"
 
-    second = _batch(ray_address, prompts, output)
+    second = _batch(ray_address, prompts, output, *short)
     log, _ = second.communicate(timeout=300)
     assert second.returncode == 0, log
     assert f"{num_before} already in" in log

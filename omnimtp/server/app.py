@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
@@ -27,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnimtp.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_LIMIT
+from omnimtp.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_LIMIT,
+                            check_api_key)
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
@@ -36,23 +36,7 @@ from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
 
-# Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
-_API_KEY = re.compile(r"[\x21-\x7e]+")
 _SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"
-
-
-def check_api_key(api_key: str | None) -> None:
-    """Raise ValueError unless `api_key` is None (no auth) or a key every client can send: printable
-    ASCII without spaces (clients encode headers as ASCII; any other key would lock everyone out).
-    The message never shows the key."""
-    if api_key is None:
-        return
-    if not isinstance(api_key, str):
-        raise ValueError(f"api_key must be a string or None, got {type(api_key).__name__}")
-    if not api_key:
-        raise ValueError("api_key must not be empty (None serves without a key)")
-    if not _API_KEY.fullmatch(api_key):
-        raise ValueError("api_key must be printable ASCII without spaces: clients send it in an ASCII HTTP header")
 
 
 def create_app(

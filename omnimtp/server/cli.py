@@ -21,6 +21,7 @@ from omnimtp.limits import (
     TINY_MAX_FRAMES,
     TINY_MAX_NEW_TOKENS,
     MediaLimits,
+    check_api_key,
 )
 from omnimtp.server import ray_serve
 from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
@@ -114,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
             omni_model_type(args.model, "--model")  # (on a Ray cluster, the path is the nodes')
     except ValueError as exc:
         return _refuse(str(exc))
-    from omnimtp.runtime.device import resolve_device
-    from omnimtp.server.app import check_api_key
-
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
     # key no client can send (non-ASCII) must not quietly lock everyone out.
     if args.api_key == "":
@@ -126,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         check_api_key(args.api_key)
     except ValueError as exc:
         return _refuse(f"--api-key: {exc}")
+
+    from omnimtp.runtime.device import resolve_device
 
     try:
         resolve_device(args.device, "--device")
