@@ -55,6 +55,11 @@ def pipe(checkpoint):
 
 
 @pytest.fixture(scope="module")
+def non_streaming_pipe(checkpoint):
+    return OmniPipeline.from_pretrained(checkpoint, max_frames=FRAMES, non_streaming_mode=True)
+
+
+@pytest.fixture(scope="module")
 def reference(checkpoint):
     return qwen_tts_reference.talker_model(checkpoint)
 
@@ -145,6 +150,8 @@ def test_reference_codes_equal_transformers_mimi_encode(checkpoint, pipe, audio,
         assert ours.shape == (16, num_frames)
         assert torch.equal(ours, expected[:, :num_frames])
         assert len(torch.unique(ours[0])) > 2  # the codes follow the audio
+    resampled = pipe.family.speech_encoder.encode(audio["low"][::2].copy(), 12_000)  # resampled to 24 kHz first
+    assert resampled.shape == (16, 25)
 
 
 # --- codes and audio vs the reference -------------------------------------------------------------
@@ -157,10 +164,9 @@ def test_reference_codes_equal_transformers_mimi_encode(checkpoint, pipe, audio,
     ("icl", SHORT_TEXT, True),
     ("x_vector", TEXT, True),
 ])
-def test_clone_codes_match_reference(checkpoint, pipe, reference, voices, name, text, non_streaming_mode):
+def test_clone_codes_match_reference(pipe, non_streaming_pipe, reference, voices, name, text, non_streaming_mode):
     voice = voices[name]
-    if non_streaming_mode:
-        pipe = OmniPipeline.from_pretrained(checkpoint, max_frames=FRAMES, non_streaming_mode=True)
+    pipe = non_streaming_pipe if non_streaming_mode else pipe
     out = pipe.speech(text, voice=voice)
     expected = reference_codes(reference, pipe, text, voice, non_streaming_mode=non_streaming_mode)
     assert out.codes.shape[0] == 16 and out.codes.shape[1] >= 2

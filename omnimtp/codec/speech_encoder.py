@@ -118,8 +118,13 @@ class SpeechTokenizerEncoder(nn.Module):
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @torch.no_grad()
-    def encode(self, samples) -> torch.Tensor:
-        """Mono float samples [N] at 24 kHz → int64 codes [num_quantizers, ceil(N / 1920)] on the CPU."""
+    def encode(self, samples, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
+        """Mono float samples [N] at `sample_rate` (resampled to 24 kHz by `omnimtp.media.load_audio`) → int64
+        codes [num_quantizers, ceil(N₂₄ / 1920)] on the CPU."""
+        if sample_rate != SAMPLE_RATE:
+            from omnimtp.media import load_audio
+
+            samples = load_audio((np.asarray(samples), sample_rate), SAMPLE_RATE, param="samples")
         weight = next(self.mimi.parameters())
         audio = torch.as_tensor(np.asarray(samples, dtype=np.float32)).to(weight.device, weight.dtype)
         codes = self.mimi.encode(audio[None, None]).audio_codes[0, : self.num_quantizers]  # [Q, frames]

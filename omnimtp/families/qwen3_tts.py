@@ -65,7 +65,7 @@ class TTSVoice:
     config's lower-case name) or None, language_id (the codec language row) or None (auto), instruct_ids
     (the user turn of the instructions) or None, clone (a Base model's cloned `omnimtp.voice.Voice`,
     checked against the model: its x-vector is the speaker row, its reference codes and transcript, when it
-    has them, the in-context prompt) or None."""
+    has them, the in-context prompt) or None. The clone is not part of equality (compare voices by their parts)."""
 
     speaker: str | None = None
     speaker_id: int | None = None
