@@ -63,3 +63,29 @@ def test_voice_cli_errors_name_the_flag(base, tmp_path, capsys):
     for argv, message in runs:
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_batch_rows_speak_voice_files_on_a_base_model(base, tmp_path):
+    """`omnimtp batch`'s actor on a Base checkpoint: a row's voice is a voice file, spoken as `speech` speaks
+    the loaded Voice; a missing file is refused before Ray starts."""
+    import io
+    import json
+
+    from omnimtp.batch import PipelineSpeaker, check_voices
+
+    root, pipe = base
+    voice = pipe.create_voice(root / "ref.wav", REF_TEXT)
+    voice.save(tmp_path / "me.safetensors")
+    actor = PipelineSpeaker(str(root / "base"), None, "wav", None, 6, 4)
+    rows = [{"id": "a", "prompt": TEXT, "voice": str(tmp_path / "me.safetensors")}, {"id": "b", "prompt": "Hi"}]
+    columns = actor({"request": [json.dumps(row) for row in rows]})
+    expected = pipe.speech([TEXT, "Hi"], voice=[voice, None])
+    assert columns["id"] == ["a", "b"]
+    assert columns["num_frames"] == [out.codes.shape[1] for out in expected]
+    for encoded, out in zip(columns["audio"], expected):
+        audio, rate = soundfile.read(io.BytesIO(encoded), dtype="float32")
+        assert rate == 24_000
+        assert_audio_close(audio, out.audio, rel=1e-3)  # 16-bit PCM
+    check_voices(str(root / "base"), {str(tmp_path / "me.safetensors")})
+    with pytest.raises(ValueError, match="voice: no voice file"):
+        check_voices(str(root / "base"), {str(tmp_path / "missing.safetensors")})
