@@ -38,6 +38,7 @@ _EXPORTS = {
     "OmniEvent": "omnimtp.pipeline",
     "SamplingParams": "omnimtp.sampling",
     "MediaLimits": "omnimtp.media",
+    "Voice": "omnimtp.voice",  # a cloned Qwen3-TTS Base voice (OmniPipeline.create_voice)
     # speculative decoding with an MTP head (or any Proposer)
     "speculative_generate": "omnimtp.spec_decode.generate",
     "plain_generate": "omnimtp.spec_decode.generate",

@@ -6,7 +6,8 @@ Each input line is a JSON object: `id` (letters, digits, `.`, `_`, `-`; unique),
 or `messages` (chat turns with text content); optionally `voice` (default --voice) and `seed` (sample
 with Qwen3-Omni's defaults, as `omnimtp speak --seed`; without it the request is greedy). On a Qwen3-TTS
 model `prompt` is the text to speak (no chat), optionally with `language` and `instructions`, and `seed`
-samples with `QWEN3_TTS_SAMPLING`.
+samples with `QWEN3_TTS_SAMPLING`; on a Qwen3-TTS Base model `voice` is a voice file (`omnimtp voice create`),
+at its path on every node.
 
 Ray Data reads the pending prompts and `map_batches` runs them through `OmniPipeline.generate` on
 --replicas actors (each loads the model once and generates --batch-size prompts at a time). The driver
@@ -49,7 +50,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--output", required=True, metavar="DIR", help="audio files and results.jsonl go here")
     parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory "
                         "(default: embedded tiny); on a cluster, at this path on every node")
-    parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's)")
+    parser.add_argument("--voice", default=None, help="the voice of prompts without one (default: the model's; "
+                        "a Qwen3-TTS Base model: a voice file from `omnimtp voice create`)")
     parser.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="audio file format")
     add_reply_caps(parser)
     parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
@@ -167,6 +169,7 @@ class PipelineSpeaker:
         else:
             self.pipe = OmniPipeline.from_pretrained(model, max_batch_size=batch_size)
         self.voice = self.pipe.family.default_speaker if voice is None else voice
+        self.voice_files: dict[str, object] = {}  # a Base model's voices, each file read once
         self.fmt = fmt
         self.limits = dict(max_new_tokens=max_new_tokens, max_frames=max_frames)
 
@@ -215,7 +218,7 @@ class PipelineSpeaker:
                 continue
             chosen = [rows[i] for i in indices]
             outputs = self.pipe.speech(
-                [row.get("prompt") for row in chosen], voice=[row.get("voice", self.voice) for row in chosen],
+                [row.get("prompt") for row in chosen], voice=[self._voice(row.get("voice", self.voice)) for row in chosen],
                 language=[row.get("language") for row in chosen], instructions=[row.get("instructions") for row in chosen],
                 sampling=None if is_greedy else QWEN3_TTS_SAMPLING,
                 seed=None if is_greedy else [row["seed"] for row in chosen], max_frames=self.limits["max_frames"],
@@ -228,6 +231,17 @@ class PipelineSpeaker:
                 columns["audio_seconds"][i] = len(output.audio) / output.sample_rate
                 columns["audio"][i] = encode_audio(output.audio, output.sample_rate, self.fmt)
         return columns
+
+
+    def _voice(self, voice: str | None):
+        """A row's voice as `speech` takes it: a Base model's voice file read as a `Voice`, else the name."""
+        if voice is None or getattr(self.pipe.family, "tts_model_type", None) != "base":
+            return voice
+        if voice not in self.voice_files:
+            from omnimtp.voice import Voice
+
+            self.voice_files[voice] = Voice.load(voice)
+        return self.voice_files[voice]
 
 
 # -- the job ------------------------------------------------------------------------------------------
@@ -328,7 +342,14 @@ def check_voices(model: str | None, voices: set[str]) -> None:
         speakers = set(TINY_SPEAKERS)
     else:
         with open(os.path.join(model, "config.json")) as f:
-            talker_config = json.load(f)["talker_config"]
+            config = json.load(f)
+        if config.get("tts_model_type") == "base":  # voices are voice files
+            missing = sorted(voice for voice in voices if not os.path.isfile(voice))
+            if missing:
+                raise ValueError(f"voice: no voice file {missing[0]!r} (a Base model speaks voice files from "
+                                 "`omnimtp voice create`)")
+            return
+        talker_config = config["talker_config"]
         speakers = set(talker_config.get("speaker_id") or talker_config.get("spk_id") or {})  # Qwen3-TTS: spk_id
     lowered = {speaker.lower() for speaker in speakers}
     unknown = sorted(voice for voice in voices if voice.lower() not in lowered)

@@ -2,7 +2,9 @@
 
 A `Voice` holds the speaker embedding (the ECAPA-TDNN x-vector of the recording), and for in-context (ICL)
 cloning also the recording's codes from the 12 Hz speech tokenizer (`ref_codes`, `[num_code_groups, T]`) and
-the token ids of its transcript (`ref_text_ids`). Without codes and text ids it is an x-vector-only voice.
+the token ids of its transcript (`ref_text_ids`: the ids between `<|im_start|>assistant\n` and `<|im_end|>\n` of
+the transcript's template, as the reference slices them). Without codes and text ids it is an x-vector-only
+voice. `OmniPipeline.create_voice` makes one; `speech(..., voice=voice)` speaks with it.
 
 It saves to one safetensors file (tensors, plus its metadata as JSON in the header; no pickle) and to bytes of
 the same format, which is what the server's voice store keeps.

@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 USER_NAMES = {
     # speech
-    "OmniPipeline", "OmniOutput", "OmniEvent", "SamplingParams", "MediaLimits",
+    "OmniPipeline", "OmniOutput", "OmniEvent", "SamplingParams", "MediaLimits", "Voice",
     # speculative decoding
     "speculative_generate", "plain_generate", "SpecOutput", "SpecStats", "load_target_and_head", "MTPHead",
     "Proposer", "DraftInput",

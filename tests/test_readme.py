@@ -47,6 +47,8 @@ NOT_RUN = {
     "omnimtp serve --replicas": "Ray Serve replicas (tests/test_ray.py)",
     "omnimtp serve --min-replicas": "Ray Serve autoscaling (tests/test_ray.py)",
     "omnimtp batch": "a Ray Data job over your prompts.jsonl (tests/test_ray.py)",
+    "omnimtp voice create --model Qwen3-TTS": "a released checkpoint (tests/test_voice_cli.py clones with the tiny one)",
+    "omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base": "a released checkpoint (tests/test_voice_cli.py)",
 }
 # caps added to a command that sets none, so a run takes seconds
 CAPS = {"speak": {"--max-new-tokens": "4", "--max-frames": "6"}, "spec": {"--max-new-tokens": "16"}}
@@ -142,7 +144,7 @@ def test_the_cli_commands_run(readme_dir, capsys):
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines):
     blocks = readme_blocks("python")
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     served = [block for block in blocks if "from openai import OpenAI" in block]
     assert len(served) == 1
     for block in blocks:
