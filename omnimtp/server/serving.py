@@ -76,6 +76,13 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         if self.conn.their_state is not h11.IDLE:
             self._stop_headers_timer()
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The WebSocket protocol takes the raw transport: h11 still counts the upgrade request's (empty) body as
+        unread, so the lingering close would half-close the socket under the WebSocket's own close frames."""
+        self._stop_headers_timer()
+        self.transport = self._raw_transport
+        super().handle_websocket_upgrade(event)
+
     def shutdown(self) -> None:
         if self.shutdown_deadline is not None:
             self.shutdown_deadline.start(self.loop)
