@@ -155,49 +155,45 @@ class Item(BaseModel):
     status: Literal["completed", "incomplete", "in_progress"] | None = None
 
 
-class SessionUpdate(BaseModel):
+class ClientEvent(BaseModel):
+    """What every client event has: its type, and the client's optional id (echoed in an `error` event)."""
+
     model_config = _STRICT
-    type: Literal["session.update"]
+    type: str
     event_id: str | None = None
+
+
+class SessionUpdate(ClientEvent):
+    type: Literal["session.update"]
     session: SessionFields
 
 
-class AudioAppend(BaseModel):
-    model_config = _STRICT
+class AudioAppend(ClientEvent):
     type: Literal["input_audio_buffer.append"]
-    event_id: str | None = None
     audio: str
 
 
-class BufferEvent(BaseModel):
-    model_config = _STRICT
+class BufferEvent(ClientEvent):
     type: Literal["input_audio_buffer.commit", "input_audio_buffer.clear"]
-    event_id: str | None = None
 
 
-class ItemCreate(BaseModel):
-    model_config = _STRICT
+class ItemCreate(ClientEvent):
     type: Literal["conversation.item.create"]
-    event_id: str | None = None
     previous_item_id: str | None = None
     item: Item
 
 
-class ResponseCreate(BaseModel):
-    model_config = _STRICT
+class ResponseCreate(ClientEvent):
     type: Literal["response.create"]
-    event_id: str | None = None
     response: ResponseFields | None = None
 
 
-class ResponseCancel(BaseModel):
-    model_config = _STRICT
+class ResponseCancel(ClientEvent):
     type: Literal["response.cancel"]
-    event_id: str | None = None
     response_id: str | None = None
 
 
-CLIENT_EVENTS: dict[str, type[BaseModel]] = {
+CLIENT_EVENTS: dict[str, type[ClientEvent]] = {
     "session.update": SessionUpdate,
     "input_audio_buffer.append": AudioAppend,
     "input_audio_buffer.commit": BufferEvent,
@@ -208,7 +204,7 @@ CLIENT_EVENTS: dict[str, type[BaseModel]] = {
 }
 
 
-def parse_event(event: dict) -> BaseModel:
+def parse_event(event: dict) -> ClientEvent:
     """A client event as its schema; EventError naming the field (the event type first)."""
     schema = CLIENT_EVENTS.get(event["type"])
     if schema is None:
@@ -319,7 +315,7 @@ async def _run(session: Session) -> None:
             await asyncio.gather(state.response, return_exceptions=True)
 
 
-async def _handle(state: RealtimeSession, event: BaseModel) -> None:
+async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
     session = state.session
     if isinstance(event, SessionUpdate):
         _update_settings(state, event.session)
@@ -599,7 +595,6 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
         done_item = ConversationItem(item_id, "assistant", text, [{"type": part_type, text_key: text}],
                                      status="completed" if status == "completed" else "incomplete")
         state.items.append(done_item)
-        state.response, state.response_id, state.handle = None, None, None
     if is_audio:
         await session.send({"type": "response.output_audio.done", **where})
         await session.send({"type": "response.output_audio_transcript.done", **where, "transcript": text})
@@ -613,6 +608,8 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
     response.update(status=status, status_details=details, output=[done_item.event_item()],
                     usage=_usage(final, is_audio))
     await session.send({"type": "response.done", "response": response})
+    # only now may the next response start: its events never interleave with this one's last ones
+    state.response, state.response_id, state.handle = None, None, None
 
 
 def _usage(final, is_audio: bool) -> dict | None:
