@@ -15,10 +15,11 @@ import pytest
 from audio_checks import assert_audible
 from media_samples import tone
 from server_harness import running_server
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.media import MediaLimits
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.app import create_app
@@ -32,6 +33,7 @@ KEY = "sk-realtime"
 MAX_FRAMES = 24
 MAX_TOKENS = 6
 MAX_SESSIONS = 3
+MAX_AUDIO_SECONDS = 2.0
 QWEN2_5_MAX_FRAMES = 8  # its token2wav is the slow part of a tiny model
 SEED = 11
 SAMPLES_PER_FRAME, TAIL = 1920, 555
@@ -41,7 +43,7 @@ ENGINE = dict(max_frames=MAX_FRAMES, max_batch_size=4)
 
 
 def _serve(family, **config):
-    engine = Engine(family, **{**ENGINE, **config})
+    engine = Engine(family, media_limits=MediaLimits(max_audio_seconds=MAX_AUDIO_SECONDS), **{**ENGINE, **config})
     app = create_app(engine, api_key=KEY, websocket_limits=WebSocketLimits(max_sessions=MAX_SESSIONS))
     return engine, app.state.websockets, running_server(app)
 
@@ -250,6 +252,8 @@ BAD_EVENTS = [
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01").decode()}, "audio",
      "invalid_value"),  # PCM16 has an even number of bytes
     ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(
+        bytes(2 * int(24000 * (MAX_AUDIO_SECONDS + 0.1)))).decode()}, "audio", "input_audio_buffer_full"),
     ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
         {"type": "output_text", "text": "x"}]}}, "item.content.0.type", "invalid_value"),
     ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
@@ -284,6 +288,14 @@ def test_the_api_key_is_checked_on_the_upgrade(qwen3):
         _client(qwen3[2], key="sk-wrong").realtime.connect(model="omnimtp-tiny").enter()
     assert refused.value.response.status_code == 401
     assert json.loads(refused.value.response.body)["error"]["code"] == "invalid_api_key"
+
+
+def test_an_unknown_model_is_an_error_event_then_a_close(client):
+    with client.realtime.connect(model="gpt-realtime") as connection:
+        error = connection.recv()
+        assert error.type == "error" and (error.error.param, error.error.code) == ("model", "model_not_found")
+        with pytest.raises(ConnectionClosed):
+            connection.recv()
 
 
 def _wait(predicate, what: str) -> None:
