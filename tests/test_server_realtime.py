@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import threading
 import time
 
 import numpy as np
@@ -229,6 +230,36 @@ def test_response_cancel_stops_the_audio(client):
         # nothing of it comes after response.done; the session goes on
         connection.session.update(session={"type": "realtime", "instructions": "Short answers."})
         assert _next(connection).type == "session.updated"
+
+
+def test_sessions_batch_with_each_other_and_give_their_replies_alone(client, pipe, qwen3):
+    """Two sessions answered at once share the engine's talker steps, and each reply is the pipeline's."""
+    engine = qwen3[0]
+    registry = engine.metrics.registry
+
+    def batched_steps() -> float:  # talker steps of more than one request
+        total = registry.get_sample_value("omnimtp_talker_step_batch_size_count")
+        return total - registry.get_sample_value("omnimtp_talker_step_batch_size_bucket", {"le": "1.0"})
+
+    before = batched_steps()
+    texts = ["Hello there", "Good morning"]
+    replies: dict[str, dict] = {}
+    barrier = threading.Barrier(len(texts))
+
+    def converse(text: str) -> None:
+        with _connect(client) as connection:
+            _user_text(connection, text)
+            barrier.wait(timeout=60)
+            replies[text] = _response(connection)
+
+    threads = [threading.Thread(target=converse, args=(text,)) for text in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert batched_steps() > before
+    for text in texts:
+        _assert_reply(replies[text], *_expected(pipe, [{"role": "user", "content": text}]))
 
 
 # -- bad events, limits -----------------------------------------------------------------------------
