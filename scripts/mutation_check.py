@@ -51,6 +51,7 @@ THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
+REALTIME = ("tests/test_server_realtime.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -555,6 +556,25 @@ MUTATIONS = [
         "        return codes[:, : math.ceil(audio.shape[0] / self.samples_per_frame)].to(\"cpu\", torch.int64)",
         "        return codes.to(\"cpu\", torch.int64)[:, 1:]",
         VOICE_CLONE, "the reference codes lose their first frame",
+    ),
+    # --- /v1/realtime -------------------------------------------------------------------------------
+    Mutation(
+        "realtime_forgets_earlier_turns", "omnimtp/server/routes/realtime.py",
+        "(item.role, item.content) for item in state.items)",
+        "(item.role, item.content) for item in state.items[-1:])",
+        REALTIME, "a response answers only the conversation's last item, not its earlier turns",
+    ),
+    Mutation(
+        "realtime_input_rate_ignored", "omnimtp/server/routes/realtime.py",
+        '        changes["input_rate"] = audio.input.format.rate',
+        '        changes["input_rate"] = PCM_RATE',
+        REALTIME, "input audio is read as 24 kHz whatever rate the session names (no resampling)",
+    ),
+    Mutation(
+        "realtime_cancel_ignored", "omnimtp/server/routes/realtime.py",
+        "    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled",
+        "    pass",
+        REALTIME, "response.cancel leaves the response running to its end",
     ),
 ]
 

@@ -144,9 +144,9 @@ def test_the_cli_commands_run(readme_dir, capsys):
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines):
     blocks = readme_blocks("python")
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     served = [block for block in blocks if "from openai import OpenAI" in block]
-    assert len(served) == 1
+    assert len(served) == 2
     for block in blocks:
         if block in served:
             continue
@@ -156,13 +156,17 @@ def test_the_python_snippets_run(readme_dir, capped_pipelines):
 
     args = build_parser().parse_args(["serve", "--eager", "--max-frames", "8", "--max-tokens-limit", "8"])
     _, app = build_app(args)
+    namespaces = []
     with running_server(app) as url:
-        block = served[0].replace("http://127.0.0.1:8000", url)
-        assert block != served[0]
-        namespace = {"__name__": "readme"}
-        exec(compile(block, "README.md", "exec"), namespace)
+        for snippet in served:
+            block = snippet.replace("127.0.0.1:8000", url.removeprefix("http://"))
+            assert block != snippet
+            namespaces.append({"__name__": "readme"})
+            exec(compile(block, "README.md", "exec"), namespaces[-1])
+    namespace, realtime = namespaces
     assert Path("reply.wav").stat().st_size > 44 and Path("hello.wav").stat().st_size > 44
     assert namespace["pcm"] and namespace["answer"].choices[0].message.audio.data
+    assert realtime["spoken"] and realtime["event"].response.status in ("completed", "incomplete")
 
 
 def test_the_shipped_samples_are_what_make_samples_writes(tmp_path):

@@ -3,9 +3,11 @@
     errors.py          the error shape: `APIError` → `{"error": {"message", "type", "param", "code"}}`
     guard.py           the middleware every request passes (auth, body deadline, 500 of last resort) and
                        the one JSON body reader
+    websocket.py       what WebSocket routes share: session limits and slots, JSON events, error events
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
+    routes/realtime.py /v1/realtime (WebSocket: OpenAI's Realtime API)
     routes/models.py   /v1/models, /health, /metrics
 
 The app never touches a model. A route turns a validated request into an `EngineRequest`, submits it to
@@ -31,10 +33,11 @@ from omnimtp.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFA
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
-from omnimtp.server.routes import chat, models, speech
+from omnimtp.server.routes import chat, models, realtime, speech
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
+from omnimtp.server.websocket import WebSocketLimits, WebSocketSessions
 
 _SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"
 
@@ -48,12 +51,14 @@ def create_app(
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     served_model_names: Sequence[str] = (),
+    websocket_limits: WebSocketLimits = WebSocketLimits(),
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
     body_timeout_s: a request's whole body must arrive within this many seconds of its headers (else
     408 and the connection closes). served_model_names: names `model` may take besides the engine's
-    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`."""
+    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. websocket_limits: the
+    WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -67,6 +72,8 @@ def create_app(
     model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
     if not all(isinstance(name, str) and name for name in model_names):
         raise ValueError(f"served_model_names must be non-empty strings, got {list(served_model_names)!r}")
+    if not isinstance(websocket_limits, WebSocketLimits):
+        raise ValueError(f"websocket_limits must be a WebSocketLimits, got {type(websocket_limits).__name__}")
     metrics = ServerMetrics()
 
     @asynccontextmanager
@@ -83,11 +90,12 @@ def create_app(
     app = FastAPI(title="omnimtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     app.state.metrics = metrics
+    app.state.websockets = WebSocketSessions(websocket_limits, metrics)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
-    for api in (chat, speech, models):
+    for api in (chat, speech, realtime, models):
         app.include_router(api.router)
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)

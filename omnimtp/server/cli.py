@@ -18,6 +18,8 @@ from omnimtp.limits import (
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS_LIMIT,
+    DEFAULT_MAX_WEBSOCKET_SESSIONS,
+    DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
     TINY_MAX_FRAMES,
     TINY_MAX_NEW_TOKENS,
     MediaLimits,
@@ -29,7 +31,7 @@ from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve /v1/chat/completions and /v1/audio/speech (OpenAI-compatible)",
+        "serve", help="serve /v1/chat/completions, /v1/audio/speech and /v1/realtime (OpenAI-compatible)",
         description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
         "embedded tiny model (random weights: noise-like speech).",
     )
@@ -63,6 +65,12 @@ def add_parser(subparsers) -> None:
                         help="the largest input image, width × height (default %(default)d)")
     parser.add_argument("--max-media-parts", type=positive_int, default=MediaLimits.max_parts, metavar="N",
                         help="input audio and image parts per request (default %(default)d)")
+    parser.add_argument("--max-sessions", type=positive_int, default=DEFAULT_MAX_WEBSOCKET_SESSIONS, metavar="N",
+                        help="open WebSocket sessions per route (/v1/realtime) before new ones are refused with 429 "
+                        "(default %(default)d); a message may be as large as --max-body-bytes")
+    parser.add_argument("--timeout-session-idle", type=positive_float, default=DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
+                        metavar="S", help="seconds a WebSocket session may pass without a message either way before "
+                        "it is closed (default %(default)g)")
     parser.add_argument("--timeout-headers", type=positive_float, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
     parser.add_argument("--timeout-body", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
@@ -166,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
 def build_app(args: argparse.Namespace):
     """(engine, app) of `serve`'s arguments: what one server process, or one Ray Serve replica, runs."""
     from omnimtp.server.app import create_app
+    from omnimtp.server.websocket import WebSocketLimits
 
     media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                                max_parts=args.max_media_parts)
@@ -180,7 +189,9 @@ def build_app(args: argparse.Namespace):
                           device=args.device, **speculation)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
-                     served_model_names=args.served_model_name)
+                     served_model_names=args.served_model_name, websocket_limits=WebSocketLimits(
+                         max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
+                         max_message_bytes=args.max_body_bytes))
     return engine, app
 
 

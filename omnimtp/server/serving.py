@@ -76,6 +76,13 @@ class HeadersTimeoutH11Protocol(H11Protocol):
         if self.conn.their_state is not h11.IDLE:
             self._stop_headers_timer()
 
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The WebSocket protocol takes the raw transport: h11 still counts the upgrade request's (empty) body as
+        unread, so the lingering close would half-close the socket under the WebSocket's own close frames."""
+        self._stop_headers_timer()
+        self.transport = self._raw_transport
+        super().handle_websocket_upgrade(event)
+
     def shutdown(self) -> None:
         if self.shutdown_deadline is not None:
             self.shutdown_deadline.start(self.loop)
@@ -180,7 +187,12 @@ def server_config(
     """The uvicorn config that serves `app` (from `create_app`, which holds the body timeout).
     Run it with `uvicorn.Server(config).run()`."""
     graceful_shutdown_timeout_s = check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s)
-    on_deadline = getattr(getattr(app, "state", None), "on_shutdown_deadline", None)
+    state = getattr(app, "state", None)
+    on_deadline = getattr(state, "on_shutdown_deadline", None)
+    websockets = getattr(state, "websockets", None)
+    # The protocol drops a WebSocket message far over the app's limit unread (close 1009); one up to twice the
+    # limit reaches the app, which answers with an `error` event and keeps the session.
+    ws_max_size = 16 << 20 if websockets is None else 2 * websockets.limits.max_message_bytes
     protocol = functools.partial(
         HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s),
         shutdown_deadline=ShutdownDeadline(graceful_shutdown_timeout_s, on_deadline),
@@ -192,6 +204,7 @@ def server_config(
         http=protocol,
         timeout_keep_alive=check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
         timeout_graceful_shutdown=graceful_shutdown_timeout_s,
+        ws_max_size=ws_max_size,
         lifespan="on",
         log_level=log_level,
     )

@@ -1,0 +1,623 @@
+"""`/v1/realtime`: OpenAI's Realtime API over a WebSocket (GA event names), for a model with a thinker
+(Qwen3-Omni, Qwen2.5-Omni): speech or text in, speech (with its transcript) or text out.
+
+A session holds its conversation: user turns as text or audio (the committed input audio buffer, heard by
+the thinker as audio), assistant turns as text (a reply's transcript), and the session's `instructions` as
+the system turn. `response.create` answers the whole conversation as one chat request of the one engine
+(continuous batching with every other request; the chat path): its text and audio deltas go out as the
+engine makes them, so the first audio leaves while the thinker is still writing. `response.cancel`, or the
+client leaving, cancels the request at the next frame boundary and frees its slot.
+
+    client                                   server
+    session.update                           session.updated
+    input_audio_buffer.append / .commit      input_audio_buffer.committed, conversation.item.created
+    conversation.item.create                 conversation.item.created
+    response.create                          response.created, response.output_item.added, ...,
+                                             response.output_audio.delta | response.output_text.delta,
+                                             response.output_audio_transcript.delta, ..., response.done (usage)
+    response.cancel                          response.done (status "cancelled")
+
+Audio is PCM16 mono, little-endian, base64 in the events. Output is at the model's 24 kHz; input is 24 kHz by
+default and any rate `session.audio.input.format.rate` names is resampled (soxr). Turn detection is the
+client's: `turn_detection` must be null (the client commits the buffer); server VAD is not built. Tools,
+input transcription and G.711 formats are not served either, and asking for them is an `error` event naming
+the field. Extensions (not in OpenAI's API): `session.seed` (each response of the session is seeded with
+it: the same conversation gives the same reply), `session.temperature` / `top_p` / `top_k` (chat's defaults:
+T 1, top-p 1, no top-k).
+
+Every bad client event is answered with an `error` event naming the field (`session.audio.output.voice`,
+`item.content.0.audio`) and the session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from omnimtp.media import MediaError, load_audio
+from omnimtp.server.errors import APIError, validation_error
+from omnimtp.server.routes.common import ServingContext, b64_pcm16, sampling_params
+from omnimtp.server.scheduler import EngineRequest
+from omnimtp.server.schemas import Seed
+from omnimtp.server.websocket import EventError, Session, new_id, websocket_sessions
+
+ROUTE = "/v1/realtime"
+PCM_RATE = 24000  # OpenAI's audio/pcm rate, and the output rate of both omni families
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+# Input rates a client may name for audio/pcm (resampled to the processor's rate with soxr).
+MIN_INPUT_RATE, MAX_INPUT_RATE = 8000, 48000
+
+router = APIRouter()
+
+
+# -- client events ---------------------------------------------------------------------------------
+
+
+class AudioFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: Annotated[int, Field(ge=MIN_INPUT_RATE, le=MAX_INPUT_RATE)] = PCM_RATE
+
+
+class AudioInput(BaseModel):
+    model_config = _STRICT
+    format: AudioFormat | None = None
+    turn_detection: None = None  # server VAD is not built: the client commits the buffer
+    transcription: None = None
+    noise_reduction: None = None
+
+
+class AudioOutput(BaseModel):
+    model_config = _STRICT
+    format: AudioFormat | None = None
+    voice: Annotated[str, Field(min_length=1)] | None = None
+    speed: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0
+
+
+class AudioConfig(BaseModel):
+    model_config = _STRICT
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+MaxOutputTokens = Annotated[int, Field(ge=1)] | Literal["inf"]
+Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=1)]
+
+
+class SessionFields(BaseModel):
+    """`session.update`'s session: the fields given change, the others keep their values."""
+
+    model_config = _STRICT
+    type: Literal["realtime"] = "realtime"
+    model: str | None = None
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxOutputTokens | None = None
+    audio: AudioConfig | None = None
+    tools: Annotated[list, Field(max_length=0)] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    tracing: None = None
+    # omnimtp's extensions
+    seed: Seed | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+
+
+class ResponseAudioOutput(BaseModel):
+    model_config = _STRICT
+    format: AudioFormat | None = None
+    voice: Annotated[str, Field(min_length=1)] | None = None
+
+
+class ResponseAudio(BaseModel):
+    model_config = _STRICT
+    output: ResponseAudioOutput | None = None
+
+
+class ResponseFields(BaseModel):
+    """`response.create`'s response: what this response does differently from the session."""
+
+    model_config = _STRICT
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxOutputTokens | None = None
+    audio: ResponseAudio | None = None
+    conversation: Literal["auto"] | None = None
+    metadata: dict[str, str] | None = None
+    tools: Annotated[list, Field(max_length=0)] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["input_text", "input_audio", "output_text", "output_audio", "text"]
+    text: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
+
+
+class Item(BaseModel):
+    model_config = _STRICT
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system"]
+    content: Annotated[list[ContentPart], Field(min_length=1)]
+    id: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class ClientEvent(BaseModel):
+    """What every client event has: its type, and the client's optional id (echoed in an `error` event)."""
+
+    model_config = _STRICT
+    type: str
+    event_id: str | None = None
+
+
+class SessionUpdate(ClientEvent):
+    type: Literal["session.update"]
+    session: SessionFields
+
+
+class AudioAppend(ClientEvent):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class BufferEvent(ClientEvent):
+    type: Literal["input_audio_buffer.commit", "input_audio_buffer.clear"]
+
+
+class ItemCreate(ClientEvent):
+    type: Literal["conversation.item.create"]
+    previous_item_id: str | None = None
+    item: Item
+
+
+class ResponseCreate(ClientEvent):
+    type: Literal["response.create"]
+    response: ResponseFields | None = None
+
+
+class ResponseCancel(ClientEvent):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+CLIENT_EVENTS: dict[str, type[ClientEvent]] = {
+    "session.update": SessionUpdate,
+    "input_audio_buffer.append": AudioAppend,
+    "input_audio_buffer.commit": BufferEvent,
+    "input_audio_buffer.clear": BufferEvent,
+    "conversation.item.create": ItemCreate,
+    "response.create": ResponseCreate,
+    "response.cancel": ResponseCancel,
+}
+
+
+def parse_event(event: dict) -> ClientEvent:
+    """A client event as its schema; EventError naming the field (the event type first)."""
+    schema = CLIENT_EVENTS.get(event["type"])
+    if schema is None:
+        raise EventError(f"type: unsupported event type {event['type']!r}; this server takes "
+                         f"{', '.join(CLIENT_EVENTS)}", param="type", code="invalid_value")
+    try:
+        return schema.model_validate(event)
+    except ValidationError as exc:
+        raise _event_error(validation_error(exc)) from None
+
+
+def _event_error(exc: APIError) -> EventError:
+    return EventError(exc.message, param=exc.param, code=exc.code or "invalid_value")
+
+
+# -- session state ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    """A session's effective configuration (what `session.created` / `session.updated` report)."""
+
+    voice: str
+    output_modalities: tuple[str, ...] = ("audio",)
+    instructions: str = ""
+    max_output_tokens: int | str = "inf"
+    input_rate: int = PCM_RATE
+    tool_choice: str = "auto"
+    seed: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+
+@dataclass
+class ConversationItem:
+    """One turn. content: the engine's chat content (the text, or parts with the audio decoded at the
+    processor's rate); parts: the item's content as events show it."""
+
+    id: str
+    role: str
+    content: str | tuple[dict, ...]
+    parts: list[dict]
+    status: str = "completed"
+
+    def event_item(self) -> dict:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
+                "role": self.role, "content": self.parts}
+
+
+@dataclass
+class RealtimeSession:
+    context: ServingContext
+    session: Session
+    settings: Settings
+    model_name: str
+    id: str = field(default_factory=lambda: new_id("sess"))
+    items: list[ConversationItem] = field(default_factory=list)
+    audio_buffer: bytearray = field(default_factory=bytearray)
+    response: asyncio.Task | None = None
+    response_id: str | None = None
+    handle: object | None = None
+
+    def describe(self) -> dict:
+        s = self.settings
+        pcm = {"type": "audio/pcm", "rate": PCM_RATE}
+        return {
+            "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model_name,
+            "output_modalities": list(s.output_modalities), "instructions": s.instructions,
+            "max_output_tokens": s.max_output_tokens, "tools": [], "tool_choice": s.tool_choice, "tracing": None,
+            "audio": {
+                "input": {"format": {"type": "audio/pcm", "rate": s.input_rate}, "turn_detection": None,
+                          "transcription": None, "noise_reduction": None},
+                "output": {"format": pcm, "voice": s.voice, "speed": 1.0},
+            },
+            "seed": s.seed, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+        }
+
+
+@router.websocket(ROUTE)
+async def realtime(websocket: WebSocket):
+    await websocket_sessions(websocket).serve(websocket, ROUTE, _run)
+
+
+async def _run(session: Session) -> None:
+    context: ServingContext = session.websocket.app.state.serving
+    engine = context.engine
+    model = session.websocket.query_params.get("model")
+    try:
+        model_name = context.check_model(model)
+        context.check_chat()
+    except APIError as exc:  # the session opens and says why it cannot serve, then closes
+        await session.send_error(_event_error(exc))
+        await session.close(1008, exc.message[:120])
+        return
+    state = RealtimeSession(context, session, Settings(voice=engine.match_speaker(engine.family.default_speaker)),
+                            model_name)
+    await session.send({"type": "session.created", "session": state.describe()})
+    try:
+        while (event := await session.receive()) is not None:
+            try:
+                await _handle(state, parse_event(event))
+            except EventError as exc:
+                await session.send_error(exc, event)
+    finally:
+        if state.response is not None:  # the client left mid-response: the engine request is cancelled
+            state.response.cancel()
+            await asyncio.gather(state.response, return_exceptions=True)
+
+
+async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
+    session = state.session
+    if isinstance(event, SessionUpdate):
+        _update_settings(state, event.session)
+        await session.send({"type": "session.updated", "session": state.describe()})
+    elif isinstance(event, AudioAppend):
+        _append_audio(state, event.audio)
+    elif isinstance(event, BufferEvent) and event.type == "input_audio_buffer.clear":
+        state.audio_buffer.clear()
+        await session.send({"type": "input_audio_buffer.cleared"})
+    elif isinstance(event, BufferEvent):
+        item = await _commit_audio(state)
+        previous = _insert(state, item, None)
+        await session.send({"type": "input_audio_buffer.committed", "previous_item_id": previous,
+                            "item_id": item.id})
+        await session.send({"type": "conversation.item.created", "previous_item_id": previous,
+                            "item": item.event_item()})
+    elif isinstance(event, ItemCreate):
+        item = await _client_item(state, event.item)
+        previous = _insert(state, item, event.previous_item_id)
+        await session.send({"type": "conversation.item.created", "previous_item_id": previous,
+                            "item": item.event_item()})
+    elif isinstance(event, ResponseCreate):
+        await _start_response(state, event.response or ResponseFields())
+    else:
+        await _cancel_response(state, event)
+
+
+def _update_settings(state: RealtimeSession, fields: SessionFields) -> None:
+    """Apply a `session.update` (all or nothing: the settings change only when every field is valid)."""
+    context = state.context
+    given = fields.model_dump(exclude_unset=True)
+    settings = state.settings
+    if fields.model is not None and fields.model not in context.model_names:
+        raise EventError(f"session.model: this server serves {', '.join(context.model_names)}, not "
+                         f"{fields.model!r}", param="session.model", code="model_not_found")
+    changes: dict = {}
+    for name in ("instructions", "tool_choice", "seed", "temperature", "top_p", "top_k"):
+        if name in given and given[name] is not None:
+            changes[name] = given[name]
+    if fields.output_modalities is not None:
+        changes["output_modalities"] = tuple(fields.output_modalities)
+    if fields.max_output_tokens is not None:
+        changes["max_output_tokens"] = _max_output_tokens(context, fields.max_output_tokens,
+                                                          "session.max_output_tokens")
+    audio = fields.audio
+    if audio is not None and audio.input is not None and audio.input.format is not None:
+        changes["input_rate"] = audio.input.format.rate
+    if audio is not None and audio.output is not None:
+        _check_output_format(audio.output.format, "session.audio.output.format.rate")
+        if audio.output.voice is not None:
+            changes["voice"] = _voice(context, audio.output.voice, "session.audio.output.voice")
+    state.settings = replace(settings, **changes)
+
+
+def _max_output_tokens(context: ServingContext, value, param: str):
+    if value != "inf" and value > context.max_tokens_limit:
+        raise EventError(f"{param}: must be at most {context.max_tokens_limit} (or \"inf\"), got {value}",
+                         param=param)
+    return value
+
+
+def _check_output_format(audio_format: AudioFormat | None, param: str) -> None:
+    if audio_format is not None and audio_format.rate != PCM_RATE:
+        raise EventError(f"{param}: output audio is {PCM_RATE} Hz PCM16, got {audio_format.rate}", param=param)
+
+
+def _voice(context: ServingContext, voice: str, param: str) -> str:
+    try:
+        return context.check_voice(voice, param)
+    except APIError as exc:
+        raise _event_error(exc) from None
+
+
+def _pcm_bytes(data: str, param: str) -> bytes:
+    try:
+        pcm = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise EventError(f"{param}: is not valid base64", param=param) from None
+    if len(pcm) % 2:
+        raise EventError(f"{param}: PCM16 audio has an even number of bytes, got {len(pcm)}", param=param)
+    return pcm
+
+
+def _append_audio(state: RealtimeSession, data: str) -> None:
+    pcm = _pcm_bytes(data, "audio")
+    max_seconds = state.context.engine.media_limits.max_audio_seconds
+    max_bytes = 2 * int(max_seconds * state.settings.input_rate)
+    if len(state.audio_buffer) + len(pcm) > max_bytes:
+        raise EventError(f"audio: the input audio buffer would hold more than the limit of {max_seconds:g} s of "
+                         "audio per turn; commit or clear it first", param="audio", code="input_audio_buffer_full")
+    state.audio_buffer += pcm
+
+
+async def _heard(state: RealtimeSession, pcm: bytes, rate: int, param: str) -> np.ndarray:
+    """PCM16 bytes at `rate` → float32 samples at the processor's rate (soxr), off the event loop."""
+    sampling_rate = state.context.engine.audio_sampling_rate
+    if sampling_rate is None:
+        raise EventError(f"{param}: the model {state.model_name!r} has no processor to hear audio",
+                         param=param, code="model_not_supported")
+    samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    try:
+        return await run_in_threadpool(load_audio, (samples, rate), sampling_rate,
+                                       state.context.engine.media_limits, param)
+    except MediaError as exc:
+        raise EventError(str(exc), param=exc.param) from None
+
+
+async def _commit_audio(state: RealtimeSession) -> ConversationItem:
+    if not state.audio_buffer:
+        raise EventError("input_audio_buffer: nothing to commit: the buffer is empty",
+                         code="input_audio_buffer_commit_empty")
+    audio = await _heard(state, bytes(state.audio_buffer), state.settings.input_rate, "input_audio_buffer")
+    state.audio_buffer.clear()
+    return ConversationItem(new_id("item"), "user", ({"type": "audio", "audio": audio},),
+                            [{"type": "input_audio", "transcript": None}])
+
+
+async def _client_item(state: RealtimeSession, item: Item) -> ConversationItem:
+    """A `conversation.item.create` item as a turn. User parts: input_text, input_audio (base64 PCM16 at the
+    session's input rate); assistant parts: output_text, output_audio (its transcript is the turn's text);
+    system parts: input_text."""
+    allowed = {"user": ("input_text", "input_audio"), "assistant": ("output_text", "output_audio", "text"),
+               "system": ("input_text",)}[item.role]
+    engine_parts, parts = [], []
+    for i, part in enumerate(item.content):
+        param = f"item.content.{i}"
+        if part.type not in allowed:
+            raise EventError(f"{param}.type: a {item.role} item takes {', '.join(allowed)} parts, not {part.type}",
+                             param=f"{param}.type")
+        if part.type == "input_audio":
+            if part.audio is None:
+                raise EventError(f"{param}.audio: required", param=f"{param}.audio",
+                                 code="missing_required_parameter")
+            audio = await _heard(state, _pcm_bytes(part.audio, f"{param}.audio"), state.settings.input_rate,
+                                 f"{param}.audio")
+            engine_parts.append({"type": "audio", "audio": audio})
+            parts.append({"type": "input_audio", "transcript": part.transcript})
+            continue
+        text = part.transcript if part.type == "output_audio" else part.text
+        name = "transcript" if part.type == "output_audio" else "text"
+        if text is None:
+            raise EventError(f"{param}.{name}: required", param=f"{param}.{name}", code="missing_required_parameter")
+        engine_parts.append({"type": "text", "text": text})
+        parts.append({"type": part.type, name: text})
+    if any(part["type"] == "audio" for part in engine_parts):
+        content: str | tuple = tuple(engine_parts)
+    else:
+        content = "".join(part["text"] for part in engine_parts)
+    if item.id is not None and any(existing.id == item.id for existing in state.items):
+        raise EventError(f"item.id: the conversation already has an item {item.id!r}", param="item.id")
+    return ConversationItem(item.id or new_id("item"), item.role, content, parts)
+
+
+def _insert(state: RealtimeSession, item: ConversationItem, previous_item_id: str | None) -> str | None:
+    """Put `item` after `previous_item_id` ("root": first; None: last); the id of the item before it."""
+    items = state.items
+    if previous_item_id is None:
+        index = len(items)
+    elif previous_item_id == "root":
+        index = 0
+    else:
+        ids = [existing.id for existing in items]
+        if previous_item_id not in ids:
+            raise EventError(f"previous_item_id: the conversation has no item {previous_item_id!r}",
+                             param="previous_item_id", code="item_not_found")
+        index = ids.index(previous_item_id) + 1
+    items.insert(index, item)
+    return items[index - 1].id if index > 0 else None
+
+
+def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[EngineRequest, dict]:
+    """The chat request of a response: the conversation (the instructions as its system turn), and what the
+    response reports (voice, modalities, max_output_tokens)."""
+    context, settings = state.context, state.settings
+    modalities = tuple(fields.output_modalities or settings.output_modalities)
+    voice = settings.voice
+    audio = fields.audio.output if fields.audio is not None else None
+    if audio is not None:
+        _check_output_format(audio.format, "response.audio.output.format.rate")
+        if audio.voice is not None:
+            voice = _voice(context, audio.voice, "response.audio.output.voice")
+    max_output_tokens = settings.max_output_tokens
+    if fields.max_output_tokens is not None:
+        max_output_tokens = _max_output_tokens(context, fields.max_output_tokens, "response.max_output_tokens")
+    if not any(item.role == "user" for item in state.items):
+        raise EventError("the conversation has no user item to answer: commit the input audio buffer or create a "
+                         "user item first", code="conversation_empty")
+    instructions = settings.instructions if fields.instructions is None else fields.instructions
+    turns = ((("system", instructions),) if instructions else ()) + tuple(
+        (item.role, item.content) for item in state.items)
+    engine = context.engine
+    max_new_tokens = (min(engine.config.max_new_tokens, context.max_tokens_limit) if max_output_tokens == "inf"
+                      else max_output_tokens)
+    request = EngineRequest(
+        messages=turns, speak_text=None, speaker=voice if modalities == ("audio",) else None,
+        sampling=sampling_params(settings.temperature, settings.top_p, settings.top_k), seed=settings.seed,
+        max_new_tokens=max_new_tokens,
+    )
+    described = {"output_modalities": list(modalities), "max_output_tokens": max_output_tokens,
+                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": PCM_RATE}, "voice": voice}},
+                 "metadata": fields.metadata}
+    return request, described
+
+
+async def _start_response(state: RealtimeSession, fields: ResponseFields) -> None:
+    if state.response is not None:
+        raise EventError(f"the conversation already has an active response {state.response_id}; cancel it or wait "
+                         "for its response.done", code="conversation_already_has_active_response")
+    request, described = _engine_request(state, fields)
+    try:
+        handle = await state.context.submit(request)
+    except APIError as exc:
+        raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value",
+                         type=exc.type) from None
+    response_id = new_id("resp")
+    state.response_id, state.handle = response_id, handle
+    state.response = asyncio.create_task(_respond(state, handle, response_id, described))
+
+
+async def _cancel_response(state: RealtimeSession, event: ResponseCancel) -> None:
+    if state.response is None:
+        raise EventError("there is no active response to cancel", code="response_cancel_not_active")
+    if event.response_id is not None and event.response_id != state.response_id:
+        raise EventError(f"response_id: the active response is {state.response_id}, not {event.response_id!r}",
+                         param="response_id", code="response_not_found")
+    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled
+
+
+async def _respond(state: RealtimeSession, handle, response_id: str, described: dict) -> None:
+    """Stream one response's events, then add the reply to the conversation (its transcript as the assistant
+    turn). A cancelled request (response.cancel) ends with status "cancelled"; the client leaving cancels it."""
+    session = state.session
+    is_audio = described["output_modalities"] == ["audio"]
+    item_id = new_id("item")
+    part_type = "output_audio" if is_audio else "output_text"
+    text_key = "transcript" if is_audio else "text"
+    response = {"id": response_id, "object": "realtime.response", "conversation_id": state.id, "output": [],
+                "status": "in_progress", "status_details": None, "usage": None, **described}
+    where = {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
+    texts: list[str] = []
+    final = None
+    try:
+        await session.send({"type": "response.created", "response": response})
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "in_progress",
+                "role": "assistant", "content": []}
+        await session.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
+                            "item": item})
+        await session.send({"type": "conversation.item.created", "previous_item_id":
+                            state.items[-1].id if state.items else None, "item": item})
+        await session.send({"type": "response.content_part.added", **where,
+                            "part": {"type": "audio" if is_audio else "text", text_key: ""}})
+        delta_type = "response.output_audio_transcript.delta" if is_audio else "response.output_text.delta"
+        async for event in handle.events():
+            if event.error is not None:
+                final = event
+                break
+            if event.text:
+                texts.append(event.text)
+                await session.send({"type": delta_type, **where, "delta": event.text})
+            if is_audio and event.audio is not None and event.audio.size:
+                await session.send({"type": "response.output_audio.delta", **where, "delta": b64_pcm16(event.audio)})
+            if event.finish_reason is not None:
+                final = event
+                break
+    finally:
+        handle.cancel()
+        text = "".join(texts)
+        if final is None:
+            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+        elif final.error is not None:
+            status, details = "failed", {"type": "failed", "error": {"type": "server_error", "code": final.error_code,
+                                                                      "message": final.error}}
+        elif final.finish_reason == "length":
+            status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        else:
+            status, details = "completed", None
+        done_item = ConversationItem(item_id, "assistant", text, [{"type": part_type, text_key: text}],
+                                     status="completed" if status == "completed" else "incomplete")
+        state.items.append(done_item)
+    if is_audio:
+        await session.send({"type": "response.output_audio.done", **where})
+        await session.send({"type": "response.output_audio_transcript.done", **where, "transcript": text})
+    else:
+        await session.send({"type": "response.output_text.done", **where, "text": text})
+    await session.send({"type": "response.content_part.done", **where,
+                        "part": {"type": "audio" if is_audio else "text", text_key: text}})
+    await session.send({"type": "response.output_item.done", "response_id": response_id, "output_index": 0,
+                        "item": done_item.event_item()})
+    await session.send({"type": "conversation.item.done", "item": done_item.event_item()})
+    response.update(status=status, status_details=details, output=[done_item.event_item()],
+                    usage=_usage(final, is_audio))
+    await session.send({"type": "response.done", "response": response})
+    # only now may the next response start: its events never interleave with this one's last ones
+    state.response, state.response_id, state.handle = None, None, None
+
+
+def _usage(final, is_audio: bool) -> dict | None:
+    if final is None or final.error is not None:
+        return None
+    audio_tokens = final.num_frames if is_audio else 0
+    output_tokens = final.completion_tokens + audio_tokens
+    return {"input_tokens": final.prompt_tokens, "output_tokens": output_tokens,
+            "total_tokens": final.prompt_tokens + output_tokens,
+            "output_token_details": {"text_tokens": final.completion_tokens, "audio_tokens": audio_tokens}}
+
