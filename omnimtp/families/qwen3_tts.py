@@ -30,7 +30,7 @@ bit for bit the reference's.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import Qwen3FrameMaker, TalkerBatch
+from omnimtp.voice import Voice
 
 SAMPLE_RATE = 24_000
 # Qwen3-TTS's `generate` defaults: greedy keeps the repetition penalty; sampled, the talker and (without the
@@ -60,12 +61,22 @@ DEFAULT_VOICE = "vivian"
 class TTSVoice:
     """A speech request's voice, resolved against the model: speaker (a CustomVoice speaker id, the
     config's lower-case name) or None, language_id (the codec language row) or None (auto), instruct_ids
-    (the user turn of the instructions) or None."""
+    (the user turn of the instructions) or None, clone (a Base model's cloned `omnimtp.voice.Voice`,
+    checked against the model: its x-vector is the speaker row, its reference codes and transcript, when it
+    has them, the in-context prompt) or None."""
 
     speaker: str | None = None
     speaker_id: int | None = None
     language_id: int | None = None
     instruct_ids: tuple[int, ...] | None = None
+    clone: Voice | None = field(default=None, compare=False)
+
+    @property
+    def num_reference_rows(self) -> int:
+        """Prefill rows the in-context prompt adds: the transcript's and the reference frames' (+ codec bos)."""
+        if self.clone is None or self.clone.ref_codes is None:
+            return 0
+        return len(self.clone.ref_text_ids) + self.clone.ref_codes.shape[1] + 1
 
 
 class Qwen3TTSFamily(ChatText):
@@ -179,10 +190,17 @@ class Qwen3TTSFamily(ChatText):
 
     def voice(self, voice=None, language: str | None = None, instructions: str | None = None) -> TTSVoice:
         """The request's `TTSVoice`; ValueError naming voice, language or instructions when the model cannot
-        speak that way (an unknown voice or language lists the known ones)."""
-        if self.tts_model_type == "base":
-            raise ValueError("voice: a Base (voice-clone) model speaks cloned voices, which this engine does not serve yet")
+        speak that way (an unknown voice or language lists the known ones). voice: a CustomVoice speaker
+        name; on a Base model a cloned `omnimtp.voice.Voice` (checked by `check_clone`), or None: no speaker
+        row (the reference's request without a voice-clone prompt)."""
+        if isinstance(voice, Voice):
+            self.check_clone(voice)
+            return TTSVoice(language_id=self._language_id(language, None), instruct_ids=self._instruct_ids(instructions),
+                            clone=voice)
         speaker = speaker_id = None
+        if self.tts_model_type == "base" and voice is not None:
+            raise ValueError(f"voice: a Base model speaks cloned voices (an omnimtp.voice.Voice from create_voice), "
+                             f"not {voice!r}")
         if self.tts_model_type == "custom_voice":
             name = self.default_speaker if voice is None else voice
             if not isinstance(name, str) or match_speaker(self.speakers, name) is None:
@@ -194,6 +212,28 @@ class Qwen3TTSFamily(ChatText):
         language_id = self._language_id(language, speaker)
         instruct_ids = self._instruct_ids(instructions)
         return TTSVoice(speaker, speaker_id, language_id, instruct_ids)
+
+    def check_clone(self, voice: Voice, name: str = "voice") -> None:
+        """ValueError naming `name` unless this is a Base model and `voice` fits it: an x-vector of the talker's
+        width, reference codes [num_code_groups, T] in the codebook, transcript ids in the text vocabulary."""
+        if self.tts_model_type != "base":
+            raise ValueError(f"{name}: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
+        hidden_size = self.talker.config.hidden_size
+        if voice.speaker_embedding.shape != (hidden_size,):
+            raise ValueError(f"{name}: speaker_embedding has {voice.speaker_embedding.shape[0]} values; this model's "
+                             f"x-vector has {hidden_size}")
+        if voice.ref_codes is not None:
+            codebook_size = self.talker.code_predictor.config.vocab_size
+            if voice.ref_codes.shape[0] != self.num_code_groups:
+                raise ValueError(f"{name}: ref_codes has {voice.ref_codes.shape[0]} code groups; this model has "
+                                 f"{self.num_code_groups}")
+            if int(voice.ref_codes.max()) >= codebook_size:
+                raise ValueError(f"{name}: ref_codes holds code {int(voice.ref_codes.max())}, outside the codebook "
+                                 f"[0, {codebook_size})")
+            text_vocab_size = self.talker.model.text_embedding.num_embeddings
+            if int(voice.ref_text_ids.max()) >= text_vocab_size:
+                raise ValueError(f"{name}: ref_text_ids holds id {int(voice.ref_text_ids.max())}, outside the text "
+                                 f"vocabulary [0, {text_vocab_size})")
 
     def _language_id(self, language: str | None, speaker: str | None) -> int | None:
         if language is not None and not isinstance(language, str):
@@ -256,6 +296,8 @@ class Qwen3TTSFamily(ChatText):
         codec = [self._codec_rows(think)]
         if voice.speaker_id is not None:
             codec.append(self.talker.get_input_embeddings()(torch.tensor(voice.speaker_id, device=self.device)).view(1, 1, -1))
+        elif voice.clone is not None:  # the x-vector is the speaker row
+            codec.append(voice.clone.speaker_embedding.to(self.device, self.talker.dtype).view(1, 1, -1))
         codec.append(self._codec_rows([config.codec_pad_id, config.codec_bos_id]))
         codec = torch.cat(codec, dim=1)  # [1, n, H]
         pad, bos, eos = (row.view(1, 1, -1) for row in (self.tts_pad_embed, self.tts_bos_embed, self.tts_eos_embed))
@@ -263,7 +305,10 @@ class Qwen3TTSFamily(ChatText):
         rows.append(self._text_rows(input_ids[:, :NUM_TEMPLATE_HEAD]))
         rows.append(torch.cat([pad.expand(-1, codec.shape[1] - 2, -1), bos], dim=1) + codec[:, :-1])
         text = input_ids[:, NUM_TEMPLATE_HEAD:-NUM_TEMPLATE_TAIL]
-        if self.non_streaming_mode:
+        if voice.clone is not None and voice.clone.ref_codes is not None:
+            rows_icl, trailing = self._icl_rows(text, voice.clone)
+            rows.append(rows_icl)
+        elif self.non_streaming_mode:
             text_rows = torch.cat([self._text_rows(text), eos], dim=1)
             rows.append(text_rows + self._codec_rows([config.codec_pad_id] * text_rows.shape[1]))
             rows.append(pad + self._codec_rows([config.codec_bos_id]))
@@ -274,6 +319,29 @@ class Qwen3TTSFamily(ChatText):
         prefill = torch.cat(rows, dim=1)[0]  # [L, H]
         prefill_ids = torch.full((prefill.shape[0],), self.special_ids["tts_pad"], dtype=torch.long, device=self.device)
         return TalkerInputs(prefill, prefill_ids, trailing, self.tts_pad_embed)
+
+    def _icl_rows(self, text: torch.Tensor, clone: Voice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-context prompt (the reference's `generate_icl_prompt`): text [1, n] → (prefill rows [1, L, H],
+        trailing rows [m, H]). Text rows T(transcript ++ text) ++ T(tts_eos) are summed with the codec rows
+        C(bos) ++ the summed code embeddings of each reference frame; streaming, they pair up one to one (the
+        longer side's surplus becomes trailing text, or T(tts_pad) rows fill the text side); non-streaming,
+        all the text rows come first (each + C(pad)), then the codec rows (each + T(tts_pad))."""
+        config = self.talker.config
+        pad, eos = self.tts_pad_embed.view(1, 1, -1), self.tts_eos_embed.view(1, 1, -1)
+        ref_text_ids = clone.ref_text_ids.to(self.device)[None]  # [1, N]
+        text_rows = torch.cat([self._text_rows(torch.cat([ref_text_ids, text], dim=-1)), eos], dim=1)  # [1, N + n + 1, H]
+        codes = clone.ref_codes.to(self.device).T  # [T, G]
+        tables = [self.talker.get_input_embeddings(), *self.talker.code_predictor.model.codec_embedding]
+        frames = torch.cat([table(codes[:, g:g + 1]) for g, table in enumerate(tables)], dim=1).sum(1)  # [T, H]
+        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), frames[None]], dim=1)  # [1, T + 1, H]
+        num_text, num_codec = text_rows.shape[1], codec_rows.shape[1]
+        if self.non_streaming_mode:
+            prefill = torch.cat([text_rows + self._codec_rows([config.codec_pad_id] * num_text), codec_rows + pad], dim=1)
+            return prefill, pad[0, :0]
+        if num_text > num_codec:
+            return text_rows[:, :num_codec] + codec_rows, text_rows[0, num_codec:]
+        text_rows = torch.cat([text_rows, pad.expand(-1, num_codec - num_text, -1)], dim=1)
+        return text_rows + codec_rows, pad[0, :0]
 
     # --- talker ---
 
@@ -302,8 +370,17 @@ class Qwen3TTSFamily(ChatText):
     # --- codec ---
 
     def new_codec_stream(self, speaker, generator: torch.Generator | None):
-        """The speech tokenizer decoder's stream state (it has neither speaker nor noise); None without a codec."""
-        return None if self.codec is None else self.codec.new_stream()
+        """The speech tokenizer decoder's stream state (it has neither speaker nor noise); None without a codec.
+        An in-context clone's stream has decoded the reference codes first: the reference decodes reference
+        codes ++ generated codes and cuts the reference's share of the audio, which is the generated codes
+        decoded with the reference as their left context."""
+        if self.codec is None:
+            return None
+        stream = self.codec.new_stream()
+        clone = getattr(speaker, "clone", None)
+        if clone is not None and clone.ref_codes is not None:
+            self.codec.decode_streams([stream], [clone.ref_codes], [False])
+        return stream
 
     def decode_audio(self, streams: list, blocks: list[torch.Tensor], is_final: list[bool]) -> list[np.ndarray]:
         """The next audio of several requests in one decoder call (no audio without a codec)."""

@@ -28,6 +28,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from omnimtp.models.speaker_encoder import SpeakerEncoder
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 
 CONFIG_NAME = "config.json"
@@ -137,8 +138,9 @@ class Talker(nn.Module):
 
 
 class Qwen3TTSModel(nn.Module):
-    """A Qwen3-TTS checkpoint's talker (`talker`) and its config.json as a dict (`config`). The speaker
-    encoder of a Base (voice-clone) checkpoint is not built here; its weights are left in the file."""
+    """A Qwen3-TTS checkpoint's talker (`talker`), a Base (voice-clone) checkpoint's ECAPA-TDNN
+    `speaker_encoder` (`omnimtp.models.speaker_encoder.SpeakerEncoder`; None for the other kinds) and its
+    config.json as a dict (`config`)."""
 
     def __init__(self, config: dict):
         super().__init__()
@@ -148,23 +150,31 @@ class Qwen3TTSModel(nn.Module):
             raise ValueError(f"config: tts_model_type {config.get('tts_model_type')!r}, expected one of {TTS_MODEL_TYPES}")
         self.config = copy.deepcopy(config)
         self.talker = Talker(self.config["talker_config"])
+        self.speaker_encoder = None
+        if self.config["tts_model_type"] == "base":
+            self.speaker_encoder = SpeakerEncoder(self.config.get("speaker_encoder_config") or {})
+            if self.speaker_encoder.enc_dim != self.talker.config.hidden_size:
+                raise ValueError(f"config: speaker_encoder_config.enc_dim {self.speaker_encoder.enc_dim} is not the "
+                                 f"talker's hidden_size {self.talker.config.hidden_size}")
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> "Qwen3TTSModel":
-        """config.json and model.safetensors of a checkpoint directory (every talker weight required)."""
+        """config.json and model.safetensors of a checkpoint directory (every talker weight required, and a
+        Base checkpoint's speaker encoder weights)."""
         path = os.fspath(path)
         with open(os.path.join(path, CONFIG_NAME)) as f:
             config = json.load(f)
         with torch.device("meta"):
             model = cls(config)
         weights = load_file(os.path.join(path, WEIGHTS_NAME))
-        talker = {name: tensor for name, tensor in weights.items() if name.startswith("talker.")}
-        missing = sorted(set(model.state_dict()) - set(talker))
-        unexpected = sorted(set(talker) - set(model.state_dict()))
+        prefixes = ("talker.", "speaker_encoder.") if model.speaker_encoder is not None else ("talker.",)
+        state = {name: tensor for name, tensor in weights.items() if name.startswith(prefixes)}
+        missing = sorted(set(model.state_dict()) - set(state))
+        unexpected = sorted(set(state) - set(model.state_dict()))
         if missing or unexpected:
             raise ValueError(f"path: {path!r}: model.safetensors does not match config.json (missing {missing[:4]}, "
                              f"unexpected {unexpected[:4]})")
-        model.load_state_dict(talker, assign=True)
+        model.load_state_dict(state, assign=True)
         model._restore_rope()
         if dtype is not None:
             model = model.to(dtype)
@@ -211,16 +221,23 @@ TINY_LANGUAGES = {"english": TINY_CODEBOOK_SIZE + 150, "chinese": TINY_CODEBOOK_
                   "sichuan_dialect": TINY_CODEBOOK_SIZE + 152}
 
 
+# a narrow ECAPA-TDNN (Res2Net scale 8 splits its 32 channels into 4s) with the released kernels and dilations
+TINY_SPEAKER_ENCODER = {"mel_dim": 128, "enc_channels": [32, 32, 32, 32, 96], "enc_kernel_sizes": [5, 3, 3, 3, 1],
+                        "enc_dilations": [1, 2, 3, 4, 1], "enc_attention_channels": 16, "enc_res2net_scale": 8,
+                        "enc_se_channels": 16, "sample_rate": 24_000}
+
+
 def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int = 64, predictor_hidden_size: int = 32,
                 num_layers: int = 2, initializer_range: float = 0.2, talker: dict | None = None,
                 predictor: dict | None = None) -> dict:
     """A tiny config.json of the released structure (16 codebooks, codec vocab = codebook + 1024, the byte
     tokenizer's specials as the text ids). custom_voice: tts_model_size "0b6" (takes no instructions);
-    voice_design: "1b7", no speakers. The predictor is narrower than the talker, so its input projection
+    voice_design: "1b7", no speakers; base: "0b6", no speakers, a tiny ECAPA-TDNN speaker encoder whose
+    x-vector has the talker's width (`TINY_SPEAKER_ENCODER`). The predictor is narrower than the talker, so its input projection
     is a Linear, as in the released 1.7B models. talker, predictor: overrides of their config entries (e.g.
     `QWEN3_TTS_0_6B_TALKER`, `QWEN3_TTS_0_6B_PREDICTOR` for the released 0.6B widths)."""
-    if tts_model_type not in ("custom_voice", "voice_design"):
-        raise ValueError(f"tts_model_type must be 'custom_voice' or 'voice_design', got {tts_model_type!r}")
+    if tts_model_type not in TTS_MODEL_TYPES:
+        raise ValueError(f"tts_model_type must be one of {TTS_MODEL_TYPES}, got {tts_model_type!r}")
     is_custom = tts_model_type == "custom_voice"
     common = {"initializer_range": initializer_range, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
               "hidden_act": "silu", "max_position_embeddings": 4096}
@@ -242,20 +259,25 @@ def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int
         "code_predictor_config": predictor,
         **talker_overrides,
     }
-    return {
+    config = {
         "model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"],
-        "tts_model_type": tts_model_type, "tts_model_size": "0b6" if is_custom else "1b7",
+        "tts_model_type": tts_model_type, "tts_model_size": "1b7" if tts_model_type == "voice_design" else "0b6",
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "im_start_token_id": THINKER_SPECIAL_TOKENS["<|im_start|>"], "im_end_token_id": THINKER_SPECIAL_TOKENS["<|im_end|>"],
         "tts_pad_token_id": THINKER_SPECIAL_TOKENS["<|tts_pad|>"], "tts_bos_token_id": THINKER_SPECIAL_TOKENS["<|tts_bos|>"],
         "tts_eos_token_id": THINKER_SPECIAL_TOKENS["<|tts_eos|>"],
         "talker_config": talker,
     }
+    if tts_model_type == "base":
+        config["speaker_encoder_config"] = {**TINY_SPEAKER_ENCODER, "enc_dim": talker["hidden_size"]}
+    return config
 
 
 def tiny_qwen3_tts(seed: int = 0, tts_model_type: str = "custom_voice", **config_options) -> Qwen3TTSModel:
     """A seeded tiny Qwen3-TTS (`tiny_config`): matrices and tables drawn N(0, initializer_range²) so greedy
-    argmax stays away from ties, biases and norms as the reference initializes them (zeros, ones)."""
+    argmax stays away from ties, biases and norms as the reference initializes them (zeros, ones). A Base
+    model's speaker encoder convolutions get unit gain (std 1/√fan-in, zero bias), so different recordings
+    give different x-vectors, its last one scaled to the codec embeddings' level."""
     config = tiny_config(tts_model_type, **config_options)
     std = config["talker_config"]["initializer_range"]
     generator = torch.Generator().manual_seed(seed)
@@ -266,4 +288,10 @@ def tiny_qwen3_tts(seed: int = 0, tts_model_type: str = "custom_voice", **config
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
+        if model.speaker_encoder is not None:
+            for module in model.speaker_encoder.modules():
+                if isinstance(module, nn.Conv1d):
+                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / module.weight[0].numel() ** 0.5)
+                    module.bias.zero_()
+            model.speaker_encoder.fc.weight.mul_(std)
     return model.eval()
