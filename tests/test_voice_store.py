@@ -163,8 +163,8 @@ def test_processes_sharing_a_directory_wait_for_each_other_and_share_the_limit(t
         print("committed", flush=True)
     """, tmp_path)
     assert child.stdout.readline() == "in transaction\n"
+    store = VoiceStore(tmp_path, max_voices=2)  # opening takes no lock
     start = time.monotonic()
-    store = VoiceStore(tmp_path, max_voices=2)
     store.add(_new("second"))  # waits for the child's commit
     waited = time.monotonic() - start
     assert child.stdout.readline() == "committed\n" and child.wait(30) == 0

@@ -176,15 +176,17 @@ class VoiceStore:
                 if mode.lower() != "wal":
                     raise ValueError(f"voices_dir: {self.directory!r} is on a filesystem without SQLite's WAL mode "
                                      f"(journal mode {mode!r}); use a local disk or a POSIX volume with working locks")
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute(_SCHEMA)
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-                if version not in (0, _SCHEMA_VERSION):
-                    conn.execute("ROLLBACK")
-                    raise ValueError(f"voices_dir: {self.path} has voices of schema {version}, this omnimtp "
-                                     f"reads {_SCHEMA_VERSION}")
-                conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-                conn.execute("COMMIT")
+                # A store made before needs no write lock to open (another process may be writing).
+                if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+                    conn.execute("BEGIN IMMEDIATE")
+                    version = conn.execute("PRAGMA user_version").fetchone()[0]
+                    if version not in (0, _SCHEMA_VERSION):
+                        conn.execute("ROLLBACK")
+                        raise ValueError(f"voices_dir: {self.path} has voices of schema {version}, this omnimtp "
+                                         f"reads {_SCHEMA_VERSION}")
+                    conn.execute(_SCHEMA)
+                    conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+                    conn.execute("COMMIT")
         except (OSError, sqlite3.Error) as exc:
             raise ValueError(f"voices_dir: cannot open the voice store at {self.path} ({exc})") from None
 
