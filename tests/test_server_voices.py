@@ -297,9 +297,15 @@ def test_content_types_and_the_body_limit(tmp_path, servers):
     assert reply.status_code == 415 and "multipart/form-data" in reply.json()["error"]["message"]
     reply = _post_form(url, REFERENCE_WAV, name="fay", consent=CONSENT, x_vector_only_mode="maybe")
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "x_vector_only_mode"
-    reply = httpx.post(f"{url}/v1/audio/voices", data={"name": "fay", "consent": CONSENT, "audio_sample": "abc"},
+    reply = httpx.post(f"{url}/v1/audio/voices", data={"name": "fay", "consent": CONSENT},
                        files={"other": ("a.wav", REFERENCE_WAV, "audio/wav")}, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "other"
+    reply = httpx.post(f"{url}/v1/audio/voices", data={"name": "fay", "consent": CONSENT, "audio_sample": "abc"},
+                       files={"f": ("a.wav", b"", "audio/wav")}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "audio_sample"  # a file part, not text
+    reply = httpx.post(f"{url}/v1/audio/voices", data={"name": "fay", "consent": CONSENT, "audio_sample": "abc"},
+                       timeout=60)
+    assert reply.status_code == 415  # a urlencoded form is not a multipart one
     with running_server(create_app(_engine("base"), voice_store=VoiceStore(tmp_path), max_body_bytes=50_000)) as small:
         reply = _post_form(small, _wav(_recording(2.0)), name="fay", consent=CONSENT)  # ~96 kB
         assert reply.status_code == 413

@@ -121,6 +121,9 @@ class ServingContext:
                 raise APIError(400, f"{name}: only a Base (voice-clone) model takes {name}; {self._serves()}",
                                param=name, code="invalid_value")
             return self.speech_voice(body.voice, body.language, body.instructions, body.task_type)
+        if body.ref_text is not None and body.ref_audio is None:
+            raise APIError(400, "ref_text: the transcript of ref_audio, which the request does not give",
+                           param="ref_text", code="invalid_value")
         sources = [name for name, value in (("voice", body.voice), ("ref_audio", body.ref_audio),
                                             ("speaker_embedding", body.speaker_embedding)) if value is not None]
         if len(sources) != 1:
@@ -130,9 +133,6 @@ class ServingContext:
             param = sources[-1] if sources else "voice"
             raise APIError(400, f"{param}: {message}", param=param,
                            code="invalid_value" if sources else "missing_required_parameter")
-        if body.ref_text is not None and body.ref_audio is None:
-            raise APIError(400, "ref_text: the transcript of ref_audio, which the request does not give",
-                           param="ref_text", code="invalid_value")
         if body.voice is not None:
             voice = await self.saved_voice(body.voice)
             if body.x_vector_only_mode:
