@@ -17,6 +17,11 @@ DEFAULT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s
 TINY_MAX_NEW_TOKENS = 32
 TINY_MAX_FRAMES = 100
 
+# A voice-clone reference recording (`create_voice`): at least a second for a stable x-vector; at most a
+# minute, measured before resampling (the released models are cloned from a few seconds).
+MIN_REF_AUDIO_SECONDS = 1.0
+MAX_REF_AUDIO_SECONDS = 60.0
+
 # The server's timeouts (`omnimtp.server.serving`) and request limits (`omnimtp.server.app.create_app`).
 DEFAULT_HEADERS_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # enforced by the app (`create_app(body_timeout_s=...)`)

@@ -21,6 +21,10 @@ the same text and PCM as here.
     out = tts.speech("Hello there", voice="aiden", language="english")      # OmniOutput(codes [16, T], audio, ...)
     for item in tts.stream_speech("Hello there"):                          # audio chunks, then the OmniOutput
         ...
+
+    base = OmniPipeline.from_pretrained("Qwen3-TTS-12Hz-0.6B-Base")         # voice cloning
+    voice = base.create_voice("ref.wav", ref_text="What the recording says.")  # a Voice: voice.save("me.safetensors")
+    out = base.speech("Hello there", voice=voice)
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from omnimtp.media import MediaInputs, MediaLimits, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
+from omnimtp.voice import Voice
 
 __all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
 
@@ -147,7 +152,7 @@ class OmniPipeline:
         where it runs (default the CPU). family: "qwen3", "qwen2_5" (a tiny Qwen2.5-Omni, its byte
         tokenizer and its processor) or "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
         vivian and eric (a Sichuan-dialect speaker) and the languages english and chinese; `tts_model_type=
-        "voice_design"` for its VoiceDesign twin). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
+        "voice_design"` for its VoiceDesign twin, "base" for its Base (voice-clone) twin). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
@@ -196,12 +201,14 @@ class OmniPipeline:
         return cls(model, tokenizer, processor=processor, **kwargs)
 
     def save_pretrained(self, path) -> None:
-        """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder in
-        speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout."""
+        """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder, and
+        a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout."""
         self.model.save_pretrained(path)
         if isinstance(self.family, Qwen3TTSFamily):
             if self.family.codec is not None:
                 self.family.codec.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))
+                if self.family.speech_encoder is not None:  # a Base model's, next to the decoder
+                    self.family.speech_encoder.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
             return
@@ -314,9 +321,21 @@ class OmniPipeline:
 
     # --- text to speech (Qwen3-TTS) ------------------------------------------------------------
 
+    def create_voice(self, ref_audio=None, ref_text: str | None = None, *, x_vector_only: bool = False,
+                     speaker_embedding=None, ref_codes=None, ref_text_ids=None) -> Voice:
+        """A reusable cloned voice of a Qwen3-TTS Base model (`Qwen3TTSFamily.create_voice`): the x-vector of
+        `ref_audio` (a path or a (samples, sample_rate) pair), and with its transcript `ref_text` (unless
+        x_vector_only) its 12 Hz codes for in-context cloning; or precomputed parts. Speak with it through
+        `speech(..., voice=voice)`; save it with `voice.save(path)`."""
+        if not hasattr(self.family, "create_voice"):
+            raise ValueError("ref_audio: voice cloning needs a Qwen3-TTS Base model")
+        return self.family.create_voice(ref_audio, ref_text, x_vector_only=x_vector_only,
+                                        speaker_embedding=speaker_embedding, ref_codes=ref_codes, ref_text_ids=ref_text_ids)
+
     def speech(
         self, text=None, *, input_ids=None, voice=None, language: str | None = None, instructions: str | None = None,
         sampling: SamplingParams | None = None, seed: int | list[int | None] | None = None, max_frames: int | None = None,
+        ref_audio=None, ref_text: str | None = None, x_vector_only: bool = False,
     ) -> OmniOutput | list[OmniOutput]:
         """`text` spoken (→ OmniOutput: codes [G, T], float32 audio at `sample_rate`, finish_reason), or a list
         of texts (→ a list). input_ids instead of text: the ids of the assistant-text template
@@ -327,7 +346,11 @@ class OmniPipeline:
         every text or a list with one per text. sampling: None = greedy (with the repetition penalty 1.05, as
         the reference's `generate`), or a `SamplingParams` for the talker (the code predictor samples the same
         way without the penalty; `QWEN3_TTS_SAMPLING` is the reference's default); seed: one per request (an
-        int seeds request i with seed + i). The audio is decoded in one block when a request's frames end."""
+        int seeds request i with seed + i). The audio is decoded in one block when a request's frames end.
+        Cloning (a Base model): voice is a `Voice` from `create_voice` (or a list, one per text), or ref_audio
+        / ref_text clone inline (as `create_voice`, one voice for every text); x_vector_only=True speaks a
+        voice from its x-vector alone."""
+        voice = self._clone_voice(voice, ref_audio, ref_text, x_vector_only)
         requests, is_batch = self._speech_requests(text, input_ids, voice, language, instructions, sampling, seed,
                                                    max_frames, is_streamed=False)
         outputs = {event.index: event.output for event in self._run(requests) if event.output is not None}
@@ -337,9 +360,11 @@ class OmniPipeline:
     def stream_speech(
         self, text=None, *, input_ids=None, voice=None, language: str | None = None, instructions: str | None = None,
         sampling: SamplingParams | None = None, seed: int | None = None, max_frames: int | None = None,
+        ref_audio=None, ref_text: str | None = None, x_vector_only: bool = False,
     ) -> Iterator[np.ndarray | OmniOutput]:
         """One text spoken as it is made: float32 audio chunks (the first after `EngineConfig.first_chunk_frames`
         frames, then every `chunk_frames`), then the `OmniOutput`. Arguments as `speech`, for one text."""
+        voice = self._clone_voice(voice, ref_audio, ref_text, x_vector_only)
         requests, is_batch = self._speech_requests(text, input_ids, voice, language, instructions, sampling, seed,
                                                    max_frames, is_streamed=True)
         if is_batch:
@@ -349,6 +374,25 @@ class OmniPipeline:
                 yield event.output
             elif event.audio is not None:
                 yield event.audio
+
+    def _clone_voice(self, voice, ref_audio, ref_text, x_vector_only):
+        """speech's voice with the inline clone arguments applied: a Voice made from ref_audio / ref_text, or
+        the given Voices without their in-context part when x_vector_only."""
+        if not isinstance(x_vector_only, bool):
+            raise ValueError(f"x_vector_only: expected a bool, got {type(x_vector_only).__name__}")
+        if ref_audio is not None:
+            if voice is not None:
+                raise ValueError("ref_audio: give either a voice or ref_audio to clone, not both")
+            return self.create_voice(ref_audio, ref_text, x_vector_only=x_vector_only)
+        if ref_text is not None:
+            raise ValueError("ref_text: a transcript goes with ref_audio (or is part of a Voice from create_voice)")
+        if x_vector_only:
+            voices = voice if isinstance(voice, (list, tuple)) else [voice]
+            if not voices or not all(isinstance(v, Voice) for v in voices):
+                raise ValueError("x_vector_only: applies to cloned voices (a Voice, or ref_audio)")
+            stripped = [v.x_vector_only() for v in voices]
+            return stripped if isinstance(voice, (list, tuple)) else stripped[0]
+        return voice
 
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
                          is_streamed: bool) -> tuple[list[Request], bool]:

@@ -35,9 +35,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from omnimtp.codec.speech_encoder import SpeechTokenizerEncoder, tiny_speech_tokenizer_encoder
 from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, tiny_speech_tokenizer
 from omnimtp.families.text import ChatText, match_speaker
 from omnimtp.handoff import TalkerInputs
+from omnimtp.limits import MAX_REF_AUDIO_SECONDS, MIN_REF_AUDIO_SECONDS, MediaLimits
 from omnimtp.models.qwen3_tts import Qwen3TTSModel
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
@@ -86,7 +88,9 @@ class Qwen3TTSFamily(ChatText):
     come as input_ids of the assistant-text template and no instructions are taken as text). codec: the
     12 Hz speech tokenizer's decoder (`omnimtp.codec.speech_tokenizer.SpeechTokenizerDecoder`), or None: codes
     only (every output's audio is empty). non_streaming_mode: the reference's other prompt layout (the whole text in the
-    prefill). compile_predictor: `CodePredictorRunner`'s compile mode."""
+    prefill). compile_predictor: `CodePredictorRunner`'s compile mode. speech_encoder: a Base model's 12 Hz
+    tokenizer encoder (`omnimtp.codec.speech_encoder.SpeechTokenizerEncoder`) for in-context clones, or None
+    (x-vector clones only)."""
 
     model_type = "qwen3_tts"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
@@ -94,10 +98,11 @@ class Qwen3TTSFamily(ChatText):
     default_sampling = QWEN3_TTS_SAMPLING  # a sampled request's settings where it gives none (the reference's)
 
     def __init__(self, model: Qwen3TTSModel, tokenizer=None, *, codec=None, non_streaming_mode: bool = False,
-                 compile_predictor: bool | str = False):
+                 compile_predictor: bool | str = False, speech_encoder: SpeechTokenizerEncoder | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.codec = codec
+        self.speech_encoder = speech_encoder
         if codec is not None:
             self.sample_rate = codec.sample_rate
         self.non_streaming_mode = bool(non_streaming_mode)
@@ -131,7 +136,8 @@ class Qwen3TTSFamily(ChatText):
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "Qwen3TTSFamily":
         """A checkpoint in the released layout: config.json + model.safetensors, the text tokenizer when its
         files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
-        is read: a tokenizer without encoder weights serves CustomVoice and VoiceDesign)."""
+        is read, and a Base model's encoder when the tokenizer has its weights: without them a Base model
+        clones from the x-vector alone)."""
         from transformers import AutoTokenizer
 
         from omnimtp.runtime.device import resolve_device
@@ -147,21 +153,27 @@ class Qwen3TTSFamily(ChatText):
         if not os.path.isdir(codec_path):
             raise ValueError(f"path: {path!r} has no speech_tokenizer/ (a Qwen3-TTS checkpoint keeps its codec there)")
         codec = SpeechTokenizerDecoder.from_pretrained(codec_path, device=model.talker.device)
-        return cls(model, tokenizer, codec=codec, **kwargs)
+        speech_encoder = None
+        if model.speaker_encoder is not None:
+            speech_encoder = SpeechTokenizerEncoder.from_pretrained(codec_path, device=model.talker.device)
+        return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)
 
     @classmethod
     def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> "Qwen3TTSFamily":
         """A seeded tiny Qwen3-TTS (`omnimtp.models.qwen3_tts.tiny_qwen3_tts`) with the byte-level tokenizer and
-        a seeded tiny speech tokenizer decoder (`tiny_speech_tokenizer`: audible on random codes)."""
+        a seeded tiny speech tokenizer decoder (`tiny_speech_tokenizer`: audible on random codes); a Base model
+        also gets a seeded tiny tokenizer encoder (`tiny_speech_tokenizer_encoder`)."""
         from omnimtp.models.qwen3_tts import tiny_qwen3_tts
         from omnimtp.runtime.device import resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
         model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed)
+        speech_encoder = tiny_speech_tokenizer_encoder(seed) if tts_model_type == "base" else None
         if device is not None:
             model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))
+            speech_encoder = None if speech_encoder is None else speech_encoder.to(resolve_device(device))
             model._restore_rope()
-        return cls(model, byte_tokenizer(), codec=codec, **kwargs)
+        return cls(model, byte_tokenizer(), codec=codec, speech_encoder=speech_encoder, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -213,26 +225,84 @@ class Qwen3TTSFamily(ChatText):
         instruct_ids = self._instruct_ids(instructions)
         return TTSVoice(speaker, speaker_id, language_id, instruct_ids)
 
-    def check_clone(self, voice: Voice, name: str = "voice") -> None:
-        """ValueError naming `name` unless this is a Base model and `voice` fits it: an x-vector of the talker's
-        width, reference codes [num_code_groups, T] in the codebook, transcript ids in the text vocabulary."""
+    # --- voice cloning (Base) ---
+
+    def create_voice(self, ref_audio=None, ref_text: str | None = None, *, x_vector_only: bool = False,
+                     speaker_embedding=None, ref_codes=None, ref_text_ids=None, min_seconds: float = MIN_REF_AUDIO_SECONDS,
+                     max_seconds: float = MAX_REF_AUDIO_SECONDS) -> Voice:
+        """A cloned `Voice` of a Base model, computed once (the reference's `create_voice_clone_prompt`).
+
+        ref_audio: the reference recording, a file path (any format libsndfile reads) or a (samples,
+        sample_rate) pair of mono float samples; decoded and resampled to 24 kHz with `omnimtp.media`, between
+        min_seconds and max_seconds long. Its x-vector is the voice's speaker embedding; with a transcript
+        (ref_text, or its ids ref_text_ids: the ids between `<|im_start|>assistant\n` and `<|im_end|>\n` of the
+        template) and x_vector_only False, its 12 Hz codes and the transcript make the voice in-context (ICL);
+        otherwise it is the x-vector alone. Precomputed parts (speaker_embedding [D], ref_codes
+        [num_code_groups, T], ref_text_ids [N]) replace what would be computed from ref_audio, and are checked
+        against the model. ValueError naming the argument for anything this model cannot use."""
+        from omnimtp.media import load_audio
+
+        given = "ref_audio" if ref_audio is not None else "speaker_embedding"
         if self.tts_model_type != "base":
-            raise ValueError(f"{name}: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
+            raise ValueError(f"{given}: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
+        if not isinstance(x_vector_only, bool):
+            raise ValueError(f"x_vector_only: expected a bool, got {type(x_vector_only).__name__}")
+        if ref_text is not None and (not isinstance(ref_text, str) or not ref_text.strip()):
+            raise ValueError("ref_text: expected a non-empty transcript string or None")
+        samples, seconds = None, 0.0
+        if ref_audio is not None:
+            samples = load_audio(ref_audio, SAMPLE_RATE, MediaLimits(max_audio_seconds=max_seconds), param="ref_audio")
+            seconds = len(samples) / SAMPLE_RATE
+            if seconds < min_seconds:
+                raise ValueError(f"ref_audio: {seconds:.2f} s of audio is shorter than the minimum of {min_seconds:g} s")
+        elif speaker_embedding is None:
+            raise ValueError("ref_audio: give a reference recording (or a precomputed speaker_embedding)")
+        if speaker_embedding is None:
+            speaker_embedding = self.model.speaker_encoder.embed(samples)
+        is_icl = not x_vector_only and (ref_text is not None or ref_text_ids is not None)
+        if not x_vector_only and ref_codes is not None and not is_icl:
+            raise ValueError("ref_text: in-context cloning with ref_codes needs ref_text or ref_text_ids")
+        if is_icl:
+            if ref_text_ids is None:
+                if self.tokenizer is None:
+                    raise ValueError("ref_text: this checkpoint has no text tokenizer; pass ref_text_ids")
+                ids = self.tokenizer.encode(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n", add_special_tokens=False)
+                ref_text_ids = torch.tensor(ids[NUM_TEMPLATE_HEAD:-2])
+            if ref_codes is None:
+                if samples is None:
+                    raise ValueError("ref_codes: in-context cloning needs ref_audio or precomputed ref_codes")
+                if self.speech_encoder is None:
+                    raise ValueError("ref_text: this checkpoint's speech tokenizer has no encoder weights for in-context "
+                                     "cloning; pass x_vector_only=True or precomputed ref_codes")
+                ref_codes = self.speech_encoder.encode(samples)
+        else:
+            ref_codes = ref_text_ids = None
+        voice = Voice(speaker_embedding, ref_codes, ref_text_ids, ref_text=ref_text if is_icl else None, seconds=seconds,
+                      info={"model_type": self.model_type, "tts_model_size": str(self.tts_model_size)})
+        self.check_clone(voice, prefix="")
+        return voice
+
+    def check_clone(self, voice: Voice, prefix: str = "voice.") -> None:
+        """ValueError unless this is a Base model and `voice` fits it: an x-vector of the talker's width,
+        reference codes [num_code_groups, T] in the codebook, transcript ids in the text vocabulary. The error
+        names the part, after `prefix` ("voice.speaker_embedding: ...")."""
+        if self.tts_model_type != "base":
+            raise ValueError(f"voice: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
         hidden_size = self.talker.config.hidden_size
         if voice.speaker_embedding.shape != (hidden_size,):
-            raise ValueError(f"{name}: speaker_embedding has {voice.speaker_embedding.shape[0]} values; this model's "
+            raise ValueError(f"{prefix}speaker_embedding: has {voice.speaker_embedding.shape[0]} values; this model's "
                              f"x-vector has {hidden_size}")
         if voice.ref_codes is not None:
             codebook_size = self.talker.code_predictor.config.vocab_size
             if voice.ref_codes.shape[0] != self.num_code_groups:
-                raise ValueError(f"{name}: ref_codes has {voice.ref_codes.shape[0]} code groups; this model has "
+                raise ValueError(f"{prefix}ref_codes: has {voice.ref_codes.shape[0]} code groups; this model has "
                                  f"{self.num_code_groups}")
             if int(voice.ref_codes.max()) >= codebook_size:
-                raise ValueError(f"{name}: ref_codes holds code {int(voice.ref_codes.max())}, outside the codebook "
+                raise ValueError(f"{prefix}ref_codes: holds code {int(voice.ref_codes.max())}, outside the codebook "
                                  f"[0, {codebook_size})")
             text_vocab_size = self.talker.model.text_embedding.num_embeddings
             if int(voice.ref_text_ids.max()) >= text_vocab_size:
-                raise ValueError(f"{name}: ref_text_ids holds id {int(voice.ref_text_ids.max())}, outside the text "
+                raise ValueError(f"{prefix}ref_text_ids: holds id {int(voice.ref_text_ids.max())}, outside the text "
                                  f"vocabulary [0, {text_vocab_size})")
 
     def _language_id(self, language: str | None, speaker: str | None) -> int | None:
