@@ -50,6 +50,7 @@ ENGINE_ROWS = ("tests/test_engine_rows.py",)
 THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
+VOICE_CLONE = ("tests/test_voice_clone.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 
@@ -515,6 +516,47 @@ MUTATIONS = [
         "MIN_NEW_TOKENS = 2",
         "MIN_NEW_TOKENS = 0",
         QWEN3_TTS, "codec EOS may end a request before its second talker token",
+    ),
+    # --- voice cloning (Qwen3-TTS Base) -------------------------------------------------------------
+    Mutation(
+        "clone_x_vector_not_used", "omnimtp/families/qwen3_tts.py",
+        "        elif voice.clone is not None:  # the x-vector is the speaker row\n",
+        "        elif False:\n",
+        VOICE_CLONE, "a cloned voice's x-vector is left out of the prompt",
+    ),
+    Mutation(
+        "clone_icl_without_code_rows", "omnimtp/families/qwen3_tts.py",
+        "        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), frames[None]], dim=1)  # [1, T + 1, H]",
+        "        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), 0 * frames[None]], dim=1)",
+        VOICE_CLONE, "the in-context prompt drops the reference codes' embeddings",
+    ),
+    Mutation(
+        "clone_icl_without_transcript", "omnimtp/families/qwen3_tts.py",
+        "self._text_rows(torch.cat([ref_text_ids, text], dim=-1))",
+        "self._text_rows(text)",
+        VOICE_CLONE, "the in-context prompt leaves out the reference transcript",
+    ),
+    Mutation(
+        "clone_mel_fmax_wrong", "omnimtp/models/speaker_encoder.py",
+        "F_MAX = 12_000.0", "F_MAX = 8_000.0",
+        VOICE_CLONE, "the speaker encoder's mel filters stop at 8 kHz instead of 12 kHz",
+    ),
+    Mutation(
+        "clone_mel_no_log_floor", "omnimtp/models/speaker_encoder.py",
+        "torch.log(torch.clamp(mel, min=1e-5))", "torch.log(mel + 1e-5)",
+        VOICE_CLONE, "the log-mel adds its floor instead of clamping to it",
+    ),
+    Mutation(
+        "clone_icl_stream_not_primed", "omnimtp/families/qwen3_tts.py",
+        "            self.codec.decode_streams([stream], [clone.ref_codes], [False])\n",
+        "            pass\n",
+        VOICE_CLONE, "an in-context clone's audio is decoded without the reference codes as left context",
+    ),
+    Mutation(
+        "clone_encoder_drops_first_frame", "omnimtp/codec/speech_encoder.py",
+        "        return codes[:, : math.ceil(audio.shape[0] / self.samples_per_frame)].to(\"cpu\", torch.int64)",
+        "        return codes.to(\"cpu\", torch.int64)[:, 1:]",
+        VOICE_CLONE, "the reference codes lose their first frame",
     ),
     # --- saved voices -----------------------------------------------------------------------------
     Mutation(
