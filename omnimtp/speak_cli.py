@@ -5,6 +5,7 @@ speech out.
     omnimtp speak --audio question.wav --image photo.png "What do you hear and see?" -o answer.wav
     omnimtp speak --model Qwen3-TTS-12Hz-0.6B-CustomVoice "Hello" --voice aiden --language english -o hello.wav
     omnimtp speak --model Qwen3-TTS-12Hz-1.7B-VoiceDesign "Hello" --instructions "a calm low voice" -o hello.wav
+    omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base "Hello" --voice me.safetensors -o hello.wav   # `omnimtp voice create`
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def add_parser(subparsers) -> None:
     speak.add_argument("--stream", action="store_true",
                        help="print the text as it is written; the summary counts the audio chunks as they arrived "
                        "and the time to the first")
-    speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive)")
+    speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive); Base: "
+                       "a voice file from `omnimtp voice create`")
     speak.add_argument("--language", default=None, help="Qwen3-TTS: the language to speak (default: auto)")
     speak.add_argument("--instructions", default=None,
                        help="Qwen3-TTS: the voice described in words (VoiceDesign; CustomVoice 1.7B: the style)")
@@ -194,9 +196,17 @@ def _say(pipe, text, args) -> None:
         raise ValueError("--audio/--image: a Qwen3-TTS model speaks text; it takes no media")
     if args.speaker is not None and args.voice is not None:
         raise ValueError("--speaker: give --voice or --speaker, not both")
+    voice = args.voice or args.speaker
+    if pipe.family.tts_model_type == "base" and voice is not None:
+        from omnimtp.voice import Voice
+
+        try:
+            voice = Voice.load(voice)
+        except ValueError as exc:
+            raise ValueError(f"--voice: {exc}") from None
     start = time.perf_counter()
     first_audio, chunks, final = None, [], None
-    for item in pipe.stream_speech(text, voice=args.voice or args.speaker, language=args.language,
+    for item in pipe.stream_speech(text, voice=voice, language=args.language,
                                    instructions=args.instructions, sampling=None if args.seed is None else QWEN3_TTS_SAMPLING,
                                    seed=args.seed, max_frames=args.max_frames):
         if isinstance(item, np.ndarray):
