@@ -30,10 +30,6 @@ DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUE = 64  # waiting requests before 429
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
 DEFAULT_MAX_TOKENS_LIMIT = 2048  # the largest max_tokens a request may ask
-# A voice-clone reference recording: the speaker encoder needs a second of speech; a long one only makes every
-# in-context request's prompt longer (12.5 code frames per second).
-MIN_REF_SECONDS = 1.0
-DEFAULT_MAX_REF_SECONDS = 60.0
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,9 @@ from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_REF_SECONDS,
+    MAX_REF_AUDIO_SECONDS,
     DEFAULT_MAX_TOKENS_LIMIT,
-    MIN_REF_SECONDS,
+    MIN_REF_AUDIO_SECONDS,
 )
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
@@ -74,7 +74,7 @@ def create_app(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     served_model_names: Sequence[str] = (),
     voice_store: VoiceStore | None = None,
-    max_ref_seconds: float = DEFAULT_MAX_REF_SECONDS,
+    max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
@@ -82,7 +82,7 @@ def create_app(
     408 and the connection closes). served_model_names: names `model` may take besides the engine's
     model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. voice_store: where
     /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference recording a
-    voice is cloned from (at least MIN_REF_SECONDS)."""
+    voice is cloned from (at least MIN_REF_AUDIO_SECONDS)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -92,8 +92,8 @@ def create_app(
         raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
     body_timeout_s = check_seconds("body_timeout_s", body_timeout_s)
     max_ref_seconds = check_seconds("max_ref_seconds", max_ref_seconds)
-    if max_ref_seconds < MIN_REF_SECONDS:
-        raise ValueError(f"max_ref_seconds must be >= {MIN_REF_SECONDS:g} (the shortest reference), got {max_ref_seconds}")
+    if max_ref_seconds < MIN_REF_AUDIO_SECONDS:
+        raise ValueError(f"max_ref_seconds must be >= {MIN_REF_AUDIO_SECONDS:g} (the shortest reference), got {max_ref_seconds}")
     if voice_store is not None and not isinstance(voice_store, VoiceStore):
         raise ValueError(f"voice_store must be a VoiceStore or None, got {type(voice_store).__name__}")
     if isinstance(served_model_names, str):

@@ -17,9 +17,9 @@ from omnimtp.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_REF_SECONDS,
+    MAX_REF_AUDIO_SECONDS,
     DEFAULT_MAX_TOKENS_LIMIT,
-    MIN_REF_SECONDS,
+    MIN_REF_AUDIO_SECONDS,
     TINY_MAX_FRAMES,
     TINY_MAX_NEW_TOKENS,
     MediaLimits,
@@ -77,9 +77,9 @@ def add_parser(subparsers) -> None:
                         "embedding, reference codes and transcript are kept)")
     voices.add_argument("--max-voices", type=positive_int, default=DEFAULT_MAX_VOICES, metavar="N",
                         help="the most saved voices (default %(default)d); a POST beyond it gets 400 too_many_voices")
-    voices.add_argument("--max-ref-seconds", type=positive_float, default=DEFAULT_MAX_REF_SECONDS, metavar="S",
+    voices.add_argument("--max-ref-seconds", type=positive_float, default=MAX_REF_AUDIO_SECONDS, metavar="S",
                         help=f"the longest reference recording a voice is cloned from (default %(default)g; the "
-                        f"shortest is {MIN_REF_SECONDS:g})")
+                        f"shortest is {MIN_REF_AUDIO_SECONDS:g})")
     parser.add_argument("--timeout-headers", type=positive_float, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
     parser.add_argument("--timeout-body", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
         resolve_device(args.device, "--device")
     except ValueError as exc:
         return _refuse(str(exc))
-    if args.max_ref_seconds < MIN_REF_SECONDS:
-        return _refuse(f"--max-ref-seconds must be at least {MIN_REF_SECONDS:g} (the shortest reference recording)")
+    if args.max_ref_seconds < MIN_REF_AUDIO_SECONDS:
+        return _refuse(f"--max-ref-seconds must be at least {MIN_REF_AUDIO_SECONDS:g} (the shortest reference recording)")
     if args.voices_dir is not None and not (ray_serve.is_requested(args) and args.ray_address is not None):
         from omnimtp.server.voice_store import VoiceStore
 

@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from omnimtp.limits import DEFAULT_MAX_REF_SECONDS, MIN_REF_SECONDS, MediaLimits
+from omnimtp.limits import MAX_REF_AUDIO_SECONDS, MediaLimits
 from omnimtp.media import MediaError, decode_audio, decode_base64, decode_data_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
@@ -32,7 +32,7 @@ _RETRY_AFTER_S = 1
 Body = TypeVar("Body", bound=BaseModel)
 
 # The speech request fields a Qwen3-TTS model's voice is made of (its ValueErrors start with the field's name).
-_VOICE_FIELDS = ("voice", "language", "instructions")
+_VOICE_FIELDS = {name: name for name in ("voice", "language", "instructions")}
 # What a cloned voice is made from: the engine's argument names → the HTTP fields (`create_voice`'s ValueErrors
 # start with the argument's name).
 _CLONE_ARGUMENTS = {"ref_audio": "ref_audio", "ref_text": "ref_text", "x_vector_only": "x_vector_only_mode",
@@ -50,7 +50,7 @@ class ServingContext:
     max_body_bytes: int
     max_tokens_limit: int
     voices: VoiceStore | None = None
-    max_ref_seconds: float = DEFAULT_MAX_REF_SECONDS
+    max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
         """The request's JSON body validated by `schema`; APIError 400 naming the field."""
@@ -156,29 +156,23 @@ class ServingContext:
 
     def reference_audio(self, data: str | bytes, param: str) -> np.ndarray:
         """A voice-clone reference recording (base64, a data:audio/... URL, or an upload's bytes) as float32 mono
-        samples at the model's rate; APIError 400 naming `param` for audio that cannot be decoded, or shorter
-        than MIN_REF_SECONDS or longer than `max_ref_seconds`."""
+        samples at the model's rate; APIError 400 naming `param` for audio that cannot be decoded or is longer
+        than `max_ref_seconds` (`Engine.create_voice` refuses one that is too short)."""
         try:
             samples = decode_audio(audio_bytes(data, param), None, self.engine.sample_rate,
                                    MediaLimits(max_audio_seconds=self.max_ref_seconds), param)
         except MediaError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
-        seconds = samples.shape[0] / self.engine.sample_rate
-        if seconds < MIN_REF_SECONDS:
-            raise APIError(400, f"{param}: {seconds:.2f} s of audio is shorter than the {MIN_REF_SECONDS:g} s a "
-                           "voice needs", param=param, code="invalid_value")
         return samples
 
     async def clone_voice(self, ref_audio, ref_text, x_vector_only: bool, speaker_embedding, *, audio_param: str):
         """`Engine.create_voice` in a worker thread (the speaker encoder blocks); its ValueErrors as 400s naming
         the field (the reference recording as `audio_param`)."""
-        fields = {**_CLONE_ARGUMENTS, "ref_audio": audio_param}
         try:
             return await run_in_threadpool(self.engine.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only,
-                                           speaker_embedding=speaker_embedding)
+                                           speaker_embedding=speaker_embedding, max_seconds=self.max_ref_seconds)
         except ValueError as exc:
-            name = str(exc).partition(":")[0]
-            raise APIError(400, str(exc), param=fields.get(name), code="invalid_value") from None
+            raise _field_error(exc, {**_CLONE_ARGUMENTS, "ref_audio": audio_param}) from None
 
     async def saved_voice(self, name: str):
         """The `Voice` saved as `name`; APIError 400 naming `voice` when there is none (listing the saved ones)."""
@@ -315,7 +309,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 
-def _field_error(exc: ValueError, fields) -> APIError:
-    """A ValueError that starts with a field's name (`"language: unknown language ..."`) as a 400 naming it."""
-    name = str(exc).partition(":")[0]
-    return APIError(400, str(exc), param=name if name in fields else None, code="invalid_value")
+def _field_error(exc: ValueError, fields: dict[str, str]) -> APIError:
+    """A ValueError that starts with an argument's name (`"language: unknown language ..."`, or a part of it:
+    `"voice.speaker_embedding: ..."`) as a 400 naming its field (`fields`: argument → field)."""
+    name = str(exc).partition(":")[0].partition(".")[0]
+    return APIError(400, str(exc), param=fields.get(name), code="invalid_value")
