@@ -328,8 +328,9 @@ def test_content_types_and_the_body_limit(tmp_path, servers):
         assert httpx.get(f"{small}/v1/audio/voices").json()["uploaded_voices"] == []
 
 
-def test_the_api_key_guards_the_voice_routes(tmp_path):
-    with running_server(create_app(_engine("base"), api_key="sesame", voice_store=VoiceStore(tmp_path))) as url:
+def test_the_api_key_guards_the_voice_routes_and_the_store_is_bounded(tmp_path):
+    store = VoiceStore(tmp_path, max_voices=1)
+    with running_server(create_app(_engine("base"), api_key="sesame", voice_store=store)) as url:
         body = {"name": "gil", "consent": CONSENT, "speaker_embedding": [0.5] * 64}
         for method, path, payload in (("GET", "/v1/audio/voices", None), ("POST", "/v1/audio/voices", body),
                                       ("GET", "/v1/audio/voices/gil", None), ("DELETE", "/v1/audio/voices/gil", None)):
@@ -339,6 +340,8 @@ def test_the_api_key_guards_the_voice_routes(tmp_path):
         key = {"Authorization": "Bearer sesame"}
         assert httpx.post(f"{url}/v1/audio/voices", json=body, headers=key, timeout=60).status_code == 200
         assert httpx.get(f"{url}/v1/audio/voices/gil", headers=key, timeout=60).json()["name"] == "gil"
+        reply = httpx.post(f"{url}/v1/audio/voices", json={**body, "name": "hal"}, headers=key, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_voices"
         assert httpx.delete(f"{url}/v1/audio/voices/gil", headers=key, timeout=60).status_code == 200
 
 
