@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import signal
 import subprocess
@@ -169,6 +168,8 @@ def test_a_saved_voice_speaks_as_the_python_api_before_and_after_a_restart(pipe,
     assert seeded.status_code == 200, seeded.text
     spoken["alice-seeded"] = seeded.content
     assert spoken == expected
+    # x_vector_only_mode speaks a saved in-context voice from its x-vector alone
+    assert _greedy(url, voice="alice", x_vector_only_mode=True) == _expected_pcm(pipe, alice.x_vector_only())
 
     # a restart: a new server process's app on the same directory speaks the same bytes
     with running_server(_app("base", voices_dir)) as restarted:

@@ -32,8 +32,8 @@ from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
-    MAX_REF_AUDIO_SECONDS,
     DEFAULT_MAX_TOKENS_LIMIT,
+    MAX_REF_AUDIO_SECONDS,
     MIN_REF_AUDIO_SECONDS,
 )
 from omnimtp.server.errors import APIError

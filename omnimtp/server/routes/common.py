@@ -22,7 +22,13 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
 from omnimtp.server.guard import read_json
-from omnimtp.server.scheduler import TTS_TASK_TYPES, Engine, EngineRequest, PromptTooLongError, QueueFullError
+from omnimtp.server.scheduler import (
+    TTS_TASK_TYPES,
+    Engine,
+    EngineRequest,
+    PromptTooLongError,
+    QueueFullError,
+)
 from omnimtp.server.schemas import SpeechRequest
 from omnimtp.server.voice_store import VoiceStore
 
