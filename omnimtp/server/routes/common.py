@@ -31,6 +31,7 @@ from omnimtp.server.scheduler import (
 )
 from omnimtp.server.schemas import SpeechRequest
 from omnimtp.server.voice_store import VoiceStore
+from omnimtp.voice import Voice
 
 # A client told "queue full" may retry after this many seconds (a slot frees up every few frames).
 _RETRY_AFTER_S = 1
@@ -144,7 +145,7 @@ class ServingContext:
             if body.x_vector_only_mode:
                 voice = voice.x_vector_only()
         else:
-            ref_audio = None if body.ref_audio is None else self.reference_audio(body.ref_audio, "ref_audio")
+            ref_audio = None if body.ref_audio is None else await self.reference_audio(body.ref_audio, "ref_audio")
             voice = await self.clone_voice(ref_audio, body.ref_text, bool(body.x_vector_only_mode),
                                            body.speaker_embedding, audio_param="ref_audio")
         return self.speech_voice(voice, body.language, body.instructions, body.task_type)
@@ -160,13 +161,14 @@ class ServingContext:
         served = "chat and speech" if model_type is None else TTS_TASK_TYPES[model_type]
         return f"the model {self.engine.model_id!r} serves {served}"
 
-    def reference_audio(self, data: str | bytes, param: str) -> np.ndarray:
+    async def reference_audio(self, data: str | bytes, param: str) -> np.ndarray:
         """A voice-clone reference recording (base64, a data:audio/... URL, or an upload's bytes) as float32 mono
-        samples at the model's rate; APIError 400 naming `param` for audio that cannot be decoded or is longer
-        than `max_ref_seconds` (`Engine.create_voice` refuses one that is too short)."""
+        samples at the model's rate, decoded and resampled in a worker thread; APIError 400 naming `param` for
+        audio that cannot be decoded or is longer than `max_ref_seconds` (`Engine.create_voice` refuses one that
+        is too short)."""
         try:
-            samples = decode_audio(audio_bytes(data, param), None, self.engine.sample_rate,
-                                   MediaLimits(max_audio_seconds=self.max_ref_seconds), param)
+            samples = await run_in_threadpool(decode_audio, audio_bytes(data, param), None, self.engine.sample_rate,
+                                              MediaLimits(max_audio_seconds=self.max_ref_seconds), param)
         except MediaError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
         return samples
@@ -182,8 +184,6 @@ class ServingContext:
 
     async def saved_voice(self, name: str):
         """The `Voice` saved as `name`; APIError 400 naming `voice` when there is none (listing the saved ones)."""
-        from omnimtp.voice import Voice
-
         store = self.voices
         data = None if store is None else await run_in_threadpool(store.voice_bytes, name)
         if data is None:

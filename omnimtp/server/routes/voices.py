@@ -64,7 +64,7 @@ async def create_voice(request: Request):
     samples, seconds, raw, raw_format = None, 0.0, None, None
     if audio is not None:
         raw = audio_bytes(audio, "audio_sample")
-        samples = context.reference_audio(raw, "audio_sample")
+        samples = await context.reference_audio(raw, "audio_sample")
         seconds = samples.shape[0] / context.engine.sample_rate
         if store.keep_audio:
             raw_format = soundfile.info(io.BytesIO(raw)).format.lower()
