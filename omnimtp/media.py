@@ -167,21 +167,29 @@ def decode_base64(text: str, param: str) -> bytes:
 
 def decode_image_url(url: str, param: str) -> bytes:
     """The bytes of `data:image/<subtype>;base64,<data>`. Remote URLs are refused, never fetched."""
+    return decode_data_url(url, param, "image")
+
+
+def decode_data_url(url: str, param: str, kind: str) -> bytes:
+    """The bytes of `data:<kind>/<subtype>;base64,<data>` (kind "image" or "audio"). Remote URLs are refused,
+    never fetched."""
+    example = f"data:{kind}/{'png' if kind == 'image' else 'wav'};base64,..."
     if not isinstance(url, str):
         raise MediaError(param, f"must be a string, got {type(url).__name__}")
     scheme = url.partition(":")[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        raise MediaError(param, "remote URLs are not fetched; send a data: URL (data:image/png;base64,...)")
+        raise MediaError(param, f"remote URLs are not fetched; send a data: URL ({example})")
     if scheme != "data":
-        raise MediaError(param, "must be a data: URL (data:image/png;base64,...)")
+        raise MediaError(param, f"must be a data: URL ({example})")
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma:
         raise MediaError(param, "data: URL has no ',' before its data")
     media_type, *options = header.split(";")
-    if not media_type.lower().startswith("image/"):
-        raise MediaError(param, f"data: URL must hold an image (image/...), got {media_type or 'no media type'!r}")
+    if not media_type.lower().startswith(f"{kind}/"):
+        raise MediaError(param, f"data: URL must hold {'an image' if kind == 'image' else 'audio'} ({kind}/...), "
+                         f"got {media_type or 'no media type'!r}")
     if not options or options[-1].lower() != "base64":
-        raise MediaError(param, "data: URL must be base64-encoded (data:image/png;base64,...)")
+        raise MediaError(param, f"data: URL must be base64-encoded ({example})")
     return decode_base64(payload, param)
 
 

@@ -52,6 +52,8 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
+VOICE_STORE = ("tests/test_voice_store.py",)
+SERVER_VOICES = ("tests/test_server_voices.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -575,6 +577,52 @@ MUTATIONS = [
         "    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled",
         "    pass",
         REALTIME, "response.cancel leaves the response running to its end",
+    ),
+    # --- saved voices -----------------------------------------------------------------------------
+    Mutation(
+        "voice_name_allows_slash", "omnimtp/server/voice_store.py",
+        'NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_NAME_LENGTH - 1}}}")',
+        'NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_/.-]{{0,{MAX_NAME_LENGTH - 1}}}")',
+        VOICE_STORE, "a voice name may hold '/' and '.' (a path)",
+    ),
+    Mutation(
+        "voice_insert_outside_the_transaction", "omnimtp/server/voice_store.py",
+        '                conn.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)\n',
+        '                conn.execute("INSERT INTO voices VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)\n'
+        '                conn.execute("COMMIT")\n'
+        '                conn.execute("BEGIN IMMEDIATE")\n',
+        VOICE_STORE, "a voice is committed before its transaction ends (a crash after it keeps the voice)",
+    ),
+    Mutation(
+        "voice_deferred_transaction", "omnimtp/server/voice_store.py",
+        'conn.execute("BEGIN IMMEDIATE")  # the write lock before the count and the name check',
+        'conn.execute("BEGIN")  # the write lock before the count and the name check',
+        VOICE_STORE, "an add counts and checks names before it holds the write lock",
+    ),
+    Mutation(
+        "voice_limit_off_by_one", "omnimtp/server/voice_store.py",
+        "                if count >= self.max_voices:",
+        "                if count > self.max_voices:",
+        VOICE_STORE, "the store holds one voice more than max_voices",
+    ),
+    Mutation(
+        "clone_fields_on_any_model", "omnimtp/server/routes/common.py",
+        '        if self.engine.tts_model_type != "base":\n            if clone:',
+        '        if self.engine.tts_model_type != "base":\n            if False:',
+        SERVER_VOICES, "a CustomVoice model ignores the Base-only clone fields instead of refusing them",
+    ),
+    Mutation(
+        "voices_routes_without_the_key", "omnimtp/server/guard.py",
+        'if self.api_key is not None and path.startswith("/v1/") and not self._is_authorized(scope):',
+        'if self.api_key is not None and path.startswith("/v1/") and not path.startswith("/v1/audio/voices") '
+        'and not self._is_authorized(scope):',
+        SERVER_VOICES, "the voices routes answer without the API key",
+    ),
+    Mutation(
+        "saved_voice_x_vector_only_ignored", "omnimtp/server/routes/common.py",
+        "            if body.x_vector_only_mode:\n                voice = voice.x_vector_only()",
+        "            if body.x_vector_only_mode:\n                voice = voice",
+        SERVER_VOICES, "x_vector_only_mode is ignored with a saved in-context voice",
     ),
 ]
 

@@ -44,6 +44,7 @@ FAST_FILES = {
     "test_runtime.py",
     "test_spec_cli.py",
     "test_tokenizer.py",
+    "test_voice_store.py",
 }
 
 

@@ -8,6 +8,7 @@
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
     routes/realtime.py /v1/realtime (WebSocket: OpenAI's Realtime API)
+    routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir)
     routes/models.py   /v1/models, /health, /metrics
 
 The app never touches a model. A route turns a validated request into an `EngineRequest`, submits it to
@@ -28,15 +29,23 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnimtp.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_LIMIT,
-                            check_api_key)
+from omnimtp.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS_LIMIT,
+    MAX_REF_AUDIO_SECONDS,
+    MIN_REF_AUDIO_SECONDS,
+    check_api_key,
+)
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
-from omnimtp.server.routes import chat, models, realtime, speech
+from omnimtp.server.routes import chat, models, realtime, speech, voices
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
+from omnimtp.server.voice_store import VoiceStore
 from omnimtp.server.websocket import WebSocketLimits, WebSocketSessions
 
 _SHUTDOWN_MESSAGE = "the server is shutting down: the request was ended before it finished"
@@ -52,13 +61,17 @@ def create_app(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     served_model_names: Sequence[str] = (),
     websocket_limits: WebSocketLimits = WebSocketLimits(),
+    voice_store: VoiceStore | None = None,
+    max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
     body_timeout_s: a request's whole body must arrive within this many seconds of its headers (else
     408 and the connection closes). served_model_names: names `model` may take besides the engine's
     model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. websocket_limits: the
-    WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`)."""
+    WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`). voice_store:
+    where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
+    recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -67,6 +80,11 @@ def create_app(
     if max_tokens_limit < 1:
         raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
     body_timeout_s = check_seconds("body_timeout_s", body_timeout_s)
+    max_ref_seconds = check_seconds("max_ref_seconds", max_ref_seconds)
+    if max_ref_seconds < MIN_REF_AUDIO_SECONDS:
+        raise ValueError(f"max_ref_seconds must be >= {MIN_REF_AUDIO_SECONDS:g} (the shortest reference), got {max_ref_seconds}")
+    if voice_store is not None and not isinstance(voice_store, VoiceStore):
+        raise ValueError(f"voice_store must be a VoiceStore or None, got {type(voice_store).__name__}")
     if isinstance(served_model_names, str):
         raise ValueError(f"served_model_names must be a sequence of names, not the string {served_model_names!r}")
     model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
@@ -92,10 +110,11 @@ def create_app(
     app.state.metrics = metrics
     app.state.websockets = WebSocketSessions(websocket_limits, metrics)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
-                                       max_tokens_limit=max_tokens_limit)
+                                       max_tokens_limit=max_tokens_limit, voices=voice_store,
+                                       max_ref_seconds=max_ref_seconds)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
-    for api in (chat, speech, realtime, models):
+    for api in (chat, speech, voices, realtime, models):
         app.include_router(api.router)
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)

@@ -20,12 +20,15 @@ from omnimtp.limits import (
     DEFAULT_MAX_TOKENS_LIMIT,
     DEFAULT_MAX_WEBSOCKET_SESSIONS,
     DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
+    MAX_REF_AUDIO_SECONDS,
+    MIN_REF_AUDIO_SECONDS,
     TINY_MAX_FRAMES,
     TINY_MAX_NEW_TOKENS,
     MediaLimits,
     check_api_key,
 )
 from omnimtp.server import ray_serve
+from omnimtp.server.voice_store import DEFAULT_MAX_VOICES
 from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 
 
@@ -71,6 +74,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout-session-idle", type=positive_float, default=DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
                         metavar="S", help="seconds a WebSocket session may pass without a message either way before "
                         "it is closed (default %(default)g)")
+    voices = parser.add_argument_group(
+        "saved voices", "voices a Qwen3-TTS Base model clones, saved by POST /v1/audio/voices and spoken with "
+        "/v1/audio/speech voice=NAME")
+    voices.add_argument("--voices-dir", metavar="DIR",
+                        help="keep saved voices in DIR/voices.sqlite3 (created if missing; they survive restarts). "
+                        "Every process or Ray replica given the same DIR shares them: a local disk, or a shared "
+                        "POSIX volume with working file locks (not NFS without locks). Default: no saved voices")
+    voices.add_argument("--keep-voice-audio", action="store_true",
+                        help="also keep each voice's reference recording as uploaded (by default only the speaker "
+                        "embedding, reference codes and transcript are kept)")
+    voices.add_argument("--max-voices", type=positive_int, default=DEFAULT_MAX_VOICES, metavar="N",
+                        help="the most saved voices (default %(default)d); a POST beyond it gets 400 too_many_voices")
+    voices.add_argument("--max-ref-seconds", type=positive_float, default=MAX_REF_AUDIO_SECONDS, metavar="S",
+                        help=f"the longest reference recording a voice is cloned from (default %(default)g; the "
+                        f"shortest is {MIN_REF_AUDIO_SECONDS:g})")
     parser.add_argument("--timeout-headers", type=positive_float, default=DEFAULT_HEADERS_TIMEOUT_S, metavar="S",
                         help="seconds a request's headers may take to arrive (default %(default)g)")
     parser.add_argument("--timeout-body", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
@@ -139,6 +157,15 @@ def run(args: argparse.Namespace) -> int:
         resolve_device(args.device, "--device")
     except ValueError as exc:
         return _refuse(str(exc))
+    if args.max_ref_seconds < MIN_REF_AUDIO_SECONDS:
+        return _refuse(f"--max-ref-seconds must be at least {MIN_REF_AUDIO_SECONDS:g} (the shortest reference recording)")
+    if args.voices_dir is not None and not (ray_serve.is_requested(args) and args.ray_address is not None):
+        from omnimtp.server.voice_store import VoiceStore
+
+        try:  # before the model loads (on a Ray cluster, the directory is the nodes')
+            VoiceStore(args.voices_dir, max_voices=args.max_voices)
+        except ValueError as exc:
+            return _refuse(str(exc).replace("voices_dir:", "--voices-dir:", 1))
 
     if ray_serve.is_requested(args):
         return ray_serve.run(args)  # Ray Serve replicas (imports Ray)
@@ -187,9 +214,15 @@ def build_app(args: argparse.Namespace):
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
                           device=args.device, **speculation)
+    voice_store = None
+    if args.voices_dir is not None:
+        from omnimtp.server.voice_store import VoiceStore
+
+        voice_store = VoiceStore(args.voices_dir, max_voices=args.max_voices, keep_audio=args.keep_voice_audio)
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
-                     served_model_names=args.served_model_name, websocket_limits=WebSocketLimits(
+                     served_model_names=args.served_model_name, voice_store=voice_store,
+                     max_ref_seconds=args.max_ref_seconds, websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
                          max_message_bytes=args.max_body_bytes))
     return engine, app

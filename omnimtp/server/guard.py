@@ -1,7 +1,8 @@
 """What every HTTP request passes through before a route runs: `Guard` (the ASGI middleware: API key,
 also on WebSocket upgrades; body deadline, connection close after early answers, the 500 of last resort,
 request counts) and `read_json`, the one reader of a JSON body (size limit, UTF-8, then `parse_json`: JSON,
-lone surrogates; WebSocket messages go through `parse_json` too)."""
+lone surrogates; WebSocket messages go through `parse_json` too), beside `read_form` for the one route that
+also takes a multipart upload."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import re
 import secrets
 
 from fastapi import Request
+from starlette.datastructures import FormData
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import CLIENT_CLOSED, APIError
@@ -33,35 +36,14 @@ async def read_json(request: Request, max_body_bytes: int) -> object:
     recursion limit, integers within its digit limit, and no string holding a lone surrogate (the
     tokenizer and the JSON encoder of any error message would both fail on it).
 
-    A Content-Type other than application/json (charset utf-8, if one is named) is a 415. A body declared
-    (Content-Length) over `max_body_bytes` is a 413 at once; a chunked body that runs over is read to its
-    end first when it is at most _DISCARD_FACTOR times that: a client still sending when the server closes
-    the connection gets a reset instead of the answer (and the connection stays usable)."""
+    A Content-Type other than application/json (charset utf-8, if one is named) is a 415. The body's size
+    limit is `read_body`'s."""
     content_type = request.headers.get("content-type", "")
-    media_type, _, parameters = content_type.partition(";")
-    charset = _CHARSET.search(parameters)
-    if media_type.strip().lower() != "application/json" or (charset and charset.group(1).lower() not in _UTF8):
+    if not is_json(content_type):
         # A cross-site form or text/plain POST (which a browser sends without asking) never starts generation.
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
                        code="unsupported_media_type")
-    too_large = APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
-        raise too_large  # at once: the body is not awaited (the connection closes, lingering, see serving.py)
-    max_read = _DISCARD_FACTOR * max_body_bytes
-    body, num_received = bytearray(), 0
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise APIError(CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
-        chunk = message.get("body", b"")
-        num_received += len(chunk)
-        if num_received <= max_body_bytes:
-            body += chunk
-        if num_received > max_read or not message.get("more_body", False):
-            break
-    if num_received > max_body_bytes:
-        raise too_large
+    body = await read_body(request, max_body_bytes)
     try:
         text = body.decode("utf-8")  # json.loads would let encoded surrogates through ("surrogatepass")
     except UnicodeDecodeError as exc:
@@ -88,6 +70,64 @@ def parse_json(text: str, what: str = "request body") -> object:
             raise APIError(400, f"{path or what}: contains a lone UTF-16 surrogate, which is not valid Unicode",
                            param=path or None, code="invalid_value")
     return value
+
+
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header is application/json (charset utf-8, if one is named)."""
+    media_type, _, parameters = content_type.partition(";")
+    charset = _CHARSET.search(parameters)
+    return media_type.strip().lower() == "application/json" and not (charset and charset.group(1).lower() not in _UTF8)
+
+
+def is_form(content_type: str) -> bool:
+    """Whether a Content-Type header is multipart/form-data."""
+    return content_type.partition(";")[0].strip().lower() == "multipart/form-data"
+
+
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request body's bytes. A body declared (Content-Length) over `max_body_bytes` is a 413 at once; a
+    chunked body that runs over is read to its end first when it is at most _DISCARD_FACTOR times that: a
+    client still sending when the server closes the connection gets a reset instead of the answer (and the
+    connection stays usable)."""
+    too_large = APIError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_body_bytes:
+        raise too_large  # at once: the body is not awaited (the connection closes, lingering, see serving.py)
+    max_read = _DISCARD_FACTOR * max_body_bytes
+    body, num_received = bytearray(), 0
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(CLIENT_CLOSED, "the client closed the connection", code="client_disconnected")
+        chunk = message.get("body", b"")
+        num_received += len(chunk)
+        if num_received <= max_body_bytes:
+            body += chunk
+        if num_received > max_read or not message.get("more_body", False):
+            break
+    if num_received > max_body_bytes:
+        raise too_large
+    return bytes(body)
+
+
+async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1, max_fields: int = 16) -> FormData:
+    """A multipart/form-data body (`read_body`'s size limit), parsed by Starlette's multipart parser: at most
+    `max_files` files and `max_fields` other fields. 415 for another Content-Type, 400 for a malformed body."""
+    content_type = request.headers.get("content-type", "")
+    if not is_form(content_type):
+        raise APIError(415, f"Content-Type must be multipart/form-data or application/json, got "
+                       f"{content_type or 'none'!r}", code="unsupported_media_type")
+    body = await read_body(request, max_body_bytes)
+
+    async def stream():
+        yield body
+
+    parser = MultiPartParser(request.headers, stream(), max_files=max_files, max_fields=max_fields,
+                             max_part_size=max_body_bytes)
+    try:
+        return await parser.parse()
+    except MultiPartException as exc:
+        raise APIError(400, f"request body is not a valid multipart form: {exc.message}", code="invalid_form") from None
 
 
 def _lone_surrogate_path(value) -> str | None:
@@ -136,7 +176,7 @@ class Guard:
 
     (Not `BaseHTTPMiddleware`: it wraps `receive`, which hides a streaming client's disconnect.)"""
 
-    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/models")
+    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models")
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics, body_timeout_s: float):
         self.app = app

@@ -27,6 +27,7 @@ import numpy as np
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
+from omnimtp.limits import MAX_REF_AUDIO_SECONDS
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
@@ -261,10 +262,23 @@ class Engine:
         """A Qwen3-TTS model's kind ("custom_voice", "voice_design" or "base"); None for a model with a thinker."""
         return getattr(self.family, "tts_model_type", None)
 
-    def speech_voice(self, voice: str | None, language: str | None, instructions: str | None):
+    def speech_voice(self, voice, language: str | None, instructions: str | None):
         """A speech-only model's voice object for `EngineRequest.speaker` (Qwen3-TTS: `family.voice`, a
-        `TTSVoice`); ValueError naming voice, language or instructions."""
+        `TTSVoice`); ValueError naming voice, language or instructions. voice: a speaker name, or on a Base
+        model an `omnimtp.voice.Voice`."""
         return self.family.voice(voice, language, instructions)
+
+    def create_voice(self, ref_audio=None, ref_text: str | None = None, *, x_vector_only: bool = False,
+                     speaker_embedding=None, max_seconds: float = MAX_REF_AUDIO_SECONDS):
+        """A Base model's cloned `omnimtp.voice.Voice` (`Qwen3TTSFamily.create_voice`): from `ref_audio` (float32
+        mono samples at `sample_rate`, at most max_seconds long, with its transcript `ref_text` for in-context
+        cloning) or a precomputed `speaker_embedding`. Blocks for the speaker encoder: the server runs it in a
+        worker thread. ValueError naming the argument, or `model` for a model that clones no voices."""
+        if self.tts_model_type != "base":
+            raise ValueError(f"model: the model {self.model_id!r} is not a Base (voice-clone) model")
+        audio = None if ref_audio is None else (ref_audio, self.sample_rate)
+        return self.family.create_voice(audio, ref_text, x_vector_only=x_vector_only,
+                                        speaker_embedding=speaker_embedding, max_seconds=max_seconds)
 
     def speech_sampling(self, temperature: float | None, top_p: float | None, top_k: int | None) -> SamplingParams:
         """A speech request's sampling: the fields it gives (top_k 0: no limit) over the model's defaults (a

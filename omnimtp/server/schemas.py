@@ -128,11 +128,22 @@ class ChatCompletionRequest(BaseModel):
 TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
 
 
+# A speaker embedding (x-vector) sent as numbers: the released Base models' are 1024 or 2048 wide.
+MAX_SPEAKER_EMBEDDING = 8192
+SpeakerEmbedding = Annotated[list[float], Field(min_length=1, max_length=MAX_SPEAKER_EMBEDDING)]
+RefText = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
 class SpeechRequest(BaseModel):
     """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
     `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
     or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
-    against the model in `routes/speech.py`)."""
+    against the model in `routes/speech.py`).
+
+    Voice cloning (a Base model, vllm-omni's fields): `voice` names a saved voice (`/v1/audio/voices`), or the
+    request carries its own: `ref_audio` (base64 or a data: URL of the reference recording) with an optional
+    `ref_text` (its transcript: in-context cloning) and `x_vector_only_mode` (the speaker embedding alone), or
+    a precomputed `speaker_embedding`."""
 
     model_config = _STRICT
     model: str | None = None
@@ -149,3 +160,33 @@ class SpeechRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None
+    ref_audio: NonEmptyStr | None = None
+    ref_text: RefText | None = None
+    x_vector_only_mode: bool | None = None
+    speaker_embedding: SpeakerEmbedding | None = None
+
+    @property
+    def clone_fields(self) -> dict:
+        """The voice-cloning fields the request gives (a Base model's), by name."""
+        return {name: getattr(self, name) for name in CLONE_FIELDS if getattr(self, name) is not None}
+
+
+CLONE_FIELDS = ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding")
+
+
+class VoiceCreateRequest(BaseModel):
+    """`POST /v1/audio/voices` (vllm-omni's fields): `name`, `consent` (required: a statement that the speaker
+    agreed, or the id of a consent record), and either `audio_sample` (the reference recording: base64 or a
+    data: URL in a JSON body, a file part in a multipart form) with an optional `ref_text` (its transcript, for
+    in-context cloning; `x_vector_only_mode` keeps the embedding alone), or a precomputed `speaker_embedding`.
+    `user`: who asks (recorded with the consent)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    consent: Annotated[str, Field(max_length=4096)]
+    audio_sample: NonEmptyStr | None = None
+    ref_text: RefText | None = None
+    x_vector_only_mode: bool = False
+    speaker_embedding: SpeakerEmbedding | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None

@@ -16,12 +16,22 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from omnimtp.media import MediaError
+from omnimtp.limits import MAX_REF_AUDIO_SECONDS, MediaLimits
+from omnimtp.media import MediaError, decode_audio, decode_base64, decode_data_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
 from omnimtp.server.guard import read_json
-from omnimtp.server.scheduler import TTS_TASK_TYPES, Engine, EngineRequest, PromptTooLongError, QueueFullError
+from omnimtp.server.scheduler import (
+    TTS_TASK_TYPES,
+    Engine,
+    EngineRequest,
+    PromptTooLongError,
+    QueueFullError,
+)
+from omnimtp.server.schemas import SpeechRequest
+from omnimtp.server.voice_store import VoiceStore
+from omnimtp.voice import Voice
 
 # A client told "queue full" may retry after this many seconds (a slot frees up every few frames).
 _RETRY_AFTER_S = 1
@@ -29,18 +39,25 @@ _RETRY_AFTER_S = 1
 Body = TypeVar("Body", bound=BaseModel)
 
 # The speech request fields a Qwen3-TTS model's voice is made of (its ValueErrors start with the field's name).
-_VOICE_FIELDS = ("voice", "language", "instructions")
+_VOICE_FIELDS = {name: name for name in ("voice", "language", "instructions")}
+# What a cloned voice is made from: the engine's argument names → the HTTP fields (`create_voice`'s ValueErrors
+# start with the argument's name).
+_CLONE_ARGUMENTS = {"ref_audio": "ref_audio", "ref_text": "ref_text", "x_vector_only": "x_vector_only_mode",
+                    "speaker_embedding": "speaker_embedding"}
 
 
 @dataclass(frozen=True)
 class ServingContext:
     """The engine handle every route uses, and the server's limits. model_names: the names `model` may
-    take (the engine's model id first), all listed by /v1/models."""
+    take (the engine's model id first), all listed by /v1/models. voices: the saved voices (None: the server
+    saves none); max_ref_seconds: the longest voice-clone reference recording."""
 
     engine: Engine
     model_names: Sequence[str]
     max_body_bytes: int
     max_tokens_limit: int
+    voices: VoiceStore | None = None
+    max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
         """The request's JSON body validated by `schema`; APIError 400 naming the field."""
@@ -73,12 +90,12 @@ class ServingContext:
                            "no chat; speak text with /v1/audio/speech", param="model",
                            code="model_not_supported")
 
-    def speech_voice(self, voice: str | None, language: str | None, instructions: str | None,
-                     task_type: str | None):
+    def speech_voice(self, voice, language: str | None, instructions: str | None, task_type: str | None):
         """The `EngineRequest.speaker` of a speech request: a speaker name of a model with a thinker (which
-        takes no language, instructions or task_type), or a Qwen3-TTS model's voice object. APIError 400
-        naming the field: an unknown voice (listing the voices) or language (listing them), instructions the
-        model ignores or that a VoiceDesign model lacks, a task_type that is not the model's."""
+        takes no language, instructions or task_type), or a Qwen3-TTS model's voice object (voice: a speaker
+        name, or on a Base model an `omnimtp.voice.Voice`). APIError 400 naming the field: an unknown voice
+        (listing the voices) or language (listing them), instructions the model ignores or that a VoiceDesign
+        model lacks, a task_type that is not the model's."""
         engine = self.engine
         model_type = engine.tts_model_type
         if model_type is None:
@@ -97,9 +114,83 @@ class ServingContext:
         try:
             return engine.speech_voice(voice, language, instructions)
         except ValueError as exc:
-            name = str(exc).partition(":")[0]
-            raise APIError(400, str(exc), param=name if name in _VOICE_FIELDS else None,
-                           code="invalid_value") from None
+            raise _field_error(exc, _VOICE_FIELDS) from None
+
+    async def speech_speaker(self, body: SpeechRequest):
+        """`speech_voice` of a whole speech request, with its voice-cloning fields: on a Base model the voice
+        is a saved voice (`voice`), a reference recording (`ref_audio`, optional `ref_text`,
+        `x_vector_only_mode`) or a `speaker_embedding`, exactly one of them; any other model refuses those
+        fields by name."""
+        clone = body.clone_fields
+        if self.engine.tts_model_type != "base":
+            if clone:
+                name = next(iter(clone))
+                raise APIError(400, f"{name}: only a Base (voice-clone) model takes {name}; {self._serves()}",
+                               param=name, code="invalid_value")
+            return self.speech_voice(body.voice, body.language, body.instructions, body.task_type)
+        if body.ref_text is not None and body.ref_audio is None:
+            raise APIError(400, "ref_text: the transcript of ref_audio, which the request does not give",
+                           param="ref_text", code="invalid_value")
+        sources = [name for name, value in (("voice", body.voice), ("ref_audio", body.ref_audio),
+                                            ("speaker_embedding", body.speaker_embedding)) if value is not None]
+        if len(sources) != 1:
+            message = (f"give one of voice, ref_audio or speaker_embedding, not {' and '.join(sources)}" if sources
+                       else "required: a Base model speaks a saved voice (voice), a reference recording (ref_audio) "
+                       "or a speaker_embedding")
+            param = sources[-1] if sources else "voice"
+            raise APIError(400, f"{param}: {message}", param=param,
+                           code="invalid_value" if sources else "missing_required_parameter")
+        if body.voice is not None:
+            voice = await self.saved_voice(body.voice)
+            if body.x_vector_only_mode:
+                voice = voice.x_vector_only()
+        else:
+            ref_audio = None if body.ref_audio is None else await self.reference_audio(body.ref_audio, "ref_audio")
+            voice = await self.clone_voice(ref_audio, body.ref_text, bool(body.x_vector_only_mode),
+                                           body.speaker_embedding, audio_param="ref_audio")
+        return self.speech_voice(voice, body.language, body.instructions, body.task_type)
+
+    def check_clone(self) -> None:
+        """APIError 400 naming `model` unless the model clones voices (a Qwen3-TTS Base model)."""
+        if self.engine.tts_model_type != "base":
+            raise APIError(400, f"model: voice cloning needs a Qwen3-TTS Base model; {self._serves()}",
+                           param="model", code="model_not_supported")
+
+    def _serves(self) -> str:
+        model_type = self.engine.tts_model_type
+        served = "chat and speech" if model_type is None else TTS_TASK_TYPES[model_type]
+        return f"the model {self.engine.model_id!r} serves {served}"
+
+    async def reference_audio(self, data: str | bytes, param: str) -> np.ndarray:
+        """A voice-clone reference recording (base64, a data:audio/... URL, or an upload's bytes) as float32 mono
+        samples at the model's rate, decoded and resampled in a worker thread; APIError 400 naming `param` for
+        audio that cannot be decoded or is longer than `max_ref_seconds` (`Engine.create_voice` refuses one that
+        is too short)."""
+        try:
+            samples = await run_in_threadpool(decode_audio, audio_bytes(data, param), None, self.engine.sample_rate,
+                                              MediaLimits(max_audio_seconds=self.max_ref_seconds), param)
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        return samples
+
+    async def clone_voice(self, ref_audio, ref_text, x_vector_only: bool, speaker_embedding, *, audio_param: str):
+        """`Engine.create_voice` in a worker thread (the speaker encoder blocks); its ValueErrors as 400s naming
+        the field (the reference recording as `audio_param`)."""
+        try:
+            return await run_in_threadpool(self.engine.create_voice, ref_audio, ref_text, x_vector_only=x_vector_only,
+                                           speaker_embedding=speaker_embedding, max_seconds=self.max_ref_seconds)
+        except ValueError as exc:
+            raise _field_error(exc, {**_CLONE_ARGUMENTS, "ref_audio": audio_param}) from None
+
+    async def saved_voice(self, name: str):
+        """The `Voice` saved as `name`; APIError 400 naming `voice` when there is none (listing the saved ones)."""
+        store = self.voices
+        data = None if store is None else await run_in_threadpool(store.voice_bytes, name)
+        if data is None:
+            saved = [] if store is None else [v.name for v in await run_in_threadpool(store.list)]
+            known = f"saved voices: {', '.join(saved)}" if saved else "no voices are saved (POST /v1/audio/voices)"
+            raise APIError(400, f"voice: unknown voice {name!r}; {known}", param="voice", code="invalid_value")
+        return Voice.from_bytes(data)
 
     async def submit(self, request: EngineRequest):
         """Queue `request` in the engine: its `RequestHandle`. APIError for a prompt over the limit (400), bad
@@ -124,6 +215,17 @@ class ServingContext:
 def serving(request: Request) -> ServingContext:
     """The app's `ServingContext` (set by `create_app`)."""
     return request.app.state.serving
+
+
+def audio_bytes(data: str | bytes, param: str) -> bytes:
+    """Encoded audio sent as base64 or a data:audio/... URL (or already bytes: an upload); APIError 400 naming
+    `param` for neither."""
+    if isinstance(data, bytes):
+        return data
+    try:
+        return decode_data_url(data, param, "audio") if data.startswith("data:") else decode_base64(data, param)
+    except MediaError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int | None) -> SamplingParams:
@@ -211,3 +313,10 @@ async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
+
+
+def _field_error(exc: ValueError, fields: dict[str, str]) -> APIError:
+    """A ValueError that starts with an argument's name (`"language: unknown language ..."`, or a part of it:
+    `"voice.speaker_embedding: ..."`) as a 400 naming its field (`fields`: argument → field)."""
+    name = str(exc).partition(":")[0].partition(".")[0]
+    return APIError(400, str(exc), param=fields.get(name), code="invalid_value")

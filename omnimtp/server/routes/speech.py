@@ -5,8 +5,11 @@ On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-
 takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
 by VoiceDesign, refused by a model that ignores it) and `task_type` (checked against the model: "CustomVoice"
 or "VoiceDesign"); `voice` is a CustomVoice speaker (default: the model's) and sampling fields left out are
-the reference's defaults (T 0.9, top-k 50, repetition penalty 1.05; temperature 0: greedy). It runs in the
-same engine step loop as every other request.
+the reference's defaults (T 0.9, top-k 50, repetition penalty 1.05; temperature 0: greedy). On a Base model
+(`task_type` "Base") the voice is cloned: `voice` names a saved voice (routes/voices.py), or the request
+sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a `speaker_embedding`
+(`ServingContext.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
+engine step loop as every other request.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
 an empty data chunk, a FLAC stream without frames, empty PCM; SSE: only `speech.audio.done`) and says
@@ -39,7 +42,7 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-    speaker = context.speech_voice(body.voice, body.language, body.instructions, body.task_type)
+    speaker = await context.speech_speaker(body)
     engine_request = EngineRequest(
         messages=None,
         speak_text=body.input,
