@@ -338,3 +338,16 @@ def test_cloning_on_a_custom_voice_model_is_refused(voices, audio):
         custom.create_voice((audio["low"], SAMPLE_RATE))
     with pytest.raises(ValueError, match="voice: voice cloning needs"):
         list(custom.stream_speech(TEXT, voice=voices["icl"]))
+
+
+def test_the_tiny_base_model_is_the_same_whatever_the_global_generator():
+    """`tiny(seed, "base")` draws every weight from its own seed: two builds after different global seeds are
+    equal (a tiny encoder whose biases came from torch's global generator gave other ICL codes each time)."""
+    from omnimtp.codec.speech_encoder import tiny_speech_tokenizer_encoder
+
+    torch.manual_seed(1)
+    first = tiny_speech_tokenizer_encoder(0).state_dict()
+    torch.manual_seed(2)
+    second = tiny_speech_tokenizer_encoder(0).state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)

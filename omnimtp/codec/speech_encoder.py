@@ -141,6 +141,8 @@ def tiny_speech_tokenizer_encoder(seed: int = 0) -> SpeechTokenizerEncoder:
             if isinstance(module, (nn.Conv1d, nn.Linear)):
                 fan_in = module.weight[0].numel()
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / math.sqrt(fan_in))
+                if module.bias is not None:  # (torch's own init of a bias draws from the global generator)
+                    module.bias.zero_()
         for name, tensor in encoder.mimi.quantizer.state_dict(keep_vars=True).items():
             if name.endswith("embed_sum"):
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
