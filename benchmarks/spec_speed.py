@@ -9,6 +9,10 @@ llama target (--oracle-hidden/--oracle-layers; the defaults are 1024 × 8 layers
 ~190 M parameters) at batch 1, 4 and 16: achieved speed-up over plain_generate against the ideal τ / (1 + draft
 cost), the drafter's cost being what the oracle's own work measures (about nothing).
 
+Each speculative method also reports what one of its steps costs over a plain step (`draft_over_plain_step`: the
+drafts of a step that drafts; `verify_over_plain_step`, `step_over_plain_step`: per step, plain steps of "auto"
+included), a plain step being the plain loop's time over its tokens.
+
 For every repeat, prompt and method the runs go back to back, so load changes hit them alike; a ratio is the
 median over repeats of same-repeat total-time ratios. Costs of "auto" are calibrated once (reported).
 
