@@ -9,6 +9,10 @@ llama target (--oracle-hidden/--oracle-layers; the defaults are 1024 × 8 layers
 ~190 M parameters) at batch 1, 4 and 16: achieved speed-up over plain_generate against the ideal τ / (1 + draft
 cost), the drafter's cost being what the oracle's own work measures (about nothing).
 
+Each speculative method also reports what one of its steps costs over a plain step (`draft_over_plain_step`: the
+drafts of a step that drafts; `verify_over_plain_step`, `step_over_plain_step`: per step, plain steps of "auto"
+included), a plain step being the plain loop's time over its tokens.
+
 For every repeat, prompt and method the runs go back to back, so load changes hit them alike; a ratio is the
 median over repeats of same-repeat total-time ratios. Costs of "auto" are calibrated once (reported).
 
@@ -54,8 +58,11 @@ def interleaved(methods: dict, num_prompts: int, repeats: int) -> dict:
     return results
 
 
-def summarize(results: dict, baseline: str, check_equal: bool) -> dict:
+def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: int | None = None) -> dict:
+    """Speed-ups over `baseline`, τ, the draft histogram and, with baseline_tokens (what the baseline
+    generated in one repeat, one forward each), a step's drafting and verifying time over a plain step."""
     base = results[baseline]
+    plain_step_s = min(base["seconds"]) / baseline_tokens if baseline_tokens else None
     out = {}
     for name, r in results.items():
         entry = {"seconds_per_repeat": r["seconds"]}
@@ -71,6 +78,12 @@ def summarize(results: dict, baseline: str, check_equal: bool) -> dict:
                         histogram[k] = histogram.get(k, 0) + n
                 entry["draft_histogram"] = dict(sorted(histogram.items()))
                 entry["draft_costs"] = stats[0].draft_costs
+                if plain_step_s:
+                    num_steps = sum(s.num_steps for s in stats)
+                    num_drafting = num_steps - histogram.get(0, 0)
+                    entry["draft_over_plain_step"] = sum(s.draft_time_s for s in stats) / max(num_drafting, 1) / plain_step_s
+                    entry["step_over_plain_step"] = sum(s.draft_time_s + s.verify_time_s for s in stats) / num_steps / plain_step_s
+                    entry["verify_over_plain_step"] = sum(s.verify_time_s for s in stats) / num_steps / plain_step_s
             if check_equal:
                 entry["matches_plain"] = all(_same(a, b) for a, b in zip(r["outputs"], base["outputs"]))
         out[name] = entry
@@ -107,7 +120,8 @@ def demo_lm(args) -> dict:
         methods = {"plain": plain, **{f"k{k}": spec(k) for k in args.ks}, "auto": spec("auto")}
         for run in methods.values():
             run(0)  # warm-up; "auto" calibrates its costs here, once
-        report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None)
+        report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None,
+                                  n * len(prompts))
     return report
 
 
@@ -140,7 +154,8 @@ def demo_omni(args) -> dict:
                    "auto": runner(ThinkerSpeculation(head, "auto"))}
         for run in methods.values():
             run(0)
-        report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None)
+        results = interleaved(methods, len(prompts), args.repeats)
+        report[label] = summarize(results, "plain", sampling is None, sum(len(ids) for ids in results["plain"]["outputs"]))
     return report
 
 
@@ -224,12 +239,15 @@ def oracle(args) -> dict:
             stats = results["oracle"]["stats"][0]
             draft_cost = stats.draft_time_s / max(stats.verify_time_s, 1e-9)  # drafting relative to verifying
             ideal = summary["tau"] / (1 + draft_cost)
+            plain_step_s = min(results["plain"]["seconds"]) / n  # plain_generate: one forward per token (+ the prefill)
             entry = {"batch": batch, "acceptance": acceptance, "tau": summary["tau"], "speedup": summary["speedup"],
-                     "ideal": ideal, "achieved_over_ideal": summary["speedup"] / ideal,
+                     "ideal": ideal, "achieved_over_ideal": summary["speedup"] / ideal, "draft_cost": draft_cost,
+                     "verify_over_plain_step": stats.verify_time_s / max(stats.num_steps, 1) / plain_step_s,
                      "matches_plain": summary["matches_plain"]}
             report["runs"].append(entry)
             print(f"oracle batch {batch} acceptance {acceptance}: τ {entry['tau']:.2f} speed-up {entry['speedup']:.2f}x "
-                  f"ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) match {entry['matches_plain']}")
+                  f"ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) verify / plain step "
+                  f"{entry['verify_over_plain_step']:.2f} match {entry['matches_plain']}")
     return report
 
 
@@ -241,7 +259,11 @@ def print_table(name: str, report: dict) -> None:
                 continue
             extra = f" steps per k {e['draft_histogram']}" if "draft_histogram" in e else ""
             match = f" match {e['matches_plain']}" if "matches_plain" in e else ""
-            print(f"  {method:5} {e['speedup']:.2f}x plain  τ {e.get('tau', 1):.2f}{extra}{match}")
+            costs = ""
+            if "verify_over_plain_step" in e:
+                costs = (f"  per step / plain step: draft {e['draft_over_plain_step']:.2f} verify "
+                         f"{e['verify_over_plain_step']:.2f} all {e['step_over_plain_step']:.2f}")
+            print(f"  {method:5} {e['speedup']:.2f}x plain  τ {e.get('tau', 1):.2f}{extra}{match}{costs}")
 
 
 def main() -> None:

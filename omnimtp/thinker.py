@@ -129,8 +129,12 @@ class ThinkerRun:
         active = [i for i, reason in enumerate(self.finish_reasons) if reason is None]
         device = self.decoder.device
         embed_tokens = self.thinker.get_input_embeddings()
-        if self.speculation is not None and not self._is_prefill:
-            return self._speculative_step(active)
+        is_plain_spec_step = self.speculation is not None and not self._is_prefill
+        if is_plain_spec_step:
+            k = self.controller.choose([reason is None for reason in self.finish_reasons])
+            if k > 0:
+                return self._speculative_step(active, k)
+            started = time.perf_counter()  # k = 0: the plain step below, recorded for the drafter after it
         rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # i → embeds, hidden, logits
         final_rows: dict[int, torch.Tensor] = {}  # i → [P, D] after the final norm (speculative runs)
         rope_rows: dict[int, torch.Tensor] = {}  # i → [3, P] M-RoPE ids of a prefill with images / video
@@ -147,7 +151,7 @@ class ThinkerRun:
             elif active:
                 ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
                 embeds = embed_tokens(ids)  # [R, 1, D]
-                hidden, logits, _ = self._forward(embeds, active)
+                hidden, logits, final = self._forward(embeds, active)
                 for r, i in enumerate(active):
                     rows[i] = (embeds[r], hidden[r], logits[r])
         is_prefill, self._is_prefill = self._is_prefill, False
@@ -155,7 +159,8 @@ class ThinkerRun:
         for i in rows:
             generator = [self.generators[i]] if self.generators[i] is not None else None
             sampled.append(sample(rows[i][2][None].float(), self.sampling[i], generator))
-        token_ids = dict(zip(rows, torch.cat(sampled).tolist())) if sampled else {}
+        sampled_ids = torch.cat(sampled) if sampled else None  # [R]
+        token_ids = dict(zip(rows, sampled_ids.tolist())) if sampled else {}
         events = []
         for i in range(len(self.output_ids)):
             if i not in rows:
@@ -170,6 +175,8 @@ class ThinkerRun:
             elif len(self.output_ids[i]) >= self.max_new_tokens:
                 self.finish_reasons[i] = "length"
             events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
+        if is_plain_spec_step:
+            self._record_plain_step(active, sampled_ids, final, started)
         if is_prefill and self.speculation is not None:
             positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]
             first_ids = [ids[0] for ids in self.output_ids]
@@ -179,21 +186,42 @@ class ThinkerRun:
             )
         return events
 
-    def _speculative_step(self, active: list[int]) -> list[ThinkerEvent]:
-        """Draft k tokens for every row (k = 0: a plain step), verify the unfinished rows' drafts in one
-        forward, roll back the rejected ones → the accepted tokens' events, in request order (see the
-        module docstring)."""
+    def _record_plain_step(
+        self, active: list[int], sampled_ids: torch.Tensor | None, final: torch.Tensor | None, started: float
+    ) -> None:
+        """After a plain step of a speculative run (the controller chose k = 0): sampled_ids [R] and final
+        [R, 1, D] of the active rows. The drafter reads the step's slots with the next step that drafts
+        (`DraftLayout.advance_plain`); the stats count it."""
+        layout, batch_size = self._layout, len(self.output_ids)
+        if len(active) == batch_size:
+            next_ids, rows = sampled_ids, final.view(batch_size, -1)  # [B], [B, D]
+        else:  # rows not decoded: any id, zero hidden
+            next_ids = layout.pending.new_zeros(batch_size)
+            rows = torch.zeros((batch_size, self.decoder.hidden_size), dtype=self.decoder.dtype, device=next_ids.device)
+            if active:
+                index = torch.tensor(active, device=next_ids.device)
+                next_ids[index], rows[index] = sampled_ids, final[:, 0]
+        layout.advance_plain(next_ids, rows)
+        step_time = time.perf_counter() - started
+        for i in active:
+            stats = self.spec_stats[i]
+            stats.num_steps += 1
+            stats.num_row_steps += 1
+            stats.draft_histogram[0] = stats.draft_histogram.get(0, 0) + 1
+            stats.num_generated_tokens += 1
+            stats.verify_time_s += step_time
+            stats.total_time_s += step_time
+
+    def _speculative_step(self, active: list[int], k: int) -> list[ThinkerEvent]:
+        """Draft k >= 1 tokens for every row, verify the unfinished rows' drafts in one forward, roll back
+        the rejected ones → the accepted tokens' events, in request order (see the module docstring)."""
         layout, device = self._layout, self.decoder.device
         batch_size = len(self.output_ids)
         is_active = [reason is None for reason in self.finish_reasons]
-        k = self.controller.choose(is_active)
         started = time.perf_counter()
         with torch.no_grad():
             generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
-            if k > 0:
-                draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
-            else:  # the proposer reads this step's slot with the next step that drafts
-                draft_tokens, draft_probs = layout.pending.new_zeros(batch_size, 0), None
+            draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
             drafted = time.perf_counter()
             verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
             num_kept = torch.ones(batch_size, dtype=torch.long, device=device)  # [B]
@@ -205,7 +233,7 @@ class ThinkerRun:
                 starts = [self.kv.lengths[i] for i in active]
                 hidden, logits, final = self._forward(embeds, active, all_logits=True)  # [R, k+1, D], [R, k+1, V], [R, k+1, D]
                 row_tokens, num_emitted = verify(
-                    logits, draft_tokens[index], None if draft_probs is None else draft_probs[index],
+                    logits, draft_tokens[index], draft_probs[index],
                     [self.sampling[i] for i in active], [self.generators[i] for i in active],
                 )  # [R, k+1], [R]
                 lengths = list(self.kv.lengths)
@@ -282,7 +310,7 @@ def calibrate_thinker_costs(
             generators=[torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled else None,
             speculation=ThinkerSpeculation(speculation.drafter, max(k, 1)),
         )
-        run.controller = FixedDrafts(k)  # k = 0: the speculative loop's own plain step
+        run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
         run.step()  # the prefill
         start = time.perf_counter()
         for _ in range(6):

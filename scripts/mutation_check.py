@@ -142,15 +142,27 @@ MUTATIONS = [
     ),
     Mutation(
         "adaptive_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/generate.py",
-        "block = new_block if k > 0 else extend_block(block, new_block)",
-        "block = new_block",
+        "block = with_plain_steps(block, plain_steps, next_position - len(plain_steps), kv_mask)",
+        "block = with_plain_steps(block, plain_steps[-1:], next_position - 1, kv_mask)",
         ADAPTIVE, "after plain steps the drafter reads only the newest slot (its cache falls out of line)",
     ),
     Mutation(
         "adaptive_thinker_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/thinker_spec.py",
-        "self.block = block if verify_ids.shape[1] > 1 else extend_block(self.block, block)",
-        "self.block = block",
+        "self._block = with_plain_steps(self._block, self._plain_steps, self.next_positions, kv_mask)",
+        "self._block = with_plain_steps(self._block, self._plain_steps[-1:], self.next_positions, kv_mask)",
         ADAPTIVE, "the thinker's drafter reads only the newest slot after plain steps",
+    ),
+    Mutation(
+        "adaptive_plain_step_keeps_its_position", "omnimtp/spec_decode/generate.py",
+        "pending, next_position = token, next_position + 1",
+        "pending, next_position = token, next_position",
+        ADAPTIVE, "a plain step of a speculative run does not advance the pending token's position",
+    ),
+    Mutation(
+        "adaptive_thinker_plain_step_keeps_the_old_pending_token", "omnimtp/spec_decode/thinker_spec.py",
+        "        self._plain_steps.append((self.pending, next_ids, hidden))\n        self.pending = next_ids\n",
+        "        self._plain_steps.append((self.pending, next_ids, hidden))\n",
+        ADAPTIVE, "after a plain thinker step the next verify reads the token before the one just sampled",
     ),
     # --- speculative thinker steps ------------------------------------------------------------------
     Mutation(

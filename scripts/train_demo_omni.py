@@ -112,9 +112,14 @@ def train_thinker(thinker, rows: torch.Tensor, args) -> None:
     thinker.eval()
 
 
-def distill_rows(model, rows: torch.Tensor, num_rows: int, seq_len: int, reply_len: int, seed: int) -> torch.Tensor:
+def distill_rows(
+    model, rows: torch.Tensor, num_rows: int, seq_len: int, reply_len: int, seed: int, sampled_fraction: float = 0.0
+) -> torch.Tensor:
     """Self-distillation rows for the head: user turns of `num_rows` training rows followed by the trained
-    thinker's own greedy reply (`ThinkerRun`, what the head drafts for at inference), padded with <|im_end|>."""
+    thinker's own reply (`ThinkerRun`, what the head drafts for at inference), padded with <|im_end|>: greedy,
+    or for the last `sampled_fraction` of the rows sampled with Qwen3-Omni's thinker defaults (T 0.7, top-k 20,
+    top-p 0.8; seeded), the text a sampled request drafts on."""
+    from omnimtp.sampling import SamplingParams, make_generators
     from omnimtp.thinker import ThinkerRun
 
     generator = torch.Generator().manual_seed(seed)
@@ -124,10 +129,14 @@ def distill_rows(model, rows: torch.Tensor, num_rows: int, seq_len: int, reply_l
         end = next(i for i in range(len(row)) if row[i : i + len(ASSISTANT_HEADER)] == ASSISTANT_HEADER)
         prompts.append(row[: end + len(ASSISTANT_HEADER)])
     out = []
+    num_greedy = len(prompts) - round(sampled_fraction * len(prompts))
+    sampled = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
     for start in range(0, len(prompts), 64):
         batch = prompts[start : start + 64]
+        sampling = [None if start + b < num_greedy else sampled for b in range(len(batch))]
         run = ThinkerRun(model.thinker, batch, accept_hidden_layer=model.config.talker_config.accept_hidden_layer,
-                         eos_token_ids={END[0]}, max_new_tokens=reply_len)
+                         eos_token_ids={END[0]}, max_new_tokens=reply_len, sampling=sampling,
+                         generators=make_generators([seed + start + b for b in range(len(batch))]))
         with torch.inference_mode():
             while not run.is_finished:
                 run.step()
@@ -168,6 +177,8 @@ def main() -> None:
     parser.add_argument("--head-steps", type=int, default=120)
     parser.add_argument("--distill-rows", type=int, default=512,
                         help="rows of the thinker's own greedy replies the head also trains on (half of each batch)")
+    parser.add_argument("--distill-sampled-fraction", type=float, default=0.0,
+                        help="the share of those replies sampled with the thinker's sampled defaults (else greedy)")
     parser.add_argument("--thinker-from", type=Path, default=None,
                         help="skip the thinker's training: take the omni checkpoint this script wrote there (same seed)")
     parser.add_argument("--threads", type=int, default=1)
@@ -208,7 +219,8 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(False)
 
-    distilled = distill_rows(model, train_rows, args.distill_rows, args.seq_len, 128, args.seed) if args.distill_rows else None
+    distilled = distill_rows(model, train_rows, args.distill_rows, args.seq_len, 128, args.seed,
+                             args.distill_sampled_fraction) if args.distill_rows else None
     torch.manual_seed(args.seed)
     head = MTPHead.from_config(thinker).float()
     head_config = MTPTrainConfig(

@@ -41,8 +41,15 @@ def test_only_verified_drafts_move_the_estimate_and_a_run_of_plain_steps_probes(
     assert controller.acceptance == pytest.approx([(0.7 + 1) / 2 / 2, 0.7 + 0.3 * 0.875])
     controller.update(2, [0, 0], [True, False])  # a finished row learns nothing
     assert controller.acceptance[1] == pytest.approx(0.7 + 0.3 * 0.875)
-    low = DraftController(DEAR, 1, probe_interval=2)
-    assert [low.choose([True]) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
+    low = DraftController(DEAR, 1, probe_interval=2, max_probe_interval=4)
+    assert [low.choose([True]) for _ in range(18)] == [0, 0, 1] + [0, 0, 0, 0, 1] * 3  # the interval doubles, to 4
+    mixed = DraftController(MIXED, 1, prior=0.3, probe_interval=2, max_probe_interval=8)
+    assert [mixed.choose([True]) for _ in range(8)] == [0, 0, 1, 0, 0, 0, 0, 1]
+    mixed.acceptance = [0.95]
+    assert mixed.choose([True]) == 3  # drafting pays again: the probe interval starts over
+    mixed.acceptance = [0.3]
+    assert [mixed.choose([True]) for _ in range(3)] == [0, 0, 1]
+
     assert DraftController(MIXED, 1).choose([False]) == 0
 
 
@@ -226,3 +233,79 @@ def test_bad_settings_raise_value_errors(tiny):
         speculative_generate(target, head, prompt, max_new_tokens=4, num_draft_tokens=3, draft_costs=CHEAP)
     with pytest.raises(ValueError, match="draft_costs"):
         speculative_generate(target, head, prompt, max_new_tokens=4, num_draft_tokens="auto", draft_costs=(1.0, 2.0))
+
+
+# --- a plain step of a speculative run is a plain step ---------------------------------------------------
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run under it (what a step costs on a small CPU model: per-op overhead)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(run) -> float:
+    """run(n) decodes n steps after the prefill → aten ops of one step (the difference of two lengths),
+    after a warm-up run (which fills caches shared between runs, e.g. the decoder's RoPE rows)."""
+    run(12)
+    counts = []
+    for num_steps in (4, 12):
+        with _CountOps() as ops:
+            run(num_steps)
+        counts.append(ops.count)
+    return (counts[1] - counts[0]) / 8
+
+
+@pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "sampled"])
+def test_a_plain_step_of_an_auto_run_costs_what_a_plain_loop_step_costs(tiny, sampling):
+    """k = 0 steps run the plain loop's step (`plain_generate`'s, `ThinkerRun`'s) plus at most a few ops of
+    bookkeeping: the drafter's catch-up waits for the next step that drafts."""
+    from omnimtp.spec_decode.adaptive import FixedDrafts
+    from omnimtp.spec_decode.generate import _speculative_generate
+
+    target, head = tiny
+    prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+
+    def plain(n):
+        plain_generate(target, prompt, max_new_tokens=n + 1, sampling=sampling, seed=0, eos_token_id=-1)
+
+    def spec(n):
+        with torch.inference_mode():
+            _speculative_generate(target, head, prompt, None, FixedDrafts(0), max_new_tokens=64,
+                                  sampling=sampling or SamplingParams.greedy(), seed=0, eos_token_id=[],
+                                  target_backend="auto", max_steps=n)
+
+    assert _ops_per_step(spec) <= _ops_per_step(plain) + 2
+
+
+def test_a_plain_step_of_an_auto_thinker_run_costs_what_a_plain_thinker_step_costs():
+    from omnimtp.mtp.demo import demo_omni_dir
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.spec_decode.adaptive import FixedDrafts
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+    from omnimtp.sampling import make_generators
+    from omnimtp.thinker import ThinkerRun
+
+    pipe = OmniPipeline.demo(thinker_mtp=None)
+    head = MTPHead.from_pretrained(demo_omni_dir(), pipe.model.thinker).eval()
+    prompt = pipe.family.chat_ids([{"role": "user", "content": "def f(x):\n"}])
+
+    def runner(speculation):
+        def run(n):
+            thinker_run = ThinkerRun(pipe.model.thinker, [prompt], accept_hidden_layer=pipe.accept_hidden_layer,
+                                     eos_token_ids=set(), max_new_tokens=64, decoder=pipe.thinker_decoder,
+                                     speculation=speculation, sampling=[SAMPLING], generators=make_generators([0]))
+            if speculation is not None:
+                thinker_run.controller = FixedDrafts(0)
+            with torch.inference_mode():
+                for _ in range(n + 1):
+                    thinker_run.step()
+        return run
+
+    assert _ops_per_step(runner(ThinkerSpeculation(head, 1))) <= _ops_per_step(runner(None)) + 2

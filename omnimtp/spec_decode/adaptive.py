@@ -27,7 +27,11 @@ the same costs; greedy output is plain greedy's for any k.
 
 No acceptance is observed while k = 0 wins; after `probe_interval` plain steps in a row one step drafts a
 single token (a fixed schedule, not a random one), so a request whose text turns predictable again gets
-its drafts back.
+its drafts back. Each probe after which plain steps still win doubles the interval (up to
+`max_probe_interval`), so a run whose drafts never pay spends almost all its steps plain; a step that
+drafts because drafting wins resets it. A plain step of a speculative run is the plain loop's own step
+(the drafter reads the slots it skipped with the next step that drafts), so falling back costs nothing
+but the probes.
 """
 
 from __future__ import annotations
@@ -80,17 +84,20 @@ class DraftController:
 
     num_rows: the rows of the run (requests); costs: frozen `DraftCosts`; prior: the acceptance assumed
     before a position was ever verified; smoothing: the weight of one new verification in the moving
-    average."""
+    average; probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and
+    at most (see the module docstring)."""
 
     def __init__(self, costs: DraftCosts, num_rows: int, *, prior: float = 0.7, smoothing: float = 0.1,
-                 probe_interval: int = 4):
+                 probe_interval: int = 4, max_probe_interval: int = 32):
         if not isinstance(costs, DraftCosts):
             raise ValueError(f"draft_costs must be a DraftCosts, got {type(costs).__name__}")
         self.costs = costs
         self.smoothing = smoothing
         self.probe_interval = probe_interval
+        self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.acceptance = [prior] * num_rows  # [B] α estimates
         self.num_plain_in_a_row = 0
+        self.next_probe = probe_interval  # plain steps in a row before the next probe
 
     @property
     def max_draft_tokens(self) -> int:
@@ -103,8 +110,11 @@ class DraftController:
             return 0
         goodput = [sum(expected_tokens(a, k) for a in rows) / cost for k, cost in enumerate(self.costs.step)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
-        if k == 0 and self.num_plain_in_a_row >= self.probe_interval:
+        if k > 0:
+            self.next_probe = self.probe_interval
+        elif self.num_plain_in_a_row >= self.next_probe:
             k = 1
+            self.next_probe = min(2 * self.next_probe, self.max_probe_interval)
         self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
         return k
 

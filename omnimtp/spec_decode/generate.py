@@ -57,7 +57,7 @@ from omnimtp.spec_decode.adaptive import (
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, extend_block
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
 
 
@@ -384,35 +384,47 @@ def _speculative_generate(
         last_index=torch.full((batch_size,), prompt_len - 1, device=device),
     )
     rows = torch.arange(batch_size, device=device)
-    decode_start = time.perf_counter()
+    next_position = position_ids[:, -1] + 1  # [B] the pending token's position
+    plain_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # k = 0 steps the drafter has not read
 
+    def forward(ids, positions, mask, record_layer_inputs=False):  # → hidden [B, T, H], logits [B, T, V], layer inputs
+        if dsa:
+            hidden = dsa_verify_forward(target, ids, positions, mask, target_cache, prompt_len)
+            return hidden, target.get_output_embeddings()(hidden).float(), None
+        return _target_forward(target, packed, ids, positions, mask, target_cache, record_layer_inputs=record_layer_inputs)
+
+    decode_start = time.perf_counter()
     while not all(finished) and (max_steps is None or stats.num_steps < max_steps):
         is_active = [not f for f in finished]
-        active = torch.tensor(is_active, device=device)  # [B]
         k = controller.choose(is_active)
         t0 = time.perf_counter()
-        if k > 0:
-            draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
-        else:  # a plain step: the drafter reads these slots with the next step that drafts
-            draft_tokens, draft_probs = pending.new_zeros(batch_size, 0), None
+        if k == 0:  # a plain step, as `plain_generate` takes it; the drafter reads its slot with the next step that drafts
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            hidden, logits, _ = forward(pending[:, None], next_position[:, None], kv_mask)
+            token = sample(logits[:, 0], sampling, generators)  # [B]
+            plain_steps.append((pending, token, hidden[:, 0]))
+            for row, token_id in enumerate(token.tolist()):
+                if not finished[row]:
+                    emit(row, [token_id])
+            pending, next_position = token, next_position + 1
+            stats.verify_time_s += time.perf_counter() - t0
+            stats.num_steps += 1
+            stats.num_row_steps += sum(is_active)
+            stats.draft_histogram[0] = stats.draft_histogram.get(0, 0) + 1
+            continue
+        if plain_steps:
+            block = with_plain_steps(block, plain_steps, next_position - len(plain_steps), kv_mask)
+            plain_steps = []
+        draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
         t1 = time.perf_counter()
 
         offsets = torch.arange(k + 1, device=device)
         verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
-        verify_positions = block.position_ids[rows, block.last_index][:, None] + 1 + offsets
+        verify_positions = next_position[:, None] + offsets  # [B, k+1]
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
-        saved_states = snapshot(target_cache, linear_layers) if linear_layers and k > 0 else None
-        if dsa:
-            hidden = dsa_verify_forward(target, verify_ids, verify_positions, verify_mask, target_cache, prompt_len)
-            logits, layer_inputs = target.get_output_embeddings()(hidden).float(), None
-        else:
-            hidden, logits, layer_inputs = _target_forward(
-                target, packed, verify_ids, verify_positions, verify_mask, target_cache,
-                record_layer_inputs=saved_states is not None,
-            )
-        if k == 0:
-            tokens, num_emitted = sample(logits[:, 0], sampling, generators)[:, None], pending.new_ones(batch_size)
-        elif sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
+        saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
+        hidden, logits, layer_inputs = forward(verify_ids, verify_positions, verify_mask, saved_states is not None)
+        if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:
             target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
@@ -422,19 +434,23 @@ def _speculative_generate(
         stats.verify_time_s += time.perf_counter() - t1
         stats.draft_time_s += t1 - t0
 
-        num_accepted = num_emitted - 1
-        controller.update(k, num_accepted.tolist(), is_active)
+        # The step's counts read back once; the bookkeeping below is plain Python on them.
+        emitted_counts = num_emitted.tolist()  # [B]
+        accepted_counts = [n - 1 for n in emitted_counts]
+        controller.update(k, accepted_counts, is_active)
+        active_accepted = [a for a, is_row_active in zip(accepted_counts, is_active) if is_row_active]
         stats.num_steps += 1
         stats.draft_histogram[k] = stats.draft_histogram.get(k, 0) + 1
-        stats.num_row_steps += int(active.sum())
-        stats.num_drafted += k * int(active.sum())
-        stats.num_accepted += int(num_accepted[active].sum())
+        stats.num_row_steps += len(active_accepted)
+        stats.num_drafted += k * len(active_accepted)
+        stats.num_accepted += sum(active_accepted)
         for i in range(k):
-            stats.accepted_per_position[i] += int((num_accepted[active] > i).sum())
+            stats.accepted_per_position[i] += sum(a > i for a in active_accepted)
 
         # Rollback: keep max n_b slots of the block, mask each row's surplus.
-        num_kept = torch.where(active, num_emitted, torch.ones_like(num_emitted))  # [B]
-        block_width = int(num_kept.max())
+        kept_counts = [n if is_row_active else 1 for n, is_row_active in zip(emitted_counts, is_active)]
+        num_kept = torch.tensor(kept_counts, device=device)  # [B]
+        block_width = max(kept_counts)
         if block_width < k + 1:
             if packed is not None:
                 target_cache.crop(block_width - (k + 1))
@@ -442,14 +458,19 @@ def _speculative_generate(
                 crop_attention(target_cache, k + 1 - block_width)
         if saved_states is not None:
             rollback(target, target_cache, saved_states, layer_inputs, num_kept)
-        kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
+        if min(kept_counts) == block_width:  # every row kept the whole block (batch 1 always)
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, block_width)], dim=1)
+        else:
+            kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
 
+        token_rows = tokens[:, :block_width].tolist()
         for row in range(batch_size):
             if not finished[row]:
-                emit(row, tokens[row, : int(num_emitted[row])].tolist())
+                emit(row, token_rows[row][: emitted_counts[row]])
         last_index = num_kept - 1  # [B]
         pending = tokens[rows, last_index].clamp(min=0)  # finished rows: any valid id
-        new_block = DraftInput(
+        next_position = next_position + num_kept
+        block = DraftInput(
             input_ids=verify_ids[:, :block_width],
             next_ids=tokens[:, :block_width].clamp(min=0),
             hidden=hidden[:, :block_width],
@@ -457,7 +478,6 @@ def _speculative_generate(
             kv_mask=kv_mask,
             last_index=last_index,
         )
-        block = new_block if k > 0 else extend_block(block, new_block)
 
     num_new = max(len(row) for row in generated)
     new_tokens = torch.full((batch_size, num_new), pad_id, dtype=input_ids.dtype, device=device)

@@ -61,6 +61,24 @@ def extend_block(block: DraftInput, new: DraftInput) -> DraftInput:
     )
 
 
+def with_plain_steps(
+    block: DraftInput, steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], next_position: torch.Tensor,
+    kv_mask: torch.Tensor,
+) -> DraftInput:
+    """`block` followed by the slots of n plain one-token steps after it (an adaptive run's k = 0 steps,
+    which a drafter reads with the next step that drafts): steps[j] = (the token read [B], the token
+    sampled after it [B], the read token's hidden [B, H]), step j at position next_position [B] + j;
+    kv_mask [B, L + W + n] the validity of every slot, the new ones included."""
+    read_ids, next_ids, hidden = (torch.stack(parts, dim=1) for parts in zip(*steps))  # [B, n], [B, n], [B, n, H]
+    batch_size, num_steps = read_ids.shape
+    plain = DraftInput(
+        input_ids=read_ids, next_ids=next_ids, hidden=hidden,
+        position_ids=next_position[:, None] + torch.arange(num_steps, device=read_ids.device),
+        kv_mask=kv_mask, last_index=torch.full((batch_size,), num_steps - 1, device=read_ids.device),
+    )
+    return extend_block(block, plain)
+
+
 class Proposer(Protocol):
     def reset(self) -> None:
         """Forget any state (call before a new batch of prompts)."""

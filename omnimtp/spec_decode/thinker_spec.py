@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from omnimtp.mtp.head import MTPHead
-from omnimtp.sampling import SamplingParams, probs_from_logits, sample
+from omnimtp.sampling import SamplingParams, probs_from_logits
 from omnimtp.spec_decode.adaptive import AUTO, DraftController, DraftCosts, FixedDrafts, check_num_draft_tokens
 from omnimtp.spec_decode.generate import greedy_verify
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, extend_block
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
 
 GREEDY = SamplingParams.greedy()
@@ -133,28 +133,48 @@ class DraftLayout:
             for b, rope in enumerate(rope_positions):
                 if rope is not None:
                     next_position_ids[:, b, width - len(prompts[b]) : -1] = rope[:, 1:]
-        self.block = DraftInput(
+        self._block = DraftInput(
             input_ids=input_ids, next_ids=next_ids, hidden=rows, position_ids=position_ids, kv_mask=kv_mask,
             last_index=torch.full((batch_size,), width - 1, device=device), next_position_ids=next_position_ids,
         )
+        self._plain_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see `advance_plain`
         self.pending = torch.tensor(first_ids, device=device)  # [B] emitted, not yet read by the thinker
         self.next_positions = position_ids[:, -1] + 1  # [B] the pending token's position
 
+    @property
+    def block(self) -> DraftInput:
+        """The slots the proposer has not read yet: the last verify block and the plain steps after it."""
+        if self._plain_steps:
+            batch_size, num_steps = self.pending.shape[0], len(self._plain_steps)
+            kv_mask = torch.cat([self._block.kv_mask, self._block.kv_mask.new_ones(batch_size, num_steps)], dim=1)
+            self._block = with_plain_steps(self._block, self._plain_steps, self.next_positions, kv_mask)
+            self.next_positions = self.next_positions + num_steps
+            self._plain_steps = []
+        return self._block
+
+    def advance_plain(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After a plain step (k = 0): the thinker read the pending token; next_ids [B] is the token it
+        sampled (any id on rows not decoded), hidden [B, H] the read token's row after the final norm
+        (zeros on rows not decoded). Kept as they are until the proposer reads `block`, so a plain step
+        costs no tensor work here."""
+        self._plain_steps.append((self.pending, next_ids, hidden))
+        self.pending = next_ids
+
     def advance(self, verify_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, num_kept: torch.Tensor) -> None:
-        """After a verify: verify_ids [B, k+1] (the pending token, the drafts), tokens [B, k+1] (−1 padded),
-        hidden [B, k+1, H] (zeros on rows not verified), num_kept [B] (slots the thinker kept; 1 on rows
-        not verified). After a plain step (k = 0) the proposer has not read the block before: the new
-        slots are appended to it."""
+        """After a verify that read `block`: verify_ids [B, k+1] (the pending token, the k >= 1 drafts),
+        tokens [B, k+1] (−1 padded), hidden [B, k+1, H] (zeros on rows not verified), num_kept [B] (slots
+        the thinker kept; 1 on rows not verified)."""
+        if self._plain_steps:
+            raise ValueError("advance: the proposer has not read the plain steps' slots (read `block` first)")
         width = int(num_kept.max())
         offsets = torch.arange(verify_ids.shape[1], device=verify_ids.device)
         positions = self.next_positions[:, None] + offsets  # [B, k+1]
-        kv_mask = torch.cat([self.block.kv_mask, (offsets[None, :width] < num_kept[:, None]).long()], dim=1)
+        kv_mask = torch.cat([self._block.kv_mask, (offsets[None, :width] < num_kept[:, None]).long()], dim=1)
         last_index = num_kept - 1  # [B]
-        block = DraftInput(
+        self._block = DraftInput(
             input_ids=verify_ids[:, :width], next_ids=tokens[:, :width].clamp(min=0), hidden=hidden[:, :width],
             position_ids=positions[:, :width], kv_mask=kv_mask, last_index=last_index,
         )
-        self.block = block if verify_ids.shape[1] > 1 else extend_block(self.block, block)
         self.pending = tokens[torch.arange(tokens.shape[0], device=tokens.device), last_index].clamp(min=0)
         self.next_positions = self.next_positions + num_kept
 
@@ -172,13 +192,8 @@ def verify(
     """logits [R, k+1, V] after each verify row, draft_tokens [R, k], draft_probs [R, k, V], each row's
     sampling (None = greedy) and generator → tokens [R, k+1] (accepted drafts, then the recovered or
     bonus token, −1 padded) and num_emitted [R] in 1..k+1 (`rejection_sample`; greedy rows accept while
-    the draft is the argmax and draw nothing)."""
+    the draft is the argmax and draw nothing). k >= 1: a plain step is `ThinkerRun`'s own."""
     params = [s or GREEDY for s in sampling]
-    if draft_tokens.shape[1] == 0:  # a plain step: each row samples its next token as the plain loop does
-        tokens = torch.cat([
-            sample(logits[r, :1].float(), p, None if g is None else [g]) for r, (p, g) in enumerate(zip(params, generators))
-        ])
-        return tokens[:, None], torch.ones_like(tokens)
     if all(p.is_greedy for p in params):
         return greedy_verify(logits.argmax(dim=-1), draft_tokens.long())
     target_probs = torch.stack([probs_from_logits(logits[r].float(), p) for r, p in enumerate(params)])  # [R, k+1, V]
