@@ -25,6 +25,9 @@ DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_QUEUE = 64  # waiting requests before 429
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a base64 input_audio of about 6 minutes of 16 kHz 16-bit WAV
 DEFAULT_MAX_TOKENS_LIMIT = 2048  # the largest max_tokens a request may ask
+# WebSocket routes (`omnimtp.server.websocket.WebSocketLimits`; a message may be as large as a request body).
+DEFAULT_MAX_WEBSOCKET_SESSIONS = 64  # open sessions per route before the upgrade is refused (429)
+DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S = 600.0  # a session with no message either way this long is closed
 
 
 @dataclass(frozen=True)

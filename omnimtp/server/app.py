@@ -3,6 +3,7 @@
     errors.py          the error shape: `APIError` → `{"error": {"message", "type", "param", "code"}}`
     guard.py           the middleware every request passes (auth, body deadline, 500 of last resort) and
                        the one JSON body reader
+    websocket.py       what WebSocket routes share: session limits and slots, JSON events, error events
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
@@ -35,6 +36,7 @@ from omnimtp.server.routes import chat, models, speech
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
+from omnimtp.server.websocket import WebSocketLimits, WebSocketSessions
 
 # Clients send the key in an HTTP header, which they encode as ASCII: any other key locks everyone out.
 _API_KEY = re.compile(r"[\x21-\x7e]+")
@@ -64,12 +66,14 @@ def create_app(
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     served_model_names: Sequence[str] = (),
+    websocket_limits: WebSocketLimits = WebSocketLimits(),
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
     body_timeout_s: a request's whole body must arrive within this many seconds of its headers (else
     408 and the connection closes). served_model_names: names `model` may take besides the engine's
-    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`."""
+    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. websocket_limits: the
+    WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -83,6 +87,8 @@ def create_app(
     model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
     if not all(isinstance(name, str) and name for name in model_names):
         raise ValueError(f"served_model_names must be non-empty strings, got {list(served_model_names)!r}")
+    if not isinstance(websocket_limits, WebSocketLimits):
+        raise ValueError(f"websocket_limits must be a WebSocketLimits, got {type(websocket_limits).__name__}")
     metrics = ServerMetrics()
 
     @asynccontextmanager
@@ -99,6 +105,7 @@ def create_app(
     app = FastAPI(title="omnimtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     app.state.metrics = metrics
+    app.state.websockets = WebSocketSessions(websocket_limits, metrics)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).

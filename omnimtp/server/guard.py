@@ -1,6 +1,7 @@
 """What every HTTP request passes through before a route runs: `Guard` (the ASGI middleware: API key,
-body deadline, connection close after early answers, the 500 of last resort, request counts) and
-`read_json`, the one reader of a JSON body (size limit, UTF-8, JSON, lone surrogates)."""
+also on WebSocket upgrades; body deadline, connection close after early answers, the 500 of last resort,
+request counts) and `read_json`, the one reader of a JSON body (size limit, UTF-8, then `parse_json`: JSON,
+lone surrogates; WebSocket messages go through `parse_json` too)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import secrets
 
 from fastapi import Request
+from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import CLIENT_CLOSED, APIError
 from omnimtp.server.metrics import ServerMetrics
@@ -65,19 +67,25 @@ async def read_json(request: Request, max_body_bytes: int) -> object:
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})",
                        code="invalid_json") from None
+    return parse_json(text)
+
+
+def parse_json(text: str, what: str = "request body") -> object:
+    """`text` as JSON: nesting within Python's recursion limit, integers within its digit limit, and no
+    string holding a lone surrogate. APIError 400 otherwise, its message starting with `what`."""
     try:
         value = json.loads(text)
     except RecursionError:
-        raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+        raise APIError(400, f"{what} is not valid JSON: nested too deeply", code="invalid_json") from None
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        raise APIError(400, f"{what} is not valid JSON: {exc}", code="invalid_json") from None
     except ValueError:  # an integer with more digits than int() converts
-        raise APIError(400, "request body is not valid JSON: a number has too many digits",
+        raise APIError(400, f"{what} is not valid JSON: a number has too many digits",
                        code="invalid_json") from None
     if _SURROGATE_ESCAPE.search(text):
         path = _lone_surrogate_path(value)
         if path is not None:
-            raise APIError(400, f"{path or 'body'}: contains a lone UTF-16 surrogate, which is not valid Unicode",
+            raise APIError(400, f"{path or what}: contains a lone UTF-16 surrogate, which is not valid Unicode",
                            param=path or None, code="invalid_value")
     return value
 
@@ -101,6 +109,14 @@ def _lone_surrogate_path(value) -> str | None:
             stack.extend((f"{path}.{index}" if path else str(index), child) for index, child in enumerate(item))
     return None
 
+
+async def deny(websocket: WebSocket, error: APIError) -> None:
+    """Refuse a WebSocket upgrade before it is accepted: `error`'s status and body where the server speaks
+    the ASGI denial-response extension (uvicorn does), else a close, which the server turns into HTTP 403."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(error.response())
+    else:
+        await websocket.close(1008, error.message)
 
 
 _CLOSE = (b"connection", b"close")
@@ -129,6 +145,9 @@ class Guard:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -173,6 +192,16 @@ class Guard:
             if path in self._COUNTED:
                 status = 500 if exchange["status"] is None else exchange["status"]
                 self.metrics.requests.labels(route=path, status=str(status)).inc()
+
+    async def _websocket(self, scope, receive, send):
+        """A WebSocket upgrade on a /v1/ route without the key is refused before it is accepted: HTTP 401 with
+        an OpenAI error body (where the server speaks the denial-response extension, else a 403)."""
+        if self.api_key is None or not scope["path"].startswith("/v1/") or self._is_authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        self.metrics.websocket_sessions.labels(route=scope["path"], status="unauthorized").inc()
+        await deny(WebSocket(scope, receive, send), APIError(401, "Incorrect or missing API key",
+                                                              code="invalid_api_key"))
 
     def _is_authorized(self, scope) -> bool:
         header = b""

@@ -18,6 +18,17 @@ class ServerMetrics:
         self.requests = Counter(
             "omnimtp_requests", "HTTP requests by route and status code", ["route", "status"], registry=r
         )
+        self.websocket_sessions = Counter(
+            "omnimtp_websocket_sessions", "WebSocket upgrades by route and outcome: accepted, unauthorized, "
+            "too_many_sessions", ["route", "status"], registry=r
+        )
+        self.websocket_active_sessions = Gauge(
+            "omnimtp_websocket_active_sessions", "Open WebSocket sessions by route", ["route"], registry=r
+        )
+        self.websocket_error_events = Counter(
+            "omnimtp_websocket_error_events", "error events sent for bad client events, by route and code",
+            ["route", "code"], registry=r
+        )
         self.queue_depth = Gauge("omnimtp_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active_requests = Gauge("omnimtp_active_requests", "Requests holding a batch slot", registry=r)
         self.cancelled = Counter(

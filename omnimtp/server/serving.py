@@ -180,7 +180,12 @@ def server_config(
     """The uvicorn config that serves `app` (from `create_app`, which holds the body timeout).
     Run it with `uvicorn.Server(config).run()`."""
     graceful_shutdown_timeout_s = check_seconds("graceful_shutdown_timeout_s", graceful_shutdown_timeout_s)
-    on_deadline = getattr(getattr(app, "state", None), "on_shutdown_deadline", None)
+    state = getattr(app, "state", None)
+    on_deadline = getattr(state, "on_shutdown_deadline", None)
+    websockets = getattr(state, "websockets", None)
+    # The protocol drops a WebSocket message far over the app's limit unread (close 1009); one up to twice the
+    # limit reaches the app, which answers with an `error` event and keeps the session.
+    ws_max_size = 16 << 20 if websockets is None else 2 * websockets.limits.max_message_bytes
     protocol = functools.partial(
         HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s),
         shutdown_deadline=ShutdownDeadline(graceful_shutdown_timeout_s, on_deadline),
@@ -192,6 +197,7 @@ def server_config(
         http=protocol,
         timeout_keep_alive=check_seconds("keep_alive_timeout_s", keep_alive_timeout_s),
         timeout_graceful_shutdown=graceful_shutdown_timeout_s,
+        ws_max_size=ws_max_size,
         lifespan="on",
         log_level=log_level,
     )
