@@ -228,3 +228,162 @@ def test_session_bad_input(tts, omni):
     assert session.is_finished
     with pytest.raises(ValueError, match="text: the session's text is finished"):
         session.push("more")
+
+
+# --- /v1/audio/speech/stream ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from server_harness import running_server
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.server.app import create_app
+    from omnimtp.server.scheduler import Engine
+
+    engines = {"tts": Engine(Qwen3TTSFamily.tiny(0), model_id="tts", max_frames=FRAMES, max_batch_size=4),
+               "omni": Engine(Qwen3OmniFamily.tiny(0), model_id="omni", max_frames=FRAMES, max_batch_size=4)}
+    with running_server(create_app(engines["tts"])) as tts_url, running_server(create_app(engines["omni"])) as omni_url:
+        yield {"tts": tts_url, "omni": omni_url, "engines": engines}
+
+
+def _ws(servers, kind):
+    from websockets.sync.client import connect
+
+    return connect(servers[kind].replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=30)
+
+
+def _recv(ws) -> dict:
+    import json
+
+    return json.loads(ws.recv(timeout=120))
+
+
+def _send(ws, event: dict) -> None:
+    import json
+
+    ws.send(json.dumps(event))
+
+
+def _stream_pcm(ws, pieces, config: dict | None = None, delay_s: float = 0.0) -> tuple[bytes, dict]:
+    """One request on an open session: its audio deltas joined, and its done event."""
+    import base64
+    import time
+
+    if config is not None:
+        _send(ws, {"type": "session.config", **config})
+        assert _recv(ws)["type"] == "session.configured"
+    for piece in pieces:
+        _send(ws, {"type": "input_text.delta", "delta": piece})
+        time.sleep(delay_s)
+    _send(ws, {"type": "input_text.done"})
+    audio = b""
+    while (event := _recv(ws))["type"] == "audio.delta":
+        audio += base64.b64decode(event["delta"])
+    assert event["type"] == "done", event
+    return audio, event
+
+
+def _http_pcm(servers, kind, text, **fields) -> bytes:
+    import httpx
+
+    response = httpx.post(servers[kind] + "/v1/audio/speech", timeout=300,
+                          json={"input": text, "response_format": "pcm", **fields})
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+def test_split_text_with_delays_gives_the_pcm_of_v1_audio_speech(servers):
+    config = {"voice": "vivian", "language": "english", "seed": 5}
+    expected = _http_pcm(servers, "tts", TEXT, **config)
+    assert_audible(np.frombuffer(expected, dtype=np.int16))
+    with _ws(servers, "tts") as ws:
+        for pieces, delay in zip(SPLITS, (0.0, 0.05, 0.01)):
+            audio, done = _stream_pcm(ws, pieces, config, delay)
+            assert audio == expected
+            assert done["usage"]["output_tokens"] == len(expected) // 2 // 1920 and done["finish_reason"] in ("stop", "length")
+    omni_expected = _http_pcm(servers, "omni", TEXT, voice="ethan", seed=2)
+    assert_audible(np.frombuffer(omni_expected, dtype=np.int16))
+    with _ws(servers, "omni") as ws:
+        for pieces, delay in zip(SPLITS, (0.0, 0.02, 0.0)):
+            assert _stream_pcm(ws, pieces, {"voice": "ethan", "seed": 2}, delay)[0] == omni_expected
+
+
+def test_concurrent_sessions_and_a_plain_request_give_their_bytes_alone(servers):
+    import threading
+
+    texts = [TEXT, "Short one, then more.", "日本語 and digits 123.", "Another, longer line of text."]
+    expected = [_http_pcm(servers, "tts", text, voice="aiden", seed=i, temperature=0.9) for i, text in enumerate(texts)]
+    results: dict = {}
+
+    def session(i):
+        with _ws(servers, "tts") as ws:
+            text = texts[i]
+            pieces = [text[j : j + 1 + i] for j in range(0, len(text), 1 + i)]
+            results[i] = _stream_pcm(ws, pieces, {"voice": "aiden", "seed": i, "temperature": 0.9}, 0.005)[0]
+
+    def plain():
+        results["http"] = _http_pcm(servers, "tts", texts[0], voice="aiden", seed=0, temperature=0.9)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(texts))] + [threading.Thread(target=plain)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    for i, pcm in enumerate(expected):
+        assert_audible(np.frombuffer(pcm, dtype=np.int16))
+        assert results[i] == pcm
+    assert results["http"] == expected[0]
+
+
+@pytest.mark.parametrize("event, param, code", [
+    ({"type": "input_text.delta"}, "delta", "missing_required_parameter"),
+    ({"type": "input_text.delta", "delta": 3}, "delta", "invalid_value"),
+    ({"type": "input_text.done"}, "type", "invalid_value"),
+    ({"type": "response.create"}, "type", "invalid_event"),
+    ({"type": "session.config", "voice": "nobody"}, "voice", "invalid_value"),
+    ({"type": "session.config", "language": "klingon"}, "language", "invalid_value"),
+    ({"type": "session.config", "response_format": "wav"}, "response_format", "invalid_value"),
+    ({"type": "session.config", "input": "hi"}, "input", "unknown_parameter"),
+    ({"type": "session.config", "seed": "1"}, "seed", "invalid_value"),
+    ({"type": "session.config", "model": "other"}, "model", "model_not_found"),
+])
+def test_bad_events_get_error_events_and_the_session_goes_on(servers, event, param, code):
+    with _ws(servers, "tts") as ws:
+        _send(ws, {**event, "event_id": "evt_1"})
+        error = _recv(ws)
+        assert error["type"] == "error" and error["error"]["param"] == param and error["error"]["code"] == code
+        assert error["error"]["event_id"] == "evt_1"
+        audio, _ = _stream_pcm(ws, ["Hi there"], {"voice": "aiden", "seed": 1})
+        assert audio == _http_pcm(servers, "tts", "Hi there", voice="aiden", seed=1)
+
+
+def test_text_over_the_limit_and_events_during_a_request(servers):
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 4})
+        assert _recv(ws)["session"] == {"voice": "aiden", "seed": 4, "speed": 1.0, "response_format": "pcm"}
+        _send(ws, {"type": "input_text.delta", "delta": "Hello "})
+        _send(ws, {"type": "input_text.delta", "delta": "x" * 4096})
+        error = _recv(ws)
+        assert error["error"]["param"] == "delta" and error["error"]["code"] == "string_above_max_length"
+        _send(ws, {"type": "session.config", "voice": "eric"})
+        assert _recv(ws)["error"]["code"] == "request_in_progress"
+        audio, _ = _stream_pcm(ws, ["there"])
+        assert audio == _http_pcm(servers, "tts", "Hello there", voice="aiden", seed=4)
+
+
+def test_a_disconnect_mid_request_frees_the_slot(servers):
+    import time
+
+    engine = servers["engines"]["tts"]
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden"})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "Hello there, a text that never ends "})
+        assert _recv(ws)["type"] == "audio.delta"
+        assert len(engine._core.running) == 1
+    deadline = time.monotonic() + 30
+    while engine._core.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine._core.running and not engine._core.talker.rows

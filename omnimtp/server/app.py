@@ -7,6 +7,7 @@
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
+    routes/speech_stream.py  /v1/audio/speech/stream (WebSocket: text streamed into speech)
     routes/models.py   /v1/models, /health, /metrics
 
 The app never touches a model. A route turns a validated request into an `EngineRequest`, submits it to
@@ -32,7 +33,7 @@ from omnimtp.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAU
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
-from omnimtp.server.routes import chat, models, speech
+from omnimtp.server.routes import chat, models, speech, speech_stream
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
@@ -110,7 +111,7 @@ def create_app(
                                        max_tokens_limit=max_tokens_limit)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
-    for api in (chat, speech, models):
+    for api in (chat, speech, speech_stream, models):
         app.include_router(api.router)
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)

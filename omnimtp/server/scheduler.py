@@ -391,6 +391,36 @@ class Engine:
             self._cond.notify_all()
         return handle
 
+    def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
+                             loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        """Queue a speech request whose text will come in pieces (`push_speech_ids`; called on the event loop):
+        it holds a slot from its admission, and its talker waits for each text row it has not got. Raises
+        QueueFullError as `submit`."""
+        with self._cond:
+            if not self._accepting:
+                raise QueueFullError("the server is shutting down")
+            if len(self._core.waiting) >= self.max_queue:
+                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
+            handle = RequestHandle(next(self._ids), loop, self._cancel)
+            sampling = None if sampling.is_greedy else sampling
+            talker_sampling = self.family.sampled_talker(sampling) if self.has_chat else sampling
+            handle.request = Request(
+                handle.request_id, [], max_new_tokens=1, max_frames=self.config.max_frames, speaker=speaker,
+                thinker_sampling=sampling if self.has_chat else None, talker_sampling=talker_sampling, seed=seed,
+                is_chat=False, is_text_finished=False,
+            )
+            self._handles[handle.request_id] = handle
+            self._core.add(handle.request)
+            self._set_gauges()
+            self._cond.notify_all()
+        return handle
+
+    def push_speech_ids(self, handle: RequestHandle, ids: list[int], is_finished: bool) -> None:
+        """More text ids of a `submit_speech_stream` request (a no-op once it has ended)."""
+        with self._cond:
+            self._core.push_speech_ids(handle.request_id, ids, is_finished)
+            self._cond.notify_all()
+
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:
             self._cancelled.add(handle.request_id)
@@ -445,7 +475,8 @@ class Engine:
         core = self._core
         while True:
             with self._cond:
-                while not (core.waiting or core.running or self._stopping):
+                # a request waiting for its text is no work: the engine sleeps until text (or anything) comes
+                while not (self._cancelled or core.has_ready_work() or (self._stopping and not core.running)):
                     self._cond.wait()
                 if self._stopping and not core.waiting and not core.running:
                     return

@@ -128,24 +128,42 @@ class ChatCompletionRequest(BaseModel):
 TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
 
 
-class SpeechRequest(BaseModel):
-    """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
-    `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
-    or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
-    against the model in `routes/speech.py`)."""
+MAX_SPEECH_INPUT_CHARS = 4096  # the text one speech request speaks
+
+
+class SpeechVoice(BaseModel):
+    """The fields of a speech request that say how to speak (`SpeechRequest`, and `/v1/audio/speech/stream`'s
+    `session.config`)."""
 
     model_config = _STRICT
     model: str | None = None
-    input: Annotated[str, Field(min_length=1, max_length=4096)]
     voice: NonEmptyStr | None = None
     language: NonEmptyStr | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     task_type: Literal[TASK_TYPES] | None = None
-    response_format: Literal["wav", "pcm", "flac"] = "wav"
-    stream_format: Literal["audio", "sse"] = "audio"
     speed: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0  # a number, never a bool
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None
+
+
+class SpeechStreamConfig(SpeechVoice):
+    """`/v1/audio/speech/stream`'s `session.config` event: the speech request's fields but `input` (the text comes
+    in `input_text.delta` events) and `stream_format`; `audio.delta` events carry PCM16."""
+
+    type: Literal["session.config"]
+    event_id: str | None = None
+    response_format: Literal["pcm"] = "pcm"
+
+
+class SpeechRequest(SpeechVoice):
+    """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
+    `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
+    or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
+    against the model in `routes/speech.py`)."""
+
+    input: Annotated[str, Field(min_length=1, max_length=MAX_SPEECH_INPUT_CHARS)]
+    response_format: Literal["wav", "pcm", "flac"] = "wav"
+    stream_format: Literal["audio", "sse"] = "audio"
