@@ -20,6 +20,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from omnimtp.engine.core import EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+from omnimtp.handoff import assemble_talker_chunks
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.tokenizer import QWEN2_SPLIT_PATTERN, StreamedTextIds
 
@@ -110,6 +111,29 @@ def test_the_tiny_tokenizer_still_gives_bytes(tts):
     text = "Hello, wörld 12  日本\n\n x"
     ids = tts.family.tokenizer.encode(text, add_special_tokens=False)
     assert ids == list(text.encode("utf-8"))
+
+
+# --- talker inputs: the rows of a split text are the whole text's rows ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tts", "omni"])
+def test_streamed_talker_inputs_are_the_whole_texts_bit_for_bit(tts, omni, kind):
+    """`SpeechTextStream`'s chunks joined == `speech_talker_inputs` of all the ids (prefill, every trailing row,
+    the end rows), for several splits of the ids, each row's bits included."""
+    pipe = tts if kind == "tts" else omni
+    family = pipe.family
+    speaker = family.voice("aiden", "english") if kind == "tts" else family.default_speaker
+    ids = family.speech_ids(TEXT)
+    whole = family.speech_talker_inputs(ids, speaker)
+    num_spoken = len(ids) - len(family.speech_stream(speaker).closing_ids)  # a template's tail comes at the end
+    for cuts in ([], [4], [5, 6, 7, 20], list(range(1, num_spoken))):
+        stream = family.speech_stream(speaker)
+        bounds = [0, *cuts, len(ids)]
+        chunks = [chunk for a, b in zip(bounds, bounds[1:]) for chunk in stream.push(ids[a:b], b == len(ids))]
+        joined = assemble_talker_chunks(chunks)
+        assert (len(chunks) > 2) == (len(cuts) > 2)
+        for name in ("prefill_embeds", "prefill_ids", "trailing_text", "tts_pad_embed"):
+            assert torch.equal(getattr(joined, name), getattr(whole, name)), name
 
 
 # --- the engine: a talker that waits for its text ------------------------------------------------------------
