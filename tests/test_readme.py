@@ -142,7 +142,7 @@ def test_the_cli_commands_run(readme_dir, capsys):
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines):
     blocks = readme_blocks("python")
-    assert len(blocks) == 5
+    assert len(blocks) == 6
     served = [block for block in blocks if "from openai import OpenAI" in block]
     assert len(served) == 1
     for block in blocks:
