@@ -40,6 +40,11 @@ def omni():
     return OmniPipeline.tiny(max_frames=FRAMES)
 
 
+@pytest.fixture(scope="module")
+def omni2_5():
+    return OmniPipeline.tiny(family="qwen2_5", max_frames=FRAMES)
+
+
 # --- ids: a split never changes them ----------------------------------------------------------------------
 
 # Characters where tokenizers cut, merge or normalize: letters, digits, spaces and newlines, punctuation, CJK,
@@ -116,11 +121,11 @@ def test_the_tiny_tokenizer_still_gives_bytes(tts):
 # --- talker inputs: the rows of a split text are the whole text's rows ------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["tts", "omni"])
-def test_streamed_talker_inputs_are_the_whole_texts_bit_for_bit(tts, omni, kind):
+@pytest.mark.parametrize("kind", ["tts", "omni", "omni2_5"])
+def test_streamed_talker_inputs_are_the_whole_texts_bit_for_bit(tts, omni, omni2_5, kind):
     """`SpeechTextStream`'s chunks joined == `speech_talker_inputs` of all the ids (prefill, every trailing row,
     the end rows), for several splits of the ids, each row's bits included."""
-    pipe = tts if kind == "tts" else omni
+    pipe = {"tts": tts, "omni": omni, "omni2_5": omni2_5}[kind]
     family = pipe.family
     speaker = family.voice("aiden", "english") if kind == "tts" else family.default_speaker
     ids = family.speech_ids(TEXT)
@@ -216,8 +221,11 @@ def test_session_equals_stream_speech_however_the_text_is_split(tts, sampled):
         assert np.array_equal(session_output.audio, output.audio)
 
 
-def test_omni_session_equals_the_whole_text_however_it_is_split(omni):
-    """Qwen3-Omni's speech path (the text spoken as a reply): the same codes and chunks for every split."""
+@pytest.mark.parametrize("kind", ["omni", "omni2_5"])
+def test_omni_session_equals_the_whole_text_however_it_is_split(omni, omni2_5, kind):
+    """Qwen3-Omni's and Qwen2.5-Omni's speech path (the text spoken as a reply): the codes and chunks of the
+    whole text (as the engine speaks a whole-text speech request) for every split."""
+    omni = omni if kind == "omni" else omni2_5
     whole_chunks, whole = _session_audio(omni, [TEXT], voice=None, seed=3)
     assert_audible(whole.audio)
     ids = omni.family.speech_ids(TEXT)
@@ -228,7 +236,7 @@ def test_omni_session_equals_the_whole_text_however_it_is_split(omni):
             if event.is_finished:
                 plain = core.output(event.request)
     assert torch.equal(plain.codes, whole.codes) and np.array_equal(plain.audio, whole.audio)
-    for pieces in SPLITS[1:]:
+    for pieces in SPLITS[1:] if kind == "omni" else SPLITS[2:]:
         chunks, output = _session_audio(omni, pieces, seed=3)
         assert torch.equal(output.codes, whole.codes)
         assert all(np.array_equal(a, b) for a, b in zip(chunks, whole_chunks)) and len(chunks) == len(whole_chunks)
