@@ -13,6 +13,9 @@ One `step()` is one audio frame boundary:
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
              prefill and one reply row), so a request that arrived while the engine was busy speaks in
              this step; speech requests get their talker inputs from the text to speak
+    text     speech requests' text ids that came since the last step (`push_speech_ids`: a text still being
+             written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`); a talker row waits for a
+             text row it has not got, and a driver waits for text while nothing else can move (`has_ready_work`)
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
     speak    one talker + code predictor step for every speaking request, as one batch
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
