@@ -422,3 +422,18 @@ def test_a_disconnect_mid_request_frees_the_slot(servers):
     while engine._core.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine._core.running and not engine._core.talker.rows
+
+
+def test_the_non_streaming_layout_waits_for_the_whole_text():
+    """`non_streaming_mode` puts the text in the prefill: nothing goes to the talker before the text is done."""
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+    family = Qwen3TTSFamily.tiny(0, non_streaming_mode=True)
+    voice = family.voice("aiden")
+    ids = family.speech_ids(TEXT)
+    stream = family.speech_stream(voice)
+    assert stream.push(ids[:10]) == [] and stream.push(ids[10:-5]) == []
+    [chunk] = stream.push(ids[-5:], is_finished=True)
+    whole = family.speech_talker_inputs(ids, voice)
+    assert chunk.is_finished and torch.equal(chunk.prefill_embeds, whole.prefill_embeds)
+    assert chunk.trailing_text.shape[0] == 0 == whole.trailing_text.shape[0]
