@@ -32,6 +32,7 @@ import time
 import httpx
 from websockets.asyncio.client import connect
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this tree's omnimtp (it saves the tiny model)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import server_process  # noqa: E402
 
