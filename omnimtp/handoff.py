@@ -332,3 +332,66 @@ class ThinkerToTalkerStream:
         self._num_chunks += 1
         tts_pad = self.builder.tts_pad_embed if index == 0 else None
         return TalkerChunk(index, trailing, is_finished, finish_reason, prefill_embeds, prefill_ids, tts_pad)
+
+
+class SpeechTextStream:
+    """Talker inputs of a speech request whose text ids arrive in pieces, as `TalkerChunk`s (`push(ids,
+    is_finished)` → the chunks it released, like `ThinkerToTalkerStream`'s).
+
+    inputs: the family's whole-text construction (all of a request's ids → `TalkerInputs`), which must build its
+    prefill from the first num_prefill_ids ids alone and one trailing row per later spoken id, each row alone
+    (text_rows: ids → those rows [n, D]), then its end rows; closing_ids: the ids a finished text ends with that
+    are not spoken (Qwen3-TTS: its template's tail). num_prefill_ids None: a layout whose prefill holds the whole
+    text (Qwen3-TTS's non_streaming_mode), so nothing is released before the text is finished.
+
+    Chunk 0 is `inputs(first ids + closing_ids)` (a one-id text: the prefill, and trailing rows that are only the
+    end rows, kept for the end) once num_prefill_ids ids are here, or `inputs(all ids)` when the text is finished
+    first; then one row per id as it comes; the last chunk ends with the end rows. Joined, the chunks are
+    `inputs(all ids)` bit for bit, however the ids were split and whenever they came."""
+
+    def __init__(self, inputs, text_rows, num_prefill_ids: int | None, closing_ids: Sequence[int] = ()):
+        self.inputs = inputs
+        self.text_rows = text_rows
+        self.num_prefill_ids = num_prefill_ids
+        self.closing_ids = [int(i) for i in closing_ids]
+        self.ids: list[int] = []
+        self.is_finished = False
+        self._num_released = 0  # ids in the prefill or handed out as rows
+        self._end_rows: torch.Tensor | None = None
+        self._num_chunks = 0
+
+    def push(self, ids: Sequence[int], is_finished: bool = False) -> list[TalkerChunk]:
+        if self.is_finished:
+            raise ValueError("push: the text is already finished")
+        self.ids.extend(int(i) for i in ids)
+        self.is_finished = bool(is_finished)
+        if self._num_chunks == 0:
+            if self.is_finished:
+                whole = self.inputs(self.ids)
+                return [self._chunk(whole.trailing_text, whole)]
+            if self.num_prefill_ids is None or len(self.ids) < self.num_prefill_ids:
+                return []
+            first = self.inputs(self.ids[: self.num_prefill_ids] + self.closing_ids)
+            self._end_rows = first.trailing_text
+            self._num_released = self.num_prefill_ids
+            return [self._chunk(self._new_rows(), first)]
+        rows = self._new_rows()
+        if not self.is_finished and rows.shape[0] == 0:
+            return []
+        return [self._chunk(rows)]
+
+    def _new_rows(self) -> torch.Tensor:
+        """The rows of the spoken ids not handed out yet, and the end rows once the text is finished."""
+        spoken = len(self.ids) - (len(self.closing_ids) if self.is_finished else 0)
+        new = self.ids[self._num_released : spoken]
+        self._num_released = max(spoken, self._num_released)
+        rows = self.text_rows(new) if new else self._end_rows[:0]
+        return torch.cat([rows, self._end_rows]) if self.is_finished else rows
+
+    def _chunk(self, trailing: torch.Tensor, first: TalkerInputs | None = None) -> TalkerChunk:
+        index = self._num_chunks
+        self._num_chunks += 1
+        if first is None:
+            return TalkerChunk(index, trailing, self.is_finished)
+        return TalkerChunk(index, trailing, self.is_finished, None, first.prefill_embeds, first.prefill_ids,
+                           first.tts_pad_embed)

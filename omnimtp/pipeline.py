@@ -25,6 +25,8 @@ the same text and PCM as here.
     base = OmniPipeline.from_pretrained("Qwen3-TTS-12Hz-0.6B-Base")         # voice cloning
     voice = base.create_voice("ref.wav", ref_text="What the recording says.")  # a Voice: voice.save("me.safetensors")
     out = base.speech("Hello there", voice=voice)
+    session = tts.speech_session(voice="aiden")                            # text that is still being written
+    chunks = session.push("Hello ") + session.push("there") + session.finish()
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 from omnimtp.voice import Voice
 
-__all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE"]
+__all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE", "SpeechSession"]
 
 MEDIA_ARGUMENTS = (
     "input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
@@ -393,6 +395,33 @@ class OmniPipeline:
             stripped = [v.x_vector_only() for v in voices]
             return stripped if isinstance(voice, (list, tuple)) else stripped[0]
         return voice
+    def speech_session(
+        self, *, voice=None, language: str | None = None, instructions: str | None = None,
+        sampling: SamplingParams | None = None, seed: int | None = None, max_frames: int | None = None,
+    ) -> "SpeechSession":
+        """Speech of a text that is still being written (an LLM's reply as it comes): push text in pieces, take
+        the audio chunks as the talker makes them (`SpeechSession`). The talker waits for text it has not got,
+        so the codes are those of `speech(whole text)` and the chunks those of `stream_speech(whole text)`, bit
+        for bit, however the text was split. Arguments as `stream_speech`; on a Qwen3-Omni / Qwen2.5-Omni model
+        (its speech path: the text spoken as if the thinker had replied with it) voice is one of its speakers
+        (None: the model's default), language and instructions are refused and sampling samples the talker as
+        transformers' `generate` does by default."""
+        family = self.family
+        if hasattr(family, "voice"):
+            speaker, talker_sampling = family.voice(voice, language, instructions), sampling
+        else:
+            for name, value in (("language", language), ("instructions", instructions)):
+                if value is not None:
+                    raise ValueError(f"{name}: this model takes no {name} (only Qwen3-TTS models do)")
+            speaker = family.default_speaker if voice is None else voice
+            family.check_speaker(speaker)
+            talker_sampling = family.sampled_talker(sampling)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
+        max_frames = self.config.max_frames if max_frames is None else max_frames
+        request = Request(0, [], max_new_tokens=1, max_frames=max_frames, speaker=speaker, talker_sampling=talker_sampling,
+                          seed=seed, is_chat=False, is_streamed=True, is_text_finished=False)
+        return SpeechSession(EngineCore(family, self.config), request, family.speech_text_ids())
 
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
                          is_streamed: bool) -> tuple[list[Request], bool]:
@@ -477,6 +506,79 @@ class OmniPipeline:
         if not isinstance(item, list) or not all(isinstance(m, dict) for m in item) or not item:
             raise ValueError("prompt: expected a string or a non-empty list of chat messages")
         return self.family.chat_inputs(item, self.media_limits)
+
+
+class SpeechSession:
+    """One text spoken while it is written, from `OmniPipeline.speech_session`:
+
+        with pipe.speech_session(voice="aiden", seed=1) as session:
+            for piece in llm_reply_pieces:
+                play(session.push(piece))     # the audio chunks the text so far lets the talker make
+            play(session.finish())            # the rest; session.output: the OmniOutput
+
+    `push` commits the ids no later text can change (`omnimtp.tokenizer.StreamedTextIds`) and steps the engine
+    until the talker waits for more text; `finish` ends the text and runs the request to its end. The request
+    ends on its own when the talker does (codec EOS or max_frames), even before the text is finished: then
+    `is_finished` and further pushes make no audio. `close` (or leaving the `with`) drops an unfinished request."""
+
+    def __init__(self, core: EngineCore, request: Request, text_ids):
+        self._core = core
+        self._request = request
+        self._text_ids = text_ids
+        self.output: OmniOutput | None = None
+        core.add(request)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.output is not None
+
+    @property
+    def text(self) -> str:
+        """The text pushed so far."""
+        return self._text_ids.text
+
+    def push(self, text: str) -> list[np.ndarray]:
+        """More text → the float32 audio chunks made meanwhile (often none: the talker speaks a row per frame)."""
+        self._check_open()
+        ids = self._text_ids.push(text)
+        if ids and self.output is None:
+            self._core.push_speech_ids(self._request.request_id, ids, is_finished=False)
+        return self._run()
+
+    def finish(self) -> list[np.ndarray]:
+        """The end of the text → the rest of the audio chunks; `output` holds the whole result."""
+        self._check_open()
+        if not self._text_ids.text.strip():
+            raise ValueError("text: empty text")
+        ids = self._text_ids.finish()
+        if self.output is None:
+            self._core.push_speech_ids(self._request.request_id, ids, is_finished=True)
+        return self._run()
+
+    def close(self) -> None:
+        """Drop the request if it has not finished (its slot and talker row are freed)."""
+        self._core.abort(self._request.request_id)
+        self._text_ids.is_finished = True
+
+    def __enter__(self) -> "SpeechSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._text_ids.is_finished:
+            raise ValueError("text: the session's text is finished (or the session is closed)")
+
+    def _run(self) -> list[np.ndarray]:
+        chunks = []
+        while self._core.has_ready_work():
+            for event in self._core.step():
+                if event.is_finished:
+                    self.output = self._core.output(event.request)
+                elif event.audio is not None:
+                    chunks.append(event.audio)
+        return chunks
 
 
 def _per_row(name: str, value, num_rows: int) -> list:

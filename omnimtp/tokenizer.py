@@ -17,11 +17,16 @@ import re
 import threading
 import weakref
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.pre_tokenizers import ByteLevel
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel, Split
 from transformers import PreTrainedTokenizerFast
 
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS
+
+# Qwen2's pre-tokenizer regex (its tokenizer.json): words, single digits, punctuation runs, newlines, spaces.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # Role names are single tokens (the talker finds user turns by the id after <|im_start|>); they only
 # match as whole words, so "username" stays bytes.
@@ -68,7 +73,11 @@ def byte_tokenizer(special_tokens: dict[str, int] = THINKER_SPECIAL_TOKENS) -> P
     vocab = {byte_to_char[b]: b for b in range(256)}
     assert set(vocab) == set(byte_chars)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    # Qwen2's pre-tokenizer: with no merges the ids are the bytes whatever the pieces, and the pieces are words as
+    # in a real checkpoint's tokenizer (what text streamed into speech is committed by, `StreamedTextIds`)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"), ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     for name, token_id in sorted(special_tokens.items(), key=lambda item: item[1]):
         is_role = name in ROLE_TOKENS
@@ -126,8 +135,8 @@ class PromptTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
-        self._literal = Tokenizer.from_str(self._backend.to_str())
-        self._literal.encode_special_tokens = True
+        self.literal = Tokenizer.from_str(self._backend.to_str())  # special-token strings are text
+        self.literal.encode_special_tokens = True
         specials = {token.content: token_id for token_id, token in tokenizer.added_tokens_decoder.items()
                     if token.special}
         self.special_ids = frozenset(specials.values())
@@ -137,7 +146,7 @@ class PromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """`text` as ordinary text: special-token strings in it are characters."""
-        return self._literal.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.literal.encode_batch([text], add_special_tokens=False)[0].ids
 
     def has_special_text(self, texts) -> bool:
         """Whether any of `texts` holds a special-token string."""
@@ -266,3 +275,84 @@ def _max_chars_per_token(tokenizer, specials: set[str]) -> int | None:
         return None
     entries = [entry for entry in tokenizer.get_vocab() if entry not in specials]
     return max(map(len, entries), default=None)
+
+
+# --- text that arrives in pieces -----------------------------------------------------------------------
+
+
+class StreamedTextIds:
+    """The ids of a text that arrives in pieces, each handed out once no later text can change it: whatever
+    the split, `push(a) + push(b) + ... + finish()` == `backend.encode(head + a + b + ... + tail).ids`, with
+    `prefix_ids` first.
+
+    Which ids are final. A tokenizer cuts its text at added tokens, then its pre-tokenizer cuts each stretch into
+    pieces (words, digits, punctuation runs, whitespace runs), and ids never span two pieces. Text appended at the
+    end can only change the last piece (a word grows, a space run is split off by the next word, a combining mark
+    joins its letter under NFC) or complete an added token whose start is already here. So a push holds back
+    the text from the earliest point where its tail could still start an added token, and of the rest the last
+    piece; it hands out the ids before that, after checking they are what that text alone encodes to.
+
+        >>> text = StreamedTextIds(byte_tokenizer().backend_tokenizer)
+        >>> text.push("Hello wor"), text.push("ld"), text.finish()
+        ([72, 101, 108, 108, 111], [], [32, 119, 111, 114, 108, 100])
+
+    backend: a `tokenizers.Tokenizer` (a transformers tokenizer's `backend_tokenizer`, or `PromptTokenizer`'s
+    copy that reads special-token strings as text)."""
+
+    def __init__(self, backend: Tokenizer, *, head: str = "", tail: str = "", prefix_ids=()):
+        self.backend = backend
+        self.tail = tail
+        self.text = ""  # what was pushed (head and tail not included)
+        self._pending = head  # text whose ids are not handed out yet
+        self._prefix_ids = [int(i) for i in prefix_ids]
+        contents = [token.content for token in backend.get_added_tokens_decoder().values()]
+        self._added = tuple(content for content in contents if content)
+        self._max_added = max(map(len, self._added), default=0)
+        self.is_finished = False
+
+    def push(self, text: str) -> list[int]:
+        """More text → the ids that became final."""
+        if self.is_finished:
+            raise ValueError("text: the text is already finished")
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a string, got {type(text).__name__}")
+        self.text += text
+        self._pending += text
+        cut = self._final_prefix(self._pending)
+        ids = self._encode(self._pending[:cut])
+        self._pending = self._pending[cut:]
+        return self._with_prefix(ids)
+
+    def finish(self) -> list[int]:
+        """The rest of the ids (the tail's included)."""
+        if self.is_finished:
+            raise ValueError("text: the text is already finished")
+        self.is_finished = True
+        ids = self._encode(self._pending + self.tail)
+        self._pending = ""
+        return self._with_prefix(ids)
+
+    def _with_prefix(self, ids: list[int]) -> list[int]:
+        if self._prefix_ids and (ids or self.is_finished):
+            ids, self._prefix_ids = self._prefix_ids + ids, []
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def _final_prefix(self, text: str) -> int:
+        """How many characters of `text` (the text not handed out yet) have final ids."""
+        held = len(text)  # from here on the text could still become an added token
+        for start in range(max(len(text) - self._max_added, 0), len(text)):
+            if any(content.startswith(text[start:]) for content in self._added):
+                held = start
+                break
+        encoding = self.backend.encode(text[:held], add_special_tokens=False)
+        words = encoding.word_ids
+        if not words:
+            return 0
+        last = next(i for i, word in enumerate(words) if word == words[-1])  # the last piece's first token
+        cut = encoding.offsets[last][0] if last > 0 else 0
+        if cut == 0 or self._encode(text[:cut]) != encoding.ids[:last]:
+            return 0
+        return cut

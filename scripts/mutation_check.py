@@ -54,6 +54,7 @@ VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
+SPEECH_STREAM = ("tests/test_speech_stream.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -496,9 +497,39 @@ MUTATIONS = [
     ),
     Mutation(
         "tts_trailing_text_off_by_one", "omnimtp/families/qwen3_tts.py",
-        "trailing = torch.cat([self._text_rows(text[:, 1:]), eos], dim=1)[0]",
-        "trailing = torch.cat([self._text_rows(text[:, 2:]), eos], dim=1)[0]",
+        "trailing = torch.cat([self.speech_text_rows(text[0, 1:].tolist()), eos[0]])",
+        "trailing = torch.cat([self.speech_text_rows(text[0, 2:].tolist()), eos[0]])",
         QWEN3_TTS, "the trailing text skips the second text token",
+    ),
+    Mutation(
+        "speech_stream_pads_instead_of_waiting", "omnimtp/talker/loop.py",
+        "return self.finish_reason is None and (bool(self.text_rows) or self.is_text_finished)",
+        "return self.finish_reason is None",
+        SPEECH_STREAM, "a talker row whose next text row has not arrived steps on tts_pad instead of waiting",
+    ),
+    Mutation(
+        "streamed_ids_commit_the_last_piece", "omnimtp/tokenizer.py",
+        "        return cut\n",
+        "        return held\n",
+        SPEECH_STREAM, "streamed text commits the ids of its last piece, which later text can still change",
+    ),
+    Mutation(
+        "streamed_ids_ignore_added_tokens", "omnimtp/tokenizer.py",
+        "                held = start\n",
+        "                held = len(text)\n",
+        SPEECH_STREAM, "streamed text commits the start of what may become a special token",
+    ),
+    Mutation(
+        "speech_stream_speaks_the_template_tail", "omnimtp/handoff.py",
+        "spoken = len(self.ids) - (len(self.closing_ids) if self.is_finished else 0)",
+        "spoken = len(self.ids)",
+        SPEECH_STREAM, "a streamed Qwen3-TTS text speaks its template's closing ids",
+    ),
+    Mutation(
+        "speech_stream_projects_rows_together", "omnimtp/families/qwen3_tts.py",
+        "rows = [self._text_rows(torch.tensor([[token]], device=self.device))[0] for token in ids]",
+        "rows = [self._text_rows(torch.tensor([ids], device=self.device))[0]] if ids else []",
+        SPEECH_STREAM, "Qwen3-TTS projects the trailing rows in one call, so a split text gets other bits",
     ),
     Mutation(
         "tts_predictor_projects_once", "omnimtp/talker/code_predictor.py",

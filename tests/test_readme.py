@@ -144,7 +144,7 @@ def test_the_cli_commands_run(readme_dir, capsys):
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines):
     blocks = readme_blocks("python")
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     served = [block for block in blocks if "from openai import OpenAI" in block]
     assert len(served) == 2
     for block in blocks:

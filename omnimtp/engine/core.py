@@ -13,6 +13,9 @@ One `step()` is one audio frame boundary:
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
              prefill and one reply row), so a request that arrived while the engine was busy speaks in
              this step; speech requests get their talker inputs from the text to speak
+    text     speech requests' text ids that came since the last step (`push_speech_ids`: a text still being
+             written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`); a talker row waits for a
+             text row it has not got, and a driver waits for text while nothing else can move (`has_ready_work`)
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
     speak    one talker + code predictor step for every speaking request, as one batch
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
@@ -131,6 +134,28 @@ class EngineCore:
         with self.lock:
             return bool(self.waiting or self.running)
 
+    def has_ready_work(self) -> bool:
+        """Whether a step would make progress: a request to admit, or a running one that is not only waiting
+        for more of its text (a driver waits for text instead of stepping when nothing else can move)."""
+        with self.lock:
+            if self.waiting and len(self.running) < self.config.max_batch_size:
+                return True
+            return any(not self._waits_for_text(request) for request in self.running.values())
+
+    def push_speech_ids(self, request_id: Hashable, ids: list[int], is_finished: bool) -> bool:
+        """More ids of a speech request added with `is_text_finished=False` (any thread); is_finished: they end
+        its text. False when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
+        ids = [int(token) for token in ids]
+        with self.lock:
+            request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
+            if request is None:
+                return False
+            if request.is_text_finished:
+                raise ValueError(f"request_id {request_id!r}: its text is already finished")
+            request.prompt_ids.extend(ids)
+            request.is_text_finished = bool(is_finished)
+        return True
+
     def abort(self, request_id: Hashable) -> Request | None:
         """Drop a waiting or running request (call between steps); None if it is not here."""
         with self.lock:
@@ -182,6 +207,7 @@ class EngineCore:
         yield from self._start(self._admit())
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
+        self._feed_text()
         self._prefill_talker()
         started = self._phase("talker_admit", started)
         self._speak()
@@ -210,8 +236,7 @@ class EngineCore:
                 continue
             request.codec_stream = self.family.new_codec_stream(request.speaker, request.codec_generator)
             if not request.is_chat:
-                inputs = self.family.speech_talker_inputs(request.prompt_ids, request.speaker)
-                request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
+                request.speech_stream = self.family.speech_stream(request.speaker)  # fed by _feed_text
                 continue
             request.talker_builder = self.family.talker_builder(request.prompt_ids, request.speaker, request.media)
             if request.is_streamed:
@@ -281,6 +306,11 @@ class EngineCore:
         chunks = request.handoff.push(event.embeds, event.hidden, [event.token_id])
         if finish_reason is not None:
             chunks += request.handoff.finish(finish_reason)
+        self._take_chunks(request, chunks)
+
+    def _take_chunks(self, request: Request, chunks) -> None:
+        """Streamed talker inputs (`omnimtp.handoff.TalkerChunk`s): chunk 0 waits for the talker admission, later
+        rows join it there or go to the talker row, which waits for each row it has not got."""
         for chunk in chunks:
             if chunk.index == 0:
                 request.talker_inputs = _PendingTalker(
@@ -291,6 +321,32 @@ class EngineCore:
                 request.talker_inputs.is_text_finished = chunk.is_finished
             else:
                 self.talker.push_text(request.request_id, chunk.trailing_text, chunk.is_finished)
+
+    # --- speech text ---
+
+    def _feed_text(self) -> None:
+        """The text ids of speech requests that came since the last step, on to their talker inputs."""
+        for request in self.running.values():
+            stream = request.speech_stream
+            if stream is None or stream.is_finished or request.talker_finish_reason is not None:
+                continue
+            with self.lock:
+                ids, is_finished = request.prompt_ids[request.num_fed_ids:], request.is_text_finished
+            if ids or is_finished:
+                request.num_fed_ids += len(ids)
+                self._take_chunks(request, stream.push(ids, is_finished))
+
+    def _waits_for_text(self, request: Request) -> bool:
+        """Whether a running request can do nothing until more of its text comes."""
+        if request.speech_stream is None or request.is_text_finished or len(request.prompt_ids) > request.num_fed_ids:
+            return False
+        if request.talker_inputs is not None or request.talker_finish_reason is not None:
+            return False
+        if request.is_in_talker and self.talker.is_ready(request.request_id):
+            return False
+        pending = len(request.frames) - request.num_decoded
+        target = self.config.first_chunk_frames if request.num_decoded == 0 else self.config.chunk_frames
+        return not (request.is_streamed and pending >= target)
 
     # --- prefill + speak ---
 

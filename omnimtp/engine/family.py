@@ -50,6 +50,10 @@ class Family(Protocol):
         """The talker inputs that speak a speech request's text in `speaker` (a name, or the family's voice
         object: Qwen3-TTS's `TTSVoice`)."""
 
+    def speech_stream(self, speaker):
+        """A speech request's talker inputs as its ids arrive (`omnimtp.handoff.SpeechTextStream`): joined, they are
+        `speech_talker_inputs` of all the ids, bit for bit."""
+
     def new_talker_batch(self, max_batch_size: int):
         """The batched talker state (`omnimtp.talker.loop.TalkerBatch`: admit / push_text / step / retire), admitting
         `omnimtp.talker.loop.TalkerRequest`s."""

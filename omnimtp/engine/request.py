@@ -49,7 +49,9 @@ class Request:
     `seed=s` repeats bit for bit whatever else ran; None for an unseeded request, whose codec noise comes
     from torch's global RNG when its audio is decoded, as transformers draws it. media: the
     prompt's audio / image / video tensors (`omnimtp.media.MediaInputs`), one encoder row per media pad
-    id of prompt_ids; None for a text prompt."""
+    id of prompt_ids; None for a text prompt. is_text_finished: False for a speech request whose text is still
+    arriving: prompt_ids holds its ids so far (possibly none) and `EngineCore.push_speech_ids` adds the rest;
+    its talker waits for each text row it has not got (its codes are those of the whole text)."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -62,6 +64,7 @@ class Request:
     is_chat: bool = True
     is_streamed: bool = True
     media: MediaInputs | None = field(default=None, repr=False)
+    is_text_finished: bool = True
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -75,6 +78,8 @@ class Request:
     handoff: object = field(default=None, repr=False)  # omnimtp.handoff.ThinkerToTalkerStream (streamed)
     thinker_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)  # not streamed
     talker_inputs: object = field(default=None, repr=False)  # the talker prefill waiting for admission
+    speech_stream: object = field(default=None, repr=False)  # omnimtp.handoff.SpeechTextStream (speech requests)
+    num_fed_ids: int = 0  # prompt_ids handed to speech_stream
     is_in_talker: bool = False
     frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
     num_decoded: int = 0  # frames already turned into audio
@@ -92,7 +97,9 @@ class Request:
 
     def __post_init__(self):
         self.prompt_ids = [int(token) for token in self.prompt_ids]
-        if not self.prompt_ids:
+        if not self.is_text_finished and self.is_chat:
+            raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
+        if not self.prompt_ids and self.is_text_finished:
             raise ValueError("prompt_ids: empty prompt")
         for name in ("max_new_tokens", "max_frames"):
             value = getattr(self, name)

@@ -28,7 +28,7 @@ import torch
 from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
 from omnimtp.families.text import ChatText, speech_header_ids
-from omnimtp.handoff import TalkerInputs, talker_inputs_from_rows
+from omnimtp.handoff import SpeechTextStream, TalkerInputs, talker_inputs_from_rows
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
@@ -142,9 +142,23 @@ class Qwen2_5OmniFamily(ChatText):
         """Talker inputs that speak ids[len(header):]: each row is the token's thinker input embedding (its
         hidden part zero, since no thinker ran). transformers has no such path: an approximation."""
         builder = Qwen2_5TalkerInputBuilder(self.model, self.speech_header_ids, speaker, self.talker_layout)
-        with torch.no_grad():
-            embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.device))  # [N, D]
+        embeds = self._speech_embeds(ids)
         return talker_inputs_from_rows(builder, embeds, torch.zeros_like(embeds))
+
+    def speech_stream(self, speaker: str) -> SpeechTextStream:
+        """`speech_talker_inputs` for ids that arrive in pieces (`omnimtp.handoff.SpeechTextStream`): the
+        prefill needs the header and the first text id, and each later id makes its row alone."""
+        builder = Qwen2_5TalkerInputBuilder(self.model, self.speech_header_ids, speaker, self.talker_layout)
+
+        def text_rows(ids: list[int]) -> torch.Tensor:
+            embeds = self._speech_embeds(ids)
+            return builder.build_trailing(embeds, torch.zeros_like(embeds))
+
+        return SpeechTextStream(lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows)
+
+    def _speech_embeds(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.device))  # [N, D]
 
     # --- talker ---
 

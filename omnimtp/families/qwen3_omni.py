@@ -18,7 +18,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.families.placeholders import check_placeholders, split_media
 from omnimtp.families.text import ChatText, speech_header_ids
-from omnimtp.handoff import TalkerInputs
+from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
@@ -134,9 +134,23 @@ class Qwen3OmniFamily(ChatText):
         """Talker inputs that speak ids[len(header):] as if the thinker had replied with them: the rows
         are the thinker's input embeddings of the tokens (a text row's only thinker input)."""
         builder = Qwen3TalkerInputBuilder(self.model, self.speech_header_ids, speaker)
-        with torch.no_grad():
-            embeds = self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.thinker_decoder.device))
+        embeds = self._speech_embeds(ids)
         return builder.build(embeds, embeds, projection="per_row")
+
+    def speech_stream(self, speaker: str) -> SpeechTextStream:
+        """`speech_talker_inputs` for ids that arrive in pieces (`omnimtp.handoff.SpeechTextStream`): the
+        prefill needs the header and the first text id, and each later id makes its row alone."""
+        builder = Qwen3TalkerInputBuilder(self.model, self.speech_header_ids, speaker)
+
+        def text_rows(ids: list[int]) -> torch.Tensor:
+            embeds = self._speech_embeds(ids)
+            return builder.build_trailing(embeds, embeds)
+
+        return SpeechTextStream(lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows)
+
+    def _speech_embeds(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.thinker.get_input_embeddings()(torch.tensor(ids, device=self.thinker_decoder.device))
 
     # --- talker ---
 

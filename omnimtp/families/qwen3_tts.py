@@ -16,12 +16,13 @@ text_embedding(x)), C(x) = the talker's codec embedding):
                                                                  or [think, think_bos, language, think_eos],
                                                                  then the speaker (CustomVoice), pad, bos
     T(first text token) + C(bos)
-    trailing text = T(the other text tokens), T(tts_eos)         one row per frame, then T(tts_pad)
+    trailing text = T(each other text token), T(tts_eos)         one row per frame, then T(tts_pad)
 
 `non_streaming_mode=True` (the reference's other layout) puts the whole text in the prefill instead:
 ... T(tts_pad)s + C(rows[:-1]), then T(text) ++ T(tts_eos) + C(pad) each, then T(tts_pad) + C(bos); no
-trailing text. The projections are made in the reference's calls (the same row groups), so the prefill is
-bit for bit the reference's.
+trailing text. The prefill's projections are made in the reference's calls (the same row groups), so it is
+bit for bit the reference's; each trailing row is projected alone (`speech_text_rows`), so text that arrives in
+pieces (`speech_stream`) gets the same rows as the whole text.
 
     family = Qwen3TTSFamily.from_pretrained(path)       # or Qwen3TTSFamily.tiny()
     core = EngineCore(family, EngineConfig())
@@ -35,16 +36,20 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from omnimtp.codec.speech_encoder import SpeechTokenizerEncoder, tiny_speech_tokenizer_encoder
+from omnimtp.codec.speech_encoder import (
+    SpeechTokenizerEncoder,
+    tiny_speech_tokenizer_encoder,
+)
 from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, tiny_speech_tokenizer
 from omnimtp.families.text import ChatText, match_speaker
-from omnimtp.handoff import TalkerInputs
+from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.limits import MAX_REF_AUDIO_SECONDS, MIN_REF_AUDIO_SECONDS, MediaLimits
 from omnimtp.models.qwen3_tts import Qwen3TTSModel
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import Qwen3FrameMaker, TalkerBatch
+from omnimtp.tokenizer import StreamedTextIds
 from omnimtp.voice import Voice
 
 SAMPLE_RATE = 24_000
@@ -55,6 +60,7 @@ QWEN3_TTS_SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repeti
 MIN_NEW_TOKENS = 2  # talker tokens before codec EOS may be sampled (the reference's min_new_tokens)
 NUM_TEMPLATE_HEAD = 3  # <|im_start|> assistant \n
 NUM_TEMPLATE_TAIL = 5  # <|im_end|> \n <|im_start|> assistant \n
+TEMPLATE_HEAD, TEMPLATE_TAIL = "<|im_start|>assistant\n", "<|im_end|>\n<|im_start|>assistant\n"
 AUTO_LANGUAGE = "auto"
 DEFAULT_VOICE = "vivian"
 
@@ -385,7 +391,7 @@ class Qwen3TTSFamily(ChatText):
             trailing = pad[0, :0]
         else:
             rows.append(self._text_rows(text[:, :1]) + codec[:, -1:])
-            trailing = torch.cat([self._text_rows(text[:, 1:]), eos], dim=1)[0]
+            trailing = torch.cat([self.speech_text_rows(text[0, 1:].tolist()), eos[0]])
         prefill = torch.cat(rows, dim=1)[0]  # [L, H]
         prefill_ids = torch.full((prefill.shape[0],), self.special_ids["tts_pad"], dtype=torch.long, device=self.device)
         return TalkerInputs(prefill, prefill_ids, trailing, self.tts_pad_embed)
@@ -412,6 +418,36 @@ class Qwen3TTSFamily(ChatText):
             return text_rows[:, :num_codec] + codec_rows, text_rows[0, num_codec:]
         text_rows = torch.cat([text_rows, pad.expand(-1, num_codec - num_text, -1)], dim=1)
         return text_rows + codec_rows, pad[0, :0]
+
+    @torch.no_grad()
+    def speech_text_rows(self, ids: list[int]) -> torch.Tensor:
+        """The trailing text rows [n, H]: T(id) of each id in its own call, so a row's bits do not depend on
+        how many rows share the call and text that arrives in pieces gets the same rows (the reference
+        projects them in one call: within float rounding, the same greedy codes)."""
+        rows = [self._text_rows(torch.tensor([[token]], device=self.device))[0] for token in ids]
+        return torch.cat(rows) if rows else self.tts_pad_embed.new_zeros(0, self.tts_pad_embed.shape[0])
+
+    def speech_stream(self, voice: TTSVoice) -> SpeechTextStream:
+        """The talker inputs of text whose ids arrive in pieces (`omnimtp.handoff.SpeechTextStream`): the
+        streaming-text layout's prefill needs the template's head and the first text id; non_streaming_mode
+        and an in-context clone (its prefill pairs the transcript and the text with the reference's frames) put
+        the whole text in the prefill, so they wait for all of it."""
+        self.check_speaker(voice)
+        is_icl = voice.clone is not None and voice.clone.ref_codes is not None
+        num_prefill_ids = None if self.non_streaming_mode or is_icl else NUM_TEMPLATE_HEAD + 1
+        return SpeechTextStream(lambda ids: self.speech_talker_inputs(ids, voice), self.speech_text_rows,
+                                num_prefill_ids, self._template_tail_ids())
+
+    def speech_text_ids(self) -> StreamedTextIds:
+        """The ids of text that arrives in pieces: joined, `speech_ids` of the whole text."""
+        if self.tokenizer is None:
+            raise ValueError("text: this checkpoint has no text tokenizer; pass input_ids")
+        return StreamedTextIds(self.tokenizer.backend_tokenizer, head=TEMPLATE_HEAD, tail=TEMPLATE_TAIL)
+
+    def _template_tail_ids(self) -> list[int]:
+        if self.tokenizer is None:
+            return []  # input_ids come whole
+        return list(self.tokenizer.encode(TEMPLATE_TAIL, add_special_tokens=False))
 
     # --- talker ---
 

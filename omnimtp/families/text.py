@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
-from omnimtp.tokenizer import prompt_tokenizer
+from omnimtp.tokenizer import StreamedTextIds, prompt_tokenizer
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -66,6 +66,12 @@ class ChatText:
         if self.speech_header_ids is None:
             raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
         return self.speech_header_ids + prompt_tokenizer(self.tokenizer).encode(text)
+
+    def speech_text_ids(self) -> StreamedTextIds:
+        """The ids of text to speak that arrives in pieces: joined, `speech_ids` of the whole text."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return StreamedTextIds(prompt_tokenizer(self.tokenizer).literal, prefix_ids=self.speech_header_ids)
 
     def min_prompt_tokens(self, texts) -> int | None:
         """A lower bound on the prompt tokens of a request whose text is `texts` (chat message texts, or the text

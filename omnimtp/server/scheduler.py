@@ -382,29 +382,47 @@ class Engine:
         `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
         off the event loop)."""
         prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
-        is_chat = request.messages is not None
+        return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed, is_chat=request.messages
+                           is not None, max_new_tokens=request.max_new_tokens, is_streamed=request.is_streamed, media=media)
+
+    def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
+                             loop: asyncio.AbstractEventLoop) -> RequestHandle:
+        """Queue a speech request whose text will come in pieces (`push_speech_ids`; called on the event loop):
+        it holds a slot from its admission, and its talker waits for each text row it has not got. Raises
+        QueueFullError as `submit`."""
+        return self._queue(loop, [], speaker, sampling, seed, is_chat=False, is_text_finished=False)
+
+    def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
+               max_new_tokens: int = 1, is_streamed: bool = True, media: MediaInputs | None = None,
+               is_text_finished: bool = True) -> RequestHandle:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
             if len(self._core.waiting) >= self.max_queue:
                 raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
             handle = RequestHandle(next(self._ids), loop, self._cancel)
-            sampling = None if request.sampling.is_greedy else request.sampling
+            sampling = None if sampling.is_greedy else sampling
             # A model with a thinker samples it as asked and its talker as the family does; a speech-only
             # model's sampling is its talker's.
             thinker_sampling, talker_sampling = (
                 (sampling, self.family.sampled_talker(sampling)) if self.has_chat else (None, sampling))
             handle.request = Request(
-                handle.request_id, prompt_ids, max_new_tokens=max(request.max_new_tokens, 1),
-                max_frames=self.config.max_frames, speaker=request.speaker, thinker_sampling=thinker_sampling,
-                talker_sampling=talker_sampling, seed=request.seed, is_chat=is_chat,
-                is_streamed=request.is_streamed, media=media,
+                handle.request_id, prompt_ids, max_new_tokens=max(max_new_tokens, 1),
+                max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,
+                talker_sampling=talker_sampling, seed=seed, is_chat=is_chat, is_streamed=is_streamed, media=media,
+                is_text_finished=is_text_finished,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)
             self._set_gauges()
             self._cond.notify_all()
         return handle
+
+    def push_speech_ids(self, handle: RequestHandle, ids: list[int], is_finished: bool) -> None:
+        """More text ids of a `submit_speech_stream` request (a no-op once it has ended)."""
+        with self._cond:
+            self._core.push_speech_ids(handle.request_id, ids, is_finished)
+            self._cond.notify_all()
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:
@@ -460,7 +478,8 @@ class Engine:
         core = self._core
         while True:
             with self._cond:
-                while not (core.waiting or core.running or self._stopping):
+                # a request waiting for its text is no work: the engine sleeps until text (or anything) comes
+                while not (self._cancelled or core.has_ready_work() or (self._stopping and not core.running)):
                     self._cond.wait()
                 if self._stopping and not core.waiting and not core.running:
                     return

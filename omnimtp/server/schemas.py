@@ -132,13 +132,12 @@ TASK_TYPES = ("CustomVoice", "VoiceDesign", "Base")
 MAX_SPEAKER_EMBEDDING = 8192
 SpeakerEmbedding = Annotated[list[float], Field(min_length=1, max_length=MAX_SPEAKER_EMBEDDING)]
 RefText = Annotated[str, Field(min_length=1, max_length=4096)]
+MAX_SPEECH_INPUT_CHARS = 4096  # the text one speech request speaks
 
 
-class SpeechRequest(BaseModel):
-    """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
-    `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
-    or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
-    against the model in `routes/speech.py`).
+class SpeechVoice(BaseModel):
+    """The fields of a speech request that say how to speak (`SpeechRequest`, and `/v1/audio/speech/stream`'s
+    `session.config`).
 
     Voice cloning (a Base model, vllm-omni's fields): `voice` names a saved voice (`/v1/audio/voices`), or the
     request carries its own: `ref_audio` (base64 or a data: URL of the reference recording) with an optional
@@ -147,13 +146,10 @@ class SpeechRequest(BaseModel):
 
     model_config = _STRICT
     model: str | None = None
-    input: Annotated[str, Field(min_length=1, max_length=4096)]
     voice: NonEmptyStr | None = None
     language: NonEmptyStr | None = None
     instructions: Annotated[str, Field(max_length=4096)] | None = None
     task_type: Literal[TASK_TYPES] | None = None
-    response_format: Literal["wav", "pcm", "flac"] = "wav"
-    stream_format: Literal["audio", "sse"] = "audio"
     speed: Annotated[float, Field(ge=1.0, le=1.0)] = 1.0  # a number, never a bool
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -190,3 +186,23 @@ class VoiceCreateRequest(BaseModel):
     x_vector_only_mode: bool = False
     speaker_embedding: SpeakerEmbedding | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+
+
+class SpeechStreamConfig(SpeechVoice):
+    """`/v1/audio/speech/stream`'s `session.config` event: the speech request's fields but `input` (the text comes
+    in `input_text.delta` events) and `stream_format`; `audio.delta` events carry PCM16."""
+
+    type: Literal["session.config"]
+    event_id: str | None = None
+    response_format: Literal["pcm"] = "pcm"
+
+
+class SpeechRequest(SpeechVoice):
+    """OpenAI's speech request, with vllm-omni's Qwen3-TTS fields `language` and `task_type` and OpenAI's own
+    `instructions`. `voice` may be left out only where the model has a default (a Qwen3-TTS CustomVoice model)
+    or no named voices (VoiceDesign). temperature / top_p / top_k left out: the model's own defaults (checked
+    against the model in `routes/speech.py`)."""
+
+    input: Annotated[str, Field(min_length=1, max_length=MAX_SPEECH_INPUT_CHARS)]
+    response_format: Literal["wav", "pcm", "flac"] = "wav"
+    stream_format: Literal["audio", "sse"] = "audio"

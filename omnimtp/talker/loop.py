@@ -310,6 +310,10 @@ class TalkerBatch:
         row.text_rows.extend(rows.unbind(0))
         row.is_text_finished = is_finished
 
+    def is_ready(self, request_id: Hashable) -> bool:
+        """Whether the next step makes a frame for the request (it has its next text row, or needs none)."""
+        return self.rows[self.request_ids.index(request_id)].is_ready
+
     def step(self) -> list[TalkerFrame]:
         """One frame for every ready request."""
         ready = [i for i, row in enumerate(self.rows) if row.is_ready]

@@ -1,0 +1,169 @@
+"""`/v1/audio/speech/stream`: text streamed into speech over a WebSocket (an LLM's reply spoken as it is written).
+
+    client → server   {"type": "session.config", "voice", "language", "instructions", "seed", "temperature", ...}
+                          the `/v1/audio/speech` fields but `input` (validated the same way; response_format "pcm")
+                      {"type": "input_text.delta", "delta": "Hello, "}      ... any number
+                      {"type": "input_text.done"}
+    server → client   {"type": "session.configured", "session": {...}}     the config as it will be used
+                      {"type": "audio.delta", "delta": base64 PCM16 24 kHz mono}    as soon as the talker speaks
+                      {"type": "done", "finish_reason", "usage": {"input_tokens", "output_tokens", "total_tokens"}}
+                      {"type": "error", "error": {"type", "code", "message", "param", "event_id"}}
+
+One request runs from the first `input_text.delta` to `done`, in the same engine step loop as every other
+request; after its `input_text.done` the next delta starts another with the same config (a `session.config`
+between requests changes it). A request whose talker ends before its text does (codec EOS, the frame cap)
+sends `done` early; its later deltas are taken and not spoken. The text is tokenized as it comes and only ids no later text can change go to the engine
+(`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is
+that of the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and
+whenever it came. A bad event gets an `error` event and the session goes on; a request's text is at most
+4096 characters (as `input`). Closing the session (or the idle timeout) cancels its request and frees the
+slot. Session limits, the API key on the upgrade and the message size: `omnimtp.server.websocket`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import APIRouter
+from pydantic import ValidationError
+from starlette.websockets import WebSocket
+
+from omnimtp.server.errors import APIError, validation_error
+from omnimtp.server.routes.common import b64_pcm16
+from omnimtp.server.scheduler import QueueFullError
+from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
+from omnimtp.server.websocket import EventError, Session, websocket_sessions
+
+ROUTE = "/v1/audio/speech/stream"
+
+router = APIRouter()
+
+
+@router.websocket(ROUTE)
+async def speech_stream(websocket: WebSocket):
+    await websocket_sessions(websocket).serve(websocket, ROUTE, _run)
+
+
+@dataclass
+class _Config:
+    speaker: object
+    sampling: object
+    seed: int | None
+    session: dict  # what session.configured reports
+
+
+@dataclass
+class _Speech:
+    """The request in progress: its engine handle, its text's ids and the task sending its audio."""
+
+    handle: object
+    text_ids: object
+    sender: asyncio.Task | None = None
+    is_text_done: bool = False
+    num_chars: int = 0
+
+
+async def _run(session: Session) -> None:
+    context = session.websocket.app.state.serving
+    config: _Config | None = None
+    speech: _Speech | None = None
+    try:
+        while (event := await session.receive()) is not None:
+            if speech is not None and speech.is_text_done and speech.sender.done():
+                speech = None  # its done event went out
+            try:
+                kind = event["type"]
+                if kind == "session.config":
+                    if speech is not None:
+                        raise EventError("session.config: a request is in progress; send it between requests",
+                                         param="type", code="request_in_progress")
+                    config = await _configure(context, event)
+                    await session.send({"type": "session.configured", "session": config.session})
+                elif kind == "input_text.delta":
+                    delta = event.get("delta")
+                    if not isinstance(delta, str):
+                        raise EventError("delta: required, a string", param="delta",
+                                         code="missing_required_parameter" if delta is None else "invalid_value")
+                    if speech is not None and speech.is_text_done:
+                        raise EventError("input_text.delta: the request's text is done; wait for its done event",
+                                         param="type", code="request_in_progress")
+                    if speech is None:
+                        config = config or await _configure(context, {"type": "session.config"})
+                        speech = _start(context, session, config)
+                    _push(context, speech, delta)
+                elif kind == "input_text.done":
+                    if speech is None or speech.is_text_done or not speech.text_ids.text.strip():
+                        raise EventError("input_text.done: no text to speak", param="type", code="invalid_value")
+                    speech.is_text_done = True
+                    context.engine.push_speech_ids(speech.handle, speech.text_ids.finish(), is_finished=True)
+                else:
+                    raise EventError(f"type: unknown event type {kind!r}", param="type", code="invalid_event")
+            except EventError as exc:
+                await session.send_error(exc, event)
+    finally:
+        if speech is not None:
+            speech.handle.cancel()  # a client gone mid-request frees its slot at the next frame boundary
+            if speech.sender is not None:
+                speech.sender.cancel()
+
+
+async def _configure(context, event: dict) -> _Config:
+    """The validated config of a session.config event (EventError naming the field); on a Base model its voice
+    may be a saved voice or a clone's fields, as on /v1/audio/speech."""
+    try:
+        body = SpeechStreamConfig.model_validate(event)
+    except ValidationError as exc:
+        error = validation_error(exc)
+        raise EventError(error.message, param=error.param, code=error.code) from None
+    try:
+        context.check_model(body.model)
+        speaker = await context.speech_speaker(body)
+    except APIError as exc:
+        raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
+    sampling = context.engine.speech_sampling(body.temperature, body.top_p, body.top_k)
+    report = body.model_dump(exclude={"type", "event_id", "ref_audio", "speaker_embedding"}, exclude_none=True)
+    return _Config(speaker, sampling, body.seed, report)
+
+
+def _start(context, session: Session, config: _Config) -> _Speech:
+    engine = context.engine
+    if not engine.is_running:
+        raise EventError("the server is shutting down", code="server_shutting_down", type="server_error")
+    try:
+        handle = engine.submit_speech_stream(config.speaker, config.sampling, config.seed,
+                                             loop=asyncio.get_running_loop())
+    except QueueFullError as exc:
+        raise EventError(str(exc), code="queue_full", type="rate_limit_exceeded") from None
+    speech = _Speech(handle, engine.family.speech_text_ids())
+    speech.sender = asyncio.ensure_future(_send_audio(session, handle))
+    return speech
+
+
+def _push(context, speech: _Speech, delta: str) -> None:
+    if speech.num_chars + len(delta) > MAX_SPEECH_INPUT_CHARS:
+        raise EventError(f"delta: the request's text would be over {MAX_SPEECH_INPUT_CHARS} characters; this delta "
+                         "was not taken", param="delta", code="string_above_max_length")
+    speech.num_chars += len(delta)
+    ids = speech.text_ids.push(delta)
+    if ids:
+        context.engine.push_speech_ids(speech.handle, ids, is_finished=False)
+
+
+async def _send_audio(session: Session, handle) -> None:
+    """The request's audio deltas as the engine makes them, then its done event (or an error event)."""
+    try:
+        async for event in handle.events():
+            if event.error is not None:
+                await session.send_error(EventError(event.error, code=event.error_code or "server_error",
+                                                    type="server_error"))
+                return
+            if event.audio is not None and event.audio.size:
+                await session.send({"type": "audio.delta", "delta": b64_pcm16(event.audio)})
+            if event.finish_reason is not None:
+                usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
+                         "total_tokens": event.prompt_tokens + event.num_frames}
+                await session.send({"type": "done", "finish_reason": event.finish_reason, "usage": usage})
+                return
+    finally:
+        handle.cancel()

@@ -1,0 +1,439 @@
+"""Text streamed into speech: ids committed only once later text cannot change them, a talker that waits for the
+text rows it has not got, the Python session and `/v1/audio/speech/stream`.
+
+The guarantee under test: the audio does not depend on how the text was split or when it arrived. A seeded
+request whose text comes in pieces gives the codes of the whole text and the streamed chunks of
+`OmniPipeline.stream_speech` (the PCM bytes of `/v1/audio/speech`), bit for bit, on audible audio."""
+
+from __future__ import annotations
+
+import unicodedata
+
+import numpy as np
+import pytest
+import torch
+from audio_checks import assert_audible
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from omnimtp.engine.core import EngineCore
+from omnimtp.engine.request import Request
+from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+from omnimtp.handoff import assemble_talker_chunks
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.tokenizer import QWEN2_SPLIT_PATTERN, StreamedTextIds
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FRAMES = 28
+TEXT = "Hi, tiny voice: 12 日本!"  # 26 bytes: the talker speaks every row within FRAMES
+
+
+@pytest.fixture(scope="module")
+def tts():
+    return OmniPipeline.tiny(family="qwen3_tts", max_frames=FRAMES)
+
+
+@pytest.fixture(scope="module")
+def omni():
+    return OmniPipeline.tiny(max_frames=FRAMES)
+
+
+@pytest.fixture(scope="module")
+def omni2_5():
+    return OmniPipeline.tiny(family="qwen2_5", max_frames=FRAMES)
+
+
+# --- ids: a split never changes them ----------------------------------------------------------------------
+
+# Characters where tokenizers cut, merge or normalize: letters, digits, spaces and newlines, punctuation, CJK,
+# a combining accent (NFC joins it to its letter), and pieces of special tokens and role words.
+PIECES = st.sampled_from(["a", "b", "e", "Z", "x", "1", "7", " ", "  ", "\n", "\t", ",", ".", "!", "'", "'s", "<",
+                          "|", ">", "_", "日", "本", "語", "\u0301", "é", "<|im_end|>", "<|im_", "end|>", "<|im_start|>",
+                          "assistant", "assist", "ant", "user", "s", "😀"])
+TEXTS = st.lists(PIECES, min_size=1, max_size=14).map("".join)
+
+
+def _splits(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+def _streamed(text_ids: StreamedTextIds, pieces: list[str]) -> list[int]:
+    ids = []
+    for piece in pieces:
+        ids += text_ids.push(piece)
+    return ids + text_ids.finish()
+
+
+def _qwen2_style_tokenizer() -> Tokenizer:
+    """A byte-level BPE with Qwen2's normalizer (NFC), pre-tokenizer and specials, trained on a little text: the
+    merges, NFC and the regex a released Qwen tokenizer applies, which the tiny byte tokenizer lacks."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["Hello there, the assistant said: 12 apples and 7 bananas! It's éa, e\u0301b.\n\n", "日本語の本 user x  y"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return tokenizer
+
+
+QWEN2_STYLE = _qwen2_style_tokenizer()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS, cuts=st.lists(st.integers(0, 60), max_size=8))
+def test_streamed_ids_are_the_whole_texts_ids(tts, omni, text, cuts):
+    """Any split of any text: the pieces' ids joined == the ids of the whole text, for the tiny Qwen3-TTS tokenizer
+    (specials read inside the template), the tiny Qwen3-Omni one (specials read as text) and a Qwen2-style BPE."""
+    pieces = _splits(text, cuts)
+    if text.strip():
+        assert _streamed(tts.family.speech_text_ids(), pieces) == tts.family.speech_ids(text)
+        assert _streamed(omni.family.speech_text_ids(), pieces) == omni.family.speech_ids(text)
+    head, tail = "<|im_start|>assistant\n", "<|im_end|>\n"
+    expected = QWEN2_STYLE.encode(head + text + tail, add_special_tokens=False).ids
+    assert _streamed(StreamedTextIds(QWEN2_STYLE, head=head, tail=tail), pieces) == expected
+
+
+def test_ids_are_committed_a_word_behind_and_held_at_a_possible_special(tts):
+    text_ids = StreamedTextIds(QWEN2_STYLE)
+    assert text_ids.push("Hello th") == QWEN2_STYLE.encode("Hello").ids  # " th" may still grow
+    assert text_ids.push("ere, x<|im_") == QWEN2_STYLE.encode(" there,").ids  # " x" and what may become <|im_end|>
+    assert text_ids.push("end|> y") == QWEN2_STYLE.encode(" x<|im_end|>").ids
+    assert text_ids.finish() == QWEN2_STYLE.encode(" y").ids
+    assert unicodedata.normalize("NFC", "e\u0301") == "é"
+    accented = StreamedTextIds(QWEN2_STYLE)
+    assert accented.push("ae") + accented.push("\u0301b c") + accented.finish() == QWEN2_STYLE.encode("ae\u0301b c").ids
+
+
+def test_the_tiny_tokenizer_still_gives_bytes(tts):
+    text = "Hello, wörld 12  日本\n\n x"
+    ids = tts.family.tokenizer.encode(text, add_special_tokens=False)
+    assert ids == list(text.encode("utf-8"))
+
+
+# --- talker inputs: the rows of a split text are the whole text's rows ------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tts", "omni", "omni2_5"])
+def test_streamed_talker_inputs_are_the_whole_texts_bit_for_bit(tts, omni, omni2_5, kind):
+    """`SpeechTextStream`'s chunks joined == `speech_talker_inputs` of all the ids (prefill, every trailing row,
+    the end rows), for several splits of the ids, each row's bits included."""
+    pipe = {"tts": tts, "omni": omni, "omni2_5": omni2_5}[kind]
+    family = pipe.family
+    speaker = family.voice("aiden", "english") if kind == "tts" else family.default_speaker
+    ids = family.speech_ids(TEXT)
+    whole = family.speech_talker_inputs(ids, speaker)
+    num_spoken = len(ids) - len(family.speech_stream(speaker).closing_ids)  # a template's tail comes at the end
+    for cuts in ([], [4], [5, 6, 7, 20], list(range(1, num_spoken))):
+        stream = family.speech_stream(speaker)
+        bounds = [0, *cuts, len(ids)]
+        chunks = [chunk for a, b in zip(bounds, bounds[1:]) for chunk in stream.push(ids[a:b], b == len(ids))]
+        joined = assemble_talker_chunks(chunks)
+        assert (len(chunks) > 2) == (len(cuts) > 2)
+        for name in ("prefill_embeds", "prefill_ids", "trailing_text", "tts_pad_embed"):
+            assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+
+
+# --- the engine: a talker that waits for its text ------------------------------------------------------------
+
+
+def _request(family, voice, *, seed=None, sampling=None, request_id=0) -> Request:
+    return Request(request_id, [], max_new_tokens=1, max_frames=FRAMES, speaker=voice, talker_sampling=sampling,
+                   seed=seed, is_chat=False, is_text_finished=False)
+
+
+def test_a_request_waits_for_its_next_text_row_while_others_speak(tts):
+    """Mid-text the request's talker row does not step (no padding row is fed): its frames stop at the rows it
+    has, the engine says it has no ready work, and a whole-text request in the same batch goes on speaking."""
+    family = tts.family
+    core = EngineCore(family, tts.config)
+    voice = family.voice("aiden", "english")
+    streamed = _request(family, voice)
+    core.add(streamed)
+    text_ids = family.speech_text_ids()
+    ids = text_ids.push("Hello there ")  # head (3) + "Hello" + " there": the first id is in the prefill
+    core.push_speech_ids(0, ids, is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    num_rows = len(ids) - 4  # every committed id after the first is one trailing row
+    assert len(streamed.frames) == num_rows  # one frame per trailing row (the prefill samples its code 0)
+    other = Request(1, family.speech_ids(TEXT), max_new_tokens=1, max_frames=FRAMES, speaker=voice, is_chat=False)
+    core.add(other)
+    for _ in range(5):
+        list(core.step())
+    assert len(streamed.frames) == num_rows and len(other.frames) == 5
+    core.push_speech_ids(0, text_ids.finish(), is_finished=True)
+    while core.has_work():
+        list(core.step())
+    whole = tts.speech("Hello there ", voice="aiden", language="english")
+    assert torch.equal(core.output(streamed).codes, whole.codes)
+
+
+def test_abort_frees_the_slot_of_a_waiting_request(tts):
+    family = tts.family
+    core = EngineCore(family, tts.config)
+    request = _request(family, family.voice("aiden"))
+    core.add(request)
+    core.push_speech_ids(0, family.speech_text_ids().push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert request.is_in_talker and core.talker.request_ids == [0]
+    core.abort(0)
+    assert not core.has_work() and core.talker.request_ids == []
+    assert core.push_speech_ids(0, [1], is_finished=True) is False
+
+
+# --- the Python session ----------------------------------------------------------------------------------------
+
+SPLITS = [
+    [TEXT],
+    [TEXT[:1], TEXT[1:7], TEXT[7:8], TEXT[8:23], TEXT[23:]],
+    [TEXT[i : i + 3] for i in range(0, len(TEXT), 3)],
+]
+
+
+def _session_audio(pipe, pieces, **kwargs):
+    with pipe.speech_session(**kwargs) as session:
+        chunks = [chunk for piece in pieces for chunk in session.push(piece)]
+        chunks += session.finish()
+        return chunks, session.output
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_session_equals_stream_speech_however_the_text_is_split(tts, sampled):
+    kwargs = {"voice": "vivian", "language": "english", "seed": 11,
+              "sampling": QWEN3_TTS_SAMPLING if sampled else None}
+    *expected, output = list(tts.stream_speech(TEXT, **kwargs))
+    assert_audible(np.concatenate(expected))
+    assert torch.equal(output.codes, tts.speech(TEXT, **kwargs).codes)
+    for pieces in SPLITS:
+        chunks, session_output = _session_audio(tts, pieces, **kwargs)
+        assert len(chunks) == len(expected)
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
+        assert torch.equal(session_output.codes, output.codes)
+        assert np.array_equal(session_output.audio, output.audio)
+
+
+@pytest.mark.parametrize("kind", ["omni", "omni2_5"])
+def test_omni_session_equals_the_whole_text_however_it_is_split(omni, omni2_5, kind):
+    """Qwen3-Omni's and Qwen2.5-Omni's speech path (the text spoken as a reply): the codes and chunks of the
+    whole text (as the engine speaks a whole-text speech request) for every split."""
+    omni = omni if kind == "omni" else omni2_5
+    whole_chunks, whole = _session_audio(omni, [TEXT], voice=None, seed=3)
+    assert_audible(whole.audio)
+    ids = omni.family.speech_ids(TEXT)
+    core = EngineCore(omni.family, omni.config)
+    core.add(Request(0, ids, max_new_tokens=1, max_frames=FRAMES, speaker=omni.family.default_speaker, seed=3, is_chat=False))
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                plain = core.output(event.request)
+    assert torch.equal(plain.codes, whole.codes) and np.array_equal(plain.audio, whole.audio)
+    for pieces in SPLITS[1:] if kind == "omni" else SPLITS[2:]:
+        chunks, output = _session_audio(omni, pieces, seed=3)
+        assert torch.equal(output.codes, whole.codes)
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, whole_chunks)) and len(chunks) == len(whole_chunks)
+
+
+def test_session_bad_input(tts, omni):
+    with pytest.raises(ValueError, match="voice: unknown voice"):
+        tts.speech_session(voice="nobody")
+    with pytest.raises(ValueError, match="language: this model takes no language"):
+        omni.speech_session(language="english")
+    with pytest.raises(ValueError, match="speaker"):
+        omni.speech_session(voice="nobody")
+    session = tts.speech_session()
+    with pytest.raises(ValueError, match="text: expected a string"):
+        session.push(3)
+    session.push("  ")
+    with pytest.raises(ValueError, match="text: empty text"):
+        session.finish()
+    session.push("Hi there")
+    session.finish()
+    assert session.is_finished
+    with pytest.raises(ValueError, match="text: the session's text is finished"):
+        session.push("more")
+
+
+# --- /v1/audio/speech/stream ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from server_harness import running_server
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.server.app import create_app
+    from omnimtp.server.scheduler import Engine
+
+    engines = {"tts": Engine(Qwen3TTSFamily.tiny(0), model_id="tts", max_frames=FRAMES, max_batch_size=4),
+               "omni": Engine(Qwen3OmniFamily.tiny(0), model_id="omni", max_frames=FRAMES, max_batch_size=4)}
+    with running_server(create_app(engines["tts"])) as tts_url, running_server(create_app(engines["omni"])) as omni_url:
+        yield {"tts": tts_url, "omni": omni_url, "engines": engines}
+
+
+def _ws(servers, kind):
+    from websockets.sync.client import connect
+
+    return connect(servers[kind].replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=30)
+
+
+def _recv(ws) -> dict:
+    import json
+
+    return json.loads(ws.recv(timeout=120))
+
+
+def _send(ws, event: dict) -> None:
+    import json
+
+    ws.send(json.dumps(event))
+
+
+def _stream_pcm(ws, pieces, config: dict | None = None, delay_s: float = 0.0) -> tuple[bytes, dict]:
+    """One request on an open session: its audio deltas joined, and its done event."""
+    import base64
+    import time
+
+    if config is not None:
+        _send(ws, {"type": "session.config", **config})
+        assert _recv(ws)["type"] == "session.configured"
+    for piece in pieces:
+        _send(ws, {"type": "input_text.delta", "delta": piece})
+        time.sleep(delay_s)
+    _send(ws, {"type": "input_text.done"})
+    audio = b""
+    while (event := _recv(ws))["type"] == "audio.delta":
+        audio += base64.b64decode(event["delta"])
+    assert event["type"] == "done", event
+    return audio, event
+
+
+def _http_pcm(servers, kind, text, **fields) -> bytes:
+    import httpx
+
+    response = httpx.post(servers[kind] + "/v1/audio/speech", timeout=300,
+                          json={"input": text, "response_format": "pcm", **fields})
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+def test_split_text_with_delays_gives_the_pcm_of_v1_audio_speech(servers):
+    config = {"voice": "vivian", "language": "english", "seed": 5}
+    expected = _http_pcm(servers, "tts", TEXT, **config)
+    assert_audible(np.frombuffer(expected, dtype=np.int16))
+    with _ws(servers, "tts") as ws:
+        for pieces, delay in zip(SPLITS, (0.0, 0.05, 0.01)):
+            audio, done = _stream_pcm(ws, pieces, config, delay)
+            assert audio == expected
+            assert done["usage"]["output_tokens"] == len(expected) // 2 // 1920 and done["finish_reason"] in ("stop", "length")
+    omni_expected = _http_pcm(servers, "omni", TEXT, voice="ethan", seed=2)
+    assert_audible(np.frombuffer(omni_expected, dtype=np.int16))
+    with _ws(servers, "omni") as ws:
+        for pieces, delay in zip(SPLITS, (0.0, 0.02, 0.0)):
+            assert _stream_pcm(ws, pieces, {"voice": "ethan", "seed": 2}, delay)[0] == omni_expected
+
+
+def test_concurrent_sessions_and_a_plain_request_give_their_bytes_alone(servers):
+    import threading
+
+    texts = [TEXT, "Short one, then more.", "日本語 and digits 123.", "Another, longer line of text."]
+    expected = [_http_pcm(servers, "tts", text, voice="aiden", seed=i, temperature=0.9) for i, text in enumerate(texts)]
+    results: dict = {}
+
+    def session(i):
+        with _ws(servers, "tts") as ws:
+            text = texts[i]
+            pieces = [text[j : j + 1 + i] for j in range(0, len(text), 1 + i)]
+            results[i] = _stream_pcm(ws, pieces, {"voice": "aiden", "seed": i, "temperature": 0.9}, 0.005)[0]
+
+    def plain():
+        results["http"] = _http_pcm(servers, "tts", texts[0], voice="aiden", seed=0, temperature=0.9)
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(texts))] + [threading.Thread(target=plain)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    for i, pcm in enumerate(expected):
+        assert_audible(np.frombuffer(pcm, dtype=np.int16))
+        assert results[i] == pcm
+    assert results["http"] == expected[0]
+
+
+BAD_EVENTS = [
+    ({"type": "input_text.delta"}, "delta", "missing_required_parameter"),
+    ({"type": "input_text.delta", "delta": 3}, "delta", "invalid_value"),
+    ({"type": "input_text.done"}, "type", "invalid_value"),
+    ({"type": "response.create"}, "type", "invalid_event"),
+    ({"type": "session.config", "voice": "nobody"}, "voice", "invalid_value"),
+    ({"type": "session.config", "language": "klingon"}, "language", "invalid_value"),
+    ({"type": "session.config", "response_format": "wav"}, "response_format", "invalid_value"),
+    ({"type": "session.config", "input": "hi"}, "input", "unknown_parameter"),
+    ({"type": "session.config", "seed": "1"}, "seed", "invalid_value"),
+    ({"type": "session.config", "model": "other"}, "model", "model_not_found"),
+]
+
+
+def test_bad_events_get_error_events_and_the_session_goes_on(servers):
+    with _ws(servers, "tts") as ws:
+        for i, (event, param, code) in enumerate(BAD_EVENTS):
+            _send(ws, {**event, "event_id": f"evt_{i}"})
+            error = _recv(ws)
+            assert error["type"] == "error" and error["error"]["param"] == param and error["error"]["code"] == code
+            assert error["error"]["event_id"] == f"evt_{i}"
+        audio, _ = _stream_pcm(ws, ["Hi there"], {"voice": "aiden", "seed": 1})
+        assert audio == _http_pcm(servers, "tts", "Hi there", voice="aiden", seed=1)
+
+
+def test_text_over_the_limit_and_events_during_a_request(servers):
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 4})
+        assert _recv(ws)["session"] == {"voice": "aiden", "seed": 4, "speed": 1.0, "response_format": "pcm"}
+        _send(ws, {"type": "input_text.delta", "delta": "Hello "})
+        _send(ws, {"type": "input_text.delta", "delta": "x" * 4096})
+        error = _recv(ws)
+        assert error["error"]["param"] == "delta" and error["error"]["code"] == "string_above_max_length"
+        _send(ws, {"type": "session.config", "voice": "eric"})
+        assert _recv(ws)["error"]["code"] == "request_in_progress"
+        audio, _ = _stream_pcm(ws, ["there"])
+        assert audio == _http_pcm(servers, "tts", "Hello there", voice="aiden", seed=4)
+
+
+def test_a_disconnect_mid_request_frees_the_slot(servers):
+    import time
+
+    engine = servers["engines"]["tts"]
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden"})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "Hello there, a text that never ends "})
+        assert _recv(ws)["type"] == "audio.delta"
+        assert len(engine._core.running) == 1
+    deadline = time.monotonic() + 30
+    while engine._core.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine._core.running and not engine._core.talker.rows
+
+
+def test_the_non_streaming_layout_waits_for_the_whole_text():
+    """`non_streaming_mode` puts the text in the prefill: nothing goes to the talker before the text is done."""
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+    family = Qwen3TTSFamily.tiny(0, non_streaming_mode=True)
+    voice = family.voice("aiden")
+    ids = family.speech_ids(TEXT)
+    stream = family.speech_stream(voice)
+    assert stream.push(ids[:10]) == [] and stream.push(ids[10:-5]) == []
+    [chunk] = stream.push(ids[-5:], is_finished=True)
+    whole = family.speech_talker_inputs(ids, voice)
+    assert chunk.is_finished and torch.equal(chunk.prefill_embeds, whole.prefill_embeds)
+    assert chunk.trailing_text.shape[0] == 0 == whole.trailing_text.shape[0]
