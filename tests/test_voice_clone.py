@@ -351,3 +351,19 @@ def test_the_tiny_base_model_is_the_same_whatever_the_global_generator():
     second = tiny_speech_tokenizer_encoder(0).state_dict()
     assert first.keys() == second.keys()
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("mode", ["x_vector", "icl"])
+def test_a_cloned_voice_spoken_from_streamed_text_is_the_whole_texts_speech(pipe, voices, mode):
+    """`speech_session` with a cloned voice: the text pushed in pieces gives the codes and audio of
+    `stream_speech(whole text)` (an in-context clone's prefill holds the whole text, so it waits for it)."""
+    kwargs = {"voice": voices[mode], "seed": 5, "sampling": QWEN3_TTS_SAMPLING}
+    *expected, output = list(pipe.stream_speech(TEXT, **kwargs))
+    assert_audible(output.audio)
+    with pipe.speech_session(**kwargs) as session:
+        chunks = [chunk for piece in ("Hello the", "re, tiny", " voice.") for chunk in session.push(piece)]
+        if mode == "icl":
+            assert chunks == []  # nothing before the text is finished
+        chunks += session.finish()
+    assert torch.equal(session.output.codes, output.codes)
+    assert np.array_equal(np.concatenate(chunks), np.concatenate(expected))
