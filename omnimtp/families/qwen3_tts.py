@@ -285,12 +285,13 @@ class Qwen3TTSFamily(ChatText):
             )
         return self._predictors[max_batch_size]
 
-    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None) -> bool:
+    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None, **options) -> bool:
         """Build the compiled predictor's graphs for every batch bucket up to max_batch_size, greedy and sampled
-        as `default_sampling` samples it (the talker's settings without the repetition penalty). Returns
-        whether every bucket is warm (False for an eager predictor)."""
+        as `default_sampling` samples it (the talker's settings without the repetition penalty;
+        `CodePredictorRunner.warm_up`, whose keywords `options` are). Returns whether every bucket is warm
+        (False for an eager predictor)."""
         sampling = replace(QWEN3_TTS_SAMPLING, repetition_penalty=1.0)
-        return self.predictor(max_batch_size).warm_up(on_bucket, stop, sampling=sampling)
+        return self.predictor(max_batch_size).warm_up(on_bucket, stop, sampling=sampling, **options)
 
     def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
         frames = Qwen3FrameMaker(
