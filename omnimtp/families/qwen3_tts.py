@@ -177,6 +177,12 @@ class Qwen3TTSFamily(ChatText):
             raise ValueError("input_ids: expected '<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n' "
                              "ids with a non-empty text")
 
+    def talker_positions(self, ids: list[int], voice: TTSVoice, max_frames: int) -> int:
+        """The talker positions a request of `speech_ids` ids in `voice` may take: its prompt rows (the
+        instructions, the text and eight rows of structure) and up to max_frames frames; at most
+        `max_positions`."""
+        return len(ids) + len(voice.instruct_ids or ()) + 8 + max_frames
+
     def voice(self, voice=None, language: str | None = None, instructions: str | None = None) -> TTSVoice:
         """The request's `TTSVoice`; ValueError naming voice, language or instructions when the model cannot
         speak that way (an unknown voice or language lists the known ones)."""

@@ -42,12 +42,14 @@ class QueueFullError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-    """A request's prompt has more tokens than the engine takes; `param` names the request field
-    that holds the prompt ("messages" or "input"). The HTTP layer answers 400."""
+    """A request's prompt has more tokens than the engine takes (or, for a speech-only model, more than its
+    talker's positions leave beside the frames it may make); `param` names the request field that holds the
+    prompt ("messages" or "input"). The HTTP layer answers 400."""
 
-    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False):
+    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False,
+                 unit: str = "tokens"):
         at_least = "at least " if is_lower_bound else ""
-        super().__init__(f"{param}: {at_least}{num_tokens} tokens is over the limit of {max_tokens}")
+        super().__init__(f"{param}: {at_least}{num_tokens} {unit} is over the limit of {max_tokens}")
         self.param = param
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
@@ -321,6 +323,12 @@ class Engine:
             ids = self.family.speech_ids(request.speak_text)
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
+        talker_positions = getattr(self.family, "talker_positions", None)  # a speech-only model's talker
+        if request.messages is None and talker_positions is not None:
+            positions = talker_positions(ids, request.speaker, self.config.max_frames)
+            if positions > self.family.max_positions:
+                raise PromptTooLongError(name, positions, self.family.max_positions, unit=(
+                    f"talker positions (its prompt and {self.config.max_frames} frames, the server's --max-frames)"))
         return ids, media
 
     def start(self, *, metrics=None, max_queue: int = 64) -> None:
