@@ -30,6 +30,7 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -60,6 +61,9 @@ from omnimtp.sampling import (
     sample_from_probs,
 )
 from omnimtp.talker.compile_cache import meta_copy
+
+
+logger = logging.getLogger(__name__)
 
 
 class ResidualCodes(NamedTuple):
@@ -523,7 +527,10 @@ class CodePredictorRunner:
         if fill_cache_in_child:
             from omnimtp.talker.compile_cache import CacheFiller
 
-            filler = CacheFiller(self, sampling, idle=idle, stop=stop)
+            try:
+                filler = CacheFiller(self, sampling, idle=idle, stop=stop)
+            except (OSError, RuntimeError, TypeError, AttributeError) as exc:  # e.g. a module that cannot be copied
+                logger.warning("warm-up: no cache-filling process (%s); compiling in this process", exc)
         kv = KVCache(self.weights.decoder, self.max_batch_size, capacity=self.num_code_groups, is_growable=False)
         buckets = self.buckets
         self._is_warming = True
