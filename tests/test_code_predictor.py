@@ -356,13 +356,19 @@ def test_warm_up_stops_between_buckets_and_an_eager_runner_has_none():
 
 
 def test_warm_up_builds_a_graph_only_while_idle(monkeypatch):
-    """With `idle` clear (a request in flight) the warm-up starts no graph and the runner serves eagerly;
-    once it is set the warm-up builds every bucket (dynamo's eager backend: the scheduling is tested)."""
-    import functools
+    """With `idle` clear (a request in flight) the warm-up starts no graph and the runner serves eagerly,
+    without calling torch.compile (its first call imports dynamo: seconds); once it is set the warm-up builds
+    every bucket (dynamo's eager backend: the scheduling is tested)."""
     import threading
     import time
 
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    real_compile, compiled = torch.compile, []
+
+    def counting_compile(fn, **kwargs):
+        compiled.append(fn)
+        return real_compile(fn, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
     cp = make_cp(3, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
     runner = CodePredictorRunner(cp, 2, compile="frame", packed_gemm=False)
     idle, result = threading.Event(), []
@@ -373,9 +379,10 @@ def test_warm_up_builds_a_graph_only_while_idle(monkeypatch):
     time.sleep(0.5)
     got = runner.run(hidden, cb0)
     assert runner.num_compiled_graphs == 0 and thread.is_alive() and torch.equal(got.codes, want.codes)
+    assert compiled == []
     idle.set()
     thread.join(60)
-    assert result == [True] and runner.num_compiled_graphs == runner.num_graphs == 4
+    assert result == [True] and runner.num_compiled_graphs == runner.num_graphs == len(compiled) == 4
     assert torch.equal(runner.run(hidden, cb0).codes, want.codes)
 
 

@@ -495,16 +495,17 @@ class CodePredictorRunner:
     def _callables(self, key: tuple[int, bool], is_warm_up: bool):
         """(step, frame, is_building) for a bucket: its compiled callables once its graphs are built;
         otherwise the caller builds them (is_building), unless another thread is building them or a
-        warm-up is under way (not the caller): then eager, the same codes without waiting."""
+        warm-up is under way (not the caller): then eager, the same codes without waiting, and without
+        touching torch.compile (whose first call imports dynamo and inductor: seconds)."""
         if self.compile_mode is None:
             return _step, _frame_loop, False
         with self._lock:
-            if key not in self._compiled:
-                self._compiled[key] = _compiled_pair(self.compile_mode)
             if key in self._warm:
                 return *self._compiled[key], False
             if key in self._building or (self._is_warming and not is_warm_up):
                 return _step, _frame_loop, False
+            if key not in self._compiled:
+                self._compiled[key] = _compiled_pair(self.compile_mode)
             self._building.add(key)
             return *self._compiled[key], True
 
