@@ -443,7 +443,7 @@ def test_the_cache_filling_child_makes_the_warm_up_a_cache_hit(tmp_path, monkeyp
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    cp = make_cp(3, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    cp = make_cp(2, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
     runner = CodePredictorRunner(cp, 1, compile="frame", packed_gemm=False)
     hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     assert runner.warm_up(fill_cache_in_child=True) is True
