@@ -460,8 +460,7 @@ class OmniPipeline:
             )
         ]
         for i, (ids, row_voice) in enumerate(zip(rows, voices)):
-            num_prefill = len(ids) + len(row_voice.instruct_ids or ()) + row_voice.num_reference_rows + 8
-            if num_prefill + max_frames > family.max_positions:
+            if family.talker_positions(ids, row_voice, max_frames) > family.max_positions:
                 raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
                                  f"{family.max_positions} positions")
         seeds = row_seeds(seed, num_rows)

@@ -7,6 +7,8 @@ through the same checks, to show each of them would fail.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -351,6 +353,109 @@ def test_warm_up_stops_between_buckets_and_an_eager_runner_has_none():
     runner = CodePredictorRunner(cp, 4, compile="frame", packed_gemm=False)
     assert runner.warm_up(stop=stop) is False and runner.num_compiled_graphs == 0
     assert CodePredictorRunner(cp, 4).warm_up() is False
+
+
+def test_warm_up_builds_a_graph_only_while_idle(monkeypatch):
+    """With `idle` clear (a request in flight) the warm-up starts no graph and the runner serves eagerly,
+    without calling torch.compile (its first call imports dynamo: seconds); once it is set the warm-up builds
+    every bucket (dynamo's eager backend: the scheduling is tested)."""
+    import threading
+    import time
+
+    real_compile, compiled = torch.compile, []
+
+    def counting_compile(fn, **kwargs):
+        compiled.append(fn)
+        return real_compile(fn, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    cp = make_cp(3, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 2, compile="frame", packed_gemm=False)
+    idle, result = threading.Event(), []
+    thread = threading.Thread(target=lambda: result.append(runner.warm_up(idle=idle)))
+    thread.start()
+    hidden, cb0 = frame_inputs(cp, 2)
+    want = CodePredictorRunner(cp, 2, packed_gemm=False).run(hidden, cb0)
+    time.sleep(0.5)
+    got = runner.run(hidden, cb0)
+    assert runner.num_compiled_graphs == 0 and thread.is_alive() and torch.equal(got.codes, want.codes)
+    assert compiled == []
+    idle.set()
+    thread.join(60)
+    assert result == [True] and runner.num_compiled_graphs == runner.num_graphs == len(compiled) == 4
+    assert torch.equal(runner.run(hidden, cb0).codes, want.codes)
+
+
+def _group_states(pgid: int) -> set[str]:
+    """The states (R, S, T...) of the live processes in process group `pgid`, from /proc."""
+    from pathlib import Path
+
+    states = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if entry.name.isdigit() and int(fields[2]) == pgid:
+            states.add(fields[0])
+    return states - {"Z"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_the_cache_filling_child_is_stopped_while_busy_and_killed_on_stop(tmp_path, monkeypatch):
+    """The child compiling the graphs is stopped (its whole process group) while `idle` is clear, continues
+    when it is set, and is killed at once when the warm-up stops."""
+    import threading
+    import time
+
+    from omnimtp.talker.compile_cache import CacheFiller
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cp = make_cp(3, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 1, compile="frame", packed_gemm=False)
+    idle, stop = threading.Event(), threading.Event()
+
+    def wait_for(condition, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return condition()
+
+    filler = CacheFiller(runner, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, idle=idle, stop=stop)
+    try:
+        pgid = filler.process.pid
+        assert wait_for(lambda: _group_states(pgid) == {"T"})
+        idle.set()
+        assert wait_for(lambda: _group_states(pgid) and "T" not in _group_states(pgid))
+        idle.clear()
+        assert wait_for(lambda: _group_states(pgid) == {"T"})
+        stop.set()
+        assert wait_for(lambda: not filler.is_running and not _group_states(pgid))
+        assert filler.wait_built(1, False) is False
+    finally:
+        filler.close()
+
+
+def test_the_cache_filling_child_makes_the_warm_up_a_cache_hit(tmp_path, monkeypatch):
+    """warm_up(fill_cache_in_child=True): a child compiles every graph of a twin (the same modules, other
+    weights) into inductor's on-disk cache; the runner's own compile of each is then an FX graph cache hit,
+    and its frames equal the eager runner's, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cp = make_cp(2, hidden_size=32, num_hidden_layers=1, intermediate_size=64, head_dim=8)
+    runner = CodePredictorRunner(cp, 1, compile="frame", packed_gemm=False)
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    assert runner.warm_up(fill_cache_in_child=True) is True
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == runner.num_graphs == 2
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses
+    eager = CodePredictorRunner(cp, 1, packed_gemm=False)
+    hidden, cb0 = frame_inputs(cp, 1)
+    params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
+    for got, want in [(runner.run(hidden, cb0), eager.run(hidden, cb0)),
+                      (runner.run(hidden, cb0, params, make_generators([7])), eager.run(hidden, cb0, params, make_generators([7])))]:
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.embed_sum, want.embed_sum)
+    assert runner.num_compiled_graphs == 2
 
 
 def test_compile_argument_is_validated():

@@ -25,7 +25,7 @@ from omnimtp.server.app import create_app
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import ServingContext
-from omnimtp.server.scheduler import Engine
+from omnimtp.server.scheduler import Engine, EngineRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -235,3 +235,26 @@ def test_batch_rows_on_a_tts_model(checkpoint, tmp_path):
     path.write_text(json.dumps({"id": "d", "prompt": TEXT, "language": 1}) + "\n")
     with pytest.raises(BatchInputError, match="language must be a string"):
         read_prompts(str(path))
+
+
+def test_speech_beyond_the_talkers_positions_is_a_400_naming_input():
+    """A text whose talker prompt plus the server's max_frames would pass the talker's positions is refused
+    before it is queued (400, `input`, context_length_exceeded), as the pipeline refuses it (a ValueError);
+    a shorter one is taken."""
+    family = Qwen3TTSFamily.tiny(0)
+    max_frames = family.max_positions - 24
+    long_text, short_text = "a b c d e f g h i j k l m n o p q r s t", "a b"
+    pipe = OmniPipeline.tiny(family="qwen3_tts", max_frames=max_frames)
+    with pytest.raises(ValueError, match="max_frames"):
+        pipe.speech(long_text, max_frames=max_frames)
+    engine = Engine(family, model_id=MODELS["custom_voice"], max_frames=max_frames, max_batch_size=1)
+    with running_server(create_app(engine)) as base:
+        body = {"model": MODELS["custom_voice"], "input": long_text, "response_format": "pcm"}
+        reply = httpx.post(f"{base}/v1/audio/speech", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+        assert "talker positions" in error["message"] and str(family.max_positions) in error["message"]
+    assert family.talker_positions(family.speech_ids(short_text), family.voice(), max_frames) <= family.max_positions
+    assert engine.prompt_ids(EngineRequest(messages=None, speak_text=short_text, speaker=family.voice(),
+                                           sampling=SamplingParams(), seed=None, max_new_tokens=0))[0]

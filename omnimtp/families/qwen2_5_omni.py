@@ -173,7 +173,7 @@ class Qwen2_5OmniFamily(ChatText):
             return None
         return QWEN2_5_OMNI_TALKER_SAMPLING
 
-    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None) -> bool:
+    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None, **options) -> bool:
         """Nothing is compiled: nothing to warm up."""
         return False
 

@@ -174,11 +174,11 @@ class Qwen3OmniFamily(ChatText):
             return None
         return QWEN3_OMNI_TALKER_SAMPLING
 
-    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None) -> bool:
+    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None, **options) -> bool:
         """Build the compiled predictor's graphs for every batch bucket up to max_batch_size, greedy and
-        sampled (`CodePredictorRunner.warm_up`: safe beside serving, which runs eagerly meanwhile).
-        Returns whether every bucket is warm (False for an eager predictor)."""
-        return self.predictor(max_batch_size).warm_up(on_bucket, stop)
+        sampled (`CodePredictorRunner.warm_up`, whose keywords `options` are: safe beside serving, which runs
+        eagerly meanwhile). Returns whether every bucket is warm (False for an eager predictor)."""
+        return self.predictor(max_batch_size).warm_up(on_bucket, stop, **options)
 
     # --- code2wav ---
 

@@ -206,6 +206,12 @@ class Qwen3TTSFamily(ChatText):
             raise ValueError("input_ids: expected '<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n' "
                              "ids with a non-empty text")
 
+    def talker_positions(self, ids: list[int], voice: TTSVoice, max_frames: int) -> int:
+        """The talker positions a request of `speech_ids` ids in `voice` may take: its prompt rows (the
+        instructions, the text, an in-context clone's reference rows and eight rows of structure) and up to
+        max_frames frames; at most `max_positions`."""
+        return len(ids) + len(voice.instruct_ids or ()) + voice.num_reference_rows + 8 + max_frames
+
     def voice(self, voice=None, language: str | None = None, instructions: str | None = None) -> TTSVoice:
         """The request's `TTSVoice`; ValueError naming voice, language or instructions when the model cannot
         speak that way (an unknown voice or language lists the known ones). voice: a CustomVoice speaker
@@ -459,12 +465,13 @@ class Qwen3TTSFamily(ChatText):
             )
         return self._predictors[max_batch_size]
 
-    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None) -> bool:
+    def warm_up(self, max_batch_size: int, on_bucket=None, stop=None, **options) -> bool:
         """Build the compiled predictor's graphs for every batch bucket up to max_batch_size, greedy and sampled
-        as `default_sampling` samples it (the talker's settings without the repetition penalty). Returns
-        whether every bucket is warm (False for an eager predictor)."""
+        as `default_sampling` samples it (the talker's settings without the repetition penalty;
+        `CodePredictorRunner.warm_up`, whose keywords `options` are). Returns whether every bucket is warm
+        (False for an eager predictor)."""
         sampling = replace(QWEN3_TTS_SAMPLING, repetition_penalty=1.0)
-        return self.predictor(max_batch_size).warm_up(on_bucket, stop, sampling=sampling)
+        return self.predictor(max_batch_size).warm_up(on_bucket, stop, sampling=sampling, **options)
 
     def new_talker_batch(self, max_batch_size: int) -> TalkerBatch:
         frames = Qwen3FrameMaker(

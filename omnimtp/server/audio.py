@@ -46,7 +46,14 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
 def _empty_flac(sample_rate: int) -> bytes:
     """A FLAC stream of no audio frames (RFC 9639 §6): the `fLaC` marker and one STREAMINFO block (the last
     metadata block) for 16-bit mono at `sample_rate`: block sizes 4096, frame sizes and MD5 0 (unknown), total
-    samples 0 (for FLAC: not stated; the stream ends before any frame)."""
+    samples 0 (for FLAC: not stated; the stream ends before any frame).
+
+    libsndfile (soundfile) opens it and reads its header, but `soundfile.read` of it fails, and no valid FLAC
+    stream of no samples can avoid that: a frame holds at least one sample, and STREAMINFO's total samples 0
+    means "unknown" (RFC 9639 §8.2), so libsndfile reports SF_COUNT_MAX frames; soundfile seeks after every
+    read, libFLAC cannot seek in a stream with no frames, and libsndfile forgives a failed seek only to the
+    known end of the stream. (libsndfile itself writes no bytes at all for no samples.) `sf_readf_short` on
+    it reads 0 frames without error."""
     info = struct.pack(">HH", 4096, 4096) + bytes(6)
     info += ((sample_rate << 44) | (0 << 41) | (15 << 36)).to_bytes(8, "big") + bytes(16)  # 1 channel, 16 bits
     return b"fLaC" + bytes([0x80]) + len(info).to_bytes(3, "big") + info

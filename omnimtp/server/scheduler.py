@@ -43,12 +43,14 @@ class QueueFullError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-    """A request's prompt has more tokens than the engine takes; `param` names the request field
-    that holds the prompt ("messages" or "input"). The HTTP layer answers 400."""
+    """A request's prompt has more tokens than the engine takes (or, for a speech-only model, more than its
+    talker's positions leave beside the frames it may make); `param` names the request field that holds the
+    prompt ("messages" or "input"). The HTTP layer answers 400."""
 
-    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False):
+    def __init__(self, param: str, num_tokens: int, max_tokens: int, *, is_lower_bound: bool = False,
+                 unit: str = "tokens"):
         at_least = "at least " if is_lower_bound else ""
-        super().__init__(f"{param}: {at_least}{num_tokens} tokens is over the limit of {max_tokens}")
+        super().__init__(f"{param}: {at_least}{num_tokens} {unit} is over the limit of {max_tokens}")
         self.param = param
         self.num_tokens = num_tokens
         self.max_tokens = max_tokens
@@ -188,7 +190,10 @@ class Engine:
     backlog drains fast) and max_defer_steps 2. max_prompt_tokens: longer prompts are refused (400).
     warm_up: build a compiled predictor's graphs for every batch bucket in a background thread
     ("omnimtp-warm-up", one log line per bucket) while the engine already serves on the eager predictor;
-    each bucket switches to its compiled graph once it is built (`is_warm` when all are). media_limits: what a chat request's
+    each bucket switches to its compiled graph once it is built (`is_warm` when all are). The compile runs
+    first in a child process at the lowest priority, stopped whenever a request is in flight (`idle`), and
+    each graph's build here starts only while the engine is idle and finds that compile in inductor's cache:
+    requests served during warm-up do not wait for it. media_limits: what a chat request's
     audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
@@ -217,6 +222,8 @@ class Engine:
         self.is_ready = False
         self.is_warm = False
         self._warm_stop = threading.Event()
+        self.idle = threading.Event()  # set while no request is in flight (submitted and not yet finished)
+        self.idle.set()
         self._cond = threading.Condition()
         self._core: EngineCore | None = None
         self._handles: dict[int, RequestHandle] = {}
@@ -331,6 +338,12 @@ class Engine:
             ids = self.family.speech_ids(request.speak_text)
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
+        talker_positions = getattr(self.family, "talker_positions", None)  # a speech-only model's talker
+        if request.messages is None and talker_positions is not None:
+            positions = talker_positions(ids, request.speaker, self.config.max_frames)
+            if positions > self.family.max_positions:
+                raise PromptTooLongError(name, positions, self.family.max_positions, unit=(
+                    f"talker positions (its prompt and {self.config.max_frames} frames, the server's --max-frames)"))
         return ids, media
 
     def start(self, *, metrics=None, max_queue: int = 64) -> None:
@@ -430,6 +443,11 @@ class Engine:
             self._cond.notify_all()
 
     def _set_gauges(self) -> None:
+        """The queue gauges and the `idle` flag, after a request came or went (called holding `_cond`)."""
+        if self._handles:
+            self.idle.clear()
+        else:
+            self.idle.set()
         if self.metrics is not None and self._core is not None:
             self.metrics.queue_depth.set(len(self._core.waiting))
             self.metrics.active_requests.set(len(self._core.running))
@@ -452,7 +470,8 @@ class Engine:
             smallest = rows + 1
 
         try:
-            self.is_warm = self.family.warm_up(self.config.max_batch_size, on_bucket, self._warm_stop)
+            self.is_warm = self.family.warm_up(self.config.max_batch_size, on_bucket, self._warm_stop, idle=self.idle,
+                                               fill_cache_in_child=True)
         except Exception:  # serving goes on eagerly
             logger.exception("warm-up failed; the code predictor stays eager")
             return

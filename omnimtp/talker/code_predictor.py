@@ -30,6 +30,7 @@ Three readings of that loop, all giving the same greedy codes as transformers' `
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -59,6 +60,10 @@ from omnimtp.sampling import (
     filter_logits,
     sample_from_probs,
 )
+from omnimtp.talker.compile_cache import meta_copy
+
+
+logger = logging.getLogger(__name__)
 
 
 class ResidualCodes(NamedTuple):
@@ -348,6 +353,14 @@ def _compiled_pair(mode: str):
     return _step, torch.compile(_own_copy(_frame_loop), dynamic=False)
 
 
+def _wait_until_set(event: threading.Event | None, stop: threading.Event) -> bool:
+    """Wait until `event` is set (None: at once); False if `stop` is set first."""
+    while event is not None and not event.wait(0.05):
+        if stop.is_set():
+            return False
+    return not stop.is_set()
+
+
 class CodePredictorRunner:
     """Runs the code predictor one frame per call on packed weights and a static KV buffer.
 
@@ -433,6 +446,8 @@ class CodePredictorRunner:
         self._warm: set[tuple[int, bool]] = set()
         self._building: set[tuple[int, bool]] = set()  # keys whose graphs a thread is building now
         self._is_warming = False  # a `warm_up` is under way: `run` does not compile, it runs eagerly meanwhile
+        # cp's modules without their data: what a child process builds a twin from (`compile_cache`)
+        self.shape_model = meta_copy(cp)
         with torch.no_grad():
             self.weights = pack_predictor_weights(cp, self.dtype)
         # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
@@ -480,48 +495,84 @@ class CodePredictorRunner:
     def _callables(self, key: tuple[int, bool], is_warm_up: bool):
         """(step, frame, is_building) for a bucket: its compiled callables once its graphs are built;
         otherwise the caller builds them (is_building), unless another thread is building them or a
-        warm-up is under way (not the caller): then eager, the same codes without waiting."""
+        warm-up is under way (not the caller): then eager, the same codes without waiting, and without
+        touching torch.compile (whose first call imports dynamo and inductor: seconds)."""
         if self.compile_mode is None:
             return _step, _frame_loop, False
         with self._lock:
-            if key not in self._compiled:
-                self._compiled[key] = _compiled_pair(self.compile_mode)
             if key in self._warm:
                 return *self._compiled[key], False
             if key in self._building or (self._is_warming and not is_warm_up):
                 return _step, _frame_loop, False
+            if key not in self._compiled:
+                self._compiled[key] = _compiled_pair(self.compile_mode)
             self._building.add(key)
             return *self._compiled[key], True
 
     def warm_up(self, on_bucket=None, stop: threading.Event | None = None, *,
-                sampling: SamplingParams = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING) -> bool:
+                sampling: SamplingParams = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, idle: threading.Event | None = None,
+                fill_cache_in_child: bool = False) -> bool:
         """Build every bucket's graphs (greedy, and sampled with `sampling`: the family's predictor settings)
         before they are needed, on zero inputs and a KV buffer of its own: safe to run in a background thread
         while another thread calls `run`, which serves a bucket eagerly until its graphs are built, then runs
-        them. on_bucket(index, num_buckets, rows, seconds): called after each bucket. stop: checked between
-        buckets (a graph being built cannot be interrupted). Returns whether every bucket is warm (False:
-        stopped, or an eager runner)."""
+        them. on_bucket(index, num_buckets, rows, seconds): called after each bucket. stop: checked before
+        each graph (a graph being built cannot be interrupted). idle: a graph's build starts only while it is
+        set (a server's "no request in flight"), so it does not compete with serving. fill_cache_in_child:
+        first compile each graph in a child process at the lowest priority, stopped while `idle` is clear
+        (`compile_cache.CacheFiller`); this thread's build of it is then a cache hit. Returns whether every
+        bucket is warm (False: stopped, or an eager runner)."""
         if self.compile_mode is None:
             return False
-        buckets = sorted({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
+        stop = stop if stop is not None else threading.Event()
+        filler = None
+        if fill_cache_in_child:
+            from omnimtp.talker.compile_cache import CacheFiller
+
+            try:
+                filler = CacheFiller(self, sampling, idle=idle, stop=stop)
+            except (OSError, RuntimeError, TypeError, AttributeError) as exc:  # e.g. a module that cannot be copied
+                logger.warning("warm-up: no cache-filling process (%s); compiling in this process", exc)
         kv = KVCache(self.weights.decoder, self.max_batch_size, capacity=self.num_code_groups, is_growable=False)
-        noise_shape = (self.num_code_groups - 1, self.vocab_size)
+        buckets = self.buckets
         self._is_warming = True
         try:
-            for index, rows in enumerate(buckets, 1):
-                if stop is not None and stop.is_set():
+            started = time.perf_counter()
+            for rows, graph_sampling in self.graph_settings(sampling):
+                if filler is not None and not filler.wait_built(rows, graph_sampling is not None):
                     return False
-                started = time.perf_counter()
-                rows_in = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
-                with torch.inference_mode():
-                    self._run_frame(rows_in, rows_in, None, None, kv, is_warm_up=True)
-                    noise = torch.ones((rows, *noise_shape), device=self.device)  # a valid Exp(1) draw
-                    self._run_frame(rows_in, rows_in, sampling, noise, kv, is_warm_up=True)
-                if on_bucket is not None:
-                    on_bucket(index, len(buckets), rows, time.perf_counter() - started)
+                if not _wait_until_set(idle, stop):
+                    return False
+                self.build_graph(rows, graph_sampling, kv)
+                if graph_sampling is not None:
+                    if on_bucket is not None:
+                        on_bucket(buckets.index(rows) + 1, len(buckets), rows, time.perf_counter() - started)
+                    started = time.perf_counter()
             return True
         finally:
             self._is_warming = False
+            if filler is not None:
+                filler.close()
+
+    @property
+    def buckets(self) -> list[int]:
+        """The row counts a compiled runner pads batches to, smallest first (`bucket_rows`)."""
+        return sorted({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
+
+    def graph_settings(self, sampling: SamplingParams) -> list[tuple[int, SamplingParams | None]]:
+        """(rows, sampling or None for greedy) of every graph `warm_up` builds, in its order: smallest bucket first."""
+        return [(rows, graph_sampling) for rows in self.buckets for graph_sampling in (None, sampling)]
+
+    def build_graph(self, rows: int, sampling: SamplingParams | None, kv: KVCache | None = None) -> None:
+        """Build one bucket's greedy (sampling None) or sampled graph by running it once on zero inputs
+        (kv: the KV buffer to run on; default a new one)."""
+        if kv is None:
+            kv = KVCache(self.weights.decoder, self.max_batch_size, capacity=self.num_code_groups, is_growable=False)
+        rows_in = torch.zeros((rows, self.hidden_size), dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            noise = None
+            if sampling is not None:
+                noise = torch.ones((rows, self.num_code_groups - 1, self.vocab_size), device=self.device)  # a valid Exp(1) draw
+            self._run_frame(rows_in, rows_in, sampling, noise, kv, is_warm_up=True)
 
     @property
     def num_compiled_graphs(self) -> int:
@@ -545,8 +596,7 @@ class CodePredictorRunner:
     def num_graphs(self) -> int:
         """How many graphs a compiled runner builds: per bucket, greedy and sampled ("step": the first
         step and the later ones each)."""
-        num_buckets = len({self.bucket_rows(b) for b in range(1, self.max_batch_size + 1)})
-        return num_buckets * 2 * (2 if self.compile_mode == "step" else 1)
+        return len(self.buckets) * 2 * (2 if self.compile_mode == "step" else 1)
 
     def _packed_gemm_for(self, batch_size: int) -> PackedMatrices | None:
         """The packed matrices for a batch of `batch_size` rows, or None when packing is off or (MKL)
