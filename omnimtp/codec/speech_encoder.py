@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import MimiConfig, MimiModel
 
-from omnimtp.codec.speech_tokenizer import _weight_files
+from omnimtp.codec.speech_tokenizer import weight_files
 
 SAMPLE_RATE = 24_000
 # the flat Mimi layout of the file (after its `encoder.` prefix) → 5.24's MimiModel, as transformers'
@@ -79,7 +79,7 @@ class SpeechTokenizerEncoder(nn.Module):
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
         state = {}
-        for file in _weight_files(path):
+        for file in weight_files(path):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     if key.startswith("encoder."):

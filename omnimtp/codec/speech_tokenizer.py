@@ -202,7 +202,7 @@ class SpeechTokenizerDecoder(nn.Module):
         with torch.device("meta"):
             model = cls(tokenizer_config)
         state = {}
-        for file in _weight_files(path):
+        for file in weight_files(path):
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     if key.startswith("decoder."):
@@ -407,7 +407,9 @@ def _code2wav_config(decoder: dict) -> Qwen3OmniMoeCode2WavConfig:
     return config
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (one file, or the shards its index names); ValueError
+    naming `path` when there are none."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         return sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
