@@ -33,6 +33,7 @@ from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
 from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS, DraftCosts, FixedDrafts, calibrate
 from omnimtp.spec_decode.generate import SpecStats
+from omnimtp.spec_decode.proposer import MTPProposer
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
 
 
@@ -235,6 +236,7 @@ class ThinkerRun:
                 row_tokens, num_emitted = verify(
                     logits, draft_tokens[index], draft_probs[index],
                     [self.sampling[i] for i in active], [self.generators[i] for i in active],
+                    check_values=not isinstance(self.proposer, MTPProposer),  # our own drafts are valid by construction
                 )  # [R, k+1], [R]
                 lengths = list(self.kv.lengths)
                 for r, i in enumerate(active):

@@ -69,11 +69,12 @@ def route(router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = 
     num_tokens, num_experts = x.shape[0], router.num_experts
     scores = F.linear(x.float(), router.weight).sigmoid()  # [N, E]
     scores_for_choice = scores + router.correction_bias
-    group_scores = scores_for_choice.view(-1, router.num_groups, num_experts // router.num_groups).topk(2, dim=-1)[0]
-    group_idx = torch.topk(group_scores.sum(dim=-1), k=router.top_k_groups, dim=-1, sorted=False)[1]  # [N, G']
-    group_mask = torch.zeros(num_tokens, router.num_groups, device=x.device).scatter_(1, group_idx, 1)
-    score_mask = group_mask[:, :, None].expand(-1, -1, num_experts // router.num_groups).reshape(-1, num_experts)
-    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    if router.top_k_groups < router.num_groups:  # else every group is kept: the mask below would keep all
+        group_scores = scores_for_choice.view(-1, router.num_groups, num_experts // router.num_groups).topk(2, dim=-1)[0]
+        group_idx = torch.topk(group_scores.sum(dim=-1), k=router.top_k_groups, dim=-1, sorted=False)[1]  # [N, G']
+        group_mask = torch.zeros(num_tokens, router.num_groups, device=x.device).scatter_(1, group_idx, 1)
+        score_mask = group_mask[:, :, None].expand(-1, -1, num_experts // router.num_groups).reshape(-1, num_experts)
+        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
     top_experts = torch.topk(scores_for_choice, k=router.top_k, dim=-1, sorted=False)[1]  # [N, k]
     top_weights = scores.gather(1, top_experts)
     if router.norm_topk_prob:

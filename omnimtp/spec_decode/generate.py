@@ -429,7 +429,8 @@ def _speculative_generate(
         else:
             target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
             tokens, num_emitted = rejection_sample(
-                target_probs, draft_tokens, draft_probs, greedy=False, generators=generators
+                target_probs, draft_tokens, draft_probs, greedy=False, generators=generators,
+                check_values=not isinstance(proposer, MTPProposer),  # our own drafts are valid by construction
             )  # [B, k+1], [B]
         stats.verify_time_s += time.perf_counter() - t1
         stats.draft_time_s += t1 - t0

@@ -171,11 +171,15 @@ class MTPProposer:
         shared_selection = selection[:, None] if head.index_share else None  # [B, 1, S]
         hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
+        is_greedy = not isinstance(sampling, list) and sampling.is_greedy
         draft_tokens, draft_probs = [], []
         for step in range(num_draft_tokens):
-            token, probs = _draw(logits, sampling, generators)
+            if is_greedy:  # the one-hot distributions are made once, below
+                token = logits.argmax(dim=-1)
+            else:
+                token, probs = _draw(logits, sampling, generators)
+                draft_probs.append(probs)
             draft_tokens.append(token)
-            draft_probs.append(probs)
             if step == num_draft_tokens - 1:
                 break
             if kv_mask is not None:
@@ -184,7 +188,10 @@ class MTPProposer:
                 token[:, None], hidden, (position + step + 1)[:, None], kv_mask, None, packed, shared_selection
             )
         _crop_to(self.cache, num_aligned, layer_idx)
-        return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
+        tokens = torch.stack(draft_tokens, dim=1)  # [B, k]
+        if is_greedy:
+            return tokens, torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+        return tokens, torch.stack(draft_probs, dim=1)
 
 
 class ArgmaxDrafts:

@@ -57,13 +57,16 @@ def rejection_sample(
     *,
     greedy: bool | torch.Tensor,
     generators: list[torch.Generator] | None = None,
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify drafts; pure function of its inputs and the generators.
 
     target_probs [B, k+1, V]: the target's (filtered) distribution after each prefix, including the bonus one.
     draft_tokens [B, k] long. draft_probs [B, k, V]: the distributions the drafts were drawn from (needed
     unless every row is greedy). greedy: bool or BoolTensor [B]. generators: one per row, or None for the
-    global RNG.
+    global RNG. check_values=False skips the checks that read the tensors' values (draft ids in range,
+    distributions non-negative and summing to 1; shapes and dtypes are always checked): for the decoding
+    loops, whose drafts and distributions come from `probs_from_logits` of the same step.
 
     Returns tokens [B, k+1] (accepted drafts, then the recovered/bonus token, then −1 padding) and
     num_emitted [B] in 1..k+1."""
@@ -77,7 +80,7 @@ def rejection_sample(
         raise ValueError(f"draft_tokens must be [B, k] = {(batch_size, num_draft)}, got {tuple(draft_tokens.shape)}")
     if draft_tokens.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    if ((draft_tokens < 0) | (draft_tokens >= vocab_size)).any():
+    if check_values and ((draft_tokens < 0) | (draft_tokens >= vocab_size)).any():
         raise ValueError(f"draft_tokens must be in [0, {vocab_size})")
     if isinstance(greedy, bool):
         greedy_rows = torch.full((batch_size,), greedy, dtype=torch.bool, device=target_probs.device)
@@ -85,7 +88,8 @@ def rejection_sample(
         greedy_rows = greedy.to(target_probs.device)
     else:
         raise ValueError(f"greedy must be a bool or a BoolTensor of shape [{batch_size}], got {greedy!r}")
-    _check_probs("target_probs", target_probs)
+    if check_values:
+        _check_probs("target_probs", target_probs)
     any_sampled = bool((~greedy_rows).any())
     if any_sampled:
         if draft_probs is None:
@@ -94,7 +98,8 @@ def rejection_sample(
             raise ValueError(
                 f"draft_probs must be [B, k, V] = {(batch_size, num_draft, vocab_size)}, got {tuple(draft_probs.shape)}"
             )
-        _check_probs("draft_probs", draft_probs[~greedy_rows])
+        if check_values:
+            _check_probs("draft_probs", draft_probs[~greedy_rows])
     draft_tokens = draft_tokens.long()
     rows = torch.arange(batch_size, device=target_probs.device)
 

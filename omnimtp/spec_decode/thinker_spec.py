@@ -187,15 +187,18 @@ def draft_sampling(sampling: list[SamplingParams | None]) -> SamplingParams | li
 
 def verify(
     logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor, sampling: list[SamplingParams | None],
-    generators: list[torch.Generator | None],
+    generators: list[torch.Generator | None], check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, k+1, V] after each verify row, draft_tokens [R, k], draft_probs [R, k, V], each row's
     sampling (None = greedy) and generator → tokens [R, k+1] (accepted drafts, then the recovered or
     bonus token, −1 padded) and num_emitted [R] in 1..k+1 (`rejection_sample`; greedy rows accept while
-    the draft is the argmax and draw nothing). k >= 1: a plain step is `ThinkerRun`'s own."""
+    the draft is the argmax and draw nothing). k >= 1: a plain step is `ThinkerRun`'s own. check_values:
+    `rejection_sample`'s (False for drafts of our own `MTPProposer`)."""
     params = [s or GREEDY for s in sampling]
     if all(p.is_greedy for p in params):
         return greedy_verify(logits.argmax(dim=-1), draft_tokens.long())
     target_probs = torch.stack([probs_from_logits(logits[r].float(), p) for r, p in enumerate(params)])  # [R, k+1, V]
     greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    return rejection_sample(target_probs, draft_tokens, draft_probs, greedy=greedy, generators=list(generators))
+    return rejection_sample(
+        target_probs, draft_tokens, draft_probs, greedy=greedy, generators=list(generators), check_values=check_values
+    )
