@@ -37,6 +37,7 @@ but the probes.
 from __future__ import annotations
 
 import math
+import statistics
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -153,14 +154,19 @@ def check_num_draft_tokens(value, name: str = "num_draft_tokens") -> None:
 _CALIBRATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {key: DraftCosts}
 
 
+CALIBRATION_ROUNDS = 3
+
+
 def calibrate(model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int) -> DraftCosts:
     """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
-    k tokens and returns the seconds of one step; the smaller of two measurements is kept for each k."""
+    k tokens and returns the seconds of one step. Every k is measured in each of CALIBRATION_ROUNDS rounds
+    (k = 0, 1, ..., K, then again), so a change of the machine's load hits every k alike, and the median
+    of its rounds is kept."""
     cache = _CALIBRATED.setdefault(model, {})
     key = (*key, max_draft_tokens)
     if key not in cache:
-        seconds = [min(seconds_per_step(k), seconds_per_step(k)) for k in range(max_draft_tokens + 1)]
-        cache[key] = DraftCosts.from_seconds(seconds)
+        rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
+        cache[key] = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds)])
     return cache[key]
 
 
