@@ -13,11 +13,18 @@ so a chat prompt holding code gets the code's continuation, and replies end. Thi
 (``mlp_only_layers``), deep and narrow (drafting costs one layer and the lm_head, verifying all of them),
 M-RoPE as the real model. Then the thinker's MTP head trains on the same rows with the thinker frozen
 (`omnimtp.mtp.train.train_mtp_head`, CE + TV, k = 3), half of each batch text windows and half the
-thinker's own greedy replies to training prompts (self-distillation: what it drafts for at inference).
+thinker's own replies to training prompts (self-distillation: what it drafts for at inference), greedy and,
+with ``--distill-sampled-fraction``, sampled with the thinker's sampled defaults.
 Lines lose their indentation (`dedented`). Seeded; about 12 minutes on one
-core of a busy 2-core box::
+core of a busy 2-core box for the thinker, and as long again for the head below::
 
     python scripts/train_demo_omni.py --out omnimtp/data/demo_omni
+
+The shipped head was retrained on that thinker (same seed) with twice the replies, half of them sampled, and
+800 steps; copy ``model-mtp.safetensors`` from the output into ``omnimtp/data/demo_omni``::
+
+    python scripts/train_demo_omni.py --out runs/demo_omni_s --thinker-from omnimtp/data/demo_omni \
+        --distill-rows 2048 --distill-sampled-fraction 0.5 --head-steps 800
 """
 
 from __future__ import annotations
