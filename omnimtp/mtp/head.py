@@ -37,7 +37,7 @@ import copy
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors import safe_open
@@ -63,6 +63,7 @@ MTP_WEIGHTS_NAME = "model-mtp.safetensors"
 MAIN_WEIGHTS_NAME = "model-main.safetensors"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
+DRAFT_ROPE_BLOCK = 64  # positions per rotary-table miss of a draft step (`PackedDecoder.step_tables`)
 
 # model_type -> layout of the NextN layer's keys in a checkpoint
 # Families that ship a NextN layer at model.layers.{N}, plus dense/MoE Qwen3 targets that have none: a head trained
@@ -378,7 +379,9 @@ class MTPHead(nn.Module):
         if self._packed is None or self._packed[0] != fingerprint:
             dtype = self.eh_proj.weight.dtype
             decoder = PackedDecoder.from_layers([self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype)
-            decoder = decoder.with_row_kernel()
+            # every draft step is at a new position: rotary tables for 64 positions per miss (drafts only
+            # feed verification, so their rounding does not matter)
+            decoder = replace(decoder.with_row_kernel(), step_rope={}, step_rope_block=DRAFT_ROPE_BLOCK)
             eh_proj, lm_head = cast(self.eh_proj.weight, dtype), self.lm_head.weight.detach()
             rows = decoder.row_kernel is not None and lm_head.dtype == torch.float32
             packed = PackedHead(

@@ -90,6 +90,7 @@ class PackedDecoder:
     fp32_attention: bool = False  # see `attention(fp32_manual=...)`
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
+    step_rope_block: int = 1  # positions `step_tables` computes per miss (1: each on its own, see there)
     # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -117,10 +118,15 @@ class PackedDecoder:
 
     def step_tables(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin) [D] at one position, for a one-row step on 1-D vectors: the `Rope.tables` call
-        on [[position]] (so the same values), made on first use and kept."""
+        on [[position]] (so the same values), made on first use and kept. With step_rope_block = n > 1 a miss
+        makes the tables of the n positions from there in one call (a drafter's, whose every step is at a
+        new position: one call instead of n, at values that may differ from the one-position call's by
+        float rounding, as vectorised and scalar cos/sin may)."""
         if position not in self.step_rope:
-            cos, signed_sin = self.rope.tables(torch.tensor([[position]], device=self.device), self.dtype)
-            self.step_rope[position] = (cos.view(-1), signed_sin.view(-1))
+            positions = torch.arange(position, position + self.step_rope_block, device=self.device)[None]  # [1, n]
+            cos, signed_sin = self.rope.tables(positions, self.dtype)  # [1, n, 1, D]
+            for offset in range(self.step_rope_block):
+                self.step_rope[position + offset] = (cos[0, offset].view(-1), signed_sin[0, offset].view(-1))
         return self.step_rope[position]
 
     @classmethod
