@@ -125,8 +125,9 @@ class PackedDecoder:
         if position not in self.step_rope:
             positions = torch.arange(position, position + self.step_rope_block, device=self.device)[None]  # [1, n]
             cos, signed_sin = self.rope.tables(positions, self.dtype)  # [1, n, 1, D]
-            for offset in range(self.step_rope_block):
-                self.step_rope[position + offset] = (cos[0, offset].view(-1), signed_sin[0, offset].view(-1))
+            rows = zip(cos.view(-1, cos.shape[-1]).unbind(0), signed_sin.view(-1, cos.shape[-1]).unbind(0))  # n × [D]
+            for offset, tables in enumerate(rows):
+                self.step_rope[position + offset] = tables
         return self.step_rope[position]
 
     @classmethod
