@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from omnimtp import SamplingParams, speculative_generate
+from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE, tiny_lm
 from omnimtp.spec_decode.rejection import rejection_sample
 
 
@@ -198,3 +200,39 @@ def test_bad_greedy_and_generators_raise():
         rejection_sample(p, d, q, greedy=torch.tensor([True]))
     with pytest.raises(ValueError, match="generators"):
         rejection_sample(p, d, q, greedy=False, generators=[torch.Generator()])
+
+
+def test_check_values_false_skips_only_the_value_checks():
+    generator = torch.Generator().manual_seed(6)
+    p = torch.stack([_random_dist(generator, 8) for _ in range(3)])[None]
+    q = torch.stack([_random_dist(generator, 8) for _ in range(2)])[None]
+    drafts = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="target_probs"):
+        rejection_sample(p * 2, drafts, q, greedy=False)
+    rejection_sample(p * 2, drafts, q, greedy=False, check_values=False)  # the loops' own valid inputs: not read
+    with pytest.raises(ValueError, match="draft_tokens"):  # shapes are still checked
+        rejection_sample(p, drafts[:, :1], q, greedy=False, check_values=False)
+
+
+class _OutOfVocabDrafts:
+    """A foreign Proposer whose drafts are past the vocabulary."""
+
+    def reset(self):
+        pass
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        vocab = TINY_LM_VOCAB_SIZE
+        batch_size = block.input_ids.shape[0]
+        tokens = torch.full((batch_size, num_draft_tokens), vocab + 5)
+        return tokens, torch.full((batch_size, num_draft_tokens, vocab), 1.0 / vocab)
+
+
+def test_a_foreign_proposers_bad_drafts_are_a_value_error():
+    """A Proposer's out-of-vocabulary drafts are a ValueError naming it, not an index error in the verify
+    forward (our own MTP drafts are not checked: they are argmaxes or draws over the vocabulary)."""
+    target = tiny_lm("glm4_moe", seed=0)
+    prompt = torch.arange(3, 9)[None]
+    for sampling in (None, SamplingParams(temperature=1.0)):
+        with pytest.raises(ValueError, match="proposer: draft_tokens"):
+            speculative_generate(target, _OutOfVocabDrafts(), prompt, max_new_tokens=4, num_draft_tokens=2,
+                                 sampling=sampling, seed=0)

@@ -227,6 +227,15 @@ def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
     return attention_mask
 
 
+def check_drafts(draft_tokens, batch_size: int, num_draft_tokens: int, vocab_size: int) -> None:
+    """ValueError unless a Proposer's draft_tokens are [B, k] integer ids in [0, vocab_size)."""
+    if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (batch_size, num_draft_tokens):
+        raise ValueError(f"proposer: draft_tokens must be a [B, k] = {(batch_size, num_draft_tokens)} tensor, "
+                         f"got {getattr(draft_tokens, 'shape', draft_tokens)!r}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32) or bool(((draft_tokens < 0) | (draft_tokens >= vocab_size)).any()):
+        raise ValueError(f"proposer: draft_tokens must be integer ids in [0, {vocab_size})")
+
+
 def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`rejection_sample(one_hot(target_argmax), draft_tokens, greedy=True)` without building [B, k+1, V]
     one-hot probabilities: target_argmax [B, k+1], draft_tokens [B, k] → tokens [B, k+1] (−1 padded),
@@ -339,6 +348,8 @@ def _speculative_generate(
     else:
         proposer = head
         proposer.reset()
+    is_foreign = not isinstance(proposer, MTPProposer)  # a caller's Proposer: its drafts are checked
+    vocab_size = target.get_output_embeddings().weight.shape[0]
     eos_ids = _eos_ids(target, eos_token_id)
     pad_id = target.generation_config.pad_token_id
     if pad_id is None:
@@ -416,6 +427,8 @@ def _speculative_generate(
             block = with_plain_steps(block, plain_steps, next_position - len(plain_steps), kv_mask)
             plain_steps = []
         draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
+        if is_foreign:
+            check_drafts(draft_tokens, batch_size, k, vocab_size)
         t1 = time.perf_counter()
 
         offsets = torch.arange(k + 1, device=device)
@@ -430,7 +443,7 @@ def _speculative_generate(
             target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
             tokens, num_emitted = rejection_sample(
                 target_probs, draft_tokens, draft_probs, greedy=False, generators=generators,
-                check_values=not isinstance(proposer, MTPProposer),  # our own drafts are valid by construction
+                check_values=is_foreign,  # our own drafts are valid by construction
             )  # [B, k+1], [B]
         stats.verify_time_s += time.perf_counter() - t1
         stats.draft_time_s += t1 - t0
