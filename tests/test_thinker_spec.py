@@ -370,3 +370,30 @@ def test_train_mtp_on_an_omni_checkpoint_then_speak_with_its_head(checkpoint, re
     assert main(["speak", "Hi", "-o", str(wav), "-k", "2"]) == 2  # -k without a drafter
     assert "--num-draft-tokens" in capsys.readouterr().err
 
+
+
+class _OutOfVocabDrafts:
+    """A foreign Proposer whose drafts are past the thinker's vocabulary."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def reset(self):
+        pass
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        batch_size = block.input_ids.shape[0]
+        return (torch.full((batch_size, num_draft_tokens), self.vocab + 5),
+                torch.full((batch_size, num_draft_tokens, self.vocab), 1.0 / self.vocab))
+
+
+def test_a_foreign_proposers_bad_drafts_are_a_value_error(plain):
+    thinker = plain.model.thinker
+    run = ThinkerRun(
+        thinker, [LAW_PROMPT], accept_hidden_layer=plain.accept_hidden_layer, eos_token_ids=set(), max_new_tokens=4,
+        decoder=plain.thinker_decoder,
+        speculation=ThinkerSpeculation(_OutOfVocabDrafts(thinker.get_output_embeddings().weight.shape[0]), 2),
+    )
+    run.step()  # the prefill
+    with pytest.raises(ValueError, match="proposer: draft_tokens"):
+        run.step()
