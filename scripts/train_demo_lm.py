@@ -16,14 +16,26 @@ Usage (the shipped model used the first line: 300 steps, ~20 min on one free CPU
     python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300
     python scripts/train_demo_lm.py --work runs/demo_lm --out runs/demo_lm/lm --steps 300 --resume
 
-Then the MTP head (the shipped one; ``--tv-weight 0`` gives the CE-only comparison head, same seed, data,
-steps and learning rate; ~12-16 min on one thread of a busy 2-core machine)::
+Then the MTP head (``--tv-weight 0`` gives the CE-only comparison head, same seed, data, steps and learning
+rate; ~12-16 min on one thread of a busy 2-core machine)::
 
-    omnimtp train-mtp --model runs/demo_lm/lm --data "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+    STDLIB="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
+    omnimtp train-mtp --model runs/demo_lm/lm --data "$STDLIB" \
         --suffixes .py --out runs/demo_lm/head --with-target -k 3 --steps 200 --batch-size 8 --seq-len 256 \
         --lr 2e-3 --tv-weight 6.0 --eval-every 50 --checkpoint-every 50 --threads 1
 
-and copy ``runs/demo_lm/head`` without ``mtp_train_state.pt`` to ``omnimtp/data/demo_lm``. Compare heads
+The shipped head continues from that one on the LM's own greedy continuations of training text
+(self-distillation, what it drafts for at inference; ~45 min in all on one thread), three stages of the same
+command with ``--init`` the previous stage's output, ``--lr 1e-3`` and, in order: 150 steps on 300 k tokens of
+``gen-distill-data`` (seed 0) at ``--distill-fraction 0.5``; 300 steps on the same rows at 0.8; 400 steps on
+those rows and 300 k more (``gen-distill-data --seed 1``, the two files' ``input_ids`` concatenated) at 0.8::
+
+    omnimtp gen-distill-data --model runs/demo_lm/lm --data "$STDLIB" --suffixes .py --out distill.safetensors \
+        --num-tokens 300000 --threads 1
+    omnimtp train-mtp ... --init runs/demo_lm/head --out runs/demo_lm/head_d1 --steps 150 --lr 1e-3 \
+        --distill-data distill.safetensors --distill-fraction 0.5
+
+and copy the last stage's output without ``mtp_train_state.pt`` to ``omnimtp/data/demo_lm``. Compare heads
 (held-out acceptance with standard errors, paired vs the first head)::
 
     python benchmarks/compare_heads.py --model runs/demo_lm/lm --heads runs/demo_lm/head_ce runs/demo_lm/head --names ce cetv6 \
