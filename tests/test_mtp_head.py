@@ -170,3 +170,20 @@ def test_draft_step_matches_forward(top_k):
 
 def test_draft_step_not_offered_for_deepseek_v3():
     assert not MTPHead.from_config(tiny_lm("deepseek_v3", seed=0)).supports_draft_step
+
+
+def test_draft_rotary_tables_per_block_equal_the_one_position_tables_up_to_rounding():
+    """The head's decoder makes rotary tables for DRAFT_ROPE_BLOCK positions per miss; each equals the
+    one-position table (what the target's decode step uses) up to float rounding, across block edges."""
+    from dataclasses import replace
+
+    from omnimtp.mtp.head import DRAFT_ROPE_BLOCK
+
+    torch.manual_seed(0)
+    decoder = MTPHead.from_config(tiny_lm("glm4_moe", seed=0)).packed().decoder  # a head with a packed draft step
+    assert decoder.step_rope_block == DRAFT_ROPE_BLOCK > 1
+    exact = replace(decoder, step_rope={}, step_rope_block=1)
+    for position in [0, 1, DRAFT_ROPE_BLOCK - 1, DRAFT_ROPE_BLOCK, 3 * DRAFT_ROPE_BLOCK + 5, 1000]:
+        for ours, expected in zip(decoder.step_tables(position), exact.step_tables(position)):
+            assert ours.shape == expected.shape
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
