@@ -105,6 +105,7 @@ def test_sigint_stops_an_eager_server_leaving_no_process():
     process = _start("serve", "--eager", "--port", str(port), "--max-frames", "4", "--timeout-graceful-shutdown", "2")
     try:
         _wait_for_line(process, "omnimtp: serving", timeout=240)
+        _wait_for_line(process, "Uvicorn running on", timeout=120)  # the socket is bound (a busy machine takes a while)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         output, elapsed, left = _stop(process, signal.SIGINT, within=2 + 10)
     finally:
