@@ -32,8 +32,8 @@ from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
 from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS, DraftCosts, FixedDrafts, calibrate
-from omnimtp.spec_decode.generate import SpecStats, check_drafts
-from omnimtp.spec_decode.proposer import MTPProposer
+from omnimtp.spec_decode.generate import SpecStats
+from omnimtp.spec_decode.proposer import MTPProposer, check_drafts
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
 
 
@@ -114,6 +114,7 @@ class ThinkerRun:
             self.controller = speculation.new_controller(costs, batch_size)
             k = self.controller.max_draft_tokens
             self.proposer = speculation.new_proposer()
+            self.checks_drafts = not isinstance(self.proposer, MTPProposer)  # a caller's Proposer: its drafts are checked
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
             if speculation.is_adaptive:
                 for stats in self.spec_stats:
@@ -223,8 +224,7 @@ class ThinkerRun:
         with torch.no_grad():
             generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
             draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
-            is_foreign = not isinstance(self.proposer, MTPProposer)  # a caller's Proposer: its drafts are checked
-            if is_foreign:
+            if self.checks_drafts:
                 check_drafts(draft_tokens, batch_size, k, self.thinker.get_output_embeddings().weight.shape[0])
             drafted = time.perf_counter()
             verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
@@ -239,7 +239,7 @@ class ThinkerRun:
                 row_tokens, num_emitted = verify(
                     logits, draft_tokens[index], draft_probs[index],
                     [self.sampling[i] for i in active], [self.generators[i] for i in active],
-                    check_values=is_foreign,  # our own drafts are valid by construction
+                    check_values=self.checks_drafts,  # our own drafts are valid by construction
                 )  # [R, k+1], [R]
                 lengths = list(self.kv.lengths)
                 for r, i in enumerate(active):

@@ -86,8 +86,9 @@ class DraftController:
     num_rows: the rows of the run (requests); costs: frozen `DraftCosts`; prior: the acceptance assumed
     before a position was ever verified; smoothing: the weight of one new verification in the moving
     average (0.05: about the last 20 verified drafts; sampled acceptance is noisy, and with 0.1 a short run
-    of rejections sent well-drafting sampled requests to plain steps, slower than a fixed k); probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and
-    at most (see the module docstring)."""
+    of rejections sent well-drafting sampled requests to plain steps, slower than a fixed k);
+    probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and at most
+    (see the module docstring)."""
 
     def __init__(self, costs: DraftCosts, num_rows: int, *, prior: float = 0.7, smoothing: float = 0.05,
                  probe_interval: int = 4, max_probe_interval: int = 32):

@@ -57,7 +57,7 @@ from omnimtp.spec_decode.adaptive import (
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, with_plain_steps
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, check_drafts, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
 
 
@@ -225,15 +225,6 @@ def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
     if not bool(attention_mask[:, -1].all()) or not bool((attention_mask.diff(dim=1) >= 0).all()):
         raise ValueError("attention_mask must be left padding: 0s then 1s, with every row's last token real")
     return attention_mask
-
-
-def check_drafts(draft_tokens, batch_size: int, num_draft_tokens: int, vocab_size: int) -> None:
-    """ValueError unless a Proposer's draft_tokens are [B, k] integer ids in [0, vocab_size)."""
-    if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (batch_size, num_draft_tokens):
-        raise ValueError(f"proposer: draft_tokens must be a [B, k] = {(batch_size, num_draft_tokens)} tensor, "
-                         f"got {getattr(draft_tokens, 'shape', draft_tokens)!r}")
-    if draft_tokens.dtype not in (torch.int64, torch.int32) or bool(((draft_tokens < 0) | (draft_tokens >= vocab_size)).any()):
-        raise ValueError(f"proposer: draft_tokens must be integer ids in [0, {vocab_size})")
 
 
 def greedy_verify(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,15 @@ def with_plain_steps(
     return extend_block(block, plain)
 
 
+def check_drafts(draft_tokens, batch_size: int, num_draft_tokens: int, vocab_size: int) -> None:
+    """ValueError unless a Proposer's draft_tokens are [B, k] integer ids in [0, vocab_size)."""
+    if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (batch_size, num_draft_tokens):
+        raise ValueError(f"proposer: draft_tokens must be a [B, k] = {(batch_size, num_draft_tokens)} tensor, "
+                         f"got {getattr(draft_tokens, 'shape', draft_tokens)!r}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32) or bool(((draft_tokens < 0) | (draft_tokens >= vocab_size)).any()):
+        raise ValueError(f"proposer: draft_tokens must be integer ids in [0, {vocab_size})")
+
+
 class Proposer(Protocol):
     def reset(self) -> None:
         """Forget any state (call before a new batch of prompts)."""
