@@ -48,7 +48,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from omnimtp import SamplingParams, speculative_generate  # noqa: E402
 from omnimtp.mtp.head import MTPHead  # noqa: E402
 from omnimtp.mtp.train import (  # noqa: E402
-    CHECKPOINT_NAME, MTPTrainConfig, collect_text_files, encode_files, train_mtp_head,
+    CHECKPOINT_NAME,
+    MTPTrainConfig,
+    collect_text_files,
+    encode_files,
+    train_mtp_head,
 )
 from omnimtp.mtp.train_cli import copy_target_files, load_target  # noqa: E402
 from omnimtp.spec_decode.proposer import ArgmaxDrafts, MTPProposer  # noqa: E402

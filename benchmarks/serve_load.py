@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
-import sys
-import time
-
-import contextlib
 import socket
 import subprocess
+import sys
+import time
 
 import httpx
 

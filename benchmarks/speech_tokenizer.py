@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import qwen_tts_reference  # noqa: E402
+
 from omnimtp.codec.speech_tokenizer import RELEASED_DECODER_CONFIG, tiny_speech_tokenizer  # noqa: E402
 
 

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import qwen_tts_reference  # noqa: E402
+
 from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer  # noqa: E402
 from omnimtp.models.qwen3_tts import (  # noqa: E402
     QWEN3_TTS_0_6B_PREDICTOR,

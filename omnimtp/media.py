@@ -96,7 +96,7 @@ class MediaInputs:
                 raise ValueError("video_second_per_grid must be [N_video], one per video_grid_thw row")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "MediaInputs | None":
+    def from_dict(cls, values: dict) -> MediaInputs | None:
         """The media fields of a processor's output (a dict or `BatchFeature`); None when it has none."""
         names = [f.name for f in fields(cls)]
         found = {name: values[name] for name in names if values.get(name) is not None}

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -148,7 +148,7 @@ class OmniPipeline:
         return self.config.max_frames
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None, family: str = "qwen3", **kwargs) -> "OmniPipeline":
+    def tiny(cls, seed: int = 0, device=None, family: str = "qwen3", **kwargs) -> OmniPipeline:
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
         where it runs (default the CPU). family: "qwen3", "qwen2_5" (a tiny Qwen2.5-Omni, its byte
@@ -169,7 +169,7 @@ class OmniPipeline:
         raise ValueError(f"family must be 'qwen3', 'qwen2_5' or 'qwen3_tts', got {family!r}")
 
     @classmethod
-    def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> "OmniPipeline":
+    def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> OmniPipeline:
         """The shipped demo Qwen3-Omni (`omnimtp.mtp.demo.demo_omni_dir`: a trained byte-level thinker and its
         trained MTP head; random talker), fp32, speculative with the shipped head unless thinker_mtp is None
         (or another drafter); kwargs: `from_pretrained`'s (num_draft_tokens, max_new_tokens, ...)."""
@@ -180,7 +180,7 @@ class OmniPipeline:
                                    thinker_mtp=path if thinker_mtp == "shipped" else thinker_mtp, **kwargs)
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "OmniPipeline":
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> OmniPipeline:
         """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
         layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode); its tokenizer and its
@@ -398,7 +398,7 @@ class OmniPipeline:
     def speech_session(
         self, *, voice=None, language: str | None = None, instructions: str | None = None,
         sampling: SamplingParams | None = None, seed: int | None = None, max_frames: int | None = None,
-    ) -> "SpeechSession":
+    ) -> SpeechSession:
         """Speech of a text that is still being written (an LLM's reply as it comes): push text in pieces, take
         the audio chunks as the talker makes them (`SpeechSession`). The talker waits for text it has not got,
         so the codes are those of `speech(whole text)` and the chunks those of `stream_speech(whole text)`, bit
@@ -559,7 +559,7 @@ class SpeechSession:
         self._core.abort(self._request.request_id)
         self._text_ids.is_finished = True
 
-    def __enter__(self) -> "SpeechSession":
+    def __enter__(self) -> SpeechSession:
         return self
 
     def __exit__(self, *exc) -> None:

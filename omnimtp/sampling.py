@@ -52,7 +52,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def greedy(cls) -> "SamplingParams":
+    def greedy(cls) -> SamplingParams:
         return cls(temperature=0.0)
 
 

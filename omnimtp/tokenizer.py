@@ -174,7 +174,7 @@ class PromptTokenizer:
             ids.extend([piece] if isinstance(piece, int) else self.encode(restore(piece)))
         return ids
 
-    def rendered(self, messages: list[dict], renderer=None) -> tuple[str, "callable"]:
+    def rendered(self, messages: list[dict], renderer=None) -> tuple[str, callable]:
         """(the prompt the template renders with every special-token string of the messages' text replaced by a
         placeholder, restore: a piece of that prompt → its text with the strings back). renderer: what renders
         the template (default the tokenizer; a processor for messages with media parts)."""

@@ -11,6 +11,7 @@ itself is never written.
     python scripts/mutation_check.py --only resample_from_p always_accept --json out.json
     python scripts/mutation_check.py --only rejection_resample_from_p --tests tests/test_spec_distribution.py
     python scripts/mutation_check.py --list
+    python scripts/mutation_check.py --check-snippets        # every snippet still occurs once (no tests run)
 
 A mutation whose old snippet does not occur exactly once in its file is refused (exit 2), so an entry
 cannot silently stop testing anything after the code moves. Exit code 1 when a mutation survives.
@@ -767,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument(
+        "--check-snippets", action="store_true", help="check that every old snippet occurs once in its file, and exit"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--tests", nargs="+", metavar="PATH", help="run these tests for every selected mutation instead of its own"
@@ -791,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         selected = [replace(m, tests=tuple(args.tests)) for m in selected]
     for m in selected:
         check_snippet(m, (REPO / m.path).read_text())
+    if args.check_snippets:
+        print(f"mutation_check: {len(selected)} snippets, each once in its file")
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="omnimtp-mutation-") as tmp:
         scratch = Path(tmp) / "repo"

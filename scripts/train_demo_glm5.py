@@ -40,7 +40,14 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, PreTrainedTokeni
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this tree's omnimtp
 from train_demo_lm import (  # noqa: E402
-    batch_at, heldout_loss, heldout_prompts, learning_rate, resume, save_model, stdlib_files, token_streams,
+    batch_at,
+    heldout_loss,
+    heldout_prompts,
+    learning_rate,
+    resume,
+    save_model,
+    stdlib_files,
+    token_streams,
     training_parser,
 )
 

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from omnimtp.mtp.head import MTPHead
-from omnimtp.mtp.train import MTPTrainConfig, collect_text_files, train_mtp_head
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS as T
 from omnimtp.models.tiny import _init_talker_experts, scale_code2wav_to_speech_level, tiny_qwen3_omni_config
+from omnimtp.mtp.head import MTPHead
+from omnimtp.mtp.train import MTPTrainConfig, collect_text_files, train_mtp_head
 
 USER_HEADER = [T["<|im_start|>"], T["user"], 10]
 ASSISTANT_HEADER = [T["<|im_end|>"], 10, T["<|im_start|>"], T["assistant"], 10]
@@ -191,10 +191,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
     from omnimtp.media import tiny_processor
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.tokenizer import byte_tokenizer
-    from transformers import Qwen3OmniMoeForConditionalGeneration
 
     torch.set_num_threads(args.threads)
     train_files, heldout_files = collect_text_files([sysconfig.get_paths()["stdlib"]], args.heldout_every, (".py",))

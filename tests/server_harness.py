@@ -24,7 +24,7 @@ class EngineSetup:
         self.config = config
 
     @classmethod
-    def tiny(cls, seed: int = 0, **config) -> "EngineSetup":
+    def tiny(cls, seed: int = 0, **config) -> EngineSetup:
         from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 
         return cls(Qwen3OmniFamily.tiny(seed), **config)

@@ -11,9 +11,10 @@ def train_save_load_and_spec(target, tmp_path, capsys) -> None:
     ignores the head's keys), decodes losslessly, and `omnimtp spec --model` on it matches plain decoding."""
     import json
 
+    from text_corpus import write_code_corpus_and_model
+
     from omnimtp import load_target_and_head
     from omnimtp.cli import main
-    from text_corpus import write_code_corpus_and_model
 
     data, model_dir, tokenizer = write_code_corpus_and_model(target, tmp_path)
     out = tmp_path / "out"

@@ -9,14 +9,14 @@ import json
 
 import pytest
 import torch
+from distribution_checks import assert_law
+from spec_drafters import ragged_batch
 
 from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
-from omnimtp.spec_decode.proposer import TargetProposer
 from omnimtp.spec_decode.adaptive import DraftController, DraftCosts, acceptance_warning, expected_tokens
 from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_costs
-from distribution_checks import assert_law
-from spec_drafters import ragged_batch
+from omnimtp.spec_decode.proposer import TargetProposer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -287,9 +287,9 @@ def test_a_plain_step_of_an_auto_run_costs_what_a_plain_loop_step_costs(tiny, sa
 def test_a_plain_step_of_an_auto_thinker_run_costs_what_a_plain_thinker_step_costs():
     from omnimtp.mtp.demo import demo_omni_dir
     from omnimtp.pipeline import OmniPipeline
+    from omnimtp.sampling import make_generators
     from omnimtp.spec_decode.adaptive import FixedDrafts
     from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
-    from omnimtp.sampling import make_generators
     from omnimtp.thinker import ThinkerRun
 
     pipe = OmniPipeline.demo(thinker_mtp=None)

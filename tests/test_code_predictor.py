@@ -19,8 +19,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimtp.models.tiny import tiny_code_predictor_config, tiny_qwen3_omni
-from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams, make_generators
 from omnimtp.runtime.ops import packed_gemm_available, packed_gemm_kind, packed_gemm_kinds
+from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, SamplingParams, make_generators
 from omnimtp.talker.code_predictor import (
     CodePredictorRunner,
     ResidualCodes,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distribution_checks import assert_law
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
 )
@@ -15,7 +16,6 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.sampling import QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, make_generators, probs_from_logits
 from omnimtp.talker.code_predictor import CodePredictorRunner
-from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from audio_checks import assert_audio_close, assert_audio_equal
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_frames
 from omnimtp.models.tiny import scale_code2wav_to_speech_level, tiny_qwen3_omni_config
-from audio_checks import assert_audio_close, assert_audio_equal
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

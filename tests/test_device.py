@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from reference_omni import reference_generate
 
 from omnimtp.engine.core import EngineCore
 from omnimtp.engine.request import Request
@@ -14,7 +15,6 @@ from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams
-from reference_omni import reference_generate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_CUDA = torch.cuda.is_available()

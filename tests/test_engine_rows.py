@@ -9,14 +9,14 @@ import threading
 import httpx
 import pytest
 import torch
+from audio_checks import assert_audible, assert_audio_equal
+from server_harness import EngineSetup, running_server
+from test_media_input import _user_turn, image_case
 
 from omnimtp.engine.core import EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.media import MediaInputs
 from omnimtp.pipeline import OmniPipeline
-from audio_checks import assert_audible, assert_audio_equal
-from server_harness import EngineSetup, running_server
-from test_media_input import _user_turn, image_case
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

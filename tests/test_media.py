@@ -12,16 +12,16 @@ import soundfile
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 from media_samples import animated_gif, encode, image_bytes, png_header, tone
+from PIL import Image
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 from omnimtp.media import (
     AUDIO_SAMPLING_RATE,
+    PROCESSOR_CLASSES,
     MediaError,
     MediaInputs,
     MediaLimits,
-    PROCESSOR_CLASSES,
     Qwen3OmniAudioImageProcessor,
     chat_media_inputs,
     decode_audio,

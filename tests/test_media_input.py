@@ -5,7 +5,11 @@ import numpy as np
 import pytest
 import soxr
 import torch
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
+from media_samples import tone
 from PIL import Image
+from reference_omni import reference_generate
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 import omnimtp.thinker as thinker_module
 from omnimtp.media import MediaInputs
@@ -14,10 +18,6 @@ from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
 from omnimtp.thinker import ThinkerRun
-from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
-from media_samples import tone
-from reference_omni import reference_generate
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -20,8 +20,8 @@ from transformers import (
 from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
-from omnimtp.spec_decode.generate import _packed_or_none
 from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.spec_decode.generate import _packed_or_none
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

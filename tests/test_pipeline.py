@@ -5,13 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
+from reference_omni import reference_generate
 
 from omnimtp.engine.core import EngineConfig
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
-from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
-from reference_omni import reference_generate
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,6 @@ from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder
 from omnimtp.thinker import ThinkerRun
 from omnimtp.tokenizer import byte_tokenizer
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

@@ -11,11 +11,11 @@ unseeded request draws nothing else from it.
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2_5OmniForConditionalGeneration
-
 from audio_checks import assert_audible, assert_audio_equal
 from media_samples import b64, encode, tone
 from PIL import Image
+from transformers import Qwen2_5OmniForConditionalGeneration
+
 from omnimtp.codec.token2wav import StreamingToken2Wav
 from omnimtp.engine.request import Request
 from omnimtp.media import AUDIO_SAMPLING_RATE, Qwen2_5OmniAudioImageProcessor
@@ -386,9 +386,9 @@ def test_served_media_is_the_pipelines_reply(pipe, checkpoint, kind):
     import base64
 
     import openai
+    from media_samples import image_bytes
     from server_harness import running_server
 
-    from media_samples import image_bytes
     from omnimtp.media import decode_audio, decode_image
     from omnimtp.server.app import create_app
     from omnimtp.server.audio import to_pcm16

@@ -13,10 +13,10 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
-
 import qwen_tts_reference
+import torch
 from audio_checks import assert_audible, assert_audio_close, rms_dbfs
+
 from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING, Qwen3TTSFamily
 from omnimtp.models.qwen3_tts import TINY_CODEC_IDS, tiny_qwen3_tts

@@ -20,12 +20,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import ray
 import soundfile as sf
 from audio_checks import assert_audible, assert_audio_equal
-from server_harness import free_port, running_server
-
-import ray
 from ray import serve
+from server_harness import free_port, running_server
 
 from omnimtp.cli import build_parser
 from omnimtp.server import ray_serve

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import soundfile
 from PIL import Image
+from server_harness import running_server
 
 from omnimtp.cli import build_parser, main
 from omnimtp.pipeline import OmniPipeline
-from server_harness import running_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 README = (REPO_ROOT / "README.md").read_text()

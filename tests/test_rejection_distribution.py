@@ -8,8 +8,8 @@ import itertools
 import math
 
 import torch
-
 from distribution_checks import assert_law
+
 from omnimtp.spec_decode.rejection import rejection_sample
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import soundfile as sf
 from audio_checks import assert_audible
 from server_harness import running_server
 
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import create_app
-from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.server.scheduler import Engine
 from omnimtp.tokenizer import byte_tokenizer
 

@@ -8,19 +8,18 @@ tokens and 2 audio frames."""
 
 from __future__ import annotations
 
+import http.client
 import json
 from urllib.parse import urlsplit
-
-import http.client
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from server_harness import exchange, running_server
 
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import create_app
-from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.server.scheduler import Engine
 from omnimtp.tokenizer import byte_tokenizer
 

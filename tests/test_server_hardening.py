@@ -115,11 +115,11 @@ def test_streams_cut_at_the_shutdown_deadline_end_with_an_error_event(caplog):
     import threading
 
     import uvicorn
+    from server_harness import free_port
 
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
     from omnimtp.server.serving import server_config
-    from server_harness import free_port
 
     engine = Engine(Qwen3OmniFamily.tiny(0), max_frames=100_000, max_batch_size=2)
     port = free_port()

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from server_harness import exchange, free_port, running_server
 
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.server.app import check_api_key, create_app
-from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import server_config
 from omnimtp.tokenizer import byte_tokenizer

@@ -7,12 +7,12 @@ import asyncio
 
 import numpy as np
 import pytest
+from audio_checks import assert_audible
+from server_harness import EngineSetup
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
-from server_harness import EngineSetup
 from omnimtp.server.scheduler import EngineRequest
-from audio_checks import assert_audible
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -8,18 +8,18 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 import soundfile as sf
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from server_harness import EngineSetup
 
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import encode_audio, streaming_wav_header, to_pcm16
-from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
-from omnimtp.families.qwen3_omni import Qwen3OmniFamily
-from server_harness import EngineSetup
 from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError
+from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
 
 
 @settings(max_examples=30, deadline=None)

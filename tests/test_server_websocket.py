@@ -9,8 +9,8 @@ import time
 
 import pytest
 from server_harness import EngineSetup, running_server
-from websockets.exceptions import ConnectionClosed, InvalidStatus
 from starlette.websockets import WebSocket
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from omnimtp.server.app import create_app

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from omnimtp.runtime.kernels import small_batch_linear as sbl
-from omnimtp.runtime.ops import packed_gemm_kinds
-from omnimtp.talker.code_predictor import CodePredictorRunner
-from omnimtp.models.tiny import tiny_code_predictor_config
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
 )
+
+from omnimtp.models.tiny import tiny_code_predictor_config
+from omnimtp.runtime.kernels import small_batch_linear as sbl
+from omnimtp.runtime.ops import packed_gemm_kinds
+from omnimtp.talker.code_predictor import CodePredictorRunner
 
 needs_kernel = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
 

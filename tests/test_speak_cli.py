@@ -1,10 +1,10 @@
 import numpy as np
 import soundfile
+from audio_checks import assert_audible
 
 from omnimtp.cli import main
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.server.audio import to_pcm16
-from audio_checks import assert_audible
 
 
 def test_speak_writes_the_pipelines_speech_as_a_24khz_file(tmp_path, capsys):

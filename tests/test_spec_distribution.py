@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distribution_checks import assert_law
+from transformers import DynamicCache
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -17,12 +19,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from transformers import DynamicCache
-
 from omnimtp import SamplingParams, plain_generate, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.spec_decode.proposer import TargetProposer
-from distribution_checks import assert_law
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

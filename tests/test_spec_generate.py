@@ -3,16 +3,16 @@ drafters), sampled tokens follow the target's distribution, seeded runs repeat, 
 
 import pytest
 import torch
+from distribution_checks import tv_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spec_drafters import ragged_batch
 
 from omnimtp import MTPHead, SamplingParams, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.spec_decode.generate import greedy_verify
 from omnimtp.spec_decode.proposer import TargetProposer
 from omnimtp.spec_decode.rejection import rejection_sample
-from distribution_checks import tv_bound
-from spec_drafters import ragged_batch
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
 PAD = 0

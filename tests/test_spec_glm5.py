@@ -6,18 +6,18 @@ the indexer's keys; the MTP head's checkpoint layout (`model.layers.{N}.*`, extr
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from spec_checkpoints import train_save_load_and_spec
+from spec_drafters import RecomputingDraft, ragged_batch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 from omnimtp import MTPHead, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.mtp.dsa import dsa_layer
+from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward
 from omnimtp.spec_decode.hybrid import crop_attention
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer
-from omnimtp.sampling import SamplingParams
-from spec_checkpoints import train_save_load_and_spec
-from spec_drafters import RecomputingDraft, ragged_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,13 +4,13 @@ a rollback leaves exactly the state of decoding the kept tokens one by one; thei
 
 import pytest
 import torch
+from spec_checkpoints import train_save_load_and_spec
+from spec_drafters import RecomputingDraft, ragged_batch
 from transformers import DynamicCache
 
 from omnimtp import MTPHead, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
-from spec_checkpoints import train_save_load_and_spec
-from spec_drafters import RecomputingDraft, ragged_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

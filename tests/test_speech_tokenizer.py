@@ -5,12 +5,13 @@ import json
 
 import numpy as np
 import pytest
+import qwen_tts_reference
 import torch
-from hypothesis import given, settings, strategies as st
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal, rms_dbfs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import qwen_tts_reference
-from audio_checks import assert_audible, assert_audio_close, assert_audio_equal, rms_dbfs
 from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, real_size_config, tiny_speech_tokenizer
 from omnimtp.codec.streaming import conv_receptive_field_frames
 

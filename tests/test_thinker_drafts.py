@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_media_input import _user_turn, image_case
 
 from omnimtp.media import MediaInputs
 from omnimtp.mtp.head import MTPHead
@@ -15,7 +16,6 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.proposer import MTPProposer
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.thinker import ThinkerRun
-from test_media_input import _user_turn, image_case
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

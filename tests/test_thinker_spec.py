@@ -16,6 +16,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from audio_checks import assert_audible, assert_audio_equal
+from distribution_checks import empirical_law, total_variation, tv_bound
+from server_harness import running_server
+from spec_drafters import RecomputingDraft
+from test_media_input import audio_case, image_case
 
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS as T
 from omnimtp.mtp.head import MTP_WEIGHTS_NAME, MTPHead
@@ -23,11 +28,6 @@ from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams, make_generators
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.thinker import ThinkerRun
-from audio_checks import assert_audible, assert_audio_equal
-from distribution_checks import empirical_law, total_variation, tv_bound
-from server_harness import running_server
-from spec_drafters import RecomputingDraft
-from test_media_input import audio_case, image_case
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,11 +4,11 @@ one-shot length, stay close to it, and do not depend on the other streams of a c
 import numpy as np
 import pytest
 import torch
+from audio_checks import assert_audible, assert_audio_equal
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from omnimtp.codec.token2wav import StreamingToken2Wav, scale_token2wav_weights
 from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
-from audio_checks import assert_audible, assert_audio_equal
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

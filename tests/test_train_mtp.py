@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from text_corpus import write_code_corpus_and_model
 
 from omnimtp import MTPHead, MTPTrainConfig, load_target_and_head, speculative_generate, train_mtp_head
 from omnimtp.cli import main as cli_main
-from text_corpus import write_code_corpus_and_model
 from omnimtp.models.tiny_lm import TINY_LM_VOCAB_SIZE, tiny_lm
 from omnimtp.mtp.train import (
     acceptance_estimate,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-
 from audio_checks import assert_audible, assert_audio_close
+
 from omnimtp.cli import main
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.voice import Voice

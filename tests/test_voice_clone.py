@@ -14,11 +14,11 @@ import os
 
 import numpy as np
 import pytest
+import qwen_tts_reference
 import soundfile
 import torch
-
-import qwen_tts_reference
 from audio_checks import assert_audible, assert_audio_close
+
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
 from omnimtp.models.speaker_encoder import log_mel, mel_filters
 from omnimtp.pipeline import OmniPipeline

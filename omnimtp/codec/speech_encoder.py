@@ -73,7 +73,7 @@ class SpeechTokenizerEncoder(nn.Module):
         return self.mimi.config.codebook_size
 
     @classmethod
-    def from_pretrained(cls, path, device=None) -> "SpeechTokenizerEncoder | None":
+    def from_pretrained(cls, path, device=None) -> SpeechTokenizerEncoder | None:
         """The encoder of a `speech_tokenizer/` directory, or None when its weights hold no encoder (a
         tokenizer kept for decoding only)."""
         path = Path(path)

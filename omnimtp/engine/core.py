@@ -33,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, fields
-from typing import Hashable, Iterator
 
 import numpy as np
 import torch

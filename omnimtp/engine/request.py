@@ -8,9 +8,9 @@ what to generate (prompt, speaker, sampling, limits, whether audio streams) and 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Hashable
 
 import numpy as np
 import torch

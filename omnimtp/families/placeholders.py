@@ -8,7 +8,7 @@ feature frames differ between families (their audio towers downsample differentl
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

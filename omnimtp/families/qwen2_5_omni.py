@@ -76,7 +76,7 @@ class Qwen2_5OmniFamily(ChatText):
         self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None) -> "Qwen2_5OmniFamily":
+    def tiny(cls, seed: int = 0, device=None) -> Qwen2_5OmniFamily:
         """A seeded tiny Qwen2.5-Omni (random weights: noise-like, audible speech), its byte tokenizer and its
         processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor

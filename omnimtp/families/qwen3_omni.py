@@ -69,7 +69,7 @@ class Qwen3OmniFamily(ChatText):
         self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None, **kwargs) -> "Qwen3OmniFamily":
+    def tiny(cls, seed: int = 0, device=None, **kwargs) -> Qwen3OmniFamily:
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: noise-like, audible speech),
         its byte-level tokenizer and its processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor

@@ -139,7 +139,7 @@ class Qwen3TTSFamily(ChatText):
         self.tts_bos_embed, self.tts_eos_embed, self.tts_pad_embed = bos, eos, pad
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> "Qwen3TTSFamily":
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> Qwen3TTSFamily:
         """A checkpoint in the released layout: config.json + model.safetensors, the text tokenizer when its
         files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
         is read, and a Base model's encoder when the tokenizer has its weights: without them a Base model
@@ -165,7 +165,7 @@ class Qwen3TTSFamily(ChatText):
         return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)
 
     @classmethod
-    def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> "Qwen3TTSFamily":
+    def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> Qwen3TTSFamily:
         """A seeded tiny Qwen3-TTS (`omnimtp.models.qwen3_tts.tiny_qwen3_tts`) with the byte-level tokenizer and
         a seeded tiny speech tokenizer decoder (`tiny_speech_tokenizer`: audible on random codes); a Base model
         also gets a seeded tiny tokenizer encoder (`tiny_speech_tokenizer_encoder`)."""

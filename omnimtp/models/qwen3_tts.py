@@ -158,7 +158,7 @@ class Qwen3TTSModel(nn.Module):
                                  f"talker's hidden_size {self.talker.config.hidden_size}")
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> "Qwen3TTSModel":
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> Qwen3TTSModel:
         """config.json and model.safetensors of a checkpoint directory (every talker weight required, and a
         Base checkpoint's speaker encoder weights)."""
         path = os.fspath(path)

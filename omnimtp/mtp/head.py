@@ -189,7 +189,7 @@ class MTPHead(nn.Module):
     # -- constructors ---------------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, target_model: nn.Module) -> "MTPHead":
+    def from_config(cls, target_model: nn.Module) -> MTPHead:
         """A freshly initialised head (torch's current RNG; the target family's own init scheme)."""
         head = cls(target_model)
         init_weights = getattr(target_model, "_init_weights", None)
@@ -200,7 +200,7 @@ class MTPHead(nn.Module):
         return head
 
     @classmethod
-    def from_pretrained(cls, checkpoint_dir: str | os.PathLike, target_model: nn.Module) -> "MTPHead":
+    def from_pretrained(cls, checkpoint_dir: str | os.PathLike, target_model: nn.Module) -> MTPHead:
         """Read the NextN layer's weights from the safetensors files of `checkpoint_dir`.
 
         Raises ValueError naming the missing keys when the checkpoint has no (or an incomplete) MTP layer."""
@@ -373,7 +373,7 @@ class MTPHead(nn.Module):
             and unsupported_layer_reason(block) is None
         )
 
-    def packed(self) -> "PackedHead":
+    def packed(self) -> PackedHead:
         """The head's weights packed for `draft_step` (made on first use, again after any weight edit)."""
         fingerprint = weights_fingerprint(self)
         if self._packed is None or self._packed[0] != fingerprint:

@@ -33,7 +33,6 @@ from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
 from omnimtp.runtime.moe import GroupLimitedSigmoid, Router, SoftmaxTopK, routed_experts
 from omnimtp.runtime.ops import PackedGemm, Rope, apply_rope, attention, cast, gated_mlp, linear, rms_norm
 
-
 ROW_KERNEL = PackedGemm("avx512", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
 ROW_KERNEL_MAX_ROWS = 16  # one pass of the kernel; longer blocks (prefills) run on MKL's GEMM
 
@@ -95,7 +94,7 @@ class PackedDecoder:
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
-    def with_row_kernel(self) -> "PackedDecoder":
+    def with_row_kernel(self) -> PackedDecoder:
         """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a
         speculative verify) on omnimtp's small-batch kernel (`omnimtp.runtime.kernels.small_batch_linear`:
         AVX-512F or AVX2), which reads the weights once for all rows — as fast for 4 rows as `torch.mv`
@@ -133,7 +132,7 @@ class PackedDecoder:
     @classmethod
     def from_module(
         cls, model, dtype: torch.dtype | None = None, num_layers: int | None = None, **options
-    ) -> "PackedDecoder":
+    ) -> PackedDecoder:
         """model: a transformers decoder (`layers`, `norm`, `rotary_emb`): Qwen3-Omni's thinker text model
         or talker model, its code predictor's model, or a supported causal LM's `get_decoder()`. dtype:
         default the module's own. num_layers: the first layers only (default all). options: `fused_norm`,
@@ -153,7 +152,7 @@ class PackedDecoder:
         return cls.from_layers(layers, config, model.rotary_emb, model.norm, dtype, **options)
 
     @classmethod
-    def from_layers(cls, layers, config, rotary, final_norm, dtype: torch.dtype, **options) -> "PackedDecoder":
+    def from_layers(cls, layers, config, rotary, final_norm, dtype: torch.dtype, **options) -> PackedDecoder:
         """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm."""
         with torch.no_grad():
             packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
@@ -174,7 +173,7 @@ class PackedDecoder:
         )
 
     @classmethod
-    def from_causal_lm(cls, target) -> "PackedDecoder":
+    def from_causal_lm(cls, target) -> PackedDecoder:
         """A transformers causal LM: its decoder's first `num_hidden_layers` layers, embedding and lm_head."""
         decoder = target.get_decoder()
         packed = cls.from_module(
@@ -339,7 +338,7 @@ def decoder_layer(
 
 
 def decoder_layers(
-    decoder: "PackedDecoder",
+    decoder: PackedDecoder,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_buffer: torch.Tensor | list,

@@ -235,7 +235,7 @@ class Rope:
     source: torch.Tensor | None = None
 
     @classmethod
-    def from_module(cls, rotary, head_dim: int) -> "Rope":
+    def from_module(cls, rotary, head_dim: int) -> Rope:
         """rotary: a transformers rotary embedding module (its `inv_freq`, `attention_scaling` and, for
         M-RoPE, `mrope_section`)."""
         inv_freq = rotary.inv_freq.detach().float().clone()

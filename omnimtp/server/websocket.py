@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import uuid
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 import statistics
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 4
@@ -66,7 +66,7 @@ class DraftCosts:
         return len(self.step) - 1
 
     @classmethod
-    def from_seconds(cls, seconds: list[float]) -> "DraftCosts":
+    def from_seconds(cls, seconds: list[float]) -> DraftCosts:
         """seconds[k]: measured seconds of a step drafting k tokens → costs relative to seconds[0], made
         non-decreasing in k (drafting more is never cheaper; a noisy measurement must not say it is)."""
         costs = [1.0]
@@ -153,7 +153,7 @@ def check_num_draft_tokens(value, name: str = "num_draft_tokens") -> None:
         raise ValueError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
 
 
-_CALIBRATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → {key: DraftCosts}
+_CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {key: DraftCosts}
 
 
 CALIBRATION_ROUNDS = 3

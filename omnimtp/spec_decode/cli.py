@@ -36,13 +36,12 @@ def run(args) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from omnimtp.spec_decode.adaptive import acceptance_warning
-    from omnimtp.spec_decode.generate import plain_generate, speculative_generate
-    from omnimtp.mtp.head import load_target_and_head
-
     from omnimtp.mtp.demo import demo_model_dir
+    from omnimtp.mtp.head import load_target_and_head
     from omnimtp.runtime.device import resolve_device
     from omnimtp.sampling import SamplingParams
+    from omnimtp.spec_decode.adaptive import acceptance_warning
+    from omnimtp.spec_decode.generate import plain_generate, speculative_generate
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model_dir = args.model if args.model is not None else demo_model_dir()

@@ -47,12 +47,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, row_seeds, sample
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
 from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, row_seeds, sample
 from omnimtp.spec_decode.adaptive import (
-    AUTO, DEFAULT_MAX_DRAFT_TOKENS, DraftController, DraftCosts, FixedDrafts, calibrate, check_num_draft_tokens,
+    AUTO,
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DraftController,
+    DraftCosts,
+    FixedDrafts,
+    calibrate,
+    check_num_draft_tokens,
 )
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot

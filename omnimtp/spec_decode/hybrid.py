@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+
 def linear_layer_indices(target) -> list[int]:
     """Indices of the decoder layers with a recurrent (linear-attention) state; [] for other models."""
     config = target.config.get_text_config(decoder=True)

@@ -29,7 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from omnimtp.runtime.decoder import (
-    ROW_KERNEL, ROW_KERNEL_MAX_ROWS, PackedDecoder, shared_length_forward, unsupported_layer_reason, weights_fingerprint,
+    ROW_KERNEL,
+    ROW_KERNEL_MAX_ROWS,
+    PackedDecoder,
+    shared_length_forward,
+    unsupported_layer_reason,
+    weights_fingerprint,
 )
 from omnimtp.runtime.kv_cache import KVCache
 from omnimtp.runtime.ops import linear, rms_norm
@@ -60,7 +65,7 @@ def unsupported_reason(target) -> str | None:
     return None
 
 
-_PACKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model → (weights fingerprint, PackedDecoder)
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → (weights fingerprint, PackedDecoder)
 
 
 def packed_target(target) -> PackedDecoder:

@@ -15,8 +15,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from omnimtp.sampling import SamplingParams, exponential_noise, probs_from_logits, sample_from_probs
 from omnimtp.mtp.head import MTPHead
+from omnimtp.sampling import SamplingParams, exponential_noise, probs_from_logits, sample_from_probs
 
 
 @dataclass

@@ -62,7 +62,6 @@ from omnimtp.sampling import (
 )
 from omnimtp.talker.compile_cache import meta_copy
 
-
 logger = logging.getLogger(__name__)
 
 

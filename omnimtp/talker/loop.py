@@ -28,8 +28,9 @@ Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whos
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F

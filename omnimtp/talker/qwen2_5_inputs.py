@@ -21,7 +21,7 @@ dropped, and the talker sees the prefill WITHOUT the two codec embeddings, at 1-
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import Qwen2_5OmniForConditionalGeneration
@@ -31,7 +31,7 @@ from omnimtp.handoff import (
     build_talker_prefill,
     talker_inputs_from_rows,
 )
-from omnimtp.talker.qwen3_inputs import prompt_list, lookup_speaker, trimmed_thinker_rows
+from omnimtp.talker.qwen3_inputs import lookup_speaker, prompt_list, trimmed_thinker_rows
 
 PREFILL_LAYOUTS = ("seed", "generate")
 

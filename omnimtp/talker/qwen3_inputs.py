@@ -35,20 +35,20 @@ Where we deliberately differ from transformers:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Sequence
 
 import torch
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from omnimtp.media import MediaInputs
 from omnimtp.handoff import (
     TalkerInputs,
-    check_rows,
     check_prefill_rows,
+    check_rows,
     talker_inputs_from_rows,
     trim_thinker_hidden,
 )
+from omnimtp.media import MediaInputs
 
 PROJECTIONS = ("reference", "per_row")
 NUM_ASSISTANT_ROWS = 9
