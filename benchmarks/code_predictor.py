@@ -6,10 +6,11 @@ omnimtp's AVX-512 small-batch kernel where it runs, else MKL's packed SGEMM at B
 B >= 4 the unpacked runner, and in fp32 the MKL-packed one, are timed too), step-compiled and
 frame-compiled. Dims: tiny (hidden 256, 2 layers, G 16, vocab 2048, the other sizes
 `tiny_code_predictor_config`'s defaults) and Qwen3-Omni's real predictor (hidden 1024, 5 layers, 16
-heads / 8 KV heads, head_dim 128, intermediate 3072, vocab 2048, G 16); batch 1 and 8; fp32 and bf16. Paths are timed in interleaved rounds and the median
-round is kept, so load from other processes hits every path alike. At real dims the memory-bound floor
-is printed: bytes of weights read per frame / memory bandwidth measured in the same run (the best of
-copy, sum and `torch.mv` probes, before and after the timings).
+heads / 8 KV heads, head_dim 128, intermediate 3072, vocab 2048, G 16); batch 1 and 8; fp32 and bf16.
+Paths are timed in interleaved rounds and the median round is kept, so load from other processes hits
+every path alike. At real dims the memory-bound floor is printed: bytes of weights read per frame /
+memory bandwidth measured in the same run (the best of copy, sum and `torch.mv` probes, before and
+after the timings).
 
     python benchmarks/code_predictor.py            # full run (a few minutes on 2 cores)
     python benchmarks/code_predictor.py --quick    # smoke run
@@ -71,7 +72,9 @@ CLOCKS = {
 }
 
 
-def time_paths(paths: dict, rounds: int, frames_per_round: int, clock=time.perf_counter, device=None) -> dict[str, float]:
+def time_paths(
+    paths: dict, rounds: int, frames_per_round: int, clock=time.perf_counter, device=None
+) -> dict[str, float]:
     """Median over rounds of ms per frame; each round times every path once, in turn (on a GPU, up to
     the end of its queued work)."""
     sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else (lambda: None)
@@ -146,26 +149,26 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
         hidden = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(device, dtype)
         cb0 = torch.randn(batch_size, cp.config.hidden_size, generator=g).to(device, dtype)
         paths = {
-            "hf_generate": lambda: hf_generate(cp, hidden, cb0),
-            "re_prefill": lambda: predict_residual_codes(cp, hidden, cb0),
-            "dynamic_cache": lambda: predict_residual_codes_kv(cp, hidden, cb0),
-            "runner_eager": lambda: eager.run(hidden, cb0),
+            "hf_generate": lambda hidden=hidden, cb0=cb0: hf_generate(cp, hidden, cb0),
+            "re_prefill": lambda hidden=hidden, cb0=cb0: predict_residual_codes(cp, hidden, cb0),
+            "dynamic_cache": lambda hidden=hidden, cb0=cb0: predict_residual_codes_kv(cp, hidden, cb0),
+            "runner_eager": lambda hidden=hidden, cb0=cb0: eager.run(hidden, cb0),
         }
         if unpacked is not None and batch_size >= PACKED_GEMM_MIN_ROWS:
-            paths["runner_eager_unpacked"] = lambda: unpacked.run(hidden, cb0)
+            paths["runner_eager_unpacked"] = lambda hidden=hidden, cb0=cb0: unpacked.run(hidden, cb0)
         if mkl is not None and batch_size >= PACKED_GEMM_MIN_ROWS:
-            paths["runner_eager_mkl"] = lambda: mkl.run(hidden, cb0)
+            paths["runner_eager_mkl"] = lambda hidden=hidden, cb0=cb0: mkl.run(hidden, cb0)
         compile_s = None
         if compiled is not None:
             start = time.perf_counter()
             compiled.run(hidden, cb0)  # compiles this batch size's graphs
             compile_s = time.perf_counter() - start
-            paths["runner_compiled"] = lambda: compiled.run(hidden, cb0)
+            paths["runner_compiled"] = lambda hidden=hidden, cb0=cb0: compiled.run(hidden, cb0)
         if frame is not None:
             start = time.perf_counter()
             frame.run(hidden, cb0)
             row_compile_frame_s = time.perf_counter() - start
-            paths["runner_frame_compiled"] = lambda: frame.run(hidden, cb0)
+            paths["runner_frame_compiled"] = lambda hidden=hidden, cb0=cb0: frame.run(hidden, cb0)
         else:
             row_compile_frame_s = None
         with torch.inference_mode():
@@ -263,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_cpu:
         after = memory_bandwidth_gbs() if any(dims == "real" for dims, _ in cases) else before
         bandwidth = {name: max(before[name], after[name]) for name in before}
-        print("memory bandwidth (best of before/after): " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
+        print(
+            "memory bandwidth (best of before/after): "
+            + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items())
+        )
         add_floor(rows, max(bandwidth.values()))
     result = {
         "benchmark": "code_predictor", "device": args.device, "threads": args.threads, "clock": args.clock,

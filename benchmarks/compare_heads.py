@@ -86,7 +86,7 @@ def teacher_forced(target, heads: list[MTPHead], windows: torch.Tensor, k: int, 
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size]  # [b, L]
         hidden, target_logits = teacher_outputs(target, batch)
-        for head, acc in zip(heads, per_head):
+        for head, acc in zip(heads, per_head, strict=True):
             draft_logits = unrolled_draft_logits(head, batch, hidden, k)
             rates = window_acceptance(target_logits, draft_logits)  # {"greedy", "sampled"}: [b, k]
             acc["tau_greedy"] += (1.0 + rates["greedy"].sum(dim=1)).tolist()
@@ -120,7 +120,7 @@ def summarize(values_by_head: list[list[float]], block: int = 0) -> list[dict]:
         mean, se = mean_and_se(values)
         entry = {"mean": mean, "se": se}
         if out:
-            diffs = [a - b for a, b in zip(values, values_by_head[0])]
+            diffs = [a - b for a, b in zip(values, values_by_head[0], strict=True)]
             diff, diff_se = mean_and_se(diffs)
             entry.update({"diff_vs_first": diff, "diff_se": diff_se})
             if block > 1 and len(diffs) >= 2 * block:
@@ -132,7 +132,9 @@ def summarize(values_by_head: list[list[float]], block: int = 0) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="target checkpoint dir (default: the shipped demo model)")
-    parser.add_argument("--heads", nargs="+", required=True, help="dirs holding an MTP layer; the first is the reference")
+    parser.add_argument(
+        "--heads", nargs="+", required=True, help="dirs holding an MTP layer; the first is the reference"
+    )
     parser.add_argument("--names", nargs="+", default=None)
     parser.add_argument("--data", default=sysconfig.get_paths()["stdlib"], help="the text the heads were trained on")
     parser.add_argument("--heldout-every", type=int, default=16)
@@ -162,7 +164,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     heads = [MTPHead.from_pretrained(h, target).float().eval() for h in args.heads]
     _, heldout_files = collect_text_files([args.data], args.heldout_every, tuple(args.suffixes))
-    results = {"model": model_dir, "heads": dict(zip(names, args.heads)), "reference": names[0],
+    results = {"model": model_dir, "heads": dict(zip(names, args.heads, strict=True)), "reference": names[0],
                "heldout_files": len(heldout_files), "threads": args.threads}
 
     # (a) teacher-forced, every non-overlapping held-out window, at the largest k
@@ -179,7 +181,7 @@ def main() -> None:
     results["teacher_forced"] = {"k": k_max, "num_windows": num_windows, "seq_len": args.seq_len, "heads": {}}
     for mode in ("greedy", "sampled"):
         stats = summarize([acc[f"tau_{mode}"] for acc in tf], block=args.se_block)
-        for name, acc, s in zip(names, tf, stats):
+        for name, acc, s in zip(names, tf, stats, strict=True):
             entry = results["teacher_forced"]["heads"].setdefault(
                 name, {"ce": acc["ce"], "tv": acc["tv"]})
             entry[f"tau_{mode}"] = s
@@ -209,10 +211,10 @@ def main() -> None:
         # part (what greedy decoding drafts on), per prompt; paired differences over prompts.
         own_text = [{"greedy": [], "sampled": []} for _ in heads]
         with torch.inference_mode():
-            for ids, sequence in zip(prompts, plain):
+            for ids, sequence in zip(prompts, plain, strict=True):
                 hidden, target_logits = teacher_outputs(target, sequence)
                 first_row = ids.shape[1] - 1  # row predicting the first generated token
-                for head, acc in zip(heads, own_text):
+                for head, acc in zip(heads, own_text, strict=True):
                     draft_logits = unrolled_draft_logits(head, sequence, hidden, k_max)
                     rates = window_acceptance(target_logits[:, first_row:], [d[:, first_row:] for d in draft_logits])
                     acc["greedy"].append(1.0 + rates["greedy"].sum().item())
@@ -222,7 +224,7 @@ def main() -> None:
               f"k={k_max}; mean ± SE over prompts, paired diff vs {names[0]}")
         for mode in ("greedy", "sampled"):
             stats = summarize([acc[mode] for acc in own_text])
-            for name, s in zip(names, stats):
+            for name, s in zip(names, stats, strict=True):
                 results["teacher_forced_on_greedy_output"]["heads"].setdefault(name, {})[f"tau_{mode}"] = s
         for name in names:
             e = results["teacher_forced_on_greedy_output"]["heads"][name]
@@ -257,9 +259,9 @@ def main() -> None:
                     per_head_pooled.append(1.0 + accepted / row_steps)
                     matches.append(match)
                 stats = summarize(per_head_taus)
-                taus_of = dict(zip(names, per_head_taus))
+                taus_of = dict(zip(names, per_head_taus, strict=True))
                 line = f"  k={k} {mode:>6}:"
-                for name, pooled, s, match in zip(names, per_head_pooled, stats, matches):
+                for name, pooled, s, match in zip(names, per_head_pooled, stats, matches, strict=True):
                     entry = {"tau_pooled": pooled, "tau_per_prompt": s, "tau_per_prompt_values": taus_of[name]}
                     if mode == "greedy":
                         entry["matches_plain"] = match
@@ -272,7 +274,9 @@ def main() -> None:
                 print(line, flush=True)
                 for a in range(1, len(names)):  # every other pair (the first head's pairs are above)
                     for b in range(a + 1, len(names)):
-                        diff, diff_se = mean_and_se([x - y for x, y in zip(per_head_taus[b], per_head_taus[a])])
+                        diff, diff_se = mean_and_se(
+                            [x - y for x, y in zip(per_head_taus[b], per_head_taus[a], strict=True)]
+                        )
                         decoding[f"k{k}_{mode}"].setdefault("pairs", {})[f"{names[b]}-{names[a]}"] = {
                             "diff": diff, "diff_se": diff_se}
                         print(f"      {names[b]} - {names[a]}: {diff:+.3f} ± {diff_se:.3f}", flush=True)

@@ -132,7 +132,7 @@ def flatten(value, prefix: str = "") -> dict[str, float]:
 def better(path: str) -> str | None:
     """'higher' for rate-like leaves, 'lower' for time-like ones, None for the rest (rule: module docstring)."""
     words = path.replace(".", "_").split("_")
-    if RATE_WORDS.intersection(words) or any(a == "per" and b == "s" for a, b in zip(words, words[1:])):
+    if RATE_WORDS.intersection(words) or any(a == "per" and b == "s" for a, b in zip(words, words[1:], strict=False)):
         return "higher"
     if TIME_WORDS.intersection(words):
         return "lower"

@@ -2,7 +2,8 @@
 
 Both sides run greedy with the same caps (thinker tokens, talker frames) and produce the same tokens and
 codes (checked here). Reported per config: total wall time of each (ours: `generate`) and the ratio, our
-time to the first audio chunk (`stream`) and its share of the reference's total, and real-time factors (wall time / audio time).
+time to the first audio chunk (`stream`) and its share of the reference's total, and real-time factors
+(wall time / audio time).
 CPU time of the process (`time.process_time`) is reported next to wall time: on a shared, loaded machine
 it is the steadier of the two for comparing ours with the reference (both run with the same thread count).
 Our code predictor is compiled during the untimed warm-up: the whole frame as one graph by default
@@ -19,8 +20,8 @@ vocabularies and token2wav).
 65 audio rows in the prompt), `--input image` shows a 224×224-sized image (14 × 14 patches): the time to the first
 audio then includes the encoder. The features are random (the encoders' work does not depend on them).
 
-    python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid] [--input text|audio|image]
-        [--family qwen3|qwen2_5] [--real-dims] [--out benchmarks/results/e2e.json]
+    python benchmarks/e2e.py [--quick] [--threads 1] [--compile frame|step|none] [--config mid]
+        [--input text|audio|image] [--family qwen3|qwen2_5] [--real-dims] [--out benchmarks/results/e2e.json]
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ QWEN2_5_EOS = 257  # <|im_end|> of the tiny vocab
 def _question(tokenizer, model, kind: str) -> tuple[list[int], dict]:
     """The prompt ids and media tensors of a question in `kind` (text, audio or image)."""
     text = {"text": "Tell me about the weather today.", "audio": "Answer the question.", "image": "What is this?"}[kind]
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False
+    )
     if kind == "text":
         return ids, {}
     tokens, generator = THINKER_SPECIAL_TOKENS, torch.Generator().manual_seed(0)
@@ -139,7 +142,8 @@ def bench(name, config_kwargs, max_new_tokens, max_frames, repeats, compile_pred
     ref_total, our_total, ttfa = min(ref_times), min(our_times), min(first_audio)
     result = dict(
         family=family, config=name, input=kind, device=str(device), prompt_tokens=len(prompt),
-        compile_predictor=compile_predictor if family == "qwen3" else None, params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
+        compile_predictor=compile_predictor if family == "qwen3" else None,
+        params_millions=round(num_params / 1e6, 1), size_mb=round(num_params * 4 / 2**20),
         thinker_tokens=len(out.text_ids), frames=int(out.codes.shape[1]), audio_seconds=round(audio_seconds, 3),
         identical_to_reference=bool(same),
         reference_total_s=round(ref_total, 3), ours_total_s=round(our_total, 3),
@@ -161,10 +165,14 @@ def main():
         "--compile", choices=["frame", "step", "none"], default="frame",
         help="how our code predictor is compiled (CodePredictorRunner compile=...)",
     )
-    parser.add_argument("--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)")
+    parser.add_argument(
+        "--config", choices=sorted(CONFIGS), action="append", help="run only these configs (repeatable)"
+    )
     parser.add_argument("--device", default="cpu", help="where both sides run (cpu, cuda, cuda:N)")
     parser.add_argument("--input", choices=["text", "audio", "image"], default="text", help="what the question is")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed repeats per config (default 3, 1 with --quick)"
+    )
     parser.add_argument("--family", choices=["qwen3", "qwen2_5"], default="qwen3", help="which omni model family")
     parser.add_argument("--real-dims", action="store_true",
                         help="qwen2_5: also the config at the real 3B thinker / talker widths (2 layers each)")

@@ -40,7 +40,9 @@ def _per_token_layers(target, ids, positions, cache, mixer_only: bool):
     decoder = target.get_decoder()
     config = decoder.config
     hidden = decoder.embed_tokens(ids)
-    mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=None, cache=cache, position_ids=positions)
+    mask = create_causal_mask(
+        config=config, inputs_embeds=hidden, attention_mask=None, cache=cache, position_ids=positions
+    )
     position_embeddings = decoder.rotary_emb(hidden, positions)
     states = []
     for i, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
@@ -69,7 +71,9 @@ def _per_token_layers(target, ids, positions, cache, mixer_only: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-    parser.add_argument("--num-layers", type=int, default=2, help="decoder layers (every 4th full attention; 2: one of each)")
+    parser.add_argument(
+        "--num-layers", type=int, default=2, help="decoder layers (every 4th full attention; 2: one of each)"
+    )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--kept", type=int, default=2, help="tokens of the 4-token block the rows keep")
     parser.add_argument("--repeats", type=int, default=30)
@@ -79,7 +83,9 @@ def main() -> None:
     config = tiny_lm_config(args.family)
     if args.num_layers != 2:
         config.num_hidden_layers = args.num_layers
-        config.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.num_layers)]
+        config.layer_types = [
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(args.num_layers)
+        ]
     target = type(tiny_lm(args.family))(config).eval()
     decoder = target.get_decoder()
     layers = linear_layer_indices(target)
@@ -99,7 +105,9 @@ def main() -> None:
 
         def omnimtp_rollback():
             saved = snapshot(cache, layers)
-            out = decoder(input_ids=block, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True)
+            out = decoder(
+                input_ids=block, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True
+            )
             crop_attention(cache, width - kept)
             rollback(target, cache, saved, out.hidden_states, num_kept)
 
@@ -121,7 +129,7 @@ def main() -> None:
         cases = [("verify only (all accepted)", verify_only, width), ("omnimtp rollback", omnimtp_rollback, kept),
                  ("re-feed the kept prefix", refeed, kept), ("per-token layers in verify", per_token(False), width),
                  ("per-token mixers in verify", per_token(True), width), ("plain one-token step", one_token_step, 1)]
-        for name, step, appended in cases:
+        for name, step, _appended in cases:
             times = []
             for repeat in range(args.repeats + 3):
                 start = time.perf_counter()

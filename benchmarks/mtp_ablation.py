@@ -163,7 +163,9 @@ def evaluate(target, tokenizer, head_dirs: dict[str, Path], arms: list[Arm], arg
                         with torch.no_grad():
                             plain = [target.generate(ids, do_sample=False, max_new_tokens=args.max_new_tokens,
                                                      eos_token_id=-1) for ids in prompts]
-                    row["greedy_matches_generate"] = all(torch.equal(a, b) for a, b in zip(sequences, plain))
+                    row["greedy_matches_generate"] = all(
+                        torch.equal(a, b) for a, b in zip(sequences, plain, strict=True)
+                    )
                 rows.append(row)
                 print(f"{arm.name:>20} k={k} {mode:>6}: tau {row['tau']:.3f} [{low:.3f}, {high:.3f}] "
                       f"({time.time() - started:.0f}s)", flush=True)

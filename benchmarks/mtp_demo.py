@@ -1,7 +1,7 @@
 """The shipped demo LM + trained MTP head on held-out prompts: τ, per-position acceptance, tokens/s.
 
-    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--repeats 3] [--ks 1 2 3] [--no-sampled]
-        [--target-backend auto|packed|transformers] [--out FILE]
+    python benchmarks/mtp_demo.py [--model DIR] [--other-head DIR] [--max-new-tokens 96] [--repeats 3]
+        [--ks 1 2 3] [--no-sampled] [--target-backend auto|packed|transformers] [--out FILE]
 
 Batch 1, every held-out prompt of the checkpoint (`heldout_prompts.json`), in one process: plain greedy
 `generate`, transformers `generate(use_mtp=True)` (greedy; it drafts one token per step with one MTP
@@ -177,14 +177,14 @@ def main() -> None:
         }
         if m.baseline is not None:
             base = by_name[m.baseline]
-            ratios = [b / s for s, b in zip(m.seconds, base.seconds)]  # same-repeat ratios
+            ratios = [b / s for s, b in zip(m.seconds, base.seconds, strict=True)]  # same-repeat ratios
             # also: median over (repeat, prompt) of the ratio of two runs seconds apart (finer, less conservative)
-            pair_ratios = [b / s for s, b in zip(m.prompt_seconds, base.prompt_seconds)]
+            pair_ratios = [b / s for s, b in zip(m.prompt_seconds, base.prompt_seconds, strict=True)]
             entry["speedup_vs_" + m.baseline] = _median(ratios)
             entry["speedup_per_repeat"] = ratios
             entry["speedup_pairwise_median"] = _median(pair_ratios)
         if m.baseline == "plain_greedy":
-            entry["matches_plain"] = all(torch.equal(a, b) for a, b in zip(m.outputs, base.outputs))
+            entry["matches_plain"] = all(torch.equal(a, b) for a, b in zip(m.outputs, base.outputs, strict=True))
         if m.stats:
             k = m.stats[0].num_draft_tokens
             entry.update({"k": k, **_pooled(m.stats, k)})
@@ -192,7 +192,8 @@ def main() -> None:
 
     results = {
         "model": model_dir, "num_prompts": len(prompts), "max_new_tokens": max_new, "threads": args.threads,
-        "repeats": args.repeats, "target_backend": args.target_backend, "note": "tokens_per_s: median over interleaved repeats; speed-ups: median over "
+        "repeats": args.repeats, "target_backend": args.target_backend,
+        "note": "tokens_per_s: median over interleaved repeats; speed-ups: median over "
         "repeats of same-repeat total-time ratios; plain = transformers generate (greedy / do_sample); "
         "plain_lean = the same lean decoder loop as ours, one token per forward; plain_packed = our packed "
         "target (plain_generate), one token per forward",
@@ -223,9 +224,9 @@ def main() -> None:
                 + " ".join(f"{r:.2f}" for r in e["speedup_per_repeat"])
                 + f"; pairwise median {e['speedup_pairwise_median']:.2f})")
         if m.baseline == "plain_greedy":
-            vs_lean = _median([b / s for s, b in zip(m.seconds, by_name["plain_lean"].seconds)])
+            vs_lean = _median([b / s for s, b in zip(m.seconds, by_name["plain_lean"].seconds, strict=True)])
             e["speedup_vs_plain_lean"] = vs_lean
-            vs_packed = _median([b / s for s, b in zip(m.seconds, by_name["plain_packed"].seconds)])
+            vs_packed = _median([b / s for s, b in zip(m.seconds, by_name["plain_packed"].seconds, strict=True)])
             e["speedup_vs_plain_packed"] = vs_packed
             line += (f" {vs_lean:.2f}x plain_lean {vs_packed:.2f}x plain_packed"
                      f" {e['tokens_per_s'] / hf['tokens_per_s']:.2f}x use_mtp"

@@ -77,7 +77,8 @@ def bench(family: str, config_kwargs: dict, args) -> dict:
     tokens = prompts.shape[0] * args.max_new_tokens
     result = dict(
         family=family, **{k: v for k, v in config_kwargs.items()}, k=args.k, batch_size=prompts.shape[0],
-        train_steps=args.steps, train_s=round(train_s, 1), held_out_tau_after_training=round(trained.evals[-1]["tau_greedy"], 3),
+        train_steps=args.steps, train_s=round(train_s, 1),
+        held_out_tau_after_training=round(trained.evals[-1]["tau_greedy"], 3),
         tau=round(stats["mean_acceptance_length"], 3),
         acceptance_per_position=[round(a, 3) for a in stats["acceptance_per_position"]],
         spec_tokens_per_s=round(tokens / spec_s, 1), plain_tokens_per_s=round(tokens / plain_s, 1),

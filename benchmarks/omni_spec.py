@@ -101,7 +101,7 @@ def end_to_end(pipes: dict[str, OmniPipeline], texts: list[str], max_new_tokens:
             "text_ids": [o.text_ids for o in outputs], "codes": [o.codes.tolist() for o in outputs],
         }
     reference = results["plain"]
-    for name, entry in results.items():
+    for entry in results.values():
         entry["outputs_match"] = entry["text_ids"] == reference["text_ids"] and entry["codes"] == reference["codes"]
     for entry in results.values():
         del entry["text_ids"], entry["codes"]
@@ -137,27 +137,34 @@ def main() -> None:
     pipes = {"plain": plain}
     for k in KS:
         pipes[f"k{k}"] = OmniPipeline(plain.model, plain.tokenizer, processor=plain.processor, thinker_mtp=head,
-                                      num_draft_tokens=k, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames)
+                                      num_draft_tokens=k, max_new_tokens=args.max_new_tokens,
+                                      max_frames=args.max_frames)
     e2e = end_to_end(pipes, texts, args.max_new_tokens, args.max_frames)
     profile = {"plain": top_ops(plain, prompts[0], args.max_new_tokens, None),
                "k3": top_ops(plain, prompts[0], args.max_new_tokens, ThinkerSpeculation(head, 3))}
 
     print(f"demo Qwen3-Omni ({demo_omni_dir()}), {len(prompts)} held-out prompts, greedy, max_new_tokens "
-          f"{args.max_new_tokens}, max_frames {args.max_frames}, {args.threads} thread(s), torch {torch.__version__}")
-    print(f"{'':6} {'thinker tok/s':>13} {'speed-up':>8} {'tau':>5} {'per-position acceptance':>28} {'draft/verify ms':>16} "
-          f"{'TTFA s':>7} {'total s':>7} {'match':>5}")
+          f"{args.max_new_tokens}, max_frames {args.max_frames}, {args.threads} thread(s), "
+          f"torch {torch.__version__}")
+    print(f"{'':6} {'thinker tok/s':>13} {'speed-up':>8} {'tau':>5} {'per-position acceptance':>28} "
+          f"{'draft/verify ms':>16} {'TTFA s':>7} {'total s':>7} {'match':>5}")
     for name in ("plain", *[f"k{k}" for k in KS]):
         t, e = thinker[name], e2e[name]
         position = " ".join(f"{a:.2f}" for a in t.get("acceptance_per_position", []))
-        timing = f"{t['draft_ms_per_step']:.2f}/{t['verify_ms_per_step']:.2f}" if name != "plain" else f"{t['ms_per_step']:.2f}/step"
+        timing = (
+            f"{t['draft_ms_per_step']:.2f}/{t['verify_ms_per_step']:.2f}"
+            if name != "plain"
+            else f"{t['ms_per_step']:.2f}/step"
+        )
         match = t.get("outputs_match", True) and e["outputs_match"]
-        print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} {position:>28} "
-              f"{timing:>16} {e['time_to_first_audio_s']:7.3f} {e['total_s']:7.3f} {str(match):>5}")
+        print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} "
+              f"{position:>28} {timing:>16} {e['time_to_first_audio_s']:7.3f} {e['total_s']:7.3f} {str(match):>5}")
     print(f"thinker alone, sampled {SAMPLED}:")
     for name in ("plain", *[f"k{k}" for k in KS]):
         t = sampled[name]
         position = " ".join(f"{a:.2f}" for a in t.get("acceptance_per_position", []))
-        print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} {position:>28}")
+        print(f"{name:6} {t['tokens_per_s']:13.1f} {t.get('speedup', 1.0):8.2f} {t.get('tau', 1.0):5.2f} "
+              f"{position:>28}")
     for name, rows in profile.items():
         print(f"top ops by self CPU time, {name}, one prompt:")
         for row in rows:

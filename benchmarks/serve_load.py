@@ -217,8 +217,12 @@ def main() -> None:
         setups.append(("baseline_batch1", 1, None, ours_args))
     report = {"config": vars(args), "results": {name: [] for name, _, _, _ in setups}}
     with contextlib.ExitStack() as stack:
-        urls = {name: stack.enter_context(server_process(size, args.max_frames, args.threads, tree, extra, args.start_timeout))
-                for name, size, tree, extra in setups}
+        urls = {
+            name: stack.enter_context(
+                server_process(size, args.max_frames, args.threads, tree, extra, args.start_timeout)
+            )
+            for name, size, tree, extra in setups
+        }
         for url in urls.values():
             asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
         for concurrency in args.concurrency:

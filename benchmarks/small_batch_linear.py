@@ -59,15 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     for rows in args.rows:
         xs = {inp: torch.randn(rows, inp, generator=g) for _, inp in SHAPES}
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
-        for w, packed in zip(weights, ours):  # same values up to rounding before timing anything
-            torch.testing.assert_close(sbl.small_batch_linear(xs[w.shape[1]], packed, w.shape[0]), F.linear(xs[w.shape[1]], w), rtol=1e-4, atol=1e-4)
+        for w, packed in zip(weights, ours, strict=True):  # same values up to rounding before timing anything
+            torch.testing.assert_close(
+                sbl.small_batch_linear(xs[w.shape[1]], packed, w.shape[0]), F.linear(xs[w.shape[1]], w),
+                rtol=1e-4, atol=1e-4,
+            )
         paths = {
-            "omnimtp_avx512": lambda: [sbl.small_batch_linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, ours)],
-            "mkl_packed": lambda: [torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, rows) for w, p in zip(weights, mkl)],
-            "f_linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+            "omnimtp_avx512": lambda xs=xs: [
+                sbl.small_batch_linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, ours, strict=True)
+            ],
+            "mkl_packed": lambda xs=xs, rows=rows, mkl=mkl: [
+                torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, rows) for w, p in zip(weights, mkl, strict=True)
+            ],
+            "f_linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
         }
         if rows == 1:
-            paths["torch_mv"] = lambda: [torch.mv(w, xs[w.shape[1]][0]) for w in weights]
+            paths["torch_mv"] = lambda xs=xs: [torch.mv(w, xs[w.shape[1]][0]) for w in weights]
         best = {name: float("inf") for name in paths}
         for _ in range(args.rounds):
             for name, fn in paths.items():
@@ -78,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         gbs = {name: total_bytes / seconds / 1e9 for name, seconds in best.items()}
         ratio = {name: best["mkl_packed"] / seconds for name, seconds in best.items()}
         print(f"rows {rows:2d}: " + " | ".join(f"{n} {gbs[n]:5.1f} GB/s ({ratio[n]:.2f}x mkl)" for n in paths))
-        rows_out.append({"rows": rows, "ms": {n: s * 1e3 for n, s in best.items()}, "gb_per_s": gbs, "speedup_vs_mkl_packed": ratio})
+        rows_out.append(
+            {"rows": rows, "ms": {n: s * 1e3 for n, s in best.items()}, "gb_per_s": gbs, "speedup_vs_mkl_packed": ratio}
+        )
     result = {
         "threads": args.threads, "weight_bytes": total_bytes, "read_bandwidth_gbs": bandwidth, "rows": rows_out,
         "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),

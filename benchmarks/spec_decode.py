@@ -61,18 +61,20 @@ def main() -> None:
         kw = dict(max_new_tokens=max_new, eos_token_id=-1)
         with torch.no_grad():
             speculative_generate(target, head, prompt[:, :4], max_new_tokens=2, num_draft_tokens=1)  # warm-up
-            plain, plain_s = _timed(lambda: target.generate(prompt, do_sample=False, **kw))
+            plain, plain_s = _timed(lambda prompt=prompt, kw=kw: target.generate(prompt, do_sample=False, **kw))
         plain_tps = batch * max_new / plain_s
         row = {"batch": batch, "plain_tokens_per_s": plain_tps}
         if batch == 1:
             with torch.no_grad():
-                hf, hf_s = _timed(lambda: target.generate(prompt, do_sample=False, use_mtp=True, **kw))
+                hf, hf_s = _timed(
+                    lambda prompt=prompt, kw=kw: target.generate(prompt, do_sample=False, use_mtp=True, **kw)
+                )
             row["hf_use_mtp_tokens_per_s"] = max_new / hf_s
             row["hf_use_mtp_speedup"] = row["hf_use_mtp_tokens_per_s"] / plain_tps
             row["hf_use_mtp_matches_plain"] = torch.equal(hf, plain)
         row["ours"] = []
         for k in ks:
-            out, ours_s = _timed(lambda: speculative_generate(
+            out, ours_s = _timed(lambda prompt=prompt, k=k, kw=kw: speculative_generate(
                 target, head, prompt, num_draft_tokens=k, target_backend=args.target_backend, **kw))
             stats = out.stats
             entry = {

@@ -16,7 +16,8 @@ included), a plain step being the plain loop's time over its tokens.
 For every repeat, prompt and method the runs go back to back, so load changes hit them alike; a ratio is the
 median over repeats of same-repeat total-time ratios. Costs of "auto" are calibrated once (reported).
 
-    python benchmarks/spec_speed.py --threads 1 --repeats 3 --num-prompts 8 --max-new-tokens 96 --out benchmarks/results/spec_speed.json
+    python benchmarks/spec_speed.py --threads 1 --repeats 3 --num-prompts 8 --max-new-tokens 96
+        --out benchmarks/results/spec_speed.json
     python benchmarks/spec_speed.py --oracle --only-oracle --threads 1 --repeats 3 --max-new-tokens 64
     python benchmarks/spec_speed.py --quick            # a small setting that checks the script runs
 """
@@ -67,7 +68,7 @@ def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: 
     for name, r in results.items():
         entry = {"seconds_per_repeat": r["seconds"]}
         if name != baseline:
-            entry["speedup"] = statistics.median(b / s for s, b in zip(r["seconds"], base["seconds"]))
+            entry["speedup"] = statistics.median(b / s for s, b in zip(r["seconds"], base["seconds"], strict=True))
             stats = [s for s in r["stats"] if s is not None]
             if stats:
                 steps = sum(s.num_row_steps for s in stats)
@@ -81,11 +82,15 @@ def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: 
                 if plain_step_s:
                     num_steps = sum(s.num_steps for s in stats)
                     num_drafting = num_steps - histogram.get(0, 0)
-                    entry["draft_over_plain_step"] = sum(s.draft_time_s for s in stats) / max(num_drafting, 1) / plain_step_s
-                    entry["step_over_plain_step"] = sum(s.draft_time_s + s.verify_time_s for s in stats) / num_steps / plain_step_s
+                    entry["draft_over_plain_step"] = (
+                        sum(s.draft_time_s for s in stats) / max(num_drafting, 1) / plain_step_s
+                    )
+                    entry["step_over_plain_step"] = (
+                        sum(s.draft_time_s + s.verify_time_s for s in stats) / num_steps / plain_step_s
+                    )
                     entry["verify_over_plain_step"] = sum(s.verify_time_s for s in stats) / num_steps / plain_step_s
             if check_equal:
-                entry["matches_plain"] = all(_same(a, b) for a, b in zip(r["outputs"], base["outputs"]))
+                entry["matches_plain"] = all(_same(a, b) for a, b in zip(r["outputs"], base["outputs"], strict=True))
         out[name] = entry
     return out
 
@@ -108,7 +113,10 @@ def demo_lm(args) -> dict:
     report = {}
     for label, sampling in (("greedy", None), ("sampled", SAMPLED)):
         def plain(i, sampling=sampling):
-            return plain_generate(target, prompts[i], max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1), None
+            return (
+                plain_generate(target, prompts[i], max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1),
+                None,
+            )
 
         def spec(k, sampling=sampling):
             def run(i):
@@ -118,8 +126,8 @@ def demo_lm(args) -> dict:
             return run
 
         methods = {"plain": plain, **{f"k{k}": spec(k) for k in args.ks}, "auto": spec("auto")}
-        for run in methods.values():
-            run(0)  # warm-up; "auto" calibrates its costs here, once
+        for method in methods.values():
+            method(0)  # warm-up; "auto" calibrates its costs here, once
         report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None,
                                   n * len(prompts))
     return report
@@ -152,10 +160,12 @@ def demo_omni(args) -> dict:
 
         methods = {"plain": runner(None), **{f"k{k}": runner(ThinkerSpeculation(head, k)) for k in args.ks},
                    "auto": runner(ThinkerSpeculation(head, "auto"))}
-        for run in methods.values():
-            run(0)
+        for method in methods.values():
+            method(0)
         results = interleaved(methods, len(prompts), args.repeats)
-        report[label] = summarize(results, "plain", sampling is None, sum(len(ids) for ids in results["plain"]["outputs"]))
+        report[label] = summarize(
+            results, "plain", sampling is None, sum(len(ids) for ids in results["plain"]["outputs"])
+        )
     return report
 
 
@@ -228,9 +238,12 @@ def oracle(args) -> dict:
         for acceptance in (0.5, 0.7, 0.9):
             drafter = OracleDrafter(reference, prompt.shape[1], acceptance, config.vocab_size)
             methods = {
-                "plain": lambda i: (plain_generate(target, prompt, max_new_tokens=n, eos_token_id=-1), None),
-                "oracle": lambda i: (lambda out: (out.sequences, out.stats))(speculative_generate(
-                    target, drafter, prompt, max_new_tokens=n, num_draft_tokens=k, eos_token_id=-1)),
+                "plain": lambda i, prompt=prompt: (
+                    plain_generate(target, prompt, max_new_tokens=n, eos_token_id=-1), None
+                ),
+                "oracle": lambda i, drafter=drafter, prompt=prompt: (lambda out: (out.sequences, out.stats))(
+                    speculative_generate(target, drafter, prompt, max_new_tokens=n, num_draft_tokens=k, eos_token_id=-1)
+                ),
             }
             for run in methods.values():
                 run(0)
@@ -239,15 +252,16 @@ def oracle(args) -> dict:
             stats = results["oracle"]["stats"][0]
             draft_cost = stats.draft_time_s / max(stats.verify_time_s, 1e-9)  # drafting relative to verifying
             ideal = summary["tau"] / (1 + draft_cost)
-            plain_step_s = min(results["plain"]["seconds"]) / n  # plain_generate: one forward per token (+ the prefill)
+            # plain_generate: one forward per token (+ the prefill)
+            plain_step_s = min(results["plain"]["seconds"]) / n
             entry = {"batch": batch, "acceptance": acceptance, "tau": summary["tau"], "speedup": summary["speedup"],
                      "ideal": ideal, "achieved_over_ideal": summary["speedup"] / ideal, "draft_cost": draft_cost,
                      "verify_over_plain_step": stats.verify_time_s / max(stats.num_steps, 1) / plain_step_s,
                      "matches_plain": summary["matches_plain"]}
             report["runs"].append(entry)
-            print(f"oracle batch {batch} acceptance {acceptance}: τ {entry['tau']:.2f} speed-up {entry['speedup']:.2f}x "
-                  f"ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) verify / plain step "
-                  f"{entry['verify_over_plain_step']:.2f} match {entry['matches_plain']}")
+            print(f"oracle batch {batch} acceptance {acceptance}: τ {entry['tau']:.2f} "
+                  f"speed-up {entry['speedup']:.2f}x ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) "
+                  f"verify / plain step {entry['verify_over_plain_step']:.2f} match {entry['matches_plain']}")
     return report
 
 
@@ -279,7 +293,9 @@ def main() -> None:
     parser.add_argument("--oracle-layers", type=int, default=8)
     parser.add_argument("--oracle-vocab", type=int, default=32000)
     parser.add_argument("--oracle-batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--quick", action="store_true", help="2 prompts, 24 tokens, 1 repeat, a 2-layer hidden-256 oracle")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 prompts, 24 tokens, 1 repeat, a 2-layer hidden-256 oracle"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:

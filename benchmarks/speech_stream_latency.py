@@ -43,7 +43,9 @@ TEXT = ("Streaming text into speech lets a voice agent start talking while its r
 async def streamed(url: str, text: str, args, seed: int) -> dict:
     ws_url = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
     async with connect(ws_url, open_timeout=60, max_size=None) as ws:
-        await ws.send(json.dumps({"type": "session.config", "seed": seed, **({"voice": args.voice} if args.voice else {})}))
+        await ws.send(
+            json.dumps({"type": "session.config", "seed": seed, **({"voice": args.voice} if args.voice else {})})
+        )
         configured = json.loads(await ws.recv())
         if configured["type"] != "session.configured":
             raise RuntimeError(f"session.config refused: {configured}")
@@ -111,7 +113,9 @@ async def run_level(url: str, concurrency: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="a Qwen3-TTS (or Qwen3-Omni) checkpoint directory (default: the tiny Qwen3-TTS)")
+    parser.add_argument(
+        "--model", help="a Qwen3-TTS (or Qwen3-Omni) checkpoint directory (default: the tiny Qwen3-TTS)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--voice", default=None, help="the voice (required on an omni model)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -138,7 +142,8 @@ def main() -> None:
               "delta_chars": args.delta_chars, "delta_interval_s": args.delta_interval_s,
               "max_frames": args.max_frames, "load_average_1m": os.getloadavg()[0], "levels": levels}
     for level in levels:
-        print(f"c={level['concurrency']:>2}  last delta → audio p50 {level['last_delta_to_audio_s_p50'] * 1e3:8.1f} ms   "
+        print(f"c={level['concurrency']:>2}  "
+              f"last delta → audio p50 {level['last_delta_to_audio_s_p50'] * 1e3:8.1f} ms   "
               f"whole text TTFA p50 {level['whole_ttfa_s_p50'] * 1e3:8.1f} ms   ratio "
               f"{level['ratio_last_delta_to_audio_vs_whole_ttfa']:.2f}   first delta → audio "
               f"{level['first_delta_to_audio_s_p50'] * 1e3:.1f} ms")

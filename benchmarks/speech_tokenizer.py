@@ -66,7 +66,7 @@ def ours_streamed(decoder, codes, bounds):
     stream = decoder.new_stream()
     chunks, first_s = [], None
     start = time.perf_counter()
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         chunks.append(decoder.decode_streams([stream], [codes[:, a:b]], [b == bounds[-1]])[0])
         first_s = first_s if first_s is not None else time.perf_counter() - start
     return first_s, time.perf_counter() - start, np.concatenate(chunks)
@@ -77,7 +77,7 @@ def reference_streamed(reference, codes, bounds, left_context):
     decoder, upsample = reference.decoder, int(reference.decoder.total_upsample)
     chunks, first_s = [], None
     start = time.perf_counter()
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         context = min(left_context, a)
         wav = decoder(codes[None, :, a - context : b])[0, 0]
         chunks.append(wav[context * upsample :].numpy())
@@ -153,7 +153,8 @@ def main() -> None:
               f"{s['ours_total_s']:.3f} / {s['reference_total_s']:.3f} s | {s['total_speedup']:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
         "threads": args.threads, "torch": torch.__version__, "results": results,
     }
     args.out.write_text(json.dumps(payload, indent=2))

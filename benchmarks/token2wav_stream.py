@@ -145,7 +145,8 @@ def main() -> None:
                   f"{row['total_s']:.2f} s | {row['total_vs_one_shot']:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
         "threads": args.threads, "torch": torch.__version__, "settings": settings, "block": args.block,
         "seed": args.seed, "results": results,
     }

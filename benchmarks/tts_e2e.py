@@ -45,7 +45,9 @@ CONFIGS = {
     "tiny": dict(),
     "mid": dict(talker_hidden_size=512, predictor_hidden_size=256, num_layers=4),
 }
-TEXTS = ["Hello there, this is a benchmark.", "Another sentence to speak.", "Short.", "A little longer one, with a comma."]
+TEXTS = [
+    "Hello there, this is a benchmark.", "Another sentence to speak.", "Short.", "A little longer one, with a comma."
+]
 VOICES = ["aiden", "vivian"]
 
 
@@ -79,7 +81,9 @@ class Reference:
     def speak(self, ids_rows, speakers, frames):
         codes = self.codes(ids_rows, speakers, frames)
         with torch.no_grad():
-            audio = self.tokenizer.decode(audio_codes=torch.nn.utils.rnn.pad_sequence(codes, batch_first=True, padding_value=-1))
+            audio = self.tokenizer.decode(
+                audio_codes=torch.nn.utils.rnn.pad_sequence(codes, batch_first=True, padding_value=-1)
+            )
         return codes, audio.audio_values
 
 
@@ -93,8 +97,8 @@ def bench_config(name: str, options: dict, frames: int, repeats: int) -> dict:
             texts = [TEXTS[i % len(TEXTS)] for i in range(batch_size)]
             voices = [VOICES[i % len(VOICES)] for i in range(batch_size)]
             ids_rows = [pipe.family.speech_ids(text) for text in texts]
-            ours = lambda: pipe.speech(texts, voice=voices)  # noqa: E731
-            theirs = lambda: reference.speak(ids_rows, voices, frames)  # noqa: E731
+            ours = lambda texts=texts, voices=voices: pipe.speech(texts, voice=voices)  # noqa: E731
+            theirs = lambda ids_rows=ids_rows, voices=voices: reference.speak(ids_rows, voices, frames)  # noqa: E731
             ours(), theirs()  # warm-up
             ours_wall = ours_cpu = ref_wall = ref_cpu = 0.0
             for _ in range(repeats):
@@ -131,8 +135,8 @@ def bench_real_frame(frames: int) -> dict:
         for side, run in (("ours", lambda n: pipe.speech(TEXTS[0], voice="aiden", max_frames=n)),
                           ("reference", lambda n: reference.codes([ids], ["aiden"], n))):
             run(1)
-            _, one, _ = _timed(lambda: run(1))
-            _, many, _ = _timed(lambda: run(frames))
+            _, one, _ = _timed(lambda run=run: run(1))
+            _, many, _ = _timed(lambda run=run: run(frames))
             result[f"{side}_ms_per_frame"] = 1000 * (many - one) / (frames - 1)
         result["ratio"] = result["reference_ms_per_frame"] / result["ours_ms_per_frame"]
     return result

@@ -15,8 +15,8 @@ Start here:
     spec = speculative_generate(target, head, torch.tensor([[10, 20, 30]]), max_new_tokens=64, num_draft_tokens=3)
     spec.sequences, spec.stats.mean_acceptance_length       # greedy: exactly plain decoding's tokens
 
-The names exported here (`omnimtp.__all__`) are what a user calls: the speech pipeline and its outputs, sampling, media limits,
-speculative decoding with an MTP head, training a head, and the shipped demo checkpoints. Everything else
+The names exported here (`omnimtp.__all__`) are what a user calls: the speech pipeline and its outputs, sampling,
+media limits, speculative decoding with an MTP head, training a head, and the shipped demo checkpoints. Everything else
 (the engine core, model families, talker and codec stages, the runtime, the server, tiny test models)
 is imported from its own module: `omnimtp.engine`, `omnimtp.families`, `omnimtp.talker`, `omnimtp.codec`,
 `omnimtp.runtime`, `omnimtp.server`, `omnimtp.models`. The command line is `omnimtp --help`.

@@ -195,7 +195,7 @@ class PipelineSpeaker:
                 "thinker_sampling": thinker_sampling, "seed": [rows[i]["seed"] for i in indices],
                 "talker_sampling": self.pipe.family.sampled_talker(thinker_sampling)}
             outputs = self.pipe.generate(prompts, speaker=voice, **sampling, **self.limits)
-            for i, output in zip(indices, outputs):
+            for i, output in zip(indices, outputs, strict=True):
                 columns["id"][i] = rows[i]["id"]
                 columns["text"][i] = output.text
                 columns["finish_reason"][i] = output.finish_reason
@@ -218,12 +218,14 @@ class PipelineSpeaker:
                 continue
             chosen = [rows[i] for i in indices]
             outputs = self.pipe.speech(
-                [row.get("prompt") for row in chosen], voice=[self._voice(row.get("voice", self.voice)) for row in chosen],
-                language=[row.get("language") for row in chosen], instructions=[row.get("instructions") for row in chosen],
+                [row.get("prompt") for row in chosen],
+                voice=[self._voice(row.get("voice", self.voice)) for row in chosen],
+                language=[row.get("language") for row in chosen],
+                instructions=[row.get("instructions") for row in chosen],
                 sampling=None if is_greedy else QWEN3_TTS_SAMPLING,
                 seed=None if is_greedy else [row["seed"] for row in chosen], max_frames=self.limits["max_frames"],
             )
-            for i, output in zip(indices, outputs):
+            for i, output in zip(indices, outputs, strict=True):
                 columns["id"][i] = rows[i]["id"]
                 columns["text"][i] = rows[i].get("prompt")
                 columns["finish_reason"][i] = output.finish_reason

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
     finally:
         if is_main_thread:
-            for signum, handler in zip((signal.SIGINT, signal.SIGTERM), previous):
+            for signum, handler in zip((signal.SIGINT, signal.SIGTERM), previous, strict=True):
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 

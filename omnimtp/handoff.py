@@ -59,7 +59,8 @@ def num_kept_rows(num_prompt_tokens: int, num_output_tokens: int, finish_reason:
 def reply_has_speech(num_prompt_tokens: int, num_output_tokens: int, finish_reason: str, num_prefill_rows: int) -> bool:
     """Whether a finished reply keeps the rows a talker prefill of `num_prefill_rows` needs after the
     stop-row trim. A thinker never forwards its last token, so at most P + N − 1 rows exist."""
-    kept = min(num_kept_rows(num_prompt_tokens, num_output_tokens, finish_reason), num_prompt_tokens + num_output_tokens - 1)
+    kept = min(num_kept_rows(num_prompt_tokens, num_output_tokens, finish_reason),
+               num_prompt_tokens + num_output_tokens - 1)
     return kept >= num_prefill_rows
 
 
@@ -288,7 +289,9 @@ class ThinkerToTalkerStream:
             raise ValueError("finish: the stream is already finished")
         target = num_kept_rows(self.builder.num_prompt_rows, self._num_tokens, finish_reason)
         if self._num_rows < self.builder.num_prompt_rows:
-            raise ValueError(f"hidden: {self._num_rows} rows cannot cover the {self.builder.num_prompt_rows} prompt tokens")
+            raise ValueError(
+                f"hidden: {self._num_rows} rows cannot cover the {self.builder.num_prompt_rows} prompt tokens"
+            )
         check_prefill_rows(min(target, self._num_rows), self.builder.num_prefill_rows)
         self.is_finished = True
         return self._release(min(target, self._num_rows), is_finished=True, finish_reason=finish_reason)

@@ -71,7 +71,8 @@ class MediaInputs:
                 continue
             if a.dim() != values_rank or b.dim() != grid_rank:
                 raise ValueError(
-                    f"{values} must have {values_rank} dims and {grid} {grid_rank}, got {tuple(a.shape)} and {tuple(b.shape)}"
+                    f"{values} must have {values_rank} dims and {grid} {grid_rank}, "
+                    f"got {tuple(a.shape)} and {tuple(b.shape)}"
                 )
             if not a.is_floating_point():
                 raise ValueError(f"{values} must be floating point, got {a.dtype}")
@@ -90,7 +91,9 @@ class MediaInputs:
             if b.shape[-1] != 3 or bool((b < 1).any()):
                 raise ValueError(f"{grid} must be [N, 3] positive (t, h, w), got {b.tolist()}")
             if int(b.prod(-1).sum()) != a.shape[0]:
-                raise ValueError(f"{values}: {a.shape[0]} patches for {grid} {b.tolist()} ({int(b.prod(-1).sum())} patches)")
+                raise ValueError(
+                    f"{values}: {a.shape[0]} patches for {grid} {b.tolist()} ({int(b.prod(-1).sum())} patches)"
+                )
         if self.video_second_per_grid is not None:
             if self.video_grid_thw is None or self.video_second_per_grid.shape != (self.video_grid_thw.shape[0],):
                 raise ValueError("video_second_per_grid must be [N_video], one per video_grid_thw row")

@@ -61,7 +61,9 @@ def decoder_forward(
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
     if embeds.dtype != decoder.dtype or min(embeds.shape[:2]) < 1:
-        raise ValueError(f"embeds must have dtype {decoder.dtype}, R >= 1 and T >= 1, got {embeds.dtype}, {tuple(embeds.shape)}")
+        raise ValueError(
+            f"embeds must have dtype {decoder.dtype}, R >= 1 and T >= 1, got {embeds.dtype}, {tuple(embeds.shape)}"
+        )
     if not isinstance(slots, (list, tuple)) or len(slots) != embeds.shape[0]:
         raise ValueError(f"slots must be a list of {embeds.shape[0]} slot indices (one per row), got {slots!r}")
     slots = list(slots)
@@ -75,7 +77,9 @@ def decoder_forward(
     where = cache.plan(slots, num_new)
     if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds:  # a batch-1 decode step
         rope = decoder.step_tables(where.start + offsets[0])
-        x, captured = decoder_layers(decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer)  # [H]
+        x, captured = decoder_layers(
+            decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer
+        )  # [H]
         cache.commit(slots, num_new)
         last_hidden = rms_norm(x, decoder.final_norm, decoder.eps)
         if capture_layer == num_layers:
@@ -88,10 +92,12 @@ def decoder_forward(
     if positions is None:
         positions = where.start + torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]
     if rope_positions is None:
-        rope_positions = positions if not any(offsets) else positions + torch.tensor(offsets, device=embeds.device)[:, None]
+        rope_positions = (
+            positions if not any(offsets) else positions + torch.tensor(offsets, device=embeds.device)[:, None]
+        )
     else:
         ends = rope_positions.amax(dim=(0, 2)).tolist()  # [R]
-        for slot, end in zip(slots, ends):
+        for slot, end in zip(slots, ends, strict=True):
             cache.rope_offsets[slot] = int(end) + 1 - (cache.lengths[slot] + num_new)
     rope = decoder.rope.tables(rope_positions, embeds.dtype)  # [R, T, 1, D]
     mask = None
@@ -104,5 +110,7 @@ def decoder_forward(
     cache.commit(slots, num_new)
     if capture_layer == num_layers or all_final:
         final = rms_norm(x, decoder.final_norm, decoder.eps)
-        return DecoderOutput(final[:, -1], final if capture_layer == num_layers else captured, final if all_final else None)
+        return DecoderOutput(
+            final[:, -1], final if capture_layer == num_layers else captured, final if all_final else None
+        )
     return DecoderOutput(rms_norm(x[:, -1], decoder.final_norm, decoder.eps), captured)

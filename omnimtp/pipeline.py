@@ -108,7 +108,9 @@ class OmniPipeline:
                 raise ValueError(f"model: a {model_type!r} model; supported: {sorted(MODEL_TYPES)}")
             if model_type == "qwen2_5_omni":
                 if thinker_mtp is not None or num_draft_tokens is not None:
-                    raise ValueError("thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's")
+                    raise ValueError(
+                        "thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's"
+                    )
                 family = Qwen2_5OmniFamily(model, tokenizer, processor=processor)
             else:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
@@ -154,7 +156,8 @@ class OmniPipeline:
         where it runs (default the CPU). family: "qwen3", "qwen2_5" (a tiny Qwen2.5-Omni, its byte
         tokenizer and its processor) or "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
         vivian and eric (a Sichuan-dialect speaker) and the languages english and chinese; `tts_model_type=
-        "voice_design"` for its VoiceDesign twin, "base" for its Base (voice-clone) twin). kwargs: `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
+        "voice_design"` for its VoiceDesign twin, "base" for its Base (voice-clone) twin). kwargs:
+        `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
@@ -191,13 +194,19 @@ class OmniPipeline:
         path = os.fspath(path)
         model_type = omni_model_type(path)
         if model_type == "qwen3_tts":
-            family_options = {name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs}
-            return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs)
+            family_options = {
+                name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs
+            }
+            return cls(
+                family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs
+            )
         device = None if device is None else resolve_device(device)
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)  # once, before the family packs the weights
-        has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+        has_tokenizer = any(
+            os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        )
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         processor = load_processor(path)
         return cls(model, tokenizer, processor=processor, **kwargs)
@@ -259,11 +268,11 @@ class OmniPipeline:
 
         Media: chat messages take parts `{"type": "audio", "audio": path | (array, sample_rate)}` and
         `{"type": "image", "image": path | PIL.Image}` next to text parts; the checkpoint's processor turns
-        them into ids and tensors. Or the processor's tensors under transformers' names go with input_ids that hold their
-        placeholders (`Qwen3OmniMoeProcessor` / `Qwen2_5OmniProcessor` output: input_features + feature_attention_mask,
-        pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw (+ video_second_per_grid)); for a
-        batch, every prompt's media in prompt order, as the processor batches them. Prompts with and
-        without media mix in one call."""
+        them into ids and tensors. Or the processor's tensors under transformers' names go with input_ids that hold
+        their placeholders (`Qwen3OmniMoeProcessor` / `Qwen2_5OmniProcessor` output: input_features +
+        feature_attention_mask, pixel_values + image_grid_thw, pixel_values_videos + video_grid_thw (+
+        video_second_per_grid)); for a batch, every prompt's media in prompt order, as the processor batches
+        them. Prompts with and without media mix in one call."""
         arguments = {name: value for name, value in locals().items() if name not in ("self", "prompt")}
         yield from self._stream(prompt, arguments, is_streamed=True)
 
@@ -303,7 +312,7 @@ class OmniPipeline:
                 thinker_sampling=thinker_sampling, talker_sampling=talker_sampling, seed=s, is_streamed=is_streamed,
                 media=m,
             )
-            for i, (ids, s, m) in enumerate(zip(prompts, seeds, media_rows))
+            for i, (ids, s, m) in enumerate(zip(prompts, seeds, media_rows, strict=True))
         ]
         yield from self._run(requests)
 
@@ -332,12 +341,13 @@ class OmniPipeline:
         if not hasattr(self.family, "create_voice"):
             raise ValueError("ref_audio: voice cloning needs a Qwen3-TTS Base model")
         return self.family.create_voice(ref_audio, ref_text, x_vector_only=x_vector_only,
-                                        speaker_embedding=speaker_embedding, ref_codes=ref_codes, ref_text_ids=ref_text_ids)
+                                        speaker_embedding=speaker_embedding, ref_codes=ref_codes,
+                                        ref_text_ids=ref_text_ids)
 
     def speech(
         self, text=None, *, input_ids=None, voice=None, language: str | None = None, instructions: str | None = None,
-        sampling: SamplingParams | None = None, seed: int | list[int | None] | None = None, max_frames: int | None = None,
-        ref_audio=None, ref_text: str | None = None, x_vector_only: bool = False,
+        sampling: SamplingParams | None = None, seed: int | list[int | None] | None = None,
+        max_frames: int | None = None, ref_audio=None, ref_text: str | None = None, x_vector_only: bool = False,
     ) -> OmniOutput | list[OmniOutput]:
         """`text` spoken (→ OmniOutput: codes [G, T], float32 audio at `sample_rate`, finish_reason), or a list
         of texts (→ a list). input_ids instead of text: the ids of the assistant-text template
@@ -419,8 +429,9 @@ class OmniPipeline:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
         max_frames = self.config.max_frames if max_frames is None else max_frames
-        request = Request(0, [], max_new_tokens=1, max_frames=max_frames, speaker=speaker, talker_sampling=talker_sampling,
-                          seed=seed, is_chat=False, is_streamed=True, is_text_finished=False)
+        request = Request(0, [], max_new_tokens=1, max_frames=max_frames, speaker=speaker,
+                          talker_sampling=talker_sampling, seed=seed, is_chat=False, is_streamed=True,
+                          is_text_finished=False)
         return SpeechSession(EngineCore(family, self.config), request, family.speech_text_ids())
 
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
@@ -454,12 +465,13 @@ class OmniPipeline:
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
             raise ValueError(f"max_frames must be an integer >= 1, got {max_frames!r}")
         voices = [
-            family.voice(v, l, i) for v, l, i in zip(
+            family.voice(v, lang, i) for v, lang, i in zip(
                 *(_per_row(name, value, num_rows) for name, value in
-                  (("voice", voice), ("language", language), ("instructions", instructions)))
+                  (("voice", voice), ("language", language), ("instructions", instructions))),
+                strict=True,
             )
         ]
-        for i, (ids, row_voice) in enumerate(zip(rows, voices)):
+        for i, (ids, row_voice) in enumerate(zip(rows, voices, strict=True)):
             if family.talker_positions(ids, row_voice, max_frames) > family.max_positions:
                 raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
                                  f"{family.max_positions} positions")
@@ -467,13 +479,15 @@ class OmniPipeline:
         requests = [
             Request(i, ids, max_new_tokens=1, max_frames=max_frames, speaker=row_voice, talker_sampling=sampling,
                     seed=s, is_chat=False, is_streamed=is_streamed)
-            for i, (ids, row_voice, s) in enumerate(zip(rows, voices, seeds))
+            for i, (ids, row_voice, s) in enumerate(zip(rows, voices, seeds, strict=True))
         ]
         return requests, is_batch
 
     # --- inputs -----------------------------------------------------------------------------
 
-    def _prompts(self, prompt, input_ids, media: MediaInputs | None) -> tuple[list[list[int]], list[MediaInputs | None]]:
+    def _prompts(
+        self, prompt, input_ids, media: MediaInputs | None
+    ) -> tuple[list[list[int]], list[MediaInputs | None]]:
         """The requests' prompt ids and media: input_ids with the batch's media tensors split per prompt,
         or prompts (strings, chat messages) whose audio / image parts the checkpoint's processor turns
         into ids and tensors."""

@@ -5,7 +5,7 @@ speech out.
     omnimtp speak --audio question.wav --image photo.png "What do you hear and see?" -o answer.wav
     omnimtp speak --model Qwen3-TTS-12Hz-0.6B-CustomVoice "Hello" --voice aiden --language english -o hello.wav
     omnimtp speak --model Qwen3-TTS-12Hz-1.7B-VoiceDesign "Hello" --instructions "a calm low voice" -o hello.wav
-    omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base "Hello" --voice me.safetensors -o hello.wav   # `omnimtp voice create`
+    omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base "Hello" --voice me.safetensors -o hello.wav  # `omnimtp voice create`
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny model)")
+    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory "
+                        "(default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
                         "Ethan where it has one)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
@@ -124,7 +125,8 @@ def _speak(pipe, messages, args, output: str, live: bool):
     import soundfile
     from tqdm import tqdm
 
-    kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames, **_sampling(pipe, args))
+    kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames,
+                  **_sampling(pipe, args))
     start = time.perf_counter()
     first_audio = None
     chunks, final = [], None
@@ -154,7 +156,8 @@ def _speak(pipe, messages, args, output: str, live: bool):
         from omnimtp.spec_decode.adaptive import acceptance_warning
 
         stats = final.spec_stats
-        k = f"auto (steps per k: {dict(sorted(stats.draft_histogram.items()))})" if stats.is_adaptive else stats.num_draft_tokens
+        k = (f"auto (steps per k: {dict(sorted(stats.draft_histogram.items()))})" if stats.is_adaptive
+             else stats.num_draft_tokens)
         print(f"[thinker speculation: k={k}, τ {stats.mean_acceptance_length:.2f}, accepted "
               f"{stats.num_accepted}/{stats.num_drafted} drafts]", file=sys.stderr)
         warning = acceptance_warning(stats)
@@ -207,7 +210,8 @@ def _say(pipe, text, args) -> None:
     start = time.perf_counter()
     first_audio, chunks, final = None, [], None
     for item in pipe.stream_speech(text, voice=voice, language=args.language,
-                                   instructions=args.instructions, sampling=None if args.seed is None else QWEN3_TTS_SAMPLING,
+                                   instructions=args.instructions,
+                                   sampling=None if args.seed is None else QWEN3_TTS_SAMPLING,
                                    seed=args.seed, max_frames=args.max_frames):
         if isinstance(item, np.ndarray):
             first_audio = first_audio or time.perf_counter() - start

@@ -114,7 +114,8 @@ class ThinkerRun:
             self.controller = speculation.new_controller(costs, batch_size)
             k = self.controller.max_draft_tokens
             self.proposer = speculation.new_proposer()
-            self.checks_drafts = not isinstance(self.proposer, MTPProposer)  # a caller's Proposer: its drafts are checked
+            # a caller's Proposer: its drafts are checked
+            self.checks_drafts = not isinstance(self.proposer, MTPProposer)
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
             if speculation.is_adaptive:
                 for stats in self.spec_stats:
@@ -144,7 +145,9 @@ class ThinkerRun:
             if self._is_prefill:
                 for i in active:
                     prefill = multimodal_prefill(self.thinker, self.prompts[i], self.media[i], device)
-                    hidden, logits, final = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
+                    hidden, logits, final = self._forward(
+                        prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds
+                    )
                     rows[i] = (prefill.embeds[0], hidden[0], logits[0])
                     if final is not None:
                         final_rows[i] = final[0]
@@ -162,7 +165,7 @@ class ThinkerRun:
             generator = [self.generators[i]] if self.generators[i] is not None else None
             sampled.append(sample(rows[i][2][None].float(), self.sampling[i], generator))
         sampled_ids = torch.cat(sampled) if sampled else None  # [R]
-        token_ids = dict(zip(rows, sampled_ids.tolist())) if sampled else {}
+        token_ids = dict(zip(rows, sampled_ids.tolist(), strict=True)) if sampled else {}
         events = []
         for i in range(len(self.output_ids)):
             if i not in rows:
@@ -179,13 +182,14 @@ class ThinkerRun:
             events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
         if is_plain_spec_step:
             self._record_plain_step(active, sampled_ids, final, started)
-        if is_prefill and self.speculation is not None:
-            positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]
-            first_ids = [ids[0] for ids in self.output_ids]
-            self._layout = DraftLayout(
-                self.prompts, first_ids, [final_rows[i] for i in range(len(self.prompts))], positions,
-                [rope_rows.get(i) for i in range(len(self.prompts))],
-            )
+        if not is_prefill or self.speculation is None:
+            return events
+        positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]
+        first_ids = [ids[0] for ids in self.output_ids]
+        self._layout = DraftLayout(
+            self.prompts, first_ids, [final_rows[i] for i in range(len(self.prompts))], positions,
+            [rope_rows.get(i) for i in range(len(self.prompts))],
+        )
         return events
 
     def _record_plain_step(
@@ -223,19 +227,24 @@ class ThinkerRun:
         started = time.perf_counter()
         with torch.no_grad():
             generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
-            draft_tokens, draft_probs = self.proposer.propose(layout.block, k, draft_sampling(self.sampling), generators)  # [B, k], [B, k, V]
+            draft_tokens, draft_probs = self.proposer.propose(
+                layout.block, k, draft_sampling(self.sampling), generators
+            )  # [B, k], [B, k, V]
             if self.checks_drafts:
                 check_drafts(draft_tokens, batch_size, k, self.thinker.get_output_embeddings().weight.shape[0])
             drafted = time.perf_counter()
             verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
             num_kept = torch.ones(batch_size, dtype=torch.long, device=device)  # [B]
             tokens = verify_ids.new_full(verify_ids.shape, -1)  # [B, k+1]
-            final_rows = torch.zeros((batch_size, k + 1, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
+            final_rows = torch.zeros(
+                (batch_size, k + 1, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device
+            )
             if active:
                 index = torch.tensor(active, device=device)
                 embeds = self.thinker.get_input_embeddings()(verify_ids[index])  # [R, k+1, D]
                 starts = [self.kv.lengths[i] for i in active]
-                hidden, logits, final = self._forward(embeds, active, all_logits=True)  # [R, k+1, D], [R, k+1, V], [R, k+1, D]
+                # [R, k+1, D], [R, k+1, V], [R, k+1, D]
+                hidden, logits, final = self._forward(embeds, active, all_logits=True)
                 row_tokens, num_emitted = verify(
                     logits, draft_tokens[index], draft_probs[index],
                     [self.sampling[i] for i in active], [self.generators[i] for i in active],
@@ -249,7 +258,7 @@ class ThinkerRun:
         verified = time.perf_counter()
         self.controller.update(k, (num_kept - 1).tolist(), is_active)
         layout.advance(verify_ids, tokens, final_rows, num_kept)
-        emitted = dict(zip(active, row_tokens.tolist())) if active else {}
+        emitted = dict(zip(active, row_tokens.tolist(), strict=True)) if active else {}
         events = []
         for i in range(batch_size):
             if i not in emitted:
@@ -275,7 +284,9 @@ class ThinkerRun:
                     self.finish_reasons[i] = "stop"
                 elif len(self.output_ids[i]) >= self.max_new_tokens:
                     self.finish_reasons[i] = "length"
-                events.append(ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i]))
+                events.append(
+                    ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i])
+                )
                 if self.finish_reasons[i] is not None:
                     break  # the rest of the accepted run is past the request's end
         step_time = time.perf_counter() - started
@@ -283,7 +294,9 @@ class ThinkerRun:
             self.spec_stats[i].total_time_s += step_time
         return events
 
-    def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False):
+    def _forward(
+        self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False
+    ):
         """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D], logits [R, V] at the last position
         ([R, T, V] with all_logits) and, in a speculative run, every row after the final norm [R, T, D]
         (else None): what the MTP head reads."""
@@ -312,7 +325,10 @@ def calibrate_thinker_costs(
         run = ThinkerRun(
             thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
             max_new_tokens=64, sampling=run_sampling, decoder=decoder,
-            generators=[torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled else None,
+            generators=(
+                [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
+                else None
+            ),
             speculation=ThinkerSpeculation(speculation.drafter, max(k, 1)),
         )
         run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
@@ -379,9 +395,9 @@ def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, de
         visual_masks.append(mask)
         visual_levels.append([torch.cat(level) for level in getattr(out, "deepstack_features", None) or ()])
     layer_adds = []
-    for levels in zip(*visual_levels):  # one deepstack level: its image rows and its video rows
+    for levels in zip(*visual_levels, strict=True):  # one deepstack level: its image rows and its video rows
         add = torch.zeros_like(embeds)
-        for mask, rows in zip(visual_masks, levels):
+        for mask, rows in zip(visual_masks, levels, strict=True):
             add[mask] = rows.to(embeds.dtype)
         layer_adds.append(add)
     rope_positions = None

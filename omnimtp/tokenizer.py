@@ -104,7 +104,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return dict(zip(printable, map(chr, chars)))
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 # --- prompts: the template's structure as special ids, message text as text ---------------------------
@@ -201,7 +201,7 @@ class PromptTokenizer:
         """`prompt` cut at its special tokens: each special token as its id, the text between as a string."""
         encoding = self._backend.encode_batch([prompt], add_special_tokens=False)[0]
         pieces, start = [], 0
-        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets, strict=True):
             if token_id in self.special_ids:
                 if begin > start:
                     pieces.append(prompt[start:begin])

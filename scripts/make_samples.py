@@ -48,7 +48,9 @@ def write_samples(out_dir: Path) -> tuple[Path, Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=Path("examples"), help="where to write them (default examples/)")
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path("examples"), help="where to write them (default examples/)"
+    )
     for path in write_samples(parser.parse_args().out_dir):
         print(f"{path} ({path.stat().st_size} bytes)")
 

@@ -181,9 +181,11 @@ MUTATIONS = [
     ),
     Mutation(
         "thinker_draft_prefill_positions_without_rope_offsets", "omnimtp/thinker.py",
-        "positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i] for i, p in enumerate(self.prompts)]",
+        "positions = [torch.arange(len(p), device=device) + self.kv.rope_offsets[i]"
+        " for i, p in enumerate(self.prompts)]",
         "positions = [torch.arange(len(p), device=device) for i, p in enumerate(self.prompts)]",
-        THINKER_DRAFTS, "the drafter reads an image prompt's prefill at cache indexes, not at the thinker's M-RoPE positions",
+        THINKER_DRAFTS,
+        "the drafter reads an image prompt's prefill at cache indexes, not at the thinker's M-RoPE positions",
     ),
     Mutation(
         "thinker_draft_next_positions_one_short", "omnimtp/spec_decode/thinker_spec.py",
@@ -218,8 +220,10 @@ MUTATIONS = [
     ),
     Mutation(
         "token2wav_noise_scaled", "omnimtp/codec/token2wav.py",
-        "        return torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
-        "        return 0.5 * torch.randn(shape, generator=generator, dtype=reference_mel.dtype, device=reference_mel.device)",
+        "        return torch.randn(shape, generator=generator, dtype=reference_mel.dtype,"
+        " device=reference_mel.device)",
+        "        return 0.5 * torch.randn(shape, generator=generator, dtype=reference_mel.dtype,"
+        " device=reference_mel.device)",
         TOKEN2WAV, "the DiT's initial noise is not transformers' standard normal draw",
     ),
     Mutation(
@@ -243,8 +247,8 @@ MUTATIONS = [
     ),
     Mutation(
         "talker_residual_tables_shifted", "omnimtp/talker/loop.py",
-        "zip(residual.unbind(1), self.codec_tables)",
-        "zip(residual.unbind(1), self.codec_tables[1:] + self.codec_tables[:1])",
+        "zip(residual.unbind(1), self.codec_tables, strict=True)",
+        "zip(residual.unbind(1), self.codec_tables[1:] + self.codec_tables[:1], strict=True)",
         TALKER, "the talker's next input embeds residual code j with table j+1",
     ),
     # --- code predictor -----------------------------------------------------------------------------
@@ -356,7 +360,8 @@ MUTATIONS = [
         "        noise_rows.append(torch.empty(vocab_size, device=device).exponential_(generator=g))\n",
         "        noise_rows.append(torch.empty(vocab_size, device=device).exponential_(generator=g))\n"
         "        uniform_rows.append(torch.rand(num_draft, dtype=torch.float64, device=device, generator=g))\n",
-        ("tests/test_rejection.py",), "a seeded row draws its Exp(1) noise before its uniforms (same law, other tokens)",
+        ("tests/test_rejection.py",),
+        "a seeded row draws its Exp(1) noise before its uniforms (same law, other tokens)",
     ),
     # --- sampling filters ---------------------------------------------------------------------------
     Mutation(
@@ -467,7 +472,8 @@ MUTATIONS = [
     # --- speculative decoding on hybrid targets ---------------------------------------------------------
     Mutation(
         "hybrid_no_rollback", "omnimtp/spec_decode/generate.py",
-        "        if saved_states is not None:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
+        "        if saved_states is not None:\n"
+        "            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         "        if False:\n            rollback(target, target_cache, saved_states, layer_inputs, num_kept)",
         HYBRID, "rejected drafts stay in the Gated-DeltaNet recurrent and conv states",
     ),
@@ -571,7 +577,8 @@ MUTATIONS = [
     ),
     Mutation(
         "clone_icl_without_code_rows", "omnimtp/families/qwen3_tts.py",
-        "        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), frames[None]], dim=1)  # [1, T + 1, H]",
+        "        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), frames[None]], dim=1)"
+        "  # [1, T + 1, H]",
         "        codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), 0 * frames[None]], dim=1)",
         VOICE_CLONE, "the in-context prompt drops the reference codes' embeddings",
     ),

@@ -8,8 +8,9 @@ evaluation and never seen in training (neither by the tokenizer nor by the LM or
 Model: a Glm4Moe config with every target layer dense (``first_k_dense_replace`` > ``num_hidden_layers``)
 and ``num_nextn_predict_layers=1``: the architecture transformers' ``generate(use_mtp=True)`` decodes.
 transformers always builds the MTP layer ``model.layers.{N}`` as a MoE block, so the config's MoE fields
-(two always-active routed experts + one shared, each a quarter of the dense width) describe that layer only. Deep and narrow on purpose: drafting costs one layer
-plus the lm_head, verifying costs N layers plus the lm_head, so the head's share is small.
+(two always-active routed experts + one shared, each a quarter of the dense width) describe that layer only.
+Deep and narrow on purpose: drafting costs one layer plus the lm_head, verifying costs N layers plus the
+lm_head, so the head's share is small.
 
 Usage (the shipped model used the first line: 300 steps, ~20 min on one free CPU thread, ~40 on a busy one)::
 
@@ -38,8 +39,8 @@ those rows and 300 k more (``gen-distill-data --seed 1``, the two files' ``input
 and copy the last stage's output without ``mtp_train_state.pt`` to ``omnimtp/data/demo_lm``. Compare heads
 (held-out acceptance with standard errors, paired vs the first head)::
 
-    python benchmarks/compare_heads.py --model runs/demo_lm/lm --heads runs/demo_lm/head_ce runs/demo_lm/head --names ce cetv6 \
-        --num-prompts 96 --max-new-tokens 96
+    python benchmarks/compare_heads.py --model runs/demo_lm/lm --heads runs/demo_lm/head_ce runs/demo_lm/head \
+        --names ce cetv6 --num-prompts 96 --max-new-tokens 96
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def demo_thinker_text(args: argparse.Namespace) -> dict:
         num_attention_heads=args.hidden_size // head_dim, num_key_value_heads=1, head_dim=head_dim,
         mlp_only_layers=list(range(args.num_layers)), initializer_range=0.02,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
-                         "mrope_section": [quarter - 2 * (quarter // 3), quarter // 3, quarter // 3], "interleaved": True},
+                         "mrope_section": [quarter - 2 * (quarter // 3), quarter // 3, quarter // 3],
+                         "interleaved": True},
     )
 
 
@@ -98,7 +99,9 @@ def thinker_logits(thinker, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_thinker(thinker, rows: torch.Tensor, args) -> None:
-    parameters = [p for name, p in thinker.named_parameters() if not name.startswith(("model.audio_tower", "model.visual"))]
+    parameters = [
+        p for name, p in thinker.named_parameters() if not name.startswith(("model.audio_tower", "model.visual"))
+    ]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     thinker.train()
     started = time.time()
@@ -147,7 +150,7 @@ def distill_rows(
         with torch.inference_mode():
             while not run.is_finished:
                 run.step()
-        for prompt, reply in zip(batch, run.output_ids):
+        for prompt, reply in zip(batch, run.output_ids, strict=True):
             ids = (prompt + reply)[:seq_len]
             out.append(ids + END * (seq_len - len(ids)))
     return torch.tensor(out, dtype=torch.int32)
@@ -186,8 +189,10 @@ def main() -> None:
                         help="rows of the thinker's own greedy replies the head also trains on (half of each batch)")
     parser.add_argument("--distill-sampled-fraction", type=float, default=0.0,
                         help="the share of those replies sampled with the thinker's sampled defaults (else greedy)")
-    parser.add_argument("--thinker-from", type=Path, default=None,
-                        help="skip the thinker's training: take the omni checkpoint this script wrote there (same seed)")
+    parser.add_argument(
+        "--thinker-from", type=Path, default=None,
+        help="skip the thinker's training: take the omni checkpoint this script wrote there (same seed)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
 
@@ -209,7 +214,8 @@ def main() -> None:
         thinker = model.thinker
     else:
         config = tiny_qwen3_omni_config(accept_hidden_layer=args.num_layers // 2, thinker_text=demo_thinker_text(args))
-        vision = config.thinker_config.vision_config  # the shipped demo's one-block tower (its thinker learns text only)
+        # the shipped demo's one-block tower (its thinker learns text only)
+        vision = config.thinker_config.vision_config
         vision.depth, vision.deepstack_visual_indexes = 1, [0]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
@@ -221,7 +227,8 @@ def main() -> None:
         model.eval()
         scale_code2wav_to_speech_level(model.code2wav)
         thinker = model.thinker
-        print(f"thinker text parameters: {sum(p.numel() for p in thinker.model.language_model.parameters()) / 1e6:.2f} M", flush=True)
+        num_text_params = sum(p.numel() for p in thinker.model.language_model.parameters())
+        print(f"thinker text parameters: {num_text_params / 1e6:.2f} M", flush=True)
         torch.manual_seed(args.seed)
         train_thinker(thinker, train_rows, args)
     for p in model.parameters():

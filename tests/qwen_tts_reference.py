@@ -66,7 +66,10 @@ def _patch_models_for_transformers_5() -> None:
         patched = dataclasses.make_dataclass(name, [("cache", Any, dataclasses.field(default=None))], bases=(original,))
         patched.__module__ = modeling.__name__
         setattr(modeling, name, patched)
-    for cls in (modeling.Qwen3TTSTalkerForConditionalGeneration, modeling.Qwen3TTSTalkerCodePredictorModelForConditionalGeneration):
+    for cls in (
+        modeling.Qwen3TTSTalkerForConditionalGeneration,
+        modeling.Qwen3TTSTalkerCodePredictorModelForConditionalGeneration,
+    ):
         cls.forward = _cache_as_past_key_values(cls.forward)
     for cls in vars(modeling).values():
         if isinstance(cls, type) and isinstance(getattr(cls, "_tied_weights_keys", None), list):

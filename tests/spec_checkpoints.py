@@ -36,7 +36,9 @@ def train_save_load_and_spec(target, tmp_path, capsys) -> None:
         assert all(key.startswith(loaded_head.checkpoint_prefix) for key in f.keys())
     prompt = torch.tensor([tokenizer("def f3(x): ret").input_ids])
     reference = target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=-1)
-    ours = speculative_generate(loaded_target, loaded_head, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=-1)
+    ours = speculative_generate(
+        loaded_target, loaded_head, prompt, max_new_tokens=12, num_draft_tokens=3, eos_token_id=-1
+    )
     assert torch.equal(ours.sequences, reference)
 
     assert main(["spec", "--model", str(out), "--prompt", "def f1(x):", "-k", "2", "--max-new-tokens", "10",

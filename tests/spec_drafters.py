@@ -69,8 +69,10 @@ class RecomputingDraft:
                 corrupt = torch.rand(batch_size, generator=self.noise) < self.corrupt_rate
                 random_tokens = torch.randint(0, probs.shape[-1], (batch_size,), generator=self.noise)
                 token = torch.where(corrupt, random_tokens, token)
-                probs = torch.where(corrupt[:, None], torch.nn.functional.one_hot(token, probs.shape[-1]).float(), probs)
+                probs = torch.where(
+                    corrupt[:, None], torch.nn.functional.one_hot(token, probs.shape[-1]).float(), probs
+                )
             draft_tokens.append(token)
             draft_probs.append(probs)
-            sequences = [seq + [int(t)] for seq, t in zip(sequences, token)]
+            sequences = [seq + [int(t)] for seq, t in zip(sequences, token, strict=True)]
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)

@@ -64,7 +64,9 @@ def test_the_warning_names_tau_and_what_to_do():
     weak = SpecStats(num_draft_tokens=3, num_row_steps=10, num_accepted=2, num_steps=10)
     assert "τ 1.20" in acceptance_warning(weak) and "-k auto" in acceptance_warning(weak)
     assert acceptance_warning(SpecStats(num_draft_tokens=3, num_row_steps=10, num_accepted=20, num_steps=10)) is None
-    fell_back = SpecStats(num_draft_tokens=4, num_row_steps=10, num_steps=10, draft_costs=DEAR.step, draft_histogram={0: 8, 1: 2})
+    fell_back = SpecStats(
+        num_draft_tokens=4, num_row_steps=10, num_steps=10, draft_costs=DEAR.step, draft_histogram={0: 8, 1: 2}
+    )
     assert "80% of steps" in acceptance_warning(fell_back)
 
 
@@ -189,7 +191,9 @@ def _plain_law(target, prompt, num_tokens: int) -> torch.Tensor:
         with torch.no_grad():
             probs = probs_from_logits(target(prefixes).logits[:, -1].float(), SAMPLING).double()  # [N, V]
         law, codes = (law[:, None] * probs).flatten(), (codes[:, None] * vocab + torch.arange(vocab)).flatten()
-        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1)
+        prefixes = torch.cat(
+            [prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1
+        )
         keep = law > 0
         law, codes, prefixes = law[keep], codes[keep], prefixes[keep]
     exact = torch.zeros(vocab**num_tokens, dtype=torch.float64)

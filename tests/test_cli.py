@@ -107,7 +107,9 @@ def test_only_the_expected_rope_warning_is_quiet(caplog):
     logger = logging.getLogger("transformers.modeling_rope_utils")
     assert logger.filters.count(logger.filters[0]) == 1 and len(logger.filters) == 1
     with caplog.at_level(logging.WARNING, logger="transformers.modeling_rope_utils"):
-        logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section', 'interleaved'}")
+        logger.warning(
+            "Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section', 'interleaved'}"
+        )
         logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='default': {'mrope_section'}")
         logger.warning("Unrecognized keys in `rope_parameters` for 'rope_type'='yarn': {'mrope_section', 'factorr'}")
         logger.warning("something else")

@@ -197,7 +197,7 @@ def test_inputs_are_not_modified():
     cached_runner(4, "sdpa").run(hidden, cb0, QWEN3_OMNI_CODE_PREDICTOR_SAMPLING, make_generators([1, 2]))
     saved_codes = codes.clone()
     next_talker_input(cp, cb0, codes, text_step)
-    for before, after in zip(saved + [saved_codes], (hidden, cb0, text_step, codes)):
+    for before, after in zip(saved + [saved_codes], (hidden, cb0, text_step, codes), strict=True):
         assert torch.equal(before, after)
 
 
@@ -453,7 +453,8 @@ def test_the_cache_filling_child_makes_the_warm_up_a_cache_hit(tmp_path, monkeyp
     hidden, cb0 = frame_inputs(cp, 1)
     params = QWEN3_OMNI_CODE_PREDICTOR_SAMPLING
     for got, want in [(runner.run(hidden, cb0), eager.run(hidden, cb0)),
-                      (runner.run(hidden, cb0, params, make_generators([7])), eager.run(hidden, cb0, params, make_generators([7])))]:
+                      (runner.run(hidden, cb0, params, make_generators([7])),
+                       eager.run(hidden, cb0, params, make_generators([7])))]:
         assert torch.equal(got.codes, want.codes) and torch.equal(got.embed_sum, want.embed_sum)
     assert runner.num_compiled_graphs == 2
 
@@ -620,7 +621,9 @@ def test_bf16_runner_is_as_faithful_as_transformers_in_bf16():
         out = runner.run(hidden.bfloat16(), cb0.bfloat16())
         assert out.codes.dtype == torch.long and out.embed_sum.dtype == torch.bfloat16
         ours.append((out.codes == truth).float().mean().item())
-        theirs.append((predict_residual_codes_kv(cp16, hidden.bfloat16(), cb0.bfloat16()) == truth).float().mean().item())
+        theirs.append(
+            (predict_residual_codes_kv(cp16, hidden.bfloat16(), cb0.bfloat16()) == truth).float().mean().item()
+        )
     assert sum(ours) / 3 >= sum(theirs) / 3 - 0.1, (ours, theirs)
     assert min(ours) > 0.5, ours
 

@@ -32,7 +32,7 @@ def _codes(num_frames, seed=0):
 
 def _stream(decoder, codes, bounds):
     stream = decoder.new_stream()
-    return [decoder.decode([stream], [codes[:, a:b]])[0] for a, b in zip(bounds, bounds[1:])]
+    return [decoder.decode([stream], [codes[:, a:b]])[0] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def test_chunks_join_into_the_one_shot_decode(code2wav):
@@ -46,7 +46,7 @@ def test_chunks_join_into_the_one_shot_decode(code2wav):
     joined = np.concatenate(chunks)
     assert joined.shape == (1920 * 190 - 555,) == one_shot.shape
     assert_audio_close(joined, one_shot, rel=1e-5)
-    for start, chunk in zip(np.cumsum([0] + [len(c) for c in chunks]), chunks):
+    for start, chunk in zip(np.cumsum([0] + [len(c) for c in chunks]), chunks, strict=False):
         assert_audio_close(chunk, one_shot[start : start + len(chunk)], rel=1e-5)  # each chunk, not just the sum
 
 
@@ -71,7 +71,8 @@ def test_batched_streams_equal_single_streams_bit_for_bit(code2wav):
     bounds = [[0, 3, 20, 40], [0, 3, 20, 40], [0, 1, 2, 40]]
     streams = [decoder.new_stream() for _ in codes]
     batched = [
-        decoder.decode(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds)]) for step in range(3)
+        decoder.decode(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds, strict=True)])
+        for step in range(3)
     ]
     for k in range(len(codes)):
         single = np.concatenate(_stream(decoder, codes[k], bounds[k]))

@@ -57,8 +57,8 @@ def test_greedy_speculative_equals_plain_and_generate_with_sparse_selection(demo
         assert torch.equal(plain, reference)
         drafters = [head] if i else [ArgmaxDrafts(MTPProposer(head))]
         for drafter in drafters:
-            out = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW_TOKENS, num_draft_tokens=3 + 2 * i,
-                                       eos_token_id=-1)
+            out = speculative_generate(target, drafter, prompt, max_new_tokens=MAX_NEW_TOKENS,
+                                       num_draft_tokens=3 + 2 * i, eos_token_id=-1)
             assert torch.equal(out.sequences, reference)
     head.index_share = False
     try:

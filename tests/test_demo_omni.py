@@ -18,6 +18,6 @@ def test_the_shipped_demo_drafts_well_and_decodes_exactly():
     plain_demo = OmniPipeline(spec.model, spec.tokenizer, processor=spec.processor)
     prompts = demo_omni_prompts()[:2]
     kwargs = dict(max_new_tokens=32, max_frames=12)
-    for ours, expected in zip(spec.generate(prompts, **kwargs), plain_demo.generate(prompts, **kwargs)):
+    for ours, expected in zip(spec.generate(prompts, **kwargs), plain_demo.generate(prompts, **kwargs), strict=True):
         assert ours.text_ids == expected.text_ids and torch.equal(ours.codes, expected.codes)
         assert ours.spec_stats.num_accepted > 0, ours.spec_stats.to_dict()

@@ -62,7 +62,8 @@ def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(tmp_path, 
     err = capsys.readouterr().err
     assert err.startswith("omnimtp spec: error: --device") and "Traceback" not in err
     out_dir = tmp_path / "head"
-    assert main(["train-mtp", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(out_dir), "--device", missing]) == 2
+    assert main(["train-mtp", "--model", str(tmp_path), "--data", str(tmp_path), "--out", str(out_dir),
+                 "--device", missing]) == 2
     assert "--device" in capsys.readouterr().err and not out_dir.exists()
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
     done = subprocess.run([sys.executable, "-m", "omnimtp.cli", "serve", "--port", "1", "--device", "tpu"],
@@ -74,8 +75,8 @@ def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(tmp_path, 
 def test_cuda_greedy_equals_transformers_on_cuda_and_seeded_rows_are_batch_invariant(monkeypatch):
     pipe = OmniPipeline.tiny(device="cuda")
     assert pipe.family.device.type == "cuda" and pipe.thinker_decoder.device.type == "cuda"
-    prompt = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
-                                                return_dict=False)
+    prompt = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}],
+                                                add_generation_prompt=True, return_dict=False)
     ours = pipe.generate(input_ids=prompt, max_new_tokens=8, max_frames=12)
     ref_ids, ref_codes, _ = reference_generate(pipe.model, prompt, 8, 12, monkeypatch)
     assert ours.text_ids == ref_ids and torch.equal(ours.codes, ref_codes.cpu())

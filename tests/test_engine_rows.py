@@ -45,9 +45,9 @@ def test_requests_of_one_cohort_stop_at_their_own_token_budgets(pipe):
     prompts = [_user_turn([], b"Hello there"), _user_turn([], b"Tell me more")]
     budgets = [3, 12]
     requests = [Request(i, ids, max_new_tokens=n, max_frames=4, speaker=pipe.family.default_speaker, is_streamed=False)
-                for i, (ids, n) in enumerate(zip(prompts, budgets))]
+                for i, (ids, n) in enumerate(zip(prompts, budgets, strict=True))]
     outputs = _run(pipe, requests)
-    for i, (ids, n) in enumerate(zip(prompts, budgets)):
+    for i, (ids, n) in enumerate(zip(prompts, budgets, strict=True)):
         assert len(outputs[i].text_ids) == n and outputs[i].thinker_finish_reason == "length", i
         assert outputs[i].text_ids == pipe.generate(input_ids=ids, max_new_tokens=n, max_frames=4).text_ids
 
@@ -108,9 +108,9 @@ def test_a_talker_row_that_ends_early_leaves_the_others_as_they_are_alone(pipe, 
         return Request(i, ids, max_new_tokens=6, max_frames=max_frames, speaker=speaker, is_streamed=False,
                        media=None if media is None else MediaInputs(**media))
 
-    batch = _run(pipe, [request(i, ids, m, n) for i, ((ids, m), n) in enumerate(zip(cases, frames))])
+    batch = _run(pipe, [request(i, ids, m, n) for i, ((ids, m), n) in enumerate(zip(cases, frames, strict=True))])
     assert [batch[i].codes.shape[1] for i in (0, 1)] == frames  # no codec EOS: both run to their caps
-    for i, ((ids, m), n) in enumerate(zip(cases, frames)):
+    for i, ((ids, m), n) in enumerate(zip(cases, frames, strict=True)):
         alone = _run(pipe, [request(0, ids, m, n)])[0]
         assert batch[i].text_ids == alone.text_ids
         assert torch.equal(batch[i].codes, alone.codes), f"row {i} differs from itself alone"

@@ -59,7 +59,8 @@ def test_example_3_prefill_layout():
 def test_example_3_decode_consumes_one_row_then_fallback():
     queue = torch.tensor([[1.0, 1.0], [2.0, 2.0]])
     fallback = torch.tensor([-9.0, -9.0])
-    steps = [([0.1, 0.2], [1.1, 1.2], 1), ([0.3, 0.4], [2.3, 2.4], 0), ([0.5, 0.6], [-8.5, -8.4], 0), ([0.7, 0.8], [-8.3, -8.2], 0)]
+    steps = [([0.1, 0.2], [1.1, 1.2], 1), ([0.3, 0.4], [2.3, 2.4], 0),
+             ([0.5, 0.6], [-8.5, -8.4], 0), ([0.7, 0.8], [-8.3, -8.2], 0)]
     for last_codec, expected, remaining in steps:
         step_input, queue = talker_decode_input(queue, torch.tensor(last_codec), fallback)
         torch.testing.assert_close(step_input, torch.tensor(expected))

@@ -34,7 +34,8 @@ def pipe(tmp_path_factory):
 
 
 def _user_turn(middle: list[int], text: bytes = b"Hi") -> list[int]:
-    return [T["<|im_start|>"], T["user"], 10, *middle, *text, T["<|im_end|>"], 10, T["<|im_start|>"], T["assistant"], 10]
+    return [T["<|im_start|>"], T["user"], 10, *middle, *text, T["<|im_end|>"], 10,
+            T["<|im_start|>"], T["assistant"], 10]
 
 
 def audio_case(seed: int = 1, frames: int = 230):
@@ -56,7 +57,8 @@ def video_case(seed: int = 3, grid=(2, 4, 4)):
     num_patches = int(np.prod(grid))
     pixels = torch.randn(num_patches, PATCH, generator=torch.Generator().manual_seed(seed))
     ids = _user_turn([T["<|vision_start|>"], *[T["<|video_pad|>"]] * num_patches, T["<|vision_end|>"]])
-    media = dict(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]), video_second_per_grid=torch.tensor([2.0]))
+    media = dict(pixel_values_videos=pixels, video_grid_thw=torch.tensor([grid]),
+                 video_second_per_grid=torch.tensor([2.0]))
     return ids, media
 
 
@@ -66,7 +68,9 @@ CASES = {"audio": audio_case, "image": image_case, "video": video_case}
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_greedy_equals_reference(pipe, kind, monkeypatch):
     ids, media = CASES[kind]()
-    ref_ids, ref_codes, ref_audio = reference_generate(pipe.model, ids, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch, **media)
+    ref_ids, ref_codes, ref_audio = reference_generate(
+        pipe.model, ids, MAX_NEW_TOKENS, MAX_FRAMES, monkeypatch, **media
+    )
     ours = pipe.generate(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
     assert ours.text_ids == ref_ids
     assert ref_codes.shape[1] >= 10
@@ -127,7 +131,8 @@ def test_media_alone_equals_media_in_a_mixed_batch(pipe):
     (audio_ids, audio), (image_ids, image) = audio_case(), image_case()
     text_ids = _user_turn([], b"Hello there")
     batch_media = {**audio, **image}
-    sampled = dict(thinker_sampling=SamplingParams(temperature=0.9, top_k=20), talker_sampling=SamplingParams(temperature=0.9, top_k=20))
+    sampled = dict(thinker_sampling=SamplingParams(temperature=0.9, top_k=20),
+                   talker_sampling=SamplingParams(temperature=0.9, top_k=20))
     for options in ({}, sampled):
         common = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=12, **options)
         batch = pipe.generate(input_ids=[image_ids, text_ids, audio_ids], seed=[5, 6, 7], **common, **batch_media)
@@ -136,7 +141,7 @@ def test_media_alone_equals_media_in_a_mixed_batch(pipe):
             pipe.generate(input_ids=text_ids, seed=6, **common),
             pipe.generate(input_ids=audio_ids, seed=7, **common, **audio),
         ]
-        for ours, single in zip(batch, alone):
+        for ours, single in zip(batch, alone, strict=True):
             assert ours.text_ids == single.text_ids
             assert torch.equal(ours.codes, single.codes)
             assert_audible(single.audio)
@@ -162,10 +167,12 @@ def test_deepstack_and_talker_positions_are_used(pipe, monkeypatch):
     prefill = thinker_module.multimodal_prefill
     for num_levels in (0, 1):
 
-        def fewer_levels(*args):
+        def fewer_levels(*args, num_levels=num_levels):
             full_prefill = prefill(*args)
             assert len(full_prefill.layer_adds) == 2
-            return thinker_module.Prefill(full_prefill.embeds, full_prefill.rope_positions, full_prefill.layer_adds[:num_levels])
+            return thinker_module.Prefill(
+                full_prefill.embeds, full_prefill.rope_positions, full_prefill.layer_adds[:num_levels]
+            )
 
         with monkeypatch.context() as patch:
             patch.setattr(thinker_module, "multimodal_prefill", fewer_levels)
@@ -210,8 +217,11 @@ def test_bad_media_is_a_clear_error(pipe):
         (dict(input_ids=short, **image), "encoder rows"),  # one placeholder short
         (dict(input_ids=audio_ids, **audio, **image), "image_grid_thw"),
         (dict(input_ids=image_ids, pixel_values=image["pixel_values"]), "given together"),
-        (dict(input_ids=image_ids, pixel_values=image["pixel_values"][:-1], image_grid_thw=image["image_grid_thw"]), "patches"),
-        (dict(input_ids=audio_ids, input_features=audio["input_features"], feature_attention_mask=audio["feature_attention_mask"][:, :10]), "feature_attention_mask"),
+        (dict(input_ids=image_ids, pixel_values=image["pixel_values"][:-1], image_grid_thw=image["image_grid_thw"]),
+         "patches"),
+        (dict(input_ids=audio_ids, input_features=audio["input_features"],
+              feature_attention_mask=audio["feature_attention_mask"][:, :10]),
+         "feature_attention_mask"),
         (dict(input_ids=[T["<|image_pad|>"], *image_ids]), "follows no start id"),
         (dict(prompt="Hello", **image), "input_ids"),
     ]
@@ -235,7 +245,8 @@ def test_audio_and_image_in_one_prompt(pipe):
     assert ours.text_ids == ref[0, len(ids):].tolist()
     assert ours.codes.shape[1] > 0
     assert_audible(ours.audio)
-    batch = pipe.generate(input_ids=[_user_turn([]), ids], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
+    batch = pipe.generate(input_ids=[_user_turn([]), ids], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES,
+                          **media)
     assert torch.equal(batch[1].codes, ours.codes)
 
 
@@ -255,8 +266,11 @@ def test_chat_parts_go_through_the_checkpoints_processor(pipe, tmp_path):
     ours = pipe.generate(messages, **common)
     prompt = pipe.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     audio = soxr.resample(tone(1.5, 22050, hz=330.0), 22050, 16000)  # to the feature extractor's rate
-    inputs = pipe.processor(text=[prompt], audio=[audio], images=[Image.open(image_path).convert("RGB")], return_tensors="pt")
-    media = {name: inputs[name] for name in ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")}
+    inputs = pipe.processor(text=[prompt], audio=[audio], images=[Image.open(image_path).convert("RGB")],
+                            return_tensors="pt")
+    media = {
+        name: inputs[name] for name in ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw")
+    }
     direct = pipe.generate(input_ids=inputs["input_ids"][0].tolist(), **common, **media)
     assert ours.text_ids == direct.text_ids and torch.equal(ours.codes, direct.codes)
     assert_audible(ours.audio)

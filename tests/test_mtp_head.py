@@ -74,7 +74,7 @@ def test_save_load_round_trip_and_key_layout(target, tmp_path):
     index = json.load(open(os.path.join(tmp_path, "model.safetensors.index.json")))
     assert set(index["weight_map"].values()) == {"model-main.safetensors", "model-mtp.safetensors"}
     loaded = MTPHead.from_pretrained(tmp_path, target)
-    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -184,6 +184,6 @@ def test_draft_rotary_tables_per_block_equal_the_one_position_tables_up_to_round
     assert decoder.step_rope_block == DRAFT_ROPE_BLOCK > 1
     exact = replace(decoder, step_rope={}, step_rope_block=1)
     for position in [0, 1, DRAFT_ROPE_BLOCK - 1, DRAFT_ROPE_BLOCK, 3 * DRAFT_ROPE_BLOCK + 5, 1000]:
-        for ours, expected in zip(decoder.step_tables(position), exact.step_tables(position)):
+        for ours, expected in zip(decoder.step_tables(position), exact.step_tables(position), strict=True):
             assert ours.shape == expected.shape
             torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)

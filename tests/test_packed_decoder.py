@@ -51,7 +51,7 @@ def test_prefill_and_decode_match_the_module(model, name):
     chunks = [torch.randn(1, 9, 64, generator=gen)] + [torch.randn(1, 1, 64, generator=gen) for _ in range(40)]
     reference = _reference_run(module, chunks)
     cache = KVCache(decoder, max_batch_size=3, capacity=8)  # grows several times on the way
-    for step, (chunk, (ref_last, ref_hidden)) in enumerate(zip(chunks, reference)):
+    for step, (chunk, (ref_last, ref_hidden)) in enumerate(zip(chunks, reference, strict=True)):
         layer = step % (num_layers + 1)
         out = decoder_forward(decoder, cache, chunk, [2], capture_layer=layer)
         assert torch.isfinite(ref_last).all(), f"step {step}: the reference itself is not finite"
@@ -100,7 +100,7 @@ def test_batched_rows_equal_each_row_alone(model):
         decoder_forward(decoder, cache, prompts[r], [0])
         solo.append([decoder_forward(decoder, cache, step[r : r + 1], [0]).last_hidden for step in steps])
     cache = KVCache(decoder, 4, capacity=4)
-    for slot, prompt in zip((3, 0, 1), prompts):
+    for slot, prompt in zip((3, 0, 1), prompts, strict=True):
         decoder_forward(decoder, cache, prompt, [slot])
     for step, x in enumerate(steps):
         out = decoder_forward(decoder, cache, x, [3, 0, 1]).last_hidden  # rows in slot order 3, 0, 1
@@ -131,7 +131,7 @@ def test_dense_mlp_layers_match_the_module(model):
     assert decoder.layers[0].num_experts == 0 and decoder.layers[1].num_experts > 0
     chunks = [torch.randn(1, 6, 64)] + [torch.randn(1, 1, 64) for _ in range(5)]
     cache = KVCache(decoder, 1)
-    for chunk, (ref_last, _) in zip(chunks, _reference_run(module, chunks)):
+    for chunk, (ref_last, _) in zip(chunks, _reference_run(module, chunks), strict=True):
         torch.testing.assert_close(decoder_forward(decoder, cache, chunk, [0]).last_hidden, ref_last, atol=ATOL, rtol=0)
 
 
@@ -141,7 +141,7 @@ def test_thinker_run_greedy_tokens_equal_generate(model):
     run = ThinkerRun(model.thinker, prompts, accept_hidden_layer=1, eos_token_ids=set(), max_new_tokens=40)
     while not run.is_finished:
         run.step()
-    for prompt, ours in zip(prompts, run.output_ids):
+    for prompt, ours in zip(prompts, run.output_ids, strict=True):
         with torch.no_grad():
             ref = model.thinker.generate(
                 input_ids=torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,

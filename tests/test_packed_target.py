@@ -220,7 +220,7 @@ def _ragged(prompts, lengths, pad_id):
     width = max(lengths)
     ids = torch.full((len(lengths), width), pad_id)
     mask = torch.zeros_like(ids)
-    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+    for row, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         ids[row, width - n:] = prompt[0, :n]
         mask[row, width - n:] = 1
     return ids, mask

@@ -27,14 +27,17 @@ def _requests(model, texts, sampling=None, seeds=None, max_frames=12):
     tok = byte_tokenizer()
     requests = []
     for i, text in enumerate(texts):
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, return_dict=False)
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_dict=False)
         run = ThinkerRun(model.thinker, [prompt], accept_hidden_layer=1, eos_token_ids={257}, max_new_tokens=6)
         embeds, hidden = [], []
         while not run.is_finished:
             for event in run.step():
                 embeds.append(event.embeds)
                 hidden.append(event.hidden)
-        inputs = talker_inputs_from_rows(Qwen3TalkerInputBuilder(model, prompt, "ethan"), torch.cat(embeds), torch.cat(hidden))
+        inputs = talker_inputs_from_rows(
+            Qwen3TalkerInputBuilder(model, prompt, "ethan"), torch.cat(embeds), torch.cat(hidden)
+        )
         generator = make_generators([seeds[i]])[0] if seeds else None
         requests.append(TalkerRequest(
             f"r{i}", inputs.prefill_embeds, inputs.trailing_text, inputs.tts_pad_embed,

@@ -117,8 +117,8 @@ def test_seeded_batch_rows_equal_alone_and_repeat_whatever_the_global_rng(pipe):
     torch.manual_seed(0)
     batch = pipe.generate(input_ids=prompts, seed=[11, 12], **kwargs)
     torch.manual_seed(1)  # a seeded request's noise (DiT included) is its own
-    alone = [pipe.generate(input_ids=p, seed=s, **kwargs) for p, s in zip(prompts, [11, 12])]
-    for row, single in zip(batch, alone):
+    alone = [pipe.generate(input_ids=p, seed=s, **kwargs) for p, s in zip(prompts, [11, 12], strict=True)]
+    for row, single in zip(batch, alone, strict=True):
         assert row.text_ids == single.text_ids and torch.equal(row.codes, single.codes)
         assert_audio_equal(row.audio, single.audio)
     other = pipe.generate(input_ids=prompts[0], seed=13, **kwargs)

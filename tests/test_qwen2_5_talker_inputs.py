@@ -84,7 +84,8 @@ def thinker_rows(result):
 
 
 def reference_stop_token(model):
-    out = model.thinker.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)
+    out = model.thinker.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=None)
     generated = out[0, len(PROMPT):].tolist()
     index = next(i for i in range(2, len(generated)) if generated[i] not in generated[:i])
     return generated[index], index + 1
@@ -101,7 +102,9 @@ def test_matches_intended_reference_construction(model, finish):
 
     num_prompt = len(PROMPT)
     assert ours.prefill_ids.tolist() == talker_kwargs["input_ids"][0].tolist()
-    assert ours.prefill_ids.tolist() == [TINY_QWEN2_5_CODEC["mask"]] * num_prompt + [TINY_QWEN2_5_CODEC["pad"], TINY_QWEN2_5_CODEC["bos"]]
+    assert ours.prefill_ids.tolist() == (
+        [TINY_QWEN2_5_CODEC["mask"]] * num_prompt + [TINY_QWEN2_5_CODEC["pad"], TINY_QWEN2_5_CODEC["bos"]]
+    )
     passed = talker_kwargs["inputs_embeds"][0]  # as handed to talker.generate: no codec additions yet
     codec = model.talker.get_input_embeddings().weight
     assert torch.equal(ours.prefill_embeds[:num_prompt], passed[:num_prompt])
@@ -138,7 +141,8 @@ def test_generate_layout_is_what_the_talker_sees_with_the_config_eos_ids(model):
     codec = model.talker.get_input_embeddings().weight
     num_prompt = len(PROMPT)
     assert torch.equal(seed.prefill_embeds[:num_prompt], generate.prefill_embeds[:num_prompt])
-    assert torch.equal(seed.prefill_embeds[num_prompt], generate.prefill_embeds[num_prompt] + codec[TINY_QWEN2_5_CODEC["pad"]])
+    assert torch.equal(seed.prefill_embeds[num_prompt],
+                       generate.prefill_embeds[num_prompt] + codec[TINY_QWEN2_5_CODEC["pad"]])
     assert torch.equal(seed.prefill_embeds[-1], generate.prefill_embeds[-1] + codec[TINY_QWEN2_5_CODEC["bos"]])
     for name in ("prefill_ids", "trailing_text", "tts_pad_embed"):
         assert torch.equal(getattr(seed, name), getattr(generate, name)), name

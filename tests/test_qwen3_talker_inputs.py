@@ -25,7 +25,8 @@ def chat_prompt(system: bytes, user: bytes) -> list[int]:
 
 
 # greedy replies of tiny_qwen3_omni(0) (checked in test_reference_replies):
-# [135, 135, 223, 223, 223, 223, 299, 223, 299, 223] / [130, 98, 164, 164, ...] / [74, 80, 51, 158, 283, 135, 135, 217, 164, 164]
+# [135, 135, 223, 223, 223, 223, 299, 223, 299, 223] / [130, 98, 164, 164, ...] /
+# [74, 80, 51, 158, 283, 135, 135, 217, 164, 164]
 PROMPTS = [
     chat_prompt(b"be brief", b"hello"),
     chat_prompt(b"s", b"tell me a story please"),
@@ -107,8 +108,9 @@ def assert_stream_equals(model, prompt, output_ids, embeds, hidden, finish, spea
 
 def test_reference_replies(model):
     expected = [135, 135, 223], [130, 98, 164], [74, 80, 51]
-    for prompt, head in zip(PROMPTS, expected):
-        out = model.thinker.generate(input_ids=torch.tensor([prompt]), max_new_tokens=3, do_sample=False, eos_token_id=None)
+    for prompt, head in zip(PROMPTS, expected, strict=True):
+        out = model.thinker.generate(input_ids=torch.tensor([prompt]), max_new_tokens=3, do_sample=False,
+                                     eos_token_id=None)
         assert out[0, len(prompt):].tolist() == list(head)
 
 
@@ -156,7 +158,9 @@ def test_stop_row_is_never_spoken_when_it_was_forwarded(model):
     ours = build_qwen3_talker_inputs(model, prompt, output_ids, with_stop_embeds, with_stop_hidden, "stop", "ethan")
     assert_matches_reference(ours, talker_kwargs)
     # the naive hidden[:-1] keeps the stop row (and an extra) and differs from the reference
-    naive = build_qwen3_talker_inputs(model, prompt, output_ids, with_stop_embeds[:-1], with_stop_hidden[:-1], "length", "ethan")
+    naive = build_qwen3_talker_inputs(
+        model, prompt, output_ids, with_stop_embeds[:-1], with_stop_hidden[:-1], "length", "ethan"
+    )
     assert naive.trailing_text.shape[0] > ours.trailing_text.shape[0]
 
 
@@ -165,7 +169,9 @@ def test_speakers_case_insensitive_and_unknown(model):
     result, talker_kwargs = reference_run(model, prompt, 98, speaker="aiden")
     output_ids = result.sequences[0, len(prompt):].tolist()
     embeds, hidden = thinker_rows(model, result)
-    assert_matches_reference(build_qwen3_talker_inputs(model, prompt, output_ids, embeds, hidden, "stop", "AIDEN"), talker_kwargs)
+    assert_matches_reference(
+        build_qwen3_talker_inputs(model, prompt, output_ids, embeds, hidden, "stop", "AIDEN"), talker_kwargs
+    )
     ethan = build_qwen3_talker_inputs(model, prompt, output_ids, embeds, hidden, "stop", "Ethan")
     assert not torch.equal(ethan.prefill_embeds, talker_kwargs["inputs_embeds"][0])  # the speaker row matters
     with pytest.raises(ValueError, match=r"speaker.*'nobody'.*aiden.*chelsie.*ethan"):
@@ -199,7 +205,9 @@ def test_ragged_batch_rows_match_their_own_single_reference(model):
         assert_matches_reference(ours, talker_kwargs)
 
         # the stream, fed the batch's rows (extra rows after the stop included, no tokens after it)
-        full = build_qwen3_talker_inputs(model, prompt, output_ids, embeds, hidden, finish, "Ethan", projection="per_row")
+        full = build_qwen3_talker_inputs(
+            model, prompt, output_ids, embeds, hidden, finish, "Ethan", projection="per_row"
+        )
         stream = ThinkerToTalkerStream(Qwen3TalkerInputBuilder(model, prompt, "Ethan"))
         num_prompt = len(prompt)
         chunks = stream.push(embeds[:num_prompt], hidden[:num_prompt], output_ids[:1])

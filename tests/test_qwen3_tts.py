@@ -67,7 +67,8 @@ def reference_codes(reference, ids, speaker=None, language=None, instruct_ids=No
     key = (id(reference), tuple(ids), speaker, language, instruct_ids, frames, non_streaming_mode, repetition_penalty)
     if key not in _REFERENCE_CODES:
         codes, _ = reference.generate(
-            input_ids=[torch.tensor([ids])], instruct_ids=None if instruct_ids is None else [torch.tensor([instruct_ids])],
+            input_ids=[torch.tensor([ids])],
+            instruct_ids=None if instruct_ids is None else [torch.tensor([instruct_ids])],
             languages=[language or "auto"], speakers=[speaker], non_streaming_mode=non_streaming_mode,
             do_sample=False, subtalker_dosample=False, max_new_tokens=frames + 1, repetition_penalty=repetition_penalty,
         )
@@ -128,7 +129,7 @@ def test_ragged_batch_rows_equal_their_references(pipes, references):
     texts = [TEXT, OTHER_TEXT, TEXT]
     voices, languages = ["aiden", "vivian", "eric"], ["english", "chinese", None]
     outs = pipe.speech(texts, voice=voices, language=languages)
-    for out, text, voice, language in zip(outs, texts, voices, languages):
+    for out, text, voice, language in zip(outs, texts, voices, languages, strict=True):
         expected = reference_codes(references["custom_voice"], pipe.family.speech_ids(text), voice, language)
         assert torch.equal(out.codes, expected)
 
@@ -189,12 +190,15 @@ def test_sampled_requests_repeat_and_do_not_depend_on_the_batch(pipes):
     assert torch.equal(alone.codes, again.codes)
     assert torch.equal(alone.codes, batch[1].codes)
     assert not torch.equal(alone.codes, greedy.codes)
-    assert not torch.equal(alone.codes, pipe.speech(OTHER_TEXT, voice="vivian", sampling=QWEN3_TTS_SAMPLING, seed=8).codes)
+    assert not torch.equal(
+        alone.codes, pipe.speech(OTHER_TEXT, voice="vivian", sampling=QWEN3_TTS_SAMPLING, seed=8).codes
+    )
 
 
 @pytest.mark.parametrize("kind, arguments, match", [
     ("custom_voice", {"voice": "nobody"}, r"voice: unknown voice 'nobody'; voices: \['aiden', 'eric', 'vivian'\]"),
-    ("custom_voice", {"language": "klingon"}, r"language: unknown language 'klingon'; languages: \['auto', 'chinese', 'english'\]"),
+    ("custom_voice", {"language": "klingon"},
+     r"language: unknown language 'klingon'; languages: \['auto', 'chinese', 'english'\]"),
     ("custom_voice", {"language": "sichuan_dialect"}, "language: unknown language"),
     ("custom_voice", {"instructions": "whisper"}, "instructions: this custom_voice 0b6 model ignores instructions"),
     ("voice_design", {}, "instructions: a VoiceDesign model needs instructions"),

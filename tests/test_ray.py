@@ -137,7 +137,8 @@ def test_streamed_chat_matches_the_single_process_server(client, single_process)
 
 
 def test_speech_chunked_and_sse_match_the_single_process_server(client, single_process, url):
-    speech = dict(model="omnimtp-tiny", voice="ethan", input="Hello there", response_format="wav", extra_body={"seed": 3})
+    speech = dict(model="omnimtp-tiny", voice="ethan", input="Hello there", response_format="wav",
+                  extra_body={"seed": 3})
     samples, rate = sf.read(io.BytesIO(client.audio.speech.create(**speech).content), dtype="int16")
     reference, _ = sf.read(io.BytesIO(single_process.audio.speech.create(**speech).content), dtype="int16")
     assert rate == 24000
@@ -145,7 +146,8 @@ def test_speech_chunked_and_sse_match_the_single_process_server(client, single_p
     body = {"model": "omnimtp-tiny", "voice": "ethan", "input": "Hello there", "seed": 3, "stream_format": "sse"}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     events = [json.loads(line[len("data: "):]) for line in httpx.post(
-        f"{url}/v1/audio/speech", json=body, headers=headers, timeout=120).text.splitlines() if line.startswith("data: ")]
+        f"{url}/v1/audio/speech", json=body, headers=headers, timeout=120).text.splitlines()
+        if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done"
     streamed = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert_audio_equal(_pcm(streamed), reference)

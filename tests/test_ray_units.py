@@ -64,7 +64,8 @@ def test_missing_ray_says_how_to_install(monkeypatch):
 
 def test_one_process_serve_never_imports_ray():
     code = ("import sys; from omnimtp.cli import build_parser; from omnimtp.server.cli import build_app; "
-            "build_app(build_parser().parse_args(['serve', '--eager'])); assert 'ray' not in sys.modules, 'ray imported'")
+            "build_app(build_parser().parse_args(['serve', '--eager'])); "
+            "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

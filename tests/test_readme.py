@@ -33,6 +33,8 @@ NOT_RUN = {
     ". .venv/bin/activate": "installation",
     "pip install": "installation",
     "python -m pytest": "the test suite itself",
+    "ruff check": "the lint gate (.ci/run runs it before the tests)",
+    "python scripts/mutation_check.py --check-snippets": "the lint gate (.ci/run runs it before the tests)",
     "omnimtp serve --model Qwen3-TTS": "a released checkpoint (tests/test_server_tts.py serves the tiny one)",
     "hf download": "downloads a released checkpoint",
     "omnimtp speak 'Tell me a joke' -o joke.wav --model": "a released checkpoint",
@@ -47,7 +49,9 @@ NOT_RUN = {
     "omnimtp serve --replicas": "Ray Serve replicas (tests/test_ray.py)",
     "omnimtp serve --min-replicas": "Ray Serve autoscaling (tests/test_ray.py)",
     "omnimtp batch": "a Ray Data job over your prompts.jsonl (tests/test_ray.py)",
-    "omnimtp voice create --model Qwen3-TTS": "a released checkpoint (tests/test_voice_cli.py clones with the tiny one)",
+    "omnimtp voice create --model Qwen3-TTS": (
+        "a released checkpoint (tests/test_voice_cli.py clones with the tiny one)"
+    ),
     "omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base": "a released checkpoint (tests/test_voice_cli.py)",
 }
 # caps added to a command that sets none, so a run takes seconds
@@ -177,7 +181,8 @@ def test_the_shipped_samples_are_what_make_samples_writes(tmp_path):
     written, rate = soundfile.read(audio_path, dtype="int16")
     shipped, shipped_rate = soundfile.read(REPO_ROOT / "examples" / "question.wav", dtype="int16")
     assert rate == shipped_rate == 16_000 and np.array_equal(written, shipped) and np.abs(shipped).max() > 1000
-    assert np.array_equal(np.asarray(Image.open(image_path)), np.asarray(Image.open(REPO_ROOT / "examples" / "photo.png")))
+    assert np.array_equal(np.asarray(Image.open(image_path)),
+                          np.asarray(Image.open(REPO_ROOT / "examples" / "photo.png")))
 
 
 def test_the_fast_subset_names_existing_files():

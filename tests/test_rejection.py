@@ -113,7 +113,8 @@ def test_per_row_generators_make_rows_independent_of_the_batch():
             generators=[torch.Generator().manual_seed(seeds[row])],
         )
         assert torch.equal(alone[0], tokens[row]) and alone_n[0] == num_emitted[row]
-    again, _ = rejection_sample(p, drafts, q, greedy=False, generators=[torch.Generator().manual_seed(s) for s in seeds])
+    again, _ = rejection_sample(p, drafts, q, greedy=False,
+                                generators=[torch.Generator().manual_seed(s) for s in seeds])
     assert torch.equal(again, tokens)
 
 

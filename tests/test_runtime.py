@@ -102,7 +102,8 @@ def test_decoders_define_no_math_of_their_own(module):
     tree = ast.parse(inspect.getsource(module))
     own = [node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     assert [name for name in own if OWN_MATH.search(name)] == []
-    calls = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    calls = {node.func.attr for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
     assert not calls & {"scaled_dot_product_attention", "rms_norm", "mv"}, module.__name__
 
 
@@ -140,7 +141,7 @@ def test_kv_cache_crop_snapshot_and_fixed_capacity():
     cache.plan([1], 2)
     cache.commit([1], 2)
     with pytest.raises(ValueError, match="lengths"):
-        cache.length
+        _ = cache.length
     cache.restore(saved)
     cache.crop(-1)
     assert cache.lengths == [2, 2, 2]

@@ -81,7 +81,7 @@ def test_training_on_distill_rows_runs_and_is_reproducible(target):
     first, second = results
     assert len(first.losses) == 3 and all(torch.isfinite(torch.tensor(first.losses)))
     assert first.losses == second.losses
-    for (name, a), (_, b) in zip(first.head.state_dict().items(), second.head.state_dict().items()):
+    for (name, a), (_, b) in zip(first.head.state_dict().items(), second.head.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     # distill_rows with distill_fraction 1 is the same training as rows passed as the training stream.
     torch.manual_seed(1)
@@ -153,10 +153,12 @@ def test_gen_distill_data_and_train_mtp_cli_end_to_end(target, tmp_path, capsys)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 2
     assert json.loads((out / "mtp_train_log.json").read_text())["distill_data"] == str(distill)
     assert (out / "model-mtp.safetensors").exists()
-    bad_seq_len = [("12" if previous == "--seq-len" else a) for previous, a in zip([None] + train_args, train_args)]
+    bad_seq_len = [("12" if previous == "--seq-len" else a)
+                   for previous, a in zip([None] + train_args, train_args, strict=False)]
     capsys.readouterr()
     assert cli_main(bad_seq_len) == 2
     assert "omnimtp train-mtp: error: --distill-data" in capsys.readouterr().err
-    bad_num_tokens = [("0" if previous == "--num-tokens" else a) for previous, a in zip([None] + gen_args, gen_args)]
+    bad_num_tokens = [("0" if previous == "--num-tokens" else a)
+                      for previous, a in zip([None] + gen_args, gen_args, strict=False)]
     assert cli_main(bad_num_tokens) == 2
     assert "--num-tokens" in capsys.readouterr().err

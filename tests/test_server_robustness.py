@@ -49,7 +49,8 @@ def _engine(tiny, *, max_frames=4, max_batch_size=4, **engine_kwargs) -> Engine:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    app = create_app(_engine(tiny), api_key=API_KEY, max_tokens_limit=8, served_model_names=[ALIAS], max_body_bytes=1 << 20)
+    app = create_app(_engine(tiny), api_key=API_KEY, max_tokens_limit=8, served_model_names=[ALIAS],
+                     max_body_bytes=1 << 20)
     with running_server(app) as url:
         yield url
 

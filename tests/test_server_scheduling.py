@@ -113,7 +113,9 @@ def test_a_newcomer_gets_first_audio_in_its_admission_iteration_while_a_long_req
         _assert_audible_pcm(long_alone["pcm"])
         _assert_audible_pcm(chat_alone["pcm"])
         assert (long["pcm"], long["frames"]) == (long_alone["pcm"], long_alone["frames"])
-        assert (chat["text"], chat["pcm"], chat["frames"]) == (chat_alone["text"], chat_alone["pcm"], chat_alone["frames"])
+        assert (chat["text"], chat["pcm"], chat["frames"]) == (
+            chat_alone["text"], chat_alone["pcm"], chat_alone["frames"]
+        )
 
 
 @pytest.mark.parametrize("max_decode_frames, spread", [(1, True), (24, False)])
@@ -138,7 +140,7 @@ def test_last_chunks_of_requests_finishing_together_share_a_frame_budget(max_dec
 
     together = asyncio.run(scenario())
     assert len({result["admitted"] for result in together}) == 1
-    for result, single in zip(together, alone):
+    for result, single in zip(together, alone, strict=True):
         assert result["frames"] == 6 and len(result["steps"]) == 2
         assert len(result["pcm"]) == 2 * (SAMPLES_PER_FRAME * 6 - TAIL)
         _assert_audible_pcm(single["pcm"])
@@ -170,7 +172,7 @@ def test_sixteen_concurrent_seeded_requests_give_the_bytes_they_give_alone(backe
 
     together = asyncio.run(scenario())
     assert max(r["admitted"] for r in together) < min(r["steps"][-1] for r in together), "all 16 ran at once"
-    for i, (result, single) in enumerate(zip(together, alone)):
+    for i, (result, single) in enumerate(zip(together, alone, strict=True)):
         assert single["frames"] > 0, i
         _assert_audible_pcm(single["pcm"])
         assert (result["text"], result["frames"]) == (single["text"], single["frames"]), i

@@ -44,7 +44,10 @@ def pipes():
 @pytest.fixture(scope="module")
 def servers():
     urls = {}
-    with running_server(_app("custom_voice")) as urls["custom_voice"], running_server(_app("voice_design")) as urls["voice_design"]:
+    with (
+        running_server(_app("custom_voice")) as urls["custom_voice"],
+        running_server(_app("voice_design")) as urls["voice_design"],
+    ):
         yield urls
 
 
@@ -141,7 +144,8 @@ def test_seeded_sampled_requests_are_the_same_under_load(pipes, clients):
 
 BAD_INPUT = [
     ("custom_voice", {"voice": "nobody"}, "voice", ["'nobody'", "aiden", "eric", "vivian"]),
-    ("custom_voice", {"voice": "aiden", "language": "klingon"}, "language", ["'klingon'", "auto", "chinese", "english"]),
+    ("custom_voice", {"voice": "aiden", "language": "klingon"}, "language",
+     ["'klingon'", "auto", "chinese", "english"]),
     ("custom_voice", {"voice": "aiden", "instructions": "whisper"}, "instructions", ["ignores instructions"]),
     ("custom_voice", {"voice": "aiden", "task_type": "VoiceDesign"}, "task_type", ["serves CustomVoice"]),
     ("custom_voice", {"voice": "aiden", "task_type": "Base"}, "task_type", ["Base model"]),

@@ -52,7 +52,9 @@ def test_encode_audio_rejects_bad_arguments():
 
 
 def test_schemas_are_strict():
-    ok = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]})
+    ok = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}
+    )
     assert ok.messages[0].text() == "a" and ok.modalities == ["text"] and not ok.wants_audio
     bad = [
         {"messages": [{"role": "user", "content": "a"}], "temperature": "1"},

@@ -147,8 +147,9 @@ def test_a_saved_voice_speaks_as_the_python_api_before_and_after_a_restart(pipe,
     assert (created["name"], created["mode"], created["seconds"], created["model"]) == ("alice", "icl", 2.0, "tts-base")
     assert created["consent"]["statement"] == CONSENT and created["consent"]["user"] == "user-7"
     assert created["consent"]["client"] == "127.0.0.1" and created["ref_text"] == REF_TEXT
-    reply = httpx.post(f"{url}/v1/audio/voices", json={"name": "bob", "consent": CONSENT, "audio_sample": _b64(OTHER_WAV),
-                                                       "x_vector_only_mode": True}, timeout=300)
+    reply = httpx.post(f"{url}/v1/audio/voices", json={"name": "bob", "consent": CONSENT,
+                                                       "audio_sample": _b64(OTHER_WAV), "x_vector_only_mode": True},
+                       timeout=300)
     assert reply.status_code == 200, reply.text
     assert reply.json()["voice"]["mode"] == "x_vector"
 

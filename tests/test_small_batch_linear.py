@@ -66,7 +66,8 @@ def test_real_dims_and_non_contiguous_input():
     packed = sbl.pack_weight(weight)
     torch.testing.assert_close(sbl.small_batch_linear(x, packed, 1536), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     strided = torch.randn(1024, 8).t()  # [8, 1024], not contiguous
-    torch.testing.assert_close(sbl.small_batch_linear(strided, packed, 1536), F.linear(strided, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sbl.small_batch_linear(strided, packed, 1536), F.linear(strided, weight),
+                               rtol=1e-5, atol=1e-4)
     assert sbl.small_batch_linear(x[:0], packed, 1536).shape == (0, 1536)
 
 
@@ -108,7 +109,9 @@ def test_disabled_by_environment_falls_back_to_mkl(fresh_library, monkeypatch):
     assert not sbl.available()
     assert "OMNIMTP_NATIVE_KERNELS" in sbl.unavailable_reason()
     assert "avx512" not in packed_gemm_kinds(torch.device("cpu"), torch.float32)
-    cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config(num_code_groups=4)).eval()
+    cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(
+        tiny_code_predictor_config(num_code_groups=4)
+    ).eval()
     runner = CodePredictorRunner(cp, 4)
     assert runner.packed_gemm_kind == ("mkl" if torch.backends.mkl.is_available() else None)
     with pytest.raises(ValueError, match="avx512.*OMNIMTP_NATIVE_KERNELS"):

@@ -1,10 +1,10 @@
 """Sampled decoding end to end on tiny models of each family (GLM-4.5, GLM-5, the hybrid Qwen3-Next / Qwen3.5 /
 Qwen3.5-MoE): plain sampling and speculative sampling with a deliberately bad drafter both give the target's
 exact law of the first three tokens, computed here independently (prefill then one-token decode steps, as
-`generate` runs the model) with transformers' logits warpers (temperature → top-k → top-p). The test also computes, for each plausible
-bug — recovering from p instead of max(p − q, 0), accepting every draft, accepting with min(1, q/p), top-p
-before top-k, temperature last, a bonus from the wrong position — the law it would give, and checks that it
-lies beyond twice the sample-size bound, so none of them can pass."""
+`generate` runs the model) with transformers' logits warpers (temperature → top-k → top-p). The test also
+computes, for each plausible bug — recovering from p instead of max(p − q, 0), accepting every draft,
+accepting with min(1, q/p), top-p before top-k, temperature last, a bonus from the wrong position — the law
+it would give, and checks that it lies beyond twice the sample-size bound, so none of them can pass."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class TableDraft:
             token, probs = _draw(logits.float(), DRAFT_SAMPLING, generators)
             draft_tokens.append(token)
             draft_probs.append(probs)
-            prefixes = [prefix + [int(t)] for prefix, t in zip(prefixes, token)]
+            prefixes = [prefix + [int(t)] for prefix, t in zip(prefixes, token, strict=True)]
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
 
 
@@ -211,13 +211,15 @@ def test_plain_sampling_follows_the_filtered_law(target, exact):
         target, PROMPT.expand(NUM_ROWS, -1), max_new_tokens=NUM_TOKENS, sampling=SAMPLING,
         seed=list(range(NUM_ROWS)), eos_token_id=-1,
     )
-    assert_law(_codes(sequences, target.config.vocab_size, NUM_TOKENS), exact["plain"], _filter_order_laws(target, exact))
+    assert_law(_codes(sequences, target.config.vocab_size, NUM_TOKENS), exact["plain"],
+               _filter_order_laws(target, exact))
 
 
 @pytest.mark.parametrize("num_draft_tokens", [1, 2])
 def test_speculative_sampling_with_a_bad_drafter_follows_the_target_law(target, exact, table, num_draft_tokens):
     if num_draft_tokens == 1 and target.config.model_type != "glm4_moe":
-        pytest.skip("the k = 1 bonus-position rule is family-independent; other families run k = 2 (accept, recover, bonus)")
+        pytest.skip("the k = 1 bonus-position rule is family-independent; "
+                    "other families run k = 2 (accept, recover, bonus)")
     vocab = target.config.vocab_size
     sequences, num_accepted, num_drafted = [], 0, 0
     for first in range(0, NUM_ROWS, BATCH_ROWS):

@@ -128,7 +128,8 @@ def test_bad_input_raises_value_error(models):
         )
     other = tiny_lm("glm4_moe", seed=0, vocab_size=80)
     with pytest.raises(ValueError, match="head: vocab"):
-        speculative_generate(other, MTPHead.from_config(tiny_lm("glm4_moe", seed=0)), prompt, max_new_tokens=4, num_draft_tokens=2)
+        speculative_generate(other, MTPHead.from_config(tiny_lm("glm4_moe", seed=0)), prompt, max_new_tokens=4,
+                             num_draft_tokens=2)
     wide = tiny_lm("glm4_moe", seed=0, hidden_size=96)
     with pytest.raises(ValueError, match="head: hidden"):
         speculative_generate(wide, head, prompt, max_new_tokens=4, num_draft_tokens=2)
@@ -147,7 +148,9 @@ def test_greedy_verify_equals_rejection_sample(batch_size, k, vocab, seed):
     target_argmax = torch.randint(0, vocab, (batch_size, k + 1), generator=g)
     # drafts agree with the target at random places, so every accepted count 0..k occurs
     draft_tokens = torch.where(
-        torch.rand(batch_size, k, generator=g) < 0.7, target_argmax[:, :k], torch.randint(0, vocab, (batch_size, k), generator=g)
+        torch.rand(batch_size, k, generator=g) < 0.7,
+        target_argmax[:, :k],
+        torch.randint(0, vocab, (batch_size, k), generator=g),
     )
     expected = rejection_sample(torch.nn.functional.one_hot(target_argmax, vocab).float(), draft_tokens, greedy=True)
     tokens, num_emitted = greedy_verify(target_argmax, draft_tokens)

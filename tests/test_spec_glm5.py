@@ -38,8 +38,8 @@ def test_dsa_layer_equals_transformers_layer(target):
         positions = torch.arange(9)[None].expand(2, -1)
         position_embeddings = decoder.rotary_emb(hidden, positions)
         reference_cache, cache = DynamicCache(config=target.config), DynamicCache(config=target.config)
-        mask = create_causal_mask(config=target.config, inputs_embeds=hidden, attention_mask=None, cache=reference_cache,
-                                  position_ids=positions, allow_is_causal_skip=False)
+        mask = create_causal_mask(config=target.config, inputs_embeds=hidden, attention_mask=None,
+                                  cache=reference_cache, position_ids=positions, allow_is_causal_skip=False)
         expected, _ = decoder.layers[1](hidden, attention_mask=mask, position_embeddings=position_embeddings,
                                         position_ids=positions, cache=reference_cache)
         allowed = torch.ones(9, 9, dtype=torch.bool).tril()[None].expand(2, -1, -1)
@@ -53,10 +53,12 @@ def test_dsa_layer_equals_transformers_layer(target):
 def test_greedy_identical_to_generate(target, k):
     torch.manual_seed(1)
     head = MTPHead.from_config(target)
-    for ids, mask in (ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
+    for ids, mask in (ragged_batch(seed=k),
+                      (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
         reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
         for drafter in (RecomputingDraft(target, corrupt_rate=0.3, seed=k), head):
-            out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k, eos_token_id=-1)
+            out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k,
+                                       eos_token_id=-1)
             assert torch.equal(out.sequences, reference), (type(drafter).__name__, ids.shape)
 
 
@@ -72,7 +74,8 @@ def test_a_one_forward_verify_would_not_be_exact():
         cache = DynamicCache(config=target.config)
         target.get_decoder()(input_ids=sequence[:, :6], cache=cache, use_cache=True)
         block = sequence[:, 6:]
-        hidden = dsa_verify_forward(target, block, torch.arange(6, 18)[None], torch.ones(1, 18, dtype=torch.long), cache, 6)
+        hidden = dsa_verify_forward(target, block, torch.arange(6, 18)[None], torch.ones(1, 18, dtype=torch.long),
+                                    cache, 6)
         assert torch.equal(target.lm_head(hidden)[0, :-1].argmax(-1), sequence[0, 7:])
         # rollback drops the indexer's keys with the latents
         crop_attention(cache, 5)
@@ -112,12 +115,13 @@ def test_head_layout_reads_past_shared_copies(target, tmp_path):
     target.save_pretrained(tmp_path)
     path = head.save_pretrained(tmp_path)
     tensors = load_file(path)
-    assert f"model.layers.{n}.self_attn.indexer.wq_b.weight" in tensors and f"model.layers.{n}.eh_proj.weight" in tensors
+    assert (f"model.layers.{n}.self_attn.indexer.wq_b.weight" in tensors
+            and f"model.layers.{n}.eh_proj.weight" in tensors)
     tensors[f"model.layers.{n}.shared_head.head.weight"] = target.lm_head.weight.detach().clone()
     tensors[f"model.layers.{n}.embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
     save_file(tensors, path, metadata={"format": "pt"})
     loaded = MTPHead.from_pretrained(tmp_path, target)
-    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     ids = torch.randint(3, 64, (1, 6))
     prev = torch.randn(1, 6, target.config.hidden_size)

@@ -28,10 +28,12 @@ def test_greedy_identical_to_generate(target, k):
     rollback length occurs; the random MTP head (almost always rejected) drafts on the same prompts."""
     torch.manual_seed(1)
     head = MTPHead.from_config(target)
-    for ids, mask in (ragged_batch(seed=k), (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
+    for ids, mask in (ragged_batch(seed=k),
+                      (torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(k)), None)):
         reference = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, eos_token_id=-1)
         for drafter in (RecomputingDraft(target, corrupt_rate=0.3, seed=k), head):
-            out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k, eos_token_id=-1)
+            out = speculative_generate(target, drafter, ids, mask, max_new_tokens=14, num_draft_tokens=k,
+                                       eos_token_id=-1)
             assert torch.equal(out.sequences, reference), (type(drafter).__name__, ids.shape)
         stats = out.stats
         assert stats.num_generated_tokens == 14 * ids.shape[0]
@@ -73,13 +75,15 @@ def test_rollback_equals_decoding_the_kept_tokens(target):
                         use_cache=True)
             for i in layers:
                 for ours, theirs in zip((cache.layers[i].conv_states[0], cache.layers[i].recurrent_states[0]),
-                                        (alone.layers[i].conv_states[0], alone.layers[i].recurrent_states[0])):
+                                        (alone.layers[i].conv_states[0], alone.layers[i].recurrent_states[0]),
+                                        strict=True):
                     torch.testing.assert_close(ours[row], theirs[0], atol=1e-5, rtol=1e-4)
         attention = next(i for i in range(target.config.num_hidden_layers) if i not in layers)
         assert cache.layers[attention].get_seq_length() == 5 + 3
     # nothing to undo when every row keeps the whole block
     with torch.inference_mode():
-        before = [state.clone() for state in (cache.layers[layers[0]].conv_states[0], cache.layers[layers[0]].recurrent_states[0])]
+        before = [state.clone() for state in (cache.layers[layers[0]].conv_states[0],
+                                              cache.layers[layers[0]].recurrent_states[0])]
         rollback(target, cache, snapshot(cache, layers), out.hidden_states, torch.tensor([4, 4, 4]))
         assert torch.equal(cache.layers[layers[0]].conv_states[0], before[0])
 

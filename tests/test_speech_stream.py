@@ -50,14 +50,14 @@ def omni2_5():
 # Characters where tokenizers cut, merge or normalize: letters, digits, spaces and newlines, punctuation, CJK,
 # a combining accent (NFC joins it to its letter), and pieces of special tokens and role words.
 PIECES = st.sampled_from(["a", "b", "e", "Z", "x", "1", "7", " ", "  ", "\n", "\t", ",", ".", "!", "'", "'s", "<",
-                          "|", ">", "_", "日", "本", "語", "\u0301", "é", "<|im_end|>", "<|im_", "end|>", "<|im_start|>",
-                          "assistant", "assist", "ant", "user", "s", "😀"])
+                          "|", ">", "_", "日", "本", "語", "\u0301", "é", "<|im_end|>", "<|im_", "end|>",
+                          "<|im_start|>", "assistant", "assist", "ant", "user", "s", "😀"])
 TEXTS = st.lists(PIECES, min_size=1, max_size=14).map("".join)
 
 
 def _splits(text: str, cuts: list[int]) -> list[str]:
     points = sorted({min(c, len(text)) for c in cuts})
-    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
 
 
 def _streamed(text_ids: StreamedTextIds, pieces: list[str]) -> list[int]:
@@ -77,7 +77,9 @@ def _qwen2_style_tokenizer() -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = ["Hello there, the assistant said: 12 apples and 7 bananas! It's éa, e\u0301b.\n\n", "日本語の本 user x  y"] * 20
+    corpus = [
+        "Hello there, the assistant said: 12 apples and 7 bananas! It's éa, e\u0301b.\n\n", "日本語の本 user x  y"
+    ] * 20
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer=trainer)
@@ -134,7 +136,8 @@ def test_streamed_talker_inputs_are_the_whole_texts_bit_for_bit(tts, omni, omni2
     for cuts in ([], [4], [5, 6, 7, 20], list(range(1, num_spoken))):
         stream = family.speech_stream(speaker)
         bounds = [0, *cuts, len(ids)]
-        chunks = [chunk for a, b in zip(bounds, bounds[1:]) for chunk in stream.push(ids[a:b], b == len(ids))]
+        chunks = [chunk for a, b in zip(bounds, bounds[1:], strict=False)
+                  for chunk in stream.push(ids[a:b], b == len(ids))]
         joined = assemble_talker_chunks(chunks)
         assert (len(chunks) > 2) == (len(cuts) > 2)
         for name in ("prefill_embeds", "prefill_ids", "trailing_text", "tts_pad_embed"):
@@ -216,7 +219,7 @@ def test_session_equals_stream_speech_however_the_text_is_split(tts, sampled):
     for pieces in SPLITS:
         chunks, session_output = _session_audio(tts, pieces, **kwargs)
         assert len(chunks) == len(expected)
-        assert all(np.array_equal(a, b) for a, b in zip(chunks, expected))
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, expected, strict=True))
         assert torch.equal(session_output.codes, output.codes)
         assert np.array_equal(session_output.audio, output.audio)
 
@@ -230,7 +233,8 @@ def test_omni_session_equals_the_whole_text_however_it_is_split(omni, omni2_5, k
     assert_audible(whole.audio)
     ids = omni.family.speech_ids(TEXT)
     core = EngineCore(omni.family, omni.config)
-    core.add(Request(0, ids, max_new_tokens=1, max_frames=FRAMES, speaker=omni.family.default_speaker, seed=3, is_chat=False))
+    core.add(Request(0, ids, max_new_tokens=1, max_frames=FRAMES, speaker=omni.family.default_speaker, seed=3,
+                     is_chat=False))
     while core.has_work():
         for event in core.step():
             if event.is_finished:
@@ -239,7 +243,8 @@ def test_omni_session_equals_the_whole_text_however_it_is_split(omni, omni2_5, k
     for pieces in SPLITS[1:] if kind == "omni" else SPLITS[2:]:
         chunks, output = _session_audio(omni, pieces, seed=3)
         assert torch.equal(output.codes, whole.codes)
-        assert all(np.array_equal(a, b) for a, b in zip(chunks, whole_chunks)) and len(chunks) == len(whole_chunks)
+        assert len(chunks) == len(whole_chunks)
+        assert all(np.array_equal(a, b) for a, b in zip(chunks, whole_chunks, strict=True))
 
 
 def test_session_bad_input(tts, omni):
@@ -331,14 +336,15 @@ def test_split_text_with_delays_gives_the_pcm_of_v1_audio_speech(servers):
     expected = _http_pcm(servers, "tts", TEXT, **config)
     assert_audible(np.frombuffer(expected, dtype=np.int16))
     with _ws(servers, "tts") as ws:
-        for pieces, delay in zip(SPLITS, (0.0, 0.05, 0.01)):
+        for pieces, delay in zip(SPLITS, (0.0, 0.05, 0.01), strict=True):
             audio, done = _stream_pcm(ws, pieces, config, delay)
             assert audio == expected
-            assert done["usage"]["output_tokens"] == len(expected) // 2 // 1920 and done["finish_reason"] in ("stop", "length")
+            assert (done["usage"]["output_tokens"] == len(expected) // 2 // 1920
+                    and done["finish_reason"] in ("stop", "length"))
     omni_expected = _http_pcm(servers, "omni", TEXT, voice="ethan", seed=2)
     assert_audible(np.frombuffer(omni_expected, dtype=np.int16))
     with _ws(servers, "omni") as ws:
-        for pieces, delay in zip(SPLITS, (0.0, 0.02, 0.0)):
+        for pieces, delay in zip(SPLITS, (0.0, 0.02, 0.0), strict=True):
             assert _stream_pcm(ws, pieces, {"voice": "ethan", "seed": 2}, delay)[0] == omni_expected
 
 
@@ -358,7 +364,8 @@ def test_concurrent_sessions_and_a_plain_request_give_their_bytes_alone(servers)
     def plain():
         results["http"] = _http_pcm(servers, "tts", texts[0], voice="aiden", seed=0, temperature=0.9)
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(len(texts))] + [threading.Thread(target=plain)]
+    threads = ([threading.Thread(target=session, args=(i,)) for i in range(len(texts))]
+               + [threading.Thread(target=plain)])
     for thread in threads:
         thread.start()
     for thread in threads:

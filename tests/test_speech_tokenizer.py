@@ -46,7 +46,8 @@ def _codes(num_frames, seed=0, codebook_size=2048):
 
 def _stream(decoder, codes, bounds):
     stream = decoder.new_stream()
-    return [decoder.decode_streams([stream], [codes[:, a:b]], [b == bounds[-1]])[0] for a, b in zip(bounds, bounds[1:])]
+    return [decoder.decode_streams([stream], [codes[:, a:b]], [b == bounds[-1]])[0]
+            for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def _reference_decode(reference, codes):
@@ -99,7 +100,7 @@ def test_released_layout_with_and_without_encoder_weights(decoder, saved, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(config))
     with_encoder = SpeechTokenizerDecoder.from_pretrained(tmp_path)
     without_encoder = SpeechTokenizerDecoder.from_pretrained(saved)
-    for (name, ours), (_, theirs) in zip(with_encoder.state_dict().items(), decoder.state_dict().items()):
+    for (name, ours), (_, theirs) in zip(with_encoder.state_dict().items(), decoder.state_dict().items(), strict=True):
         assert torch.equal(ours, theirs), name
     codes = _codes(8, 4)
     assert_audio_equal(with_encoder.decode(codes), decoder.decode(codes))
@@ -132,9 +133,9 @@ def test_streamed_chunks_join_into_the_one_shot_decode(decoder):
     one_shot = decoder.decode(codes)
     bounds = [0, 1, 26, 51, 60]  # a 1-frame first chunk, then 25 frames
     chunks = _stream(decoder, codes, bounds)
-    assert [len(c) for c in chunks] == [1920 * (b - a) for a, b in zip(bounds, bounds[1:])]
+    assert [len(c) for c in chunks] == [1920 * (b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
     offsets = np.cumsum([0] + [len(c) for c in chunks])
-    for start, chunk in zip(offsets, chunks):
+    for start, chunk in zip(offsets, chunks, strict=False):
         assert_audio_close(chunk, one_shot[start : start + len(chunk)], rel=STREAM_REL)  # each chunk, not just the sum
     assert_audio_close(np.concatenate(chunks), one_shot, rel=STREAM_REL)
 
@@ -174,7 +175,9 @@ def test_batched_streams_equal_single_streams_bit_for_bit(decoder):
     bounds = [[0, 1, 26, 30], [0, 1, 26, 30], [0, 2, 3, 30]]
     streams = [decoder.new_stream() for _ in codes]
     steps = [
-        decoder.decode_streams(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds)], [step == 2] * 3)
+        decoder.decode_streams(
+            streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds, strict=True)], [step == 2] * 3
+        )
         for step in range(3)
     ]
     for k in range(len(codes)):

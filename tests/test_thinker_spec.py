@@ -65,7 +65,8 @@ def _drafter(name: str, plain, checkpoint):
 
 
 def _spec_pipe(plain, drafter, k: int) -> OmniPipeline:
-    return OmniPipeline(plain.model, plain.tokenizer, processor=plain.processor, thinker_mtp=drafter, num_draft_tokens=k)
+    return OmniPipeline(plain.model, plain.tokenizer, processor=plain.processor, thinker_mtp=drafter,
+                        num_draft_tokens=k)
 
 
 def _assert_same_speech(ours, expected) -> None:
@@ -126,14 +127,14 @@ def test_greedy_speculative_equals_plain(plain, checkpoint, reference, drafter, 
     """Text ids, codec frames and audio of a ragged batch of 2 are plain decoding's."""
     pipe = _spec_pipe(plain, _drafter(drafter, plain, checkpoint), k)
     outputs = pipe.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
-    for ours, expected in zip(outputs, reference):
+    for ours, expected in zip(outputs, reference, strict=True):
         _assert_same_speech(ours, expected)
         stats = ours.spec_stats
         assert stats.num_draft_tokens == k and stats.num_drafted == k * stats.num_row_steps
         assert stats.num_generated_tokens == len(ours.text_ids) - 1  # the prefill's token is not drafted
         assert 1.0 <= stats.mean_acceptance_length <= k + 1
         rates = stats.acceptance_per_position
-        assert all(a >= b for a, b in zip(rates, rates[1:]))  # position i+1 needs position i
+        assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # position i+1 needs position i
         if drafter == "target":
             assert 0 < stats.num_accepted < stats.num_drafted  # accepted runs and rejections both happened
 
@@ -154,8 +155,8 @@ def test_handed_over_rows_are_one_token_rows_up_to_rounding(plain):
     prompts = [plain.family.chat_ids([{"role": "user", "content": text}]) for text in PROMPTS]
 
     def rows(speculation):
-        run = ThinkerRun(thinker, prompts, accept_hidden_layer=plain.accept_hidden_layer, eos_token_ids=plain.eos_token_ids,
-                         max_new_tokens=MAX_NEW_TOKENS, speculation=speculation)
+        run = ThinkerRun(thinker, prompts, accept_hidden_layer=plain.accept_hidden_layer,
+                         eos_token_ids=plain.eos_token_ids, max_new_tokens=MAX_NEW_TOKENS, speculation=speculation)
         events = {0: [], 1: []}
         while not run.is_finished:
             for event in run.step():
@@ -169,7 +170,7 @@ def test_handed_over_rows_are_one_token_rows_up_to_rounding(plain):
     worst = 0.0
     for index in (0, 1):
         assert [e.token_id for e in ours[index]] == [e.token_id for e in expected[index]]
-        for a, b in zip(ours[index], expected[index]):
+        for a, b in zip(ours[index], expected[index], strict=True):
             assert a.embeds.shape == b.embeds.shape and torch.equal(a.embeds, b.embeds)
             worst = max(worst, (a.hidden - b.hidden).abs().max().item() / b.hidden.abs().max().item())
     assert worst < 1e-5, worst
@@ -217,7 +218,9 @@ def test_audio_input_greedy_speculative_equals_plain(plain):
     kwargs = dict(input_ids=ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
     expected = plain.generate(**kwargs)
     for k in (1, 3):
-        _assert_same_speech(_spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=0.3), k).generate(**kwargs), expected)
+        _assert_same_speech(
+            _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=0.3), k).generate(**kwargs), expected
+        )
 
 
 def test_image_input_with_the_mtp_head_equals_plain(plain, checkpoint):
@@ -227,7 +230,7 @@ def test_image_input_with_the_mtp_head_equals_plain(plain, checkpoint):
     kwargs = dict(input_ids=prompts, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES, **media)
     expected = plain.generate(**kwargs)
     head = MTPHead.from_pretrained(checkpoint, plain.model.thinker)
-    for ours, reference in zip(_spec_pipe(plain, head, 2).generate(**kwargs), expected):
+    for ours, reference in zip(_spec_pipe(plain, head, 2).generate(**kwargs), expected, strict=True):
         _assert_same_speech(ours, reference)
 
 
@@ -250,11 +253,11 @@ def _exact_law(thinker) -> tuple[torch.Tensor, dict[tuple[int, int, int], int]]:
     ids1, p1 = step([[]])
     pairs = [[int(a)] for a in ids1[0]]
     ids2, p2 = step(pairs)
-    triples = [pair + [int(b)] for pair, row in zip(pairs, ids2) for b in row]
+    triples = [pair + [int(b)] for pair, row in zip(pairs, ids2, strict=True) for b in row]
     ids3, p3 = step(triples)
     law = (p1[0][:, None, None] * p2[:, :, None] * p3.view(3, 3, 3)).reshape(-1)
     codes = {}
-    for n, (prefix, row) in enumerate(zip(triples, ids3)):
+    for n, (prefix, row) in enumerate(zip(triples, ids3, strict=True)):
         for c, token in enumerate(row):
             codes[tuple(prefix + [int(token)])] = 3 * n + c
     return law, codes
@@ -337,7 +340,8 @@ def test_server_with_spec_on_gives_byte_identical_replies_under_load_and_reports
             thread.join()
         assert together == alone
         metrics = http.get("/metrics").text
-    counts = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line and not line.startswith("#")}
+    counts = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines() if line and not line.startswith("#")}
     assert counts["omnimtp_thinker_mean_acceptance_length_count"] == 2 * len(bodies)
     drafted, accepted = counts["omnimtp_thinker_draft_tokens_total"], counts["omnimtp_thinker_accepted_tokens_total"]
     assert 0 < accepted <= drafted
@@ -362,7 +366,8 @@ def test_train_mtp_on_an_omni_checkpoint_then_speak_with_its_head(checkpoint, re
                  "--heldout-every", "3", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
     pipe = OmniPipeline.from_pretrained(checkpoint, thinker_mtp=out, num_draft_tokens=2)
-    assert pipe.generate(PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES).text_ids == reference[0].text_ids
+    assert (pipe.generate(PROMPTS[0], max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES).text_ids
+            == reference[0].text_ids)
     wav = tmp_path / "a.wav"
     assert main(["speak", PROMPTS[0], "-o", str(wav), "--model", str(checkpoint), "--thinker-mtp", str(out), "-k", "2",
                  "--max-new-tokens", "6", "--max-frames", "8"]) == 0

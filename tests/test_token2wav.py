@@ -49,7 +49,7 @@ def _snr_db(actual, expected):
 def _stream(decoder, speaker, codes, bounds, seed):
     """Decode codes in blocks [bounds[i], bounds[i+1]), the last one final → the chunks."""
     stream = decoder.new_stream(speaker["cond"], speaker["ref_mel"], _gen(seed))
-    pairs = list(zip(bounds, bounds[1:]))
+    pairs = list(zip(bounds, bounds[1:], strict=False))
     return [decoder.decode([stream], [codes[:, a:b]], [i == len(pairs) - 1])[0] for i, (a, b) in enumerate(pairs)]
 
 
@@ -169,7 +169,7 @@ def test_each_seam_is_the_linear_crossfade_of_the_two_windows(token2wav, speaker
     _stream(decoder, speaker, _codes(NUM_CODES), list(range(0, NUM_CODES, 10)) + [NUM_CODES], seed=3)
     assert len(chunks) == len(windows) == 4
     previous_ahead = None
-    for (chunk_start, chunk_end, mel), window in zip(chunks, windows):
+    for (chunk_start, chunk_end, mel), window in zip(chunks, windows, strict=True):
         window_start = decoder._window_start_mel(chunk_start)
         own = window[:, chunk_start * r - window_start : chunk_end * r - window_start]
         assert mel.shape == own.shape

@@ -60,7 +60,7 @@ def test_losses_and_acceptance_estimate_on_hand_built_logits():
     # A drafter that reproduces the teacher exactly: step i row t = target row t + i.
     exact = [target_logits[:, i:].clone() for i in (1, 2)]
     ce, tv = distillation_losses(target_logits, exact)
-    for i, (c, t) in enumerate(zip(ce, tv), start=1):
+    for i, (c, t) in enumerate(zip(ce, tv, strict=True), start=1):
         p = target_logits[:, i:].softmax(-1)
         torch.testing.assert_close(c, -(p * p.log()).sum(-1).mean())  # CE(p, p) = entropy
         assert t.abs().item() < 1e-6
@@ -127,7 +127,7 @@ def test_resume_matches_an_uninterrupted_run(target, tmp_path):
     resumed = train_mtp_head(target, _fresh_head(target, seed=99), train, held_out, config,
                              checkpoint_dir=tmp_path, resume=True, progress=False)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
-    for (name, a), (_, b) in zip(whole.head.state_dict().items(), resumed.head.state_dict().items()):
+    for (name, a), (_, b) in zip(whole.head.state_dict().items(), resumed.head.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -138,7 +138,7 @@ def test_trained_head_round_trips_and_transformers_use_mtp_is_lossless(target, t
     target.save_pretrained(tmp_path)
     head.save_pretrained(tmp_path)
     loaded_target, loaded_head = load_target_and_head(tmp_path)
-    for (name, a), (_, b) in zip(head.state_dict().items(), loaded_head.state_dict().items()):
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded_head.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     prompt = _stream(7, 32).long()[None]
     plain = target.generate(prompt, max_new_tokens=16, do_sample=False)

@@ -28,7 +28,8 @@ def base(tmp_path_factory):
     return root, OmniPipeline.from_pretrained(root / "base", max_frames=6)
 
 
-@pytest.mark.parametrize("flags, mode", [(["--text", REF_TEXT], "icl"), (["--text", REF_TEXT, "--x-vector-only"], "x_vector"),
+@pytest.mark.parametrize("flags, mode", [(["--text", REF_TEXT], "icl"),
+                                         (["--text", REF_TEXT, "--x-vector-only"], "x_vector"),
                                          ([], "x_vector")])
 def test_voice_create_then_speak_equals_the_python_api(base, tmp_path, capsys, flags, mode):
     root, pipe = base
@@ -37,7 +38,8 @@ def test_voice_create_then_speak_equals_the_python_api(base, tmp_path, capsys, f
                  "-o", str(voice_path)]) == 0
     assert f"a {mode} voice from 1.50 s of audio" in capsys.readouterr().err
     voice = Voice.load(voice_path)
-    expected_voice = pipe.create_voice(root / "ref.wav", REF_TEXT if flags else None, x_vector_only="--x-vector-only" in flags)
+    expected_voice = pipe.create_voice(root / "ref.wav", REF_TEXT if flags else None,
+                                       x_vector_only="--x-vector-only" in flags)
     assert voice.mode == mode and torch.equal(voice.speaker_embedding, expected_voice.speaker_embedding)
     assert main(["speak", "--model", str(root / "base"), "--voice", str(voice_path), TEXT, "--max-frames", "6",
                  "-o", str(wav_path)]) == 0
@@ -53,7 +55,8 @@ def test_voice_cli_errors_name_the_flag(base, tmp_path, capsys):
     short = tmp_path / "short.wav"
     soundfile.write(short, np.zeros(2400, dtype=np.float32), 24_000)
     runs = [
-        (["voice", "create", "--model", str(root / "base"), "--audio", str(short), "-o", str(tmp_path / "v.safetensors")],
+        (["voice", "create", "--model", str(root / "base"), "--audio", str(short),
+          "-o", str(tmp_path / "v.safetensors")],
          "--audio " + str(short) + ": ref_audio: 0.10 s of audio is shorter than the minimum of 1 s"),
         (["voice", "create", "--model", str(root / "base"), "--audio", str(short), "-o", str(tmp_path / "v.pt")],
          "--output must end in .safetensors"),
@@ -82,7 +85,7 @@ def test_batch_rows_speak_voice_files_on_a_base_model(base, tmp_path):
     expected = pipe.speech([TEXT, "Hi"], voice=[voice, None])
     assert columns["id"] == ["a", "b"]
     assert columns["num_frames"] == [out.codes.shape[1] for out in expected]
-    for encoded, out in zip(columns["audio"], expected):
+    for encoded, out in zip(columns["audio"], expected, strict=True):
         audio, rate = soundfile.read(io.BytesIO(encoded), dtype="float32")
         assert rate == 24_000
         assert_audio_close(audio, out.audio, rel=1e-3)  # 16-bit PCM

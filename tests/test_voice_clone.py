@@ -77,7 +77,9 @@ def voices(pipe, audio):
             "other": pipe.create_voice((audio["high"], SAMPLE_RATE), x_vector_only=True)}
 
 
-def reference_codes(reference, pipe, text, voice: Voice | None, *, non_streaming_mode=False, sampled=False) -> torch.Tensor:
+def reference_codes(
+    reference, pipe, text, voice: Voice | None, *, non_streaming_mode=False, sampled=False
+) -> torch.Tensor:
     """The reference's greedy codes [16, T] for one request in `voice` (None: no voice-clone prompt)."""
     ids = torch.tensor([pipe.family.speech_ids(text)])
     kwargs = {}
@@ -135,7 +137,8 @@ def test_reference_codes_equal_transformers_mimi_encode(checkpoint, pipe, audio,
     from transformers import MimiModel
 
     tokenizer_dir = os.path.join(checkpoint, "speech_tokenizer")
-    flat = {k.removeprefix("encoder."): v for k, v in load_file(os.path.join(tokenizer_dir, "model.safetensors")).items()
+    flat = {k.removeprefix("encoder."): v
+            for k, v in load_file(os.path.join(tokenizer_dir, "model.safetensors")).items()
             if k.startswith("encoder.")}
     save_file(flat, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tokenizer_dir, "config.json")) as f:
@@ -208,7 +211,7 @@ def test_ragged_batch_mixing_clone_modes_and_a_plain_request(pipe, reference, vo
     texts = [TEXT, SHORT_TEXT, TEXT, SHORT_TEXT]
     row_voices = [voices["x_vector"], voices["icl"], voices["icl_short"], None]
     outs = pipe.speech(texts, voice=row_voices)
-    for out, text, voice in zip(outs, texts, row_voices):
+    for out, text, voice in zip(outs, texts, row_voices, strict=True):
         assert torch.equal(out.codes, pipe.speech(text, voice=voice).codes)
         assert torch.equal(out.codes, reference_codes(reference, pipe, text, voice))
 
@@ -288,7 +291,8 @@ def test_the_callers_arrays_are_not_mutated(pipe, audio, voices):
 
 
 @pytest.mark.parametrize("arguments, match", [
-    ({"ref_audio": (recording(0.5, 120.0, 0), SAMPLE_RATE)}, r"ref_audio: 0\.50 s of audio is shorter than the minimum"),
+    ({"ref_audio": (recording(0.5, 120.0, 0), SAMPLE_RATE)},
+     r"ref_audio: 0\.50 s of audio is shorter than the minimum"),
     ({"ref_audio": (np.zeros(61 * SAMPLE_RATE, dtype=np.float32), SAMPLE_RATE)}, "ref_audio: 61.0 s of audio is over"),
     ({"ref_audio": (np.zeros((2, SAMPLE_RATE), dtype=np.float32), SAMPLE_RATE)}, "ref_audio: samples must be a 1-D"),
     ({"ref_audio": "/nonexistent/ref.wav"}, "ref_audio: cannot read"),

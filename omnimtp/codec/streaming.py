@@ -70,9 +70,10 @@ class StreamingCode2Wav:
         if len(streams) != len(codes):
             raise ValueError(f"codes: {len(codes)} code blocks for {len(streams)} streams")
         windows = []
-        for stream, block in zip(streams, codes):
+        for stream, block in zip(streams, codes, strict=True):
             if block.dim() != 2 or block.shape[0] != self.code2wav.config.num_quantizers or block.shape[1] == 0:
-                raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], got {tuple(block.shape)}")
+                raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], "
+                                 f"got {tuple(block.shape)}")
             windows.append(self._advance_transformer(stream, block))  # [C + n, Hc]
         groups: dict[int, list[int]] = {}
         for i, window in enumerate(windows):
@@ -137,7 +138,8 @@ class RowwiseMatmuls(TorchFunctionMode):
 
 def _conv_stack_modules(code2wav) -> list:
     """The conv stack's modules in the order the signal runs through them."""
-    return [m for blocks in code2wav.upsample for m in blocks.modules()] + [m for block in code2wav.decoder for m in block.modules()]
+    return ([m for blocks in code2wav.upsample for m in blocks.modules()]
+            + [m for block in code2wav.decoder for m in block.modules()])
 
 
 def _num_lost_samples(code2wav) -> int:

@@ -79,7 +79,7 @@ def sample_mel(
         time_points += sway_coefficient * (torch.cos(torch.pi / 2 * time_points) - 1 + time_points)
     solver = RungeKutta4ODESolver(function=velocity, initial_value=noise)
     hidden = noise
-    for time_start, time_end in zip(time_points[:-1], time_points[1:]):
+    for time_start, time_end in zip(time_points[:-1], time_points[1:], strict=True):
         delta, _ = solver._compute_step(velocity, time_start, time_end - time_start, time_end, hidden)
         hidden = hidden + delta
     return hidden
@@ -225,14 +225,14 @@ class StreamingToken2Wav:
             raise ValueError(f"blocks: {len(blocks)} blocks for {len(streams)} streams")
         if len(is_final) != len(streams):
             raise ValueError(f"is_final: {len(is_final)} flags for {len(streams)} streams")
-        for stream, block in zip(streams, blocks):
+        for stream, block in zip(streams, blocks, strict=True):
             if stream.is_finished:
                 raise ValueError("streams: a stream was already given its final block")
             if block.dim() != 2 or block.shape[0] != 1:
                 raise ValueError(f"blocks: each block must be [1, n], got {tuple(block.shape)}")
             self._check_codes(block, "blocks")
         audio = []
-        for stream, block, final in zip(streams, blocks, is_final):
+        for stream, block, final in zip(streams, blocks, is_final, strict=True):
             stream.codes = torch.cat([stream.codes, block.to(stream.codes.device)], dim=1)
             audio.append(self._advance(stream, final))
             stream.is_finished = final
@@ -337,12 +337,15 @@ class StreamingToken2Wav:
         if conditioning.dim() == 1:
             conditioning = conditioning[None]
         if conditioning.shape != (1, enc_emb_dim):
-            raise ValueError(f"conditioning: must be [{enc_emb_dim}] or [1, {enc_emb_dim}], got {tuple(conditioning.shape)}")
+            raise ValueError(
+                f"conditioning: must be [{enc_emb_dim}] or [1, {enc_emb_dim}], got {tuple(conditioning.shape)}"
+            )
         if reference_mel.dim() == 2:
             reference_mel = reference_mel[None]
         if reference_mel.dim() != 3 or reference_mel.shape[0] != 1 or reference_mel.shape[2] != self.mel_dim:
             raise ValueError(
-                f"reference_mel: must be [T_ref, {self.mel_dim}] or [1, T_ref, {self.mel_dim}], got {tuple(reference_mel.shape)}"
+                f"reference_mel: must be [T_ref, {self.mel_dim}] or [1, T_ref, {self.mel_dim}], "
+                f"got {tuple(reference_mel.shape)}"
             )
         if reference_mel.shape[1] == 0:
             raise ValueError("reference_mel: needs at least one frame")
@@ -360,7 +363,9 @@ class StreamingToken2Wav:
             )
 
 
-def scale_token2wav_weights(token2wav, *, generator: torch.Generator, dit_gain: float = 1.0, vocoder_gain: float = 0.7) -> None:
+def scale_token2wav_weights(
+    token2wav, *, generator: torch.Generator, dit_gain: float = 1.0, vocoder_gain: float = 0.7
+) -> None:
     """Redraws a randomly initialized token2wav's weights at gain/sqrt(fan_in) (embeddings at std 1), so
     the DiT moves its mel far from the noise and BigVGAN's output sits at speech level (about -23 dBFS
     on the tiny dims, peaks below the clamp). transformers' 0.02 init gives ~1e-8: silent."""

@@ -147,7 +147,9 @@ class EngineCore:
         its text. False when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
         ids = [int(token) for token in ids]
         with self.lock:
-            request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
+            request = self.running.get(request_id) or next(
+                (r for r in self.waiting if r.request_id == request_id), None
+            )
             if request is None:
                 return False
             if request.is_text_finished:
@@ -186,7 +188,10 @@ class EngineCore:
     def output(self, request: Request) -> OmniOutput:
         """A finished request's result."""
         num_groups = self.family.num_code_groups
-        codes = torch.stack(request.frames, dim=1).cpu() if request.frames else torch.zeros((num_groups, 0), dtype=torch.long)
+        codes = (
+            torch.stack(request.frames, dim=1).cpu() if request.frames
+            else torch.zeros((num_groups, 0), dtype=torch.long)
+        )
         audio = np.concatenate(request.audio) if request.audio else np.zeros(0, dtype=np.float32)
         return OmniOutput(
             text=self.family.decode_text(request.reply_ids), text_ids=list(request.output_ids), codes=codes,
@@ -296,12 +301,14 @@ class EngineCore:
         if not request.is_streamed:
             request.thinker_rows.append((event.embeds, event.hidden))
             if finish_reason is not None:
-                embeds, hidden = (torch.cat(rows) for rows in zip(*request.thinker_rows))
+                embeds, hidden = (torch.cat(rows) for rows in zip(*request.thinker_rows, strict=True))
                 inputs = self.family.reply_talker_inputs(
                     request.talker_builder, request.prompt_ids, request.output_ids, embeds, hidden, finish_reason
                 )
                 request.thinker_rows = []
-                request.talker_inputs = _PendingTalker(inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True)
+                request.talker_inputs = _PendingTalker(
+                    inputs.prefill_embeds, [inputs.trailing_text], inputs.tts_pad_embed, True
+                )
             return
         chunks = request.handoff.push(event.embeds, event.hidden, [event.token_id])
         if finish_reason is not None:
@@ -459,7 +466,7 @@ class EngineCore:
         chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks, is_final)
         now = time.perf_counter()
         events = []
-        for (request, n), audio in zip(ready, chunks):
+        for (request, n), audio in zip(ready, chunks, strict=True):
             request.num_decoded += n
             if audio.size == 0:  # a codec that looks ahead holds this block's samples back
                 continue

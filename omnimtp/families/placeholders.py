@@ -26,8 +26,12 @@ def check_placeholders(config, prompt_ids: list[int], media: MediaInputs | None,
     merge = config.vision_config.spatial_merge_size
     expected = {
         config.audio_token_id: [] if media.audio_lengths is None else audio_rows(media.audio_lengths),
-        config.image_token_id: [] if media.image_grid_thw is None else (media.image_grid_thw.prod(-1) // merge**2).tolist(),
-        config.video_token_id: [] if media.video_grid_thw is None else (media.video_grid_thw.prod(-1) // merge**2).tolist(),
+        config.image_token_id: (
+            [] if media.image_grid_thw is None else (media.image_grid_thw.prod(-1) // merge**2).tolist()
+        ),
+        config.video_token_id: (
+            [] if media.video_grid_thw is None else (media.video_grid_thw.prod(-1) // merge**2).tolist()
+        ),
     }
     names = {config.audio_token_id: "audio", config.image_token_id: "image", config.video_token_id: "video"}
     starts = {config.audio_start_token_id, config.vision_start_token_id}
@@ -74,15 +78,17 @@ def split_media(config, prompts: list[list[int]], media: MediaInputs | None) -> 
         0 if media.image_grid_thw is None else media.image_grid_thw.shape[0],
         0 if media.video_grid_thw is None else media.video_grid_thw.shape[0],
     )
+    # strict=False: zip(*counts) is empty for an empty batch, and then nothing is checked
     for kind, name, total, need in zip(
-        ("audio", "image", "video"), ("input_features", "image_grid_thw", "video_grid_thw"), given, zip(*counts)
+        ("audio", "image", "video"), ("input_features", "image_grid_thw", "video_grid_thw"), given,
+        zip(*counts, strict=True), strict=False,
     ):
         if total != sum(need):
             raise ValueError(f"{name}: {total} {kind} inputs for {sum(need)} {kind} placeholders in the prompts")
     split, starts = [], [0, 0, 0]
     for num_audio, num_image, num_video in counts:
         split.append(_media_slice(media, starts, (num_audio, num_image, num_video)))
-        starts = [start + n for start, n in zip(starts, (num_audio, num_image, num_video))]
+        starts = [start + n for start, n in zip(starts, (num_audio, num_image, num_video), strict=True)]
     return split
 
 
@@ -96,7 +102,8 @@ def _media_slice(media: MediaInputs, starts: list[int], counts: tuple[int, int, 
         fields["input_features"] = media.input_features[audio : audio + num_audio]
         fields["feature_attention_mask"] = media.feature_attention_mask[audio : audio + num_audio]
     for values, grid, first, n in (
-        ("pixel_values", "image_grid_thw", image, num_image), ("pixel_values_videos", "video_grid_thw", video, num_video)
+        ("pixel_values", "image_grid_thw", image, num_image),
+        ("pixel_values_videos", "video_grid_thw", video, num_video),
     ):
         if not n:
             continue

@@ -128,7 +128,9 @@ class Qwen2_5OmniFamily(ChatText):
 
     # --- thinker → talker ---
 
-    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None) -> Qwen2_5TalkerInputBuilder:
+    def talker_builder(
+        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None
+    ) -> Qwen2_5TalkerInputBuilder:
         return Qwen2_5TalkerInputBuilder(self.model, prompt_ids, speaker, self.talker_layout)
 
     def reply_talker_inputs(self, builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:
@@ -154,7 +156,9 @@ class Qwen2_5OmniFamily(ChatText):
             embeds = self._speech_embeds(ids)
             return builder.build_trailing(embeds, torch.zeros_like(embeds))
 
-        return SpeechTextStream(lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows)
+        return SpeechTextStream(
+            lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows
+        )
 
     def _speech_embeds(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

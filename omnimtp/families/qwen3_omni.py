@@ -119,7 +119,9 @@ class Qwen3OmniFamily(ChatText):
 
     # --- thinker → talker ---
 
-    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None) -> Qwen3TalkerInputBuilder:
+    def talker_builder(
+        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None
+    ) -> Qwen3TalkerInputBuilder:
         """The request's talker-input builder (`omnimtp.handoff.TalkerInputBuilder`)."""
         return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker, media)
 
@@ -146,7 +148,9 @@ class Qwen3OmniFamily(ChatText):
             embeds = self._speech_embeds(ids)
             return builder.build_trailing(embeds, embeds)
 
-        return SpeechTextStream(lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows)
+        return SpeechTextStream(
+            lambda ids: self.speech_talker_inputs(ids, speaker), text_rows, builder.num_prefill_rows
+        )
 
     def _speech_embeds(self, ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -131,10 +131,14 @@ class Qwen3TTSFamily(ChatText):
         self.max_positions = self.talker.config.max_position_embeddings
         self.talker_decoder = PackedDecoder.from_module(self.talker.model)
         self._predictors: dict[int, CodePredictorRunner] = {}
-        self.special_ids = {name: config[f"{name}_token_id"] for name in ("im_start", "im_end", "tts_pad", "tts_bos", "tts_eos")}
+        self.special_ids = {
+            name: config[f"{name}_token_id"] for name in ("im_start", "im_end", "tts_pad", "tts_bos", "tts_eos")
+        }
         with torch.no_grad():
-            specials = torch.tensor([[self.special_ids["tts_bos"], self.special_ids["tts_eos"], self.special_ids["tts_pad"]]],
-                                    device=self.device)
+            specials = torch.tensor(
+                [[self.special_ids["tts_bos"], self.special_ids["tts_eos"], self.special_ids["tts_pad"]]],
+                device=self.device,
+            )
             bos, eos, pad = self._text_rows(specials)[0].unbind(0)  # one projection over the three, as the reference
         self.tts_bos_embed, self.tts_eos_embed, self.tts_pad_embed = bos, eos, pad
 
@@ -153,7 +157,10 @@ class Qwen3TTSFamily(ChatText):
         if device is not None:
             model = model.to(resolve_device(device))
             model._restore_rope()
-        has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+        has_tokenizer = any(
+            os.path.isfile(os.path.join(path, name))
+            for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+        )
         tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
         codec_path = os.path.join(path, "speech_tokenizer")
         if not os.path.isdir(codec_path):
@@ -201,10 +208,10 @@ class Qwen3TTSFamily(ChatText):
     def check_speech_ids(self, ids: list[int]) -> None:
         """ValueError naming input_ids unless they are an assistant-text template with at least one text token."""
         im_start, im_end = self.special_ids["im_start"], self.special_ids["im_end"]
-        if (len(ids) < NUM_TEMPLATE_HEAD + NUM_TEMPLATE_TAIL + 1 or ids[0] != im_start or ids[-NUM_TEMPLATE_TAIL] != im_end
-                or ids[-3] != im_start):
-            raise ValueError("input_ids: expected '<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n' "
-                             "ids with a non-empty text")
+        if (len(ids) < NUM_TEMPLATE_HEAD + NUM_TEMPLATE_TAIL + 1 or ids[0] != im_start
+                or ids[-NUM_TEMPLATE_TAIL] != im_end or ids[-3] != im_start):
+            raise ValueError("input_ids: expected '<|im_start|>assistant\\n{text}<|im_end|>\\n"
+                             "<|im_start|>assistant\\n' ids with a non-empty text")
 
     def talker_positions(self, ids: list[int], voice: TTSVoice, max_frames: int) -> int:
         """The talker positions a request of `speech_ids` ids in `voice` may take: its prompt rows (the
@@ -219,8 +226,8 @@ class Qwen3TTSFamily(ChatText):
         row (the reference's request without a voice-clone prompt)."""
         if isinstance(voice, Voice):
             self.check_clone(voice)
-            return TTSVoice(language_id=self._language_id(language, None), instruct_ids=self._instruct_ids(instructions),
-                            clone=voice)
+            return TTSVoice(language_id=self._language_id(language, None),
+                            instruct_ids=self._instruct_ids(instructions), clone=voice)
         speaker = speaker_id = None
         if self.tts_model_type == "base" and voice is not None:
             raise ValueError(f"voice: a Base model speaks cloned voices (an omnimtp.voice.Voice from create_voice), "
@@ -240,8 +247,8 @@ class Qwen3TTSFamily(ChatText):
     # --- voice cloning (Base) ---
 
     def create_voice(self, ref_audio=None, ref_text: str | None = None, *, x_vector_only: bool = False,
-                     speaker_embedding=None, ref_codes=None, ref_text_ids=None, min_seconds: float = MIN_REF_AUDIO_SECONDS,
-                     max_seconds: float = MAX_REF_AUDIO_SECONDS) -> Voice:
+                     speaker_embedding=None, ref_codes=None, ref_text_ids=None,
+                     min_seconds: float = MIN_REF_AUDIO_SECONDS, max_seconds: float = MAX_REF_AUDIO_SECONDS) -> Voice:
         """A cloned `Voice` of a Base model, computed once (the reference's `create_voice_clone_prompt`).
 
         ref_audio: the reference recording, a file path (any format libsndfile reads) or a (samples,
@@ -256,7 +263,9 @@ class Qwen3TTSFamily(ChatText):
 
         given = "ref_audio" if ref_audio is not None else "speaker_embedding"
         if self.tts_model_type != "base":
-            raise ValueError(f"{given}: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
+            raise ValueError(
+                f"{given}: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model"
+            )
         if not isinstance(x_vector_only, bool):
             raise ValueError(f"x_vector_only: expected a bool, got {type(x_vector_only).__name__}")
         if ref_text is not None and (not isinstance(ref_text, str) or not ref_text.strip()):
@@ -266,7 +275,9 @@ class Qwen3TTSFamily(ChatText):
             samples = load_audio(ref_audio, SAMPLE_RATE, MediaLimits(max_audio_seconds=max_seconds), param="ref_audio")
             seconds = len(samples) / SAMPLE_RATE
             if seconds < min_seconds:
-                raise ValueError(f"ref_audio: {seconds:.2f} s of audio is shorter than the minimum of {min_seconds:g} s")
+                raise ValueError(
+                    f"ref_audio: {seconds:.2f} s of audio is shorter than the minimum of {min_seconds:g} s"
+                )
         elif speaker_embedding is None:
             raise ValueError("ref_audio: give a reference recording (or a precomputed speaker_embedding)")
         if speaker_embedding is None:
@@ -284,12 +295,13 @@ class Qwen3TTSFamily(ChatText):
                 if samples is None:
                     raise ValueError("ref_codes: in-context cloning needs ref_audio or precomputed ref_codes")
                 if self.speech_encoder is None:
-                    raise ValueError("ref_text: this checkpoint's speech tokenizer has no encoder weights for in-context "
-                                     "cloning; pass x_vector_only=True or precomputed ref_codes")
+                    raise ValueError("ref_text: this checkpoint's speech tokenizer has no encoder weights for "
+                                     "in-context cloning; pass x_vector_only=True or precomputed ref_codes")
                 ref_codes = self.speech_encoder.encode(samples)
         else:
             ref_codes = ref_text_ids = None
-        voice = Voice(speaker_embedding, ref_codes, ref_text_ids, ref_text=ref_text if is_icl else None, seconds=seconds,
+        voice = Voice(speaker_embedding, ref_codes, ref_text_ids, ref_text=ref_text if is_icl else None,
+                      seconds=seconds,
                       info={"model_type": self.model_type, "tts_model_size": str(self.tts_model_size)})
         self.check_clone(voice, prefix="")
         return voice
@@ -299,7 +311,9 @@ class Qwen3TTSFamily(ChatText):
         reference codes [num_code_groups, T] in the codebook, transcript ids in the text vocabulary. The error
         names the part, after `prefix` ("voice.speaker_embedding: ...")."""
         if self.tts_model_type != "base":
-            raise ValueError(f"voice: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model")
+            raise ValueError(
+                f"voice: voice cloning needs a Qwen3-TTS Base model; this is a {self.tts_model_type} model"
+            )
         hidden_size = self.talker.config.hidden_size
         if voice.speaker_embedding.shape != (hidden_size,):
             raise ValueError(f"{prefix}speaker_embedding: has {voice.speaker_embedding.shape[0]} values; this model's "
@@ -340,7 +354,9 @@ class Qwen3TTSFamily(ChatText):
         if not given:
             return None
         if not takes_instructions:
-            raise ValueError(f"instructions: this {self.tts_model_type} {self.tts_model_size} model ignores instructions")
+            raise ValueError(
+                f"instructions: this {self.tts_model_type} {self.tts_model_size} model ignores instructions"
+            )
         if self.tokenizer is None:
             raise ValueError("instructions: this checkpoint has no text tokenizer to read instructions")
         return tuple(self.tokenizer.encode(f"<|im_start|>user\n{instructions}<|im_end|>\n", add_special_tokens=False))
@@ -377,13 +393,17 @@ class Qwen3TTSFamily(ChatText):
             think = [config.codec_think_id, config.codec_think_bos_id, voice.language_id, config.codec_think_eos_id]
         codec = [self._codec_rows(think)]
         if voice.speaker_id is not None:
-            codec.append(self.talker.get_input_embeddings()(torch.tensor(voice.speaker_id, device=self.device)).view(1, 1, -1))
+            codec.append(
+                self.talker.get_input_embeddings()(torch.tensor(voice.speaker_id, device=self.device)).view(1, 1, -1)
+            )
         elif voice.clone is not None:  # the x-vector is the speaker row
             codec.append(voice.clone.speaker_embedding.to(self.device, self.talker.dtype).view(1, 1, -1))
         codec.append(self._codec_rows([config.codec_pad_id, config.codec_bos_id]))
         codec = torch.cat(codec, dim=1)  # [1, n, H]
         pad, bos, eos = (row.view(1, 1, -1) for row in (self.tts_pad_embed, self.tts_bos_embed, self.tts_eos_embed))
-        rows = [] if voice.instruct_ids is None else [self._text_rows(torch.tensor([voice.instruct_ids], device=self.device))]
+        rows = [] if voice.instruct_ids is None else [
+            self._text_rows(torch.tensor([voice.instruct_ids], device=self.device))
+        ]
         rows.append(self._text_rows(input_ids[:, :NUM_TEMPLATE_HEAD]))
         rows.append(torch.cat([pad.expand(-1, codec.shape[1] - 2, -1), bos], dim=1) + codec[:, :-1])
         text = input_ids[:, NUM_TEMPLATE_HEAD:-NUM_TEMPLATE_TAIL]
@@ -411,14 +431,18 @@ class Qwen3TTSFamily(ChatText):
         config = self.talker.config
         pad, eos = self.tts_pad_embed.view(1, 1, -1), self.tts_eos_embed.view(1, 1, -1)
         ref_text_ids = clone.ref_text_ids.to(self.device)[None]  # [1, N]
-        text_rows = torch.cat([self._text_rows(torch.cat([ref_text_ids, text], dim=-1)), eos], dim=1)  # [1, N + n + 1, H]
+        text_rows = torch.cat(
+            [self._text_rows(torch.cat([ref_text_ids, text], dim=-1)), eos], dim=1
+        )  # [1, N + n + 1, H]
         codes = clone.ref_codes.to(self.device).T  # [T, G]
         tables = [self.talker.get_input_embeddings(), *self.talker.code_predictor.model.codec_embedding]
         frames = torch.cat([table(codes[:, g:g + 1]) for g, table in enumerate(tables)], dim=1).sum(1)  # [T, H]
         codec_rows = torch.cat([self._codec_rows([config.codec_bos_id]), frames[None]], dim=1)  # [1, T + 1, H]
         num_text, num_codec = text_rows.shape[1], codec_rows.shape[1]
         if self.non_streaming_mode:
-            prefill = torch.cat([text_rows + self._codec_rows([config.codec_pad_id] * num_text), codec_rows + pad], dim=1)
+            prefill = torch.cat(
+                [text_rows + self._codec_rows([config.codec_pad_id] * num_text), codec_rows + pad], dim=1
+            )
             return prefill, pad[0, :0]
         if num_text > num_codec:
             return text_rows[:, :num_codec] + codec_rows, text_rows[0, num_codec:]

@@ -98,7 +98,9 @@ class CodePredictor(nn.Module):
         num_tables = self.config.num_code_groups - 1
         vocab_size, hidden_size = self.config.vocab_size, self.config.hidden_size
         self.model = Decoder(self.config)
-        self.model.codec_embedding = nn.ModuleList(nn.Embedding(vocab_size, talker_hidden_size) for _ in range(num_tables))
+        self.model.codec_embedding = nn.ModuleList(
+            nn.Embedding(vocab_size, talker_hidden_size) for _ in range(num_tables)
+        )
         self.lm_head = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_tables))
         if hidden_size != talker_hidden_size:
             self.small_to_mtp_projection = nn.Linear(talker_hidden_size, hidden_size, bias=True)
@@ -114,8 +116,8 @@ class Talker(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.config = decoder_config(config)
-        for name in ("num_code_groups", "codec_eos_token_id", "codec_think_id", "codec_nothink_id", "codec_think_bos_id",
-                     "codec_think_eos_id", "codec_pad_id", "codec_bos_id"):
+        for name in ("num_code_groups", "codec_eos_token_id", "codec_think_id", "codec_nothink_id",
+                     "codec_think_bos_id", "codec_think_eos_id", "codec_pad_id", "codec_bos_id"):
             setattr(self.config, name, config[name])
         hidden_size, text_hidden_size = self.config.hidden_size, config["text_hidden_size"]
         self.model = Decoder(self.config)
@@ -147,7 +149,9 @@ class Qwen3TTSModel(nn.Module):
         if config.get("model_type") != "qwen3_tts":
             raise ValueError(f"config: model_type {config.get('model_type')!r}, expected 'qwen3_tts'")
         if config.get("tts_model_type") not in TTS_MODEL_TYPES:
-            raise ValueError(f"config: tts_model_type {config.get('tts_model_type')!r}, expected one of {TTS_MODEL_TYPES}")
+            raise ValueError(
+                f"config: tts_model_type {config.get('tts_model_type')!r}, expected one of {TTS_MODEL_TYPES}"
+            )
         self.config = copy.deepcopy(config)
         self.talker = Talker(self.config["talker_config"])
         self.speaker_encoder = None
@@ -215,7 +219,9 @@ TINY_CODEC_IDS = {
     "codec_think_eos_id": TINY_CODEBOOK_SIZE + 109,
 }
 # CustomVoice: two speakers and a dialect speaker (spoken in its dialect for Chinese or auto), as released
-TINY_SPEAKERS = {"aiden": TINY_CODEBOOK_SIZE + 200, "vivian": TINY_CODEBOOK_SIZE + 201, "eric": TINY_CODEBOOK_SIZE + 202}
+TINY_SPEAKERS = {
+    "aiden": TINY_CODEBOOK_SIZE + 200, "vivian": TINY_CODEBOOK_SIZE + 201, "eric": TINY_CODEBOOK_SIZE + 202
+}
 TINY_DIALECTS = {"aiden": False, "vivian": False, "eric": "sichuan_dialect"}
 TINY_LANGUAGES = {"english": TINY_CODEBOOK_SIZE + 150, "chinese": TINY_CODEBOOK_SIZE + 151,
                   "sichuan_dialect": TINY_CODEBOOK_SIZE + 152}
@@ -233,9 +239,9 @@ def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int
     """A tiny config.json of the released structure (16 codebooks, codec vocab = codebook + 1024, the byte
     tokenizer's specials as the text ids). custom_voice: tts_model_size "0b6" (takes no instructions);
     voice_design: "1b7", no speakers; base: "0b6", no speakers, a tiny ECAPA-TDNN speaker encoder whose
-    x-vector has the talker's width (`TINY_SPEAKER_ENCODER`). The predictor is narrower than the talker, so its input projection
-    is a Linear, as in the released 1.7B models. talker, predictor: overrides of their config entries (e.g.
-    `QWEN3_TTS_0_6B_TALKER`, `QWEN3_TTS_0_6B_PREDICTOR` for the released 0.6B widths)."""
+    x-vector has the talker's width (`TINY_SPEAKER_ENCODER`). The predictor is narrower than the talker, so its
+    input projection is a Linear, as in the released 1.7B models. talker, predictor: overrides of their config
+    entries (e.g. `QWEN3_TTS_0_6B_TALKER`, `QWEN3_TTS_0_6B_PREDICTOR` for the released 0.6B widths)."""
     if tts_model_type not in TTS_MODEL_TYPES:
         raise ValueError(f"tts_model_type must be one of {TTS_MODEL_TYPES}, got {tts_model_type!r}")
     is_custom = tts_model_type == "custom_voice"
@@ -263,8 +269,10 @@ def tiny_config(tts_model_type: str = "custom_voice", *, talker_hidden_size: int
         "model_type": "qwen3_tts", "architectures": ["Qwen3TTSForConditionalGeneration"],
         "tts_model_type": tts_model_type, "tts_model_size": "1b7" if tts_model_type == "voice_design" else "0b6",
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-        "im_start_token_id": THINKER_SPECIAL_TOKENS["<|im_start|>"], "im_end_token_id": THINKER_SPECIAL_TOKENS["<|im_end|>"],
-        "tts_pad_token_id": THINKER_SPECIAL_TOKENS["<|tts_pad|>"], "tts_bos_token_id": THINKER_SPECIAL_TOKENS["<|tts_bos|>"],
+        "im_start_token_id": THINKER_SPECIAL_TOKENS["<|im_start|>"],
+        "im_end_token_id": THINKER_SPECIAL_TOKENS["<|im_end|>"],
+        "tts_pad_token_id": THINKER_SPECIAL_TOKENS["<|tts_pad|>"],
+        "tts_bos_token_id": THINKER_SPECIAL_TOKENS["<|tts_bos|>"],
         "tts_eos_token_id": THINKER_SPECIAL_TOKENS["<|tts_eos|>"],
         "talker_config": talker,
     }
@@ -291,7 +299,9 @@ def tiny_qwen3_tts(seed: int = 0, tts_model_type: str = "custom_voice", **config
         if model.speaker_encoder is not None:
             for module in model.speaker_encoder.modules():
                 if isinstance(module, nn.Conv1d):
-                    module.weight.copy_(torch.randn(module.weight.shape, generator=generator) / module.weight[0].numel() ** 0.5)
+                    module.weight.copy_(
+                        torch.randn(module.weight.shape, generator=generator) / module.weight[0].numel() ** 0.5
+                    )
                     module.bias.zero_()
             model.speaker_encoder.fc.weight.mul_(std)
     return model.eval()

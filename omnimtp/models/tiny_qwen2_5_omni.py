@@ -3,9 +3,10 @@
 Thinker, talker and token2wav (DiT + BigVGAN) at tiny widths; BigVGAN keeps `upsample_initial_channel` = 64
 so its channels survive its six halvings. The thinker vocab mirrors `omnimtp.models.tiny`: 0..255 are
 bytes, then the chat and TTS specials of `QWEN2_5_THINKER_SPECIAL_TOKENS`; `qwen2_5_byte_tokenizer` is its
-tokenizer with a chat template. transformers' init makes token2wav silent (about −150 dBFS) with a DiT that hardly reads its codes, so
-the builder redraws token2wav's weights at speech level (`omnimtp.codec.token2wav.scale_token2wav_weights`):
-audio comparisons then compare real signals that depend on the codes.
+tokenizer with a chat template. transformers' init makes token2wav silent (about −150 dBFS) with a DiT that
+hardly reads its codes, so the builder redraws token2wav's weights at speech level
+(`omnimtp.codec.token2wav.scale_token2wav_weights`): audio comparisons then compare real signals that depend
+on the codes.
 
 Two things the real checkpoint carries outside the config must be supplied here:
 - speakers live in `spk_dict.pt` (`{name: {"bos_token", "cond", "ref_mel"}}`), loaded into

@@ -70,7 +70,9 @@ def topk_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: int)
     return torch.zeros_like(allowed).scatter(-1, top, True) & allowed
 
 
-def decode_selection(scores: torch.Tensor, allowed: torch.Tensor, index_topk: int, num_prompt_slots: int) -> torch.Tensor:
+def decode_selection(
+    scores: torch.Tensor, allowed: torch.Tensor, index_topk: int, num_prompt_slots: int
+) -> torch.Tensor:
     """`topk_selection` row by row on the array one-token decoding sorts (see the module docstring): the
     first `num_prompt_slots` slots (masked ones at -inf), then the allowed later slots in order."""
     selected = torch.zeros_like(allowed)
@@ -140,7 +142,9 @@ def dsa_layer(
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
     mask = selected[:, None]  # [B, 1, T, S]
     if attn.config._attn_implementation == "eager":
-        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~mask, torch.finfo(hidden.dtype).min)
+        mask = torch.zeros(mask.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(
+            ~mask, torch.finfo(hidden.dtype).min
+        )
     out, _ = attention(attn, query_states, key_states, value_states, mask, dropout=0.0, scaling=attn.scaling)
     hidden = residual + attn.o_proj(out.reshape(batch_size, num_tokens, -1))
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), selected

@@ -334,7 +334,9 @@ class MTPHead(nn.Module):
             hidden, selection = dsa_layer(
                 self.block, hidden, position_embeddings, cache, valid[:, None, :] & causal[None], shared_selection
             )
-            return MTPHeadOutput(hidden=hidden, logits=self.logits(hidden) if compute_logits else None, selection=selection)
+            return MTPHeadOutput(
+                hidden=hidden, logits=self.logits(hidden) if compute_logits else None, selection=selection
+            )
         causal_mask = create_causal_mask(
             config=self.config,
             inputs_embeds=hidden,
@@ -378,7 +380,9 @@ class MTPHead(nn.Module):
         fingerprint = weights_fingerprint(self)
         if self._packed is None or self._packed[0] != fingerprint:
             dtype = self.eh_proj.weight.dtype
-            decoder = PackedDecoder.from_layers([self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype)
+            decoder = PackedDecoder.from_layers(
+                [self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype
+            )
             # every draft step is at a new position: rotary tables for 64 positions per miss (drafts only
             # feed verification, so their rounding does not matter)
             decoder = replace(decoder.with_row_kernel(), step_rope={}, step_rope_block=DRAFT_ROPE_BLOCK)
@@ -425,7 +429,9 @@ class MTPHead(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(prev_hidden.shape)}"
             )
         if position_ids.shape not in (input_ids.shape, (3, *input_ids.shape)):
-            raise ValueError(f"position_ids must be [B, T] like input_ids (or [3, B, T] M-RoPE ids), got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [B, T] like input_ids (or [3, B, T] M-RoPE ids), got {tuple(position_ids.shape)}"
+            )
         packed = packed or self.packed()
         decoder = packed.decoder
         # the row kernel (see `PackedDecoder.with_row_kernel`) for blocks of up to ROW_KERNEL_MAX_ROWS rows
@@ -440,7 +446,9 @@ class MTPHead(nn.Module):
         last = hidden[:, -1] if last_index is None else hidden[torch.arange(hidden.shape[0]), last_index]
         normed = rms_norm(last, decoder.final_norm, decoder.eps)  # shared_head_norm
         rows = packed.lm_head_rows is not None and normed.shape[0] <= ROW_KERNEL_MAX_ROWS
-        return hidden, linear(normed, packed.lm_head, packed=packed.lm_head_rows if rows else None, gemm=ROW_KERNEL if rows else None)
+        return hidden, linear(
+            normed, packed.lm_head, packed=packed.lm_head_rows if rows else None, gemm=ROW_KERNEL if rows else None
+        )
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,9 @@ def generate_distill_rows(
     was_training = target.training
     target.eval()
     rows = []
-    bar = _progress_bar(range(0, num_rows, batch_size), num_rows, 0, progress, desc="self-distill", unit_scale=batch_size)
+    bar = _progress_bar(
+        range(0, num_rows, batch_size), num_rows, 0, progress, desc="self-distill", unit_scale=batch_size
+    )
     try:
         for first in bar:
             batch_starts = starts[first : first + batch_size]
@@ -314,7 +316,8 @@ def evaluate_head(target: nn.Module, head: MTPHead, windows: torch.Tensor, num_s
         draft_logits = unrolled_draft_logits(head, batch, hidden, num_steps)
         ce, tv = distillation_losses(target_logits, draft_logits)
         estimate = acceptance_estimate(target_logits, draft_logits)
-        for name, value in [("ce", sum(x.item() for x in ce) / num_steps), ("tv", sum(x.item() for x in tv) / num_steps),
+        for name, value in [("ce", sum(x.item() for x in ce) / num_steps),
+                            ("tv", sum(x.item() for x in tv) / num_steps),
                             ("tau_greedy", estimate["tau_greedy"]), ("tau_sampled", estimate["tau_sampled"])]:
             totals[name] = totals.get(name, 0.0) + value
         for name in ("acceptance_per_position_greedy", "acceptance_per_position_sampled"):
@@ -435,7 +438,8 @@ def train_mtp_head(
 
     train_stream: token ids [N] (see `encode_files`) or rows [N, seq_len] (see `generate_distill_rows`);
     eval_stream: token ids [N]. `distill_rows` [N, seq_len] (see `generate_distill_rows`): each batch takes
-    round(config.distill_fraction * batch_size) of its windows from them and the rest from train_stream. With `checkpoint_dir`, the training state
+    round(config.distill_fraction * batch_size) of its windows from them and the rest from train_stream.
+    With `checkpoint_dir`, the training state
     (head, optimizer, step, history) is saved every `checkpoint_every` steps and at the end, and `resume=True`
     continues from it (batches depend only on (seed, step), so a resumed run matches an uninterrupted one).
     `stop_after` ends this call after that many steps (a time-boxed run; resume later).
@@ -499,7 +503,7 @@ def train_mtp_head(
             draft_logits = unrolled_draft_logits(head, batch, hidden, config.num_draft_tokens, indexer_losses)
             ce, tv = distillation_losses(target_logits, draft_logits)
             tv_weight = config.tv_weight_at(step)
-            loss = sum(w * (c + tv_weight * t) for w, c, t in zip(config.step_weights, ce, tv))
+            loss = sum(w * (c + tv_weight * t) for w, c, t in zip(config.step_weights, ce, tv, strict=True))
             if indexer_losses:
                 loss = loss + config.indexer_weight * indexer_losses[0]
             optimizer.zero_grad(set_to_none=True)
@@ -520,7 +524,7 @@ def train_mtp_head(
                          "losses": result.losses, "evals": result.evals}
                 torch.save(state, checkpoint_path)
     finally:
-        for p, flag in zip(shared, saved_requires_grad):
+        for p, flag in zip(shared, saved_requires_grad, strict=True):
             p.requires_grad_(flag)
         target.train(was_training[0])
         head.train(was_training[1])

@@ -23,18 +23,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--data", nargs="+", required=True, help="text files or directories (.py .txt .md .rst)")
     parser.add_argument("--eval-data", nargs="+", default=None,
                         help="held-out text (default: one file in --heldout-every of --data)")
-    parser.add_argument("--heldout-every", type=int, default=16, help="every N-th --data file is held out for evaluation")
+    parser.add_argument("--heldout-every", type=int, default=16,
+                        help="every N-th --data file is held out for evaluation")
     parser.add_argument("--suffixes", nargs="+", default=None,
                         help="file endings read from directories (default .py .txt .md .rst)")
     parser.add_argument("--out", required=True, help="output dir: the head (model-mtp.safetensors) + training state")
     parser.add_argument("--with-target", action="store_true",
                         help="also copy the target's files into --out, making it a complete checkpoint")
     parser.add_argument("--init", default=None, help="start from the MTP head stored in this checkpoint dir")
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3, help="draft steps the head is unrolled and trained for")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=3,
+                        help="draft steps the head is unrolled and trained for")
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per step")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per window")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW: linear warm-up, then cosine decay to a tenth)")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="peak learning rate (AdamW: linear warm-up, then cosine decay to a tenth)")
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warm-up steps")
     parser.add_argument("--tv-weight", type=float, default=1.0, help="weight of the total-variation term of the loss")
     parser.add_argument("--tv-weight-start", type=float, default=None,
@@ -45,7 +48,8 @@ def add_parser(subparsers) -> None:
                         help="loss weight of each draft step (default 0.8 ** (i - 1))")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (acceptance τ)")
     parser.add_argument("--num-eval-windows", type=int, default=16, help="held-out windows per evaluation")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between saved training states (--resume)")
+    parser.add_argument("--checkpoint-every", type=int, default=100,
+                        help="steps between saved training states (--resume)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the head's init and the data order")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="where the target and the head train (cpu, cuda, cuda:N)")
@@ -76,7 +80,8 @@ def add_parser(subparsers) -> None:
                      help="generated tokens in all (rounded up to whole rows of seq_len - prompt_len)")
     gen.add_argument("--seq-len", type=int, default=256, help="row length; train-mtp --seq-len must match")
     gen.add_argument("--prompt-len", type=int, default=64, help="tokens of training text that start each row")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the continuations; 0: greedy")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature of the continuations; 0: greedy")
     gen.add_argument("--batch-size", type=int, default=32, help="rows decoded together")
     gen.add_argument("--seed", type=int, default=0, help="seed of the window choice and the sampled rows")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -139,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     config = MTPTrainConfig(
         num_draft_tokens=args.num_draft_tokens, steps=args.steps, batch_size=args.batch_size,
         seq_len=args.seq_len, lr=args.lr, warmup_steps=args.warmup_steps, tv_weight=args.tv_weight,
-        tv_weight_start=args.tv_weight_start, indexer_weight=args.indexer_weight, step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
+        tv_weight_start=args.tv_weight_start, indexer_weight=args.indexer_weight,
+        step_weights=tuple(args.step_weights) if args.step_weights else None, eval_every=args.eval_every,
         num_eval_windows=args.num_eval_windows, checkpoint_every=args.checkpoint_every, seed=args.seed,
         distill_fraction=args.distill_fraction,
     )
@@ -174,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         copy_target_files(model_dir, out_dir)
     head.save_pretrained(out_dir)
     summary = {"out": str(out_dir), "steps": config.steps, "tv_weight": config.tv_weight,
-               "tv_weight_start": config.tv_weight_start, "indexer_weight": config.indexer_weight, "num_draft_tokens": config.num_draft_tokens,
+               "tv_weight_start": config.tv_weight_start, "indexer_weight": config.indexer_weight,
+               "num_draft_tokens": config.num_draft_tokens,
                "config": dataclasses.asdict(config), "train_files": len(train_files),
                "heldout_files": len(heldout_files), "distill_data": args.distill_data, "evals": result.evals}
     (out_dir / "mtp_train_log.json").write_text(json.dumps(summary, indent=1))

@@ -105,7 +105,10 @@ class PackedDecoder:
             return self
         pack = small_batch_linear.pack_weight
         layers = tuple(
-            (pack(layer.qkv), pack(layer.o), *((pack(layer.gate_up), pack(layer.mlp_down)) if layer.router is None else (None, None)))
+            (
+                pack(layer.qkv), pack(layer.o),
+                *((pack(layer.gate_up), pack(layer.mlp_down)) if layer.router is None else (None, None)),
+            )
             for layer in self.layers
         )
         lm_head = None if self.lm_head is None else pack(self.lm_head.float())
@@ -124,7 +127,9 @@ class PackedDecoder:
         if position not in self.step_rope:
             positions = torch.arange(position, position + self.step_rope_block, device=self.device)[None]  # [1, n]
             cos, signed_sin = self.rope.tables(positions, self.dtype)  # [1, n, 1, D]
-            rows = zip(cos.view(-1, cos.shape[-1]).unbind(0), signed_sin.view(-1, cos.shape[-1]).unbind(0))  # n × [D]
+            rows = zip(
+                cos.view(-1, cos.shape[-1]).unbind(0), signed_sin.view(-1, cos.shape[-1]).unbind(0), strict=True
+            )  # n × [D]
             for offset, tables in enumerate(rows):
                 self.step_rope[position + offset] = tables
         return self.step_rope[position]
@@ -138,7 +143,9 @@ class PackedDecoder:
         default the module's own. num_layers: the first layers only (default all). options: `fused_norm`,
         `fp32_attention`. ValueError when a layer is not supported."""
         if not hasattr(model, "layers") or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
-            raise ValueError(f"model must be a transformers decoder model (layers, norm, rotary_emb), got {type(model).__name__}")
+            raise ValueError(
+                f"model must be a transformers decoder model (layers, norm, rotary_emb), got {type(model).__name__}"
+            )
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
         config = model.config
@@ -387,7 +394,9 @@ def shared_length_forward(
         raise ValueError(f"kv_mask must be [B, {start + num_new}] (cache length + T), got {tuple(kv_mask.shape)}")
     where = cache.plan(slots, num_new)
     mask = kv_mask_attention_mask(kv_mask, start, num_new, decoder.dtype, x.device)  # [B, 1, T, S] or None
-    if batch_size == 1 and num_new == 1 and position_ids.dim() == 2 and position_ids.device.type == "cpu":  # one token on 1-D vectors
+    if (
+        batch_size == 1 and num_new == 1 and position_ids.dim() == 2 and position_ids.device.type == "cpu"
+    ):  # one token on 1-D vectors
         rope = decoder.step_tables(int(position_ids))
         out, _ = decoder_layers(decoder, x.view(-1), rope, cache.layer_views, where, mask)
         out = out.view(1, 1, -1)

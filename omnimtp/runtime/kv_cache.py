@@ -7,7 +7,8 @@
 
 Slot s holds its sequence's positions 0..lengths[s]-1 with no padding, so a sequence never attends to
 another's keys. Its RoPE position is its cache index plus the slot's `rope_offsets[s]` (0 unless a
-prefill gave M-RoPE positions: then decoding continues from their maximum + 1, transformers' rope_deltas). The buffer grows (doubling) when a sequence outgrows it, unless it was made fixed
+prefill gave M-RoPE positions: then decoding continues from their maximum + 1, transformers' rope_deltas).
+The buffer grows (doubling) when a sequence outgrows it, unless it was made fixed
 (`is_growable=False`: the code predictor's G-slot buffer, written at static positions by a compiled
 step). Columns at or past a slot's length are never attended to (masked or not read), and the buffer
 starts as zeros, so stale columns stay finite.
@@ -114,7 +115,9 @@ class KVCache:
 
     def restore(self, snapshot: tuple[int, ...]) -> None:
         """Roll every slot back to its snapshot length; what was appended since is never read again."""
-        if len(snapshot) != self.max_batch_size or any(new > old for new, old in zip(snapshot, self.lengths)):
+        if len(snapshot) != self.max_batch_size or any(
+            new > old for new, old in zip(snapshot, self.lengths, strict=True)
+        ):
             raise ValueError(f"snapshot {snapshot!r} does not roll back lengths {self.lengths}")
         self.lengths = list(snapshot)
 
@@ -189,7 +192,9 @@ def append_kv(
             )  # broadcast to [2, R, Nkv, T]
             buffer.index_put_(index, torch.stack([new_keys, new_values]))
         return buffer[layer, 0, :num_rows], buffer[layer, 1, :num_rows]
-    keys, values = buffer[layer] if isinstance(buffer, list) else (buffer[layer, 0], buffer[layer, 1])  # [B_max, Nkv, S_cap, D]
+    keys, values = (
+        buffer[layer] if isinstance(buffer, list) else (buffer[layer, 0], buffer[layer, 1])
+    )  # [B_max, Nkv, S_cap, D]
     if new_keys.dim() == 2:  # one row at one position: [Nkv, D]
         keys[where.rows.start, :, where.start] = new_keys
         values[where.rows.start, :, where.start] = new_values

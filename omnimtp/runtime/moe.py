@@ -53,7 +53,9 @@ class GroupLimitedSigmoid:
 Router = SoftmaxTopK | GroupLimitedSigmoid
 
 
-def route(router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens x [N, H] → (top_weights [N, k], top_experts [N, k]). SoftmaxTopK takes the router's logits
     [N, E] (computed by the caller, often fused with another matmul; one token may come as [E] → [k]);
     GroupLimitedSigmoid computes its own."""
@@ -70,7 +72,9 @@ def route(router: Router, x: torch.Tensor, router_logits: torch.Tensor | None = 
     scores = F.linear(x.float(), router.weight).sigmoid()  # [N, E]
     scores_for_choice = scores + router.correction_bias
     if router.top_k_groups < router.num_groups:  # else every group is kept: the mask below would keep all
-        group_scores = scores_for_choice.view(-1, router.num_groups, num_experts // router.num_groups).topk(2, dim=-1)[0]
+        group_scores = scores_for_choice.view(
+            -1, router.num_groups, num_experts // router.num_groups
+        ).topk(2, dim=-1)[0]
         group_idx = torch.topk(group_scores.sum(dim=-1), k=router.top_k_groups, dim=-1, sorted=False)[1]  # [N, G']
         group_mask = torch.zeros(num_tokens, router.num_groups, device=x.device).scatter_(1, group_idx, 1)
         score_mask = group_mask[:, :, None].expand(-1, -1, num_experts // router.num_groups).reshape(-1, num_experts)

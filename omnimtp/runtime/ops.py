@@ -162,7 +162,8 @@ def linear(
     # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
     # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
     if packed is not None and gemm.kind == "avx512" and (
-        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
+        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS
+        or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
     ):
         out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -260,7 +261,9 @@ class Rope:
         signed_sin = [-sin, sin] halves, so rotate_half(x) * sin == partner(x) * signed_sin; on channels
         RoPE passes through, cos = 1 and signed_sin = 0 (x * 1 + y * 0 == x exactly)."""
         if positions.dim() == 3:
-            freqs = mrope_angles(self.inv_freq, positions, self.mrope_section, self.is_mrope_interleaved)  # [R, T, rd/2]
+            freqs = mrope_angles(
+                self.inv_freq, positions, self.mrope_section, self.is_mrope_interleaved
+            )  # [R, T, rd/2]
         else:
             freqs = positions[..., None].float() * self.inv_freq  # [R, T, rd/2]
         cos = (freqs.cos() * self.attention_scaling).to(dtype)

@@ -83,7 +83,9 @@ def create_app(
     body_timeout_s = check_seconds("body_timeout_s", body_timeout_s)
     max_ref_seconds = check_seconds("max_ref_seconds", max_ref_seconds)
     if max_ref_seconds < MIN_REF_AUDIO_SECONDS:
-        raise ValueError(f"max_ref_seconds must be >= {MIN_REF_AUDIO_SECONDS:g} (the shortest reference), got {max_ref_seconds}")
+        raise ValueError(
+            f"max_ref_seconds must be >= {MIN_REF_AUDIO_SECONDS:g} (the shortest reference), got {max_ref_seconds}"
+        )
     if voice_store is not None and not isinstance(voice_store, VoiceStore):
         raise ValueError(f"voice_store must be a VoiceStore or None, got {type(voice_store).__name__}")
     if isinstance(served_model_names, str):

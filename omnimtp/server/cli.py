@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
         description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
         "embedded tiny model (random weights: noise-like speech).",
     )
-    parser.add_argument("--model", metavar="DIR", help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny)")
+    parser.add_argument("--model", metavar="DIR",
+                        help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")
@@ -48,7 +49,8 @@ def add_parser(subparsers) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
                         "printable ASCII. An empty key is refused: unset the variable to serve without one")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N", help="requests generating at once")
+    parser.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N",
+                        help="requests generating at once")
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                         help="waiting requests before 429")
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
@@ -98,7 +100,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout-graceful-shutdown", type=positive_float, default=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                         metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default %(default)g)")
-    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+    parser.add_argument("--log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's and omnimtp's log level")
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
@@ -110,7 +113,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  num_draft_tokens: int | None = None):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
     moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
-    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up). media_limits: what a request's audio and images may hold.
+    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
+    media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
@@ -158,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _refuse(str(exc))
     if args.max_ref_seconds < MIN_REF_AUDIO_SECONDS:
-        return _refuse(f"--max-ref-seconds must be at least {MIN_REF_AUDIO_SECONDS:g} (the shortest reference recording)")
+        return _refuse(
+            f"--max-ref-seconds must be at least {MIN_REF_AUDIO_SECONDS:g} (the shortest reference recording)"
+        )
     if args.voices_dir is not None and not (ray_serve.is_requested(args) and args.ray_address is not None):
         from omnimtp.server.voice_store import VoiceStore
 

@@ -73,7 +73,8 @@ class ServerMetrics:
         )
         self.thinker_draft_tokens = Counter("omnimtp_thinker_draft_tokens", "Drafted thinker tokens", registry=r)
         self.thinker_accepted_tokens = Counter(
-            "omnimtp_thinker_accepted_tokens", "Accepted drafted thinker tokens (τ = 1 + accepted / spec steps)", registry=r
+            "omnimtp_thinker_accepted_tokens", "Accepted drafted thinker tokens (τ = 1 + accepted / spec steps)",
+            registry=r,
         )
 
     def observe_spec(self, stats) -> None:

@@ -149,7 +149,8 @@ def application(args: argparse.Namespace):
 def app_builder(config: dict):
     """The application of a Serve config's `args` (a RayService's `import_path:
     omnimtp.server.ray_serve:app_builder`, as in deploy/rayservice.yaml): each key is a `serve` flag
-    without its dashes, `_` for `-` (`{"model": "/models/qwen3-omni", "max_batch_size": 16, "eager": true, "served_model_name": ["a"]}`).
+    without its dashes, `_` for `-`
+    (`{"model": "/models/qwen3-omni", "max_batch_size": 16, "eager": true, "served_model_name": ["a"]}`).
     The replica count and resources come from the config's deployment section, which overrides these
     defaults; the API key from $OMNIMTP_API_KEY."""
     from omnimtp.cli import build_parser

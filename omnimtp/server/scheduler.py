@@ -352,7 +352,9 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
         observer = None if metrics is None else _Metrics(metrics)
-        self._core = EngineCore(self.family, self.config, lock=self._cond, observer=observer)  # model errors surface here
+        self._core = EngineCore(
+            self.family, self.config, lock=self._cond, observer=observer
+        )  # model errors surface here
         self.metrics = metrics
         self.max_queue = max_queue
         self._stopping = False
@@ -395,8 +397,9 @@ class Engine:
         `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
         off the event loop)."""
         prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
-        return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed, is_chat=request.messages
-                           is not None, max_new_tokens=request.max_new_tokens, is_streamed=request.is_streamed, media=media)
+        return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed,
+                           is_chat=request.messages is not None, max_new_tokens=request.max_new_tokens,
+                           is_streamed=request.is_streamed, media=media)
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:

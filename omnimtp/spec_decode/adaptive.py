@@ -127,7 +127,8 @@ class DraftController:
         for b, is_active in enumerate(active):
             if not is_active:
                 continue
-            for i in range(min(num_accepted[b] + 1, num_drafted)):  # verified drafts: accepted ones + the first rejection
+            # verified drafts: accepted ones + the first rejection
+            for i in range(min(num_accepted[b] + 1, num_drafted)):
                 observed = 1.0 if i < num_accepted[b] else 0.0
                 self.acceptance[b] += beta * (observed - self.acceptance[b])
 
@@ -168,7 +169,7 @@ def calibrate(model, key: tuple, seconds_per_step: Callable[[int], float], max_d
     key = (*key, max_draft_tokens)
     if key not in cache:
         rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
-        cache[key] = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds)])
+        cache[key] = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds, strict=True)])
     return cache[key]
 
 

@@ -63,7 +63,8 @@ def run(args) -> int:
         ours = plain_generate(target, input_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
         ours_time = time.perf_counter() - start
         generate_kwargs = {"do_sample": False} if sampling.is_greedy else {
-            "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or 0, "top_p": sampling.top_p,
+            "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or 0,
+            "top_p": sampling.top_p,
         }
         if args.seed is not None:
             torch.manual_seed(args.seed)
@@ -82,7 +83,10 @@ def run(args) -> int:
         print(json.dumps(result))
     else:
         print(printable(text))
-        k = f"auto (steps per k {dict(sorted(out.stats.draft_histogram.items()))})" if out.stats.is_adaptive else args.num_draft_tokens
+        k = (
+            f"auto (steps per k {dict(sorted(out.stats.draft_histogram.items()))})" if out.stats.is_adaptive
+            else args.num_draft_tokens
+        )
         print(
             f"k {k}  tau {result['mean_acceptance_length']:.2f}  per-position "
             + " ".join(f"{a:.2f}" for a in result["acceptance_per_position"])
@@ -90,7 +94,8 @@ def run(args) -> int:
         )
         if args.compare:
             print(
-                f"plain (ours, same forward) {result['plain_tokens_per_s']:.1f} tok/s: speedup {result['speedup']:.2f}x  "
+                f"plain (ours, same forward) {result['plain_tokens_per_s']:.1f} tok/s: "
+                f"speedup {result['speedup']:.2f}x  "
                 f"transformers generate {result['generate_tokens_per_s']:.1f} tok/s: speedup "
                 f"{result['speedup_vs_generate']:.2f}x  outputs match: {result['outputs_match']}"
             )

@@ -223,11 +223,15 @@ def _target_forward(
 def _check_prompt(input_ids, attention_mask) -> torch.Tensor:
     """Validate a left-padded prompt batch → its attention mask (all ones when None)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be a LongTensor [B, P] with P >= 1, got {getattr(input_ids, 'shape', input_ids)!r}")
+        raise ValueError(
+            f"input_ids must be a LongTensor [B, P] with P >= 1, got {getattr(input_ids, 'shape', input_ids)!r}"
+        )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must match input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
     if not bool(attention_mask[:, -1].all()) or not bool((attention_mask.diff(dim=1) >= 0).all()):
         raise ValueError("attention_mask must be left padding: 0s then 1s, with every row's last token real")
     return attention_mask
@@ -399,14 +403,17 @@ def _speculative_generate(
         if dsa:
             hidden = dsa_verify_forward(target, ids, positions, mask, target_cache, prompt_len)
             return hidden, target.get_output_embeddings()(hidden).float(), None
-        return _target_forward(target, packed, ids, positions, mask, target_cache, record_layer_inputs=record_layer_inputs)
+        return _target_forward(
+            target, packed, ids, positions, mask, target_cache, record_layer_inputs=record_layer_inputs
+        )
 
     decode_start = time.perf_counter()
     while not all(finished) and (max_steps is None or stats.num_steps < max_steps):
         is_active = [not f for f in finished]
         k = controller.choose(is_active)
         t0 = time.perf_counter()
-        if k == 0:  # a plain step, as `plain_generate` takes it; the drafter reads its slot with the next step that drafts
+        if k == 0:  # a plain step, as `plain_generate` takes it;
+            # the drafter reads its slot with the next step that drafts
             kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
             hidden, logits, _ = forward(pending[:, None], next_position[:, None], kv_mask)
             token = sample(logits[:, 0], sampling, generators)  # [B]
@@ -449,7 +456,7 @@ def _speculative_generate(
         emitted_counts = num_emitted.tolist()  # [B]
         accepted_counts = [n - 1 for n in emitted_counts]
         controller.update(k, accepted_counts, is_active)
-        active_accepted = [a for a, is_row_active in zip(accepted_counts, is_active) if is_row_active]
+        active_accepted = [a for a, is_row_active in zip(accepted_counts, is_active, strict=True) if is_row_active]
         stats.num_steps += 1
         stats.draft_histogram[k] = stats.draft_histogram.get(k, 0) + 1
         stats.num_row_steps += len(active_accepted)
@@ -459,7 +466,7 @@ def _speculative_generate(
             stats.accepted_per_position[i] += sum(a > i for a in active_accepted)
 
         # Rollback: keep max n_b slots of the block, mask each row's surplus.
-        kept_counts = [n if is_row_active else 1 for n, is_row_active in zip(emitted_counts, is_active)]
+        kept_counts = [n if is_row_active else 1 for n, is_row_active in zip(emitted_counts, is_active, strict=True)]
         num_kept = torch.tensor(kept_counts, device=device)  # [B]
         block_width = max(kept_counts)
         if block_width < k + 1:

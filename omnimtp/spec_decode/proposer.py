@@ -69,7 +69,9 @@ def with_plain_steps(
     which a drafter reads with the next step that drafts): steps[j] = (the token read [B], the token
     sampled after it [B], the read token's hidden [B, H]), step j at position next_position [B] + j;
     kv_mask [B, L + W + n] the validity of every slot, the new ones included."""
-    read_ids, next_ids, hidden = (torch.stack(parts, dim=1) for parts in zip(*steps))  # [B, n], [B, n], [B, n, H]
+    read_ids, next_ids, hidden = (
+        torch.stack(parts, dim=1) for parts in zip(*steps, strict=True)
+    )  # [B, n], [B, n], [B, n, H]
     batch_size, num_steps = read_ids.shape
     plain = DraftInput(
         input_ids=read_ids, next_ids=next_ids, hidden=hidden,
@@ -84,7 +86,9 @@ def check_drafts(draft_tokens, batch_size: int, num_draft_tokens: int, vocab_siz
     if not isinstance(draft_tokens, torch.Tensor) or tuple(draft_tokens.shape) != (batch_size, num_draft_tokens):
         raise ValueError(f"proposer: draft_tokens must be a [B, k] = {(batch_size, num_draft_tokens)} tensor, "
                          f"got {getattr(draft_tokens, 'shape', draft_tokens)!r}")
-    if draft_tokens.dtype not in (torch.int64, torch.int32) or bool(((draft_tokens < 0) | (draft_tokens >= vocab_size)).any()):
+    if draft_tokens.dtype not in (torch.int64, torch.int32) or bool(
+        ((draft_tokens < 0) | (draft_tokens >= vocab_size)).any()
+    ):
         raise ValueError(f"proposer: draft_tokens must be integer ids in [0, {vocab_size})")
 
 
@@ -150,7 +154,9 @@ class MTPProposer:
         with `draft_step`); shared_selection [B, 1, S']: IndexShare's reused selection (DSA heads)."""
         head = self.head
         if packed is not None:
-            return (*head.draft_step(input_ids, prev_hidden, position_ids, self.cache, kv_mask, last_index, packed), None)
+            return (
+                *head.draft_step(input_ids, prev_hidden, position_ids, self.cache, kv_mask, last_index, packed), None
+            )
         out = head(
             input_ids, prev_hidden, position_ids=position_ids, attention_mask=kv_mask, cache=self.cache,
             compute_logits=False, shared_selection=shared_selection,
@@ -175,7 +181,9 @@ class MTPProposer:
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
         packed = head.packed() if head.supports_draft_step else None
         next_positions = block.position_ids + 1 if block.next_position_ids is None else block.next_position_ids
-        hidden, logits, selection = self._step(block.next_ids, block.hidden, next_positions, kv_mask, block.last_index, packed)
+        hidden, logits, selection = self._step(
+            block.next_ids, block.hidden, next_positions, kv_mask, block.last_index, packed
+        )
         # IndexShare: steps 2..k attend to step 1's selection (+ the chain's own keys)
         shared_selection = selection[:, None] if head.index_share else None  # [B, 1, S]
         hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]

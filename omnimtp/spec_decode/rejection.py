@@ -121,7 +121,8 @@ def rejection_sample(
         padded_q = torch.cat([draft_probs.float(), torch.zeros_like(p_final)[:, None]], dim=1)  # [B, k+1, V]
         q_final = padded_q[rows, num_accepted]  # [B, V] zeros for the bonus position
         residual = (p_final - q_final).clamp(min=0.0)  # [B, V]
-        # p == q leaves no residual; then rejection had probability 0, so fall back to p (never reached in exact arithmetic)
+        # p == q leaves no residual; then rejection had probability 0, so fall back to p
+        # (never reached in exact arithmetic)
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, p_final, residual)
         sampled_final = (residual / noise).argmax(dim=-1)  # Gumbel-max draw ∝ residual

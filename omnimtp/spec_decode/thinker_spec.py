@@ -49,11 +49,17 @@ class ThinkerSpeculation:
 
     def __post_init__(self):
         check_num_draft_tokens(self.num_draft_tokens)
-        if self.draft_costs is not None and (self.num_draft_tokens != AUTO or not isinstance(self.draft_costs, DraftCosts)):
+        if self.draft_costs is not None and (
+            self.num_draft_tokens != AUTO or not isinstance(self.draft_costs, DraftCosts)
+        ):
             raise ValueError("draft_costs: a DraftCosts, set only with num_draft_tokens='auto'")
         drafter = self.drafter
-        if not isinstance(drafter, MTPHead) and not (callable(getattr(drafter, "propose", None)) and callable(getattr(drafter, "reset", None))):
-            raise ValueError(f"thinker_mtp must be an MTPHead, a Proposer or a head directory, got {type(drafter).__name__}")
+        if not isinstance(drafter, MTPHead) and not (
+            callable(getattr(drafter, "propose", None)) and callable(getattr(drafter, "reset", None))
+        ):
+            raise ValueError(
+                f"thinker_mtp must be an MTPHead, a Proposer or a head directory, got {type(drafter).__name__}"
+            )
 
     def check(self, thinker) -> None:
         """ValueError when an MTP head does not fit the thinker (hidden size, vocab)."""
@@ -61,7 +67,9 @@ class ThinkerSpeculation:
             return
         config = thinker.config.get_text_config(decoder=True)
         if self.drafter.hidden_size != config.hidden_size:
-            raise ValueError(f"thinker_mtp: hidden size {self.drafter.hidden_size} does not match the thinker's {config.hidden_size}")
+            raise ValueError(
+                f"thinker_mtp: hidden size {self.drafter.hidden_size} does not match the thinker's {config.hidden_size}"
+            )
         vocab = thinker.get_output_embeddings().weight.shape[0]
         if self.drafter.vocab_size != vocab:
             raise ValueError(f"thinker_mtp: vocab size {self.drafter.vocab_size} does not match the thinker's {vocab}")
@@ -91,7 +99,9 @@ def thinker_speculation(thinker, thinker_mtp, num_draft_tokens: int | str | None
     num_draft_tokens k >= 1 or "auto", default 3. ValueError naming the argument otherwise."""
     if thinker_mtp is None:
         if num_draft_tokens is not None:
-            raise ValueError("num_draft_tokens: set only with thinker_mtp (the drafter of the thinker's speculative steps)")
+            raise ValueError(
+                "num_draft_tokens: set only with thinker_mtp (the drafter of the thinker's speculative steps)"
+            )
         return None
     if isinstance(thinker_mtp, (str, os.PathLike)):
         try:
@@ -160,7 +170,9 @@ class DraftLayout:
         self._plain_steps.append((self.pending, next_ids, hidden))
         self.pending = next_ids
 
-    def advance(self, verify_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, num_kept: torch.Tensor) -> None:
+    def advance(
+        self, verify_ids: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, num_kept: torch.Tensor
+    ) -> None:
         """After a verify that read `block`: verify_ids [B, k+1] (the pending token, the k >= 1 drafts),
         tokens [B, k+1] (−1 padded), hidden [B, k+1, H] (zeros on rows not verified), num_kept [B] (slots
         the thinker kept; 1 on rows not verified)."""

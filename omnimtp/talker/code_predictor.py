@@ -100,7 +100,9 @@ def _check_frame_inputs(
         if x.dtype != dtype:
             raise ValueError(f"{name} must have dtype {dtype} (the code predictor's), got {x.dtype}")
     if cb0_embed.device != last_talker_hidden.device:
-        raise ValueError(f"cb0_embed is on {cb0_embed.device}, but last_talker_hidden is on {last_talker_hidden.device}")
+        raise ValueError(
+            f"cb0_embed is on {cb0_embed.device}, but last_talker_hidden is on {last_talker_hidden.device}"
+        )
 
 
 def _param_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -173,7 +175,9 @@ def next_talker_input(
     if text_step.shape[0] != batch_size:
         raise ValueError(f"text_step has batch {text_step.shape[0]}, but cb0_embed has batch {batch_size}")
     if not isinstance(residual_codes, torch.Tensor) or residual_codes.dim() != 2:
-        raise ValueError(f"residual_codes must be a [B, G-1] tensor, got {getattr(residual_codes, 'shape', residual_codes)!r}")
+        raise ValueError(
+            f"residual_codes must be a [B, G-1] tensor, got {getattr(residual_codes, 'shape', residual_codes)!r}"
+        )
     if tuple(residual_codes.shape) != (batch_size, num_code_groups - 1):
         raise ValueError(
             f"residual_codes must have shape [{batch_size}, {num_code_groups - 1}], got {tuple(residual_codes.shape)}"
@@ -201,7 +205,8 @@ class PredictorWeights:
     cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
     signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
     causal_mask: torch.Tensor  # [G, G] fp32 additive: row p is 0 up to column p, -inf after
-    # Qwen3-TTS's `small_to_mtp_projection` (weight [H_cp, H_talker], bias [H_cp]); None: inputs in the predictor's width
+    # Qwen3-TTS's `small_to_mtp_projection` (weight [H_cp, H_talker], bias [H_cp]); None: inputs in the
+    # predictor's width
     input_projection: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
 
@@ -261,7 +266,8 @@ def pack_matrices(w: PredictorWeights, kind: str, rows: int) -> PackedMatrices:
     return PackedMatrices(
         op=op,
         layers=tuple(
-            tuple(op.pack(m, rows) for m in (l.qkv, l.o, l.gate_up, l.mlp_down)) for l in w.decoder.layers
+            tuple(op.pack(m, rows) for m in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down))
+            for layer in w.decoder.layers
         ),
         lm_heads=tuple(op.pack(head, rows) for head in w.lm_heads.unbind(0)),
     )
@@ -298,7 +304,8 @@ def _step(
         raise ValueError(f"step_input has {batch_size} rows, the packed matrices are for {gemm.rows}")
     op = None if gemm is None else gemm.op
     x, _ = decoder_layers(
-        decoder, step_input, rope, kv_cache, positions, mask, packed_layers=None if gemm is None else gemm.layers, gemm=op,
+        decoder, step_input, rope, kv_cache, positions, mask,
+        packed_layers=None if gemm is None else gemm.layers, gemm=op,
     )
     hidden = rms_norm(x[:, -1], decoder.final_norm, decoder.eps, fused=False)  # [B, H]
     logits = linear(hidden, lm_head, packed=packed_lm_head, gemm=op)  # [B, V]
@@ -414,7 +421,9 @@ class CodePredictorRunner:
         if compile not in (False, "step", "frame"):
             raise ValueError(f'compile must be False, True, "step" or "frame", got {compile!r}')
         if packed_gemm is not None and not isinstance(packed_gemm, bool) and packed_gemm not in PACKED_GEMM_KINDS:
-            raise ValueError(f"packed_gemm must be None, True, False or one of {PACKED_GEMM_KINDS}, got {packed_gemm!r}")
+            raise ValueError(
+                f"packed_gemm must be None, True, False or one of {PACKED_GEMM_KINDS}, got {packed_gemm!r}"
+            )
         config = cp.config
         self.num_code_groups = config.num_code_groups
         # the width of its inputs: the talker's (the codec tables'), the predictor's own unless projected
@@ -475,7 +484,8 @@ class CodePredictorRunner:
         if num_rows > batch_size:  # zero rows up to the bucket; dropped at the end
             step_input = F.pad(step_input, (0, 0, 0, 0, 0, num_rows - batch_size))  # [R, 2, H]
             if noise is not None:
-                noise = F.pad(noise, (0, 0, 0, 0, 0, num_rows - batch_size), value=1.0)  # [R, G-1, V]; a valid Exp(1) value
+                # [R, G-1, V]; a valid Exp(1) value
+                noise = F.pad(noise, (0, 0, 0, 0, 0, num_rows - batch_size), value=1.0)
         key = (num_rows, noise is not None)
         step, frame, is_building = self._callables(key, is_warm_up)
         try:
@@ -570,7 +580,8 @@ class CodePredictorRunner:
         with torch.inference_mode():
             noise = None
             if sampling is not None:
-                noise = torch.ones((rows, self.num_code_groups - 1, self.vocab_size), device=self.device)  # a valid Exp(1) draw
+                # a valid Exp(1) draw
+                noise = torch.ones((rows, self.num_code_groups - 1, self.vocab_size), device=self.device)
             self._run_frame(rows_in, rows_in, sampling, noise, kv, is_warm_up=True)
 
     @property
@@ -639,7 +650,9 @@ class CodePredictorRunner:
         if generators is not None:
             if not isinstance(generators, (list, tuple)) or len(generators) != batch_size:
                 count = len(generators) if isinstance(generators, (list, tuple)) else type(generators).__name__
-                raise ValueError(f"generators must be a list of {batch_size} torch.Generator (one per row), got {count}")
+                raise ValueError(
+                    f"generators must be a list of {batch_size} torch.Generator (one per row), got {count}"
+                )
             if not all(isinstance(g, torch.Generator) for g in generators):
                 raise ValueError("generators must contain only torch.Generator objects")
         if sampling is not None and sampling.is_greedy:

@@ -78,7 +78,9 @@ class TalkerRequest:
             raise ValueError(f"prefill_embeds must be [L, H] with L >= 1, got {tuple(self.prefill_embeds.shape)}")
         positions = self.prefill_positions
         if positions is not None and tuple(positions.shape) != (3, self.prefill_embeds.shape[0]):
-            raise ValueError(f"prefill_positions must be [3, {self.prefill_embeds.shape[0]}], got {tuple(positions.shape)}")
+            raise ValueError(
+                f"prefill_positions must be [3, {self.prefill_embeds.shape[0]}], got {tuple(positions.shape)}"
+            )
         hidden_size = self.prefill_embeds.shape[1]
         if self.trailing_text.dim() != 2 or self.trailing_text.shape[1] != hidden_size:
             raise ValueError(f"trailing_text must be [T, {hidden_size}], got {tuple(self.trailing_text.shape)}")
@@ -173,7 +175,9 @@ class Qwen3FrameMaker:
     def make_frames(self, code0, last_hidden, text, requests):
         with torch.no_grad():
             cb0_embed = self.talker.get_input_embeddings()(code0)  # [R, H]
-        residual = torch.empty((len(requests), self.predictor.num_code_groups - 1), dtype=torch.long, device=code0.device)
+        residual = torch.empty(
+            (len(requests), self.predictor.num_code_groups - 1), dtype=torch.long, device=code0.device
+        )
         for sampling, members in self._group_by_predictor_sampling(requests).items():
             sub = torch.tensor(members, device=code0.device)
             generators = [requests[m].generator for m in members]
@@ -188,7 +192,9 @@ class Qwen3FrameMaker:
         """`next_talker_input` without its per-call checks and module calls: the frame's G codec
         embeddings stacked [R, G, H] and summed over G (the same reduction, so the same bits) + text."""
         with torch.no_grad():
-            embeds = [cb0_embed] + [F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables)]
+            embeds = [cb0_embed] + [
+                F.embedding(codes, table) for codes, table in zip(residual.unbind(1), self.codec_tables, strict=True)
+            ]
             return torch.stack(embeds, dim=1).sum(dim=1) + text  # [R, H]
 
     def _group_by_predictor_sampling(self, requests: list[TalkerRequest]) -> dict[SamplingParams | None, list[int]]:
@@ -297,7 +303,7 @@ class TalkerBatch:
         code0 = self._sample_code0(hidden, seen, new_rows, [0] * len(new_rows))  # [N]
         self._merge(new_rows, hidden, code0, seen)
         finished = []
-        for row, code in zip(new_rows, code0.tolist()):
+        for row, code in zip(new_rows, code0.tolist(), strict=True):
             if code in self.frames.eos_ids:
                 row.finish_reason = "stop"
                 finished.append(TalkerFrame(row.request.request_id, None, "stop"))
@@ -331,7 +337,10 @@ class TalkerBatch:
         next_code0 = self._sample_code0(hidden, self.seen[index], rows, [row.num_frames + 1 for row in rows])
         self.last_hidden = self.last_hidden.index_copy(0, index, hidden)
         self.code0 = self.code0.index_copy(0, index, next_code0)
-        return [self._finish_frame(i, frame_codes, code) for i, frame_codes, code in zip(ready, codes, next_code0.tolist())]
+        return [
+            self._finish_frame(i, frame_codes, code)
+            for i, frame_codes, code in zip(ready, codes, next_code0.tolist(), strict=True)
+        ]
 
     def retire(self, request_ids: list[Hashable]) -> None:
         """Drop requests (finished or cancelled) from the batch; call between steps."""
@@ -357,7 +366,9 @@ class TalkerBatch:
         with torch.no_grad():
             return decoder_forward(self.decoder, self.kv, embeds, slots, rope_positions=rope_positions).last_hidden
 
-    def _sample_code0(self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row], num_generated: list[int]) -> torch.Tensor:
+    def _sample_code0(
+        self, hidden: torch.Tensor, seen: torch.Tensor, rows: list[_Row], num_generated: list[int]
+    ) -> torch.Tensor:
         """Codebook 0 for each row: [R, H] → [R], as transformers' talker `generate` picks it (repetition
         penalty, then the suppressed ids and, while a row has generated fewer than `min_new_tokens` talker
         tokens (num_generated), EOS, then the sampler)."""

@@ -83,7 +83,9 @@ def trimmed_thinker_rows(
     check_rows("thinker_embeds", thinker_embeds, dim)
     check_rows("thinker_hidden", thinker_hidden, dim)
     if thinker_hidden.shape[0] != thinker_embeds.shape[0]:
-        raise ValueError(f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows")
+        raise ValueError(
+            f"thinker_hidden: {thinker_hidden.shape[0]} rows for {thinker_embeds.shape[0]} thinker_embeds rows"
+        )
     if thinker_embeds.shape[0] < len(prompt):
         raise ValueError(f"thinker_embeds: {thinker_embeds.shape[0]} rows cannot cover the {len(prompt)} prompt tokens")
     embeds_prefill, embeds_decode, _ = trim_thinker_hidden(thinker_embeds, prompt, output_ids, finish_reason)
@@ -99,7 +101,9 @@ class Qwen3TalkerInputBuilder:
     g0 for a prompt ending in "<|im_start|>assistant\\n"); `build_trailing` projects each later row alone."""
 
     @torch.no_grad()
-    def __init__(self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None):
+    def __init__(
+        self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None
+    ):
         config = model.config
         talker_config = config.talker_config
         self.model = model

@@ -4,7 +4,8 @@ bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `i
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
 and loaded with ctypes: no torch headers, no build step at install time. A cached library is loaded only
-while this user owns it and neither it nor its directory is writable by group or others. Where it cannot be used — neither AVX-512F nor AVX2, no compiler, another OS, or
+while this user owns it and neither it nor its directory is writable by group or others.
+Where it cannot be used — neither AVX-512F nor AVX2, no compiler, another OS, or
 OMNIMTP_NATIVE_KERNELS=0 in the environment — `available()` is False and says why in `unavailable_reason()`;
 callers then use MKL's packed SGEMM or `F.linear`.
 
@@ -133,7 +134,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """nn.Linear weight [N, K] fp32 → the kernel's layout [ceil(N/16), K, 16]: panels of 16 output
     columns, each stored input by input (zero padded). A new tensor; weight is not modified."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        raise ValueError(
+            f"weight must be a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+        )
     out_features, in_features = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % PANEL))  # [N rounded up to 16, K]
     return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
@@ -167,7 +170,9 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     if packed.shape[1] != x.shape[1]:
         raise ValueError(f"x has {x.shape[1]} features, the packed weight {packed.shape[1]}")
     if not PANEL * (packed.shape[0] - 1) < out_features <= PANEL * packed.shape[0]:
-        raise ValueError(f"out_features={out_features} does not match the packed weight ({packed.shape[0]} panels of {PANEL})")
+        raise ValueError(
+            f"out_features={out_features} does not match the packed weight ({packed.shape[0]} panels of {PANEL})"
+        )
     return small_batch_linear_unchecked(x, packed, out_features)
 
 

@@ -12,7 +12,8 @@
 One request runs from the first `input_text.delta` to `done`, in the same engine step loop as every other
 request; after its `input_text.done` the next delta starts another with the same config (a `session.config`
 between requests changes it). A request whose talker ends before its text does (codec EOS, the frame cap)
-sends `done` early; its later deltas are taken and not spoken. The text is tokenized as it comes and only ids no later text can change go to the engine
+sends `done` early; its later deltas are taken and not spoken.
+The text is tokenized as it comes and only ids no later text can change go to the engine
 (`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is
 that of the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and
 whenever it came. A bad event gets an `error` event and the session goes on; a request's text is at most
