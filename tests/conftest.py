@@ -3,8 +3,13 @@ import os
 import pytest
 import torch
 
-# Tests never depend on the machine's core count for their results; keep them from oversubscribing CI.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`-n 2`) each worker is one process of several on a small box: one torch thread each,
+# and the servers the tests start as subprocesses too, so that the workers share the cores instead of
+# oversubscribing them. Tests never depend on the core count for their results.
+IS_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if IS_XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if IS_XDIST_WORKER else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +53,15 @@ FAST_FILES = {
 }
 
 
+# With `-n 2 --dist loadgroup` (pyproject's addopts choose loadgroup) a file's tests stay on one worker, so
+# its module-scoped servers and models are built once; the files that start a local Ray instance share one
+# group, so that two Ray instances never run at once.
+RAY_FILES = {"test_ray.py", "test_signals.py"}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.name not in FAST_FILES:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_FILES else item.path.name))

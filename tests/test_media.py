@@ -126,7 +126,9 @@ _ZERO_FRAMES = encode(np.zeros((0, 1), np.float32), AUDIO_SAMPLING_RATE)
 _NAN = encode(np.full((1_000, 1), np.nan, np.float32), AUDIO_SAMPLING_RATE)
 
 
-@pytest.mark.parametrize("name,data,fmt,words", [
+# Named by their first field: a WAV's bytes may hold a timestamp (libsndfile's PEAK chunk), and pytest-xdist
+# needs every worker to collect the same test ids.
+BAD_AUDIO = [
     ("empty", b"", "wav", "is empty"),
     ("not audio", b"this is not audio" * 20, "wav", "can be decoded"),
     ("truncated header", encode(tone(0.1, 8_000), 8_000)[:30], "wav", "can be decoded"),
@@ -138,7 +140,10 @@ _NAN = encode(np.full((1_000, 1), np.nan, np.float32), AUDIO_SAMPLING_RATE)
     ("wav sent as mp3", encode(tone(0.1, 8_000), 8_000), "mp3", "format is 'mp3' but the data is wav"),
     ("ogg", encode(tone(0.1, 8_000), 8_000, "OGG"), "ogg", "'ogg' is not supported"),
     ("m4a", b"\x00\x00\x00\x20ftypM4A ", "m4a", "'m4a' is not supported"),
-])
+]
+
+
+@pytest.mark.parametrize("name,data,fmt,words", BAD_AUDIO, ids=[case[0] for case in BAD_AUDIO])
 def test_bad_audio_is_refused_naming_the_part(name, data, fmt, words):
     refused(lambda: decode_audio(data, fmt, AUDIO_SAMPLING_RATE, param="messages[0].content[1].audio"),
             "messages[0].content[1].audio", words)
