@@ -14,6 +14,8 @@ import soxr
 import torch
 
 from omnimtp.cli import main
+from omnimtp.engine.core import EngineCore
+from omnimtp.engine.request import Request
 from omnimtp.pipeline import OmniPipeline, Transcription
 from omnimtp.sampling import SamplingParams
 
@@ -126,3 +128,43 @@ def test_cli_prints_the_transcripts(speech, capsys):
     assert lines[0]["file"] == speech and lines[0]["segments"][0]["end"] == expected.duration
     assert main(["transcribe", speech, "--language", "xx"]) == 2
     assert "language" in capsys.readouterr().err
+
+
+def test_a_background_transcription_never_delays_first_audio(speech):
+    """A background (low-priority) transcription next to a speaking chat: it does not think before the chat's
+    first audio has left (which leaves in the same step as alone); the chat's audio and the transcript are what
+    each gives alone."""
+    pipe = OmniPipeline.tiny(max_new_tokens=MAX_NEW_TOKENS)
+
+    def chat() -> Request:
+        ids, _ = pipe.family.chat_inputs([{"role": "user", "content": "Hi"}], pipe.media_limits)
+        return Request("chat", ids, max_new_tokens=4, max_frames=8, speaker=pipe.family.default_speaker)
+
+    def transcription() -> Request:
+        request, _ = pipe._transcription_request(speech, "en", None, None, None, None, is_streamed=True)
+        request.request_id, request.is_background = "asr", True
+        return request
+
+    def run(requests):
+        core = EngineCore(pipe.family, pipe.config)
+        for request in requests:
+            core.add(request)
+        first_audio_steps, outputs = {}, {}
+        while core.has_work():
+            for event in core.step():
+                if event.audio is not None and event.request.request_id not in first_audio_steps:
+                    first_audio_steps[event.request.request_id] = core.num_steps
+                    written[0] = {r.request_id: len(r.output_ids) for r in requests}
+                if event.is_finished:
+                    outputs[event.request.request_id] = core.output(event.request)
+        return first_audio_steps, outputs
+
+    written = [None]  # each request's thinker tokens when the chat's first audio left
+    chat_steps, chat_alone = run([chat()])
+    _, asr_alone = run([transcription()])
+    steps, together = run([transcription(), chat()])
+    assert steps == chat_steps == {"chat": chat_steps["chat"]}
+    assert written[0]["asr"] == 0 and written[0]["chat"] > 0  # the transcript had not started thinking
+    assert np.abs(chat_alone["chat"].audio).max() > 0
+    np.testing.assert_array_equal(together["chat"].audio, chat_alone["chat"].audio)
+    assert together["asr"].text_ids == asr_alone["asr"].text_ids
