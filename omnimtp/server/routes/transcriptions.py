@@ -21,7 +21,7 @@ from omnimtp.families.text import transcription_language
 from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
-from omnimtp.server.routes.common import collect, sampling_params, serving, sse, stream_error
+from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
 
 router = APIRouter()
@@ -56,26 +56,17 @@ async def transcriptions(request: Request):
     language, prompt = fields.get("language"), fields.get("prompt")
     try:
         language_name = transcription_language(language)
-        messages = engine.family.transcription_messages(None, language, prompt)
+        engine.family.transcription_messages(None, language, prompt)  # checks prompt before the audio is read
     except ValueError as exc:
-        param = str(exc).partition(":")[0]
-        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        raise APIError(400, str(exc), param=str(exc).partition(":")[0], code="invalid_value") from None
     try:
         samples = await run_in_threadpool(decode_audio, upload, None, engine.audio_sampling_rate,
                                           engine.media_limits, "file")
     except MediaError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
-    turns = tuple(
-        (message["role"], message["content"] if isinstance(message["content"], str) else tuple(
-            {**part, "audio": samples} if part["type"] == "audio" else part for part in message["content"]))
-        for message in messages
-    )
     try:
-        handle = await context.submit(EngineRequest(
-            messages=turns, speak_text=None, speaker=None, sampling=sampling_params(temperature, 1.0, None),
-            seed=seed, max_new_tokens=min(engine.config.max_new_tokens, context.max_tokens_limit),
-            is_streamed=is_streamed,
-        ))
+        handle = await context.submit(transcription_request(context, samples, language, prompt, temperature, seed,
+                                                            is_streamed=is_streamed))
     except APIError as exc:
         if exc.param == "messages":  # the prompt is the ASR instruction around the audio: too long is the file's
             exc.param = "file"
@@ -95,6 +86,22 @@ async def transcriptions(request: Request):
         "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text, "temperature": temperature}],
         "usage": _usage(final),
     }
+
+
+def transcription_request(context: ServingContext, samples, language: str | None, prompt: str | None,
+                          temperature: float, seed: int | None, *, is_streamed: bool,
+                          is_background: bool = False) -> EngineRequest:
+    """The engine request that transcribes `samples` (float32 at the processor's rate): the family's ASR
+    messages, text only (no speaker), with the model's reply cap (at most the server's limit) of tokens."""
+    engine = context.engine
+    messages = engine.family.transcription_messages(samples, language, prompt)
+    turns = tuple((m["role"], m["content"] if isinstance(m["content"], str) else tuple(m["content"]))
+                  for m in messages)
+    return EngineRequest(messages=turns, speak_text=None, speaker=None,
+                         sampling=sampling_params(temperature, 1.0, None), seed=seed,
+                         max_new_tokens=min(engine.config.max_new_tokens, context.max_tokens_limit),
+                         is_streamed=is_streamed,
+                         is_background=is_background)
 
 
 async def _transcript_stream(handle):
