@@ -5,6 +5,7 @@ naming the field."""
 
 from __future__ import annotations
 
+import base64
 import io
 import subprocess
 import threading
@@ -15,11 +16,12 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+import soxr
 from server_harness import running_server
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
-from omnimtp.media import MediaLimits
+from omnimtp.media import MediaLimits, load_audio
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.app import create_app
@@ -183,3 +185,44 @@ def test_a_json_body_is_415_and_a_tts_model_is_400_naming_model(http, speech):
         with pytest.raises(openai.BadRequestError) as caught:
             client.audio.transcriptions.create(model="omnimtp-tiny", file=_file(speech))
     assert caught.value.body["param"] == "model"
+
+
+def test_realtime_input_transcripts_equal_the_routes(server, http, speech_path):
+    """`session.audio.input.transcription`: a committed audio item gets delta events and a completed transcript
+    equal to the route's for the same samples, while a response to it is spoken; a bad language is an error
+    event naming the field."""
+    samples, rate = soundfile.read(speech_path, dtype="float32")
+    pcm16 = np.round(soxr.resample(samples, rate, 24_000) * 32767).clip(-32768, 32767).astype("<i2")
+    heard = load_audio((pcm16.astype(np.float32) / 32768.0, 24_000), 16_000, LIMITS)  # what the session hears
+    wav = io.BytesIO()
+    soundfile.write(wav, heard, 16_000, format="WAV", subtype="FLOAT")
+    expected = http.post("/v1/audio/transcriptions", files={"file": _file(wav.getvalue())},
+                         data={"language": "en", "response_format": "text"}).text
+    client = openai.OpenAI(base_url=f"{server}/v1", websocket_base_url=server.replace("http://", "ws://") + "/v1",
+                           api_key="unused", max_retries=0)
+    with client.realtime.connect(model="omnimtp-tiny") as connection:
+        assert connection.recv().type == "session.created"
+        connection.session.update(session={"type": "realtime", "audio": {"input": {
+            "transcription": {"model": "omnimtp-tiny", "language": "klingon"}}}})
+        error = connection.recv()
+        assert error.type == "error" and error.error.param == "session.audio.input.transcription.language"
+        connection.session.update(session={"type": "realtime", "max_output_tokens": 4, "audio": {"input": {
+            "turn_detection": None, "transcription": {"model": "omnimtp-tiny", "language": "en"}}}})
+        updated = connection.recv()
+        assert updated.type == "session.updated" and updated.session.audio.input.transcription.language == "en"
+        connection.input_audio_buffer.append(audio=base64.b64encode(pcm16.tobytes()).decode("ascii"))
+        connection.input_audio_buffer.commit()
+        connection.response.create()
+        deltas, completed, is_done, item_id = [], None, False, None
+        while completed is None or not is_done:
+            event = connection.recv()
+            assert event.type != "error", event
+            if event.type == "input_audio_buffer.committed":
+                item_id = event.item_id
+            elif event.type == "conversation.item.input_audio_transcription.delta":
+                deltas.append(event.delta)
+            elif event.type == "conversation.item.input_audio_transcription.completed":
+                completed = event
+            is_done = is_done or event.type == "response.done"
+    assert completed.item_id == item_id and completed.transcript == expected
+    assert "".join(deltas).strip() == expected and expected
