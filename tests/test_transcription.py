@@ -131,9 +131,9 @@ def test_cli_prints_the_transcripts(speech, capsys):
 
 
 def test_a_background_transcription_never_delays_first_audio(speech):
-    """A background (low-priority) transcription next to a speaking chat: it does not think before the chat's
-    first audio has left (which leaves in the same step as alone); the chat's audio and the transcript are what
-    each gives alone."""
+    """A background (low-priority) transcription next to a speaking chat, started before the chat arrives or
+    with it: it writes no token from the chat's arrival until the chat's first audio has left (which leaves
+    as many steps after its arrival as alone); the chat's audio and the transcript are what each gives alone."""
     pipe = OmniPipeline.tiny(max_new_tokens=MAX_NEW_TOKENS)
 
     def chat() -> Request:
@@ -145,26 +145,35 @@ def test_a_background_transcription_never_delays_first_audio(speech):
         request.request_id, request.is_background = "asr", True
         return request
 
-    def run(requests):
+    def run(first, later=(), steps_before_later=0):
+        """(steps from the chat's arrival to its first audio, the asr's tokens then and at the chat's
+        arrival, outputs)."""
         core = EngineCore(pipe.family, pipe.config)
-        for request in requests:
+        for request in first:
             core.add(request)
-        first_audio_steps, outputs = {}, {}
+        for _ in range(steps_before_later):
+            list(core.step())
+        requests = [*first, *later]
+        for request in later:
+            core.add(request)
+        arrival_step = core.num_steps
+        tokens_at_arrival = {r.request_id: len(r.output_ids) for r in requests}
+        first_audio, outputs = None, {}
         while core.has_work():
             for event in core.step():
-                if event.audio is not None and event.request.request_id not in first_audio_steps:
-                    first_audio_steps[event.request.request_id] = core.num_steps
-                    written[0] = {r.request_id: len(r.output_ids) for r in requests}
+                if event.audio is not None and event.request.request_id == "chat" and first_audio is None:
+                    first_audio = (core.num_steps - arrival_step, {r.request_id: len(r.output_ids) for r in requests})
                 if event.is_finished:
                     outputs[event.request.request_id] = core.output(event.request)
-        return first_audio_steps, outputs
+        return first_audio, tokens_at_arrival, outputs
 
-    written = [None]  # each request's thinker tokens when the chat's first audio left
-    chat_steps, chat_alone = run([chat()])
-    _, asr_alone = run([transcription()])
-    steps, together = run([transcription(), chat()])
-    assert steps == chat_steps == {"chat": chat_steps["chat"]}
-    assert written[0]["asr"] == 0 and written[0]["chat"] > 0  # the transcript had not started thinking
+    (chat_steps, _), _, chat_alone = run([chat()])
+    _, _, asr_alone = run([transcription()])
     assert np.abs(chat_alone["chat"].audio).max() > 0
-    np.testing.assert_array_equal(together["chat"].audio, chat_alone["chat"].audio)
-    assert together["asr"].text_ids == asr_alone["asr"].text_ids
+    for first, later, steps_before in (([transcription(), chat()], [], 0), ([transcription()], [chat()], 1)):
+        (steps, tokens), at_arrival, together = run(first, later, steps_before)
+        assert steps == chat_steps
+        assert tokens["asr"] == at_arrival["asr"] and tokens["chat"] > 0  # the transcript waited
+        assert (at_arrival["asr"] > 0) == bool(steps_before)  # (it had started before the chat came)
+        np.testing.assert_array_equal(together["chat"].audio, chat_alone["chat"].audio)
+        assert together["asr"].text_ids == asr_alone["asr"].text_ids
