@@ -45,13 +45,15 @@ from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
-from omnimtp.media import MediaInputs, MediaLimits, load_processor
+from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
 from omnimtp.runtime.device import resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 from omnimtp.voice import Voice
 
-__all__ = ["OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE", "SpeechSession"]
+__all__ = [
+    "OmniEvent", "OmniOutput", "OmniPipeline", "SAMPLE_RATE", "SpeechSession", "Transcription", "TranscriptionSegment",
+]
 
 MEDIA_ARGUMENTS = (
     "input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
@@ -69,6 +71,30 @@ class OmniEvent:
     audio: np.ndarray | None = None
     finish_reason: str | None = None
     output: OmniOutput | None = None
+
+
+@dataclass
+class TranscriptionSegment:
+    """A stretch of the audio and its text (OpenAI's verbose_json segment). start, end: seconds."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+
+
+@dataclass
+class Transcription:
+    """What `OmniPipeline.transcribe` heard. The model writes no timestamps, so there is one segment: the whole
+    text over the whole audio (start 0, end = duration). language: the hint given, or None."""
+
+    text: str
+    text_ids: list[int]
+    duration: float
+    language: str | None
+    finish_reason: str
+    segments: list[TranscriptionSegment]
 
 
 class OmniPipeline:
@@ -315,6 +341,51 @@ class OmniPipeline:
             for i, (ids, s, m) in enumerate(zip(prompts, seeds, media_rows, strict=True))
         ]
         yield from self._run(requests)
+
+    def transcribe(self, audio, language: str | None = None, prompt: str | None = None,
+                   sampling: SamplingParams | None = None, *, seed: int | None = None,
+                   max_new_tokens: int | None = None) -> Transcription:
+        """The words spoken in `audio` (a path to any file libsndfile reads, a (samples, sample_rate) pair, or
+        16 kHz samples), written by the thinker alone (no talker) as its answer to the family's ASR prompt
+        (`ChatText.transcription_messages`). language: a hint, an ISO-639-1 code ("en") or a name; prompt:
+        context (earlier words, spellings); sampling: None = greedy; seed: as `generate`'s."""
+        request, duration = self._transcription_request(audio, language, prompt, sampling, seed, max_new_tokens,
+                                                        is_streamed=False)
+        output = next(event.output for event in self._run([request]) if event.output is not None)
+        return _transcription(output, duration, language)
+
+    def stream_transcription(self, audio, language: str | None = None, prompt: str | None = None,
+                             sampling: SamplingParams | None = None, *, seed: int | None = None,
+                             max_new_tokens: int | None = None) -> Iterator[str | Transcription]:
+        """`transcribe` as it is written: text deltas, then the `Transcription` (the one `transcribe` gives)."""
+        request, duration = self._transcription_request(audio, language, prompt, sampling, seed, max_new_tokens,
+                                                        is_streamed=True)
+        for event in self._run([request]):
+            if event.output is not None:
+                yield _transcription(event.output, duration, language)
+            elif event.text:
+                yield event.text
+
+    def _transcription_request(self, audio, language, prompt, sampling, seed, max_new_tokens, *,
+                               is_streamed: bool) -> tuple[Request, float]:
+        """A text-only request (speaker None: no talker) for the ASR prompt of `audio`, and the audio's seconds."""
+        if not self.family.has_chat or self.processor is None:
+            raise ValueError("model: transcription needs a model with a thinker and an audio processor")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
+        rate = self.processor.feature_extractor.sampling_rate
+        samples = load_audio(audio, rate, self.media_limits, "audio")
+        ids, media = self.family.chat_inputs(self.family.transcription_messages(samples, language, prompt),
+                                             self.media_limits)
+        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(ids) + max_new_tokens > self.family.max_positions:
+            raise ValueError(f"audio: {len(ids)} prompt tokens with max_new_tokens={max_new_tokens} exceed the "
+                             f"thinker's {self.family.max_positions} positions")
+        request = Request(0, ids, max_new_tokens=max_new_tokens, max_frames=1, speaker=None,
+                          thinker_sampling=sampling, seed=seed, is_streamed=is_streamed, media=media)
+        return request, len(samples) / rate
 
     def _run(self, requests: list[Request]) -> Iterator[OmniEvent]:
         """The requests through one engine core, stepped until they are done."""
@@ -592,6 +663,12 @@ class SpeechSession:
                 elif event.audio is not None:
                     chunks.append(event.audio)
         return chunks
+
+
+def _transcription(output: OmniOutput, duration: float, language: str | None) -> Transcription:
+    text = output.text.strip()
+    segment = TranscriptionSegment(0, 0.0, duration, text, list(output.text_ids))
+    return Transcription(text, list(output.text_ids), duration, language, output.finish_reason, [segment])
 
 
 def _per_row(name: str, value, num_rows: int) -> list:

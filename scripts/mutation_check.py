@@ -56,6 +56,7 @@ REALTIME = ("tests/test_server_realtime.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
+TRANSCRIPTION = ("tests/test_transcription.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -674,6 +675,19 @@ MUTATIONS = [
         "            if body.x_vector_only_mode:\n                voice = voice.x_vector_only()",
         "            if body.x_vector_only_mode:\n                voice = voice",
         SERVER_VOICES, "x_vector_only_mode is ignored with a saved in-context voice",
+    ),
+    # --- transcription ---------------------------------------------------------------------------------
+    Mutation(
+        "background_thinks_before_first_audio", "omnimtp/engine/core.py",
+        "            if not (is_first_audio_due and cohort.is_background):",
+        "            if True:",
+        TRANSCRIPTION, "a background transcript thinks while a response still waits for its first audio",
+    ),
+    Mutation(
+        "transcription_language_ignored", "omnimtp/families/text.py",
+        'instruction = f"Transcribe the {name} audio into text." if name else "Transcribe the audio into text."',
+        'instruction = "Transcribe the audio into text."',
+        TRANSCRIPTION, "the language hint never reaches the ASR prompt",
     ),
 ]
 

@@ -97,6 +97,10 @@ class _Cohort:
     def is_live(self) -> bool:
         return not self.run.is_finished and any(r.is_thinking for r in self.requests)
 
+    @property
+    def is_background(self) -> bool:
+        return all(r.is_background for r in self.requests)
+
 
 class EngineCore:
     """The step loop (see the module docstring). Not thread-safe except `add` and the waiting queue,
@@ -207,9 +211,11 @@ class EngineCore:
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
         started = time.perf_counter()
+        is_first_audio_due = self._is_first_audio_due()
         for cohort in self.cohorts:
-            yield from self._think(cohort)
-        yield from self._start(self._admit())
+            if not (is_first_audio_due and cohort.is_background):
+                yield from self._think(cohort)
+        yield from self._start(self._admit(admit_background=not is_first_audio_due))
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
         self._feed_text()
@@ -225,13 +231,26 @@ class EngineCore:
 
     # --- admit ---
 
-    def _admit(self) -> list[Request]:
+    def _is_first_audio_due(self) -> bool:
+        """Whether a request of normal priority that speaks still waits for its first audio (running, or waiting
+        with a slot free): background requests neither start nor think meanwhile, so they never delay it. Only
+        running ones count when every slot is taken, so background requests holding the slots still finish."""
         with self.lock:
-            admitted = []
-            while self.waiting and len(self.running) < self.config.max_batch_size:
-                request = self.waiting.popleft()
+            is_slot_free = len(self.running) < self.config.max_batch_size
+            return any(not r.is_background and r.has_speech and r.first_audio_at is None
+                       for r in [*self.running.values(), *(self.waiting if is_slot_free else ())])
+
+    def _admit(self, admit_background: bool = True) -> list[Request]:
+        """Waiting requests into free slots, oldest first: those of normal priority; background ones only in a
+        step that admits no other (they form their own cohort) and when admit_background."""
+        with self.lock:
+            chosen = [r for r in self.waiting if not r.is_background]
+            if not chosen and admit_background:
+                chosen = list(self.waiting)
+            admitted = chosen[: max(self.config.max_batch_size - len(self.running), 0)]
+            for request in admitted:
+                self.waiting.remove(request)
                 self.running[request.request_id] = request
-                admitted.append(request)
         now = time.perf_counter()
         for request in admitted:
             request.status = Status.RUNNING

@@ -51,7 +51,10 @@ class Request:
     prompt's audio / image / video tensors (`omnimtp.media.MediaInputs`), one encoder row per media pad
     id of prompt_ids; None for a text prompt. is_text_finished: False for a speech request whose text is still
     arriving: prompt_ids holds its ids so far (possibly none) and `EngineCore.push_speech_ids` adds the rest;
-    its talker waits for each text row it has not got (its codes are those of the whole text)."""
+    its talker waits for each text row it has not got (its codes are those of the whole text). is_background: a
+    low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
+    its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
+    it writes is the same as at normal priority, only later."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -65,6 +68,7 @@ class Request:
     is_streamed: bool = True
     media: MediaInputs | None = field(default=None, repr=False)
     is_text_finished: bool = True
+    is_background: bool = False
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)

@@ -54,6 +54,8 @@ class Qwen2_5OmniFamily(ChatText):
     model_type = "qwen2_5_omni"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
     num_code_groups = 1
+    # Qwen2.5-Omni's cookbook asks for transcripts under this system line (universal_audio_understanding)
+    transcription_system = "You are a speech recognition model."
 
     def __init__(self, model, tokenizer=None, *, processor=None, talker_layout: str = "generate"):
         if talker_layout not in PREFILL_LAYOUTS:

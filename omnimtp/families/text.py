@@ -31,6 +31,30 @@ def speech_header_ids(tokenizer) -> list[int] | None:
     return opened[len(closed):]
 
 
+# The speech input languages of Qwen3-Omni's model card, by ISO-639-1 code (what OpenAI's `language` takes).
+TRANSCRIPTION_LANGUAGES = {
+    "en": "English", "zh": "Chinese", "ko": "Korean", "ja": "Japanese", "de": "German", "ru": "Russian",
+    "it": "Italian", "fr": "French", "es": "Spanish", "pt": "Portuguese", "ms": "Malay", "nl": "Dutch",
+    "id": "Indonesian", "tr": "Turkish", "vi": "Vietnamese", "yue": "Cantonese", "ar": "Arabic", "ur": "Urdu",
+}
+
+
+def transcription_language(language: str | None) -> str | None:
+    """An ISO-639-1 code or an English language name → the name the ASR prompt says; None stays None."""
+    if language is None:
+        return None
+    if not isinstance(language, str) or not language.strip():
+        raise ValueError(f"language: expected a language code such as 'en', got {language!r}")
+    key = language.strip().lower()
+    if key in TRANSCRIPTION_LANGUAGES:
+        return TRANSCRIPTION_LANGUAGES[key]
+    name = next((name for name in TRANSCRIPTION_LANGUAGES.values() if name.lower() == key), None)
+    if name is None:
+        raise ValueError(f"language: {language!r} is not a speech input language of the model; one of "
+                         f"{sorted(TRANSCRIPTION_LANGUAGES)}")
+    return name
+
+
 def match_speaker(speakers, name: str) -> str | None:
     """The speaker of `speakers` called `name` (case-insensitive), or None."""
     lowered = name.strip().lower()
@@ -49,9 +73,28 @@ class ChatText:
     speech_header_ids: list[int] | None = None
     speakers: tuple[str, ...] = ()
 
+    # The ASR prompt of Qwen3-Omni's cookbook (speech_recognition.ipynb; its README's evaluation prompt
+    # "Transcribe the <source_language> audio into text."); a family whose cookbook adds a system line sets it.
+    transcription_system: str | None = None
+
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The templated prompt of chat messages, the assistant turn opened."""
         return chat_ids(self.tokenizer, messages)
+
+    def transcription_messages(self, audio, language: str | None = None, prompt: str | None = None) -> list[dict]:
+        """The chat messages that ask the thinker to transcribe `audio` (a chat audio part's value): a user turn
+        of the audio and "Transcribe the {language} audio into text." ("Transcribe the audio into text." without
+        a language). prompt (context, e.g. the previous words or spellings) goes into the system turn, after
+        the family's own system line if it has one."""
+        name = transcription_language(language)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt: expected a string, got {type(prompt).__name__}")
+        instruction = f"Transcribe the {name} audio into text." if name else "Transcribe the audio into text."
+        system = "\n".join(text for text in (self.transcription_system, (prompt or "").strip()) if text)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": [{"type": "audio", "audio": audio},
+                                                     {"type": "text", "text": instruction}]})
+        return messages
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
         """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);

@@ -10,6 +10,7 @@
     routes/realtime.py /v1/realtime (WebSocket: OpenAI's Realtime API)
     routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir)
     routes/speech_stream.py /v1/audio/speech/stream (WebSocket: text streamed into speech)
+    routes/transcriptions.py /v1/audio/transcriptions (the thinker hears an uploaded file)
     routes/models.py   /v1/models, /health, /metrics
 
 The app never touches a model. A route turns a validated request into an `EngineRequest`, submits it to
@@ -42,7 +43,7 @@ from omnimtp.limits import (
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
-from omnimtp.server.routes import chat, models, realtime, speech, speech_stream, voices
+from omnimtp.server.routes import chat, models, realtime, speech, speech_stream, transcriptions, voices
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
@@ -117,7 +118,7 @@ def create_app(
                                        max_ref_seconds=max_ref_seconds)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
-    for api in (chat, speech, speech_stream, voices, realtime, models):
+    for api in (chat, speech, speech_stream, transcriptions, voices, realtime, models):
         app.include_router(api.router)
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)

@@ -176,7 +176,8 @@ class Guard:
 
     (Not `BaseHTTPMiddleware`: it wraps `receive`, which hides a streaming client's disconnect.)"""
 
-    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models")
+    _COUNTED = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/transcriptions", "/v1/audio/voices",
+                "/v1/models")
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics, body_timeout_s: float):
         self.app = app

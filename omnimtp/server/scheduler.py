@@ -73,6 +73,7 @@ class EngineRequest:
     repetition penalty).
     max_new_tokens: thinker token budget (chat only). is_streamed: the client reads the reply as it
     is made; False (a non-streaming response) generates exactly as `OmniPipeline.generate` does.
+    is_background: low priority (`omnimtp.engine.request.Request.is_background`: a realtime input transcript).
     """
 
     messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
@@ -82,6 +83,7 @@ class EngineRequest:
     seed: int | None
     max_new_tokens: int
     is_streamed: bool = True
+    is_background: bool = False
 
     def __post_init__(self):
         if (self.messages is None) == (self.speak_text is None):
@@ -399,7 +401,7 @@ class Engine:
         prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
         return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed,
                            is_chat=request.messages is not None, max_new_tokens=request.max_new_tokens,
-                           is_streamed=request.is_streamed, media=media)
+                           is_streamed=request.is_streamed, media=media, is_background=request.is_background)
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
@@ -410,7 +412,7 @@ class Engine:
 
     def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
                max_new_tokens: int = 1, is_streamed: bool = True, media: MediaInputs | None = None,
-               is_text_finished: bool = True) -> RequestHandle:
+               is_text_finished: bool = True, is_background: bool = False) -> RequestHandle:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
@@ -426,7 +428,7 @@ class Engine:
                 handle.request_id, prompt_ids, max_new_tokens=max(max_new_tokens, 1),
                 max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,
                 talker_sampling=talker_sampling, seed=seed, is_chat=is_chat, is_streamed=is_streamed, media=media,
-                is_text_finished=is_text_finished,
+                is_text_finished=is_text_finished, is_background=is_background,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)

@@ -19,11 +19,14 @@ client leaving, cancels the request at the next frame boundary and frees its slo
 
 Audio is PCM16 mono, little-endian, base64 in the events. Output is at the model's 24 kHz; input is 24 kHz by
 default and any rate `session.audio.input.format.rate` names is resampled (soxr). Turn detection is the
-client's: `turn_detection` must be null (the client commits the buffer); server VAD is not built. Tools,
-input transcription and G.711 formats are not served either, and asking for them is an `error` event naming
-the field. Extensions (not in OpenAI's API): `session.seed` (each response of the session is seeded with
-it: the same conversation gives the same reply), `session.temperature` / `top_p` / `top_k` (chat's defaults:
-T 1, top-p 1, no top-k).
+client's: `turn_detection` must be null (the client commits the buffer); server VAD is not built. Tools and
+G.711 formats are not served either, and asking for them is an `error` event naming the field.
+`session.audio.input.transcription` (`{"model", "language", "prompt"}`, the served model) transcribes each
+committed audio item as a low-priority request of the same engine (routes/transcriptions.py's prompt; it
+never delays a response's first audio): `conversation.item.input_audio_transcription.delta` events, then
+`.completed` with the transcript, which the item keeps, or `.failed`. Extensions (not in OpenAI's API):
+`session.seed` (each response of the session is seeded with it: the same conversation gives the same reply),
+`session.temperature` / `top_p` / `top_k` (chat's defaults: T 1, top-p 1, no top-k).
 
 Every bad client event is answered with an `error` event naming the field (`session.audio.output.voice`,
 `item.content.0.audio`) and the session goes on.
@@ -42,9 +45,11 @@ from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from omnimtp.families.text import transcription_language
 from omnimtp.media import MediaError, load_audio
 from omnimtp.server.errors import APIError, validation_error
 from omnimtp.server.routes.common import ServingContext, b64_pcm16, sampling_params
+from omnimtp.server.routes.transcriptions import transcription_request
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import Seed
 from omnimtp.server.websocket import EventError, Session, new_id, websocket_sessions
@@ -67,11 +72,18 @@ class AudioFormat(BaseModel):
     rate: Annotated[int, Field(ge=MIN_INPUT_RATE, le=MAX_INPUT_RATE)] = PCM_RATE
 
 
+class InputTranscription(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+
 class AudioInput(BaseModel):
     model_config = _STRICT
     format: AudioFormat | None = None
     turn_detection: None = None  # server VAD is not built: the client commits the buffer
-    transcription: None = None
+    transcription: InputTranscription | None = None
     noise_reduction: None = None
 
 
@@ -237,6 +249,7 @@ class Settings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    transcription: dict | None = None  # {"model", "language", "prompt"}: committed audio is transcribed
 
 
 @dataclass
@@ -267,6 +280,7 @@ class RealtimeSession:
     response: asyncio.Task | None = None
     response_id: str | None = None
     handle: object | None = None
+    transcripts: set[asyncio.Task] = field(default_factory=set)
 
     def describe(self) -> dict:
         s = self.settings
@@ -277,7 +291,7 @@ class RealtimeSession:
             "max_output_tokens": s.max_output_tokens, "tools": [], "tool_choice": s.tool_choice, "tracing": None,
             "audio": {
                 "input": {"format": {"type": "audio/pcm", "rate": s.input_rate}, "turn_detection": None,
-                          "transcription": None, "noise_reduction": None},
+                          "transcription": s.transcription, "noise_reduction": None},
                 "output": {"format": pcm, "voice": s.voice, "speed": 1.0},
             },
             "seed": s.seed, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
@@ -313,6 +327,9 @@ async def _run(session: Session) -> None:
         if state.response is not None:  # the client left mid-response: the engine request is cancelled
             state.response.cancel()
             await asyncio.gather(state.response, return_exceptions=True)
+        for task in state.transcripts:  # and so are its input transcripts
+            task.cancel()
+        await asyncio.gather(*state.transcripts, return_exceptions=True)
 
 
 async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
@@ -332,6 +349,10 @@ async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
                             "item_id": item.id})
         await session.send({"type": "conversation.item.created", "previous_item_id": previous,
                             "item": item.event_item()})
+        if state.settings.transcription is not None:
+            task = asyncio.ensure_future(_transcribe(state, item, state.settings.transcription))
+            state.transcripts.add(task)
+            task.add_done_callback(state.transcripts.discard)
     elif isinstance(event, ItemCreate):
         item = await _client_item(state, event.item)
         previous = _insert(state, item, event.previous_item_id)
@@ -363,6 +384,8 @@ def _update_settings(state: RealtimeSession, fields: SessionFields) -> None:
     audio = fields.audio
     if audio is not None and audio.input is not None and audio.input.format is not None:
         changes["input_rate"] = audio.input.format.rate
+    if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
+        changes["transcription"] = _transcription(context, audio.input.transcription)
     if audio is not None and audio.output is not None:
         _check_output_format(audio.output.format, "session.audio.output.format.rate")
         if audio.output.voice is not None:
@@ -397,6 +420,65 @@ def _pcm_bytes(data: str, param: str) -> bytes:
     if len(pcm) % 2:
         raise EventError(f"{param}: PCM16 audio has an even number of bytes, got {len(pcm)}", param=param)
     return pcm
+
+
+def _transcription(context: ServingContext, fields: InputTranscription | None) -> dict | None:
+    """`session.audio.input.transcription`, checked: the served model (the one that answers) and a language it
+    hears."""
+    if fields is None:
+        return None
+    param = "session.audio.input.transcription"
+    if fields.model is not None and fields.model not in context.model_names:
+        raise EventError(f"{param}.model: transcripts come from the served model ({', '.join(context.model_names)}),"
+                         f" not {fields.model!r}", param=f"{param}.model", code="model_not_found")
+    if context.engine.audio_sampling_rate is None:
+        raise EventError(f"{param}: the model has no processor to hear audio", param=param,
+                         code="model_not_supported")
+    try:
+        transcription_language(fields.language)
+        context.engine.family.transcription_messages(None, fields.language, fields.prompt)
+    except ValueError as exc:
+        name = str(exc).partition(":")[0]
+        raise EventError(f"{param}.{exc}", param=f"{param}.{name}", code="invalid_value") from None
+    return {"model": fields.model or context.model_names[0], "language": fields.language, "prompt": fields.prompt}
+
+
+async def _transcribe(state: RealtimeSession, item: ConversationItem, transcription: dict) -> None:
+    """A committed audio item's transcript, as a background request of the engine (it never delays a
+    response's first audio): `conversation.item.input_audio_transcription.delta` events, then `.completed`
+    (the transcript is stored on the item) or `.failed`."""
+    session, where = state.session, {"item_id": item.id, "content_index": 0}
+    request = transcription_request(state.context, item.content[0]["audio"], transcription["language"],
+                                    transcription["prompt"], 0.0, None, is_streamed=True, is_background=True)
+    texts, final = [], None
+    try:
+        handle = await state.context.submit(request)
+    except APIError as exc:
+        final = exc
+    else:
+        try:
+            async for event in handle.events():
+                if event.error is not None or event.finish_reason is not None:
+                    final = event
+                    break
+                if event.text:
+                    texts.append(event.text)
+                    await session.send({"type": "conversation.item.input_audio_transcription.delta", **where,
+                                        "delta": event.text})
+        finally:
+            handle.cancel()  # a no-op once finished
+    if final is None or isinstance(final, APIError) or final.error is not None:
+        message = final.message if isinstance(final, APIError) else getattr(final, "error", None) or "no result"
+        await session.send({"type": "conversation.item.input_audio_transcription.failed", **where,
+                            "error": {"type": "transcription_error", "code": None, "message": message,
+                                      "param": None}})
+        return
+    item.parts[0]["transcript"] = transcript = "".join(texts).strip()
+    await session.send({"type": "conversation.item.input_audio_transcription.completed", **where,
+                        "transcript": transcript, "usage": {
+                            "type": "tokens", "input_tokens": final.prompt_tokens,
+                            "output_tokens": final.completion_tokens,
+                            "total_tokens": final.prompt_tokens + final.completion_tokens}})
 
 
 def _append_audio(state: RealtimeSession, data: str) -> None:

@@ -1,0 +1,57 @@
+"""`omnimtp transcribe`: the words spoken in audio files, heard by the omni model's thinker (no talker).
+
+    omnimtp transcribe question.wav                        # the text, one line per file
+    omnimtp transcribe --model Qwen3-Omni-30B-A3B-Instruct --language en a.wav b.flac --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from omnimtp.argtypes import positive_int
+from omnimtp.checkpoint import omni_model_type
+from omnimtp.console import printable
+
+
+def add_parser(subparsers) -> None:
+    transcribe = subparsers.add_parser("transcribe", help="write down what audio files say (Qwen3-Omni / "
+                                       "Qwen2.5-Omni thinker)")
+    transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, mp3, ogg, ...)")
+    transcribe.add_argument("--model", default=None, help="Qwen3-Omni or Qwen2.5-Omni checkpoint directory "
+                            "(default: embedded tiny model)")
+    transcribe.add_argument("--language", default=None, help="the spoken language, a hint: en, zh, de, ... "
+                            "(default: the model finds it)")
+    transcribe.add_argument("--prompt", default=None, help="context: earlier words, names and their spelling")
+    transcribe.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
+    transcribe.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                            help="cap on each transcript's tokens (default: the model's reply cap)")
+    transcribe.add_argument("--json", action="store_true",
+                            help="one JSON object per file (file, text, language, duration, segments)")
+    transcribe.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    transcribe.set_defaults(handler=run_transcribe)
+
+
+def run_transcribe(args: argparse.Namespace) -> int:
+    if args.model is not None and omni_model_type(args.model, "--model") == "qwen3_tts":
+        raise ValueError(f"--model: {args.model!r} is a Qwen3-TTS model; it speaks but does not hear")
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.sampling import SamplingParams
+
+    pipe = OmniPipeline.tiny(device=args.device) if args.model is None else OmniPipeline.from_pretrained(
+        args.model, device=args.device)
+    sampling = None if args.seed is None else SamplingParams(temperature=1.0)
+    for path in args.files:
+        try:
+            result = pipe.transcribe(path, language=args.language, prompt=args.prompt, sampling=sampling,
+                                     seed=args.seed, max_new_tokens=args.max_new_tokens)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if args.json:
+            print(json.dumps({"file": path, **dataclasses.asdict(result)}, ensure_ascii=False))
+        else:
+            print(printable(result.text))
+        sys.stdout.flush()
+    return 0
