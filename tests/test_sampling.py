@@ -19,8 +19,8 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.sampling import (
-    QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     MIN_SAMPLED_TEMPERATURE,
+    QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
     filter_logits,
     make_generators,

@@ -43,11 +43,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnimtp.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WEBSOCKET_SESSIONS, DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S
 from omnimtp.server.errors import APIError
-from omnimtp.server.guard import deny, parse_json
+from omnimtp.server.guard import THREAD_PARSE_BYTES, deny, parse_json
 from omnimtp.server.metrics import ServerMetrics
 
 logger = logging.getLogger("omnimtp.server")
@@ -129,12 +130,12 @@ class Session:
                 self.is_closed = True
                 return None
             try:
-                return self._parse(message)
+                return await self._parse(message)
             except EventError as exc:
                 await self.send_error(exc)
         return None
 
-    def _parse(self, message) -> dict:
+    async def _parse(self, message) -> dict:
         text = message.get("text")
         if text is None:
             raise EventError("events are JSON text messages, not binary ones", code="invalid_event")
@@ -143,7 +144,10 @@ class Session:
             raise EventError(f"the message is {num_bytes} bytes, over the limit of {self.limits.max_message_bytes}",
                              code="message_too_large")
         try:
-            event = parse_json(text, "the event")
+            if num_bytes > THREAD_PARSE_BYTES:
+                event = await run_in_threadpool(parse_json, text, "the event")
+            else:
+                event = parse_json(text, "the event")
         except APIError as exc:
             raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_json") from None
         if not isinstance(event, dict):

@@ -60,9 +60,11 @@ class ServingContext:
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
-        """The request's JSON body validated by `schema`; APIError 400 naming the field."""
+        """The request's JSON body validated by `schema` (on a worker thread: the parsed body may still be
+        large); APIError 400 naming the field."""
+        value = await read_json(request, self.max_body_bytes)
         try:
-            return schema.model_validate(await read_json(request, self.max_body_bytes))
+            return await run_in_threadpool(schema.model_validate, value)
         except ValidationError as exc:
             raise validation_error(exc) from None
 
