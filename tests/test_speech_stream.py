@@ -415,6 +415,22 @@ def test_text_over_the_limit_and_events_during_a_request(servers):
         assert audio == _http_pcm(servers, "tts", "Hello there", voice="aiden", seed=4)
 
 
+def test_a_text_of_exactly_the_limit_is_taken_and_one_character_more_is_not(servers):
+    from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS
+
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden"})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "Hi " + "x" * (MAX_SPEECH_INPUT_CHARS - 3), "event_id": "at"})
+        _send(ws, {"type": "input_text.delta", "delta": "y", "event_id": "over"})
+        _send(ws, {"type": "input_text.done"})
+        errors = []
+        while (event := _recv(ws))["type"] != "done":
+            if event["type"] == "error":
+                errors.append(event["error"])
+        assert [(e["event_id"], e["code"]) for e in errors] == [("over", "string_above_max_length")]
+
+
 def test_a_disconnect_mid_request_frees_the_slot(servers):
     import time
 
