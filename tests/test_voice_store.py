@@ -187,7 +187,8 @@ def test_an_exception_inside_the_transaction_rolls_the_voice_back(tmp_path):
 
 
 def test_a_voice_keeps_seconds_created_and_info_through_a_file_and_bytes(tmp_path):
-    voice = Voice(torch.ones(16), seconds=2.75, created=1_700_000_000.125, info={"model": "tts-base", "size": "1.7B"})
+    info = {"model": "tts-base", "size": "1.7B"}
+    voice = Voice(torch.ones(16), seconds=2.75, created=1_700_000_000.125, info=info)
     voice.save(tmp_path / "v.safetensors")
     for back in (Voice.load(tmp_path / "v.safetensors"), Voice.from_bytes(voice.to_bytes())):
-        assert (back.seconds, back.created, back.info) == (2.75, 1_700_000_000.125, {"model": "tts-base", "size": "1.7B"})
+        assert (back.seconds, back.created, back.info) == (2.75, 1_700_000_000.125, info)
