@@ -721,8 +721,10 @@ MUTATIONS = [
     ),
     Mutation(
         "voice_add_commits_on_error", "omnimtp/server/voice_store.py",
-        '            except BaseException:\n                if conn.in_transaction:\n                    conn.execute("ROLLBACK")',
-        '            except BaseException:\n                if conn.in_transaction:\n                    conn.execute("COMMIT")',
+        '            except BaseException:\n                if conn.in_transaction:\n'
+        '                    conn.execute("ROLLBACK")',
+        '            except BaseException:\n                if conn.in_transaction:\n'
+        '                    conn.execute("COMMIT")',
         VOICE_STORE, "an exception inside an add's transaction commits the voice instead of rolling it back",
     ),
     Mutation(

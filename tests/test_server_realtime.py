@@ -308,6 +308,8 @@ BAD_EVENTS = [
      "session.tools", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 10**6}},
      "session.max_output_tokens", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 0}},
+     "session.max_output_tokens", "invalid_value"),  # no union member tag ("constrained-int") in the name
     ({"type": "session.update", "session": {"type": "realtime", "colour": "blue"}}, "session.colour",
      "unknown_parameter"),
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_value"),
@@ -336,6 +338,9 @@ def test_bad_events_get_error_events_naming_the_field(client, pipe):
             assert (error.error.param, error.error.code) == (param, code), (event, error.error)
             assert error.error.event_id == f"evt_{number}"
             assert error.error.message
+        connection.send({"type": "x" * 1_000_000, "event_id": "evt_long"})  # the echo of a value is cut
+        error = connection.recv().error
+        assert (error.param, error.event_id) == ("type", "evt_long") and len(error.message) < 1000
         # the session is intact, and none of the bad events changed it
         connection.session.update(session={"type": "realtime"})
         updated = _next(connection).session

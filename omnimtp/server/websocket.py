@@ -79,6 +79,17 @@ class WebSocketLimits:
             raise ValueError(f"idle_timeout_s must be a finite number of seconds > 0, got {seconds!r}")
 
 
+# The most characters of a client's value an error event repeats (an unknown event type may be megabytes).
+MAX_ECHO_CHARS = 128
+
+
+def echo(value: str) -> str:
+    """`value` quoted for an error message, cut to MAX_ECHO_CHARS characters."""
+    if len(value) <= MAX_ECHO_CHARS:
+        return repr(value)
+    return f"{value[:MAX_ECHO_CHARS]!r}... ({len(value)} characters)"
+
+
 class EventError(Exception):
     """A client event the server cannot act on: it leaves as an `error` event (`Session.send_error`) and the
     session goes on. param: the field at fault ("session.voice", "item.content.0.audio"), or None."""
@@ -177,6 +188,8 @@ class Session:
     async def send_error(self, error: EventError, client_event: dict | None = None) -> bool:
         """The `error` event for `error`, caused by `client_event` (its "event_id" is echoed when it has one)."""
         event_id = client_event.get("event_id") if isinstance(client_event, dict) else None
+        if isinstance(event_id, str) and len(event_id) > MAX_ECHO_CHARS:
+            event_id = None  # not the client's id any more once cut; an error event stays small
         self.metrics.websocket_error_events.labels(route=self.route, code=error.code).inc()
         return await self.send({"type": "error", "error": {
             "type": error.type, "code": error.code, "message": error.message, "param": error.param,

@@ -320,5 +320,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 def _field_error(exc: ValueError, fields: dict[str, str]) -> APIError:
     """A ValueError that starts with an argument's name (`"language: unknown language ..."`, or a part of it:
     `"voice.speaker_embedding: ..."`) as a 400 naming its field (`fields`: argument → field)."""
-    name = str(exc).partition(":")[0].partition(".")[0]
-    return APIError(400, str(exc), param=fields.get(name), code="invalid_value")
+    message = str(exc)
+    name = message.partition(":")[0].partition(".")[0]
+    param = fields.get(name)
+    if param is not None:
+        message = param + message[len(name):]  # the field the client sent, not the engine's argument
+    return APIError(400, message, param=param, code="invalid_value")

@@ -34,7 +34,7 @@ from omnimtp.server.errors import APIError, validation_error
 from omnimtp.server.routes.common import b64_pcm16
 from omnimtp.server.scheduler import QueueFullError
 from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
-from omnimtp.server.websocket import EventError, Session, websocket_sessions
+from omnimtp.server.websocket import EventError, Session, echo, websocket_sessions
 
 ROUTE = "/v1/audio/speech/stream"
 
@@ -99,7 +99,7 @@ async def _run(session: Session) -> None:
                     speech.is_text_done = True
                     context.engine.push_speech_ids(speech.handle, speech.text_ids.finish(), is_finished=True)
                 else:
-                    raise EventError(f"type: unknown event type {kind!r}", param="type", code="invalid_event")
+                    raise EventError(f"type: unknown event type {echo(kind)}", param="type", code="invalid_event")
             except EventError as exc:
                 await session.send_error(exc, event)
     finally:
