@@ -58,6 +58,7 @@ SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
 SERVER_HARDENING = ("tests/test_server_hardening.py",)
 SERVER_STRUCTURE = ("tests/test_server_structure.py",)
+SERVER = ("tests/test_server.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -142,6 +143,18 @@ MUTATIONS = [
         "stream.quantized_tail = quantized[..., max(quantized.shape[-1] - self.pre_conv_context_frames, 0) :]",
         "stream.quantized_tail = quantized[..., -block.shape[1] :]",
         SPEECH_TOKENIZER, "the pre-conv's left context is the last chunk's frames only (short after one-frame chunks)",
+    ),
+    Mutation(
+        "tiny_temperature_divides", "omnimtp/sampling.py",
+        "        return self.temperature < MIN_SAMPLED_TEMPERATURE",
+        "        return self.temperature == 0.0",
+        SAMPLING, "a temperature of 1e-38 divides the logits into infinities instead of being greedy",
+    ),
+    Mutation(
+        "sampled_probs_may_be_nan", "omnimtp/sampling.py",
+        "    return torch.where(is_bad, fallback, probs)",
+        "    return probs",
+        SAMPLING, "overflowed scores give NaN probabilities (token 0 every step)",
     ),
     # --- adaptive drafting ---------------------------------------------------------------------------
     Mutation(
@@ -675,12 +688,6 @@ MUTATIONS = [
         SPEECH_STREAM, "a streamed text of exactly the character limit is refused",
     ),
     Mutation(
-        "json_parsed_on_the_event_loop", "omnimtp/server/guard.py",
-        "    if len(body) > THREAD_PARSE_BYTES:\n        return await run_in_threadpool(_decode_json, body)",
-        "    if False:\n        return await run_in_threadpool(_decode_json, body)",
-        SERVER_STRUCTURE, "a large JSON body is parsed on the event loop",
-    ),
-    Mutation(
         "json_containers_not_counted", "omnimtp/server/guard.py",
         "    if num_containers > MAX_JSON_CONTAINERS:",
         "    if False:",
@@ -691,6 +698,42 @@ MUTATIONS = [
         "            if len(item) > MAX_JSON_ARRAY_ITEMS:",
         "            if False:",
         SERVER_STRUCTURE, "an over-long JSON array reaches the schema instead of a 400 naming its path",
+    ),
+    Mutation(
+        "omni_speech_sampling_ignored", "omnimtp/server/routes/common.py",
+        '        if self.engine.has_chat:\n            for name in ("top_p", "top_k"):',
+        '        if False:\n            for name in ("top_p", "top_k"):',
+        SERVER, "a Qwen3-Omni speech request's temperature, top_p and top_k are silently ignored",
+    ),
+    Mutation(
+        "streamed_text_positions_unchecked", "omnimtp/server/routes/speech_stream.py",
+        "        if text.strip():\n            context.engine.check_speech_text(text, speaker, \"delta\")",
+        "        if False:\n            context.engine.check_speech_text(text, speaker, \"delta\")",
+        SPEECH_STREAM, "a streamed text over the talker's positions is taken (/v1/audio/speech refuses it)",
+    ),
+    Mutation(
+        "whitespace_done_keeps_its_slot", "omnimtp/server/routes/speech_stream.py",
+        "                        speech.sender.cancel()\n                        speech.handle.cancel()\n",
+        "",
+        SPEECH_STREAM, "a whitespace-only text ended with input_text.done keeps its request and slot",
+    ),
+    Mutation(
+        "error_location_keeps_union_tags", "omnimtp/server/errors.py",
+        "        loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]",
+        "        loc = list(loc)",
+        REALTIME, "an error inside a union names pydantic's member tag (session.max_output_tokens.constrained-int)",
+    ),
+    Mutation(
+        "engine_argument_name_in_the_message", "omnimtp/server/routes/common.py",
+        "        message = param + message[len(name):]  # the field the client sent, not the engine's argument",
+        "        message = message",
+        SERVER_VOICES, "a voice upload's error message names ref_audio, not the audio_sample the client sent",
+    ),
+    Mutation(
+        "error_events_echo_whole_values", "omnimtp/server/websocket.py",
+        "    if len(value) <= MAX_ECHO_CHARS:",
+        "    if True:",
+        REALTIME, "an error event repeats a megabyte-long event type whole",
     ),
     # --- saved voices -----------------------------------------------------------------------------
     Mutation(

@@ -152,6 +152,23 @@ class ServingContext:
                                            body.speaker_embedding, audio_param="ref_audio")
         return self.speech_voice(voice, body.language, body.instructions, body.task_type)
 
+    def speech_sampling(self, body) -> SamplingParams:
+        """A speech request's sampling (`Engine.speech_sampling`). A model with a thinker samples its talker with
+        the family's own settings, as transformers' `generate` does: such a request chooses greedy (temperature 0)
+        or those (temperature left out, or 1), and any other temperature, top_p or top_k is a 400 naming it
+        rather than a value silently ignored."""
+        if self.engine.has_chat:
+            for name in ("top_p", "top_k"):
+                if getattr(body, name) is not None:
+                    raise APIError(400, f"{name}: the model {self.engine.model_id!r} speaks with its talker's own "
+                                   f"sampling settings; leave {name} out", param=name, code="invalid_value")
+            temperature = body.temperature
+            if temperature is not None and temperature != 1.0 and not SamplingParams(temperature=temperature).is_greedy:
+                raise APIError(400, f"temperature: the model {self.engine.model_id!r} speaks greedily (temperature "
+                               "0) or with its talker's own sampling (1, the default), not at another temperature",
+                               param="temperature", code="invalid_value")
+        return self.engine.speech_sampling(body.temperature, body.top_p, body.top_k)
+
     def check_clone(self) -> None:
         """APIError 400 naming `model` unless the model clones voices (a Qwen3-TTS Base model)."""
         if self.engine.tts_model_type != "base":
