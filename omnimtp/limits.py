@@ -22,6 +22,9 @@ TINY_MAX_FRAMES = 100
 # minute, measured before resampling (the released models are cloned from a few seconds).
 MIN_REF_AUDIO_SECONDS = 1.0
 MAX_REF_AUDIO_SECONDS = 60.0
+# Its largest sample magnitude (full scale is 1; a float recording may overshoot a little). Far larger values
+# overflow the speaker encoder's float32 spectrogram into an embedding of infinities.
+MAX_REF_AUDIO_MAGNITUDE = 16.0
 
 # The server's timeouts (`omnimtp.server.serving`) and request limits (`omnimtp.server.app.create_app`).
 DEFAULT_HEADERS_TIMEOUT_S = 10.0

@@ -13,12 +13,17 @@ from dataclasses import dataclass
 
 import torch
 
+# Logits of magnitude up to 1e30 still divide to finite float32 values above this.
+MIN_SAMPLED_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick a token from logits.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: below `MIN_SAMPLED_TEMPERATURE` (0 included) means greedy (argmax); otherwise logits are
+        divided by it. Dividing float32 logits by a temperature near 1e-38 overflows them to infinities, whose
+        softmax is NaN; every sampled distribution that tiny is a one-hot of the argmax anyway.
     top_k: keep the k most likely tokens (None or 0: no limit).
     top_p: keep the smallest set whose probability reaches top_p (1.0: no limit).
     repetition_penalty: > 1 discourages tokens the request already generated, applied HF's way
@@ -49,7 +54,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLED_TEMPERATURE
 
     @classmethod
     def greedy(cls) -> SamplingParams:
@@ -98,10 +103,25 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a token is drawn from: [..., V] float32. Greedy gives a one-hot of argmax."""
+    """The distribution a token is drawn from: [..., V] float32. Greedy gives a one-hot of argmax.
+
+    Never NaN: scores that overflowed to +inf (huge logits) keep only the infinite entries, shared evenly,
+    and a row with nothing left (every entry -inf or NaN) falls back to the argmax of its raw logits."""
     if params.is_greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return filter_logits(logits, params).softmax(dim=-1)
+        return _one_hot(logits.argmax(-1), logits.shape[-1])
+    scores = filter_logits(logits, params)
+    probs = scores.softmax(dim=-1)
+    # Branch-free (no host sync): a finite row's probabilities pass through untouched.
+    is_bad = torch.isnan(probs).any(dim=-1, keepdim=True)
+    is_top = scores == float("inf")
+    top_probs = is_top.float() / is_top.sum(dim=-1, keepdim=True).clamp(min=1)
+    raw_argmax = logits.float().nan_to_num(nan=float("-inf")).argmax(-1)
+    fallback = torch.where(is_top.any(dim=-1, keepdim=True), top_probs, _one_hot(raw_argmax, logits.shape[-1]))
+    return torch.where(is_bad, fallback, probs)
+
+
+def _one_hot(ids: torch.Tensor, num_classes: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(ids, num_classes).float()
 
 
 def exponential_noise(

@@ -57,6 +57,9 @@ VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
 TRANSCRIPTION = ("tests/test_transcription.py",)
+SERVER_HARDENING = ("tests/test_server_hardening.py",)
+SERVER_STRUCTURE = ("tests/test_server_structure.py",)
+SERVER = ("tests/test_server.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -136,7 +139,31 @@ MUTATIONS = [
         "                module._embed = module.embed_sum",
         SPEECH_TOKENIZER, "the codebook lookup uses the EMA embedding_sum without dividing by cluster_usage",
     ),
+    Mutation(
+        "tts_codec_pre_conv_tail_is_the_last_chunk", "omnimtp/codec/speech_tokenizer.py",
+        "stream.quantized_tail = quantized[..., max(quantized.shape[-1] - self.pre_conv_context_frames, 0) :]",
+        "stream.quantized_tail = quantized[..., -block.shape[1] :]",
+        SPEECH_TOKENIZER, "the pre-conv's left context is the last chunk's frames only (short after one-frame chunks)",
+    ),
+    Mutation(
+        "tiny_temperature_divides", "omnimtp/sampling.py",
+        "        return self.temperature < MIN_SAMPLED_TEMPERATURE",
+        "        return self.temperature == 0.0",
+        SAMPLING, "a temperature of 1e-38 divides the logits into infinities instead of being greedy",
+    ),
+    Mutation(
+        "sampled_probs_may_be_nan", "omnimtp/sampling.py",
+        "    return torch.where(is_bad, fallback, probs)",
+        "    return probs",
+        SAMPLING, "overflowed scores give NaN probabilities (token 0 every step)",
+    ),
     # --- adaptive drafting ---------------------------------------------------------------------------
+    Mutation(
+        "adaptive_tie_picks_more_drafts", "omnimtp/spec_decode/adaptive.py",
+        "key=lambda i: (goodput[i], -i))  # ties: the fewer drafts",
+        "key=lambda i: (goodput[i], i))  # ties: the fewer drafts",
+        ADAPTIVE, "a goodput tie picks the larger k",
+    ),
     Mutation(
         "adaptive_k_from_the_clock", "omnimtp/spec_decode/adaptive.py",
         "k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts",
@@ -611,7 +638,25 @@ MUTATIONS = [
         "        return codes.to(\"cpu\", torch.int64)[:, 1:]",
         VOICE_CLONE, "the reference codes lose their first frame",
     ),
+    Mutation(
+        "clone_encoder_drops_partial_last_frame", "omnimtp/codec/speech_encoder.py",
+        "        return codes[:, : math.ceil(audio.shape[0] / self.samples_per_frame)].to(\"cpu\", torch.int64)",
+        "        return codes[:, : audio.shape[0] // self.samples_per_frame].to(\"cpu\", torch.int64)",
+        VOICE_CLONE, "reference audio loses its partial last frame (Mimi's encode keeps it)",
+    ),
     # --- /v1/realtime -------------------------------------------------------------------------------
+    Mutation(
+        "realtime_item_audio_rate_ignored", "omnimtp/server/routes/realtime.py",
+        '_pcm_bytes(part.audio, f"{param}.audio"), state.settings.input_rate,',
+        '_pcm_bytes(part.audio, f"{param}.audio"), PCM_RATE,',
+        REALTIME, "an input_audio item is read as 24 kHz whatever rate the session names",
+    ),
+    Mutation(
+        "realtime_cancel_any_response_id", "omnimtp/server/routes/realtime.py",
+        "    if event.response_id is not None and event.response_id != state.response_id:",
+        "    if False:",
+        REALTIME, "response.cancel naming another response cancels the active one",
+    ),
     Mutation(
         "realtime_forgets_earlier_turns", "omnimtp/server/routes/realtime.py",
         "(item.role, item.content) for item in state.items)",
@@ -629,6 +674,67 @@ MUTATIONS = [
         "    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled",
         "    pass",
         REALTIME, "response.cancel leaves the response running to its end",
+    ),
+    # --- request limits ---------------------------------------------------------------------------
+    Mutation(
+        "body_limit_off_by_one", "omnimtp/server/guard.py",
+        "    if num_received > max_body_bytes:\n        raise too_large",
+        "    if num_received >= max_body_bytes:\n        raise too_large",
+        SERVER_HARDENING, "a body of exactly --max-body-bytes is refused with a 413",
+    ),
+    Mutation(
+        "streamed_text_limit_off_by_one", "omnimtp/server/routes/speech_stream.py",
+        "    if speech.num_chars + len(delta) > MAX_SPEECH_INPUT_CHARS:",
+        "    if speech.num_chars + len(delta) >= MAX_SPEECH_INPUT_CHARS:",
+        SPEECH_STREAM, "a streamed text of exactly the character limit is refused",
+    ),
+    Mutation(
+        "json_containers_not_counted", "omnimtp/server/guard.py",
+        "    if num_containers > MAX_JSON_CONTAINERS:",
+        "    if False:",
+        SERVER_STRUCTURE, "millions of tiny JSON values are parsed and validated before any limit refuses them",
+    ),
+    Mutation(
+        "json_array_length_unchecked", "omnimtp/server/guard.py",
+        "            if len(item) > MAX_JSON_ARRAY_ITEMS:",
+        "            if False:",
+        SERVER_STRUCTURE, "an over-long JSON array reaches the schema instead of a 400 naming its path",
+    ),
+    Mutation(
+        "omni_speech_sampling_ignored", "omnimtp/server/routes/common.py",
+        '        if self.engine.has_chat:\n            for name in ("top_p", "top_k"):',
+        '        if False:\n            for name in ("top_p", "top_k"):',
+        SERVER, "a Qwen3-Omni speech request's temperature, top_p and top_k are silently ignored",
+    ),
+    Mutation(
+        "streamed_text_positions_unchecked", "omnimtp/server/routes/speech_stream.py",
+        "        if text.strip():\n            context.engine.check_speech_text(text, speaker, \"delta\")",
+        "        if False:\n            context.engine.check_speech_text(text, speaker, \"delta\")",
+        SPEECH_STREAM, "a streamed text over the talker's positions is taken (/v1/audio/speech refuses it)",
+    ),
+    Mutation(
+        "whitespace_done_keeps_its_slot", "omnimtp/server/routes/speech_stream.py",
+        "                        speech.sender.cancel()\n                        speech.handle.cancel()\n",
+        "",
+        SPEECH_STREAM, "a whitespace-only text ended with input_text.done keeps its request and slot",
+    ),
+    Mutation(
+        "error_location_keeps_union_tags", "omnimtp/server/errors.py",
+        "        loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]",
+        "        loc = list(loc)",
+        REALTIME, "an error inside a union names pydantic's member tag (session.max_output_tokens.constrained-int)",
+    ),
+    Mutation(
+        "engine_argument_name_in_the_message", "omnimtp/server/routes/common.py",
+        "        message = param + message[len(name):]  # the field the client sent, not the engine's argument",
+        "        message = message",
+        SERVER_VOICES, "a voice upload's error message names ref_audio, not the audio_sample the client sent",
+    ),
+    Mutation(
+        "error_events_echo_whole_values", "omnimtp/server/websocket.py",
+        "    if len(value) <= MAX_ECHO_CHARS:",
+        "    if True:",
+        REALTIME, "an error event repeats a megabyte-long event type whole",
     ),
     # --- saved voices -----------------------------------------------------------------------------
     Mutation(
@@ -656,6 +762,21 @@ MUTATIONS = [
         "                if count >= self.max_voices:",
         "                if count > self.max_voices:",
         VOICE_STORE, "the store holds one voice more than max_voices",
+    ),
+    Mutation(
+        "voice_add_commits_on_error", "omnimtp/server/voice_store.py",
+        '            except BaseException:\n                if conn.in_transaction:\n'
+        '                    conn.execute("ROLLBACK")',
+        '            except BaseException:\n                if conn.in_transaction:\n'
+        '                    conn.execute("COMMIT")',
+        VOICE_STORE, "an exception inside an add's transaction commits the voice instead of rolling it back",
+    ),
+    Mutation(
+        "voice_file_drops_metadata", "omnimtp/voice.py",
+        'seconds=float(meta.get("seconds", 0)),\n                       created=float(meta.get("created", 0)), '
+        'info=json.loads(meta.get("info", "{}")))',
+        'seconds=0.0,\n                       created=0.0, info={})',
+        VOICE_STORE, "a voice loaded from a file or bytes loses its seconds, created and info",
     ),
     Mutation(
         "clone_fields_on_any_model", "omnimtp/server/routes/common.py",

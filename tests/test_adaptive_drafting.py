@@ -35,6 +35,13 @@ def test_the_goodput_rule_on_the_worked_example():
     assert high.choose([True]) == 3 and low.choose([True]) == 0
 
 
+def test_a_goodput_tie_picks_the_fewer_drafts():
+    """Every draft accepted: E_k = k + 1, and 2 / 1.5 == 3 / 2.25 exactly (both 4/3 rounded once)."""
+    controller = DraftController(DraftCosts((1.0, 1.5, 2.25)), 1, prior=1.0)
+    assert 2 / 1.5 == 3 / 2.25 > 1.0
+    assert controller.choose([True]) == 1
+
+
 def test_only_verified_drafts_move_the_estimate_and_a_run_of_plain_steps_probes():
     controller = DraftController(MIXED, 2, prior=0.7, smoothing=0.5, probe_interval=2)
     controller.update(3, [1, 3], [True, True])  # row 0: accepted, rejected (draft 3 unverified); row 1: 3 accepted

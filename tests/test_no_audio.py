@@ -25,7 +25,7 @@ from omnimtp.server.scheduler import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SPEECH = {"input": "Good morning", "voice": "Ethan", "seed": 2005, "temperature": 0.9}  # Qwen2.5 tiny: no frame
+SPEECH = {"input": "Good morning", "voice": "Ethan", "seed": 2005, "temperature": 1.0}  # Qwen2.5 tiny: no frame
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "seed": 3, "temperature": 0.8, "max_tokens": 4,
         "modalities": ["text", "audio"]}  # Qwen3 tiny: no frame
 

@@ -19,11 +19,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.sampling import (
+    MIN_SAMPLED_TEMPERATURE,
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
     filter_logits,
     make_generators,
     probs_from_logits,
+    sample,
 )
 from omnimtp.talker.code_predictor import CodePredictorRunner
 
@@ -48,6 +50,28 @@ from omnimtp.talker.code_predictor import CodePredictorRunner
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, MIN_SAMPLED_TEMPERATURE / 2])
+def test_tiny_temperatures_are_greedy(temperature):
+    """Dividing float32 logits by 1e-38 overflows them; below the threshold a request is greedy instead."""
+    logits = torch.tensor([[3.0, 7.5, 7.0, -1.0], [0.5, -2.0, 9.0, 8.9]])
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy
+    assert sample(logits, params, make_generators([0, 1])).tolist() == [1, 2]
+    assert not SamplingParams(temperature=MIN_SAMPLED_TEMPERATURE).is_greedy
+
+
+def test_sampled_probabilities_are_never_nan():
+    """Scores that overflow to +inf keep only the infinite entries; an all -inf row falls back to the argmax of
+    its raw logits. A finite row beside them keeps exactly its softmax."""
+    params = SamplingParams(temperature=1e-4)
+    logits = torch.tensor([[1e33, 2e35, 2e35, 0.0], [float("-inf")] * 4, [0.1, 0.4, 0.2, 0.3]])
+    probs = probs_from_logits(logits, params)
+    assert not torch.isnan(probs).any()
+    assert probs[0].tolist() == [0.0, 0.5, 0.5, 0.0]
+    assert probs[1].sum() == 1.0
+    assert torch.equal(probs[2], (logits[2] / 1e-4).softmax(-1))
 
 
 def test_qwen3_omni_predictor_sampling_is_top_k_50_top_p_0_8():

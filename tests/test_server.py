@@ -311,6 +311,10 @@ _BAD_REQUESTS = [
      "response_format"),
     ("speech bad stream_format", "/v1/audio/speech", {**_SPEECH, "stream_format": "chunks"}, 400, "stream_format"),
     ("speech speed", "/v1/audio/speech", {**_SPEECH, "speed": 1.5}, 400, "speed"),
+    # the talker samples with its own settings: a value that would be ignored is refused instead
+    ("speech temperature", "/v1/audio/speech", {**_SPEECH, "temperature": 0.5}, 400, "temperature"),
+    ("speech top_p", "/v1/audio/speech", {**_SPEECH, "top_p": 0.9}, 400, "top_p"),
+    ("speech top_k", "/v1/audio/speech", {**_SPEECH, "top_k": 5}, 400, "top_k"),
     ("body over the limit", "/v1/chat/completions",
      {**_CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}, 413, None),
 ]

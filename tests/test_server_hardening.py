@@ -77,6 +77,23 @@ def test_booleans_are_not_numbers(server, path, field):
     assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
+@pytest.mark.parametrize("is_chunked", [False, True])
+def test_a_body_of_exactly_the_limit_is_read_and_one_byte_more_is_413(server, is_chunked):
+    exact = CHAT + b" " * (MAX_BODY_BYTES - len(CHAT))  # JSON whitespace: still the same request
+    for body, status in ((exact, 200), (exact + b" ", 413)):
+        conn = _connection(server)
+        headers = {"Content-Type": "application/json"}
+        if is_chunked:
+            conn.request("POST", "/v1/chat/completions", body=iter([body[:1000], body[1000:]]), headers=headers,
+                         encode_chunked=True)
+        else:
+            conn.request("POST", "/v1/chat/completions", body=body, headers=headers)
+        response = conn.getresponse()
+        assert response.status == status, (len(body), response.read()[:300])
+        response.read()
+        conn.close()
+
+
 def test_a_declared_over_limit_body_is_refused_at_once(server):
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:

@@ -204,6 +204,19 @@ def test_a_second_turn_sees_the_first(client, pipe):
     assert expected != _expected(pipe, [{"role": "user", "content": "And then?"}])
 
 
+def test_an_input_audio_item_is_heard_at_the_sessions_input_rate(client, pipe):
+    samples = tone(0.5, 16000, hz=400.0)
+    pcm = base64.b64encode(to_pcm16(samples).tobytes()).decode("ascii")
+    with _connect(client, audio={"input": {"format": {"type": "audio/pcm", "rate": 16000},
+                                           "turn_detection": None}}) as connection:
+        connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": pcm}]})
+        assert _next(connection).type == "conversation.item.created"
+        reply = _response(connection)
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": (_heard(samples), 16000)}]}]
+    _assert_reply(reply, *_expected(pipe, messages))
+
+
 def test_text_output_modality(client, pipe):
     with _connect(client, output_modalities=["text"], instructions="Be brief.") as connection:
         _user_text(connection, "Hello there")
@@ -230,6 +243,24 @@ def test_response_cancel_stops_the_audio(client):
         # nothing of it comes after response.done; the session goes on
         connection.session.update(session={"type": "realtime", "instructions": "Short answers."})
         assert _next(connection).type == "session.updated"
+
+
+def test_response_cancel_naming_another_response_cancels_nothing(client, pipe):
+    with _connect(client) as connection:
+        _user_text(connection, "Hello there")
+        connection.response.create()
+        assert _next(connection).type == "response.created"
+        connection.response.cancel(response_id="resp_not_this_one")
+        error, events = None, []
+        while (event := connection.recv()).type != "response.done":
+            if event.type == "error":
+                error = event.error
+            else:
+                events.append(event)
+        assert error is not None and error.code == "response_not_found" and error.param == "response_id"
+        assert event.response.status != "cancelled"
+    pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    assert pcm == _expected(pipe, [{"role": "user", "content": "Hello there"}])[1]
 
 
 def test_sessions_batch_with_each_other_and_give_their_replies_alone(client, pipe, qwen3):
@@ -277,6 +308,8 @@ BAD_EVENTS = [
      "session.tools", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 10**6}},
      "session.max_output_tokens", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 0}},
+     "session.max_output_tokens", "invalid_value"),  # no union member tag ("constrained-int") in the name
     ({"type": "session.update", "session": {"type": "realtime", "colour": "blue"}}, "session.colour",
      "unknown_parameter"),
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_value"),
@@ -305,6 +338,9 @@ def test_bad_events_get_error_events_naming_the_field(client, pipe):
             assert (error.error.param, error.error.code) == (param, code), (event, error.error)
             assert error.error.event_id == f"evt_{number}"
             assert error.error.message
+        connection.send({"type": "x" * 1_000_000, "event_id": "evt_long"})  # the echo of a value is cut
+        error = connection.recv().error
+        assert (error.param, error.event_id) == ("type", "evt_long") and len(error.message) < 1000
         # the session is intact, and none of the bad events changed it
         connection.session.update(session={"type": "realtime"})
         updated = _next(connection).session

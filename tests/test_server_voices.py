@@ -53,9 +53,9 @@ def _recording(seconds: float, pitch: float = 120.0, seed: int = 0) -> np.ndarra
     return (0.2 * voiced * envelope + noise).astype(np.float32)
 
 
-def _wav(samples: np.ndarray) -> bytes:
+def _wav(samples: np.ndarray, subtype: str = "PCM_16") -> bytes:
     buffer = io.BytesIO()
-    sf.write(buffer, samples, SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    sf.write(buffer, samples, SAMPLE_RATE, format="WAV", subtype=subtype)
     return buffer.getvalue()
 
 
@@ -215,7 +215,9 @@ BAD_VOICE_POSTS = [
     ({"name": "v1", "audio_sample": _b64(REFERENCE_WAV)}, 400, "consent", []),
     ({"name": "v1", "consent": "  ", "audio_sample": _b64(REFERENCE_WAV)}, 400, "consent", ["required"]),
     ({"name": "v1", "consent": CONSENT, "audio_sample": _b64(_wav(_recording(0.5)))}, 400, "audio_sample",
-     ["shorter"]),
+     ["audio_sample:", "shorter"]),  # the field the client sent, not the engine's argument name
+    ({"name": "v1", "consent": CONSENT, "audio_sample": _b64(_wav(_recording(2.0) * 1e30, "FLOAT"))}, 400,
+     "audio_sample", ["audio_sample:", "finite"]),
     ({"name": "v1", "consent": CONSENT, "audio_sample": _b64(_wav(_recording(MAX_REF_SECONDS + 1)))}, 400,
      "audio_sample", ["limit"]),
     ({"name": "v1", "consent": CONSENT, "audio_sample": _b64(b"this is not audio at all" * 40)}, 400,

@@ -415,6 +415,58 @@ def test_text_over_the_limit_and_events_during_a_request(servers):
         assert audio == _http_pcm(servers, "tts", "Hello there", voice="aiden", seed=4)
 
 
+def test_a_text_of_exactly_the_limit_is_taken_and_one_character_more_is_not(servers):
+    from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS
+
+    with _ws(servers, "omni") as ws:  # the tiny TTS talker's positions end before 4,096 characters do
+        _send(ws, {"type": "session.config", "voice": "ethan"})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "Hi " + "x" * (MAX_SPEECH_INPUT_CHARS - 3), "event_id": "at"})
+        _send(ws, {"type": "input_text.delta", "delta": "y", "event_id": "over"})
+        _send(ws, {"type": "input_text.done"})
+        errors = []
+        while (event := _recv(ws))["type"] != "done":
+            if event["type"] == "error":
+                errors.append(event["error"])
+        assert [(e["event_id"], e["code"]) for e in errors] == [("over", "string_above_max_length")]
+
+
+def test_the_talker_position_limit_is_the_same_as_v1_audio_speech(servers):
+    import httpx
+
+    text = "x" * 4096  # within the character limit; over the tiny talker's 4,096 positions
+    reply = httpx.post(servers["tts"] + "/v1/audio/speech", json={"input": text, "voice": "aiden"}, timeout=120)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    assert "talker positions" in reply.json()["error"]["message"]
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 5})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": text[:100]})
+        _send(ws, {"type": "input_text.delta", "delta": text[100:]})
+        error = _recv(ws)["error"]
+        assert error["param"] == "delta" and "talker positions" in error["message"]
+        audio, _ = _stream_pcm(ws, [])  # the first delta was taken: it is spoken
+        assert audio == _http_pcm(servers, "tts", text[:100], voice="aiden", seed=5)
+
+
+def test_whitespace_then_done_frees_the_request(servers):
+    import time
+
+    engine = servers["engines"]["tts"]
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 6})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "  \n "})
+        _send(ws, {"type": "input_text.done"})
+        assert _recv(ws)["error"]["code"] == "invalid_value"
+        deadline = time.monotonic() + 30
+        while (engine._core.running or engine._core.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine._core.running and not engine._core.waiting
+        audio, _ = _stream_pcm(ws, ["Hi there"])  # the session goes on with a new request
+        assert audio == _http_pcm(servers, "tts", "Hi there", voice="aiden", seed=6)
+
+
 def test_a_disconnect_mid_request_frees_the_slot(servers):
     import time
 

@@ -140,6 +140,18 @@ def test_streamed_chunks_join_into_the_one_shot_decode(decoder):
     assert_audio_close(np.concatenate(chunks), one_shot, rel=STREAM_REL)
 
 
+def test_runs_of_one_frame_chunks_join_into_the_one_shot_decode(decoder):
+    """One frame at a time, several times in a row (at the start, in the middle, at the end): each chunk's
+    left context is then built only from earlier one-frame chunks."""
+    codes = _codes(40, 8)
+    bounds = [0, 1, 2, 3, 4, 20, 21, 22, 23, 37, 38, 39, 40]
+    chunks = _stream(decoder, codes, bounds)
+    one_shot = decoder.decode(codes)
+    offsets = np.cumsum([0] + [len(c) for c in chunks])
+    for start, chunk in zip(offsets[:-1], chunks, strict=True):
+        assert_audio_close(chunk, one_shot[start : start + len(chunk)], rel=STREAM_REL)
+
+
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(1, 14), min_size=1, max_size=5), st.integers(0, 1000))
 def test_any_chunking_joins_into_the_one_shot_decode(decoder, sizes, seed):

@@ -173,3 +173,22 @@ def test_processes_sharing_a_directory_wait_for_each_other_and_share_the_limit(t
         store.add(_new("third"))
     assert [v.name for v in store.list()] == ["first", "second"]
     assert store.voice_bytes("first") == b"blob-first"
+
+
+def test_an_exception_inside_the_transaction_rolls_the_voice_back(tmp_path):
+    def fail():
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        VoiceStore(tmp_path, in_transaction=fail).add(_new("rolled-back"))
+    store = VoiceStore(tmp_path)
+    assert store.list() == [] and store.voice_bytes("rolled-back") is None
+    store.add(_new("rolled-back"))  # the name is free and the write lock released
+
+
+def test_a_voice_keeps_seconds_created_and_info_through_a_file_and_bytes(tmp_path):
+    info = {"model": "tts-base", "size": "1.7B"}
+    voice = Voice(torch.ones(16), seconds=2.75, created=1_700_000_000.125, info=info)
+    voice.save(tmp_path / "v.safetensors")
+    for back in (Voice.load(tmp_path / "v.safetensors"), Voice.from_bytes(voice.to_bytes())):
+        assert (back.seconds, back.created, back.info) == (2.75, 1_700_000_000.125, info)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -33,6 +35,9 @@ class APIError(Exception):
 
 # The types of chat content parts: pydantic puts a part's type into the error location of its fields.
 _PART_TYPES = ("text", "input_audio", "image_url")
+# The member tags pydantic puts into the location of an error inside a union ("constrained-int",
+# "literal['inf']", "function-after[...]", a model's class name): not fields the client sent.
+_UNION_TAG = re.compile(r"(constrained-)?(int|float|str|bool|list|dict|bytes|none)|[a-z-]+\[.*\]|[A-Z]\w*")
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -42,6 +47,8 @@ def validation_error(exc: ValidationError) -> APIError:
     # ("messages", 0, "content", 1, "input_audio", "input_audio", "data") → messages.0.content.1.input_audio.data
     loc = [part for k, part in enumerate(loc)
            if not (k >= 2 and loc[k - 2] == "content" and isinstance(loc[k - 1], int) and part in _PART_TYPES)]
+    if first["type"] != "extra_forbidden":  # an unknown key is the client's own name, whatever it looks like
+        loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]
     param = ".".join(str(part) for part in loc) or None
     message = f"{param}: {first['msg']}" if param else first["msg"]
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"

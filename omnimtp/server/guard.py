@@ -13,6 +13,7 @@ import re
 import secrets
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.websockets import WebSocket
@@ -30,6 +31,17 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _CHARSET = re.compile(r"charset\s*=\s*\"?([^\";\s]+)", re.IGNORECASE)
 _UTF8 = ("utf-8", "utf8")
 
+# Structure limits of any JSON body or event. Parsing and validating are C/Rust calls that hold the GIL, so a
+# body of millions of tiny values would stall every other request even off the event loop: it is refused from
+# a count of its brackets before it is parsed, and from the parsed shape (depth, array lengths) before any
+# schema validates it. No request of this server comes near them (the longest array it takes is a speaker
+# embedding of at most 8,192 numbers).
+MAX_JSON_CONTAINERS = 100_000
+MAX_JSON_DEPTH = 32
+MAX_JSON_ARRAY_ITEMS = 8192
+# A body or event larger than this is parsed and validated on a worker thread, off the event loop.
+THREAD_PARSE_BYTES = 64 << 10
+
 
 async def read_json(request: Request, max_body_bytes: int) -> object:
     """The request body as JSON: valid UTF-8 (no encoded surrogates), nesting within Python's
@@ -44,6 +56,12 @@ async def read_json(request: Request, max_body_bytes: int) -> object:
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
                        code="unsupported_media_type")
     body = await read_body(request, max_body_bytes)
+    if len(body) > THREAD_PARSE_BYTES:
+        return await run_in_threadpool(_decode_json, body)
+    return _decode_json(body)
+
+
+def _decode_json(body: bytes) -> object:
     try:
         text = body.decode("utf-8")  # json.loads would let encoded surrogates through ("surrogatepass")
     except UnicodeDecodeError as exc:
@@ -54,7 +72,12 @@ async def read_json(request: Request, max_body_bytes: int) -> object:
 
 def parse_json(text: str, what: str = "request body") -> object:
     """`text` as JSON: nesting within Python's recursion limit, integers within its digit limit, and no
-    string holding a lone surrogate. APIError 400 otherwise, its message starting with `what`."""
+    string holding a lone surrogate, and within the structure limits (`MAX_JSON_*`). APIError 400 otherwise,
+    its message starting with `what` or the path of the array or object at fault."""
+    num_containers = text.count("{") + text.count("[")  # brackets inside strings count too: an upper bound
+    if num_containers > MAX_JSON_CONTAINERS:
+        raise APIError(400, f"{what}: more than {MAX_JSON_CONTAINERS} JSON objects and arrays",
+                       code="structure_too_large")
     try:
         value = json.loads(text)
     except RecursionError:
@@ -64,6 +87,7 @@ def parse_json(text: str, what: str = "request body") -> object:
     except ValueError:  # an integer with more digits than int() converts
         raise APIError(400, f"{what} is not valid JSON: a number has too many digits",
                        code="invalid_json") from None
+    _check_shape(value, what)
     if _SURROGATE_ESCAPE.search(text):
         path = _lone_surrogate_path(value)
         if path is not None:
@@ -128,6 +152,28 @@ async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1
         return await parser.parse()
     except MultiPartException as exc:
         raise APIError(400, f"request body is not a valid multipart form: {exc.message}", code="invalid_form") from None
+
+
+def _check_shape(value, what: str) -> None:
+    """APIError 400 naming the path ("messages", "item.content") of the first array longer than
+    MAX_JSON_ARRAY_ITEMS or container deeper than MAX_JSON_DEPTH. Iterative, and it stops there."""
+    stack = [("", value, 1)]
+    while stack:
+        path, item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"{path or what}: nested more than {MAX_JSON_DEPTH} levels deep",
+                           param=path or None, code="structure_too_large")
+        if isinstance(item, list):
+            if len(item) > MAX_JSON_ARRAY_ITEMS:
+                raise APIError(400, f"{path or what}: {len(item)} items, over the limit of {MAX_JSON_ARRAY_ITEMS}",
+                               param=path or None, code="structure_too_large")
+            children = ((f"{path}.{index}" if path else str(index), child) for index, child in enumerate(item))
+        else:
+            children = ((f"{path}.{key}" if path else key, child) for key, child in item.items())
+        stack.extend((child_path, child, depth + 1) for child_path, child in children
+                     if isinstance(child, (dict, list)))
 
 
 def _lone_surrogate_path(value) -> str | None:

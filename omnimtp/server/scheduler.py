@@ -336,17 +336,26 @@ class Engine:
                  else list(content)} for role, content in request.messages
             ]
             ids, media = self.family.chat_inputs(messages, self.media_limits)
+            self._check_prompt_length(ids, name)
         else:
             ids = self.family.speech_ids(request.speak_text)
+            self._check_prompt_length(ids, name, request.speaker)
+        return ids, media
+
+    def check_speech_text(self, text: str, speaker, name: str) -> None:
+        """PromptTooLongError (naming `name`) unless `text` spoken by `speaker` fits the prompt and talker limits:
+        the one rule of a whole speech request, which a streamed text is held to as it grows."""
+        self._check_prompt_length(self.family.speech_ids(text), name, speaker)
+
+    def _check_prompt_length(self, ids: list[int], name: str, speaker=None) -> None:
         if len(ids) > self.max_prompt_tokens:
             raise PromptTooLongError(name, len(ids), self.max_prompt_tokens)
         talker_positions = getattr(self.family, "talker_positions", None)  # a speech-only model's talker
-        if request.messages is None and talker_positions is not None:
-            positions = talker_positions(ids, request.speaker, self.config.max_frames)
+        if speaker is not None and talker_positions is not None:
+            positions = talker_positions(ids, speaker, self.config.max_frames)
             if positions > self.family.max_positions:
                 raise PromptTooLongError(name, positions, self.family.max_positions, unit=(
                     f"talker positions (its prompt and {self.config.max_frames} frames, the server's --max-frames)"))
-        return ids, media
 
     def start(self, *, metrics=None, max_queue: int = 64) -> None:
         if max_queue < 1:

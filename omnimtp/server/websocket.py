@@ -43,11 +43,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omnimtp.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WEBSOCKET_SESSIONS, DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S
 from omnimtp.server.errors import APIError
-from omnimtp.server.guard import deny, parse_json
+from omnimtp.server.guard import THREAD_PARSE_BYTES, deny, parse_json
 from omnimtp.server.metrics import ServerMetrics
 
 logger = logging.getLogger("omnimtp.server")
@@ -76,6 +77,17 @@ class WebSocketLimits:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
                 or seconds <= 0:
             raise ValueError(f"idle_timeout_s must be a finite number of seconds > 0, got {seconds!r}")
+
+
+# The most characters of a client's value an error event repeats (an unknown event type may be megabytes).
+MAX_ECHO_CHARS = 128
+
+
+def echo(value: str) -> str:
+    """`value` quoted for an error message, cut to MAX_ECHO_CHARS characters."""
+    if len(value) <= MAX_ECHO_CHARS:
+        return repr(value)
+    return f"{value[:MAX_ECHO_CHARS]!r}... ({len(value)} characters)"
 
 
 class EventError(Exception):
@@ -129,12 +141,12 @@ class Session:
                 self.is_closed = True
                 return None
             try:
-                return self._parse(message)
+                return await self._parse(message)
             except EventError as exc:
                 await self.send_error(exc)
         return None
 
-    def _parse(self, message) -> dict:
+    async def _parse(self, message) -> dict:
         text = message.get("text")
         if text is None:
             raise EventError("events are JSON text messages, not binary ones", code="invalid_event")
@@ -143,7 +155,10 @@ class Session:
             raise EventError(f"the message is {num_bytes} bytes, over the limit of {self.limits.max_message_bytes}",
                              code="message_too_large")
         try:
-            event = parse_json(text, "the event")
+            if num_bytes > THREAD_PARSE_BYTES:
+                event = await run_in_threadpool(parse_json, text, "the event")
+            else:
+                event = parse_json(text, "the event")
         except APIError as exc:
             raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_json") from None
         if not isinstance(event, dict):
@@ -173,6 +188,8 @@ class Session:
     async def send_error(self, error: EventError, client_event: dict | None = None) -> bool:
         """The `error` event for `error`, caused by `client_event` (its "event_id" is echoed when it has one)."""
         event_id = client_event.get("event_id") if isinstance(client_event, dict) else None
+        if isinstance(event_id, str) and len(event_id) > MAX_ECHO_CHARS:
+            event_id = None  # not the client's id any more once cut; an error event stays small
         self.metrics.websocket_error_events.labels(route=self.route, code=error.code).inc()
         return await self.send({"type": "error", "error": {
             "type": error.type, "code": error.code, "message": error.message, "param": error.param,

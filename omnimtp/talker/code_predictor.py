@@ -57,7 +57,7 @@ from omnimtp.sampling import (
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
     exponential_noise,
-    filter_logits,
+    probs_from_logits,
     sample_from_probs,
 )
 from omnimtp.talker.compile_cache import meta_copy
@@ -312,7 +312,7 @@ def _step(
     if sampling is None:
         code = logits.argmax(dim=-1)
     else:
-        code = sample_from_probs(filter_logits(logits, sampling).softmax(dim=-1), noise)
+        code = sample_from_probs(probs_from_logits(logits, sampling), noise)
     embed = F.embedding(code, codec_embedding)  # [B, H]
     return code, embed, embed_sum + embed
 

@@ -60,9 +60,11 @@ class ServingContext:
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
-        """The request's JSON body validated by `schema`; APIError 400 naming the field."""
+        """The request's JSON body validated by `schema` (on a worker thread: the parsed body may still be
+        large); APIError 400 naming the field."""
+        value = await read_json(request, self.max_body_bytes)
         try:
-            return schema.model_validate(await read_json(request, self.max_body_bytes))
+            return await run_in_threadpool(schema.model_validate, value)
         except ValidationError as exc:
             raise validation_error(exc) from None
 
@@ -149,6 +151,23 @@ class ServingContext:
             voice = await self.clone_voice(ref_audio, body.ref_text, bool(body.x_vector_only_mode),
                                            body.speaker_embedding, audio_param="ref_audio")
         return self.speech_voice(voice, body.language, body.instructions, body.task_type)
+
+    def speech_sampling(self, body) -> SamplingParams:
+        """A speech request's sampling (`Engine.speech_sampling`). A model with a thinker samples its talker with
+        the family's own settings, as transformers' `generate` does: such a request chooses greedy (temperature 0)
+        or those (temperature left out, or 1), and any other temperature, top_p or top_k is a 400 naming it
+        rather than a value silently ignored."""
+        if self.engine.has_chat:
+            for name in ("top_p", "top_k"):
+                if getattr(body, name) is not None:
+                    raise APIError(400, f"{name}: the model {self.engine.model_id!r} speaks with its talker's own "
+                                   f"sampling settings; leave {name} out", param=name, code="invalid_value")
+            temperature = body.temperature
+            if temperature is not None and temperature != 1.0 and not SamplingParams(temperature=temperature).is_greedy:
+                raise APIError(400, f"temperature: the model {self.engine.model_id!r} speaks greedily (temperature "
+                               "0) or with its talker's own sampling (1, the default), not at another temperature",
+                               param="temperature", code="invalid_value")
+        return self.engine.speech_sampling(body.temperature, body.top_p, body.top_k)
 
     def check_clone(self) -> None:
         """APIError 400 naming `model` unless the model clones voices (a Qwen3-TTS Base model)."""
@@ -318,5 +337,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 def _field_error(exc: ValueError, fields: dict[str, str]) -> APIError:
     """A ValueError that starts with an argument's name (`"language: unknown language ..."`, or a part of it:
     `"voice.speaker_embedding: ..."`) as a 400 naming its field (`fields`: argument → field)."""
-    name = str(exc).partition(":")[0].partition(".")[0]
-    return APIError(400, str(exc), param=fields.get(name), code="invalid_value")
+    message = str(exc)
+    name = message.partition(":")[0].partition(".")[0]
+    param = fields.get(name)
+    if param is not None:
+        message = param + message[len(name):]  # the field the client sent, not the engine's argument
+    return APIError(400, message, param=param, code="invalid_value")

@@ -52,7 +52,7 @@ from omnimtp.server.routes.common import ServingContext, b64_pcm16, sampling_par
 from omnimtp.server.routes.transcriptions import transcription_request
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import Seed
-from omnimtp.server.websocket import EventError, Session, new_id, websocket_sessions
+from omnimtp.server.websocket import EventError, Session, echo, new_id, websocket_sessions
 
 ROUTE = "/v1/realtime"
 PCM_RATE = 24000  # OpenAI's audio/pcm rate, and the output rate of both omni families
@@ -220,7 +220,7 @@ def parse_event(event: dict) -> ClientEvent:
     """A client event as its schema; EventError naming the field (the event type first)."""
     schema = CLIENT_EVENTS.get(event["type"])
     if schema is None:
-        raise EventError(f"type: unsupported event type {event['type']!r}; this server takes "
+        raise EventError(f"type: unsupported event type {echo(event['type'])}; this server takes "
                          f"{', '.join(CLIENT_EVENTS)}", param="type", code="invalid_value")
     try:
         return schema.model_validate(event)

@@ -42,12 +42,13 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
+    sampling = context.speech_sampling(body)
     speaker = await context.speech_speaker(body)
     engine_request = EngineRequest(
         messages=None,
         speak_text=body.input,
         speaker=speaker,
-        sampling=engine.speech_sampling(body.temperature, body.top_p, body.top_k),
+        sampling=sampling,
         seed=body.seed,
         max_new_tokens=0,
     )  # streamed in every format, so that every format carries the same samples

@@ -32,9 +32,9 @@ from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import APIError, validation_error
 from omnimtp.server.routes.common import b64_pcm16
-from omnimtp.server.scheduler import QueueFullError
+from omnimtp.server.scheduler import PromptTooLongError, QueueFullError
 from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
-from omnimtp.server.websocket import EventError, Session, websocket_sessions
+from omnimtp.server.websocket import EventError, Session, echo, websocket_sessions
 
 ROUTE = "/v1/audio/speech/stream"
 
@@ -92,14 +92,20 @@ async def _run(session: Session) -> None:
                     if speech is None:
                         config = config or await _configure(context, {"type": "session.config"})
                         speech = _start(context, session, config)
-                    _push(context, speech, delta)
+                    _push(context, speech, delta, config.speaker)
                 elif kind == "input_text.done":
-                    if speech is None or speech.is_text_done or not speech.text_ids.text.strip():
+                    if speech is None or speech.is_text_done:
                         raise EventError("input_text.done: no text to speak", param="type", code="invalid_value")
+                    if not speech.text_ids.text.strip():  # nothing will ever be spoken: free its slot now
+                        speech.sender.cancel()
+                        speech.handle.cancel()
+                        speech = None
+                        raise EventError("input_text.done: the request's text is only whitespace; nothing to speak",
+                                         param="type", code="invalid_value")
                     speech.is_text_done = True
                     context.engine.push_speech_ids(speech.handle, speech.text_ids.finish(), is_finished=True)
                 else:
-                    raise EventError(f"type: unknown event type {kind!r}", param="type", code="invalid_event")
+                    raise EventError(f"type: unknown event type {echo(kind)}", param="type", code="invalid_event")
             except EventError as exc:
                 await session.send_error(exc, event)
     finally:
@@ -119,10 +125,10 @@ async def _configure(context, event: dict) -> _Config:
         raise EventError(error.message, param=error.param, code=error.code) from None
     try:
         context.check_model(body.model)
+        sampling = context.speech_sampling(body)
         speaker = await context.speech_speaker(body)
     except APIError as exc:
         raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
-    sampling = context.engine.speech_sampling(body.temperature, body.top_p, body.top_k)
     report = body.model_dump(exclude={"type", "event_id", "ref_audio", "speaker_embedding"}, exclude_none=True)
     return _Config(speaker, sampling, body.seed, report)
 
@@ -141,10 +147,16 @@ def _start(context, session: Session, config: _Config) -> _Speech:
     return speech
 
 
-def _push(context, speech: _Speech, delta: str) -> None:
+def _push(context, speech: _Speech, delta: str, speaker) -> None:
     if speech.num_chars + len(delta) > MAX_SPEECH_INPUT_CHARS:
         raise EventError(f"delta: the request's text would be over {MAX_SPEECH_INPUT_CHARS} characters; this delta "
                          "was not taken", param="delta", code="string_above_max_length")
+    text = speech.text_ids.text + delta
+    try:  # the limits of /v1/audio/speech's input, as the text grows (whitespace alone has no ids yet)
+        if text.strip():
+            context.engine.check_speech_text(text, speaker, "delta")
+    except PromptTooLongError as exc:
+        raise EventError(f"{exc}; this delta was not taken", param="delta", code="string_above_max_length") from None
     speech.num_chars += len(delta)
     ids = speech.text_ids.push(delta)
     if ids:

@@ -1,0 +1,87 @@
+"""A body or event of any size or shape never stalls the others: large ones are parsed and validated off the
+event loop, and structure limits (brackets counted before parsing, array lengths and depth after) refuse
+millions of tiny values with a 400 naming the field. `/health` keeps answering meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import running_server
+
+from omnimtp.server.app import create_app
+from omnimtp.server.cli import build_engine
+from omnimtp.server.guard import MAX_JSON_ARRAY_ITEMS, MAX_JSON_DEPTH
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Far above the ~1 ms /health takes, far below the seconds these bodies stalled it for when parsed on the loop.
+MAX_HEALTH_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = build_engine(None, max_batch_size=2, max_frames=None)
+    with running_server(create_app(engine)) as url:  # the default --max-body-bytes (16 MiB)
+        yield url
+
+
+def _worst_health_latency(url: str, send) -> tuple[float, object]:
+    """The slowest /health answer while `send()` runs in another thread, and what `send` returned."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("reply", send()))
+    worst = 0.0
+    with httpx.Client(base_url=url, timeout=60) as client:
+        client.get("/health")
+        thread.start()
+        while thread.is_alive():
+            start = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            worst = max(worst, time.perf_counter() - start)
+            time.sleep(0.01)
+    thread.join()
+    return worst, result["reply"]
+
+
+MANY_MESSAGES = json.dumps({"messages": [{"role": "user", "content": "a"}] * 300_000}).encode()
+NESTED_LISTS = b'{"input": "Hi", "speaker_embedding": [' + b",".join([b"[]"] * 4_000_000) + b"]}"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", MANY_MESSAGES, None),
+    ("/v1/audio/speech", NESTED_LISTS, None),
+])
+def test_a_body_of_millions_of_tiny_values_is_refused_without_stalling_health(server, path, body, param):
+    def send():
+        with httpx.Client(base_url=server, timeout=120) as client:
+            return client.post(path, content=body, headers={"Content-Type": "application/json"})
+
+    worst, reply = _worst_health_latency(server, send)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "structure_too_large" and error["param"] == param
+    assert worst < MAX_HEALTH_S, f"/health took {worst:.3f} s during the request"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]
+                                            * (MAX_JSON_ARRAY_ITEMS + 1)}]}, "messages.0.content"),
+    ("/v1/audio/speech", {"input": "Hi", "voice": "ethan", "x": [0] * (MAX_JSON_ARRAY_ITEMS + 1)}, "x"),
+    ("/v1/audio/speech", {"input": "Hi", "voice": "ethan", "x": json.loads("[" * (MAX_JSON_DEPTH + 1)
+                                                                          + "]" * (MAX_JSON_DEPTH + 1))},
+     "x" + ".0" * (MAX_JSON_DEPTH - 1)),
+])
+def test_structure_limits_name_the_field(server, path, body, param):
+    reply = httpx.post(server + path, json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_a_body_at_the_structure_limits_is_read(server):
+    content = [{"type": "text", "text": "a"}] * MAX_JSON_ARRAY_ITEMS
+    reply = httpx.post(server + "/v1/chat/completions", timeout=120,
+                       json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+    assert reply.status_code != 400 or reply.json()["error"]["code"] != "structure_too_large", reply.text
