@@ -23,7 +23,9 @@ from omnimtp.console import printable
 def add_parser(subparsers) -> None:
     speak = subparsers.add_parser("speak", help="answer a prompt with text and speech, write the audio file")
     speak.add_argument("text", nargs="?", default=None, help="what to say to the model (optional with --audio/--image)")
-    speak.add_argument("-o", "--output", required=True, help="audio file to write (.wav, or .flac)")
+    speak.add_argument("-o", "--output", required=True,
+                       help="audio file to write, its format by extension: .wav, .flac, .mp3, .opus or .ogg (Ogg "
+                       "Opus), .aac")
     speak.add_argument("--audio", action="append", default=[], metavar="FILE",
                        help="an audio file the model hears before the text (repeatable; wav, flac, mp3, ogg, ...)")
     speak.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -122,8 +124,9 @@ def _sampling(pipe, args) -> dict:
 
 def _speak(pipe, messages, args, output: str, live: bool):
     import numpy as np
-    import soundfile
     from tqdm import tqdm
+
+    from omnimtp.server.audio import write_audio
 
     kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames,
                   **_sampling(pipe, args))
@@ -144,7 +147,7 @@ def _speak(pipe, messages, args, output: str, live: bool):
                 final = event.output
     elapsed = time.perf_counter() - start
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    soundfile.write(output, audio, final.sample_rate)
+    write_audio(output, audio, final.sample_rate)
     seconds = len(audio) / final.sample_rate
     print("" if live else printable(final.text))
     first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
@@ -167,10 +170,10 @@ def _speak(pipe, messages, args, output: str, live: bool):
 
 
 def run_speak(args: argparse.Namespace) -> int:
-    ext = os.path.splitext(args.output)[1].lower()
-    if ext not in (".wav", ".flac"):
-        return _refuse(f"--output must end in .wav or .flac, got {args.output!r}")
+    from omnimtp.server.audio import format_of_path
+
     try:
+        format_of_path(args.output, "--output")
         _check_model_args(args)
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
@@ -191,9 +194,9 @@ def run_speak(args: argparse.Namespace) -> int:
 def _say(pipe, text, args) -> None:
     """A Qwen3-TTS model speaks the text itself (it has no chat) into args.output."""
     import numpy as np
-    import soundfile
 
     from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+    from omnimtp.server.audio import write_audio
 
     if not isinstance(text, str):
         raise ValueError("--audio/--image: a Qwen3-TTS model speaks text; it takes no media")
@@ -220,7 +223,7 @@ def _say(pipe, text, args) -> None:
             final = item
     elapsed = time.perf_counter() - start
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    soundfile.write(args.output, audio, final.sample_rate)
+    write_audio(args.output, audio, final.sample_rate)
     seconds = len(audio) / final.sample_rate
     first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
     print(f"[{args.output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "

@@ -1,5 +1,5 @@
-"""`/v1/audio/speech`: text spoken in a voice, as a whole file (wav, pcm, flac) or streamed (raw audio
-chunks, or SSE `speech.audio.delta` events).
+"""`/v1/audio/speech`: text spoken in a voice, as a file (wav, pcm, mp3, opus (Ogg) and aac sent as they are
+encoded; flac once complete) or as SSE `speech.audio.delta` events (PCM16).
 
 On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-TTS model the request also
 takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
@@ -12,7 +12,8 @@ sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a
 engine step loop as every other request.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
-an empty data chunk, a FLAC stream without frames, empty PCM; SSE: only `speech.audio.done`) and says
+an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: only
+`speech.audio.done`) and says
 `X-Finish-Reason: no_audio`."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
+from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
@@ -61,7 +62,7 @@ async def speech(request: Request):
     headers = {} if first.finish_reason is None else {FINISH_REASON_HEADER: first.finish_reason}
     if body.stream_format == "sse":
         return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
-    if fmt in ("pcm", "wav") and first.finish_reason is None:
+    if fmt in STREAMED_FORMATS and first.finish_reason is None:
         return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt])
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
     # file of any format, whose length is then known).
@@ -88,15 +89,17 @@ async def _speech_sse(handle, events):
 
 
 async def _speech_chunks(handle, events, fmt: str, sample_rate: int):
+    encoder = StreamEncoder(fmt, sample_rate)
     try:
-        if fmt == "wav":
-            yield streaming_wav_header(sample_rate)
         async for event in events:
             if event.error is not None:
-                break  # headers are gone; a truncated body is the only signal left (logged by the engine)
+                return  # headers are gone; a truncated body is the only signal left (logged by the engine)
             if event.audio is not None and event.audio.size:
-                yield to_pcm16(event.audio).tobytes()
+                data = encoder.push(event.audio)
+                if data:
+                    yield data
             if event.finish_reason is not None:
                 break
+        yield encoder.finish()
     finally:
         handle.cancel()
