@@ -32,6 +32,7 @@ the same text and PCM as here.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
+from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
@@ -184,15 +185,25 @@ class OmniPipeline:
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> OmniPipeline:
-        """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
+        """A checkpoint directory, or a built-in tiny model's name (`omnimtp.checkpoint.TINY_MODELS`: "tiny",
+        "tiny-qwen2.5-omni", "tiny-tts", "tiny-tts-design", "tiny-tts-base"; `tiny`). config.json's model_type
+        picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
         layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode); its tokenizer and its
-        processor (audio and images, `omnimtp.media.load_processor`), when it has them."""
+        processor (audio and images, `omnimtp.media.load_processor`), when it has them; the default caps a saved
+        pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
         from transformers import AutoTokenizer
 
         path = os.fspath(path)
+        tiny = tiny_model(path)
+        if tiny is not None:
+            family, tts_model_type = tiny
+            kwargs.pop("non_streaming_mode", None)  # (the tiny Qwen3-TTS streams its text)
+            tts = {} if tts_model_type is None else {"tts_model_type": tts_model_type}
+            return cls.tiny(device=device, family=family, **tts, **kwargs)
         model_type = omni_model_type(path)
+        kwargs = {**saved_caps(path), **kwargs}
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs
@@ -213,8 +224,11 @@ class OmniPipeline:
 
     def save_pretrained(self, path) -> None:
         """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder, and
-        a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout."""
+        a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout;
+        the default caps in CAPS_FILE."""
         self.model.save_pretrained(path)
+        with open(os.path.join(os.fspath(path), CAPS_FILE), "w") as f:
+            json.dump({"max_new_tokens": self.config.max_new_tokens, "max_frames": self.config.max_frames}, f)
         if isinstance(self.family, Qwen3TTSFamily):
             if self.family.codec is not None:
                 self.family.codec.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))

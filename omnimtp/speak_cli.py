@@ -16,7 +16,7 @@ import sys
 import time
 
 from omnimtp.argtypes import add_reply_caps, draft_tokens
-from omnimtp.checkpoint import omni_model_type
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import printable
 
 
@@ -47,8 +47,8 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory "
-                        "(default: embedded tiny model)")
+    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, "
+                        f"or a built-in tiny model: {', '.join(TINY_MODELS)} (default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
                         "Ethan where it has one)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")

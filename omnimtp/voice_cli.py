@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     actions = voice.add_subparsers(dest="voice_command", required=True, help="what to do with voices",
                                    parser_class=type(voice))
     create = actions.add_parser("create", help="clone the voice of a reference recording into a voice file")
-    create.add_argument("--model", required=True, help="the Qwen3-TTS Base checkpoint directory")
+    create.add_argument("--model", required=True, help="the Qwen3-TTS Base checkpoint directory (or tiny-tts-base)")
     create.add_argument("--audio", required=True, metavar="FILE",
                         help="the reference recording (wav, flac, mp3, ...; 1 to 60 s, one speaker)")
     create.add_argument("--text", default=None,

@@ -7,7 +7,7 @@ import os
 import sys
 
 from omnimtp.argtypes import positive_float, positive_int
-from omnimtp.checkpoint import omni_model_type
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
         "embedded tiny model (random weights: noise-like speech).",
     )
     parser.add_argument("--model", metavar="DIR",
-                        help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny)")
+                        help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or a built-in tiny model "
+                        f"({', '.join(TINY_MODELS)}), served by its name (default: embedded tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")
@@ -127,15 +128,18 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits)
+    from omnimtp.checkpoint import tiny_model
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
                                         thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
-    model_id = os.path.basename(os.path.normpath(model_dir))
+    # a built-in model is served by its name, a directory by its last component
+    model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
-                  max_frames=max_frames or DEFAULT_MAX_FRAMES, media_limits=media_limits)
+                  max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
+                  media_limits=media_limits)
 
 
 def run(args: argparse.Namespace) -> int:
