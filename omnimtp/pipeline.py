@@ -41,13 +41,14 @@ import numpy as np
 import torch
 
 from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
+from omnimtp.console import quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_processor
-from omnimtp.runtime.device import resolve_device
+from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 from omnimtp.voice import Voice
@@ -80,6 +81,7 @@ class OmniPipeline:
         self, model=None, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
+        torch_threads: int | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -92,7 +94,9 @@ class OmniPipeline:
         follows the model's `config.model_type`. thinker_mtp (Qwen3-Omni): speculative thinker steps drafted
         by the thinker's MTP head (a directory holding it, an `MTPHead`) or any `Proposer`, k =
         num_draft_tokens (default 3) drafts per step; greedy text is token for token the plain loop's,
-        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`)."""
+        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`). torch_threads: torch's
+        CPU threads (`omnimtp.runtime.device.apply_thread_rule`: default one for a small model such as the
+        built-in tiny ones, the cores for a real one)."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -121,6 +125,7 @@ class OmniPipeline:
                 )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
+        apply_thread_rule(family.model, torch_threads)
 
     @property
     def model(self):
@@ -161,6 +166,7 @@ class OmniPipeline:
         `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
+        quiet_expected_warnings()
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_tts":
@@ -195,6 +201,7 @@ class OmniPipeline:
         import transformers
         from transformers import AutoTokenizer
 
+        quiet_expected_warnings()
         path = os.fspath(path)
         tiny = tiny_model(path)
         if tiny is not None:

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from omnimtp.argtypes import add_reply_caps, draft_tokens
+from omnimtp.argtypes import add_reply_caps, add_threads_argument, draft_tokens
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import printable
 
@@ -54,6 +54,7 @@ def _add_common(parser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_threads_argument(parser)
     add_thinker_mtp_arguments(parser)
 
 
@@ -82,19 +83,17 @@ def _check_model_args(args) -> dict:
 
 def _load(args):
     speculation = _check_model_args(args)
-    import torch
 
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.runtime.device import resolve_device
 
     resolve_device(args.device, "--device")
+    threads = {"torch_threads": args.threads}  # the thread rule's override (`OmniPipeline`)
     if args.demo:
-        torch.set_num_threads(1)
-        return OmniPipeline.demo(device=args.device, **speculation)
+        return OmniPipeline.demo(device=args.device, **threads, **speculation)
     if args.model is None:
-        torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny(device=args.device, **speculation)
-    return OmniPipeline.from_pretrained(args.model, device=args.device, **speculation)
+        return OmniPipeline.tiny(device=args.device, **threads, **speculation)
+    return OmniPipeline.from_pretrained(args.model, device=args.device, **threads, **speculation)
 
 
 def thinker_mtp_kwargs(args) -> dict:

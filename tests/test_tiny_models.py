@@ -4,6 +4,7 @@ and a saved tiny model keeps its caps."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
@@ -39,3 +40,15 @@ def test_a_saved_tiny_model_keeps_its_caps_and_a_bad_name_lists_the_built_in_one
 def test_the_server_serves_a_tiny_model_by_its_name():
     engine = build_engine("tiny-tts-design", max_batch_size=1, max_frames=None)
     assert engine.model_id == "tiny-tts-design" and engine.config.max_frames == TINY_MAX_FRAMES
+
+
+def test_one_thread_rule_for_a_small_model_unless_told():
+    torch.set_num_threads(2)
+    OmniPipeline.from_pretrained("tiny-tts")
+    assert torch.get_num_threads() == 1  # a small model's ops are too small to split
+    OmniPipeline.tiny(torch_threads=2)
+    assert torch.get_num_threads() == 2
+    build_engine("tiny", max_batch_size=1, max_frames=None)
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="torch_threads must be an integer >= 1, got 0"):
+        OmniPipeline.tiny(torch_threads=0)

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import positive_float, positive_int
+from omnimtp.argtypes import add_threads_argument, positive_float, positive_int
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
@@ -50,6 +50,7 @@ def add_parser(subparsers) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
                         "printable ASCII. An empty key is refused: unset the variable to serve without one")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_threads_argument(parser)
     parser.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N",
                         help="requests generating at once")
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
@@ -111,13 +112,15 @@ def add_parser(subparsers) -> None:
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
-                 num_draft_tokens: int | None = None):
-    """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
-    moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
+                 num_draft_tokens: int | None = None, torch_threads: int | None = None):
+    """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
+    weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
-    thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
+    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override
+    (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
     from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
@@ -125,6 +128,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     if model_dir is None:
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
+        apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits)
@@ -132,7 +136,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
-                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
+                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
+                                        torch_threads=torch_threads)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
@@ -223,7 +228,7 @@ def build_app(args: argparse.Namespace):
         model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, **speculation)
+                          device=args.device, torch_threads=getattr(args, "threads", None), **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore
