@@ -34,9 +34,11 @@ from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve /v1/chat/completions, /v1/audio/speech and /v1/realtime (OpenAI-compatible)",
-        description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
-        "embedded tiny model (random weights: noise-like speech).",
+        "serve", help="serve the OpenAI-compatible chat, speech and realtime APIs",
+        description="OpenAI-compatible speech server with continuous batching. Routes: POST /v1/chat/completions, "
+        "POST /v1/audio/speech, WebSocket /v1/audio/speech/stream, WebSocket /v1/realtime, GET/POST/DELETE "
+        "/v1/audio/voices (with --voices-dir), GET /v1/models, GET /health, GET /metrics. Without --model it serves "
+        "the embedded tiny model (random weights: noise-like speech).",
     )
     parser.add_argument("--model", metavar="DIR",
                         help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or a built-in tiny model "
