@@ -34,8 +34,8 @@ def add_parser(subparsers) -> None:
     speak.add_argument("--stream", action="store_true",
                        help="print the text as it is written; the summary counts the audio chunks as they arrived "
                        "and the time to the first")
-    speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive); Base: "
-                       "a voice file from `omnimtp voice create`")
+    speak.add_argument("--voice", default=None, help="the voice: a speaker of the model (case-insensitive), or for a "
+                       "Qwen3-TTS Base model a voice file from `omnimtp voice create` (--speaker is its older name)")
     speak.add_argument("--language", default=None, help="Qwen3-TTS: the language to speak (default: auto)")
     speak.add_argument("--instructions", default=None,
                        help="Qwen3-TTS: the voice described in words (VoiceDesign; CustomVoice 1.7B: the style)")
@@ -50,7 +50,7 @@ def _add_common(parser) -> None:
     parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, "
                         f"or a built-in tiny model: {', '.join(TINY_MODELS)} (default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
-                        "Ethan where it has one)")
+                        "Ethan where it has one); for speak, the same as --voice (deprecated there: use --voice)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")

@@ -46,5 +46,6 @@ def run_create(args: argparse.Namespace) -> int:
         raise ValueError(f"--audio {args.audio}: {exc}" if str(exc).startswith("ref_audio") else str(exc)) from None
     voice.save(args.output)
     frames = "" if voice.ref_codes is None else f", {voice.ref_codes.shape[1]} reference frames"
-    print(f"[{args.output}: a {voice.mode} voice from {voice.seconds:.2f} s of audio{frames}]", file=sys.stderr)
+    kind = {"icl": "an in-context (icl)", "x_vector": "an x-vector"}[voice.mode]
+    print(f"[{args.output}: {kind} voice from {voice.seconds:.2f} s of audio{frames}]", file=sys.stderr)
     return 0
