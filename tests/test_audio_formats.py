@@ -4,6 +4,7 @@ file's; the speech route streams them and the CLI writes them by extension."""
 
 from __future__ import annotations
 
+import base64
 import io
 
 import av
@@ -80,7 +81,7 @@ def test_a_file_name_picks_its_format():
 
 @pytest.fixture(scope="module")
 def client():
-    engine = Engine(Qwen3TTSFamily.tiny(0, "custom_voice"), model_id="tiny-tts", max_frames=12, max_batch_size=2)
+    engine = Engine(Qwen3TTSFamily.tiny(0, "custom_voice"), model_id="tiny-tts", max_frames=12, max_batch_size=4)
     with running_server(create_app(engine)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
@@ -96,3 +97,21 @@ def test_speech_route_streams_every_format_as_the_pcm_samples(client):
             data = b"".join(response.iter_bytes())
         assert np.array_equal(_decode(data, fmt), _decode(encode_audio(reference, SAMPLE_RATE, fmt), fmt))
         assert _snr_db(_decode(data, fmt), reference) >= MIN_SNR_DB[fmt], fmt
+
+
+def test_speech_batch_route_gives_each_item_what_it_gets_alone(client):
+    items = [{"input": "Hello there.", "voice": "aiden", "seed": 3, "temperature": 0.9, "response_format": "pcm"},
+             {"input": "Good morning to you.", "voice": "vivian", "seed": 5, "temperature": 0.9,
+              "response_format": "pcm"},
+             {"input": "Hi.", "voice": "nobody", "seed": 1},
+             {"input": "Short.", "voice": "aiden", "seed": 7, "response_format": "mp3"}]
+    batch = client.post("/audio/speech/batch", body={"items": items}, cast_to=object)["data"]
+    assert [item["index"] for item in batch] == [0, 1, 2, 3]
+    assert batch[2]["error"]["param"] == "items[2].voice" and "nobody" in batch[2]["error"]["message"]
+    for index in (0, 1):
+        alone = client.audio.speech.create(model="tiny-tts", **{k: v for k, v in items[index].items()
+                                                                if k in ("input", "voice", "response_format")},
+                                           extra_body={"seed": items[index]["seed"], "temperature": 0.9}).content
+        assert_audible(np.frombuffer(alone, dtype="<i2"))
+        assert base64.b64decode(batch[index]["audio"]) == alone, index
+    assert batch[3]["response_format"] == "mp3" and _decode(base64.b64decode(batch[3]["audio"]), "mp3").size

@@ -143,6 +143,6 @@ def test_version_and_serve_help_list_every_route(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    for route in ("/v1/chat/completions", "/v1/audio/speech,", "/v1/audio/speech/stream", "/v1/realtime",
-                  "/v1/audio/voices", "/v1/models", "/health", "/metrics"):
+    for route in ("/v1/chat/completions", "/v1/audio/speech,", "/v1/audio/speech/batch", "/v1/audio/speech/stream",
+                  "/v1/realtime", "/v1/audio/voices", "/v1/models", "/health", "/metrics"):
         assert route in help_text

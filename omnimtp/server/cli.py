@@ -36,7 +36,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible chat, speech and realtime APIs",
         description="OpenAI-compatible speech server with continuous batching. Routes: POST /v1/chat/completions, "
-        "POST /v1/audio/speech, WebSocket /v1/audio/speech/stream, WebSocket /v1/realtime, GET/POST/DELETE "
+        "POST /v1/audio/speech, POST /v1/audio/speech/batch, WebSocket /v1/audio/speech/stream, WebSocket "
+        "/v1/realtime, GET/POST/DELETE "
         "/v1/audio/voices (with --voices-dir), GET /v1/models, GET /health, GET /metrics. Without --model it serves "
         "the embedded tiny model (random weights: noise-like speech).",
     )

@@ -208,3 +208,13 @@ class SpeechRequest(SpeechVoice):
     # vllm-omni's default); mp3, opus and aac are there for the asking
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
+
+
+MAX_SPEECH_BATCH_ITEMS = 32
+
+
+class SpeechBatchRequest(BaseModel):
+    """`/v1/audio/speech/batch`: up to MAX_SPEECH_BATCH_ITEMS speech requests, spoken as one batch."""
+
+    model_config = _STRICT
+    items: Annotated[list[SpeechRequest], Field(min_length=1, max_length=MAX_SPEECH_BATCH_ITEMS)]

@@ -18,6 +18,8 @@ an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: 
 
 from __future__ import annotations
 
+import base64
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -25,7 +27,7 @@ from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, e
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
-from omnimtp.server.schemas import SpeechRequest
+from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
 # How the speech ended ("stop", "length", or "no_audio": the talker ended before its first frame), where it is
 # known before the body starts: a whole-file response (flac, or any format without audio) and a stream whose
@@ -44,15 +46,7 @@ async def speech(request: Request):
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
     speaker = await context.speech_speaker(body)
-    engine_request = EngineRequest(
-        messages=None,
-        speak_text=body.input,
-        speaker=speaker,
-        sampling=engine.speech_sampling(body.temperature, body.top_p, body.top_k),
-        seed=body.seed,
-        max_new_tokens=0,
-    )  # streamed in every format, so that every format carries the same samples
-    handle = await context.submit(engine_request)
+    handle = await context.submit(_engine_request(engine, body, speaker))
     fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
     # an engine error before any audio is an error body.
@@ -69,6 +63,52 @@ async def speech(request: Request):
     _, samples, final = await collect(handle, request, events)
     return Response(encode_audio(samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
                     headers={FINISH_REASON_HEADER: final.finish_reason})
+
+
+def _engine_request(engine, body: SpeechRequest, speaker) -> EngineRequest:
+    # streamed in every format, so that every format carries the same samples
+    return EngineRequest(messages=None, speak_text=body.input, speaker=speaker,
+                         sampling=engine.speech_sampling(body.temperature, body.top_p, body.top_k), seed=body.seed,
+                         max_new_tokens=0)
+
+
+@router.post("/v1/audio/speech/batch")
+async def speech_batch(request: Request):
+    """Every item a speech request (`stream_format` ignored: each item is a whole file), all queued before any
+    is awaited, so the engine steps them as one batch; seeded, each item's audio is the one it gets alone.
+    The response lists each item's base64 audio or its error, in order; a bad item does not fail the others."""
+    context = serving(request)
+    body = await context.read_body(request, SpeechBatchRequest)
+    handles: list = []
+    for index, item in enumerate(body.items):
+        try:
+            context.check_model(item.model)
+            if not item.input.strip():
+                raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
+            speaker = await context.speech_speaker(item)
+            handles.append(await context.submit(_engine_request(context.engine, item, speaker)))
+        except APIError as error:
+            handles.append(_item_error(index, error))
+    data = []
+    for index, (item, handle) in enumerate(zip(body.items, handles, strict=True)):
+        if isinstance(handle, dict):
+            data.append(handle)
+            continue
+        try:
+            _, samples, final = await collect(handle, request)
+        except APIError as error:
+            data.append(_item_error(index, error))
+            continue
+        audio = encode_audio(samples, context.engine.sample_rate, item.response_format)
+        data.append({"index": index, "response_format": item.response_format, "finish_reason": final.finish_reason,
+                     "audio": base64.b64encode(audio).decode("ascii")})
+    return {"object": "list", "data": data}
+
+
+def _item_error(index: int, error: APIError) -> dict:
+    return {"index": index, "error": {"status": error.status, "message": error.message, "type": error.type,
+                                      "param": None if error.param is None else f"items[{index}].{error.param}",
+                                      "code": error.code}}
 
 
 async def _speech_sse(handle, events):
