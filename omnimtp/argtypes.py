@@ -76,3 +76,9 @@ def add_reply_caps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
                         help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
                         f"{DEFAULT_MAX_FRAMES} checkpoint)")
+
+
+def add_threads_argument(parser) -> None:
+    parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                        help="torch's CPU threads (default: one for a small model such as the built-in tiny ones, "
+                        "the cores for a real one)")

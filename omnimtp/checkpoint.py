@@ -13,15 +13,50 @@ MODEL_TYPES = {
 }
 # served with the project's own modules (not in transformers)
 OWN_MODEL_TYPES = ("qwen3_tts",)
+# The built-in tiny models (seeded random weights, made in a second, noise-like speech) by the name `--model`
+# and `OmniPipeline.from_pretrained` take: name → (config.json's model_type, `OmniPipeline.tiny`'s family,
+# its tts_model_type). A name wins over a directory of the same name only where no such directory exists.
+TINY_MODELS = {
+    "tiny": ("qwen3_omni_moe", "qwen3", None),
+    "tiny-qwen2.5-omni": ("qwen2_5_omni", "qwen2_5", None),
+    "tiny-tts": ("qwen3_tts", "qwen3_tts", "custom_voice"),
+    "tiny-tts-design": ("qwen3_tts", "qwen3_tts", "voice_design"),
+    "tiny-tts-base": ("qwen3_tts", "qwen3_tts", "base"),
+}
+# what `save_pretrained` writes next to config.json: the pipeline's default caps (max_new_tokens, max_frames),
+# which `from_pretrained` takes back, so a saved tiny model keeps its short caps
+CAPS_FILE = "omnimtp_caps.json"
+
+
+def tiny_model(path) -> tuple[str, str | None] | None:
+    """(`OmniPipeline.tiny`'s family, tts_model_type) for a built-in tiny model's name that names no directory;
+    None otherwise."""
+    if not isinstance(path, str) or path not in TINY_MODELS or os.path.exists(path):
+        return None
+    return TINY_MODELS[path][1:]
+
+
+def saved_caps(path: str) -> dict:
+    """The caps a saved pipeline wrote (CAPS_FILE), or none."""
+    caps_path = os.path.join(path, CAPS_FILE)
+    if not os.path.isfile(caps_path):
+        return {}
+    with open(caps_path) as f:
+        caps = json.load(f)
+    return {name: int(caps[name]) for name in ("max_new_tokens", "max_frames") if caps.get(name) is not None}
 
 
 def omni_model_type(path: str, param: str = "path") -> str:
     """config.json's model_type of the checkpoint at `path` (a key of MODEL_TYPES, or "qwen3_tts"); ValueError
     naming `param` for a path that is no checkpoint, an unsupported model type, a Qwen2.5-Omni without its
-    speakers (spk_dict.pt) or a Qwen3-TTS without its speech tokenizer (speech_tokenizer/)."""
+    speakers (spk_dict.pt) or a Qwen3-TTS without its speech tokenizer (speech_tokenizer/). A built-in tiny
+    model's name (TINY_MODELS) is its model type."""
+    if tiny_model(path) is not None:
+        return TINY_MODELS[path][0]
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        reason = "does not exist" if not os.path.exists(path) else "is not a checkpoint directory (no config.json)"
+        reason = ("does not exist (nor is it a built-in model: " + ", ".join(TINY_MODELS) + ")"
+                  if not os.path.exists(path) else "is not a checkpoint directory (no config.json)")
         raise ValueError(f"{param}: {path!r} {reason}")
     with open(config_path) as f:
         model_type = json.load(f).get("model_type")

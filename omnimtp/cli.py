@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from omnimtp import __version__
 from omnimtp.argtypes import HelpFormatter
 from omnimtp.console import interrupt_on_signals, quiet_expected_warnings, stopped_by
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from omnimtp.spec_decode import cli as spec_cli
 
     parser = _Parser(prog="omnimtp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"omnimtp {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
     for module in (speak_cli, voice_cli, transcribe_cli, train_cli, spec_cli, server_cli, batch):

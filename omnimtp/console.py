@@ -47,10 +47,24 @@ class _ExpectedRopeKeys(logging.Filter):
 
 _ROPE_FILTER = _ExpectedRopeKeys()
 
+# transformers reads a Qwen3-TTS checkpoint's config.json (model_type "qwen3_tts", a model it does not know)
+# when it loads the tokenizer, and warns that the type differs from its generic config's: expected.
+_CONFIG_LOGGER = "transformers.configuration_utils"
+_QWEN3_TTS_MESSAGE = "You are using a model of type `qwen3_tts` to instantiate a model of type ``."
+
+
+class _ExpectedQwen3TTSConfig(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_QWEN3_TTS_MESSAGE)
+
+
+_QWEN3_TTS_FILTER = _ExpectedQwen3TTSConfig()
+
 
 def quiet_expected_warnings() -> None:
-    """Install the filter above on transformers' logger (idempotent; transformers need not be imported)."""
+    """Install the filters above on transformers' loggers (idempotent; transformers need not be imported)."""
     logging.getLogger(_ROPE_LOGGER).addFilter(_ROPE_FILTER)
+    logging.getLogger(_CONFIG_LOGGER).addFilter(_QWEN3_TTS_FILTER)
 
 
 class Terminated(KeyboardInterrupt):

@@ -32,6 +32,7 @@ the same text and PCM as here.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,14 +40,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
+from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
+from omnimtp.console import quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
-from omnimtp.runtime.device import resolve_device
+from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 from omnimtp.voice import Voice
@@ -105,6 +107,7 @@ class OmniPipeline:
         self, model=None, tokenizer=None, *, max_batch_size: int = 8, max_new_tokens: int | None = None,
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
+        torch_threads: int | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -117,7 +120,9 @@ class OmniPipeline:
         follows the model's `config.model_type`. thinker_mtp (Qwen3-Omni): speculative thinker steps drafted
         by the thinker's MTP head (a directory holding it, an `MTPHead`) or any `Proposer`, k =
         num_draft_tokens (default 3) drafts per step; greedy text is token for token the plain loop's,
-        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`)."""
+        sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`). torch_threads: torch's
+        CPU threads (`omnimtp.runtime.device.apply_thread_rule`: default one for a small model such as the
+        built-in tiny ones, the cores for a real one)."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -146,6 +151,7 @@ class OmniPipeline:
                 )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
+        apply_thread_rule(family.model, torch_threads)
 
     @property
     def model(self):
@@ -186,6 +192,7 @@ class OmniPipeline:
         `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
+        quiet_expected_warnings()
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_tts":
@@ -210,15 +217,26 @@ class OmniPipeline:
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> OmniPipeline:
-        """A checkpoint directory: config.json's model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
+        """A checkpoint directory, or a built-in tiny model's name (`omnimtp.checkpoint.TINY_MODELS`: "tiny",
+        "tiny-qwen2.5-omni", "tiny-tts", "tiny-tts-design", "tiny-tts-base"; `tiny`). config.json's model_type
+        picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
         layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode); its tokenizer and its
-        processor (audio and images, `omnimtp.media.load_processor`), when it has them."""
+        processor (audio and images, `omnimtp.media.load_processor`), when it has them; the default caps a saved
+        pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
         from transformers import AutoTokenizer
 
+        quiet_expected_warnings()
         path = os.fspath(path)
+        tiny = tiny_model(path)
+        if tiny is not None:
+            family, tts_model_type = tiny
+            kwargs.pop("non_streaming_mode", None)  # (the tiny Qwen3-TTS streams its text)
+            tts = {} if tts_model_type is None else {"tts_model_type": tts_model_type}
+            return cls.tiny(device=device, family=family, **tts, **kwargs)
         model_type = omni_model_type(path)
+        kwargs = {**saved_caps(path), **kwargs}
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs
@@ -239,8 +257,11 @@ class OmniPipeline:
 
     def save_pretrained(self, path) -> None:
         """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder, and
-        a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout."""
+        a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout;
+        the default caps in CAPS_FILE."""
         self.model.save_pretrained(path)
+        with open(os.path.join(os.fspath(path), CAPS_FILE), "w") as f:
+            json.dump({"max_new_tokens": self.config.max_new_tokens, "max_frames": self.config.max_frames}, f)
         if isinstance(self.family, Qwen3TTSFamily):
             if self.family.codec is not None:
                 self.family.codec.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))

@@ -15,15 +15,17 @@ import os
 import sys
 import time
 
-from omnimtp.argtypes import add_reply_caps, draft_tokens
-from omnimtp.checkpoint import omni_model_type
+from omnimtp.argtypes import add_reply_caps, add_threads_argument, draft_tokens
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import printable
 
 
 def add_parser(subparsers) -> None:
     speak = subparsers.add_parser("speak", help="answer a prompt with text and speech, write the audio file")
     speak.add_argument("text", nargs="?", default=None, help="what to say to the model (optional with --audio/--image)")
-    speak.add_argument("-o", "--output", required=True, help="audio file to write (.wav, or .flac)")
+    speak.add_argument("-o", "--output", required=True,
+                       help="audio file to write, its format by extension: .wav, .flac, .mp3, .opus or .ogg (Ogg "
+                       "Opus), .aac")
     speak.add_argument("--audio", action="append", default=[], metavar="FILE",
                        help="an audio file the model hears before the text (repeatable; wav, flac, mp3, ogg, ...)")
     speak.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -32,8 +34,8 @@ def add_parser(subparsers) -> None:
     speak.add_argument("--stream", action="store_true",
                        help="print the text as it is written; the summary counts the audio chunks as they arrived "
                        "and the time to the first")
-    speak.add_argument("--voice", default=None, help="Qwen3-TTS CustomVoice: the speaker (case-insensitive); Base: "
-                       "a voice file from `omnimtp voice create`")
+    speak.add_argument("--voice", default=None, help="the voice: a speaker of the model (case-insensitive), or for a "
+                       "Qwen3-TTS Base model a voice file from `omnimtp voice create` (--speaker is its older name)")
     speak.add_argument("--language", default=None, help="Qwen3-TTS: the language to speak (default: auto)")
     speak.add_argument("--instructions", default=None,
                        help="Qwen3-TTS: the voice described in words (VoiceDesign; CustomVoice 1.7B: the style)")
@@ -45,13 +47,14 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory "
-                        "(default: embedded tiny model)")
+    parser.add_argument("--model", default=None, help="Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, "
+                        f"or a built-in tiny model: {', '.join(TINY_MODELS)} (default: embedded tiny model)")
     parser.add_argument("--speaker", default=None, help="voice name, case-insensitive (default: the model's, "
-                        "Ethan where it has one)")
+                        "Ethan where it has one); for speak, the same as --voice (deprecated there: use --voice)")
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_threads_argument(parser)
     add_thinker_mtp_arguments(parser)
 
 
@@ -80,19 +83,17 @@ def _check_model_args(args) -> dict:
 
 def _load(args):
     speculation = _check_model_args(args)
-    import torch
 
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.runtime.device import resolve_device
 
     resolve_device(args.device, "--device")
+    threads = {"torch_threads": args.threads}  # the thread rule's override (`OmniPipeline`)
     if args.demo:
-        torch.set_num_threads(1)
-        return OmniPipeline.demo(device=args.device, **speculation)
+        return OmniPipeline.demo(device=args.device, **threads, **speculation)
     if args.model is None:
-        torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny(device=args.device, **speculation)
-    return OmniPipeline.from_pretrained(args.model, device=args.device, **speculation)
+        return OmniPipeline.tiny(device=args.device, **threads, **speculation)
+    return OmniPipeline.from_pretrained(args.model, device=args.device, **threads, **speculation)
 
 
 def thinker_mtp_kwargs(args) -> dict:
@@ -122,8 +123,9 @@ def _sampling(pipe, args) -> dict:
 
 def _speak(pipe, messages, args, output: str, live: bool):
     import numpy as np
-    import soundfile
     from tqdm import tqdm
+
+    from omnimtp.server.audio import write_audio
 
     kwargs = dict(speaker=args.speaker, max_new_tokens=args.max_new_tokens, max_frames=args.max_frames,
                   **_sampling(pipe, args))
@@ -144,7 +146,7 @@ def _speak(pipe, messages, args, output: str, live: bool):
                 final = event.output
     elapsed = time.perf_counter() - start
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    soundfile.write(output, audio, final.sample_rate)
+    write_audio(output, audio, final.sample_rate)
     seconds = len(audio) / final.sample_rate
     print("" if live else printable(final.text))
     first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
@@ -167,10 +169,10 @@ def _speak(pipe, messages, args, output: str, live: bool):
 
 
 def run_speak(args: argparse.Namespace) -> int:
-    ext = os.path.splitext(args.output)[1].lower()
-    if ext not in (".wav", ".flac"):
-        return _refuse(f"--output must end in .wav or .flac, got {args.output!r}")
+    from omnimtp.server.audio import format_of_path
+
     try:
+        format_of_path(args.output, "--output")
         _check_model_args(args)
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
@@ -191,9 +193,9 @@ def run_speak(args: argparse.Namespace) -> int:
 def _say(pipe, text, args) -> None:
     """A Qwen3-TTS model speaks the text itself (it has no chat) into args.output."""
     import numpy as np
-    import soundfile
 
     from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+    from omnimtp.server.audio import write_audio
 
     if not isinstance(text, str):
         raise ValueError("--audio/--image: a Qwen3-TTS model speaks text; it takes no media")
@@ -220,7 +222,7 @@ def _say(pipe, text, args) -> None:
             final = item
     elapsed = time.perf_counter() - start
     audio = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
-    soundfile.write(args.output, audio, final.sample_rate)
+    write_audio(args.output, audio, final.sample_rate)
     seconds = len(audio) / final.sample_rate
     first = f"{first_audio:.2f} s" if first_audio is not None else "n/a"
     print(f"[{args.output}: {seconds:.2f} s of audio, {final.codes.shape[1]} frames, finish={final.finish_reason}; "

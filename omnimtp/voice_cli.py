@@ -18,7 +18,7 @@ def add_parser(subparsers) -> None:
     actions = voice.add_subparsers(dest="voice_command", required=True, help="what to do with voices",
                                    parser_class=type(voice))
     create = actions.add_parser("create", help="clone the voice of a reference recording into a voice file")
-    create.add_argument("--model", required=True, help="the Qwen3-TTS Base checkpoint directory")
+    create.add_argument("--model", required=True, help="the Qwen3-TTS Base checkpoint directory (or tiny-tts-base)")
     create.add_argument("--audio", required=True, metavar="FILE",
                         help="the reference recording (wav, flac, mp3, ...; 1 to 60 s, one speaker)")
     create.add_argument("--text", default=None,
@@ -46,5 +46,6 @@ def run_create(args: argparse.Namespace) -> int:
         raise ValueError(f"--audio {args.audio}: {exc}" if str(exc).startswith("ref_audio") else str(exc)) from None
     voice.save(args.output)
     frames = "" if voice.ref_codes is None else f", {voice.ref_codes.shape[1]} reference frames"
-    print(f"[{args.output}: a {voice.mode} voice from {voice.seconds:.2f} s of audio{frames}]", file=sys.stderr)
+    kind = {"icl": "an in-context (icl)", "x_vector": "an x-vector"}[voice.mode]
+    print(f"[{args.output}: {kind} voice from {voice.seconds:.2f} s of audio{frames}]", file=sys.stderr)
     return 0

@@ -131,3 +131,18 @@ def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, capsys):
         build_parser().parse_args(argv)
     assert exc.value.code == 2
     assert f"argument {argv[1]}" in capsys.readouterr().err
+
+
+def test_version_and_serve_help_list_every_route(capsys):
+    from omnimtp import __version__
+    from omnimtp.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"omnimtp {__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for route in ("/v1/chat/completions", "/v1/audio/speech,", "/v1/audio/speech/batch", "/v1/audio/speech/stream",
+                  "/v1/realtime", "/v1/audio/voices", "/v1/models", "/health", "/metrics"):
+        assert route in help_text

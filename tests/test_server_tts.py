@@ -197,7 +197,8 @@ def test_models_say_what_the_model_is(clients):
     assert custom.id == "tts-custom" and custom.owned_by == "omnimtp"
     card = custom.model_dump()
     assert card["family"] == "qwen3_tts" and card["tts_model_type"] == "custom_voice"
-    assert card["task_type"] == "CustomVoice" and card["endpoints"] == ["/v1/audio/speech"]
+    assert card["task_type"] == "CustomVoice" and card["endpoints"] == ["/v1/audio/speech", "/v1/audio/speech/batch",
+                                                                       "/v1/audio/speech/stream"]
     assert card["voices"] == ["aiden", "eric", "vivian"] and card["languages"] == ["auto", "chinese", "english"]
     design = clients["voice_design"].models.list().data[0].model_dump()
     assert (design["tts_model_type"], design["task_type"], design["voices"]) == ("voice_design", "VoiceDesign", [])

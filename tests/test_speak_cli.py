@@ -98,7 +98,7 @@ def test_speak_refuses_bad_input_with_exit_code_2(tmp_path, capsys):
     out = str(tmp_path / "a.wav")
     cases = [
         (["-o", out], "give the text to say, or --audio / --image"),
-        (["Hi", "-o", str(tmp_path / "a.mp3")], "--output must end in .wav or .flac"),
+        (["Hi", "-o", str(tmp_path / "a.txt")], "--output must end in .wav, .flac, .mp3"),
         (["--audio", str(tmp_path / "missing.wav"), "-o", out], f"--audio {tmp_path / 'missing.wav'}: cannot read"),
         (["--audio", str(junk), "-o", out], f"--audio {junk}: is not audio that can be decoded"),
         (["--image", audio, "-o", out], f"--image {audio}: is not an image that can be decoded"),

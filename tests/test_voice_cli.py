@@ -36,7 +36,8 @@ def test_voice_create_then_speak_equals_the_python_api(base, tmp_path, capsys, f
     voice_path, wav_path = tmp_path / "me.safetensors", tmp_path / "hello.wav"
     assert main(["voice", "create", "--model", str(root / "base"), "--audio", str(root / "ref.wav"), *flags,
                  "-o", str(voice_path)]) == 0
-    assert f"a {mode} voice from 1.50 s of audio" in capsys.readouterr().err
+    words = {"icl": "an in-context (icl)", "x_vector": "an x-vector"}[mode]
+    assert f"{words} voice from 1.50 s of audio" in capsys.readouterr().err
     voice = Voice.load(voice_path)
     expected_voice = pipe.create_voice(root / "ref.wav", REF_TEXT if flags else None,
                                        x_vector_only="--x-vector-only" in flags)

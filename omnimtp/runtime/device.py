@@ -33,3 +33,20 @@ def resolve_device(device, param: str = "device") -> torch.device:
             raise ValueError(f"{param}: {device!r} asked for MPS, which is not available here")
         return resolved
     raise ValueError(f"{param}: {device!r}: only cpu, cuda and mps devices are supported")
+
+
+# Below this many weights a model's ops are too small to split across threads: on a CPU more threads only
+# contend (the built-in tiny models run 10-25x slower on every core of a busy box than on one).
+SMALL_MODEL_PARAMETERS = 50_000_000
+
+
+def apply_thread_rule(model: torch.nn.Module, torch_threads: int | None = None) -> None:
+    """The one thread rule of the Python API, the CLI and the server: `torch_threads` when given; else one
+    thread for a small model (under SMALL_MODEL_PARAMETERS weights), and torch's own default (the cores) left
+    as it is for a real one. torch's thread count is per process: the last model loaded sets it."""
+    if torch_threads is not None:
+        if isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1:
+            raise ValueError(f"torch_threads must be an integer >= 1, got {torch_threads!r}")
+        torch.set_num_threads(torch_threads)
+    elif sum(parameter.numel() for parameter in model.parameters()) < SMALL_MODEL_PARAMETERS:
+        torch.set_num_threads(1)

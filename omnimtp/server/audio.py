@@ -1,13 +1,20 @@
-"""Audio encoding for responses: float32 samples → PCM16 raw, WAV or FLAC bytes.
+"""Audio encoding for responses and files: float32 samples → PCM16 raw, WAV, FLAC, MP3, Opus (Ogg) or AAC bytes.
 
 Every format carries the same 16-bit samples (`to_pcm16`), so a WAV or FLAC response decodes to
-exactly the raw PCM a `pcm` response (or the base64 deltas of a stream) carries. No samples is still a
-file of its format: a WAV with an empty data chunk, a FLAC stream with no frames, empty raw PCM.
+exactly the raw PCM a `pcm` response (or the base64 deltas of a stream) carries; MP3, Opus and AAC decode to
+those samples within their codec's error. No samples is still a file of its format: a WAV with an empty data
+chunk, a FLAC stream with no frames; raw PCM, MP3, Opus and AAC: no bytes.
+
+The lossy formats go through FFmpeg's encoders in PyAV (libmp3lame, libopus, its native AAC), one
+`StreamEncoder` per response: it takes the audio chunk by chunk and hands back the container bytes complete so
+far, so a streamed response starts with the first chunk. Opus runs at 48 kHz (the Ogg Opus rule: decoders
+play at 48 kHz whatever the input was), so other rates are resampled by FFmpeg's resampler.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import struct
 
 import numpy as np
@@ -16,7 +23,15 @@ import soundfile as sf
 # Formats as the two routes name them: chat says "pcm16", speech says "pcm".
 _SUBTYPE_CONTAINERS = {"wav": "WAV", "flac": "FLAC"}
 RAW_FORMATS = ("pcm", "pcm16")
-MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "pcm": "audio/pcm", "pcm16": "audio/pcm"}
+# format → (PyAV container, encoder, bit rate)
+_LOSSY = {"mp3": ("mp3", "libmp3lame", 128_000), "opus": ("ogg", "libopus", 64_000), "aac": ("adts", "aac", 128_000)}
+FORMATS = ("wav", "flac", "pcm", "pcm16", *_LOSSY)
+# the formats whose bytes can be sent as they are encoded (FLAC states its length in its header)
+STREAMED_FORMATS = ("wav", "pcm", "pcm16", *_LOSSY)
+MEDIA_TYPES = {"wav": "audio/wav", "flac": "audio/flac", "pcm": "audio/pcm", "pcm16": "audio/pcm",
+               "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac"}
+# a file name's extension → its format (the CLI's -o)
+EXTENSIONS = {".wav": "wav", ".flac": "flac", ".mp3": "mp3", ".opus": "opus", ".ogg": "opus", ".aac": "aac"}
 
 
 def to_pcm16(samples: np.ndarray) -> np.ndarray:
@@ -29,13 +44,16 @@ def to_pcm16(samples: np.ndarray) -> np.ndarray:
 
 
 def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    """A whole response body in `fmt` ("wav", "flac", "pcm" or "pcm16")."""
+    """A whole response body in `fmt` (one of FORMATS)."""
+    if fmt in _LOSSY:
+        encoder = StreamEncoder(fmt, sample_rate)
+        return encoder.push(samples) + encoder.finish()
     pcm = to_pcm16(samples)
     if fmt in RAW_FORMATS:
         return pcm.tobytes()
     container = _SUBTYPE_CONTAINERS.get(fmt)
     if container is None:
-        raise ValueError(f"fmt must be one of wav, flac, pcm, pcm16, got {fmt!r}")
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if container == "FLAC" and not pcm.size:
         return _empty_flac(sample_rate)  # libsndfile writes nothing for no samples
     buffer = io.BytesIO()
@@ -65,3 +83,76 @@ def streaming_wav_header(sample_rate: int) -> bytes:
     unknown = 0xFFFFFFFF
     fmt_chunk = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
     return struct.pack("<4sI4s", b"RIFF", unknown, b"WAVE") + fmt_chunk + struct.pack("<4sI", b"data", unknown)
+
+
+def format_of_path(path: str, param: str = "path") -> str:
+    """The format a file name asks for by its extension (EXTENSIONS); ValueError naming `param` otherwise."""
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in EXTENSIONS:
+        raise ValueError(f"{param} must end in {', '.join(EXTENSIONS)}, got {path!r}")
+    return EXTENSIONS[extension]
+
+
+def write_audio(path: str, samples: np.ndarray, sample_rate: int) -> None:
+    """The audio written to `path` in the format its extension names (`format_of_path`)."""
+    data = encode_audio(samples, sample_rate, format_of_path(path))
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+class StreamEncoder:
+    """Incremental encoding into one of the streamed formats: `push` a chunk of float samples, get the bytes
+    that are final so far; `finish` flushes the encoder and closes the container. The concatenated bytes are
+    one valid file (for WAV: the streaming header of unknown length, then the samples)."""
+
+    def __init__(self, fmt: str, sample_rate: int):
+        if fmt not in STREAMED_FORMATS:
+            raise ValueError(f"fmt must be one of {', '.join(STREAMED_FORMATS)}, got {fmt!r}")
+        self.fmt, self.sample_rate = fmt, sample_rate
+        self._header = streaming_wav_header(sample_rate) if fmt == "wav" else b""
+        self._container = None
+        if fmt in _LOSSY:
+            import av
+
+            container_format, codec, bit_rate = _LOSSY[fmt]
+            self._sink = io.BytesIO()
+            # no Xing header: the mp3 muxer would seek back to the start to write it, past bytes already sent
+            # Ogg pages of 20 ms, not the muxer's 1 s: a stream's first audio leaves with its first chunk
+            options = {"mp3": {"write_xing": "0"}, "ogg": {"page_duration": "20000"}}.get(container_format, {})
+            self._container = av.open(self._sink, mode="w", format=container_format, options=options)
+            rate = 48_000 if codec == "libopus" else sample_rate
+            self._stream = self._container.add_stream(codec, rate=rate, layout="mono")
+            self._stream.bit_rate = bit_rate
+            self._resampler = av.AudioResampler(format=self._stream.format.name, layout="mono", rate=rate)
+            self._num_samples = 0  # pushed so far: each frame's pts at the input rate
+
+    def push(self, samples: np.ndarray) -> bytes:
+        pcm = to_pcm16(samples)
+        header, self._header = self._header, b""
+        if self._container is None:
+            return header + pcm.tobytes()
+        if pcm.size:
+            import av
+
+            frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = self.sample_rate, self._num_samples
+            self._num_samples += pcm.size
+            for resampled in self._resampler.resample(frame):
+                self._container.mux(self._stream.encode(resampled))
+        return self._drain()
+
+    def finish(self) -> bytes:
+        header, self._header = self._header, b""
+        if self._container is None:
+            return header
+        for resampled in self._resampler.resample(None):
+            self._container.mux(self._stream.encode(resampled))
+        self._container.mux(self._stream.encode(None))
+        self._container.close()
+        return self._drain()
+
+    def _drain(self) -> bytes:
+        data = self._sink.getvalue()
+        self._sink.seek(0)
+        self._sink.truncate()
+        return data

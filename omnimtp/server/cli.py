@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import positive_float, positive_int
-from omnimtp.checkpoint import omni_model_type
+from omnimtp.argtypes import add_threads_argument, positive_float, positive_int
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -34,12 +34,16 @@ from omnimtp.speak_cli import add_thinker_mtp_arguments, thinker_mtp_kwargs
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "serve", help="serve /v1/chat/completions, /v1/audio/speech and /v1/realtime (OpenAI-compatible)",
-        description="OpenAI-compatible speech server with continuous batching. Without --model it serves the "
-        "embedded tiny model (random weights: noise-like speech).",
+        "serve", help="serve the OpenAI-compatible chat, speech and realtime APIs",
+        description="OpenAI-compatible speech server with continuous batching. Routes: POST /v1/chat/completions, "
+        "POST /v1/audio/speech, POST /v1/audio/speech/batch, WebSocket /v1/audio/speech/stream, WebSocket "
+        "/v1/realtime, GET/POST/DELETE "
+        "/v1/audio/voices (with --voices-dir), GET /v1/models, GET /health, GET /metrics. Without --model it serves "
+        "the embedded tiny model (random weights: noise-like speech).",
     )
     parser.add_argument("--model", metavar="DIR",
-                        help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory (default: embedded tiny)")
+                        help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or a built-in tiny model "
+                        f"({', '.join(TINY_MODELS)}), served by its name (default: embedded tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")
@@ -49,6 +53,7 @@ def add_parser(subparsers) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (default: $OMNIMTP_API_KEY); "
                         "printable ASCII. An empty key is refused: unset the variable to serve without one")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_threads_argument(parser)
     parser.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N",
                         help="requests generating at once")
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
@@ -110,13 +115,15 @@ def add_parser(subparsers) -> None:
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
-                 num_draft_tokens: int | None = None):
-    """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
-    moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
+                 num_draft_tokens: int | None = None, torch_threads: int | None = None):
+    """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
+    weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
-    thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
+    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override
+    (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
     from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
@@ -124,18 +131,23 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     if model_dir is None:
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
+        apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits)
+    from omnimtp.checkpoint import tiny_model
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
-                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
+                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
+                                        torch_threads=torch_threads)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
-    model_id = os.path.basename(os.path.normpath(model_dir))
+    # a built-in model is served by its name, a directory by its last component
+    model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
-                  max_frames=max_frames or DEFAULT_MAX_FRAMES, media_limits=media_limits)
+                  max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
+                  media_limits=media_limits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,7 +231,7 @@ def build_app(args: argparse.Namespace):
         model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, **speculation)
+                          device=args.device, torch_threads=getattr(args, "threads", None), **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore

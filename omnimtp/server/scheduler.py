@@ -309,7 +309,8 @@ class Engine:
         its languages ("auto" first)."""
         family = self.family
         card = {"family": getattr(family, "model_type", None),
-                "endpoints": (["/v1/chat/completions"] if self.has_chat else []) + ["/v1/audio/speech"]
+                "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
+                + ["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"]
                 + (["/v1/realtime"] if self.has_chat else []),
                 "voices": list(self.speakers)}
         if self.tts_model_type is not None:

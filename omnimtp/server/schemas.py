@@ -93,7 +93,7 @@ class ChatMessage(BaseModel):
 class AudioOutput(BaseModel):
     model_config = _STRICT
     voice: NonEmptyStr
-    format: Literal["wav", "pcm16", "flac"] = "wav"
+    format: Literal["wav", "pcm16", "flac", "mp3", "opus", "aac"] = "wav"  # omnimtp.server.audio.FORMATS
 
 
 class StreamOptions(BaseModel):
@@ -204,5 +204,17 @@ class SpeechRequest(SpeechVoice):
     against the model in `routes/speech.py`)."""
 
     input: Annotated[str, Field(min_length=1, max_length=MAX_SPEECH_INPUT_CHARS)]
-    response_format: Literal["wav", "pcm", "flac"] = "wav"
+    # wav, not OpenAI's mp3, by default: lossless, so it holds exactly the samples a `pcm` response does (as
+    # vllm-omni's default); mp3, opus and aac are there for the asking
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
+
+
+MAX_SPEECH_BATCH_ITEMS = 32
+
+
+class SpeechBatchRequest(BaseModel):
+    """`/v1/audio/speech/batch`: up to MAX_SPEECH_BATCH_ITEMS speech requests, spoken as one batch."""
+
+    model_config = _STRICT
+    items: Annotated[list[SpeechRequest], Field(min_length=1, max_length=MAX_SPEECH_BATCH_ITEMS)]

@@ -1,5 +1,5 @@
-"""`/v1/audio/speech`: text spoken in a voice, as a whole file (wav, pcm, flac) or streamed (raw audio
-chunks, or SSE `speech.audio.delta` events).
+"""`/v1/audio/speech`: text spoken in a voice, as a file (wav, pcm, mp3, opus (Ogg) and aac sent as they are
+encoded; flac once complete) or as SSE `speech.audio.delta` events (PCM16).
 
 On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-TTS model the request also
 takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
@@ -12,19 +12,22 @@ sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a
 engine step loop as every other request.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
-an empty data chunk, a FLAC stream without frames, empty PCM; SSE: only `speech.audio.done`) and says
+an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: only
+`speech.audio.done`) and says
 `X-Finish-Reason: no_audio`."""
 
 from __future__ import annotations
 
+import base64
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omnimtp.server.audio import MEDIA_TYPES, encode_audio, streaming_wav_header, to_pcm16
+from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
-from omnimtp.server.schemas import SpeechRequest
+from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
 # How the speech ended ("stop", "length", or "no_audio": the talker ended before its first frame), where it is
 # known before the body starts: a whole-file response (flac, or any format without audio) and a stream whose
@@ -42,17 +45,8 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-    sampling = context.speech_sampling(body)
     speaker = await context.speech_speaker(body)
-    engine_request = EngineRequest(
-        messages=None,
-        speak_text=body.input,
-        speaker=speaker,
-        sampling=sampling,
-        seed=body.seed,
-        max_new_tokens=0,
-    )  # streamed in every format, so that every format carries the same samples
-    handle = await context.submit(engine_request)
+    handle = await context.submit(_engine_request(context, body, speaker))
     fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
     # an engine error before any audio is an error body.
@@ -62,13 +56,58 @@ async def speech(request: Request):
     headers = {} if first.finish_reason is None else {FINISH_REASON_HEADER: first.finish_reason}
     if body.stream_format == "sse":
         return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
-    if fmt in ("pcm", "wav") and first.finish_reason is None:
+    if fmt in STREAMED_FORMATS and first.finish_reason is None:
         return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt])
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
     # file of any format, whose length is then known).
     _, samples, final = await collect(handle, request, events)
     return Response(encode_audio(samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
                     headers={FINISH_REASON_HEADER: final.finish_reason})
+
+
+def _engine_request(context, body: SpeechRequest, speaker) -> EngineRequest:
+    # streamed in every format, so that every format carries the same samples
+    return EngineRequest(messages=None, speak_text=body.input, speaker=speaker, sampling=context.speech_sampling(body),
+                         seed=body.seed, max_new_tokens=0)
+
+
+@router.post("/v1/audio/speech/batch")
+async def speech_batch(request: Request):
+    """Every item a speech request (`stream_format` ignored: each item is a whole file), all queued before any
+    is awaited, so the engine steps them as one batch; seeded, each item's audio is the one it gets alone.
+    The response lists each item's base64 audio or its error, in order; a bad item does not fail the others."""
+    context = serving(request)
+    body = await context.read_body(request, SpeechBatchRequest)
+    handles: list = []
+    for index, item in enumerate(body.items):
+        try:
+            context.check_model(item.model)
+            if not item.input.strip():
+                raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
+            speaker = await context.speech_speaker(item)
+            handles.append(await context.submit(_engine_request(context, item, speaker)))
+        except APIError as error:
+            handles.append(_item_error(index, error))
+    data = []
+    for index, (item, handle) in enumerate(zip(body.items, handles, strict=True)):
+        if isinstance(handle, dict):
+            data.append(handle)
+            continue
+        try:
+            _, samples, final = await collect(handle, request)
+        except APIError as error:
+            data.append(_item_error(index, error))
+            continue
+        audio = encode_audio(samples, context.engine.sample_rate, item.response_format)
+        data.append({"index": index, "response_format": item.response_format, "finish_reason": final.finish_reason,
+                     "audio": base64.b64encode(audio).decode("ascii")})
+    return {"object": "list", "data": data}
+
+
+def _item_error(index: int, error: APIError) -> dict:
+    return {"index": index, "error": {"status": error.status, "message": error.message, "type": error.type,
+                                      "param": None if error.param is None else f"items[{index}].{error.param}",
+                                      "code": error.code}}
 
 
 async def _speech_sse(handle, events):
@@ -89,15 +128,17 @@ async def _speech_sse(handle, events):
 
 
 async def _speech_chunks(handle, events, fmt: str, sample_rate: int):
+    encoder = StreamEncoder(fmt, sample_rate)
     try:
-        if fmt == "wav":
-            yield streaming_wav_header(sample_rate)
         async for event in events:
             if event.error is not None:
-                break  # headers are gone; a truncated body is the only signal left (logged by the engine)
+                return  # headers are gone; a truncated body is the only signal left (logged by the engine)
             if event.audio is not None and event.audio.size:
-                yield to_pcm16(event.audio).tobytes()
+                data = encoder.push(event.audio)
+                if data:
+                    yield data
             if event.finish_reason is not None:
                 break
+        yield encoder.finish()
     finally:
         handle.cancel()

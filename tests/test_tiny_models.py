@@ -1,0 +1,54 @@
+"""The built-in tiny models by name: `from_pretrained`, `--model` and the server take them, each with its caps,
+and a saved tiny model keeps its caps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type
+from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.server.cli import build_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FAMILIES = {"tiny": ("Qwen3OmniFamily", None), "tiny-qwen2.5-omni": ("Qwen2_5OmniFamily", None),
+            "tiny-tts": ("Qwen3TTSFamily", "custom_voice"), "tiny-tts-design": ("Qwen3TTSFamily", "voice_design"),
+            "tiny-tts-base": ("Qwen3TTSFamily", "base")}
+
+
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_a_tiny_model_by_name_is_its_family_with_the_tiny_caps(name):
+    pipe = OmniPipeline.from_pretrained(name)
+    assert (type(pipe.family).__name__, getattr(pipe.family, "tts_model_type", None)) == FAMILIES[name]
+    assert (pipe.config.max_frames, pipe.config.max_new_tokens) == (TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS)
+    assert omni_model_type(name) == TINY_MODELS[name][0]
+
+
+def test_a_saved_tiny_model_keeps_its_caps_and_a_bad_name_lists_the_built_in_ones(tmp_path):
+    OmniPipeline.from_pretrained("tiny-tts", max_frames=7).save_pretrained(tmp_path)
+    loaded = OmniPipeline.from_pretrained(tmp_path)
+    assert (loaded.config.max_frames, loaded.config.max_new_tokens) == (7, TINY_MAX_NEW_TOKENS)
+    assert OmniPipeline.from_pretrained(tmp_path, max_frames=9).config.max_frames == 9  # an argument wins
+    engine = build_engine(str(tmp_path), max_batch_size=1, max_frames=None)
+    assert engine.config.max_frames == 7 and engine.model_id == tmp_path.name
+    with pytest.raises(ValueError, match="'tiny-ttz' does not exist .nor is it a built-in model: tiny, "):
+        omni_model_type("tiny-ttz", "--model")
+
+
+def test_the_server_serves_a_tiny_model_by_its_name():
+    engine = build_engine("tiny-tts-design", max_batch_size=1, max_frames=None)
+    assert engine.model_id == "tiny-tts-design" and engine.config.max_frames == TINY_MAX_FRAMES
+
+
+def test_one_thread_rule_for_a_small_model_unless_told():
+    torch.set_num_threads(2)
+    OmniPipeline.from_pretrained("tiny-tts")
+    assert torch.get_num_threads() == 1  # a small model's ops are too small to split
+    OmniPipeline.tiny(torch_threads=2)
+    assert torch.get_num_threads() == 2
+    build_engine("tiny", max_batch_size=1, max_frames=None)
+    assert torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="torch_threads must be an integer >= 1, got 0"):
+        OmniPipeline.tiny(torch_threads=0)
