@@ -1,0 +1,100 @@
+"""Weight-only quantized linears (int8 per channel, int4 per channel and group) on omnimtp's CPU kernel:
+the kernel equals the matmul by the dequantized weight, the quantization error is what its grid allows,
+a row's values do not depend on the other rows, the packed decoder runs quantized, and bad modes are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+)
+
+from omnimtp.models.tiny import tiny_code_predictor_config
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.kernels import small_batch_linear as sbl
+from omnimtp.runtime.ops import QUANTIZE_MODES, check_quantize, linear, quantize_weight
+
+needs_kernel = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
+
+# The kernel sums in fp32 in k order, scaling per output (int8) or per group (int4): it equals x @ dequantized.T
+# up to fp32 rounding, i.e. relative to sum_k |x_k w_k| ≈ |x| |w| (the bound below, with headroom).
+RTOL = 1e-5
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 16), num_groups=st.integers(1, 4), group_size=st.sampled_from([16, 32, 64, 128]),
+    out_features=st.integers(1, 80), mode=st.sampled_from(QUANTIZE_MODES), seed=st.integers(0, 99),
+)
+def test_equals_dequantized_matmul(rows, num_groups, group_size, out_features, mode, seed):
+    in_features = num_groups * group_size
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+    x_before, weight_before = x.clone(), weight.clone()
+    q = quantize_weight(weight, mode, group_size)
+    out = linear(x, weight, packed=q)
+    reference = x @ q.dequantized().T
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    bound = RTOL * (x.abs() @ q.dequantized().abs().T) + 1e-6
+    assert ((out - reference).abs() <= bound).all()
+    assert torch.equal(x, x_before) and torch.equal(weight, weight_before)
+    # quantization error within half a grid step per weight
+    step = q.dequantized() - weight
+    if mode == "int8":
+        assert (step.abs() <= weight.abs().amax(1, keepdim=True) / 127 / 2 + 1e-6).all()
+    else:
+        groups = weight.view(out_features, num_groups, group_size).abs().amax(-1) / 7
+        assert (step.view(out_features, num_groups, group_size).abs() <= groups[..., None] / 2 + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(11, 256, generator=g), torch.randn(50, 256, generator=g), torch.randn(50, generator=g)
+    q = quantize_weight(weight, mode)
+    batch = linear(x, weight, bias, packed=q)
+    for i in (0, 5, 10):
+        assert torch.equal(linear(x[i : i + 1], weight, bias, packed=q), batch[i : i + 1])
+    assert linear(x.bfloat16(), weight, packed=q).dtype == torch.bfloat16
+
+
+def test_bad_quantize_values_are_value_errors_naming_it():
+    for bad in ("int3", "INT8", "fp8", 8):
+        with pytest.raises(ValueError, match="quantize"):
+            check_quantize(bad, "cpu")
+    with pytest.raises(ValueError, match="quantize"):
+        check_quantize("int8", "meta")
+    check_quantize(None, "meta")  # no quantization: nothing to check
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_quantized_decoder_equals_decoder_on_dequantized_weights(mode):
+    """The packed decoder on quantized weights == the same decoder with its matrices replaced by their
+    dequantized forms (fp32 rounding apart), and differs from fp32 by the quantization only."""
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config()).eval()
+    decoder = PackedDecoder.from_module(model.model)
+    quantized = decoder.quantized(mode)
+    assert decoder.quantized(None) is decoder
+    layers = tuple(
+        replace(layer, qkv=q[0].dequantized(), o=q[1].dequantized(), gate_up=q[2].dequantized(),
+                mlp_down=q[3].dequantized())
+        for layer, q in zip(decoder.layers, quantized.quantized_layers, strict=True)
+    )
+    dequantized = replace(decoder, layers=layers, row_kernel=None)
+    embeds = torch.randn(3, 4, decoder.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = [
+        decoder_forward(dec, KVCache(dec, 3, 8), embeds, [0, 1, 2]).last_hidden
+        for dec in (quantized, dequantized, decoder)
+    ]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    error = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
+    assert 0 < error < (0.05 if mode == "int8" else 0.6)  # tiny random model: loose bounds
