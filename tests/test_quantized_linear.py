@@ -98,3 +98,41 @@ def test_quantized_decoder_equals_decoder_on_dequantized_weights(mode):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     error = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
     assert 0 < error < (0.05 if mode == "int8" else 0.6)  # tiny random model: loose bounds
+
+
+# --- a quantized pipeline -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tts_int4():
+    from omnimtp import OmniPipeline
+
+    return OmniPipeline.tiny(family="qwen3_tts", quantize="int4", max_frames=12)
+
+
+@needs_kernel
+def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batched(tts_int4):
+    from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+
+    family = tts_int4.family
+    assert family.talker_decoder.quantized_layers is not None
+    assert family.predictor(8).weights.decoder.quantize == "int4"
+    texts = ["hello there", "a second, longer sentence", "third"]
+    batch = tts_int4.speech(texts, sampling=QWEN3_TTS_SAMPLING, seed=[5, 6, 7])
+    alone = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
+    again = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
+    audio = alone.audio
+    assert audio.size > 0 and float(abs(audio).max()) > 1e-3  # audible before any comparison
+    assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(batch[1].codes))
+    assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(again.codes))
+    assert (abs(batch[1].audio - audio).max() <= 1e-6 * abs(audio).max()) and batch[1].audio.shape == audio.shape
+
+
+def test_quantize_values_are_checked_where_pipelines_are_made():
+    from omnimtp import OmniPipeline
+
+    for family in ("qwen3_tts", "qwen3", "qwen2_5"):
+        with pytest.raises(ValueError, match="quantize"):
+            OmniPipeline.tiny(family=family, quantize="int2")
+    with pytest.raises(ValueError, match="quantize"):
+        OmniPipeline(family=OmniPipeline.tiny(family="qwen3_tts").family, quantize="int8")
