@@ -76,3 +76,12 @@ def add_reply_caps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
                         help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
                         f"{DEFAULT_MAX_FRAMES} checkpoint)")
+
+
+QUANTIZE_CHOICES = ("int8", "int4")  # `omnimtp.runtime.ops.QUANTIZE_MODES`, without importing torch to parse
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                        help="weight-only quantized linears on the CPU: int8 (per output channel) or int4 (per "
+                        "channel and group of 128 inputs); activations stay float (default: the weights as they are)")

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from omnimtp.argtypes import add_reply_caps, draft_tokens
+from omnimtp.argtypes import add_quantize_argument, add_reply_caps, draft_tokens
 from omnimtp.checkpoint import omni_model_type
 from omnimtp.console import printable
 
@@ -52,6 +52,7 @@ def _add_common(parser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
+    add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
 
 
@@ -88,11 +89,11 @@ def _load(args):
     resolve_device(args.device, "--device")
     if args.demo:
         torch.set_num_threads(1)
-        return OmniPipeline.demo(device=args.device, **speculation)
+        return OmniPipeline.demo(device=args.device, quantize=args.quantize, **speculation)
     if args.model is None:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-        return OmniPipeline.tiny(device=args.device, **speculation)
-    return OmniPipeline.from_pretrained(args.model, device=args.device, **speculation)
+        return OmniPipeline.tiny(device=args.device, quantize=args.quantize, **speculation)
+    return OmniPipeline.from_pretrained(args.model, device=args.device, quantize=args.quantize, **speculation)
 
 
 def thinker_mtp_kwargs(args) -> dict:

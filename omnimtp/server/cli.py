@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import positive_float, positive_int
+from omnimtp.argtypes import add_quantize_argument, positive_float, positive_int
 from omnimtp.checkpoint import omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
@@ -103,6 +103,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's and omnimtp's log level")
+    add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
@@ -110,19 +111,19 @@ def add_parser(subparsers) -> None:
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
-                 num_draft_tokens: int | None = None):
+                 num_draft_tokens: int | None = None, quantize: str | None = None):
     """The server's engine on the embedded tiny model or a checkpoint directory. The weights are loaded,
     moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
-    thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s)."""
+    thinker_mtp, num_draft_tokens: speculative thinker steps (`OmniPipeline`'s); quantize: `OmniPipeline`'s."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.scheduler import Engine
     from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
     warm_up = compile_predictor is not False
     if model_dir is None:
-        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
+        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
@@ -130,7 +131,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     from omnimtp.pipeline import OmniPipeline
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
-                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens)
+                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens, quantize=quantize)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     model_id = os.path.basename(os.path.normpath(model_dir))
@@ -219,7 +220,7 @@ def build_app(args: argparse.Namespace):
         model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, **speculation)
+                          device=args.device, quantize=args.quantize, **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore
