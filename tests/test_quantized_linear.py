@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+import openai
 import pytest
 import torch
+from audio_checks import assert_audible
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_harness import running_server
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
 )
@@ -122,7 +126,7 @@ def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batc
     alone = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
     again = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
     audio = alone.audio
-    assert audio.size > 0 and float(abs(audio).max()) > 1e-3  # audible before any comparison
+    assert_audible(audio)
     assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(batch[1].codes))
     assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(again.codes))
     assert (abs(batch[1].audio - audio).max() <= 1e-6 * abs(audio).max()) and batch[1].audio.shape == audio.shape
@@ -136,3 +140,22 @@ def test_quantize_values_are_checked_where_pipelines_are_made():
             OmniPipeline.tiny(family=family, quantize="int2")
     with pytest.raises(ValueError, match="quantize"):
         OmniPipeline(family=OmniPipeline.tiny(family="qwen3_tts").family, quantize="int8")
+
+
+@needs_kernel
+def test_quantized_server_speaks_through_the_openai_client_as_the_pipeline(tts_int4):
+    from omnimtp.server.app import create_app
+    from omnimtp.server.audio import to_pcm16
+    from omnimtp.server.scheduler import Engine
+
+    text, greedy = "Hello there, tiny voice.", {"language": "english", "temperature": 0}
+    *chunks, _ = list(tts_int4.stream_speech(text, voice="aiden", language="english"))
+    expected = to_pcm16(np.concatenate(chunks)).tobytes()
+    engine = Engine(tts_int4.family, model_id="tts-int4", max_frames=12, max_batch_size=4)
+    with running_server(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        speech = client.audio.speech.create(
+            model="tts-int4", input=text, voice="aiden", response_format="pcm", extra_body=greedy
+        )
+    assert_audible(np.frombuffer(speech.content, dtype=np.int16).astype(np.float32) / 32768)
+    assert speech.content == expected
