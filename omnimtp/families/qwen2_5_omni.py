@@ -93,7 +93,8 @@ class Qwen2_5OmniFamily(ChatText):
         if device is not None:
             model = model.to(resolve_device(device))
         tokenizer = qwen2_5_byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer, "qwen2_5_omni"), **kwargs)
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni"),
+                   **kwargs)
 
     @property
     def device(self) -> torch.device:
