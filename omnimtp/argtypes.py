@@ -82,3 +82,12 @@ def add_threads_argument(parser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N",
                         help="torch's CPU threads (default: one for a small model such as the built-in tiny ones, "
                         "the cores for a real one)")
+
+
+QUANTIZE_CHOICES = ("int8", "int4")  # `omnimtp.runtime.ops.QUANTIZE_MODES`, without importing torch to parse
+
+
+def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                        help="weight-only quantized linears on the CPU: int8 (per output channel) or int4 (per "
+                        "channel and group of 128 inputs); activations stay float (default: the weights as they are)")

@@ -25,7 +25,7 @@ import os
 import re
 import sys
 
-from omnimtp.argtypes import add_reply_caps, non_negative_float, positive_int
+from omnimtp.argtypes import add_quantize_argument, add_reply_caps, non_negative_float, positive_int
 
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
@@ -56,6 +56,7 @@ def add_parser(subparsers) -> None:
     add_reply_caps(parser)
     parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                         help="pipeline actors generating at once (default %(default)d)")
+    add_quantize_argument(parser)
     parser.add_argument("--batch-size", type=positive_int, default=4, metavar="B",
                         help="prompts one actor generates together (default %(default)d)")
     parser.add_argument("--num-cpus-per-replica", type=non_negative_float, default=1.0, metavar="C",
@@ -158,16 +159,16 @@ class PipelineSpeaker:
     "audio": encoded bytes}."""
 
     def __init__(self, model: str | None, voice: str | None, fmt: str, max_new_tokens: int | None,
-                 max_frames: int | None, batch_size: int):
+                 max_frames: int | None, batch_size: int, quantize: str | None = None):
         import torch
 
         from omnimtp.pipeline import OmniPipeline
 
         if model is None:
             torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-            self.pipe = OmniPipeline.tiny()
+            self.pipe = OmniPipeline.tiny(quantize=quantize)
         else:
-            self.pipe = OmniPipeline.from_pretrained(model, max_batch_size=batch_size)
+            self.pipe = OmniPipeline.from_pretrained(model, max_batch_size=batch_size, quantize=quantize)
         self.voice = self.pipe.family.default_speaker if voice is None else voice
         self.voice_files: dict[str, object] = {}  # a Base model's voices, each file read once
         self.fmt = fmt
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
             PipelineSpeaker, batch_size=args.batch_size, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=args.replicas),
             fn_constructor_args=(args.model, args.voice, args.format, args.max_new_tokens, args.max_frames,
-                                 args.batch_size),
+                                 args.batch_size, args.quantize),
             num_cpus=args.num_cpus_per_replica, num_gpus=args.num_gpus_per_replica,
         )
         with open(os.path.join(args.output, RESULTS_FILE), "a", encoding="utf-8") as out, \

@@ -108,6 +108,7 @@ class OmniPipeline:
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
         torch_threads: int | None = None,
+        quantize: str | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
         `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
@@ -122,7 +123,12 @@ class OmniPipeline:
         num_draft_tokens (default 3) drafts per step; greedy text is token for token the plain loop's,
         sampled text has the thinker's distribution (`omnimtp.spec_decode.thinker_spec`). torch_threads: torch's
         CPU threads (`omnimtp.runtime.device.apply_thread_rule`: default one for a small model such as the
-        built-in tiny ones, the cores for a real one)."""
+        built-in tiny ones, the cores for a real one). quantize: None (the
+
+        weights as they are), "int8" (per output channel) or "int4" (per output channel and group of 128
+        inputs): every dense linear of the thinker, talker and code predictor weight-only quantized, run
+        on omnimtp's CPU kernel (activations stay float; a CPU with AVX2 or AVX-512F and a C compiler);
+        with a ready family, give it to the family."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -131,6 +137,8 @@ class OmniPipeline:
         )
         if (family is None) == (model is None):
             raise ValueError("model: give exactly one of model or family")
+        if family is not None and quantize is not None:
+            raise ValueError("quantize: give it to the family (e.g. Qwen3TTSFamily(..., quantize=))")
         if family is not None and (thinker_mtp is not None or num_draft_tokens is not None):
             raise ValueError("thinker_mtp: give the speculation to the family (Qwen3OmniFamily(thinker_speculation=))")
         if family is None:
@@ -142,12 +150,12 @@ class OmniPipeline:
                     raise ValueError(
                         "thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's"
                     )
-                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor)
+                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor, quantize=quantize)
             else:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
                 family = Qwen3OmniFamily(
                     model, tokenizer, processor=processor, compile_predictor=compile_predictor,
-                    thinker_speculation=speculation,
+                    thinker_speculation=speculation, quantize=quantize,
                 )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
@@ -194,14 +202,15 @@ class OmniPipeline:
 
         quiet_expected_warnings()
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
+        quantize = kwargs.pop("quantize", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_tts":
-            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device), **kwargs)
+            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize), **kwargs)
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
-            return cls(made.model, made.tokenizer, processor=made.processor, **kwargs)
+            return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize, **kwargs)
         if family == "qwen2_5":
-            return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device), **kwargs)
+            return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
         raise ValueError(f"family must be 'qwen3', 'qwen2_5' or 'qwen3_tts', got {family!r}")
 
     @classmethod
@@ -239,7 +248,8 @@ class OmniPipeline:
         kwargs = {**saved_caps(path), **kwargs}
         if model_type == "qwen3_tts":
             family_options = {
-                name: kwargs.pop(name) for name in ("non_streaming_mode", "compile_predictor") if name in kwargs
+                name: kwargs.pop(name)
+                for name in ("non_streaming_mode", "compile_predictor", "quantize") if name in kwargs
             }
             return cls(
                 family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs

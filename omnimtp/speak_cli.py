@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from omnimtp.argtypes import add_reply_caps, add_threads_argument, draft_tokens
+from omnimtp.argtypes import add_quantize_argument, add_reply_caps, add_threads_argument, draft_tokens
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import printable
 
@@ -55,6 +55,7 @@ def _add_common(parser) -> None:
     add_reply_caps(parser)
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default cpu)")
     add_threads_argument(parser)
+    add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
 
 
@@ -88,12 +89,13 @@ def _load(args):
     from omnimtp.runtime.device import resolve_device
 
     resolve_device(args.device, "--device")
-    threads = {"torch_threads": args.threads}  # the thread rule's override (`OmniPipeline`)
+    # the thread rule's override and the weights' quantization (`OmniPipeline`)
+    options = {"torch_threads": args.threads, "quantize": args.quantize}
     if args.demo:
-        return OmniPipeline.demo(device=args.device, **threads, **speculation)
+        return OmniPipeline.demo(device=args.device, **options, **speculation)
     if args.model is None:
-        return OmniPipeline.tiny(device=args.device, **threads, **speculation)
-    return OmniPipeline.from_pretrained(args.model, device=args.device, **threads, **speculation)
+        return OmniPipeline.tiny(device=args.device, **options, **speculation)
+    return OmniPipeline.from_pretrained(args.model, device=args.device, **options, **speculation)
 
 
 def thinker_mtp_kwargs(args) -> dict:

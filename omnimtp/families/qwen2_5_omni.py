@@ -31,6 +31,7 @@ from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import SpeechTextStream, TalkerInputs, talker_inputs_from_rows
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch
 from omnimtp.talker.qwen2_5_inputs import PREFILL_LAYOUTS, Qwen2_5TalkerInputBuilder
@@ -57,7 +58,10 @@ class Qwen2_5OmniFamily(ChatText):
     # Qwen2.5-Omni's cookbook asks for transcripts under this system line (universal_audio_understanding)
     transcription_system = "You are a speech recognition model."
 
-    def __init__(self, model, tokenizer=None, *, processor=None, talker_layout: str = "generate"):
+    def __init__(self, model, tokenizer=None, *, processor=None, talker_layout: str = "generate",
+                 quantize: str | None = None):
+        check_quantize(quantize, model.thinker.device)
+        self.quantize = quantize
         if talker_layout not in PREFILL_LAYOUTS:
             raise ValueError(f"talker_layout must be one of {PREFILL_LAYOUTS}, got {talker_layout!r}")
         self.talker_layout = talker_layout
@@ -72,13 +76,15 @@ class Qwen2_5OmniFamily(ChatText):
         self.accept_hidden_layer = text_config.num_hidden_layers  # the last layer after the final norm
         self.max_positions = text_config.max_position_embeddings
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
-        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel()
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
+        self.thinker_decoder = (
+            PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel().quantized(quantize)
+        )
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model).quantized(quantize)
         self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)
 
     @classmethod
-    def tiny(cls, seed: int = 0, device=None) -> Qwen2_5OmniFamily:
+    def tiny(cls, seed: int = 0, device=None, **kwargs) -> Qwen2_5OmniFamily:
         """A seeded tiny Qwen2.5-Omni (random weights: noise-like, audible speech), its byte tokenizer and its
         processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor
@@ -89,7 +95,8 @@ class Qwen2_5OmniFamily(ChatText):
         if device is not None:
             model = model.to(resolve_device(device))
         tokenizer = qwen2_5_byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni"))
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni"),
+                   **kwargs)
 
     @property
     def device(self) -> torch.device:

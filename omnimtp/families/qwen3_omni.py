@@ -21,6 +21,7 @@ from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
@@ -45,7 +46,9 @@ class Qwen3OmniFamily(ChatText):
     sample_rate = SAMPLE_RATE
 
     def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
-                 thinker_speculation: ThinkerSpeculation | None = None):
+                 thinker_speculation: ThinkerSpeculation | None = None, quantize: str | None = None):
+        check_quantize(quantize, model.thinker.device)
+        self.quantize = quantize
         self.model = model.eval()
         self.thinker_speculation = thinker_speculation
         self.tokenizer = tokenizer
@@ -62,8 +65,10 @@ class Qwen3OmniFamily(ChatText):
         self.eos_token_ids = {config.im_end_token_id}
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        self.thinker_decoder = PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel()
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model)
+        self.thinker_decoder = (
+            PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel().quantized(quantize)
+        )
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model).quantized(quantize)
         self.codec = StreamingCode2Wav(model.code2wav)
         self._predictors: dict[int, CodePredictorRunner] = {}
         self.speech_header_ids = speech_header_ids(tokenizer)
@@ -162,7 +167,8 @@ class Qwen3OmniFamily(ChatText):
         """The code predictor runner for batches up to max_batch_size, made once per size."""
         if max_batch_size not in self._predictors:
             self._predictors[max_batch_size] = CodePredictorRunner(
-                self.model.talker.code_predictor, max_batch_size, compile=self.compile_predictor
+                self.model.talker.code_predictor, max_batch_size, compile=self.compile_predictor,
+                quantize=self.quantize,
             )
         return self._predictors[max_batch_size]
 

@@ -46,6 +46,7 @@ from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.limits import MAX_REF_AUDIO_MAGNITUDE, MAX_REF_AUDIO_SECONDS, MIN_REF_AUDIO_SECONDS, MediaLimits
 from omnimtp.models.qwen3_tts import Qwen3TTSModel
 from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import Qwen3FrameMaker, TalkerBatch
@@ -104,7 +105,10 @@ class Qwen3TTSFamily(ChatText):
     default_sampling = QWEN3_TTS_SAMPLING  # a sampled request's settings where it gives none (the reference's)
 
     def __init__(self, model: Qwen3TTSModel, tokenizer=None, *, codec=None, non_streaming_mode: bool = False,
-                 compile_predictor: bool | str = False, speech_encoder: SpeechTokenizerEncoder | None = None):
+                 compile_predictor: bool | str = False, speech_encoder: SpeechTokenizerEncoder | None = None,
+                 quantize: str | None = None):
+        check_quantize(quantize, model.talker.device)
+        self.quantize = quantize
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.codec = codec
@@ -129,7 +133,7 @@ class Qwen3TTSFamily(ChatText):
         self.talker = model.talker
         self.num_code_groups = self.talker.config.num_code_groups
         self.max_positions = self.talker.config.max_position_embeddings
-        self.talker_decoder = PackedDecoder.from_module(self.talker.model)
+        self.talker_decoder = PackedDecoder.from_module(self.talker.model).quantized(quantize)
         self._predictors: dict[int, CodePredictorRunner] = {}
         self.special_ids = {
             name: config[f"{name}_token_id"] for name in ("im_start", "im_end", "tts_pad", "tts_bos", "tts_eos")
@@ -488,7 +492,7 @@ class Qwen3TTSFamily(ChatText):
         """The code predictor runner for batches up to max_batch_size, made once per size."""
         if max_batch_size not in self._predictors:
             self._predictors[max_batch_size] = CodePredictorRunner(
-                self.talker.code_predictor, max_batch_size, compile=self.compile_predictor
+                self.talker.code_predictor, max_batch_size, compile=self.compile_predictor, quantize=self.quantize
             )
         return self._predictors[max_batch_size]
 

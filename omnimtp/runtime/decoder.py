@@ -31,7 +31,18 @@ import torch
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
 from omnimtp.runtime.moe import GroupLimitedSigmoid, Router, SoftmaxTopK, routed_experts
-from omnimtp.runtime.ops import PackedGemm, Rope, apply_rope, attention, cast, gated_mlp, linear, rms_norm
+from omnimtp.runtime.ops import (
+    PackedGemm,
+    Rope,
+    apply_rope,
+    attention,
+    cast,
+    check_quantize,
+    gated_mlp,
+    linear,
+    quantize_weight,
+    rms_norm,
+)
 
 ROW_KERNEL = PackedGemm("avx512", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
 ROW_KERNEL_MAX_ROWS = 16  # one pass of the kernel; longer blocks (prefills) run on MKL's GEMM
@@ -93,6 +104,30 @@ class PackedDecoder:
     # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # `quantized`: per layer (qkv, o, gate_up, down) weight-only quantized (`ops.QuantizedWeight`), used for
+    # every row count; quantize: the mode ("int8", "int4") or None
+    quantize: str | None = None
+    quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
+
+    def quantized(self, quantize: str | None) -> PackedDecoder:
+        """This decoder with every dense layer's linears (qkv, o, gate/up, down) weight-only quantized
+        (`ops.quantize_weight`; activations stay in the decoder's dtype), run on omnimtp's CPU kernel for any
+        row count. Routed experts, routers and norms stay as they are. None: this decoder unchanged.
+        ValueError naming `quantize` for an unknown mode or a device without a kernel."""
+        if quantize is None:
+            return self
+        check_quantize(quantize, self.device)
+        layers = tuple(
+            (
+                quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize),
+                *(
+                    (quantize_weight(layer.gate_up, quantize), quantize_weight(layer.mlp_down, quantize))
+                    if layer.router is None else (None, None)
+                ),
+            )
+            for layer in self.layers
+        )
+        return replace(self, quantize=quantize, quantized_layers=layers, row_kernel=None, row_kernel_lm_head=None)
 
     def with_row_kernel(self) -> PackedDecoder:
         """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a
@@ -364,7 +399,9 @@ def decoder_layers(
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
     as transformers records it."""
     captured = x if capture_layer == 0 else None
-    if packed_layers is None and decoder.row_kernel is not None and x.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
+    if packed_layers is None and decoder.quantized_layers is not None:
+        packed_layers = decoder.quantized_layers
+    elif packed_layers is None and decoder.row_kernel is not None and x.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
         packed_layers, gemm = decoder.row_kernel, ROW_KERNEL
     for i, layer in enumerate(decoder.layers):
         packed = None if packed_layers is None else packed_layers[i]

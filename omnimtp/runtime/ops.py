@@ -6,6 +6,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
 
     normed = rms_norm(x, weight, eps)                           # transformers' Qwen3 RMSNorm
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
+    q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # weight-only int8 / int4
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
     out = attention(q, keys, values, mask, scale)               # SDPA, GQA; [R, T, Nq * D]
@@ -141,20 +142,80 @@ class PackedGemm:
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
+QUANTIZE_MODES = ("int8", "int4")
+INT4_GROUP_SIZE = 128  # inputs per int4 scale (the common choice: GPTQ, AWQ, torchao's default)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight quantized weight-only for omnimtp's CPU kernel (`small_batch_linear.quantize_int8`
+    / `quantize_int4`): activations, sums and output stay float; `linear` runs it when passed as `packed`.
+    `dequantized` [N, K] fp32 is the weight the kernel multiplies by (what tests compare against)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    group_size: int | None  # None: int8 per output channel; else int4 per channel and group of inputs
+
+    def dequantized(self) -> torch.Tensor:
+        if self.group_size is None:
+            q = self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1]).float()
+            return (q * self.scales[:, None])[: self.out_features]
+        low, high = (self.packed & 0x0F), (self.packed >> 4)
+        q = torch.cat([low, high], dim=-1).transpose(1, 2).reshape(-1, self.packed.shape[1]).float() - 8  # [N', K]
+        scales = self.scales.transpose(1, 2).reshape(q.shape[0], -1).repeat_interleave(self.group_size, dim=1)
+        return (q * scales)[: self.out_features]
+
+
+def check_quantize(quantize: str | None, device: torch.device | str) -> None:
+    """ValueError naming `quantize` unless it is None or a mode in QUANTIZE_MODES with a kernel on `device`
+    (omnimtp's CPU kernel: an x86 CPU with AVX2 or AVX-512F and a C compiler)."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be None or one of {QUANTIZE_MODES}, got {quantize!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={quantize!r} has no kernel on {torch.device(device)} (CPU only)")
+    if not small_batch_linear.available():
+        raise ValueError(f"quantize={quantize!r} has no kernel here: {small_batch_linear.unavailable_reason()}")
+
+
+def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROUP_SIZE) -> QuantizedWeight:
+    """nn.Linear weight [N, K] → its weight-only quantized form ("int8": symmetric per output channel;
+    "int4": symmetric per output channel and group of `group_size` inputs, or of all K inputs when K is
+    not a multiple of it). The weight is not modified."""
+    check_quantize(mode, weight.device)
+    if mode == "int8":
+        packed, scales, _ = small_batch_linear.quantize_int8(weight)
+        return QuantizedWeight(packed, scales, weight.shape[0], None)
+    group = group_size if weight.shape[1] % group_size == 0 else weight.shape[1]
+    packed, scales, _ = small_batch_linear.quantize_int4(weight, group)
+    return QuantizedWeight(packed, scales, weight.shape[0], group)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | QuantizedWeight | None = None,
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
     """nn.Linear: x [..., in] @ weight[out, in].T (+ bias, added inside the matmul as the module does: one
-    rounding in bf16). packed: `weight` packed by `gemm`, or None.
+    rounding in bf16). packed: `weight` packed by `gemm`, or None; or `weight` quantized
+    (`quantize_weight`), which then runs on omnimtp's kernel in fp32 for any row count (gemm unused;
+    the bias added after the matmul) and returns x's dtype.
 
     "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
     except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix. Otherwise a
     single row without bias goes through matrix-vector kernels, which stream the weights at close to
     memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
+    if isinstance(packed, QuantizedWeight):
+        rows = x.shape[:-1].numel()
+        out = small_batch_linear.quantized_linear(
+            x.reshape(rows, x.shape[-1]).float(), packed.packed, packed.scales, packed.out_features, packed.group_size
+        ).to(x.dtype)
+        out = out.view(*x.shape[:-1], packed.out_features)
+        return out if bias is None else out + bias
     if bias is not None:
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import add_threads_argument, positive_float, positive_int
+from omnimtp.argtypes import add_quantize_argument, add_threads_argument, positive_float, positive_int
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
@@ -108,6 +108,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's and omnimtp's log level")
+    add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
@@ -115,13 +116,14 @@ def add_parser(subparsers) -> None:
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
-                 num_draft_tokens: int | None = None, torch_threads: int | None = None):
+                 num_draft_tokens: int | None = None, torch_threads: int | None = None,
+                 quantize: str | None = None):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
-    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override
-    (`OmniPipeline`'s)."""
+    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
+    quantize: weight-only quantized linears (`OmniPipeline`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -129,7 +131,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     warm_up = compile_predictor is not False
     if model_dir is None:
-        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor)
+        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
@@ -140,7 +142,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
                                         thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
-                                        torch_threads=torch_threads)
+                                        torch_threads=torch_threads, quantize=quantize)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
@@ -231,7 +233,8 @@ def build_app(args: argparse.Namespace):
         model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, torch_threads=getattr(args, "threads", None), **speculation)
+                          device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
+                          **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore

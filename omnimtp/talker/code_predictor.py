@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -49,6 +49,7 @@ from omnimtp.runtime.ops import (
     PACKED_GEMM_MIN_ROWS,
     PackedGemm,
     cast,
+    check_quantize,
     linear,
     packed_gemm_kinds,
     rms_norm,
@@ -403,6 +404,10 @@ class CodePredictorRunner:
     one copy of the matrices reordered by oneDNN (~20% less time per matmul than `F.linear` at real
     dims). bf16: the same values as plain kernels; fp32: equal up to rounding.
 
+    `quantize`: None, or "int8" / "int4": the transformer's linears weight-only quantized
+    (`PackedDecoder.quantized`), on omnimtp's CPU kernel for every batch size (packed_gemm is then off);
+    a row's codes still depend only on its own inputs. ValueError naming it where it cannot run.
+
     Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
     b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
     own inputs and generator — not on the batch size, the other rows or their order.
@@ -410,7 +415,7 @@ class CodePredictorRunner:
 
     def __init__(
         self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool | str = False,
-        packed_gemm: bool | None = None,
+        packed_gemm: bool | None = None, quantize: str | None = None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -458,6 +463,11 @@ class CodePredictorRunner:
         self.shape_model = meta_copy(cp)
         with torch.no_grad():
             self.weights = pack_predictor_weights(cp, self.dtype)
+        if quantize is not None:
+            check_quantize(quantize, self.device)
+            self.weights = replace(self.weights, decoder=self.weights.decoder.quantized(quantize))
+            self.packed_gemm_kind, self.packed_gemm = None, False  # the quantized kernel runs every row count
+        self.quantize = quantize
         # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
         self.kv = KVCache(self.weights.decoder, max_batch_size, capacity=self.num_code_groups, is_growable=False)
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].

@@ -158,3 +158,130 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
   free(xt);
   return 0;
 }
+
+/* Weight-only quantized y[M, N] = x[M, K] @ dequant(W)[N, K]^T, activations and sums in fp32 (AVX2 + FMA,
+ * which every AVX-512F CPU also has). Same panels of 16 output columns as above, stored input by input:
+ *   int8: [panels][K][16] int8 with one scale per column: W[n, k] = scale[n] * q[n, k]; the scale is
+ *         applied once per output (sum_k x q, then times the scale).
+ *   int4: [panels][K][8] bytes, byte j holding column j (low nibble) and column j + 8 (high nibble) as
+ *         q + 8 (q in -8..7), with one scale per column and group of `group` inputs:
+ *         W[n, k] = scale[k / group][n] * q[n, k]; each group's partial sum is scaled into the output.
+ * A panel is a few KiB, so pairs of rows (QROWS) re-read it from cache: the weights stream from memory once
+ * per pass of up to 16 rows. Rows are independent, as above. */
+#define QROWS 2
+
+static inline void q_store(float* y, int64_t N, int64_t col, __m256 lo, __m256 hi) {
+  float tmp[PANEL];
+  _mm256_storeu_ps(tmp, lo);
+  _mm256_storeu_ps(tmp + 8, hi);
+  const int64_t width = N - col < PANEL ? N - col : PANEL;
+  for (int64_t j = 0; j < width; ++j) y[col + j] = tmp[j];
+}
+
+/* R rows (a compile-time count, so the accumulators stay in registers) over one panel; P independent
+ * accumulator sets for alternate inputs (hiding the FMA latency), summed at the end (int8) or per group
+ * (int4). Every R uses the same P, so a row sums in the same order whatever rows run with it. */
+#define INT8_FN(R, P)                                                                                  \
+  static void int8_##R(const float* x, const int8_t* w, const float* scale, float* y, int64_t K,      \
+                       int64_t N, int64_t col) {                                                      \
+    __m256 lo[P][R], hi[P][R];                                                                        \
+    for (int p = 0; p < P; ++p)                                                                       \
+      for (int m = 0; m < R; ++m) lo[p][m] = hi[p][m] = _mm256_setzero_ps();                          \
+    for (int64_t k = 0; k < K; k += P) {                                                              \
+      _mm_prefetch((const char*)(w + k * PANEL + 1024), _MM_HINT_T0);                                 \
+      for (int p = 0; p < P && k + p < K; ++p) {                                                      \
+        const __m128i q = _mm_loadu_si128((const __m128i*)(w + (k + p) * PANEL));                    \
+        const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                              \
+        const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));           \
+        for (int m = 0; m < R; ++m) {                                                                 \
+          const __m256 b = _mm256_broadcast_ss(x + m * K + k + p);                                    \
+          lo[p][m] = _mm256_fmadd_ps(v_lo, b, lo[p][m]);                                              \
+          hi[p][m] = _mm256_fmadd_ps(v_hi, b, hi[p][m]);                                              \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+    const __m256 s_lo = _mm256_loadu_ps(scale), s_hi = _mm256_loadu_ps(scale + 8);                    \
+    for (int m = 0; m < R; ++m) {                                                                     \
+      __m256 l = lo[0][m], h = hi[0][m];                                                              \
+      for (int p = 1; p < P; ++p) l = _mm256_add_ps(l, lo[p][m]), h = _mm256_add_ps(h, hi[p][m]);     \
+      q_store(y + m * N, N, col, _mm256_mul_ps(l, s_lo), _mm256_mul_ps(h, s_hi));                     \
+    }                                                                                                 \
+  }
+
+#define INT4_FN(R, P)                                                                                  \
+  static void int4_##R(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K,    \
+                       int64_t N, int64_t col, int64_t group) {                                       \
+    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);                             \
+    __m256 lo[R], hi[R];                                                                              \
+    for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm256_setzero_ps();                                  \
+    for (int64_t k0 = 0; k0 < K; k0 += group) {                                                       \
+      __m256 p_lo[P][R], p_hi[P][R];                                                                  \
+      for (int p = 0; p < P; ++p)                                                                     \
+        for (int m = 0; m < R; ++m) p_lo[p][m] = p_hi[p][m] = _mm256_setzero_ps();                    \
+      for (int64_t k = k0; k < k0 + group; k += P) {                                                  \
+        _mm_prefetch((const char*)(w + k * (PANEL / 2) + 512), _MM_HINT_T0);                          \
+        for (int p = 0; p < P && k + p < k0 + group; ++p) {                                           \
+          const __m128i bytes = _mm_loadl_epi64((const __m128i*)(w + (k + p) * (PANEL / 2)));         \
+          const __m128i q_lo = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);                     \
+          const __m128i q_hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);  \
+          const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_lo));                         \
+          const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_hi));                         \
+          for (int m = 0; m < R; ++m) {                                                               \
+            const __m256 b = _mm256_broadcast_ss(x + m * K + k + p);                                  \
+            p_lo[p][m] = _mm256_fmadd_ps(v_lo, b, p_lo[p][m]);                                        \
+            p_hi[p][m] = _mm256_fmadd_ps(v_hi, b, p_hi[p][m]);                                        \
+          }                                                                                           \
+        }                                                                                             \
+      }                                                                                               \
+      const float* s = scales + (k0 / group) * PANEL;                                                 \
+      const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);                          \
+      for (int m = 0; m < R; ++m) {                                                                   \
+        __m256 l = p_lo[0][m], h = p_hi[0][m];                                                        \
+        for (int p = 1; p < P; ++p) l = _mm256_add_ps(l, p_lo[p][m]), h = _mm256_add_ps(h, p_hi[p][m]); \
+        lo[m] = _mm256_fmadd_ps(l, s_lo, lo[m]);                                                      \
+        hi[m] = _mm256_fmadd_ps(h, s_hi, hi[m]);                                                      \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int m = 0; m < R; ++m) q_store(y + m * N, N, col, lo[m], hi[m]);                             \
+  }
+
+INT8_FN(1, 2) INT8_FN(2, 2)
+INT4_FN(1, 2) INT4_FN(2, 2)
+
+static void int8_panel(const float* x, const int8_t* w, const float* scale, float* y, int64_t rows, int64_t K,
+                       int64_t N, int64_t col) {
+  for (int64_t m0 = 0; m0 < rows; m0 += QROWS) {
+    const int64_t r = rows - m0 < QROWS ? rows - m0 : QROWS;
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    if (r == 1) int8_1(xm, w, scale, ym, K, N, col);
+    else int8_2(xm, w, scale, ym, K, N, col);
+  }
+}
+
+static void int4_panel(const float* x, const uint8_t* w, const float* scales, float* y, int64_t rows, int64_t K,
+                       int64_t N, int64_t col, int64_t group) {
+  for (int64_t m0 = 0; m0 < rows; m0 += QROWS) {
+    const int64_t r = rows - m0 < QROWS ? rows - m0 : QROWS;
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    if (r == 1) int4_1(xm, w, scales, ym, K, N, col, group);
+    else int4_2(xm, w, scales, ym, K, N, col, group);
+  }
+}
+
+/* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][K][8] bytes, scales
+ * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Returns 0. */
+int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
+                             int64_t N, int bits, int64_t group, int num_threads) {
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    if (bits == 8)
+      int8_panel(x, (const int8_t*)packed + p * K * PANEL, scales + p * PANEL, y, M, K, N, p * PANEL);
+    else
+      int4_panel(x, (const uint8_t*)packed + p * K * (PANEL / 2), scales + p * (K / group) * PANEL, y, M, K, N,
+                 p * PANEL, group);
+  }
+  return 0;
+}

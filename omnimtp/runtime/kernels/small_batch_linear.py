@@ -116,6 +116,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.omnimtp_small_batch_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    quantized = lib.omnimtp_quantized_linear
+    quantized.restype = ctypes.c_int
+    quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -192,4 +195,76 @@ def _small_batch_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: 
 
 @_small_batch_linear_op.register_fake
 def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-only quantized weights (int8 per output channel; int4 per output channel and group of inputs)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nn.Linear weight [N, K] → (packed int8 [ceil(N/16), K, 16], scales [ceil(N/16) * 16] fp32,
+    dequantized [N, K] fp32): symmetric per-channel int8, W[n] ≈ scale[n] * q[n], q in -127..127.
+    A new tensor; weight is not modified."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    pad = -w.shape[0] % PANEL
+    packed = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, w.shape[1]).transpose(1, 2).contiguous()
+    return packed, torch.nn.functional.pad(scale, (0, pad)), q.float() * scale[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nn.Linear weight [N, K] → (packed bytes [ceil(N/16), K, 8] uint8, scales [ceil(N/16), K/group_size,
+    16] fp32, dequantized [N, K] fp32): symmetric int4 per output channel and group of `group_size`
+    consecutive inputs, W[n, k] ≈ scale[n, k // group_size] * q[n, k], q in -8..7 (scale = max|w| / 7).
+    K must be a multiple of group_size. A new tensor; weight is not modified."""
+    w = weight.detach().float()
+    out_features, in_features = w.shape
+    groups = w.view(out_features, in_features // group_size, group_size)
+    scale = groups.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / 7  # [N, G]
+    q = torch.round(groups / scale[..., None]).clamp(-8, 7)  # [N, G, g]
+    dequantized = (q * scale[..., None]).view(out_features, in_features)
+    pad = -out_features % PANEL
+    biased = torch.nn.functional.pad((q + 8).to(torch.uint8).view(out_features, in_features), (0, 0, 0, pad))
+    panels = biased.view(-1, PANEL, in_features).transpose(1, 2)  # [P, K, 16]
+    packed = (panels[..., :8] | (panels[..., 8:] << 4)).contiguous()  # [P, K, 8]
+    scales = torch.nn.functional.pad(scale, (0, 0, 0, pad)).view(-1, PANEL, scale.shape[1]).transpose(1, 2)
+    return packed, scales.contiguous(), dequantized
+
+
+def quantized_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int | None
+) -> torch.Tensor:
+    """x [M, K] fp32 @ dequantized W.T → [M, out_features], W from `quantize_int8` (group_size None) or
+    `quantize_int4`. Needs `available()`; no argument checks (callers pass what they quantized)."""
+    if torch.compiler.is_compiling():
+        return _quantized_linear_op(x, packed, scales, out_features, group_size or 0)
+    return _run_quantized(x.contiguous(), packed, scales, out_features, group_size or 0)
+
+
+def _run_quantized(x, packed, scales, out_features: int, group_size: int) -> torch.Tensor:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the quantized linear kernel is not available: {_unavailable}")
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows and out_features:
+        lib.omnimtp_quantized_linear(
+            x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
+            4 if group_size else 8, group_size, torch.get_num_threads(),
+        )
+    return out
+
+
+@torch.library.custom_op("omnimtp::quantized_linear", mutates_args=())
+def _quantized_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int
+) -> torch.Tensor:
+    """The quantized kernel as one opaque op under torch.compile."""
+    return _run_quantized(x.contiguous(), packed, scales, out_features, group_size)
+
+
+@_quantized_linear_op.register_fake
+def _(x, packed, scales, out_features, group_size):
     return x.new_empty(x.shape[0], out_features)

@@ -1,0 +1,161 @@
+"""Weight-only quantized linears (int8 per channel, int4 per channel and group) on omnimtp's CPU kernel:
+the kernel equals the matmul by the dequantized weight, the quantization error is what its grid allows,
+a row's values do not depend on the other rows, the packed decoder runs quantized, and bad modes are refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import openai
+import pytest
+import torch
+from audio_checks import assert_audible
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_harness import running_server
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+)
+
+from omnimtp.models.tiny import tiny_code_predictor_config
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.kernels import small_batch_linear as sbl
+from omnimtp.runtime.ops import QUANTIZE_MODES, check_quantize, linear, quantize_weight
+
+needs_kernel = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
+
+# The kernel sums in fp32 in k order, scaling per output (int8) or per group (int4): it equals x @ dequantized.T
+# up to fp32 rounding, i.e. relative to sum_k |x_k w_k| ≈ |x| |w| (the bound below, with headroom).
+RTOL = 1e-5
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 16), num_groups=st.integers(1, 4), group_size=st.sampled_from([16, 32, 64, 128]),
+    out_features=st.integers(1, 80), mode=st.sampled_from(QUANTIZE_MODES), seed=st.integers(0, 99),
+)
+def test_equals_dequantized_matmul(rows, num_groups, group_size, out_features, mode, seed):
+    in_features = num_groups * group_size
+    g = torch.Generator().manual_seed(seed)
+    x, weight = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
+    x_before, weight_before = x.clone(), weight.clone()
+    q = quantize_weight(weight, mode, group_size)
+    out = linear(x, weight, packed=q)
+    reference = x @ q.dequantized().T
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    bound = RTOL * (x.abs() @ q.dequantized().abs().T) + 1e-6
+    assert ((out - reference).abs() <= bound).all()
+    assert torch.equal(x, x_before) and torch.equal(weight, weight_before)
+    # quantization error within half a grid step per weight
+    step = q.dequantized() - weight
+    if mode == "int8":
+        assert (step.abs() <= weight.abs().amax(1, keepdim=True) / 127 / 2 + 1e-6).all()
+    else:
+        groups = weight.view(out_features, num_groups, group_size).abs().amax(-1) / 7
+        assert (step.view(out_features, num_groups, group_size).abs() <= groups[..., None] / 2 + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(11, 256, generator=g), torch.randn(50, 256, generator=g), torch.randn(50, generator=g)
+    q = quantize_weight(weight, mode)
+    batch = linear(x, weight, bias, packed=q)
+    for i in (0, 5, 10):
+        assert torch.equal(linear(x[i : i + 1], weight, bias, packed=q), batch[i : i + 1])
+    assert linear(x.bfloat16(), weight, packed=q).dtype == torch.bfloat16
+
+
+def test_bad_quantize_values_are_value_errors_naming_it():
+    for bad in ("int3", "INT8", "fp8", 8):
+        with pytest.raises(ValueError, match="quantize"):
+            check_quantize(bad, "cpu")
+    with pytest.raises(ValueError, match="quantize"):
+        check_quantize("int8", "meta")
+    check_quantize(None, "meta")  # no quantization: nothing to check
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_quantized_decoder_equals_decoder_on_dequantized_weights(mode):
+    """The packed decoder on quantized weights == the same decoder with its matrices replaced by their
+    dequantized forms (fp32 rounding apart), and differs from fp32 by the quantization only."""
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config()).eval()
+    decoder = PackedDecoder.from_module(model.model)
+    quantized = decoder.quantized(mode)
+    assert decoder.quantized(None) is decoder
+    layers = tuple(
+        replace(layer, qkv=q[0].dequantized(), o=q[1].dequantized(), gate_up=q[2].dequantized(),
+                mlp_down=q[3].dequantized())
+        for layer, q in zip(decoder.layers, quantized.quantized_layers, strict=True)
+    )
+    dequantized = replace(decoder, layers=layers, row_kernel=None)
+    embeds = torch.randn(3, 4, decoder.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = [
+        decoder_forward(dec, KVCache(dec, 3, 8), embeds, [0, 1, 2]).last_hidden
+        for dec in (quantized, dequantized, decoder)
+    ]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    error = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
+    assert 0 < error < (0.05 if mode == "int8" else 0.6)  # tiny random model: loose bounds
+
+
+# --- a quantized pipeline -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tts_int4():
+    from omnimtp import OmniPipeline
+
+    return OmniPipeline.tiny(family="qwen3_tts", quantize="int4", max_frames=12)
+
+
+@needs_kernel
+def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batched(tts_int4):
+    from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
+
+    family = tts_int4.family
+    assert family.talker_decoder.quantized_layers is not None
+    assert family.predictor(8).weights.decoder.quantize == "int4"
+    texts = ["hello there", "a second, longer sentence", "third"]
+    batch = tts_int4.speech(texts, sampling=QWEN3_TTS_SAMPLING, seed=[5, 6, 7])
+    alone = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
+    again = tts_int4.speech(texts[1], sampling=QWEN3_TTS_SAMPLING, seed=6)
+    audio = alone.audio
+    assert_audible(audio)
+    assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(batch[1].codes))
+    assert torch.equal(torch.as_tensor(alone.codes), torch.as_tensor(again.codes))
+    assert (abs(batch[1].audio - audio).max() <= 1e-6 * abs(audio).max()) and batch[1].audio.shape == audio.shape
+
+
+def test_quantize_values_are_checked_where_pipelines_are_made():
+    from omnimtp import OmniPipeline
+
+    for family in ("qwen3_tts", "qwen3", "qwen2_5"):
+        with pytest.raises(ValueError, match="quantize"):
+            OmniPipeline.tiny(family=family, quantize="int2")
+    with pytest.raises(ValueError, match="quantize"):
+        OmniPipeline(family=OmniPipeline.tiny(family="qwen3_tts").family, quantize="int8")
+
+
+@needs_kernel
+def test_quantized_server_speaks_through_the_openai_client_as_the_pipeline(tts_int4):
+    from omnimtp.server.app import create_app
+    from omnimtp.server.audio import to_pcm16
+    from omnimtp.server.scheduler import Engine
+
+    text, greedy = "Hello there, tiny voice.", {"language": "english", "temperature": 0}
+    *chunks, _ = list(tts_int4.stream_speech(text, voice="aiden", language="english"))
+    expected = to_pcm16(np.concatenate(chunks)).tobytes()
+    engine = Engine(tts_int4.family, model_id="tts-int4", max_frames=12, max_batch_size=4)
+    with running_server(create_app(engine)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        speech = client.audio.speech.create(
+            model="tts-int4", input=text, voice="aiden", response_format="pcm", extra_body=greedy
+        )
+    assert_audible(np.frombuffer(speech.content, dtype=np.int16).astype(np.float32) / 32768)
+    assert speech.content == expected
