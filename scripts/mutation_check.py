@@ -53,6 +53,7 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
+VOICE_AGENT = ("tests/test_realtime_vad.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
@@ -619,9 +620,33 @@ MUTATIONS = [
     ),
     Mutation(
         "realtime_input_rate_ignored", "omnimtp/server/routes/realtime.py",
-        '        changes["input_rate"] = audio.input.format.rate',
-        '        changes["input_rate"] = PCM_RATE',
+        "    return audio_format.type, audio_format.rate or PCM_RATE",
+        "    return audio_format.type, PCM_RATE",
         REALTIME, "input audio is read as 24 kHz whatever rate the session names (no resampling)",
+    ),
+    Mutation(
+        "vad_exit_threshold_is_the_threshold", "omnimtp/server/vad.py",
+        "        self._exit_threshold = max(config.threshold - 0.15, 0.01)",
+        "        self._exit_threshold = config.threshold",
+        VOICE_AGENT, "speech ends at the first window under the threshold, not under silero's exit threshold",
+    ),
+    Mutation(
+        "vad_barge_in_ignored", "omnimtp/server/routes/realtime.py",
+        "            if config.interrupt_response and state.response is not None:",
+        "            if False:",
+        VOICE_AGENT, "speech during a response does not cancel it",
+    ),
+    Mutation(
+        "truncate_keeps_the_transcript", "omnimtp/server/routes/realtime.py",
+        "    item.text_deltas = item.text_deltas[:heard_frames]",
+        "    item.text_deltas = item.text_deltas",
+        VOICE_AGENT, "a truncated reply's unheard transcript stays in the conversation",
+    ),
+    Mutation(
+        "g711_output_is_mu_law_always", "omnimtp/server/routes/realtime.py",
+        "        return base64.b64encode(g711_encode(pcm, self.fmt)).decode(\"ascii\")",
+        "        return base64.b64encode(g711_encode(pcm, \"audio/pcmu\")).decode(\"ascii\")",
+        VOICE_AGENT, "A-law output is encoded as μ-law",
     ),
     Mutation(
         "realtime_cancel_ignored", "omnimtp/server/routes/realtime.py",

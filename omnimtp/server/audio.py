@@ -65,3 +65,35 @@ def streaming_wav_header(sample_rate: int) -> bytes:
     unknown = 0xFFFFFFFF
     fmt_chunk = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
     return struct.pack("<4sI4s", b"RIFF", unknown, b"WAVE") + fmt_chunk + struct.pack("<4sI", b"data", unknown)
+
+
+# G.711 (ITU-T), the telephone formats of OpenAI's Realtime API: one byte per sample at 8 kHz. FFmpeg's
+# codecs (through PyAV) do the companding.
+G711_RATE = 8000
+G711_CODECS = {"audio/pcmu": "pcm_mulaw", "audio/pcma": "pcm_alaw"}
+
+
+def g711_decode(data: bytes, fmt: str) -> np.ndarray:
+    """G.711 bytes ("audio/pcmu" μ-law or "audio/pcma" A-law) → int16 samples at 8 kHz, one per byte."""
+    import av
+
+    if not data:
+        return np.zeros(0, dtype="<i2")
+    decoder = av.CodecContext.create(G711_CODECS[fmt], "r")
+    decoder.sample_rate, decoder.layout = G711_RATE, "mono"
+    frames = decoder.decode(av.Packet(data))
+    return np.concatenate([frame.to_ndarray().reshape(-1) for frame in frames]).astype("<i2")
+
+
+def g711_encode(pcm16: np.ndarray, fmt: str) -> bytes:
+    """int16 samples at 8 kHz → G.711 bytes ("audio/pcmu" or "audio/pcma"), one per sample."""
+    import av
+
+    pcm16 = np.ascontiguousarray(pcm16, dtype=np.int16)
+    if not pcm16.size:
+        return b""
+    encoder = av.CodecContext.create(G711_CODECS[fmt], "w")
+    encoder.sample_rate, encoder.layout, encoder.format = G711_RATE, "mono", "s16"
+    frame = av.AudioFrame.from_ndarray(pcm16[None], format="s16", layout="mono")
+    frame.sample_rate = G711_RATE
+    return b"".join(bytes(packet) for packet in [*encoder.encode(frame), *encoder.encode(None)])
