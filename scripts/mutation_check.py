@@ -625,10 +625,10 @@ MUTATIONS = [
         REALTIME, "input audio is read as 24 kHz whatever rate the session names (no resampling)",
     ),
     Mutation(
-        "vad_exit_threshold_is_the_threshold", "omnimtp/server/vad.py",
-        "        self._exit_threshold = max(config.threshold - 0.15, 0.01)",
-        "        self._exit_threshold = config.threshold",
-        VOICE_AGENT, "speech ends at the first window under the threshold, not under silero's exit threshold",
+        "vad_silence_duration_ignored", "omnimtp/server/vad.py",
+        "        self._silence_samples = VAD_RATE * config.silence_duration_ms / 1000",
+        "        self._silence_samples = 0",
+        VOICE_AGENT, "speech stops at its first silent window, whatever silence_duration_ms says",
     ),
     Mutation(
         "vad_barge_in_ignored", "omnimtp/server/routes/realtime.py",
@@ -647,6 +647,12 @@ MUTATIONS = [
         "        return base64.b64encode(g711_encode(pcm, self.fmt)).decode(\"ascii\")",
         "        return base64.b64encode(g711_encode(pcm, \"audio/pcmu\")).decode(\"ascii\")",
         VOICE_AGENT, "A-law output is encoded as μ-law",
+    ),
+    Mutation(
+        "session_items_unbounded", "omnimtp/server/routes/realtime.py",
+        "    if len(state.items) + num_items > limits.max_session_items:",
+        "    if False:",
+        VOICE_AGENT, "a realtime conversation grows past --max-session-items",
     ),
     Mutation(
         "realtime_cancel_ignored", "omnimtp/server/routes/realtime.py",

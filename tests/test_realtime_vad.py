@@ -28,6 +28,7 @@ from omnimtp.server.app import create_app
 from omnimtp.server.audio import G711_RATE, g711_decode, g711_encode, to_pcm16
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.vad import VAD_RATE, WINDOW_SAMPLES, SpeechDetector, TurnDetection, silero_model
+from omnimtp.server.websocket import WebSocketLimits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,6 +37,8 @@ RATE = 24000
 APPEND_SAMPLES = RATE // 50  # 20 ms
 SEED = 5
 MAX_TOKENS = 6
+MAX_SESSION_ITEMS = 8
+MAX_SESSION_BYTES = 512 << 10  # two 4 s audio items (16 kHz float32) and some text
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +99,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def client(engine):
-    with running_server(create_app(engine, api_key=KEY)) as url:
+    limits = WebSocketLimits(max_session_items=MAX_SESSION_ITEMS, max_session_bytes=MAX_SESSION_BYTES)
+    with running_server(create_app(engine, api_key=KEY, websocket_limits=limits)) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
                             api_key=KEY, max_retries=0)
 
@@ -302,3 +306,29 @@ def test_a_phone_turn_in_mu_law_and_out_in_a_law(client, speech):
     served = g711_decode(phone["pcm"], "audio/pcma").astype(np.float64)
     assert np.abs(served).max() > 100 and len(served) == len(reference)
     assert np.sqrt(np.mean((served - reference) ** 2)) < 0.05 * np.sqrt(np.mean(reference**2))
+
+
+# -- bounded sessions -------------------------------------------------------------------------------
+
+
+def test_a_conversation_is_bounded_in_items_and_bytes(client):
+    with _connect(client, audio={"input": {"turn_detection": None}}) as (connection, _):
+        four_seconds = base64.b64encode(bytes(2 * 4 * RATE)).decode()
+        audio_item = {"type": "message", "role": "user", "content": [{"type": "input_audio",
+                                                                      "audio": four_seconds}]}
+        for _ in range(2):
+            connection.conversation.item.create(item=audio_item)
+            assert _next(connection).type == "conversation.item.created"
+        connection.conversation.item.create(item=audio_item)
+        event = connection.recv()
+        assert event.type == "error" and event.error.param == "max_session_bytes", event
+        for _ in range(MAX_SESSION_ITEMS - 2):
+            _user_text(connection, "x")
+        for send in (lambda: connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                                       "content": [{"type": "input_text",
+                                                                                    "text": "x"}]}),
+                     connection.response.create):
+            send()
+            event = connection.recv()
+            assert event.type == "error" and event.error.param == "max_session_items", event
+            assert "--max-session-items" in event.error.message

@@ -307,6 +307,14 @@ class ConversationItem:
     num_frames: int = 0
     num_samples: int = 0
 
+    @property
+    def num_bytes(self) -> int:
+        """The memory its content holds: text as UTF-8, audio as its samples."""
+        if isinstance(self.content, str):
+            return len(self.content.encode())
+        return sum(part["audio"].nbytes if part["type"] == "audio" else len(part["text"].encode())
+                   for part in self.content)
+
     def event_item(self) -> dict:
         return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
                 "role": self.role, "content": self.parts}
@@ -685,6 +693,7 @@ async def _client_item(state: RealtimeSession, item: Item) -> ConversationItem:
 
 def _insert(state: RealtimeSession, item: ConversationItem, previous_item_id: str | None) -> str | None:
     """Put `item` after `previous_item_id` ("root": first; None: last); the id of the item before it."""
+    _check_room(state, 1, item.num_bytes)
     items = state.items
     if previous_item_id is None:
         index = len(items)
@@ -698,6 +707,20 @@ def _insert(state: RealtimeSession, item: ConversationItem, previous_item_id: st
         index = ids.index(previous_item_id) + 1
     items.insert(index, item)
     return items[index - 1].id if index > 0 else None
+
+
+def _check_room(state: RealtimeSession, num_items: int, num_bytes: int) -> None:
+    """EventError when the conversation would hold more items or bytes than the session limits allow."""
+    limits = state.session.limits
+    if len(state.items) + num_items > limits.max_session_items:
+        raise EventError(f"the conversation holds the limit of {limits.max_session_items} items "
+                         "(--max-session-items); start a new session", param="max_session_items",
+                         code="conversation_full")
+    held = sum(item.num_bytes for item in state.items)
+    if held + num_bytes > limits.max_session_bytes:
+        raise EventError(f"the conversation would hold {held + num_bytes} bytes, over the limit of "
+                         f"{limits.max_session_bytes} (--max-session-bytes); start a new session",
+                         param="max_session_bytes", code="conversation_full")
 
 
 def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[EngineRequest, dict]:
@@ -739,6 +762,7 @@ async def _start_response(state: RealtimeSession, fields: ResponseFields) -> Non
     if state.response is not None:
         raise EventError(f"the conversation already has an active response {state.response_id}; cancel it or wait "
                          "for its response.done", code="conversation_already_has_active_response")
+    _check_room(state, 1, 0)  # the reply's item
     request, described = _engine_request(state, fields)
     try:
         handle = await state.context.submit(request)
