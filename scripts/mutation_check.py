@@ -53,6 +53,7 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
+VOICE_AGENT = ("tests/test_realtime_vad.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
@@ -665,9 +666,39 @@ MUTATIONS = [
     ),
     Mutation(
         "realtime_input_rate_ignored", "omnimtp/server/routes/realtime.py",
-        '        changes["input_rate"] = audio.input.format.rate',
-        '        changes["input_rate"] = PCM_RATE',
+        "    return audio_format.type, audio_format.rate or PCM_RATE",
+        "    return audio_format.type, PCM_RATE",
         REALTIME, "input audio is read as 24 kHz whatever rate the session names (no resampling)",
+    ),
+    Mutation(
+        "vad_silence_duration_ignored", "omnimtp/server/vad.py",
+        "        self._silence_samples = VAD_RATE * config.silence_duration_ms / 1000",
+        "        self._silence_samples = 0",
+        VOICE_AGENT, "speech stops at its first silent window, whatever silence_duration_ms says",
+    ),
+    Mutation(
+        "vad_barge_in_ignored", "omnimtp/server/routes/realtime.py",
+        "            if config.interrupt_response and state.response is not None:",
+        "            if False:",
+        VOICE_AGENT, "speech during a response does not cancel it",
+    ),
+    Mutation(
+        "truncate_keeps_the_transcript", "omnimtp/server/routes/realtime.py",
+        "    item.text_deltas = item.text_deltas[:heard_frames]",
+        "    item.text_deltas = item.text_deltas",
+        VOICE_AGENT, "a truncated reply's unheard transcript stays in the conversation",
+    ),
+    Mutation(
+        "g711_output_is_mu_law_always", "omnimtp/server/routes/realtime.py",
+        "        return base64.b64encode(g711_encode(pcm, self.fmt)).decode(\"ascii\")",
+        "        return base64.b64encode(g711_encode(pcm, \"audio/pcmu\")).decode(\"ascii\")",
+        VOICE_AGENT, "A-law output is encoded as μ-law",
+    ),
+    Mutation(
+        "session_items_unbounded", "omnimtp/server/routes/realtime.py",
+        "    if len(state.items) + num_items > limits.max_session_items:",
+        "    if False:",
+        VOICE_AGENT, "a realtime conversation grows past --max-session-items",
     ),
     Mutation(
         "realtime_cancel_ignored", "omnimtp/server/routes/realtime.py",

@@ -301,9 +301,13 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}}},
      "session.audio.output.voice", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
-        "type": "server_vad"}}}}}, "session.audio.input.turn_detection", "invalid_value"),
+        "type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {
-        "type": "audio/pcmu"}}}}}, "session.audio.input.format.type", "invalid_value"),
+        "type": "audio/opus"}}}}}, "session.audio.input.format.type", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {
+        "type": "audio/pcmu", "rate": 16000}}}}}, "session.audio.input.format.rate", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"format": {
+        "type": "audio/pcm", "rate": 16000}}}}}, "session.audio.output.format.rate", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": "f"}]}},
      "session.tools", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 10**6}},

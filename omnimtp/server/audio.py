@@ -156,3 +156,35 @@ class StreamEncoder:
         self._sink.seek(0)
         self._sink.truncate()
         return data
+
+
+# G.711 (ITU-T), the telephone formats of OpenAI's Realtime API: one byte per sample at 8 kHz. FFmpeg's
+# codecs (through PyAV) do the companding.
+G711_RATE = 8000
+G711_CODECS = {"audio/pcmu": "pcm_mulaw", "audio/pcma": "pcm_alaw"}
+
+
+def g711_decode(data: bytes, fmt: str) -> np.ndarray:
+    """G.711 bytes ("audio/pcmu" μ-law or "audio/pcma" A-law) → int16 samples at 8 kHz, one per byte."""
+    import av
+
+    if not data:
+        return np.zeros(0, dtype="<i2")
+    decoder = av.CodecContext.create(G711_CODECS[fmt], "r")
+    decoder.sample_rate, decoder.layout = G711_RATE, "mono"
+    frames = decoder.decode(av.Packet(data))
+    return np.concatenate([frame.to_ndarray().reshape(-1) for frame in frames]).astype("<i2")
+
+
+def g711_encode(pcm16: np.ndarray, fmt: str) -> bytes:
+    """int16 samples at 8 kHz → G.711 bytes ("audio/pcmu" or "audio/pcma"), one per sample."""
+    import av
+
+    pcm16 = np.ascontiguousarray(pcm16, dtype=np.int16)
+    if not pcm16.size:
+        return b""
+    encoder = av.CodecContext.create(G711_CODECS[fmt], "w")
+    encoder.sample_rate, encoder.layout, encoder.format = G711_RATE, "mono", "s16"
+    frame = av.AudioFrame.from_ndarray(pcm16[None], format="s16", layout="mono")
+    frame.sample_rate = G711_RATE
+    return b"".join(bytes(packet) for packet in [*encoder.encode(frame), *encoder.encode(None)])

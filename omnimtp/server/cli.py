@@ -17,6 +17,8 @@ from omnimtp.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_SESSION_BYTES,
+    DEFAULT_MAX_SESSION_ITEMS,
     DEFAULT_MAX_TOKENS_LIMIT,
     DEFAULT_MAX_WEBSOCKET_SESSIONS,
     DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
@@ -78,6 +80,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-sessions", type=positive_int, default=DEFAULT_MAX_WEBSOCKET_SESSIONS, metavar="N",
                         help="open WebSocket sessions per route (/v1/realtime) before new ones are refused with 429 "
                         "(default %(default)d); a message may be as large as --max-body-bytes")
+    parser.add_argument("--max-session-items", type=positive_int, default=DEFAULT_MAX_SESSION_ITEMS, metavar="N",
+                        help="conversation items a /v1/realtime session holds (default %(default)d)")
+    parser.add_argument("--max-session-bytes", type=positive_int, default=DEFAULT_MAX_SESSION_BYTES, metavar="N",
+                        help="bytes of conversation content a /v1/realtime session holds in memory, audio as float32 "
+                        "samples (default %(default)d)")
     parser.add_argument("--timeout-session-idle", type=positive_float, default=DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
                         metavar="S", help="seconds a WebSocket session may pass without a message either way before "
                         "it is closed (default %(default)g)")
@@ -245,7 +252,8 @@ def build_app(args: argparse.Namespace):
                      served_model_names=args.served_model_name, voice_store=voice_store,
                      max_ref_seconds=args.max_ref_seconds, websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
-                         max_message_bytes=args.max_body_bytes))
+                         max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
+                         max_session_bytes=args.max_session_bytes))
     return engine, app
 
 

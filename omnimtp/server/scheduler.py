@@ -102,7 +102,8 @@ class EngineRequest:
 @dataclass
 class EngineEvent:
     """One step of a request's output: a text delta, an audio chunk (float32), or the end.
-    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`). error_code:
+    step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`). num_frames: the
+    request's audio frames so far (on an audio chunk) or in all (on the end). error_code:
     "server_shutting_down" when the server ended the request (`Engine.end_requests`), else None."""
 
     text: str = ""
@@ -549,7 +550,7 @@ class Engine:
             if event.audio is not None:
                 if self.metrics is not None and len(request.audio) == 1:
                     self.metrics.time_to_first_audio.observe(request.first_audio_at - request.submitted_at)
-                handle.push(EngineEvent(audio=event.audio, step=event.step))
+                handle.push(EngineEvent(audio=event.audio, step=event.step, num_frames=len(request.frames)))
             elif event.text:
                 handle.push(EngineEvent(text=event.text))
             if event.is_finished:

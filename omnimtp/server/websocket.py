@@ -46,7 +46,13 @@ from dataclasses import dataclass
 from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from omnimtp.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WEBSOCKET_SESSIONS, DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S
+from omnimtp.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_SESSION_BYTES,
+    DEFAULT_MAX_SESSION_ITEMS,
+    DEFAULT_MAX_WEBSOCKET_SESSIONS,
+    DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
+)
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import THREAD_PARSE_BYTES, deny, parse_json
 from omnimtp.server.metrics import ServerMetrics
@@ -62,14 +68,18 @@ IDLE_CLOSE_REASON = "idle timeout"
 class WebSocketLimits:
     """What a WebSocket route allows. max_sessions: open sessions per route (more are refused with HTTP 429
     on the upgrade). idle_timeout_s: a session with no message either way this long is closed.
-    max_message_bytes: the largest client message (UTF-8 bytes of its text); larger ones get an `error` event."""
+    max_message_bytes: the largest client message (UTF-8 bytes of its text); larger ones get an `error` event.
+    max_session_items / max_session_bytes: the most conversation items a realtime session holds, and the bytes
+    of their content in memory."""
 
     max_sessions: int = DEFAULT_MAX_WEBSOCKET_SESSIONS
     idle_timeout_s: float = DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S
     max_message_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_session_items: int = DEFAULT_MAX_SESSION_ITEMS
+    max_session_bytes: int = DEFAULT_MAX_SESSION_BYTES
 
     def __post_init__(self):
-        for name in ("max_sessions", "max_message_bytes"):
+        for name in ("max_sessions", "max_message_bytes", "max_session_items", "max_session_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,334 @@
+"""Voice agents on `/v1/realtime`: server VAD (Silero on the session's own audio), barge-in and truncation.
+Real speech made with espeak-ng; silence and a sine never start a turn; the detector's boundaries are
+`silero_vad.get_speech_timestamps`'s; a session with default settings that streams speech and silence in 20 ms
+appends, never committing, gets the reply a manual commit of the same audio gets (seeded); speech during a
+response cancels it (barge-in); a truncated reply reaches the next turn's engine request cut to what was
+heard."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import io
+import shutil
+import subprocess
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+import soxr
+import torch
+from server_harness import running_server
+
+from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.media import MediaLimits
+from omnimtp.server.app import create_app
+from omnimtp.server.audio import G711_RATE, g711_decode, g711_encode, to_pcm16
+from omnimtp.server.scheduler import Engine
+from omnimtp.server.vad import VAD_RATE, WINDOW_SAMPLES, SpeechDetector, TurnDetection, silero_model
+from omnimtp.server.websocket import WebSocketLimits
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KEY = "sk-vad"
+RATE = 24000
+APPEND_SAMPLES = RATE // 50  # 20 ms
+SEED = 5
+MAX_TOKENS = 6
+MAX_SESSION_ITEMS = 8
+MAX_SESSION_BYTES = 512 << 10  # two 4 s audio items (16 kHz float32) and some text
+
+
+@pytest.fixture(scope="session")
+def speech() -> np.ndarray:
+    """About 1.2 s of English from espeak-ng, at 24 kHz."""
+    assert shutil.which("espeak-ng"), "espeak-ng (Debian package) makes the test speech"
+    result = subprocess.run(["espeak-ng", "--stdout", "-s", "190", "hello, how are you today"], check=True,
+                            capture_output=True)
+
+    samples, rate = sf.read(io.BytesIO(result.stdout), dtype="float32")
+    return soxr.resample(samples, rate, RATE).astype(np.float32)
+
+
+def _silence(seconds: float) -> np.ndarray:
+    return np.zeros(int(seconds * RATE), dtype=np.float32)
+
+
+def _feed(detector: SpeechDetector, samples: np.ndarray) -> list:
+    events = []
+    for i in range(0, len(samples), APPEND_SAMPLES):
+        events += detector.feed(samples[i:i + APPEND_SAMPLES])
+    return events
+
+
+def test_boundaries_are_silero_get_speech_timestamps(speech):
+    import silero_vad
+
+    audio = np.concatenate([_silence(0.4), speech, _silence(0.8), speech, _silence(0.7)])
+    config = TurnDetection(silence_duration_ms=400)
+    events = _feed(SpeechDetector(config, RATE), audio)
+    expected = silero_vad.get_speech_timestamps(torch.from_numpy(soxr.resample(audio, RATE, VAD_RATE)),
+                                                silero_model(), threshold=config.threshold,
+                                                min_silence_duration_ms=config.silence_duration_ms,
+                                                speech_pad_ms=0, min_speech_duration_ms=0)
+    assert len(expected) == 2
+    assert [event.kind for event in events] == ["speech_started", "speech_stopped"] * 2
+    boundaries = [sample for speech_ in expected for sample in (speech_["start"], speech_["end"])]
+    for event, sample in zip(events, boundaries, strict=True):
+        assert abs(event.sample - sample) <= WINDOW_SAMPLES
+
+
+def test_silence_and_a_sine_never_start_a_turn():
+    t = np.arange(2 * RATE) / RATE
+    sine = (0.5 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32)
+    for audio in (_silence(2.0), sine):
+        detector = SpeechDetector(TurnDetection(), RATE)
+        assert _feed(detector, audio) == [] and not detector.is_speaking
+
+
+# -- through the server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(Qwen3OmniFamily.tiny(0), media_limits=MediaLimits(max_audio_seconds=4.0), max_frames=24,
+                  max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    limits = WebSocketLimits(max_session_items=MAX_SESSION_ITEMS, max_session_bytes=MAX_SESSION_BYTES)
+    with running_server(create_app(engine, api_key=KEY, websocket_limits=limits)) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                            api_key=KEY, max_retries=0)
+
+
+@contextlib.contextmanager
+def _connect(client, **session):
+    with client.realtime.connect(model="omnimtp-tiny") as connection:
+        assert connection.recv().type == "session.created"
+        connection.session.update(session={"type": "realtime", "seed": SEED, "max_output_tokens": MAX_TOKENS,
+                                           **session})
+        updated = _next(connection)
+        assert updated.type == "session.updated"
+        yield connection, updated.session
+
+
+def _next(connection):
+    event = connection.recv()
+    assert event.type != "error", event.error
+    return event
+
+
+def _append(connection, samples: np.ndarray) -> None:
+    pcm = to_pcm16(samples).tobytes()
+    for i in range(0, len(pcm), 2 * APPEND_SAMPLES):
+        connection.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 2 * APPEND_SAMPLES]).decode())
+
+
+def _until_done(connection, first=None) -> tuple[list, dict]:
+    events = [first] if first is not None else []
+    while (event := _next(connection)).type != "response.done":
+        events.append(event)
+    events.append(event)
+    pcm = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    return events, {"pcm": pcm, "text": text, "status": event.response.status}
+
+
+def test_a_default_session_answers_when_the_speaker_stops(client, speech):
+    audio = np.concatenate([_silence(0.5), speech, _silence(1.0)])
+    with _connect(client) as (connection, described):
+        vad = described.audio.input.turn_detection
+        assert vad.type == "server_vad" and vad.silence_duration_ms == 500 and vad.prefix_padding_ms == 300
+        _append(connection, audio)
+        started, stopped, committed, created = (_next(connection) for _ in range(4))
+        assert [started.type, stopped.type, committed.type, created.type] == [
+            "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+            "input_audio_buffer.committed", "conversation.item.created"]
+        assert started.item_id == stopped.item_id == committed.item_id == created.item.id
+        # speech begins about 0.5 s in; the turn holds 300 ms before it and 500 ms of silence after it
+        assert 150 <= started.audio_start_ms <= 300
+        assert stopped.audio_end_ms - started.audio_start_ms >= 300 + 500 + 800
+        events, auto = _until_done(connection)
+    assert events[0].type == "response.created" and auto["status"] in ("completed", "incomplete")
+    assert np.abs(np.frombuffer(auto["pcm"], dtype="<i2")).max() > 100
+    heard = audio[started.audio_start_ms * RATE // 1000:stopped.audio_end_ms * RATE // 1000]
+    with _connect(client, audio={"input": {"turn_detection": None}}) as (connection, described):
+        assert described.audio.input.turn_detection is None
+        _append(connection, heard)
+        connection.input_audio_buffer.commit()
+        assert _next(connection).type == "input_audio_buffer.committed"
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        _, manual = _until_done(connection)
+    assert auto == manual
+
+
+def test_speech_during_a_response_cancels_it(client, speech):
+    with _connect(client, max_output_tokens="inf") as (connection, _):
+        connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Talk for a while"}]})
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        assert _next(connection).type == "response.created"
+        _append(connection, speech[: RATE // 2])
+        events, reply = _until_done(connection)
+        assert "input_audio_buffer.speech_started" in [event.type for event in events]
+        assert reply["status"] == "cancelled"
+        assert events[-1].response.status_details.reason == "turn_detected"
+
+
+def test_bad_turn_detection_is_an_error_naming_the_field(client):
+    with _connect(client) as (connection, _):
+        for turn_detection, param in (({"type": "semantic_vad"}, "session.audio.input.turn_detection.type"),
+                                      ({"type": "server_vad", "threshold": 1.5},
+                                       "session.audio.input.turn_detection.threshold"),
+                                      ({"type": "server_vad", "silence_duration_ms": "x"},
+                                       "session.audio.input.turn_detection.silence_duration_ms"),
+                                      ({"type": "server_vad", "idle_timeout_ms": 5000},
+                                       "session.audio.input.turn_detection.idle_timeout_ms")):
+            connection.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": turn_detection}}})
+            event = connection.recv()
+            assert event.type == "error" and event.error.param == param, (turn_detection, event)
+        connection.session.update(session={"type": "realtime", "instructions": "Go on."})
+        assert _next(connection).type == "session.updated"
+
+
+def _user_text(connection, text: str) -> None:
+    connection.conversation.item.create(item={"type": "message", "role": "user",
+                                              "content": [{"type": "input_text", "text": text}]})
+    assert _next(connection).type == "conversation.item.created"
+
+
+def test_truncate_cuts_the_reply_to_what_was_heard(client, engine, monkeypatch):
+    submitted = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request, **kwargs: submitted.append(request) or submit(request,
+                                                                                                      **kwargs))
+    with _connect(client, audio={"input": {"turn_detection": None}}, max_output_tokens=16) as (connection, _):
+        _user_text(connection, "Tell me a story")
+        connection.response.create()
+        events, reply = _until_done(connection)
+        deltas = [e.delta for e in events if e.type == "response.output_audio_transcript.delta"]
+        done = events[-1].response
+        item_id, num_frames = done.output[0].id, done.usage.output_token_details.audio_tokens
+        num_samples = len(reply["pcm"]) // 2
+        assert num_frames >= 4 and len(deltas) >= 4
+        audio_end_ms = num_samples * 1000 // RATE // 3
+        for bad, param in (({"item_id": "item_nope"}, "item_id"), ({"content_index": 1}, "content_index"),
+                           ({"audio_end_ms": 10**6}, "audio_end_ms"), ({"audio_end_ms": -1}, "audio_end_ms")):
+            connection.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                             "audio_end_ms": audio_end_ms, **bad})
+            event = connection.recv()
+            assert event.type == "error" and event.error.param == param, (bad, event)
+        connection.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=audio_end_ms)
+        truncated = _next(connection)
+        assert (truncated.type, truncated.item_id, truncated.audio_end_ms) == (
+            "conversation.item.truncated", item_id, audio_end_ms)
+        _user_text(connection, "Go on")
+        connection.response.create()
+        _until_done(connection)
+    heard_frames = audio_end_ms * RATE // 1000 * num_frames // num_samples
+    heard = "".join(deltas[:heard_frames])
+    assert heard != "".join(deltas)
+    request = submitted[-1]
+    assert request.messages[-2] == ("assistant", heard)
+    unheard = dataclasses.replace(request, messages=(*request.messages[:-2], ("assistant", "".join(deltas)),
+                                                     request.messages[-1]))
+    assert engine.prompt_ids(request) != engine.prompt_ids(unheard)
+
+
+def test_output_audio_buffer_clear_cancels_the_response(client):
+    with _connect(client, audio={"input": {"turn_detection": None}}, max_output_tokens="inf") as (connection, _):
+        _user_text(connection, "Talk for a while")
+        connection.response.create()
+        created = _next(connection)
+        assert created.type == "response.created"
+        connection.send({"type": "output_audio_buffer.clear"})
+        events, reply = _until_done(connection)
+        cleared = [event for event in events if event.type == "output_audio_buffer.cleared"]
+        assert len(cleared) == 1 and cleared[0].response_id == created.response.id
+        assert reply["status"] == "cancelled"
+
+
+# -- G.711 ------------------------------------------------------------------------------------------
+
+
+def _g711_error_bound(pcm: np.ndarray) -> np.ndarray:
+    """G.711's quantisation error: under 1/32 of the level (a 4-bit mantissa), at least its smallest step."""
+    return np.abs(pcm.astype(np.int64)) / 32 + 16
+
+
+@pytest.mark.parametrize("fmt", ["audio/pcmu", "audio/pcma"])
+def test_g711_round_trip_within_its_error(speech, fmt):
+    pcm = to_pcm16(soxr.resample(speech, RATE, G711_RATE))
+    data = g711_encode(pcm, fmt)
+    assert len(data) == len(pcm)
+    decoded = g711_decode(data, fmt)
+    assert np.abs(pcm).max() > 3000
+    assert np.all(np.abs(decoded.astype(np.int64) - pcm) <= _g711_error_bound(pcm))
+    assert g711_encode(decoded, fmt) == data  # decoded values are codewords
+    assert g711_decode(data, "audio/pcma" if fmt == "audio/pcmu" else "audio/pcmu").tolist() != decoded.tolist()
+
+
+def test_a_phone_turn_in_mu_law_and_out_in_a_law(client, speech):
+    """μ-law in, A-law out: the reply is the PCM path's on the same decoded audio, its audio the PCM path's
+    within G.711's error."""
+    pcm8k = to_pcm16(soxr.resample(speech[: RATE * 3 // 2], RATE, G711_RATE))
+    mu_law = g711_encode(pcm8k, "audio/pcmu")
+    formats = {"input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+               "output": {"format": {"type": "audio/pcma"}}}
+    with _connect(client, audio=formats) as (connection, described):
+        assert described.audio.input.format.type == "audio/pcmu"
+        assert described.audio.output.format.type == "audio/pcma"
+        connection.input_audio_buffer.append(audio=base64.b64encode(mu_law).decode())
+        connection.input_audio_buffer.commit()
+        assert _next(connection).type == "input_audio_buffer.committed"
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        _, phone = _until_done(connection)
+    heard = g711_decode(mu_law, "audio/pcmu").astype(np.float32) / 32768.0
+    pcm_formats = {"input": {"format": {"type": "audio/pcm", "rate": G711_RATE}, "turn_detection": None}}
+    with _connect(client, audio=pcm_formats) as (connection, _):
+        _append(connection, heard)  # exactly the samples the μ-law turn decoded to
+        connection.input_audio_buffer.commit()
+        assert _next(connection).type == "input_audio_buffer.committed"
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        _, plain = _until_done(connection)
+    assert phone["text"] == plain["text"]
+    reference = to_pcm16(soxr.resample(np.frombuffer(plain["pcm"], dtype="<i2").astype(np.float32) / 32768.0,
+                                        RATE, G711_RATE)).astype(np.float64)
+    served = g711_decode(phone["pcm"], "audio/pcma").astype(np.float64)
+    assert np.abs(served).max() > 100 and len(served) == len(reference)
+    assert np.sqrt(np.mean((served - reference) ** 2)) < 0.05 * np.sqrt(np.mean(reference**2))
+
+
+# -- bounded sessions -------------------------------------------------------------------------------
+
+
+def test_a_conversation_is_bounded_in_items_and_bytes(client):
+    with _connect(client, audio={"input": {"turn_detection": None}}) as (connection, _):
+        four_seconds = base64.b64encode(bytes(2 * 4 * RATE)).decode()
+        audio_item = {"type": "message", "role": "user", "content": [{"type": "input_audio",
+                                                                      "audio": four_seconds}]}
+        for _ in range(2):
+            connection.conversation.item.create(item=audio_item)
+            assert _next(connection).type == "conversation.item.created"
+        connection.conversation.item.create(item=audio_item)
+        event = connection.recv()
+        assert event.type == "error" and event.error.param == "max_session_bytes", event
+        for _ in range(MAX_SESSION_ITEMS - 2):
+            _user_text(connection, "x")
+        for send in (lambda: connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                                       "content": [{"type": "input_text",
+                                                                                    "text": "x"}]}),
+                     connection.response.create):
+            send()
+            event = connection.recv()
+            assert event.type == "error" and event.error.param == "max_session_items", event
+            assert "--max-session-items" in event.error.message
