@@ -675,6 +675,18 @@ MUTATIONS = [
         "            if body.x_vector_only_mode:\n                voice = voice",
         SERVER_VOICES, "x_vector_only_mode is ignored with a saved in-context voice",
     ),
+    Mutation(
+        "websocket_key_subprotocol_any_token", "omnimtp/server/guard.py",
+        "if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode(\"utf-8\"), self.api_key):",
+        "if prefix == KEY_SUBPROTOCOL:",
+        ("tests/test_playground.py",), "a WebSocket upgrade with any key in the subprotocol is let in",
+    ),
+    Mutation(
+        "websocket_subprotocol_not_echoed", "omnimtp/server/websocket.py",
+        "        if protocol.partition(\".\")[0] != KEY_SUBPROTOCOL:\n            return protocol",
+        "        if protocol.partition(\".\")[0] != KEY_SUBPROTOCOL:\n            return None",
+        ("tests/test_playground.py",), "the server answers no subprotocol, so a browser drops the connection",
+    ),
 ]
 
 
