@@ -498,20 +498,16 @@ _PROCESSOR_MODEL_TYPES = {
 }
 
 
-def tiny_processor(tokenizer, model_type: str = "qwen3_omni_moe") -> AudioImageProcessor:
+def tiny_processor(tokenizer, thinker_config, model_type: str = "qwen3_omni_moe") -> AudioImageProcessor:
     """A tiny model's processor: a WhisperFeatureExtractor with its 16 mel bins at 16 kHz (up to the 300 s of
     the real extractor) and Qwen2-VL's PIL image processor with its vision encoder's patch sizes; images are
     resized to 1024..4096 pixels, so a 64×64 image gives 16 tokens. tokenizer: the byte tokenizer
     (`omnimtp.tokenizer.byte_tokenizer`, or `omnimtp.models.tiny_qwen2_5_omni.qwen2_5_byte_tokenizer`);
+    thinker_config: the tiny model's thinker config (its encoders' mel bins and patch sizes);
     model_type: "qwen3_omni_moe" (the tiny Qwen3-Omni) or "qwen2_5_omni" (the tiny Qwen2.5-Omni)."""
-    from omnimtp.models.tiny import tiny_qwen3_omni_config
-    from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
-
-    configs = {"qwen3_omni_moe": tiny_qwen3_omni_config, "qwen2_5_omni": tiny_qwen2_5_omni_config}
-    if model_type not in configs:
-        raise ValueError(f"model_type must be one of {sorted(configs)}, got {model_type!r}")
-    config = configs[model_type]().thinker_config
-    audio, vision = config.audio_config, config.vision_config
+    if model_type not in PROCESSOR_CLASSES:
+        raise ValueError(f"model_type must be one of {sorted(PROCESSOR_CLASSES)}, got {model_type!r}")
+    audio, vision = thinker_config.audio_config, thinker_config.vision_config
     feature_extractor = WhisperFeatureExtractor(
         feature_size=audio.num_mel_bins, sampling_rate=AUDIO_SAMPLING_RATE, chunk_length=300,
         return_attention_mask=True,

@@ -249,7 +249,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in result.evals[-1].items() if not isinstance(v, list)}), flush=True)
 
     tokenizer = byte_tokenizer()
-    OmniPipeline(model, tokenizer, processor=tiny_processor(tokenizer)).save_pretrained(args.out)
+    processor = tiny_processor(tokenizer, model.config.thinker_config)
+    OmniPipeline(model, tokenizer, processor=processor).save_pretrained(args.out)
     head.save_pretrained(args.out)
     (args.out / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(heldout_files, 16), indent=1))
     print(f"saved to {args.out}", flush=True)

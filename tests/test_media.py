@@ -35,6 +35,7 @@ from omnimtp.media import (
     tiny_processor,
 )
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, tiny_qwen3_omni, tiny_qwen3_omni_config
+from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
 from omnimtp.tokenizer import byte_tokenizer
 
 AUDIO_PAD, IMAGE_PAD = THINKER_SPECIAL_TOKENS["<|audio_pad|>"], THINKER_SPECIAL_TOKENS["<|image_pad|>"]
@@ -49,7 +50,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def processor(tokenizer):
-    return tiny_processor(tokenizer)
+    return tiny_processor(tokenizer, tiny_qwen3_omni_config().thinker_config)
 
 
 def peak_hz(samples: np.ndarray, rate: int) -> float:
@@ -332,7 +333,8 @@ def test_processor_reads_a_checkpoints_merged_preprocessor_config(processor_clas
     assert type(loaded) is PROCESSOR_CLASSES[model_type]
     messages = _media_messages(tone(0.7, AUDIO_SAMPLING_RATE), Image.new("RGB", (64, 64), (9, 9, 9)))
     ids, media = chat_media_inputs(loaded, messages)
-    expected_ids, expected = chat_media_inputs(tiny_processor(tokenizer, model_type), messages)
+    config = {"qwen3_omni_moe": tiny_qwen3_omni_config, "qwen2_5_omni": tiny_qwen2_5_omni_config}[model_type]()
+    expected_ids, expected = chat_media_inputs(tiny_processor(tokenizer, config.thinker_config, model_type), messages)
     assert ids == expected_ids
     assert torch.allclose(media.input_features, expected.input_features)
     assert torch.equal(media.pixel_values, expected.pixel_values)

@@ -87,7 +87,7 @@ class Qwen2_5OmniFamily(ChatText):
         if device is not None:
             model = model.to(resolve_device(device))
         tokenizer = qwen2_5_byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer, "qwen2_5_omni"))
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni"))
 
     @property
     def device(self) -> torch.device:

@@ -81,7 +81,7 @@ class Qwen3OmniFamily(ChatText):
         if device is not None:
             model = model.to(resolve_device(device))
         tokenizer = byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer), **kwargs)
+        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config), **kwargs)
 
     @property
     def device(self) -> torch.device:

@@ -25,6 +25,7 @@ import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
 from omnimtp.codec.token2wav import scale_token2wav_weights
+from omnimtp.media import tiny_processor
 
 QWEN2_5_THINKER_SPECIAL_TOKENS = {
     "<|im_start|>": 256,
@@ -168,8 +169,7 @@ def save_tiny_qwen2_5_omni(path, seed: int = 0, **config_kwargs) -> Qwen2_5OmniF
     model = tiny_qwen2_5_omni(seed, **config_kwargs)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
-    from omnimtp.media import tiny_processor
-
     torch.save(model.speaker_map, os.path.join(path, "spk_dict.pt"))
-    tiny_processor(qwen2_5_byte_tokenizer(), "qwen2_5_omni").save_pretrained(path)  # its tokenizer too
+    # its tokenizer too
+    tiny_processor(qwen2_5_byte_tokenizer(), model.config.thinker_config, "qwen2_5_omni").save_pretrained(path)
     return model

@@ -71,7 +71,8 @@ class CacheFiller:
     def __init__(self, runner, sampling, *, idle: threading.Event | None = None,
                  stop: threading.Event | None = None):
         payload = io.BytesIO()
-        torch.save({
+        torch.save({  # the runner's class travels by reference: this module never imports its parent
+            "runner_class": type(runner),
             "predictor": runner.shape_model, "max_batch_size": runner.max_batch_size, "dtype": runner.dtype,
             "device": str(runner.device), "compile": runner.compile_mode, "packed_gemm": runner.packed_gemm_kind
             if runner.packed_gemm else False, "sampling": sampling, "num_threads": torch.get_num_threads(),
@@ -174,13 +175,11 @@ def main() -> None:
     _die_with_parent(int(sys.argv[1]))
     os.nice(19)
     try:
-        from omnimtp.talker.code_predictor import CodePredictorRunner
-
         spec = torch.load(io.BytesIO(sys.stdin.buffer.read()), weights_only=False)
         torch.set_num_threads(spec["num_threads"])
         device = torch.device(spec["device"])
-        runner = CodePredictorRunner(materialize(spec["predictor"], device), spec["max_batch_size"],
-                                     spec["dtype"], compile=spec["compile"], packed_gemm=spec["packed_gemm"])
+        runner = spec["runner_class"](materialize(spec["predictor"], device), spec["max_batch_size"],
+                                      spec["dtype"], compile=spec["compile"], packed_gemm=spec["packed_gemm"])
         for rows, sampling in runner.graph_settings(spec["sampling"]):
             runner.build_graph(rows, sampling)
             print(f"built {rows} {int(sampling is not None)}", flush=True)
