@@ -201,10 +201,8 @@ async function start() {
   try {
     models = await (await api("/v1/models")).json();
   } catch (error) {
-    if (!(error instanceof ServerError && !$("key-form").hidden)) {
-      $("page-error").textContent = error.message;
-      $("page-error").hidden = false;
-    }
+    $("page-error").textContent = error.message;  // "Incorrect or missing API key" beside the key form
+    $("page-error").hidden = false;
     return;
   }
   const card = models.data[0];
