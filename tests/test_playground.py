@@ -1,10 +1,10 @@
 """The web playground (`GET /`) in a real browser: Debian's chromium driven by selenium, one browser for the
 module, against real uvicorn servers on tiny seeded models. Talk: a fake microphone fed from an espeak-ng WAV
 talks to the tiny Qwen3-Omni over /v1/realtime (under an API key the page asks for) and the page receives
-audible audio; Speak: the tiny CustomVoice model's reply played in the page is the PCM the API returns for
-the same seed; Clone: a voice saved from the page appears in GET /v1/audio/voices. The page loads nothing
-from outside the server, and each tab's screenshot is saved to docs/img/. Without the HTTP routes a browser
-is not needed: those checks run first."""
+audible audio, drawn as a waveform and a spectrogram; Speak: the tiny CustomVoice model's reply played in the
+page is the PCM the API returns for the same seed; Clone: a voice saved from the page appears in
+GET /v1/audio/voices. The page loads nothing from outside the server, and each tab's screenshot is saved to
+docs/img/. The HTTP checks that need no browser run first."""
 
 from __future__ import annotations
 
@@ -153,6 +153,15 @@ def _played(browser, tab: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(data), dtype="<i2")
 
 
+def _assert_drawn(browser, tab: str) -> None:
+    """The newest reply's waveform and spectrogram canvases are drawn (many distinct pixel values)."""
+    for kind in ("canvas:not(.spectrogram)", "canvas.spectrogram"):
+        values = browser.execute_script(
+            f"const c = document.querySelector('#{tab}-replies .reply {kind}');"
+            "return new Set(c.getContext('2d').getImageData(0, 0, c.width, c.height).data).size")
+        assert values > 8, (tab, kind, values)
+
+
 def _assert_only_local(browser, url: str) -> None:
     """Every resource the page loaded came from the server, and the browser logged no error but the 4xx answers
     the tests asked for (network entries of the server's own URLs)."""
@@ -189,6 +198,7 @@ def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers)
     assert_audible(expected.astype(np.float32) / 32768)
     np.testing.assert_array_equal(played, expected)
     assert browser.find_element("id", "speak-latency").text.endswith("ms")
+    _assert_drawn(browser, "speak")
     # the server's words for a bad request are the page's
     browser.find_element("id", "speak-text").clear()
     browser.find_element("id", "speak-text").send_keys(" ")
@@ -251,6 +261,7 @@ def test_talk_hears_the_fake_microphone_and_plays_an_audible_reply(browser, serv
         browser.find_element("id", "talk-error").text
     assert_audible(_played(browser, "talk").astype(np.float32) / 32768)
     assert browser.find_element("id", "talk-latency").text.endswith("ms")
+    _assert_drawn(browser, "talk")
     assert browser.find_element("css selector", "#talk-replies .transcript").text != ""
     _assert_only_local(browser, url)
     _screenshot(browser, "talk")

@@ -161,6 +161,71 @@ function drawWaveform(canvas, samples) {
   g.stroke();
 }
 
+// In-place radix-2 FFT of (re, im), whose length is a power of two.
+function fft(re, im) {
+  const n = re.length;
+  for (let i = 1, j = 0; i < n; i++) {
+    let bit = n >> 1;
+    for (; j & bit; bit >>= 1) j ^= bit;
+    j ^= bit;
+    if (i < j) { [re[i], re[j]] = [re[j], re[i]]; [im[i], im[j]] = [im[j], im[i]]; }
+  }
+  for (let size = 2; size <= n; size <<= 1) {
+    const step = -2 * Math.PI / size;
+    for (let start = 0; start < n; start += size) {
+      for (let k = 0; k < size / 2; k++) {
+        const wr = Math.cos(step * k), wi = Math.sin(step * k);
+        const a = start + k, b = a + size / 2;
+        const tr = re[b] * wr - im[b] * wi, ti = re[b] * wi + im[b] * wr;
+        re[b] = re[a] - tr; im[b] = im[a] - ti; re[a] += tr; im[a] += ti;
+      }
+    }
+  }
+}
+
+// The spectrogram of `samples`: one Hann-windowed 512-point frame per pixel column, 0–12 kHz bottom to top,
+// log magnitude over an 80 dB range below the loudest bin.
+function drawSpectrogram(canvas, samples) {
+  const size = 512, bins = size / 2;
+  const width = canvas.width = canvas.clientWidth || 600;
+  const height = canvas.height = 96;
+  const columns = Math.min(width, Math.max(1, Math.floor(samples.length / 128)));
+  const hop = Math.max(1, Math.floor((samples.length - size) / columns));
+  const decibels = [];
+  let loudest = -Infinity;
+  for (let c = 0; c < columns; c++) {
+    const re = new Float64Array(size), im = new Float64Array(size);
+    for (let i = 0; i < size; i++) {
+      const sample = samples[c * hop + i] || 0;
+      re[i] = (sample / 32768) * (0.5 - 0.5 * Math.cos((2 * Math.PI * i) / size));
+    }
+    fft(re, im);
+    const column = new Float64Array(bins);
+    for (let k = 0; k < bins; k++) {
+      column[k] = 10 * Math.log10(re[k] * re[k] + im[k] * im[k] + 1e-12);
+      loudest = Math.max(loudest, column[k]);
+    }
+    decibels.push(column);
+  }
+  const g = canvas.getContext("2d");
+  const image = g.createImageData(width, height);
+  for (let x = 0; x < width; x++) {
+    const column = decibels[Math.min(columns - 1, Math.floor((x * columns) / width))];
+    for (let y = 0; y < height; y++) {
+      const level = Math.max(0, Math.min(1, (column[Math.floor(((height - 1 - y) * bins) / height)] - loudest + 80) / 80));
+      const offset = 4 * (y * width + x);
+      image.data[offset] = 255 * level; image.data[offset + 1] = 200 * level * level;
+      image.data[offset + 2] = 90 + 120 * (1 - level); image.data[offset + 3] = 255;
+    }
+  }
+  g.putImageData(image, 0, 0);
+}
+
+function drawReply(reply, samples) {
+  drawWaveform(reply.canvas, samples);
+  if (samples.length) drawSpectrogram(reply.spectrogram, samples);
+}
+
 // A reply's block in a tab's list: its waveform canvas, a line of text and whatever links it gets.
 function newReply(tab, title) {
   const block = document.createElement("div");
@@ -171,9 +236,11 @@ function newReply(tab, title) {
   const transcript = document.createElement("p");
   transcript.className = "transcript";
   const canvas = document.createElement("canvas");
-  block.append(heading, transcript, canvas);
+  const spectrogram = document.createElement("canvas");
+  spectrogram.className = "spectrogram";
+  block.append(heading, transcript, canvas, spectrogram);
   $(`${tab}-replies`).prepend(block);
-  return { block, transcript, canvas };
+  return { block, transcript, canvas, spectrogram };
 }
 
 // -- tabs -------------------------------------------------------------------------------------------
@@ -313,7 +380,7 @@ $("speak-go").addEventListener("click", async () => {
     link.textContent = `Download (${format}, ${(player.samples.length / RATE).toFixed(2)} s)`;
     reply.block.append(link);
     reply.transcript.textContent = body.input;
-    drawWaveform(reply.canvas, player.samples);
+    drawReply(reply, player.samples);
     const finish = response.headers.get("X-Finish-Reason");
     if (finish === "no_audio") reply.transcript.textContent += " (the model made no audio)";
   } catch (error) {
@@ -458,7 +525,7 @@ async function onTalkEvent(event) {
     case "response.done": {
       const response = event.response;
       $("talk-stop").disabled = true;
-      if (talk.reply && talk.player) drawWaveform(talk.reply.canvas, talk.player.samples);
+      if (talk.reply && talk.player) drawReply(talk.reply, talk.player.samples);
       if (response.status === "failed" && response.status_details && response.status_details.error) {
         showError("talk", response.status_details.error.message || "the reply failed");
       }
