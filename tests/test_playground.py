@@ -199,6 +199,7 @@ def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers)
     np.testing.assert_array_equal(played, expected)
     assert browser.find_element("id", "speak-latency").text.endswith("ms")
     _assert_drawn(browser, "speak")
+    _screenshot(browser, "speak")
     # the server's words for a bad request are the page's
     browser.find_element("id", "speak-text").clear()
     browser.find_element("id", "speak-text").send_keys(" ")
@@ -206,7 +207,6 @@ def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers)
     error = _wait(browser, "const e = document.getElementById('speak-error'); return !e.hidden && e.textContent")
     assert error == "input: empty text (nothing to speak)"
     _assert_only_local(browser, url)
-    _screenshot(browser, "speak")
 
 
 def test_clone_saves_a_voice_that_the_api_lists(browser, servers, tmp_path):
