@@ -648,8 +648,8 @@ MUTATIONS = [
     # --- /v1/realtime -------------------------------------------------------------------------------
     Mutation(
         "realtime_item_audio_rate_ignored", "omnimtp/server/routes/realtime.py",
-        '_pcm_bytes(part.audio, f"{param}.audio"), state.settings.input_rate,',
-        '_pcm_bytes(part.audio, f"{param}.audio"), PCM_RATE,',
+        'audio = await _heard(state, pcm, state.settings.input_rate, f"{param}.audio")',
+        'audio = await _heard(state, pcm, PCM_RATE, f"{param}.audio")',
         REALTIME, "an input_audio item is read as 24 kHz whatever rate the session names",
     ),
     Mutation(
@@ -840,6 +840,18 @@ MUTATIONS = [
         'instruction = f"Transcribe the {name} audio into text." if name else "Transcribe the audio into text."',
         'instruction = "Transcribe the audio into text."',
         TRANSCRIPTION, "the language hint never reaches the ASR prompt",
+    ),
+    Mutation(
+        "websocket_key_subprotocol_any_token", "omnimtp/server/guard.py",
+        "if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode(\"utf-8\"), self.api_key):",
+        "if prefix == KEY_SUBPROTOCOL:",
+        ("tests/test_playground.py",), "a WebSocket upgrade with any key in the subprotocol is let in",
+    ),
+    Mutation(
+        "websocket_subprotocol_not_echoed", "omnimtp/server/websocket.py",
+        "        if protocol.partition(\".\")[0] != KEY_SUBPROTOCOL:\n            return protocol",
+        "        if protocol.partition(\".\")[0] != KEY_SUBPROTOCOL:\n            return None",
+        ("tests/test_playground.py",), "the server answers no subprotocol, so a browser drops the connection",
     ),
 ]
 

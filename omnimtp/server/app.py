@@ -12,6 +12,7 @@
     routes/speech_stream.py /v1/audio/speech/stream (WebSocket: text streamed into speech)
     routes/transcriptions.py /v1/audio/transcriptions (the thinker hears an uploaded file)
     routes/models.py   /v1/models, /health, /metrics
+    routes/playground.py  / and /playground: the web playground (static files in server/playground/)
 
 The app never touches a model. A route turns a validated request into an `EngineRequest`, submits it to
 the `Engine` (scheduler.py) and consumes that request's event stream: text deltas, PCM chunks and a
@@ -44,6 +45,7 @@ from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.routes import chat, models, realtime, speech, speech_stream, transcriptions, voices
+from omnimtp.server.routes import playground as playground_routes
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.serving import check_seconds
@@ -65,6 +67,7 @@ def create_app(
     websocket_limits: WebSocketLimits = WebSocketLimits(),
     voice_store: VoiceStore | None = None,
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
+    playground: bool = True,
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
@@ -73,7 +76,8 @@ def create_app(
     model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. websocket_limits: the
     WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`). voice_store:
     where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
-    recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS)."""
+    recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS). playground: serve the web playground at /
+    and /playground (`routes/playground.py`)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -120,6 +124,8 @@ def create_app(
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
     for api in (chat, speech, speech_stream, transcriptions, voices, realtime, models):
         app.include_router(api.router)
+    if playground:
+        app.include_router(playground_routes.router)
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)
 

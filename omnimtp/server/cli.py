@@ -112,6 +112,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--timeout-graceful-shutdown", type=positive_float, default=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
                         metavar="S", help="on SIGTERM, seconds running requests get to finish before they are "
                         "cancelled (default %(default)g)")
+    parser.add_argument("--no-playground", dest="playground", action="store_false",
+                        help="do not serve the web playground at / and /playground")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's and omnimtp's log level")
@@ -250,7 +252,8 @@ def build_app(args: argparse.Namespace):
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name, voice_store=voice_store,
-                     max_ref_seconds=args.max_ref_seconds, websocket_limits=WebSocketLimits(
+                     max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
+                     websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
                          max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
                          max_session_bytes=args.max_session_bytes))

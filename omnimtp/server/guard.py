@@ -206,12 +206,16 @@ async def deny(websocket: WebSocket, error: APIError) -> None:
 
 
 _CLOSE = (b"connection", b"close")
+# A WebSocket subprotocol `openai-insecure-api-key.KEY` carries the API key where headers cannot (a browser).
+KEY_SUBPROTOCOL = "openai-insecure-api-key"
 
 
 class Guard:
     """Pure ASGI middleware around every HTTP request:
 
-    - the API-key check on /v1/ routes (the header's bytes against the key's);
+    - the API-key check on /v1/ routes (the header's bytes against the key's; a WebSocket upgrade may carry the
+      key as the subprotocol `openai-insecure-api-key.KEY` instead, as OpenAI's Realtime API takes it, since a
+      browser cannot set headers on a WebSocket);
     - the request body must arrive within `body_timeout_s` of the headers, else 408;
     - a response sent before the request body was read to its end (a 401, 408, 413) or with a 5xx
       status says `Connection: close`: the connection's state is unknown, so the client opens a new
@@ -283,7 +287,8 @@ class Guard:
     async def _websocket(self, scope, receive, send):
         """A WebSocket upgrade on a /v1/ route without the key is refused before it is accepted: HTTP 401 with
         an OpenAI error body (where the server speaks the denial-response extension, else a 403)."""
-        if self.api_key is None or not scope["path"].startswith("/v1/") or self._is_authorized(scope):
+        if (self.api_key is None or not scope["path"].startswith("/v1/") or self._is_authorized(scope)
+                or self._has_key_subprotocol(scope)):
             await self.app(scope, receive, send)
             return
         self.metrics.websocket_sessions.labels(route=scope["path"], status="unauthorized").inc()
@@ -297,6 +302,14 @@ class Guard:
                 header = value
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+
+    def _has_key_subprotocol(self, scope) -> bool:
+        for protocol in scope.get("subprotocols", ()):
+            prefix, _, token = protocol.partition(".")
+            if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode("utf-8"), self.api_key):
+                return True
+        return False
 
 
 def _has_body(headers) -> bool:

@@ -54,7 +54,7 @@ from omnimtp.limits import (
     DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
 )
 from omnimtp.server.errors import APIError
-from omnimtp.server.guard import THREAD_PARSE_BYTES, deny, parse_json
+from omnimtp.server.guard import KEY_SUBPROTOCOL, THREAD_PARSE_BYTES, deny, parse_json
 from omnimtp.server.metrics import ServerMetrics
 
 logger = logging.getLogger("omnimtp.server")
@@ -245,7 +245,7 @@ class WebSocketSessions:
         self.metrics.websocket_active_sessions.labels(route=route).set(self._num_open[route])
         session = Session(websocket, route, self.limits, self.metrics)
         try:
-            await websocket.accept()
+            await websocket.accept(subprotocol=chosen_subprotocol(websocket.scope.get("subprotocols", ())))
             self.metrics.websocket_sessions.labels(route=route, status="accepted").inc()
             try:
                 await handler(session)
@@ -257,6 +257,15 @@ class WebSocketSessions:
             self._num_open[route] -= 1
             self.metrics.websocket_active_sessions.labels(route=route).set(self._num_open[route])
             await session.close()
+
+
+def chosen_subprotocol(offered) -> str | None:
+    """The subprotocol the server answers with: the first one the client offered that is not the API key (a
+    browser drops a connection whose answer names none of those it offered, so "realtime" is echoed)."""
+    for protocol in offered:
+        if protocol.partition(".")[0] != KEY_SUBPROTOCOL:
+            return protocol
+    return None
 
 
 def websocket_sessions(websocket: WebSocket) -> WebSocketSessions:
