@@ -271,7 +271,7 @@ def test_served_chat_with_audio_and_an_unknown_voice(pipe, checkpoint):
 
     from omnimtp.server.app import create_app
     from omnimtp.server.audio import to_pcm16
-    from omnimtp.server.cli import build_engine
+    from omnimtp.server.build import build_engine
 
     engine = build_engine(str(checkpoint), max_batch_size=2, max_frames=8)
     assert engine.speakers == pipe.family.speakers
@@ -392,7 +392,7 @@ def test_served_media_is_the_pipelines_reply(pipe, checkpoint, kind):
     from omnimtp.media import decode_audio, decode_image
     from omnimtp.server.app import create_app
     from omnimtp.server.audio import to_pcm16
-    from omnimtp.server.cli import build_engine
+    from omnimtp.server.build import build_engine
 
     if kind == "audio":
         data = encode(tone(1.0, AUDIO_SAMPLING_RATE, hz=330.0), AUDIO_SAMPLING_RATE)

@@ -28,7 +28,7 @@ from server_harness import free_port, running_server
 
 from omnimtp.cli import build_parser
 from omnimtp.server import ray_serve
-from omnimtp.server.cli import build_app
+from omnimtp.server.build import build_app
 
 # The reference engine in this process runs one torch thread, as each replica does (0.5 CPU): a
 # different thread count may round a few samples differently.

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from omnimtp.batch import BatchInputError, finished_ids, read_prompts
 from omnimtp.cli import build_parser, main
 from omnimtp.server import ray_serve
+from omnimtp.server.cli import app_builder
 from omnimtp.server.metrics import ServerMetrics
 
 
@@ -27,6 +28,20 @@ def test_fixed_replicas_take_a_whole_batch_and_queue_each():
     assert options["max_ongoing_requests"] == 8 + 32 + 4
     assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1.0}
     assert options["graceful_shutdown_timeout_s"] == 30.0
+
+
+def test_app_builder_reads_a_serve_config_as_serve_flags(monkeypatch):
+    # a RayService's `args`: each key a `serve` flag without its dashes; the application gets what the CLI parses
+    monkeypatch.setattr(ray_serve, "application", lambda args: args)
+    args = app_builder({"model": "tiny-tts", "max_batch_size": 4, "eager": True, "served_model_name": ["a", "b"],
+                        "voices_dir": None})
+    expected = build_parser().parse_args(["serve", "--model", "tiny-tts", "--max-batch-size", "4", "--eager",
+                                          "--served-model-name", "a", "--served-model-name", "b"])
+    assert {key: value for key, value in vars(args).items() if key not in ("replicas", "handler", "command")} == {
+        key: value for key, value in vars(expected).items() if key not in ("replicas", "handler", "command")}
+    assert args.replicas == 1  # the config's deployment section sets the count
+    with pytest.raises(SystemExit):
+        app_builder({"max_batch_size": 0})
 
 
 def test_autoscaling_options():
@@ -63,7 +78,7 @@ def test_missing_ray_says_how_to_install(monkeypatch):
 
 
 def test_one_process_serve_never_imports_ray():
-    code = ("import sys; from omnimtp.cli import build_parser; from omnimtp.server.cli import build_app; "
+    code = ("import sys; from omnimtp.cli import build_parser; from omnimtp.server.build import build_app; "
             "build_app(build_parser().parse_args(['serve', '--eager'])); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -160,7 +160,7 @@ def test_the_python_snippets_run(readme_dir, capped_pipelines):
         if (name, block) not in served:
             exec(compile(block, name, "exec"), {"__name__": "readme"})
     # the OpenAI client against what `omnimtp serve --eager` serves (on a free port instead of 8000)
-    from omnimtp.server.cli import build_app
+    from omnimtp.server.build import build_app
 
     args = build_parser().parse_args(["serve", "--eager", "--max-frames", "8", "--max-tokens-limit", "8"])
     _, app = build_app(args)

@@ -14,7 +14,7 @@ from server_harness import exchange, running_server
 
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.server.app import create_app
-from omnimtp.server.cli import build_engine
+from omnimtp.server.build import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,7 +13,7 @@ import pytest
 from server_harness import running_server
 
 from omnimtp.server.app import create_app
-from omnimtp.server.cli import build_engine
+from omnimtp.server.build import build_engine
 from omnimtp.server.guard import MAX_JSON_ARRAY_ITEMS, MAX_JSON_DEPTH
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -213,7 +213,7 @@ def checkpoint(pipes, tmp_path_factory):
 
 def test_serve_builds_a_tts_engine_from_a_checkpoint(checkpoint):
     """`omnimtp serve --model TTS_DIR`'s engine: the checkpoint's family, and its predictor warms up."""
-    from omnimtp.server.cli import build_engine
+    from omnimtp.server.build import build_engine
 
     engine = build_engine(checkpoint, max_batch_size=2, max_frames=4)
     assert engine.model_id == "tts" and engine.model_card()["tts_model_type"] == "custom_voice"

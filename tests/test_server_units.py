@@ -192,7 +192,7 @@ def test_the_server_packs_each_decoder_once(monkeypatch, tmp_path):
     default and for a checkpoint directory, and the engine serves on those packed weights."""
     from omnimtp.packed_decoder import PackedDecoder
     from omnimtp.pipeline import OmniPipeline
-    from omnimtp.server.cli import build_engine
+    from omnimtp.server.build import build_engine
 
     OmniPipeline.tiny().save_pretrained(tmp_path)
     real_from_module = PackedDecoder.from_module.__func__

@@ -9,7 +9,7 @@ import torch
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 from omnimtp.pipeline import OmniPipeline
-from omnimtp.server.cli import build_engine
+from omnimtp.server.build import build_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

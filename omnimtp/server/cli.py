@@ -25,7 +25,6 @@ from omnimtp.limits import (
     MAX_REF_AUDIO_SECONDS,
     MIN_REF_AUDIO_SECONDS,
     TINY_MAX_FRAMES,
-    TINY_MAX_NEW_TOKENS,
     MediaLimits,
     check_api_key,
 )
@@ -39,10 +38,15 @@ def add_parser(subparsers) -> None:
         "serve", help="serve the OpenAI-compatible chat, speech and realtime APIs",
         description="OpenAI-compatible speech server with continuous batching. Routes: POST /v1/chat/completions, "
         "POST /v1/audio/speech, POST /v1/audio/speech/batch, WebSocket /v1/audio/speech/stream, WebSocket "
-        "/v1/realtime, GET/POST/DELETE "
-        "/v1/audio/voices (with --voices-dir), GET /v1/models, GET /health, GET /metrics. Without --model it serves "
-        "the embedded tiny model (random weights: noise-like speech).",
+        "/v1/realtime, POST /v1/audio/transcriptions, GET/POST/DELETE /v1/audio/voices (with --voices-dir), "
+        "GET /v1/models, GET /health, GET /metrics, the web playground at /. Without --model it serves the "
+        "embedded tiny model (random weights: noise-like speech).",
     )
+    _add_arguments(parser)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`serve`'s flags, on its subcommand parser or on `app_builder`'s own."""
     parser.add_argument("--model", metavar="DIR",
                         help="a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or a built-in tiny model "
                         f"({', '.join(TINY_MODELS)}), served by its name (default: embedded tiny)")
@@ -123,44 +127,6 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
-def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
-                 media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
-                 num_draft_tokens: int | None = None, torch_threads: int | None = None,
-                 quantize: str | None = None):
-    """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
-    weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
-    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
-    media_limits: what a request's audio and images may hold.
-    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
-    quantize: weight-only quantized linears (`OmniPipeline`'s)."""
-    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
-    from omnimtp.runtime.device import apply_thread_rule
-    from omnimtp.server.scheduler import Engine
-    from omnimtp.spec_decode.thinker_spec import thinker_speculation
-
-    warm_up = compile_predictor is not False
-    if model_dir is None:
-        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
-        family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
-        apply_thread_rule(family.model, torch_threads)
-        return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
-                      max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
-                      media_limits=media_limits)
-    from omnimtp.checkpoint import tiny_model
-    from omnimtp.pipeline import OmniPipeline
-
-    pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
-                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
-                                        torch_threads=torch_threads, quantize=quantize)
-    if pipe.tokenizer is None:
-        raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
-    # a built-in model is served by its name, a directory by its last component
-    model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
-    return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
-                  max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
-                  media_limits=media_limits)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         thinker_mtp_kwargs(args)  # --demo with --model, -k without --thinker-mtp
@@ -204,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     from omnimtp.server.serving import server_config
 
     _log_to_stderr(args.log_level)
+    from omnimtp.server.build import build_app
+
     engine, app = build_app(args)
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
@@ -227,37 +195,31 @@ def run(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def build_app(args: argparse.Namespace):
-    """(engine, app) of `serve`'s arguments: what one server process, or one Ray Serve replica, runs."""
-    from omnimtp.server.app import create_app
-    from omnimtp.server.websocket import WebSocketLimits
-
-    media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
-                               max_parts=args.max_media_parts)
-    speculation = thinker_mtp_kwargs(args)  # ValueError for --demo with --model
-    model = args.model
-    if getattr(args, "demo", False):
-        from omnimtp.mtp.demo import demo_omni_dir
-
-        model = str(demo_omni_dir())
-    engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
-                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
-                          device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
-                          **speculation)
-    voice_store = None
-    if args.voices_dir is not None:
-        from omnimtp.server.voice_store import VoiceStore
-
-        voice_store = VoiceStore(args.voices_dir, max_voices=args.max_voices, keep_audio=args.keep_voice_audio)
-    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
-                     served_model_names=args.served_model_name, voice_store=voice_store,
-                     max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
-                     websocket_limits=WebSocketLimits(
-                         max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
-                         max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
-                         max_session_bytes=args.max_session_bytes))
-    return engine, app
+def app_builder(config: dict):
+    """The Ray Serve application of a Serve config's `args` (a RayService's `import_path:
+    omnimtp.server.cli:app_builder`, as in deploy/rayservice.yaml): each key is a `serve` flag
+    without its dashes, `_` for `-`
+    (`{"model": "/models/qwen3-omni", "max_batch_size": 16, "eager": true, "served_model_name": ["a"]}`).
+    The replica count and resources come from the config's deployment section, which overrides these
+    defaults; the API key from $OMNIMTP_API_KEY."""
+    argv = []
+    for key, value in (config or {}).items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    parser = argparse.ArgumentParser(prog="omnimtp serve")
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not ray_serve.is_requested(args):
+        args.replicas = 1
+    return ray_serve.application(args)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -21,7 +21,7 @@ What the deployment changes:
 Serve's proxy, not omnimtp's uvicorn config, speaks HTTP here: --timeout-keep-alive applies, the
 headers timeout (--timeout-headers) does not; the body timeout and every limit are the app's and apply.
 
-A Ray cluster (`--ray-address`, or a KubeRay RayService with `app_builder` as its import path; see
+A Ray cluster (`--ray-address`, or a KubeRay RayService with `omnimtp.server.cli:app_builder` as its import path; see
 deploy/) needs omnimtp installed on every node and the model directory at the same path on each (shared
 storage). Ray is an optional extra: `pip install 'omnimtp[ray]'`.
 """
@@ -126,7 +126,7 @@ class OmniReplica:
     def __init__(self, serve_args: dict):
         import torch
 
-        from omnimtp.server.cli import build_app
+        from omnimtp.server.build import build_app
 
         # Torch uses the CPUs Ray reserved for the replica (at least one thread), not the whole node's.
         torch.set_num_threads(max(1, int(serve_args["num_cpus_per_replica"])))
@@ -144,33 +144,6 @@ def application(args: argparse.Namespace):
     options = deployment_options(args)
     replica = serve.deployment(serve.ingress()(OmniReplica), name=DEPLOYMENT_NAME, **options)
     return replica.bind(vars(args))
-
-
-def app_builder(config: dict):
-    """The application of a Serve config's `args` (a RayService's `import_path:
-    omnimtp.server.ray_serve:app_builder`, as in deploy/rayservice.yaml): each key is a `serve` flag
-    without its dashes, `_` for `-`
-    (`{"model": "/models/qwen3-omni", "max_batch_size": 16, "eager": true, "served_model_name": ["a"]}`).
-    The replica count and resources come from the config's deployment section, which overrides these
-    defaults; the API key from $OMNIMTP_API_KEY."""
-    from omnimtp.cli import build_parser
-
-    argv = ["serve"]
-    for key, value in (config or {}).items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                argv += [flag, str(item)]
-        else:
-            argv += [flag, str(value)]
-    args = build_parser().parse_args(argv)
-    if not is_requested(args):
-        args.replicas = 1
-    return application(args)
 
 
 class ReplicaApp:

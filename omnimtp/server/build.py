@@ -1,0 +1,81 @@
+"""The engine and app that `omnimtp serve` runs, from its arguments: one server process, or one Ray Serve
+replica (`ray_serve.OmniReplica`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS, MediaLimits
+from omnimtp.speak_cli import thinker_mtp_kwargs
+
+
+def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
+                 media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
+                 num_draft_tokens: int | None = None, torch_threads: int | None = None,
+                 quantize: str | None = None):
+    """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
+    weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
+    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
+    media_limits: what a request's audio and images may hold.
+    thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
+    quantize: weight-only quantized linears (`OmniPipeline`'s)."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.runtime.device import apply_thread_rule
+    from omnimtp.server.scheduler import Engine
+    from omnimtp.spec_decode.thinker_spec import thinker_speculation
+
+    warm_up = compile_predictor is not False
+    if model_dir is None:
+        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
+        family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
+        apply_thread_rule(family.model, torch_threads)
+        return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
+                      max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
+                      media_limits=media_limits)
+    from omnimtp.checkpoint import tiny_model
+    from omnimtp.pipeline import OmniPipeline
+
+    pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
+                                        thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
+                                        torch_threads=torch_threads, quantize=quantize)
+    if pipe.tokenizer is None:
+        raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
+    # a built-in model is served by its name, a directory by its last component
+    model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
+    return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
+                  max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
+                  media_limits=media_limits)
+
+
+def build_app(args: argparse.Namespace):
+    """(engine, app) of `serve`'s arguments: what one server process, or one Ray Serve replica, runs."""
+    from omnimtp.server.app import create_app
+    from omnimtp.server.websocket import WebSocketLimits
+
+    media_limits = MediaLimits(max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
+                               max_parts=args.max_media_parts)
+    speculation = thinker_mtp_kwargs(args)  # ValueError for --demo with --model
+    model = args.model
+    if getattr(args, "demo", False):
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        model = str(demo_omni_dir())
+    engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
+                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
+                          device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
+                          **speculation)
+    voice_store = None
+    if args.voices_dir is not None:
+        from omnimtp.server.voice_store import VoiceStore
+
+        voice_store = VoiceStore(args.voices_dir, max_voices=args.max_voices, keep_audio=args.keep_voice_audio)
+    app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
+                     max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
+                     served_model_names=args.served_model_name, voice_store=voice_store,
+                     max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
+                     websocket_limits=WebSocketLimits(
+                         max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
+                         max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
+                         max_session_bytes=args.max_session_bytes))
+    return engine, app
