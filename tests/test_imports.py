@@ -82,11 +82,10 @@ def test_the_finder_sees_a_circle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_graph_reads_lazy_and_relative_imports():
+def test_the_graph_reads_imports_inside_functions():
     graph = import_graph()
-    assert "omnimtp.server.scheduler" in graph["omnimtp.server.cli"] or any(
-        "omnimtp.server" in target for target in graph["omnimtp.server.cli"])
-    assert graph["omnimtp.cli"], "omnimtp.cli imports its subcommands inside a function"
+    assert "omnimtp.batch" in graph["omnimtp.cli"]  # `from omnimtp import batch`, inside build_parser
+    assert "omnimtp.server.build" in graph["omnimtp.server.ray_serve"]  # inside OmniReplica.__init__
 
 
 def test_no_import_circles():
