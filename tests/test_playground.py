@@ -3,8 +3,9 @@ module, against real uvicorn servers on tiny seeded models. Talk: a fake microph
 talks to the tiny Qwen3-Omni over /v1/realtime (under an API key the page asks for) and the page receives
 audible audio, drawn as a waveform and a spectrogram; Speak: the tiny CustomVoice model's reply played in the
 page is the PCM the API returns for the same seed; Clone: a voice saved from the page appears in
-GET /v1/audio/voices. The page loads nothing from outside the server, and each tab's screenshot is saved to
-docs/img/. The HTTP checks that need no browser run first."""
+GET /v1/audio/voices. The page loads nothing from outside the server, and each tab's screenshot is saved
+(to $OMNIMTP_SCREENSHOTS, e.g. docs/img to refresh the documentation's, else a temporary folder). The HTTP
+checks that need no browser run first."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import base64
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 
 import httpx
@@ -32,8 +34,7 @@ from omnimtp.server.voice_store import VoiceStore
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCREENSHOTS = os.path.join(REPO, "docs", "img")
+SCREENSHOTS = os.environ.get("OMNIMTP_SCREENSHOTS") or os.path.join(tempfile.gettempdir(), "omnimtp-screenshots")
 KEY = "sk-playground"
 MAX_FRAMES = 8
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -95,11 +96,16 @@ def test_a_websocket_takes_the_key_as_a_subprotocol_and_echoes_realtime(servers)
 
 @pytest.fixture(scope="module")
 def microphone(tmp_path_factory):
-    """What the fake microphone hears: espeak-ng saying a sentence (looped by Chromium)."""
+    """What the fake microphone hears: espeak-ng saying a sentence, then a minute of silence (Chromium loops
+    the file; the silence ends the turn for server VAD and keeps the loop from barging in on the reply)."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): it makes the microphone's speech")
-    path = tmp_path_factory.mktemp("mic") / "speech.wav"
-    subprocess.run(["espeak-ng", "-w", str(path), "Hello, can you hear me?"], check=True, capture_output=True)
+    folder = tmp_path_factory.mktemp("mic")
+    subprocess.run(["espeak-ng", "-w", str(folder / "said.wav"), "Hello, can you hear me?"], check=True,
+                   capture_output=True)
+    said, rate = sf.read(folder / "said.wav", dtype="int16")
+    path = folder / "speech.wav"
+    sf.write(path, np.concatenate([said, np.zeros(60 * rate, dtype=np.int16)]), rate, subtype="PCM_16")
     return path
 
 
@@ -250,12 +256,9 @@ def test_talk_hears_the_fake_microphone_and_plays_an_audible_reply(browser, serv
     _wait(browser, "return document.body.dataset.ready === 'true'")
     assert browser.execute_script("return sessionStorage.getItem('omnimtp-api-key')") == KEY
     _click(browser, "talk-connect")
-    _wait(browser, "return !document.getElementById('talk-record').disabled")
-    assert browser.find_element("id", "talk-mode").text.startswith("Push to talk")
-    _click(browser, "talk-record")
-    _wait(browser, "return document.getElementById('talk-status').textContent === 'listening…'")
-    time.sleep(1.5)
-    _click(browser, "talk-record")
+    # server VAD (the session's default) finds the turn: no button to press, the reply starts by itself
+    _wait(browser, "return document.getElementById('talk-mode').textContent.startsWith('Server voice detection')")
+    assert browser.find_element("id", "talk-record").get_attribute("disabled") is not None
     _wait(browser, "return document.body.dataset.talkDone === '1'")
     assert browser.find_element("id", "talk-error").get_attribute("hidden") is not None, \
         browser.find_element("id", "talk-error").text

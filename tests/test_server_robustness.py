@@ -108,7 +108,7 @@ _CASES = [
      "invalid_json"),
     ("invalid UTF-8", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', {}, 400, None, "invalid_json"),
     ("nesting 100000 deep", CHAT, b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", {}, 400, None,
-     "invalid_json"),
+     "structure_too_large"),
     ("body over the 1 MiB limit", CHAT, _json(_chat("x" * (1 << 20))), {}, 413, None, "request_too_large"),
     ("a 5000-digit integer", CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": ' + b"9" * 5000
      + b"}", {}, 400, None, "invalid_json"),
@@ -140,7 +140,7 @@ _CASES = [
 _MESSAGES = {
     "NaN temperature": "finite", "1e999 temperature": "finite", "Infinity top_p (speech)": "finite",
     "file content part": "'file' found using 'type'", "unknown model": "gpt-4o",
-    "video_url content part": "'video_url' found using 'type'", "nesting 100000 deep": "nested too deeply",
+    "video_url content part": "'video_url' found using 'type'", "nesting 100000 deep": "JSON objects and arrays",
 }
 
 
