@@ -3,13 +3,14 @@ import os
 import pytest
 import torch
 
-# Under pytest-xdist (`-n 2`) each worker is one process of several on a small box: one torch thread each,
-# and the servers the tests start as subprocesses too, so that the workers share the cores instead of
-# oversubscribing them. Tests never depend on the core count for their results.
-IS_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
-if IS_XDIST_WORKER:
-    os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1 if IS_XDIST_WORKER else min(2, os.cpu_count() or 1))
+# One torch thread per test process, and for the servers the tests start as subprocesses too: under
+# pytest-xdist (`-n 2`) the workers then share the cores instead of oversubscribing them, and serial runs
+# compute as `-n 2` runs do. That matters where a test compares the bytes of two engines of one process: an
+# in-process server's engine thread keeps the thread count it started with, while `OmniPipeline` applies
+# the thread rule (one thread for a tiny model), and float sums split over other thread counts round
+# differently. Results never depend on the core count, only on the thread count being the same.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
