@@ -179,7 +179,7 @@ def test_a_request_waits_for_its_next_text_row_while_others_speak(tts):
     assert torch.equal(core.output(streamed).codes, whole.codes)
 
 
-def test_abort_frees_the_slot_of_a_waiting_request(tts):
+def test_abort_frees_a_parked_request(tts):
     family = tts.family
     core = EngineCore(family, tts.config)
     request = _request(family, family.voice("aiden"))
@@ -187,9 +187,9 @@ def test_abort_frees_the_slot_of_a_waiting_request(tts):
     core.push_speech_ids(0, family.speech_text_ids().push("Hello there "), is_finished=False)
     while core.has_ready_work():
         list(core.step())
-    assert request.is_in_talker and core.talker.request_ids == [0]
+    assert request.is_parked and request.parked_talker is not None and core.talker.request_ids == []
     core.abort(0)
-    assert not core.has_work() and core.talker.request_ids == []
+    assert not core.has_work() and request.parked_talker is None
     assert core.push_speech_ids(0, [1], is_finished=True) is False
 
 
