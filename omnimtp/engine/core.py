@@ -157,7 +157,8 @@ class EngineCore:
 
     def push_speech_ids(self, request_id: Hashable, ids: list[int], is_finished: bool) -> bool:
         """More ids of a speech request added with `is_text_finished=False` (any thread); is_finished: they end
-        its text. False when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
+        its text; no ids: more text came whose ids are not settled yet (its wait for text starts again). False
+        when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
         ids = [int(token) for token in ids]
         with self.lock:
             request = self.running.get(request_id) or next(
@@ -171,6 +172,8 @@ class EngineCore:
             request.is_text_finished = bool(is_finished)
             if ids or is_finished:
                 request.waits_for_text_since = None
+            elif request.waits_for_text_since is not None:  # text came, though none of its ids is settled yet
+                request.waits_for_text_since = time.perf_counter()
         return True
 
     def abort(self, request_id: Hashable) -> Request | None:

@@ -18,10 +18,10 @@ The loop is the same for every family; what differs lives in a small `FrameMaker
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
 the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
 boundary, `park` takes a request's whole state out of the batch (its KV slot is free for another) and
-`resume` puts it back, so it goes on exactly as if it had stayed. The talker runs on packed weights (`PackedDecoder`) with one KV slot per request: a
-request's positions and cache never mix with another's, so its frames do not depend on who else is
-in the batch. A request whose next reply row has not arrived yet (streamed thinker) sits the step
-out: it is not forwarded and its state is untouched.
+`resume` puts it back, so it goes on exactly as if it had stayed. The talker runs on packed weights
+(`PackedDecoder`) with one KV slot per request: a request's positions and cache never mix with another's,
+so its frames do not depend on who else is in the batch. A request whose next reply row has not arrived
+yet (streamed thinker) sits the step out: it is not forwarded and its state is untouched.
 
 Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whose repetition penalty
 1.05 still applies; the last talker token (normally EOS) makes no frame.
