@@ -597,6 +597,7 @@ def test_sessions_trickling_text_do_not_hold_up_a_plain_request(slot_server):
 def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
     """A request that waits for text longer than --timeout-text-idle ends with an error event naming it, its slot
     and talker state are freed, and the session's next delta starts a request that speaks as /v1/audio/speech."""
+    import json
     import time
 
     engine = slot_server["engine"]
@@ -606,7 +607,7 @@ def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
         for first in ("Hello there ", " "):  # spoken and then waiting; or no ids yet (never admitted)
             _send(ws, {"type": "input_text.delta", "delta": first})
             started = time.monotonic()
-            while (event := _recv(ws))["type"] == "audio.delta":
+            while (event := json.loads(ws.recv(timeout=30)))["type"] == "audio.delta":
                 pass
             waited = time.monotonic() - started
             assert event["type"] == "error" and event["error"]["code"] == "timeout_text_idle", event
