@@ -615,3 +615,15 @@ def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
             assert not engine._core.running and not engine._core.waiting and not engine._core.talker.rows
         audio, _ = _stream_pcm(ws, ["Hi there"])
         assert audio == _http_pcm(slot_server, "tts", "Hi there", voice="aiden", seed=3)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_the_text_timeout_is_a_positive_number(slot_server, value):
+    from omnimtp.cli import build_parser
+    from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S
+    from omnimtp.server.scheduler import Engine
+
+    with pytest.raises(ValueError, match="timeout_text_idle"):
+        Engine(slot_server["engine"].family, timeout_text_idle=value)
+    assert build_parser().parse_args(["serve"]).timeout_text_idle == DEFAULT_TIMEOUT_TEXT_IDLE_S
+    assert build_parser().parse_args(["serve", "--timeout-text-idle", "0.5"]).timeout_text_idle == 0.5
