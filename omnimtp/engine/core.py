@@ -249,12 +249,14 @@ class EngineCore:
 
     def _is_first_audio_due(self) -> bool:
         """Whether a request of normal priority that speaks still waits for its first audio (running, or waiting
-        with a slot free): background requests neither start nor think meanwhile, so they never delay it. Only
-        running ones count when every slot is taken, so background requests holding the slots still finish."""
+        with a slot free), and not for its text: background requests neither start nor think meanwhile, so they
+        never delay it. Only running ones count when every slot is taken, so background requests holding the
+        slots still finish."""
         with self.lock:
             is_slot_free = self._num_free_slots() > 0
+            waiting = [r for r in self.waiting if _has_text(r)] if is_slot_free else []
             return any(not r.is_background and r.has_speech and r.first_audio_at is None and not r.is_parked
-                       for r in [*self.running.values(), *(self.waiting if is_slot_free else ())])
+                       for r in [*self.running.values(), *waiting])
 
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
