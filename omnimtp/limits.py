@@ -37,6 +37,9 @@ DEFAULT_MAX_TOKENS_LIMIT = 2048  # the largest max_tokens a request may ask
 # WebSocket routes (`omnimtp.server.websocket.WebSocketLimits`; a message may be as large as a request body).
 DEFAULT_MAX_WEBSOCKET_SESSIONS = 64  # open sessions per route before the upgrade is refused (429)
 DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S = 600.0  # a session with no message either way this long is closed
+# A streamed-text speech request (`/v1/audio/speech/stream`) that has waited this long for more text is ended
+# (`omnimtp.server.scheduler.Engine`): it holds no batch slot meanwhile, but its talker state stays in memory.
+DEFAULT_TIMEOUT_TEXT_IDLE_S = 60.0
 DEFAULT_MAX_SESSION_ITEMS = 512  # conversation items a realtime session holds
 DEFAULT_MAX_SESSION_BYTES = 64 << 20  # their content in memory (audio as the processor's float32 samples)
 

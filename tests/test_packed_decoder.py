@@ -119,6 +119,24 @@ def test_batched_rows_equal_each_row_alone(model):
         torch.testing.assert_close(out[r : r + 1], expected, atol=ATOL, rtol=0)  # mv vs gemm rounding only
 
 
+def test_a_saved_slot_loaded_elsewhere_goes_on_bit_for_bit(model):
+    """`save` / `load` (a parked talker request): the sequence moved to another slot of a smaller buffer, beside
+    another sequence, gives the same next hidden states as where it was."""
+    decoder = PackedDecoder.from_module(model.talker.model)
+    gen = torch.Generator().manual_seed(1)
+    prompt, steps = torch.randn(1, 12, 64, generator=gen), torch.randn(3, 1, 1, 64, generator=gen)
+    cache = KVCache(decoder, 2, capacity=16)
+    decoder_forward(decoder, cache, prompt, [1])
+    saved = cache.save(1)
+    expected = [decoder_forward(decoder, cache, step, [1]).last_hidden for step in steps]
+    other = KVCache(decoder, 3, capacity=4)  # grows as it loads
+    decoder_forward(decoder, other, torch.randn(1, 3, 64, generator=gen), [0])
+    other.load(2, saved)
+    assert other.lengths == [3, 0, 12] and saved.length == 12
+    for step, hidden in zip(steps, expected, strict=True):
+        assert torch.equal(decoder_forward(decoder, other, step, [2]).last_hidden, hidden)
+
+
 def test_dense_mlp_layers_match_the_module(model):
     config = copy.deepcopy(model.config.thinker_config.text_config)
     config.mlp_only_layers = [0]

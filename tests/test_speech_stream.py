@@ -8,6 +8,7 @@ request whose text comes in pieces gives the codes of the whole text and the str
 from __future__ import annotations
 
 import unicodedata
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from omnimtp.engine.core import EngineCore
-from omnimtp.engine.request import Request
+from omnimtp.engine.request import Request, Status
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING
 from omnimtp.handoff import assemble_talker_chunks
 from omnimtp.pipeline import OmniPipeline
@@ -179,7 +180,39 @@ def test_a_request_waits_for_its_next_text_row_while_others_speak(tts):
     assert torch.equal(core.output(streamed).codes, whole.codes)
 
 
-def test_abort_frees_the_slot_of_a_waiting_request(tts):
+def test_requests_waiting_for_text_hold_no_slot(tts):
+    """At max_batch_size 1: a request with no text ids yet is not admitted, one whose talker spoke all its text so
+    far is parked (its talker state out of the batch), so a whole-text request runs meanwhile; then the parked one
+    resumes and speaks the whole text's codes, and the other's are its codes alone."""
+    family = tts.family
+    core = EngineCore(family, replace(tts.config, max_batch_size=1))
+    voice = family.voice("aiden", "english")
+    silent, streamed = _request(family, voice, request_id=0), _request(family, voice, request_id=1)
+    core.add(silent)
+    core.add(streamed)
+    text_ids = family.speech_text_ids()
+    core.push_speech_ids(1, text_ids.push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert silent.status is Status.WAITING and streamed.is_parked and streamed.frames
+    assert streamed.parked_talker is not None and core.talker.request_ids == []
+    other = Request(2, family.speech_ids(TEXT), max_new_tokens=1, max_frames=FRAMES, speaker=voice, is_chat=False)
+    core.add(other)
+    for _ in range(4 * FRAMES):
+        if other.status is Status.FINISHED:
+            break
+        list(core.step())
+    assert other.status is Status.FINISHED and streamed.is_parked and silent.status is Status.WAITING
+    core.push_speech_ids(1, text_ids.finish(), is_finished=True)
+    core.abort(0)
+    while core.has_work():
+        list(core.step())
+    whole = tts.speech("Hello there ", voice="aiden", language="english")
+    assert torch.equal(core.output(streamed).codes, whole.codes)
+    assert torch.equal(core.output(other).codes, tts.speech(TEXT, voice="aiden", language="english").codes)
+
+
+def test_abort_frees_a_parked_request(tts):
     family = tts.family
     core = EngineCore(family, tts.config)
     request = _request(family, family.voice("aiden"))
@@ -187,9 +220,9 @@ def test_abort_frees_the_slot_of_a_waiting_request(tts):
     core.push_speech_ids(0, family.speech_text_ids().push("Hello there "), is_finished=False)
     while core.has_ready_work():
         list(core.step())
-    assert request.is_in_talker and core.talker.request_ids == [0]
+    assert request.is_parked and request.parked_talker is not None and core.talker.request_ids == []
     core.abort(0)
-    assert not core.has_work() and core.talker.request_ids == []
+    assert not core.has_work() and request.parked_talker is None
     assert core.push_speech_ids(0, [1], is_finished=True) is False
 
 
@@ -496,3 +529,101 @@ def test_the_non_streaming_layout_waits_for_the_whole_text():
     whole = family.speech_talker_inputs(ids, voice)
     assert chunk.is_finished and torch.equal(chunk.prefill_embeds, whole.prefill_embeds)
     assert chunk.trailing_text.shape[0] == 0 == whole.trailing_text.shape[0]
+
+
+# --- sessions waiting for text: no slot held, and a bound on the wait -------------------------------------------
+
+TEXT_IDLE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def slot_server():
+    from server_harness import running_server
+
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.server.app import create_app
+    from omnimtp.server.scheduler import Engine
+
+    engine = Engine(Qwen3TTSFamily.tiny(0), model_id="tts", max_frames=FRAMES, max_batch_size=2,
+                    timeout_text_idle=TEXT_IDLE_S)
+    with running_server(create_app(engine)) as url:
+        yield {"tts": url, "engine": engine}
+
+
+def test_sessions_trickling_text_do_not_hold_up_a_plain_request(slot_server):
+    """Two sessions fill both slots' worth of requests and then trickle a character every 0.1 s (their requests
+    wait for text between characters); a plain POST /v1/audio/speech meanwhile is served as if they were not
+    there: well within a bound far above its time alone (seconds on the tiny model), and with its bytes alone."""
+    import threading
+    import time
+
+    import httpx
+
+    config = {"voice": "aiden", "seed": 3}
+    expected = _http_pcm(slot_server, "tts", TEXT, **config)
+    assert_audible(np.frombuffer(expected, dtype=np.int16))
+    is_served, num_open = threading.Event(), threading.Semaphore(0)
+
+    def trickle():
+        with _ws(slot_server, "tts") as ws:
+            _send(ws, {"type": "session.config", **config})  # a seed whose talker speaks on (no codec EOS)
+            _recv(ws)
+            _send(ws, {"type": "input_text.delta", "delta": "Hello there "})
+            num_open.release()
+            deadline = time.monotonic() + 60
+            while not is_served.is_set() and time.monotonic() < deadline:
+                _send(ws, {"type": "input_text.delta", "delta": "a"})
+                time.sleep(0.1)
+
+    sessions = [threading.Thread(target=trickle) for _ in range(2)]
+    for thread in sessions:
+        thread.start()
+    try:
+        for _ in sessions:
+            assert num_open.acquire(timeout=60)
+        time.sleep(0.5)  # their first text is spoken: they wait for more
+        started = time.monotonic()
+        response = httpx.post(slot_server["tts"] + "/v1/audio/speech", timeout=30,
+                              json={"input": TEXT, "response_format": "pcm", **config})
+        elapsed = time.monotonic() - started
+    finally:
+        is_served.set()
+        for thread in sessions:
+            thread.join(60)
+    assert response.status_code == 200 and response.content == expected
+    assert elapsed < 20, elapsed
+
+
+def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
+    """A request that waits for text longer than --timeout-text-idle ends with an error event naming it, its slot
+    and talker state are freed, and the session's next delta starts a request that speaks as /v1/audio/speech."""
+    import json
+    import time
+
+    engine = slot_server["engine"]
+    with _ws(slot_server, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 3})
+        _recv(ws)
+        for first in ("Hello there ", " "):  # spoken and then waiting; or no ids yet (never admitted)
+            _send(ws, {"type": "input_text.delta", "delta": first})
+            started = time.monotonic()
+            while (event := json.loads(ws.recv(timeout=30)))["type"] == "audio.delta":
+                pass
+            waited = time.monotonic() - started
+            assert event["type"] == "error" and event["error"]["code"] == "timeout_text_idle", event
+            assert "--timeout-text-idle" in event["error"]["message"] and TEXT_IDLE_S <= waited < 30
+            assert not engine._core.running and not engine._core.waiting and not engine._core.talker.rows
+        audio, _ = _stream_pcm(ws, ["Hi there"])
+        assert audio == _http_pcm(slot_server, "tts", "Hi there", voice="aiden", seed=3)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_the_text_timeout_is_a_positive_number(slot_server, value):
+    from omnimtp.cli import build_parser
+    from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S
+    from omnimtp.server.scheduler import Engine
+
+    with pytest.raises(ValueError, match="timeout_text_idle"):
+        Engine(slot_server["engine"].family, timeout_text_idle=value)
+    assert build_parser().parse_args(["serve"]).timeout_text_idle == DEFAULT_TIMEOUT_TEXT_IDLE_S
+    assert build_parser().parse_args(["serve", "--timeout-text-idle", "0.5"]).timeout_text_idle == 0.5

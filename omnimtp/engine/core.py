@@ -9,7 +9,8 @@
 One `step()` is one audio frame boundary:
 
     think    one thinker step for every running cohort (requests admitted together share a run)
-    admit    waiting requests, up to max_batch_size holding a slot; chat requests form a new cohort that
+    admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
+             speech request with no text ids yet is not admitted); chat requests form a new cohort that
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
              prefill and one reply row), so a request that arrived while the engine was busy speaks in
              this step; speech requests get their talker inputs from the text to speak
@@ -21,6 +22,9 @@ One `step()` is one audio frame boundary:
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
              `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
     retire   finished requests
+    park     running requests that can do nothing until more of their text comes give up their slot: their
+             talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
+             text does and a slot is free; a parked request does not count against max_batch_size
 
 The model family (`omnimtp.engine.family.Family`: `omnimtp.families.qwen3_omni`, `qwen2_5_omni`) supplies
 everything model-specific; the core only moves each
@@ -132,6 +136,8 @@ class EngineCore:
             if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
             request.status = Status.WAITING
+            if not _has_text(request):
+                request.waits_for_text_since = request.submitted_at
             self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -139,16 +145,20 @@ class EngineCore:
             return bool(self.waiting or self.running)
 
     def has_ready_work(self) -> bool:
-        """Whether a step would make progress: a request to admit, or a running one that is not only waiting
-        for more of its text (a driver waits for text instead of stepping when nothing else can move)."""
+        """Whether a step would make progress: a request to admit or to resume with a slot free, or a running
+        one that is not only waiting for more of its text (a driver waits for text instead of stepping when
+        nothing else can move)."""
         with self.lock:
-            if self.waiting and len(self.running) < self.config.max_batch_size:
+            if self._num_free_slots() > 0 and (
+                any(_has_text(r) for r in self.waiting) or any(_can_resume(r) for r in self.running.values())
+            ):
                 return True
-            return any(not self._waits_for_text(request) for request in self.running.values())
+            return any(not r.is_parked and not self._waits_for_text(r) for r in self.running.values())
 
     def push_speech_ids(self, request_id: Hashable, ids: list[int], is_finished: bool) -> bool:
         """More ids of a speech request added with `is_text_finished=False` (any thread); is_finished: they end
-        its text. False when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
+        its text; no ids: more text came whose ids are not settled yet (its wait for text starts again). False
+        when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
         ids = [int(token) for token in ids]
         with self.lock:
             request = self.running.get(request_id) or next(
@@ -160,6 +170,10 @@ class EngineCore:
                 raise ValueError(f"request_id {request_id!r}: its text is already finished")
             request.prompt_ids.extend(ids)
             request.is_text_finished = bool(is_finished)
+            if ids or is_finished:
+                request.waits_for_text_since = None
+            elif request.waits_for_text_since is not None:  # text came, though none of its ids is settled yet
+                request.waits_for_text_since = time.perf_counter()
         return True
 
     def abort(self, request_id: Hashable) -> Request | None:
@@ -175,6 +189,7 @@ class EngineCore:
         if request.is_in_talker:
             self.talker.retire([request_id])
             request.is_in_talker = False
+        request.is_parked, request.parked_talker = False, None
         request.status = Status.ABORTED
         return request
 
@@ -228,29 +243,46 @@ class EngineCore:
         yield from self._decode_blocks(later)
         self._phase("code2wav", started)
         yield from self._retire()
+        self._park()
 
     # --- admit ---
 
     def _is_first_audio_due(self) -> bool:
         """Whether a request of normal priority that speaks still waits for its first audio (running, or waiting
-        with a slot free): background requests neither start nor think meanwhile, so they never delay it. Only
-        running ones count when every slot is taken, so background requests holding the slots still finish."""
+        with a slot free), and not for its text: background requests neither start nor think meanwhile, so they
+        never delay it. Only running ones count when every slot is taken, so background requests holding the
+        slots still finish."""
         with self.lock:
-            is_slot_free = len(self.running) < self.config.max_batch_size
-            return any(not r.is_background and r.has_speech and r.first_audio_at is None
-                       for r in [*self.running.values(), *(self.waiting if is_slot_free else ())])
+            is_slot_free = self._num_free_slots() > 0
+            waiting = [r for r in self.waiting if _has_text(r)] if is_slot_free else []
+            return any(not r.is_background and r.has_speech and r.first_audio_at is None and not r.is_parked
+                       for r in [*self.running.values(), *waiting])
+
+    def _num_free_slots(self) -> int:
+        """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
+        return self.config.max_batch_size - sum(not r.is_parked for r in self.running.values())
 
     def _admit(self, admit_background: bool = True) -> list[Request]:
-        """Waiting requests into free slots, oldest first: those of normal priority; background ones only in a
-        step that admits no other (they form their own cohort) and when admit_background."""
+        """Parked requests whose text came, then waiting requests into free slots, oldest first: those of
+        normal priority; background ones only in a step that admits no other (they form their own cohort) and
+        when admit_background. A speech request with no text ids yet waits, so it holds no slot."""
         with self.lock:
-            chosen = [r for r in self.waiting if not r.is_background]
+            num_free = self._num_free_slots()
+            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]
+            for request in resumed:
+                request.is_parked = False
+            waiting = [r for r in self.waiting if _has_text(r)]
+            chosen = [r for r in waiting if not r.is_background]
             if not chosen and admit_background:
-                chosen = list(self.waiting)
-            admitted = chosen[: max(self.config.max_batch_size - len(self.running), 0)]
+                chosen = waiting
+            admitted = chosen[: max(num_free - len(resumed), 0)]
             for request in admitted:
                 self.waiting.remove(request)
                 self.running[request.request_id] = request
+        for request in resumed:
+            if request.parked_talker is not None:
+                self.talker.resume(request.parked_talker)
+                request.parked_talker, request.is_in_talker = None, True
         now = time.perf_counter()
         for request in admitted:
             request.status = Status.RUNNING
@@ -354,7 +386,7 @@ class EngineCore:
         """The text ids of speech requests that came since the last step, on to their talker inputs."""
         for request in self.running.values():
             stream = request.speech_stream
-            if stream is None or stream.is_finished or request.talker_finish_reason is not None:
+            if stream is None or stream.is_finished or request.talker_finish_reason is not None or request.is_parked:
                 continue
             with self.lock:
                 ids, is_finished = request.prompt_ids[request.num_fed_ids:], request.is_text_finished
@@ -459,7 +491,7 @@ class EngineCore:
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
         if later and self._num_deferred < config.max_defer_steps:
             with self.lock:
-                has_newcomers = bool(self.waiting) and len(self.running) < config.max_batch_size
+                has_newcomers = self._num_free_slots() > 0 and any(_has_text(r) for r in self.waiting)
             if has_newcomers:  # end the step: admitting them now beats decoding audio not yet due
                 self._num_deferred += 1
                 later = []
@@ -510,6 +542,21 @@ class EngineCore:
             request.status, request.finished_at = Status.FINISHED, now
         return [StepEvent(request, self.num_steps, is_finished=True) for request in done]
 
+    # --- park ---
+
+    def _park(self) -> None:
+        """Running requests that can do nothing until more of their text comes give up their slot; their talker
+        state (if their talker started) waits outside the talker batch until `_admit` resumes them."""
+        now = time.perf_counter()
+        with self.lock:
+            parked = [r for r in self.running.values() if not r.is_parked and self._waits_for_text(r)]
+            for request in parked:
+                request.is_parked, request.waits_for_text_since = True, now
+        for request in parked:
+            if request.is_in_talker:
+                request.parked_talker = self.talker.park(request.request_id)
+                request.is_in_talker = False
+
     # --- observation ---
 
     def _stage(self, stage: str, seconds: float) -> None:
@@ -521,6 +568,16 @@ class EngineCore:
         if self.observer is not None:
             self.observer.phase(phase, now - started)
         return now
+
+
+def _has_text(request: Request) -> bool:
+    """Whether a request has anything to start on: a speech request whose text is still arriving needs an id."""
+    return request.is_text_finished or bool(request.prompt_ids)
+
+
+def _can_resume(request: Request) -> bool:
+    """Whether a parked request's text came since it was parked."""
+    return request.is_parked and (request.is_text_finished or len(request.prompt_ids) > request.num_fed_ids)
 
 
 def _can_speak(request: Request) -> bool:

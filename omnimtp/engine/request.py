@@ -85,6 +85,9 @@ class Request:
     speech_stream: object = field(default=None, repr=False)  # omnimtp.handoff.SpeechTextStream (speech requests)
     num_fed_ids: int = 0  # prompt_ids handed to speech_stream
     is_in_talker: bool = False
+    is_parked: bool = False  # running, but waiting for text without a slot (`EngineCore` parks it)
+    parked_talker: object = field(default=None, repr=False)  # its talker state while parked (a `ParkedTalker`)
+    waits_for_text_since: float | None = None  # when it last had nothing to do but wait for text (None: it has)
     frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
     num_decoded: int = 0  # frames already turned into audio
     audio: list[np.ndarray] = field(default_factory=list, repr=False)

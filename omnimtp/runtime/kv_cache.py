@@ -44,12 +44,22 @@ class KVWrite:
     num_columns: int
 
 
+@dataclass(frozen=True)
+class SavedSlot:
+    """One slot's sequence out of the buffer (`KVCache.save`): kv [L, 2, Nkv, length, D]."""
+
+    kv: torch.Tensor
+    length: int
+    rope_offset: int
+
+
 class KVCache:
     """The KV buffer [L, 2, B_max, Nkv, S_cap, D] of a packed decoder and each slot's length.
 
     decoder: anything with `num_layers`, `num_kv_heads`, `head_dim`, `dtype`, `device` (a `PackedDecoder`).
     `reset` empties a slot for a new sequence; `keep` compacts (slot i takes the old slot keep[i]); `crop`
-    shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead).
+    shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead); `save` copies
+    one slot's sequence out and `load` puts it back into any free slot, bit for bit.
     rope_offsets[s]: the RoPE position of slot s's cache index i is i + rope_offsets[s]."""
 
     def __init__(self, decoder, max_batch_size: int, capacity: int = 256, *, is_growable: bool = True):
@@ -120,6 +130,20 @@ class KVCache:
         ):
             raise ValueError(f"snapshot {snapshot!r} does not roll back lengths {self.lengths}")
         self.lengths = list(snapshot)
+
+    def save(self, slot: int) -> SavedSlot:
+        """A copy of slot's sequence (the slot itself is left as it is)."""
+        self.check_slots([slot])
+        length = self.lengths[slot]
+        return SavedSlot(self.buffer[:, :, slot, :, :length].clone(), length, self.rope_offsets[slot])
+
+    def load(self, slot: int, saved: SavedSlot) -> None:
+        """Slot holds `saved`'s sequence (what was in it is dropped)."""
+        self.check_slots([slot])
+        self.reserve(saved.length)
+        self.buffer[:, :, slot, :, : saved.length] = saved.kv
+        self.lengths[slot] = saved.length
+        self.rope_offsets[slot] = saved.rope_offset
 
     def reserve(self, length: int) -> None:
         """Make room for `length` positions per slot (the buffer at least doubles)."""

@@ -6,20 +6,21 @@ from __future__ import annotations
 import argparse
 import os
 
-from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS, MediaLimits
+from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS, MediaLimits
 from omnimtp.speak_cli import thinker_mtp_kwargs
 
 
 def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int | None, compile_predictor=False,
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None, torch_threads: int | None = None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
-    quantize: weight-only quantized linears (`OmniPipeline`'s)."""
+    quantize: weight-only quantized linears (`OmniPipeline`'s). timeout_text_idle: how long a streamed-text
+    speech request may wait for more text (`Engine`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -32,7 +33,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
-                      media_limits=media_limits)
+                      media_limits=media_limits, timeout_text_idle=timeout_text_idle)
     from omnimtp.checkpoint import tiny_model
     from omnimtp.pipeline import OmniPipeline
 
@@ -45,7 +46,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
-                  media_limits=media_limits)
+                  media_limits=media_limits, timeout_text_idle=timeout_text_idle)
 
 
 def build_app(args: argparse.Namespace):
@@ -64,7 +65,7 @@ def build_app(args: argparse.Namespace):
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
-                          **speculation)
+                          timeout_text_idle=args.timeout_text_idle, **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore

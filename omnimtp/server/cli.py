@@ -21,6 +21,7 @@ from omnimtp.limits import (
     DEFAULT_MAX_SESSION_ITEMS,
     DEFAULT_MAX_TOKENS_LIMIT,
     DEFAULT_MAX_WEBSOCKET_SESSIONS,
+    DEFAULT_TIMEOUT_TEXT_IDLE_S,
     DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
     MAX_REF_AUDIO_SECONDS,
     MIN_REF_AUDIO_SECONDS,
@@ -92,6 +93,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-session-idle", type=positive_float, default=DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
                         metavar="S", help="seconds a WebSocket session may pass without a message either way before "
                         "it is closed (default %(default)g)")
+    parser.add_argument("--timeout-text-idle", type=positive_float, default=DEFAULT_TIMEOUT_TEXT_IDLE_S, metavar="S",
+                        help="seconds a /v1/audio/speech/stream request may wait for more text (it holds no batch "
+                        "slot meanwhile) before it ends with an error event timeout_text_idle (default %(default)g)")
     voices = parser.add_argument_group(
         "saved voices", "voices a Qwen3-TTS Base model clones, saved by POST /v1/audio/voices and spoken with "
         "/v1/audio/speech voice=NAME")

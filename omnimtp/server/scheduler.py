@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ import numpy as np
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
-from omnimtp.limits import MAX_REF_AUDIO_SECONDS
+from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
@@ -197,12 +198,19 @@ class Engine:
     first in a child process at the lowest priority, stopped whenever a request is in flight (`idle`), and
     each graph's build here starts only while the engine is idle and finds that compile in inductor's cache:
     requests served during warm-up do not wait for it. media_limits: what a chat request's
-    audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens."""
+    audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens.
+    timeout_text_idle: seconds a `submit_speech_stream` request may wait for more text (queued with no text
+    yet, or parked by the core with all its text spoken) before it ends with an error event whose error_code is
+    "timeout_text_idle"; its memory is freed then (it holds no slot while it waits)."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
-                 warm_up: bool = False, media_limits: MediaLimits = MediaLimits(), **config):
+                 warm_up: bool = False, media_limits: MediaLimits = MediaLimits(),
+                 timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
+        if isinstance(timeout_text_idle, bool) or not isinstance(timeout_text_idle, (int, float)) \
+                or not math.isfinite(timeout_text_idle) or timeout_text_idle <= 0:
+            raise ValueError(f"timeout_text_idle must be a finite number > 0, got {timeout_text_idle!r}")
         if not isinstance(media_limits, MediaLimits):
             raise ValueError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
         if family.has_chat and family.speech_header_ids is None:
@@ -218,6 +226,7 @@ class Engine:
         self.model_id = model_id
         self.max_prompt_tokens = max_prompt_tokens
         self.media_limits = media_limits
+        self.timeout_text_idle = float(timeout_text_idle)
         self.warm_up = warm_up
         self.created = int(time.time())
         self.max_queue = 64
@@ -417,8 +426,8 @@ class Engine:
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Queue a speech request whose text will come in pieces (`push_speech_ids`; called on the event loop):
-        it holds a slot from its admission, and its talker waits for each text row it has not got. Raises
-        QueueFullError as `submit`."""
+        its talker waits for each text row it has not got, holding no slot while it waits (`EngineCore` parks
+        it), for at most `timeout_text_idle` seconds at a time. Raises QueueFullError as `submit`."""
         return self._queue(loop, [], speaker, sampling, seed, is_chat=False, is_text_finished=False)
 
     def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
@@ -513,18 +522,49 @@ class Engine:
         core = self._core
         while True:
             with self._cond:
-                # a request waiting for its text is no work: the engine sleeps until text (or anything) comes
-                while not (self._cancelled or core.has_ready_work() or (self._stopping and not core.running)):
-                    self._cond.wait()
+                # a request waiting for its text is no work: the engine sleeps until text (or anything) comes, or
+                # until the first such wait runs out
+                while not (self._text_timed_out() or self._cancelled or core.has_ready_work()
+                           or (self._stopping and not core.running)):
+                    self._cond.wait(self._next_text_timeout())
                 if self._stopping and not core.waiting and not core.running:
                     return
                 cancelled, self._cancelled = self._cancelled, set()
             self._drop_cancelled(cancelled)
+            self._end_text_waits()
             try:
                 self._deliver(core.step())  # each event goes out as soon as the step makes it
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
+
+    def _text_waits(self) -> list[tuple[float, int]]:
+        """(when its wait runs out, id) of each request waiting for more text (called holding `_cond`)."""
+        return [(r.waits_for_text_since + self.timeout_text_idle, r.request_id)
+                for r in [*self._core.waiting, *self._core.running.values()] if r.waits_for_text_since is not None]
+
+    def _text_timed_out(self) -> list[int]:
+        now = time.perf_counter()
+        return [request_id for deadline, request_id in self._text_waits() if deadline <= now]
+
+    def _next_text_timeout(self) -> float | None:
+        deadlines = [deadline for deadline, _ in self._text_waits()]
+        return None if not deadlines else max(min(deadlines) - time.perf_counter(), 0.0)
+
+    def _end_text_waits(self) -> None:
+        """End requests that waited for text past timeout_text_idle, with an error event (between steps); their
+        memory is freed. Under `_cond`, so text that comes meanwhile is either in time or too late."""
+        with self._cond:
+            for request_id in self._text_timed_out():
+                handle = self._handles.pop(request_id, None)
+                self._core.abort(request_id)
+                if handle is None:
+                    continue
+                handle.is_done = True
+                handle.push(EngineEvent(
+                    error=f"timeout_text_idle: no more text came for {self.timeout_text_idle:g} s (the server's "
+                    "--timeout-text-idle); the request is ended", error_code="timeout_text_idle"))
+            self._set_gauges()
 
     def _drop_cancelled(self, cancelled: set[int]) -> None:
         """Free the slots of cancelled requests, waiting or admitted (at a frame boundary). Each one

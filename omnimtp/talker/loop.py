@@ -17,10 +17,11 @@ The loop is the same for every family; what differs lives in a small `FrameMaker
 
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
 the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
-boundary. The talker runs on packed weights (`PackedDecoder`) with one KV slot per request: a
-request's positions and cache never mix with another's, so its frames do not depend on who else is
-in the batch. A request whose next reply row has not arrived yet (streamed thinker) sits the step
-out: it is not forwarded and its state is untouched.
+boundary, `park` takes a request's whole state out of the batch (its KV slot is free for another) and
+`resume` puts it back, so it goes on exactly as if it had stayed. The talker runs on packed weights
+(`PackedDecoder`) with one KV slot per request: a request's positions and cache never mix with another's,
+so its frames do not depend on who else is in the batch. A request whose next reply row has not arrived
+yet (streamed thinker) sits the step out: it is not forwarded and its state is untouched.
 
 Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whose repetition penalty
 1.05 still applies; the last talker token (normally EOS) makes no frame.
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.sampling import (
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING,
     SamplingParams,
@@ -113,6 +115,22 @@ class _Row:
     @property
     def is_ready(self) -> bool:
         return self.finish_reason is None and (bool(self.text_rows) or self.is_text_finished)
+
+
+@dataclass
+class ParkedTalker:
+    """A request's talker state out of the batch (`TalkerBatch.park`): its row, its KV slot's sequence, and its
+    last hidden [H], sampled code 0 [] and seen ids [V]."""
+
+    row: _Row
+    kv: SavedSlot
+    last_hidden: torch.Tensor
+    code0: torch.Tensor
+    seen: torch.Tensor
+
+    @property
+    def request_id(self) -> Hashable:
+        return self.row.request.request_id
 
 
 class FrameMaker(Protocol):
@@ -316,6 +334,23 @@ class TalkerBatch:
             raise ValueError(f"request_id {request_id!r}: its text is already finished")
         row.text_rows.extend(rows.unbind(0))
         row.is_text_finished = is_finished
+
+    def park(self, request_id: Hashable) -> ParkedTalker:
+        """Take a request out of the batch with everything `resume` needs to go on where it stopped."""
+        i = self.request_ids.index(request_id)
+        parked = ParkedTalker(self.rows[i], self.kv.save(i), self.last_hidden[i].clone(), self.code0[i].clone(),
+                              self.seen[i].clone())
+        self.retire([request_id])
+        return parked
+
+    def resume(self, parked: ParkedTalker) -> None:
+        """Put a parked request back into the batch, in the next free slot."""
+        if len(self.rows) >= self.max_batch_size:
+            raise ValueError(f"parked: the batch is full (max_batch_size={self.max_batch_size})")
+        if parked.request_id in self.request_ids:
+            raise ValueError(f"parked: request_id {parked.request_id!r} is already in the batch")
+        self.kv.load(len(self.rows), parked.kv)
+        self._merge([parked.row], parked.last_hidden[None], parked.code0[None], parked.seen[None])
 
     def is_ready(self, request_id: Hashable) -> bool:
         """Whether the next step makes a frame for the request (it has its next text row, or needs none)."""

@@ -12,7 +12,9 @@
 One request runs from the first `input_text.delta` to `done`, in the same engine step loop as every other
 request; after its `input_text.done` the next delta starts another with the same config (a `session.config`
 between requests changes it). A request whose talker ends before its text does (codec EOS, the frame cap)
-sends `done` early; its later deltas are taken and not spoken.
+sends `done` early; its later deltas are taken and not spoken. While a request waits for more text it holds no
+batch slot, for at most the server's `--timeout-text-idle` seconds at a time: then it ends with an `error` event
+`timeout_text_idle`, and the next delta starts another request.
 The text is tokenized as it comes and only ids no later text can change go to the engine
 (`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is
 that of the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and
@@ -63,6 +65,12 @@ class _Speech:
     sender: asyncio.Task | None = None
     is_text_done: bool = False
     num_chars: int = 0
+    is_ended: bool = False  # an error event ended it (the text timeout, a failure): the next delta starts another
+
+    @property
+    def is_over(self) -> bool:
+        """Its last event went out and no more of its text is expected."""
+        return (self.is_text_done or self.is_ended) and self.sender.done()
 
 
 async def _run(session: Session) -> None:
@@ -71,8 +79,8 @@ async def _run(session: Session) -> None:
     speech: _Speech | None = None
     try:
         while (event := await session.receive()) is not None:
-            if speech is not None and speech.is_text_done and speech.sender.done():
-                speech = None  # its done event went out
+            if speech is not None and speech.is_over:
+                speech = None
             try:
                 kind = event["type"]
                 if kind == "session.config":
@@ -143,7 +151,7 @@ def _start(context, session: Session, config: _Config) -> _Speech:
     except QueueFullError as exc:
         raise EventError(str(exc), code="queue_full", type="rate_limit_exceeded") from None
     speech = _Speech(handle, engine.family.speech_text_ids())
-    speech.sender = asyncio.ensure_future(_send_audio(session, handle))
+    speech.sender = asyncio.ensure_future(_send_audio(session, speech))
     return speech
 
 
@@ -158,18 +166,20 @@ def _push(context, speech: _Speech, delta: str, speaker) -> None:
     except PromptTooLongError as exc:
         raise EventError(f"{exc}; this delta was not taken", param="delta", code="string_above_max_length") from None
     speech.num_chars += len(delta)
-    ids = speech.text_ids.push(delta)
-    if ids:
-        context.engine.push_speech_ids(speech.handle, ids, is_finished=False)
+    # even with no settled ids yet: the text came, so the request's wait for text (--timeout-text-idle) restarts
+    context.engine.push_speech_ids(speech.handle, speech.text_ids.push(delta), is_finished=False)
 
 
-async def _send_audio(session: Session, handle) -> None:
+async def _send_audio(session: Session, speech: _Speech) -> None:
     """The request's audio deltas as the engine makes them, then its done event (or an error event)."""
+    handle = speech.handle
     try:
         async for event in handle.events():
             if event.error is not None:
+                speech.is_ended = True
+                is_timeout = event.error_code == "timeout_text_idle"  # the client's pause, not the server's fault
                 await session.send_error(EventError(event.error, code=event.error_code or "server_error",
-                                                    type="server_error"))
+                                                    type="invalid_request_error" if is_timeout else "server_error"))
                 return
             if event.audio is not None and event.audio.size:
                 await session.send({"type": "audio.delta", "delta": b64_pcm16(event.audio)})
