@@ -7,7 +7,8 @@ top-p 0.8, seeded), at fixed k (--ks, default 3) and k = auto; plus the row kern
 forward over a one-row step) and, with --oracle, an oracle drafter at fixed acceptance rates on a random-weight
 llama target (--oracle-hidden/--oracle-layers; the defaults are 1024 × 8 layers + a 32000-token vocabulary,
 ~190 M parameters) at batch 1, 4 and 16: achieved speed-up over plain_generate against the ideal τ / (1 + draft
-cost), the drafter's cost being what the oracle's own work measures (about nothing).
+cost), the drafter's cost being what the oracle's own work measures (about nothing), and k = auto beside k = 3
+(its costs calibrated once per batch size: the k it picks per batch size is reported).
 
 Each speculative method also reports what one of its steps costs over a plain step (`draft_over_plain_step`: the
 drafts of a step that drafts; `verify_over_plain_step`, `step_over_plain_step`: per step, plain steps of "auto"
@@ -37,6 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, plain_generate, speculative_generate  # noqa: E402
 from omnimtp.sampling import make_generators  # noqa: E402
+from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS  # noqa: E402
+from omnimtp.spec_decode.generate import calibrate_draft_costs  # noqa: E402
 
 SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)  # Qwen3-Omni's thinker defaults
 
@@ -234,9 +237,12 @@ def oracle(args) -> dict:
     report = {"num_parameters": num_params, "k": k, "runs": []}
     for batch in args.oracle_batches:
         prompt = torch.randint(3, config.vocab_size, (batch, 16), generator=torch.Generator().manual_seed(batch))
-        reference = plain_generate(target, prompt, max_new_tokens=n + k + 2, eos_token_id=-1)
+        reference = plain_generate(target, prompt, max_new_tokens=n + DEFAULT_MAX_DRAFT_TOKENS + 2, eos_token_id=-1)
+        costs = None  # "auto": this batch size's costs, measured once (with the first drafter) and reused
         for acceptance in (0.5, 0.7, 0.9):
             drafter = OracleDrafter(reference, prompt.shape[1], acceptance, config.vocab_size)
+            if costs is None:
+                costs = calibrate_draft_costs(target, drafter, batch_size=batch)
             methods = {
                 "plain": lambda i, prompt=prompt: (
                     plain_generate(target, prompt, max_new_tokens=n, eos_token_id=-1), None
@@ -244,11 +250,16 @@ def oracle(args) -> dict:
                 "oracle": lambda i, drafter=drafter, prompt=prompt: (lambda out: (out.sequences, out.stats))(
                     speculative_generate(target, drafter, prompt, max_new_tokens=n, num_draft_tokens=k, eos_token_id=-1)
                 ),
+                "auto": lambda i, drafter=drafter, prompt=prompt, costs=costs: (
+                    lambda out: (out.sequences, out.stats)
+                )(speculative_generate(target, drafter, prompt, max_new_tokens=n, num_draft_tokens="auto",
+                                       draft_costs=costs, eos_token_id=-1)),
             }
             for run in methods.values():
                 run(0)
             results = interleaved(methods, 1, args.repeats)
-            summary = summarize(results, "plain", True)["oracle"]
+            summaries = summarize(results, "plain", True)
+            summary, auto = summaries["oracle"], summaries["auto"]
             stats = results["oracle"]["stats"][0]
             draft_cost = stats.draft_time_s / max(stats.verify_time_s, 1e-9)  # drafting relative to verifying
             ideal = summary["tau"] / (1 + draft_cost)
@@ -257,11 +268,14 @@ def oracle(args) -> dict:
             entry = {"batch": batch, "acceptance": acceptance, "tau": summary["tau"], "speedup": summary["speedup"],
                      "ideal": ideal, "achieved_over_ideal": summary["speedup"] / ideal, "draft_cost": draft_cost,
                      "verify_over_plain_step": stats.verify_time_s / max(stats.num_steps, 1) / plain_step_s,
-                     "matches_plain": summary["matches_plain"]}
+                     "matches_plain": summary["matches_plain"] and auto["matches_plain"],
+                     "auto_speedup": auto["speedup"], "auto_draft_histogram": auto["draft_histogram"],
+                     "auto_draft_costs": costs.step}
             report["runs"].append(entry)
             print(f"oracle batch {batch} acceptance {acceptance}: τ {entry['tau']:.2f} "
                   f"speed-up {entry['speedup']:.2f}x ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) "
-                  f"verify / plain step {entry['verify_over_plain_step']:.2f} match {entry['matches_plain']}")
+                  f"verify / plain step {entry['verify_over_plain_step']:.2f}; auto {auto['speedup']:.2f}x "
+                  f"steps per k {auto['draft_histogram']}; match {entry['matches_plain']}")
     return report
 
 
