@@ -1,4 +1,5 @@
-"""Speculation against our own plain loop on the same forward, batch 1, held-out prompts, interleaved:
+"""Speculation against our own plain loop on the same forward, held-out prompts, interleaved, at batch 1 (and
+at every --batches size: B prompts decoded together, left-padded for the demo LM, cycling through the prompts):
 
 - demo LM (`omnimtp/data/demo_lm`): `speculative_generate` vs `plain_generate` (packed target, row kernel);
 - demo omni thinker (`omnimtp/data/demo_omni`): speculative `ThinkerRun` vs the plain `ThinkerRun`;
@@ -20,6 +21,7 @@ median over repeats of same-repeat total-time ratios. Costs of "auto" are calibr
     python benchmarks/spec_speed.py --threads 1 --repeats 3 --num-prompts 8 --max-new-tokens 96
         --out benchmarks/results/spec_speed.json
     python benchmarks/spec_speed.py --oracle --only-oracle --threads 1 --repeats 3 --max-new-tokens 64
+    python benchmarks/spec_speed.py --threads 1 --repeats 3 --batches 1 4 16 --oracle   # plain vs k = 3 vs auto
     python benchmarks/spec_speed.py --quick            # a small setting that checks the script runs
 """
 
@@ -63,8 +65,9 @@ def interleaved(methods: dict, num_prompts: int, repeats: int) -> dict:
 
 
 def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: int | None = None) -> dict:
-    """Speed-ups over `baseline`, τ, the draft histogram and, with baseline_tokens (what the baseline
-    generated in one repeat, one forward each), a step's drafting and verifying time over a plain step."""
+    """Speed-ups over `baseline`, τ, the draft histogram and, with baseline_tokens (the baseline's forwards in
+    one repeat: a batch's one per token of its longest row), a step's drafting and verifying time over a plain
+    step."""
     base = results[baseline]
     plain_step_s = min(base["seconds"]) / baseline_tokens if baseline_tokens else None
     out = {}
@@ -72,7 +75,7 @@ def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: 
         entry = {"seconds_per_repeat": r["seconds"]}
         if name != baseline:
             entry["speedup"] = statistics.median(b / s for s, b in zip(r["seconds"], base["seconds"], strict=True))
-            stats = [s for s in r["stats"] if s is not None]
+            stats = [s for run in r["stats"] for s in (run if isinstance(run, list) else [run]) if s is not None]
             if stats:
                 steps = sum(s.num_row_steps for s in stats)
                 entry["tau"] = 1 + sum(s.num_accepted for s in stats) / steps
@@ -102,7 +105,22 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def demo_lm(args) -> dict:
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts → ids [B, P] left-padded with 0 and their attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :], mask[b, width - len(r) :] = r, 1
+    return ids, mask
+
+
+def groups(num_prompts: int, batch: int) -> list[list[int]]:
+    """num_prompts runs of `batch` prompt indices, run i starting at prompt i and cycling."""
+    return [[(i + j) % num_prompts for j in range(batch)] for i in range(num_prompts)]
+
+
+def demo_lm(args, batch: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
@@ -111,19 +129,22 @@ def demo_lm(args) -> dict:
     target, head = load_target_and_head(demo_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
     texts = json.loads((demo_model_dir() / "heldout_prompts.json").read_text())[: args.num_prompts]
-    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    rows = [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts]
+    prompts = [left_padded([rows[j] for j in group]) for group in groups(len(rows), batch)]
     n = args.max_new_tokens
     report = {}
     for label, sampling in (("greedy", None), ("sampled", SAMPLED)):
         def plain(i, sampling=sampling):
+            ids, mask = prompts[i]
             return (
-                plain_generate(target, prompts[i], max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1),
+                plain_generate(target, ids, mask, max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1),
                 None,
             )
 
         def spec(k, sampling=sampling):
             def run(i):
-                out = speculative_generate(target, head, prompts[i], max_new_tokens=n, num_draft_tokens=k,
+                ids, mask = prompts[i]
+                out = speculative_generate(target, head, ids, mask, max_new_tokens=n, num_draft_tokens=k,
                                            sampling=sampling, seed=i, eos_token_id=-1)
                 return out.sequences, out.stats
             return run
@@ -132,11 +153,11 @@ def demo_lm(args) -> dict:
         for method in methods.values():
             method(0)  # warm-up; "auto" calibrates its costs here, once
         report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None,
-                                  n * len(prompts))
+                                  n * len(prompts))  # plain forwards: one per token of a row
     return report
 
 
-def demo_omni(args) -> dict:
+def demo_omni(args, batch: int = 1) -> dict:
     from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts
     from omnimtp.mtp.head import MTPHead
     from omnimtp.pipeline import OmniPipeline
@@ -146,19 +167,21 @@ def demo_omni(args) -> dict:
     pipe = OmniPipeline.demo(thinker_mtp=None)
     head = MTPHead.from_pretrained(demo_omni_dir(), pipe.model.thinker).eval()
     prompts = [pipe.family.chat_ids([{"role": "user", "content": t}]) for t in demo_omni_prompts()[: args.num_prompts]]
+    runs = groups(len(prompts), batch)
     report = {}
     for label, sampling in (("greedy", None), ("sampled", SAMPLED)):
         def runner(speculation, sampling=sampling):
             def run(i):
                 thinker_run = ThinkerRun(
-                    pipe.model.thinker, [prompts[i]], accept_hidden_layer=pipe.accept_hidden_layer,
+                    pipe.model.thinker, [prompts[j] for j in runs[i]], accept_hidden_layer=pipe.accept_hidden_layer,
                     eos_token_ids=pipe.eos_token_ids, max_new_tokens=args.max_new_tokens, decoder=pipe.thinker_decoder,
-                    speculation=speculation, sampling=[sampling], generators=make_generators([i]),
+                    speculation=speculation, sampling=[sampling] * batch,
+                    generators=make_generators([batch * i + j for j in range(batch)]),
                 )
                 with torch.inference_mode():
                     while not thinker_run.is_finished:
                         thinker_run.step()
-                return thinker_run.output_ids[0], None if speculation is None else thinker_run.spec_stats[0]
+                return thinker_run.output_ids, thinker_run.spec_stats
             return run
 
         methods = {"plain": runner(None), **{f"k{k}": runner(ThinkerSpeculation(head, k)) for k in args.ks},
@@ -166,9 +189,8 @@ def demo_omni(args) -> dict:
         for method in methods.values():
             method(0)
         results = interleaved(methods, len(prompts), args.repeats)
-        report[label] = summarize(
-            results, "plain", sampling is None, sum(len(ids) for ids in results["plain"]["outputs"])
-        )
+        plain_forwards = sum(max(len(ids) for ids in outputs) for outputs in results["plain"]["outputs"])
+        report[label] = summarize(results, "plain", sampling is None, plain_forwards)
     return report
 
 
@@ -301,6 +323,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ks", type=int, nargs="+", default=[3])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes of the demo runs")
     parser.add_argument("--oracle", action="store_true", help="also the oracle drafter on a random-weight target")
     parser.add_argument("--only-oracle", action="store_true")
     parser.add_argument("--oracle-hidden", type=int, default=1024)
@@ -321,10 +344,12 @@ def main() -> None:
         report["verify_cost"] = verify_cost(args)
         print(f"verify cost (demo LM, row kernel {report['verify_cost']['row_kernel']}): k = 3 verify / plain step "
               f"{report['verify_cost']['verify_k3_over_plain_step']:.2f}")
-        report["demo_lm"] = demo_lm(args)
-        print_table("demo LM", report["demo_lm"])
-        report["demo_omni"] = demo_omni(args)
-        print_table("demo omni thinker", report["demo_omni"])
+        for batch in args.batches:
+            suffix = "" if batch == 1 else f"_batch{batch}"
+            report[f"demo_lm{suffix}"] = demo_lm(args, batch)
+            print_table(f"demo LM, batch {batch}", report[f"demo_lm{suffix}"])
+            report[f"demo_omni{suffix}"] = demo_omni(args, batch)
+            print_table(f"demo omni thinker, batch {batch}", report[f"demo_omni{suffix}"])
     if args.oracle or args.only_oracle:
         report["oracle"] = oracle(args)
     if args.out:
