@@ -158,8 +158,8 @@ class DraftController:
     probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and at most
     (see the module docstring)."""
 
-    def __init__(self, costs: DraftCosts, num_rows: int, *, prior: float = 0.7, smoothing: float = 0.05,
-                 probe_interval: int = 4, max_probe_interval: int = 32):
+    def __init__(self, costs: DraftCosts | DraftCostTable, num_rows: int, *, prior: float = 0.7,
+                 smoothing: float = 0.05, probe_interval: int = 4, max_probe_interval: int = 32):
         self.costs = DraftCostTable.of(costs)
         self.smoothing = smoothing
         self.probe_interval = probe_interval
