@@ -319,6 +319,7 @@ class ThinkerRun:
 
 
 CALIBRATION_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)  # what sampled runs' costs are measured with
+CALIBRATION_TOKENS = 48  # new tokens per row after which a calibration run is replaced by a fresh one
 
 
 def calibrate_thinker_costs(
@@ -328,27 +329,35 @@ def calibrate_thinker_costs(
     """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
     k on a fixed 16-token prompt per row, at this batch size, greedy or sampled (`CALIBRATION_SAMPLING`:
     one measurement serves every sampled request, whatever its temperature), measured once per thinker and
-    key, then reused."""
+    key, then reused. One run serves several measurements (its controller swapped; a fresh run once its
+    rows hold CALIBRATION_TOKENS new tokens): the thinker's prefill runs one request at a time, and a
+    prefill per measurement took most of the time at 16 rows."""
     vocab = thinker.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(16)]
     run_sampling = [CALIBRATION_SAMPLING if is_sampled else None] * batch_size
+    max_k, num_steps = DEFAULT_MAX_DRAFT_TOKENS, 6
+    runs: list[ThinkerRun] = []
 
     def seconds_per_step(k: int) -> float:
-        run = ThinkerRun(
-            thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
-            max_new_tokens=64, sampling=run_sampling, decoder=decoder,
-            generators=(
-                [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
-                else None
-            ),
-            speculation=ThinkerSpeculation(speculation.drafter, max(k, 1)),
-        )
+        if not runs or max(len(ids) for ids in runs[-1].output_ids) > CALIBRATION_TOKENS:
+            runs[:] = [ThinkerRun(
+                thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
+                # room for the measurement's steps: no row may finish (the batch would shrink)
+                max_new_tokens=CALIBRATION_TOKENS + (num_steps + 2) * (max_k + 1), sampling=run_sampling,
+                decoder=decoder, speculation=ThinkerSpeculation(speculation.drafter, max_k),
+                generators=(
+                    [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
+                    else None
+                ),
+            )]
+            runs[-1].step()  # the prefill
+        run = runs[-1]
         run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
-        run.step()  # the prefill
+        run.step()  # untimed: the first drafting step after plain ones also reads their slots
         start = time.perf_counter()
-        for _ in range(6):
+        for _ in range(num_steps):
             run.step()
-        return (time.perf_counter() - start) / 6
+        return (time.perf_counter() - start) / num_steps
 
     key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
     return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS)
