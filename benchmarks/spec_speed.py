@@ -1,4 +1,5 @@
-"""Speculation against our own plain loop on the same forward, batch 1, held-out prompts, interleaved:
+"""Speculation against our own plain loop on the same forward, held-out prompts, interleaved, at batch 1 (and
+at every --batches size: B prompts decoded together, left-padded for the demo LM, cycling through the prompts):
 
 - demo LM (`omnimtp/data/demo_lm`): `speculative_generate` vs `plain_generate` (packed target, row kernel);
 - demo omni thinker (`omnimtp/data/demo_omni`): speculative `ThinkerRun` vs the plain `ThinkerRun`;
@@ -7,7 +8,8 @@ top-p 0.8, seeded), at fixed k (--ks, default 3) and k = auto; plus the row kern
 forward over a one-row step) and, with --oracle, an oracle drafter at fixed acceptance rates on a random-weight
 llama target (--oracle-hidden/--oracle-layers; the defaults are 1024 × 8 layers + a 32000-token vocabulary,
 ~190 M parameters) at batch 1, 4 and 16: achieved speed-up over plain_generate against the ideal τ / (1 + draft
-cost), the drafter's cost being what the oracle's own work measures (about nothing).
+cost), the drafter's cost being what the oracle's own work measures (about nothing), and k = auto beside k = 3
+(its costs calibrated once per batch size: the k it picks per batch size is reported).
 
 Each speculative method also reports what one of its steps costs over a plain step (`draft_over_plain_step`: the
 drafts of a step that drafts; `verify_over_plain_step`, `step_over_plain_step`: per step, plain steps of "auto"
@@ -19,6 +21,7 @@ median over repeats of same-repeat total-time ratios. Costs of "auto" are calibr
     python benchmarks/spec_speed.py --threads 1 --repeats 3 --num-prompts 8 --max-new-tokens 96
         --out benchmarks/results/spec_speed.json
     python benchmarks/spec_speed.py --oracle --only-oracle --threads 1 --repeats 3 --max-new-tokens 64
+    python benchmarks/spec_speed.py --threads 1 --repeats 3 --batches 1 4 16 --oracle   # plain vs k = 3 vs auto
     python benchmarks/spec_speed.py --quick            # a small setting that checks the script runs
 """
 
@@ -37,6 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, plain_generate, speculative_generate  # noqa: E402
 from omnimtp.sampling import make_generators  # noqa: E402
+from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS  # noqa: E402
+from omnimtp.spec_decode.generate import calibrate_draft_costs  # noqa: E402
 
 SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)  # Qwen3-Omni's thinker defaults
 
@@ -60,8 +65,9 @@ def interleaved(methods: dict, num_prompts: int, repeats: int) -> dict:
 
 
 def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: int | None = None) -> dict:
-    """Speed-ups over `baseline`, τ, the draft histogram and, with baseline_tokens (what the baseline
-    generated in one repeat, one forward each), a step's drafting and verifying time over a plain step."""
+    """Speed-ups over `baseline`, τ, the draft histogram and, with baseline_tokens (the baseline's forwards in
+    one repeat: a batch's one per token of its longest row), a step's drafting and verifying time over a plain
+    step."""
     base = results[baseline]
     plain_step_s = min(base["seconds"]) / baseline_tokens if baseline_tokens else None
     out = {}
@@ -69,7 +75,7 @@ def summarize(results: dict, baseline: str, check_equal: bool, baseline_tokens: 
         entry = {"seconds_per_repeat": r["seconds"]}
         if name != baseline:
             entry["speedup"] = statistics.median(b / s for s, b in zip(r["seconds"], base["seconds"], strict=True))
-            stats = [s for s in r["stats"] if s is not None]
+            stats = [s for run in r["stats"] for s in (run if isinstance(run, list) else [run]) if s is not None]
             if stats:
                 steps = sum(s.num_row_steps for s in stats)
                 entry["tau"] = 1 + sum(s.num_accepted for s in stats) / steps
@@ -99,7 +105,22 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-def demo_lm(args) -> dict:
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D prompts → ids [B, P] left-padded with 0 and their attention mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r) :], mask[b, width - len(r) :] = r, 1
+    return ids, mask
+
+
+def groups(num_prompts: int, batch: int) -> list[list[int]]:
+    """num_prompts runs of `batch` prompt indices, run i starting at prompt i and cycling."""
+    return [[(i + j) % num_prompts for j in range(batch)] for i in range(num_prompts)]
+
+
+def demo_lm(args, batch: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
@@ -108,19 +129,22 @@ def demo_lm(args) -> dict:
     target, head = load_target_and_head(demo_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
     texts = json.loads((demo_model_dir() / "heldout_prompts.json").read_text())[: args.num_prompts]
-    prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    rows = [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts]
+    prompts = [left_padded([rows[j] for j in group]) for group in groups(len(rows), batch)]
     n = args.max_new_tokens
     report = {}
     for label, sampling in (("greedy", None), ("sampled", SAMPLED)):
         def plain(i, sampling=sampling):
+            ids, mask = prompts[i]
             return (
-                plain_generate(target, prompts[i], max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1),
+                plain_generate(target, ids, mask, max_new_tokens=n, sampling=sampling, seed=i, eos_token_id=-1),
                 None,
             )
 
         def spec(k, sampling=sampling):
             def run(i):
-                out = speculative_generate(target, head, prompts[i], max_new_tokens=n, num_draft_tokens=k,
+                ids, mask = prompts[i]
+                out = speculative_generate(target, head, ids, mask, max_new_tokens=n, num_draft_tokens=k,
                                            sampling=sampling, seed=i, eos_token_id=-1)
                 return out.sequences, out.stats
             return run
@@ -129,11 +153,11 @@ def demo_lm(args) -> dict:
         for method in methods.values():
             method(0)  # warm-up; "auto" calibrates its costs here, once
         report[label] = summarize(interleaved(methods, len(prompts), args.repeats), "plain", sampling is None,
-                                  n * len(prompts))
+                                  n * len(prompts))  # plain forwards: one per token of a row
     return report
 
 
-def demo_omni(args) -> dict:
+def demo_omni(args, batch: int = 1) -> dict:
     from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts
     from omnimtp.mtp.head import MTPHead
     from omnimtp.pipeline import OmniPipeline
@@ -143,19 +167,21 @@ def demo_omni(args) -> dict:
     pipe = OmniPipeline.demo(thinker_mtp=None)
     head = MTPHead.from_pretrained(demo_omni_dir(), pipe.model.thinker).eval()
     prompts = [pipe.family.chat_ids([{"role": "user", "content": t}]) for t in demo_omni_prompts()[: args.num_prompts]]
+    runs = groups(len(prompts), batch)
     report = {}
     for label, sampling in (("greedy", None), ("sampled", SAMPLED)):
         def runner(speculation, sampling=sampling):
             def run(i):
                 thinker_run = ThinkerRun(
-                    pipe.model.thinker, [prompts[i]], accept_hidden_layer=pipe.accept_hidden_layer,
+                    pipe.model.thinker, [prompts[j] for j in runs[i]], accept_hidden_layer=pipe.accept_hidden_layer,
                     eos_token_ids=pipe.eos_token_ids, max_new_tokens=args.max_new_tokens, decoder=pipe.thinker_decoder,
-                    speculation=speculation, sampling=[sampling], generators=make_generators([i]),
+                    speculation=speculation, sampling=[sampling] * batch,
+                    generators=make_generators([batch * i + j for j in range(batch)]),
                 )
                 with torch.inference_mode():
                     while not thinker_run.is_finished:
                         thinker_run.step()
-                return thinker_run.output_ids[0], None if speculation is None else thinker_run.spec_stats[0]
+                return thinker_run.output_ids, thinker_run.spec_stats
             return run
 
         methods = {"plain": runner(None), **{f"k{k}": runner(ThinkerSpeculation(head, k)) for k in args.ks},
@@ -163,9 +189,8 @@ def demo_omni(args) -> dict:
         for method in methods.values():
             method(0)
         results = interleaved(methods, len(prompts), args.repeats)
-        report[label] = summarize(
-            results, "plain", sampling is None, sum(len(ids) for ids in results["plain"]["outputs"])
-        )
+        plain_forwards = sum(max(len(ids) for ids in outputs) for outputs in results["plain"]["outputs"])
+        report[label] = summarize(results, "plain", sampling is None, plain_forwards)
     return report
 
 
@@ -234,9 +259,12 @@ def oracle(args) -> dict:
     report = {"num_parameters": num_params, "k": k, "runs": []}
     for batch in args.oracle_batches:
         prompt = torch.randint(3, config.vocab_size, (batch, 16), generator=torch.Generator().manual_seed(batch))
-        reference = plain_generate(target, prompt, max_new_tokens=n + k + 2, eos_token_id=-1)
+        reference = plain_generate(target, prompt, max_new_tokens=n + DEFAULT_MAX_DRAFT_TOKENS + 2, eos_token_id=-1)
+        costs = None  # "auto": this batch size's costs, measured once (with the first drafter) and reused
         for acceptance in (0.5, 0.7, 0.9):
             drafter = OracleDrafter(reference, prompt.shape[1], acceptance, config.vocab_size)
+            if costs is None:
+                costs = calibrate_draft_costs(target, drafter, batch_size=batch)
             methods = {
                 "plain": lambda i, prompt=prompt: (
                     plain_generate(target, prompt, max_new_tokens=n, eos_token_id=-1), None
@@ -244,11 +272,16 @@ def oracle(args) -> dict:
                 "oracle": lambda i, drafter=drafter, prompt=prompt: (lambda out: (out.sequences, out.stats))(
                     speculative_generate(target, drafter, prompt, max_new_tokens=n, num_draft_tokens=k, eos_token_id=-1)
                 ),
+                "auto": lambda i, drafter=drafter, prompt=prompt, costs=costs: (
+                    lambda out: (out.sequences, out.stats)
+                )(speculative_generate(target, drafter, prompt, max_new_tokens=n, num_draft_tokens="auto",
+                                       draft_costs=costs, eos_token_id=-1)),
             }
             for run in methods.values():
                 run(0)
             results = interleaved(methods, 1, args.repeats)
-            summary = summarize(results, "plain", True)["oracle"]
+            summaries = summarize(results, "plain", True)
+            summary, auto = summaries["oracle"], summaries["auto"]
             stats = results["oracle"]["stats"][0]
             draft_cost = stats.draft_time_s / max(stats.verify_time_s, 1e-9)  # drafting relative to verifying
             ideal = summary["tau"] / (1 + draft_cost)
@@ -257,11 +290,14 @@ def oracle(args) -> dict:
             entry = {"batch": batch, "acceptance": acceptance, "tau": summary["tau"], "speedup": summary["speedup"],
                      "ideal": ideal, "achieved_over_ideal": summary["speedup"] / ideal, "draft_cost": draft_cost,
                      "verify_over_plain_step": stats.verify_time_s / max(stats.num_steps, 1) / plain_step_s,
-                     "matches_plain": summary["matches_plain"]}
+                     "matches_plain": summary["matches_plain"] and auto["matches_plain"],
+                     "auto_speedup": auto["speedup"], "auto_draft_histogram": auto["draft_histogram"],
+                     "auto_draft_costs": costs.step}
             report["runs"].append(entry)
             print(f"oracle batch {batch} acceptance {acceptance}: τ {entry['tau']:.2f} "
                   f"speed-up {entry['speedup']:.2f}x ideal {ideal:.2f}x ({entry['achieved_over_ideal']:.2f} of it) "
-                  f"verify / plain step {entry['verify_over_plain_step']:.2f} match {entry['matches_plain']}")
+                  f"verify / plain step {entry['verify_over_plain_step']:.2f}; auto {auto['speedup']:.2f}x "
+                  f"steps per k {auto['draft_histogram']}; match {entry['matches_plain']}")
     return report
 
 
@@ -287,6 +323,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ks", type=int, nargs="+", default=[3])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes of the demo runs")
     parser.add_argument("--oracle", action="store_true", help="also the oracle drafter on a random-weight target")
     parser.add_argument("--only-oracle", action="store_true")
     parser.add_argument("--oracle-hidden", type=int, default=1024)
@@ -307,10 +344,12 @@ def main() -> None:
         report["verify_cost"] = verify_cost(args)
         print(f"verify cost (demo LM, row kernel {report['verify_cost']['row_kernel']}): k = 3 verify / plain step "
               f"{report['verify_cost']['verify_k3_over_plain_step']:.2f}")
-        report["demo_lm"] = demo_lm(args)
-        print_table("demo LM", report["demo_lm"])
-        report["demo_omni"] = demo_omni(args)
-        print_table("demo omni thinker", report["demo_omni"])
+        for batch in args.batches:
+            suffix = "" if batch == 1 else f"_batch{batch}"
+            report[f"demo_lm{suffix}"] = demo_lm(args, batch)
+            print_table(f"demo LM, batch {batch}", report[f"demo_lm{suffix}"])
+            report[f"demo_omni{suffix}"] = demo_omni(args, batch)
+            print_table(f"demo omni thinker, batch {batch}", report[f"demo_omni{suffix}"])
     if args.oracle or args.only_oracle:
         report["oracle"] = oracle(args)
     if args.out:

@@ -70,7 +70,8 @@ def add_thinker_mtp_arguments(parser) -> None:
                         "the plain loop's")
     parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=None, metavar="K",
                         help="drafted thinker tokens per step with --thinker-mtp, or 'auto': 0..4 a step, as many as "
-                        "the acceptance so far pays for (default 3)")
+                        "the acceptance so far pays for at the current batch size (step costs measured per batch "
+                        "size; serve measures them at start-up) (default 3)")
 
 
 def _check_model_args(args) -> dict:

@@ -31,7 +31,14 @@ import torch
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.sampling import SamplingParams, sample
-from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS, DraftCosts, FixedDrafts, calibrate
+from omnimtp.spec_decode.adaptive import (
+    DEFAULT_MAX_DRAFT_TOKENS,
+    DraftCosts,
+    DraftCostTable,
+    FixedDrafts,
+    batch_buckets,
+    calibrate,
+)
 from omnimtp.spec_decode.generate import SpecStats
 from omnimtp.spec_decode.proposer import MTPProposer, check_drafts
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
@@ -107,9 +114,10 @@ class ThinkerRun:
         if speculation is not None:
             speculation.check(thinker)
             costs = None
-            if speculation.is_adaptive and speculation.draft_costs is None:
-                costs = calibrate_thinker_costs(
-                    thinker, self.decoder, speculation, accept_hidden_layer, batch_size, self.sampling, self.generators,
+            if speculation.is_adaptive and speculation.draft_costs is None:  # measured once per bucket, then reused
+                is_sampled = any(p is not None and not p.is_greedy for p in self.sampling)
+                costs = calibrate_thinker_cost_table(
+                    thinker, self.decoder, speculation, accept_hidden_layer, batch_size, is_sampled
                 )
             self.controller = speculation.new_controller(costs, batch_size)
             k = self.controller.max_draft_tokens
@@ -119,7 +127,8 @@ class ThinkerRun:
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
             if speculation.is_adaptive:
                 for stats in self.spec_stats:
-                    stats.draft_costs = self.controller.costs.step
+                    stats.draft_costs = self.controller.costs.for_batch(batch_size).step
+                    stats.draft_costs_by_batch = self.controller.costs.to_dict()
             self._layout: DraftLayout | None = None
 
     @property
@@ -133,7 +142,7 @@ class ThinkerRun:
         device = self.decoder.device
         embed_tokens = self.thinker.get_input_embeddings()
         is_plain_spec_step = self.speculation is not None and not self._is_prefill
-        if is_plain_spec_step:
+        if is_plain_spec_step:  # k for the rows this step runs: finished requests are not forwarded
             k = self.controller.choose([reason is None for reason in self.finish_reasons])
             if k > 0:
                 return self._speculative_step(active, k)
@@ -309,37 +318,62 @@ class ThinkerRun:
         return out.captured, logits, out.final
 
 
+CALIBRATION_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)  # what sampled runs' costs are measured with
+CALIBRATION_TOKENS = 48  # new tokens per row after which a calibration run is replaced by a fresh one
+
+
 def calibrate_thinker_costs(
     thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, batch_size: int,
-    sampling: list[SamplingParams | None], generators: list[torch.Generator | None],
+    is_sampled: bool,
 ) -> DraftCosts:
     """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
-    k on a fixed 16-token prompt per row, at this batch size, greedy or sampled like the run (measured
-    once per thinker and key, then reused)."""
+    k on a fixed 16-token prompt per row, at this batch size, greedy or sampled (`CALIBRATION_SAMPLING`:
+    one measurement serves every sampled request, whatever its temperature), measured once per thinker and
+    key, then reused. One run serves several measurements (its controller swapped; a fresh run once its
+    rows hold CALIBRATION_TOKENS new tokens): the thinker's prefill runs one request at a time, and a
+    prefill per measurement took most of the time at 16 rows."""
     vocab = thinker.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(16)]
-    is_sampled = any(s is not None and not s.is_greedy for s in sampling)
-    run_sampling = [next((s for s in sampling if s is not None and not s.is_greedy), None)] * batch_size
+    run_sampling = [CALIBRATION_SAMPLING if is_sampled else None] * batch_size
+    max_k, num_steps = DEFAULT_MAX_DRAFT_TOKENS, 6
+    runs: list[ThinkerRun] = []
 
     def seconds_per_step(k: int) -> float:
-        run = ThinkerRun(
-            thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
-            max_new_tokens=64, sampling=run_sampling, decoder=decoder,
-            generators=(
-                [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
-                else None
-            ),
-            speculation=ThinkerSpeculation(speculation.drafter, max(k, 1)),
-        )
+        if not runs or max(len(ids) for ids in runs[-1].output_ids) > CALIBRATION_TOKENS:
+            runs[:] = [ThinkerRun(
+                thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
+                # room for the measurement's steps: no row may finish (the batch would shrink)
+                max_new_tokens=CALIBRATION_TOKENS + (num_steps + 2) * (max_k + 1), sampling=run_sampling,
+                decoder=decoder, speculation=ThinkerSpeculation(speculation.drafter, max_k),
+                generators=(
+                    [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
+                    else None
+                ),
+            )]
+            runs[-1].step()  # the prefill
+        run = runs[-1]
         run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
-        run.step()  # the prefill
+        run.step()  # untimed: the first drafting step after plain ones also reads their slots
         start = time.perf_counter()
-        for _ in range(6):
+        for _ in range(num_steps):
             run.step()
-        return (time.perf_counter() - start) / 6
+        return (time.perf_counter() - start) / num_steps
 
-    key = (id(speculation.drafter), batch_size, run_sampling[0], str(decoder.device))
+    key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
     return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS)
+
+
+def calibrate_thinker_cost_table(
+    thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, max_batch_size: int,
+    is_sampled: bool,
+) -> DraftCostTable:
+    """`calibrate_thinker_costs` at every batch-size bucket up to max_batch_size (`batch_buckets`): what a
+    run of up to max_batch_size requests decides with as its requests finish. A server measures its
+    buckets at start-up (`Qwen3OmniFamily.calibrate_speculation`), so no request waits for a measurement."""
+    return DraftCostTable(tuple(
+        (rows, calibrate_thinker_costs(thinker, decoder, speculation, accept_hidden_layer, rows, is_sampled))
+        for rows in batch_buckets(max_batch_size)
+    ))
 
 
 @dataclass

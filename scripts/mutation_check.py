@@ -172,6 +172,13 @@ MUTATIONS = [
         ADAPTIVE, "the adaptive controller picks k from the clock: a seeded request no longer repeats",
     ),
     Mutation(
+        "adaptive_costs_of_the_whole_cohort", "omnimtp/spec_decode/adaptive.py",
+        "costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)",
+        "costs = self.costs.for_batch(len(active) if num_step_rows is None else num_step_rows)",
+        ADAPTIVE, "k is chosen with the costs of the cohort's first size: finished requests still count, so a "
+        "shrinking cohort never switches to the k its smaller batch pays for",
+    ),
+    Mutation(
         "adaptive_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/generate.py",
         "block = with_plain_steps(block, plain_steps, next_position - len(plain_steps), kv_mask)",
         "block = with_plain_steps(block, plain_steps[-1:], next_position - 1, kv_mask)",

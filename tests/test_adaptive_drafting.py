@@ -1,7 +1,9 @@
 """Adaptive drafting (`num_draft_tokens="auto"`): the controller's rule on hand-made histories; greedy output
 == transformers' `generate` == `plain_generate` whatever k does (tiny ragged batches with EOS, the demo LM,
 the demo omni thinker); the sampled joint law of three tokens is the target's with k moving between steps;
-seeded runs repeat; bad settings are ValueErrors."""
+seeded runs repeat; bad settings are ValueErrors. Per batch size: k follows injected costs per batch-size
+bucket, greedy output at batch 1/4/16 is plain's, a thinker cohort that shrinks switches k and keeps its
+rows' tokens, and a server measures its buckets at start-up and reports them in /metrics."""
 
 from __future__ import annotations
 
@@ -14,8 +16,15 @@ from spec_drafters import ragged_batch
 
 from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
-from omnimtp.spec_decode.adaptive import DraftController, DraftCosts, acceptance_warning, expected_tokens
-from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_costs
+from omnimtp.spec_decode.adaptive import (
+    DraftController,
+    DraftCosts,
+    DraftCostTable,
+    acceptance_warning,
+    batch_buckets,
+    expected_tokens,
+)
+from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_cost_table, calibrate_draft_costs
 from omnimtp.spec_decode.proposer import TargetProposer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,6 +32,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CHEAP = DraftCosts((1.0, 1.1, 1.2, 1.3, 1.4))  # drafting pays at any acceptance above ~0.1
 MIXED = DraftCosts((1.0, 1.5, 1.8, 2.1))  # pays only while acceptance is high: k moves with the history
 DEAR = DraftCosts((1.0, 3.0, 5.0))  # plain steps, with a one-draft probe every few steps
+# what CPU measurements look like: a verify is nearly free for one row and compute-bound at 16 rows
+PER_BATCH = DraftCostTable((
+    (1, DraftCosts((1.0, 1.1, 1.2, 1.3))),  # at α 0.7: k = 3
+    (4, DraftCosts((1.0, 1.5, 1.8, 2.1))),  # k = 2
+    (16, DraftCosts((1.0, 3.0, 5.0, 7.0))),  # k = 0
+))
 
 
 # --- the controller --------------------------------------------------------------------------------------
@@ -58,6 +73,24 @@ def test_only_verified_drafts_move_the_estimate_and_a_run_of_plain_steps_probes(
     assert [mixed.choose([True]) for _ in range(3)] == [0, 0, 1]
 
     assert DraftController(MIXED, 1).choose([False]) == 0
+
+
+def test_k_follows_the_costs_of_the_rows_a_step_runs():
+    assert batch_buckets(1) == (1,) and batch_buckets(12) == (1, 2, 4, 8, 16) and batch_buckets(16)[-1] == 16
+    controller = DraftController(PER_BATCH, 16, prior=0.7)
+    assert controller.choose([True] * 16) == 0
+    assert controller.choose([True] * 3 + [False] * 13) == 2  # 3 rows: the bucket of 4
+    assert controller.choose([True] + [False] * 15) == 3
+    assert controller.choose([True] + [False] * 15, 16) == 0  # finished rows that ride along still cost
+    assert controller.choose([True] * 16, 40) == 0  # past the largest bucket: the largest
+    assert PER_BATCH.for_batch(2) is PER_BATCH.by_batch[1][1] and PER_BATCH.to_dict()[16] == (1.0, 3.0, 5.0, 7.0)
+    assert DraftCostTable.of(CHEAP).for_batch(64) is CHEAP
+    assert DraftCostTable.of({4: MIXED, 1: MIXED}).by_batch[0][0] == 1
+    for bad in [(), ((0, MIXED),), ((2, MIXED), (1, MIXED)), ((1, MIXED), (2, CHEAP)), ((1, (1.0, 2.0)),)]:
+        with pytest.raises(ValueError, match="draft_costs"):
+            DraftCostTable(bad)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        batch_buckets(0)
 
 
 def test_costs_are_checked_and_measured_costs_never_fall_with_k():
@@ -115,9 +148,30 @@ def test_calibrated_costs_are_measured_once_and_reused(tiny):
     costs = calibrate_draft_costs(target, head, max_draft_tokens=2)
     assert costs is calibrate_draft_costs(target, head, max_draft_tokens=2)  # frozen per model and key
     assert costs.step[0] == 1.0 and len(costs.step) == 3
+    table = calibrate_draft_cost_table(target, head, max_batch_size=3, max_draft_tokens=2)
+    assert [rows for rows, _ in table.by_batch] == [1, 2, 4] and table.for_batch(1) is costs
+    assert table.for_batch(3) is calibrate_draft_costs(target, head, batch_size=4, max_draft_tokens=2)
     out = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens="auto", eos_token_id=-1)
     assert out.stats.draft_costs is not None and len(out.stats.draft_costs) == 5
+    assert out.stats.to_dict()["draft_costs_by_batch"] == {1: out.stats.draft_costs}
     assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=-1))
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_greedy_auto_with_costs_per_batch_size_equals_plain(tiny, batch_size):
+    """The same table at three batch sizes: 1 row drafts 3 every step (exact drafts), 16 rows take plain
+    steps (and probes); the tokens are plain greedy's at each."""
+    target, _ = tiny
+    prompts = torch.randint(3, 64, (batch_size, 6), generator=torch.Generator().manual_seed(batch_size))
+    out = speculative_generate(target, TargetProposer(target), prompts, max_new_tokens=12, num_draft_tokens="auto",
+                               draft_costs=PER_BATCH, eos_token_id=-1)
+    assert torch.equal(out.sequences, plain_generate(target, prompts, max_new_tokens=12, eos_token_id=-1))
+    histogram = out.stats.draft_histogram
+    assert out.stats.draft_costs == PER_BATCH.for_batch(batch_size).step
+    if batch_size == 1:
+        assert set(histogram) == {3}
+    if batch_size == 16:
+        assert set(histogram) <= {0, 1} and histogram[0] > histogram.get(1, 0)
 
 
 def test_greedy_auto_on_the_demo_lm_equals_plain_and_generate():
@@ -232,6 +286,95 @@ def test_seeded_auto_request_repeats(tiny):
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert runs[0].stats.draft_histogram == runs[1].stats.draft_histogram
     assert len(runs[0].stats.draft_histogram) > 1  # k moved during the run
+
+
+def test_seeded_auto_rows_with_costs_per_batch_size_repeat_and_match_alone_when_k_agrees(tiny):
+    """Per-batch costs move k during a sampled run and a seeded batch repeats. A row draws only from its own
+    generator, so where alone and batched take the same k (drafting pays at both sizes) it is the same row;
+    where the costs give the two sizes different k it is a different, equally distributed, sample."""
+    target, head = tiny
+    prompts = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7))
+    seeds = [21, 22, 23, 24]
+
+    def run(ids, costs, row_seeds, drafter=head):
+        return speculative_generate(target, drafter, ids, max_new_tokens=16, num_draft_tokens="auto", draft_costs=costs,
+                                    sampling=SAMPLING, seed=row_seeds, eos_token_id=-1)
+
+    first, again = run(prompts, PER_BATCH, seeds), run(prompts, PER_BATCH, seeds)
+    assert torch.equal(first.sequences, again.sequences) and first.stats.draft_histogram == again.stats.draft_histogram
+    assert len(first.stats.draft_histogram) > 1
+    drafts_pay = DraftCostTable(((1, DraftCosts((1.0, 1.05, 1.1))), (4, DraftCosts((1.0, 1.1, 1.2)))))
+    exact = TargetProposer(target)
+    batched = run(prompts, drafts_pay, seeds, exact)
+    assert set(batched.stats.draft_histogram) == {2}
+    for row, seed in enumerate(seeds):
+        alone = run(prompts[row : row + 1], drafts_pay, [seed], exact)
+        assert set(alone.stats.draft_histogram) == {2}
+        assert torch.equal(alone.sequences[0], batched.sequences[row])
+
+
+def test_a_thinker_cohort_that_shrinks_switches_k_and_keeps_its_tokens():
+    """Two requests, plain steps while both run (drafting is dear at 2 rows), drafts once one finished
+    (cheap at 1 row): the surviving request switches k mid-run and both replies are plain greedy's."""
+    from spec_drafters import RecomputingDraft
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+    from omnimtp.thinker import ThinkerRun
+
+    family = Qwen3OmniFamily.tiny(0)
+    prompts = [family.chat_ids([{"role": "user", "content": t}]) for t in ("Hello there", "What is two plus two?")]
+
+    def run(speculation, eos):
+        thinker_run = ThinkerRun(family.model.thinker, prompts, accept_hidden_layer=family.accept_hidden_layer,
+                                 eos_token_ids=eos, max_new_tokens=40, decoder=family.thinker_decoder,
+                                 speculation=speculation)
+        with torch.inference_mode():
+            while not thinker_run.is_finished:
+                thinker_run.step()
+        return thinker_run
+
+    free = run(None, set()).output_ids
+    # an "EOS" that ends request 0 early and request 1 late
+    eos = next(t for j, t in enumerate(free[0][3:12], 3) if t not in free[1][: j + 16])
+    plain = run(None, {eos}).output_ids
+    assert len(plain[0]) + 10 <= len(plain[1])
+    cheap_alone, dear_in_two = DraftCosts((1.0, 1.01, 1.02, 1.03, 1.04)), DraftCosts((1.0, 3.0, 5.0, 7.0, 9.0))
+    shrinking = DraftCostTable(((1, cheap_alone), (2, dear_in_two)))
+    drafter = RecomputingDraft(family.model.thinker, corrupt_rate=0.2, seed=1)
+    spec = run(ThinkerSpeculation(drafter, "auto", draft_costs=shrinking), {eos})
+    assert spec.output_ids == plain
+    early, late = (stats.draft_histogram for stats in spec.spec_stats)
+    assert set(early) <= {0, 1}  # plain steps and probes only
+    assert 0 in late and max(late) >= 2  # more than a probe's one draft: alone, drafting paid
+    assert spec.spec_stats[1].draft_costs_by_batch == shrinking.to_dict()
+
+
+def test_a_server_measures_its_buckets_at_start_up_and_reports_them():
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.metrics import ServerMetrics
+    from omnimtp.server.scheduler import Engine
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+
+    family = Qwen3OmniFamily.tiny(0)
+    torch.manual_seed(0)
+    family.thinker_speculation = ThinkerSpeculation(MTPHead.from_config(family.model.thinker), "auto")
+    engine = Engine(family, max_batch_size=2, max_frames=8)
+    metrics = ServerMetrics()
+    engine.start(metrics=metrics)
+    try:
+        tables = engine.draft_costs
+    finally:
+        engine.shutdown()
+    assert set(tables) == {"greedy", "sampled"}
+    assert all([rows for rows, _ in table.by_batch] == [1, 2] for table in tables.values())
+    assert family.calibrate_speculation(2) == tables  # measured once, then reused
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.registry).decode()
+    for name, table in tables.items():
+        cost = table.for_batch(2).step[3]
+        assert f'omnimtp_thinker_draft_step_cost{{batch_size="2",k="3",sampling="{name}"}} {cost}' in text
 
 
 def test_bad_settings_raise_value_errors(tiny):

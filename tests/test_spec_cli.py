@@ -44,6 +44,7 @@ def test_spec_auto_reports_its_costs_and_steps(checkpoint, capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["draft_costs"]) == 5 and result["draft_costs"][0] == 1.0
+    assert result["draft_costs_by_batch"] == {"1": result["draft_costs"]}  # per batch-size bucket; batch 1 here
     assert sum(result["draft_histogram"].values()) == result["num_steps"]
 
 

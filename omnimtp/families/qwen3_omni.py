@@ -23,11 +23,12 @@ from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
+from omnimtp.spec_decode.adaptive import DraftCostTable
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
-from omnimtp.thinker import ThinkerRun
+from omnimtp.thinker import ThinkerRun, calibrate_thinker_cost_table
 
 SAMPLE_RATE = 24_000
 
@@ -121,6 +122,20 @@ class Qwen3OmniFamily(ChatText):
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generators=generators, decoder=self.thinker_decoder, media=media, speculation=self.thinker_speculation,
         )
+
+    def calibrate_speculation(self, max_batch_size: int) -> dict[str, DraftCostTable] | None:
+        """With adaptive thinker speculation (`-k auto`) and no given costs: what a thinker step drafting
+        k tokens costs at every batch-size bucket up to max_batch_size, greedy and sampled, measured now
+        (once per thinker; the runs reuse it) → {"greedy": table, "sampled": table}; else None. A server
+        calls it at start-up, so no request waits for a measurement."""
+        speculation = self.thinker_speculation
+        if speculation is None or not speculation.is_adaptive or speculation.draft_costs is not None:
+            return None
+        return {
+            name: calibrate_thinker_cost_table(self.model.thinker, self.thinker_decoder, speculation,
+                                               self.accept_hidden_layer, max_batch_size, is_sampled)
+            for name, is_sampled in (("greedy", False), ("sampled", True))
+        }
 
     # --- thinker → talker ---
 

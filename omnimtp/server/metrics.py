@@ -72,10 +72,25 @@ class ServerMetrics:
             "omnimtp_thinker_spec_steps", "Speculative thinker steps, one per request and verify forward", registry=r
         )
         self.thinker_draft_tokens = Counter("omnimtp_thinker_draft_tokens", "Drafted thinker tokens", registry=r)
+        self.thinker_draft_step_cost = Gauge(
+            "omnimtp_thinker_draft_step_cost",
+            "Adaptive speculation (-k auto): the measured cost of a thinker step drafting k tokens, relative to "
+            "a plain step, by sampling (greedy, sampled) and batch-size bucket", ["sampling", "batch_size", "k"],
+            registry=r,
+        )
         self.thinker_accepted_tokens = Counter(
             "omnimtp_thinker_accepted_tokens", "Accepted drafted thinker tokens (τ = 1 + accepted / spec steps)",
             registry=r,
         )
+
+    def observe_draft_costs(self, tables) -> None:
+        """Adaptive speculation's measured costs ({"greedy" | "sampled": `DraftCostTable`}) as the gauge
+        omnimtp_thinker_draft_step_cost{sampling, batch_size, k}: a thinker step drafting k tokens relative
+        to a plain step of that many requests."""
+        for sampling, table in tables.items():
+            for rows, costs in table.to_dict().items():
+                for k, cost in enumerate(costs):
+                    self.thinker_draft_step_cost.labels(sampling, str(rows), str(k)).set(cost)
 
     def observe_spec(self, stats) -> None:
         """A finished request's `SpecStats` (nothing when it took no speculative step)."""

@@ -231,6 +231,9 @@ class Engine:
         self.created = int(time.time())
         self.max_queue = 64
         self.metrics = None
+        # adaptive speculation's measured thinker step costs, {"greedy" | "sampled": DraftCostTable}, set by
+        # `start` (None: no adaptive speculation)
+        self.draft_costs = None
         self.is_ready = False
         self.is_warm = False
         self._warm_stop = threading.Event()
@@ -374,6 +377,16 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
         observer = None if metrics is None else _Metrics(metrics)
+        calibrate = getattr(self.family, "calibrate_speculation", None)
+        if calibrate is not None and self.draft_costs is None:  # before serving: no request waits for it
+            started = time.perf_counter()
+            self.draft_costs = calibrate(self.config.max_batch_size)
+            if self.draft_costs is not None:
+                logger.info("speculation: thinker step costs measured for batches up to %d in %.1f s: %s",
+                            self.config.max_batch_size, time.perf_counter() - started,
+                            {name: table.to_dict() for name, table in self.draft_costs.items()})
+        if metrics is not None and self.draft_costs is not None:
+            metrics.observe_draft_costs(self.draft_costs)
         self._core = EngineCore(
             self.family, self.config, lock=self._cond, observer=observer
         )  # model errors surface here

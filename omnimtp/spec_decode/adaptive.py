@@ -15,6 +15,14 @@ number learns from every verified position, so a request drafting 1 token still 
 pay); EAGLE-2 and SGLang adapt a draft *tree* from draft confidences instead. A batch drafts one k for
 all its rows: the one maximising Σ_rows E_k / c_k.
 
+What a step costs depends on how many rows it runs: a (k+1)-row verify of one request is nearly free on a
+memory-bound step, but at 16 rows the verify turns compute-bound and a step of 3 drafts can cost 3 plain
+steps. So the costs are a `DraftCostTable`, one `DraftCosts` per batch-size bucket (1, 2, 4, 8, 16, ...:
+powers of two), and each step decides with the costs of the bucket of the rows it runs now (the smallest
+bucket holding them): a cohort that shrinks as its requests finish moves to smaller buckets and, where
+drafting pays there, back to drafting — like vLLM's draft length per batch size and SGLang's step count
+per batch size, but from measured costs.
+
 Worked example, c = (1, 1.6, 2.0, 2.4) for k = 0..3. α = 0.9: E = 1, 1.9, 2.71, 3.44 → E/c = 1, 1.19,
 1.36, 1.43: draft 3. α = 0.3: E/c = 1, 0.81, 0.70, 0.6: a plain step.
 
@@ -39,7 +47,7 @@ from __future__ import annotations
 import math
 import statistics
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 AUTO = "auto"
@@ -75,6 +83,65 @@ class DraftCosts:
         return cls(tuple(costs))
 
 
+def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
+    """The batch-size buckets costs are measured at for batches up to max_batch_size: 1, 2, 4, ... up to
+    the first power of two >= max_batch_size."""
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    buckets = [1]
+    while buckets[-1] < max_batch_size:
+        buckets.append(2 * buckets[-1])
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class DraftCostTable:
+    """`DraftCosts` per batch-size bucket: by_batch = ((rows, costs), ...), rows increasing, every costs
+    with the same max_draft_tokens. A batch of n rows decides with the smallest bucket >= n (the largest
+    bucket above it): a bucket's costs were measured with at least the rows it is used for."""
+
+    by_batch: tuple[tuple[int, DraftCosts], ...]
+
+    def __post_init__(self):
+        by_batch = tuple(self.by_batch)
+        sizes = [rows for rows, _ in by_batch]
+        if not by_batch or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+            raise ValueError(f"draft_costs: batch sizes must be integers >= 1, got {sizes!r}")
+        if sizes != sorted(set(sizes)):
+            raise ValueError(f"draft_costs: batch sizes must be increasing, got {sizes!r}")
+        if any(not isinstance(costs, DraftCosts) for _, costs in by_batch):
+            raise ValueError("draft_costs: every batch size needs a DraftCosts")
+        if len({costs.max_draft_tokens for _, costs in by_batch}) != 1:
+            raise ValueError("draft_costs: every batch size must have costs for the same number of drafts")
+        object.__setattr__(self, "by_batch", by_batch)
+
+    @classmethod
+    def of(cls, costs: DraftCosts | DraftCostTable | Mapping[int, DraftCosts]) -> DraftCostTable:
+        """A table from a table, one `DraftCosts` for every batch size, or {rows: DraftCosts}."""
+        if isinstance(costs, DraftCostTable):
+            return costs
+        if isinstance(costs, DraftCosts):
+            return cls(((1, costs),))
+        if isinstance(costs, Mapping):
+            return cls(tuple(sorted(costs.items(), key=lambda item: item[0] if isinstance(item[0], int) else 0)))
+        raise ValueError(f"draft_costs must be a DraftCosts or a DraftCostTable, got {type(costs).__name__}")
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.by_batch[0][1].max_draft_tokens
+
+    def for_batch(self, num_rows: int) -> DraftCosts:
+        """The costs a step of num_rows rows decides with."""
+        for rows, costs in self.by_batch:
+            if rows >= num_rows:
+                return costs
+        return self.by_batch[-1][1]
+
+    def to_dict(self) -> dict[int, tuple[float, ...]]:
+        """{rows: (c_0, c_1, ...)}: what `/metrics` and `--json` report."""
+        return {rows: costs.step for rows, costs in self.by_batch}
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """E_k = 1 + α + ... + α^k (see the module docstring)."""
     return sum(acceptance**j for j in range(k + 1))
@@ -83,18 +150,17 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class DraftController:
     """Per-request acceptance estimates and the k of the next step (see the module docstring).
 
-    num_rows: the rows of the run (requests); costs: frozen `DraftCosts`; prior: the acceptance assumed
+    num_rows: the rows of the run (requests); costs: frozen `DraftCosts` (the same at every batch size) or
+    a `DraftCostTable` (per batch-size bucket); prior: the acceptance assumed
     before a position was ever verified; smoothing: the weight of one new verification in the moving
     average (0.05: about the last 20 verified drafts; sampled acceptance is noisy, and with 0.1 a short run
     of rejections sent well-drafting sampled requests to plain steps, slower than a fixed k);
     probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and at most
     (see the module docstring)."""
 
-    def __init__(self, costs: DraftCosts, num_rows: int, *, prior: float = 0.7, smoothing: float = 0.05,
-                 probe_interval: int = 4, max_probe_interval: int = 32):
-        if not isinstance(costs, DraftCosts):
-            raise ValueError(f"draft_costs must be a DraftCosts, got {type(costs).__name__}")
-        self.costs = costs
+    def __init__(self, costs: DraftCosts | DraftCostTable, num_rows: int, *, prior: float = 0.7,
+                 smoothing: float = 0.05, probe_interval: int = 4, max_probe_interval: int = 32):
+        self.costs = DraftCostTable.of(costs)
         self.smoothing = smoothing
         self.probe_interval = probe_interval
         self.max_probe_interval = max(max_probe_interval, probe_interval)
@@ -106,12 +172,14 @@ class DraftController:
     def max_draft_tokens(self) -> int:
         return self.costs.max_draft_tokens
 
-    def choose(self, active: list[bool]) -> int:
-        """The number of drafts of the next step for the rows still generating (active[b])."""
+    def choose(self, active: list[bool], num_step_rows: int | None = None) -> int:
+        """The number of drafts of the next step for the rows still generating (active[b]); num_step_rows:
+        the rows the step's forward runs (the costs' batch size), the active ones when None."""
         rows = [self.acceptance[b] for b, is_active in enumerate(active) if is_active]
         if not rows:
             return 0
-        goodput = [sum(expected_tokens(a, k) for a in rows) / cost for k, cost in enumerate(self.costs.step)]
+        costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)
+        goodput = [sum(expected_tokens(a, k) for a in rows) / cost for k, cost in enumerate(costs.step)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
         if k > 0:
             self.next_probe = self.probe_interval
@@ -139,7 +207,7 @@ class FixedDrafts:
     def __init__(self, num_draft_tokens: int):
         self.max_draft_tokens = num_draft_tokens
 
-    def choose(self, active: list[bool]) -> int:
+    def choose(self, active: list[bool], num_step_rows: int | None = None) -> int:
         return self.max_draft_tokens
 
     def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:

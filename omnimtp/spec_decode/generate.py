@@ -30,7 +30,8 @@ back at its own accepted length after every verify (`omnimtp.spec_decode.hybrid`
 full-attention layers follow the slot scheme above.
 
 Adaptive drafting (`num_draft_tokens="auto"`, `omnimtp.spec_decode.adaptive`): before each step a
-controller picks k in 0..K from the rows' past acceptance and costs measured once per model; k = 0 is a
+controller picks k in 0..K from the rows' past acceptance and the costs of a step of B rows (measured once
+per model and batch-size bucket; finished rows ride along, so every step runs B rows); k = 0 is a
 plain one-token step (the target reads the pending token, the next one is sampled from its logits) and
 the drafter reads the slots it missed with the next step that drafts.
 
@@ -56,7 +57,9 @@ from omnimtp.spec_decode.adaptive import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DraftController,
     DraftCosts,
+    DraftCostTable,
     FixedDrafts,
+    batch_buckets,
     calibrate,
     check_num_draft_tokens,
 )
@@ -108,7 +111,8 @@ class SpecStats:
     verify_time_s: float = 0.0
     decode_time_s: float = 0.0  # the steps after the prefill (drafts, verifies and the loop's own work)
     total_time_s: float = 0.0
-    draft_costs: tuple[float, ...] | None = None
+    draft_costs: tuple[float, ...] | None = None  # the costs at the run's batch size (its first step's)
+    draft_costs_by_batch: dict[int, tuple[float, ...]] | None = None  # the whole table: {rows: costs}
     draft_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -148,6 +152,7 @@ class SpecStats:
             "total_time_s": self.total_time_s,
             "tokens_per_s": self.tokens_per_s,
             "draft_costs": self.draft_costs,
+            "draft_costs_by_batch": self.draft_costs_by_batch,
             "draft_histogram": dict(self.draft_histogram),
         }
 
@@ -264,7 +269,7 @@ def speculative_generate(
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
     target_backend: str = "auto",
-    draft_costs: DraftCosts | None = None,
+    draft_costs: DraftCosts | DraftCostTable | None = None,
 ) -> SpecOutput:
     """Generate with drafts from `head` (an MTPHead, or any Proposer) verified by `target`.
 
@@ -275,25 +280,28 @@ def speculative_generate(
     target_backend: "auto" (packed on supported CPU models, else transformers), "packed" (ValueError if the
     model is unsupported) or "transformers" (the model's own forward); see the module docstring.
     num_draft_tokens: k >= 1 drafts every step, or "auto": each step drafts 0..K tokens, whatever the rows'
-    acceptance so far makes fastest (`omnimtp.spec_decode.adaptive`), with draft_costs (K = its
-    max_draft_tokens) or, when None, costs measured once per model, batch size and sampling and then
-    reused (`calibrate_draft_costs`); the stats report them. Greedy output is the same either way, and a
+    acceptance so far makes fastest at this batch size (`omnimtp.spec_decode.adaptive`), with draft_costs
+    (one `DraftCosts`, or a `DraftCostTable` per batch size; K = its max_draft_tokens) or, when None, costs
+    measured once per model, batch-size bucket and sampling and then reused (`calibrate_draft_costs`);
+    the stats report them. Greedy output is the same either way, and a
     seeded request repeats exactly with the same costs.
 
     Runs under `torch.inference_mode` (about 10% less per-op overhead than no_grad on small CPU models);
     the returned sequences are ordinary tensors."""
     config = SpecConfig(num_draft_tokens, max_new_tokens, sampling if sampling is not None else SamplingParams.greedy())
-    if draft_costs is not None and not isinstance(draft_costs, DraftCosts):
-        raise ValueError(f"draft_costs must be None or a DraftCosts, got {type(draft_costs).__name__}")
+    if draft_costs is not None and not isinstance(draft_costs, (DraftCosts, DraftCostTable)):
+        kind = type(draft_costs).__name__
+        raise ValueError(f"draft_costs must be None, a DraftCosts or a DraftCostTable, got {kind}")
     if draft_costs is not None and num_draft_tokens != AUTO:
         raise ValueError("draft_costs: set only with num_draft_tokens='auto'")
     _check_prompt(input_ids, attention_mask)
     with torch.inference_mode():
         if num_draft_tokens == AUTO:
             if draft_costs is None:
-                draft_costs = calibrate_draft_costs(
-                    target, head, batch_size=input_ids.shape[0], sampling=config.sampling, target_backend=target_backend
-                )
+                bucket = batch_buckets(input_ids.shape[0])[-1]
+                draft_costs = {bucket: calibrate_draft_costs(
+                    target, head, batch_size=bucket, sampling=config.sampling, target_backend=target_backend
+                )}
             controller = DraftController(draft_costs, input_ids.shape[0])
         else:
             controller = FixedDrafts(num_draft_tokens)
@@ -311,7 +319,8 @@ def calibrate_draft_costs(
     """What a step drafting k = 0..max_draft_tokens tokens costs relative to a plain step, measured on
     this target, drafter and backend at this batch size and sampling: a few steps of this loop with each
     fixed k on a fixed 16-token prompt (the faster of two runs). Measured once per model and key, then
-    reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs."""
+    reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs (at the bucket of
+    its batch size, `batch_buckets(B)[-1]`)."""
     sampling = sampling if sampling is not None else SamplingParams.greedy()
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
         raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
@@ -329,6 +338,19 @@ def calibrate_draft_costs(
 
     key = (id(head), target_backend, sampling, batch_size, str(device))
     return calibrate(target, key, seconds_per_step, max_draft_tokens)
+
+
+def calibrate_draft_cost_table(
+    target, head: MTPHead | Proposer, *, max_batch_size: int, sampling: SamplingParams | None = None,
+    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+) -> DraftCostTable:
+    """`calibrate_draft_costs` at every batch-size bucket up to max_batch_size (`batch_buckets`): the table
+    an adaptive run decides with at any batch size, each bucket measured once per model and reused."""
+    return DraftCostTable(tuple(
+        (rows, calibrate_draft_costs(target, head, batch_size=rows, sampling=sampling, target_backend=target_backend,
+                                     max_draft_tokens=max_draft_tokens))
+        for rows in batch_buckets(max_batch_size)
+    ))
 
 
 def _speculative_generate(
@@ -359,7 +381,8 @@ def _speculative_generate(
     generators = None if sampling.is_greedy else make_generators(row_seeds(seed, batch_size), device=device)
     stats = SpecStats(num_draft_tokens=max_k, accepted_per_position=[0] * max_k)
     if isinstance(controller, DraftController):
-        stats.draft_costs = controller.costs.step
+        stats.draft_costs = controller.costs.for_batch(batch_size).step
+        stats.draft_costs_by_batch = controller.costs.to_dict()
     start = time.perf_counter()
 
     # Prefill: positions as `generate` computes them for left padding.
@@ -410,7 +433,7 @@ def _speculative_generate(
     decode_start = time.perf_counter()
     while not all(finished) and (max_steps is None or stats.num_steps < max_steps):
         is_active = [not f for f in finished]
-        k = controller.choose(is_active)
+        k = controller.choose(is_active, batch_size)  # finished rows ride along: every step runs B rows
         t0 = time.perf_counter()
         if k == 0:  # a plain step, as `plain_generate` takes it;
             # the drafter reads its slot with the next step that drafts

@@ -26,7 +26,14 @@ import torch
 
 from omnimtp.mtp.head import MTPHead
 from omnimtp.sampling import SamplingParams, probs_from_logits
-from omnimtp.spec_decode.adaptive import AUTO, DraftController, DraftCosts, FixedDrafts, check_num_draft_tokens
+from omnimtp.spec_decode.adaptive import (
+    AUTO,
+    DraftController,
+    DraftCosts,
+    DraftCostTable,
+    FixedDrafts,
+    check_num_draft_tokens,
+)
 from omnimtp.spec_decode.generate import greedy_verify
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
@@ -41,18 +48,19 @@ class ThinkerSpeculation:
     drafter: an `MTPHead` for the thinker, or any `Proposer` (each run drafts with its own `copy.copy`
     of it, `reset()` first, so runs that overlap never share drafter state). num_draft_tokens: k >= 1, or
     "auto" (`omnimtp.spec_decode.adaptive`: each step of a run drafts 0..K tokens, one k for the run's
-    rows, with draft_costs or, when None, costs measured once per thinker and batch size on first use)."""
+    rows still running, with draft_costs — one `DraftCosts`, or a `DraftCostTable` per batch size — or, when
+    None, costs measured once per thinker and batch-size bucket: at a server's start-up, else on first use)."""
 
     drafter: object
     num_draft_tokens: int | str
-    draft_costs: DraftCosts | None = None
+    draft_costs: DraftCosts | DraftCostTable | None = None
 
     def __post_init__(self):
         check_num_draft_tokens(self.num_draft_tokens)
         if self.draft_costs is not None and (
-            self.num_draft_tokens != AUTO or not isinstance(self.draft_costs, DraftCosts)
+            self.num_draft_tokens != AUTO or not isinstance(self.draft_costs, (DraftCosts, DraftCostTable))
         ):
-            raise ValueError("draft_costs: a DraftCosts, set only with num_draft_tokens='auto'")
+            raise ValueError("draft_costs: a DraftCosts or DraftCostTable, set only with num_draft_tokens='auto'")
         drafter = self.drafter
         if not isinstance(drafter, MTPHead) and not (
             callable(getattr(drafter, "propose", None)) and callable(getattr(drafter, "reset", None))
@@ -78,7 +86,7 @@ class ThinkerSpeculation:
     def is_adaptive(self) -> bool:
         return self.num_draft_tokens == AUTO
 
-    def new_controller(self, costs: DraftCosts | None, num_rows: int) -> DraftController | FixedDrafts:
+    def new_controller(self, costs: DraftCostTable | None, num_rows: int) -> DraftController | FixedDrafts:
         """A run's controller: fixed k, or adaptive with `costs` (draft_costs when given)."""
         if not self.is_adaptive:
             return FixedDrafts(self.num_draft_tokens)
