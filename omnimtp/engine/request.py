@@ -54,7 +54,11 @@ class Request:
     its talker waits for each text row it has not got (its codes are those of the whole text). is_background: a
     low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
     its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
-    it writes is the same as at normal priority, only later."""
+    it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
+    long text (`ChatText.speech_segments`: each the template ids of its piece; prompt_ids is the first), spoken
+    in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames frames)
+    that continues the request's talker generator, and every segment's frames join one codec stream, so the
+    decoder sees one continuous code sequence and the audio has no seams of its own."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -69,6 +73,7 @@ class Request:
     media: MediaInputs | None = field(default=None, repr=False)
     is_text_finished: bool = True
     is_background: bool = False
+    segments: list[list[int]] = field(default_factory=list, repr=False)
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -86,6 +91,8 @@ class Request:
     num_fed_ids: int = 0  # prompt_ids handed to speech_stream
     is_in_talker: bool = False
     frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
+    segment_frames: list[int] = field(default_factory=list)  # frames of each finished segment
+    segment_finish_reasons: list[str] = field(default_factory=list)
     num_decoded: int = 0  # frames already turned into audio
     audio: list[np.ndarray] = field(default_factory=list, repr=False)
     codec_stream: object = field(default=None, repr=False)
@@ -103,6 +110,11 @@ class Request:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
         if not self.is_text_finished and self.is_chat:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
+        self.segments = [[int(token) for token in ids] for ids in self.segments]  # the caller's lists stay
+        if self.segments and (self.is_chat or not self.is_text_finished):
+            raise ValueError("segments: only a speech request whose text is whole is spoken in segments")
+        if any(not ids for ids in self.segments):
+            raise ValueError("segments: empty segment")
         if not self.prompt_ids and self.is_text_finished:
             raise ValueError("prompt_ids: empty prompt")
         for name in ("max_new_tokens", "max_frames"):
@@ -191,7 +203,9 @@ class OmniOutput:
     finish_reason: "no_audio" when speech was asked and the talker ended before its first frame (audio and
     codes are then empty), else "length" when the thinker or the talker hit its cap, else "stop". spec_stats: the
     thinker's speculative steps (`omnimtp.spec_decode.generate.SpecStats`: τ, per-position acceptance,
-    drafted / accepted counts), None without speculation."""
+    drafted / accepted counts), None without speculation. segment_frames: a speech request's frames per segment
+    of its text (one entry for a text spoken whole; frame i is the audio samples [i·spf, (i+1)·spf) at the
+    codec's samples per frame); empty for chat."""
 
     text: str
     text_ids: list[int]
@@ -202,6 +216,7 @@ class OmniOutput:
     thinker_finish_reason: str | None
     talker_finish_reason: str | None
     spec_stats: object = None
+    segment_frames: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.text_segments import split_text
 from omnimtp.tokenizer import StreamedTextIds, prompt_tokenizer
 
 
@@ -109,6 +110,42 @@ class ChatText:
         if self.speech_header_ids is None:
             raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
         return self.speech_header_ids + prompt_tokenizer(self.tokenizer).encode(text)
+
+    def num_speech_template_ids(self) -> int:
+        """The ids `speech_ids` puts around a text (here the opened assistant turn)."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return len(self.speech_header_ids)
+
+    def speech_window(self, speaker, max_frames: int) -> int | None:
+        """The most `speech_ids` one segment spoken by `speaker` with up to max_frames frames may have so that
+        the talker's positions hold it, or None where only the text budget counts."""
+        return None
+
+    def speech_segments(self, text: str, speaker, max_frames: int, max_segment_tokens: int) -> list[list[int]]:
+        """The `speech_ids` of `text` cut into segments the talker speaks one after another (one request: the
+        same voice, generators and codec stream): each segment at most max_segment_tokens text tokens and
+        within `speech_window`, cut at sentence ends, then clause marks, then between words
+        (`omnimtp.text_segments.split_text`). A text that fits is one segment, `speech_ids(text)`. ValueError
+        naming max_frames when the talker's positions leave no room for text, or text when a single
+        character's ids do not fit them."""
+        num_template = self.num_speech_template_ids()
+        max_ids = num_template + max_segment_tokens
+        window = self.speech_window(speaker, max_frames)
+        if window is not None:
+            if window <= num_template:
+                raise ValueError(f"max_frames: {max_frames} frames leave the talker's {self.max_positions} "
+                                 "positions no room for text")
+            max_ids = min(max_ids, window)
+        ids = self.speech_ids(text)
+        if len(ids) <= max_ids:
+            return [ids]
+        pieces = split_text(text, max_ids, lambda piece: len(self.speech_ids(piece)) if piece.strip() else 0)
+        segments = [self.speech_ids(piece) for piece in pieces if piece.strip()]
+        if window is not None and max(map(len, segments)) > window:
+            raise ValueError(f"text: a character of it takes more ids than the talker's {self.max_positions} "
+                             f"positions leave a segment with {max_frames} frames")
+        return segments
 
     def speech_text_ids(self) -> StreamedTextIds:
         """The ids of text to speak that arrives in pieces: joined, `speech_ids` of the whole text."""
