@@ -45,7 +45,7 @@ def split_text(text: str, max_size: int, size: Callable[[str], int] = len) -> li
 
 
 def _split(text: str, level: int, max_size: int, size: Callable[[str], int]) -> list[str]:
-    if size(text) <= max_size:
+    if size(text) <= max_size or (level == len(_LEVELS) and len(text) == 1):
         return [text]
     pieces = _pieces(text, level)
     if len(pieces) == 1:

@@ -140,8 +140,9 @@ class ChatText:
         ids = self.speech_ids(text)
         if len(ids) <= max_ids:
             return [ids]
-        pieces = split_text(text, max_ids, lambda piece: len(self.speech_ids(piece)) if piece.strip() else 0)
-        segments = [self.speech_ids(piece) for piece in pieces if piece.strip()]
+        # each piece is spoken without the spaces around it (a cut falls after them)
+        pieces = split_text(text, max_ids, lambda piece: len(self.speech_ids(piece.strip())) if piece.strip() else 0)
+        segments = [self.speech_ids(piece.strip()) for piece in pieces if piece.strip()]
         if window is not None and max(map(len, segments)) > window:
             raise ValueError(f"text: a character of it takes more ids than the talker's {self.max_positions} "
                              f"positions leave a segment with {max_frames} frames")
