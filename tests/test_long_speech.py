@@ -145,3 +145,26 @@ def test_segments_are_for_a_whole_speech_text():
     request = Request(0, [1, 2], max_new_tokens=1, max_frames=4, speaker="x", is_chat=False, segments=given)
     request.segments.pop()
     assert given == [[3, 4]]  # the caller's list is not the request's state
+
+
+def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
+    """Qwen3-Omni's speech path (a `/v1/audio/speech` request's text): the same cut, the same segment loop."""
+    from omnimtp.engine.core import EngineConfig, EngineCore
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.scheduler import EngineRequest
+
+    family = Qwen3OmniFamily.tiny(0)
+    engine = Engine(family, model_id="omni", max_frames=4, max_segment_tokens=MAX_SEGMENT_TOKENS)
+    request = EngineRequest(messages=None, speak_text="Cats nap. Dogs run!", speaker=family.default_speaker,
+                            sampling=QWEN3_TTS_SAMPLING, seed=SEED, max_new_tokens=0)
+    segments = engine.speech_segments(request)
+    header = len(family.speech_header_ids)
+    assert [family.tokenizer.decode(ids[header:]) for ids in segments] == ["Cats nap.", "Dogs run!"]
+    core = EngineCore(family, EngineConfig(max_frames=4))
+    core.add(Request(0, segments[0], max_new_tokens=1, max_frames=4, speaker=family.default_speaker, is_chat=False,
+                     segments=segments[1:], seed=SEED))
+    while core.has_work():
+        finished = [event.request for event in core.step() if event.is_finished]
+    output = core.output(finished[0])
+    assert len(output.segment_frames) == 2 and sum(output.segment_frames) == output.codes.shape[1]
+    assert_audible(output.audio)
