@@ -753,8 +753,8 @@ MUTATIONS = [
     ),
     Mutation(
         "long_text_segment_fresh_codec", "omnimtp/engine/core.py",
-        "        request.num_fed_ids = 0\n        request.speech_stream = self.family.speech_stream(request.speaker)\n",
-        "        request.num_fed_ids = 0\n        request.speech_stream = self.family.speech_stream(request.speaker)\n"
+        "            request.prompt_ids.extend(request.segments.pop(0))\n",
+        "            request.prompt_ids.extend(request.segments.pop(0))\n"
         "        request.codec_stream = self.family.new_codec_stream(request.speaker, request.codec_generator)\n",
         LONG_SPEECH, "each segment's codes are decoded without the previous segment's left context (a seam)",
     ),

@@ -166,5 +166,6 @@ def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
     while core.has_work():
         finished = [event.request for event in core.step() if event.is_finished]
     output = core.output(finished[0])
+    assert finished[0].prompt_ids == segments[0] + segments[1]  # what the usage counts: every segment's ids
     assert len(output.segment_frames) == 2 and sum(output.segment_frames) == output.codes.shape[1]
     assert_audible(output.audio)

@@ -436,11 +436,11 @@ class EngineCore:
             request.talker_finish_reason = "length" if "length" in request.segment_finish_reasons else finish_reason
 
     def _next_segment(self, request: Request) -> None:
-        """The request's next segment on to a fresh speech stream: `_feed_text` hands its ids over next step and
-        it is prefilled like a new text, while the request keeps its generators, frames and codec stream."""
+        """The request's next segment on to a fresh speech stream: its ids join prompt_ids past those fed so far,
+        so `_feed_text` hands them over next step and it is prefilled like a new text, while the request keeps
+        its generators, frames and codec stream."""
         with self.lock:
-            request.prompt_ids = request.segments.pop(0)
-        request.num_fed_ids = 0
+            request.prompt_ids.extend(request.segments.pop(0))
         request.speech_stream = self.family.speech_stream(request.speaker)
 
     # --- decode ---

@@ -55,10 +55,11 @@ class Request:
     low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
     its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
     it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
-    long text (`ChatText.speech_segments`: each the template ids of its piece; prompt_ids is the first), spoken
-    in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames frames)
-    that continues the request's talker generator, and every segment's frames join one codec stream, so the
-    decoder sees one continuous code sequence and the audio has no seams of its own."""
+    long text (`ChatText.speech_segments`: each the template ids of its piece; prompt_ids is the first, and
+    each segment's ids join it as the segment starts), spoken in order as one request: each segment is a talker
+    run of its own (a fresh prefill, up to max_frames frames) that continues the request's talker generator,
+    and every segment's frames join one codec stream, so the decoder sees one continuous code sequence and the
+    audio has no seams of its own."""
 
     request_id: Hashable
     prompt_ids: list[int]
