@@ -576,18 +576,18 @@ class OmniPipeline:
             )
         ]
         if input_ids is not None:  # ids are spoken as they are, in one segment
-            segments = [[ids] for ids in rows]
+            segments = [iter([ids]) for ids in rows]
             for i, (ids, row_voice) in enumerate(zip(rows, voices, strict=True)):
                 if family.talker_positions(ids, row_voice, max_frames) > family.max_positions:
                     raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
                                      f"{family.max_positions} positions")
-        else:  # a long text is spoken in segments
+        else:  # a long text is spoken in segments, each cut as it starts
             segments = [family.speech_segments(t, row_voice, max_frames, self.config.max_segment_tokens)
                         for t, row_voice in zip(texts, voices, strict=True)]
         seeds = row_seeds(seed, num_rows)
         requests = [
-            Request(i, row[0], max_new_tokens=1, max_frames=max_frames, speaker=row_voice, talker_sampling=sampling,
-                    seed=s, is_chat=False, is_streamed=is_streamed, segments=row[1:])
+            Request(i, next(row), max_new_tokens=1, max_frames=max_frames, speaker=row_voice,
+                    talker_sampling=sampling, seed=s, is_chat=False, is_streamed=is_streamed, segments=row)
             for i, (row, row_voice, s) in enumerate(zip(segments, voices, seeds, strict=True))
         ]
         return requests, is_batch

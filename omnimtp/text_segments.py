@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 _CLOSERS = re.escape("\"'”’」』）)]}》")
 # Each level's cut points: the end of each match (a mark, its closers and the spaces after it).
@@ -37,34 +37,40 @@ _LEVELS = (
 def split_text(text: str, max_size: int, size: Callable[[str], int] = len) -> list[str]:
     """`text` as consecutive segments of at most max_size each (see the module docstring); [text] when it
     fits. A single character larger than max_size is a segment of its own (nothing can cut it)."""
+    return list(iter_segments(text, max_size, size))
+
+
+def iter_segments(text: str, max_size: int, size: Callable[[str], int] = len) -> Iterator[str]:
+    """`split_text`'s segments one at a time: each is cut when it is asked for, so the first costs about what
+    a short text's would, however long the rest is."""
     if not isinstance(text, str):
         raise ValueError(f"text: expected a string, got {type(text).__name__}")
     if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
         raise ValueError(f"max_size must be an integer >= 1, got {max_size!r}")
-    return _split(text, 0, max_size, size) if text else []
+    return _split(text, 0, max_size, size) if text else iter(())
 
 
-def _split(text: str, level: int, max_size: int, size: Callable[[str], int]) -> list[str]:
+def _split(text: str, level: int, max_size: int, size: Callable[[str], int]) -> Iterator[str]:
     if size(text) <= max_size or (level == len(_LEVELS) and len(text) == 1):
-        return [text]
+        yield text
+        return
     pieces = _pieces(text, level)
     if len(pieces) == 1:
-        return _split(text, level + 1, max_size, size)
-    segments: list[str] = []
+        yield from _split(text, level + 1, max_size, size)
+        return
     current = ""
     for piece in pieces:
         if current and size(current + piece) <= max_size:
             current += piece
             continue
         if current:
-            segments.append(current)
+            yield current
         current = piece
         if size(piece) > max_size:  # too long alone: cut finer, and the next piece starts a new segment
-            segments += _split(piece, level + 1, max_size, size)
+            yield from _split(piece, level + 1, max_size, size)
             current = ""
     if current:
-        segments.append(current)
-    return segments
+        yield current
 
 
 def _pieces(text: str, level: int) -> list[str]:

@@ -747,21 +747,21 @@ MUTATIONS = [
     # --- long texts spoken in segments --------------------------------------------------------------
     Mutation(
         "long_text_cut_without_sentences", "omnimtp/text_segments.py",
-        "return _split(text, 0, max_size, size) if text else []",
-        "return _split(text, 1, max_size, size) if text else []",
+        "return _split(text, 0, max_size, size) if text else iter(())",
+        "return _split(text, 1, max_size, size) if text else iter(())",
         LONG_SPEECH, "a long text is cut at clause marks and words, never first at sentence ends",
     ),
     Mutation(
         "long_text_segment_fresh_codec", "omnimtp/engine/core.py",
-        "            request.prompt_ids.extend(request.segments.pop(0))\n",
-        "            request.prompt_ids.extend(request.segments.pop(0))\n"
+        "            request.prompt_ids.extend(int(token) for token in ids)\n",
+        "            request.prompt_ids.extend(int(token) for token in ids)\n"
         "        request.codec_stream = self.family.new_codec_stream(request.speaker, request.codec_generator)\n",
         LONG_SPEECH, "each segment's codes are decoded without the previous segment's left context (a seam)",
     ),
     Mutation(
         "long_text_first_segment_only", "omnimtp/engine/core.py",
-        "            if request.segments:\n                self._next_segment(request)",
-        "            if False:\n                self._next_segment(request)",
+        "            if ids is not None:\n                self._next_segment(request, ids)",
+        "            if False:\n                self._next_segment(request, ids)",
         LONG_SPEECH, "a long text's request ends after its first segment",
     ),
     Mutation(

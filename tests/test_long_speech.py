@@ -58,7 +58,7 @@ def long_run(pipe):
 
 
 def _segment_texts(family, text: str) -> list[str]:
-    segments = family.speech_segments(text, family.voice(), MAX_FRAMES, MAX_SEGMENT_TOKENS)
+    segments = list(family.speech_segments(text, family.voice(), MAX_FRAMES, MAX_SEGMENT_TOKENS))
     return [family.tokenizer.decode(ids[3:-5]) for ids in segments]
 
 
@@ -140,11 +140,33 @@ def test_segments_are_for_a_whole_speech_text():
     with pytest.raises(ValueError, match="segments"):
         Request(0, [1, 2], max_new_tokens=1, max_frames=4, speaker="x", segments=[[3]])  # a chat request
     with pytest.raises(ValueError, match="segments"):
-        Request(0, [1, 2], max_new_tokens=1, max_frames=4, speaker="x", is_chat=False, segments=[[]])
+        Request(0, [], max_new_tokens=1, max_frames=4, speaker="x", is_chat=False, is_text_finished=False,
+                segments=[[3]])
     given = [[3, 4]]
     request = Request(0, [1, 2], max_new_tokens=1, max_frames=4, speaker="x", is_chat=False, segments=given)
-    request.segments.pop()
-    assert given == [[3, 4]]  # the caller's list is not the request's state
+    assert list(request.segments) == [[3, 4]] and given == [[3, 4]]  # read, the caller's list unchanged
+
+
+def test_the_first_segment_is_cut_before_the_rest_is_looked_at(pipe):
+    """Segments are cut as they are asked for: the first costs a few token counts, not the whole text's."""
+    family = pipe.family
+    sizes = []
+    speech_ids = family.speech_ids
+
+    def counted(text: str) -> list[int]:
+        sizes.append(text)
+        return speech_ids(text)
+
+    family.speech_ids = counted
+    try:
+        segments = family.speech_segments(" ".join([LONG_TEXT] * 8), family.voice(), MAX_FRAMES, MAX_SEGMENT_TOKENS)
+        assert family.tokenizer.decode(next(segments)[3:-5]) == SENTENCES[0]
+        num_first = len(sizes)
+        rest = list(segments)
+    finally:
+        del family.speech_ids
+    assert len(rest) == 8 * len(SENTENCES) - 1
+    assert num_first <= 6 < len(sizes) // 10, (num_first, len(sizes))
 
 
 def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
@@ -157,7 +179,7 @@ def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
     engine = Engine(family, model_id="omni", max_frames=4, max_segment_tokens=MAX_SEGMENT_TOKENS)
     request = EngineRequest(messages=None, speak_text="Cats nap. Dogs run!", speaker=family.default_speaker,
                             sampling=QWEN3_TTS_SAMPLING, seed=SEED, max_new_tokens=0)
-    segments = engine.speech_segments(request)
+    segments = list(engine.speech_segments(request))
     header = len(family.speech_header_ids)
     assert [family.tokenizer.decode(ids[header:]) for ids in segments] == ["Cats nap.", "Dogs run!"]
     core = EngineCore(family, EngineConfig(max_frames=4))

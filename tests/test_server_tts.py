@@ -264,7 +264,7 @@ def test_frames_that_leave_the_talker_no_room_for_text_are_a_400_naming_input():
     roomy = Engine(family, model_id=MODELS["custom_voice"], max_frames=family.max_positions - 24, max_batch_size=1)
     request = EngineRequest(messages=None, speak_text=text, speaker=family.voice(), sampling=SamplingParams(),
                             seed=None, max_new_tokens=0)
-    segments = roomy.speech_segments(request)  # 8 text bytes each, cut between words
+    segments = list(roomy.speech_segments(request))  # 8 text bytes each, cut between words
     assert [family.tokenizer.decode(ids[3:-5]) for ids in segments] == ["a b c d", "e f g h", "i j k l", "m n o p",
                                                                         "q r s t"]
     assert all(family.talker_positions(ids, family.voice(), roomy.config.max_frames) <= family.max_positions

@@ -440,7 +440,7 @@ def test_a_streamed_text_is_held_to_the_talkers_positions(servers):
     text = "x" * 4096  # within the character limit; over the tiny talker's 4,096 positions
     request = EngineRequest(messages=None, speak_text=text, speaker=engine.family.voice(),
                             sampling=QWEN3_TTS_SAMPLING, seed=None, max_new_tokens=0)
-    segments = engine.speech_segments(request)  # what /v1/audio/speech speaks
+    segments = list(engine.speech_segments(request))  # what /v1/audio/speech speaks
     assert len(segments) > 1 and sum(len(ids) - 8 for ids in segments) == len(text)
     with _ws(servers, "tts") as ws:
         _send(ws, {"type": "session.config", "voice": "aiden", "seed": 5})

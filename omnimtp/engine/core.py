@@ -430,17 +430,18 @@ class EngineCore:
             request.is_in_talker = False
             request.segment_frames.append(len(request.frames) - sum(request.segment_frames))
             request.segment_finish_reasons.append(finish_reason)
-            if request.segments:
-                self._next_segment(request)
+            ids = None if request.segments is None else next(request.segments, None)
+            if ids is not None:
+                self._next_segment(request, ids)
                 continue
             request.talker_finish_reason = "length" if "length" in request.segment_finish_reasons else finish_reason
 
-    def _next_segment(self, request: Request) -> None:
+    def _next_segment(self, request: Request, ids: list[int]) -> None:
         """The request's next segment on to a fresh speech stream: its ids join prompt_ids past those fed so far,
         so `_feed_text` hands them over next step and it is prefilled like a new text, while the request keeps
         its generators, frames and codec stream."""
         with self.lock:
-            request.prompt_ids.extend(request.segments.pop(0))
+            request.prompt_ids.extend(int(token) for token in ids)
         request.speech_stream = self.family.speech_stream(request.speaker)
 
     # --- decode ---

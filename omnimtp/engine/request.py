@@ -8,7 +8,7 @@ what to generate (prompt, speaker, sampling, limits, whether audio streams) and 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -55,8 +55,9 @@ class Request:
     low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
     its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
     it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
-    long text (`ChatText.speech_segments`: each the template ids of its piece; prompt_ids is the first, and
-    each segment's ids join it as the segment starts), spoken in order as one request: each segment is a talker
+    long text (an iterable such as `ChatText.speech_segments` gives, cut as it is read: each the template ids of
+    its piece, none empty; prompt_ids is the first, and each segment's ids join it as the segment starts),
+    spoken in order as one request: each segment is a talker
     run of its own (a fresh prefill, up to max_frames frames) that continues the request's talker generator,
     and every segment's frames join one codec stream, so the decoder sees one continuous code sequence and the
     audio has no seams of its own."""
@@ -74,7 +75,7 @@ class Request:
     media: MediaInputs | None = field(default=None, repr=False)
     is_text_finished: bool = True
     is_background: bool = False
-    segments: list[list[int]] = field(default_factory=list, repr=False)
+    segments: Iterable[list[int]] | None = field(default=None, repr=False)
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -111,11 +112,10 @@ class Request:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
         if not self.is_text_finished and self.is_chat:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
-        self.segments = [[int(token) for token in ids] for ids in self.segments]  # the caller's lists stay
-        if self.segments and (self.is_chat or not self.is_text_finished):
-            raise ValueError("segments: only a speech request whose text is whole is spoken in segments")
-        if any(not ids for ids in self.segments):
-            raise ValueError("segments: empty segment")
+        if self.segments is not None:
+            if self.is_chat or not self.is_text_finished:
+                raise ValueError("segments: only a speech request whose text is whole is spoken in segments")
+            self.segments = iter(self.segments)  # taken one at a time, as each segment starts
         if not self.prompt_ids and self.is_text_finished:
             raise ValueError("prompt_ids: empty prompt")
         for name in ("max_new_tokens", "max_frames"):
