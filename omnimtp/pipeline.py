@@ -559,7 +559,7 @@ class OmniPipeline:
             texts = list(text) if is_batch else [text]
             if not texts:
                 raise ValueError("text: empty text")
-            rows = [family.speech_ids(t) for t in texts]
+            rows = texts  # tokenized as they are cut (speech_segments)
         num_rows = len(rows)
         if num_rows > self.config.max_batch_size:
             raise ValueError(f"text: {num_rows} texts, more than max_batch_size={self.config.max_batch_size}")

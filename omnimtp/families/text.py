@@ -148,6 +148,8 @@ class ChatText:
             return iter([ids])
 
         def size(piece: str) -> int:
+            if piece is text:
+                return len(ids)  # known: the whole text is tokenized once
             return len(self.speech_ids(piece.strip())) if piece.strip() else 0
 
         return (self.speech_ids(piece.strip()) for piece in iter_segments(text, max_ids, size) if piece.strip())
