@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from audio_checks import assert_audible, assert_audio_close
+from audio_checks import assert_audible, assert_audio_close, assert_audio_equal
 from server_harness import running_server
 
 from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
@@ -191,3 +191,14 @@ def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
     assert finished[0].prompt_ids == segments[0] + segments[1]  # what the usage counts: every segment's ids
     assert len(output.segment_frames) == 2 and sum(output.segment_frames) == output.codes.shape[1]
     assert_audible(output.audio)
+
+
+def test_a_seeded_long_text_is_the_same_alone_and_in_a_batch(pipe):
+    """Its segments start at other steps than the batch's other rows' (a segment's prefill joins a running
+    batch): the request's generators make its codes and audio the same."""
+    text = " ".join(SENTENCES[:3])
+    alone = pipe.speech(text, seed=SEED, sampling=QWEN3_TTS_SAMPLING)
+    batch = pipe.speech([SENTENCES[4], text], seed=[9, SEED], sampling=QWEN3_TTS_SAMPLING)
+    assert len(alone.segment_frames) == 3
+    assert torch.equal(batch[1].codes, alone.codes) and batch[1].segment_frames == alone.segment_frames
+    assert_audio_equal(batch[1].audio, alone.audio)
