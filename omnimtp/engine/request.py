@@ -57,10 +57,9 @@ class Request:
     it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
     long text (an iterable such as `ChatText.speech_segments` gives, cut as it is read: each the template ids of
     its piece, none empty; prompt_ids is the first, and each segment's ids join it as the segment starts),
-    spoken in order as one request: each segment is a talker
-    run of its own (a fresh prefill, up to max_frames frames) that continues the request's talker generator,
-    and every segment's frames join one codec stream, so the decoder sees one continuous code sequence and the
-    audio has no seams of its own."""
+    spoken in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames
+    frames) that continues the request's talker generator, and every segment's frames join one codec stream, so
+    the decoder sees one continuous code sequence and the audio has no seams of its own."""
 
     request_id: Hashable
     prompt_ids: list[int]
