@@ -74,8 +74,8 @@ def add_reply_caps(parser: argparse.ArgumentParser) -> None:
                         help=f"cap on the thinker's reply tokens (default {TINY_MAX_NEW_TOKENS} tiny, "
                         f"{DEFAULT_MAX_NEW_TOKENS} checkpoint)")
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
-                        help=f"cap on audio frames, 12.5 per second (default {TINY_MAX_FRAMES} tiny, "
-                        f"{DEFAULT_MAX_FRAMES} checkpoint)")
+                        help=f"cap on audio frames, 12.5 per second, per segment of a long text (default "
+                        f"{TINY_MAX_FRAMES} tiny, {DEFAULT_MAX_FRAMES} checkpoint)")
 
 
 def add_threads_argument(parser) -> None:

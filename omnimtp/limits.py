@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 # A request's default thinker token and audio frame caps (`omnimtp.engine.core.EngineConfig`).
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s
+DEFAULT_MAX_FRAMES = 1500  # 2 minutes of speech at 12.5 frames/s, per segment of a spoken text
+# The text tokens of one segment of a spoken text (`omnimtp.text_segments`): a longer text is spoken as several
+# segments of one request. About 100 English words or 150 Chinese characters, half a minute of speech: the
+# speech models drift (pace, voice, skipped words) on much longer single prompts.
+DEFAULT_MAX_SEGMENT_TOKENS = 150
 # The embedded tiny model's caps: its random talker rarely emits codec EOS, so replies stay short.
 TINY_MAX_NEW_TOKENS = 32
 TINY_MAX_FRAMES = 100

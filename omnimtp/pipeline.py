@@ -108,11 +108,12 @@ class OmniPipeline:
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
         torch_threads: int | None = None,
-        quantize: str | None = None,
+        quantize: str | None = None, max_segment_tokens: int | None = None,
     ):
-        """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s). compile_predictor:
-        `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor step is one
-        compiled graph (tens of seconds per batch size on a CPU); "frame": the whole frame is one graph
+        """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s); max_segment_tokens: the text
+        tokens of one segment of a spoken text, longer texts are spoken in segments (default `EngineConfig`'s).
+        compile_predictor: `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor
+        step is one compiled graph (tens of seconds per batch size on a CPU); "frame": the whole frame is one graph
         (a minute or more per batch size the first time, seconds once inductor's disk cache has it), the
         fastest. Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
         audio and image processor (None: chat messages with media parts are refused); media_limits: what
@@ -134,6 +135,7 @@ class OmniPipeline:
             max_batch_size=max_batch_size,
             max_new_tokens=defaults.max_new_tokens if max_new_tokens is None else max_new_tokens,
             max_frames=defaults.max_frames if max_frames is None else max_frames,
+            max_segment_tokens=defaults.max_segment_tokens if max_segment_tokens is None else max_segment_tokens,
         )
         if (family is None) == (model is None):
             raise ValueError("model: give exactly one of model or family")
@@ -557,7 +559,7 @@ class OmniPipeline:
             texts = list(text) if is_batch else [text]
             if not texts:
                 raise ValueError("text: empty text")
-            rows = [family.speech_ids(t) for t in texts]
+            rows = texts  # tokenized as they are cut (speech_segments)
         num_rows = len(rows)
         if num_rows > self.config.max_batch_size:
             raise ValueError(f"text: {num_rows} texts, more than max_batch_size={self.config.max_batch_size}")
@@ -573,15 +575,20 @@ class OmniPipeline:
                 strict=True,
             )
         ]
-        for i, (ids, row_voice) in enumerate(zip(rows, voices, strict=True)):
-            if family.talker_positions(ids, row_voice, max_frames) > family.max_positions:
-                raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
-                                 f"{family.max_positions} positions")
+        if input_ids is not None:  # ids are spoken as they are, in one segment
+            segments = [iter([ids]) for ids in rows]
+            for i, (ids, row_voice) in enumerate(zip(rows, voices, strict=True)):
+                if family.talker_positions(ids, row_voice, max_frames) > family.max_positions:
+                    raise ValueError(f"max_frames: request {i} with {max_frames} frames exceeds the talker's "
+                                     f"{family.max_positions} positions")
+        else:  # a long text is spoken in segments, each cut as it starts
+            segments = [family.speech_segments(t, row_voice, max_frames, self.config.max_segment_tokens)
+                        for t, row_voice in zip(texts, voices, strict=True)]
         seeds = row_seeds(seed, num_rows)
         requests = [
-            Request(i, ids, max_new_tokens=1, max_frames=max_frames, speaker=row_voice, talker_sampling=sampling,
-                    seed=s, is_chat=False, is_streamed=is_streamed)
-            for i, (ids, row_voice, s) in enumerate(zip(rows, voices, seeds, strict=True))
+            Request(i, next(row), max_new_tokens=1, max_frames=max_frames, speaker=row_voice,
+                    talker_sampling=sampling, seed=s, is_chat=False, is_streamed=is_streamed, segments=row)
+            for i, (row, row_voice, s) in enumerate(zip(segments, voices, seeds, strict=True))
         ]
         return requests, is_batch
 

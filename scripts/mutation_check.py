@@ -57,6 +57,7 @@ VOICE_AGENT = ("tests/test_realtime_vad.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
+LONG_SPEECH = ("tests/test_text_segments.py", "tests/test_long_speech.py")
 TRANSCRIPTION = ("tests/test_transcription.py",)
 SERVER_HARDENING = ("tests/test_server_hardening.py",)
 SERVER_STRUCTURE = ("tests/test_server_structure.py",)
@@ -748,7 +749,27 @@ MUTATIONS = [
         "streamed_text_positions_unchecked", "omnimtp/server/routes/speech_stream.py",
         "        if text.strip():\n            context.engine.check_speech_text(text, speaker, \"delta\")",
         "        if False:\n            context.engine.check_speech_text(text, speaker, \"delta\")",
-        SPEECH_STREAM, "a streamed text over the talker's positions is taken (/v1/audio/speech refuses it)",
+        SPEECH_STREAM, "a streamed text over the talker's positions is taken (it is spoken as one segment)",
+    ),
+    # --- long texts spoken in segments --------------------------------------------------------------
+    Mutation(
+        "long_text_cut_without_sentences", "omnimtp/text_segments.py",
+        "return _split(text, 0, max_size, size) if text else iter(())",
+        "return _split(text, 1, max_size, size) if text else iter(())",
+        LONG_SPEECH, "a long text is cut at clause marks and words, never first at sentence ends",
+    ),
+    Mutation(
+        "long_text_segment_fresh_codec", "omnimtp/engine/core.py",
+        "            request.prompt_ids.extend(int(token) for token in ids)\n",
+        "            request.prompt_ids.extend(int(token) for token in ids)\n"
+        "        request.codec_stream = self.family.new_codec_stream(request.speaker, request.codec_generator)\n",
+        LONG_SPEECH, "each segment's codes are decoded without the previous segment's left context (a seam)",
+    ),
+    Mutation(
+        "long_text_first_segment_only", "omnimtp/engine/core.py",
+        "            if ids is not None:\n                self._next_segment(request, ids)",
+        "            if False:\n                self._next_segment(request, ids)",
+        LONG_SPEECH, "a long text's request ends after its first segment",
     ),
     Mutation(
         "whitespace_done_keeps_its_slot", "omnimtp/server/routes/speech_stream.py",

@@ -49,6 +49,7 @@ FAST_FILES = {
     "test_rejection.py",
     "test_runtime.py",
     "test_spec_cli.py",
+    "test_text_segments.py",
     "test_tokenizer.py",
     "test_voice_store.py",
 }

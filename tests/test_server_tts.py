@@ -242,24 +242,30 @@ def test_batch_rows_on_a_tts_model(checkpoint, tmp_path):
         read_prompts(str(path))
 
 
-def test_speech_beyond_the_talkers_positions_is_a_400_naming_input():
-    """A text whose talker prompt plus the server's max_frames would pass the talker's positions is refused
-    before it is queued (400, `input`, context_length_exceeded), as the pipeline refuses it (a ValueError);
-    a shorter one is taken."""
+def test_frames_that_leave_the_talker_no_room_for_text_are_a_400_naming_input():
+    """A text longer than the talker's positions leave beside the frames is cut into segments that fit
+    (`test_long_speech.py` speaks one); when max_frames leaves no room for any text, every text is refused
+    before it is queued (400, `input`, context_length_exceeded), as the pipeline refuses it (a ValueError
+    naming max_frames)."""
     family = Qwen3TTSFamily.tiny(0)
-    max_frames = family.max_positions - 24
-    long_text, short_text = "a b c d e f g h i j k l m n o p q r s t", "a b"
-    pipe = OmniPipeline.tiny(family="qwen3_tts", max_frames=max_frames)
+    text = "a b c d e f g h i j k l m n o p q r s t"
+    full = family.max_positions - 16  # 8 rows of structure + 8 template ids: not one text id fits
+    pipe = OmniPipeline.tiny(family="qwen3_tts", max_frames=full)
     with pytest.raises(ValueError, match="max_frames"):
-        pipe.speech(long_text, max_frames=max_frames)
-    engine = Engine(family, model_id=MODELS["custom_voice"], max_frames=max_frames, max_batch_size=1)
+        pipe.speech("a b", max_frames=full)
+    engine = Engine(family, model_id=MODELS["custom_voice"], max_frames=full, max_batch_size=1)
     with running_server(create_app(engine)) as base:
-        body = {"model": MODELS["custom_voice"], "input": long_text, "response_format": "pcm"}
+        body = {"model": MODELS["custom_voice"], "input": "a b", "response_format": "pcm"}
         reply = httpx.post(f"{base}/v1/audio/speech", json=body, timeout=60)
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
         assert "talker positions" in error["message"] and str(family.max_positions) in error["message"]
-    assert family.talker_positions(family.speech_ids(short_text), family.voice(), max_frames) <= family.max_positions
-    assert engine.prompt_ids(EngineRequest(messages=None, speak_text=short_text, speaker=family.voice(),
-                                           sampling=SamplingParams(), seed=None, max_new_tokens=0))[0]
+    roomy = Engine(family, model_id=MODELS["custom_voice"], max_frames=family.max_positions - 24, max_batch_size=1)
+    request = EngineRequest(messages=None, speak_text=text, speaker=family.voice(), sampling=SamplingParams(),
+                            seed=None, max_new_tokens=0)
+    segments = list(roomy.speech_segments(request))  # 8 text bytes each, cut between words
+    assert [family.tokenizer.decode(ids[3:-5]) for ids in segments] == ["a b c d", "e f g h", "i j k l", "m n o p",
+                                                                        "q r s t"]
+    assert all(family.talker_positions(ids, family.voice(), roomy.config.max_frames) <= family.max_positions
+               for ids in segments)

@@ -464,13 +464,17 @@ def test_a_text_of_exactly_the_limit_is_taken_and_one_character_more_is_not(serv
         assert [(e["event_id"], e["code"]) for e in errors] == [("over", "string_above_max_length")]
 
 
-def test_the_talker_position_limit_is_the_same_as_v1_audio_speech(servers):
-    import httpx
+def test_a_streamed_text_is_held_to_the_talkers_positions(servers):
+    """A text that arrives in pieces is spoken as one segment, so it must fit the talker's positions beside the
+    frames (a whole text sent to /v1/audio/speech is cut into segments that do: `test_long_speech.py`)."""
+    from omnimtp.server.scheduler import EngineRequest
 
+    engine = servers["engines"]["tts"]
     text = "x" * 4096  # within the character limit; over the tiny talker's 4,096 positions
-    reply = httpx.post(servers["tts"] + "/v1/audio/speech", json={"input": text, "voice": "aiden"}, timeout=120)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
-    assert "talker positions" in reply.json()["error"]["message"]
+    request = EngineRequest(messages=None, speak_text=text, speaker=engine.family.voice(),
+                            sampling=QWEN3_TTS_SAMPLING, seed=None, max_new_tokens=0)
+    segments = list(engine.speech_segments(request))  # what /v1/audio/speech speaks
+    assert len(segments) > 1 and sum(len(ids) - 8 for ids in segments) == len(text)
     with _ws(servers, "tts") as ws:
         _send(ws, {"type": "session.config", "voice": "aiden", "seed": 5})
         _recv(ws)

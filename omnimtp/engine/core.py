@@ -46,7 +46,7 @@ import torch
 from omnimtp.engine.family import Family
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
-from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS
+from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEGMENT_TOKENS
 from omnimtp.talker.loop import TalkerRequest
 
 
@@ -54,7 +54,9 @@ from omnimtp.talker.loop import TalkerRequest
 class EngineConfig:
     """The engine's settings, one definition for every driver.
 
-    max_new_tokens, max_frames: a request's default thinker token and audio frame caps.
+    max_new_tokens, max_frames: a request's default thinker token and audio frame caps (a spoken text's
+    frames: per segment). max_segment_tokens: text tokens per segment of a spoken text (the drivers cut longer
+    texts with the family's `speech_segments`).
     first_chunk_frames, chunk_frames: streamed audio goes out after first_chunk_frames frames (fast first
     audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
     admitted cohort takes in its first step (its prefill counts as one). max_decode_frames: frames of
@@ -64,6 +66,7 @@ class EngineConfig:
     max_batch_size: int = 8
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_frames: int = DEFAULT_MAX_FRAMES
+    max_segment_tokens: int = DEFAULT_MAX_SEGMENT_TOKENS
     first_chunk_frames: int = 1
     chunk_frames: int = 25
     max_start_steps: int = 3
@@ -216,7 +219,7 @@ class EngineCore:
             text=self.family.decode_text(request.reply_ids), text_ids=list(request.output_ids), codes=codes,
             audio=audio.astype(np.float32), sample_rate=self.family.sample_rate, finish_reason=request.finish_reason,
             thinker_finish_reason=request.thinker_finish_reason, talker_finish_reason=request.talker_finish_reason,
-            spec_stats=request.spec_stats,
+            spec_stats=request.spec_stats, segment_frames=list(request.segment_frames),
         )
 
     # --- one step ---
@@ -427,8 +430,9 @@ class EngineCore:
         ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames
         now = time.perf_counter()
         for request in pending:
-            request.talker_admitted_at = now
-            self._stage("thinker", now - request.admitted_at)
+            if request.talker_admitted_at is None:  # a later segment's admission is not the request's
+                request.talker_admitted_at = now
+                self._stage("thinker", now - request.admitted_at)
         self._end_talkers([(frame.request_id, frame.finish_reason) for frame in ended])
 
     def _speak(self) -> None:
@@ -455,8 +459,22 @@ class EngineCore:
         self.talker.retire([request_id for request_id, _ in ended])
         for request_id, finish_reason in ended:
             request = self.running[request_id]
-            request.talker_finish_reason = finish_reason
             request.is_in_talker = False
+            request.segment_frames.append(len(request.frames) - sum(request.segment_frames))
+            request.segment_finish_reasons.append(finish_reason)
+            ids = None if request.segments is None else next(request.segments, None)
+            if ids is not None:
+                self._next_segment(request, ids)
+                continue
+            request.talker_finish_reason = "length" if "length" in request.segment_finish_reasons else finish_reason
+
+    def _next_segment(self, request: Request, ids: list[int]) -> None:
+        """The request's next segment on to a fresh speech stream: its ids join prompt_ids past those fed so far,
+        so `_feed_text` hands them over next step and it is prefilled like a new text, while the request keeps
+        its generators, frames and codec stream."""
+        with self.lock:
+            request.prompt_ids.extend(int(token) for token in ids)
+        request.speech_stream = self.family.speech_stream(request.speaker)
 
     # --- decode ---
 

@@ -8,7 +8,7 @@ what to generate (prompt, speaker, sampling, limits, whether audio streams) and 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -54,7 +54,12 @@ class Request:
     its talker waits for each text row it has not got (its codes are those of the whole text). is_background: a
     low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
     its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
-    it writes is the same as at normal priority, only later."""
+    it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
+    long text (an iterable such as `ChatText.speech_segments` gives, cut as it is read: each the template ids of
+    its piece, none empty; prompt_ids is the first, and each segment's ids join it as the segment starts),
+    spoken in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames
+    frames) that continues the request's talker generator, and every segment's frames join one codec stream, so
+    the decoder sees one continuous code sequence and the audio has no seams of its own."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -69,6 +74,7 @@ class Request:
     media: MediaInputs | None = field(default=None, repr=False)
     is_text_finished: bool = True
     is_background: bool = False
+    segments: Iterable[list[int]] | None = field(default=None, repr=False)
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -89,6 +95,8 @@ class Request:
     parked_talker: object = field(default=None, repr=False)  # its talker state while parked (a `ParkedTalker`)
     waits_for_text_since: float | None = None  # when it last had nothing to do but wait for text (None: it has)
     frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
+    segment_frames: list[int] = field(default_factory=list)  # frames of each finished segment
+    segment_finish_reasons: list[str] = field(default_factory=list)
     num_decoded: int = 0  # frames already turned into audio
     audio: list[np.ndarray] = field(default_factory=list, repr=False)
     codec_stream: object = field(default=None, repr=False)
@@ -106,6 +114,10 @@ class Request:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
         if not self.is_text_finished and self.is_chat:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
+        if self.segments is not None:
+            if self.is_chat or not self.is_text_finished:
+                raise ValueError("segments: only a speech request whose text is whole is spoken in segments")
+            self.segments = iter(self.segments)  # taken one at a time, as each segment starts
         if not self.prompt_ids and self.is_text_finished:
             raise ValueError("prompt_ids: empty prompt")
         for name in ("max_new_tokens", "max_frames"):
@@ -194,7 +206,9 @@ class OmniOutput:
     finish_reason: "no_audio" when speech was asked and the talker ended before its first frame (audio and
     codes are then empty), else "length" when the thinker or the talker hit its cap, else "stop". spec_stats: the
     thinker's speculative steps (`omnimtp.spec_decode.generate.SpecStats`: τ, per-position acceptance,
-    drafted / accepted counts), None without speculation."""
+    drafted / accepted counts), None without speculation. segment_frames: a speech request's frames per segment
+    of its text (one entry for a text spoken whole; frame i is the audio samples [i·spf, (i+1)·spf) at the
+    codec's samples per frame); empty for chat."""
 
     text: str
     text_ids: list[int]
@@ -205,6 +219,7 @@ class OmniOutput:
     thinker_finish_reason: str | None
     talker_finish_reason: str | None
     spec_stats: object = None
+    segment_frames: list[int] = field(default_factory=list)
 
 
 @dataclass

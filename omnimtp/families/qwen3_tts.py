@@ -223,6 +223,14 @@ class Qwen3TTSFamily(ChatText):
         max_frames frames; at most `max_positions`."""
         return len(ids) + len(voice.instruct_ids or ()) + voice.num_reference_rows + 8 + max_frames
 
+    def num_speech_template_ids(self) -> int:
+        return NUM_TEMPLATE_HEAD + NUM_TEMPLATE_TAIL
+
+    def speech_window(self, voice: TTSVoice, max_frames: int) -> int:
+        """The most `speech_ids` a segment in `voice` may have: `talker_positions` with max_frames frames
+        within `max_positions`."""
+        return self.max_positions - self.talker_positions([], voice, max_frames)
+
     def voice(self, voice=None, language: str | None = None, instructions: str | None = None) -> TTSVoice:
         """The request's `TTSVoice`; ValueError naming voice, language or instructions when the model cannot
         speak that way (an unknown voice or language lists the known ones). voice: a CustomVoice speaker

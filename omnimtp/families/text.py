@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
+from omnimtp.text_segments import iter_segments
 from omnimtp.tokenizer import StreamedTextIds, prompt_tokenizer
+
+# The most ids one character takes (a byte-level tokenizer's UTF-8 bytes): a segment's window must hold them.
+MAX_IDS_PER_CHARACTER = 4
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -109,6 +115,44 @@ class ChatText:
         if self.speech_header_ids is None:
             raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
         return self.speech_header_ids + prompt_tokenizer(self.tokenizer).encode(text)
+
+    def num_speech_template_ids(self) -> int:
+        """The ids `speech_ids` puts around a text (here the opened assistant turn)."""
+        if self.speech_header_ids is None:
+            raise ValueError("input: this checkpoint's tokenizer has no chat template to open an assistant turn")
+        return len(self.speech_header_ids)
+
+    def speech_window(self, speaker, max_frames: int) -> int | None:
+        """The most `speech_ids` one segment spoken by `speaker` with up to max_frames frames may have so that
+        the talker's positions hold it, or None where only the text budget counts."""
+        return None
+
+    def speech_segments(self, text: str, speaker, max_frames: int, max_segment_tokens: int) -> Iterator[list[int]]:
+        """The `speech_ids` of `text` cut into segments the talker speaks one after another (one request: the
+        same voice, generators and codec stream): each segment at most max_segment_tokens text tokens and
+        within `speech_window`, cut at sentence ends, then clause marks, then between words
+        (`omnimtp.text_segments.iter_segments`), each without the spaces around it. A text that fits is one
+        segment, `speech_ids(text)`. The segments are cut as they are asked for, so the first is ready about as
+        soon as a short text's. ValueError naming max_frames (at once) when the talker's positions beside
+        max_frames frames leave no room for a character's ids."""
+        num_template = self.num_speech_template_ids()
+        max_ids = num_template + max_segment_tokens
+        window = self.speech_window(speaker, max_frames)
+        if window is not None:
+            if window < num_template + MAX_IDS_PER_CHARACTER:
+                raise ValueError(f"max_frames: {max_frames} frames leave the talker's {self.max_positions} "
+                                 "positions no room for text")
+            max_ids = min(max_ids, window)
+        ids = self.speech_ids(text)
+        if len(ids) <= max_ids:
+            return iter([ids])
+
+        def size(piece: str) -> int:
+            if piece is text:
+                return len(ids)  # known: the whole text is tokenized once
+            return len(self.speech_ids(piece.strip())) if piece.strip() else 0
+
+        return (self.speech_ids(piece.strip()) for piece in iter_segments(text, max_ids, size) if piece.strip())
 
     def speech_text_ids(self) -> StreamedTextIds:
         """The ids of text to speak that arrives in pieces: joined, `speech_ids` of the whole text."""

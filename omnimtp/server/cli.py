@@ -66,8 +66,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                         help="waiting requests before 429")
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
-                        help=f"audio frames per request (default {TINY_MAX_FRAMES} tiny, {DEFAULT_MAX_FRAMES} "
-                        "checkpoint: 2 minutes of speech at 12.5 frames/s)")
+                        help=f"audio frames per request, per segment of a long text (default {TINY_MAX_FRAMES} tiny, "
+                        f"{DEFAULT_MAX_FRAMES} checkpoint: 2 minutes of speech at 12.5 frames/s)")
     parser.add_argument("--eager", action="store_true",
                         help="never compile the code predictor (by default it serves eagerly at once while each "
                         "batch size's graph is compiled in the background, then runs compiled)")

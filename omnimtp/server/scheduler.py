@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,6 +29,7 @@ import numpy as np
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
+from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
@@ -353,8 +355,25 @@ class Engine:
             self._check_prompt_length(ids, name)
         else:
             ids = self.family.speech_ids(request.speak_text)
-            self._check_prompt_length(ids, name, request.speaker)
+            self._check_prompt_length(ids, name)
         return ids, media
+
+    def speech_segments(self, request: EngineRequest) -> Iterator[list[int]]:
+        """A speech request's text as the segments its talker speaks one after another (the family's
+        `speech_segments`: at most `max_segment_tokens` text tokens each, within the talker's positions beside
+        max_frames frames), the first cut here and each later one as it starts. PromptTooLongError over
+        max_prompt_tokens (the whole text, as `prompt_ids`), or when the talker's positions leave max_frames
+        frames no room for text. Call it off the event loop."""
+        ids, _ = self.prompt_ids(request)
+        family, max_frames = self.family, self.config.max_frames
+        window = family.speech_window(request.speaker, max_frames)
+        if window is not None and window < family.num_speech_template_ids() + MAX_IDS_PER_CHARACTER:
+            positions = family.talker_positions(ids, request.speaker, max_frames)
+            raise PromptTooLongError("input", positions, family.max_positions, unit=(
+                f"talker positions (its prompt and {max_frames} frames, the server's --max-frames)"))
+        segments = family.speech_segments(request.speak_text, request.speaker, max_frames,
+                                          self.config.max_segment_tokens)
+        return itertools.chain([next(segments)], segments)
 
     def check_speech_text(self, text: str, speaker, name: str) -> None:
         """PromptTooLongError (naming `name`) unless `text` spoken by `speaker` fits the prompt and talker limits:
@@ -426,15 +445,21 @@ class Engine:
             self._cond.notify_all()
 
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
-               prompt: tuple[list[int], MediaInputs | None] | None = None) -> RequestHandle:
+               prompt: tuple[list[int], MediaInputs | None] | None = None,
+               segments: Iterator[list[int]] | None = None) -> RequestHandle:
         """Queue a request (called on the event loop). Raises QueueFullError at the bound and
         PromptTooLongError for a prompt over max_prompt_tokens (before anything is queued). prompt: what
         `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
-        off the event loop)."""
-        prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
+        off the event loop); segments: what `speech_segments(request)` gives a speech request, likewise."""
+        if request.messages is None:
+            segments = self.speech_segments(request) if segments is None else segments
+            prompt_ids, media = next(segments), None
+        else:
+            prompt_ids, media = self.prompt_ids(request) if prompt is None else prompt
         return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed,
                            is_chat=request.messages is not None, max_new_tokens=request.max_new_tokens,
-                           is_streamed=request.is_streamed, media=media, is_background=request.is_background)
+                           is_streamed=request.is_streamed, media=media, is_background=request.is_background,
+                           segments=segments)
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
@@ -445,7 +470,8 @@ class Engine:
 
     def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
                max_new_tokens: int = 1, is_streamed: bool = True, media: MediaInputs | None = None,
-               is_text_finished: bool = True, is_background: bool = False) -> RequestHandle:
+               is_text_finished: bool = True, is_background: bool = False,
+               segments: Iterator[list[int]] | None = None) -> RequestHandle:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
@@ -461,7 +487,7 @@ class Engine:
                 handle.request_id, prompt_ids, max_new_tokens=max(max_new_tokens, 1),
                 max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,
                 talker_sampling=talker_sampling, seed=seed, is_chat=is_chat, is_streamed=is_streamed, media=media,
-                is_text_finished=is_text_finished, is_background=is_background,
+                is_text_finished=is_text_finished, is_background=is_background, segments=segments,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)

@@ -220,6 +220,9 @@ class ServingContext:
         try:
             # Tokenizing and the processor (feature extraction, image resizing) run off the event loop: other
             # requests' streams and /health go on meanwhile. A request whose client leaves meanwhile is not queued.
+            if request.messages is None:  # a speech request: its text cut into the segments it is spoken in
+                segments = await run_in_threadpool(engine.speech_segments, request)
+                return engine.submit(request, loop=asyncio.get_running_loop(), segments=segments)
             prompt = await run_in_threadpool(engine.prompt_ids, request)
             return engine.submit(request, loop=asyncio.get_running_loop(), prompt=prompt)
         except PromptTooLongError as exc:
