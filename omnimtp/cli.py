@@ -15,7 +15,7 @@ import threading
 
 from omnimtp import __version__
 from omnimtp.argtypes import HelpFormatter
-from omnimtp.console import interrupt_on_signals, quiet_expected_warnings, stopped_by
+from omnimtp.console import interrupt_on_signals, quiet_expected_warnings, quiet_progress_bars, stopped_by
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     quiet_expected_warnings()
+    quiet_progress_bars()
     is_main_thread = threading.current_thread() is threading.main_thread()
     previous = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) if is_main_thread else None
     if is_main_thread:

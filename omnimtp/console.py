@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 
 # transformers' rope validation does not know the M-RoPE keys that Qwen-Omni configs carry (its rope
@@ -65,6 +66,13 @@ def quiet_expected_warnings() -> None:
     """Install the filters above on transformers' loggers (idempotent; transformers need not be imported)."""
     logging.getLogger(_ROPE_LOGGER).addFilter(_ROPE_FILTER)
     logging.getLogger(_CONFIG_LOGGER).addFilter(_QWEN3_TTS_FILTER)
+
+
+def quiet_progress_bars() -> None:
+    """transformers' tqdm bars ("Loading weights") off for the command line, which prints its own readable
+    lines; HF_HUB_DISABLE_PROGRESS_BARS=0 in the environment keeps them. Call it before transformers (and
+    huggingface_hub) are imported: they read the variable once, then."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 class Terminated(KeyboardInterrupt):

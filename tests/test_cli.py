@@ -4,6 +4,7 @@ model text printed safely, expected library warnings kept quiet."""
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,17 @@ def test_version_and_serve_help_list_every_route(capsys):
     for route in ("/v1/chat/completions", "/v1/audio/speech,", "/v1/audio/speech/batch", "/v1/audio/speech/stream",
                   "/v1/realtime", "/v1/audio/voices", "/v1/models", "/health", "/metrics"):
         assert route in help_text
+
+
+def test_the_command_line_prints_no_transformers_progress_bar():
+    # loading the shipped demo LM through transformers would draw its "Loading weights" tqdm bar
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    code = "import sys; from omnimtp.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["spec", "--prompt", "import os", "-k", "1", "--max-new-tokens", "2"]
+    out = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+    assert "tau" in out.stdout and "Loading weights" not in out.stderr, out.stderr
+    shown = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, env={**env, "HF_HUB_DISABLE_PROGRESS_BARS": "0"})
+    assert "Loading weights" in shown.stderr  # the test can fail: the bar is there when asked for
