@@ -186,6 +186,8 @@ def _screenshot(browser, tab: str) -> None:
 
 
 def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers):
+    from selenium.webdriver.support.ui import Select
+
     url = servers["speak"]
     _open(browser, url)
     assert browser.find_element("id", "tab-clone").get_attribute("hidden") is not None  # not a Base model
@@ -206,6 +208,15 @@ def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers)
     assert browser.find_element("id", "speak-latency").text.endswith("ms")
     _assert_drawn(browser, "speak")
     _screenshot(browser, "speak")
+    # a compressed format plays too: the page decodes the whole file (the browser's own decoder)
+    for count, fmt in enumerate(("mp3", "opus"), start=2):
+        Select(browser.find_element("id", "speak-format")).select_by_value(fmt)
+        _click(browser, "speak-go")
+        _wait(browser, f"return document.querySelectorAll('#speak-replies a[download]').length === {count}")
+        decoded = _played(browser, "speak")
+        assert_audible(decoded.astype(np.float32) / 32768)
+        assert abs(len(decoded) - len(expected)) < 0.1 * 24_000, (fmt, len(decoded), len(expected))
+    Select(browser.find_element("id", "speak-format")).select_by_value("wav")
     # the server's words for a bad request are the page's
     browser.find_element("id", "speak-text").clear()
     browser.find_element("id", "speak-text").send_keys(" ")

@@ -329,7 +329,11 @@ async function refreshVoices() {
 
 // -- Speak ------------------------------------------------------------------------------------------
 
-const MEDIA = { wav: "audio/wav", pcm: "application/octet-stream", flac: "audio/flac" };
+const MEDIA = {
+  wav: "audio/wav", pcm: "application/octet-stream", flac: "audio/flac", mp3: "audio/mpeg", opus: "audio/ogg",
+  aac: "audio/aac",
+};
+const STREAMED_PCM = new Set(["wav", "pcm"]); // played as the bytes come; the others are decoded whole
 
 $("speak-go").addEventListener("click", async () => {
   showError("speak", null);
@@ -357,7 +361,7 @@ $("speak-go").addEventListener("click", async () => {
       const { done, value } = await reader.read();
       if (done) break;
       parts.push(value);
-      if (format === "flac") continue; // whole-file: decoded at the end
+      if (!STREAMED_PCM.has(format)) continue; // a compressed file: decoded whole at the end
       let bytes = value;
       if (header > 0) { const skip = Math.min(header, bytes.length); bytes = bytes.subarray(skip); header -= skip; }
       const samples = pcm.feed(bytes);
@@ -369,7 +373,7 @@ $("speak-go").addEventListener("click", async () => {
     }
     delete $("speak-latency").dataset.pending;
     const file = new Blob(parts, { type: MEDIA[format] });
-    if (format === "flac") {
+    if (!STREAMED_PCM.has(format)) {
       const decoded = await context().decodeAudioData(await file.arrayBuffer());
       $("speak-latency").textContent = `${Math.round(performance.now() - began)} ms (whole file)`;
       player.push(floatToInt16(decoded.getChannelData(0)));
