@@ -33,10 +33,13 @@ _UTF8 = ("utf-8", "utf8")
 
 # Structure limits of any JSON body or event. Parsing and validating are C/Rust calls that hold the GIL, so a
 # body of millions of tiny values would stall every other request even off the event loop: it is refused from
-# a count of its brackets before it is parsed, and from the parsed shape (depth, array lengths) before any
-# schema validates it. No request of this server comes near them (the longest array it takes is a speaker
-# embedding of at most 8,192 numbers).
+# a count of its brackets and of its commas (every value after a container's first follows one) before it is
+# parsed, and from the parsed shape (depth, array lengths) before any schema validates it. Both counts include
+# brackets and commas inside strings, so they are upper bounds. No request of this server comes near them (the
+# longest array it takes is a speaker embedding of at most 8,192 numbers, and a text with 200,000 commas is
+# far past every model's context); below them json.loads takes tens of milliseconds at most.
 MAX_JSON_CONTAINERS = 100_000
+MAX_JSON_COMMAS = 200_000
 MAX_JSON_DEPTH = 32
 MAX_JSON_ARRAY_ITEMS = 8192
 # A body or event larger than this is parsed and validated on a worker thread, off the event loop.
@@ -78,6 +81,8 @@ def parse_json(text: str, what: str = "request body") -> object:
     if num_containers > MAX_JSON_CONTAINERS:
         raise APIError(400, f"{what}: more than {MAX_JSON_CONTAINERS} JSON objects and arrays",
                        code="structure_too_large")
+    if text.count(",") > MAX_JSON_COMMAS:
+        raise APIError(400, f"{what}: more than {MAX_JSON_COMMAS} JSON values (commas)", code="structure_too_large")
     try:
         value = json.loads(text)
     except RecursionError:
