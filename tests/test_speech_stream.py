@@ -602,18 +602,37 @@ def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
     """A request that waits for text longer than --timeout-text-idle ends with an error event naming it, its slot
     and talker state are freed, and the session's next delta starts a request that speaks as /v1/audio/speech."""
     import json
+    import threading
     import time
+
+    import httpx
+
+    def poll_metrics(gauges: list, done: threading.Event) -> None:
+        while not done.is_set():
+            text = httpx.get(slot_server["tts"] + "/metrics", timeout=10).text
+            gauges.append({name: float(line.split()[-1]) for line in text.splitlines()
+                           for name in ("omnimtp_parked_requests", "omnimtp_active_requests", "omnimtp_queue_depth")
+                           if line.startswith(name + " ")})
+            time.sleep(0.02)
 
     engine = slot_server["engine"]
     with _ws(slot_server, "tts") as ws:
         _send(ws, {"type": "session.config", "voice": "aiden", "seed": 3})
         _recv(ws)
         for first in ("Hello there ", " "):  # spoken and then waiting; or no ids yet (never admitted)
+            # while it waits it is parked or queued, never counted as holding a slot
+            gauges, done = [], threading.Event()
+            poller = threading.Thread(target=poll_metrics, args=(gauges, done))
             _send(ws, {"type": "input_text.delta", "delta": first})
             started = time.monotonic()
+            poller.start()
             while (event := json.loads(ws.recv(timeout=30)))["type"] == "audio.delta":
                 pass
             waited = time.monotonic() - started
+            done.set()
+            poller.join(30)
+            assert any(g["omnimtp_parked_requests"] + g["omnimtp_queue_depth"] == 1
+                       and g["omnimtp_active_requests"] == 0 for g in gauges), gauges
             assert event["type"] == "error" and event["error"]["code"] == "timeout_text_idle", event
             assert "--timeout-text-idle" in event["error"]["message"] and TEXT_IDLE_S <= waited < 30
             assert not engine._core.running and not engine._core.waiting and not engine._core.talker.rows

@@ -31,6 +31,10 @@ class ServerMetrics:
         )
         self.queue_depth = Gauge("omnimtp_queue_depth", "Requests waiting for a batch slot", registry=r)
         self.active_requests = Gauge("omnimtp_active_requests", "Requests holding a batch slot", registry=r)
+        self.parked_requests = Gauge(
+            "omnimtp_parked_requests", "Admitted requests waiting for more of their streamed text, holding no slot",
+            registry=r,
+        )
         self.cancelled = Counter(
             "omnimtp_cancelled_requests",
             "Requests cancelled before they finished, queued or running: the client disconnected, or the "

@@ -507,14 +507,17 @@ class Engine:
             self._cond.notify_all()
 
     def _set_gauges(self) -> None:
-        """The queue gauges and the `idle` flag, after a request came or went (called holding `_cond`)."""
+        """The queue gauges and the `idle` flag, after a request came or went and after each step (called holding
+        `_cond`)."""
         if self._handles:
             self.idle.clear()
         else:
             self.idle.set()
         if self.metrics is not None and self._core is not None:
+            num_parked = sum(request.is_parked for request in self._core.running.values())
             self.metrics.queue_depth.set(len(self._core.waiting))
-            self.metrics.active_requests.set(len(self._core.running))
+            self.metrics.active_requests.set(len(self._core.running) - num_parked)
+            self.metrics.parked_requests.set(num_parked)
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -576,6 +579,8 @@ class Engine:
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
+            with self._cond:
+                self._set_gauges()  # a step parks and resumes requests
 
     def _text_waits(self) -> list[tuple[float, int]]:
         """(when its wait runs out, id) of each request waiting for more text (called holding `_cond`)."""
