@@ -4,6 +4,10 @@ very quiet audio passes trivially."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 
 MIN_DBFS = -40.0  # quieter than this is treated as silence: comparing it proves nothing
@@ -45,3 +49,17 @@ def assert_audio_close(actual, expected, rel: float = 1e-4) -> None:
     peak = float(np.abs(expected).max())
     error = float(np.abs(actual - expected).max())
     assert error <= rel * peak, f"max |Δ| = {error:.3g} > {rel} × peak {peak:.3g}"
+
+
+def spoken_wav(path, text: str, *espeak_args: str) -> Path:
+    """Real speech for a test: espeak-ng saying `text`, written to `path` as its WAV (22.05 kHz mono) and shown
+    to be audible. The test skips, saying why, where espeak-ng (a Debian package) is not installed."""
+    import pytest
+    import soundfile
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): it makes the test's speech")
+    subprocess.run(["espeak-ng", *espeak_args, "-w", str(path), text], check=True, capture_output=True)
+    samples, _ = soundfile.read(path, dtype="float32")
+    assert_audible(samples)
+    return Path(path)

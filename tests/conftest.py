@@ -67,3 +67,21 @@ def pytest_collection_modifyitems(items):
         if item.path.name not in FAST_FILES:
             item.add_marker(pytest.mark.slow)
         item.add_marker(pytest.mark.xdist_group("ray" if item.path.name in RAY_FILES else item.path.name))
+
+
+# The clients of a module's `server` fixture (the base URL of a running server), for the files that start one.
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI client on the module's server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client on the module's server."""
+    import httpx
+
+    with httpx.Client(base_url=server, timeout=120) as c:
+        yield c

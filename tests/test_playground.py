@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from audio_checks import assert_audible
+from audio_checks import assert_audible, spoken_wav
 from server_harness import running_server
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
@@ -98,12 +97,8 @@ def test_a_websocket_takes_the_key_as_a_subprotocol_and_echoes_realtime(servers)
 def microphone(tmp_path_factory):
     """What the fake microphone hears: espeak-ng saying a sentence, then a minute of silence (Chromium loops
     the file; the silence ends the turn for server VAD and keeps the loop from barging in on the reply)."""
-    if shutil.which("espeak-ng") is None:
-        pytest.skip("espeak-ng is not installed (apt-get install espeak-ng): it makes the microphone's speech")
     folder = tmp_path_factory.mktemp("mic")
-    subprocess.run(["espeak-ng", "-w", str(folder / "said.wav"), "Hello, can you hear me?"], check=True,
-                   capture_output=True)
-    said, rate = sf.read(folder / "said.wav", dtype="int16")
+    said, rate = sf.read(spoken_wav(folder / "said.wav", "Hello, can you hear me?"), dtype="int16")
     path = folder / "speech.wav"
     sf.write(path, np.concatenate([said, np.zeros(60 * rate, dtype=np.int16)]), rate, subtype="PCM_16")
     return path

@@ -10,9 +10,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import io
-import shutil
-import subprocess
 
 import numpy as np
 import openai
@@ -20,6 +17,7 @@ import pytest
 import soundfile as sf
 import soxr
 import torch
+from audio_checks import spoken_wav
 from server_harness import running_server
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
@@ -42,13 +40,10 @@ MAX_SESSION_BYTES = 512 << 10  # two 4 s audio items (16 kHz float32) and some t
 
 
 @pytest.fixture(scope="session")
-def speech() -> np.ndarray:
+def speech(tmp_path_factory) -> np.ndarray:
     """About 1.2 s of English from espeak-ng, at 24 kHz."""
-    assert shutil.which("espeak-ng"), "espeak-ng (Debian package) makes the test speech"
-    result = subprocess.run(["espeak-ng", "--stdout", "-s", "190", "hello, how are you today"], check=True,
-                            capture_output=True)
-
-    samples, rate = sf.read(io.BytesIO(result.stdout), dtype="float32")
+    path = spoken_wav(tmp_path_factory.mktemp("vad") / "speech.wav", "hello, how are you today", "-s", "190")
+    samples, rate = sf.read(path, dtype="float32")
     return soxr.resample(samples, rate, RATE).astype(np.float32)
 
 

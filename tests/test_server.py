@@ -48,17 +48,6 @@ def server(tiny):
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=120) as c:
-        yield c
-
-
 def _pcm(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2")
 

@@ -60,17 +60,6 @@ def server(engine):
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=120) as c:
-        yield c
-
-
 def audio_part(data: bytes, fmt: str = "wav") -> dict:
     return {"type": "input_audio", "input_audio": {"data": b64(data), "format": fmt}}
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 import threading
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
 import soxr
+from audio_checks import spoken_wav
 from server_harness import running_server
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
@@ -36,11 +35,7 @@ LIMITS = MediaLimits(max_audio_seconds=3.0)
 @pytest.fixture(scope="module")
 def speech_path(tmp_path_factory) -> str:
     """A real spoken sentence (espeak-ng, 22.05 kHz WAV)."""
-    path = tmp_path_factory.mktemp("asr") / "hello.wav"
-    subprocess.run(["espeak-ng", "-w", str(path), "hello world, this is a test"], check=True)
-    samples, _ = soundfile.read(path)
-    assert np.abs(samples).max() > 0.1  # speech, not silence
-    return str(path)
+    return str(spoken_wav(tmp_path_factory.mktemp("asr") / "hello.wav", "hello world, this is a test"))
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +54,6 @@ def server():
                     chunk_frames=2, max_batch_size=16, media_limits=LIMITS)
     with running_server(create_app(engine, max_tokens_limit=MAX_NEW_TOKENS)) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server, timeout=120) as c:
-        yield c
 
 
 def _file(data: bytes, name: str = "hello.wav"):

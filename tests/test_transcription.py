@@ -5,13 +5,13 @@ processor makes of the same messages; streamed deltas join into the one-shot tex
 bad arguments are ValueErrors naming them; `omnimtp transcribe` prints what `transcribe` returns."""
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import soundfile
 import soxr
 import torch
+from audio_checks import spoken_wav
 
 from omnimtp.cli import main
 from omnimtp.engine.core import EngineCore
@@ -25,11 +25,7 @@ MAX_NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def speech(tmp_path_factory) -> str:
     """A real spoken sentence (espeak-ng), 22.05 kHz: the pipeline resamples it to the processor's 16 kHz."""
-    path = tmp_path_factory.mktemp("asr") / "hello.wav"
-    subprocess.run(["espeak-ng", "-w", str(path), "hello world, this is a test"], check=True)
-    samples, _ = soundfile.read(path)
-    assert np.abs(samples).max() > 0.1  # speech, not silence
-    return str(path)
+    return str(spoken_wav(tmp_path_factory.mktemp("asr") / "hello.wav", "hello world, this is a test"))
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2_5"])
