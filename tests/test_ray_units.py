@@ -21,11 +21,12 @@ def _options(*flags):
     return ray_serve.deployment_options(build_parser().parse_args(["serve", *flags]))
 
 
-def test_fixed_replicas_take_a_whole_batch_and_queue_each():
+def test_fixed_replicas_take_a_whole_batch_queue_and_sessions_each():
     options = _options("--replicas", "3", "--num-cpus-per-replica", "0.5", "--num-gpus-per-replica", "1",
-                       "--max-batch-size", "8", "--max-queue", "32")
+                       "--max-batch-size", "8", "--max-queue", "32", "--max-sessions", "5")
     assert options["num_replicas"] == 3 and "autoscaling_config" not in options
-    assert options["max_ongoing_requests"] == 8 + 32 + 4
+    # an open WebSocket session is an ongoing request: --max-sessions on each of the two WebSocket routes
+    assert options["max_ongoing_requests"] == 8 + 32 + 2 * 5 + 4
     assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1.0}
     assert options["graceful_shutdown_timeout_s"] == 30.0
 
