@@ -319,6 +319,69 @@ def test_streamed_text_and_bad_events_over_websockets_through_the_proxy(url, sin
     assert refused.value.response.status_code == 401
 
 
+# -- saved voices shared by the replicas ------------------------------------------------------------------
+
+TTS_APP = "omnimtp-tts"
+
+
+@pytest.fixture
+def tts_url(url, tmp_path):
+    """A second application on the same proxy under the route prefix /tts: `serve --replicas 2` of the tiny
+    Qwen3-TTS Base model, both replicas on one --voices-dir (no CPUs reserved: the instance's two are taken)."""
+    args = build_parser().parse_args([
+        "serve", "--model", "tiny-tts-base", "--replicas", "2", "--num-cpus-per-replica", "0", "--eager",
+        "--max-batch-size", "2", "--max-frames", str(MAX_FRAMES), "--voices-dir", str(tmp_path / "voices"),
+        "--api-key", API_KEY,
+    ])
+    serve.run(ray_serve.application(args), name=TTS_APP, route_prefix="/tts", blocking=False)
+    try:
+        yield f"{url}/tts"
+    finally:
+        serve.delete(TTS_APP)
+
+
+def _on_replica(send, replica: str | None = None, avoid: str | None = None, tries: int = 40) -> httpx.Response:
+    """`send()` again until a response comes from `replica` (or from any replica but `avoid`): the router picks
+    a replica per request."""
+    for _ in range(tries):
+        reply = send()
+        name = reply.headers[ray_serve.REPLICA_HEADER.decode()]
+        if (replica is None or name == replica) and name != avoid:
+            return reply
+    raise AssertionError(f"no response from replica {replica or 'other than ' + str(avoid)} in {tries} tries")
+
+
+def test_a_voice_saved_through_one_replica_is_listed_spoken_and_deleted_through_the_other(tts_url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{tts_url}/v1/audio/voices").status_code == 401  # the key is checked below a route prefix
+    assert httpx.get(f"{tts_url}/health").json()["replicas"] == {"running": 2, "total": 2}
+    recording = tone(2.0, 24000, hz=150.0, level=0.3) + tone(2.0, 24000, hz=450.0, level=0.1)
+    wav = io.BytesIO()
+    sf.write(wav, recording, 24000, format="WAV")
+    created = httpx.post(f"{tts_url}/v1/audio/voices", headers=headers, timeout=300, json={
+        "name": "shared", "consent": "The speaker agreed to be cloned.",
+        "audio_sample": base64.b64encode(wav.getvalue()).decode(), "x_vector_only_mode": True})
+    assert created.status_code == 200, created.text
+    creator = created.headers[ray_serve.REPLICA_HEADER.decode()]
+
+    listed = _on_replica(lambda: httpx.get(f"{tts_url}/v1/audio/voices", headers=headers, timeout=60), avoid=creator)
+    other = listed.headers[ray_serve.REPLICA_HEADER.decode()]
+    assert [voice["name"] for voice in listed.json()["uploaded_voices"]] == ["shared"]
+
+    def speak():
+        return httpx.post(f"{tts_url}/v1/audio/speech", headers=headers, timeout=300,
+                          json={"voice": "shared", "input": "Hello there", "seed": 3, "response_format": "pcm"})
+
+    spoken = {replica: _on_replica(speak, replica).content for replica in (creator, other)}
+    assert_audible(_pcm(spoken[other]))
+    assert spoken[other] == spoken[creator]  # the same voice, read from the one store by each replica
+
+    deleted = _on_replica(lambda: httpx.delete(f"{tts_url}/v1/audio/voices/shared", headers=headers, timeout=60))
+    assert deleted.status_code == 200, deleted.text
+    gone = _on_replica(speak, avoid=deleted.headers[ray_serve.REPLICA_HEADER.decode()])
+    assert gone.status_code == 400 and gone.json()["error"]["param"] == "voice"  # no replica keeps a stale copy
+
+
 def _settled_chat_count(url) -> float:
     """The chat requests /metrics counts once every replica's snapshot has caught up (each replica pushes
     one every `ray_serve._METRICS_PUSH_S`): two reads that far apart agree."""

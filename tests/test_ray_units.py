@@ -14,6 +14,7 @@ from omnimtp.batch import BatchInputError, finished_ids, read_prompts
 from omnimtp.cli import build_parser, main
 from omnimtp.server import ray_serve
 from omnimtp.server.cli import app_builder
+from omnimtp.server.guard import route_path
 from omnimtp.server.metrics import ServerMetrics
 
 
@@ -83,6 +84,14 @@ def test_one_process_serve_never_imports_ray():
             "build_app(build_parser().parse_args(['serve', '--eager'])); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_routes_and_the_api_key_see_the_path_below_a_route_prefix():
+    # Serve mounts an application with a route prefix at root_path and passes the whole path
+    assert route_path({"path": "/tts/v1/models", "root_path": "/tts"}) == "/v1/models"
+    assert route_path({"path": "/tts", "root_path": "/tts"}) == "/"
+    assert route_path({"path": "/ttsx/v1/models", "root_path": "/tts"}) == "/ttsx/v1/models"
+    assert route_path({"path": "/v1/models", "root_path": ""}) == route_path({"path": "/v1/models"}) == "/v1/models"
 
 
 def test_merge_metrics_labels_every_sample_by_replica():
