@@ -324,14 +324,15 @@ def test_streamed_text_and_bad_events_over_websockets_through_the_proxy(url, sin
 TTS_APP = "omnimtp-tts"
 
 
-@pytest.fixture
-def tts_url(url, tmp_path):
-    """A second application on the same proxy under the route prefix /tts: `serve --replicas 2` of the tiny
-    Qwen3-TTS Base model, both replicas on one --voices-dir (no CPUs reserved: the instance's two are taken)."""
+@pytest.fixture(scope="module")
+def tts_url(url, tmp_path_factory):
+    """A second application on the same proxy under the route prefix /tts: `serve --replicas 2 --max-sessions 1`
+    of the tiny Qwen3-TTS Base model, both replicas on one --voices-dir (no CPUs reserved: the instance's two are
+    taken)."""
     args = build_parser().parse_args([
         "serve", "--model", "tiny-tts-base", "--replicas", "2", "--num-cpus-per-replica", "0", "--eager",
-        "--max-batch-size", "2", "--max-frames", str(MAX_FRAMES), "--voices-dir", str(tmp_path / "voices"),
-        "--api-key", API_KEY,
+        "--max-batch-size", "2", "--max-frames", str(MAX_FRAMES), "--max-sessions", "1",
+        "--voices-dir", str(tmp_path_factory.mktemp("voices")), "--api-key", API_KEY,
     ])
     serve.run(ray_serve.application(args), name=TTS_APP, route_prefix="/tts", blocking=False)
     try:
@@ -380,6 +381,31 @@ def test_a_voice_saved_through_one_replica_is_listed_spoken_and_deleted_through_
     assert deleted.status_code == 200, deleted.text
     gone = _on_replica(speak, avoid=deleted.headers[ray_serve.REPLICA_HEADER.decode()])
     assert gone.status_code == 400 and gone.json()["error"]["param"] == "voice"  # no replica keeps a stale copy
+
+
+def test_max_sessions_is_per_replica(tts_url):
+    """--max-sessions 1 on two replicas: a session on each (the router sends the second upgrade to the replica
+    without one), then the third upgrade is refused with 429 by the replica it reaches; a closed session frees
+    its replica's slot."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    replica = ray_serve.REPLICA_HEADER.decode()
+    with _ws_connect(tts_url, "/v1/audio/speech/stream", additional_headers=headers) as first, \
+            _ws_connect(tts_url, "/v1/audio/speech/stream", additional_headers=headers) as second:
+        assert first.response.headers[replica] != second.response.headers[replica]
+        with pytest.raises(InvalidStatus) as refused:
+            _ws_connect(tts_url, "/v1/audio/speech/stream", additional_headers=headers)
+        assert refused.value.response.status_code == 429
+        assert json.loads(refused.value.response.body)["error"]["code"] == "too_many_sessions"
+        first.close()
+        deadline = time.monotonic() + 30
+        while True:  # the replica frees the slot once the session's handler has returned
+            try:
+                with _ws_connect(tts_url, "/v1/audio/speech/stream", additional_headers=headers) as again:
+                    assert again.response.headers[replica] != second.response.headers[replica]
+                    break
+            except InvalidStatus as exc:
+                assert exc.response.status_code == 429 and time.monotonic() < deadline
+                time.sleep(0.2)
 
 
 def _settled_chat_count(url) -> float:
