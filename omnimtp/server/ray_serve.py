@@ -17,6 +17,10 @@ What the deployment changes:
                so its counters never go back); sum over the label for the deployment's totals
     shutdown   SIGINT / SIGTERM deletes the application: each replica stops taking requests, finishes
                its ongoing ones within --timeout-graceful-shutdown, then its engine stops
+    WebSockets /v1/realtime and /v1/audio/speech/stream pass through Serve's proxy; a session is one
+               ongoing request, on the replica its upgrade reached, for its whole life; --max-sessions
+               is each replica's (`deployment_options` makes room for them in max_ongoing_requests)
+    replica    every response names its replica in the X-Omnimtp-Replica header (a WebSocket's upgrade)
 
 Serve's proxy, not omnimtp's uvicorn config, speaks HTTP here: --timeout-keep-alive applies, the
 headers timeout (--timeout-headers) does not; the body timeout and every limit are the app's and apply.

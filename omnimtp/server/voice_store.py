@@ -19,8 +19,10 @@ another's transaction instead of failing. That needs the directory on one host's
 POSIX volume whose byte-range locks work across hosts (and, for WAL's shared-memory index, every process on
 the same host as the file's lock manager sees it: in practice one node, or a cluster filesystem with
 coherent mmap). Not supported: NFS or SMB without working locks (`nolock`, some object-store mounts), where
-two writers can corrupt the file, and WAL across hosts on plain NFS. Such a cluster keeps the voices on one
-node and points every replica there, or gives each replica its own directory (voices then are per replica).
+two writers can corrupt the file, and WAL across hosts on plain NFS. A cluster of several nodes keeps the
+replicas that share a directory on one node, or sends each request its voice (`ref_audio`, `speaker_embedding`)
+instead of saving it. No process keeps a copy of a voice: each request reads its row, so a voice saved or
+deleted by one process is seen by every other at its next request.
 
 The store never touches the event loop: its methods block (each opens its own connection) and the routes
 run them in a worker thread.
