@@ -2,7 +2,9 @@
 
 The deployment is what `omnimtp serve --replicas 2` runs (`ray_serve.deploy` of the parsed command
 line): 2 replicas of the tiny model at 0.5 CPU each (the instance has 2 logical CPUs, so that the batch
-job's 2 actors at 0.5 CPU fit beside them), spoken to with the official `openai` client."""
+job's 2 actors at 0.5 CPU fit beside them), spoken to with the official `openai` client (its realtime API
+for /v1/realtime) and the websockets package. Saved voices and the per-replica session limit run on a second
+application on the same proxy, under the route prefix /tts: 2 replicas of the tiny Qwen3-TTS Base model."""
 
 from __future__ import annotations
 
