@@ -4,6 +4,7 @@ merge, the prompt file and resume bookkeeping, and that one-process `serve` neve
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,6 +17,8 @@ from omnimtp.server import ray_serve
 from omnimtp.server.cli import app_builder
 from omnimtp.server.guard import route_path
 from omnimtp.server.metrics import ServerMetrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _options(*flags):
@@ -44,6 +47,19 @@ def test_app_builder_reads_a_serve_config_as_serve_flags(monkeypatch):
     assert args.replicas == 1  # the config's deployment section sets the count
     with pytest.raises(SystemExit):
         app_builder({"max_batch_size": 0})
+
+
+def test_the_rayservice_deployment_takes_what_its_args_need(monkeypatch):
+    # deploy/rayservice.yaml's deployment section overrides the options the code would set: they must agree
+    import yaml
+
+    monkeypatch.setattr(ray_serve, "application", lambda args: args)
+    with open(os.path.join(ROOT, "deploy", "rayservice.yaml")) as file:
+        (application,) = yaml.safe_load(yaml.safe_load(file)["spec"]["serveConfigV2"])["applications"]
+    (deployment,) = application["deployments"]
+    options = ray_serve.deployment_options(app_builder(application["args"]))
+    assert deployment["max_ongoing_requests"] == options["max_ongoing_requests"]
+    assert deployment["graceful_shutdown_timeout_s"] == options["graceful_shutdown_timeout_s"]
 
 
 def test_autoscaling_options():
