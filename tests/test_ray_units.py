@@ -4,6 +4,7 @@ merge, the prompt file and resume bookkeeping, and that one-process `serve` neve
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,18 +15,22 @@ from omnimtp.batch import BatchInputError, finished_ids, read_prompts
 from omnimtp.cli import build_parser, main
 from omnimtp.server import ray_serve
 from omnimtp.server.cli import app_builder
+from omnimtp.server.guard import route_path
 from omnimtp.server.metrics import ServerMetrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _options(*flags):
     return ray_serve.deployment_options(build_parser().parse_args(["serve", *flags]))
 
 
-def test_fixed_replicas_take_a_whole_batch_and_queue_each():
+def test_fixed_replicas_take_a_whole_batch_queue_and_sessions_each():
     options = _options("--replicas", "3", "--num-cpus-per-replica", "0.5", "--num-gpus-per-replica", "1",
-                       "--max-batch-size", "8", "--max-queue", "32")
+                       "--max-batch-size", "8", "--max-queue", "32", "--max-sessions", "5")
     assert options["num_replicas"] == 3 and "autoscaling_config" not in options
-    assert options["max_ongoing_requests"] == 8 + 32 + 4
+    # an open WebSocket session is an ongoing request: --max-sessions on each of the two WebSocket routes
+    assert options["max_ongoing_requests"] == 8 + 32 + 2 * 5 + 4
     assert options["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 1.0}
     assert options["graceful_shutdown_timeout_s"] == 30.0
 
@@ -42,6 +47,19 @@ def test_app_builder_reads_a_serve_config_as_serve_flags(monkeypatch):
     assert args.replicas == 1  # the config's deployment section sets the count
     with pytest.raises(SystemExit):
         app_builder({"max_batch_size": 0})
+
+
+def test_the_rayservice_deployment_takes_what_its_args_need(monkeypatch):
+    # deploy/rayservice.yaml's deployment section overrides the options the code would set: they must agree
+    import yaml
+
+    monkeypatch.setattr(ray_serve, "application", lambda args: args)
+    with open(os.path.join(ROOT, "deploy", "rayservice.yaml")) as file:
+        (application,) = yaml.safe_load(yaml.safe_load(file)["spec"]["serveConfigV2"])["applications"]
+    (deployment,) = application["deployments"]
+    options = ray_serve.deployment_options(app_builder(application["args"]))
+    assert deployment["max_ongoing_requests"] == options["max_ongoing_requests"]
+    assert deployment["graceful_shutdown_timeout_s"] == options["graceful_shutdown_timeout_s"]
 
 
 def test_autoscaling_options():
@@ -82,6 +100,14 @@ def test_one_process_serve_never_imports_ray():
             "build_app(build_parser().parse_args(['serve', '--eager'])); "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_routes_and_the_api_key_see_the_path_below_a_route_prefix():
+    # Serve mounts an application with a route prefix at root_path and passes the whole path
+    assert route_path({"path": "/tts/v1/models", "root_path": "/tts"}) == "/v1/models"
+    assert route_path({"path": "/tts", "root_path": "/tts"}) == "/"
+    assert route_path({"path": "/ttsx/v1/models", "root_path": "/tts"}) == "/ttsx/v1/models"
+    assert route_path({"path": "/v1/models", "root_path": ""}) == route_path({"path": "/v1/models"}) == "/v1/models"
 
 
 def test_merge_metrics_labels_every_sample_by_replica():

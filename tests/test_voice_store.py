@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from omnimtp.server import voice_store
 from omnimtp.server.voice_store import (
     DB_NAME,
     DuplicateVoiceError,
@@ -23,6 +24,7 @@ from omnimtp.server.voice_store import (
     UnknownVoiceError,
     VoiceStore,
     VoiceStoreError,
+    filesystem_type,
 )
 from omnimtp.voice import Voice
 
@@ -130,6 +132,21 @@ def _child(script: str, directory) -> subprocess.Popen:
                             consent="yes", model="tts-base")
     """) + textwrap.dedent(script)
     return subprocess.Popen([sys.executable, "-c", code, str(directory)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_store_on_a_network_filesystem_is_opened_with_a_warning(tmp_path, monkeypatch, caplog):
+    mountinfo = tmp_path / "mountinfo"
+    share = tmp_path / "nfs share"
+    mountinfo.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+                         f"40 22 0:50 / {str(share).replace(' ', chr(92) + '040')} rw - nfs4 host:/export rw\n")
+    assert filesystem_type(share / "voices", str(mountinfo)) == "nfs4"
+    assert filesystem_type(tmp_path / "nfs", str(mountinfo)) == "ext4"  # a sibling whose name it begins
+    assert filesystem_type(tmp_path, str(tmp_path / "missing")) is None
+    monkeypatch.setattr(voice_store, "MOUNTINFO", str(mountinfo))
+    VoiceStore(tmp_path / "local")
+    assert "network filesystem" not in caplog.text
+    VoiceStore(share / "voices")  # a test's nfs is a local directory: WAL works, and the warning is logged
+    assert "voices_dir:" in caplog.text and "network filesystem (nfs4)" in caplog.text
 
 
 def test_a_writer_killed_inside_its_transaction_leaves_no_voice(tmp_path):

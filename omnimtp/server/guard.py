@@ -247,7 +247,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = route_path(scope)
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         exchange = {"status": None, "body_complete": not _has_body(scope["headers"])}
 
@@ -292,11 +292,12 @@ class Guard:
     async def _websocket(self, scope, receive, send):
         """A WebSocket upgrade on a /v1/ route without the key is refused before it is accepted: HTTP 401 with
         an OpenAI error body (where the server speaks the denial-response extension, else a 403)."""
-        if (self.api_key is None or not scope["path"].startswith("/v1/") or self._is_authorized(scope)
+        path = route_path(scope)
+        if (self.api_key is None or not path.startswith("/v1/") or self._is_authorized(scope)
                 or self._has_key_subprotocol(scope)):
             await self.app(scope, receive, send)
             return
-        self.metrics.websocket_sessions.labels(route=scope["path"], status="unauthorized").inc()
+        self.metrics.websocket_sessions.labels(route=path, status="unauthorized").inc()
         await deny(WebSocket(scope, receive, send), APIError(401, "Incorrect or missing API key",
                                                               code="invalid_api_key"))
 
@@ -315,6 +316,15 @@ class Guard:
             if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode("utf-8"), self.api_key):
                 return True
         return False
+
+
+def route_path(scope) -> str:
+    """The request's path as the app's routes match it: below `root_path`, where the app is mounted (a Ray Serve
+    route prefix such as "/tts" gives the path "/tts/v1/models" and the root path "/tts": "/v1/models")."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    if root_path and (path == root_path or path.startswith(root_path + "/")):
+        return path[len(root_path):] or "/"
+    return path
 
 
 def _has_body(headers) -> bool:

@@ -17,6 +17,10 @@ What the deployment changes:
                so its counters never go back); sum over the label for the deployment's totals
     shutdown   SIGINT / SIGTERM deletes the application: each replica stops taking requests, finishes
                its ongoing ones within --timeout-graceful-shutdown, then its engine stops
+    WebSockets /v1/realtime and /v1/audio/speech/stream pass through Serve's proxy; a session is one
+               ongoing request, on the replica its upgrade reached, for its whole life; --max-sessions
+               is each replica's (`deployment_options` makes room for them in max_ongoing_requests)
+    replica    every response names its replica in the X-Omnimtp-Replica header (a WebSocket's upgrade)
 
 Serve's proxy, not omnimtp's uvicorn config, speaks HTTP here: --timeout-keep-alive applies, the
 headers timeout (--timeout-headers) does not; the body timeout and every limit are the app's and apply.
@@ -43,6 +47,11 @@ INSTALL_HINT = "pip install 'omnimtp[ray]'"
 _METRICS_PUSH_S = 1.0
 # Ongoing requests a replica takes besides its engine's batch and queue: /health and /metrics scrapes.
 _CONTROL_SLOTS = 4
+# The WebSocket routes (/v1/realtime, /v1/audio/speech/stream): an open session is one ongoing request for
+# Serve for its whole life, and a replica holds up to --max-sessions of them on each route.
+_NUM_WEBSOCKET_ROUTES = 2
+# Every response of a replica names it (HTTP responses, WebSocket accepts and refusals).
+REPLICA_HEADER = b"x-omnimtp-replica"
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -88,13 +97,16 @@ def is_requested(args: argparse.Namespace) -> bool:
 def deployment_options(args: argparse.Namespace) -> dict:
     """`serve.deployment` options of `serve`'s arguments; ValueError naming the flag.
 
-    A replica takes up to max_batch_size + max_queue requests (plus a few scrapes), so that a replica's
-    own queue bound, not Serve's router, decides when a request gets 429."""
+    A replica takes up to max_batch_size + max_queue requests, max_sessions open WebSocket sessions on each
+    WebSocket route and a few scrapes, so that a replica's own bounds (its queue, its session limit), not
+    Serve's router, decide when a request or an upgrade gets 429: the router never holds a request back
+    behind a replica's idle sessions."""
     autoscale = args.min_replicas is not None or args.max_replicas is not None
     if args.target_ongoing_requests is not None and not autoscale:
         raise ValueError("--target-ongoing-requests needs --min-replicas or --max-replicas (autoscaling)")
     options = {
-        "max_ongoing_requests": args.max_batch_size + args.max_queue + _CONTROL_SLOTS,
+        "max_ongoing_requests": (args.max_batch_size + args.max_queue + _NUM_WEBSOCKET_ROUTES * args.max_sessions
+                                 + _CONTROL_SLOTS),
         "graceful_shutdown_timeout_s": args.timeout_graceful_shutdown,
         "ray_actor_options": {"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
     }
@@ -161,17 +173,33 @@ class ReplicaApp:
         self._pusher = None  # the asyncio task that pushes metrics, once started
 
     async def __call__(self, scope, receive, send):
+        from omnimtp.server.guard import route_path
+
         if scope["type"] == "lifespan":
             await self.app(scope, receive, self._started_when_serving(send))
             return
+        send = self._naming_replica(send)
         if scope["type"] == "http" and scope["method"] in ("GET", "HEAD"):
-            if scope["path"] == "/health":
+            path = route_path(scope)
+            if path == "/health":
                 await (await self.health())(scope, receive, send)
                 return
-            if scope["path"] == "/metrics":
+            if path == "/metrics":
                 await (await self.all_metrics())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _naming_replica(self, send):
+        """`send` with the `REPLICA_HEADER` added to the response's headers: a client (or a test) sees which
+        replica answered, and that a WebSocket session's replica is the one its upgrade reached."""
+        header = (REPLICA_HEADER, self.replica_id.encode("latin-1"))
+
+        async def send_named(message):
+            if message["type"] in ("http.response.start", "websocket.accept", "websocket.http.response.start"):
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        return send_named
 
     def _started_when_serving(self, send):
         import asyncio

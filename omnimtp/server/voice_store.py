@@ -19,8 +19,11 @@ another's transaction instead of failing. That needs the directory on one host's
 POSIX volume whose byte-range locks work across hosts (and, for WAL's shared-memory index, every process on
 the same host as the file's lock manager sees it: in practice one node, or a cluster filesystem with
 coherent mmap). Not supported: NFS or SMB without working locks (`nolock`, some object-store mounts), where
-two writers can corrupt the file, and WAL across hosts on plain NFS. Such a cluster keeps the voices on one
-node and points every replica there, or gives each replica its own directory (voices then are per replica).
+two writers can corrupt the file, and WAL across hosts on plain NFS. A cluster of several nodes keeps the
+replicas that share a directory on one node, or sends each request its voice (`ref_audio`, `speaker_embedding`)
+instead of saving it; a store opened on a network filesystem logs a warning. No process keeps a copy of a
+voice: each request reads its row, so a voice saved or deleted by one process is seen by every other at its
+next request.
 
 The store never touches the event loop: its methods block (each opens its own connection) and the routes
 run them in a worker thread.
@@ -33,12 +36,15 @@ run them in a worker thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+logger = logging.getLogger("omnimtp.server")
 
 DB_NAME = "voices.sqlite3"
 DEFAULT_MAX_VOICES = 1000
@@ -65,6 +71,11 @@ CREATE TABLE IF NOT EXISTS voices (
     audio_format TEXT
 )
 """
+# Filesystem types (Linux mountinfo) whose files other hosts can open: SQLite's WAL index is shared memory,
+# which does not reach across hosts, and their locks are not all real.
+NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs",
+                                 "lustre", "gpfs", "fuse.sshfs", "fuse.glusterfs", "fuse.s3fs", "fuse.gcsfuse"})
+MOUNTINFO = "/proc/self/mountinfo"
 _SUMMARY_COLUMNS = ("name, created_at, mode, seconds, ref_text, consent, consent_user, consent_client, consent_at, "
                     "model, audio IS NOT NULL")
 
@@ -176,6 +187,11 @@ class VoiceStore:
                 if mode.lower() != "wal":
                     raise ValueError(f"voices_dir: {self.directory!r} is on a filesystem without SQLite's WAL mode "
                                      f"(journal mode {mode!r}); use a local disk or a POSIX volume with working locks")
+                kind = filesystem_type(self.directory)
+                if kind in NETWORK_FILESYSTEMS:
+                    logger.warning("voices_dir: %s is on a network filesystem (%s): SQLite's WAL mode needs every "
+                                   "process that opens it on one host; two hosts writing can corrupt the voices",
+                                   self.directory, kind)
                 # A store made before needs no write lock to open (another process may be writing).
                 if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
                     conn.execute("BEGIN IMMEDIATE")
@@ -272,6 +288,27 @@ class VoiceStore:
             deleted = conn.execute("DELETE FROM voices WHERE name = ?", (check_name(name),)).rowcount
         if deleted == 0:
             raise _unknown(name)
+
+
+def filesystem_type(path, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem holding `path` ("ext4", "nfs4", ...): that of the deepest mount point above it
+    in `mountinfo` (default `MOUNTINFO`, Linux's /proc/self/mountinfo); None where that file cannot be read."""
+    target = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open(mountinfo or MOUNTINFO, encoding="utf-8", errors="replace") as file:
+            for line in file:
+                fields, _, after = line.partition(" - ")
+                columns = fields.split()
+                if len(columns) < 5 or not after:
+                    continue
+                mount_point = columns[4].replace("\\040", " ")
+                is_above = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if is_above and len(mount_point) >= len(best):
+                    best, kind = mount_point, after.split()[0]
+    except OSError:
+        return None
+    return kind
 
 
 def _saved(row) -> SavedVoice:
