@@ -1,0 +1,167 @@
+"""A conversation kept warm between turns (`omnimtp.engine.prefix_cache`) on the tiny Qwen3-Omni: a turn that
+starts from the cached prefix replies with the same tokens, codes and PCM as the same conversation sent as one
+request to an engine without the cache, greedy and seeded, with text and audio turns; a changed earlier item
+reuses only the blocks before the change; two audios behind the same placeholder ids never match; the cache
+stays within its budget, least recently used out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from audio_checks import assert_audio_equal
+
+from omnimtp.engine.core import EngineConfig, EngineCore
+from omnimtp.engine.prefix_cache import PrefixCache
+from omnimtp.engine.request import Request
+from omnimtp.media import MediaLimits
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.runtime.kv_cache import SavedSlot
+from omnimtp.sampling import SamplingParams
+from omnimtp.thinker import PrefixRows
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def family():
+    return OmniPipeline.tiny(seed=0).family
+
+
+def _config(cache_bytes: int) -> EngineConfig:
+    return EngineConfig(max_new_tokens=8, max_frames=6, prefix_cache_bytes=cache_bytes, prefill_block=BLOCK)
+
+
+def _speech(seed: int, seconds: float = 0.4) -> np.ndarray:
+    """A seeded noise burst at 16 kHz (the processor's rate): its features differ from any other seed's."""
+    rng = np.random.default_rng(seed)
+    return (0.3 * rng.standard_normal(int(16_000 * seconds))).astype(np.float32)
+
+
+def _user(turn: int, is_audio: bool, audio_seed: int | None = None) -> dict:
+    if not is_audio:
+        return {"role": "user", "content": f"Turn {turn}: tell me something about the number {turn}."}
+    return {"role": "user", "content": [{"type": "audio", "audio": _speech(turn if audio_seed is None else audio_seed)},
+                                        {"type": "text", "text": "Answer this."}]}
+
+
+def _request(family, messages: list[dict], request_id, sampling: SamplingParams | None, seed: int | None) -> Request:
+    ids, media = family.chat_inputs(messages, MediaLimits())
+    return Request(request_id, ids, max_new_tokens=8, max_frames=6, speaker=family.default_speaker, media=media,
+                   thinker_sampling=sampling, talker_sampling=family.sampled_talker(sampling), seed=seed,
+                   cache_key="session")
+
+
+def _finish(core: EngineCore, request: Request):
+    core.add(request)
+    output = None
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                output = core.output(event.request)
+    return output
+
+
+def _assert_same(actual, expected) -> None:
+    assert actual.text_ids == expected.text_ids
+    assert torch.equal(actual.codes, expected.codes)
+    assert_audio_equal(actual.audio, expected.audio)
+
+
+@pytest.mark.parametrize("sampling, seed", [(None, None), (SamplingParams(temperature=0.9, top_p=0.95), 11)],
+                         ids=["greedy", "seeded"])
+def test_warm_turns_equal_the_conversation_sent_as_one_request(family, sampling, seed):
+    """Five turns (text, audio, text, audio, text) on one warm engine: from turn 2 on each reuses cached rows,
+    and each reply equals the same conversation sent as one request to an engine without the cache."""
+    warm = EngineCore(family, _config(64 << 20))
+    messages = [{"role": "system", "content": "You are a helpful voice assistant."}]
+    for turn in range(1, 6):
+        messages.append(_user(turn, is_audio=turn % 2 == 0))
+        request = _request(family, messages, turn, sampling, seed)
+        output = _finish(warm, request)
+        assert (request.num_reused_rows > 0) == (turn > 1), (turn, request.num_reused_rows)
+        assert request.num_reused_rows % BLOCK == 0
+        cold = EngineCore(family, _config(0))
+        expected = _finish(cold, _request(family, messages, turn, sampling, seed))
+        _assert_same(output, expected)
+        messages.append({"role": "assistant", "content": output.text})
+    stats = warm.prefix_cache.stats
+    assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0
+    assert cold.prefix_cache.stats.reused_rows == 0 and len(cold.prefix_cache) == 0
+
+
+def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
+    """Three turns, then the first reply cut short (what `conversation.item.truncate` does to the prompt): the
+    next turn reuses whole blocks up to the first changed id only, and replies as the uncached request does."""
+    warm = EngineCore(family, _config(64 << 20))
+    messages = []
+    for turn in range(1, 4):
+        messages.append(_user(turn, is_audio=False))
+        output = _finish(warm, _request(family, messages, turn, None, None))
+        messages.append({"role": "assistant", "content": output.text or "Something long enough to cut."})
+    cached = warm.prefix_cache.get("session")
+    messages[1] = {"role": "assistant", "content": messages[1]["content"][:2]}
+    messages.append(_user(4, is_audio=False))
+    request = _request(family, messages, 4, None, None)
+    changed = next(p for p, (a, b) in enumerate(zip(request.prompt_ids, cached.ids, strict=False)) if a != b)
+    output = _finish(warm, request)
+    assert request.num_reused_rows == changed // BLOCK * BLOCK
+    assert 0 < request.num_reused_rows < cached.num_rows
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 4, None, None)))
+
+
+def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
+    """The same conversation with the first turn's audio replaced by another of the same length (the same ids):
+    the reuse stops at the audio's first row, and the reply is the uncached one."""
+    warm = EngineCore(family, _config(64 << 20))
+    messages = [_user(1, is_audio=True, audio_seed=5)]
+    output = _finish(warm, _request(family, messages, 1, None, None))
+    messages += [{"role": "assistant", "content": output.text}, _user(2, is_audio=False)]
+    first = _request(family, messages, 2, None, None)
+    changed = [_user(1, is_audio=True, audio_seed=6), *messages[1:]]
+    second = _request(family, changed, 3, None, None)
+    assert first.prompt_ids == second.prompt_ids
+    audio_start = second.prompt_ids.index(family.model.config.thinker_config.audio_token_id)
+    output = _finish(warm, second)
+    assert second.num_reused_rows == audio_start // BLOCK * BLOCK
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, changed, 3, None, None)))
+
+
+def _prefix(num_rows: int) -> PrefixRows:
+    kv = torch.zeros(1, 2, 1, num_rows, 4)
+    return PrefixRows(tuple(range(num_rows)), SavedSlot(kv, num_rows, 0), torch.zeros(num_rows, 4),
+                      torch.zeros(num_rows, 4), None, 4)
+
+
+def test_the_cache_stays_within_its_budget_least_recently_used_out():
+    one = _prefix(8).num_bytes
+    cache = PrefixCache(max_bytes=2 * one)
+    cache.put("a", _prefix(8))
+    cache.put("b", _prefix(8), reused_rows=8)
+    assert cache.get("a") is not None  # "b" is now the least recently used
+    cache.put("c", _prefix(8))
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.num_bytes == 2 * one and cache.stats.evictions == 1
+    assert cache.stats.hits == 1 and cache.stats.misses == 2 and cache.stats.reused_rows == 8
+    cache.put("d", _prefix(24))  # larger than the whole budget: not kept, nothing else evicted
+    assert cache.get("d") is None and len(cache) == 2
+    cache.drop("a")
+    assert cache.get("a") is None and cache.stats.drops == 1 and cache.num_bytes == one
+    off = PrefixCache(0)
+    off.put("a", _prefix(8))
+    assert off.get("a") is None and off.num_bytes == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache(-1)
+
+
+def test_matching_rows_stops_at_the_first_differing_id_or_row():
+    prefix = _prefix(12)
+    embeds = torch.zeros(20, 4)
+    assert prefix.matching_rows(list(range(20)), embeds, max_rows=19) == 12 // 4 * 4
+    assert prefix.matching_rows([0, 1, 2, 3, 4, 99, *range(6, 20)], embeds, max_rows=19) == 4
+    changed = embeds.clone()
+    changed[9, 1] = 1.0
+    assert prefix.matching_rows(list(range(20)), changed, max_rows=19) == 8
+    assert prefix.matching_rows(list(range(20)), embeds, max_rows=7) == 4
