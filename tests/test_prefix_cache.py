@@ -18,7 +18,7 @@ from omnimtp.media import MediaLimits
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.sampling import SamplingParams
-from omnimtp.thinker import PrefixRows
+from omnimtp.thinker import PrefixRows, ThinkerRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -127,6 +127,35 @@ def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
     output = _finish(warm, second)
     assert second.num_reused_rows == audio_start // BLOCK * BLOCK
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, changed, 3, None, None)))
+
+
+def _thinker_rows(family, prompt: list[int], prefix: PrefixRows | None) -> tuple[ThinkerRun, torch.Tensor]:
+    """Four greedy thinker steps with prefill blocks → the run and every row it handed out at
+    accept_hidden_layer [P + 3, D]."""
+    run = ThinkerRun(family.model.thinker, [prompt], accept_hidden_layer=family.accept_hidden_layer,
+                     eos_token_ids=set(), max_new_tokens=4, decoder=family.thinker_decoder, prefill_blocks=[BLOCK],
+                     prefixes=[prefix])
+    rows = [event.hidden for _ in range(4) for event in run.step()]
+    return run, torch.cat(rows)
+
+
+def test_a_reused_prefix_gives_the_same_rows_bit_for_bit(family):
+    """The thinker's rows of a prompt that starts from the previous prompt's blocks equal, bit for bit, those of
+    the same prompt prefilled from scratch: the rows the talker reads, not only the tokens (a prefix reused up
+    to a position inside a block computes that block's rows in other forwards, whose last bits differ)."""
+    first = family.chat_ids([_user(1, is_audio=False), {"role": "assistant", "content": "Fine, and you?"},
+                             _user(2, is_audio=False)])
+    second = family.chat_ids([_user(1, is_audio=False), {"role": "assistant", "content": "Fine."},
+                              _user(3, is_audio=False)])
+    changed = next(p for p, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert changed % BLOCK != 0  # the reuse ends inside a block
+    kept = _thinker_rows(family, first, None)[0].kept_prefixes[0]
+    assert kept.num_rows == len(first) // BLOCK * BLOCK > changed
+    warm, warm_rows = _thinker_rows(family, second, kept)
+    cold, cold_rows = _thinker_rows(family, second, None)
+    assert warm.reused_rows == [changed // BLOCK * BLOCK] != [0] and cold.reused_rows == [0]
+    assert warm.output_ids == cold.output_ids
+    assert torch.equal(warm_rows, cold_rows)
 
 
 def _prefix(num_rows: int) -> PrefixRows:
