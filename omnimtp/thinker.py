@@ -14,12 +14,12 @@ prompt and N output tokens leaves P + N − 1 captured rows.
         for event in run.step():   # ThinkerEvent(index, token_id, embeds [n, D], hidden [n, D], finish_reason)
             ...
 
-Prefix reuse (`prefill_blocks`, `prefixes`): a request with a prefill block B prefills its prompt in
-blocks of B positions counted from position 0 (the last one shorter), one forward each, and keeps its
-prompt's whole blocks as a `PrefixRows` (`kept_prefixes`); a later request given that prefix loads the
-KV of the whole blocks its prompt shares (ids and input rows equal: the same text and the same media
-content) and prefills from there. Every block is then the same forward on the same inputs either way,
-so a reused prefix gives the same bits as prefilling it again.
+Prefix reuse (`prefill_block`, `prefixes`, `keeps_prefix`): with a prefill block B every prompt is
+prefilled in blocks of B positions counted from position 0 (the last one shorter), one forward each; a
+request that keeps its prefix leaves its prompt's whole blocks as a `PrefixRows` (`kept_prefixes`), and a
+later request given that prefix loads the KV of the whole blocks its prompt shares (ids and input rows
+equal: the same text and the same media content) and prefills from there. Every block is then the same
+forward on the same inputs either way, so a reused prefix gives the same bits as prefilling it again.
 
 Speculative mode (`speculation=ThinkerSpeculation(head_or_proposer, k)`, see
 `omnimtp.spec_decode.thinker_spec`): after the prefill, each step drafts k tokens per request, verifies
@@ -115,10 +115,10 @@ class ThinkerRun:
     `get_audio_features`, `get_image_features`, `get_rope_index`). decoder: the packed weights
     of its text model (`PackedDecoder.from_module(thinker.model.language_model)`), made here when
     None; pass one to share it between runs. speculation: speculative steps (see the module docstring);
-    `spec_stats[i]` then counts request i's drafts and acceptances. prefill_blocks[i]: request i prefills
-    in blocks of that many positions and keeps its whole blocks (`kept_prefixes[i]` after the first step),
-    None: in one forward, keeping nothing; prefixes[i]: a `PrefixRows` of the same block size that request
-    i may start from (`reused_rows[i]` says how many rows it took)."""
+    `spec_stats[i]` then counts request i's drafts and acceptances. prefill_block: prompts prefill in blocks
+    of that many positions (None: each in one forward); prefixes[i]: a `PrefixRows` of that block size that
+    request i may start from (`reused_rows[i]` says how many rows it took); keeps_prefix[i]: request i keeps
+    its prompt's whole blocks (`kept_prefixes[i]` after the first step)."""
 
     def __init__(
         self,
@@ -133,23 +133,26 @@ class ThinkerRun:
         decoder: PackedDecoder | None = None,
         media: list[MediaInputs | None] | None = None,
         speculation: ThinkerSpeculation | None = None,
-        prefill_blocks: list[int | None] | None = None,
+        prefill_block: int | None = None,
         prefixes: list[PrefixRows | None] | None = None,
+        keeps_prefix: list[bool] | None = None,
     ):
         batch_size = len(prompts)
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one non-empty prompt")
-        self.prefill_blocks = list(prefill_blocks) if prefill_blocks is not None else [None] * batch_size
-        if len(self.prefill_blocks) != batch_size or any(
-            b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1) for b in self.prefill_blocks
+        if prefill_block is not None and (
+            isinstance(prefill_block, bool) or not isinstance(prefill_block, int) or prefill_block < 1
         ):
-            raise ValueError(f"prefill_blocks must be a list of {batch_size} integers >= 1 or None")
+            raise ValueError(f"prefill_block must be None or an integer >= 1, got {prefill_block!r}")
+        self.prefill_block = prefill_block
         self.prefixes = list(prefixes) if prefixes is not None else [None] * batch_size
         if len(self.prefixes) != batch_size or any(
-            p is not None and (not isinstance(p, PrefixRows) or p.block != block)
-            for p, block in zip(self.prefixes, self.prefill_blocks, strict=True)
+            p is not None and (not isinstance(p, PrefixRows) or p.block != prefill_block) for p in self.prefixes
         ):
-            raise ValueError(f"prefixes must be a list of {batch_size} PrefixRows of the row's prefill block or None")
+            raise ValueError(f"prefixes must be a list of {batch_size} PrefixRows of block {prefill_block} or None")
+        self.keeps_prefix = list(keeps_prefix) if keeps_prefix is not None else [False] * batch_size
+        if len(self.keeps_prefix) != batch_size or (prefill_block is None and any(self.keeps_prefix)):
+            raise ValueError(f"keeps_prefix must be a list of {batch_size} booleans, all False without a prefill_block")
         self.reused_rows = [0] * batch_size
         self.kept_prefixes: list[PrefixRows | None] = [None] * batch_size
         self.media = list(media) if media is not None else [None] * batch_size
@@ -269,7 +272,7 @@ class ThinkerRun:
         """Request i's prompt into its slot → hidden at accept_hidden_layer [P, D], the last row's logits [V],
         the rows after the final norm [P, D] (speculative runs, else None). In one forward, or with a prefill
         block: the reused prefix's KV loaded, then the rest in blocks (see the module docstring)."""
-        prompt, block = self.prompts[i], self.prefill_blocks[i]
+        prompt, block = self.prompts[i], self.prefill_block
         if block is None:
             hidden, logits, final = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
             return hidden[0], logits[0], None if final is None else final[0]
@@ -303,7 +306,7 @@ class ThinkerRun:
         visual_ids = {self.thinker.config.image_token_id, self.thinker.config.video_token_id}
         num_plain = next((p for p, token in enumerate(prompt) if token in visual_ids), num_rows)
         num_kept = num_plain // block * block
-        if num_kept:
+        if num_kept and self.keeps_prefix[i]:
             saved = self.kv.save(i, num_kept)
             self.kept_prefixes[i] = PrefixRows(
                 tuple(prompt[:num_kept]), SavedSlot(saved.kv, num_kept, 0), embeds[:num_kept].clone(),

@@ -63,9 +63,9 @@ class EngineConfig:
     admitted cohort takes in its first step (its prefill counts as one). max_decode_frames: frames of
     later (not first) chunks decoded per step, though always the oldest chunk (None: every due chunk).
     max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
-    prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none kept);
-    prefill_block: a request with a cache key prefills in blocks of this many positions, which is what it
-    reuses whole (with the cache on or off, so a reply never depends on it)."""
+    prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
+    prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`).
+    prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none)."""
 
     max_batch_size: int = 8
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -77,7 +77,7 @@ class EngineConfig:
     max_decode_frames: int | None = None
     max_defer_steps: int = 0
     prefix_cache_bytes: int = 0
-    prefill_block: int = 64
+    prefill_block: int = 256
 
     def __post_init__(self):
         for f in fields(self):
@@ -317,8 +317,9 @@ class EngineCore:
         run = self.family.new_thinker(
             [r.prompt_ids for r in chats], [r.thinker_sampling for r in chats], [r.thinker_generator for r in chats],
             max(r.max_new_tokens for r in chats), [r.media for r in chats],
-            prefill_blocks=[None if r.cache_key is None else self.config.prefill_block for r in chats],
+            prefill_block=self.config.prefill_block,
             prefixes=[None if r.cache_key is None else self.prefix_cache.get(r.cache_key) for r in chats],
+            keeps_prefix=[r.cache_key is not None and self.prefix_cache.max_bytes > 0 for r in chats],
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)

@@ -60,9 +60,9 @@ class Request:
     spoken in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames
     frames) that continues the request's talker generator, and every segment's frames join one codec stream, so
     the decoder sees one continuous code sequence and the audio has no seams of its own. cache_key: a chat
-    request of a conversation kept warm (a realtime session's id): its thinker prefills in blocks and starts from
-    the blocks of the key's last prompt that its prompt shares (`omnimtp.engine.prefix_cache`); the reply is
-    the same bit for bit whether any were reused."""
+    request of a conversation kept warm (a realtime session's id): its thinker starts from the prefill blocks of
+    the key's last prompt that its prompt shares (`omnimtp.engine.prefix_cache`); the reply is the same bit for
+    bit as the same prompt without a key."""
 
     request_id: Hashable
     prompt_ids: list[int]

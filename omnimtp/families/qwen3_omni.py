@@ -114,15 +114,16 @@ class Qwen3OmniFamily(ChatText):
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
                     generators: list[torch.Generator], max_new_tokens: int,
-                    media: list[MediaInputs | None] | None = None, prefill_blocks: list[int | None] | None = None,
-                    prefixes: list[PrefixRows | None] | None = None) -> ThinkerRun:
+                    media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
+                    prefixes: list[PrefixRows | None] | None = None,
+                    keeps_prefix: list[bool] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each row with its own sampling, generator
         and media (its encoders run in the row's prefill)."""
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generators=generators, decoder=self.thinker_decoder, media=media, speculation=self.thinker_speculation,
-            prefill_blocks=prefill_blocks, prefixes=prefixes,
+            prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
         )
 
     def calibrate_speculation(self, max_batch_size: int) -> dict[str, DraftCostTable] | None:
