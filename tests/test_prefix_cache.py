@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from audio_checks import assert_audio_equal
+from spec_drafters import RecomputingDraft
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.prefix_cache import PrefixCache
@@ -18,6 +19,7 @@ from omnimtp.media import MediaLimits
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.sampling import SamplingParams
+from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.thinker import PrefixRows, ThinkerRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,12 +132,13 @@ def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, changed, 3, None, None, None)))
 
 
-def _thinker_rows(family, prompt: list[int], prefix: PrefixRows | None) -> tuple[ThinkerRun, torch.Tensor]:
+def _thinker_rows(family, prompt: list[int], prefix: PrefixRows | None,
+                  speculation: ThinkerSpeculation | None = None) -> tuple[ThinkerRun, torch.Tensor]:
     """Four greedy thinker steps with prefill blocks → the run and every row it handed out at
-    accept_hidden_layer [P + 3, D]."""
+    accept_hidden_layer."""
     run = ThinkerRun(family.model.thinker, [prompt], accept_hidden_layer=family.accept_hidden_layer,
-                     eos_token_ids=set(), max_new_tokens=4, decoder=family.thinker_decoder, prefill_block=BLOCK,
-                     prefixes=[prefix], keeps_prefix=[True])
+                     eos_token_ids=set(), max_new_tokens=8, decoder=family.thinker_decoder, prefill_block=BLOCK,
+                     prefixes=[prefix], keeps_prefix=[True], speculation=speculation)
     rows = [event.hidden for _ in range(4) for event in run.step()]
     return run, torch.cat(rows)
 
@@ -157,6 +160,27 @@ def test_a_reused_prefix_gives_the_same_rows_bit_for_bit(family):
     assert warm.reused_rows == [changed // BLOCK * BLOCK] != [0] and cold.reused_rows == [0]
     assert warm.output_ids == cold.output_ids
     assert torch.equal(warm_rows, cold_rows)
+
+
+def test_a_speculative_thinker_reuses_its_prefix_with_the_drafters_rows(family):
+    """With speculative steps the prefix also keeps the rows after the final norm (what the drafter reads): a
+    warm run's tokens, handed-out rows and kept final rows equal a cold run's."""
+    first = family.chat_ids([_user(1, is_audio=False)])
+    second = family.chat_ids([_user(1, is_audio=False), {"role": "assistant", "content": "Fine."},
+                              _user(2, is_audio=False)])
+
+    def speculation():
+        return ThinkerSpeculation(RecomputingDraft(family.model.thinker, corrupt_rate=0.3), 2)
+
+    kept = _thinker_rows(family, first, None, speculation())[0].kept_prefixes[0]
+    assert kept.final is not None and kept.final.shape == kept.hidden.shape
+    warm, warm_rows = _thinker_rows(family, second, kept, speculation())
+    cold, cold_rows = _thinker_rows(family, second, None, speculation())
+    assert warm.reused_rows[0] == kept.num_rows > 0
+    assert warm.output_ids == cold.output_ids and torch.equal(warm_rows, cold_rows)
+    assert torch.equal(warm.kept_prefixes[0].final, cold.kept_prefixes[0].final)
+    without_final = PrefixRows(kept.ids, kept.kv, kept.embeds, kept.hidden, None, kept.block)
+    assert _thinker_rows(family, second, without_final, speculation())[0].reused_rows == [0]
 
 
 def _prefix(num_rows: int) -> PrefixRows:
