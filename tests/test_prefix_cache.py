@@ -132,6 +132,41 @@ def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, changed, 3, None, None, None)))
 
 
+def test_under_pressure_the_least_recently_used_session_is_evicted_and_prefills_again(family):
+    """A budget that holds one session's prefix: a second session evicts the first, whose next turn then
+    prefills everything (a miss) and still replies as the uncached request does."""
+    decoder = family.thinker_decoder
+    row_bytes = 4 * (decoder.num_layers * 2 * decoder.num_kv_heads * decoder.head_dim + 2 * decoder.hidden_size)
+    turns = {key: [_user(1, is_audio=False), {"role": "assistant", "content": "Sure."}] for key in "ab"}
+    longest = max(len(family.chat_ids(turns[key][:1])) for key in "ab")
+    warm = EngineCore(family, _config(row_bytes * (longest // BLOCK * BLOCK) * 3 // 2))
+    for key in "ab":
+        _finish(warm, _request(family, turns[key][:1], f"{key}1", None, None, cache_key=key))
+    assert warm.prefix_cache.get("a") is None and warm.prefix_cache.get("b") is not None
+    assert warm.prefix_cache.stats.evictions == 1
+    messages = [*turns["a"], _user(2, is_audio=False)]
+    request = _request(family, messages, "a2", None, None, cache_key="a")
+    output = _finish(warm, request)
+    assert request.num_reused_rows == 0 and warm.prefix_cache.stats.misses == 3
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, "a2", None, None, None)))
+
+
+def test_bad_budgets_are_errors_naming_the_setting():
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        EngineConfig(prefix_cache_bytes=-1)
+    with pytest.raises(ValueError, match="prefill_block"):
+        EngineConfig(prefill_block=0)
+
+
+def test_serve_session_cache_mb_flag(capsys):
+    from omnimtp.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--session-cache-mb", "0"]).session_cache_mb == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--session-cache-mb", "-1"])
+    assert "--session-cache-mb" in capsys.readouterr().err
+
+
 def _thinker_rows(family, prompt: list[int], prefix: PrefixRows | None,
                   speculation: ThinkerSpeculation | None = None) -> tuple[ThinkerRun, torch.Tensor]:
     """Four greedy thinker steps with prefill blocks → the run and every row it handed out at
