@@ -15,6 +15,7 @@ from spec_drafters import RecomputingDraft
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import Request
+from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.media import MediaLimits
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.kv_cache import SavedSlot
@@ -93,6 +94,20 @@ def test_warm_turns_equal_the_conversation_sent_as_one_request(family, sampling,
     stats = warm.prefix_cache.stats
     assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0
     assert len(cold.prefix_cache) == 0
+
+
+def test_qwen2_5_omni_warm_turn_equals_the_uncached_request():
+    """Qwen2.5-Omni (its talker reads the thinker's last layer): a second text turn that reuses the first
+    turn's blocks replies as the uncached request does (seeded: its token2wav draws noise)."""
+    family = Qwen2_5OmniFamily.tiny(0)
+    warm = EngineCore(family, _config(64 << 20))
+    messages = [_user(1, is_audio=False)]
+    output = _finish(warm, _request(family, messages, 1, None, 3))
+    messages += [{"role": "assistant", "content": output.text}, _user(2, is_audio=False)]
+    request = _request(family, messages, 2, None, 3)
+    output = _finish(warm, request)
+    assert request.num_reused_rows > 0
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 2, None, 3, None)))
 
 
 def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
