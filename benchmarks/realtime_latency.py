@@ -94,7 +94,7 @@ async def conversation(url: str, index: int, max_tokens: int, num_turns: int, tu
             first_audio, result = None, None
             async for event in connection:
                 if event.type == "error":
-                    result = {"ok": False, "error": event.error.code}
+                    result = {"ok": False, "error": event.error.code, "message": event.error.message}
                     break
                 if event.type == "response.output_audio.delta" and first_audio is None:
                     first_audio = time.perf_counter() - started
@@ -124,9 +124,10 @@ async def run_conversations(url: str, concurrency: int, max_tokens: int, num_tur
 def run_warm(args) -> list[dict]:
     """The `--warm` comparison: every level on a cold server, then on a warm one."""
     levels = []
+    parts = ("--max-media-parts", str(max(args.turns, 8)))  # every audio turn is one part of the last prompt
     for name, cache_args in (("cold", ("--session-cache-mb", "0")), ("warm", ())):
         with server_process(args.max_batch_size, args.max_frames, args.threads,
-                            extra_args=(*args.serve_arg, *cache_args)) as url:
+                            extra_args=(*parts, *args.serve_arg, *cache_args)) as url:
             asyncio.run(run_conversations(url, 1, args.max_tokens, 2, args.turn_seconds))  # warm-up, not recorded
             for concurrency in args.concurrency:
                 level = {"server": name, **asyncio.run(run_conversations(
