@@ -132,6 +132,7 @@ def run_warm(args) -> list[dict]:
             for concurrency in args.concurrency:
                 level = {"server": name, **asyncio.run(run_conversations(
                     url, concurrency, args.max_tokens, args.turns, args.turn_seconds))}
+                level["session_cache"] = _session_cache_metrics(url)  # totals so far on this server
                 levels.append(level)
                 first, last = level["first_turn_ttfa_p50_s"], level["last_turn_ttfa_p50_s"]
                 print(f"{name} c{concurrency:<3} first audio p50: turn 1 {_ms(first)}, turn {args.turns} {_ms(last)}"
@@ -143,6 +144,14 @@ def run_warm(args) -> list[dict]:
             print(f"c{concurrency:<3} turn {args.turns} first audio p50, warm / cold: "
                   f"{warm['last_turn_ttfa_p50_s'] / cold['last_turn_ttfa_p50_s']:.2f}×")
     return levels
+
+
+def _session_cache_metrics(url: str) -> dict:
+    """The server's omnimtp_session_cache_* samples from /metrics (name → value)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {name: float(value) for name, value in (line.split()[:2] for line in text.splitlines()
+                                                   if line.startswith("omnimtp_session_cache_")
+                                                   and not line.split()[0].endswith("_created"))}
 
 
 def _ms(seconds: float | None) -> str:
