@@ -98,7 +98,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes of conversation content a /v1/realtime session holds in memory, audio as float32 "
                         "samples (default %(default)d)")
     parser.add_argument("--session-cache-mb", type=non_negative_float, default=DEFAULT_SESSION_CACHE_MB, metavar="MB",
-                        help="memory for the conversations of /v1/realtime sessions kept warm between turns: the "
+                        help="memory (per process or replica) for the conversations of /v1/realtime sessions kept "
+                        "warm between turns: the "
                         "thinker's KV of each session's last prompt, so a new turn prefills only its new part; the "
                         "least recently used session is evicted when it is full (its next turn prefills all), a "
                         "session's entry goes when it closes; 0 = off (default %(default)g)")
