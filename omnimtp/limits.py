@@ -46,6 +46,9 @@ DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S = 600.0  # a session with no message either way
 DEFAULT_TIMEOUT_TEXT_IDLE_S = 60.0
 DEFAULT_MAX_SESSION_ITEMS = 512  # conversation items a realtime session holds
 DEFAULT_MAX_SESSION_BYTES = 64 << 20  # their content in memory (audio as the processor's float32 samples)
+# the realtime conversations kept warm (thinker KV of each session's last prompt): Qwen3-Omni-30B-A3B's thinker
+# holds ~96 KiB per position in bf16, so 1 GiB keeps about 10,000 positions of conversation
+DEFAULT_SESSION_CACHE_MB = 1024
 
 
 @dataclass(frozen=True)

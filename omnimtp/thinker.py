@@ -14,6 +14,13 @@ prompt and N output tokens leaves P + N − 1 captured rows.
         for event in run.step():   # ThinkerEvent(index, token_id, embeds [n, D], hidden [n, D], finish_reason)
             ...
 
+Prefix reuse (`prefill_block`, `prefixes`, `keeps_prefix`): with a prefill block B every prompt is
+prefilled in blocks of B positions counted from position 0 (the last one shorter), one forward each; a
+request that keeps its prefix leaves its prompt's whole blocks as a `PrefixRows` (`kept_prefixes`), and a
+later request given that prefix loads the KV of the whole blocks its prompt shares (ids and input rows
+equal: the same text and the same media content) and prefills from there. Every block is then the same
+forward on the same inputs either way, so a reused prefix gives the same bits as prefilling it again.
+
 Speculative mode (`speculation=ThinkerSpeculation(head_or_proposer, k)`, see
 `omnimtp.spec_decode.thinker_spec`): after the prefill, each step drafts k tokens per request, verifies
 them in one forward over [last, d1..dk] and emits one event per accepted token, in order, each with the
@@ -30,6 +37,7 @@ import torch
 
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.sampling import SamplingParams, sample
 from omnimtp.spec_decode.adaptive import (
     DEFAULT_MAX_DRAFT_TOKENS,
@@ -59,6 +67,46 @@ class ThinkerEvent:
     finish_reason: str | None
 
 
+@dataclass(frozen=True)
+class PrefixRows:
+    """A prompt prefix's thinker state, whole prefill blocks of `block` positions: what a later prompt that
+    starts the same way reuses instead of prefilling it again.
+
+    ids: the prefix's prompt ids; kv: its KV (`SavedSlot`, length len(ids)); embeds, hidden: its input rows
+    and the rows at accept_hidden_layer [N, D] (what the talker reads of the prompt); final: its rows after
+    the final norm [N, D] when a speculative run kept them (its drafter reads them), else None. The prefix
+    holds no image or video row (M-RoPE moves positions there), so its positions are its cache indices."""
+
+    ids: tuple[int, ...]
+    kv: SavedSlot
+    embeds: torch.Tensor
+    hidden: torch.Tensor
+    final: torch.Tensor | None
+    block: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = (self.kv.kv, self.embeds, self.hidden) + (() if self.final is None else (self.final,))
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def matching_rows(self, prompt: list[int], embeds: torch.Tensor, max_rows: int) -> int:
+        """How many of its rows a prompt with input rows embeds [P, D] reuses: the whole blocks, up to
+        max_rows, before the first position where the ids or the input rows differ (two audios behind
+        the same placeholder ids differ in their rows)."""
+        num_rows = min(self.num_rows, len(prompt), max_rows)
+        if num_rows < self.block:
+            return 0
+        same = torch.tensor(self.ids[:num_rows]) == torch.tensor(prompt[:num_rows])  # [n]
+        same &= (self.embeds[:num_rows] == embeds[:num_rows]).all(dim=-1).cpu()
+        differing = (~same).nonzero()
+        common = int(differing[0]) if len(differing) else num_rows
+        return common // self.block * self.block
+
+
 class ThinkerRun:
     """A batch of requests decoded in lockstep; finished requests are no longer forwarded.
 
@@ -67,7 +115,10 @@ class ThinkerRun:
     `get_audio_features`, `get_image_features`, `get_rope_index`). decoder: the packed weights
     of its text model (`PackedDecoder.from_module(thinker.model.language_model)`), made here when
     None; pass one to share it between runs. speculation: speculative steps (see the module docstring);
-    `spec_stats[i]` then counts request i's drafts and acceptances."""
+    `spec_stats[i]` then counts request i's drafts and acceptances. prefill_block: prompts prefill in blocks
+    of that many positions (None: each in one forward); prefixes[i]: a `PrefixRows` of that block size that
+    request i may start from (`reused_rows[i]` says how many rows it took); keeps_prefix[i]: request i keeps
+    its prompt's whole blocks (`kept_prefixes[i]` after the first step)."""
 
     def __init__(
         self,
@@ -82,10 +133,28 @@ class ThinkerRun:
         decoder: PackedDecoder | None = None,
         media: list[MediaInputs | None] | None = None,
         speculation: ThinkerSpeculation | None = None,
+        prefill_block: int | None = None,
+        prefixes: list[PrefixRows | None] | None = None,
+        keeps_prefix: list[bool] | None = None,
     ):
         batch_size = len(prompts)
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one non-empty prompt")
+        if prefill_block is not None and (
+            isinstance(prefill_block, bool) or not isinstance(prefill_block, int) or prefill_block < 1
+        ):
+            raise ValueError(f"prefill_block must be None or an integer >= 1, got {prefill_block!r}")
+        self.prefill_block = prefill_block
+        self.prefixes = list(prefixes) if prefixes is not None else [None] * batch_size
+        if len(self.prefixes) != batch_size or any(
+            p is not None and (not isinstance(p, PrefixRows) or p.block != prefill_block) for p in self.prefixes
+        ):
+            raise ValueError(f"prefixes must be a list of {batch_size} PrefixRows of block {prefill_block} or None")
+        self.keeps_prefix = list(keeps_prefix) if keeps_prefix is not None else [False] * batch_size
+        if len(self.keeps_prefix) != batch_size or (prefill_block is None and any(self.keeps_prefix)):
+            raise ValueError(f"keeps_prefix must be a list of {batch_size} booleans, all False without a prefill_block")
+        self.reused_rows = [0] * batch_size
+        self.kept_prefixes: list[PrefixRows | None] = [None] * batch_size
         self.media = list(media) if media is not None else [None] * batch_size
         if len(self.media) != batch_size or any(m is not None and not isinstance(m, MediaInputs) for m in self.media):
             raise ValueError(f"media must be a list of {batch_size} MediaInputs or None")
@@ -154,12 +223,10 @@ class ThinkerRun:
             if self._is_prefill:
                 for i in active:
                     prefill = multimodal_prefill(self.thinker, self.prompts[i], self.media[i], device)
-                    hidden, logits, final = self._forward(
-                        prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds
-                    )
-                    rows[i] = (prefill.embeds[0], hidden[0], logits[0])
+                    hidden, logits, final = self._prefill(i, prefill)
+                    rows[i] = (prefill.embeds[0], hidden, logits)
                     if final is not None:
-                        final_rows[i] = final[0]
+                        final_rows[i] = final
                     if prefill.rope_positions is not None:
                         rope_rows[i] = prefill.rope_positions[:, 0]
             elif active:
@@ -200,6 +267,52 @@ class ThinkerRun:
             [rope_rows.get(i) for i in range(len(self.prompts))],
         )
         return events
+
+    def _prefill(self, i: int, prefill: Prefill) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Request i's prompt into its slot → hidden at accept_hidden_layer [P, D], the last row's logits [V],
+        the rows after the final norm [P, D] (speculative runs, else None). In one forward, or with a prefill
+        block: the reused prefix's KV loaded, then the rest in blocks (see the module docstring)."""
+        prompt, block = self.prompts[i], self.prefill_block
+        if block is None:
+            hidden, logits, final = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
+            return hidden[0], logits[0], None if final is None else final[0]
+        num_rows, embeds = len(prompt), prefill.embeds[0]  # [P, D]
+        prefix = self.prefixes[i]
+        if prefix is not None and self.speculation is not None and prefix.final is None:
+            prefix = None  # its drafter would need the prefix's final rows
+        # at least one row is forwarded: the first token comes from the last row's logits
+        num_reused = 0 if prefix is None else prefix.matching_rows(prompt, embeds, num_rows - 1)
+        hidden_parts, final_parts = [], []
+        if num_reused:
+            self.kv.load(i, prefix.kv.head(num_reused))
+            hidden_parts.append(prefix.hidden[:num_reused])
+            if prefix.final is not None:
+                final_parts.append(prefix.final[:num_reused])
+        self.reused_rows[i] = num_reused
+        for start in range(num_reused, num_rows, block):
+            stop = min(start + block, num_rows)
+            hidden, logits, final = self._forward(
+                prefill.embeds[:, start:stop], [i],
+                None if prefill.rope_positions is None else prefill.rope_positions[:, :, start:stop],
+                tuple(add[:, start:stop] for add in prefill.layer_adds),
+            )
+            hidden_parts.append(hidden[0])
+            if final is not None:
+                final_parts.append(final[0])
+        if prefill.rope_positions is not None:  # decoding continues after the prompt's largest position
+            self.kv.rope_offsets[i] = int(prefill.rope_positions.max()) + 1 - num_rows
+        hidden = torch.cat(hidden_parts)  # [P, D]
+        final = torch.cat(final_parts) if final_parts else None
+        visual_ids = {self.thinker.config.image_token_id, self.thinker.config.video_token_id}
+        num_plain = next((p for p, token in enumerate(prompt) if token in visual_ids), num_rows)
+        num_kept = num_plain // block * block
+        if num_kept and self.keeps_prefix[i]:
+            saved = self.kv.save(i, num_kept)
+            self.kept_prefixes[i] = PrefixRows(
+                tuple(prompt[:num_kept]), SavedSlot(saved.kv, num_kept, 0), embeds[:num_kept].clone(),
+                hidden[:num_kept].clone(), None if final is None else final[:num_kept].clone(), block,
+            )
+        return hidden, logits[0], final
 
     def _record_plain_step(
         self, active: list[int], sampled_ids: torch.Tensor | None, final: torch.Tensor | None, started: float

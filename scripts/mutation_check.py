@@ -53,6 +53,7 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
+PREFIX_CACHE = ("tests/test_prefix_cache.py",)
 VOICE_AGENT = ("tests/test_realtime_vad.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
@@ -204,6 +205,18 @@ MUTATIONS = [
         ADAPTIVE, "after a plain thinker step the next verify reads the token before the one just sampled",
     ),
     # --- speculative thinker steps ------------------------------------------------------------------
+    Mutation(
+        "prefix_reuse_ends_inside_a_block", "omnimtp/thinker.py",
+        "        return common // self.block * self.block",
+        "        return common",
+        PREFIX_CACHE, "a warm turn reuses its prefix up to a position inside a prefill block (other forwards)",
+    ),
+    Mutation(
+        "prefix_reuse_ignores_media_rows", "omnimtp/thinker.py",
+        "        same &= (self.embeds[:num_rows] == embeds[:num_rows]).all(dim=-1).cpu()",
+        "",
+        PREFIX_CACHE, "a warm turn reuses cached audio rows behind the same placeholder ids whatever the audio",
+    ),
     Mutation(
         "thinker_spec_no_rollback", "omnimtp/thinker.py",
         "                self.kv.restore(tuple(lengths))\n",

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from omnimtp.engine.family import Family
+from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
 from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEGMENT_TOKENS
@@ -61,7 +62,10 @@ class EngineConfig:
     audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
     admitted cohort takes in its first step (its prefill counts as one). max_decode_frames: frames of
     later (not first) chunks decoded per step, though always the oldest chunk (None: every due chunk).
-    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot."""
+    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
+    prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
+    prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`).
+    prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none)."""
 
     max_batch_size: int = 8
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -72,13 +76,15 @@ class EngineConfig:
     max_start_steps: int = 3
     max_decode_frames: int | None = None
     max_defer_steps: int = 0
+    prefix_cache_bytes: int = 0
+    prefill_block: int = 256
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "max_decode_frames" and value is None:
                 continue
-            minimum = 0 if f.name == "max_defer_steps" else 1
+            minimum = 0 if f.name in ("max_defer_steps", "prefix_cache_bytes") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"{f.name} must be an integer >= {minimum}, got {value!r}")
 
@@ -122,6 +128,7 @@ class EngineCore:
         self.running: dict[Hashable, Request] = {}
         self.cohorts: list[_Cohort] = []
         self.talker = family.new_talker_batch(self.config.max_batch_size)
+        self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes)
         self.num_steps = 0
         self._num_deferred = 0
 
@@ -310,17 +317,24 @@ class EngineCore:
         run = self.family.new_thinker(
             [r.prompt_ids for r in chats], [r.thinker_sampling for r in chats], [r.thinker_generator for r in chats],
             max(r.max_new_tokens for r in chats), [r.media for r in chats],
+            prefill_block=self.config.prefill_block,
+            prefixes=[None if r.cache_key is None else self.prefix_cache.get(r.cache_key) for r in chats],
+            keeps_prefix=[r.cache_key is not None and self.prefix_cache.max_bytes > 0 for r in chats],
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
         spec_stats = getattr(run, "spec_stats", None)  # a speculative run's per-request counts, updated as it steps
         for index, request in enumerate(chats):
             request.spec_stats = None if spec_stats is None else spec_stats[index]
-        events = []
-        for _ in range(self.config.max_start_steps):
-            events += self._think(cohort)
+        events = self._think(cohort)  # the prefill
+        for index, request in enumerate(chats):
+            if request.cache_key is not None:
+                request.num_reused_rows = run.reused_rows[index]
+                self.prefix_cache.put(request.cache_key, run.kept_prefixes[index], run.reused_rows[index])
+        for _ in range(self.config.max_start_steps - 1):
             if run.is_finished or all(_can_speak(request) for request in chats):
                 break
+            events += self._think(cohort)
         return events
 
     # --- think ---

@@ -59,7 +59,10 @@ class Request:
     its piece, none empty; prompt_ids is the first, and each segment's ids join it as the segment starts),
     spoken in order as one request: each segment is a talker run of its own (a fresh prefill, up to max_frames
     frames) that continues the request's talker generator, and every segment's frames join one codec stream, so
-    the decoder sees one continuous code sequence and the audio has no seams of its own."""
+    the decoder sees one continuous code sequence and the audio has no seams of its own. cache_key: a chat
+    request of a conversation kept warm (a realtime session's id): its thinker starts from the prefill blocks of
+    the key's last prompt that its prompt shares (`omnimtp.engine.prefix_cache`); the reply is the same bit for
+    bit as the same prompt without a key."""
 
     request_id: Hashable
     prompt_ids: list[int]
@@ -75,6 +78,7 @@ class Request:
     is_text_finished: bool = True
     is_background: bool = False
     segments: Iterable[list[int]] | None = field(default=None, repr=False)
+    cache_key: Hashable | None = None
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -101,6 +105,7 @@ class Request:
     audio: list[np.ndarray] = field(default_factory=list, repr=False)
     codec_stream: object = field(default=None, repr=False)
     spec_stats: object = field(default=None, repr=False)  # its thinker run's SpecStats (speculative runs)
+    num_reused_rows: int = 0  # prompt rows its thinker took from the prefix cache
     chunk_ready_step: int | None = None  # the step its next later chunk became due
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -114,6 +119,8 @@ class Request:
         self.prompt_ids = [int(token) for token in self.prompt_ids]
         if not self.is_text_finished and self.is_chat:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
+        if self.cache_key is not None and not self.is_chat:
+            raise ValueError("cache_key: only a chat request's thinker prefix is kept")
         if self.segments is not None:
             if self.is_chat or not self.is_text_finished:
                 raise ValueError("segments: only a speech request whose text is whole is spoken in segments")

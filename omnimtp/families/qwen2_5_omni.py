@@ -36,7 +36,7 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.talker.loop import QWEN2_5_OMNI_TALKER_SAMPLING, Qwen2_5FrameMaker, TalkerBatch
 from omnimtp.talker.qwen2_5_inputs import PREFILL_LAYOUTS, Qwen2_5TalkerInputBuilder
 from omnimtp.talker.qwen3_inputs import lookup_speaker, trimmed_thinker_rows
-from omnimtp.thinker import ThinkerRun
+from omnimtp.thinker import PrefixRows, ThinkerRun
 
 SAMPLE_RATE = 24_000
 
@@ -125,14 +125,17 @@ class Qwen2_5OmniFamily(ChatText):
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
                     generators: list[torch.Generator], max_new_tokens: int,
-                    media: list[MediaInputs | None] | None = None) -> ThinkerRun:
+                    media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
+                    prefixes: list[PrefixRows | None] | None = None,
+                    keeps_prefix: list[bool] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each row's media encoded in its prefill
         (`omnimtp.thinker.multimodal_prefill`); its hidden rows are the last layer after the final norm, what
         transformers hands the talker."""
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            generators=generators, decoder=self.thinker_decoder, media=media,
+            generators=generators, decoder=self.thinker_decoder, media=media, prefill_block=prefill_block,
+            prefixes=prefixes, keeps_prefix=keeps_prefix,
         )
 
     # --- thinker → talker ---

@@ -28,7 +28,7 @@ from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
 from omnimtp.talker.code_predictor import CodePredictorRunner
 from omnimtp.talker.loop import QWEN3_OMNI_TALKER_SAMPLING, TalkerBatch
 from omnimtp.talker.qwen3_inputs import Qwen3TalkerInputBuilder, lookup_speaker, trimmed_thinker_rows
-from omnimtp.thinker import ThinkerRun, calibrate_thinker_cost_table
+from omnimtp.thinker import PrefixRows, ThinkerRun, calibrate_thinker_cost_table
 
 SAMPLE_RATE = 24_000
 
@@ -114,13 +114,16 @@ class Qwen3OmniFamily(ChatText):
 
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
                     generators: list[torch.Generator], max_new_tokens: int,
-                    media: list[MediaInputs | None] | None = None) -> ThinkerRun:
+                    media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
+                    prefixes: list[PrefixRows | None] | None = None,
+                    keeps_prefix: list[bool] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each row with its own sampling, generator
         and media (its encoders run in the row's prefill)."""
         return ThinkerRun(
             self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer,
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generators=generators, decoder=self.thinker_decoder, media=media, speculation=self.thinker_speculation,
+            prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
         )
 
     def calibrate_speculation(self, max_batch_size: int) -> dict[str, DraftCostTable] | None:

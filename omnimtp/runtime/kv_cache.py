@@ -52,6 +52,12 @@ class SavedSlot:
     length: int
     rope_offset: int
 
+    def head(self, length: int) -> SavedSlot:
+        """Its first `length` positions (a view, no copy)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"length must be an integer in [0, {self.length}], got {length!r}")
+        return SavedSlot(self.kv[:, :, :, :length], length, self.rope_offset)
+
 
 class KVCache:
     """The KV buffer [L, 2, B_max, Nkv, S_cap, D] of a packed decoder and each slot's length.
@@ -131,10 +137,13 @@ class KVCache:
             raise ValueError(f"snapshot {snapshot!r} does not roll back lengths {self.lengths}")
         self.lengths = list(snapshot)
 
-    def save(self, slot: int) -> SavedSlot:
-        """A copy of slot's sequence (the slot itself is left as it is)."""
+    def save(self, slot: int, length: int | None = None) -> SavedSlot:
+        """A copy of slot's sequence, or of its first `length` positions (the slot itself is left as it is)."""
         self.check_slots([slot])
-        length = self.lengths[slot]
+        if length is None:
+            length = self.lengths[slot]
+        elif isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.lengths[slot]:
+            raise ValueError(f"length must be an integer in [0, {self.lengths[slot]}], got {length!r}")
         return SavedSlot(self.buffer[:, :, slot, :, :length].clone(), length, self.rope_offsets[slot])
 
     def load(self, slot: int, saved: SavedSlot) -> None:

@@ -6,7 +6,13 @@ import argparse
 import os
 import sys
 
-from omnimtp.argtypes import add_quantize_argument, add_threads_argument, positive_float, positive_int
+from omnimtp.argtypes import (
+    add_quantize_argument,
+    add_threads_argument,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from omnimtp.checkpoint import TINY_MODELS, omni_model_type
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
@@ -21,6 +27,7 @@ from omnimtp.limits import (
     DEFAULT_MAX_SESSION_ITEMS,
     DEFAULT_MAX_TOKENS_LIMIT,
     DEFAULT_MAX_WEBSOCKET_SESSIONS,
+    DEFAULT_SESSION_CACHE_MB,
     DEFAULT_TIMEOUT_TEXT_IDLE_S,
     DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
     MAX_REF_AUDIO_SECONDS,
@@ -90,6 +97,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-session-bytes", type=positive_int, default=DEFAULT_MAX_SESSION_BYTES, metavar="N",
                         help="bytes of conversation content a /v1/realtime session holds in memory, audio as float32 "
                         "samples (default %(default)d)")
+    parser.add_argument("--session-cache-mb", type=non_negative_float, default=DEFAULT_SESSION_CACHE_MB, metavar="MB",
+                        help="memory (per process or replica) for the conversations of /v1/realtime sessions kept "
+                        "warm between turns: the "
+                        "thinker's KV of each session's last prompt, so a new turn prefills only its new part; the "
+                        "least recently used session is evicted when it is full (its next turn prefills all), a "
+                        "session's entry goes when it closes; 0 = off (default %(default)g)")
     parser.add_argument("--timeout-session-idle", type=positive_float, default=DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S,
                         metavar="S", help="seconds a WebSocket session may pass without a message either way before "
                         "it is closed (default %(default)g)")

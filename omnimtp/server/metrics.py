@@ -87,6 +87,44 @@ class ServerMetrics:
             registry=r,
         )
 
+        # the realtime conversations kept warm (`serve --session-cache-mb`)
+        self.session_cache_hits = Counter(
+            "omnimtp_session_cache_hits", "Realtime turns that reused their session's cached thinker prefix",
+            registry=r,
+        )
+        self.session_cache_misses = Counter(
+            "omnimtp_session_cache_misses", "Realtime turns that prefilled their whole conversation (a session's "
+            "first turn, an evicted session, a conversation changed before the first cached block)", registry=r,
+        )
+        self.session_cache_reused_rows = Counter(
+            "omnimtp_session_cache_reused_rows", "Prompt positions taken from the cache instead of prefilled",
+            registry=r,
+        )
+        self.session_cache_evictions = Counter(
+            "omnimtp_session_cache_evictions", "Sessions' cached prefixes evicted, least recently used first, to "
+            "stay within --session-cache-mb", registry=r,
+        )
+        self.session_cache_bytes = Gauge(
+            "omnimtp_session_cache_bytes", "Bytes of cached thinker prefixes held", registry=r
+        )
+        self.session_cache_sessions = Gauge(
+            "omnimtp_session_cache_sessions", "Sessions with a cached thinker prefix", registry=r
+        )
+        self._session_cache_seen = (0, 0, 0, 0)
+
+    def observe_session_cache(self, cache) -> None:
+        """The engine's `PrefixCache`: its totals since the last call onto the counters, its size onto the gauges."""
+        stats = cache.stats
+        totals = (stats.hits, stats.misses, stats.reused_rows, stats.evictions)
+        counters = (self.session_cache_hits, self.session_cache_misses, self.session_cache_reused_rows,
+                    self.session_cache_evictions)
+        for counter, total, seen in zip(counters, totals, self._session_cache_seen, strict=True):
+            if total > seen:
+                counter.inc(total - seen)
+        self._session_cache_seen = totals
+        self.session_cache_bytes.set(cache.num_bytes)
+        self.session_cache_sessions.set(len(cache))
+
     def observe_draft_costs(self, tables) -> None:
         """Adaptive speculation's measured costs ({"greedy" | "sampled": `DraftCostTable`}) as the gauge
         omnimtp_thinker_draft_step_cost{sampling, batch_size, k}: a thinker step drafting k tokens relative

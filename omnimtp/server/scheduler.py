@@ -77,6 +77,8 @@ class EngineRequest:
     max_new_tokens: thinker token budget (chat only). is_streamed: the client reads the reply as it
     is made; False (a non-streaming response) generates exactly as `OmniPipeline.generate` does.
     is_background: low priority (`omnimtp.engine.request.Request.is_background`: a realtime input transcript).
+    cache_key: the conversation this chat request continues (a realtime session's id), whose thinker prefix the
+    engine keeps warm between its turns (`omnimtp.engine.request.Request.cache_key`).
     """
 
     messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
@@ -87,6 +89,7 @@ class EngineRequest:
     max_new_tokens: int
     is_streamed: bool = True
     is_background: bool = False
+    cache_key: str | None = None
 
     def __post_init__(self):
         if (self.messages is None) == (self.speak_text is None):
@@ -245,6 +248,7 @@ class Engine:
         self._core: EngineCore | None = None
         self._handles: dict[int, RequestHandle] = {}
         self._cancelled: set[int] = set()
+        self._closed_keys: set[str] = set()  # conversations ended since the step in flight began
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -459,7 +463,7 @@ class Engine:
         return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed,
                            is_chat=request.messages is not None, max_new_tokens=request.max_new_tokens,
                            is_streamed=request.is_streamed, media=media, is_background=request.is_background,
-                           segments=segments)
+                           segments=segments, cache_key=request.cache_key)
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
@@ -471,7 +475,7 @@ class Engine:
     def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
                max_new_tokens: int = 1, is_streamed: bool = True, media: MediaInputs | None = None,
                is_text_finished: bool = True, is_background: bool = False,
-               segments: Iterator[list[int]] | None = None) -> RequestHandle:
+               segments: Iterator[list[int]] | None = None, cache_key: str | None = None) -> RequestHandle:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
@@ -488,6 +492,7 @@ class Engine:
                 max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,
                 talker_sampling=talker_sampling, seed=seed, is_chat=is_chat, is_streamed=is_streamed, media=media,
                 is_text_finished=is_text_finished, is_background=is_background, segments=segments,
+                cache_key=cache_key,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)
@@ -500,6 +505,15 @@ class Engine:
         with self._cond:
             self._core.push_speech_ids(handle.request_id, ids, is_finished)
             self._cond.notify_all()
+
+    def drop_conversation(self, cache_key: str) -> None:
+        """Forget the thinker prefix kept warm for `cache_key` (its realtime session closed, its requests
+        cancelled): now, and again after the step in flight, which may still be prefilling one of them."""
+        with self._cond:
+            if self._core is not None:
+                self._core.prefix_cache.drop(cache_key)
+                self._closed_keys.add(cache_key)
+                self._set_gauges()
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:
@@ -518,6 +532,7 @@ class Engine:
             self.metrics.queue_depth.set(len(self._core.waiting))
             self.metrics.active_requests.set(len(self._core.running) - num_parked)
             self.metrics.parked_requests.set(num_parked)
+            self.metrics.observe_session_cache(self._core.prefix_cache)
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -580,6 +595,9 @@ class Engine:
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
             with self._cond:
+                for key in self._closed_keys:
+                    core.prefix_cache.drop(key)
+                self._closed_keys.clear()
                 self._set_gauges()  # a step parks and resumes requests
 
     def _text_waits(self) -> list[tuple[float, int]]:

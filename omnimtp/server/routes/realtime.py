@@ -6,7 +6,10 @@ the thinker as audio), assistant turns as text (a reply's transcript), and the s
 the system turn. `response.create` answers the whole conversation as one chat request of the one engine
 (continuous batching with every other request; the chat path): its text and audio deltas go out as the
 engine makes them, so the first audio leaves while the thinker is still writing. `response.cancel`, or the
-client leaving, cancels the request at the next frame boundary and frees its slot.
+client leaving, cancels the request at the next frame boundary and frees its slot. The session's id is the
+request's cache key: the engine keeps the thinker's KV of the conversation's last prompt (`serve
+--session-cache-mb`), so a turn prefills only what changed since (`omnimtp.engine.prefix_cache`), with the same
+reply bit for bit; the session's entry goes when its WebSocket closes.
 
     client                                   server
     session.update                           session.updated
@@ -427,6 +430,7 @@ async def _run(session: Session) -> None:
         for task in state.transcripts:  # and so are its input transcripts
             task.cancel()
         await asyncio.gather(*state.transcripts, return_exceptions=True)
+        engine.drop_conversation(state.id)
 
 
 async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
@@ -834,7 +838,7 @@ def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[Eng
     request = EngineRequest(
         messages=turns, speak_text=None, speaker=voice if modalities == ("audio",) else None,
         sampling=sampling_params(settings.temperature, settings.top_p, settings.top_k), seed=settings.seed,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=max_new_tokens, cache_key=state.id,
     )
     described = {"output_modalities": list(modalities), "max_output_tokens": max_output_tokens,
                  "audio": {"output": {"format": _describe_format(output_format, PCM_RATE), "voice": voice}},
