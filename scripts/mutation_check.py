@@ -786,6 +786,13 @@ MUTATIONS = [
         "a speech request waiting for more text still counts against max_batch_size",
     ),
     Mutation(
+        "failed_step_drops_parked_requests", "omnimtp/engine/core.py",
+        "            failed = list(self.running.values())\n",
+        "            failed = [r for r in self.running.values() if not r.is_parked]\n",
+        ("tests/test_speech_stream.py::test_a_failed_step_fails_parked_requests_too",),
+        "a step that raises fails the running requests but forgets the parked ones (their clients wait forever)",
+    ),
+    Mutation(
         "textless_request_admitted", "omnimtp/engine/core.py",
         "            waiting = [r for r in self.waiting if _has_text(r)]\n",
         "            waiting = list(self.waiting)\n",

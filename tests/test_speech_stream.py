@@ -226,6 +226,37 @@ def test_abort_frees_a_parked_request(tts):
     assert core.push_speech_ids(0, [1], is_finished=True) is False
 
 
+def test_a_failed_step_fails_parked_requests_too(tts):
+    """A step that raises: `fail_running` returns the parked request with the running one (so the driver fails
+    both and neither client waits forever), frees its talker state, and leaves a request still waiting for its
+    first text queued."""
+    family = tts.family
+    core = EngineCore(family, tts.config)
+    voice = family.voice("aiden")
+    parked, silent = _request(family, voice, request_id=0), _request(family, voice, request_id=1)
+    core.add(parked)
+    core.add(silent)
+    core.push_speech_ids(0, family.speech_text_ids().push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert parked.is_parked and parked.parked_talker is not None
+    running = Request(2, family.speech_ids(TEXT), max_new_tokens=1, max_frames=FRAMES, speaker=voice, is_chat=False)
+    core.add(running)
+    list(core.step())
+    assert running.is_in_talker
+
+    def broken_step():
+        raise RuntimeError("a model error")
+
+    core.talker.step = broken_step
+    with pytest.raises(RuntimeError, match="a model error"):
+        list(core.step())
+    failed = core.fail_running()
+    assert sorted(r.request_id for r in failed) == [0, 2]
+    assert all(r.status is Status.ABORTED and not r.is_parked and r.parked_talker is None for r in failed)
+    assert list(core.waiting) == [silent] and not core.running and core.talker.request_ids == []
+
+
 # --- the Python session ----------------------------------------------------------------------------------------
 
 SPLITS = [

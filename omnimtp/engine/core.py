@@ -197,12 +197,15 @@ class EngineCore:
         return request
 
     def fail_running(self) -> list[Request]:
-        """After a step raised: drop every running request (returned) and start a fresh talker batch."""
+        """After a step raised: drop every running request (returned, for the driver to fail), parked ones
+        included (their clients would otherwise wait for text that can no longer be spoken), and start a fresh
+        talker batch. Waiting requests stay: nothing of theirs was in the step."""
         with self.lock:
             failed = list(self.running.values())
             self.running.clear()
         for request in failed:
             request.status = Status.ABORTED
+            request.is_in_talker, request.is_parked, request.parked_talker = False, False, None
         self.cohorts.clear()
         self.talker = self.family.new_talker_batch(self.config.max_batch_size)
         return failed
