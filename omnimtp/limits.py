@@ -48,6 +48,13 @@ DEFAULT_MAX_SESSION_ITEMS = 512  # conversation items a realtime session holds
 DEFAULT_MAX_SESSION_BYTES = 64 << 20  # their content in memory (audio as the processor's float32 samples)
 
 
+def check_seconds(name: str, value) -> float:
+    """`value` as float seconds; ValueError naming `name` unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class MediaLimits:
     """What one request's media may hold; larger media is refused, never cut or shrunk.

@@ -7,6 +7,7 @@ request whose text comes in pieces gives the codes of the whole text and the str
 
 from __future__ import annotations
 
+import inspect
 import unicodedata
 from dataclasses import replace
 
@@ -329,6 +330,33 @@ def test_session_bad_input(tts, omni):
     assert session.is_finished
     with pytest.raises(ValueError, match="text: the session's text is finished"):
         session.push("more")
+
+
+def test_a_session_silent_past_its_text_idle_timeout_ends(tts):
+    """`speech_session(text_idle_timeout=...)`: text that keeps coming within it is spoken as usual (a piece with
+    no settled ids still counts as text); after a longer pause the next push raises TimeoutError naming it, the
+    request is dropped (its parked talker state freed) and the session is closed."""
+    import time
+
+    from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S
+
+    assert inspect.signature(tts.speech_session).parameters["text_idle_timeout"].default == DEFAULT_TIMEOUT_TEXT_IDLE_S
+    for value in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="text_idle_timeout"):
+            tts.speech_session(text_idle_timeout=value)
+    session = tts.speech_session(voice="aiden", text_idle_timeout=0.3)
+    session.push("Hello there ")
+    request = session._request
+    assert request.is_parked and request.parked_talker is not None
+    for _ in range(3):
+        time.sleep(0.2)
+        session.push("a")  # no settled ids (a word still being written), but text came
+    time.sleep(0.5)
+    with pytest.raises(TimeoutError, match="text_idle_timeout: no text came for 0.3 s"):
+        session.push(" more")
+    assert not session._core.has_work() and request.parked_talker is None and not session.is_finished
+    with pytest.raises(ValueError, match="closed"):
+        session.finish()
 
 
 # --- /v1/audio/speech/stream ----------------------------------------------------------------------------------

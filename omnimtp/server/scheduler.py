@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
-from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS
+from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
@@ -210,9 +209,7 @@ class Engine:
                  timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
-        if isinstance(timeout_text_idle, bool) or not isinstance(timeout_text_idle, (int, float)) \
-                or not math.isfinite(timeout_text_idle) or timeout_text_idle <= 0:
-            raise ValueError(f"timeout_text_idle must be a finite number > 0, got {timeout_text_idle!r}")
+        timeout_text_idle = check_seconds("timeout_text_idle", timeout_text_idle)
         if not isinstance(media_limits, MediaLimits):
             raise ValueError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
         if family.has_chat and family.speech_header_ids is None:
