@@ -543,7 +543,8 @@ class OmniPipeline:
         request = Request(0, [], max_new_tokens=1, max_frames=max_frames, speaker=speaker,
                           talker_sampling=talker_sampling, seed=seed, is_chat=False, is_streamed=True,
                           is_text_finished=False)
-        return SpeechSession(EngineCore(family, self.config), request, family.speech_text_ids(), text_idle_timeout)
+        text = family.streamed_speech_segments(speaker, max_frames, self.config.max_segment_tokens)
+        return SpeechSession(EngineCore(family, self.config), request, text, text_idle_timeout)
 
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
                          is_streamed: bool) -> tuple[list[Request], bool]:
@@ -645,17 +646,19 @@ class SpeechSession:
                 play(session.push(piece))     # the audio chunks the text so far lets the talker make
             play(session.finish())            # the rest; session.output: the OmniOutput
 
-    `push` commits the ids no later text can change (`omnimtp.tokenizer.StreamedTextIds`) and steps the engine
-    until the talker waits for more text; `finish` ends the text and runs the request to its end. The request
-    ends on its own when the talker does (codec EOS or max_frames), even before the text is finished: then
-    `is_finished` and further pushes make no audio. `close` (or leaving the `with`) drops an unfinished request;
-    so does a `push` or `finish` after the talker waited more than text_idle_timeout seconds for text (it raises
-    TimeoutError)."""
+    `push` commits the ids no later text can change, cut into segments as a whole text is
+    (`omnimtp.families.text.StreamedSpeechSegments`), and steps the engine until the talker waits for more
+    text; `finish` ends the text and runs the request to its end. A segment whose talker ends early (codec EOS
+    or max_frames) skips the rest of its text, as in `speech`; the request ends once the last segment's does
+    (then `is_finished`, and further pushes make no audio). `close` (or leaving the `with`) drops an unfinished
+    request; so does a `push` or `finish` after the talker waited more than text_idle_timeout seconds for text
+    (it raises TimeoutError)."""
 
-    def __init__(self, core: EngineCore, request: Request, text_ids, text_idle_timeout: float):
+    def __init__(self, core: EngineCore, request: Request, text, text_idle_timeout: float):
         self._core = core
         self._request = request
-        self._text_ids = text_ids
+        self._text = text  # a StreamedSpeechSegments
+        self._is_closed = False
         self.text_idle_timeout = text_idle_timeout
         self.output: OmniOutput | None = None
         core.add(request)
@@ -667,30 +670,31 @@ class SpeechSession:
     @property
     def text(self) -> str:
         """The text pushed so far."""
-        return self._text_ids.text
+        return self._text.text
 
     def push(self, text: str) -> list[np.ndarray]:
         """More text → the float32 audio chunks made meanwhile (often none: the talker speaks a row per frame)."""
         self._check_open()
-        ids = self._text_ids.push(text)
+        pieces = self._text.push(text)
         if self.output is None:  # even with no settled ids yet: text came, so the wait for text starts again
-            self._core.push_speech_ids(self._request.request_id, ids, is_finished=False)
+            self._core.push_speech_text(self._request.request_id, pieces, is_finished=False)
         return self._run()
 
     def finish(self) -> list[np.ndarray]:
         """The end of the text → the rest of the audio chunks; `output` holds the whole result."""
         self._check_open()
-        if not self._text_ids.text.strip():
+        if not self._text.text.strip():
             raise ValueError("text: empty text")
-        ids = self._text_ids.finish()
+        self._is_closed = True
+        pieces = self._text.finish()
         if self.output is None:
-            self._core.push_speech_ids(self._request.request_id, ids, is_finished=True)
+            self._core.push_speech_text(self._request.request_id, pieces, is_finished=True)
         return self._run()
 
     def close(self) -> None:
         """Drop the request if it has not finished (its slot and talker row are freed)."""
         self._core.abort(self._request.request_id)
-        self._text_ids.is_finished = True
+        self._is_closed = True
 
     def __enter__(self) -> SpeechSession:
         return self
@@ -699,7 +703,7 @@ class SpeechSession:
         self.close()
 
     def _check_open(self) -> None:
-        if self._text_ids.is_finished:
+        if self._is_closed:
             raise ValueError("text: the session's text is finished (or the session is closed)")
         since = self._request.waits_for_text_since
         if self.output is None and since is not None and time.perf_counter() - since > self.text_idle_timeout:

@@ -372,10 +372,11 @@ class Engine:
                                           self.config.max_segment_tokens)
         return itertools.chain([next(segments)], segments)
 
-    def check_speech_text(self, text: str, speaker, name: str) -> None:
-        """PromptTooLongError (naming `name`) unless `text` spoken by `speaker` fits the prompt and talker limits:
-        the one rule of a whole speech request, which a streamed text is held to as it grows."""
-        self._check_prompt_length(self.family.speech_ids(text), name, speaker)
+    def check_speech_text(self, text: str, name: str) -> None:
+        """PromptTooLongError (naming `name`) unless `text` fits max_prompt_tokens: the limit of a whole speech
+        request, which a streamed text is held to as it grows (the talker's positions hold each of its segments,
+        as they hold a whole text's)."""
+        self._check_prompt_length(self.family.speech_ids(text), name)
 
     def _check_prompt_length(self, ids: list[int], name: str, speaker=None) -> None:
         if len(ids) > self.max_prompt_tokens:
@@ -492,11 +493,24 @@ class Engine:
             self._cond.notify_all()
         return handle
 
-    def push_speech_ids(self, handle: RequestHandle, ids: list[int], is_finished: bool) -> None:
-        """More text ids of a `submit_speech_stream` request (a no-op once it has ended)."""
+    def push_speech_text(self, handle: RequestHandle, pieces: list[tuple[list[int], bool]], is_finished: bool) -> None:
+        """More text ids of a `submit_speech_stream` request, as `streamed_speech_segments` gives them (a no-op
+        once it has ended)."""
         with self._cond:
-            self._core.push_speech_ids(handle.request_id, ids, is_finished)
+            self._core.push_speech_text(handle.request_id, pieces, is_finished)
             self._cond.notify_all()
+
+    def streamed_speech_segments(self, speaker):
+        """A `submit_speech_stream` request's text → its ids, cut into segments as a whole text's are
+        (`speech_segments`; `omnimtp.families.text.StreamedSpeechSegments`). PromptTooLongError when the
+        talker's positions leave max_frames frames no room for text."""
+        family, max_frames = self.family, self.config.max_frames
+        try:
+            return family.streamed_speech_segments(speaker, max_frames, self.config.max_segment_tokens)
+        except ValueError:
+            positions = family.talker_positions(family.speech_ids("x"), speaker, max_frames)
+            raise PromptTooLongError("delta", positions, family.max_positions, unit=(
+                f"talker positions (its prompt and {max_frames} frames, the server's --max-frames)")) from None
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:
