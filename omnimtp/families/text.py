@@ -195,11 +195,10 @@ class StreamedSpeechSegments:
     The text is cut by the one rule (`omnimtp.text_segments.SegmentStream`): a segment is final once its end is
     certain, and the ids of the segment being written go out as far as its text is surely in it
     (`OpenSegment.num_certain`: the sentences, clauses or words before the one still being written) and no
-    later text can change them (`omnimtp.tokenizer.StreamedTextIds`). So a short text streams as one segment
-    did, a word behind, and a long one is spoken segment after segment before it is complete; only a
-    sentence that may not fit its segment waits for its end. Until the text is known to be cut, a first
-    segment that starts with spaces waits (a text that fits whole is spoken with its spaces, a cut one
-    without)."""
+    later text can change them (`omnimtp.tokenizer.StreamedTextIds`). So a segment's first sentence goes on a
+    word behind the text, a later sentence once its end shows that it fits the segment, and a long text is
+    spoken segment after segment before it is complete. Until the text is known to be cut, a first segment
+    that starts with spaces waits (a text that fits whole is spoken with its spaces, a cut one without)."""
 
     def __init__(self, chat_text: ChatText, max_ids: int):
         self._chat_text = chat_text
