@@ -51,6 +51,13 @@ DEFAULT_MAX_SESSION_BYTES = 64 << 20  # their content in memory (audio as the pr
 DEFAULT_SESSION_CACHE_MB = 1024
 
 
+def check_seconds(name: str, value) -> float:
+    """`value` as float seconds; ValueError naming `name` unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class MediaLimits:
     """What one request's media may hold; larger media is refused, never cut or shrunk.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
 from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
@@ -512,6 +514,7 @@ class OmniPipeline:
     def speech_session(
         self, *, voice=None, language: str | None = None, instructions: str | None = None,
         sampling: SamplingParams | None = None, seed: int | None = None, max_frames: int | None = None,
+        text_idle_timeout: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
     ) -> SpeechSession:
         """Speech of a text that is still being written (an LLM's reply as it comes): push text in pieces, take
         the audio chunks as the talker makes them (`SpeechSession`). The talker waits for text it has not got,
@@ -519,7 +522,11 @@ class OmniPipeline:
         for bit, however the text was split. Arguments as `stream_speech`; on a Qwen3-Omni / Qwen2.5-Omni model
         (its speech path: the text spoken as if the thinker had replied with it) voice is one of its speakers
         (None: the model's default), language and instructions are refused and sampling samples the talker as
-        transformers' `generate` does by default."""
+        transformers' `generate` does by default. text_idle_timeout: the seconds the talker may wait for more
+        text (the server's `--timeout-text-idle`, same default); a session whose text stops coming for longer is
+        ended at its next `push` or `finish`, which raises TimeoutError (its request is dropped and its talker
+        state freed)."""
+        text_idle_timeout = check_seconds("text_idle_timeout", text_idle_timeout)
         family = self.family
         if hasattr(family, "voice"):
             speaker, talker_sampling = family.voice(voice, language, instructions), sampling
@@ -536,7 +543,8 @@ class OmniPipeline:
         request = Request(0, [], max_new_tokens=1, max_frames=max_frames, speaker=speaker,
                           talker_sampling=talker_sampling, seed=seed, is_chat=False, is_streamed=True,
                           is_text_finished=False)
-        return SpeechSession(EngineCore(family, self.config), request, family.speech_text_ids())
+        text = family.streamed_speech_segments(speaker, max_frames, self.config.max_segment_tokens)
+        return SpeechSession(EngineCore(family, self.config), request, text, text_idle_timeout)
 
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
                          is_streamed: bool) -> tuple[list[Request], bool]:
@@ -638,15 +646,20 @@ class SpeechSession:
                 play(session.push(piece))     # the audio chunks the text so far lets the talker make
             play(session.finish())            # the rest; session.output: the OmniOutput
 
-    `push` commits the ids no later text can change (`omnimtp.tokenizer.StreamedTextIds`) and steps the engine
-    until the talker waits for more text; `finish` ends the text and runs the request to its end. The request
-    ends on its own when the talker does (codec EOS or max_frames), even before the text is finished: then
-    `is_finished` and further pushes make no audio. `close` (or leaving the `with`) drops an unfinished request."""
+    `push` commits the ids no later text can change, cut into segments as a whole text is
+    (`omnimtp.families.text.StreamedSpeechSegments`), and steps the engine until the talker waits for more
+    text; `finish` ends the text and runs the request to its end. A segment whose talker ends early (codec EOS
+    or max_frames) skips the rest of its text, as in `speech`; the request ends once the last segment's does
+    (then `is_finished`, and further pushes make no audio). `close` (or leaving the `with`) drops an unfinished
+    request; so does a `push` or `finish` after the talker waited more than text_idle_timeout seconds for text
+    (it raises TimeoutError)."""
 
-    def __init__(self, core: EngineCore, request: Request, text_ids):
+    def __init__(self, core: EngineCore, request: Request, text, text_idle_timeout: float):
         self._core = core
         self._request = request
-        self._text_ids = text_ids
+        self._text = text  # a StreamedSpeechSegments
+        self._is_closed = False
+        self.text_idle_timeout = text_idle_timeout
         self.output: OmniOutput | None = None
         core.add(request)
 
@@ -657,30 +670,31 @@ class SpeechSession:
     @property
     def text(self) -> str:
         """The text pushed so far."""
-        return self._text_ids.text
+        return self._text.text
 
     def push(self, text: str) -> list[np.ndarray]:
         """More text → the float32 audio chunks made meanwhile (often none: the talker speaks a row per frame)."""
         self._check_open()
-        ids = self._text_ids.push(text)
-        if ids and self.output is None:
-            self._core.push_speech_ids(self._request.request_id, ids, is_finished=False)
+        pieces = self._text.push(text)
+        if self.output is None:  # even with no settled ids yet: text came, so the wait for text starts again
+            self._core.push_speech_text(self._request.request_id, pieces, is_finished=False)
         return self._run()
 
     def finish(self) -> list[np.ndarray]:
         """The end of the text → the rest of the audio chunks; `output` holds the whole result."""
         self._check_open()
-        if not self._text_ids.text.strip():
+        if not self._text.text.strip():
             raise ValueError("text: empty text")
-        ids = self._text_ids.finish()
+        self._is_closed = True
+        pieces = self._text.finish()
         if self.output is None:
-            self._core.push_speech_ids(self._request.request_id, ids, is_finished=True)
+            self._core.push_speech_text(self._request.request_id, pieces, is_finished=True)
         return self._run()
 
     def close(self) -> None:
         """Drop the request if it has not finished (its slot and talker row are freed)."""
         self._core.abort(self._request.request_id)
-        self._text_ids.is_finished = True
+        self._is_closed = True
 
     def __enter__(self) -> SpeechSession:
         return self
@@ -689,8 +703,13 @@ class SpeechSession:
         self.close()
 
     def _check_open(self) -> None:
-        if self._text_ids.is_finished:
+        if self._is_closed:
             raise ValueError("text: the session's text is finished (or the session is closed)")
+        since = self._request.waits_for_text_since
+        if self.output is None and since is not None and time.perf_counter() - since > self.text_idle_timeout:
+            self.close()
+            raise TimeoutError(f"text_idle_timeout: no text came for {self.text_idle_timeout:g} s; the session's "
+                               "request is ended")
 
     def _run(self) -> list[np.ndarray]:
         chunks = []

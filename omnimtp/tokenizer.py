@@ -310,16 +310,20 @@ class StreamedTextIds:
         self._max_added = max(map(len, self._added), default=0)
         self.is_finished = False
 
-    def push(self, text: str) -> list[int]:
-        """More text → the ids that became final."""
+    def push(self, text: str, lookahead: str = "") -> list[int]:
+        """More text → the ids that became final. lookahead: text that either follows it or is not part of this
+        text at all (spaces a segment of a longer text may end before): it only helps decide which ids are
+        final (those final both with it and with the text ending here), and is not pushed."""
         if self.is_finished:
             raise ValueError("text: the text is already finished")
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         self.text += text
         self._pending += text
-        cut = self._final_prefix(self._pending)
+        cut = min(self._final_prefix(self._pending + lookahead), len(self._pending))
         ids = self._encode(self._pending[:cut])
+        if lookahead and ids != self._encode(self._pending + self.tail)[: len(ids)]:
+            cut, ids = 0, []
         self._pending = self._pending[cut:]
         return self._with_prefix(ids)
 

@@ -760,11 +760,31 @@ MUTATIONS = [
     ),
     Mutation(
         "streamed_text_positions_unchecked", "omnimtp/server/routes/speech_stream.py",
-        "        if text.strip():\n            context.engine.check_speech_text(text, speaker, \"delta\")",
-        "        if False:\n            context.engine.check_speech_text(text, speaker, \"delta\")",
-        SPEECH_STREAM, "a streamed text over the talker's positions is taken (it is spoken as one segment)",
+        "        if text.strip():\n            context.engine.check_speech_text(text, \"delta\")",
+        "        if False:\n            context.engine.check_speech_text(text, \"delta\")",
+        SPEECH_STREAM, "a streamed text over the prompt-token limit is taken",
     ),
     # --- long texts spoken in segments --------------------------------------------------------------
+    Mutation(
+        "streamed_text_never_cut", "omnimtp/families/text.py",
+        "taken.append((self._ids.push(spoken[self._num_fed:]) + self._ids.finish(), True))",
+        "taken.append((self._ids.push(spoken[self._num_fed:]) + self._ids.finish(), False))",
+        ("tests/test_long_speech.py::test_a_streamed_long_text_is_the_whole_texts_speech_however_it_is_split",),
+        "a streamed text's segments run together into one talker run (its ids are not those of the whole text)",
+    ),
+    Mutation(
+        "open_segment_overclaims", "omnimtp/text_segments.py",
+        "                yield OpenSegment(current + piece, len(current))",
+        "                yield OpenSegment(current + piece, len(current + piece))",
+        LONG_SPEECH, "a sentence still being written is spoken in a segment it may not fit",
+    ),
+    Mutation(
+        "streamed_segment_cut_short_ends_the_request", "omnimtp/engine/core.py",
+        "            if ids is not None or _may_have_next_segment(request):",
+        "            if ids is not None:",
+        ("tests/test_long_speech.py::test_a_segment_whose_talker_ends_early_skips_the_rest_of_its_text",),
+        "a streamed text's request ends when a segment's talker ends early, though more segments follow",
+    ),
     Mutation(
         "long_text_cut_without_sentences", "omnimtp/text_segments.py",
         "return _split(text, 0, max_size, size) if text else iter(())",
@@ -780,8 +800,9 @@ MUTATIONS = [
     ),
     Mutation(
         "long_text_first_segment_only", "omnimtp/engine/core.py",
-        "            if ids is not None:\n                self._next_segment(request, ids)",
-        "            if False:\n                self._next_segment(request, ids)",
+        "            if ids is not None or _may_have_next_segment(request):\n"
+        "                self._next_segment(request, ids or [])",
+        "            if False:\n                self._next_segment(request, ids or [])",
         LONG_SPEECH, "a long text's request ends after its first segment",
     ),
     Mutation(
@@ -797,6 +818,13 @@ MUTATIONS = [
         ("tests/test_speech_stream.py::test_requests_waiting_for_text_hold_no_slot",
          "tests/test_speech_stream.py::test_sessions_trickling_text_do_not_hold_up_a_plain_request"),
         "a speech request waiting for more text still counts against max_batch_size",
+    ),
+    Mutation(
+        "failed_step_drops_parked_requests", "omnimtp/engine/core.py",
+        "            failed = list(self.running.values())\n",
+        "            failed = [r for r in self.running.values() if not r.is_parked]\n",
+        ("tests/test_speech_stream.py::test_a_failed_step_fails_parked_requests_too",),
+        "a step that raises fails the running requests but forgets the parked ones (their clients wait forever)",
     ),
     Mutation(
         "textless_request_admitted", "omnimtp/engine/core.py",

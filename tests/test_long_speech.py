@@ -202,3 +202,57 @@ def test_a_seeded_long_text_is_the_same_alone_and_in_a_batch(pipe):
     assert len(alone.segment_frames) == 3
     assert torch.equal(batch[1].codes, alone.codes) and batch[1].segment_frames == alone.segment_frames
     assert_audio_equal(batch[1].audio, alone.audio)
+
+
+# --- a long text that arrives in pieces ---------------------------------------------------------------------
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted(set(cuts)), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+STREAM_SPLITS = {
+    "whole": [],
+    "characters": list(range(1, len(LONG_TEXT))),
+    "uneven": [1, 2, 9, 10, 11, 31, 33, 60, 61, 62, 100, 101, 120, len(LONG_TEXT) - 1],
+}
+
+
+@pytest.mark.parametrize("split", STREAM_SPLITS)
+def test_a_streamed_long_text_is_the_whole_texts_speech_however_it_is_split(pipe, long_run, split):
+    """Three windows of text pushed into `speech_session` in pieces (one character at a time among them): cut
+    into the segments of the whole text as it comes, it gives `speech(whole text)`'s codes and segments and
+    `stream_speech`'s chunks, bit for bit; and the first segments speak before the text is complete."""
+    chunks, expected = long_run
+    pieces = _pieces(LONG_TEXT, STREAM_SPLITS[split])
+    half = sum(len(piece) for piece in pieces[: len(pieces) // 2 + 1])
+    got, early = [], 0
+    with pipe.speech_session(seed=SEED, sampling=QWEN3_TTS_SAMPLING) as session:
+        for piece in pieces:
+            got += session.push(piece)
+            if len(session.text) <= half:
+                early = len(got)
+        got += session.finish()
+        output = session.output
+    assert output.segment_frames == expected.segment_frames and len(output.segment_frames) == len(SENTENCES)
+    assert torch.equal(output.codes, expected.codes)
+    assert np.array_equal(output.audio, expected.audio)
+    assert len(got) == len(chunks) and all(np.array_equal(a, b) for a, b in zip(got, chunks, strict=True))
+    if split != "whole":
+        assert early > 0  # audio of the first segments came while the text was still being written
+
+
+def test_a_segment_whose_talker_ends_early_skips_the_rest_of_its_text(pipe):
+    """At a frame cap below a segment's text rows the talker ends each segment early ("length"): the rest of
+    its text is skipped and the next segment starts, as in `speech` on the whole text, also when the text
+    arrives in pieces (a segment's end comes after its talker has ended)."""
+    text = " ".join(SENTENCES[:4])
+    capped = OmniPipeline(family=pipe.family, max_frames=3, max_segment_tokens=MAX_SEGMENT_TOKENS)
+    whole = capped.speech(text, seed=SEED, sampling=QWEN3_TTS_SAMPLING)
+    assert len(whole.segment_frames) == 4 and whole.finish_reason == "length"
+    with capped.speech_session(seed=SEED, sampling=QWEN3_TTS_SAMPLING) as session:
+        for character in text:
+            session.push(character)
+        session.finish()
+    assert torch.equal(session.output.codes, whole.codes) and session.output.segment_frames == whole.segment_frames
+    assert session.output.finish_reason == "length"

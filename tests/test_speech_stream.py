@@ -7,6 +7,7 @@ request whose text comes in pieces gives the codes of the whole text and the str
 
 from __future__ import annotations
 
+import inspect
 import unicodedata
 from dataclasses import replace
 
@@ -226,6 +227,37 @@ def test_abort_frees_a_parked_request(tts):
     assert core.push_speech_ids(0, [1], is_finished=True) is False
 
 
+def test_a_failed_step_fails_parked_requests_too(tts):
+    """A step that raises: `fail_running` returns the parked request with the running one (so the driver fails
+    both and neither client waits forever), frees its talker state, and leaves a request still waiting for its
+    first text queued."""
+    family = tts.family
+    core = EngineCore(family, tts.config)
+    voice = family.voice("aiden")
+    parked, silent = _request(family, voice, request_id=0), _request(family, voice, request_id=1)
+    core.add(parked)
+    core.add(silent)
+    core.push_speech_ids(0, family.speech_text_ids().push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert parked.is_parked and parked.parked_talker is not None
+    running = Request(2, family.speech_ids(TEXT), max_new_tokens=1, max_frames=FRAMES, speaker=voice, is_chat=False)
+    core.add(running)
+    list(core.step())
+    assert running.is_in_talker
+
+    def broken_step():
+        raise RuntimeError("a model error")
+
+    core.talker.step = broken_step
+    with pytest.raises(RuntimeError, match="a model error"):
+        list(core.step())
+    failed = core.fail_running()
+    assert sorted(r.request_id for r in failed) == [0, 2]
+    assert all(r.status is Status.ABORTED and not r.is_parked and r.parked_talker is None for r in failed)
+    assert list(core.waiting) == [silent] and not core.running and core.talker.request_ids == []
+
+
 # --- the Python session ----------------------------------------------------------------------------------------
 
 SPLITS = [
@@ -298,6 +330,33 @@ def test_session_bad_input(tts, omni):
     assert session.is_finished
     with pytest.raises(ValueError, match="text: the session's text is finished"):
         session.push("more")
+
+
+def test_a_session_silent_past_its_text_idle_timeout_ends(tts):
+    """`speech_session(text_idle_timeout=...)`: text that keeps coming within it is spoken as usual (a piece with
+    no settled ids still counts as text); after a longer pause the next push raises TimeoutError naming it, the
+    request is dropped (its parked talker state freed) and the session is closed."""
+    import time
+
+    from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S
+
+    assert inspect.signature(tts.speech_session).parameters["text_idle_timeout"].default == DEFAULT_TIMEOUT_TEXT_IDLE_S
+    for value in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="text_idle_timeout"):
+            tts.speech_session(text_idle_timeout=value)
+    session = tts.speech_session(voice="aiden", text_idle_timeout=0.3)
+    session.push("Hello there you ")
+    request = session._request
+    assert request.is_parked and request.parked_talker is not None
+    for _ in range(3):
+        time.sleep(0.2)
+        session.push("a")  # no settled ids (a word still being written), but text came
+    time.sleep(0.5)
+    with pytest.raises(TimeoutError, match="text_idle_timeout: no text came for 0.3 s"):
+        session.push(" more")
+    assert not session._core.has_work() and request.parked_talker is None and not session.is_finished
+    with pytest.raises(ValueError, match="closed"):
+        session.finish()
 
 
 # --- /v1/audio/speech/stream ----------------------------------------------------------------------------------
@@ -464,26 +523,29 @@ def test_a_text_of_exactly_the_limit_is_taken_and_one_character_more_is_not(serv
         assert [(e["event_id"], e["code"]) for e in errors] == [("over", "string_above_max_length")]
 
 
-def test_a_streamed_text_is_held_to_the_talkers_positions(servers):
-    """A text that arrives in pieces is spoken as one segment, so it must fit the talker's positions beside the
-    frames (a whole text sent to /v1/audio/speech is cut into segments that do: `test_long_speech.py`)."""
+def test_a_streamed_text_longer_than_a_segment_gives_the_bytes_of_v1_audio_speech(servers):
+    """The talker's positions hold each segment of a streamed text, as they hold a whole text's: a text of
+    several segments (the server's 150-token budget) sent in pieces is spoken end to end, as /v1/audio/speech
+    speaks it; only the prompt-token limit applies to the whole text (an error naming `delta`)."""
     from omnimtp.server.scheduler import EngineRequest
 
     engine = servers["engines"]["tts"]
-    text = "x" * 4096  # within the character limit; over the tiny talker's 4,096 positions
+    text = " ".join(f"Sentence {i} is here." for i in range(20))
     request = EngineRequest(messages=None, speak_text=text, speaker=engine.family.voice(),
                             sampling=QWEN3_TTS_SAMPLING, seed=None, max_new_tokens=0)
-    segments = list(engine.speech_segments(request))  # what /v1/audio/speech speaks
-    assert len(segments) > 1 and sum(len(ids) - 8 for ids in segments) == len(text)
+    assert len(list(engine.speech_segments(request))) == 3  # what /v1/audio/speech speaks
     with _ws(servers, "tts") as ws:
         _send(ws, {"type": "session.config", "voice": "aiden", "seed": 5})
         _recv(ws)
-        _send(ws, {"type": "input_text.delta", "delta": text[:100]})
-        _send(ws, {"type": "input_text.delta", "delta": text[100:]})
+        audio, done = _stream_pcm(ws, [text[:7], text[7:200], text[200:]])
+    assert done["usage"]["input_tokens"] == sum(len(ids) for ids in engine.speech_segments(request))
+    assert audio == _http_pcm(servers, "tts", text, voice="aiden", seed=5)
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden", "seed": 5})
+        _recv(ws)
+        _send(ws, {"type": "input_text.delta", "delta": "日" * 3000})  # 9,000 byte ids: over the 8,192 of a prompt
         error = _recv(ws)["error"]
-        assert error["param"] == "delta" and "talker positions" in error["message"]
-        audio, _ = _stream_pcm(ws, [])  # the first delta was taken: it is spoken
-        assert audio == _http_pcm(servers, "tts", text[:100], voice="aiden", seed=5)
+    assert error["param"] == "delta" and error["code"] == "string_above_max_length" and "8192" in error["message"]
 
 
 def test_whitespace_then_done_frees_the_request(servers):

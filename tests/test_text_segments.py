@@ -5,8 +5,10 @@ two invariants: the segments joined are the text, and each is within the budget.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from omnimtp.text_segments import split_text
+from omnimtp.text_segments import OpenSegment, SegmentStream, split_text
 
 
 def _split(text: str, max_size: int, size=len) -> list[str]:
@@ -86,3 +88,53 @@ def test_a_bad_budget_is_a_value_error_naming_it(max_size):
 def test_text_must_be_a_string():
     with pytest.raises(ValueError, match="text"):
         split_text(["a"], 3)
+
+
+# --- the same rule for a text that arrives in pieces (`SegmentStream`) --------------------------------------
+
+PIECES = st.sampled_from(["a", "bb", "ccc", " ", "  ", ".", ". ", "!", "?", ",", ", ", ";", "\n", "。", "，", "好",
+                          "\"", "」", "xxxxxxx", "3.5", "…"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(parts=st.lists(PIECES, max_size=25), max_size=st.integers(1, 14),
+       cuts=st.lists(st.integers(0, 80), max_size=6))
+def test_a_streamed_text_is_cut_as_the_whole_and_never_takes_a_cut_back(parts, max_size, cuts):
+    """Pushed in any split, the segments are `split_text`'s; each segment handed out is final at once; the
+    certain part of the open segment always ends up in that segment; `is_cut` only when the whole text is."""
+    text = "".join(parts)
+    expected = split_text(text, max_size)
+    bounds = [0, *sorted({min(cut, len(text)) for cut in cuts}), len(text)]
+    stream = SegmentStream(max_size)
+    segments = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        segments += stream.push(text[start:end])
+        assert segments == expected[: len(segments)]
+        if stream.open is not None:
+            assert expected[len(segments)].startswith(stream.open.text[: stream.open.num_certain])
+        assert not stream.is_cut or len(expected) > 1
+    segments += stream.finish()
+    assert segments == expected and stream.is_cut == (len(expected) > 1)
+
+
+def test_a_segment_is_final_once_the_next_piece_cannot_join_it():
+    stream = SegmentStream(12)
+    assert stream.push("One. Two") == [] and stream.open == OpenSegment("One. Two", 5)  # might still be one
+    assert stream.push(", thr") == ["One. "]  # "One. Two, thr" is over the budget: "Two, thr..." cannot join
+    assert stream.open == OpenSegment("Two, thr", 5) and stream.is_cut
+    assert stream.push("ee. Four five six.") == ["Two, three. ", "Four five "]
+    assert stream.finish() == ["six."] and stream.open is None
+    with pytest.raises(ValueError, match="already finished"):
+        stream.push("more")
+
+
+def test_a_word_being_written_is_not_certain_but_the_words_before_it_are():
+    stream = SegmentStream(100)
+    stream.push("Hello there yo")
+    assert stream.open == OpenSegment("Hello there yo", len("Hello there "))
+    stream.push("u. Next")
+    assert stream.open == OpenSegment("Hello there you. Next", len("Hello there you. "))
+    with pytest.raises(ValueError, match="text: expected a string"):
+        stream.push(3)
+    with pytest.raises(ValueError, match="max_size"):
+        SegmentStream(0)

@@ -15,8 +15,9 @@ One `step()` is one audio frame boundary:
              prefill and one reply row), so a request that arrived while the engine was busy speaks in
              this step; speech requests get their talker inputs from the text to speak
     text     speech requests' text ids that came since the last step (`push_speech_ids`: a text still being
-             written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`); a talker row waits for a
-             text row it has not got, and a driver waits for text while nothing else can move (`has_ready_work`)
+             written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`, one per segment of a long
+             text); a talker row waits for a text row it has not got, and a driver waits for text while nothing
+             else can move (`has_ready_work`)
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
     speak    one talker + code predictor step for every speaking request, as one batch
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
@@ -165,10 +166,13 @@ class EngineCore:
                 return True
             return any(not r.is_parked and not self._waits_for_text(r) for r in self.running.values())
 
-    def push_speech_ids(self, request_id: Hashable, ids: list[int], is_finished: bool) -> bool:
+    def push_speech_ids(self, request_id: Hashable, ids: list[int], is_finished: bool,
+                        ends_segment: bool = False) -> bool:
         """More ids of a speech request added with `is_text_finished=False` (any thread); is_finished: they end
-        its text; no ids: more text came whose ids are not settled yet (its wait for text starts again). False
-        when the request is no longer here (it finished, e.g. on codec EOS, or was aborted)."""
+        its text; ends_segment: they end a segment of it (`omnimtp.families.text.StreamedSpeechSegments`: the
+        next ids start a fresh talker prefill, as a whole text's next segment does); no ids: more text came
+        whose ids are not settled yet (its wait for text starts again). False when the request is no longer
+        here (it finished, e.g. on codec EOS, or was aborted)."""
         ids = [int(token) for token in ids]
         with self.lock:
             request = self.running.get(request_id) or next(
@@ -180,10 +184,22 @@ class EngineCore:
                 raise ValueError(f"request_id {request_id!r}: its text is already finished")
             request.prompt_ids.extend(ids)
             request.is_text_finished = bool(is_finished)
+            if ends_segment and not is_finished:
+                request.segment_ends.append(len(request.prompt_ids))
             if ids or is_finished:
                 request.waits_for_text_since = None
             elif request.waits_for_text_since is not None:  # text came, though none of its ids is settled yet
                 request.waits_for_text_since = time.perf_counter()
+        return True
+
+    def push_speech_text(self, request_id: Hashable, pieces: list[tuple[list[int], bool]], is_finished: bool) -> bool:
+        """`push_speech_ids` of each (ids, ends_segment) piece `omnimtp.families.text.StreamedSpeechSegments`
+        gave, is_finished with the last (no pieces: text came whose ids are not settled yet)."""
+        if not pieces:
+            return self.push_speech_ids(request_id, [], is_finished)
+        for i, (ids, ends_segment) in enumerate(pieces):
+            if not self.push_speech_ids(request_id, ids, is_finished and i == len(pieces) - 1, ends_segment):
+                return False
         return True
 
     def abort(self, request_id: Hashable) -> Request | None:
@@ -204,12 +220,15 @@ class EngineCore:
         return request
 
     def fail_running(self) -> list[Request]:
-        """After a step raised: drop every running request (returned) and start a fresh talker batch."""
+        """After a step raised: drop every running request (returned, for the driver to fail), parked ones
+        included (their clients would otherwise wait for text that can no longer be spoken), and start a fresh
+        talker batch. Waiting requests stay: nothing of theirs was in the step."""
         with self.lock:
             failed = list(self.running.values())
             self.running.clear()
         for request in failed:
             request.status = Status.ABORTED
+            request.is_in_talker, request.is_parked, request.parked_talker = False, False, None
         self.cohorts.clear()
         self.talker = self.family.new_talker_batch(self.config.max_batch_size)
         return failed
@@ -400,20 +419,28 @@ class EngineCore:
     # --- speech text ---
 
     def _feed_text(self) -> None:
-        """The text ids of speech requests that came since the last step, on to their talker inputs."""
+        """The text ids of speech requests that came since the last step, on to their talker inputs (each
+        segment's to its own speech stream)."""
         for request in self.running.values():
             stream = request.speech_stream
             if stream is None or stream.is_finished or request.talker_finish_reason is not None or request.is_parked:
                 continue
             with self.lock:
-                ids, is_finished = request.prompt_ids[request.num_fed_ids:], request.is_text_finished
+                unfed = _unfed_ids(request)
+            if unfed is None:
+                continue
+            start, ids, is_finished = unfed
+            if not ids and is_finished and request.segment_frames and not stream.ids:
+                # the text ended where the segment whose talker ended early did: nothing more to speak
+                request.talker_finish_reason = _talker_finish_reason(request)
+                continue
             if ids or is_finished:
-                request.num_fed_ids += len(ids)
+                request.num_fed_ids = start + len(ids)
                 self._take_chunks(request, stream.push(ids, is_finished))
 
     def _waits_for_text(self, request: Request) -> bool:
         """Whether a running request can do nothing until more of its text comes."""
-        if request.speech_stream is None or request.is_text_finished or len(request.prompt_ids) > request.num_fed_ids:
+        if request.speech_stream is None or _has_unfed_text(request):
             return False
         if request.talker_inputs is not None or request.talker_finish_reason is not None:
             return False
@@ -477,17 +504,20 @@ class EngineCore:
             request.segment_frames.append(len(request.frames) - sum(request.segment_frames))
             request.segment_finish_reasons.append(finish_reason)
             ids = None if request.segments is None else next(request.segments, None)
-            if ids is not None:
-                self._next_segment(request, ids)
+            if ids is not None or _may_have_next_segment(request):
+                self._next_segment(request, ids or [])
                 continue
-            request.talker_finish_reason = "length" if "length" in request.segment_finish_reasons else finish_reason
+            request.talker_finish_reason = _talker_finish_reason(request)
 
     def _next_segment(self, request: Request, ids: list[int]) -> None:
-        """The request's next segment on to a fresh speech stream: its ids join prompt_ids past those fed so far,
-        so `_feed_text` hands them over next step and it is prefilled like a new text, while the request keeps
-        its generators, frames and codec stream."""
+        """The request's next segment on to a fresh speech stream: its ids (a whole text's next segment; a
+        streamed text's come with `push_speech_ids`) join prompt_ids past those fed so far, so `_feed_text`
+        hands them over and it is prefilled like a new text, while the request keeps its generators, frames and
+        codec stream."""
         with self.lock:
-            request.prompt_ids.extend(int(token) for token in ids)
+            if ids:
+                request.segment_ends.append(len(request.prompt_ids))
+                request.prompt_ids.extend(int(token) for token in ids)
         request.speech_stream = self.family.speech_stream(request.speaker)
 
     # --- decode ---
@@ -609,7 +639,47 @@ def _has_text(request: Request) -> bool:
 
 def _can_resume(request: Request) -> bool:
     """Whether a parked request's text came since it was parked."""
-    return request.is_parked and (request.is_text_finished or len(request.prompt_ids) > request.num_fed_ids)
+    return request.is_parked and _has_unfed_text(request)
+
+
+def _unfed_ids(request: Request) -> tuple[int, list[int], bool] | None:
+    """A speech request's current segment's ids not fed yet: (where they start in prompt_ids, the ids, whether
+    they end the segment), or None while the segment's start is unknown (the talker of the one before ended
+    early, and where that segment's ids end has not come yet). Segment i ends at segment_ends[i], or at the
+    end of a finished text."""
+    index = len(request.segment_frames)
+    start = 0 if index == 0 else _segment_end(request, index - 1)
+    if start is None:
+        return None
+    start = max(start, request.num_fed_ids)  # the rest of a segment whose talker ended early is skipped
+    end = _segment_end(request, index)
+    return start, request.prompt_ids[start:end], end is not None
+
+
+def _segment_end(request: Request, index: int) -> int | None:
+    """Where segment `index`'s ids end in prompt_ids: at the end its driver marked, or at the end of a finished
+    text; None while it is not known."""
+    if index < len(request.segment_ends):
+        return request.segment_ends[index]
+    return len(request.prompt_ids) if request.is_text_finished else None
+
+
+def _has_unfed_text(request: Request) -> bool:
+    unfed = _unfed_ids(request)
+    return unfed is not None and (bool(unfed[1]) or unfed[2])
+
+
+def _may_have_next_segment(request: Request) -> bool:
+    """Whether a streamed text may have a segment after the one whose talker just ended."""
+    if request.segments is not None:
+        return False
+    end = _segment_end(request, len(request.segment_frames) - 1)
+    return end is None or end < len(request.prompt_ids) or not request.is_text_finished
+
+
+def _talker_finish_reason(request: Request) -> str:
+    reasons = request.segment_finish_reasons
+    return "length" if "length" in reasons else reasons[-1]
 
 
 def _can_speak(request: Request) -> bool:

@@ -51,7 +51,9 @@ class Request:
     prompt's audio / image / video tensors (`omnimtp.media.MediaInputs`), one encoder row per media pad
     id of prompt_ids; None for a text prompt. is_text_finished: False for a speech request whose text is still
     arriving: prompt_ids holds its ids so far (possibly none) and `EngineCore.push_speech_ids` adds the rest;
-    its talker waits for each text row it has not got (its codes are those of the whole text). is_background: a
+    its talker waits for each text row it has not got (its codes are those of the whole text); a long one comes as
+    segments (`push_speech_ids(..., ends_segment=True)` marks where each ends), spoken as `segments` are.
+    is_background: a
     low-priority request (a realtime input transcript): it is admitted only in a step that admits no other, and
     its thinker steps only while no other speaking request waits for its first audio (`EngineCore.step`); what
     it writes is the same as at normal priority, only later. segments: a speech request's later segments of a
@@ -93,7 +95,8 @@ class Request:
     thinker_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)  # not streamed
     talker_inputs: object = field(default=None, repr=False)  # the talker prefill waiting for admission
     speech_stream: object = field(default=None, repr=False)  # omnimtp.handoff.SpeechTextStream (speech requests)
-    num_fed_ids: int = 0  # prompt_ids handed to speech_stream
+    num_fed_ids: int = 0  # prompt_ids handed to speech_stream, or skipped (a segment its talker ended early)
+    segment_ends: list[int] = field(default_factory=list)  # where each segment's ids end in prompt_ids, once known
     is_in_talker: bool = False
     is_parked: bool = False  # running, but waiting for text without a slot (`EngineCore` parks it)
     parked_talker: object = field(default=None, repr=False)  # its talker state while parked (a `ParkedTalker`)

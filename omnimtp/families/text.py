@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from omnimtp.media import MediaInputs, MediaLimits, chat_media_inputs, has_media
-from omnimtp.text_segments import iter_segments
+from omnimtp.text_segments import SegmentStream, iter_segments
 from omnimtp.tokenizer import StreamedTextIds, prompt_tokenizer
 
 # The most ids one character takes (a byte-level tokenizer's UTF-8 bytes): a segment's window must hold them.
@@ -135,14 +135,7 @@ class ChatText:
         segment, `speech_ids(text)`. The segments are cut as they are asked for, so the first is ready about as
         soon as a short text's. ValueError naming max_frames (at once) when the talker's positions beside
         max_frames frames leave no room for a character's ids."""
-        num_template = self.num_speech_template_ids()
-        max_ids = num_template + max_segment_tokens
-        window = self.speech_window(speaker, max_frames)
-        if window is not None:
-            if window < num_template + MAX_IDS_PER_CHARACTER:
-                raise ValueError(f"max_frames: {max_frames} frames leave the talker's {self.max_positions} "
-                                 "positions no room for text")
-            max_ids = min(max_ids, window)
+        max_ids = self.max_segment_ids(speaker, max_frames, max_segment_tokens)
         ids = self.speech_ids(text)
         if len(ids) <= max_ids:
             return iter([ids])
@@ -153,6 +146,23 @@ class ChatText:
             return len(self.speech_ids(piece.strip())) if piece.strip() else 0
 
         return (self.speech_ids(piece.strip()) for piece in iter_segments(text, max_ids, size) if piece.strip())
+
+    def max_segment_ids(self, speaker, max_frames: int, max_segment_tokens: int) -> int:
+        """The most `speech_ids` one segment of a spoken text may have (see `speech_segments`); ValueError naming
+        max_frames when the talker's positions beside max_frames frames leave no room for a character's ids."""
+        num_template = self.num_speech_template_ids()
+        max_ids = num_template + max_segment_tokens
+        window = self.speech_window(speaker, max_frames)
+        if window is not None:
+            if window < num_template + MAX_IDS_PER_CHARACTER:
+                raise ValueError(f"max_frames: {max_frames} frames leave the talker's {self.max_positions} "
+                                 "positions no room for text")
+            max_ids = min(max_ids, window)
+        return max_ids
+
+    def streamed_speech_segments(self, speaker, max_frames: int, max_segment_tokens: int) -> StreamedSpeechSegments:
+        """`speech_segments` of a text that arrives in pieces (`StreamedSpeechSegments`); ValueError as it."""
+        return StreamedSpeechSegments(self, self.max_segment_ids(speaker, max_frames, max_segment_tokens))
 
     def speech_text_ids(self) -> StreamedTextIds:
         """The ids of text to speak that arrives in pieces: joined, `speech_ids` of the whole text."""
@@ -175,3 +185,72 @@ class ChatText:
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None."""
         return match_speaker(self.speakers, name)
+
+
+class StreamedSpeechSegments:
+    """`ChatText.speech_segments` of a text that arrives in pieces, as the ids to speak while it comes:
+    `push(text)` and `finish()` give (ids, ends_segment) pairs for `EngineCore.push_speech_ids`; joined segment
+    by segment they are the whole text's `speech_segments`, however the text was split.
+
+    The text is cut by the one rule (`omnimtp.text_segments.SegmentStream`): a segment is final once its end is
+    certain, and the ids of the segment being written go out as far as its text is surely in it
+    (`OpenSegment.num_certain`: the sentences, clauses or words before the one still being written) and no
+    later text can change them (`omnimtp.tokenizer.StreamedTextIds`). So a segment's first sentence goes on a
+    word behind the text, a later sentence once its end shows that it fits the segment, and a long text is
+    spoken segment after segment before it is complete. Until the text is known to be cut, a first segment
+    that starts with spaces waits (a text that fits whole is spoken with its spaces, a cut one without)."""
+
+    def __init__(self, chat_text: ChatText, max_ids: int):
+        self._chat_text = chat_text
+        self._sizes: dict[tuple[str, bool], int] = {}
+        self._segments = SegmentStream(max_ids, self._size)
+        self._ids = chat_text.speech_text_ids()
+        self._num_fed = 0  # characters of the open segment's spoken text that went to _ids
+
+    @property
+    def text(self) -> str:
+        """The text pushed so far."""
+        return self._segments.text
+
+    def push(self, text: str) -> list[tuple[list[int], bool]]:
+        return self._take(self._segments.push(text))
+
+    def finish(self) -> list[tuple[list[int], bool]]:
+        segments = self._segments.finish()
+        if self._segments.is_cut or not segments:
+            return self._take(segments)
+        [whole] = segments  # one segment: the text as `speech_ids` gives it, spaces and all
+        return [(self._ids.push(whole[self._num_fed:]) + self._ids.finish(), True)]
+
+    def _size(self, piece: str) -> int:
+        """`speech_segments`' size: the whole text's ids, a piece's without the spaces around it."""
+        is_whole = piece is self._segments.text
+        key = (piece, is_whole)
+        if key not in self._sizes:
+            spoken = piece if is_whole else piece.strip()
+            self._sizes[key] = len(self._chat_text.speech_ids(spoken)) if spoken.strip() else 0
+        return self._sizes[key]
+
+    def _take(self, segments: list[str]) -> list[tuple[list[int], bool]]:
+        taken = []
+        for segment in segments:
+            spoken = segment.strip()
+            if spoken:
+                taken.append((self._ids.push(spoken[self._num_fed:]) + self._ids.finish(), True))
+            self._ids, self._num_fed = self._chat_text.speech_text_ids(), 0
+        open_segment = self._segments.open
+        if open_segment is None:
+            return taken
+        certain = open_segment.text[: open_segment.num_certain]
+        if self._segments.is_cut:
+            spoken = certain.strip()
+        else:  # it may be the whole text (spoken with its spaces) or a first segment (without)
+            spoken = "" if open_segment.text[:1].isspace() else certain.rstrip()
+        if len(spoken) > self._num_fed:
+            # the spaces after it settle its last word: whether they end the segment or more of it follows
+            spaces = certain[len(certain.rstrip()):] if spoken else ""
+            ids = self._ids.push(spoken[self._num_fed:], lookahead=spaces)
+            self._num_fed = len(spoken)
+            if ids:
+                taken.append((ids, False))
+        return taken

@@ -40,6 +40,7 @@ from omnimtp.limits import (
     MAX_REF_AUDIO_SECONDS,
     MIN_REF_AUDIO_SECONDS,
     check_api_key,
+    check_seconds,
 )
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
@@ -48,7 +49,6 @@ from omnimtp.server.routes import chat, models, realtime, speech, speech_stream,
 from omnimtp.server.routes import playground as playground_routes
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.scheduler import Engine
-from omnimtp.server.serving import check_seconds
 from omnimtp.server.voice_store import VoiceStore
 from omnimtp.server.websocket import WebSocketLimits, WebSocketSessions
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
-from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS
+from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
@@ -213,9 +212,7 @@ class Engine:
                  timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
-        if isinstance(timeout_text_idle, bool) or not isinstance(timeout_text_idle, (int, float)) \
-                or not math.isfinite(timeout_text_idle) or timeout_text_idle <= 0:
-            raise ValueError(f"timeout_text_idle must be a finite number > 0, got {timeout_text_idle!r}")
+        timeout_text_idle = check_seconds("timeout_text_idle", timeout_text_idle)
         if not isinstance(media_limits, MediaLimits):
             raise ValueError(f"media_limits must be a MediaLimits, got {type(media_limits).__name__}")
         if family.has_chat and family.speech_header_ids is None:
@@ -379,10 +376,11 @@ class Engine:
                                           self.config.max_segment_tokens)
         return itertools.chain([next(segments)], segments)
 
-    def check_speech_text(self, text: str, speaker, name: str) -> None:
-        """PromptTooLongError (naming `name`) unless `text` spoken by `speaker` fits the prompt and talker limits:
-        the one rule of a whole speech request, which a streamed text is held to as it grows."""
-        self._check_prompt_length(self.family.speech_ids(text), name, speaker)
+    def check_speech_text(self, text: str, name: str) -> None:
+        """PromptTooLongError (naming `name`) unless `text` fits max_prompt_tokens: the limit of a whole speech
+        request, which a streamed text is held to as it grows (the talker's positions hold each of its segments,
+        as they hold a whole text's)."""
+        self._check_prompt_length(self.family.speech_ids(text), name)
 
     def _check_prompt_length(self, ids: list[int], name: str, speaker=None) -> None:
         if len(ids) > self.max_prompt_tokens:
@@ -500,10 +498,11 @@ class Engine:
             self._cond.notify_all()
         return handle
 
-    def push_speech_ids(self, handle: RequestHandle, ids: list[int], is_finished: bool) -> None:
-        """More text ids of a `submit_speech_stream` request (a no-op once it has ended)."""
+    def push_speech_text(self, handle: RequestHandle, pieces: list[tuple[list[int], bool]], is_finished: bool) -> None:
+        """More text ids of a `submit_speech_stream` request, as `streamed_speech_segments` gives them (a no-op
+        once it has ended)."""
         with self._cond:
-            self._core.push_speech_ids(handle.request_id, ids, is_finished)
+            self._core.push_speech_text(handle.request_id, pieces, is_finished)
             self._cond.notify_all()
 
     def drop_conversation(self, cache_key: str) -> None:
@@ -514,6 +513,18 @@ class Engine:
                 self._core.prefix_cache.drop(cache_key)
                 self._closed_keys.add(cache_key)
                 self._set_gauges()
+
+    def streamed_speech_segments(self, speaker):
+        """A `submit_speech_stream` request's text → its ids, cut into segments as a whole text's are
+        (`speech_segments`; `omnimtp.families.text.StreamedSpeechSegments`). PromptTooLongError when the
+        talker's positions leave max_frames frames no room for text."""
+        family, max_frames = self.family, self.config.max_frames
+        try:
+            return family.streamed_speech_segments(speaker, max_frames, self.config.max_segment_tokens)
+        except ValueError:
+            positions = family.talker_positions(family.speech_ids("x"), speaker, max_frames)
+            raise PromptTooLongError("delta", positions, family.max_positions, unit=(
+                f"talker positions (its prompt and {max_frames} frames, the server's --max-frames)")) from None
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cond:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 
 import h11
 import uvicorn
@@ -27,6 +26,7 @@ from omnimtp.limits import (
     DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
     DEFAULT_HEADERS_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    check_seconds,
 )
 
 _LINGER_S = 2.0  # how long a connection closing after an error response keeps reading (and discarding)
@@ -165,13 +165,6 @@ class _LingeringTransport:
             self._protocol.linger()
         else:
             self._transport.close()
-
-
-def check_seconds(name: str, value) -> float:
-    """`value` as float seconds; ValueError naming `name` unless it is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def server_config(

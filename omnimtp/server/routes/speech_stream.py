@@ -11,16 +11,18 @@
 
 One request runs from the first `input_text.delta` to `done`, in the same engine step loop as every other
 request; after its `input_text.done` the next delta starts another with the same config (a `session.config`
-between requests changes it). A request whose talker ends before its text does (codec EOS, the frame cap)
-sends `done` early; its later deltas are taken and not spoken. While a request waits for more text it holds no
-batch slot, for at most the server's `--timeout-text-idle` seconds at a time: then it ends with an `error` event
-`timeout_text_idle`, and the next delta starts another request.
-The text is tokenized as it comes and only ids no later text can change go to the engine
-(`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is
-that of the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and
-whenever it came. A bad event gets an `error` event and the session goes on; a request's text is at most
-4096 characters (as `input`). Closing the session (or the idle timeout) cancels its request and frees the
-slot. Session limits, the API key on the upgrade and the message size: `omnimtp.server.websocket`.
+between requests changes it). A long text is cut into segments as it comes, by the rule of a whole text
+(`omnimtp.families.text.StreamedSpeechSegments`); a segment whose talker ends before its text does (codec EOS,
+the frame cap) skips the rest of that segment, as on `/v1/audio/speech`, and `done` follows the last segment.
+While a request waits for more text it holds no batch slot, for at most the server's `--timeout-text-idle`
+seconds at a time: then it ends with an `error` event `timeout_text_idle`, and the next delta starts another
+request. The text is tokenized as it comes and only ids no later text can change go to the engine
+(`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is that of
+the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and whenever it
+came (a long one included: the talker's positions hold each segment). A bad event gets an `error` event and the
+session goes on; a request's text is at most 4096 characters (as `input`). Closing the session (or the idle
+timeout) cancels its request and frees the slot. Session limits, the API key on the upgrade and the message size:
+`omnimtp.server.websocket`.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ async def _run(session: Session) -> None:
                     if speech is None:
                         config = config or await _configure(context, {"type": "session.config"})
                         speech = _start(context, session, config)
-                    _push(context, speech, delta, config.speaker)
+                    _push(context, speech, delta)
                 elif kind == "input_text.done":
                     if speech is None or speech.is_text_done:
                         raise EventError("input_text.done: no text to speak", param="type", code="invalid_value")
@@ -111,7 +113,7 @@ async def _run(session: Session) -> None:
                         raise EventError("input_text.done: the request's text is only whitespace; nothing to speak",
                                          param="type", code="invalid_value")
                     speech.is_text_done = True
-                    context.engine.push_speech_ids(speech.handle, speech.text_ids.finish(), is_finished=True)
+                    context.engine.push_speech_text(speech.handle, speech.text_ids.finish(), is_finished=True)
                 else:
                     raise EventError(f"type: unknown event type {echo(kind)}", param="type", code="invalid_event")
             except EventError as exc:
@@ -146,28 +148,32 @@ def _start(context, session: Session, config: _Config) -> _Speech:
     if not engine.is_running:
         raise EventError("the server is shutting down", code="server_shutting_down", type="server_error")
     try:
+        text = engine.streamed_speech_segments(config.speaker)
+    except PromptTooLongError as exc:
+        raise EventError(str(exc), param="delta", code="string_above_max_length") from None
+    try:
         handle = engine.submit_speech_stream(config.speaker, config.sampling, config.seed,
                                              loop=asyncio.get_running_loop())
     except QueueFullError as exc:
         raise EventError(str(exc), code="queue_full", type="rate_limit_exceeded") from None
-    speech = _Speech(handle, engine.family.speech_text_ids())
+    speech = _Speech(handle, text)
     speech.sender = asyncio.ensure_future(_send_audio(session, speech))
     return speech
 
 
-def _push(context, speech: _Speech, delta: str, speaker) -> None:
+def _push(context, speech: _Speech, delta: str) -> None:
     if speech.num_chars + len(delta) > MAX_SPEECH_INPUT_CHARS:
         raise EventError(f"delta: the request's text would be over {MAX_SPEECH_INPUT_CHARS} characters; this delta "
                          "was not taken", param="delta", code="string_above_max_length")
     text = speech.text_ids.text + delta
     try:  # the limits of /v1/audio/speech's input, as the text grows (whitespace alone has no ids yet)
         if text.strip():
-            context.engine.check_speech_text(text, speaker, "delta")
+            context.engine.check_speech_text(text, "delta")
     except PromptTooLongError as exc:
         raise EventError(f"{exc}; this delta was not taken", param="delta", code="string_above_max_length") from None
     speech.num_chars += len(delta)
     # even with no settled ids yet: the text came, so the request's wait for text (--timeout-text-idle) restarts
-    context.engine.push_speech_ids(speech.handle, speech.text_ids.push(delta), is_finished=False)
+    context.engine.push_speech_text(speech.handle, speech.text_ids.push(delta), is_finished=False)
 
 
 async def _send_audio(session: Session, speech: _Speech) -> None:
