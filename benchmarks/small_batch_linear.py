@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             {"rows": rows, "ms": {n: s * 1e3 for n, s in best.items()}, "gb_per_s": gbs, "speedup_vs_mkl_packed": ratio}
         )
     result = {
-        "threads": args.threads, "isa": sbl.isa(), "tilings": tilings, "weight_bytes": total_bytes, "read_bandwidth_gbs": bandwidth, "rows": rows_out,
+        "threads": args.threads, "isa": sbl.isa(), "tilings": tilings, "weight_bytes": total_bytes,
+        "read_bandwidth_gbs": bandwidth, "rows": rows_out,
         "machine": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
         "torch": torch.__version__,
     }
