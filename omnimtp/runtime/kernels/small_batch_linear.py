@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from omnimtp.runtime.cache_dir import cache_root
+
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's CPU capability → build
 PANEL = 16  # output columns per packed panel (one AVX-512 register, two AVX2 ones)
@@ -44,10 +46,7 @@ _unavailable: str | None = None  # why the kernel is off, once known
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("OMNIMTP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "omnimtp"
-    )
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
@@ -131,6 +130,15 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel runs here (builds it on the first call)."""
     return _library() is not None
+
+
+def build_id() -> str | None:
+    """Which kernel runs here, None where none does: its build, its tiling and a digest of its source (what
+    a step's measured time depends on), e.g. "AVX2 6x64 1f0c2a9b"."""
+    if not available():
+        return None
+    tile_rows, pass_rows = tiling()
+    return f"{isa()} {tile_rows}x{pass_rows} {hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]}"
 
 
 def unavailable_reason() -> str | None:
