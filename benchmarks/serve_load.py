@@ -16,7 +16,8 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
   trained on Python sources, prompted with code) instead of the embedded tiny model; with `--thinker-mtp
   K [K ...]` also one server per K (`auto` or k >= 1) at ours' batch size with speculative thinker steps
   drafted by the demo's MTP head (`serve --thinker-mtp DIR -k K`), to see whether speculation pays under
-  load (tokens/s and TTFA next to ours, which runs the plain thinker loop).
+  load (tokens/s and TTFA next to ours, which runs the plain thinker loop). A `-k auto` server measures
+  its step costs at start-up in this run: the on-disk cost cache is off unless --cached-costs.
 
 All servers run at once (idle ones wait on a condition) and the levels interleave — each concurrency
 level runs on every server before the next level — so slow drift of a shared machine hits all alike.
@@ -218,12 +219,16 @@ def main() -> None:
     parser.add_argument("--thinker-mtp", nargs="+", default=[], metavar="K",
                         help="with --demo: also a server with speculative thinker steps (the demo's MTP head, -k K) "
                         "for each K ('auto' or k >= 1)")
+    parser.add_argument("--cached-costs", action="store_true",
+                        help="let -k auto servers read step costs an earlier start measured (default: measure now)")
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds a server may take to report ready (its predictor warm-up included)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
     if args.thinker_mtp and not args.demo:
         parser.error("--thinker-mtp needs --demo (the demo ships the MTP head)")
+    if not args.cached_costs:
+        os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"  # the servers inherit it
     ours_args = tuple(args.serve_arg)
     prompt = None
     if args.demo:

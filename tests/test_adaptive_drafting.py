@@ -557,6 +557,19 @@ def test_a_corrupt_entry_is_ignored_and_replaced_by_a_measurement(cost_cache_dir
     assert _counting_calibration(model, fingerprint)[0].source == "cached"  # the measurement replaced it
 
 
+def test_the_cache_turned_off_reads_and_writes_nothing(cost_cache_dir, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    fingerprint = cost_fingerprint(model, model, key={})
+    _counting_calibration(model, fingerprint)
+    monkeypatch.setenv("OMNIMTP_DRAFT_COST_CACHE", "0")
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    costs, measured = _counting_calibration(model, fingerprint, seconds=(2.0, 2.2, 2.6))
+    assert costs.step == (1.0, 1.1, 1.3) and costs.source == "measured" and measured
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE")
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    assert _counting_calibration(model, fingerprint)[0].step == (1.0, 1.5, 1.7)  # the first entry, not rewritten
+
+
 def test_a_cache_directory_that_cannot_be_written_leaves_the_costs_measured(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -9,7 +9,9 @@ step's time depends on is in it, so a change of any (new weights, another thread
 another omnimtp) names another file and the costs are measured again. A file that does not parse, whose
 fingerprint is not the one asked for, or whose costs are not valid is ignored (and replaced by the new
 measurement). Writing is atomic (a reader sees a whole entry or none); a cache directory that cannot be
-written leaves the costs measured every start.
+written leaves the costs measured every start. OMNIMTP_DRAFT_COST_CACHE=0 in the environment turns the
+cache off (every process measures; what a benchmark wants, so that costs measured under another load do
+not decide its runs).
 
     fingerprint = cost_fingerprint(model, drafter, key={"batch_size": 4, "sampled": False})
     steps = read_costs(fingerprint)            # [c_0, c_1, ...] or None
@@ -110,8 +112,15 @@ def _entry_path(fingerprint: dict) -> Path:
     return cache_root() / "draft_costs" / f"{_digest(json.dumps(fingerprint, sort_keys=True))}.json"
 
 
+def is_enabled() -> bool:
+    return os.environ.get("OMNIMTP_DRAFT_COST_CACHE", "1") != "0"
+
+
 def read_costs(fingerprint: dict) -> list[float] | None:
-    """The cached costs [c_0, c_1, ...] for exactly this fingerprint, or None (none, unreadable, corrupt)."""
+    """The cached costs [c_0, c_1, ...] for exactly this fingerprint, or None (none, unreadable, corrupt, or
+    the cache turned off)."""
+    if not is_enabled():
+        return None
     try:
         entry = json.loads(_entry_path(fingerprint).read_text())
     except (OSError, ValueError):
@@ -127,7 +136,10 @@ def read_costs(fingerprint: dict) -> list[float] | None:
 
 
 def write_costs(fingerprint: dict, steps: list[float] | tuple[float, ...]) -> bool:
-    """Keep the costs for this fingerprint (atomically); False when the cache directory cannot be written."""
+    """Keep the costs for this fingerprint (atomically); False when the cache directory cannot be written or
+    the cache is turned off."""
+    if not is_enabled():
+        return False
     target = _entry_path(fingerprint)
     try:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
