@@ -363,11 +363,13 @@ def calibrate_thinker_costs(
         return (time.perf_counter() - start) / num_steps
 
     key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
-    fingerprint = cost_fingerprint(thinker, speculation.drafter, device=decoder.device, model_path=model_path, key={
-        "loop": "thinker", "batch_size": batch_size, "sampled": is_sampled, "dtype": str(decoder.dtype),
-        "row_kernel": decoder.row_kernel is not None, "accept_hidden_layer": accept_hidden_layer,
-        "max_draft_tokens": DEFAULT_MAX_DRAFT_TOKENS,
-    })
+    def fingerprint() -> dict:
+        return cost_fingerprint(thinker, speculation.drafter, device=decoder.device, model_path=model_path, key={
+            "loop": "thinker", "batch_size": batch_size, "sampled": is_sampled, "dtype": str(decoder.dtype),
+            "row_kernel": decoder.row_kernel is not None, "accept_hidden_layer": accept_hidden_layer,
+            "max_draft_tokens": DEFAULT_MAX_DRAFT_TOKENS,
+        })
+
     return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS, fingerprint)
 
 

@@ -489,7 +489,7 @@ def _counting_calibration(model, fingerprint, seconds=(1.0, 1.5, 1.7)):
         measured.append(k)
         return seconds[k]
 
-    costs = adaptive.calibrate(model, ("key",), seconds_per_step, len(seconds) - 1, fingerprint)
+    costs = adaptive.calibrate(model, ("key",), seconds_per_step, len(seconds) - 1, lambda: fingerprint)
     return costs, measured
 
 

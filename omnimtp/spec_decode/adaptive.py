@@ -239,22 +239,24 @@ CALIBRATION_ROUNDS = 3
 
 def calibrate(
     model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int,
-    fingerprint: dict | None = None,
+    fingerprint: Callable[[], dict] | None = None,
 ) -> DraftCosts:
     """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
     k tokens and returns the seconds of one step. Every k is measured in each of CALIBRATION_ROUNDS rounds
     (k = 0, 1, ..., K, then again), so a change of the machine's load hits every k alike, and the median
-    of its rounds is kept. fingerprint (`cost_cache.cost_fingerprint`): where given, costs kept on disk
-    for it are used instead of measuring (source "cached"), and a measurement is kept there."""
+    of its rounds is kept. fingerprint: where given, what makes the `cost_cache.cost_fingerprint` of the
+    measurement (called only when the costs are not in this process yet): costs kept on disk for it are
+    used instead of measuring (source "cached"), and a measurement is kept there."""
     cache = _CALIBRATED.setdefault(model, {})
     key = (*key, max_draft_tokens)
     if key not in cache:
-        costs = None if fingerprint is None else _cached_costs(fingerprint, max_draft_tokens)
+        on_disk = None if fingerprint is None else fingerprint()
+        costs = None if on_disk is None else _cached_costs(on_disk, max_draft_tokens)
         if costs is None:
             rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
             costs = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds, strict=True)])
-            if fingerprint is not None:
-                write_costs(fingerprint, costs.step)
+            if on_disk is not None:
+                write_costs(on_disk, costs.step)
         cache[key] = costs
     return cache[key]
 

@@ -339,10 +339,12 @@ def calibrate_draft_costs(
         return out.stats.decode_time_s / max(out.stats.num_steps, 1)
 
     key = (id(head), target_backend, sampling, batch_size, str(device))
-    fingerprint = cost_fingerprint(target, head, device=device, key={
-        "loop": "speculative_generate", "backend": target_backend, "sampling": repr(sampling),
-        "batch_size": batch_size, "max_draft_tokens": max_draft_tokens,
-    })
+    def fingerprint() -> dict:
+        return cost_fingerprint(target, head, device=device, key={
+            "loop": "speculative_generate", "backend": target_backend, "sampling": repr(sampling),
+            "batch_size": batch_size, "max_draft_tokens": max_draft_tokens,
+        })
+
     return calibrate(target, key, seconds_per_step, max_draft_tokens, fingerprint)
 
 
