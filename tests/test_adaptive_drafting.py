@@ -476,8 +476,9 @@ def test_a_plain_step_of_an_auto_thinker_run_costs_what_a_plain_thinker_step_cos
 
 @pytest.fixture
 def cost_cache_dir(tmp_path, monkeypatch):
-    """A private cache directory, and no costs kept in this process (as in a fresh one)."""
+    """A private cache directory, turned on, and no costs kept in this process (as in a fresh one)."""
     monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE", raising=False)
     monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
     return tmp_path / "draft_costs"
 
@@ -574,6 +575,7 @@ def test_a_cache_directory_that_cannot_be_written_leaves_the_costs_measured(tmp_
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(blocker))  # a file: no directory can be made under it
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE", raising=False)
     monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
     model = torch.nn.Linear(4, 4)
     costs, measured = _counting_calibration(model, cost_fingerprint(model, model, key={}))
