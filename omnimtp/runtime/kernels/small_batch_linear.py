@@ -1,5 +1,6 @@
-"""fp32 linear layers for a few rows (1..16 per pass) that stream their weights at a core's read
-bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which build runs).
+"""fp32 linear layers for a few rows (in passes that read the weights once) that stream their weights at a
+core's read bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which
+build runs).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
