@@ -11,7 +11,13 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
 - with `--replicas N [N ...]`: `omnimtp serve --replicas N` (Ray Serve on a local Ray instance of its
   own), --threads CPUs split over the N replicas, to see what replicas give and what Ray costs;
 - with `--previous-tree DIR`: the server of another checkout (e.g. `git worktree add DIR HEAD~1`) at
-  ours' batch size, to measure a change before/after in the same run.
+  ours' batch size, to measure a change before/after in the same run;
+- with `--demo`: every server of this checkout serves the shipped demo Qwen3-Omni (a byte-level thinker
+  trained on Python sources, prompted with code) instead of the embedded tiny model; with `--thinker-mtp
+  K [K ...]` also one server per K (`auto` or k >= 1) at ours' batch size with speculative thinker steps
+  drafted by the demo's MTP head (`serve --thinker-mtp DIR -k K`), to see whether speculation pays under
+  load (tokens/s and TTFA next to ours, which runs the plain thinker loop). A `-k auto` server measures
+  its step costs at start-up in this run: the on-disk cost cache is off unless --cached-costs.
 
 All servers run at once (idle ones wait on a condition) and the levels interleave — each concurrency
 level runs on every server before the next level — so slow drift of a shared machine hits all alike.
@@ -25,6 +31,7 @@ event loop); plus the engine's mean iteration time by phase. The 1-minute load a
 (the machine may be shared: compare ratios within one run).
 
     python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
+    python benchmarks/serve_load.py --demo --thinker-mtp auto 3 --skip-baseline --max-tokens 32
 """
 
 from __future__ import annotations
@@ -88,15 +95,17 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[index]
 
 
-async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int) -> dict:
+async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int, prompt: str | None = None) -> dict:
+    """prompt: the user message ("{index}" filled in), a story request by default."""
     body = {
-        "messages": [{"role": "user", "content": f"Tell me a story, number {index}."}],
+        "messages": [{"role": "user", "content": (prompt or "Tell me a story, number {index}.").format(index=index)}],
         "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
-        "stream": True, "seed": index, "max_tokens": max_tokens,
+        "stream": True, "stream_options": {"include_usage": True}, "seed": index, "max_tokens": max_tokens,
     }
     started = time.perf_counter()
     first_audio = None
     num_samples = 0
+    num_tokens = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             error = json.loads(await response.aread())["error"]
@@ -107,6 +116,8 @@ async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int) ->
             payload = json.loads(line[len("data: "):])
             if "error" in payload:
                 return {"ok": False, "status": 200, "error": payload["error"]["type"]}
+            if payload.get("usage"):
+                num_tokens = payload["usage"]["completion_tokens"]
             for choice in payload["choices"]:
                 audio = choice["delta"].get("audio")
                 if audio and audio.get("data"):
@@ -115,7 +126,7 @@ async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int) ->
                     num_samples += len(base64.b64decode(audio["data"])) // 2
     total = time.perf_counter() - started
     audio_s = num_samples / SAMPLE_RATE
-    return {"ok": True, "ttfa_s": first_audio, "total_s": total, "audio_s": audio_s}
+    return {"ok": True, "ttfa_s": first_audio, "total_s": total, "audio_s": audio_s, "tokens": num_tokens}
 
 
 _STAGES = ("queue", "thinker", "talker", "code2wav")
@@ -139,10 +150,11 @@ def mean_ms(before: dict, after: dict, name: str, label: str | None = None) -> f
     return 1000 * total / count if count else None
 
 
-async def run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int) -> dict:
+async def run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int,
+                    prompt: str | None = None) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as client:
         async def worker(w: int) -> list[dict]:
-            return [await one_request(client, w * 1000 + r, max_tokens) for r in range(requests_per_client)]
+            return [await one_request(client, w * 1000 + r, max_tokens, prompt) for r in range(requests_per_client)]
 
         before = await histogram_sums(client)
         started = time.perf_counter()
@@ -158,6 +170,7 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, max_to
         "completed": len(done),
         "clean_errors": len(results) - len(done),
         "requests_per_s": len(done) / wall,
+        "tokens_per_s": sum(r["tokens"] for r in done) / wall,  # the thinker's text tokens, all requests
         "ttfa_p50_s": percentile(ttfa, 50),
         "ttfa_p95_s": percentile(ttfa, 95),
         "rtf": wall / audio if audio else None,  # wall seconds per second of audio produced, all requests
@@ -201,12 +214,32 @@ def main() -> None:
                         "--serve-arg=--eager; the previous tree's server gets none")
     parser.add_argument("--replicas", type=int, nargs="+", default=[], metavar="N",
                         help="also load `serve --replicas N` for each N (Ray Serve; --threads CPUs split over them)")
+    parser.add_argument("--demo", action="store_true",
+                        help="this checkout's servers serve the shipped demo Qwen3-Omni (prompted with code)")
+    parser.add_argument("--thinker-mtp", nargs="+", default=[], metavar="K",
+                        help="with --demo: also a server with speculative thinker steps (the demo's MTP head, -k K) "
+                        "for each K ('auto' or k >= 1)")
+    parser.add_argument("--cached-costs", action="store_true",
+                        help="let -k auto servers read step costs an earlier start measured (default: measure now)")
     parser.add_argument("--start-timeout", type=float, default=1800,
                         help="seconds a server may take to report ready (its predictor warm-up included)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
+    if args.thinker_mtp and not args.demo:
+        parser.error("--thinker-mtp needs --demo (the demo ships the MTP head)")
+    if not args.cached_costs:
+        os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"  # the servers inherit it
     ours_args = tuple(args.serve_arg)
+    prompt = None
+    if args.demo:
+        from omnimtp.mtp.demo import demo_omni_dir
+
+        demo = str(demo_omni_dir())
+        ours_args = ("--model", demo, *ours_args)
+        prompt = "def parse_{index}(text):"
     setups = [("ours", args.max_batch_size, None, ours_args)]
+    for k in args.thinker_mtp:
+        setups.append((f"mtp_k{k}", args.max_batch_size, None, (*ours_args, "--thinker-mtp", demo, "-k", k)))
     if args.previous_tree:
         setups.append(("previous", args.max_batch_size, args.previous_tree, ()))
     for num_replicas in args.replicas:
@@ -224,12 +257,13 @@ def main() -> None:
             for name, size, tree, extra in setups
         }
         for url in urls.values():
-            asyncio.run(run_level(url, 1, 1, args.max_tokens))  # warm-up
+            asyncio.run(run_level(url, 1, 1, args.max_tokens, prompt))  # warm-up
         for concurrency in args.concurrency:
             for name, url in urls.items():
-                level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens))
+                level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens, prompt))
                 report["results"][name].append(level)
-                print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  TTFA p50 "
+                print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  "
+                      f"tokens/s {level['tokens_per_s']:.1f}  TTFA p50 "
                       f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
                       f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}  "
                       f"load {level['load_average_1min']:.2f}", flush=True)
@@ -245,6 +279,11 @@ def main() -> None:
         for c in sorted(ours):
             print(f"c={c:3d}: ours/previous req/s {ours[c]['requests_per_s'] / previous[c]['requests_per_s']:.2f}x, "
                   f"TTFA p50 {ours[c]['ttfa_p50_s']:.3f} vs {previous[c]['ttfa_p50_s']:.3f} s")
+    for k in args.thinker_mtp:
+        spec = {level["concurrency"]: level for level in report["results"][f"mtp_k{k}"]}
+        for c in sorted(ours):
+            print(f"c={c:3d}: mtp_k{k}/ours tokens/s {spec[c]['tokens_per_s'] / ours[c]['tokens_per_s']:.2f}x, "
+                  f"TTFA p50 {spec[c]['ttfa_p50_s']:.3f} vs {ours[c]['ttfa_p50_s']:.3f} s")
     for num_replicas in args.replicas:
         ray_levels = {level["concurrency"]: level for level in report["results"][f"ray_x{num_replicas}"]}
         for c in sorted(ours):

@@ -16,7 +16,8 @@ drafts of a step that drafts; `verify_over_plain_step`, `step_over_plain_step`: 
 included), a plain step being the plain loop's time over its tokens.
 
 For every repeat, prompt and method the runs go back to back, so load changes hit them alike; a ratio is the
-median over repeats of same-repeat total-time ratios. Costs of "auto" are calibrated once (reported).
+median over repeats of same-repeat total-time ratios. Costs of "auto" are calibrated once (reported), in this
+run: the on-disk cost cache is off (OMNIMTP_DRAFT_COST_CACHE=0) unless --cached-costs.
 
     python benchmarks/spec_speed.py --threads 1 --repeats 3 --num-prompts 8 --max-new-tokens 96
         --out benchmarks/results/spec_speed.json
@@ -333,8 +334,12 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="2 prompts, 24 tokens, 1 repeat, a 2-layer hidden-256 oracle"
     )
+    parser.add_argument("--cached-costs", action="store_true",
+                        help="let `auto` read step costs an earlier process measured (default: measure them now)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not args.cached_costs:
+        os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 24, 1
         args.oracle_hidden, args.oracle_layers, args.oracle_vocab, args.oracle_batches = 256, 2, 2048, [1, 4]

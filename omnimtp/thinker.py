@@ -30,6 +30,7 @@ read as a run of one-token steps; rows of rejected drafts are rolled back and ne
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from omnimtp.spec_decode.adaptive import (
     batch_buckets,
     calibrate,
 )
+from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.generate import SpecStats
 from omnimtp.spec_decode.proposer import MTPProposer, check_drafts
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
@@ -437,14 +439,15 @@ CALIBRATION_TOKENS = 48  # new tokens per row after which a calibration run is r
 
 def calibrate_thinker_costs(
     thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, batch_size: int,
-    is_sampled: bool,
+    is_sampled: bool, model_path: str | os.PathLike | None = None,
 ) -> DraftCosts:
     """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
     k on a fixed 16-token prompt per row, at this batch size, greedy or sampled (`CALIBRATION_SAMPLING`:
     one measurement serves every sampled request, whatever its temperature), measured once per thinker and
     key, then reused. One run serves several measurements (its controller swapped; a fresh run once its
     rows hold CALIBRATION_TOKENS new tokens): the thinker's prefill runs one request at a time, and a
-    prefill per measurement took most of the time at 16 rows."""
+    prefill per measurement took most of the time at 16 rows. Kept on disk for the next process
+    (`omnimtp.spec_decode.cost_cache`; model_path: the directory the omni model was loaded from)."""
     vocab = thinker.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(16)]
     run_sampling = [CALIBRATION_SAMPLING if is_sampled else None] * batch_size
@@ -473,18 +476,26 @@ def calibrate_thinker_costs(
         return (time.perf_counter() - start) / num_steps
 
     key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
-    return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS)
+    def fingerprint() -> dict:
+        return cost_fingerprint(thinker, speculation.drafter, device=decoder.device, model_path=model_path, key={
+            "loop": "thinker", "batch_size": batch_size, "sampled": is_sampled, "dtype": str(decoder.dtype),
+            "row_kernel": decoder.row_kernel is not None, "accept_hidden_layer": accept_hidden_layer,
+            "max_draft_tokens": DEFAULT_MAX_DRAFT_TOKENS,
+        })
+
+    return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS, fingerprint)
 
 
 def calibrate_thinker_cost_table(
     thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, max_batch_size: int,
-    is_sampled: bool,
+    is_sampled: bool, model_path: str | os.PathLike | None = None,
 ) -> DraftCostTable:
     """`calibrate_thinker_costs` at every batch-size bucket up to max_batch_size (`batch_buckets`): what a
     run of up to max_batch_size requests decides with as its requests finish. A server measures its
     buckets at start-up (`Qwen3OmniFamily.calibrate_speculation`), so no request waits for a measurement."""
     return DraftCostTable(tuple(
-        (rows, calibrate_thinker_costs(thinker, decoder, speculation, accept_hidden_layer, rows, is_sampled))
+        (rows, calibrate_thinker_costs(thinker, decoder, speculation, accept_hidden_layer, rows, is_sampled,
+                                       model_path))
         for rows in batch_buckets(max_batch_size)
     ))
 

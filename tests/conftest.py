@@ -11,6 +11,9 @@ import torch
 # differently. Results never depend on the core count, only on the thread count being the same.
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# Adaptive drafting measures its step costs in the test's own process (and its servers'): costs an earlier run
+# kept on disk would make a test's k depend on that run; tests/test_adaptive_drafting.py turns the cache on.
+os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"
 
 
 @pytest.fixture(autouse=True)

@@ -3,11 +3,15 @@
 the demo omni thinker); the sampled joint law of three tokens is the target's with k moving between steps;
 seeded runs repeat; bad settings are ValueErrors. Per batch size: k follows injected costs per batch-size
 bucket, greedy output at batch 1/4/16 is plain's, a thinker cohort that shrinks switches k and keeps its
-rows' tokens, and a server measures its buckets at start-up and reports them in /metrics."""
+rows' tokens, and a server measures its buckets at start-up and reports them in /metrics. Calibrated costs
+kept on disk: read back by the next process (and a second server start, reported as cached), measured
+again when any part of their fingerprint changes or the entry is corrupt, measured every time where the
+cache directory cannot be written."""
 
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from spec_drafters import ragged_batch
 
 from omnimtp import MTPHead, SamplingParams, plain_generate, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
+from omnimtp.spec_decode import adaptive
 from omnimtp.spec_decode.adaptive import (
     DraftController,
     DraftCosts,
@@ -24,6 +29,7 @@ from omnimtp.spec_decode.adaptive import (
     batch_buckets,
     expected_tokens,
 )
+from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.generate import SpecStats, calibrate_draft_cost_table, calibrate_draft_costs
 from omnimtp.spec_decode.proposer import TargetProposer
 
@@ -463,3 +469,140 @@ def test_a_plain_step_of_an_auto_thinker_run_costs_what_a_plain_thinker_step_cos
         return run
 
     assert _ops_per_step(runner(ThinkerSpeculation(head, 1))) <= _ops_per_step(runner(None)) + 2
+
+
+# --- calibrated costs kept on disk ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cost_cache_dir(tmp_path, monkeypatch):
+    """A private cache directory, turned on, and no costs kept in this process (as in a fresh one)."""
+    monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE", raising=False)
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    return tmp_path / "draft_costs"
+
+
+def _counting_calibration(model, fingerprint, seconds=(1.0, 1.5, 1.7)):
+    measured = []
+
+    def seconds_per_step(k):
+        measured.append(k)
+        return seconds[k]
+
+    costs = adaptive.calibrate(model, ("key",), seconds_per_step, len(seconds) - 1, lambda: fingerprint)
+    return costs, measured
+
+
+def test_a_second_process_reads_the_costs_back_and_a_changed_setting_measures_again(cost_cache_dir, monkeypatch):
+    model, drafter = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
+    fingerprint = cost_fingerprint(model, drafter, key={"batch_size": 4})
+    costs, measured = _counting_calibration(model, fingerprint)
+    assert costs.step == (1.0, 1.5, 1.7) and costs.source == "measured" and len(measured) == 9
+    assert len(list(cost_cache_dir.glob("*.json"))) == 1
+
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())  # the next process
+    again, measured = _counting_calibration(model, cost_fingerprint(model, drafter, key={"batch_size": 4}))
+    assert again == costs and again.source == "cached" and measured == []
+
+    # any part a step's time depends on names another entry: measured again
+    changed = [
+        cost_fingerprint(model, drafter, key={"batch_size": 8}),
+        cost_fingerprint(model, torch.nn.Linear(8, 5), key={"batch_size": 4}),
+        cost_fingerprint(model, drafter, key={"batch_size": 4}, device="meta"),
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        changed.append(cost_fingerprint(model, drafter, key={"batch_size": 4}))
+    finally:
+        torch.set_num_threads(threads)
+    for other in changed:
+        monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+        costs, measured = _counting_calibration(model, other, seconds=(2.0, 2.2, 2.6))
+        assert costs.step == (1.0, 1.1, 1.3) and costs.source == "measured" and measured, other
+
+
+def test_a_model_directory_whose_files_change_is_measured_again(cost_cache_dir, monkeypatch, tmp_path):
+    (tmp_path / "model").mkdir()
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(b"0" * 16)
+    model, drafter = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
+    _counting_calibration(model, cost_fingerprint(model, drafter, key={}, model_path=tmp_path / "model"))
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    weights.write_bytes(b"1" * 32)  # new weights
+    fingerprint = cost_fingerprint(model, drafter, key={}, model_path=tmp_path / "model")
+    costs, measured = _counting_calibration(model, fingerprint)
+    assert costs.source == "measured" and measured
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda entry: "{not json",
+    lambda entry: json.dumps({**entry, "step": [1.0, 1.5]}),  # too few
+    lambda entry: json.dumps({**entry, "step": [1.0, 1.9, 1.2]}),  # falls with k
+    lambda entry: json.dumps({**entry, "step": [2.0, 2.5, 3.0]}),  # c_0 != 1
+    lambda entry: json.dumps({**entry, "step": [1.0, "1.5", 2.0]}),
+    lambda entry: json.dumps({**entry, "fingerprint": {**entry["fingerprint"], "device": "cuda"}}),
+    lambda entry: json.dumps([entry]),
+], ids=["not-json", "short", "falling", "c0", "string", "other-fingerprint", "list"])
+def test_a_corrupt_entry_is_ignored_and_replaced_by_a_measurement(cost_cache_dir, monkeypatch, corrupt):
+    model, drafter = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
+    fingerprint = cost_fingerprint(model, drafter, key={})
+    _counting_calibration(model, fingerprint)
+    (path,) = cost_cache_dir.glob("*.json")
+    path.write_text(corrupt(json.loads(path.read_text())))
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    costs, measured = _counting_calibration(model, fingerprint)
+    assert costs.step == (1.0, 1.5, 1.7) and costs.source == "measured" and measured
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    assert _counting_calibration(model, fingerprint)[0].source == "cached"  # the measurement replaced it
+
+
+def test_the_cache_turned_off_reads_and_writes_nothing(cost_cache_dir, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    fingerprint = cost_fingerprint(model, model, key={})
+    _counting_calibration(model, fingerprint)
+    monkeypatch.setenv("OMNIMTP_DRAFT_COST_CACHE", "0")
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    costs, measured = _counting_calibration(model, fingerprint, seconds=(2.0, 2.2, 2.6))
+    assert costs.step == (1.0, 1.1, 1.3) and costs.source == "measured" and measured
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE")
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    assert _counting_calibration(model, fingerprint)[0].step == (1.0, 1.5, 1.7)  # the first entry, not rewritten
+
+
+def test_a_cache_directory_that_cannot_be_written_leaves_the_costs_measured(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(blocker))  # a file: no directory can be made under it
+    monkeypatch.delenv("OMNIMTP_DRAFT_COST_CACHE", raising=False)
+    monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
+    model = torch.nn.Linear(4, 4)
+    costs, measured = _counting_calibration(model, cost_fingerprint(model, model, key={}))
+    assert costs.source == "measured" and measured
+
+
+def test_a_second_server_start_reads_its_costs_back_and_reports_them(cost_cache_dir, monkeypatch):
+    from prometheus_client import generate_latest
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.metrics import ServerMetrics
+    from omnimtp.server.scheduler import Engine
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+
+    family = Qwen3OmniFamily.tiny(0)
+    torch.manual_seed(0)
+    family.thinker_speculation = ThinkerSpeculation(MTPHead.from_config(family.model.thinker), "auto")
+    started = []
+    for _ in range(2):
+        monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())  # a new process
+        engine, metrics = Engine(family, max_batch_size=2, max_frames=8), ServerMetrics()
+        engine.start(metrics=metrics)
+        engine.shutdown()
+        started.append((engine.draft_costs, generate_latest(metrics.registry).decode()))
+    (first, first_text), (second, second_text) = started
+    assert second == first
+    assert {s for table in first.values() for s in table.sources().values()} == {"measured"}
+    assert {s for table in second.values() for s in table.sources().values()} == {"cached"}
+    assert 'omnimtp_thinker_draft_costs_cached{batch_size="2",sampling="greedy"} 0.0' in first_text
+    assert 'omnimtp_thinker_draft_costs_cached{batch_size="2",sampling="greedy"} 1.0' in second_text

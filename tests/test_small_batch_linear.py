@@ -1,4 +1,4 @@
-"""omnimtp's AVX-512 small-batch fp32 linear kernel against F.linear, and its fallbacks."""
+"""omnimtp's small-batch fp32 linear kernel (AVX-512 or AVX2) against F.linear, and its fallbacks."""
 
 from __future__ import annotations
 
@@ -58,6 +58,20 @@ def test_a_row_alone_equals_its_row_in_any_batch_and_any_thread_count():
     for b in (0, 15, 16, 36):
         assert torch.equal(sbl.small_batch_linear(x[b : b + 1], packed, 200)[0], one_thread[b]), b
     assert torch.equal(sbl.small_batch_linear(x[3:11], packed, 200), one_thread[3:11])
+
+
+@needs_kernel
+def test_the_row_tiling_changes_no_bit():
+    """Tiles of any size, passes of any length (each tile re-reads the weights from cache): every row sums
+    in the same order, so every tiling gives this CPU's values bit for bit."""
+    x, weight = _tensors(37, 96, 200, seed=4)
+    packed = sbl.pack_weight(weight)
+    expected = sbl.small_batch_linear(x, packed, 200)
+    for tiling in [(1, 1), (4, 16), (5, 7), (6, 64), (8, 16), (16, 16), (16, 40)]:
+        assert torch.equal(sbl.small_batch_linear(x, packed, 200, tiling=tiling), expected), tiling
+    for bad in [(0, 16), (17, 32), (8, 4), (8.0, 16)]:
+        with pytest.raises(ValueError, match="tiling"):
+            sbl.small_batch_linear(x, packed, 200, tiling=bad)
 
 
 @needs_kernel

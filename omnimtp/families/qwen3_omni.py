@@ -129,14 +129,16 @@ class Qwen3OmniFamily(ChatText):
     def calibrate_speculation(self, max_batch_size: int) -> dict[str, DraftCostTable] | None:
         """With adaptive thinker speculation (`-k auto`) and no given costs: what a thinker step drafting
         k tokens costs at every batch-size bucket up to max_batch_size, greedy and sampled, measured now
-        (once per thinker; the runs reuse it) → {"greedy": table, "sampled": table}; else None. A server
+        (once per thinker; the runs reuse it), or read back from an earlier start's measurement on disk
+        (`omnimtp.spec_decode.cost_cache`) → {"greedy": table, "sampled": table}; else None. A server
         calls it at start-up, so no request waits for a measurement."""
         speculation = self.thinker_speculation
         if speculation is None or not speculation.is_adaptive or speculation.draft_costs is not None:
             return None
         return {
             name: calibrate_thinker_cost_table(self.model.thinker, self.thinker_decoder, speculation,
-                                               self.accept_hidden_layer, max_batch_size, is_sampled)
+                                               self.accept_hidden_layer, max_batch_size, is_sampled,
+                                               self.model.name_or_path)
             for name, is_sampled in (("greedy", False), ("sampled", True))
         }
 

@@ -45,7 +45,7 @@ from omnimtp.runtime.ops import (
 )
 
 ROW_KERNEL = PackedGemm("avx512", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
-ROW_KERNEL_MAX_ROWS = 16  # one pass of the kernel; longer blocks (prefills) run on MKL's GEMM
+ROW_KERNEL_MAX_ROWS = 16  # longer blocks (prefills) run on MKL's GEMM, faster there (compute-bound)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,11 @@ class ServerMetrics:
             "a plain step, by sampling (greedy, sampled) and batch-size bucket", ["sampling", "batch_size", "k"],
             registry=r,
         )
+        self.thinker_draft_costs_cached = Gauge(
+            "omnimtp_thinker_draft_costs_cached",
+            "Adaptive speculation (-k auto): 1 where a bucket's step costs were read back from an earlier start's "
+            "measurement on disk, 0 where measured at this start", ["sampling", "batch_size"], registry=r,
+        )
         self.thinker_accepted_tokens = Counter(
             "omnimtp_thinker_accepted_tokens", "Accepted drafted thinker tokens (τ = 1 + accepted / spec steps)",
             registry=r,
@@ -128,11 +133,14 @@ class ServerMetrics:
     def observe_draft_costs(self, tables) -> None:
         """Adaptive speculation's measured costs ({"greedy" | "sampled": `DraftCostTable`}) as the gauge
         omnimtp_thinker_draft_step_cost{sampling, batch_size, k}: a thinker step drafting k tokens relative
-        to a plain step of that many requests."""
+        to a plain step of that many requests; omnimtp_thinker_draft_costs_cached{sampling, batch_size}: 1 where
+        they were read back from an earlier start's measurement on disk, 0 where measured at this start."""
         for sampling, table in tables.items():
             for rows, costs in table.to_dict().items():
                 for k, cost in enumerate(costs):
                     self.thinker_draft_step_cost.labels(sampling, str(rows), str(k)).set(cost)
+            for rows, source in table.sources().items():
+                self.thinker_draft_costs_cached.labels(sampling, str(rows)).set(1 if source == "cached" else 0)
 
     def observe_spec(self, stats) -> None:
         """A finished request's `SpecStats` (nothing when it took no speculative step)."""

@@ -403,8 +403,10 @@ class Engine:
             started = time.perf_counter()
             self.draft_costs = calibrate(self.config.max_batch_size)
             if self.draft_costs is not None:
-                logger.info("speculation: thinker step costs measured for batches up to %d in %.1f s: %s",
-                            self.config.max_batch_size, time.perf_counter() - started,
+                sources = [source for table in self.draft_costs.values() for source in table.sources().values()]
+                logger.info("speculation: thinker step costs for batches up to %d (%d buckets measured, %d cached) "
+                            "in %.1f s: %s", self.config.max_batch_size, sources.count("measured"),
+                            sources.count("cached"), time.perf_counter() - started,
                             {name: table.to_dict() for name, table in self.draft_costs.items()})
         if metrics is not None and self.draft_costs is not None:
             metrics.observe_draft_costs(self.draft_costs)

@@ -48,7 +48,9 @@ import math
 import statistics
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from omnimtp.spec_decode.cost_cache import read_costs, write_costs
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 4
@@ -57,9 +59,12 @@ DEFAULT_MAX_DRAFT_TOKENS = 4
 @dataclass(frozen=True)
 class DraftCosts:
     """step[k]: the cost of one speculative step that drafts k tokens (drafts, the (k+1)-row verify, the
-    loop's own work) relative to a plain one-token step, k = 0..max_draft_tokens; step[0] = 1."""
+    loop's own work) relative to a plain one-token step, k = 0..max_draft_tokens; step[0] = 1. source: where
+    the numbers came from, "given", "measured" (`calibrate`) or "cached" (a measurement read back from
+    `omnimtp.spec_decode.cost_cache`); not part of equality."""
 
     step: tuple[float, ...]
+    source: str = field(default="given", compare=False)
 
     def __post_init__(self):
         step = tuple(self.step)
@@ -80,7 +85,7 @@ class DraftCosts:
         costs = [1.0]
         for s in seconds[1:]:
             costs.append(max(s / seconds[0], costs[-1]))
-        return cls(tuple(costs))
+        return cls(tuple(costs), source="measured")
 
 
 def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -140,6 +145,10 @@ class DraftCostTable:
     def to_dict(self) -> dict[int, tuple[float, ...]]:
         """{rows: (c_0, c_1, ...)}: what `/metrics` and `--json` report."""
         return {rows: costs.step for rows, costs in self.by_batch}
+
+    def sources(self) -> dict[int, str]:
+        """{rows: "given" | "measured" | "cached"} (`DraftCosts.source`)."""
+        return {rows: costs.source for rows, costs in self.by_batch}
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -228,17 +237,40 @@ _CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model â†
 CALIBRATION_ROUNDS = 3
 
 
-def calibrate(model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int) -> DraftCosts:
+def calibrate(
+    model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int,
+    fingerprint: Callable[[], dict] | None = None,
+) -> DraftCosts:
     """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
     k tokens and returns the seconds of one step. Every k is measured in each of CALIBRATION_ROUNDS rounds
     (k = 0, 1, ..., K, then again), so a change of the machine's load hits every k alike, and the median
-    of its rounds is kept."""
+    of its rounds is kept. fingerprint: where given, what makes the `cost_cache.cost_fingerprint` of the
+    measurement (called only when the costs are not in this process yet): costs kept on disk for it are
+    used instead of measuring (source "cached"), and a measurement is kept there."""
     cache = _CALIBRATED.setdefault(model, {})
     key = (*key, max_draft_tokens)
     if key not in cache:
-        rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
-        cache[key] = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds, strict=True)])
+        on_disk = None if fingerprint is None else fingerprint()
+        costs = None if on_disk is None else _cached_costs(on_disk, max_draft_tokens)
+        if costs is None:
+            rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
+            costs = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds, strict=True)])
+            if on_disk is not None:
+                write_costs(on_disk, costs.step)
+        cache[key] = costs
     return cache[key]
+
+
+def _cached_costs(fingerprint: dict, max_draft_tokens: int) -> DraftCosts | None:
+    """Costs on disk for the fingerprint, None when there are none or they are not what `calibrate` measures
+    (valid, one per k up to max_draft_tokens, non-decreasing)."""
+    steps = read_costs(fingerprint)
+    if steps is None or len(steps) != max_draft_tokens + 1 or steps != sorted(steps):
+        return None
+    try:
+        return DraftCosts(tuple(steps), source="cached")
+    except ValueError:
+        return None
 
 
 def acceptance_warning(stats) -> str | None:

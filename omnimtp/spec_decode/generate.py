@@ -63,6 +63,7 @@ from omnimtp.spec_decode.adaptive import (
     calibrate,
     check_num_draft_tokens,
 )
+from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
@@ -320,7 +321,8 @@ def calibrate_draft_costs(
     this target, drafter and backend at this batch size and sampling: a few steps of this loop with each
     fixed k on a fixed 16-token prompt (the faster of two runs). Measured once per model and key, then
     reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs (at the bucket of
-    its batch size, `batch_buckets(B)[-1]`)."""
+    its batch size, `batch_buckets(B)[-1]`), and kept on disk for the next process
+    (`omnimtp.spec_decode.cost_cache`)."""
     sampling = sampling if sampling is not None else SamplingParams.greedy()
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
         raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
@@ -337,7 +339,13 @@ def calibrate_draft_costs(
         return out.stats.decode_time_s / max(out.stats.num_steps, 1)
 
     key = (id(head), target_backend, sampling, batch_size, str(device))
-    return calibrate(target, key, seconds_per_step, max_draft_tokens)
+    def fingerprint() -> dict:
+        return cost_fingerprint(target, head, device=device, key={
+            "loop": "speculative_generate", "backend": target_backend, "sampling": repr(sampling),
+            "batch_size": batch_size, "max_draft_tokens": max_draft_tokens,
+        })
+
+    return calibrate(target, key, seconds_per_step, max_draft_tokens, fingerprint)
 
 
 def calibrate_draft_cost_table(

@@ -123,39 +123,67 @@ static const group_fn kGroupFns[17][MAX_STREAMS + 1] = {
     {FNS_2(9)}, {FNS_2(10)}, {FNS_2(11)}, {FNS_2(12)}, {FNS_2(13)}, {FNS_2(14)}, {FNS_2(15)}, {FNS_2(16)},
 };
 
-static void run_group(const float* xt, const float* packed, float* y, int64_t rows, int64_t K, int64_t N,
-                      int64_t panels, int64_t streams, int64_t g) {
+/* A pass runs its rows in tiles of at most `tile_rows` (sizes as even as possible): for each group of
+ * panels every tile in turn, so the weights stream from memory once per pass and the later tiles re-read
+ * the group's panels from cache. A tile is a compile-time row count (its accumulators live in registers);
+ * xt holds each tile's rows transposed, [K][rows of the tile], one tile after the other. */
+typedef struct {
+  int64_t first_row, rows;
+} tile;
+
+static void run_group(const float* xt, const float* packed, float* y, const tile* tiles, int64_t num_tiles,
+                      int64_t K, int64_t N, int64_t panels, int64_t streams, int64_t g) {
   const int64_t first = g * streams;
   const int64_t count = panels - first < streams ? panels - first : streams;
   lane_mask masks[MAX_STREAMS];
   for (int64_t s = 0; s < count; ++s) masks[s] = first_n(N - (first + s) * PANEL);
-  kGroupFns[rows][count](xt, packed + first * K * PANEL, y, K, N, first * PANEL, masks);
+  for (int64_t t = 0; t < num_tiles; ++t)
+    kGroupFns[tiles[t].rows][count](xt + tiles[t].first_row * K, packed + first * K * PANEL,
+                                    y + tiles[t].first_row * N, K, N, first * PANEL, masks);
 }
 
-/* x [M, K] row-major, packed as described above, y [M, N] row-major; any M >= 0 (passes of 16 rows,
- * each reads the weights once). Splits the groups of panels over `num_threads` OpenMP threads.
- * Returns 0, or -1 when out of memory. */
+/* x [M, K] row-major, packed as described above, y [M, N] row-major; any M >= 0. Passes of up to
+ * `pass_rows` rows (each streams the weights from memory once), each in tiles of up to `tile_rows`
+ * (1..16) rows. Every row sums in k order on its own, so the tiling changes no value. Splits the groups
+ * of panels over `num_threads` OpenMP threads. Returns 0, -1 when out of memory, -2 for bad tile sizes. */
 int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, int64_t M, int64_t K, int64_t N,
-                               int num_threads) {
+                               int num_threads, int64_t tile_rows, int64_t pass_rows) {
+  if (tile_rows < 1 || tile_rows > 16 || pass_rows < tile_rows) return -2;
   const int64_t panels = (N + PANEL - 1) / PANEL;
-  const int64_t max_rows = M < 16 ? M : 16;
+  const int64_t max_rows = M < pass_rows ? M : pass_rows;
   float* xt = malloc(sizeof(float) * (size_t)(K * max_rows + 1));
-  if (xt == NULL) return -1;
-  for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[k * rows + m] = x[(m0 + m) * K + k];
-    const int64_t streams = kStreams[rows];
+  tile* tiles = malloc(sizeof(tile) * (size_t)((max_rows + tile_rows - 1) / tile_rows + 1));
+  if (xt == NULL || tiles == NULL) {
+    free(xt);
+    free(tiles);
+    return -1;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+    const int64_t rows = M - m0 < pass_rows ? M - m0 : pass_rows;
+    const int64_t num_tiles = (rows + tile_rows - 1) / tile_rows;
+    for (int64_t t = 0, first_row = 0; t < num_tiles; ++t) { /* the first rows % num_tiles tiles get one more */
+      tiles[t].first_row = first_row;
+      tiles[t].rows = rows / num_tiles + (t < rows % num_tiles);
+      first_row += tiles[t].rows;
+    }
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t r0 = tiles[t].first_row, rt = tiles[t].rows;
+      float* xtile = xt + r0 * K;
+      for (int64_t m = 0; m < rt; ++m)
+        for (int64_t k = 0; k < K; ++k) xtile[k * rt + m] = x[(m0 + r0 + m) * K + k];
+    }
+    const int64_t streams = kStreams[tiles[0].rows]; /* the largest tile's: compiled for every smaller one */
     const int64_t groups = (panels + streams - 1) / streams;
     float* ym = y + m0 * N;
     if (num_threads <= 1 || groups == 1) { /* no OpenMP region: it costs about a microsecond */
-      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, rows, K, N, panels, streams, g);
+      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, tiles, num_tiles, K, N, panels, streams, g);
     } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, rows, K, N, panels, streams, g);
+      for (int64_t g = 0; g < groups; ++g) run_group(xt, packed, ym, tiles, num_tiles, K, N, panels, streams, g);
     }
   }
   free(xt);
+  free(tiles);
   return 0;
 }
 

@@ -1,5 +1,6 @@
-"""fp32 linear layers for a few rows (1..16 per pass) that stream their weights at a core's read
-bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which build runs).
+"""fp32 linear layers for a few rows (in passes that read the weights once) that stream their weights at a
+core's read bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which
+build runs).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
@@ -31,18 +32,22 @@ from pathlib import Path
 
 import torch
 
+from omnimtp.runtime.cache_dir import cache_root
+
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}  # torch's CPU capability → build
 PANEL = 16  # output columns per packed panel (one AVX-512 register, two AVX2 ones)
+# (tile_rows, pass_rows) per build. 32 zmm registers hold 16 rows' accumulators. AVX2's 16 ymm registers hold 6
+# rows' (2 a row) next to the 2 weight loads and the broadcast: a 16-row tile spilled to L1 and took 1.35x as long
+# as tiles of 6, 5 and 5 rows on a 2-core AMD EPYC (8-row tiles: 1.25x); a pass of more rows reads the weights
+# from memory once for all of them (17 rows: 8 % faster than passes of 16 and 1).
+_TILING = {"AVX512": (16, 16), "AVX2": (6, 64)}
 
 _unavailable: str | None = None  # why the kernel is off, once known
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("OMNIMTP_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "omnimtp"
-    )
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
@@ -116,6 +121,7 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.omnimtp_small_batch_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.argtypes += [ctypes.c_int64, ctypes.c_int64]
     quantized = lib.omnimtp_quantized_linear
     quantized.restype = ctypes.c_int
     quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
@@ -125,6 +131,15 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the kernel runs here (builds it on the first call)."""
     return _library() is not None
+
+
+def build_id() -> str | None:
+    """Which kernel runs here, None where none does: its build, its tiling and a digest of its source (what
+    a step's measured time depends on), e.g. "AVX2 6x64 1f0c2a9b"."""
+    if not available():
+        return None
+    tile_rows, pass_rows = tiling()
+    return f"{isa()} {tile_rows}x{pass_rows} {hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]}"
 
 
 def unavailable_reason() -> str | None:
@@ -145,7 +160,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
 
 
-def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def tiling() -> tuple[int, int]:
+    """(tile_rows, pass_rows) the kernel runs with on this CPU (see `small_batch_linear`)."""
+    return _TILING.get(isa(), _TILING["AVX512"])
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int, tile_rows: int, pass_rows: int) -> torch.Tensor:
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the small-batch linear kernel is not available: {_unavailable}")
@@ -153,16 +173,24 @@ def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and out_features:
         status = lib.omnimtp_small_batch_linear(
-            x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, in_features, out_features, torch.get_num_threads()
+            x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, in_features, out_features, torch.get_num_threads(),
+            tile_rows, pass_rows,
         )
         if status != 0:
             raise MemoryError("small_batch_linear: out of memory")
     return out
 
 
-def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def small_batch_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, *, tiling: tuple[int, int] | None = None
+) -> torch.Tensor:
     """x [M, K] fp32 @ W.T → [M, out_features], W packed by `pack_weight`. Needs `available()`
-    (RuntimeError otherwise). x and packed are not modified."""
+    (RuntimeError otherwise). x and packed are not modified.
+
+    tiling: (tile_rows, pass_rows), None for this CPU's (`tiling()`): the rows run in passes of up to
+    pass_rows rows, each streaming the weights from memory once, and a pass in tiles of up to tile_rows
+    (1..16) rows, each tile's accumulators in registers (a tile re-reads the weights from cache). The
+    values are the same for any tiling: what a benchmark varies."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-D float32 CPU tensor, got {tuple(x.shape)} {x.dtype} on {x.device}")
     if (
@@ -176,6 +204,12 @@ def small_batch_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int)
         raise ValueError(
             f"out_features={out_features} does not match the packed weight ({packed.shape[0]} panels of {PANEL})"
         )
+    if tiling is not None:
+        tile_rows, pass_rows = tiling
+        if not (isinstance(tile_rows, int) and isinstance(pass_rows, int) and 1 <= tile_rows <= 16
+                and tile_rows <= pass_rows):
+            raise ValueError(f"tiling must be (tile_rows in 1..16, pass_rows >= tile_rows), got {tiling!r}")
+        return _run(x.contiguous(), packed, out_features, tile_rows, pass_rows)
     return small_batch_linear_unchecked(x, packed, out_features)
 
 
@@ -184,13 +218,13 @@ def small_batch_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, out_feat
     weights themselves and pass fp32 CPU rows of the right width."""
     if torch.compiler.is_compiling():
         return _small_batch_linear_op(x, packed, out_features)
-    return _run(x.contiguous(), packed, out_features)
+    return _run(x.contiguous(), packed, out_features, *tiling())
 
 
 @torch.library.custom_op("omnimtp::small_batch_linear", mutates_args=())
 def _small_batch_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The kernel as one opaque op under torch.compile."""
-    return _run(x.contiguous(), packed, out_features)
+    return _run(x.contiguous(), packed, out_features, *tiling())
 
 
 @_small_batch_linear_op.register_fake
