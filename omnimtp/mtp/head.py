@@ -40,7 +40,6 @@ import re
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -449,9 +448,7 @@ class MTPHead(nn.Module):
         on_rows = packed.eh_proj_rows is not None and input_ids.numel() <= ROW_KERNEL_MAX_ROWS
         gemm = ROW_KERNEL if on_rows else None
         pair = torch.stack([self.embed_tokens(input_ids), prev_hidden], dim=-2)  # [B, T, 2, H]
-        # statistics in fp32, as `rms_norm` keeps them
-        normed_pair = F.rms_norm(pair.float(), (self.hidden_size,), eps=decoder.eps).to(pair.dtype)
-        normed_pair = normed_pair.view(*input_ids.shape, 2 * self.hidden_size)  # [B, T, 2H]
+        normed_pair = rms_norm(pair, None, decoder.eps).view(*input_ids.shape, 2 * self.hidden_size)  # [B, T, 2H]
         x = linear(normed_pair, packed.eh_proj, packed=packed.eh_proj_rows if on_rows else None, gemm=gemm)
         # one layer: the slots before last_index only add their keys and values
         if last_index is None and input_ids.shape[1] > 1:
