@@ -150,11 +150,10 @@ def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
 def test_under_pressure_the_least_recently_used_session_is_evicted_and_prefills_again(family):
     """A budget that holds one session's prefix: a second session evicts the first, whose next turn then
     prefills everything (a miss) and still replies as the uncached request does."""
-    decoder = family.thinker_decoder
-    row_bytes = 4 * (decoder.num_layers * 2 * decoder.num_kv_heads * decoder.head_dim + 2 * decoder.hidden_size)
     turns = {key: [_user(1, is_audio=False), {"role": "assistant", "content": "Sure."}] for key in "ab"}
-    longest = max(len(family.chat_ids(turns[key][:1])) for key in "ab")
-    warm = EngineCore(family, _config(row_bytes * (longest // BLOCK * BLOCK) * 3 // 2))
+    probe = EngineCore(family, _config(64 << 20))
+    _finish(probe, _request(family, turns["a"][:1], "probe", None, None, cache_key="a"))
+    warm = EngineCore(family, _config(probe.prefix_cache.num_bytes * 3 // 2))  # both sessions' entries are alike
     for key in "ab":
         _finish(warm, _request(family, turns[key][:1], f"{key}1", None, None, cache_key=key))
     assert warm.prefix_cache.get("a") is None and warm.prefix_cache.get("b") is not None

@@ -109,6 +109,7 @@ class Request:
     codec_stream: object = field(default=None, repr=False)
     spec_stats: object = field(default=None, repr=False)  # its thinker run's SpecStats (speculative runs)
     num_reused_rows: int = 0  # prompt rows its thinker took from the prefix cache
+    num_talker_reused_rows: int = 0  # talker prefill rows taken from the prefix cache
     chunk_ready_step: int | None = None  # the step its next later chunk became due
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None

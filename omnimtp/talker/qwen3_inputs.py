@@ -29,7 +29,11 @@ Where we deliberately differ from transformers:
   row on its own: `projection="per_row"` is that construction, bit-identical to the streamed chunks and
   within float rounding (~1e-6) of the reference;
 - a prompt with no user turn gives an empty user part (transformers' `[:, -0:]` slice would take every
-  prompt position).
+  prompt position);
+- with a `prefill_block` B and a prefill longer than B (U + 9 > B), the user rows are projected in blocks of B
+  user rows from the first (one call per kind and block), so a block's rows are the same bits in every turn
+  that has the same rows there, which is what lets the talker reuse the KV of earlier turns' blocks
+  (`omnimtp.talker.loop.TalkerPrefix`); shorter prefills are projected as transformers does.
 """
 
 from __future__ import annotations
@@ -102,9 +106,11 @@ class Qwen3TalkerInputBuilder:
 
     @torch.no_grad()
     def __init__(
-        self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None
+        self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None,
+        prefill_block: int | None = None,
     ):
         config = model.config
+        self.prefill_block = prefill_block
         talker_config = config.talker_config
         self.model = model
         self.prompt_ids = prompt_list(prompt_ids)
@@ -185,7 +191,14 @@ class Qwen3TalkerInputBuilder:
         return positions[:, 0]  # [3, L]
 
     def _user_rows(self, prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor) -> torch.Tensor:
-        """[U, D_talker], projected over the whole prompt in one call per kind, as transformers does."""
+        """[U, D_talker], projected over the whole prompt in one call per kind, as transformers does, or in blocks
+        of user rows when the prefill is longer than prefill_block (see the module docstring)."""
+        block, num_user = self.prefill_block, len(self.user_positions)
+        if block is not None and num_user + NUM_ASSISTANT_ROWS > block:
+            return torch.cat([
+                self._project(prompt_embeds, prompt_hidden, self.user_positions[start : start + block])
+                for start in range(0, num_user, block)
+            ])
         talker = self.model.talker
         rows = torch.empty(self.num_prompt_rows, self.talker_dim, dtype=talker.dtype, device=prompt_embeds.device)
         mask = self.multimodal_mask.to(prompt_embeds.device)
@@ -193,6 +206,18 @@ class Qwen3TalkerInputBuilder:
             rows[mask] = talker.hidden_projection(prompt_hidden[mask])
         rows[~mask] = talker.text_projection(prompt_embeds[~mask])
         return rows[self.user_positions]
+
+    def _project(self, prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The user rows at `positions` [n, D_talker], one projection call per kind."""
+        talker = self.model.talker
+        index = torch.tensor(positions, device=prompt_embeds.device)
+        mask = self.multimodal_mask.to(prompt_embeds.device)[index]
+        rows = torch.empty(len(positions), self.talker_dim, dtype=talker.dtype, device=prompt_embeds.device)
+        if mask.any():
+            rows[mask] = talker.hidden_projection(prompt_hidden[index[mask]])
+        if not mask.all():
+            rows[~mask] = talker.text_projection(prompt_embeds[index[~mask]])
+        return rows
 
     def _project_each(self, embeds: torch.Tensor) -> torch.Tensor:
         """text_projection of each row on its own: [n, D_thinker] -> [n, D_talker]."""
