@@ -86,13 +86,14 @@ def test_warm_turns_equal_the_conversation_sent_as_one_request(family, sampling,
         request = _request(family, messages, turn, sampling, seed)
         output = _finish(warm, request)
         assert (request.num_reused_rows > 0) == (turn > 1), (turn, request.num_reused_rows)
-        assert request.num_reused_rows % BLOCK == 0
+        assert (request.num_talker_reused_rows > 0) == (turn > 1), (turn, request.num_talker_reused_rows)
+        assert request.num_reused_rows % BLOCK == 0 and request.num_talker_reused_rows % BLOCK == 0
         cold = EngineCore(family, _config(0))
         expected = _finish(cold, _request(family, messages, turn, sampling, seed, cache_key=None))
         _assert_same(output, expected)
         messages.append({"role": "assistant", "content": output.text})
     stats = warm.prefix_cache.stats
-    assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0
+    assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0 and stats.talker_reused_rows > 0
     assert len(cold.prefix_cache) == 0
 
 
@@ -106,7 +107,7 @@ def test_qwen2_5_omni_warm_turn_equals_the_uncached_request():
     messages += [{"role": "assistant", "content": output.text}, _user(2, is_audio=False)]
     request = _request(family, messages, 2, None, 3)
     output = _finish(warm, request)
-    assert request.num_reused_rows > 0
+    assert request.num_reused_rows > 0 and request.num_talker_reused_rows > 0
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 2, None, 3, None)))
 
 
@@ -128,6 +129,46 @@ def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
     assert request.num_reused_rows == changed // BLOCK * BLOCK
     assert 0 < request.num_reused_rows < cached.num_rows
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 4, None, None, None)))
+
+
+def _user_ids(family, request: Request) -> list[int]:
+    """The prompt ids of the rows the Qwen3-Omni talker prefill starts with (its user turns)."""
+    builder = family.talker_builder(request.prompt_ids, family.default_speaker)
+    return [request.prompt_ids[p] for p in builder.user_positions]
+
+
+def test_the_talker_reuses_only_its_equal_user_rows(family):
+    """The talker prefill holds the user turns, then the turn's assistant rows (with the speaker): a new speaker
+    still reuses every whole block of the earlier user rows; a changed earlier user turn reuses the talker
+    blocks before the change only (an earlier assistant reply is not in the talker prefill); each reply equals
+    the uncached request's."""
+    other = next(s for s in family.speakers if s.lower() != family.default_speaker.lower())
+    warm = EngineCore(family, _config(64 << 20))
+    messages = []
+    for turn in range(1, 4):
+        messages.append(_user(turn, is_audio=False))
+        output = _finish(warm, _request(family, messages, turn, None, None))
+        messages.append({"role": "assistant", "content": output.text or "Something."})
+    previous = _user_ids(family, _request(family, messages, 0, None, None))
+    messages.append(_user(4, is_audio=False))
+    request = _request(family, messages, 4, None, None)
+    request.speaker = other
+    output = _finish(warm, request)
+    assert request.num_talker_reused_rows == len(previous) // BLOCK * BLOCK > 0
+    expected = _request(family, messages, 4, None, None, cache_key=None)
+    expected.speaker = other
+    _assert_same(output, _finish(EngineCore(family, _config(0)), expected))
+
+    messages.append({"role": "assistant", "content": output.text or "Something."})
+    previous = _user_ids(family, _request(family, messages, 0, None, None))
+    messages[2] = {"role": "user", "content": "Turn 2 said otherwise, with other words in it."}
+    messages.append(_user(5, is_audio=False))
+    request = _request(family, messages, 5, None, None)
+    changed = next(p for p, (a, b) in enumerate(zip(_user_ids(family, request), previous, strict=False)) if a != b)
+    output = _finish(warm, request)
+    assert request.num_talker_reused_rows == changed // BLOCK * BLOCK > 0
+    assert request.num_talker_reused_rows < len(previous) // BLOCK * BLOCK
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 5, None, None, None)))
 
 
 def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
