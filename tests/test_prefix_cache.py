@@ -171,6 +171,35 @@ def test_the_talker_reuses_only_its_equal_user_rows(family):
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 5, None, None, None)))
 
 
+def test_a_long_talker_prefill_projects_its_user_rows_in_whole_blocks(family):
+    """Longer than a block, the user rows are projected one block of user rows per call from the first (a
+    matmul's rows may depend in the last bits on how many rows share the call, on other hardware than this),
+    to the same rows as the projection of each block alone; shorter, in one call as transformers does."""
+    messages = [_user(turn, is_audio=False) for turn in range(1, 3)]
+    ids = family.chat_ids(messages)
+    talker = family.model.talker
+    with torch.no_grad():
+        embeds = family.model.thinker.get_input_embeddings()(torch.tensor(ids))  # [P, D]
+    calls = []
+    hook = talker.text_projection.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[-2]))
+    try:
+        builder = family.talker_builder(ids, family.default_speaker, None, BLOCK)
+        calls.clear()  # the builder's own special rows
+        rows = builder._user_rows(embeds, embeds)
+        num_user = len(builder.user_positions)
+        assert num_user + 9 > BLOCK
+        assert calls == [BLOCK] * (num_user // BLOCK) + [num_user % BLOCK] * (num_user % BLOCK > 0)
+        with torch.no_grad():
+            alone = talker.text_projection(embeds[builder.user_positions[BLOCK : 2 * BLOCK]])
+        assert torch.equal(rows[BLOCK : 2 * BLOCK], alone)
+        builder = family.talker_builder(ids, family.default_speaker, None, num_user + 9)
+        calls.clear()
+        builder._user_rows(embeds, embeds)
+        assert calls == [len(ids)]  # not longer than a block: every prompt row in one call, then the user rows
+    finally:
+        hook.remove()
+
+
 def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
     """The same conversation with the first turn's audio replaced by another of the same length (the same ids):
     the reuse stops at the audio's first row, and the reply is the uncached one."""
