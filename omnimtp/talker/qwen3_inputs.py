@@ -120,11 +120,11 @@ class Qwen3TalkerInputBuilder:
         self.thinker_dim = config.thinker_config.text_config.hidden_size
         self.talker_dim = talker_config.text_config.hidden_size
 
+        # the config's ids read once: a transformers config attribute costs microseconds, a prompt has thousands
+        im_start, assistant, user = config.im_start_token_id, config.assistant_token_id, config.user_token_id
+        prompt = self.prompt_ids
         # the last "<|im_start|>assistant" of the prompt opens the turn the talker speaks
-        starts = [
-            i for i in range(num_prompt - 1)
-            if self.prompt_ids[i] == config.im_start_token_id and self.prompt_ids[i + 1] == config.assistant_token_id
-        ]
+        starts = [i for i in range(num_prompt - 1) if prompt[i] == im_start and prompt[i + 1] == assistant]
         if not starts:
             raise ValueError("prompt_ids: no '<|im_start|>assistant' turn to speak")
         self.assistant_start = starts[-1]
@@ -133,14 +133,13 @@ class Qwen3TalkerInputBuilder:
         # a position's turn is named by the token after the last <|im_start|> at or before it
         self.user_positions = []
         last_im_start = 0
-        for position, token in enumerate(self.prompt_ids):
-            if token == config.im_start_token_id:
+        for position, token in enumerate(prompt):
+            if token == im_start:
                 last_im_start = position
-            role = self.prompt_ids[min(last_im_start + 1, num_prompt - 1)]
-            if role == config.user_token_id:
+            if prompt[min(last_im_start + 1, num_prompt - 1)] == user:
                 self.user_positions.append(position)
         thinker_config = config.thinker_config
-        multimodal_ids = (thinker_config.audio_token_id, thinker_config.image_token_id, thinker_config.video_token_id)
+        multimodal_ids = {thinker_config.audio_token_id, thinker_config.image_token_id, thinker_config.video_token_id}
         self.multimodal_mask = torch.tensor([token in multimodal_ids for token in self.prompt_ids], dtype=torch.bool)
 
         talker = model.talker
