@@ -166,14 +166,22 @@ def _matrix_bytes(matrix) -> int:
     return sum(t.numel() * t.element_size() for t in (matrix.packed, matrix.scales))
 
 
+def _matrix_macs(matrix) -> int:
+    """Multiply-adds of one row through this weight ([N, K]; a quantized one's packed is [., K, .])."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.numel()
+    return matrix.out_features * matrix.packed.shape[1]
+
+
 def decoder_read(decoder) -> tuple[int, int]:
     """(bytes, multiply-adds) of one row through a packed decoder's dense layers' matrices."""
     total_bytes = total_macs = 0
     for i, layer in enumerate(decoder.layers):
-        quantized = None if decoder.quantized_layers is None else decoder.quantized_layers[i]
-        for j, matrix in enumerate((layer.qkv, layer.o, layer.gate_up, layer.mlp_down)):
-            total_macs += matrix.numel()
-            total_bytes += _matrix_bytes(matrix if quantized is None else quantized[j])
+        matrices = (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+        if decoder.quantized_layers is not None:
+            matrices = decoder.quantized_layers[i]
+        total_bytes += sum(_matrix_bytes(m) for m in matrices)
+        total_macs += sum(_matrix_macs(m) for m in matrices)
     return total_bytes, total_macs
 
 
