@@ -1,5 +1,6 @@
-"""benchmarks/tts_realtime.py --quick at tiny size, so the script cannot rot: every mode, two batch sizes, the
-profile, and (where `qwen_tts` is installed) the reference, with every figure the report reads present."""
+"""benchmarks/tts_realtime.py and benchmarks/quantized_quality.py --quick at tiny sizes, so the scripts cannot rot:
+every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every quality figure,
+with fp32 agreeing with itself nowhere but where it must."""
 
 import importlib.util
 import json
@@ -11,16 +12,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_reports_every_part(tmp_path):
+def _run(command: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    process = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+
+
+def test_realtime_quick_run_reports_every_part(tmp_path):
     out = tmp_path / "realtime.json"
     has_reference = importlib.util.find_spec("qwen_tts") is not None
-    command = [sys.executable, "benchmarks/tts_realtime.py", "--size", "tiny", "--quick", "--batch-sizes", "1", "2",
+    command = ["benchmarks/tts_realtime.py", "--size", "tiny", "--quick", "--batch-sizes", "1", "2",
                "--threads", "1", "--in-process", "--profile", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
     if not has_reference:
         command.append("--no-reference")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    process = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 0, process.stderr[-3000:]
+    _run(command)
     results = json.loads(out.read_text())
     machine = results["machine"]
     assert machine["read_gb_s"] > 0 and machine["copy_gb_s"] > 0 and machine["fp32_matmul_gflop_s"] > 0
@@ -44,3 +50,20 @@ def test_quick_run_reports_every_part(tmp_path):
     if has_reference:
         assert results["reference"]["batch_1"]["rtf"] > 0 and results["reference"]["batch_2"]["rtf"] > 0
         assert results["modes"][0]["batch_1"]["speedup_vs_reference"] > 0
+
+
+def test_quality_quick_run_reports_every_part(tmp_path):
+    out = tmp_path / "quality.json"
+    _run(["benchmarks/quantized_quality.py", "--quick", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+          "--out", str(out)])
+    results = json.loads(out.read_text())
+    for key in ("demo_lm", "demo_omni_thinker"):
+        entry = results[key]
+        assert entry["fp32_perplexity"] > 1
+        for mode in ("int8", "int4"):
+            assert 0 <= entry[mode]["greedy_agreement"] <= 1 and entry[mode]["perplexity"] > 1
+    talker = results["tts_talker"]
+    for mode in ("int8", "int4"):
+        assert 0 <= talker[mode]["codebook0_top1_agreement"] <= 1
+    # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's
+    assert 0 < talker["int8"]["logits_relative_error"] < talker["int4"]["logits_relative_error"]
