@@ -455,6 +455,8 @@ def main() -> None:
         results["reference" if worker["kind"] == "reference" else "modes"] = (
             entry if worker["kind"] == "reference" else [*results["modes"], entry])
         print_mode(entry, args.batch_sizes)
+        if args.out:  # after every worker, so an interrupted run keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=2))
     reference = results.get("reference")
     if reference and "batch_1" in reference:
         for entry in results["modes"]:
