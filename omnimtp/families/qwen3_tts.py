@@ -181,6 +181,8 @@ class Qwen3TTSFamily(ChatText):
         speech_encoder = None
         if model.speaker_encoder is not None:
             speech_encoder = SpeechTokenizerEncoder.from_pretrained(codec_path, device=model.talker.device)
+        if kwargs.get("quantize") is not None:  # so that releasing the float matrices unmaps the weights file
+            model.copy_other_weights()
         return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
 
     @classmethod

@@ -191,20 +191,33 @@ class Qwen3TTSModel(nn.Module):
             with torch.device(self.talker.device):
                 decoder.rotary_emb = Qwen3RotaryEmbedding(decoder.config)
 
-    def release_decoder_linears(self) -> None:
-        """Frees the matrices of the talker's and code predictor's decoder layers (q/k/v/o, gate/up/down) for a
-        runtime that holds its own (quantized) copies: each becomes a zero-stride placeholder, its shape, dtype
-        and device kept, no data (every element reads 0). Embeddings, heads, norms and projections stay. The
-        model can no longer be saved (`save_pretrained` raises ValueError) nor packed again."""
+    def decoder_linears(self) -> list[nn.Linear]:
+        """The linears of the talker's and code predictor's decoder layers (q/k/v/o, gate/up/down)."""
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
-        for decoder in (self.talker.model, self.talker.code_predictor.model):
-            for layer in decoder.layers:
-                for name in names:
-                    linear = layer.get_submodule(name)
-                    weight = linear.weight
-                    placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-                    linear.weight = nn.Parameter(placeholder, requires_grad=False)
+        return [layer.get_submodule(name) for decoder in (self.talker.model, self.talker.code_predictor.model)
+                for layer in decoder.layers for name in names]
+
+    def copy_other_weights(self) -> None:
+        """Every parameter and buffer but the decoder linears' gets memory of its own (a copy). `from_pretrained`
+        reads views of the mapped weights file, and one live view keeps every page of it that was read resident:
+        with the others copied before the runtime packs them, releasing the linears (`release_decoder_linears`)
+        unmaps the file."""
+        linear_weights = {id(linear.weight) for linear in self.decoder_linears()}
+        with torch.no_grad():
+            for tensor in [*self.parameters(), *self.buffers()]:
+                if id(tensor) not in linear_weights:
+                    tensor.data = tensor.data.clone()
+
+    def release_decoder_linears(self) -> None:
+        """Frees the decoder linears' matrices (`decoder_linears`) for a runtime that holds its own (quantized)
+        copies: each becomes a zero-stride placeholder, its shape, dtype and device kept, no data (every element
+        reads 0). Embeddings, heads, norms and projections stay. The model can no longer be saved
+        (`save_pretrained` raises ValueError) nor packed again."""
+        for linear in self.decoder_linears():
+            weight = linear.weight
+            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            linear.weight = nn.Parameter(placeholder, requires_grad=False)
         self.has_released_linears = True
 
     def save_pretrained(self, path) -> None:
