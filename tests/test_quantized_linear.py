@@ -189,6 +189,53 @@ def test_quantized_tts_frees_the_float_matrices_it_replaced(mode):
     assert torch.equal(passed.talker.model.layers[0].self_attn.q_proj.weight, before)
 
 
+RSS_FILE_SCRIPT = """
+import gc, json, sys
+import torch
+from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+def rss_file_kb():
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("RssFile")))
+
+def load():
+    family = Qwen3TTSFamily.from_pretrained(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None)
+    family.predictor(4)
+    return family
+
+load()  # the libraries a load maps, mapped before the measured load
+gc.collect()
+before = rss_file_kb()
+family = load()
+print(json.dumps({"rss_file_growth_kb": rss_file_kb() - before}))
+"""
+
+
+@needs_kernel
+def test_quantized_checkpoint_does_not_stay_mapped(tmp_path):
+    """Quantizing reads every page of the weights file; loaded quantized, none of them stays resident (the
+    kept weights are copies, so the mapping goes with the released matrices), while fp32 keeps them mapped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
+    from omnimtp.models.qwen3_tts import tiny_qwen3_tts
+    from omnimtp.tokenizer import byte_tokenizer
+
+    tiny_qwen3_tts(0, talker_hidden_size=1024, num_layers=2).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    tiny_speech_tokenizer(0).save_pretrained(tmp_path / "speech_tokenizer")
+    file_kb = os.path.getsize(tmp_path / "model.safetensors") / 1024
+    growth = {}
+    for mode in ("none", "int8"):
+        process = subprocess.run([sys.executable, "-c", RSS_FILE_SCRIPT, str(tmp_path), mode], capture_output=True,
+                                 text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        growth[mode] = json.loads(process.stdout.strip().splitlines()[-1])["rss_file_growth_kb"]
+    assert growth["none"] > 0.5 * file_kb  # packing fp32 reads the file, which stays mapped under the weights
+    assert growth["int8"] < 0.2 * file_kb, (growth, file_kb)
+
+
 def test_quantize_values_are_checked_where_pipelines_are_made():
     from omnimtp import OmniPipeline
 
