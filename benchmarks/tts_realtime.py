@@ -197,7 +197,8 @@ def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: f
     step_bytes, step_macs = decoder_read(runner.weights.decoder)
     lm_head = runner.weights.lm_heads[0]
     num_steps = runner.num_code_groups - 1
-    predictor_bytes = num_steps * (step_bytes + _matrix_bytes(lm_head)) + step_bytes  # the first step: 2 positions
+    # one forward a step, reading every matrix once; the first step's forward has 2 positions a row
+    predictor_bytes = num_steps * (step_bytes + _matrix_bytes(lm_head))
     predictor_macs = num_steps * (step_macs + lm_head.numel()) + step_macs
     projection = getattr(family.talker.code_predictor, "small_to_mtp_projection", None)
     if isinstance(projection, torch.nn.Linear):
@@ -286,7 +287,7 @@ def summarize_profile(profiler, wall: float, steps: int, top: int = 20) -> dict:
     """The top ops by self CPU time, ops per frame, and the share of the wall time no op accounts for."""
     events = [e for e in profiler.key_averages() if not e.key.startswith("ProfilerStep")]
     self_total = sum(e.self_cpu_time_total for e in events) / 1e6
-    matmul_names = ("aten::mm", "aten::mv", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
+    matmul_names = ("aten::mm", "aten::mv", "aten::addmv_", "aten::addmv", "aten::addmm", "aten::bmm",
                     "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution", "aten::conv1d",
                     "aten::conv_transpose1d", "aten::_scaled_dot_product_flash_attention_for_cpu")
     matmul_self = sum(e.self_cpu_time_total for e in events if e.key in matmul_names) / 1e6
