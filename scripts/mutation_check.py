@@ -218,6 +218,18 @@ MUTATIONS = [
         PREFIX_CACHE, "a warm turn reuses cached audio rows behind the same placeholder ids whatever the audio",
     ),
     Mutation(
+        "talker_prefix_reuse_ends_inside_a_block", "omnimtp/talker/loop.py",
+        "        return common // self.block * self.block",
+        "        return common",
+        PREFIX_CACHE, "a warm turn reuses its talker prefix up to a row inside a prefill block (other forwards)",
+    ),
+    Mutation(
+        "talker_user_rows_projected_in_one_call", "omnimtp/talker/qwen3_inputs.py",
+        "        if block is not None and num_user + NUM_ASSISTANT_ROWS > block:",
+        "        if False:",
+        PREFIX_CACHE, "a long talker prefill's user rows are projected in one call (their bits depend on its length)",
+    ),
+    Mutation(
         "thinker_spec_no_rollback", "omnimtp/thinker.py",
         "                self.kv.restore(tuple(lengths))\n",
         "",

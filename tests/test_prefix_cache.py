@@ -86,13 +86,14 @@ def test_warm_turns_equal_the_conversation_sent_as_one_request(family, sampling,
         request = _request(family, messages, turn, sampling, seed)
         output = _finish(warm, request)
         assert (request.num_reused_rows > 0) == (turn > 1), (turn, request.num_reused_rows)
-        assert request.num_reused_rows % BLOCK == 0
+        assert (request.num_talker_reused_rows > 0) == (turn > 1), (turn, request.num_talker_reused_rows)
+        assert request.num_reused_rows % BLOCK == 0 and request.num_talker_reused_rows % BLOCK == 0
         cold = EngineCore(family, _config(0))
         expected = _finish(cold, _request(family, messages, turn, sampling, seed, cache_key=None))
         _assert_same(output, expected)
         messages.append({"role": "assistant", "content": output.text})
     stats = warm.prefix_cache.stats
-    assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0
+    assert stats.hits == 4 and stats.misses == 1 and stats.reused_rows > 0 and stats.talker_reused_rows > 0
     assert len(cold.prefix_cache) == 0
 
 
@@ -106,7 +107,7 @@ def test_qwen2_5_omni_warm_turn_equals_the_uncached_request():
     messages += [{"role": "assistant", "content": output.text}, _user(2, is_audio=False)]
     request = _request(family, messages, 2, None, 3)
     output = _finish(warm, request)
-    assert request.num_reused_rows > 0
+    assert request.num_reused_rows > 0 and request.num_talker_reused_rows > 0
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 2, None, 3, None)))
 
 
@@ -130,6 +131,75 @@ def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 4, None, None, None)))
 
 
+def _user_ids(family, request: Request) -> list[int]:
+    """The prompt ids of the rows the Qwen3-Omni talker prefill starts with (its user turns)."""
+    builder = family.talker_builder(request.prompt_ids, family.default_speaker)
+    return [request.prompt_ids[p] for p in builder.user_positions]
+
+
+def test_the_talker_reuses_only_its_equal_user_rows(family):
+    """The talker prefill holds the user turns, then the turn's assistant rows (with the speaker): a new speaker
+    still reuses every whole block of the earlier user rows; a changed earlier user turn reuses the talker
+    blocks before the change only (an earlier assistant reply is not in the talker prefill); each reply equals
+    the uncached request's."""
+    other = next(s for s in family.speakers if s.lower() != family.default_speaker.lower())
+    warm = EngineCore(family, _config(64 << 20))
+    messages = []
+    for turn in range(1, 4):
+        messages.append(_user(turn, is_audio=False))
+        output = _finish(warm, _request(family, messages, turn, None, None))
+        messages.append({"role": "assistant", "content": output.text or "Something."})
+    previous = _user_ids(family, _request(family, messages, 0, None, None))
+    messages.append(_user(4, is_audio=False))
+    request = _request(family, messages, 4, None, None)
+    request.speaker = other
+    output = _finish(warm, request)
+    assert request.num_talker_reused_rows == len(previous) // BLOCK * BLOCK > 0
+    expected = _request(family, messages, 4, None, None, cache_key=None)
+    expected.speaker = other
+    _assert_same(output, _finish(EngineCore(family, _config(0)), expected))
+
+    messages.append({"role": "assistant", "content": output.text or "Something."})
+    previous = _user_ids(family, _request(family, messages, 0, None, None))
+    messages[2] = {"role": "user", "content": "Turn 2 said otherwise, with other words in it."}
+    messages.append(_user(5, is_audio=False))
+    request = _request(family, messages, 5, None, None)
+    changed = next(p for p, (a, b) in enumerate(zip(_user_ids(family, request), previous, strict=False)) if a != b)
+    output = _finish(warm, request)
+    assert request.num_talker_reused_rows == changed // BLOCK * BLOCK > 0
+    assert request.num_talker_reused_rows < len(previous) // BLOCK * BLOCK
+    _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 5, None, None, None)))
+
+
+def test_a_long_talker_prefill_projects_its_user_rows_in_whole_blocks(family):
+    """Longer than a block, the user rows are projected one block of user rows per call from the first (a
+    matmul's rows may depend in the last bits on how many rows share the call, on other hardware than this),
+    to the same rows as the projection of each block alone; shorter, in one call as transformers does."""
+    messages = [_user(turn, is_audio=False) for turn in range(1, 3)]
+    ids = family.chat_ids(messages)
+    talker = family.model.talker
+    with torch.no_grad():
+        embeds = family.model.thinker.get_input_embeddings()(torch.tensor(ids))  # [P, D]
+    calls = []
+    hook = talker.text_projection.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[-2]))
+    try:
+        builder = family.talker_builder(ids, family.default_speaker, None, BLOCK)
+        calls.clear()  # the builder's own special rows
+        rows = builder._user_rows(embeds, embeds)
+        num_user = len(builder.user_positions)
+        assert num_user + 9 > BLOCK
+        assert calls == [BLOCK] * (num_user // BLOCK) + [num_user % BLOCK] * (num_user % BLOCK > 0)
+        with torch.no_grad():
+            alone = talker.text_projection(embeds[builder.user_positions[BLOCK : 2 * BLOCK]])
+        assert torch.equal(rows[BLOCK : 2 * BLOCK], alone)
+        builder = family.talker_builder(ids, family.default_speaker, None, num_user + 9)
+        calls.clear()
+        builder._user_rows(embeds, embeds)
+        assert calls == [len(ids)]  # not longer than a block: every prompt row in one call, then the user rows
+    finally:
+        hook.remove()
+
+
 def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
     """The same conversation with the first turn's audio replaced by another of the same length (the same ids):
     the reuse stops at the audio's first row, and the reply is the uncached one."""
@@ -150,11 +220,10 @@ def test_other_audio_behind_the_same_placeholders_is_not_reused(family):
 def test_under_pressure_the_least_recently_used_session_is_evicted_and_prefills_again(family):
     """A budget that holds one session's prefix: a second session evicts the first, whose next turn then
     prefills everything (a miss) and still replies as the uncached request does."""
-    decoder = family.thinker_decoder
-    row_bytes = 4 * (decoder.num_layers * 2 * decoder.num_kv_heads * decoder.head_dim + 2 * decoder.hidden_size)
     turns = {key: [_user(1, is_audio=False), {"role": "assistant", "content": "Sure."}] for key in "ab"}
-    longest = max(len(family.chat_ids(turns[key][:1])) for key in "ab")
-    warm = EngineCore(family, _config(row_bytes * (longest // BLOCK * BLOCK) * 3 // 2))
+    probe = EngineCore(family, _config(64 << 20))
+    _finish(probe, _request(family, turns["a"][:1], "probe", None, None, cache_key="a"))
+    warm = EngineCore(family, _config(probe.prefix_cache.num_bytes * 3 // 2))  # both sessions' entries are alike
     for key in "ab":
         _finish(warm, _request(family, turns[key][:1], f"{key}1", None, None, cache_key=key))
     assert warm.prefix_cache.get("a") is None and warm.prefix_cache.get("b") is not None

@@ -132,6 +132,110 @@ def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batc
     assert (abs(batch[1].audio - audio).max() <= 1e-6 * abs(audio).max()) and batch[1].audio.shape == audio.shape
 
 
+def _held_bytes(*roots) -> int:
+    """Bytes of the distinct tensor storages reachable from modules, dataclasses, tuples and lists."""
+    import dataclasses
+
+    storages, seen, stack = {}, set(), list(roots)
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storages[item.untyped_storage().data_ptr()] = item.untyped_storage().nbytes()
+        elif isinstance(item, torch.nn.Module):
+            stack += [*item.parameters(), *item.buffers()]
+        elif dataclasses.is_dataclass(item):
+            stack += [getattr(item, f.name) for f in dataclasses.fields(item)]
+        elif isinstance(item, (tuple, list)):
+            stack += list(item)
+    return sum(storages.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_quantized_tts_frees_the_float_matrices_it_replaced(mode):
+    """A quantized model the family loaded holds its decoder layers' matrices once, quantized: the packed
+    decoders keep no float copies, the module's linears keep no data, and everything the family holds shrinks
+    by at least half of those float matrices' bytes (what int8 saves at the least). A model the caller passed
+    keeps its weights, and a released model is not saved."""
+    from omnimtp import OmniPipeline
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.models.qwen3_tts import tiny_qwen3_tts
+
+    def held(family):
+        return _held_bytes(family.model, family.talker_decoder, family.predictor(4).weights)
+
+    plain, quantized = Qwen3TTSFamily.tiny(0), Qwen3TTSFamily.tiny(0, quantize=mode)
+    cp_decoder = quantized.predictor(4).weights.decoder
+    assert cp_decoder.quantize == mode and cp_decoder is quantized.predictor(8).weights.decoder  # one shared copy
+    for decoder in (quantized.talker_decoder, cp_decoder):
+        assert all(layer.qkv is None and layer.o is None and layer.gate_up is None and layer.mlp_down is None
+                   for layer in decoder.layers)
+    layers = [*plain.talker.model.layers, *plain.talker.code_predictor.model.layers]
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    released = [m for layer in [*quantized.talker.model.layers, *quantized.talker.code_predictor.model.layers]
+                for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.untyped_storage().nbytes() <= m.weight.element_size() for m in released)
+    assert held(quantized) < held(plain) - float_bytes / 2
+    assert_audible(OmniPipeline(family=quantized, max_frames=8).speech("hello there", voice="aiden").audio)
+    with pytest.raises(ValueError, match="model"):
+        quantized.model.save_pretrained("unused")
+    passed = tiny_qwen3_tts(0)
+    before = passed.talker.model.layers[0].self_attn.q_proj.weight.clone()
+    Qwen3TTSFamily(passed, quantize=mode)
+    assert torch.equal(passed.talker.model.layers[0].self_attn.q_proj.weight, before)
+
+
+RSS_FILE_SCRIPT = """
+import gc, json, sys
+import torch
+from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+def rss_file_kb():
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("RssFile")))
+
+def load():
+    family = Qwen3TTSFamily.from_pretrained(sys.argv[1], quantize=sys.argv[2] if sys.argv[2] != "none" else None)
+    family.predictor(4)
+    return family
+
+load()  # the libraries a load maps, mapped before the measured load
+gc.collect()
+before = rss_file_kb()
+family = load()
+print(json.dumps({"rss_file_growth_kb": rss_file_kb() - before}))
+"""
+
+
+@needs_kernel
+def test_quantized_checkpoint_does_not_stay_mapped(tmp_path):
+    """Quantizing reads every page of the weights file; loaded quantized, none of them stays resident (the
+    kept weights are copies, so the mapping goes with the released matrices), while fp32 keeps them mapped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
+    from omnimtp.models.qwen3_tts import tiny_qwen3_tts
+    from omnimtp.tokenizer import byte_tokenizer
+
+    tiny_qwen3_tts(0, talker_hidden_size=1024, num_layers=2).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    tiny_speech_tokenizer(0).save_pretrained(tmp_path / "speech_tokenizer")
+    file_kb = os.path.getsize(tmp_path / "model.safetensors") / 1024
+    growth = {}
+    for mode in ("none", "int8"):
+        process = subprocess.run([sys.executable, "-c", RSS_FILE_SCRIPT, str(tmp_path), mode], capture_output=True,
+                                 text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        growth[mode] = json.loads(process.stdout.strip().splitlines()[-1])["rss_file_growth_kb"]
+    assert growth["none"] > 0.5 * file_kb  # packing fp32 reads the file, which stays mapped under the weights
+    assert growth["int8"] < 0.2 * file_kb, (growth, file_kb)
+
+
 def test_quantize_values_are_checked_where_pipelines_are_made():
     from omnimtp import OmniPipeline
 

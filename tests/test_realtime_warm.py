@@ -1,7 +1,7 @@
 """A `/v1/realtime` conversation kept warm between turns, through the official `openai` client: turn 5 of a seeded
-session that reuses its cached thinker prefix is, bit for bit (text and PCM), the reply to the same conversation
-sent as one request (a fresh session given the earlier turns as items); `/metrics` counts the hits and reused
-rows, and a closed session's entry is dropped."""
+session that reuses its cached thinker and talker prefixes is, bit for bit (text and PCM), the reply to the same
+conversation sent as one request (a fresh session given the earlier turns as items); `/metrics` counts the hits
+and reused thinker and talker rows, and a closed session's entry is dropped."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_turn_5_of_a_warm_session_is_the_conversation_sent_as_one_request(warm_s
     engine, client = warm_server
     hits, reused = _metric(engine, "omnimtp_session_cache_hits_total"), \
         _metric(engine, "omnimtp_session_cache_reused_rows_total")
+    talker_reused = _metric(engine, "omnimtp_session_cache_talker_reused_rows_total")
     turns, replies = _turns(), []
     with client.realtime.connect(model="omnimtp-tiny") as connection:
         _configured(connection)
@@ -65,6 +66,7 @@ def test_turn_5_of_a_warm_session_is_the_conversation_sent_as_one_request(warm_s
     assert all(reply["pcm"] for reply in replies)
     assert _metric(engine, "omnimtp_session_cache_hits_total") - hits == 4
     assert _metric(engine, "omnimtp_session_cache_reused_rows_total") - reused >= 4 * BLOCK
+    assert _metric(engine, "omnimtp_session_cache_talker_reused_rows_total") - talker_reused >= 4 * BLOCK
     with client.realtime.connect(model="omnimtp-tiny") as connection:  # the same conversation, one request
         _configured(connection)
         for (kind, value), reply in zip(turns[:-1], replies, strict=False):

@@ -65,7 +65,8 @@ class EngineConfig:
     later (not first) chunks decoded per step, though always the oldest chunk (None: every due chunk).
     max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
-    prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`).
+    prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
+    is a chat request's talker prefill when longer than a block (`omnimtp.talker.loop`).
     prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none)."""
 
     max_batch_size: int = 8
@@ -323,7 +324,9 @@ class EngineCore:
             if not request.is_chat:
                 request.speech_stream = self.family.speech_stream(request.speaker)  # fed by _feed_text
                 continue
-            request.talker_builder = self.family.talker_builder(request.prompt_ids, request.speaker, request.media)
+            request.talker_builder = self.family.talker_builder(
+                request.prompt_ids, request.speaker, request.media, self.config.prefill_block
+            )
             if request.is_streamed:
                 request.handoff = ThinkerToTalkerStream(request.talker_builder)
         return admitted
@@ -461,14 +464,22 @@ class EngineCore:
         for request in pending:
             inputs, request.talker_inputs = request.talker_inputs, None
             builder = request.talker_builder
+            is_kept = builder is not None and request.cache_key is not None and self.prefix_cache.max_bytes > 0
             talker_requests.append(TalkerRequest(
                 request.request_id, inputs.prefill_embeds, torch.cat(inputs.trailing_text), inputs.tts_pad_embed,
                 is_text_finished=inputs.is_text_finished, sampling=request.talker_sampling,
                 generator=request.talker_generator, max_frames=request.max_frames,
                 prefill_positions=None if builder is None else builder.prefill_positions,
+                prefill_block=None if builder is None else self.config.prefill_block,
+                prefix=self.prefix_cache.get_talker(request.cache_key) if is_kept else None,
+                keeps_prefix=is_kept and builder.prefill_positions is None,
             ))
             request.is_in_talker = True
         ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames
+        for request, talker_request in zip(pending, talker_requests, strict=True):
+            if talker_request.keeps_prefix:
+                request.num_talker_reused_rows = talker_request.reused_rows
+                self.prefix_cache.put_talker(request.cache_key, talker_request.kept_prefix, talker_request.reused_rows)
         now = time.perf_counter()
         for request in pending:
             if request.talker_admitted_at is None:  # a later segment's admission is not the request's

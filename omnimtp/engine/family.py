@@ -42,9 +42,12 @@ class Family(Protocol):
         prefill_block, prefixes, keeps_prefix: blocked prefills and prefix reuse (`ThinkerRun`: `reused_rows`,
         `kept_prefixes`)."""
 
-    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None):
+    def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None,
+                       prefill_block: int | None = None):
         """The request's `omnimtp.handoff.TalkerInputBuilder` (streamed handoff and reply inputs); its
-        `prefill_positions` ([3, L] or None) are the talker prefill's RoPE positions."""
+        `prefill_positions` ([3, L] or None) are the talker prefill's RoPE positions. prefill_block: the talker
+        prefill runs in blocks of it when longer (`omnimtp.talker.loop.TalkerRequest`), so its rows must be the
+        same bits per block whatever follows them."""
 
     def reply_talker_inputs(self, builder, prompt_ids: list[int], output_ids: list[int], embeds: torch.Tensor,
                             hidden: torch.Tensor, finish_reason: str):

@@ -63,7 +63,8 @@ class Request:
     frames) that continues the request's talker generator, and every segment's frames join one codec stream, so
     the decoder sees one continuous code sequence and the audio has no seams of its own. cache_key: a chat
     request of a conversation kept warm (a realtime session's id): its thinker starts from the prefill blocks of
-    the key's last prompt that its prompt shares (`omnimtp.engine.prefix_cache`); the reply is the same bit for
+    the key's last prompt that its prompt shares, and its talker from the blocks of the key's last talker prefill
+    that its own shares (`omnimtp.engine.prefix_cache`); the reply is the same bit for
     bit as the same prompt without a key."""
 
     request_id: Hashable
@@ -109,6 +110,7 @@ class Request:
     codec_stream: object = field(default=None, repr=False)
     spec_stats: object = field(default=None, repr=False)  # its thinker run's SpecStats (speculative runs)
     num_reused_rows: int = 0  # prompt rows its thinker took from the prefix cache
+    num_talker_reused_rows: int = 0  # talker prefill rows taken from the prefix cache
     chunk_ready_step: int | None = None  # the step its next later chunk became due
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -123,7 +125,7 @@ class Request:
         if not self.is_text_finished and self.is_chat:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
         if self.cache_key is not None and not self.is_chat:
-            raise ValueError("cache_key: only a chat request's thinker prefix is kept")
+            raise ValueError("cache_key: only a chat request's prefixes are kept")
         if self.segments is not None:
             if self.is_chat or not self.is_text_finished:
                 raise ValueError("segments: only a speech request whose text is whole is spoken in segments")

@@ -141,8 +141,10 @@ class Qwen2_5OmniFamily(ChatText):
     # --- thinker → talker ---
 
     def talker_builder(
-        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None
+        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None, prefill_block: int | None = None
     ) -> Qwen2_5TalkerInputBuilder:
+        """The request's talker-input builder. Its prefill rows are sums of thinker rows, each row on its own, so
+        they need no blocks (prefill_block is unused); the talker's projection runs per prefill block at admission."""
         return Qwen2_5TalkerInputBuilder(self.model, prompt_ids, speaker, self.talker_layout)
 
     def reply_talker_inputs(self, builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:

@@ -145,10 +145,11 @@ class Qwen3OmniFamily(ChatText):
     # --- thinker → talker ---
 
     def talker_builder(
-        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None
+        self, prompt_ids: list[int], speaker: str, media: MediaInputs | None = None, prefill_block: int | None = None
     ) -> Qwen3TalkerInputBuilder:
-        """The request's talker-input builder (`omnimtp.handoff.TalkerInputBuilder`)."""
-        return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker, media)
+        """The request's talker-input builder (`omnimtp.handoff.TalkerInputBuilder`); prefill_block: a prefill
+        longer than it projects its user rows in blocks of it (what talker prefix reuse needs)."""
+        return Qwen3TalkerInputBuilder(self.model, prompt_ids, speaker, media, prefill_block)
 
     @staticmethod
     def reply_talker_inputs(builder, prompt_ids, output_ids, embeds, hidden, finish_reason) -> TalkerInputs:

@@ -48,7 +48,7 @@ from omnimtp.models.qwen3_tts import Qwen3TTSModel
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
-from omnimtp.talker.code_predictor import CodePredictorRunner
+from omnimtp.talker.code_predictor import CodePredictorRunner, pack_predictor_weights
 from omnimtp.talker.loop import Qwen3FrameMaker, TalkerBatch
 from omnimtp.tokenizer import StreamedTextIds
 from omnimtp.voice import Voice
@@ -135,6 +135,14 @@ class Qwen3TTSFamily(ChatText):
         self.max_positions = self.talker.config.max_position_embeddings
         self.talker_decoder = PackedDecoder.from_module(self.talker.model).quantized(quantize)
         self._predictors: dict[int, CodePredictorRunner] = {}
+        # quantized: the code predictor's weights packed and quantized once and shared by every runner, so no
+        # runner needs the model's float matrices again (`Qwen3TTSModel.release_decoder_linears`)
+        self._predictor_weights = None
+        if quantize is not None:
+            cp = self.talker.code_predictor
+            with torch.no_grad():
+                weights = pack_predictor_weights(cp, next(cp.parameters()).dtype)
+            self._predictor_weights = replace(weights, decoder=weights.decoder.quantized(quantize))
         self.special_ids = {
             name: config[f"{name}_token_id"] for name in ("im_start", "im_end", "tts_pad", "tts_bos", "tts_eos")
         }
@@ -173,7 +181,9 @@ class Qwen3TTSFamily(ChatText):
         speech_encoder = None
         if model.speaker_encoder is not None:
             speech_encoder = SpeechTokenizerEncoder.from_pretrained(codec_path, device=model.talker.device)
-        return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)
+        if kwargs.get("quantize") is not None:  # so that releasing the float matrices unmaps the weights file
+            model.copy_other_weights()
+        return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
 
     @classmethod
     def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> Qwen3TTSFamily:
@@ -190,7 +200,15 @@ class Qwen3TTSFamily(ChatText):
             model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))
             speech_encoder = None if speech_encoder is None else speech_encoder.to(resolve_device(device))
             model._restore_rope()
-        return cls(model, byte_tokenizer(), codec=codec, speech_encoder=speech_encoder, **kwargs)
+        return cls(model, byte_tokenizer(), codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
+
+    def _owning_model(self) -> Qwen3TTSFamily:
+        """This family, for a model it made itself: quantized, the float matrices its quantized copies replace
+        are released from the model (`Qwen3TTSModel.release_decoder_linears`), so quantizing saves memory. A
+        model the caller passed is left as it is."""
+        if self.quantize is not None:
+            self.model.release_decoder_linears()
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -500,7 +518,8 @@ class Qwen3TTSFamily(ChatText):
         """The code predictor runner for batches up to max_batch_size, made once per size."""
         if max_batch_size not in self._predictors:
             self._predictors[max_batch_size] = CodePredictorRunner(
-                self.talker.code_predictor, max_batch_size, compile=self.compile_predictor, quantize=self.quantize
+                self.talker.code_predictor, max_batch_size, compile=self.compile_predictor, quantize=self.quantize,
+                weights=self._predictor_weights,
             )
         return self._predictors[max_batch_size]
 

@@ -155,6 +155,7 @@ class Qwen3TTSModel(nn.Module):
         self.config = copy.deepcopy(config)
         self.talker = Talker(self.config["talker_config"])
         self.speaker_encoder = None
+        self.has_released_linears = False  # see `release_decoder_linears`
         if self.config["tts_model_type"] == "base":
             self.speaker_encoder = SpeakerEncoder(self.config.get("speaker_encoder_config") or {})
             if self.speaker_encoder.enc_dim != self.talker.config.hidden_size:
@@ -190,8 +191,40 @@ class Qwen3TTSModel(nn.Module):
             with torch.device(self.talker.device):
                 decoder.rotary_emb = Qwen3RotaryEmbedding(decoder.config)
 
+    def decoder_linears(self) -> list[nn.Linear]:
+        """The linears of the talker's and code predictor's decoder layers (q/k/v/o, gate/up/down)."""
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+        return [layer.get_submodule(name) for decoder in (self.talker.model, self.talker.code_predictor.model)
+                for layer in decoder.layers for name in names]
+
+    def copy_other_weights(self) -> None:
+        """Every parameter and buffer but the decoder linears' gets memory of its own (a copy). `from_pretrained`
+        reads views of the mapped weights file, and one live view keeps every page of it that was read resident:
+        with the others copied before the runtime packs them, releasing the linears (`release_decoder_linears`)
+        unmaps the file."""
+        linear_weights = {id(linear.weight) for linear in self.decoder_linears()}
+        with torch.no_grad():
+            for tensor in [*self.parameters(), *self.buffers()]:
+                if id(tensor) not in linear_weights:
+                    tensor.data = tensor.data.clone()
+
+    def release_decoder_linears(self) -> None:
+        """Frees the decoder linears' matrices (`decoder_linears`) for a runtime that holds its own (quantized)
+        copies: each becomes a zero-stride placeholder, its shape, dtype and device kept, no data (every element
+        reads 0). Embeddings, heads, norms and projections stay. The model can no longer be saved
+        (`save_pretrained` raises ValueError) nor packed again."""
+        for linear in self.decoder_linears():
+            weight = linear.weight
+            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            linear.weight = nn.Parameter(placeholder, requires_grad=False)
+        self.has_released_linears = True
+
     def save_pretrained(self, path) -> None:
         """config.json, generation_config.json and model.safetensors in the released layout."""
+        if self.has_released_linears:
+            raise ValueError("model: its decoder matrices were released for quantized weights; save the "
+                             "checkpoint it was loaded from instead")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CONFIG_NAME), "w") as f:

@@ -60,10 +60,11 @@ class LayerWeights:
     """One decoder layer's packed weights. Matrices are nn.Linear-shaped [out, in]."""
 
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Nq + 2 Nkv) * D, H]
+    # qkv, o, gate_up, mlp_down: None in a quantized decoder's dense layers (`PackedDecoder.quantized`)
+    qkv: torch.Tensor | None  # [(Nq + 2 Nkv) * D, H]
     qkv_bias: torch.Tensor | None  # [(Nq + 2 Nkv) * D]
     qk_norm: torch.Tensor | None  # [Nq + Nkv, D]: q_norm for the query heads, k_norm for the key heads
-    o: torch.Tensor  # [H, Nq * D]
+    o: torch.Tensor | None  # [H, Nq * D]
     o_bias: torch.Tensor | None  # [H]
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor | None  # [2I, H]: the dense MLP, or glm4_moe's shared experts
@@ -114,29 +115,35 @@ class PackedDecoder:
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # `quantized`: per layer (qkv, o, gate_up, down) weight-only quantized (`ops.QuantizedWeight`), used for
-    # every row count; quantize: the mode ("int8", "int4") or None
+    # every row count, in place of the layers' float matrices; quantize: the mode ("int8", "int4") or None
     quantize: str | None = None
     quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
         """This decoder with every dense layer's linears (qkv, o, gate/up, down) weight-only quantized
         (`ops.quantize_weight`; activations stay in the decoder's dtype), run on omnimtp's CPU kernel for any
-        row count. Routed experts, routers and norms stay as they are. None: this decoder unchanged.
-        ValueError naming `quantize` for an unknown mode or a device without a kernel."""
-        if quantize is None:
+        row count. Routed experts, routers and norms stay as they are. The quantized decoder does not hold the
+        float matrices it replaces (its dense layers' qkv, o, gate_up and mlp_down are None), so they are freed
+        once nothing else holds them. None, or this decoder's own mode: this decoder unchanged. ValueError
+        naming `quantize` for an unknown mode, a device without a kernel, or a decoder quantized to another mode."""
+        if quantize is None or quantize == self.quantize:
             return self
         check_quantize(quantize, self.device)
-        layers = tuple(
-            (
-                quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize),
-                *(
-                    (quantize_weight(layer.gate_up, quantize), quantize_weight(layer.mlp_down, quantize))
-                    if layer.router is None else (None, None)
-                ),
-            )
-            for layer in self.layers
-        )
-        return replace(self, quantize=quantize, quantized_layers=layers, row_kernel=None, row_kernel_lm_head=None)
+        if self.quantize is not None:
+            raise ValueError(f"quantize={quantize!r}: this decoder is already quantized ({self.quantize!r})")
+        quantized_layers, layers = [], []
+        for layer in self.layers:
+            if layer.router is None:
+                quantized_layers.append(tuple(
+                    quantize_weight(matrix, quantize) for matrix in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+                ))
+                layers.append(replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None))
+            else:  # attention only: the shared experts stay float
+                quantized_layers.append((quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize),
+                                         None, None))
+                layers.append(replace(layer, qkv=None, o=None))
+        return replace(self, layers=tuple(layers), quantize=quantize, quantized_layers=tuple(quantized_layers),
+                       row_kernel=None, row_kernel_lm_head=None)
 
     def with_row_kernel(self) -> PackedDecoder:
         """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a
@@ -144,8 +151,10 @@ class PackedDecoder:
         AVX-512F or AVX2), which reads the weights once for all rows — as fast for 4 rows as `torch.mv`
         for one on a CPU, where a small-M GEMM takes twice as long — and computes each row on its own, so
         a row's values do not depend on how many rows run with it. fp32 CPU decoders where the kernel
-        builds; any other decoder is returned as it is. The packed copies double the matrices' memory."""
-        if self.dtype != torch.float32 or self.device.type != "cpu" or not small_batch_linear.available():
+        builds and that are not quantized; any other decoder is returned as it is. The packed copies double the
+        matrices' memory."""
+        if (self.dtype != torch.float32 or self.device.type != "cpu" or self.quantize is not None
+                or not small_batch_linear.available()):
             return self
         pack = small_batch_linear.pack_weight
         layers = tuple(

@@ -216,15 +216,15 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROU
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | QuantizedWeight | None = None,
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
     """nn.Linear: x [..., in] @ weight[out, in].T (+ bias, added inside the matmul as the module does: one
     rounding in bf16). packed: `weight` packed by `gemm`, or None; or `weight` quantized
-    (`quantize_weight`), which then runs on omnimtp's kernel in fp32 for any row count (gemm unused;
-    the bias added after the matmul) and returns x's dtype.
+    (`quantize_weight`), which then runs on omnimtp's kernel in fp32 for any row count (weight and gemm
+    unused, weight may be None; the bias added after the matmul) and returns x's dtype.
 
     "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
     except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix. Otherwise a
@@ -282,11 +282,11 @@ def gated_mlp(
     packed: tuple[torch.Tensor, torch.Tensor] | None = None,
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
-    """SiLU-gated MLP x [..., H] → down(silu(gate(x)) * up(x)) [..., H]. gate_up [2I, H] fused, or (gate_up
-    None) separate gate, up [I, H] (transformers' own tensors, used without a copy). packed: (gate_up,
-    down) packed by `gemm`."""
+    """SiLU-gated MLP x [..., H] → down(silu(gate(x)) * up(x)) [..., H]. gate_up [2I, H] fused, or separate
+    gate, up [I, H] (transformers' own tensors, used without a copy). packed: (gate_up, down) packed by
+    `gemm`, or quantized (`quantize_weight`: then gate_up and down may be None)."""
     packed_gate_up, packed_down = (None, None) if packed is None else packed
-    if gate_up is None:
+    if gate is not None:
         gate_out, up_out = linear(x, gate), linear(x, up)
     else:
         gate_out, up_out = linear(x, gate_up, packed=packed_gate_up, gemm=gemm).chunk(2, dim=-1)

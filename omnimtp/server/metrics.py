@@ -105,24 +105,28 @@ class ServerMetrics:
             "omnimtp_session_cache_reused_rows", "Prompt positions taken from the cache instead of prefilled",
             registry=r,
         )
+        self.session_cache_talker_reused_rows = Counter(
+            "omnimtp_session_cache_talker_reused_rows",
+            "Talker prefill positions taken from the cache instead of prefilled", registry=r,
+        )
         self.session_cache_evictions = Counter(
             "omnimtp_session_cache_evictions", "Sessions' cached prefixes evicted, least recently used first, to "
             "stay within --session-cache-mb", registry=r,
         )
         self.session_cache_bytes = Gauge(
-            "omnimtp_session_cache_bytes", "Bytes of cached thinker prefixes held", registry=r
+            "omnimtp_session_cache_bytes", "Bytes of cached thinker and talker prefixes held", registry=r
         )
         self.session_cache_sessions = Gauge(
-            "omnimtp_session_cache_sessions", "Sessions with a cached thinker prefix", registry=r
+            "omnimtp_session_cache_sessions", "Sessions with a cached prefix", registry=r
         )
-        self._session_cache_seen = (0, 0, 0, 0)
+        self._session_cache_seen = (0, 0, 0, 0, 0)
 
     def observe_session_cache(self, cache) -> None:
         """The engine's `PrefixCache`: its totals since the last call onto the counters, its size onto the gauges."""
         stats = cache.stats
-        totals = (stats.hits, stats.misses, stats.reused_rows, stats.evictions)
+        totals = (stats.hits, stats.misses, stats.reused_rows, stats.evictions, stats.talker_reused_rows)
         counters = (self.session_cache_hits, self.session_cache_misses, self.session_cache_reused_rows,
-                    self.session_cache_evictions)
+                    self.session_cache_evictions, self.session_cache_talker_reused_rows)
         for counter, total, seen in zip(counters, totals, self._session_cache_seen, strict=True):
             if total > seen:
                 counter.inc(total - seen)

@@ -76,8 +76,8 @@ class EngineRequest:
     max_new_tokens: thinker token budget (chat only). is_streamed: the client reads the reply as it
     is made; False (a non-streaming response) generates exactly as `OmniPipeline.generate` does.
     is_background: low priority (`omnimtp.engine.request.Request.is_background`: a realtime input transcript).
-    cache_key: the conversation this chat request continues (a realtime session's id), whose thinker prefix the
-    engine keeps warm between its turns (`omnimtp.engine.request.Request.cache_key`).
+    cache_key: the conversation this chat request continues (a realtime session's id), whose thinker and talker
+    prefixes the engine keeps warm between its turns (`omnimtp.engine.request.Request.cache_key`).
     """
 
     messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
@@ -508,7 +508,7 @@ class Engine:
             self._cond.notify_all()
 
     def drop_conversation(self, cache_key: str) -> None:
-        """Forget the thinker prefix kept warm for `cache_key` (its realtime session closed, its requests
+        """Forget the prefixes kept warm for `cache_key` (its realtime session closed, its requests
         cancelled): now, and again after the step in flight, which may still be prefilling one of them."""
         with self._cond:
             if self._core is not None:

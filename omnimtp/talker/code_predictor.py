@@ -408,6 +408,10 @@ class CodePredictorRunner:
     (`PackedDecoder.quantized`), on omnimtp's CPU kernel for every batch size (packed_gemm is then off);
     a row's codes still depend only on its own inputs. ValueError naming it where it cannot run.
 
+    `weights`: cp's packed weights made before (`pack_predictor_weights`, quantized or not), to share one copy
+    between the runners of several batch sizes; cp then gives only its config and shapes (its matrices may
+    have been released, `Qwen3TTSModel.release_decoder_linears`).
+
     Greedy codes equal `predict_residual_codes` / transformers' `generate` in fp32. When sampling, row
     b draws all its noise from `generators[b]` before the loop, so a row's codes depend only on its
     own inputs and generator — not on the batch size, the other rows or their order.
@@ -415,7 +419,7 @@ class CodePredictorRunner:
 
     def __init__(
         self, cp, max_batch_size: int, dtype: torch.dtype | None = None, compile: bool | str = False,
-        packed_gemm: bool | None = None, quantize: str | None = None,
+        packed_gemm: bool | None = None, quantize: str | None = None, weights: PredictorWeights | None = None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
@@ -461,8 +465,10 @@ class CodePredictorRunner:
         self._is_warming = False  # a `warm_up` is under way: `run` does not compile, it runs eagerly meanwhile
         # cp's modules without their data: what a child process builds a twin from (`compile_cache`)
         self.shape_model = meta_copy(cp)
+        if weights is not None and weights.decoder.dtype != self.dtype:
+            raise ValueError(f"weights: packed in {weights.decoder.dtype}, the runner runs {self.dtype}")
         with torch.no_grad():
-            self.weights = pack_predictor_weights(cp, self.dtype)
+            self.weights = weights if weights is not None else pack_predictor_weights(cp, self.dtype)
         if quantize is not None:
             check_quantize(quantize, self.device)
             self.weights = replace(self.weights, decoder=self.weights.decoder.quantized(quantize))

@@ -18,7 +18,15 @@ The loop is the same for every family; what differs lives in a small `FrameMaker
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
 the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
 boundary, `park` takes a request's whole state out of the batch (its KV slot is free for another) and
-`resume` puts it back, so it goes on exactly as if it had stayed. The talker runs on packed weights
+`resume` puts it back, so it goes on exactly as if it had stayed.
+
+Prefix reuse (`TalkerRequest.prefill_block`, `prefix`, `keeps_prefix`), as the thinker's (`omnimtp.thinker`): a
+prefill longer than its block runs in blocks of that many positions from position 0, one forward each, so its
+KV is the same whether a prefix of whole blocks was loaded or computed; a request that keeps its prefix leaves
+its prefill's whole blocks as a `TalkerPrefix` (`kept_prefix` after `admit`), and a later request given it
+loads the KV of the whole blocks whose input rows equal its own (`reused_rows`) and prefills the rest.
+
+The talker runs on packed weights
 (`PackedDecoder`) with one KV slot per request: a request's positions and cache never mix with another's,
 so its frames do not depend on who else is in the batch. A request whose next reply row has not arrived
 yet (streamed thinker) sits the step out: it is not forwarded and its state is untouched.
@@ -63,7 +71,10 @@ class TalkerRequest:
     width the family's `FrameMaker` projects from). sampling: None = the family's talker greedy
     (`FrameMaker.greedy`). Qwen3's code predictor is greedy when the talker is and samples with
     QWEN3_OMNI_CODE_PREDICTOR_SAMPLING otherwise, as transformers does. prefill_positions:
-    [3, L] M-RoPE ids of the prefill (a prompt with images or videos), None for 1-D positions."""
+    [3, L] M-RoPE ids of the prefill (a prompt with images or videos), None for 1-D positions.
+    prefill_block: a prefill longer than this runs in blocks of it (None: one forward); prefix: a `TalkerPrefix`
+    of that block to start from; keeps_prefix: leave the prefill's whole blocks in `kept_prefix` (1-D positions
+    only). `admit` sets reused_rows (rows taken from prefix) and kept_prefix."""
 
     request_id: Hashable
     prefill_embeds: torch.Tensor
@@ -74,6 +85,11 @@ class TalkerRequest:
     generator: torch.Generator | None = None
     max_frames: int = 4096
     prefill_positions: torch.Tensor | None = None
+    prefill_block: int | None = None
+    prefix: TalkerPrefix | None = None
+    keeps_prefix: bool = False
+    reused_rows: int = field(default=0, init=False)
+    kept_prefix: TalkerPrefix | None = field(default=None, init=False)
 
     def __post_init__(self):
         if self.prefill_embeds.dim() != 2 or self.prefill_embeds.shape[0] == 0:
@@ -92,6 +108,42 @@ class TalkerRequest:
             raise ValueError(f"sampling must be None or a SamplingParams, got {type(self.sampling).__name__}")
         if isinstance(self.max_frames, bool) or not isinstance(self.max_frames, int) or self.max_frames < 1:
             raise ValueError(f"max_frames must be an integer >= 1, got {self.max_frames!r}")
+        block = self.prefill_block
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"prefill_block must be None or an integer >= 1, got {block!r}")
+        if self.prefix is not None and (not isinstance(self.prefix, TalkerPrefix) or self.prefix.block != block):
+            raise ValueError(f"prefix must be None or a TalkerPrefix of block {block}")
+        if self.keeps_prefix and block is None:
+            raise ValueError("keeps_prefix needs a prefill_block")
+
+
+@dataclass(frozen=True)
+class TalkerPrefix:
+    """A talker prefill's whole blocks of `block` positions: its input rows embeds [N, D] (before the family's
+    projection) and their KV (`SavedSlot`, length N), for a later prefill that starts with the same rows."""
+
+    embeds: torch.Tensor
+    kv: SavedSlot
+    block: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.embeds.shape[0]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.embeds, self.kv.kv))
+
+    def matching_rows(self, embeds: torch.Tensor, max_rows: int) -> int:
+        """How many of its rows a prefill with input rows embeds [L, D] reuses: the whole blocks, up to max_rows,
+        before the first row that differs."""
+        num_rows = min(self.num_rows, embeds.shape[0], max_rows)
+        if num_rows < self.block or self.embeds.shape[1:] != embeds.shape[1:]:
+            return 0
+        same = (self.embeds[:num_rows] == embeds[:num_rows]).all(dim=-1).cpu()  # [n]
+        differing = (~same).nonzero()
+        common = int(differing[0]) if len(differing) else num_rows
+        return common // self.block * self.block
 
 
 @dataclass
@@ -306,12 +358,9 @@ class TalkerBatch:
             known.add(request.request_id)
         if not requests:
             return []
-        hidden = []
-        for slot, request in enumerate(requests, start=len(self.rows)):  # one prefill per request, in its slot
-            self.kv.reset(slot)
-            positions = None if request.prefill_positions is None else request.prefill_positions[:, None]
-            hidden.append(self._forward(self.frames.project(request.prefill_embeds[None]), [slot], positions))
-        hidden = torch.cat(hidden)  # [N, H]
+        hidden = torch.cat([
+            self._prefill(slot, request) for slot, request in enumerate(requests, start=len(self.rows))
+        ])  # [N, H]: one prefill per request, in its slot
         new_rows = [
             _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
         ]
@@ -394,6 +443,27 @@ class TalkerBatch:
         self.code0, self.seen = self.code0[index], self.seen[index]
 
     # --- pieces of a step -------------------------------------------------------------------
+
+    def _prefill(self, slot: int, request: TalkerRequest) -> torch.Tensor:
+        """The request's prefill into its slot → post-norm hidden at its last position [1, H]: in one forward, or
+        (longer than its prefill_block) the reused prefix's KV loaded, then the rest in blocks from position 0."""
+        self.kv.reset(slot)
+        embeds, block = request.prefill_embeds, request.prefill_block
+        if request.prefill_positions is not None or block is None or embeds.shape[0] <= block:
+            positions = None if request.prefill_positions is None else request.prefill_positions[:, None]
+            return self._forward(self.frames.project(embeds[None]), [slot], positions)
+        num_rows = embeds.shape[0]
+        # at least one row is forwarded: code 0 comes from the last row's hidden state
+        num_reused = 0 if request.prefix is None else request.prefix.matching_rows(embeds, num_rows - 1)
+        if num_reused:
+            self.kv.load(slot, request.prefix.kv.head(num_reused))
+        request.reused_rows = num_reused
+        for start in range(num_reused, num_rows, block):
+            hidden = self._forward(self.frames.project(embeds[None, start : start + block]), [slot])
+        num_kept = num_rows // block * block
+        if request.keeps_prefix:
+            request.kept_prefix = TalkerPrefix(embeds[:num_kept].clone(), self.kv.save(slot, num_kept), block)
+        return hidden
 
     def _forward(self, embeds: torch.Tensor, slots: list[int], rope_positions=None) -> torch.Tensor:
         """Talker forward of embeds [R, T, H] appended to KV slots `slots` (RoPE at rope_positions

@@ -29,7 +29,11 @@ Where we deliberately differ from transformers:
   row on its own: `projection="per_row"` is that construction, bit-identical to the streamed chunks and
   within float rounding (~1e-6) of the reference;
 - a prompt with no user turn gives an empty user part (transformers' `[:, -0:]` slice would take every
-  prompt position).
+  prompt position);
+- with a `prefill_block` B and a prefill longer than B (U + 9 > B), the user rows are projected in blocks of B
+  user rows from the first (one call per kind and block), so a block's rows are the same bits in every turn
+  that has the same rows there, which is what lets the talker reuse the KV of earlier turns' blocks
+  (`omnimtp.talker.loop.TalkerPrefix`); shorter prefills are projected as transformers does.
 """
 
 from __future__ import annotations
@@ -102,9 +106,11 @@ class Qwen3TalkerInputBuilder:
 
     @torch.no_grad()
     def __init__(
-        self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None
+        self, model: Qwen3OmniMoeForConditionalGeneration, prompt_ids, speaker: str, media: MediaInputs | None = None,
+        prefill_block: int | None = None,
     ):
         config = model.config
+        self.prefill_block = prefill_block
         talker_config = config.talker_config
         self.model = model
         self.prompt_ids = prompt_list(prompt_ids)
@@ -114,11 +120,11 @@ class Qwen3TalkerInputBuilder:
         self.thinker_dim = config.thinker_config.text_config.hidden_size
         self.talker_dim = talker_config.text_config.hidden_size
 
+        # the config's ids read once: a transformers config attribute costs microseconds, a prompt has thousands
+        im_start, assistant, user = config.im_start_token_id, config.assistant_token_id, config.user_token_id
+        prompt = self.prompt_ids
         # the last "<|im_start|>assistant" of the prompt opens the turn the talker speaks
-        starts = [
-            i for i in range(num_prompt - 1)
-            if self.prompt_ids[i] == config.im_start_token_id and self.prompt_ids[i + 1] == config.assistant_token_id
-        ]
+        starts = [i for i in range(num_prompt - 1) if prompt[i] == im_start and prompt[i + 1] == assistant]
         if not starts:
             raise ValueError("prompt_ids: no '<|im_start|>assistant' turn to speak")
         self.assistant_start = starts[-1]
@@ -127,14 +133,13 @@ class Qwen3TalkerInputBuilder:
         # a position's turn is named by the token after the last <|im_start|> at or before it
         self.user_positions = []
         last_im_start = 0
-        for position, token in enumerate(self.prompt_ids):
-            if token == config.im_start_token_id:
+        for position, token in enumerate(prompt):
+            if token == im_start:
                 last_im_start = position
-            role = self.prompt_ids[min(last_im_start + 1, num_prompt - 1)]
-            if role == config.user_token_id:
+            if prompt[min(last_im_start + 1, num_prompt - 1)] == user:
                 self.user_positions.append(position)
         thinker_config = config.thinker_config
-        multimodal_ids = (thinker_config.audio_token_id, thinker_config.image_token_id, thinker_config.video_token_id)
+        multimodal_ids = {thinker_config.audio_token_id, thinker_config.image_token_id, thinker_config.video_token_id}
         self.multimodal_mask = torch.tensor([token in multimodal_ids for token in self.prompt_ids], dtype=torch.bool)
 
         talker = model.talker
@@ -185,7 +190,14 @@ class Qwen3TalkerInputBuilder:
         return positions[:, 0]  # [3, L]
 
     def _user_rows(self, prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor) -> torch.Tensor:
-        """[U, D_talker], projected over the whole prompt in one call per kind, as transformers does."""
+        """[U, D_talker], projected over the whole prompt in one call per kind, as transformers does, or in blocks
+        of user rows when the prefill is longer than prefill_block (see the module docstring)."""
+        block, num_user = self.prefill_block, len(self.user_positions)
+        if block is not None and num_user + NUM_ASSISTANT_ROWS > block:
+            return torch.cat([
+                self._project(prompt_embeds, prompt_hidden, self.user_positions[start : start + block])
+                for start in range(0, num_user, block)
+            ])
         talker = self.model.talker
         rows = torch.empty(self.num_prompt_rows, self.talker_dim, dtype=talker.dtype, device=prompt_embeds.device)
         mask = self.multimodal_mask.to(prompt_embeds.device)
@@ -193,6 +205,18 @@ class Qwen3TalkerInputBuilder:
             rows[mask] = talker.hidden_projection(prompt_hidden[mask])
         rows[~mask] = talker.text_projection(prompt_embeds[~mask])
         return rows[self.user_positions]
+
+    def _project(self, prompt_embeds: torch.Tensor, prompt_hidden: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """The user rows at `positions` [n, D_talker], one projection call per kind."""
+        talker = self.model.talker
+        index = torch.tensor(positions, device=prompt_embeds.device)
+        mask = self.multimodal_mask.to(prompt_embeds.device)[index]
+        rows = torch.empty(len(positions), self.talker_dim, dtype=talker.dtype, device=prompt_embeds.device)
+        if mask.any():
+            rows[mask] = talker.hidden_projection(prompt_hidden[index[mask]])
+        if not mask.all():
+            rows[~mask] = talker.text_projection(prompt_embeds[index[~mask]])
+        return rows
 
     def _project_each(self, embeds: torch.Tensor) -> torch.Tensor:
         """text_projection of each row on its own: [n, D_thinker] -> [n, D_talker]."""

@@ -1,0 +1,199 @@
+"""What weight-only int8 / int4 cost in quality, measured where it can be measured honestly here.
+
+No released weights can be downloaded on this box, so quality is measured on the trained demo models, and only
+the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
+
+- the demo LM (`omnimtp/data/demo_lm`, a trained Glm4Moe: its dense layers and every attention quantize, its
+  routed experts stay float) and the demo Qwen3-Omni thinker (`omnimtp/data/demo_omni`, dense): over their
+  held-out prompts (stdlib code none of them saw), per mode, greedy token agreement with fp32 (`--new-tokens`
+  tokens after each prompt's first `--prefix-tokens`: the share of positions where both pick the same token,
+  and the mean number of tokens before the first difference) and the perplexity of the held-out text under
+  teacher forcing, next to fp32's;
+- the Qwen3-TTS talker at the released widths (`--tts-model DIR`, or the checkpoint `tts_realtime.py` builds
+  and caches): under teacher forcing on `--tts-frames` frames of seeded random codes (each input row the sum
+  of the frame's 16 code embeddings and the text pad row, the talker's input once the text is spoken), the
+  codec head logits' relative error (‖Δ‖ / ‖fp32‖ over all rows) and the codebook-0 top-1 agreement
+  (argmax over the 2048 code ids) with fp32.
+
+Everything runs on omnimtp's packed decoder (the engine's forward), fp32 against `PackedDecoder.quantized`.
+
+    python benchmarks/quantized_quality.py [--quick] [--threads 2] [--no-tts] [--tts-size 0.6b] [--out q.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime.ops import QUANTIZE_MODES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def final_states(decoder: PackedDecoder, embeds: torch.Tensor) -> torch.Tensor:
+    """embeds [T, H] from position 0 → every position's row after the final norm [T, H]."""
+    cache = KVCache(decoder, 1, embeds.shape[0] + 1)
+    return decoder_forward(decoder, cache, embeds[None], [0], all_final=True).final[0]
+
+
+def greedy(decoder: PackedDecoder, embed: torch.Tensor, lm_head: torch.Tensor, ids: list[int], num_new: int):
+    """num_new greedy tokens after ids on the packed decoder."""
+    cache = KVCache(decoder, 1, len(ids) + num_new + 1)
+    hidden = decoder_forward(decoder, cache, embed[torch.tensor(ids)][None], [0]).last_hidden  # [1, H]
+    out = []
+    for _ in range(num_new):
+        token = int((hidden[0] @ lm_head.T).argmax())
+        out.append(token)
+        hidden = decoder_forward(decoder, cache, embed[token][None, None], [0]).last_hidden
+    return out
+
+
+def lm_quality(name: str, decoder: PackedDecoder, embed, lm_head, texts: list[list[int]], modes, prefix: int,
+               num_new: int) -> dict:
+    """Greedy agreement and teacher-forced perplexity per mode against fp32 (see the module docstring)."""
+    decoders = {"fp32": decoder, **{mode: decoder.quantized(mode) for mode in modes}}
+    result = {"model": name, "num_prompts": len(texts), "prefix_tokens": prefix, "new_tokens": num_new}
+    with torch.no_grad():
+        runs = {mode: [greedy(d, embed, lm_head, ids[:prefix], num_new) for ids in texts]
+                for mode, d in decoders.items()}
+        nll = {}
+        for mode, d in decoders.items():
+            total, count = 0.0, 0
+            for ids in texts:
+                logits = final_states(d, embed[torch.tensor(ids)]) @ lm_head.T  # [T, V]
+                total += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
+                count += len(ids) - 1
+            nll[mode] = total / count
+    result["fp32_perplexity"] = math.exp(nll["fp32"])
+    for mode in modes:
+        same = sum(a == b for ref, got in zip(runs["fp32"], runs[mode], strict=True)
+                   for a, b in zip(ref, got, strict=True))
+        prefixes = [next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), num_new)
+                    for ref, got in zip(runs["fp32"], runs[mode], strict=True)]
+        result[mode] = {
+            "greedy_agreement": same / (num_new * len(texts)),
+            "identical_runs": sum(p == num_new for p in prefixes),
+            "mean_tokens_before_first_difference": sum(prefixes) / len(prefixes),
+            "perplexity": math.exp(nll[mode]),
+            "perplexity_change": math.exp(nll[mode] - nll["fp32"]) - 1,
+        }
+    return result
+
+
+def demo_lm(modes, num_prompts: int, prefix: int, num_new: int, max_tokens: int) -> dict:
+    from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
+
+    target, _, tokenizer = load_demo_model("lm")
+    decoder = PackedDecoder.from_causal_lm(target)
+    texts = [tokenizer.encode(t)[:max_tokens] for t in demo_heldout_prompts("lm")[:num_prompts]]
+    return lm_quality("demo LM (Glm4Moe)", decoder, decoder.embed, decoder.lm_head, texts, modes, prefix, num_new)
+
+
+def demo_omni_thinker(modes, num_prompts: int, prefix: int, num_new: int, max_tokens: int) -> dict:
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(demo_omni_dir(), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(demo_omni_dir())
+    thinker = model.thinker
+    decoder = PackedDecoder.from_module(thinker.model.language_model)
+    texts = [tokenizer.encode(t)[:max_tokens] for t in demo_omni_prompts()[:num_prompts]]
+    embed, lm_head = thinker.model.language_model.embed_tokens.weight.detach(), thinker.lm_head.weight.detach()
+    return lm_quality("demo Qwen3-Omni thinker", decoder, embed, lm_head, texts, modes, prefix, num_new)
+
+
+def tts_talker(path: str, modes, num_frames: int) -> dict:
+    """The talker's codec-head logits under teacher forcing, quantized vs fp32 (see the module docstring)."""
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+    family = Qwen3TTSFamily.from_pretrained(path)  # fp32; its float weights stay (not quantized)
+    talker, cp = family.talker, family.talker.code_predictor
+    vocab = talker.config.vocab_size
+    codebook_size = cp.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, codebook_size, (num_frames, cp.config.num_code_groups), generator=generator)
+    with torch.no_grad():
+        rows = talker.model.codec_embedding(codes[:, 0]) + family.tts_pad_embed  # [T, H]
+        for g in range(1, cp.config.num_code_groups):
+            rows = rows + cp.model.codec_embedding[g - 1](codes[:, g])
+        logits = {"fp32": talker.codec_head(final_states(family.talker_decoder, rows)).float()}  # [T, V]
+        for mode in modes:
+            logits[mode] = talker.codec_head(final_states(family.talker_decoder.quantized(mode), rows)).float()
+    reference = logits["fp32"]
+    top1 = reference[:, :codebook_size].argmax(-1)
+    result = {"model": f"Qwen3-TTS talker at {path}", "frames": num_frames, "vocab_size": vocab,
+              "hidden_size": talker.config.hidden_size, "num_layers": talker.config.num_hidden_layers}
+    for mode in modes:
+        got = logits[mode]
+        result[mode] = {
+            "logits_relative_error": ((got - reference).norm() / reference.norm()).item(),
+            "codebook0_top1_agreement": (got[:, :codebook_size].argmax(-1) == top1).float().mean().item(),
+        }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 prompts, 8 tokens, the tiny TTS (a check it runs)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", default=list(QUANTIZE_MODES), choices=QUANTIZE_MODES)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--prefix-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=256, help="held-out tokens per prompt for perplexity")
+    parser.add_argument("--no-tts", action="store_true")
+    parser.add_argument("--tts-model", default=None, help="a Qwen3-TTS checkpoint (default: tts_realtime.py's)")
+    parser.add_argument("--tts-size", default="0.6b", choices=("tiny", "0.6b", "1.7b"))
+    parser.add_argument("--tts-frames", type=int, default=64)
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.num_prompts, args.prefix_tokens, args.new_tokens, args.max_tokens = 2, 16, 8, 48
+        args.tts_size, args.tts_frames = "tiny", 8
+    started = time.perf_counter()
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
+               "torch": torch.__version__, "modes": args.modes}
+    options = (args.modes, args.num_prompts, args.prefix_tokens, args.new_tokens, args.max_tokens)
+    for key, measure in (("demo_lm", demo_lm), ("demo_omni_thinker", demo_omni_thinker)):
+        entry = results[key] = measure(*options)
+        print(f"{entry['model']}: fp32 perplexity {entry['fp32_perplexity']:.3f} over {entry['num_prompts']} prompts")
+        for mode in args.modes:
+            e = entry[mode]
+            print(f"  {mode}: greedy agreement {100 * e['greedy_agreement']:.1f}% ({e['identical_runs']}/"
+                  f"{entry['num_prompts']} runs identical, {e['mean_tokens_before_first_difference']:.1f} tokens "
+                  f"before the first difference); perplexity {e['perplexity']:.3f} "
+                  f"({100 * e['perplexity_change']:+.2f}%)")
+    if not args.no_tts:
+        from tts_realtime import build_checkpoint
+
+        path = args.tts_model or str(
+            build_checkpoint(args.tts_size, Path(args.cache_dir) / f"qwen3-tts-{args.tts_size}")
+        )
+        entry = results["tts_talker"] = tts_talker(path, args.modes, args.tts_frames)
+        print(f"{entry['model']} ({entry['num_layers']} layers, hidden {entry['hidden_size']}), "
+              f"{entry['frames']} teacher-forced frames:")
+        for mode in args.modes:
+            e = entry[mode]
+            print(f"  {mode}: logits relative error {e['logits_relative_error']:.4f}, codebook-0 top-1 agreement "
+                  f"{100 * e['codebook0_top1_agreement']:.1f}%")
+    results["total_s"] = time.perf_counter() - started
+    print(f"total {results['total_s']:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,475 @@
+"""Qwen3-TTS in real time on this CPU: the released widths, each stage next to its floor on this machine.
+
+A checkpoint in the released layout at Qwen3-TTS-12Hz-0.6B's (or 1.7B's) widths, random weights, INCLUDING
+the 12 Hz speech tokenizer's decoder at its released widths (latent 1024, hidden 512, 8 layers, decoder_dim
+1536, upsample 8·5·4·3 and 2·2; unit-gain init so it is audible), is built once and cached (`--cache-dir`), or
+read from `--model DIR`. The text vocabulary shrinks to the byte tokenizer's (a text row is one lookup).
+
+This machine's physics first, in the same run: the streaming read bandwidth (a sum over 512 MB) and a copy's,
+and the fp32 matmul peak (2048³ GEMMs), on `--threads` threads. Then per mode (fp32, bf16, int8, int4), each
+in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, `--frames` frames per request:
+
+- RTF (wall ÷ audio seconds, aggregate over the batch), ms per frame step split into talker, code predictor
+  (its 15 steps), decoder (code2wav) and rest (prefill, admission, sampling glue), from the engine's own phase
+  timing (`EngineCore(observer=...)`; the code predictor's share is its runner's `run` calls);
+- each part's floor: max(bytes it reads ÷ bandwidth, its FLOPs ÷ the matmul peak), where the bytes are the
+  packed weights the engine really holds (quantized ones as stored) and the decoder's FLOPs are counted by
+  torch's FLOP counter on the decoder itself;
+- time to the first streamed audio chunk (batch 1), the RSS once loaded and the process's peak RSS.
+
+Then the reference `qwen_tts` (fp32, its generate + its speech tokenizer's decode) on the same checkpoint,
+batch 1 and 8, in its own process. `--profile` adds one `torch.profiler` op table of fp32 batch-1 frames (the
+top ops by self CPU time, the number of ops per frame, and the time not seen by the profiler: omnimtp's C
+kernels are called through ctypes and do not show up as ops).
+
+    python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4] [--batch-sizes 1 8]
+        [--threads 2] [--frames 12] [--profile] [--no-reference] [--model DIR] [--out tts_realtime.json] [--quick]
+
+Random weights: the speeds are real, the audio is not speech. Run from the repository root (the reference is
+imported from tests/qwen_tts_reference.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [
+    "Hello there, this is a benchmark of speech in real time.", "Another sentence to speak, a little longer.",
+    "Short one.", "A fourth sentence, with a comma and some more words.",
+]
+VOICES = ["aiden", "vivian"]
+MODES = ("fp32", "bf16", "int8", "int4")
+NUM_TEXT_ROWS = 320  # the byte tokenizer's vocabulary: the text embedding shrinks to it
+
+# The released talker widths (the code predictor is QWEN3_TTS_0_6B_PREDICTOR's at both sizes; 1.7B projects
+# the talker's 2048 down to it).
+QWEN3_TTS_1_7B_TALKER = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, text_hidden_size=2048)
+SIZES = ("tiny", "0.6b", "1.7b")
+
+
+# --- the checkpoint ---------------------------------------------------------------------------------------
+
+
+def build_checkpoint(size: str, path: Path) -> Path:
+    """A checkpoint of `size` in the released layout at `path` (kept: built once, into a temporary sibling
+    renamed when complete, so an interrupted build is never read)."""
+    if (path / "config.json").is_file() and (path / "speech_tokenizer" / "config.json").is_file():
+        return path
+    from omnimtp.codec.speech_tokenizer import RELEASED_DECODER_CONFIG, tiny_speech_tokenizer
+    from omnimtp.models.qwen3_tts import (
+        QWEN3_TTS_0_6B_PREDICTOR,
+        QWEN3_TTS_0_6B_TALKER,
+        Qwen3TTSModel,
+        tiny_config,
+        tiny_qwen3_tts,
+    )
+    from omnimtp.tokenizer import byte_tokenizer
+
+    if size == "tiny":
+        model, codec = tiny_qwen3_tts(0), tiny_speech_tokenizer(0)
+    else:
+        talker = QWEN3_TTS_0_6B_TALKER if size == "0.6b" else QWEN3_TTS_1_7B_TALKER
+        config = tiny_config(talker=dict(talker, text_vocab_size=NUM_TEXT_ROWS, vocab_size=3072),
+                             predictor=dict(QWEN3_TTS_0_6B_PREDICTOR, vocab_size=2048), initializer_range=0.02)
+        torch.manual_seed(0)
+        model = Qwen3TTSModel(config).eval()
+        codec = tiny_speech_tokenizer(0, **RELEASED_DECODER_CONFIG)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    model.save_pretrained(staging)
+    byte_tokenizer().save_pretrained(staging)
+    codec.save_pretrained(staging / "speech_tokenizer")
+    if path.exists():  # an incomplete earlier build
+        import shutil
+
+        shutil.rmtree(path)
+    staging.rename(path)
+    return path
+
+
+# --- the machine --------------------------------------------------------------------------------------------
+
+
+def machine_floors(threads: int, quick: bool) -> dict:
+    """Streaming read and copy bandwidth (GB/s) and the fp32 matmul peak (GFLOP/s), best of a few runs."""
+    torch.set_num_threads(threads)
+    num = (16 if quick else 128) << 20  # floats: 64 / 512 MB, far beyond any cache
+    src, dst = torch.ones(num), torch.empty(num)
+
+    def best(fn, repeats):
+        fn()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    read_s = best(lambda: src.sum(), 5)
+    copy_s = best(lambda: dst.copy_(src), 5)
+    n = 512 if quick else 2048
+    a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+    mm_s = best(lambda: torch.mm(a, b, out=c), 3 if quick else 5)
+    return {"read_gb_s": 4 * num / read_s / 1e9, "copy_gb_s": 2 * 4 * num / copy_s / 1e9,
+            "fp32_matmul_gflop_s": 2 * n**3 / mm_s / 1e9, "threads": threads}
+
+
+# --- one mode in one process --------------------------------------------------------------------------------
+
+
+class PhaseClock:
+    """The engine's observer: seconds per phase and talker steps (frames of the batch)."""
+
+    def __init__(self):
+        self.phases = defaultdict(float)
+        self.num_frame_steps = 0
+
+    def stage(self, stage: str, seconds: float) -> None:
+        pass
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self.phases[phase] += seconds
+
+    def talker_batch(self, num_rows: int) -> None:
+        self.num_frame_steps += 1
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    # the kernel updates ru_maxrss lazily: it may trail the current RSS by a few pages
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _rss_mb())
+
+
+def _matrix_bytes(matrix) -> int:
+    """Bytes a matmul by this weight reads: a float tensor, or a quantized one as the kernel stores it."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.numel() * matrix.element_size()
+    return sum(t.numel() * t.element_size() for t in (matrix.packed, matrix.scales))
+
+
+def _matrix_macs(matrix) -> int:
+    """Multiply-adds of one row through this weight ([N, K]; a quantized one's packed is [., K, .])."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.numel()
+    return matrix.out_features * matrix.packed.shape[1]
+
+
+def decoder_read(decoder) -> tuple[int, int]:
+    """(bytes, multiply-adds) of one row through a packed decoder's dense layers' matrices."""
+    total_bytes = total_macs = 0
+    for i, layer in enumerate(decoder.layers):
+        matrices = (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+        if decoder.quantized_layers is not None:
+            matrices = decoder.quantized_layers[i]
+        total_bytes += sum(_matrix_bytes(m) for m in matrices)
+        total_macs += sum(_matrix_macs(m) for m in matrices)
+    return total_bytes, total_macs
+
+
+def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: float) -> dict:
+    """ms per frame step each part needs at least: max(bytes ÷ read bandwidth, FLOPs ÷ matmul peak)."""
+    family = pipe.family
+    bandwidth, peak = machine["read_gb_s"] * 1e9, machine["fp32_matmul_gflop_s"] * 1e9
+    talker_bytes, talker_macs = decoder_read(family.talker_decoder)
+    head = family.talker.codec_head.weight
+    talker_bytes += _matrix_bytes(head)
+    talker_macs += head.numel()
+    runner = family.predictor(pipe.config.max_batch_size)
+    step_bytes, step_macs = decoder_read(runner.weights.decoder)
+    lm_head = runner.weights.lm_heads[0]
+    num_steps = runner.num_code_groups - 1
+    # one forward a step, reading every matrix once; the first step's forward has 2 positions a row
+    predictor_bytes = num_steps * (step_bytes + _matrix_bytes(lm_head))
+    predictor_macs = num_steps * (step_macs + lm_head.numel()) + step_macs
+    projection = getattr(family.talker.code_predictor, "small_to_mtp_projection", None)
+    if isinstance(projection, torch.nn.Linear):
+        predictor_bytes += (num_steps + 1) * _matrix_bytes(projection.weight)
+        predictor_macs += (num_steps + 1) * projection.weight.numel()
+
+    def floor_ms(num_bytes, flops):
+        return 1000 * max(num_bytes / bandwidth, flops / peak)
+
+    return {
+        "talker_ms": floor_ms(talker_bytes, 2 * talker_macs * batch_size),
+        "code_predictor_ms": floor_ms(predictor_bytes, 2 * predictor_macs * batch_size),
+        "decoder_ms": 1000 * decoder_flops_per_frame * batch_size / peak,
+        "talker_weight_bytes": talker_bytes, "code_predictor_bytes_per_frame": predictor_bytes,
+        "decoder_gflop_per_frame": decoder_flops_per_frame / 1e9,
+    }
+
+
+def decoder_flops(codec, num_frames: int) -> float:
+    """FLOPs per frame of the 12 Hz decoder on `num_frames` random frames (torch's FLOP counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    codes = torch.randint(0, codec.codebook_size, (1, codec.num_quantizers, num_frames),
+                          generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        codec.waveform(codes)
+    return counter.get_total_flops() / num_frames
+
+
+def timed_batch(pipe, batch_size: int, frames: int, profile: bool = False) -> dict:
+    """One greedy batch through an engine core of its own, the engine's phases timed."""
+    from omnimtp.engine.core import EngineCore
+
+    texts = [TEXTS[i % len(TEXTS)] for i in range(batch_size)]
+    voices = [VOICES[i % len(VOICES)] for i in range(batch_size)]
+    requests, _ = pipe._speech_requests(texts, None, voices, None, None, None, None, frames, is_streamed=False)
+    clock = PhaseClock()
+    runner = pipe.family.predictor(pipe.config.max_batch_size)
+    run = runner.run
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            clock.phases["code_predictor"] += time.perf_counter() - started
+
+    runner.run = timed_run  # the instance's own attribute: the family's runner, this batch only
+    core = EngineCore(pipe.family, pipe.config, observer=clock)
+    for request in requests:
+        core.add(request)
+    outputs = []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    try:
+        with profiler or contextlib.nullcontext():
+            started = time.perf_counter()
+            while core.has_work():
+                for event in core.step():
+                    if event.is_finished:
+                        outputs.append(core.output(event.request))
+            wall = time.perf_counter() - started
+    finally:
+        del runner.run
+    audio_s = sum(len(o.audio) for o in outputs) / pipe.family.sample_rate
+    steps = max(clock.num_frame_steps, 1)
+    phases = clock.phases
+    talk = phases["talk"]
+    result = {
+        "batch_size": batch_size, "wall_s": wall, "audio_s": audio_s, "rtf": wall / audio_s if audio_s else None,
+        "frames": [int(o.codes.shape[1]) for o in outputs], "frame_steps": clock.num_frame_steps,
+        "ms_per_frame": {
+            "talker": 1000 * (talk - phases["code_predictor"]) / steps,
+            "code_predictor": 1000 * phases["code_predictor"] / steps,
+            "decoder": 1000 * phases["code2wav"] / steps,
+            "rest": 1000 * (wall - talk - phases["code2wav"]) / steps,
+            "total": 1000 * wall / steps,
+        },
+    }
+    if profiler is not None:
+        result["profile"] = summarize_profile(profiler, wall, steps)
+    return result
+
+
+def summarize_profile(profiler, wall: float, steps: int, top: int = 20) -> dict:
+    """The top ops by self CPU time, ops per frame, and the share of the wall time no op accounts for."""
+    events = [e for e in profiler.key_averages() if not e.key.startswith("ProfilerStep")]
+    self_total = sum(e.self_cpu_time_total for e in events) / 1e6
+    matmul_names = ("aten::mm", "aten::mv", "aten::addmv_", "aten::addmv", "aten::addmm", "aten::bmm",
+                    "aten::convolution", "aten::_convolution", "aten::mkldnn_convolution", "aten::conv1d",
+                    "aten::conv_transpose1d", "aten::_scaled_dot_product_flash_attention_for_cpu")
+    matmul_self = sum(e.self_cpu_time_total for e in events if e.key in matmul_names) / 1e6
+    num_calls = sum(e.count for e in events)
+    ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {
+        "top_ops": [{"op": e.key, "calls_per_frame": e.count / steps, "self_ms_per_frame": e.self_cpu_time_total
+                     / 1e3 / steps, "us_per_call": e.self_cpu_time_total / max(e.count, 1)} for e in ranked],
+        "ops_per_frame": num_calls / steps,
+        "matmul_and_conv_ms_per_frame": 1000 * matmul_self / steps,
+        "other_ops_ms_per_frame": 1000 * (self_total - matmul_self) / steps,
+        "outside_ops_ms_per_frame": 1000 * (wall - self_total) / steps,  # omnimtp's ctypes kernels, Python
+    }
+
+
+def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads: int, machine: dict,
+             decoder_frames: int, profile: bool) -> dict:
+    """Every measurement of one mode (see the module docstring)."""
+    from omnimtp.pipeline import OmniPipeline
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    quantize = mode if mode in ("int8", "int4") else None
+    result = {"mode": mode}
+    started = time.perf_counter()
+    try:
+        pipe = OmniPipeline.from_pretrained(path, dtype=dtype, quantize=quantize, max_frames=frames,
+                                            max_batch_size=max(batch_sizes), torch_threads=threads)
+        pipe.speech(TEXTS[0], voice=VOICES[0], max_frames=2)  # warm-up
+    except (ValueError, RuntimeError, NotImplementedError) as error:
+        return {**result, "unsupported": f"{type(error).__name__}: {error}"}
+    result["load_s"] = time.perf_counter() - started
+    result["rss_loaded_mb"] = _rss_mb()
+    flops = decoder_flops(pipe.family.codec, decoder_frames)
+    for batch_size in batch_sizes:
+        pipe.speech([TEXTS[0]] * batch_size, voice=VOICES[0], max_frames=2)  # this batch size's warm-up
+        entry = timed_batch(pipe, batch_size, frames)
+        entry["floor"] = part_floors(pipe, batch_size, machine, flops)
+        result[f"batch_{batch_size}"] = entry
+    stream = iter(pipe.stream_speech(TEXTS[0], voice=VOICES[0], max_frames=frames))
+    started = time.perf_counter()
+    next(stream)
+    result["ttfa_s"] = time.perf_counter() - started
+    stream.close()
+    if profile and mode == "fp32":
+        result["profile"] = timed_batch(pipe, 1, frames, profile=True)["profile"]
+    result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def run_reference(path: str, batch_sizes: list[int], frames: int, threads: int) -> dict:
+    """The reference's generate + decode, fp32, greedy, per batch size: wall, audio seconds, RTF."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from transformers import AutoTokenizer
+    from tts_e2e import Reference
+
+    torch.set_num_threads(threads)
+    reference = Reference(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    result = {"mode": "reference fp32", "rss_loaded_mb": _rss_mb()}
+    for batch_size in batch_sizes:
+        texts = [TEXTS[i % len(TEXTS)] for i in range(batch_size)]
+        voices = [VOICES[i % len(VOICES)] for i in range(batch_size)]
+        ids_rows = [tokenizer.encode(f"<|im_start|>assistant\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in texts]
+        reference.speak(ids_rows, voices, 2)  # warm-up
+        started = time.perf_counter()
+        codes, audio = reference.speak(ids_rows, voices, frames)
+        wall = time.perf_counter() - started
+        audio_s = sum(int(c.shape[0]) for c in codes) * 1920 / 24_000  # its decode pads the batch: count frames
+        result[f"batch_{batch_size}"] = {"batch_size": batch_size, "wall_s": wall, "audio_s": audio_s,
+                                         "rtf": wall / audio_s, "frames": [int(c.shape[0]) for c in codes]}
+    result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def in_subprocess(worker: dict, threads: int) -> dict:
+    """A worker (`--worker JSON`) in a fresh process, so its peak RSS is its own."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        process = subprocess.run([sys.executable, __file__, "--worker", json.dumps(worker), "--out", out.name],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+        if process.returncode != 0:
+            return {"mode": worker.get("mode", "reference"), "failed": process.stderr.strip()[-2000:]}
+        return json.loads(Path(out.name).read_text())
+
+
+def run_worker(worker: dict) -> dict:
+    if worker["kind"] == "reference":
+        return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
+    return run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
+                    worker["machine"], worker["decoder_frames"], worker["profile"])
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+def print_mode(entry: dict, batch_sizes: list[int]) -> None:
+    name = entry["mode"]
+    if "unsupported" in entry or "failed" in entry:
+        print(f"{name:15s} {entry.get('unsupported') or entry['failed'].splitlines()[-1]}")
+        return
+    for batch_size in batch_sizes:
+        e = entry[f"batch_{batch_size}"]
+        line = f"{name:15s} B={batch_size}: RTF {e['rtf']:.2f} ({e['wall_s']:.1f} s for {e['audio_s']:.2f} s)"
+        if "ms_per_frame" in e:
+            ms, floor = e["ms_per_frame"], e["floor"]
+            line += (f"; ms/frame step {ms['total']:.0f}: talker {ms['talker']:.0f} (floor {floor['talker_ms']:.0f}),"
+                     f" predictor {ms['code_predictor']:.0f} (floor {floor['code_predictor_ms']:.0f}),"
+                     f" decoder {ms['decoder']:.0f} (floor {floor['decoder_ms']:.0f}), rest {ms['rest']:.0f}")
+        print(line)
+    extra = f", first audio {1000 * entry['ttfa_s']:.0f} ms" if "ttfa_s" in entry else ""
+    print(f"{'':15s} RSS loaded {entry['rss_loaded_mb']:.0f} MB, peak {entry['peak_rss_mb']:.0f} MB{extra}")
+    if "profile" in entry:
+        p = entry["profile"]
+        print(f"{'':15s} profile, per frame: {p['ops_per_frame']:.0f} ops; matmul/conv "
+              f"{p['matmul_and_conv_ms_per_frame']:.0f} ms, other ops {p['other_ops_ms_per_frame']:.0f} ms, "
+              f"outside ops {p['outside_ops_ms_per_frame']:.0f} ms")
+        for op in p["top_ops"][:10]:
+            print(f"{'':17s}{op['op']:45s} {op['self_ms_per_frame']:7.1f} ms/frame {op['calls_per_frame']:7.0f} calls"
+                  f" {op['us_per_call']:8.1f} us/call")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="0.6b", choices=SIZES)
+    parser.add_argument("--model", default=None, help="a checkpoint directory in the released layout (not built)")
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"),
+                        help="where built checkpoints are kept between runs")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--frames", type=int, default=None, help="frames per request (default 12; --quick 3)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="a torch.profiler op table of fp32 batch-1 frames")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
+    parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        result = run_worker(json.loads(args.worker))
+        Path(args.out).write_text(json.dumps(result))
+        return
+    if any(b < 1 for b in args.batch_sizes):
+        parser.error("--batch-sizes must be >= 1")
+    frames = args.frames or (3 if args.quick else 12)
+    started = time.perf_counter()
+    path = args.model or str(build_checkpoint(args.size, Path(args.cache_dir) / f"qwen3-tts-{args.size}"))
+    build_s = time.perf_counter() - started
+    machine = machine_floors(args.threads, args.quick)
+    print(f"machine: read {machine['read_gb_s']:.1f} GB/s, copy {machine['copy_gb_s']:.1f} GB/s, fp32 matmul "
+          f"{machine['fp32_matmul_gflop_s']:.0f} GFLOP/s on {args.threads} threads; checkpoint {path}")
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": args.size, "model": path,
+               "frames": frames, "threads": args.threads, "torch": torch.__version__,
+               "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
+               "machine": machine, "checkpoint_build_s": build_s, "modes": []}
+    common = dict(path=path, batch_sizes=args.batch_sizes, frames=frames, threads=args.threads)
+    workers = [dict(common, kind="mode", mode=mode, machine=machine, decoder_frames=2 if args.quick else 12,
+                    profile=args.profile) for mode in args.modes]
+    if not args.no_reference:
+        workers.append(dict(common, kind="reference"))
+    for worker in workers:
+        entry = run_worker(worker) if args.in_process else in_subprocess(worker, args.threads)
+        results["reference" if worker["kind"] == "reference" else "modes"] = (
+            entry if worker["kind"] == "reference" else [*results["modes"], entry])
+        print_mode(entry, args.batch_sizes)
+        if args.out:  # after every worker, so an interrupted run keeps what it measured
+            Path(args.out).write_text(json.dumps(results, indent=2))
+    reference = results.get("reference")
+    if reference and "batch_1" in reference:
+        for entry in results["modes"]:
+            for batch_size in args.batch_sizes:
+                key = f"batch_{batch_size}"
+                if key in entry and key in reference:
+                    entry[key]["speedup_vs_reference"] = reference[key]["rtf"] / entry[key]["rtf"]
+    results["total_s"] = time.perf_counter() - started
+    print(f"total {results['total_s']:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

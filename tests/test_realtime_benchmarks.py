@@ -1,0 +1,69 @@
+"""benchmarks/tts_realtime.py and benchmarks/quantized_quality.py --quick at tiny sizes, so the scripts cannot rot:
+every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every quality figure,
+with fp32 agreeing with itself nowhere but where it must."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(command: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    process = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+
+
+def test_realtime_quick_run_reports_every_part(tmp_path):
+    out = tmp_path / "realtime.json"
+    has_reference = importlib.util.find_spec("qwen_tts") is not None
+    command = ["benchmarks/tts_realtime.py", "--size", "tiny", "--quick", "--batch-sizes", "1", "2",
+               "--threads", "1", "--in-process", "--profile", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    if not has_reference:
+        command.append("--no-reference")
+    _run(command)
+    results = json.loads(out.read_text())
+    machine = results["machine"]
+    assert machine["read_gb_s"] > 0 and machine["copy_gb_s"] > 0 and machine["fp32_matmul_gflop_s"] > 0
+    assert [entry["mode"] for entry in results["modes"]] == ["fp32", "bf16", "int8", "int4"]
+    for entry in results["modes"]:
+        assert "unsupported" not in entry and "failed" not in entry, entry
+        assert entry["ttfa_s"] > 0 and entry["peak_rss_mb"] >= entry["rss_loaded_mb"] > 0
+        for batch_size in (1, 2):
+            batch = entry[f"batch_{batch_size}"]
+            assert len(batch["frames"]) == batch_size and batch["audio_s"] > 0 and batch["rtf"] > 0
+            parts = batch["ms_per_frame"]
+            assert all(parts[name] >= 0 for name in ("talker", "code_predictor", "decoder"))
+            assert abs(sum(parts[n] for n in ("talker", "code_predictor", "decoder", "rest")) - parts["total"]) < 1e-6
+            floor = batch["floor"]
+            assert floor["talker_ms"] > 0 and floor["code_predictor_ms"] > 0 and floor["decoder_ms"] > 0
+    fp32, int8, int4 = (results["modes"][i]["batch_1"]["floor"] for i in (0, 2, 3))
+    # the floors read the weights the engine holds (the layers' quantized as stored; the codec head stays float)
+    assert int4["talker_weight_bytes"] < int8["talker_weight_bytes"] < fp32["talker_weight_bytes"]
+    profile = results["modes"][0]["profile"]
+    assert profile["ops_per_frame"] > 0 and profile["top_ops"]
+    if has_reference:
+        assert results["reference"]["batch_1"]["rtf"] > 0 and results["reference"]["batch_2"]["rtf"] > 0
+        assert results["modes"][0]["batch_1"]["speedup_vs_reference"] > 0
+
+
+def test_quality_quick_run_reports_every_part(tmp_path):
+    out = tmp_path / "quality.json"
+    _run(["benchmarks/quantized_quality.py", "--quick", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
+          "--out", str(out)])
+    results = json.loads(out.read_text())
+    for key in ("demo_lm", "demo_omni_thinker"):
+        entry = results[key]
+        assert entry["fp32_perplexity"] > 1
+        for mode in ("int8", "int4"):
+            assert 0 <= entry[mode]["greedy_agreement"] <= 1 and entry[mode]["perplexity"] > 1
+    talker = results["tts_talker"]
+    for mode in ("int8", "int4"):
+        assert 0 <= talker[mode]["codebook0_top1_agreement"] <= 1
+    # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's
+    assert 0 < talker["int8"]["logits_relative_error"] < talker["int4"]["logits_relative_error"]
