@@ -139,7 +139,7 @@ def test_draft_step_matches_forward(top_k):
     cache_a, cache_b = head.make_cache(), head.make_draft_cache(1, capacity=4)  # the packed cache grows
     expected = head(ids[:, :5], prev[:, :5], cache=cache_a)
     hidden, logits = head.draft_step(ids[:, :5], prev[:, :5], torch.arange(1, 6)[None], cache_b)
-    torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, expected.hidden[:, -1:], atol=1e-5, rtol=1e-5)  # the drafting slot's
     torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
     for t in (5, 6):  # two steps: the second attends to the first step's cache slot
         position = torch.tensor([[t + 1]])
@@ -152,7 +152,7 @@ def test_draft_step_matches_forward(top_k):
     cache_b.crop(-4)
     expected = head(ids[:, 3:7], prev[:, 3:7], position_ids=torch.arange(4, 8)[None], cache=cache_a)
     hidden, logits = head.draft_step(ids[:, 3:7], prev[:, 3:7], torch.arange(4, 8)[None], cache_b)
-    torch.testing.assert_close(hidden, expected.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, expected.hidden[:, -1:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
 
     # two rows, the second left-padded by two slots: its real slots match the head alone on them
@@ -163,9 +163,17 @@ def test_draft_step_matches_forward(top_k):
     batch_cache = head.make_draft_cache(2)
     hidden, logits = head.draft_step(batch_ids, batch_prev, positions, batch_cache, kv_mask, torch.tensor([4, 4]))
     alone = head(ids[:, 2:5], prev[:, 2:5])
-    torch.testing.assert_close(hidden[1, 2:], alone.hidden[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden[1, 0], alone.hidden[0, -1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[1], alone.logits[0, -1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits[0], head(ids[:, :5], prev[:, :5]).logits[0, -1], atol=1e-5, rtol=1e-5)
+    # rows drafting from different slots: each row's own slot (causal: slot 3 sees slots 0..3 only)
+    hidden, logits = head.draft_step(
+        batch_ids, batch_prev, positions, head.make_draft_cache(2), kv_mask, torch.tensor([3, 4])
+    )
+    first_four = head(ids[:, :4], prev[:, :4])
+    torch.testing.assert_close(hidden[0, 0], first_four.hidden[0, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], first_four.logits[0, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], alone.logits[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_draft_step_not_offered_for_deepseek_v3():

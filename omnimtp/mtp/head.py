@@ -383,14 +383,22 @@ class MTPHead(nn.Module):
             decoder = PackedDecoder.from_layers(
                 [self.block], self.config, self.rotary_emb, self.shared_head_norm, dtype
             )
-            # every draft step is at a new position: rotary tables for 64 positions per miss (drafts only
-            # feed verification, so their rounding does not matter)
-            decoder = replace(decoder.with_row_kernel(), step_rope={}, step_rope_block=DRAFT_ROPE_BLOCK)
-            eh_proj, lm_head = cast(self.eh_proj.weight, dtype), self.lm_head.weight.detach()
+            # every draft step is at a new position: rotary tables for 64 positions per miss; a router that
+            # picks every expert: the experts as one MLP (drafts only feed verification, so their rounding
+            # does not matter)
+            decoder = replace(
+                decoder.with_row_kernel().with_dense_experts(), step_rope={}, step_rope_block=DRAFT_ROPE_BLOCK
+            )
+            # enorm and hnorm folded into eh_proj's two halves of columns: the step then normalises
+            # [embeds; prev_hidden] in one weightless RMSNorm and multiplies once (drafts only feed
+            # verification, so the changed rounding does not matter)
+            with torch.no_grad():
+                norms = torch.cat([self.enorm.weight, self.hnorm.weight]).float()  # [2H]
+                eh_proj = cast(self.eh_proj.weight.float() * norms, dtype)  # [H, 2H]
+            lm_head = self.lm_head.weight.detach()
             rows = decoder.row_kernel is not None and lm_head.dtype == torch.float32
             packed = PackedHead(
-                decoder=decoder, enorm=cast(self.enorm.weight, dtype), hnorm=cast(self.hnorm.weight, dtype),
-                eh_proj=eh_proj, lm_head=lm_head,
+                decoder=decoder, eh_proj=eh_proj, lm_head=lm_head,
                 eh_proj_rows=small_batch_linear.pack_weight(eh_proj) if rows else None,
                 lm_head_rows=small_batch_linear.pack_weight(lm_head) if rows else None,
             )
@@ -416,9 +424,11 @@ class MTPHead(nn.Module):
 
         input_ids [B, T], prev_hidden [B, T, H], position_ids [B, T] (or [3, B, T]: a Qwen3-Omni thinker
         prefill's M-RoPE ids); kv_mask [B, cache length + T] (1 = a
-        real slot, None = all real); last_index [B]: the slot whose logits are returned (default the last);
-        packed: `self.packed()` (which checks the weights, ~45 us on the demo head; a drafting loop takes it
-        once per block) → (hidden [B, T, H], logits [B, V]). The same math as `forward` (same router,
+        real slot, None = all real); last_index [B]: the slot whose hidden row and logits are returned
+        (default the last); packed: `self.packed()` (which checks the weights, ~45 us on the demo head; a
+        drafting loop takes it once per run) → (hidden [B, 1, H], logits [B, V]) of that slot; the other
+        slots only append their keys and values (their outputs would feed nothing: the head is one layer).
+        The same math as `forward` (same router,
         experts, rotary, causal attention) without transformers' generic layer machinery, which costs more
         than the arithmetic here. Floating-point results differ from `forward` by rounding only (other
         matmul kernels, e.g. `torch.mv` for one token); drafts only feed verification, so outputs stay
@@ -437,14 +447,14 @@ class MTPHead(nn.Module):
         # the row kernel (see `PackedDecoder.with_row_kernel`) for blocks of up to ROW_KERNEL_MAX_ROWS rows
         on_rows = packed.eh_proj_rows is not None and input_ids.numel() <= ROW_KERNEL_MAX_ROWS
         gemm = ROW_KERNEL if on_rows else None
-        embeds = rms_norm(self.embed_tokens(input_ids), packed.enorm, decoder.eps)
-        x = linear(
-            torch.cat([embeds, rms_norm(prev_hidden, packed.hnorm, decoder.eps)], dim=-1), packed.eh_proj,
-            packed=packed.eh_proj_rows if on_rows else None, gemm=gemm,
-        )
-        hidden = shared_length_forward(decoder, cache, x, position_ids, kv_mask)  # [B, T, H]
-        last = hidden[:, -1] if last_index is None else hidden[torch.arange(hidden.shape[0]), last_index]
-        normed = rms_norm(last, decoder.final_norm, decoder.eps)  # shared_head_norm
+        pair = torch.stack([self.embed_tokens(input_ids), prev_hidden], dim=-2)  # [B, T, 2, H]
+        normed_pair = rms_norm(pair, None, decoder.eps).view(*input_ids.shape, 2 * self.hidden_size)  # [B, T, 2H]
+        x = linear(normed_pair, packed.eh_proj, packed=packed.eh_proj_rows if on_rows else None, gemm=gemm)
+        # one layer: the slots before last_index only add their keys and values
+        if last_index is None and input_ids.shape[1] > 1:
+            last_index = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, device=input_ids.device)
+        hidden = shared_length_forward(decoder, cache, x, position_ids, kv_mask, output_index=last_index)  # [B, 1, H]
+        normed = rms_norm(hidden[:, 0], decoder.final_norm, decoder.eps)  # shared_head_norm
         rows = packed.lm_head_rows is not None and normed.shape[0] <= ROW_KERNEL_MAX_ROWS
         return hidden, linear(
             normed, packed.lm_head, packed=packed.lm_head_rows if rows else None, gemm=ROW_KERNEL if rows else None
@@ -454,12 +464,10 @@ class MTPHead(nn.Module):
 @dataclass(frozen=True)
 class PackedHead:
     """`MTPHead`'s weights for `draft_step`: its block as a one-layer `PackedDecoder` (final norm:
-    shared_head_norm) and the input side (enorm, hnorm, eh_proj)."""
+    shared_head_norm) and the input side: eh_proj with enorm's and hnorm's weights folded into its columns."""
 
     decoder: PackedDecoder
-    enorm: torch.Tensor  # [H]
-    hnorm: torch.Tensor  # [H]
-    eh_proj: torch.Tensor  # [H, 2H]
+    eh_proj: torch.Tensor  # [H, 2H]: eh_proj.weight * [enorm.weight; hnorm.weight]
     lm_head: torch.Tensor  # [V, H] the target's (shared)
     eh_proj_rows: torch.Tensor | None = None  # eh_proj and lm_head packed for the row kernel, where it runs
     lm_head_rows: torch.Tensor | None = None

@@ -30,7 +30,14 @@ import torch
 
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
-from omnimtp.runtime.moe import GroupLimitedSigmoid, Router, SoftmaxTopK, routed_experts
+from omnimtp.runtime.moe import (
+    GroupLimitedSigmoid,
+    Router,
+    SoftmaxTopK,
+    every_expert,
+    routed_experts,
+    routes_every_expert,
+)
 from omnimtp.runtime.ops import (
     PackedGemm,
     Rope,
@@ -71,6 +78,8 @@ class LayerWeights:
     # per-expert views of expert_gate_up / expert_down (no copy), so a decode step indexes a tuple
     expert_gate_up_views: tuple[torch.Tensor, ...] = ()
     expert_down_views: tuple[torch.Tensor, ...] = ()
+    # `PackedDecoder.with_dense_experts`: (gate_up [E * 2Ie, H], down [H, E * Ie]) of every expert, or None
+    dense_experts: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -157,6 +166,20 @@ class PackedDecoder:
         )
         lm_head = None if self.lm_head is None else pack(self.lm_head.float())
         return replace(self, row_kernel=layers, row_kernel_lm_head=lm_head, step_rope={})
+
+    def with_dense_experts(self) -> PackedDecoder:
+        """This decoder with every MoE layer whose router always picks every expert (`moe.routes_every_expert`)
+        running its experts as one MLP (`moe.every_expert`: one matmul for every gate/up, one for every down,
+        instead of a dispatch per expert). Rounding differs from transformers' rank-order sum: for drafters,
+        whose tokens only feed verification. Other layers are kept as they are; the down matrices are copied."""
+        layers = tuple(
+            replace(layer, dense_experts=(
+                layer.expert_gate_up.reshape(-1, layer.expert_gate_up.shape[-1]),  # [E * 2Ie, H], a view
+                layer.expert_down.permute(1, 0, 2).reshape(layer.expert_down.shape[1], -1),  # [H, E * Ie]
+            )) if routes_every_expert(layer.router) else layer
+            for layer in self.layers
+        )
+        return replace(self, layers=layers)
 
     @property
     def num_layers(self) -> int:
@@ -334,7 +357,10 @@ def mlp_block(
         return gated_mlp(x, layer.gate_up, layer.mlp_down, packed=packed, gemm=gemm)
     views = (layer.expert_gate_up_views, layer.expert_down_views)
     if isinstance(router, GroupLimitedSigmoid):
-        routed = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, None, *views)
+        if layer.dense_experts is not None:
+            routed = every_expert(router, x, *layer.dense_experts)
+        else:
+            routed = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, None, *views)
         return routed + gated_mlp(x, layer.gate_up, layer.mlp_down)
     projected = linear(x, layer.router_in)  # [N, E (+ 1)]
     num_experts = router.num_experts
@@ -356,6 +382,7 @@ def decoder_layer(
     mask: torch.Tensor | None,
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gemm: PackedGemm | None = None,
+    output_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decoder layer on x [R, T, H] → [R, T, H]: attention block, then MLP block, each pre-norm with
     a residual. One row at one position may come as x [H] with rope tables [D] (a decode step): the same
@@ -363,7 +390,9 @@ def decoder_layer(
 
     rope: (cos, signed_sin) broadcastable to [R, T, 1, D]; kv_buffer, layer_index, where: the layer's
     keys and values are appended by `append_kv`; mask: for `attention` (None: every column visible);
-    packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None."""
+    packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None.
+    output_index [R]: only that slot of each row is wanted (→ [R, 1, H]): every slot still appends its
+    keys and values, but queries, output projection and MLP run on the wanted slots alone."""
     lead = x.shape[:-1]  # (R, T), or () for one row at one position
     num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     num_qk = num_heads + num_kv_heads
@@ -377,7 +406,15 @@ def decoder_layer(
         qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
     qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
     keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
-    attn = attention(qk[..., :num_heads, :], keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
+    queries = qk[..., :num_heads, :]  # [R, T, Nq, D]
+    if output_index is not None:
+        rows = torch.arange(lead[0], device=x.device)
+        queries = queries[rows, output_index][:, None]  # [R, 1, Nq, D]
+        residual = residual[rows, output_index][:, None]  # [R, 1, H]
+        if mask is not None:
+            mask = mask.expand(lead[0], -1, -1, -1)[rows, :, output_index][:, :, None]  # [R, 1, 1, S]
+        lead = torch.Size((lead[0], 1))
+    attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
     x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
     residual = x
     normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)
@@ -399,6 +436,7 @@ def decoder_layers(
     packed_layers: tuple | None = None,
     gemm: PackedGemm | None = None,
     layer_adds: tuple[torch.Tensor, ...] = (),
+    output_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer of `decoder` on x [R, T, H] → (output of the last layer [R, T, H] before the final
     norm, the hidden state `capture_layer` as transformers' `hidden_states` numbers them: 0 = x, k < L =
@@ -406,7 +444,8 @@ def decoder_layers(
 
     layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
-    as transformers records it."""
+    as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
+    the last layer skips the rest (`decoder_layer`)."""
     captured = x if capture_layer == 0 else None
     if packed_layers is None and decoder.quantized_layers is not None:
         packed_layers = decoder.quantized_layers
@@ -414,7 +453,9 @@ def decoder_layers(
         packed_layers, gemm = decoder.row_kernel, ROW_KERNEL
     for i, layer in enumerate(decoder.layers):
         packed = None if packed_layers is None else packed_layers[i]
-        x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm)
+        is_last = i == decoder.num_layers - 1
+        wanted = output_index if is_last else None
+        x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm, wanted)
         if capture_layer == i + 1 and capture_layer < decoder.num_layers:
             captured = x
         if i < len(layer_adds):
@@ -428,11 +469,13 @@ def shared_length_forward(
     x: torch.Tensor,
     position_ids: torch.Tensor,
     kv_mask: torch.Tensor | None = None,
+    output_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The stack on input embeddings x [B, T, H] appended to slots 0..B-1 of a `cache` whose slots share
     one length (the speculative loops' cache: the target and the MTP head), RoPE at position_ids [B, T],
     attention limited by kv_mask [B, length + T] (1 = a real position; None = all real) and causal by
-    slot; position_ids may be [3, B, T] M-RoPE ids. → the last layer's output [B, T, H] before the final norm."""
+    slot; position_ids may be [3, B, T] M-RoPE ids. → the last layer's output [B, T, H] before the final norm,
+    or [B, 1, H] of slot output_index [B] of each row only (a drafter that reads one slot per row)."""
     batch_size, num_new, _ = x.shape
     slots = list(range(batch_size))
     start = cache.length
@@ -448,7 +491,7 @@ def shared_length_forward(
         out = out.view(1, 1, -1)
     else:
         rope = decoder.rope.tables(position_ids, decoder.dtype)  # [B, T, 1, D]
-        out, _ = decoder_layers(decoder, x, rope, cache.layer_views, where, mask)
+        out, _ = decoder_layers(decoder, x, rope, cache.layer_views, where, mask, output_index=output_index)
     cache.commit(slots, num_new)
     return out
 

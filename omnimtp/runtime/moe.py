@@ -86,6 +86,32 @@ def route(
     return top_weights * router.routed_scaling_factor, top_experts  # [N, k] fp32
 
 
+def routes_every_expert(router: Router | None) -> bool:
+    """Whether a glm4_moe router always picks every expert (top_k = number of experts, every group kept):
+    then only the routing weights depend on the token (see `every_expert`)."""
+    return (
+        isinstance(router, GroupLimitedSigmoid) and router.top_k == router.num_experts
+        and router.top_k_groups == router.num_groups
+    )
+
+
+def every_expert(
+    router: GroupLimitedSigmoid, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """`routed_experts` for a router that picks every expert (`routes_every_expert`), as one SiLU-gated MLP:
+    x [N, H] (or one token [H]) → same shape; gate_up [E * 2I, H] every expert's [gate; up] rows, down
+    [H, E * I] every expert's columns. The routing weights (expert order) scale each expert's activations, so
+    one matmul reads every gate/up and one every down. The same math summed in another order than the
+    rank-order sum `combine` computes: not bit for bit (a drafter's choice, `PackedDecoder.with_dense_experts`)."""
+    scores = F.linear(x.float(), router.weight).sigmoid()  # [..., E] fp32
+    if router.norm_topk_prob:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = (scores * router.routed_scaling_factor).to(x.dtype)  # [..., E]
+    gate, up = linear(x, gate_up).view(*x.shape[:-1], router.num_experts, 2, -1).unbind(-2)  # [..., E, I] each
+    activations = F.silu(gate) * up * weights[..., None]  # [..., E, I]
+    return linear(activations.view(*x.shape[:-1], -1), down)
+
+
 def expert_outputs(
     x: torch.Tensor,
     top_experts: torch.Tensor,

@@ -139,19 +139,22 @@ class MTPProposer:
     row's last real slot; steps 2..k read (previous draft, previous head hidden) one slot at a time.
     Heads with a packed `draft_step` (glm4_moe) run it on a `KVCache` (made for the first block's batch
     size); others run the head's transformers forward on a `DynamicCache`. A GLM-5 head with IndexShare
-    runs its indexer in step 1 only; steps 2..k reuse that step's key selection at the drafting row."""
+    runs its indexer in step 1 only; steps 2..k reuse that step's key selection at the drafting row.
+    The packed weights are taken when the proposer is made and on `reset` (checking them costs about as
+    much as a draft step's norms): weights edited during a run are seen from the next run."""
 
     def __init__(self, head: MTPHead):
         self.head = head
-        self.cache = None if head.supports_draft_step else head.make_cache()
+        self.reset()
 
     def reset(self) -> None:
-        self.cache = None if self.head.supports_draft_step else self.head.make_cache()
+        self.packed = self.head.packed() if self.head.supports_draft_step else None
+        self.cache = None if self.packed is not None else self.head.make_cache()
 
     def _step(self, input_ids, prev_hidden, position_ids, kv_mask, last_index=None, packed=None, shared_selection=None):
-        """One head pass appended to the cache → (hidden [B, T, H], logits [B, V] at last_index or the last
-        slot, the DSA key selection of that slot [B, S] or None). packed: the head's packed weights (heads
-        with `draft_step`); shared_selection [B, 1, S']: IndexShare's reused selection (DSA heads)."""
+        """One head pass appended to the cache → (hidden [B, 1, H], logits [B, V], the DSA key selection
+        [B, S] or None), each of the slot at last_index or the last slot. packed: the head's packed weights
+        (heads with `draft_step`); shared_selection [B, 1, S']: IndexShare's reused selection (DSA heads)."""
         head = self.head
         if packed is not None:
             return (
@@ -164,7 +167,8 @@ class MTPProposer:
         rows = torch.arange(out.hidden.shape[0])
         index = torch.full_like(rows, out.hidden.shape[1] - 1) if last_index is None else last_index
         selection = None if out.selection is None else out.selection[rows, index]
-        return out.hidden, head.logits(out.hidden[rows, index]), selection
+        hidden = out.hidden[rows, index]  # [B, H]
+        return hidden[:, None], head.logits(hidden), selection
 
     @torch.no_grad()
     def propose(self, block, num_draft_tokens, sampling, generators):
@@ -179,14 +183,13 @@ class MTPProposer:
 
         # No invalid slot anywhere (batch 1 without padding): no mask, so attention can skip it for one token.
         kv_mask = None if bool(block.kv_mask.all()) else block.kv_mask
-        packed = head.packed() if head.supports_draft_step else None
+        packed = self.packed
         next_positions = block.position_ids + 1 if block.next_position_ids is None else block.next_position_ids
         hidden, logits, selection = self._step(
             block.next_ids, block.hidden, next_positions, kv_mask, block.last_index, packed
         )
         # IndexShare: steps 2..k attend to step 1's selection (+ the chain's own keys)
         shared_selection = selection[:, None] if head.index_share else None  # [B, 1, S]
-        hidden = hidden[rows, block.last_index][:, None]  # [B, 1, H]
         position = block.position_ids[rows, block.last_index] + 1  # [B] position of the newest token
         is_greedy = not isinstance(sampling, list) and sampling.is_greedy
         draft_tokens, draft_probs = [], []
@@ -206,8 +209,8 @@ class MTPProposer:
             )
         _crop_to(self.cache, num_aligned, layer_idx)
         tokens = torch.stack(draft_tokens, dim=1)  # [B, k]
-        if is_greedy:
-            return tokens, torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+        if is_greedy:  # one-hot rows (scatter: `one_hot` would first check every id's range)
+            return tokens, logits.new_zeros(*tokens.shape, logits.shape[-1]).scatter_(2, tokens[..., None], 1.0)
         return tokens, torch.stack(draft_probs, dim=1)
 
 
