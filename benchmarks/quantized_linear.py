@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,8 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.kernels import small_batch_linear as sbl
-from omnimtp.runtime.ops import linear, quantize_weight
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+
+from omnimtp.runtime.kernels import small_batch_linear as sbl  # noqa: E402
+from omnimtp.runtime.ops import linear, quantize_weight  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # [out, in] per talker layer
 COPIES = 7

@@ -17,13 +17,16 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.kernels import small_batch_linear as sbl
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+
+from omnimtp.runtime.kernels import small_batch_linear as sbl  # noqa: E402
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # [out, in] per layer
 NUM_LAYERS = 5

@@ -69,6 +69,32 @@ def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
     assert linear(x.bfloat16(), weight, packed=q).dtype == torch.bfloat16
 
 
+@pytest.mark.skipif(sbl.isa() != "AVX512", reason="runs both builds: needs an AVX-512 CPU")
+def test_the_avx512_and_avx2_builds_give_the_same_values(monkeypatch, tmp_path):
+    """The AVX-512 build runs four panels at once on 16-lane registers, the AVX2 build one panel on two 8-lane
+    halves: each column sums in the same order, so every value is the same (a server's outputs do not depend
+    on which x86 CPU it landed on). Widths that leave a partial group of panels and a partial panel."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 384, generator=g)
+    weights = [quantize_weight(torch.randn(out, 384, generator=g), mode, 128) for out in (16, 72, 100)
+               for mode in QUANTIZE_MODES]
+    outputs = {}
+    monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
+    try:
+        for build in ("AVX512", "AVX2"):
+            monkeypatch.setattr(sbl, "isa", lambda build=build: build)
+            sbl._library.cache_clear()
+            assert sbl.available(), sbl.unavailable_reason()
+            outputs[build] = [sbl.quantized_linear(x, q.packed, q.scales, q.out_features, q.group_size) for q in weights]
+    finally:
+        monkeypatch.undo()
+        sbl._library.cache_clear()
+    assert len(list(tmp_path.rglob("*.so"))) == 2
+    for wide, narrow, q in zip(outputs["AVX512"], outputs["AVX2"], weights, strict=True):
+        assert torch.equal(wide, narrow), (q.out_features, q.group_size)
+        assert torch.allclose(wide, x @ q.dequantized().T, rtol=1e-4, atol=1e-3)
+
+
 def test_bad_quantize_values_are_value_errors_naming_it():
     for bad in ("int3", "INT8", "fp8", 8):
         with pytest.raises(ValueError, match="quantize"):

@@ -187,37 +187,121 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
   return 0;
 }
 
-/* Weight-only quantized y[M, N] = x[M, K] @ dequant(W)[N, K]^T, activations and sums in fp32 (AVX2 + FMA,
- * which every AVX-512F CPU also has). Same panels of 16 output columns as above, stored input by input:
+/* Weight-only quantized y[M, N] = x[M, K] @ dequant(W)[N, K]^T, activations and sums in fp32. Same panels of
+ * 16 output columns as above, stored input by input:
  *   int8: [panels][K][16] int8 with one scale per column: W[n, k] = scale[n] * q[n, k]; the scale is
  *         applied once per output (sum_k x q, then times the scale).
  *   int4: [panels][K][8] bytes, byte j holding column j (low nibble) and column j + 8 (high nibble) as
  *         q + 8 (q in -8..7), with one scale per column and group of `group` inputs:
  *         W[n, k] = scale[k / group][n] * q[n, k]; each group's partial sum is scaled into the output.
  * A panel is a few KiB, so pairs of rows (QROWS) re-read it from cache: the weights stream from memory once
- * per pass of up to 16 rows. Rows are independent, as above. */
+ * per call. Each column sums in the same order in both builds (two accumulators for alternate inputs, added
+ * at the end (int8) or per group (int4), then scaled), so they give the same values, and rows are
+ * independent, as above. The AVX-512 build runs QSTREAMS panels at once, the AVX2 build one (16 ymm
+ * registers hold no more accumulators). */
 #define QROWS 2
+#define QSETS 2 /* accumulator sets for alternate inputs (hiding the FMA latency) */
 
-static inline void q_store(float* y, int64_t N, int64_t col, __m256 lo, __m256 hi) {
-  float tmp[PANEL];
-  _mm256_storeu_ps(tmp, lo);
-  _mm256_storeu_ps(tmp + 8, hi);
-  const int64_t width = N - col < PANEL ? N - col : PANEL;
-  for (int64_t j = 0; j < width; ++j) y[col + j] = tmp[j];
+#ifdef __AVX512F__
+#define QSTREAMS 4
+
+static inline __m512 int8_row(const int8_t* w) { /* 16 int8 weights → 16 floats */
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
 }
 
-/* R rows (a compile-time count, so the accumulators stay in registers) over one panel; P independent
- * accumulator sets for alternate inputs (hiding the FMA latency), summed at the end (int8) or per group
- * (int4). Every R uses the same P, so a row sums in the same order whatever rows run with it. */
-#define INT8_FN(R, P)                                                                                  \
-  static void int8_##R(const float* x, const int8_t* w, const float* scale, float* y, int64_t K,      \
-                       int64_t N, int64_t col) {                                                      \
-    __m256 lo[P][R], hi[P][R];                                                                        \
-    for (int p = 0; p < P; ++p)                                                                       \
+static inline __m512 int4_row(const uint8_t* w) { /* 8 bytes → 16 floats: low nibbles, then high ones, minus 8 */
+  const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m128i bytes = _mm_loadl_epi64((const __m128i*)w);
+  const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpacklo_epi64(lo, hi), eight)));
+}
+
+/* R rows (a compile-time count: the accumulators stay in registers) over S consecutive panels (S streams in
+ * flight). w, scale, col: the first panel's. */
+#define INT8_FN(R, S)                                                                                  \
+  static void int8_##R##_##S(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, \
+                             int64_t N, int64_t col) {                                                \
+    __m512 acc[QSETS][S][R];                                                                          \
+    for (int p = 0; p < QSETS; ++p)                                                                   \
+      for (int s = 0; s < S; ++s)                                                                     \
+        for (int m = 0; m < R; ++m) acc[p][s][m] = _mm512_setzero_ps();                               \
+    for (int64_t k = 0; k < K; k += QSETS) {                                                          \
+      for (int s = 0; s < S; ++s) _mm_prefetch((const char*)(w + (s * K + k) * PANEL + 1024), _MM_HINT_T0); \
+      for (int p = 0; p < QSETS && k + p < K; ++p) {                                                  \
+        __m512 v[S];                                                                                  \
+        for (int s = 0; s < S; ++s) v[s] = int8_row(w + (s * K + k + p) * PANEL);                     \
+        for (int m = 0; m < R; ++m) {                                                                 \
+          const __m512 b = _mm512_set1_ps(x[m * K + k + p]);                                          \
+          for (int s = 0; s < S; ++s) acc[p][s][m] = _mm512_fmadd_ps(v[s], b, acc[p][s][m]);          \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int s = 0; s < S; ++s) {                                                                     \
+      const __m512 sc = _mm512_loadu_ps(scale + s * PANEL);                                           \
+      const lane_mask mask = first_n(N - col - s * PANEL);                                            \
+      for (int m = 0; m < R; ++m) {                                                                   \
+        __m512 sum = acc[0][s][m];                                                                    \
+        for (int p = 1; p < QSETS; ++p) sum = _mm512_add_ps(sum, acc[p][s][m]);                       \
+        _mm512_mask_storeu_ps(y + m * N + col + s * PANEL, mask, _mm512_mul_ps(sum, sc));             \
+      }                                                                                               \
+    }                                                                                                 \
+  }
+
+#define INT4_FN(R, S)                                                                                  \
+  static void int4_##R##_##S(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K, \
+                             int64_t N, int64_t col, int64_t group) {                                 \
+    const int64_t groups = K / group;                                                                 \
+    __m512 acc[S][R];                                                                                 \
+    for (int s = 0; s < S; ++s)                                                                       \
+      for (int m = 0; m < R; ++m) acc[s][m] = _mm512_setzero_ps();                                    \
+    for (int64_t k0 = 0; k0 < K; k0 += group) {                                                       \
+      __m512 part[QSETS][S][R];                                                                       \
+      for (int p = 0; p < QSETS; ++p)                                                                 \
+        for (int s = 0; s < S; ++s)                                                                   \
+          for (int m = 0; m < R; ++m) part[p][s][m] = _mm512_setzero_ps();                            \
+      for (int64_t k = k0; k < k0 + group; k += QSETS) {                                              \
+        for (int s = 0; s < S; ++s)                                                                   \
+          _mm_prefetch((const char*)(w + (s * K + k) * (PANEL / 2) + 512), _MM_HINT_T0);              \
+        for (int p = 0; p < QSETS && k + p < k0 + group; ++p) {                                       \
+          __m512 v[S];                                                                                \
+          for (int s = 0; s < S; ++s) v[s] = int4_row(w + (s * K + k + p) * (PANEL / 2));             \
+          for (int m = 0; m < R; ++m) {                                                               \
+            const __m512 b = _mm512_set1_ps(x[m * K + k + p]);                                        \
+            for (int s = 0; s < S; ++s) part[p][s][m] = _mm512_fmadd_ps(v[s], b, part[p][s][m]);      \
+          }                                                                                           \
+        }                                                                                             \
+      }                                                                                               \
+      for (int s = 0; s < S; ++s) {                                                                   \
+        const __m512 sc = _mm512_loadu_ps(scales + (s * groups + k0 / group) * PANEL);                \
+        for (int m = 0; m < R; ++m) {                                                                 \
+          __m512 sum = part[0][s][m];                                                                 \
+          for (int p = 1; p < QSETS; ++p) sum = _mm512_add_ps(sum, part[p][s][m]);                    \
+          acc[s][m] = _mm512_fmadd_ps(sum, sc, acc[s][m]);                                            \
+        }                                                                                             \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int s = 0; s < S; ++s) {                                                                     \
+      const lane_mask mask = first_n(N - col - s * PANEL);                                            \
+      for (int m = 0; m < R; ++m) _mm512_mask_storeu_ps(y + m * N + col + s * PANEL, mask, acc[s][m]); \
+    }                                                                                                 \
+  }
+
+INT8_FN(1, 1) INT8_FN(2, 1) INT8_FN(1, 4) INT8_FN(2, 4)
+INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 4)
+
+#else /* AVX2: each panel row is two 8-lane registers, one panel at a time */
+#define QSTREAMS 1
+
+/* R rows over one panel (S = 1), the same sums as the AVX-512 build on two 8-lane halves. */
+#define INT8_FN(R, S)                                                                                  \
+  static void int8_##R##_##S(const float* x, const int8_t* w, const float* scale, float* y, int64_t K, \
+                             int64_t N, int64_t col) {                                                \
+    __m256 lo[QSETS][R], hi[QSETS][R];                                                                \
+    for (int p = 0; p < QSETS; ++p)                                                                   \
       for (int m = 0; m < R; ++m) lo[p][m] = hi[p][m] = _mm256_setzero_ps();                          \
-    for (int64_t k = 0; k < K; k += P) {                                                              \
+    for (int64_t k = 0; k < K; k += QSETS) {                                                          \
       _mm_prefetch((const char*)(w + k * PANEL + 1024), _MM_HINT_T0);                                 \
-      for (int p = 0; p < P && k + p < K; ++p) {                                                      \
+      for (int p = 0; p < QSETS && k + p < K; ++p) {                                                  \
         const __m128i q = _mm_loadu_si128((const __m128i*)(w + (k + p) * PANEL));                    \
         const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                              \
         const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));           \
@@ -231,24 +315,24 @@ static inline void q_store(float* y, int64_t N, int64_t col, __m256 lo, __m256 h
     const __m256 s_lo = _mm256_loadu_ps(scale), s_hi = _mm256_loadu_ps(scale + 8);                    \
     for (int m = 0; m < R; ++m) {                                                                     \
       __m256 l = lo[0][m], h = hi[0][m];                                                              \
-      for (int p = 1; p < P; ++p) l = _mm256_add_ps(l, lo[p][m]), h = _mm256_add_ps(h, hi[p][m]);     \
-      q_store(y + m * N, N, col, _mm256_mul_ps(l, s_lo), _mm256_mul_ps(h, s_hi));                     \
+      for (int p = 1; p < QSETS; ++p) l = _mm256_add_ps(l, lo[p][m]), h = _mm256_add_ps(h, hi[p][m]); \
+      store_panel(y + m * N + col, _mm256_mul_ps(l, s_lo), _mm256_mul_ps(h, s_hi), first_n(N - col)); \
     }                                                                                                 \
   }
 
-#define INT4_FN(R, P)                                                                                  \
-  static void int4_##R(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K,    \
-                       int64_t N, int64_t col, int64_t group) {                                       \
+#define INT4_FN(R, S)                                                                                  \
+  static void int4_##R##_##S(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K, \
+                             int64_t N, int64_t col, int64_t group) {                                 \
     const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);                             \
     __m256 lo[R], hi[R];                                                                              \
     for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm256_setzero_ps();                                  \
     for (int64_t k0 = 0; k0 < K; k0 += group) {                                                       \
-      __m256 p_lo[P][R], p_hi[P][R];                                                                  \
-      for (int p = 0; p < P; ++p)                                                                     \
+      __m256 p_lo[QSETS][R], p_hi[QSETS][R];                                                          \
+      for (int p = 0; p < QSETS; ++p)                                                                 \
         for (int m = 0; m < R; ++m) p_lo[p][m] = p_hi[p][m] = _mm256_setzero_ps();                    \
-      for (int64_t k = k0; k < k0 + group; k += P) {                                                  \
+      for (int64_t k = k0; k < k0 + group; k += QSETS) {                                              \
         _mm_prefetch((const char*)(w + k * (PANEL / 2) + 512), _MM_HINT_T0);                          \
-        for (int p = 0; p < P && k + p < k0 + group; ++p) {                                           \
+        for (int p = 0; p < QSETS && k + p < k0 + group; ++p) {                                       \
           const __m128i bytes = _mm_loadl_epi64((const __m128i*)(w + (k + p) * (PANEL / 2)));         \
           const __m128i q_lo = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);                     \
           const __m128i q_hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);  \
@@ -265,51 +349,72 @@ static inline void q_store(float* y, int64_t N, int64_t col, __m256 lo, __m256 h
       const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);                          \
       for (int m = 0; m < R; ++m) {                                                                   \
         __m256 l = p_lo[0][m], h = p_hi[0][m];                                                        \
-        for (int p = 1; p < P; ++p) l = _mm256_add_ps(l, p_lo[p][m]), h = _mm256_add_ps(h, p_hi[p][m]); \
+        for (int p = 1; p < QSETS; ++p) l = _mm256_add_ps(l, p_lo[p][m]), h = _mm256_add_ps(h, p_hi[p][m]); \
         lo[m] = _mm256_fmadd_ps(l, s_lo, lo[m]);                                                      \
         hi[m] = _mm256_fmadd_ps(h, s_hi, hi[m]);                                                      \
       }                                                                                               \
     }                                                                                                 \
-    for (int m = 0; m < R; ++m) q_store(y + m * N, N, col, lo[m], hi[m]);                             \
+    for (int m = 0; m < R; ++m) store_panel(y + m * N + col, lo[m], hi[m], first_n(N - col));         \
   }
 
-INT8_FN(1, 2) INT8_FN(2, 2)
-INT4_FN(1, 2) INT4_FN(2, 2)
+INT8_FN(1, 1) INT8_FN(2, 1)
+INT4_FN(1, 1) INT4_FN(2, 1)
+#endif
 
-static void int8_panel(const float* x, const int8_t* w, const float* scale, float* y, int64_t rows, int64_t K,
-                       int64_t N, int64_t col) {
-  for (int64_t m0 = 0; m0 < rows; m0 += QROWS) {
-    const int64_t r = rows - m0 < QROWS ? rows - m0 : QROWS;
+/* Panels first..first+count-1 (count is QSTREAMS, or 1 at the end of a matrix) for every row, in row pairs. */
+static void quantized_panels(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
+                             int64_t N, int bits, int64_t group, int64_t first, int64_t count) {
+  const int64_t col = first * PANEL;
+  for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
+    const int64_t r = M - m0 < QROWS ? M - m0 : QROWS;
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N;
-    if (r == 1) int8_1(xm, w, scale, ym, K, N, col);
-    else int8_2(xm, w, scale, ym, K, N, col);
-  }
-}
-
-static void int4_panel(const float* x, const uint8_t* w, const float* scales, float* y, int64_t rows, int64_t K,
-                       int64_t N, int64_t col, int64_t group) {
-  for (int64_t m0 = 0; m0 < rows; m0 += QROWS) {
-    const int64_t r = rows - m0 < QROWS ? rows - m0 : QROWS;
-    const float* xm = x + m0 * K;
-    float* ym = y + m0 * N;
-    if (r == 1) int4_1(xm, w, scales, ym, K, N, col, group);
-    else int4_2(xm, w, scales, ym, K, N, col, group);
+    if (bits == 8) {
+      const int8_t* w = (const int8_t*)packed + first * K * PANEL;
+      const float* s = scales + first * PANEL;
+#if QSTREAMS > 1
+      if (count == QSTREAMS) {
+        if (r == 1) int8_1_4(xm, w, s, ym, K, N, col);
+        else int8_2_4(xm, w, s, ym, K, N, col);
+        continue;
+      }
+#endif
+      for (int64_t c = 0; c < count; ++c) {
+        if (r == 1) int8_1_1(xm, w + c * K * PANEL, s + c * PANEL, ym, K, N, col + c * PANEL);
+        else int8_2_1(xm, w + c * K * PANEL, s + c * PANEL, ym, K, N, col + c * PANEL);
+      }
+    } else {
+      const uint8_t* w = (const uint8_t*)packed + first * K * (PANEL / 2);
+      const float* s = scales + first * (K / group) * PANEL;
+#if QSTREAMS > 1
+      if (count == QSTREAMS) {
+        if (r == 1) int4_1_4(xm, w, s, ym, K, N, col, group);
+        else int4_2_4(xm, w, s, ym, K, N, col, group);
+        continue;
+      }
+#endif
+      for (int64_t c = 0; c < count; ++c) {
+        const uint8_t* wc = w + c * K * (PANEL / 2);
+        const float* sc = s + c * (K / group) * PANEL;
+        if (r == 1) int4_1_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
+        else int4_2_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
+      }
+    }
   }
 }
 
 /* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][K][8] bytes, scales
- * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Returns 0. */
+ * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Groups of QSTREAMS panels
+ * are split over the threads. Returns 0. */
 int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
                              int64_t N, int bits, int64_t group, int num_threads) {
   const int64_t panels = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
-  for (int64_t p = 0; p < panels; ++p) {
-    if (bits == 8)
-      int8_panel(x, (const int8_t*)packed + p * K * PANEL, scales + p * PANEL, y, M, K, N, p * PANEL);
-    else
-      int4_panel(x, (const uint8_t*)packed + p * K * (PANEL / 2), scales + p * (K / group) * PANEL, y, M, K, N,
-                 p * PANEL, group);
+  const int64_t groups = (panels + QSTREAMS - 1) / QSTREAMS;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && groups > 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * QSTREAMS;
+    const int64_t count = panels - first < QSTREAMS ? panels - first : QSTREAMS;
+    quantized_panels(x, packed, scales, y, M, K, N, bits, group, first, count);
   }
   return 0;
 }
