@@ -99,3 +99,33 @@ def test_bad_codes(code2wav):
         decoder.decode([decoder.new_stream()], [torch.zeros(15, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match="codes"):
         decoder.decode([decoder.new_stream()], [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_snake_is_transformers_snake_bit_for_bit(code2wav, dtype):
+    """The streamed decoders run SnakeBeta in one buffer (no gradient) and as transformers does under
+    autograd: the same values either way, and the module's parameters stay where they are."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
+
+    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
+    from omnimtp.codec.streaming import InplaceSnakeBeta, use_inplace_snake
+
+    torch.manual_seed(1)
+    snake = Qwen3OmniMoeSnakeBeta(24).to(dtype)
+    with torch.no_grad():
+        snake.alpha.normal_(), snake.beta.normal_()
+    x = (torch.randn(3, 24, 500) * 4).to(dtype)
+    before = x.clone()
+    with torch.no_grad():
+        expected = snake(x)
+    use_inplace_snake(snake)
+    assert type(snake) is InplaceSnakeBeta
+    with torch.no_grad():
+        assert torch.equal(snake(x), expected)
+    assert torch.equal(x, before)  # the input is not written to
+    x.requires_grad_(True)
+    out = snake(x)  # under autograd: transformers' forward, differentiable
+    assert torch.equal(out.detach(), expected) and out.requires_grad
+    StreamingCode2Wav(code2wav)
+    assert not any(type(m) is Qwen3OmniMoeSnakeBeta for m in code2wav.modules())
+    assert any(type(m) is InplaceSnakeBeta for m in SpeechTokenizerDecoder.tiny().modules())
