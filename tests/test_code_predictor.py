@@ -583,7 +583,9 @@ def test_compiled_runner_runs_large_matrices_on_the_kernel_even_for_one_row(monk
     runner = CodePredictorRunner(cp, 2, compile=True, packed_gemm="avx512")
     rows_seen = []
     run = small_batch_linear._run
-    monkeypatch.setattr(small_batch_linear, "_run", lambda x, p, n, *tiling: rows_seen.append((x.shape[0], n)) or run(x, p, n, *tiling))
+    monkeypatch.setattr(
+        small_batch_linear, "_run", lambda x, p, n, *tiling: rows_seen.append((x.shape[0], n)) or run(x, p, n, *tiling)
+    )
     hidden, cb0 = frame_inputs(cp, 1, seed=7)
     assert torch.equal(runner.run(hidden, cb0).codes, hf_codes(cp, hidden, cb0))
     assert (1, 2048) in rows_seen  # gate_up, 2048 x 512, one row

@@ -85,7 +85,9 @@ def test_the_avx512_and_avx2_builds_give_the_same_values(monkeypatch, tmp_path):
             monkeypatch.setattr(sbl, "isa", lambda build=build: build)
             sbl._library.cache_clear()
             assert sbl.available(), sbl.unavailable_reason()
-            outputs[build] = [sbl.quantized_linear(x, q.packed, q.scales, q.out_features, q.group_size) for q in weights]
+            outputs[build] = [
+                sbl.quantized_linear(x, q.packed, q.scales, q.out_features, q.group_size) for q in weights
+            ]
     finally:
         monkeypatch.undo()
         sbl._library.cache_clear()
