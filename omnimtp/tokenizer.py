@@ -290,7 +290,10 @@ class StreamedTextIds:
     end can only change the last piece (a word grows, a space run is split off by the next word, a combining mark
     joins its letter under NFC) or complete an added token whose start is already here. So a push holds back
     the text from the earliest point where its tail could still start an added token, and of the rest the last
-    piece; it hands out the ids before that, after checking they are what that text alone encodes to.
+    piece; it hands out the ids before that, after checking they are what that text alone encodes to. What is
+still held is encoded after the last piece handed out (its ids dropped): an added token that matches only as a
+whole word (`single_word`) looks at the character before it, so "1assistant" keeps "assistant" as text where
+"assistant" alone would be one added token.
 
         >>> text = StreamedTextIds(byte_tokenizer().backend_tokenizer)
         >>> text.push("Hello wor"), text.push("ld"), text.finish()
@@ -304,6 +307,8 @@ class StreamedTextIds:
         self.tail = tail
         self.text = ""  # what was pushed (head and tail not included)
         self._pending = head  # text whose ids are not handed out yet
+        self._context = ""  # the last piece handed out, right before _pending: what _pending is encoded after
+        self._context_ids: list[int] = []
         self._prefix_ids = [int(i) for i in prefix_ids]
         contents = [token.content for token in backend.get_added_tokens_decoder().values()]
         self._added = tuple(content for content in contents if content)
@@ -320,10 +325,14 @@ class StreamedTextIds:
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         self.text += text
         self._pending += text
-        cut = min(self._final_prefix(self._pending + lookahead), len(self._pending))
+        cut, last_start = self._final_prefix(self._pending + lookahead)
+        cut = min(cut, len(self._pending))
         ids = self._encode(self._pending[:cut])
         if lookahead and ids != self._encode(self._pending + self.tail)[: len(ids)]:
             cut, ids = 0, []
+        if cut:
+            context = (self._context if last_start == 0 else "") + self._pending[last_start:cut]
+            self._context, self._context_ids = context, self.backend.encode(context, add_special_tokens=False).ids
         self._pending = self._pending[cut:]
         return self._with_prefix(ids)
 
@@ -341,22 +350,39 @@ class StreamedTextIds:
             ids, self._prefix_ids = self._prefix_ids + ids, []
         return ids
 
-    def _encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+    def _encoding(self, text: str) -> tuple[list[int], list[tuple[int, int]], list[int | None]]:
+        """(ids, character offsets into text, piece numbers) of text as it follows the last piece handed out."""
+        if not text:
+            return [], [], []
+        if self._context:
+            encoding = self.backend.encode(self._context + text, add_special_tokens=False)
+            skip = len(self._context_ids)
+            if encoding.ids[:skip] == self._context_ids and all(
+                start >= len(self._context) for start, _ in encoding.offsets[skip:]
+            ):
+                shift = len(self._context)
+                offsets = [(start - shift, end - shift) for start, end in encoding.offsets[skip:]]
+                return encoding.ids[skip:], offsets, encoding.word_ids[skip:]
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets, encoding.word_ids
 
-    def _final_prefix(self, text: str) -> int:
-        """How many characters of `text` (the text not handed out yet) have final ids."""
+    def _encode(self, text: str) -> list[int]:
+        return self._encoding(text)[0]
+
+    def _final_prefix(self, text: str) -> tuple[int, int]:
+        """(how many characters of `text`, the text not handed out yet, have final ids; where the last piece
+        of those starts)."""
         held = len(text)  # from here on the text could still become an added token
         for start in range(max(len(text) - self._max_added, 0), len(text)):
             if any(content.startswith(text[start:]) for content in self._added):
                 held = start
                 break
-        encoding = self.backend.encode(text[:held], add_special_tokens=False)
-        words = encoding.word_ids
+        ids, offsets, words = self._encoding(text[:held])
         if not words:
-            return 0
+            return 0, 0
         last = next(i for i, word in enumerate(words) if word == words[-1])  # the last piece's first token
-        cut = encoding.offsets[last][0] if last > 0 else 0
-        if cut == 0 or self._encode(text[:cut]) != encoding.ids[:last]:
-            return 0
-        return cut
+        cut = offsets[last][0] if last > 0 else 0
+        if cut == 0 or self._encode(text[:cut]) != ids[:last]:
+            return 0, 0
+        before = next(i for i, word in enumerate(words) if word == words[last - 1])  # the piece before it
+        return cut, offsets[before][0]

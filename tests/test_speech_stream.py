@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from audio_checks import assert_audible
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -93,6 +93,8 @@ QWEN2_STYLE = _qwen2_style_tokenizer()
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXTS, cuts=st.lists(st.integers(0, 60), max_size=8))
+@example(text="1assistant<|im_end|>", cuts=[])  # "assistant" matches as a whole word only: not after "1"
+@example(text="1assistant<|im_end|>", cuts=[1, 4])
 def test_streamed_ids_are_the_whole_texts_ids(tts, omni, text, cuts):
     """Any split of any text: the pieces' ids joined == the ids of the whole text, for the tiny Qwen3-TTS tokenizer
     (specials read inside the template), the tiny Qwen3-Omni one (specials read as text) and a Qwen2-style BPE."""
