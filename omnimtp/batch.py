@@ -309,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(1)
     except KeyboardInterrupt as exc:
         signum = stopped_by(exc)
+        # what the file holds: the signal may land between a result's write and the count
+        num_done = len({row["id"] for row in rows} & finished_ids(args.output))
         print(f"omnimtp batch: stopped ({signum.name}) with {num_done} of {len(rows)} prompts done; run the same "
               "command again to finish the rest", file=sys.stderr, flush=True)
         return 128 + signum

@@ -220,18 +220,22 @@ def _realtime_turns(client, seed: int, turns: list, on_open=None) -> list[tuple[
 
 
 def test_concurrent_realtime_sessions_on_two_replicas_match_the_single_process_server(client, single_process, url):
-    """Two sessions at once, one on each replica (the router sends the second to the idle one), each holding
-    its conversation on its replica for two turns: each reply is the single-process server's."""
+    """Two sessions at once, one on each replica (the second opens once the first is open, and the router sends
+    it to the idle replica; opened at the same instant, both may see two idle replicas and pick the same one),
+    each holding its conversation on its replica for two turns: each reply is the single-process server's."""
     sessions = {"a": (21, ["Hi there", "And then?"]), "b": (22, [tone(0.5, 24000, hz=300), "Say more"])}
-    both_open, counted = threading.Barrier(3, timeout=120), threading.Event()
+    both_open, counted, first_open = threading.Barrier(3, timeout=120), threading.Event(), threading.Event()
     replies: dict = {}
 
     def hold_open():  # until the gauges are read: a session may otherwise end before its replica pushes them
+        first_open.set()
         both_open.wait()
         counted.wait(60)
 
     def converse(name):
         seed, turns = sessions[name]
+        if name == "b":
+            first_open.wait(120)
         replies[name] = _realtime_turns(client, seed, turns, on_open=hold_open)
 
     threads = [threading.Thread(target=converse, args=(name,)) for name in sessions]
