@@ -69,6 +69,21 @@ def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
     assert linear(x.bfloat16(), weight, packed=q).dtype == torch.bfloat16
 
 
+@needs_kernel
+@pytest.mark.parametrize(("in_features", "group_size"), [(100, 128), (36, 12), (44, 4), (7, 7)])
+def test_int4_groups_that_do_not_fall_on_words_of_8_inputs(in_features, group_size):
+    """int4 weights are stored 8 inputs to a 32-bit word: a K that is not a multiple of 8 (one group of all K),
+    and groups that start or end inside a word, give the dequantized matmul too."""
+    g = torch.Generator().manual_seed(in_features)
+    x, weight = torch.randn(3, in_features, generator=g), torch.randn(40, in_features, generator=g)
+    q = quantize_weight(weight, "int4", group_size)
+    assert q.packed.shape == (3, -(-in_features // 8), 16) and q.packed.dtype == torch.int32
+    reference = x @ q.dequantized().T
+    bound = RTOL * (x.abs() @ q.dequantized().abs().T) + 1e-6
+    assert ((linear(x, weight, packed=q) - reference).abs() <= bound).all()
+    assert (q.dequantized() - weight).abs().max() < weight.abs().max() / 7
+
+
 @pytest.mark.skipif(sbl.isa() != "AVX512", reason="runs both builds: needs an AVX-512 CPU")
 def test_the_avx512_and_avx2_builds_give_the_same_values(monkeypatch, tmp_path):
     """The AVX-512 build runs four panels at once on 16-lane registers, the AVX2 build one panel on two 8-lane
@@ -78,6 +93,7 @@ def test_the_avx512_and_avx2_builds_give_the_same_values(monkeypatch, tmp_path):
     x = torch.randn(5, 384, generator=g)
     weights = [quantize_weight(torch.randn(out, 384, generator=g), mode, 128) for out in (16, 72, 100)
                for mode in QUANTIZE_MODES]
+    weights.append(quantize_weight(torch.randn(40, 384, generator=g), "int4", 12))  # groups inside words
     outputs = {}
     monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
     try:

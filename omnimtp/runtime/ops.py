@@ -182,8 +182,8 @@ class QuantizedWeight:
         if self.group_size is None:
             q = self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1]).float()
             return (q * self.scales[:, None])[: self.out_features]
-        low, high = (self.packed & 0x0F), (self.packed >> 4)
-        q = torch.cat([low, high], dim=-1).transpose(1, 2).reshape(-1, self.packed.shape[1]).float() - 8  # [N', K]
+        in_features = self.scales.shape[1] * self.group_size
+        q = small_batch_linear.unpack_int4(self.packed, in_features).float()  # [N', K]
         scales = self.scales.transpose(1, 2).reshape(q.shape[0], -1).repeat_interleave(self.group_size, dim=1)
         return (q * scales)[: self.out_features]
 

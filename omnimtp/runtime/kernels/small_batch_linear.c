@@ -191,9 +191,10 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
  * 16 output columns as above, stored input by input:
  *   int8: [panels][K][16] int8 with one scale per column: W[n, k] = scale[n] * q[n, k]; the scale is
  *         applied once per output (sum_k x q, then times the scale).
- *   int4: [panels][K][8] bytes, byte j holding column j (low nibble) and column j + 8 (high nibble) as
- *         q + 8 (q in -8..7), with one scale per column and group of `group` inputs:
- *         W[n, k] = scale[k / group][n] * q[n, k]; each group's partial sum is scaled into the output.
+ *   int4: [panels][ceil(K/8)][16] 32-bit words, word (w, c) holding column c's q + 8 (q in -8..7) for inputs
+ *         8w..8w+7, input 8w + j in bits 4j..4j+3, so a shift and a mask give 16 columns' weights with no
+ *         shuffle; one scale per column and group of `group` inputs: W[n, k] = scale[k / group][n] * q[n, k];
+ *         each group's partial sum is scaled into the output.
  * A panel is a few KiB, so pairs of rows (QROWS) re-read it from cache: the weights stream from memory once
  * per call. Each column sums in the same order in both builds (two accumulators for alternate inputs, added
  * at the end (int8) or per group (int4), then scaled), so they give the same values, and rows are
@@ -209,11 +210,9 @@ static inline __m512 int8_row(const int8_t* w) { /* 16 int8 weights → 16 float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
 }
 
-static inline __m512 int4_row(const uint8_t* w) { /* 8 bytes → 16 floats: low nibbles, then high ones, minus 8 */
-  const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  const __m128i bytes = _mm_loadl_epi64((const __m128i*)w);
-  const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(_mm_unpacklo_epi64(lo, hi), eight)));
+static inline __m512 int4_lanes(__m512i words, __m512i shift) { /* nibble `shift / 4` of 16 words, minus 8 */
+  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srlv_epi32(words, shift), nibble), eight));
 }
 
 /* R rows (a compile-time count: the accumulators stay in registers) over S consecutive panels (S streams in
@@ -247,10 +246,24 @@ static inline __m512 int4_row(const uint8_t* w) { /* 8 bytes → 16 floats: low 
     }                                                                                                 \
   }
 
+/* Input kj of every stream's word into accumulator set p: nibble shift / 4 of each word times x[m, kj]. */
+#define INT4_INPUT(R, S, kj, p, shift)                                                                 \
+  do {                                                                                                \
+    const __m512i count = _mm512_set1_epi32(shift);                                                   \
+    __m512 v[S];                                                                                      \
+    for (int s = 0; s < S; ++s) v[s] = int4_lanes(word[s], count);                                    \
+    for (int m = 0; m < R; ++m) {                                                                     \
+      const __m512 b = _mm512_set1_ps(x[m * K + (kj)]);                                               \
+      for (int s = 0; s < S; ++s) part[p][s][m] = _mm512_fmadd_ps(v[s], b, part[p][s][m]);            \
+    }                                                                                                 \
+  } while (0)
+
+/* A group's inputs a word of 8 at a time (the shifts constants after unrolling, one load per word and stream)
+ * where a whole word lies in it, one input at a time elsewhere (a group that does not start or end on a word). */
 #define INT4_FN(R, S)                                                                                  \
-  static void int4_##R##_##S(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K, \
+  static void int4_##R##_##S(const float* x, const int32_t* w, const float* scales, float* y, int64_t K, \
                              int64_t N, int64_t col, int64_t group) {                                 \
-    const int64_t groups = K / group;                                                                 \
+    const int64_t groups = K / group, words = (K + 7) / 8;                                            \
     __m512 acc[S][R];                                                                                 \
     for (int s = 0; s < S; ++s)                                                                       \
       for (int m = 0; m < R; ++m) acc[s][m] = _mm512_setzero_ps();                                    \
@@ -259,16 +272,19 @@ static inline __m512 int4_row(const uint8_t* w) { /* 8 bytes → 16 floats: low 
       for (int p = 0; p < QSETS; ++p)                                                                 \
         for (int s = 0; s < S; ++s)                                                                   \
           for (int m = 0; m < R; ++m) part[p][s][m] = _mm512_setzero_ps();                            \
-      for (int64_t k = k0; k < k0 + group; k += QSETS) {                                              \
-        for (int s = 0; s < S; ++s)                                                                   \
-          _mm_prefetch((const char*)(w + (s * K + k) * (PANEL / 2) + 512), _MM_HINT_T0);              \
-        for (int p = 0; p < QSETS && k + p < k0 + group; ++p) {                                       \
-          __m512 v[S];                                                                                \
-          for (int s = 0; s < S; ++s) v[s] = int4_row(w + (s * K + k + p) * (PANEL / 2));             \
-          for (int m = 0; m < R; ++m) {                                                               \
-            const __m512 b = _mm512_set1_ps(x[m * K + k + p]);                                        \
-            for (int s = 0; s < S; ++s) part[p][s][m] = _mm512_fmadd_ps(v[s], b, part[p][s][m]);      \
-          }                                                                                           \
+      for (int64_t k = k0; k < k0 + group;) {                                                         \
+        __m512i word[S];                                                                              \
+        for (int s = 0; s < S; ++s) {                                                                 \
+          const int32_t* ws = w + (s * words + k / 8) * PANEL;                                        \
+          _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                   \
+          word[s] = _mm512_loadu_si512((const void*)ws);                                              \
+        }                                                                                             \
+        if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                             \
+          for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                          \
+          k += 8;                                                                                     \
+        } else {                                                                                      \
+          INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                 \
+          k += 1;                                                                                     \
         }                                                                                             \
       }                                                                                               \
       for (int s = 0; s < S; ++s) {                                                                   \
@@ -287,7 +303,7 @@ static inline __m512 int4_row(const uint8_t* w) { /* 8 bytes → 16 floats: low 
   }
 
 INT8_FN(1, 1) INT8_FN(2, 1) INT8_FN(1, 4) INT8_FN(2, 4)
-INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 4)
+INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 2) /* two rows over 4 streams would spill (36 zmm) */
 
 #else /* AVX2: each panel row is two 8-lane registers, one panel at a time */
 #define QSTREAMS 1
@@ -320,29 +336,42 @@ INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 4)
     }                                                                                                 \
   }
 
+static inline __m256 int4_lanes(__m256i words, __m256i shift) { /* nibble `shift / 4` of 8 words, minus 8 */
+  const __m256i nibble = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srlv_epi32(words, shift), nibble), eight));
+}
+
+#define INT4_INPUT(R, S, kj, p, shift)                                                                 \
+  do {                                                                                                \
+    const __m256i count = _mm256_set1_epi32(shift);                                                   \
+    const __m256 v_lo = int4_lanes(word_lo, count), v_hi = int4_lanes(word_hi, count);                \
+    for (int m = 0; m < R; ++m) {                                                                     \
+      const __m256 b = _mm256_broadcast_ss(x + m * K + (kj));                                         \
+      p_lo[p][m] = _mm256_fmadd_ps(v_lo, b, p_lo[p][m]);                                              \
+      p_hi[p][m] = _mm256_fmadd_ps(v_hi, b, p_hi[p][m]);                                              \
+    }                                                                                                 \
+  } while (0)
+
 #define INT4_FN(R, S)                                                                                  \
-  static void int4_##R##_##S(const float* x, const uint8_t* w, const float* scales, float* y, int64_t K, \
+  static void int4_##R##_##S(const float* x, const int32_t* w, const float* scales, float* y, int64_t K, \
                              int64_t N, int64_t col, int64_t group) {                                 \
-    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);                             \
     __m256 lo[R], hi[R];                                                                              \
     for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm256_setzero_ps();                                  \
     for (int64_t k0 = 0; k0 < K; k0 += group) {                                                       \
       __m256 p_lo[QSETS][R], p_hi[QSETS][R];                                                          \
       for (int p = 0; p < QSETS; ++p)                                                                 \
         for (int m = 0; m < R; ++m) p_lo[p][m] = p_hi[p][m] = _mm256_setzero_ps();                    \
-      for (int64_t k = k0; k < k0 + group; k += QSETS) {                                              \
-        _mm_prefetch((const char*)(w + k * (PANEL / 2) + 512), _MM_HINT_T0);                          \
-        for (int p = 0; p < QSETS && k + p < k0 + group; ++p) {                                       \
-          const __m128i bytes = _mm_loadl_epi64((const __m128i*)(w + (k + p) * (PANEL / 2)));         \
-          const __m128i q_lo = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);                     \
-          const __m128i q_hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);  \
-          const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_lo));                         \
-          const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q_hi));                         \
-          for (int m = 0; m < R; ++m) {                                                               \
-            const __m256 b = _mm256_broadcast_ss(x + m * K + k + p);                                  \
-            p_lo[p][m] = _mm256_fmadd_ps(v_lo, b, p_lo[p][m]);                                        \
-            p_hi[p][m] = _mm256_fmadd_ps(v_hi, b, p_hi[p][m]);                                        \
-          }                                                                                           \
+      for (int64_t k = k0; k < k0 + group;) {                                                         \
+        const int32_t* ws = w + (k / 8) * PANEL;                                                      \
+        _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                     \
+        const __m256i word_lo = _mm256_loadu_si256((const __m256i*)ws);                               \
+        const __m256i word_hi = _mm256_loadu_si256((const __m256i*)(ws + 8));                         \
+        if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                             \
+          for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                           \
+          k += 8;                                                                                     \
+        } else {                                                                                      \
+          INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                 \
+          k += 1;                                                                                     \
         }                                                                                             \
       }                                                                                               \
       const float* s = scales + (k0 / group) * PANEL;                                                 \
@@ -384,17 +413,22 @@ static void quantized_panels(const float* x, const void* packed, const float* sc
         else int8_2_1(xm, w + c * K * PANEL, s + c * PANEL, ym, K, N, col + c * PANEL);
       }
     } else {
-      const uint8_t* w = (const uint8_t*)packed + first * K * (PANEL / 2);
+      const int64_t words = (K + 7) / 8;
+      const int32_t* w = (const int32_t*)packed + first * words * PANEL;
       const float* s = scales + first * (K / group) * PANEL;
 #if QSTREAMS > 1
       if (count == QSTREAMS) {
-        if (r == 1) int4_1_4(xm, w, s, ym, K, N, col, group);
-        else int4_2_4(xm, w, s, ym, K, N, col, group);
+        if (r == 1) {
+          int4_1_4(xm, w, s, ym, K, N, col, group);
+        } else {
+          int4_2_2(xm, w, s, ym, K, N, col, group);
+          int4_2_2(xm, w + 2 * words * PANEL, s + 2 * (K / group) * PANEL, ym, K, N, col + 2 * PANEL, group);
+        }
         continue;
       }
 #endif
       for (int64_t c = 0; c < count; ++c) {
-        const uint8_t* wc = w + c * K * (PANEL / 2);
+        const int32_t* wc = w + c * words * PANEL;
         const float* sc = s + c * (K / group) * PANEL;
         if (r == 1) int4_1_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
         else int4_2_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
@@ -403,7 +437,7 @@ static void quantized_panels(const float* x, const void* packed, const float* sc
   }
 }
 
-/* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][K][8] bytes, scales
+/* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][ceil(K/8)][16] words, scales
  * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Groups of QSTREAMS panels
  * are split over the threads. Returns 0. */
 int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,

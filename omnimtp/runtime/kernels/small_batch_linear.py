@@ -249,10 +249,11 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nn.Linear weight [N, K] → (packed bytes [ceil(N/16), K, 8] uint8, scales [ceil(N/16), K/group_size,
-    16] fp32, dequantized [N, K] fp32): symmetric int4 per output channel and group of `group_size`
-    consecutive inputs, W[n, k] ≈ scale[n, k // group_size] * q[n, k], q in -8..7 (scale = max|w| / 7).
-    K must be a multiple of group_size. A new tensor; weight is not modified."""
+    """nn.Linear weight [N, K] → (packed words [ceil(N/16), ceil(K/8), 16] int32, scales [ceil(N/16),
+    K/group_size, 16] fp32, dequantized [N, K] fp32): symmetric int4 per output channel and group of
+    `group_size` consecutive inputs, W[n, k] ≈ scale[n, k // group_size] * q[n, k], q in -8..7 (scale =
+    max|w| / 7). Word [p, w, c] holds column 16p + c's q + 8 for inputs 8w..8w+7, input 8w + j in bits
+    4j..4j+3 (inputs past K: 8). K must be a multiple of group_size. A new tensor; weight is not modified."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     groups = w.view(out_features, in_features // group_size, group_size)
@@ -260,11 +261,22 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     q = torch.round(groups / scale[..., None]).clamp(-8, 7)  # [N, G, g]
     dequantized = (q * scale[..., None]).view(out_features, in_features)
     pad = -out_features % PANEL
-    biased = torch.nn.functional.pad((q + 8).to(torch.uint8).view(out_features, in_features), (0, 0, 0, pad))
-    panels = biased.view(-1, PANEL, in_features).transpose(1, 2)  # [P, K, 16]
-    packed = (panels[..., :8] | (panels[..., 8:] << 4)).contiguous()  # [P, K, 8]
+    biased = torch.nn.functional.pad(
+        (q + 8).to(torch.int64).view(out_features, in_features), (0, -in_features % 8, 0, pad), value=8
+    )  # [N', K'] with K' a multiple of 8
+    nibbles = biased.view(biased.shape[0], -1, 8) << (4 * torch.arange(8))  # [N', K'/8, 8]: disjoint bits
+    words = nibbles.sum(-1)  # [N', K'/8] in 0..2^32 - 1
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits
+    packed = words.view(-1, PANEL, words.shape[1]).transpose(1, 2).contiguous()  # [P, K'/8, 16]
     scales = torch.nn.functional.pad(scale, (0, 0, 0, pad)).view(-1, PANEL, scale.shape[1]).transpose(1, 2)
     return packed, scales.contiguous(), dequantized
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`quantize_int4`'s words [P, ceil(K/8), 16] → q [16P, K] int64 in -8..7."""
+    nibbles = (packed.to(torch.int64)[..., None] >> (4 * torch.arange(8))) & 0x0F  # [P, K'/8, 16, 8]
+    q = nibbles.permute(0, 2, 1, 3).reshape(packed.shape[0] * PANEL, -1)  # [16P, K']
+    return q[:, :in_features] - 8
 
 
 def quantized_linear(
