@@ -578,9 +578,15 @@ MUTATIONS = [
     ),
     Mutation(
         "streamed_ids_commit_the_last_piece", "omnimtp/tokenizer.py",
-        "        return cut\n",
-        "        return held\n",
+        "        return cut, offsets[before][0]\n",
+        "        return held, offsets[before][0]\n",
         SPEECH_STREAM, "streamed text commits the ids of its last piece, which later text can still change",
+    ),
+    Mutation(
+        "streamed_ids_lose_their_left_context", "omnimtp/tokenizer.py",
+        '            context = (self._context if last_start == 0 else "") + self._pending[last_start:cut]\n',
+        '            context = ""\n',
+        SPEECH_STREAM, "held text is encoded alone: a whole-word added token matches after a letter or digit",
     ),
     Mutation(
         "streamed_ids_ignore_added_tokens", "omnimtp/tokenizer.py",
