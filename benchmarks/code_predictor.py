@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,9 +34,11 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
 )
 
-from omnimtp.models.tiny import tiny_code_predictor_config
-from omnimtp.runtime.ops import PACKED_GEMM_MIN_ROWS, packed_gemm_kinds
-from omnimtp.talker.code_predictor import (
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+
+from omnimtp.models.tiny import tiny_code_predictor_config  # noqa: E402
+from omnimtp.runtime.ops import PACKED_GEMM_MIN_ROWS, packed_gemm_kinds  # noqa: E402
+from omnimtp.talker.code_predictor import (  # noqa: E402
     CodePredictorRunner,
     predict_residual_codes,
     predict_residual_codes_kv,

@@ -30,20 +30,23 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
 
-from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, tiny_qwen3_omni
-from omnimtp.models.tiny_qwen2_5_omni import (
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+
+from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, tiny_qwen3_omni  # noqa: E402
+from omnimtp.models.tiny_qwen2_5_omni import (  # noqa: E402
     QWEN2_5_OMNI_3B_TALKER,
     QWEN2_5_OMNI_3B_THINKER,
     TINY_QWEN2_5_CODEC,
     qwen2_5_byte_tokenizer,
     tiny_qwen2_5_omni,
 )
-from omnimtp.pipeline import OmniPipeline
-from omnimtp.tokenizer import byte_tokenizer
+from omnimtp.pipeline import OmniPipeline  # noqa: E402
+from omnimtp.tokenizer import byte_tokenizer  # noqa: E402
 
 CONFIGS = {
     "tiny": dict(),
