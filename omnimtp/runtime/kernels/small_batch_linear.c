@@ -203,6 +203,21 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
 #define QROWS 2
 #define QSETS 2 /* accumulator sets for alternate inputs (hiding the FMA latency) */
 
+/* The inputs k0..k0+group-1 of an int4 group: LOAD (statements) loads the word(s) holding input k, then a word
+ * of 8 inputs at a time where a whole word lies in the group (the shifts constants after unrolling), else one
+ * input (a group that starts or ends inside a word); INT4_INPUT is the build's step for one input. */
+#define INT4_GROUP_INPUTS(R, S, ...)                                                                   \
+  for (int64_t k = k0; k < k0 + group;) {                                                             \
+    __VA_ARGS__                                                                                       \
+    if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                                 \
+      for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                              \
+      k += 8;                                                                                         \
+    } else {                                                                                          \
+      INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                     \
+      k += 1;                                                                                         \
+    }                                                                                                 \
+  }
+
 #ifdef __AVX512F__
 #define QSTREAMS 4
 
@@ -272,21 +287,12 @@ static inline __m512 int4_lanes(__m512i words, __m512i shift) { /* nibble `shift
       for (int p = 0; p < QSETS; ++p)                                                                 \
         for (int s = 0; s < S; ++s)                                                                   \
           for (int m = 0; m < R; ++m) part[p][s][m] = _mm512_setzero_ps();                            \
-      for (int64_t k = k0; k < k0 + group;) {                                                         \
-        __m512i word[S];                                                                              \
-        for (int s = 0; s < S; ++s) {                                                                 \
-          const int32_t* ws = w + (s * words + k / 8) * PANEL;                                        \
-          _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                   \
-          word[s] = _mm512_loadu_si512((const void*)ws);                                              \
-        }                                                                                             \
-        if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                             \
-          for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                          \
-          k += 8;                                                                                     \
-        } else {                                                                                      \
-          INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                 \
-          k += 1;                                                                                     \
-        }                                                                                             \
-      }                                                                                               \
+      INT4_GROUP_INPUTS(R, S, __m512i word[S];                                                        \
+                        for (int s = 0; s < S; ++s) {                                                 \
+                          const int32_t* ws = w + (s * words + k / 8) * PANEL;                        \
+                          _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                   \
+                          word[s] = _mm512_loadu_si512((const void*)ws);                              \
+                        });                                                                           \
       for (int s = 0; s < S; ++s) {                                                                   \
         const __m512 sc = _mm512_loadu_ps(scales + (s * groups + k0 / group) * PANEL);                \
         for (int m = 0; m < R; ++m) {                                                                 \
@@ -361,19 +367,10 @@ static inline __m256 int4_lanes(__m256i words, __m256i shift) { /* nibble `shift
       __m256 p_lo[QSETS][R], p_hi[QSETS][R];                                                          \
       for (int p = 0; p < QSETS; ++p)                                                                 \
         for (int m = 0; m < R; ++m) p_lo[p][m] = p_hi[p][m] = _mm256_setzero_ps();                    \
-      for (int64_t k = k0; k < k0 + group;) {                                                         \
-        const int32_t* ws = w + (k / 8) * PANEL;                                                      \
-        _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                     \
-        const __m256i word_lo = _mm256_loadu_si256((const __m256i*)ws);                               \
-        const __m256i word_hi = _mm256_loadu_si256((const __m256i*)(ws + 8));                         \
-        if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                             \
-          for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                           \
-          k += 8;                                                                                     \
-        } else {                                                                                      \
-          INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                 \
-          k += 1;                                                                                     \
-        }                                                                                             \
-      }                                                                                               \
+      INT4_GROUP_INPUTS(R, S, const int32_t* ws = w + (k / 8) * PANEL;                                \
+                        _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                     \
+                        const __m256i word_lo = _mm256_loadu_si256((const __m256i*)ws);               \
+                        const __m256i word_hi = _mm256_loadu_si256((const __m256i*)(ws + 8)););       \
       const float* s = scales + (k0 / group) * PANEL;                                                 \
       const __m256 s_lo = _mm256_loadu_ps(s), s_hi = _mm256_loadu_ps(s + 8);                          \
       for (int m = 0; m < R; ++m) {                                                                   \
