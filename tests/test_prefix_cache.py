@@ -111,15 +111,22 @@ def test_qwen2_5_omni_warm_turn_equals_the_uncached_request():
     _assert_same(output, _finish(EngineCore(family, _config(0)), _request(family, messages, 2, None, 3, None)))
 
 
-def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
-    """Three turns, then the first reply cut short (what `conversation.item.truncate` does to the prompt): the
-    next turn reuses whole blocks up to the first changed id only, and replies as the uncached request does."""
-    warm = EngineCore(family, _config(64 << 20))
+def _three_text_turns(warm: EngineCore, family, empty_reply: str) -> list[dict]:
+    """Three text turns on the warm engine's session: the messages, each reply's text after its turn (or
+    empty_reply where a reply has none)."""
     messages = []
     for turn in range(1, 4):
         messages.append(_user(turn, is_audio=False))
         output = _finish(warm, _request(family, messages, turn, None, None))
-        messages.append({"role": "assistant", "content": output.text or "Something long enough to cut."})
+        messages.append({"role": "assistant", "content": output.text or empty_reply})
+    return messages
+
+
+def test_a_changed_earlier_item_reuses_only_the_blocks_before_it(family):
+    """Three turns, then the first reply cut short (what `conversation.item.truncate` does to the prompt): the
+    next turn reuses whole blocks up to the first changed id only, and replies as the uncached request does."""
+    warm = EngineCore(family, _config(64 << 20))
+    messages = _three_text_turns(warm, family, "Something long enough to cut.")
     cached = warm.prefix_cache.get("session")
     messages[1] = {"role": "assistant", "content": messages[1]["content"][:2]}
     messages.append(_user(4, is_audio=False))
@@ -144,11 +151,7 @@ def test_the_talker_reuses_only_its_equal_user_rows(family):
     the uncached request's."""
     other = next(s for s in family.speakers if s.lower() != family.default_speaker.lower())
     warm = EngineCore(family, _config(64 << 20))
-    messages = []
-    for turn in range(1, 4):
-        messages.append(_user(turn, is_audio=False))
-        output = _finish(warm, _request(family, messages, turn, None, None))
-        messages.append({"role": "assistant", "content": output.text or "Something."})
+    messages = _three_text_turns(warm, family, "Something.")
     previous = _user_ids(family, _request(family, messages, 0, None, None))
     messages.append(_user(4, is_audio=False))
     request = _request(family, messages, 4, None, None)
