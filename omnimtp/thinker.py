@@ -442,19 +442,20 @@ def calibrate_thinker_costs(
     is_sampled: bool, model_path: str | os.PathLike | None = None,
 ) -> DraftCosts:
     """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
-    k on a fixed 16-token prompt per row, at this batch size, greedy or sampled (`CALIBRATION_SAMPLING`:
-    one measurement serves every sampled request, whatever its temperature), measured once per thinker and
-    key, then reused. One run serves several measurements (its controller swapped; a fresh run once its
-    rows hold CALIBRATION_TOKENS new tokens): the thinker's prefill runs one request at a time, and a
-    prefill per measurement took most of the time at 16 rows. Kept on disk for the next process
-    (`omnimtp.spec_decode.cost_cache`; model_path: the directory the omni model was loaded from)."""
+    k on a fixed 16-token prompt per row (and the drafts' acceptance in them, the prior of an auto run), at
+    this batch size, greedy or sampled (`CALIBRATION_SAMPLING`: one measurement serves every sampled
+    request, whatever its temperature), measured once per thinker and key, then reused. One run serves several
+    measurements (its controller swapped; a fresh run once its rows hold CALIBRATION_TOKENS new tokens): the
+    thinker's prefill runs one request at a time, and a prefill per measurement took most of the time at 16
+    rows. Kept on disk for the next process (`omnimtp.spec_decode.cost_cache`; model_path: the directory the
+    omni model was loaded from)."""
     vocab = thinker.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(16)]
     run_sampling = [CALIBRATION_SAMPLING if is_sampled else None] * batch_size
     max_k, num_steps = DEFAULT_MAX_DRAFT_TOKENS, 6
     runs: list[ThinkerRun] = []
 
-    def seconds_per_step(k: int) -> float:
+    def seconds_per_step(k: int) -> tuple[float, int, int]:
         if not runs or max(len(ids) for ids in runs[-1].output_ids) > CALIBRATION_TOKENS:
             runs[:] = [ThinkerRun(
                 thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
@@ -470,10 +471,13 @@ def calibrate_thinker_costs(
         run = runs[-1]
         run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
         run.step()  # untimed: the first drafting step after plain ones also reads their slots
+        before = _draft_counts(run, k)
         start = time.perf_counter()
         for _ in range(num_steps):
             run.step()
-        return (time.perf_counter() - start) / num_steps
+        seconds = (time.perf_counter() - start) / num_steps
+        accepted, verified = (after - first for after, first in zip(_draft_counts(run, k), before, strict=True))
+        return seconds, accepted, verified
 
     key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
     def fingerprint() -> dict:
@@ -484,6 +488,16 @@ def calibrate_thinker_costs(
         })
 
     return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS, fingerprint)
+
+
+def _draft_counts(run: ThinkerRun, k: int) -> tuple[int, int]:
+    """The drafts a run's steps of k drafts accepted and verified so far (accepted ones and each row-step's
+    first rejection), summed over its rows; (0, 0) for k = 0."""
+    if k == 0:
+        return 0, 0
+    accepted = sum(stats.num_accepted for stats in run.spec_stats)
+    rejections = sum(stats.num_row_steps - stats.accepted_per_position[k - 1] for stats in run.spec_stats)
+    return accepted, accepted + rejections
 
 
 def calibrate_thinker_cost_table(

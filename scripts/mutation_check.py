@@ -174,6 +174,13 @@ MUTATIONS = [
         ADAPTIVE, "the adaptive controller picks k from the clock: a seeded request no longer repeats",
     ),
     Mutation(
+        "adaptive_prior_ignores_the_measured_acceptance", "omnimtp/spec_decode/adaptive.py",
+        "            prior = self.costs.acceptance",
+        "            prior = DEFAULT_PRIOR",
+        ADAPTIVE, "every request starts at 0.7 whatever acceptance its drafter showed while the costs were "
+        "measured: a well-trained drafter's 16-row batches start plain and never get their drafts",
+    ),
+    Mutation(
         "adaptive_costs_of_the_whole_cohort", "omnimtp/spec_decode/adaptive.py",
         "costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)",
         "costs = self.costs.for_batch(len(active) if num_step_rows is None else num_step_rows)",

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHEAP = DraftCosts((1.0, 1.1, 1.2, 1.3, 1.4))  # drafting pays at any acceptance above ~0.1
 MIXED = DraftCosts((1.0, 1.5, 1.8, 2.1))  # pays only while acceptance is high: k moves with the history
-DEAR = DraftCosts((1.0, 3.0, 5.0))  # plain steps, with a one-draft probe every few steps
+DEAR = DraftCosts((1.0, 3.0, 5.0))  # plain steps; a probe would lose 1.3 plain steps (at the prior 0.7)
 # what CPU measurements look like: a verify is nearly free for one row and compute-bound at 16 rows
 PER_BATCH = DraftCostTable((
     (1, DraftCosts((1.0, 1.1, 1.2, 1.3))),  # at α 0.7: k = 3
@@ -56,6 +56,20 @@ def test_the_goodput_rule_on_the_worked_example():
     assert high.choose([True]) == 3 and low.choose([True]) == 0
 
 
+def test_the_prior_is_the_acceptance_the_costs_were_measured_with():
+    """The omni demo thinker's 16-row costs: plain at the default prior 0.7, four drafts at the acceptance its
+    drafter showed while they were measured."""
+    at16 = (1.0, 1.92, 2.45, 2.97, 3.33)
+    assert DraftController(DraftCosts(at16), 16).choose([True] * 16) == 0
+    measured = DraftCostTable(((1, DraftCosts(CHEAP.step, acceptance=0.96)), (16, DraftCosts(at16, acceptance=0.98))))
+    assert measured.acceptance == pytest.approx(0.97) and DraftCostTable.of(DraftCosts(at16)).acceptance == 0.7
+    assert DraftController(measured, 16).choose([True] * 16) == 4
+    assert DraftController(measured, 16, prior=0.7).choose([True] * 16) == 0
+    for bad in (1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="acceptance"):
+            DraftCosts((1.0, 2.0), acceptance=bad)
+
+
 def test_a_goodput_tie_picks_the_fewer_drafts():
     """Every draft accepted: E_k = k + 1, and 2 / 1.5 == 3 / 2.25 exactly (both 4/3 rounded once)."""
     controller = DraftController(DraftCosts((1.0, 1.5, 2.25)), 1, prior=1.0)
@@ -63,16 +77,19 @@ def test_a_goodput_tie_picks_the_fewer_drafts():
     assert controller.choose([True]) == 1
 
 
-def test_only_verified_drafts_move_the_estimate_and_a_run_of_plain_steps_probes():
+def test_only_verified_drafts_move_the_estimate_and_probes_are_spaced_by_their_expected_loss():
     controller = DraftController(MIXED, 2, prior=0.7, smoothing=0.5, probe_interval=2)
     controller.update(3, [1, 3], [True, True])  # row 0: accepted, rejected (draft 3 unverified); row 1: 3 accepted
     assert controller.acceptance == pytest.approx([(0.7 + 1) / 2 / 2, 0.7 + 0.3 * 0.875])
     controller.update(2, [0, 0], [True, False])  # a finished row learns nothing
     assert controller.acceptance[1] == pytest.approx(0.7 + 0.3 * 0.875)
-    low = DraftController(DEAR, 1, probe_interval=2, max_probe_interval=4)
-    assert [low.choose([True]) for _ in range(18)] == [0, 0, 1] + [0, 0, 0, 0, 1] * 3  # the interval doubles, to 4
-    mixed = DraftController(MIXED, 1, prior=0.3, probe_interval=2, max_probe_interval=8)
-    assert [mixed.choose([True]) for _ in range(8)] == [0, 0, 1, 0, 0, 0, 0, 1]
+    # a probe loses c_1 - E_1 plain steps: 3 - 1.7 = 1.3 with DEAR at 0.7, 1.5 - 1.3 = 0.2 with MIXED at 0.3
+    dear = DraftController(DEAR, 1, probe_interval=2, probe_budget=0.5)
+    assert [dear.choose([True]) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]  # ceil(1.3 / 0.5) plain steps apart
+    default = DraftController(DEAR, 1)
+    assert [default.choose([True]) for _ in range(131)].index(1) == 130  # 1.3 / 1 %
+    mixed = DraftController(MIXED, 1, prior=0.3, probe_interval=2, probe_budget=0.5)
+    assert [mixed.choose([True]) for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # 0.2 / 0.5 < probe_interval
     mixed.acceptance = [0.95]
     assert mixed.choose([True]) == 3  # drafting pays again: the probe interval starts over
     mixed.acceptance = [0.3]
@@ -141,9 +158,8 @@ def test_greedy_auto_equals_generate_ragged_batch_with_eos(tiny, costs, drafter)
     assert torch.equal(plain_generate(target, ids, mask, max_new_tokens=14, eos_token_id=eos), reference)
     stats = out.stats
     assert stats.draft_costs == costs.step and sum(stats.draft_histogram.values()) == stats.num_steps
-    if costs is DEAR:
-        assert stats.draft_histogram.get(0, 0) > stats.num_steps // 2  # mostly plain steps, and probes
-        assert stats.draft_histogram.get(1, 0) >= 1
+    if costs is DEAR:  # plain steps only: a probe would lose 1.3 plain steps, one per 130 steps at most
+        assert set(stats.draft_histogram) == {0}
     if drafter == "target" and costs is CHEAP:  # every draft accepted: the most drafts every step
         assert set(stats.draft_histogram) == {4}
 
@@ -153,7 +169,9 @@ def test_calibrated_costs_are_measured_once_and_reused(tiny):
     prompt = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(2))
     costs = calibrate_draft_costs(target, head, max_draft_tokens=2)
     assert costs is calibrate_draft_costs(target, head, max_draft_tokens=2)  # frozen per model and key
-    assert costs.step[0] == 1.0 and len(costs.step) == 3
+    assert costs.step[0] == 1.0 and len(costs.step) == 3 and 0.0 <= costs.acceptance <= 1.0
+    exact = calibrate_draft_costs(target, TargetProposer(target), max_draft_tokens=2)
+    assert exact.acceptance == 1.0  # the target drafting for itself: every greedy draft accepted
     table = calibrate_draft_cost_table(target, head, max_batch_size=3, max_draft_tokens=2)
     assert [rows for rows, _ in table.by_batch] == [1, 2, 4] and table.for_batch(1) is costs
     assert table.for_batch(3) is calibrate_draft_costs(target, head, batch_size=4, max_draft_tokens=2)
@@ -222,7 +240,10 @@ def test_greedy_auto_on_the_demo_omni_thinker_equals_plain():
     for costs in (CHEAP, MIXED, DEAR):
         spec = run(ThinkerSpeculation(head, "auto", draft_costs=costs))
         assert spec.output_ids == plain
-        assert sum(s.num_accepted for s in spec.spec_stats) > 0
+        if costs is DEAR:  # no probe in 32 steps: each would lose 1.3 plain steps
+            assert all(set(s.draft_histogram) == {0} for s in spec.spec_stats)
+        else:
+            assert sum(s.num_accepted for s in spec.spec_stats) > 0
     with pytest.raises(ValueError, match="draft_costs"):
         ThinkerSpeculation(head, 3, draft_costs=CHEAP)
 
@@ -374,6 +395,7 @@ def test_a_server_measures_its_buckets_at_start_up_and_reports_them():
         engine.shutdown()
     assert set(tables) == {"greedy", "sampled"}
     assert all([rows for rows, _ in table.by_batch] == [1, 2] for table in tables.values())
+    assert all(0.0 <= costs.acceptance <= 1.0 for table in tables.values() for _, costs in table.by_batch)
     assert family.calibrate_speculation(2) == tables  # measured once, then reused
     from prometheus_client import generate_latest
 
@@ -484,11 +506,12 @@ def cost_cache_dir(tmp_path, monkeypatch):
 
 
 def _counting_calibration(model, fingerprint, seconds=(1.0, 1.5, 1.7)):
+    """k = 1 steps accept 3 of 4 verified drafts, k = 2 steps 1 of 4: acceptance 4 / 8 over every round."""
     measured = []
 
     def seconds_per_step(k):
         measured.append(k)
-        return seconds[k]
+        return seconds[k], (0, 3, 1)[k], (0, 4, 4)[k]
 
     costs = adaptive.calibrate(model, ("key",), seconds_per_step, len(seconds) - 1, lambda: fingerprint)
     return costs, measured
@@ -499,11 +522,13 @@ def test_a_second_process_reads_the_costs_back_and_a_changed_setting_measures_ag
     fingerprint = cost_fingerprint(model, drafter, key={"batch_size": 4})
     costs, measured = _counting_calibration(model, fingerprint)
     assert costs.step == (1.0, 1.5, 1.7) and costs.source == "measured" and len(measured) == 9
+    assert costs.acceptance == 0.5
     assert len(list(cost_cache_dir.glob("*.json"))) == 1
 
     monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())  # the next process
     again, measured = _counting_calibration(model, cost_fingerprint(model, drafter, key={"batch_size": 4}))
     assert again == costs and again.source == "cached" and measured == []
+    assert again.acceptance == 0.5  # the prior comes back with the costs
 
     # any part a step's time depends on names another entry: measured again
     changed = [
@@ -544,7 +569,8 @@ def test_a_model_directory_whose_files_change_is_measured_again(cost_cache_dir, 
     lambda entry: json.dumps({**entry, "step": [1.0, "1.5", 2.0]}),
     lambda entry: json.dumps({**entry, "fingerprint": {**entry["fingerprint"], "device": "cuda"}}),
     lambda entry: json.dumps([entry]),
-], ids=["not-json", "short", "falling", "c0", "string", "other-fingerprint", "list"])
+    lambda entry: json.dumps({**entry, "acceptance": 1.5}),
+], ids=["not-json", "short", "falling", "c0", "string", "other-fingerprint", "list", "acceptance"])
 def test_a_corrupt_entry_is_ignored_and_replaced_by_a_measurement(cost_cache_dir, monkeypatch, corrupt):
     model, drafter = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
     fingerprint = cost_fingerprint(model, drafter, key={})

@@ -33,13 +33,22 @@ unlikely to the drafter biases the output) and never from the clock. The costs a
 (measured once per model by `calibrate` and frozen, or given), so a seeded request repeats exactly with
 the same costs; greedy output is plain greedy's for any k.
 
-No acceptance is observed while k = 0 wins; after `probe_interval` plain steps in a row one step drafts a
-single token (a fixed schedule, not a random one), so a request whose text turns predictable again gets
-its drafts back. Each probe after which plain steps still win doubles the interval (up to
-`max_probe_interval`), so a run whose drafts never pay spends almost all its steps plain; a step that
-drafts because drafting wins resets it. A plain step of a speculative run is the plain loop's own step
-(the drafter reads the slots it skipped with the next step that drafts), so falling back costs nothing
-but the probes.
+The estimate starts at a prior: the acceptance the drafts had while the costs were measured (`calibrate`
+observes it on the target's own continuation of its fixed prompt; `DraftCosts.acceptance`), 0.7 where the
+costs were given without one. A drafter trained well for its target starts drafting at once where drafting
+pays at its acceptance, at 16 rows as at one; with a fixed prior of 0.7 the omni demo thinker (acceptance
+≈ 0.97 greedy) started its 16-row batches plain and its 96-token requests ended before the probes below had
+moved the estimate past break-even.
+
+No acceptance is observed while k = 0 wins; after a run of plain steps one step drafts a single token, a
+probe (a fixed schedule, not a random one), so a request whose text turns predictable again gets its
+drafts back. A probe costs c_1 and is expected to emit E_1 tokens a row, so it loses c_1 - E_1 plain steps;
+probes are spaced so that this loss stays near `probe_budget` (1 %) of the steps: `probe_interval` (4)
+plain steps apart where a probe costs nearly nothing, (c_1 - E_1) / probe_budget apart where it is dear
+(at 16 rows of the demo LM, c_1 ≈ 2.2 and E_1 ≈ 1.75: about 45 steps). A step that drafts because
+drafting wins starts the count over. A plain step of a speculative run is the plain loop's own step (the
+drafter reads the slots it skipped with the next step that drafts), so falling back costs nothing but the
+probes.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ from omnimtp.spec_decode.cost_cache import read_costs, write_costs
 
 AUTO = "auto"
 DEFAULT_MAX_DRAFT_TOKENS = 4
+DEFAULT_PRIOR = 0.7
+PROBE_BUDGET = 0.01
 
 
 @dataclass(frozen=True)
@@ -61,10 +72,13 @@ class DraftCosts:
     """step[k]: the cost of one speculative step that drafts k tokens (drafts, the (k+1)-row verify, the
     loop's own work) relative to a plain one-token step, k = 0..max_draft_tokens; step[0] = 1. source: where
     the numbers came from, "given", "measured" (`calibrate`) or "cached" (a measurement read back from
-    `omnimtp.spec_decode.cost_cache`); not part of equality."""
+    `omnimtp.spec_decode.cost_cache`); acceptance: the drafts' acceptance observed while measuring (what a
+    `DraftController` assumes of a request before it verified any of its drafts), None when unknown;
+    neither is part of equality."""
 
     step: tuple[float, ...]
     source: str = field(default="given", compare=False)
+    acceptance: float | None = field(default=None, compare=False)
 
     def __post_init__(self):
         step = tuple(self.step)
@@ -73,19 +87,22 @@ class DraftCosts:
         if any(not (0 < c < math.inf) for c in step) or step[0] != 1.0:
             raise ValueError(f"draft_costs.step must be finite positive numbers with step[0] == 1.0, got {self.step!r}")
         object.__setattr__(self, "step", tuple(float(c) for c in step))
+        a = self.acceptance
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+            raise ValueError(f"draft_costs.acceptance must be None or a number in [0, 1], got {a!r}")
 
     @property
     def max_draft_tokens(self) -> int:
         return len(self.step) - 1
 
     @classmethod
-    def from_seconds(cls, seconds: list[float]) -> DraftCosts:
+    def from_seconds(cls, seconds: list[float], acceptance: float | None = None) -> DraftCosts:
         """seconds[k]: measured seconds of a step drafting k tokens → costs relative to seconds[0], made
         non-decreasing in k (drafting more is never cheaper; a noisy measurement must not say it is)."""
         costs = [1.0]
         for s in seconds[1:]:
             costs.append(max(s / seconds[0], costs[-1]))
-        return cls(tuple(costs), source="measured")
+        return cls(tuple(costs), source="measured", acceptance=acceptance)
 
 
 def batch_buckets(max_batch_size: int) -> tuple[int, ...]:
@@ -142,6 +159,13 @@ class DraftCostTable:
                 return costs
         return self.by_batch[-1][1]
 
+    @property
+    def acceptance(self) -> float:
+        """The acceptance a request is assumed to have before any of its drafts were verified: the mean of
+        what the buckets' measurements observed, DEFAULT_PRIOR where none did."""
+        observed = [costs.acceptance for _, costs in self.by_batch if costs.acceptance is not None]
+        return statistics.fmean(observed) if observed else DEFAULT_PRIOR
+
     def to_dict(self) -> dict[int, tuple[float, ...]]:
         """{rows: (c_0, c_1, ...)}: what `/metrics` and `--json` report."""
         return {rows: costs.step for rows, costs in self.by_batch}
@@ -160,22 +184,24 @@ class DraftController:
     """Per-request acceptance estimates and the k of the next step (see the module docstring).
 
     num_rows: the rows of the run (requests); costs: frozen `DraftCosts` (the same at every batch size) or
-    a `DraftCostTable` (per batch-size bucket); prior: the acceptance assumed
-    before a position was ever verified; smoothing: the weight of one new verification in the moving
-    average (0.05: about the last 20 verified drafts; sampled acceptance is noisy, and with 0.1 a short run
-    of rejections sent well-drafting sampled requests to plain steps, slower than a fixed k);
-    probe_interval / max_probe_interval: plain steps in a row before a one-draft probe, at first and at most
-    (see the module docstring)."""
+    a `DraftCostTable` (per batch-size bucket); prior: the acceptance assumed before a position was ever
+    verified (None: the costs' measured acceptance, `DraftCostTable.acceptance`); smoothing: the weight of
+    one new verification in the moving average (0.05: about the last 20 verified drafts; sampled
+    acceptance is noisy, and with 0.1 a short run of rejections sent well-drafting sampled requests to
+    plain steps, slower than a fixed k); probe_interval: the fewest plain steps in a row before a
+    one-draft probe; probe_budget: the share of the steps the probes' expected loss may take (see the
+    module docstring)."""
 
-    def __init__(self, costs: DraftCosts | DraftCostTable, num_rows: int, *, prior: float = 0.7,
-                 smoothing: float = 0.05, probe_interval: int = 4, max_probe_interval: int = 32):
+    def __init__(self, costs: DraftCosts | DraftCostTable, num_rows: int, *, prior: float | None = None,
+                 smoothing: float = 0.05, probe_interval: int = 4, probe_budget: float = PROBE_BUDGET):
         self.costs = DraftCostTable.of(costs)
         self.smoothing = smoothing
         self.probe_interval = probe_interval
-        self.max_probe_interval = max(max_probe_interval, probe_interval)
+        self.probe_budget = probe_budget
+        if prior is None:
+            prior = self.costs.acceptance
         self.acceptance = [prior] * num_rows  # [B] α estimates
         self.num_plain_in_a_row = 0
-        self.next_probe = probe_interval  # plain steps in a row before the next probe
 
     @property
     def max_draft_tokens(self) -> int:
@@ -188,13 +214,15 @@ class DraftController:
         if not rows:
             return 0
         costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)
-        goodput = [sum(expected_tokens(a, k) for a in rows) / cost for k, cost in enumerate(costs.step)]
+        expected = [sum(expected_tokens(a, k) for a in rows) for k in range(len(costs.step))]
+        goodput = [tokens / cost for tokens, cost in zip(expected, costs.step, strict=True)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
-        if k > 0:
-            self.next_probe = self.probe_interval
-        elif self.num_plain_in_a_row >= self.next_probe:
-            k = 1
-            self.next_probe = min(2 * self.next_probe, self.max_probe_interval)
+        if k == 0:
+            # a probe's expected loss in plain steps: what its step costs beyond the tokens it is expected to
+            # emit (per row, as a plain step emits one); spaced so the probes spend about probe_budget
+            loss = max(costs.step[1] - expected[1] / len(rows), 0.0)
+            if self.num_plain_in_a_row >= max(self.probe_interval, math.ceil(loss / self.probe_budget)):
+                k = 1
         self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
         return k
 
@@ -238,11 +266,13 @@ CALIBRATION_ROUNDS = 3
 
 
 def calibrate(
-    model, key: tuple, seconds_per_step: Callable[[int], float], max_draft_tokens: int,
+    model, key: tuple, seconds_per_step: Callable[[int], tuple[float, int, int]], max_draft_tokens: int,
     fingerprint: Callable[[], dict] | None = None,
 ) -> DraftCosts:
     """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
-    k tokens and returns the seconds of one step. Every k is measured in each of CALIBRATION_ROUNDS rounds
+    k tokens and returns the seconds of one step, the drafts those steps accepted and the drafts they
+    verified (accepted ones and each row's first rejection), whose ratio over every k is the costs'
+    `acceptance`. Every k is measured in each of CALIBRATION_ROUNDS rounds
     (k = 0, 1, ..., K, then again), so a change of the machine's load hits every k alike, and the median
     of its rounds is kept. fingerprint: where given, what makes the `cost_cache.cost_fingerprint` of the
     measurement (called only when the costs are not in this process yet): costs kept on disk for it are
@@ -254,9 +284,14 @@ def calibrate(
         costs = None if on_disk is None else _cached_costs(on_disk, max_draft_tokens)
         if costs is None:
             rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
-            costs = DraftCosts.from_seconds([statistics.median(per_k) for per_k in zip(*rounds, strict=True)])
+            accepted = sum(accepted for steps in rounds for _, accepted, _ in steps)
+            verified = sum(verified for steps in rounds for _, _, verified in steps)
+            costs = DraftCosts.from_seconds(
+                [statistics.median(seconds for seconds, _, _ in per_k) for per_k in zip(*rounds, strict=True)],
+                acceptance=accepted / verified if verified else None,
+            )
             if on_disk is not None:
-                write_costs(on_disk, costs.step)
+                write_costs(on_disk, costs.step, costs.acceptance)
         cache[key] = costs
     return cache[key]
 
@@ -264,11 +299,14 @@ def calibrate(
 def _cached_costs(fingerprint: dict, max_draft_tokens: int) -> DraftCosts | None:
     """Costs on disk for the fingerprint, None when there are none or they are not what `calibrate` measures
     (valid, one per k up to max_draft_tokens, non-decreasing)."""
-    steps = read_costs(fingerprint)
-    if steps is None or len(steps) != max_draft_tokens + 1 or steps != sorted(steps):
+    entry = read_costs(fingerprint)
+    if entry is None:
+        return None
+    steps, acceptance = entry
+    if len(steps) != max_draft_tokens + 1 or steps != sorted(steps):
         return None
     try:
-        return DraftCosts(tuple(steps), source="cached")
+        return DraftCosts(tuple(steps), source="cached", acceptance=acceptance)
     except ValueError:
         return None
 

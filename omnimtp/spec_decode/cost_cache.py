@@ -14,8 +14,8 @@ cache off (every process measures; what a benchmark wants, so that costs measure
 not decide its runs).
 
     fingerprint = cost_fingerprint(model, drafter, key={"batch_size": 4, "sampled": False})
-    steps = read_costs(fingerprint)            # [c_0, c_1, ...] or None
-    write_costs(fingerprint, [1.0, 1.2, 1.5])
+    entry = read_costs(fingerprint)            # ([c_0, c_1, ...], acceptance or None) or None
+    write_costs(fingerprint, [1.0, 1.2, 1.5], acceptance=0.8)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from omnimtp.runtime.cache_dir import cache_root
 from omnimtp.runtime.kernels import small_batch_linear
 
-FORMAT = 1  # bump when an entry's meaning changes
+FORMAT = 2  # bump when an entry's meaning changes
 
 
 def _digest(text: str) -> str:
@@ -116,9 +116,9 @@ def is_enabled() -> bool:
     return os.environ.get("OMNIMTP_DRAFT_COST_CACHE", "1") != "0"
 
 
-def read_costs(fingerprint: dict) -> list[float] | None:
-    """The cached costs [c_0, c_1, ...] for exactly this fingerprint, or None (none, unreadable, corrupt, or
-    the cache turned off)."""
+def read_costs(fingerprint: dict) -> tuple[list[float], float | None] | None:
+    """The cached costs [c_0, c_1, ...] and the drafts' acceptance measured with them (None when none was)
+    for exactly this fingerprint, or None (none, unreadable, corrupt, or the cache turned off)."""
     if not is_enabled():
         return None
     try:
@@ -132,19 +132,25 @@ def read_costs(fingerprint: dict) -> list[float] | None:
         isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in steps
     ):
         return None
-    return [float(c) for c in steps]
+    acceptance = entry.get("acceptance")
+    if acceptance is not None and (isinstance(acceptance, bool) or not isinstance(acceptance, (int, float))
+                                   or not 0.0 <= acceptance <= 1.0):
+        return None
+    return [float(c) for c in steps], None if acceptance is None else float(acceptance)
 
 
-def write_costs(fingerprint: dict, steps: list[float] | tuple[float, ...]) -> bool:
-    """Keep the costs for this fingerprint (atomically); False when the cache directory cannot be written or
-    the cache is turned off."""
+def write_costs(
+    fingerprint: dict, steps: list[float] | tuple[float, ...], acceptance: float | None = None
+) -> bool:
+    """Keep the costs (and the acceptance measured with them) for this fingerprint (atomically); False when
+    the cache directory cannot be written or the cache is turned off."""
     if not is_enabled():
         return False
     target = _entry_path(fingerprint)
     try:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as tmp:
-            json.dump({"fingerprint": fingerprint, "step": list(steps)}, tmp, indent=1)
+            json.dump({"fingerprint": fingerprint, "step": list(steps), "acceptance": acceptance}, tmp, indent=1)
         os.replace(tmp.name, target)
     except OSError:
         with contextlib.suppress(OSError, NameError):

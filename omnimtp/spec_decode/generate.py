@@ -319,7 +319,8 @@ def calibrate_draft_costs(
 ) -> DraftCosts:
     """What a step drafting k = 0..max_draft_tokens tokens costs relative to a plain step, measured on
     this target, drafter and backend at this batch size and sampling: a few steps of this loop with each
-    fixed k on a fixed 16-token prompt (the faster of two runs). Measured once per model and key, then
+    fixed k on a fixed 16-token prompt (the median of three rounds), and the drafts' acceptance in those steps
+    (`DraftCosts.acceptance`, an auto run's prior). Measured once per model and key, then
     reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs (at the bucket of
     its batch size, `batch_buckets(B)[-1]`), and kept on disk for the next process
     (`omnimtp.spec_decode.cost_cache`)."""
@@ -330,13 +331,17 @@ def calibrate_draft_costs(
     device = target.get_output_embeddings().weight.device
     prompt = (torch.arange(16, device=device) * 7 + 3).remainder(vocab).expand(batch_size, -1)  # [B, 16]
 
-    def seconds_per_step(k: int) -> float:
+    def seconds_per_step(k: int) -> tuple[float, int, int]:
         with torch.inference_mode():
             out = _speculative_generate(
                 target, head, prompt, None, FixedDrafts(k), max_new_tokens=64, sampling=sampling, seed=0,
                 eos_token_id=[], target_backend=target_backend, max_steps=6,
             )
-        return out.stats.decode_time_s / max(out.stats.num_steps, 1)
+        stats = out.stats
+        if k == 0:
+            return stats.decode_time_s / max(stats.num_steps, 1), 0, 0
+        rejections = stats.num_row_steps - stats.accepted_per_position[k - 1]  # row-steps not wholly accepted
+        return stats.decode_time_s / max(stats.num_steps, 1), stats.num_accepted, stats.num_accepted + rejections
 
     key = (id(head), target_backend, sampling, batch_size, str(device))
     def fingerprint() -> dict:
