@@ -373,7 +373,7 @@ def test_a_thinker_cohort_that_shrinks_switches_k_and_keeps_its_tokens():
     assert spec.output_ids == plain
     early, late = (stats.draft_histogram for stats in spec.spec_stats)
     assert set(early) <= {0, 1}  # plain steps and probes only
-    assert 0 in late and max(late) >= 2  # more than a probe's one draft: alone, drafting paid
+    assert 0 in late and max(late) >= 2  # more than the one draft of a probe at two rows: alone, drafting paid
     assert spec.spec_stats[1].draft_costs_by_batch == shrinking.to_dict()
 
 

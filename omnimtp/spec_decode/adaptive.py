@@ -40,12 +40,15 @@ pays at its acceptance, at 16 rows as at one; with a fixed prior of 0.7 the omni
 ≈ 0.97 greedy) started its 16-row batches plain and its 96-token requests ended before the probes below had
 moved the estimate past break-even.
 
-No acceptance is observed while k = 0 wins; after a run of plain steps one step drafts a single token, a
-probe (a fixed schedule, not a random one), so a request whose text turns predictable again gets its
-drafts back. A probe costs c_1 and is expected to emit E_1 tokens a row, so it loses c_1 - E_1 plain steps;
-probes are spaced so that this loss stays near `probe_budget` (1 %) of the steps: `probe_interval` (4)
-plain steps apart where a probe costs nearly nothing, (c_1 - E_1) / probe_budget apart where it is dear
-(at 16 rows of the demo LM, c_1 ≈ 2.2 and E_1 ≈ 1.75: about 45 steps). A step that drafts because
+No acceptance is observed while k = 0 wins; after a run of plain steps one step drafts anyway, a probe (a
+fixed schedule, not a random one), so a request whose text turns predictable again gets its drafts back.
+A probe drafts the k with the best goodput among k >= 1 (on one row with cheap drafts often several
+tokens, so it observes more than one position); it costs c_k and is expected to emit E_k tokens a row, so
+it loses c_k - E_k plain steps, and probes are spaced so that this loss stays near `probe_budget` (1 %) of
+the steps: `probe_interval` (4) plain steps apart where a probe costs nearly nothing, (c_k - E_k) /
+probe_budget apart where it is dear (at 16 rows of the demo LM, c_1 ≈ 2.1 and E_1 ≈ 1.75: about 36 steps).
+Where the drafter has fallen behind by many plain steps a probe also costs its catch-up (the drafter
+reads every skipped slot), which this rule does not count. A step that drafts because
 drafting wins starts the count over. A plain step of a speculative run is the plain loop's own step (the
 drafter reads the slots it skipped with the next step that drafts), so falling back costs nothing but the
 probes.
@@ -189,7 +192,7 @@ class DraftController:
     one new verification in the moving average (0.05: about the last 20 verified drafts; sampled
     acceptance is noisy, and with 0.1 a short run of rejections sent well-drafting sampled requests to
     plain steps, slower than a fixed k); probe_interval: the fewest plain steps in a row before a
-    one-draft probe; probe_budget: the share of the steps the probes' expected loss may take (see the
+    probe; probe_budget: the share of the steps the probes' expected loss may take (see the
     module docstring)."""
 
     def __init__(self, costs: DraftCosts | DraftCostTable, num_rows: int, *, prior: float | None = None,
@@ -218,11 +221,13 @@ class DraftController:
         goodput = [tokens / cost for tokens, cost in zip(expected, costs.step, strict=True)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
         if k == 0:
-            # a probe's expected loss in plain steps: what its step costs beyond the tokens it is expected to
-            # emit (per row, as a plain step emits one); spaced so the probes spend about probe_budget
-            loss = max(costs.step[1] - expected[1] / len(rows), 0.0)
+            # a probe drafts the k that pays best among k >= 1; its expected loss in plain steps is what its
+            # step costs beyond the tokens it is expected to emit (per row, as a plain step emits one), and
+            # probes are spaced so that they spend about probe_budget of the steps
+            probe = max(range(1, len(goodput)), key=lambda i: (goodput[i], -i))
+            loss = max(costs.step[probe] - expected[probe] / len(rows), 0.0)
             if self.num_plain_in_a_row >= max(self.probe_interval, math.ceil(loss / self.probe_budget)):
-                k = 1
+                k = probe
         self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
         return k
 
