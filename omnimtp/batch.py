@@ -175,11 +175,8 @@ class PipelineSpeaker:
         self.limits = dict(max_new_tokens=max_new_tokens, max_frames=max_frames)
 
     def __call__(self, batch: dict) -> dict:
-        from omnimtp.sampling import SamplingParams
+        from omnimtp.sampling import QWEN3_OMNI_THINKER_SAMPLING as thinker_sampling
         from omnimtp.server.audio import encode_audio
-
-        # Qwen3-Omni's thinker defaults, the values `omnimtp speak --seed` samples with
-        thinker_sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
 
         rows = [json.loads(request) for request in batch["request"]]
         if not self.pipe.family.has_chat:

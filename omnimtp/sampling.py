@@ -61,6 +61,10 @@ class SamplingParams:
         return cls(temperature=0.0)
 
 
+# Qwen3-Omni's thinker defaults: what `omnimtp speak --seed` and `omnimtp batch` sample with, and what an
+# adaptive thinker's sampled draft costs are measured with.
+QWEN3_OMNI_THINKER_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+
 # Qwen3-Omni's code predictor samples with these (hard-coded in transformers and vllm-omni).
 QWEN3_OMNI_CODE_PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
 

@@ -118,9 +118,8 @@ def thinker_mtp_kwargs(args) -> dict:
 def _sampling(pipe, args) -> dict:
     if args.seed is None:
         return {}
-    from omnimtp.sampling import SamplingParams
+    from omnimtp.sampling import QWEN3_OMNI_THINKER_SAMPLING as thinker
 
-    thinker = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
     return dict(thinker_sampling=thinker, talker_sampling=pipe.family.sampled_talker(thinker), seed=args.seed)
 
 

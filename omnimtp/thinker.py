@@ -39,7 +39,7 @@ import torch
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.kv_cache import SavedSlot
-from omnimtp.sampling import SamplingParams, sample
+from omnimtp.sampling import QWEN3_OMNI_THINKER_SAMPLING, SamplingParams, sample
 from omnimtp.spec_decode.adaptive import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DraftCosts,
@@ -433,7 +433,9 @@ class ThinkerRun:
         return out.captured, logits, out.final
 
 
-CALIBRATION_SAMPLING = SamplingParams(temperature=1.0, top_p=0.95)  # what sampled runs' costs are measured with
+# what sampled runs' costs (and their prior acceptance) are measured with: the thinker's defaults, which most
+# sampled requests use (requests at higher temperatures accept fewer drafts than the prior assumes at first)
+CALIBRATION_SAMPLING = QWEN3_OMNI_THINKER_SAMPLING
 CALIBRATION_TOKENS = 48  # new tokens per row after which a calibration run is replaced by a fresh one
 
 

@@ -181,6 +181,13 @@ MUTATIONS = [
         "measured: a well-trained drafter's 16-row batches start plain and never get their drafts",
     ),
     Mutation(
+        "adaptive_probes_where_drafting_never_pays", "omnimtp/spec_decode/adaptive.py",
+        "        if k == 0 and self._drafting_pays_at_the_prior(costs):",
+        "        if k == 0:",
+        ADAPTIVE, "a batch whose drafts do not pay at the prior still probes: each probe pays the drafter's "
+        "catch-up over every skipped slot, and 16-row batches of the demo LM run slower than plain",
+    ),
+    Mutation(
         "adaptive_costs_of_the_whole_cohort", "omnimtp/spec_decode/adaptive.py",
         "costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)",
         "costs = self.costs.for_batch(len(active) if num_step_rows is None else num_step_rows)",

@@ -42,13 +42,17 @@ moved the estimate past break-even.
 
 No acceptance is observed while k = 0 wins; after a run of plain steps one step drafts anyway, a probe (a
 fixed schedule, not a random one), so a request whose text turns predictable again gets its drafts back.
+Probes run only at batch sizes where drafting pays at the prior. Where no k pays for a request with the
+prior's acceptance (the demo LM at 16 rows), a probe would mostly confirm that, and each one also pays
+the drafter's catch-up over every slot the plain steps skipped (at 16 rows, a few plain steps for a probe
+dozens of steps in), so such a batch takes plain steps only. (A gate that let probes run where drafting
+came within 10 % of paying at the prior was tried: calibration noise then let 16-row demo LM batches
+probe and draft, 0.86× plain.)
 A probe drafts the k with the best goodput among k >= 1 (on one row with cheap drafts often several
 tokens, so it observes more than one position); it costs c_k and is expected to emit E_k tokens a row, so
 it loses c_k - E_k plain steps, and probes are spaced so that this loss stays near `probe_budget` (1 %) of
 the steps: `probe_interval` (4) plain steps apart where a probe costs nearly nothing, (c_k - E_k) /
-probe_budget apart where it is dear (at 16 rows of the demo LM, c_1 ≈ 2.1 and E_1 ≈ 1.75: about 36 steps).
-Where the drafter has fallen behind by many plain steps a probe also costs its catch-up (the drafter
-reads every skipped slot), which this rule does not count. A step that drafts because
+probe_budget apart where it is dear. A step that drafts because
 drafting wins starts the count over. A plain step of a speculative run is the plain loop's own step (the
 drafter reads the slots it skipped with the next step that drafts), so falling back costs nothing but the
 probes.
@@ -203,6 +207,7 @@ class DraftController:
         self.probe_budget = probe_budget
         if prior is None:
             prior = self.costs.acceptance
+        self.prior = prior
         self.acceptance = [prior] * num_rows  # [B] α estimates
         self.num_plain_in_a_row = 0
 
@@ -220,7 +225,7 @@ class DraftController:
         expected = [sum(expected_tokens(a, k) for a in rows) for k in range(len(costs.step))]
         goodput = [tokens / cost for tokens, cost in zip(expected, costs.step, strict=True)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
-        if k == 0:
+        if k == 0 and self._drafting_pays_at_the_prior(costs):
             # a probe drafts the k that pays best among k >= 1; its expected loss in plain steps is what its
             # step costs beyond the tokens it is expected to emit (per row, as a plain step emits one), and
             # probes are spaced so that they spend about probe_budget of the steps
@@ -230,6 +235,11 @@ class DraftController:
                 k = probe
         self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
         return k
+
+    def _drafting_pays_at_the_prior(self, costs: DraftCosts) -> bool:
+        """Whether some k >= 1 beats a plain step for a request at the prior acceptance: where none does, a
+        typical request's drafts do not pay at this batch size and a probe would only confirm it."""
+        return any(expected_tokens(self.prior, k) > cost for k, cost in enumerate(costs.step) if k > 0)
 
     def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
         """After verifying num_drafted drafts per row: num_accepted[b] of row b's were accepted."""
