@@ -182,10 +182,17 @@ MUTATIONS = [
     ),
     Mutation(
         "adaptive_probes_where_drafting_never_pays", "omnimtp/spec_decode/adaptive.py",
-        "        if k == 0 and self._drafting_pays_at_the_prior(costs):",
-        "        if k == 0:",
+        "        if k > 0 or not self._drafting_pays_at_the_prior(costs):",
+        "        if k > 0:",
         ADAPTIVE, "a batch whose drafts do not pay at the prior still probes: each probe pays the drafter's "
         "catch-up over every skipped slot, and 16-row batches of the demo LM run slower than plain",
+    ),
+    Mutation(
+        "adaptive_decision_kept_after_the_estimates_move", "omnimtp/spec_decode/adaptive.py",
+        "        key = (tuple(rows), id(costs))",
+        "        key = (len(rows), id(costs))",
+        ADAPTIVE, "the k decided for a run of plain steps is kept after verifications moved the estimates: a "
+        "request whose drafts started paying again stays plain",
     ),
     Mutation(
         "adaptive_costs_of_the_whole_cohort", "omnimtp/spec_decode/adaptive.py",

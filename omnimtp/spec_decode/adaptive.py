@@ -210,6 +210,8 @@ class DraftController:
         self.prior = prior
         self.acceptance = [prior] * num_rows  # [B] α estimates
         self.num_plain_in_a_row = 0
+        self._decided_for: tuple | None = None  # (the active rows' estimates, the costs) `_decision` is for
+        self._decision = (0, 0, 0)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -222,19 +224,29 @@ class DraftController:
         if not rows:
             return 0
         costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)
+        key = (tuple(rows), id(costs))  # a run of plain steps changes no estimate: decided once for it
+        if key != self._decided_for:
+            self._decided_for, self._decision = key, self._decide(rows, costs)
+        k, probe, probe_spacing = self._decision
+        if k == 0 and probe and self.num_plain_in_a_row >= probe_spacing:
+            k = probe
+        self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
+        return k
+
+    def _decide(self, rows: list[float], costs: DraftCosts) -> tuple[int, int, int]:
+        """For the rows' estimates at these costs → (the k of best goodput, the k of a probe or 0 for none,
+        the plain steps in a row before a probe)."""
         expected = [sum(expected_tokens(a, k) for a in rows) for k in range(len(costs.step))]
         goodput = [tokens / cost for tokens, cost in zip(expected, costs.step, strict=True)]
         k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts
-        if k == 0 and self._drafting_pays_at_the_prior(costs):
-            # a probe drafts the k that pays best among k >= 1; its expected loss in plain steps is what its
-            # step costs beyond the tokens it is expected to emit (per row, as a plain step emits one), and
-            # probes are spaced so that they spend about probe_budget of the steps
-            probe = max(range(1, len(goodput)), key=lambda i: (goodput[i], -i))
-            loss = max(costs.step[probe] - expected[probe] / len(rows), 0.0)
-            if self.num_plain_in_a_row >= max(self.probe_interval, math.ceil(loss / self.probe_budget)):
-                k = probe
-        self.num_plain_in_a_row = self.num_plain_in_a_row + 1 if k == 0 else 0
-        return k
+        if k > 0 or not self._drafting_pays_at_the_prior(costs):
+            return k, 0, 0
+        # a probe drafts the k that pays best among k >= 1; its expected loss in plain steps is what its step
+        # costs beyond the tokens it is expected to emit (per row, as a plain step emits one), and probes are
+        # spaced so that they spend about probe_budget of the steps
+        probe = max(range(1, len(goodput)), key=lambda i: (goodput[i], -i))
+        loss = max(costs.step[probe] - expected[probe] / len(rows), 0.0)
+        return 0, probe, max(self.probe_interval, math.ceil(loss / self.probe_budget))
 
     def _drafting_pays_at_the_prior(self, costs: DraftCosts) -> bool:
         """Whether some k >= 1 beats a plain step for a request at the prior acceptance: where none does, a
