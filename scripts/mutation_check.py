@@ -195,6 +195,13 @@ MUTATIONS = [
         "request whose drafts started paying again stays plain",
     ),
     Mutation(
+        "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
+        "self.talker.num_text_rows(r.request_id) > 0 for r in thinking",
+        "self.talker.num_text_rows(r.request_id) >= 0 for r in thinking",
+        THINKER_SPEC, "while a first audio is due, a cohort skips its thinker step though its talker holds no reply "
+        "row: its audio stalls",
+    ),
+    Mutation(
         "adaptive_costs_of_the_whole_cohort", "omnimtp/spec_decode/adaptive.py",
         "costs = self.costs.for_batch(len(rows) if num_step_rows is None else num_step_rows)",
         "costs = self.costs.for_batch(len(active) if num_step_rows is None else num_step_rows)",

@@ -302,6 +302,70 @@ def test_seeded_sampled_requests_repeat_and_equal_themselves_alone(plain, checkp
     assert sum(o.spec_stats.num_accepted for o in batch) > 0
 
 
+@pytest.mark.parametrize("corrupt_rate, is_ahead", [(0.0, True), (1.0, False)])
+def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_for_first_audio(
+    plain, corrupt_rate, is_ahead
+):
+    """With exact drafts a speculative cohort's thinker runs ahead of its talker. While a newcomer waits for its
+    first audio the cohort takes no thinker step, and its frames keep coming from the reply rows its talker holds;
+    afterwards it goes on. With drafts always rejected it keeps pace with its talker and so keeps thinking. The
+    newcomer's first audio comes in its admission step, and every output is the one it gives alone."""
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+
+    pipe = _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=corrupt_rate), 3)
+
+    def request(request_id: str, text: str) -> Request:
+        ids, _ = pipe.family.chat_inputs([{"role": "user", "content": text}], pipe.media_limits)
+        return Request(request_id, ids, max_new_tokens=24, max_frames=MAX_FRAMES, speaker=pipe.family.default_speaker)
+
+    def alone(text: str):
+        core = EngineCore(pipe.family, pipe.config)
+        core.add(request("x", text))
+        while core.has_work():
+            for event in core.step():
+                if event.is_finished:
+                    return core.output(event.request)
+
+    core = EngineCore(pipe.family, pipe.config)
+    long = request("long", "Tell me a story")
+    core.add(long)
+    outputs = {}
+
+    def step() -> list:
+        events = list(core.step())
+        outputs.update({e.request.request_id: core.output(e.request) for e in events if e.is_finished})
+        return events
+
+    while not (long.audio and core._is_ahead(core.cohorts[0]) == is_ahead):
+        step()
+        assert core.cohorts and long.is_thinking, "the reply ended first"
+    cohort = core.cohorts[0]
+    thinker_steps = 0
+    run_step = cohort.run.step
+
+    def counted_step():
+        nonlocal thinker_steps
+        thinker_steps += 1
+        return run_step()
+
+    cohort.run.step = counted_step
+    newcomer = request("new", "Hi")
+    core.add(newcomer)
+    frames_before = len(long.frames)
+    admission_events = step()
+    assert any(e.audio is not None and e.request is newcomer for e in admission_events)
+    assert thinker_steps == (0 if is_ahead else 1) and len(long.frames) == frames_before + 1
+    while core.has_work():
+        step()
+    assert thinker_steps > 0, "the cohort went on thinking once the newcomer's audio had started"
+    for request_id, text in (("long", "Tell me a story"), ("new", "Hi")):
+        expected = alone(text)
+        assert outputs[request_id].text_ids == expected.text_ids
+        assert torch.equal(outputs[request_id].codes, expected.codes)
+        assert_audio_equal(outputs[request_id].audio, expected.audio)
+
+
 # -- server ---------------------------------------------------------------------------------------------
 
 

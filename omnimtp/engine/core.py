@@ -8,7 +8,9 @@
 
 One `step()` is one audio frame boundary:
 
-    think    one thinker step for every running cohort (requests admitted together share a run)
+    think    one thinker step for every running cohort (requests admitted together share a run); while a
+             request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
+             reply rows (ahead of their audio, as speculation gets) skip theirs
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
              speech request with no text ids yet is not admitted); chat requests form a new cohort that
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
@@ -258,7 +260,7 @@ class EngineCore:
         started = time.perf_counter()
         is_first_audio_due = self._is_first_audio_due()
         for cohort in self.cohorts:
-            if not (is_first_audio_due and cohort.is_background):
+            if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
                 yield from self._think(cohort)
         yield from self._start(self._admit(admit_background=not is_first_audio_due))
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
@@ -287,6 +289,15 @@ class EngineCore:
             waiting = [r for r in self.waiting if _has_text(r)] if is_slot_free else []
             return any(not r.is_background and r.has_speech and r.first_audio_at is None and not r.is_parked
                        for r in [*self.running.values(), *waiting])
+
+    def _is_ahead(self, cohort: _Cohort) -> bool:
+        """Whether every request the cohort still thinks for speaks and its talker holds a reply row it has not
+        consumed: this step's frames wait for none of the cohort's thinker steps, so while a first audio is
+        due the cohort may skip one (a speculative cohort gets ahead by its accepted drafts)."""
+        thinking = [r for r in cohort.requests if r.is_thinking]
+        return bool(thinking) and all(
+            r.has_speech and r.is_in_talker and self.talker.num_text_rows(r.request_id) > 0 for r in thinking
+        )
 
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""

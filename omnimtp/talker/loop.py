@@ -409,6 +409,10 @@ class TalkerBatch:
         """Whether the next step makes a frame for the request (it has its next text row, or needs none)."""
         return self.rows[self.request_ids.index(request_id)].is_ready
 
+    def num_text_rows(self, request_id: Hashable) -> int:
+        """The reply rows a request has that its frames have not consumed yet."""
+        return len(self.rows[self.request_ids.index(request_id)].text_rows)
+
     def step(self) -> list[TalkerFrame]:
         """One frame for every ready request."""
         ready = [i for i, row in enumerate(self.rows) if row.is_ready]
