@@ -20,7 +20,10 @@ a clean OpenAI-style error; both are counted. Two servers run the same load on t
   its step costs at start-up in this run: the on-disk cost cache is off unless --cached-costs.
 
 All servers run at once (idle ones wait on a condition) and the levels interleave — each concurrency
-level runs on every server before the next level — so slow drift of a shared machine hits all alike.
+level runs on every server before the next level — so slow drift of a shared machine hits all alike. With
+`--rounds R` each level runs R times in turn on every server, and each comparison is the median over rounds
+of the ratio within a round (its range next to it): a loaded server's TTFA p50 moves by tens of percent from
+run to run, more than the differences between servers.
 
 Target: TTFA p50 at concurrency 16 within 3× of concurrency 1 for ours.
 
@@ -31,7 +34,7 @@ event loop); plus the engine's mean iteration time by phase. The 1-minute load a
 (the machine may be shared: compare ratios within one run).
 
     python benchmarks/serve_load.py --out benchmarks/results/serve_load.json
-    python benchmarks/serve_load.py --demo --thinker-mtp auto 3 --skip-baseline --max-tokens 32
+    python benchmarks/serve_load.py --demo --thinker-mtp auto 3 --skip-baseline --max-tokens 32 --rounds 3
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -207,6 +212,8 @@ def main() -> None:
     parser.add_argument("--max-frames", type=int, default=25, help="audio frames per request (2 s)")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each level on every server, in turn (the comparisons: median over rounds)")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--previous-tree", metavar="DIR", help="also load the server of this checkout (before/after)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
@@ -225,6 +232,8 @@ def main() -> None:
                         help="seconds a server may take to report ready (its predictor warm-up included)")
     parser.add_argument("--out", default="benchmarks/results/serve_load.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.thinker_mtp and not args.demo:
         parser.error("--thinker-mtp needs --demo (the demo ships the MTP head)")
     if not args.cached_costs:
@@ -258,43 +267,52 @@ def main() -> None:
         }
         for url in urls.values():
             asyncio.run(run_level(url, 1, 1, args.max_tokens, prompt))  # warm-up
-        for concurrency in args.concurrency:
-            for name, url in urls.items():
-                level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens, prompt))
-                report["results"][name].append(level)
-                print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  "
-                      f"tokens/s {level['tokens_per_s']:.1f}  TTFA p50 "
-                      f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
-                      f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}  "
-                      f"load {level['load_average_1min']:.2f}", flush=True)
-                print(breakdown(level), flush=True)
+        for concurrency, round_index, (name, url) in itertools.product(
+            args.concurrency, range(args.rounds), urls.items()
+        ):
+            level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens, prompt))
+            level["round"] = round_index
+            report["results"][name].append(level)
+            print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  "
+                  f"tokens/s {level['tokens_per_s']:.1f}  TTFA p50 "
+                  f"{level['ttfa_p50_s']:.3f}s p95 {level['ttfa_p95_s']:.3f}s  RTF {level['rtf']:.3f}  "
+                  f"completed {level['completed']}/{level['requests']} clean errors {level['clean_errors']}  "
+                  f"load {level['load_average_1min']:.2f}", flush=True)
+            print(breakdown(level), flush=True)
 
-    ours = {level["concurrency"]: level for level in report["results"]["ours"]}
-    lo, hi = min(ours), max(ours)
-    ratio = ours[hi]["ttfa_p50_s"] / ours[lo]["ttfa_p50_s"]
-    report["ttfa_p50_ratio_max_vs_min_concurrency"] = ratio
-    print(f"ours: TTFA p50 at c={hi} / c={lo} = {ratio:.2f}x (target <= 3x)")
-    if "previous" in report["results"]:
-        previous = {level["concurrency"]: level for level in report["results"]["previous"]}
-        for c in sorted(ours):
-            print(f"c={c:3d}: ours/previous req/s {ours[c]['requests_per_s'] / previous[c]['requests_per_s']:.2f}x, "
-                  f"TTFA p50 {ours[c]['ttfa_p50_s']:.3f} vs {previous[c]['ttfa_p50_s']:.3f} s")
-    for k in args.thinker_mtp:
-        spec = {level["concurrency"]: level for level in report["results"][f"mtp_k{k}"]}
-        for c in sorted(ours):
-            print(f"c={c:3d}: mtp_k{k}/ours tokens/s {spec[c]['tokens_per_s'] / ours[c]['tokens_per_s']:.2f}x, "
-                  f"TTFA p50 {spec[c]['ttfa_p50_s']:.3f} vs {ours[c]['ttfa_p50_s']:.3f} s")
-    for num_replicas in args.replicas:
-        ray_levels = {level["concurrency"]: level for level in report["results"][f"ray_x{num_replicas}"]}
-        for c in sorted(ours):
-            print(f"c={c:3d}: ray_x{num_replicas}/ours req/s "
-                  f"{ray_levels[c]['requests_per_s'] / ours[c]['requests_per_s']:.2f}x, TTFA p50 "
-                  f"{ray_levels[c]['ttfa_p50_s']:.3f} vs {ours[c]['ttfa_p50_s']:.3f} s")
+    rounds = range(args.rounds)
+
+    def levels(name: str) -> dict[tuple[int, int], dict]:
+        return {(level["concurrency"], level["round"]): level for level in report["results"][name]}
+
+    def ratio(name: str, other: str, key: str, c: int) -> str:
+        """name's key ÷ other's, each round on its own: the median over rounds (the range when more than one)."""
+        mine, theirs = levels(name), levels(other)
+        values = sorted(mine[c, r][key] / theirs[c, r][key] for r in rounds)
+        median = statistics.median(values)
+        return f"{median:.2f}x" if len(values) == 1 else f"{median:.2f}x ({values[0]:.2f}-{values[-1]:.2f})"
+
+    def p50(name: str, c: int) -> str:
+        return f"{statistics.median(levels(name)[c, r]['ttfa_p50_s'] for r in rounds):.3f}"
+
+    concurrencies = sorted(set(args.concurrency))
+    lo, hi = concurrencies[0], concurrencies[-1]
+    ours = levels("ours")
+    report["ttfa_p50_ratio_max_vs_min_concurrency"] = statistics.median(
+        ours[hi, r]["ttfa_p50_s"] / ours[lo, r]["ttfa_p50_s"] for r in rounds
+    )
+    print(f"ours: TTFA p50 at c={hi} / c={lo} = {report['ttfa_p50_ratio_max_vs_min_concurrency']:.2f}x (target <= 3x)")
+    others = [("previous", "req/s", "requests_per_s")] if "previous" in report["results"] else []
+    others += [(f"mtp_k{k}", "tokens/s", "tokens_per_s") for k in args.thinker_mtp]
+    others += [(f"ray_x{n}", "req/s", "requests_per_s") for n in args.replicas]
+    for name, label, key in others:
+        for c in concurrencies:
+            print(f"c={c:3d}: {name}/ours {label} {ratio(name, 'ours', key, c)}, TTFA p50 "
+                  f"{ratio(name, 'ours', 'ttfa_p50_s', c)} ({p50(name, c)} vs {p50('ours', c)} s)")
     if "baseline_batch1" in report["results"]:
-        base = {level["concurrency"]: level for level in report["results"]["baseline_batch1"]}
-        for c in sorted(ours):
-            print(f"c={c:3d}: baseline/ours TTFA p50 {base[c]['ttfa_p50_s'] / ours[c]['ttfa_p50_s']:.2f}x, "
-                  f"ours/baseline req/s {ours[c]['requests_per_s'] / base[c]['requests_per_s']:.2f}x")
+        for c in concurrencies:
+            print(f"c={c:3d}: baseline/ours TTFA p50 {ratio('baseline_batch1', 'ours', 'ttfa_p50_s', c)}, "
+                  f"ours/baseline req/s {ratio('ours', 'baseline_batch1', 'requests_per_s', c)}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -120,7 +120,10 @@ class ThinkerRun:
     `spec_stats[i]` then counts request i's drafts and acceptances. prefill_block: prompts prefill in blocks
     of that many positions (None: each in one forward); prefixes[i]: a `PrefixRows` of that block size that
     request i may start from (`reused_rows[i]` says how many rows it took); keeps_prefix[i]: request i keeps
-    its prompt's whole blocks (`kept_prefixes[i]` after the first step)."""
+    its prompt's whole blocks (`kept_prefixes[i]` after the first step). plain_start_steps: a speculative
+    run's first steps after the prefill that draft nothing, whatever k or the controller would choose: a new
+    request's first reply rows, what its talker prefill and first frame wait for, come at a plain step's cost
+    (the engine takes its start steps plain); the same for every row, so a seeded row stays what it is alone."""
 
     def __init__(
         self,
@@ -138,8 +141,13 @@ class ThinkerRun:
         prefill_block: int | None = None,
         prefixes: list[PrefixRows | None] | None = None,
         keeps_prefix: list[bool] | None = None,
+        plain_start_steps: int = 0,
     ):
         batch_size = len(prompts)
+        if isinstance(plain_start_steps, bool) or not isinstance(plain_start_steps, int) or plain_start_steps < 0:
+            raise ValueError(f"plain_start_steps must be an integer >= 0, got {plain_start_steps!r}")
+        self.plain_start_steps = plain_start_steps
+        self.num_decode_steps = 0
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one non-empty prompt")
         if prefill_block is not None and (
@@ -214,7 +222,10 @@ class ThinkerRun:
         embed_tokens = self.thinker.get_input_embeddings()
         is_plain_spec_step = self.speculation is not None and not self._is_prefill
         if is_plain_spec_step:  # k for the rows this step runs: finished requests are not forwarded
-            k = self.controller.choose([reason is None for reason in self.finish_reasons])
+            self.num_decode_steps += 1
+            k = 0
+            if self.num_decode_steps > self.plain_start_steps:
+                k = self.controller.choose([reason is None for reason in self.finish_reasons])
             if k > 0:
                 return self._speculative_step(active, k)
             started = time.perf_counter()  # k = 0: the plain step below, recorded for the drafter after it

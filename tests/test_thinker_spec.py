@@ -130,7 +130,9 @@ def test_greedy_speculative_equals_plain(plain, checkpoint, reference, drafter, 
     for ours, expected in zip(outputs, reference, strict=True):
         _assert_same_speech(ours, expected)
         stats = ours.spec_stats
-        assert stats.num_draft_tokens == k and stats.num_drafted == k * stats.num_row_steps
+        plain_steps = stats.draft_histogram.get(0, 0)  # the engine's start steps draft nothing
+        assert plain_steps <= pipe.config.max_start_steps - 1 and set(stats.draft_histogram) <= {0, k}
+        assert stats.num_draft_tokens == k and stats.num_drafted == k * (stats.num_row_steps - plain_steps)
         assert stats.num_generated_tokens == len(ours.text_ids) - 1  # the prefill's token is not drafted
         assert 1.0 <= stats.mean_acceptance_length <= k + 1
         rates = stats.acceptance_per_position
@@ -300,6 +302,26 @@ def test_seeded_sampled_requests_repeat_and_equal_themselves_alone(plain, checkp
             assert other.text_ids == batch[i].text_ids and torch.equal(other.codes, batch[i].codes)
             assert_audio_equal(other.audio, batch[i].audio)
     assert sum(o.spec_stats.num_accepted for o in batch) > 0
+
+
+def test_a_runs_plain_start_steps_draft_nothing_then_it_drafts(plain):
+    """plain_start_steps=2: after the prefill two steps give one token a row; with exact drafts the next gives
+    k + 1. The text is plain greedy's either way (and the engine's start steps are such plain steps)."""
+    family = _spec_pipe(plain, RecomputingDraft(plain.model.thinker), 3).family
+    prompts = [plain.family.chat_inputs([{"role": "user", "content": p}], plain.media_limits)[0] for p in PROMPTS]
+    run = family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=2)
+    counts = []
+    while not run.is_finished:
+        run.step()
+        counts.append([len(ids) for ids in run.output_ids])
+    assert counts[:3] == [[1, 1], [2, 2], [3, 3]] and counts[3] == [7, 7]
+    expected = plain.family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS)
+    while not expected.is_finished:
+        expected.step()
+    assert run.output_ids == expected.output_ids
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="plain_start_steps"):
+            family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=bad)
 
 
 @pytest.mark.parametrize("corrupt_rate, is_ahead", [(0.0, True), (1.0, False)])

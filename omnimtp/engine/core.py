@@ -63,8 +63,11 @@ class EngineConfig:
     texts with the family's `speech_segments`).
     first_chunk_frames, chunk_frames: streamed audio goes out after first_chunk_frames frames (fast first
     audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
-    admitted cohort takes in its first step (its prefill counts as one). max_decode_frames: frames of
-    later (not first) chunks decoded per step, though always the oldest chunk (None: every due chunk).
+    admitted cohort takes in its first step (its prefill counts as one); a speculative cohort's first
+    max_start_steps − 1 steps after its prefill draft nothing, so its first audio comes as fast as a plain
+    cohort's (the talker takes one reply row a frame: drafting ahead of it then buys nothing).
+    max_decode_frames: frames of later (not first) chunks decoded per step, though always the oldest chunk
+    (None: every due chunk).
     max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
     prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
@@ -353,6 +356,7 @@ class EngineCore:
             prefill_block=self.config.prefill_block,
             prefixes=[None if r.cache_key is None else self.prefix_cache.get(r.cache_key) for r in chats],
             keeps_prefix=[r.cache_key is not None and self.prefix_cache.max_bytes > 0 for r in chats],
+            plain_start_steps=self.config.max_start_steps - 1,
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
