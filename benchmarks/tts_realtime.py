@@ -18,7 +18,7 @@ in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, 
 - time to the first streamed audio chunk (batch 1), the RSS once loaded and the process's peak RSS.
 
 Then the reference `qwen_tts` (fp32, its generate + its speech tokenizer's decode) on the same checkpoint,
-batch 1 and 8, in its own process. `--profile` adds one `torch.profiler` op table of fp32 batch-1 frames (the
+batch 1 and 8, in its own process. `--profile` adds a `torch.profiler` op table of each mode's batch-1 frames (the
 top ops by self CPU time, the number of ops per frame, and the time not seen by the profiler: omnimtp's C
 kernels are called through ctypes and do not show up as ops).
 
@@ -332,7 +332,7 @@ def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads:
     next(stream)
     result["ttfa_s"] = time.perf_counter() - started
     stream.close()
-    if profile and mode == "fp32":
+    if profile:
         result["profile"] = timed_batch(pipe, 1, frames, profile=True)["profile"]
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
@@ -422,7 +422,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--frames", type=int, default=None, help="frames per request (default 12; --quick 3)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--profile", action="store_true", help="a torch.profiler op table of fp32 batch-1 frames")
+    parser.add_argument("--profile", action="store_true", help="a torch.profiler op table of each mode's batch 1")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")

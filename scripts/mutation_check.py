@@ -974,8 +974,8 @@ MUTATIONS = [
     # --- transcription ---------------------------------------------------------------------------------
     Mutation(
         "background_thinks_before_first_audio", "omnimtp/engine/core.py",
-        "            if not (is_first_audio_due and cohort.is_background):",
-        "            if True:",
+        "            if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):",
+        "            if not (is_first_audio_due and self._is_ahead(cohort)):",
         TRANSCRIPTION, "a background transcript thinks while a response still waits for its first audio",
     ),
     Mutation(

@@ -195,6 +195,12 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
  *         8w..8w+7, input 8w + j in bits 4j..4j+3, so a shift and a mask give 16 columns' weights with no
  *         shuffle; one scale per column and group of `group` inputs: W[n, k] = scale[k / group][n] * q[n, k];
  *         each group's partial sum is scaled into the output.
+ * int4 without shifts: nibble j of a word is masked in place (bits 4j..4j+3, so q * 16^j; nibble 7 is first
+ * moved to bits 24..27, q * 16^6) and converted to float exactly, and is multiplied by x[m, k] * 16^-e
+ * (e = min(j, 6); `xs`, x scaled once per call; exact for |x| > 2^-102): the product is q * x[m, k], bit
+ * for bit. The + 8 of the stored nibbles comes off once per group: sum_k x q - 8 sum_k x (`xsum`, the
+ * group's inputs summed in k order). Two and-convert-FMA per input instead of shift, mask, subtract,
+ * convert and FMA: the int4 kernel is bound by those operations, not by memory.
  * A panel is a few KiB, so pairs of rows (QROWS) re-read it from cache: the weights stream from memory once
  * per call. Each column sums in the same order in both builds (two accumulators for alternate inputs, added
  * at the end (int8) or per group (int4), then scaled), so they give the same values, and rows are
@@ -204,19 +210,21 @@ int omnimtp_small_batch_linear(const float* x, const float* packed, float* y, in
 #define QSETS 2 /* accumulator sets for alternate inputs (hiding the FMA latency) */
 
 /* The inputs k0..k0+group-1 of an int4 group: LOAD (statements) loads the word(s) holding input k, then a word
- * of 8 inputs at a time where a whole word lies in the group (the shifts constants after unrolling), else one
- * input (a group that starts or ends inside a word); INT4_INPUT is the build's step for one input. */
+ * of 8 inputs at a time where a whole word lies in the group (the nibble indices constants after unrolling),
+ * else one input (a group that starts or ends inside a word); INT4_INPUT is the build's step for one input. */
 #define INT4_GROUP_INPUTS(R, S, ...)                                                                   \
   for (int64_t k = k0; k < k0 + group;) {                                                             \
     __VA_ARGS__                                                                                       \
     if ((k & 7) == 0 && k + 8 <= k0 + group && ((k - k0) & 1) == 0) {                                 \
-      for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, 4 * j);                              \
+      for (int j = 0; j < 8; ++j) INT4_INPUT(R, S, k + j, j & 1, j);                                  \
       k += 8;                                                                                         \
     } else {                                                                                          \
-      INT4_INPUT(R, S, k, (int)((k - k0) & 1), 4 * (int)(k & 7));                                     \
+      INT4_INPUT(R, S, k, (int)((k - k0) & 1), (int)(k & 7));                                         \
       k += 1;                                                                                         \
     }                                                                                                 \
   }
+
+#define INT4_NIBBLE_MASK(j) (0xF << (4 * ((j) < 6 ? (j) : 6))) /* where nibble j is read: bits 4e..4e+3 */
 
 #ifdef __AVX512F__
 #define QSTREAMS 4
@@ -225,9 +233,9 @@ static inline __m512 int8_row(const int8_t* w) { /* 16 int8 weights → 16 float
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
 }
 
-static inline __m512 int4_lanes(__m512i words, __m512i shift) { /* nibble `shift / 4` of 16 words, minus 8 */
-  const __m512i nibble = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(_mm512_srlv_epi32(words, shift), nibble), eight));
+static inline __m512 int4_lanes(__m512i words, int j) { /* nibble j of 16 words (q + 8) times 16^min(j, 6) */
+  const __m512i w = j == 7 ? _mm512_srli_epi32(words, 4) : words;
+  return _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(INT4_NIBBLE_MASK(j))));
 }
 
 /* R rows (a compile-time count: the accumulators stay in registers) over S consecutive panels (S streams in
@@ -261,23 +269,22 @@ static inline __m512 int4_lanes(__m512i words, __m512i shift) { /* nibble `shift
     }                                                                                                 \
   }
 
-/* Input kj of every stream's word into accumulator set p: nibble shift / 4 of each word times x[m, kj]. */
-#define INT4_INPUT(R, S, kj, p, shift)                                                                 \
+/* Input kj (nibble j of its word) of every stream's word into accumulator set p: (q + 8) * x[m, kj]. */
+#define INT4_INPUT(R, S, kj, p, j)                                                                     \
   do {                                                                                                \
-    const __m512i count = _mm512_set1_epi32(shift);                                                   \
     __m512 v[S];                                                                                      \
-    for (int s = 0; s < S; ++s) v[s] = int4_lanes(word[s], count);                                    \
+    for (int s = 0; s < S; ++s) v[s] = int4_lanes(word[s], j);                                        \
     for (int m = 0; m < R; ++m) {                                                                     \
-      const __m512 b = _mm512_set1_ps(x[m * K + (kj)]);                                               \
+      const __m512 b = _mm512_set1_ps(xs[m * K + (kj)]);                                              \
       for (int s = 0; s < S; ++s) part[p][s][m] = _mm512_fmadd_ps(v[s], b, part[p][s][m]);            \
     }                                                                                                 \
   } while (0)
 
-/* A group's inputs a word of 8 at a time (the shifts constants after unrolling, one load per word and stream)
+/* A group's inputs a word of 8 at a time (the nibble indices constants after unrolling, one load per word and stream)
  * where a whole word lies in it, one input at a time elsewhere (a group that does not start or end on a word). */
 #define INT4_FN(R, S)                                                                                  \
-  static void int4_##R##_##S(const float* x, const int32_t* w, const float* scales, float* y, int64_t K, \
-                             int64_t N, int64_t col, int64_t group) {                                 \
+  static void int4_##R##_##S(const float* xs, const float* xsum, const int32_t* w, const float* scales, \
+                             float* y, int64_t K, int64_t N, int64_t col, int64_t group) {            \
     const int64_t groups = K / group, words = (K + 7) / 8;                                            \
     __m512 acc[S][R];                                                                                 \
     for (int s = 0; s < S; ++s)                                                                       \
@@ -298,6 +305,7 @@ static inline __m512 int4_lanes(__m512i words, __m512i shift) { /* nibble `shift
         for (int m = 0; m < R; ++m) {                                                                 \
           __m512 sum = part[0][s][m];                                                                 \
           for (int p = 1; p < QSETS; ++p) sum = _mm512_add_ps(sum, part[p][s][m]);                    \
+          sum = _mm512_sub_ps(sum, _mm512_set1_ps(8.0f * xsum[m * groups + k0 / group]));             \
           acc[s][m] = _mm512_fmadd_ps(sum, sc, acc[s][m]);                                            \
         }                                                                                             \
       }                                                                                               \
@@ -342,25 +350,25 @@ INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 2) /* two rows over 4 strea
     }                                                                                                 \
   }
 
-static inline __m256 int4_lanes(__m256i words, __m256i shift) { /* nibble `shift / 4` of 8 words, minus 8 */
-  const __m256i nibble = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
-  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srlv_epi32(words, shift), nibble), eight));
+static inline __m256 int4_lanes(__m256i words, int j) { /* nibble j of 8 words (q + 8) times 16^min(j, 6) */
+  const __m256i w = j == 7 ? _mm256_srli_epi32(words, 4) : words;
+  return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(INT4_NIBBLE_MASK(j))));
 }
 
-#define INT4_INPUT(R, S, kj, p, shift)                                                                 \
+#define INT4_INPUT(R, S, kj, p, j)                                                                     \
   do {                                                                                                \
-    const __m256i count = _mm256_set1_epi32(shift);                                                   \
-    const __m256 v_lo = int4_lanes(word_lo, count), v_hi = int4_lanes(word_hi, count);                \
+    const __m256 v_lo = int4_lanes(word_lo, j), v_hi = int4_lanes(word_hi, j);                        \
     for (int m = 0; m < R; ++m) {                                                                     \
-      const __m256 b = _mm256_broadcast_ss(x + m * K + (kj));                                         \
+      const __m256 b = _mm256_broadcast_ss(xs + m * K + (kj));                                        \
       p_lo[p][m] = _mm256_fmadd_ps(v_lo, b, p_lo[p][m]);                                              \
       p_hi[p][m] = _mm256_fmadd_ps(v_hi, b, p_hi[p][m]);                                              \
     }                                                                                                 \
   } while (0)
 
 #define INT4_FN(R, S)                                                                                  \
-  static void int4_##R##_##S(const float* x, const int32_t* w, const float* scales, float* y, int64_t K, \
-                             int64_t N, int64_t col, int64_t group) {                                 \
+  static void int4_##R##_##S(const float* xs, const float* xsum, const int32_t* w, const float* scales, \
+                             float* y, int64_t K, int64_t N, int64_t col, int64_t group) {            \
+    const int64_t groups = K / group;                                                                 \
     __m256 lo[R], hi[R];                                                                              \
     for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm256_setzero_ps();                                  \
     for (int64_t k0 = 0; k0 < K; k0 += group) {                                                       \
@@ -376,6 +384,8 @@ static inline __m256 int4_lanes(__m256i words, __m256i shift) { /* nibble `shift
       for (int m = 0; m < R; ++m) {                                                                   \
         __m256 l = p_lo[0][m], h = p_hi[0][m];                                                        \
         for (int p = 1; p < QSETS; ++p) l = _mm256_add_ps(l, p_lo[p][m]), h = _mm256_add_ps(h, p_hi[p][m]); \
+        const __m256 bias = _mm256_set1_ps(8.0f * xsum[m * groups + k0 / group]);                    \
+        l = _mm256_sub_ps(l, bias), h = _mm256_sub_ps(h, bias);                                       \
         lo[m] = _mm256_fmadd_ps(l, s_lo, lo[m]);                                                      \
         hi[m] = _mm256_fmadd_ps(h, s_hi, hi[m]);                                                      \
       }                                                                                               \
@@ -388,12 +398,13 @@ INT4_FN(1, 1) INT4_FN(2, 1)
 #endif
 
 /* Panels first..first+count-1 (count is QSTREAMS, or 1 at the end of a matrix) for every row, in row pairs. */
-static void quantized_panels(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
-                             int64_t N, int bits, int64_t group, int64_t first, int64_t count) {
+static void quantized_panels(const float* x, const float* xsum, const void* packed, const float* scales, float* y,
+                             int64_t M, int64_t K, int64_t N, int bits, int64_t group, int64_t first, int64_t count) {
   const int64_t col = first * PANEL;
   for (int64_t m0 = 0; m0 < M; m0 += QROWS) {
     const int64_t r = M - m0 < QROWS ? M - m0 : QROWS;
     const float* xm = x + m0 * K;
+    const float* xg = bits == 4 ? xsum + m0 * (K / group) : NULL;
     float* ym = y + m0 * N;
     if (bits == 8) {
       const int8_t* w = (const int8_t*)packed + first * K * PANEL;
@@ -416,10 +427,10 @@ static void quantized_panels(const float* x, const void* packed, const float* sc
 #if QSTREAMS > 1
       if (count == QSTREAMS) {
         if (r == 1) {
-          int4_1_4(xm, w, s, ym, K, N, col, group);
+          int4_1_4(xm, xg, w, s, ym, K, N, col, group);
         } else {
-          int4_2_2(xm, w, s, ym, K, N, col, group);
-          int4_2_2(xm, w + 2 * words * PANEL, s + 2 * (K / group) * PANEL, ym, K, N, col + 2 * PANEL, group);
+          int4_2_2(xm, xg, w, s, ym, K, N, col, group);
+          int4_2_2(xm, xg, w + 2 * words * PANEL, s + 2 * (K / group) * PANEL, ym, K, N, col + 2 * PANEL, group);
         }
         continue;
       }
@@ -427,8 +438,8 @@ static void quantized_panels(const float* x, const void* packed, const float* sc
       for (int64_t c = 0; c < count; ++c) {
         const int32_t* wc = w + c * words * PANEL;
         const float* sc = s + c * (K / group) * PANEL;
-        if (r == 1) int4_1_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
-        else int4_2_1(xm, wc, sc, ym, K, N, col + c * PANEL, group);
+        if (r == 1) int4_1_1(xm, xg, wc, sc, ym, K, N, col + c * PANEL, group);
+        else int4_2_1(xm, xg, wc, sc, ym, K, N, col + c * PANEL, group);
       }
     }
   }
@@ -436,16 +447,40 @@ static void quantized_panels(const float* x, const void* packed, const float* sc
 
 /* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][ceil(K/8)][16] words, scales
  * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Groups of QSTREAMS panels
- * are split over the threads. Returns 0. */
+ * are split over the threads. Returns 0, or -1 when out of memory. */
 int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
                              int64_t N, int bits, int64_t group, int num_threads) {
   const int64_t panels = (N + PANEL - 1) / PANEL;
   const int64_t groups = (panels + QSTREAMS - 1) / QSTREAMS;
+  float *xs = NULL, *xsum = NULL;
+  if (bits == 4) { /* x[m, k] * 16^-min(k % 8, 6), and each group's inputs summed in k order */
+    static const float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-24f};
+    const int64_t num_groups = K / group;
+    xs = (float*)malloc(sizeof(float) * (size_t)(M * K));
+    xsum = (float*)malloc(sizeof(float) * (size_t)(M * num_groups));
+    if (!xs || !xsum) {
+      free(xs);
+      free(xsum);
+      return -1;
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < num_groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          sum += x[m * K + k];
+          xs[m * K + k] = x[m * K + k] * kNibbleScale[k & 7];
+        }
+        xsum[m * num_groups + g] = sum;
+      }
+    x = xs;
+  }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && groups > 1)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * QSTREAMS;
     const int64_t count = panels - first < QSTREAMS ? panels - first : QSTREAMS;
-    quantized_panels(x, packed, scales, y, M, K, N, bits, group, first, count);
+    quantized_panels(x, xsum, packed, scales, y, M, K, N, bits, group, first, count);
   }
+  free(xs);
+  free(xsum);
   return 0;
 }

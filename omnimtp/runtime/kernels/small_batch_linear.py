@@ -296,10 +296,12 @@ def _run_quantized(x, packed, scales, out_features: int, group_size: int) -> tor
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and out_features:
-        lib.omnimtp_quantized_linear(
+        status = lib.omnimtp_quantized_linear(
             x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
             4 if group_size else 8, group_size, torch.get_num_threads(),
         )
+        if status != 0:
+            raise MemoryError("quantized_linear: out of memory")
     return out
 
 
