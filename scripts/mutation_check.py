@@ -195,6 +195,13 @@ MUTATIONS = [
         "request whose drafts started paying again stays plain",
     ),
     Mutation(
+        "transposed_conv_matmul_overlap_added_the_wrong_way", "omnimtp/codec/speech_tokenizer.py",
+        "            out[:, j:] += taps[:, : length - j, :, j]",
+        "            out[:, : length - j] += taps[:, j:, :, j]",
+        SPEECH_TOKENIZER, "a large transposed convolution's matmul form adds each tap block to the output block "
+        "before its input instead of after: the 0.6B decoder's audio is wrong",
+    ),
+    Mutation(
         "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
         "self.talker.num_text_rows(r.request_id) > 0 for r in thinking",
         "self.talker.num_text_rows(r.request_id) >= 0 for r in thinking",

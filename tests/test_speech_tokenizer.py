@@ -12,7 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, real_size_config, tiny_speech_tokenizer
+from omnimtp.codec.speech_tokenizer import (
+    CausalTransConv,
+    SpeechTokenizerDecoder,
+    real_size_config,
+    tiny_speech_tokenizer,
+)
 from omnimtp.codec.streaming import conv_receptive_field_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -195,6 +200,31 @@ def test_batched_streams_equal_single_streams_bit_for_bit(decoder):
     for k in range(len(codes)):
         single = np.concatenate(_stream(decoder, codes[k], bounds[k]))
         assert_audio_equal(np.concatenate([chunks[k] for chunks in steps]), single)
+
+
+def test_transposed_convolutions_as_matmuls_keep_every_guarantee(decoder, saved, monkeypatch):
+    """The matmul form a released-width decoder's large transposed convolutions run in (the tiny ones run as
+    convolutions), forced on every layer: each layer equals its convolution within float rounding and runs no
+    convolution, and the decoder still equals the reference, joins its streamed chunks into the one-shot
+    decode, and gives a batched stream bit for bit what it gives alone."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
+
+    layers = [m for m in decoder.modules() if isinstance(m, CausalTransConv)]
+    assert len(layers) >= 4 and all(m.conv.weight.numel() < CausalTransConv.MATMUL_MIN_WEIGHTS for m in layers)
+    assert {m.conv.kernel_size[0] // m.conv.stride[0] for m in layers} == {1, 2}  # the upsamplers; the blocks
+    monkeypatch.setattr(CausalTransConv, "MATMUL_MIN_WEIGHTS", 0)
+    generator = torch.Generator().manual_seed(3)
+    for layer in layers:
+        x = torch.randn(2, layer.conv.in_channels, 7, generator=generator)
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            ours = layer(x)
+        expected = Qwen3OmniMoeCausalTransConvNet.forward(layer, x)
+        assert not any("conv" in event.key for event in profile.key_averages())
+        assert ours.shape == expected.shape == (2, layer.conv.out_channels, 7 * layer.conv.stride[0])
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    test_decode_equals_the_reference_on_our_saved_weights(decoder, saved)
+    test_streamed_chunks_join_into_the_one_shot_decode(decoder)
+    test_batched_streams_equal_single_streams_bit_for_bit(decoder)
 
 
 def test_decode_leaves_the_callers_codes_alone(decoder):
