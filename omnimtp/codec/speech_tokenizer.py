@@ -111,7 +111,8 @@ class CausalTransConv(Qwen3OmniMoeCausalTransConvNet):
     # weights from which the matmul form runs. Measured at 2 threads on a 2-core AVX2 EPYC, one request: the
     # 0.6B decoder's 1536 → 768 kernel-16 block (18.9 M weights) took 15–90 ms a call as a convolution for
     # inputs of 2 to 48 steps (oneDNN, or torch's reference path for some lengths) and 6–21 ms as a matmul;
-    # its 2.9 M-weight 768 → 384 block was about even, the smaller ones faster as convolutions.
+    # its 2.9 M-weight 768 → 384 block was about even, the smaller ones faster as convolutions. The whole
+    # streamed decoder gains less: 0.99–1.12x (`benchmarks/speech_decoder.py`).
     MATMUL_MIN_WEIGHTS = 8_000_000
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
