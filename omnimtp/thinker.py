@@ -146,8 +146,7 @@ class ThinkerRun:
         batch_size = len(prompts)
         if isinstance(plain_start_steps, bool) or not isinstance(plain_start_steps, int) or plain_start_steps < 0:
             raise ValueError(f"plain_start_steps must be an integer >= 0, got {plain_start_steps!r}")
-        self.plain_start_steps = plain_start_steps
-        self.num_decode_steps = 0
+        self._plain_steps_left = plain_start_steps
         if batch_size == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one non-empty prompt")
         if prefill_block is not None and (
@@ -222,9 +221,10 @@ class ThinkerRun:
         embed_tokens = self.thinker.get_input_embeddings()
         is_plain_spec_step = self.speculation is not None and not self._is_prefill
         if is_plain_spec_step:  # k for the rows this step runs: finished requests are not forwarded
-            self.num_decode_steps += 1
             k = 0
-            if self.num_decode_steps > self.plain_start_steps:
+            if self._plain_steps_left:
+                self._plain_steps_left -= 1
+            else:
                 k = self.controller.choose([reason is None for reason in self.finish_reasons])
             if k > 0:
                 return self._speculative_step(active, k)
