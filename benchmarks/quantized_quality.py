@@ -13,7 +13,12 @@ the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
   and caches): under teacher forcing on `--tts-frames` frames of seeded random codes (each input row the sum
   of the frame's 16 code embeddings and the text pad row, the talker's input once the text is spoken), the
   codec head logits' relative error (‖Δ‖ / ‖fp32‖ over all rows) and the codebook-0 top-1 agreement
-  (argmax over the 2048 code ids) with fp32.
+  (argmax over the 2048 code ids) with fp32;
+- its code predictor, on the same frames: each frame's [talker state, the embeddings of codes 0..14] teacher
+  forced, the 15 residual heads' logits as the engine runs them quantized (layers in the mode, heads in int8:
+  `PredictorWeights.quantized`), and with the heads in the mode too, against fp32: relative error and top-1
+  agreement over the 15 codebooks (attention through SDPA, which takes the teacher-forced causal mask; the
+  engine's own fp32 attention gives the same values up to rounding).
 
 Everything runs on omnimtp's packed decoder (the engine's forward), fp32 against `PackedDecoder.quantized`.
 
@@ -35,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
-from omnimtp.runtime.ops import QUANTIZE_MODES
+from omnimtp.runtime.ops import QUANTIZE_MODES, linear, quantize_weight
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -143,6 +148,55 @@ def tts_talker(path: str, modes, num_frames: int) -> dict:
     return result
 
 
+def tts_code_predictor(path: str, modes, num_frames: int) -> dict:
+    """The code predictor's 15 residual heads under teacher forcing, quantized vs fp32 (module docstring)."""
+    from dataclasses import replace
+
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.talker.code_predictor import _project, pack_predictor_weights
+
+    family = Qwen3TTSFamily.from_pretrained(path)
+    talker, cp = family.talker, family.talker.code_predictor
+    groups, codebook_size = cp.config.num_code_groups, cp.config.vocab_size
+    codes = torch.randint(0, codebook_size, (num_frames, groups), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rows = talker.model.codec_embedding(codes[:, 0]) + family.tts_pad_embed  # [T, H]
+        embeds = [talker.model.codec_embedding(codes[:, 0])]
+        for g in range(1, groups):
+            rows = rows + cp.model.codec_embedding[g - 1](codes[:, g])
+            embeds.append(cp.model.codec_embedding[g - 1](codes[:, g]))
+        talker_states = final_states(family.talker_decoder, rows)  # [T, H]
+        inputs = torch.stack([talker_states, *embeds[: groups - 1]], dim=1)  # [T, G, H]: h, E0(c0)..E14(c14)
+        weights = pack_predictor_weights(cp, torch.float32)
+        weights = replace(weights, decoder=replace(weights.decoder, fp32_attention=False))
+
+        def head_logits(decoder, heads) -> torch.Tensor:  # heads: G-1 (weight, packed) → [T, G-1, V]
+            frames = []
+            for frame in inputs:
+                states = final_states(decoder, _project(weights, frame[None])[0])  # [G, H]: position j+1 → head j
+                frames.append(torch.stack([linear(states[j + 1], *head) for j, head in enumerate(heads)]))
+            return torch.stack(frames)
+
+        float_heads = [(head, None, None) for head in weights.lm_heads.unbind(0)]
+        reference = head_logits(weights.decoder, float_heads)
+        result = {"model": f"Qwen3-TTS code predictor at {path}", "frames": num_frames, "codebooks": groups - 1,
+                  "vocab_size": codebook_size, "num_layers": len(weights.decoder.layers)}
+        for mode in modes:
+            quantized = replace(weights.quantized(mode), decoder=replace(
+                weights.quantized(mode).decoder, fp32_attention=False))
+            variants = {"heads_int8": [(None, None, head) for head in quantized.quantized_lm_heads]}
+            if mode != "int8":
+                variants[f"heads_{mode}"] = [(None, None, quantize_weight(h, mode)) for h in weights.lm_heads.unbind(0)]
+            result[mode] = {}
+            for name, heads in variants.items():
+                got = head_logits(quantized.decoder, heads)
+                result[mode][name] = {
+                    "logits_relative_error": ((got - reference).norm() / reference.norm()).item(),
+                    "top1_agreement": (got.argmax(-1) == reference.argmax(-1)).float().mean().item(),
+                }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 prompts, 8 tokens, the tiny TTS (a check it runs)")
@@ -189,6 +243,13 @@ def main() -> None:
             e = entry[mode]
             print(f"  {mode}: logits relative error {e['logits_relative_error']:.4f}, codebook-0 top-1 agreement "
                   f"{100 * e['codebook0_top1_agreement']:.1f}%")
+        entry = results["tts_code_predictor"] = tts_code_predictor(path, args.modes, args.tts_frames)
+        print(f"{entry['model']} ({entry['num_layers']} layers), {entry['frames']} teacher-forced frames, "
+              f"{entry['codebooks']} residual codebooks:")
+        for mode in args.modes:
+            for name, e in entry[mode].items():
+                print(f"  {mode} layers, {name.replace('_', ' ')}: logits relative error "
+                      f"{e['logits_relative_error']:.4f}, top-1 agreement {100 * e['top1_agreement']:.1f}%")
     results["total_s"] = time.perf_counter() - started
     print(f"total {results['total_s']:.0f} s")
     if args.out:

@@ -14,7 +14,8 @@ in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, 
   timing (`EngineCore(observer=...)`; the code predictor's share is its runner's `run` calls);
 - each part's floor: max(bytes it reads ÷ bandwidth, its FLOPs ÷ the matmul peak), where the bytes are the
   packed weights the engine really holds (quantized ones as stored) and the decoder's FLOPs are counted by
-  torch's FLOP counter on the decoder itself;
+  torch's FLOP counter on the decoder itself, and the RTF those floors sum to (every part at its floor and
+  nothing else: the best this machine allows);
 - time to the first streamed audio chunk (batch 1), the RSS once loaded and the process's peak RSS.
 
 Then the reference `qwen_tts` (fp32, its generate + its speech tokenizer's decode) on the same checkpoint,
@@ -167,10 +168,13 @@ def _matrix_bytes(matrix) -> int:
 
 
 def _matrix_macs(matrix) -> int:
-    """Multiply-adds of one row through this weight ([N, K]; a quantized one's packed is [., K, .])."""
+    """Multiply-adds of one row through this weight ([N, K]; a quantized one's K: int8 packs [., K, 16], int4
+    [., K / 8, 16] words with a scale per group of inputs)."""
     if isinstance(matrix, torch.Tensor):
         return matrix.numel()
-    return matrix.out_features * matrix.packed.shape[1]
+    if matrix.group_size is None:
+        return matrix.out_features * matrix.packed.shape[1]
+    return matrix.out_features * matrix.scales.shape[1] * matrix.group_size
 
 
 def decoder_read(decoder) -> tuple[int, int]:
@@ -195,11 +199,12 @@ def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: f
     talker_macs += head.numel()
     runner = family.predictor(pipe.config.max_batch_size)
     step_bytes, step_macs = decoder_read(runner.weights.decoder)
-    lm_head = runner.weights.lm_heads[0]
+    heads = runner.weights.quantized_lm_heads
+    lm_head = runner.weights.lm_heads[0] if heads is None else heads[0]  # as the runner reads it
     num_steps = runner.num_code_groups - 1
     # one forward a step, reading every matrix once; the first step's forward has 2 positions a row
     predictor_bytes = num_steps * (step_bytes + _matrix_bytes(lm_head))
-    predictor_macs = num_steps * (step_macs + lm_head.numel()) + step_macs
+    predictor_macs = num_steps * (step_macs + _matrix_macs(lm_head)) + step_macs
     projection = getattr(family.talker.code_predictor, "small_to_mtp_projection", None)
     if isinstance(projection, torch.nn.Linear):
         predictor_bytes += (num_steps + 1) * _matrix_bytes(projection.weight)
@@ -325,7 +330,10 @@ def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads:
     for batch_size in batch_sizes:
         pipe.speech([TEXTS[0]] * batch_size, voice=VOICES[0], max_frames=2)  # this batch size's warm-up
         entry = timed_batch(pipe, batch_size, frames)
-        entry["floor"] = part_floors(pipe, batch_size, machine, flops)
+        floor = entry["floor"] = part_floors(pipe, batch_size, machine, flops)
+        # the RTF this machine allows at best: every part at its floor, nothing else (audio ms per frame step)
+        audio_ms = 1000 * entry["audio_s"] / max(entry["frame_steps"], 1)
+        floor["rtf"] = (floor["talker_ms"] + floor["code_predictor_ms"] + floor["decoder_ms"]) / audio_ms
         result[f"batch_{batch_size}"] = entry
     stream = iter(pipe.stream_speech(TEXTS[0], voice=VOICES[0], max_frames=frames))
     started = time.perf_counter()
@@ -394,6 +402,8 @@ def print_mode(entry: dict, batch_sizes: list[int]) -> None:
     for batch_size in batch_sizes:
         e = entry[f"batch_{batch_size}"]
         line = f"{name:15s} B={batch_size}: RTF {e['rtf']:.2f} ({e['wall_s']:.1f} s for {e['audio_s']:.2f} s)"
+        if "rtf" in e.get("floor", {}):
+            line += f", floor RTF {e['floor']['rtf']:.2f}"
         if "ms_per_frame" in e:
             ms, floor = e["ms_per_frame"], e["floor"]
             line += (f"; ms/frame step {ms['total']:.0f}: talker {ms['talker']:.0f} (floor {floor['talker_ms']:.0f}),"

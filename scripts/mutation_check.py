@@ -51,6 +51,7 @@ ENGINE_ROWS = ("tests/test_engine_rows.py",)
 THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
+QUANTIZED = ("tests/test_quantized_linear.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
@@ -200,6 +201,13 @@ MUTATIONS = [
         "            out[:, : length - j] += taps[:, j:, :, j]",
         SPEECH_TOKENIZER, "a large transposed convolution's matmul form adds each tap block to the output block "
         "before its input instead of after: the 0.6B decoder's audio is wrong",
+    ),
+    Mutation(
+        "quantized_code_predictor_heads_left_float", "omnimtp/talker/code_predictor.py",
+        "gemm.lm_heads if gemm is not None else w.quantized_lm_heads or [None] * len(lm_heads)",
+        "gemm.lm_heads if gemm is not None else [None] * len(lm_heads)",
+        QUANTIZED, "a quantized code predictor runs its 15 heads in fp32: four times the bytes a frame for the "
+        "heads it quantized and holds",
     ),
     Mutation(
         "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
@@ -358,11 +366,10 @@ MUTATIONS = [
     Mutation(
         "cp_lm_head_off_by_one", "omnimtp/talker/code_predictor.py",
         "lm_heads[j], codec_embeddings[j], embed_sum, sampling,\n"
-        "            None if noise is None else noise[:, j], gemm, None if gemm is None else gemm.lm_heads[j],",
+        "            None if noise is None else noise[:, j], gemm, packed_lm_heads[j],",
         "lm_heads[min(j + 1, len(lm_heads) - 1)], codec_embeddings[j], embed_sum, sampling,\n"
-        "            None if noise is None else noise[:, j], gemm,"
-        " None if gemm is None else gemm.lm_heads[min(j + 1, len(lm_heads) - 1)],",
-        CODE_PREDICTOR, "the runner predicts step j with lm_head[j+1] (plain and packed weights)",
+        "            None if noise is None else noise[:, j], gemm, packed_lm_heads[min(j + 1, len(lm_heads) - 1)],",
+        CODE_PREDICTOR, "the runner predicts step j with lm_head[j+1] (plain, packed and quantized weights)",
     ),
     Mutation(
         "cp_noise_shared_across_rows", "omnimtp/talker/code_predictor.py",

@@ -148,6 +148,42 @@ def test_quantized_decoder_equals_decoder_on_dequantized_weights(mode):
     assert 0 < error < (0.05 if mode == "int8" else 0.6)  # tiny random model: loose bounds
 
 
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_quantized_code_predictor_runs_int8_heads_and_equals_its_dequantized_weights(mode, monkeypatch):
+    """A quantized code predictor runs its layers in `mode` and its G-1 lm_heads in int8 (each frame calls the
+    kernel once per head), and its greedy codes equal a float runner's on the dequantized weights."""
+    from omnimtp.talker.code_predictor import CodePredictorRunner
+
+    torch.manual_seed(0)
+    cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config()).eval()
+    runner = CodePredictorRunner(cp, 3, quantize=mode)
+    w = runner.weights
+    heads = w.quantized_lm_heads
+    assert len(heads) == cp.config.num_code_groups - 1 and all(h.group_size is None for h in heads)  # int8
+    assert w.quantized("int8" if mode == "int8" else "int4") is w
+    decoder = w.decoder
+    layers = tuple(
+        replace(layer, qkv=q[0].dequantized(), o=q[1].dequantized(), gate_up=q[2].dequantized(),
+                mlp_down=q[3].dequantized())
+        for layer, q in zip(decoder.layers, decoder.quantized_layers, strict=True)
+    )
+    dequantized = replace(w, decoder=replace(decoder, layers=layers, quantize=None, quantized_layers=None),
+                          lm_heads=torch.stack([h.dequantized() for h in heads]), quantized_lm_heads=None)
+    reference = CodePredictorRunner(cp, 3, packed_gemm=False, weights=dequantized)
+    calls = []
+    kernel = sbl.quantized_linear
+    monkeypatch.setattr(sbl, "quantized_linear", lambda x, packed, scales, n, group: (
+        calls.append(packed.data_ptr()), kernel(x, packed, scales, n, group))[1])
+    generator = torch.Generator().manual_seed(2)
+    hidden, embed = (torch.randn(3, runner.hidden_size, generator=generator) for _ in range(2))
+    got = runner.run(hidden, embed).codes
+    assert sorted(c for c in calls if c in {h.packed.data_ptr() for h in heads}) == sorted(
+        h.packed.data_ptr() for h in heads)  # each head once, quantized
+    monkeypatch.setattr(sbl, "quantized_linear", kernel)
+    assert torch.equal(got, reference.run(hidden, embed).codes)
+
+
 # --- a quantized pipeline -------------------------------------------------------------------------------
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -42,6 +44,7 @@ def test_realtime_quick_run_reports_every_part(tmp_path):
             assert abs(sum(parts[n] for n in ("talker", "code_predictor", "decoder", "rest")) - parts["total"]) < 1e-6
             floor = batch["floor"]
             assert floor["talker_ms"] > 0 and floor["code_predictor_ms"] > 0 and floor["decoder_ms"] > 0
+            assert 0 < floor["rtf"] <= batch["rtf"]  # the parts at their floors, nothing else
     fp32, int8, int4 = (results["modes"][i]["batch_1"]["floor"] for i in (0, 2, 3))
     # the floors read the weights the engine holds (the layers' quantized as stored; the codec head stays float)
     assert int4["talker_weight_bytes"] < int8["talker_weight_bytes"] < fp32["talker_weight_bytes"]
@@ -67,3 +70,22 @@ def test_quality_quick_run_reports_every_part(tmp_path):
         assert 0 <= talker[mode]["codebook0_top1_agreement"] <= 1
     # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's
     assert 0 < talker["int8"]["logits_relative_error"] < talker["int4"]["logits_relative_error"]
+    predictor = results["tts_code_predictor"]
+    assert set(predictor["int8"]) == {"heads_int8"} and set(predictor["int4"]) == {"heads_int8", "heads_int4"}
+    for figures in (*predictor["int8"].values(), *predictor["int4"].values()):
+        assert 0 <= figures["top1_agreement"] <= 1 and figures["logits_relative_error"] > 0
+
+
+def test_floors_count_every_multiply_add_of_a_quantized_matrix():
+    """A quantized matrix does as many multiply-adds a row as its float form (int4 packs 8 inputs to a word)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from tts_realtime import _matrix_macs
+
+    from omnimtp.runtime.kernels import small_batch_linear
+    from omnimtp.runtime.ops import quantize_weight
+
+    if not small_batch_linear.available():
+        pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
+    weight = torch.randn(48, 256)
+    assert [_matrix_macs(quantize_weight(weight, mode)) for mode in ("int8", "int4")] == [weight.numel()] * 2

@@ -142,7 +142,7 @@ class Qwen3TTSFamily(ChatText):
             cp = self.talker.code_predictor
             with torch.no_grad():
                 weights = pack_predictor_weights(cp, next(cp.parameters()).dtype)
-            self._predictor_weights = replace(weights, decoder=weights.decoder.quantized(quantize))
+            self._predictor_weights = weights.quantized(quantize)
         self.special_ids = {
             name: config[f"{name}_token_id"] for name in ("im_start", "im_end", "tts_pad", "tts_bos", "tts_eos")
         }
