@@ -210,6 +210,13 @@ MUTATIONS = [
         "heads it quantized and holds",
     ),
     Mutation(
+        "conv_stack_batches_rows_that_overflow_the_cache", "omnimtp/codec/streaming.py",
+        "if rows > 1 and frames * self.output_rate_bytes_per_frame >= ROW_STACK_BYTES:",
+        "if rows > 1 and frames * self.output_rate_bytes_per_frame < 0:",
+        CODEC, "large decode windows run batched: at 8 streams the 0.6B decoder's activations stream from memory "
+        "(1.25x the time)",
+    ),
+    Mutation(
         "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
         "self.talker.num_text_rows(r.request_id) > 0 for r in thinking",
         "self.talker.num_text_rows(r.request_id) >= 0 for r in thinking",

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
+from omnimtp.codec import streaming
 from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_frames
 from omnimtp.models.tiny import scale_code2wav_to_speech_level, tiny_qwen3_omni_config
 
@@ -63,9 +64,16 @@ def test_any_chunking_is_exact(code2wav, sizes, seed):
     assert_audio_close(joined, one_shot, rel=1e-5)
 
 
-def test_batched_streams_equal_single_streams_bit_for_bit(code2wav):
+@pytest.mark.parametrize("row_stack_bytes", [streaming.ROW_STACK_BYTES, 1])
+def test_batched_streams_equal_single_streams_bit_for_bit(code2wav, row_stack_bytes, monkeypatch):
     """A stream's samples do not depend on the other streams decoded in the same call, whether their
-    chunks have the same length or not."""
+    chunks have the same length or not, and whether the conv stack runs the rows batched (small windows:
+    every window of the tiny model) or one at a time (large ones: here forced by a 1-byte threshold)."""
+    monkeypatch.setattr(streaming, "ROW_STACK_BYTES", row_stack_bytes)
+    rows_per_call = []
+    conv_stack = StreamingCode2Wav._conv_stack
+    monkeypatch.setattr(StreamingCode2Wav, "_conv_stack", lambda self, hidden: (
+        rows_per_call.append(hidden.shape[0]), conv_stack(self, hidden))[1])
     decoder = StreamingCode2Wav(code2wav)
     codes = [_codes(40, 1), _codes(40, 2), _codes(40, 3)]
     bounds = [[0, 3, 20, 40], [0, 3, 20, 40], [0, 1, 2, 40]]
@@ -74,6 +82,9 @@ def test_batched_streams_equal_single_streams_bit_for_bit(code2wav):
         decoder.decode(streams, [c[:, b[step] : b[step + 1]] for c, b in zip(codes, bounds, strict=True)])
         for step in range(3)
     ]
+    is_split = row_stack_bytes == 1
+    # each step: streams 0 and 1 share a window length, stream 2 has its own; split, the pair runs a row at a time
+    assert rows_per_call == ([2, 1, 1, 1] if is_split else [2, 1]) * 3
     for k in range(len(codes)):
         single = np.concatenate(_stream(decoder, codes[k], bounds[k]))
         assert_audio_equal(np.concatenate([chunks[k] for chunks in batched]), single)

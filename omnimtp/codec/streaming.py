@@ -31,6 +31,10 @@ from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 
+# One row's output-rate activations from this size on: its conv stack runs alone (`_conv_stack`). The real
+# decoders (96 channels at 24 kHz) reach it at 3 frames, the tiny test models' windows never.
+ROW_STACK_BYTES = 2 << 20
+
 
 @dataclass
 class CodecStream:
@@ -51,6 +55,10 @@ class StreamingCode2Wav:
         self.samples_per_frame = int(code2wav.total_upsample)
         self.num_lost_samples = _num_lost_samples(code2wav)
         self.conv_context_frames = conv_receptive_field_frames(code2wav)
+        # bytes a frame of one row's output-rate activations takes (the last conv's input: the largest tensors)
+        last_conv = [m for m in _conv_stack_modules(code2wav) if isinstance(m, torch.nn.Conv1d)][-1]
+        param = next(code2wav.parameters())
+        self.output_rate_bytes_per_frame = self.samples_per_frame * last_conv.in_channels * param.element_size()
 
     def new_stream(self) -> CodecStream:
         hidden_size = self.code2wav.config.hidden_size
@@ -98,7 +106,14 @@ class StreamingCode2Wav:
 
     def _conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
         """transformers' Code2Wav forward after its transformer: [m, T, Hc] → [m, S]. Row i's samples are
-        bit for bit those of `_conv_stack(hidden[i:i+1])`: see `RowwiseMatmuls`."""
+        bit for bit those of `_conv_stack(hidden[i:i+1])`: rows whose output-rate activations take
+        ROW_STACK_BYTES or more run the stack one at a time (a batch of them would not stay in the CPU's
+        cache, and every activation and residual add would stream from memory: the 0.6B Qwen3-TTS decoder
+        at 8 streams of 12 frames took 1.25x the time batched, 2 threads, 2-core AVX2), smaller ones batched,
+        with `RowwiseMatmuls`."""
+        rows, frames = hidden.shape[:2]
+        if rows > 1 and frames * self.output_rate_bytes_per_frame >= ROW_STACK_BYTES:
+            return torch.cat([self._conv_stack(hidden[i : i + 1]) for i in range(rows)])
         hidden = hidden.permute(0, 2, 1)
         with RowwiseMatmuls() if hidden.shape[0] > 1 else contextlib.nullcontext():  # the mode costs per op
             for blocks in self.code2wav.upsample:
