@@ -217,6 +217,13 @@ MUTATIONS = [
         "(1.25x the time)",
     ),
     Mutation(
+        "quantized_text_rows_projected_an_id_at_a_time", "omnimtp/families/qwen3_tts.py",
+        "        if self._text_projection is not None:\n            return self._text_rows(torch.tensor([ids]",
+        "        if self._text_projection is None and not ids:\n            return self._text_rows(torch.tensor([ids]",
+        QUANTIZED, "a quantized Qwen3-TTS projects its trailing text rows a call per id: the 0.6B projection's "
+        "matrices read once per text token before the first audio",
+    ),
+    Mutation(
         "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
         "self.talker.num_text_rows(r.request_id) > 0 for r in thinking",
         "self.talker.num_text_rows(r.request_id) >= 0 for r in thinking",
@@ -651,9 +658,9 @@ MUTATIONS = [
     ),
     Mutation(
         "speech_stream_projects_rows_together", "omnimtp/families/qwen3_tts.py",
-        "rows = [self._text_rows(torch.tensor([[token]], device=self.device))[0] for token in ids]",
-        "rows = [self._text_rows(torch.tensor([ids], device=self.device))[0]] if ids else []",
-        SPEECH_STREAM, "Qwen3-TTS projects the trailing rows in one call, so a split text gets other bits",
+        "return torch.cat([self._text_rows(torch.tensor([[token]], device=self.device))[0] for token in ids])",
+        "return self._text_rows(torch.tensor([ids], device=self.device))[0]",
+        SPEECH_STREAM, "float Qwen3-TTS projects the trailing rows in one call, so a split text gets other bits",
     ),
     Mutation(
         "tts_predictor_projects_once", "omnimtp/talker/code_predictor.py",

@@ -212,6 +212,27 @@ def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batc
     assert (abs(batch[1].audio - audio).max() <= 1e-6 * abs(audio).max()) and batch[1].audio.shape == audio.shape
 
 
+@needs_kernel
+def test_quantized_tts_projects_a_texts_rows_in_one_call_each_row_its_own(tts_int4):
+    """Quantized, the trailing text rows come from one int8 projection call whose rows equal each id projected
+    alone bit for bit (text in pieces gets the same rows), within int8's error of the float projection."""
+    family = tts_int4.family
+    ids = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101]
+    calls = []
+    kernel = sbl.quantized_linear
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sbl, "quantized_linear", lambda x, *args: (calls.append(x.shape[0]), kernel(x, *args))[1])
+        rows = family.speech_text_rows(ids)
+    assert calls == [len(ids), len(ids)]  # fc1 and fc2, each once for every row
+    alone = torch.cat([family.speech_text_rows([i]) for i in ids])
+    assert torch.equal(rows, alone)
+    with torch.no_grad():
+        talker = family.talker
+        float_rows = talker.text_projection(talker.model.text_embedding(torch.tensor([ids])))[0]
+    error = ((rows - float_rows).norm() / float_rows.norm()).item()
+    assert 0 < error < 0.02
+
+
 def _held_bytes(*roots) -> int:
     """Bytes of the distinct tensor storages reachable from modules, dataclasses, tuples and lists."""
     import dataclasses
