@@ -13,7 +13,7 @@ the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
   and caches): under teacher forcing on `--tts-frames` frames of seeded random codes (each input row the sum
   of the frame's 16 code embeddings and the text pad row, the talker's input once the text is spoken), the
   codec head logits' relative error (‖Δ‖ / ‖fp32‖ over all rows) and the codebook-0 top-1 agreement
-  (argmax over the 2048 code ids) with fp32;
+  (argmax over the 2048 code ids) with fp32, and the int8 text projection's rows' relative error;
 - its code predictor, on the same frames: each frame's [talker state, the embeddings of codes 0..14] teacher
   forced, the 15 residual heads' logits as the engine runs them quantized (layers in the mode, heads in int8:
   `PredictorWeights.quantized`), and with the heads in the mode too, against fp32: relative error and top-1
@@ -139,6 +139,15 @@ def tts_talker(path: str, modes, num_frames: int) -> dict:
     top1 = reference[:, :codebook_size].argmax(-1)
     result = {"model": f"Qwen3-TTS talker at {path}", "frames": num_frames, "vocab_size": vocab,
               "hidden_size": talker.config.hidden_size, "num_layers": talker.config.num_hidden_layers}
+    with torch.no_grad():  # the text projection, int8 in both modes: its rows for num_frames random text ids
+        embeds = talker.model.text_embedding(torch.randint(0, talker.model.text_embedding.num_embeddings,
+                                                           (num_frames,), generator=generator))
+        mlp = talker.text_projection
+        hidden = embeds
+        for fc, act in ((mlp.linear_fc1, F.silu), (mlp.linear_fc2, lambda t: t)):
+            hidden = act(linear(hidden, None, fc.bias, packed=quantize_weight(fc.weight, "int8")))
+        rows = mlp(embeds)
+        result["text_projection_int8_relative_error"] = ((hidden - rows).norm() / rows.norm()).item()
     for mode in modes:
         got = logits[mode]
         result[mode] = {
@@ -238,7 +247,8 @@ def main() -> None:
         )
         entry = results["tts_talker"] = tts_talker(path, args.modes, args.tts_frames)
         print(f"{entry['model']} ({entry['num_layers']} layers, hidden {entry['hidden_size']}), "
-              f"{entry['frames']} teacher-forced frames:")
+              f"{entry['frames']} teacher-forced frames (text projection in int8: rows' relative error "
+              f"{entry['text_projection_int8_relative_error']:.4f}):")
         for mode in args.modes:
             e = entry[mode]
             print(f"  {mode}: logits relative error {e['logits_relative_error']:.4f}, codebook-0 top-1 agreement "

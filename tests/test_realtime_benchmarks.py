@@ -70,6 +70,7 @@ def test_quality_quick_run_reports_every_part(tmp_path):
         assert 0 <= talker[mode]["codebook0_top1_agreement"] <= 1
     # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's
     assert 0 < talker["int8"]["logits_relative_error"] < talker["int4"]["logits_relative_error"]
+    assert 0 < talker["text_projection_int8_relative_error"] < 0.05
     predictor = results["tts_code_predictor"]
     assert set(predictor["int8"]) == {"heads_int8"} and set(predictor["int4"]) == {"heads_int8", "heads_int4"}
     for figures in (*predictor["int8"].values(), *predictor["int4"].values()):
