@@ -200,6 +200,7 @@ def test_quantized_tts_speaks_audible_audio_seeded_repeats_and_alone_equals_batc
 
     family = tts_int4.family
     assert family.talker_decoder.quantized_layers is not None
+    assert family.talker_decoder.row_kernel is None  # never packed in float as well
     assert family.predictor(8).weights.decoder.quantize == "int4"
     texts = ["hello there", "a second, longer sentence", "third"]
     batch = tts_int4.speech(texts, sampling=QWEN3_TTS_SAMPLING, seed=[5, 6, 7])

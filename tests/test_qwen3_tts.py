@@ -21,6 +21,7 @@ from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
 from omnimtp.families.qwen3_tts import QWEN3_TTS_SAMPLING, Qwen3TTSFamily
 from omnimtp.models.qwen3_tts import TINY_CODEC_IDS, tiny_qwen3_tts
 from omnimtp.pipeline import OmniPipeline
+from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import byte_tokenizer
 
@@ -88,6 +89,8 @@ def test_custom_voice_codes_match_reference(pipes, references, voice, language):
     assert out.codes.shape[0] == 16 and out.codes.shape[1] >= 2
     assert torch.equal(out.codes, expected)
     assert out.finish_reason == ("length" if out.codes.shape[1] == FRAMES else "stop")  # eric's stops on codec EOS
+    # the codes above come from the talker's steps on omnimtp's row kernel (fp32, where it builds)
+    assert (pipe.family.talker_decoder.row_kernel is not None) == small_batch_linear.available()
 
 
 def test_voice_language_and_dialect_rows_change_the_codes(pipes):
