@@ -231,6 +231,13 @@ MUTATIONS = [
         "117 instead of 63 ms a frame step",
     ),
     Mutation(
+        "pad_skipped_for_a_wide_causal_conv", "omnimtp/codec/streaming.py",
+        "if type(child) is Qwen3OmniMoeCausalConvNet and child.kernel_size == 1 and child.stride == 1:",
+        "if type(child) is Qwen3OmniMoeCausalConvNet and child.stride == 1:",
+        ("tests/test_codec_streaming.py",), "every stride-1 causal convolution skips its pad, kernel 7 included: "
+        "its output loses the causal left context",
+    ),
+    Mutation(
         "engine_skips_thinker_steps_its_talker_waits_for", "omnimtp/engine/core.py",
         "self.talker.num_text_rows(r.request_id) > 0 for r in thinking",
         "self.talker.num_text_rows(r.request_id) >= 0 for r in thinking",

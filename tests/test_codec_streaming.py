@@ -112,6 +112,31 @@ def test_bad_codes(code2wav):
         decoder.decode([decoder.new_stream()], [])
 
 
+def test_pointwise_convolutions_skip_the_pad_and_keep_every_bit(code2wav):
+    """The streamed decoders run their kernel-1 causal convolutions without transformers' zero-width pad copy:
+    the same output bit for bit; wider kernels keep transformers' forward."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalConvNet
+
+    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
+    from omnimtp.codec.streaming import PointwiseCausalConv, use_unpadded_pointwise_convs
+
+    torch.manual_seed(2)
+    convs = [Qwen3OmniMoeCausalConvNet(24, 16, 1), Qwen3OmniMoeCausalConvNet(24, 16, 7, dilation=3)]
+    x = torch.randn(2, 24, 300)
+    with torch.no_grad():
+        expected = [conv(x) for conv in convs]
+        for conv in convs:
+            use_unpadded_pointwise_convs(conv)
+        assert [type(conv) for conv in convs] == [PointwiseCausalConv, Qwen3OmniMoeCausalConvNet]
+        for conv, want in zip(convs, expected, strict=True):
+            assert torch.equal(conv(x), want)
+    StreamingCode2Wav(code2wav)
+    decoder = SpeechTokenizerDecoder.tiny()
+    for module in (code2wav, decoder):
+        pointwise = [m for m in module.modules() if isinstance(m, Qwen3OmniMoeCausalConvNet) and m.kernel_size == 1]
+        assert pointwise and all(type(m) is PointwiseCausalConv for m in pointwise)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inplace_snake_is_transformers_snake_bit_for_bit(code2wav, dtype):
     """The streamed decoders run SnakeBeta in one buffer (no gradient) and as transformers does under
