@@ -191,8 +191,8 @@ def tts_code_predictor(path: str, modes, num_frames: int) -> dict:
         result = {"model": f"Qwen3-TTS code predictor at {path}", "frames": num_frames, "codebooks": groups - 1,
                   "vocab_size": codebook_size, "num_layers": len(weights.decoder.layers)}
         for mode in modes:
-            quantized = replace(weights.quantized(mode), decoder=replace(
-                weights.quantized(mode).decoder, fp32_attention=False))
+            quantized = weights.quantized(mode)
+            quantized = replace(quantized, decoder=replace(quantized.decoder, fp32_attention=False))
             variants = {"heads_int8": [(None, None, head) for head in quantized.quantized_lm_heads]}
             if mode != "int8":
                 variants[f"heads_{mode}"] = [(None, None, quantize_weight(h, mode)) for h in weights.lm_heads.unbind(0)]

@@ -345,17 +345,22 @@ INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 2) /* two rows over 4 strea
 #else /* AVX2: each panel row is two 8-lane registers, one panel at a time */
 #define QSTREAMS 1
 
+/* Both halves of a panel row (v_lo, v_hi) times input kj of each of R rows of xv, into accumulators lo[m], hi[m]
+ * (one set's: lo and hi are that set's arrays of R). */
+#define ROWS_FMA(R, xv, kj, v_lo, v_hi, lo, hi)                                                        \
+  for (int m = 0; m < R; ++m) {                                                                       \
+    const __m256 b = _mm256_broadcast_ss((xv) + m * K + (kj));                                        \
+    lo[m] = _mm256_fmadd_ps(v_lo, b, lo[m]);                                                          \
+    hi[m] = _mm256_fmadd_ps(v_hi, b, hi[m]);                                                          \
+  }
+
 /* Input kj into accumulator set p (a constant: the sets stay in registers). */
 #define INT8_INPUT(R, S, kj, p)                                                                        \
   do {                                                                                                \
     const __m128i q = _mm_loadu_si128((const __m128i*)(w + (kj) * PANEL));                            \
     const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                                  \
     const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));               \
-    for (int m = 0; m < R; ++m) {                                                                     \
-      const __m256 b = _mm256_broadcast_ss(x + m * K + (kj));                                         \
-      lo[p][m] = _mm256_fmadd_ps(v_lo, b, lo[p][m]);                                                  \
-      hi[p][m] = _mm256_fmadd_ps(v_hi, b, hi[p][m]);                                                  \
-    }                                                                                                 \
+    ROWS_FMA(R, x, kj, v_lo, v_hi, lo[p], hi[p]);                                                     \
   } while (0)
 
 /* R rows over one panel (S = 1), the same sums as the AVX-512 build on two 8-lane halves. */
@@ -387,11 +392,7 @@ static inline __m256 int4_lanes(__m256i words, int j) { /* nibble j of 8 words (
 #define INT4_INPUT(R, S, kj, p, j)                                                                     \
   do {                                                                                                \
     const __m256 v_lo = int4_lanes(word_lo, j), v_hi = int4_lanes(word_hi, j);                        \
-    for (int m = 0; m < R; ++m) {                                                                     \
-      const __m256 b = _mm256_broadcast_ss(xs + m * K + (kj));                                        \
-      p_lo[p][m] = _mm256_fmadd_ps(v_lo, b, p_lo[p][m]);                                              \
-      p_hi[p][m] = _mm256_fmadd_ps(v_hi, b, p_hi[p][m]);                                              \
-    }                                                                                                 \
+    ROWS_FMA(R, xs, kj, v_lo, v_hi, p_lo[p], p_hi[p]);                                                \
   } while (0)
 
 #define INT4_FN(R, S)                                                                                  \
