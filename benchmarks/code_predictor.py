@@ -138,7 +138,7 @@ def bench_case(dims: str, dtype_name: str, batch_sizes: list[int], args) -> list
     unpacked = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm=False) if eager.packed_gemm else None
     # fp32 with omnimtp's AVX-512 kernel: also MKL's packed SGEMM, the best library kernel, for comparison.
     mkl = None
-    if eager.packed_gemm_kind == "avx512" and "mkl" in packed_gemm_kinds(eager.device, dtype):
+    if eager.packed_gemm_kind == "row" and "mkl" in packed_gemm_kinds(eager.device, dtype):
         mkl = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, packed_gemm="mkl")
     use_compile = args.compile == "all" or args.compile == dtype_name
     compiled = CodePredictorRunner(cp, max(batch_sizes), dtype=dtype, compile="step") if use_compile else None

@@ -122,14 +122,14 @@ def test_disabled_by_environment_falls_back_to_mkl(fresh_library, monkeypatch):
     monkeypatch.setenv("OMNIMTP_NATIVE_KERNELS", "0")
     assert not sbl.available()
     assert "OMNIMTP_NATIVE_KERNELS" in sbl.unavailable_reason()
-    assert "avx512" not in packed_gemm_kinds(torch.device("cpu"), torch.float32)
+    assert "row" not in packed_gemm_kinds(torch.device("cpu"), torch.float32)
     cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(
         tiny_code_predictor_config(num_code_groups=4)
     ).eval()
     runner = CodePredictorRunner(cp, 4)
     assert runner.packed_gemm_kind == ("mkl" if torch.backends.mkl.is_available() else None)
-    with pytest.raises(ValueError, match="avx512.*OMNIMTP_NATIVE_KERNELS"):
-        CodePredictorRunner(cp, 4, packed_gemm="avx512")
+    with pytest.raises(ValueError, match="row.*OMNIMTP_NATIVE_KERNELS"):
+        CodePredictorRunner(cp, 4, packed_gemm="row")
     with pytest.raises(RuntimeError, match="not available"):
         sbl.small_batch_linear(torch.randn(2, 16), sbl.pack_weight(torch.randn(16, 16)), 16)
 

@@ -51,7 +51,7 @@ from omnimtp.runtime.ops import (
     rms_norm,
 )
 
-ROW_KERNEL = PackedGemm("avx512", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
+ROW_KERNEL = PackedGemm("row", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
 ROW_KERNEL_MAX_ROWS = 16  # longer blocks (prefills) run on MKL's GEMM, faster there (compute-bound)
 
 

@@ -70,26 +70,25 @@ def _norm_constants(size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # Linear layers and packed-weight GEMMs (CPU only)
 
-PACKED_GEMM_KINDS = ("avx512", "mkl", "onednn")
+PACKED_GEMM_KINDS = ("row", "mkl", "onednn")
 # fp32 "mkl": batches of at least this many rows use MKL-packed weights (below it plain kernels are as
-# fast); "avx512" under torch.compile: the kernel runs from this many rows (below it, plain kernels),
+# fast); "row" under torch.compile: the kernel runs from this many rows (below it, plain kernels),
 # or for matrices of at least COMPILED_KERNEL_MIN_WEIGHTS elements (4 MB: ~250 us to read).
 PACKED_GEMM_MIN_ROWS = 4
 COMPILED_KERNEL_MIN_WEIGHTS = 1 << 20
 
 
 def packed_gemm_kinds(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    """The packed-weight matmuls that can run `dtype` batches on `device`, best first: "avx512" (fp32:
+    """The packed-weight matmuls that can run `dtype` batches on `device`, best first: "row" (fp32:
     omnimtp's own small-batch kernel, `omnimtp.runtime.kernels.small_batch_linear`, on x86 CPUs with
-    AVX-512F and a C compiler; built on the first call; its AVX2 build is not offered here, only to the
-    decoders that opt in with `PackedDecoder.with_row_kernel`), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
+    AVX-512F or AVX2 and a C compiler; built on the first call), "mkl" (fp32: MKL's packed SGEMM), "onednn" (bf16:
     oneDNN's reordered weights, where oneDNN supports bf16). Every kind is a CPU kernel: any other device
     (cuda, meta, ...) gets none, and its linears run as plain torch ops."""
     if torch.device(device).type != "cpu":
         return []
     kinds = []
-    if dtype == torch.float32 and small_batch_linear.isa() == "AVX512" and small_batch_linear.available():
-        kinds.append("avx512")
+    if dtype == torch.float32 and small_batch_linear.available():
+        kinds.append("row")
     if dtype == torch.float32 and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
         kinds.append("mkl")
     if (
@@ -147,16 +146,16 @@ class PackedGemm:
     kind "onednn" (bf16): oneDNN's reordered weights (what inductor's freezing uses for bf16 linears);
     any row count, one call; `rows` is None. oneDNN gives the same values as `F.linear`; MKL's packed
     SGEMM differs from it by rounding only.
-    kind "avx512" (fp32): `omnimtp.runtime.kernels.small_batch_linear`: weights in panels, several streamed
+    kind "row" (fp32): `omnimtp.runtime.kernels.small_batch_linear`: weights in panels, several streamed
     at once, at a core's read bandwidth for 1..16 rows; any row count, one call, `rows` is None; equal to
     `F.linear` up to rounding, each row computed on its own."""
 
-    kind: str  # "avx512", "mkl" or "onednn"
+    kind: str  # "row", "mkl" or "onednn"
     rows: int | None
 
     def pack(self, weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
         """nn.Linear weight [out, in] → its packed form (rows_hint: the row count oneDNN tunes for)."""
-        if self.kind == "avx512":
+        if self.kind == "row":
             return small_batch_linear.pack_weight(weight)
         if self.kind == "mkl":
             return torch.ops.mkl._mkl_reorder_linear_weight(weight, self.rows)
@@ -226,7 +225,7 @@ def linear(
     (`quantize_weight`), which then runs on omnimtp's kernel in fp32 for any row count (weight and gemm
     unused, weight may be None; the bias added after the matmul) and returns x's dtype.
 
-    "avx512": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
+    "row": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
     except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix. Otherwise a
     single row without bias goes through matrix-vector kernels, which stream the weights at close to
     memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
@@ -243,7 +242,7 @@ def linear(
     # Under torch.compile the kernel is an opaque custom op whose Python dispatch costs ~25-50 us a
     # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
     # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
-    if packed is not None and gemm.kind == "avx512" and (
+    if packed is not None and gemm.kind == "row" and (
         not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS
         or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
     ):
@@ -253,7 +252,7 @@ def linear(
         if x.dim() == 1:  # a one-row step on 1-D vectors
             return torch.mv(weight, x)
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
-    if packed is None or gemm.kind == "avx512":
+    if packed is None or gemm.kind == "row":
         return F.linear(x, weight)
     x2d = x.reshape(rows, x.shape[-1])
     compiling = torch.compiler.is_compiling()

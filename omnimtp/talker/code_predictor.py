@@ -266,7 +266,7 @@ def _project(w: PredictorWeights, rows: torch.Tensor) -> torch.Tensor:
 class PackedMatrices:
     """Packed copies of the runner's matrices for one `PackedGemm` (see it for the kinds). MKL packs for
     `op.rows` rows: batches are padded to it, and the first step (2 positions per row) runs as two calls
-    of `rows` rows (the second finds the matrix in cache). oneDNN and avx512 take any row count."""
+    of `rows` rows (the second finds the matrix in cache). oneDNN and the row kernel take any row count."""
 
     op: PackedGemm
     layers: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]  # qkv, o, gate_up, down
@@ -409,10 +409,12 @@ class CodePredictorRunner:
     packed weights, the same codes) and switches to its compiled graph once that is built.
 
     `packed_gemm`: None (default: the best available, see `packed_gemm_kinds`), False (plain kernels),
-    True (the best available, an error if none), or a kind, "avx512", "mkl" or "onednn" (an error if it
-    cannot run here). fp32 "avx512" — every matmul, of any batch size, runs omnimtp's small-batch
-    kernel on one copy of the matrices in its panel layout (real dims, one core: 8 rows ~1.8x less
-    time per matmul than MKL's packed SGEMM, ~3x less than `F.linear`; 1 row as fast as `torch.mv`),
+    True (the best available, an error if none), or a kind, "row", "mkl" or "onednn" (an error if it
+    cannot run here). fp32 "row" — every matmul, of any batch size, runs omnimtp's small-batch
+    kernel (its AVX-512 or AVX2 build) on one copy of the matrices in its panel layout (AVX-512, real
+    dims, one core: 8 rows ~1.8x less time per matmul than MKL's packed SGEMM, ~3x less than `F.linear`,
+    1 row as fast as `torch.mv`; AVX2, Qwen3-TTS 0.6B's predictor, 2 threads: a frame 2.0x faster than
+    MKL / `F.linear` at 1 row, 2.6x at 8, 1.6x at 16),
     and since it computes each row on its own, a row's codes are bit for bit the same in any batch
     (eager; compiled, fewer than 4 rows of a matrix under 4 MB run `torch.mv` / `F.linear`);
     fp32 "mkl" — a batch of B >= 4 rows is padded with zero
@@ -464,14 +466,14 @@ class CodePredictorRunner:
         if isinstance(packed_gemm, str) and packed_gemm not in kinds:
             raise ValueError(
                 f"packed_gemm={packed_gemm!r} cannot run {self.dtype} on {self.device} here (available: {kinds})"
-                + (f"; {small_batch_linear.unavailable_reason()}" if packed_gemm == "avx512" else "")
+                + (f"; {small_batch_linear.unavailable_reason()}" if packed_gemm == "row" else "")
             )
         if packed_gemm is True and not kinds:
             raise ValueError(
-                "packed_gemm=True needs float32 (omnimtp's AVX-512 kernel or MKL) or bfloat16 (oneDNN with bf16 "
+                "packed_gemm=True needs float32 (omnimtp's row kernel or MKL) or bfloat16 (oneDNN with bf16 "
                 f"support) on a CPU; the runner has {self.dtype} on {self.device}"
             )
-        # "avx512", "mkl", "onednn" or None: what batches of several rows run on
+        # "row", "mkl", "onednn" or None: what batches of several rows run on
         self.packed_gemm_kind = packed_gemm if isinstance(packed_gemm, str) else (kinds[0] if kinds else None)
         self.packed_gemm = self.packed_gemm_kind is not None and packed_gemm is not False
         self._gemms: dict[int, PackedMatrices] = {}  # bucket rows -> packed matrices, made on first use
@@ -648,7 +650,7 @@ class CodePredictorRunner:
         padded to it; oneDNN: one set for every row count, packed with max_batch_size as the hint."""
         if not self.packed_gemm:
             return None
-        if self.packed_gemm_kind in ("onednn", "avx512"):
+        if self.packed_gemm_kind in ("onednn", "row"):
             rows = self.max_batch_size
         elif batch_size < PACKED_GEMM_MIN_ROWS:
             return None
