@@ -309,22 +309,30 @@ def summarize_profile(profiler, wall: float, steps: int, top: int = 20) -> dict:
 
 
 def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads: int, machine: dict,
-             decoder_frames: int, profile: bool) -> dict:
+             decoder_frames: int, profile: bool, compile_predictor: str = "none") -> dict:
     """Every measurement of one mode (see the module docstring)."""
     from omnimtp.pipeline import OmniPipeline
 
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     quantize = mode if mode in ("int8", "int4") else None
-    result = {"mode": mode}
+    compiled = compile_predictor != "none"
+    result = {"mode": mode + (f" {compile_predictor}-compiled" if compiled else "")}
     started = time.perf_counter()
     try:
         pipe = OmniPipeline.from_pretrained(path, dtype=dtype, quantize=quantize, max_frames=frames,
-                                            max_batch_size=max(batch_sizes), torch_threads=threads)
+                                            max_batch_size=max(batch_sizes), torch_threads=threads,
+                                            compile_predictor=compile_predictor if compiled else False)
+        result["load_s"] = time.perf_counter() - started
+        if compiled:  # the greedy graphs of the buckets measured, built before any timing (what a warm server runs)
+            started = time.perf_counter()
+            runner = pipe.family.predictor(pipe.config.max_batch_size)
+            for rows in sorted({runner.bucket_rows(b) for b in batch_sizes}):
+                runner.build_graph(rows, None)
+            result["compile_s"] = time.perf_counter() - started
         pipe.speech(TEXTS[0], voice=VOICES[0], max_frames=2)  # warm-up
     except (ValueError, RuntimeError, NotImplementedError) as error:
         return {**result, "unsupported": f"{type(error).__name__}: {error}"}
-    result["load_s"] = time.perf_counter() - started
     result["rss_loaded_mb"] = _rss_mb()
     flops = decoder_flops(pipe.family.codec, decoder_frames)
     for batch_size in batch_sizes:
@@ -388,7 +396,7 @@ def run_worker(worker: dict) -> dict:
     if worker["kind"] == "reference":
         return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
     return run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
-                    worker["machine"], worker["decoder_frames"], worker["profile"])
+                    worker["machine"], worker["decoder_frames"], worker["profile"], worker["compile_predictor"])
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -411,6 +419,8 @@ def print_mode(entry: dict, batch_sizes: list[int]) -> None:
                      f" decoder {ms['decoder']:.0f} (floor {floor['decoder_ms']:.0f}), rest {ms['rest']:.0f}")
         print(line)
     extra = f", first audio {1000 * entry['ttfa_s']:.0f} ms" if "ttfa_s" in entry else ""
+    if "compile_s" in entry:
+        extra += f", predictor graphs built in {entry['compile_s']:.0f} s (untimed)"
     print(f"{'':15s} RSS loaded {entry['rss_loaded_mb']:.0f} MB, peak {entry['peak_rss_mb']:.0f} MB{extra}")
     if "profile" in entry:
         p = entry["profile"]
@@ -433,6 +443,9 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=None, help="frames per request (default 12; --quick 3)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="a torch.profiler op table of each mode's batch 1")
+    parser.add_argument("--compile-predictor", default="none", choices=("none", "step", "frame"),
+                        help="run the code predictor as compiled graphs (`compile_predictor`, what a warm server "
+                        "runs); each measured batch size's greedy graph is built before timing, its time reported")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
@@ -458,7 +471,7 @@ def main() -> None:
                "machine": machine, "checkpoint_build_s": build_s, "modes": []}
     common = dict(path=path, batch_sizes=args.batch_sizes, frames=frames, threads=args.threads)
     workers = [dict(common, kind="mode", mode=mode, machine=machine, decoder_frames=2 if args.quick else 12,
-                    profile=args.profile) for mode in args.modes]
+                    profile=args.profile, compile_predictor=args.compile_predictor) for mode in args.modes]
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:
