@@ -238,6 +238,19 @@ MUTATIONS = [
         "the 0.6B Qwen3-TTS predictor's frame 2.0-2.6x slower",
     ),
     Mutation(
+        "short_transposed_convolutions_off_the_row_kernel", "omnimtp/codec/speech_tokenizer.py",
+        "packed = row_kernel_weight(self, taps_matrix, hidden_state.transpose(1, 2))",
+        "packed = None",
+        ("tests/test_speech_tokenizer.py",), "a stream's first chunk runs the 0.6B decoder's transposed "
+        "convolutions on MKL's matmul and torch's reference convolution again: ~25 ms more before the first audio",
+    ),
+    Mutation(
+        "codec_linears_off_the_row_kernel", "omnimtp/codec/streaming.py",
+        "        use_row_kernel_linears(code2wav)\n", "",
+        ("tests/test_codec_streaming.py",), "a stream's chunks run the decoder transformer's and the ConvNeXt "
+        "blocks' linears on MKL's matmul again: a 2 MB matrix at one row ~0.27 ms instead of ~0.1",
+    ),
+    Mutation(
         "pad_skipped_for_a_wide_causal_conv", "omnimtp/codec/streaming.py",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.kernel_size == 1 and child.stride == 1:",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.stride == 1:",

@@ -137,6 +137,36 @@ def test_pointwise_convolutions_skip_the_pad_and_keep_every_bit(code2wav):
         assert pointwise and all(type(m) is PointwiseCausalConv for m in pointwise)
 
 
+def test_short_chunks_run_the_linears_on_the_row_kernel_within_rounding(code2wav, monkeypatch):
+    """A stream's chunks of up to ROW_KERNEL_MAX_ROWS rows a request run the decoder's linear layers (its
+    transformer's, the ConvNeXt blocks') on omnimtp's row kernel, within float rounding of the modules' own
+    matmuls (which run when the kernel is off); batched streams stay bit for bit themselves. The tiny model's
+    matrices are under the kernel's minimum: it is lowered here."""
+    from omnimtp.codec.streaming import RowKernelLinear
+    from omnimtp.runtime.kernels import small_batch_linear
+
+    if not small_batch_linear.available():
+        pytest.skip(f"no row kernel here: {small_batch_linear.unavailable_reason()}")
+    decoder = StreamingCode2Wav(code2wav)
+    linears = [m for m in code2wav.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is RowKernelLinear for m in linears)
+    kernel_rows = []
+    run = small_batch_linear._run
+    monkeypatch.setattr(small_batch_linear, "_run", lambda x, *rest: kernel_rows.append(x.shape[0]) or run(x, *rest))
+    codes = _codes(5, seed=5)
+    _stream(decoder, codes, [0, 1, 5])
+    assert not kernel_rows  # every matrix under the minimum
+    monkeypatch.setattr(streaming, "ROW_KERNEL_MIN_WEIGHTS", 0)
+    ours = np.concatenate(_stream(decoder, codes, [0, 1, 5]))
+    assert 1 in kernel_rows  # the first chunk's frame through the transformer's linears
+    test_batched_streams_equal_single_streams_bit_for_bit(code2wav, streaming.ROW_STACK_BYTES, monkeypatch)
+    kernel_rows.clear()
+    monkeypatch.setattr(streaming, "ROW_KERNEL_MAX_ROWS", 0)
+    theirs = np.concatenate(_stream(decoder, codes, [0, 1, 5]))
+    assert not kernel_rows
+    assert_audio_close(ours, theirs, rel=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inplace_snake_is_transformers_snake_bit_for_bit(code2wav, dtype):
     """The streamed decoders run SnakeBeta in one buffer (no gradient) and as transformers does under

@@ -202,24 +202,41 @@ def test_batched_streams_equal_single_streams_bit_for_bit(decoder):
         assert_audio_equal(np.concatenate([chunks[k] for chunks in steps]), single)
 
 
-def test_transposed_convolutions_as_matmuls_keep_every_guarantee(decoder, saved, monkeypatch):
-    """The matmul form a released-width decoder's large transposed convolutions run in (the tiny ones run as
-    convolutions), forced on every layer: each layer equals its convolution within float rounding and runs no
-    convolution, and the decoder still equals the reference, joins its streamed chunks into the one-shot
-    decode, and gives a batched stream bit for bit what it gives alone."""
+@pytest.mark.parametrize("form", ["matmul", "row kernel"])
+def test_transposed_convolutions_as_matmuls_keep_every_guarantee(decoder, saved, monkeypatch, form):
+    """The matmul forms a released-width decoder's transposed convolutions run in (the tiny ones run as
+    convolutions), forced on every layer: the large layers' matmul (every input length), and the row kernel's
+    (inputs of up to `streaming.ROW_KERNEL_MAX_ROWS` steps of layers of `streaming.ROW_KERNEL_MIN_WEIGHTS` or
+    more; longer ones stay convolutions here). Each layer equals its convolution within float rounding and
+    runs no convolution, and the decoder still equals the reference, joins its streamed chunks into the
+    one-shot decode, and gives a batched stream bit for bit what it gives alone."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
 
+    from omnimtp.codec import streaming
+    from omnimtp.runtime.kernels import small_batch_linear
+
     layers = [m for m in decoder.modules() if isinstance(m, CausalTransConv)]
-    assert len(layers) >= 4 and all(m.conv.weight.numel() < CausalTransConv.MATMUL_MIN_WEIGHTS for m in layers)
+    assert len(layers) >= 4 and all(m.conv.weight.numel() < streaming.ROW_KERNEL_MIN_WEIGHTS for m in layers)
     assert {m.conv.kernel_size[0] // m.conv.stride[0] for m in layers} == {1, 2}  # the upsamplers; the blocks
-    monkeypatch.setattr(CausalTransConv, "MATMUL_MIN_WEIGHTS", 0)
+    if form == "matmul":
+        monkeypatch.setattr(CausalTransConv, "MATMUL_MIN_WEIGHTS", 0)
+        monkeypatch.setattr(streaming, "ROW_KERNEL_MAX_ROWS", 0)
+    elif small_batch_linear.available():
+        monkeypatch.setattr(streaming, "ROW_KERNEL_MIN_WEIGHTS", 0)
+    else:
+        pytest.skip(f"no row kernel here: {small_batch_linear.unavailable_reason()}")
+    kernel_rows = []
+    run = small_batch_linear._run
+    monkeypatch.setattr(small_batch_linear, "_run", lambda x, *rest: kernel_rows.append(x.shape[0]) or run(x, *rest))
     generator = torch.Generator().manual_seed(3)
     for layer in layers:
         x = torch.randn(2, layer.conv.in_channels, 7, generator=generator)
+        kernel_rows.clear()
         with torch.no_grad(), torch.profiler.profile() as profile:
             ours = layer(x)
         expected = Qwen3OmniMoeCausalTransConvNet.forward(layer, x)
         assert not any("conv" in event.key for event in profile.key_averages())
+        assert kernel_rows == ([2 * 7] if form == "row kernel" else [])  # both requests' steps in one call
         assert ours.shape == expected.shape == (2, layer.conv.out_channels, 7 * layer.conv.stride[0])
         torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     test_decode_equals_the_reference_on_our_saved_weights(decoder, saved)

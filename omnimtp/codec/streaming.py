@@ -34,6 +34,10 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
+from omnimtp.runtime.decoder import ROW_KERNEL
+from omnimtp.runtime.kernels import small_batch_linear
+from omnimtp.runtime.ops import linear
+
 # One row's output-rate activations from this size on: its conv stack runs alone (`_conv_stack`). The real
 # decoders (96 channels at 24 kHz) reach it at 3 frames, the tiny test models' windows never.
 ROW_STACK_BYTES = 2 << 20
@@ -56,6 +60,7 @@ class StreamingCode2Wav:
         self.code2wav = code2wav
         use_inplace_snake(code2wav)
         use_unpadded_pointwise_convs(code2wav)
+        use_row_kernel_linears(code2wav)
         self.samples_per_frame = int(code2wav.total_upsample)
         self.num_lost_samples = _num_lost_samples(code2wav)
         self.conv_context_frames = conv_receptive_field_frames(code2wav)
@@ -166,6 +171,53 @@ def use_unpadded_pointwise_convs(module: torch.nn.Module) -> None:
     for child in module.modules():
         if type(child) is Qwen3OmniMoeCausalConvNet and child.kernel_size == 1 and child.stride == 1:
             child.__class__ = PointwiseCausalConv
+
+
+# Up to this many rows a request (a stream's chunk: its frames in the transformer, its steps in the conv stack),
+# linear layers and transposed convolutions of at least ROW_KERNEL_MIN_WEIGHTS weights run on omnimtp's row
+# kernel (`row_kernel_weight`); smaller matrices (the tiny test models') gain nothing from it.
+ROW_KERNEL_MAX_ROWS = 64
+ROW_KERNEL_MIN_WEIGHTS = 1 << 16
+
+
+def row_kernel_weight(owner: torch.nn.Module, matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """matrix [N, K] (a view of owner's weight) packed for omnimtp's row kernel, kept on owner and made again
+    when the weight changes; None where the kernel does not apply: a matrix under ROW_KERNEL_MIN_WEIGHTS, more
+    than ROW_KERNEL_MAX_ROWS rows a request in x (x.shape[-2]: the rows of one stream), gradients recorded, x or
+    the weight not fp32 on a CPU, or no kernel here. The kernel reads the weights once for all rows and
+    computes each row on its own, so a stream's bits do not depend on the others in its batch (no
+    `RowwiseMatmuls` needed), and a few rows take a fraction of the time MKL's matmul takes."""
+    if (
+        matrix.numel() < ROW_KERNEL_MIN_WEIGHTS or x.dim() < 2 or x.shape[-2] > ROW_KERNEL_MAX_ROWS
+        or torch.is_grad_enabled() or x.dtype != torch.float32
+        or matrix.dtype != torch.float32 or x.device.type != "cpu" or not small_batch_linear.available()
+    ):
+        return None
+    key = (matrix.data_ptr(), matrix._version, tuple(matrix.shape))
+    cached = owner.__dict__.get("_row_kernel_weight")
+    if cached is None or cached[0] != key:
+        cached = (key, small_batch_linear.pack_weight(matrix.detach().contiguous()))
+        owner.__dict__["_row_kernel_weight"] = cached
+    return cached[1]
+
+
+class RowKernelLinear(torch.nn.Linear):
+    """nn.Linear whose short inputs run on omnimtp's row kernel (`row_kernel_weight`), the bias added after
+    the matmul; others as the module does. Equal to it within float rounding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = row_kernel_weight(self, self.weight, x)
+        if packed is None:
+            return super().forward(x)
+        out = linear(x, self.weight, packed=packed, gemm=ROW_KERNEL)
+        return out if self.bias is None else out + self.bias
+
+
+def use_row_kernel_linears(module: torch.nn.Module) -> None:
+    """Make every nn.Linear under module a `RowKernelLinear` (the same parameters)."""
+    for child in module.modules():
+        if type(child) is torch.nn.Linear:
+            child.__class__ = RowKernelLinear
 
 
 def use_inplace_snake(module: torch.nn.Module) -> None:
