@@ -137,12 +137,15 @@ def test_pointwise_convolutions_skip_the_pad_and_keep_every_bit(code2wav):
         assert pointwise and all(type(m) is PointwiseCausalConv for m in pointwise)
 
 
-def test_short_chunks_run_the_linears_on_the_row_kernel_within_rounding(code2wav, monkeypatch):
+def test_short_chunks_run_the_linears_and_convolutions_on_the_row_kernel_within_rounding(code2wav, monkeypatch):
     """A stream's chunks of up to ROW_KERNEL_MAX_ROWS rows a request run the decoder's linear layers (its
-    transformer's, the ConvNeXt blocks') on omnimtp's row kernel, within float rounding of the modules' own
-    matmuls (which run when the kernel is off); batched streams stay bit for bit themselves. The tiny model's
-    matrices are under the kernel's minimum: it is lowered here."""
-    from omnimtp.codec.streaming import RowKernelLinear
+    transformer's, the ConvNeXt blocks') and its causal convolutions (dilated, pointwise) on omnimtp's row
+    kernel, each within float rounding of the module's own forward (which runs when the kernel is off), the
+    decoder's audio too; batched streams stay bit for bit themselves. The tiny model's matrices are under the
+    kernel's minimum: it is lowered here."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalConvNet
+
+    from omnimtp.codec.streaming import PointwiseCausalConv, RowKernelCausalConv, RowKernelLinear
     from omnimtp.runtime.kernels import small_batch_linear
 
     if not small_batch_linear.available():
@@ -150,6 +153,10 @@ def test_short_chunks_run_the_linears_on_the_row_kernel_within_rounding(code2wav
     decoder = StreamingCode2Wav(code2wav)
     linears = [m for m in code2wav.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is RowKernelLinear for m in linears)
+    convs = [m for m in code2wav.modules()
+             if isinstance(m, Qwen3OmniMoeCausalConvNet) and m.stride == 1 and m.conv.groups == 1]  # not depthwise
+    assert {type(m) for m in convs} == {RowKernelCausalConv, PointwiseCausalConv}
+    assert any(m.dilation > 1 for m in convs if type(m) is RowKernelCausalConv)
     kernel_rows = []
     run = small_batch_linear._run
     monkeypatch.setattr(small_batch_linear, "_run", lambda x, *rest: kernel_rows.append(x.shape[0]) or run(x, *rest))
@@ -157,6 +164,15 @@ def test_short_chunks_run_the_linears_on_the_row_kernel_within_rounding(code2wav
     _stream(decoder, codes, [0, 1, 5])
     assert not kernel_rows  # every matrix under the minimum
     monkeypatch.setattr(streaming, "ROW_KERNEL_MIN_WEIGHTS", 0)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for module in convs:
+            x = torch.randn(2, module.conv.in_channels, 9, generator=generator)
+            kernel_rows.clear()
+            ours = module(x)
+            assert kernel_rows == [2 * 9]  # both rows' steps in one call
+            expected = Qwen3OmniMoeCausalConvNet.forward(module, x)
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
     ours = np.concatenate(_stream(decoder, codes, [0, 1, 5]))
     assert 1 in kernel_rows  # the first chunk's frame through the transformer's linears
     test_batched_streams_equal_single_streams_bit_for_bit(code2wav, streaming.ROW_STACK_BYTES, monkeypatch)

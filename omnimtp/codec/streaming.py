@@ -60,7 +60,7 @@ class StreamingCode2Wav:
         self.code2wav = code2wav
         use_inplace_snake(code2wav)
         use_unpadded_pointwise_convs(code2wav)
-        use_row_kernel_linears(code2wav)
+        use_row_kernel_layers(code2wav)
         self.samples_per_frame = int(code2wav.total_upsample)
         self.num_lost_samples = _num_lost_samples(code2wav)
         self.conv_context_frames = conv_receptive_field_frames(code2wav)
@@ -160,10 +160,12 @@ class InplaceSnakeBeta(Qwen3OmniMoeSnakeBeta):
 class PointwiseCausalConv(Qwen3OmniMoeCausalConvNet):
     """transformers' causal convolution of kernel 1 and stride 1, without its zero-width `F.pad`: that pad still
     copies the whole input (about a millisecond a call for the 96-channel 24 kHz tensors of a 25-frame chunk),
-    and the convolution then runs on the same values in the same layout, so the output is the same bit for bit."""
+    and the convolution then runs on the same values in the same layout, so the output is the same bit for bit
+    (a short input of a large layer runs on the row kernel instead: `causal_conv_on_row_kernel`)."""
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        return self.conv(hidden_state).contiguous()
+        out = causal_conv_on_row_kernel(self, hidden_state)  # a short input of a large layer
+        return self.conv(hidden_state).contiguous() if out is None else out
 
 
 def use_unpadded_pointwise_convs(module: torch.nn.Module) -> None:
@@ -213,11 +215,49 @@ class RowKernelLinear(torch.nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-def use_row_kernel_linears(module: torch.nn.Module) -> None:
-    """Make every nn.Linear under module a `RowKernelLinear` (the same parameters)."""
+def causal_conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, hidden_state: torch.Tensor) -> torch.Tensor | None:
+    """transformers' causal convolution of stride 1 as one matmul on omnimtp's row kernel (every output step's
+    window of inputs, all kernel taps, by the weight [C_out, C_in·k]): hidden_state [B, C_in, L] → [B, C_out,
+    L], the convolution's sums in another order; None where `row_kernel_weight` does not apply (or a stride or
+    groups other than 1)."""
+    conv = module.conv
+    if conv.stride != (1,) or conv.groups != 1:
+        return None
+    matrix = conv.weight.flatten(1)  # [C_out, C_in·k], input channel major, tap minor
+    packed = row_kernel_weight(module, matrix, hidden_state.transpose(1, 2))
+    if packed is None:
+        return None
+    (kernel,), (dilation,) = conv.kernel_size, conv.dilation
+    batch, channels, length = hidden_state.shape
+    if kernel == 1:
+        rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
+    else:  # the causal left pad, then each output step's k taps, `dilation` apart
+        windows = F.pad(hidden_state, (module.padding, 0)).unfold(-1, module.kernel_size, 1)[..., ::dilation]
+        rows = windows.permute(0, 2, 1, 3).reshape(batch, length, channels * kernel)  # [B, L, C_in·k]
+    out = linear(rows, matrix, packed=packed, gemm=ROW_KERNEL)
+    if conv.bias is not None:
+        out = out + conv.bias
+    return out.transpose(1, 2).contiguous()
+
+
+class RowKernelCausalConv(Qwen3OmniMoeCausalConvNet):
+    """transformers' causal convolution of stride 1, its short inputs on omnimtp's row kernel
+    (`causal_conv_on_row_kernel`); equal to it within float rounding."""
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        out = causal_conv_on_row_kernel(self, hidden_state)
+        return super().forward(hidden_state) if out is None else out
+
+
+def use_row_kernel_layers(module: torch.nn.Module) -> None:
+    """Make every nn.Linear under module a `RowKernelLinear` and every causal convolution of stride 1 and a
+    kernel wider than 1 a `RowKernelCausalConv` (the same parameters; `PointwiseCausalConv` takes the row
+    kernel itself)."""
     for child in module.modules():
         if type(child) is torch.nn.Linear:
             child.__class__ = RowKernelLinear
+        elif type(child) is Qwen3OmniMoeCausalConvNet and child.stride == 1 and child.conv.groups == 1:
+            child.__class__ = RowKernelCausalConv
 
 
 def use_inplace_snake(module: torch.nn.Module) -> None:
