@@ -176,8 +176,9 @@ def use_unpadded_pointwise_convs(module: torch.nn.Module) -> None:
 
 
 # Up to this many rows a request (a stream's chunk: its frames in the transformer, its steps in the conv stack),
-# linear layers and transposed convolutions of at least ROW_KERNEL_MIN_WEIGHTS weights run on omnimtp's row
-# kernel (`row_kernel_weight`); smaller matrices (the tiny test models') gain nothing from it.
+# linear layers, causal convolutions of stride 1 and transposed convolutions of at least ROW_KERNEL_MIN_WEIGHTS
+# weights run on omnimtp's row kernel (`row_kernel_weight`); smaller matrices (the tiny test models') gain nothing
+# from it.
 ROW_KERNEL_MAX_ROWS = 64
 ROW_KERNEL_MIN_WEIGHTS = 1 << 16
 
@@ -250,9 +251,9 @@ class RowKernelCausalConv(Qwen3OmniMoeCausalConvNet):
 
 
 def use_row_kernel_layers(module: torch.nn.Module) -> None:
-    """Make every nn.Linear under module a `RowKernelLinear` and every causal convolution of stride 1 and a
-    kernel wider than 1 a `RowKernelCausalConv` (the same parameters; `PointwiseCausalConv` takes the row
-    kernel itself)."""
+    """Make every nn.Linear under module a `RowKernelLinear` and every causal convolution of stride 1 and one
+    group a `RowKernelCausalConv` (the same parameters; one already made a `PointwiseCausalConv` stays one: it
+    takes the row kernel itself)."""
     for child in module.modules():
         if type(child) is torch.nn.Linear:
             child.__class__ = RowKernelLinear
