@@ -25,6 +25,11 @@ kernels are called through ctypes and do not show up as ops).
 
     python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4] [--batch-sizes 1 8]
         [--threads 2] [--frames 12] [--profile] [--no-reference] [--model DIR] [--out tts_realtime.json] [--quick]
+        [--compile-predictor step|frame]
+
+`--compile-predictor` runs the code predictor as compiled graphs, as a server does once its warm-up is done; the
+graphs of the measured batch sizes are built before any timing (minutes on a CPU; inductor keeps them on disk),
+and the time that took is printed.
 
 Random weights: the speeds are real, the audio is not speech. Run from the repository root (the reference is
 imported from tests/qwen_tts_reference.py).

@@ -394,9 +394,13 @@ def test_max_sessions_then_a_clean_refusal(client, qwen3):
             connection.close()
 
 
-def test_a_disconnect_mid_response_cancels_it_and_frees_the_slot(client, qwen3):
+def test_a_disconnect_mid_response_cancels_it_and_frees_the_slot(client, qwen3, monkeypatch):
     engine, sessions, _ = qwen3
     _wait(lambda: sessions.num_open("/v1/realtime") == 0, "sessions left open")
+    # every engine step 20 ms longer: the tiny model's whole response (MAX_FRAMES frames) could otherwise end
+    # before the server hears of the close, and there would be nothing left to cancel
+    step = engine._core.step
+    monkeypatch.setattr(engine._core, "step", lambda: time.sleep(0.02) or step())
     cancelled = engine.metrics.registry.get_sample_value("omnimtp_cancelled_requests_total")
     connection = _configured(client.realtime.connect(model="omnimtp-tiny").enter())
     _user_text(connection, "Talk for a while")
