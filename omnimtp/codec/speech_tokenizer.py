@@ -129,13 +129,15 @@ class CausalTransConv(Qwen3OmniMoeCausalTransConvNet):
         2e-6 of its output's peak)."""
         conv = self.conv
         (stride,), (kernel,) = conv.stride, conv.kernel_size
+        if (
+            kernel % stride or conv.padding != (0,) or conv.dilation != (1,) or conv.groups != 1
+            or conv.output_padding != (0,)
+        ):
+            return super().forward(hidden_state)
         batch, _, length = hidden_state.shape
         taps_matrix = conv.weight.flatten(1).t()  # [C_out·K, C_in]
         packed = row_kernel_weight(self, taps_matrix, hidden_state.transpose(1, 2))
-        if (
-            (packed is None and conv.weight.numel() < self.MATMUL_MIN_WEIGHTS) or kernel % stride
-            or conv.padding != (0,) or conv.dilation != (1,) or conv.groups != 1 or conv.output_padding != (0,)
-        ):
+        if packed is None and conv.weight.numel() < self.MATMUL_MIN_WEIGHTS:
             return super().forward(hidden_state)
         out_channels, num_blocks = conv.weight.shape[1], kernel // stride
         rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
