@@ -1059,6 +1059,12 @@ MUTATIONS = [
         "        if protocol.partition(\".\")[0] != KEY_SUBPROTOCOL:\n            return None",
         ("tests/test_playground.py",), "the server answers no subprotocol, so a browser drops the connection",
     ),
+    Mutation(
+        "first_chunk_waits_for_the_talker_forward", "omnimtp/engine/core.py",
+        "        if not self.family.codec_looks_ahead:\n",
+        "        if False:\n",
+        ("tests/test_pipeline.py",), "a first audio chunk waits for the talker forward toward the next frame",
+    ),
 ]
 
 

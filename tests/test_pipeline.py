@@ -83,6 +83,38 @@ def test_first_audio_arrives_before_the_thinker_finishes(pipe):
     assert first_audio < text_events[-1]
 
 
+@pytest.mark.parametrize("family", ["qwen3_omni", "qwen3_tts", "qwen2_5"])
+def test_a_first_chunk_goes_out_before_the_talker_forward_toward_the_next_frame(family, pipe, monkeypatch):
+    """The step that completes a first chunk's frames decodes it and hands it out before the talker's forward for
+    the next frame, where the codec looks at no later frame (Qwen3-Omni's code2wav, the 12 Hz decoder);
+    Qwen2.5's token2wav holds samples back until later frames come, so there the forward goes first."""
+    from omnimtp.talker.loop import TalkerBatch
+
+    log = []
+    advance = TalkerBatch.advance
+
+    def logged_advance(self, taken):
+        log.append("forward")
+        return advance(self, taken)
+
+    monkeypatch.setattr(TalkerBatch, "advance", logged_advance)
+    if family == "qwen3_tts":
+        tiny = OmniPipeline.tiny(family=family, max_frames=MAX_FRAMES)
+        events = (e if isinstance(e, np.ndarray) else None for e in tiny.stream_speech("Hello there"))
+    else:
+        model = pipe if family == "qwen3_omni" else OmniPipeline.tiny(family=family, max_frames=MAX_FRAMES)
+        events = (e.audio for e in model.stream("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES))
+    for audio in events:
+        if audio is not None and audio.size:
+            log.append("audio")
+            break
+    if family == "qwen2_5":
+        assert log[0] == "forward" and "audio" in log
+    else:  # first_chunk_frames talker steps before the first audio, all but the last with their forwards
+        forwards = EngineConfig().first_chunk_frames - 1
+        assert log[: forwards + 1] == ["forward"] * forwards + ["audio"]
+
+
 def test_seeded_sampling_repeats_and_is_batch_invariant(pipe):
     sampling = dict(thinker_sampling=SamplingParams(temperature=1.0, top_k=20),
                     talker_sampling=SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05),

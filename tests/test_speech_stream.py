@@ -248,10 +248,10 @@ def test_a_failed_step_fails_parked_requests_too(tts):
     list(core.step())
     assert running.is_in_talker
 
-    def broken_step():
+    def broken_forward(taken):
         raise RuntimeError("a model error")
 
-    core.talker.step = broken_step
+    core.talker.advance = broken_forward  # the talker forward of a step fails
     with pytest.raises(RuntimeError, match="a model error"):
         list(core.step())
     failed = core.fail_running()

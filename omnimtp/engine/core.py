@@ -21,7 +21,9 @@ One `step()` is one audio frame boundary:
              text); a talker row waits for a text row it has not got, and a driver waits for text while nothing
              else can move (`has_ready_work`)
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
-    speak    one talker + code predictor step for every speaking request, as one batch
+    speak    one talker + code predictor step for every speaking request, as one batch: the code predictor
+             completes the step's frames, then (where the codec looks at no later frame) the first chunks
+             they complete are decoded and go out, then the talker forward toward the next frame
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
              `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
     retire   finished requests
@@ -40,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Generator, Hashable, Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -271,12 +273,13 @@ class EngineCore:
         self._feed_text()
         self._prefill_talker()
         started = self._phase("talker_admit", started)
-        self._speak()
-        started = self._phase("talk", started)
+        early_decode_s = yield from self._speak()
+        now = time.perf_counter()
+        self._phase("talk", started + early_decode_s)  # the first chunks decoded within count as code2wav
         first, later = self._due_chunks()
         yield from self._decode_blocks(first)
         yield from self._decode_blocks(later)
-        self._phase("code2wav", started)
+        self._phase("code2wav", now - early_decode_s)
         yield from self._retire()
         self._park()
 
@@ -502,23 +505,35 @@ class EngineCore:
                 self._stage("thinker", now - request.admitted_at)
         self._end_talkers([(frame.request_id, frame.finish_reason) for frame in ended])
 
-    def _speak(self) -> None:
-        if not self.talker.rows:
-            return
-        frames = self.talker.step()
-        if self.observer is not None and frames:
+    def _speak(self) -> Generator[StepEvent, None, float]:
+        """One talker step. Where the codec looks at no later frame, the first chunks its frames complete are
+        decoded (and go out) between the step's frames and its talker forward toward the next frame, so a
+        first audio never waits for that forward. Returns the seconds that decoding took."""
+        taken = self.talker.take_frames() if self.talker.rows else None
+        if taken is None:
+            return 0.0
+        decode_s = 0.0
+        now = time.perf_counter()
+        for request_id, codes in zip(taken.request_ids, taken.codes, strict=True):
+            request = self.running[request_id]
+            request.frames.append(codes)
+            if request.first_frame_at is None:
+                request.first_frame_at = now
+                self._stage("talker", request.first_frame_at - request.talker_admitted_at)
+        if not self.family.codec_looks_ahead:
+            started = time.perf_counter()
+            yield from self._decode_blocks([
+                (request, size) for request in map(self.running.get, taken.request_ids)
+                if (size := self._first_chunk_size(request))
+            ])
+            decode_s = time.perf_counter() - started
+        frames = self.talker.advance(taken)
+        if self.observer is not None:
             self.observer.talker_batch(len(frames))
-        ended = []
-        for frame in frames:
-            request = self.running[frame.request_id]
-            if frame.codes is not None:
-                request.frames.append(frame.codes)
-                if request.first_frame_at is None:
-                    request.first_frame_at = time.perf_counter()
-                    self._stage("talker", request.first_frame_at - request.talker_admitted_at)
-            if frame.finish_reason is not None:
-                ended.append((frame.request_id, frame.finish_reason))
-        self._end_talkers(ended)  # a finished row leaves the talker batch now; its audio may still be decoding
+        # a finished row leaves the talker batch now; its audio may still be decoding
+        self._end_talkers([(frame.request_id, frame.finish_reason) for frame in frames
+                           if frame.finish_reason is not None])
+        return decode_s
 
     def _end_talkers(self, ended: list[tuple[Hashable, str]]) -> None:
         if not ended:
@@ -565,13 +580,13 @@ class EngineCore:
             is_talker_done = request.talker_finish_reason is not None
             if not request.is_streamed:
                 size = pending if is_talker_done else 0
-            else:
-                target = config.first_chunk_frames if request.num_decoded == 0 else config.chunk_frames
-                size = min(pending, target) if pending >= target or is_talker_done else 0
-            if size == 0:
+            elif request.num_decoded == 0:
+                if size := self._first_chunk_size(request):
+                    first.append((request, size))
                 continue
-            if request.is_streamed and request.num_decoded == 0:
-                first.append((request, size))
+            else:
+                size = min(pending, config.chunk_frames) if pending >= config.chunk_frames or is_talker_done else 0
+            if size == 0:
                 continue
             if request.chunk_ready_step is None:
                 request.chunk_ready_step = self.num_steps
@@ -595,6 +610,15 @@ class EngineCore:
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first
+
+    def _first_chunk_size(self, request: Request) -> int:
+        """The frames of a streamed request's first chunk once it is due (first_chunk_frames, or fewer when its
+        talker ended sooner), else 0."""
+        pending = len(request.frames) - request.num_decoded
+        if not request.is_streamed or request.num_decoded > 0 or pending == 0:
+            return 0
+        target = self.config.first_chunk_frames
+        return min(pending, target) if pending >= target or request.talker_finish_reason is not None else 0
 
     def _decode_blocks(self, ready: list[tuple[Request, int]]) -> list[StepEvent]:
         """The next n frames of each request through code2wav in one batch."""

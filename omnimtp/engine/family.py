@@ -21,6 +21,7 @@ from omnimtp.sampling import SamplingParams
 class Family(Protocol):
     sample_rate: int
     num_code_groups: int
+    codec_looks_ahead: bool  # the codec holds a chunk's samples back until later frames (or is_final) come
     device: torch.device  # where the weights are: requests' generators and sampling live there
 
     def check_speaker(self, speaker: str) -> None:

@@ -55,6 +55,7 @@ class Qwen2_5OmniFamily(ChatText):
     model_type = "qwen2_5_omni"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
     num_code_groups = 1
+    codec_looks_ahead = True  # token2wav holds a chunk's last samples back until later frames (or the end) come
     # Qwen2.5-Omni's cookbook asks for transcripts under this system line (universal_audio_understanding)
     transcription_system = "You are a speech recognition model."
 

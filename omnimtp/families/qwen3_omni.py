@@ -45,6 +45,7 @@ class Qwen3OmniFamily(ChatText):
 
     model_type = "qwen3_omni_moe"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
+    codec_looks_ahead = False  # code2wav looks at no later frame
 
     def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
                  thinker_speculation: ThinkerSpeculation | None = None, quantize: str | None = None):

@@ -101,6 +101,7 @@ class Qwen3TTSFamily(ChatText):
 
     model_type = "qwen3_tts"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
+    codec_looks_ahead = False  # the 12 Hz decoder is causal
     has_chat = False
     default_sampling = QWEN3_TTS_SAMPLING  # a sampled request's settings where it gives none (the reference's)
 

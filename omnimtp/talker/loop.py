@@ -16,9 +16,10 @@ The loop is the same for every family; what differs lives in a small `FrameMaker
   prefill ids `[codec_mask] * P + [codec_pad, codec_bos]` as seen, as transformers' `generate` does.
 
 `TalkerBatch` is the state a scheduler drives: `admit` prefills new requests and merges them into
-the batch, `step` makes one frame for every ready request, `retire` drops requests at a frame
-boundary, `park` takes a request's whole state out of the batch (its KV slot is free for another) and
-`resume` puts it back, so it goes on exactly as if it had stayed.
+the batch, `step` makes one frame for every ready request (`take_frames`, whose codes are final, then
+`advance`, the talker forward toward the next frame: a scheduler decodes a first audio chunk in between),
+`retire` drops requests at a frame boundary, `park` takes a request's whole state out of the batch (its KV
+slot is free for another) and `resume` puts it back, so it goes on exactly as if it had stayed.
 
 Prefix reuse (`TalkerRequest.prefill_block`, `prefix`, `keeps_prefix`), as the thinker's (`omnimtp.thinker`): a
 prefill longer than its block runs in blocks of that many positions from position 0, one forward each, so its
@@ -171,6 +172,17 @@ class _Row:
     @property
     def is_ready(self) -> bool:
         return self.finish_reason is None and (bool(self.text_rows) or self.is_text_finished)
+
+
+@dataclass
+class TakenFrames:
+    """A step's frames between `TalkerBatch.take_frames` and `advance`: the requests, their rows in the batch,
+    their codes [R, G] and the talker inputs of their next frames [R, H]."""
+
+    request_ids: list[Hashable]
+    rows: list[int]
+    codes: torch.Tensor
+    next_inputs: torch.Tensor
 
 
 @dataclass
@@ -414,24 +426,42 @@ class TalkerBatch:
         return len(self.rows[self.request_ids.index(request_id)].text_rows)
 
     def step(self) -> list[TalkerFrame]:
-        """One frame for every ready request."""
+        """One frame for every ready request: `take_frames`, then `advance`."""
+        taken = self.take_frames()
+        return [] if taken is None else self.advance(taken)
+
+    def take_frames(self) -> TakenFrames | None:
+        """The first half of a step: this step's frame of every ready request (its codes are final), and the
+        talker inputs `advance` forwards (None when no request is ready). A caller may use the codes (decode
+        a first audio chunk) before `advance`; nothing may be admitted, retired or parked in between."""
         ready = [i for i, row in enumerate(self.rows) if row.is_ready]
         if not ready:
-            return []
+            return None
         index = torch.tensor(ready, device=self.code0.device)
         rows = [self.rows[i] for i in ready]
         text = torch.stack([_pop_text_row(row) for row in rows])  # [R, D]
         codes, next_inputs = self.frames.make_frames(
             self.code0[index], self.last_hidden[index], text, [row.request for row in rows]
         )  # [R, G], [R, H]
-        hidden = self._forward(next_inputs[:, None], ready)  # [R, H]
+        return TakenFrames([row.request.request_id for row in rows], ready, codes, next_inputs)
+
+    def advance(self, taken: TakenFrames) -> list[TalkerFrame]:
+        """The second half of a step: the talker forward of `taken`'s next inputs and code 0 of each request's
+        next frame → the step's frames, with their finish reasons (codec EOS next, or max_frames)."""
+        ready = taken.rows
+        if any(i >= len(self.rows) or self.rows[i].request.request_id != request_id
+               for i, request_id in zip(ready, taken.request_ids, strict=True)):
+            raise RuntimeError("taken: the batch changed between take_frames and advance")
+        index = torch.tensor(ready, device=self.code0.device)
+        rows = [self.rows[i] for i in ready]
+        hidden = self._forward(taken.next_inputs[:, None], ready)  # [R, H]
         self.seen[index, self.code0[index]] = True
         next_code0 = self._sample_code0(hidden, self.seen[index], rows, [row.num_frames + 1 for row in rows])
         self.last_hidden = self.last_hidden.index_copy(0, index, hidden)
         self.code0 = self.code0.index_copy(0, index, next_code0)
         return [
             self._finish_frame(i, frame_codes, code)
-            for i, frame_codes, code in zip(ready, codes, next_code0.tolist(), strict=True)
+            for i, frame_codes, code in zip(ready, taken.codes, next_code0.tolist(), strict=True)
         ]
 
     def retire(self, request_ids: list[Hashable]) -> None:
