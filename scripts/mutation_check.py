@@ -1065,6 +1065,14 @@ MUTATIONS = [
         "        if False:\n",
         ("tests/test_pipeline.py",), "a first audio chunk waits for the talker forward toward the next frame",
     ),
+    Mutation(
+        "int4_tiles_add_their_sets_out_of_order", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    INT4_TILE_SET(R, 1, INT4_ROW_NEXT_SET)                                                            \\\n"
+        "    INT4_TILE_SET(R, 2, INT4_ROW_NEXT_SET)                                                            \\\n",
+        "    INT4_TILE_SET(R, 2, INT4_ROW_NEXT_SET)                                                            \\\n"
+        "    INT4_TILE_SET(R, 1, INT4_ROW_NEXT_SET)                                                            \\\n",
+        ("tests/test_quantized_linear.py",), "int4 tiles of several rows add their sets in another order than alone",
+    ),
 ]
 
 
@@ -1129,7 +1137,8 @@ def run_mutation(scratch: Path, mutation: Mutation, timeout_s: float) -> dict:
     path = scratch / mutation.path
     original = path.read_text()
     mutated = original.replace(mutation.old, mutation.new, 1)
-    compile(mutated, str(path), "exec")  # a mutation must be a bug, not a syntax error
+    if path.suffix == ".py":  # a mutation must be a bug, not a syntax error (a C kernel is compiled by its tests)
+        compile(mutated, str(path), "exec")
     path.write_text(mutated)
     try:
         code, seconds, output = run_pytest(scratch, list(mutation.tests), timeout_s)

@@ -70,6 +70,21 @@ def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 9, 16])
+def test_int4_rows_in_tiles_give_each_row_its_bits_alone(rows):
+    """From 3 rows the AVX2 int4 kernel runs tiles of 4 and 3 rows, each set of inputs in turn (one or two rows
+    left over run as pairs): every row is the same bits as alone, for any batch size, and the dequantized matmul
+    within rounding (3 groups, a partial last panel of columns)."""
+    g = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 384, generator=g), torch.randn(50, 384, generator=g)
+    q = quantize_weight(weight, "int4")
+    batch = linear(x, weight, packed=q)
+    assert torch.equal(batch, torch.cat([linear(x[i : i + 1], weight, packed=q) for i in range(rows)]))
+    reference = x @ q.dequantized().T
+    assert ((batch - reference).abs() <= RTOL * (x.abs() @ q.dequantized().abs().T) + 1e-6).all()
+
+
+@needs_kernel
 @pytest.mark.parametrize(("in_features", "group_size"), [(100, 128), (36, 12), (44, 4), (7, 7)])
 def test_int4_groups_that_do_not_fall_on_words_of_8_inputs(in_features, group_size):
     """int4 weights are stored 8 inputs to a 32-bit word: a K that is not a multiple of 8 (one group of all K),
