@@ -1067,11 +1067,17 @@ MUTATIONS = [
     ),
     Mutation(
         "int4_tiles_add_their_sets_out_of_order", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "    INT4_TILE_SET(R, 1, INT4_ROW_NEXT_SET)                                                            \\\n"
-        "    INT4_TILE_SET(R, 2, INT4_ROW_NEXT_SET)                                                            \\\n",
-        "    INT4_TILE_SET(R, 2, INT4_ROW_NEXT_SET)                                                            \\\n"
-        "    INT4_TILE_SET(R, 1, INT4_ROW_NEXT_SET)                                                            \\\n",
+        "    INT4_TILE_SET(R, 1, TILE_ROW_NEXT_SET)                                                            \\\n"
+        "    INT4_TILE_SET(R, 2, TILE_ROW_NEXT_SET)                                                            \\\n",
+        "    INT4_TILE_SET(R, 2, TILE_ROW_NEXT_SET)                                                            \\\n"
+        "    INT4_TILE_SET(R, 1, TILE_ROW_NEXT_SET)                                                            \\\n",
         ("tests/test_quantized_linear.py",), "int4 tiles of several rows add their sets in another order than alone",
+    ),
+    Mutation(
+        "int8_tiles_skip_an_odd_last_input", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  for (int64_t k = (p); k < K; k += QSETS) {",
+        "  for (int64_t k = (p); k + 1 < K; k += QSETS) {",
+        ("tests/test_quantized_linear.py",), "int8 tiles of several rows drop an odd K's last input",
     ),
 ]
 

@@ -70,14 +70,16 @@ def test_a_row_is_the_same_alone_as_in_a_batch_and_bias_and_dtype(mode):
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
 @pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 9, 16])
-def test_int4_rows_in_tiles_give_each_row_its_bits_alone(rows):
-    """From 3 rows the AVX2 int4 kernel runs tiles of 4 and 3 rows, each set of inputs in turn (one or two rows
-    left over run as pairs): every row is the same bits as alone, for any batch size, and the dequantized matmul
-    within rounding (3 groups, a partial last panel of columns)."""
+def test_rows_in_tiles_give_each_row_its_bits_alone(rows, mode):
+    """From 3 rows the AVX2 kernels run tiles of 4 and 3 rows, each set of inputs in turn (one or two rows left
+    over run as pairs): every row is the same bits as alone, for any batch size, and the dequantized matmul within
+    rounding (int4: 3 groups; an odd number of inputs for int8's two sets; a partial last panel of columns)."""
     g = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 384, generator=g), torch.randn(50, 384, generator=g)
-    q = quantize_weight(weight, "int4")
+    in_features = 384 if mode == "int4" else 383
+    x, weight = torch.randn(rows, in_features, generator=g), torch.randn(50, in_features, generator=g)
+    q = quantize_weight(weight, mode)
     batch = linear(x, weight, packed=q)
     assert torch.equal(batch, torch.cat([linear(x[i : i + 1], weight, packed=q) for i in range(rows)]))
     reference = x @ q.dequantized().T

@@ -429,31 +429,31 @@ INT4_FN(1, 1) INT4_FN(2, 1)
 
 /* int4 for several rows. INT4_FN keeps a row's four sets of both halves in registers at once (8 accumulators a
  * row: two rows spill) and converts every nibble again for each pair of rows. Here the rows go in tiles of up to
- * INT4_TILE_ROWS and the sets one after the other: for set p, one accumulator per row and half runs over the
+ * QTILE_ROWS and the sets one after the other: for set p, one accumulator per row and half runs over the
  * set's inputs k0 + p, k0 + p + 4, ... (nibbles p and p + 4 of each word: constants, converted once per tile and
  * shared by its rows), and the finished set is added to the row's group sum in memory, in set order. At 4 rows
  * that is 8 independent FMA chains, enough to hide the FMA latency, with the conversions and loads beside them
  * (tiles of 5 or 6 rows spilled accumulators and ran no faster: 1-thread AMD EPYC). The FMAs and additions are
  * INT4_FN's, in its order, so every row gets the same bits as alone. Groups of whole words only (group % 8 == 0):
  * others take INT4_FN. */
-#define INT4_TILE_ROWS 4
-#define INT4_MANY_ROWS 3 /* from this many rows a call takes this path */
+#define QTILE_ROWS 4
+#define QMANY_ROWS 3 /* from this many rows a call takes this path */
 
 /* Each row's accumulators are variables of their own (a<row>_lo, a<row>_hi): arrays of them, even indexed by
  * constants after unrolling, made GCC store every accumulator to the stack after each FMA. */
-#define INT4_ROWS_3(F) F(0) F(1) F(2)
-#define INT4_ROWS_4(F) INT4_ROWS_3(F) F(3)
-#define INT4_ROW_ZERO(m) a##m##_lo = a##m##_hi = _mm256_setzero_ps();
-#define INT4_ROW_FMA(m)                                                                                \
+#define TILE_ROWS_3(F) F(0) F(1) F(2)
+#define TILE_ROWS_4(F) TILE_ROWS_3(F) F(3)
+#define TILE_ROW_ZERO(m) a##m##_lo = a##m##_hi = _mm256_setzero_ps();
+#define TILE_ROW_FMA(m)                                                                                \
   {                                                                                                   \
     const __m256 x = _mm256_broadcast_ss(xs + m * K + k);                                             \
     a##m##_lo = _mm256_fmadd_ps(v_lo, x, a##m##_lo);                                                  \
     a##m##_hi = _mm256_fmadd_ps(v_hi, x, a##m##_hi);                                                  \
   }
-#define INT4_ROW_FIRST_SET(m)                                                                          \
+#define TILE_ROW_FIRST_SET(m)                                                                          \
   _mm256_storeu_ps(sums + m * PANEL, a##m##_lo);                                                      \
   _mm256_storeu_ps(sums + m * PANEL + 8, a##m##_hi);
-#define INT4_ROW_NEXT_SET(m)                                                                           \
+#define TILE_ROW_NEXT_SET(m)                                                                           \
   _mm256_storeu_ps(sums + m * PANEL, _mm256_add_ps(_mm256_loadu_ps(sums + m * PANEL), a##m##_lo));    \
   _mm256_storeu_ps(sums + m * PANEL + 8, _mm256_add_ps(_mm256_loadu_ps(sums + m * PANEL + 8), a##m##_hi));
 
@@ -463,38 +463,38 @@ INT4_FN(1, 1) INT4_FN(2, 1)
     const int64_t k = k0 + 8 * i + (j);                                                               \
     const __m256 v_lo = int4_lanes(_mm256_loadu_si256((const __m256i*)ws), j);                        \
     const __m256 v_hi = int4_lanes(_mm256_loadu_si256((const __m256i*)(ws + 8)), j);                  \
-    INT4_ROWS_##R(INT4_ROW_FMA)                                                                       \
+    TILE_ROWS_##R(TILE_ROW_FMA)                                                                       \
   }
 
 /* Set p (a constant) of the group at k0: inputs k0 + p + 4i in order, then into the group sums. */
 #define INT4_TILE_SET(R, p, ADD)                                                                       \
-  INT4_ROWS_##R(INT4_ROW_ZERO)                                                                        \
+  TILE_ROWS_##R(TILE_ROW_ZERO)                                                                        \
   for (int64_t i = 0; i < group / 8; ++i) {                                                           \
     const int32_t* ws = w + (k0 / 8 + i) * PANEL;                                                     \
     INT4_TILE_INPUT(R, p)                                                                             \
     INT4_TILE_INPUT(R, (p) + 4)                                                                       \
   }                                                                                                   \
-  INT4_ROWS_##R(ADD)
+  TILE_ROWS_##R(ADD)
 
-#define INT4_ROW_DECLARE(m) __m256 a##m##_lo, a##m##_hi;
+#define TILE_ROW_DECLARE(m) __m256 a##m##_lo, a##m##_hi;
 /* R rows (xs, stride K) over the group at k0 of a panel (words w): the group's sums [R][16], as INT4_FN forms
  * them before the bias and the scales. */
 #define INT4_TILE_FN(R)                                                                                \
   static void int4_tile_##R(const float* xs, const int32_t* w, float* sums, int64_t K, int64_t k0,     \
                             int64_t group) {                                                          \
-    INT4_ROWS_##R(INT4_ROW_DECLARE)                                                                   \
-    INT4_TILE_SET(R, 0, INT4_ROW_FIRST_SET)                                                           \
-    INT4_TILE_SET(R, 1, INT4_ROW_NEXT_SET)                                                            \
-    INT4_TILE_SET(R, 2, INT4_ROW_NEXT_SET)                                                            \
-    INT4_TILE_SET(R, 3, INT4_ROW_NEXT_SET)                                                            \
+    TILE_ROWS_##R(TILE_ROW_DECLARE)                                                                   \
+    INT4_TILE_SET(R, 0, TILE_ROW_FIRST_SET)                                                           \
+    INT4_TILE_SET(R, 1, TILE_ROW_NEXT_SET)                                                            \
+    INT4_TILE_SET(R, 2, TILE_ROW_NEXT_SET)                                                            \
+    INT4_TILE_SET(R, 3, TILE_ROW_NEXT_SET)                                                            \
   }
 
 INT4_TILE_FN(3) INT4_TILE_FN(4)
 typedef void (*int4_tile_fn)(const float*, const int32_t*, float*, int64_t, int64_t, int64_t);
-static const int4_tile_fn kInt4Tiles[INT4_TILE_ROWS + 1] = {0, 0, 0, int4_tile_3, int4_tile_4};
+static const int4_tile_fn kInt4Tiles[QTILE_ROWS + 1] = {0, 0, 0, int4_tile_3, int4_tile_4};
 
 /* One panel (words w, scales, output columns col..) for all M rows. work: M * PANEL floats for the rows'
- * outputs, then INT4_TILE_ROWS * PANEL for a tile's group sums. */
+ * outputs, then QTILE_ROWS * PANEL for a tile's group sums. */
 static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w, const float* scales, float* y,
                             int64_t M, int64_t K, int64_t N, int64_t col, int64_t group, float* work) {
   const int64_t groups = K / group;
@@ -503,8 +503,8 @@ static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w
   for (int64_t k0 = 0; k0 < K; k0 += group) {
     const __m256 s_lo = _mm256_loadu_ps(scales + (k0 / group) * PANEL);
     const __m256 s_hi = _mm256_loadu_ps(scales + (k0 / group) * PANEL + 8);
-    for (int64_t m0 = 0; m0 < M; m0 += INT4_TILE_ROWS) {
-      const int64_t r = M - m0 < INT4_TILE_ROWS ? M - m0 : INT4_TILE_ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += QTILE_ROWS) {
+      const int64_t r = M - m0 < QTILE_ROWS ? M - m0 : QTILE_ROWS;
       kInt4Tiles[r](xs + m0 * K, w, sums, K, k0, group);
       for (int64_t m = 0; m < r; ++m) { /* INT4_FN's end of a group: less 8 * xsum, times the scales */
         const __m256 bias = _mm256_set1_ps(8.0f * xsum[(m0 + m) * groups + k0 / group]);
@@ -520,6 +520,42 @@ static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w
     store_panel(y + m * N + col, _mm256_loadu_ps(acc + m * PANEL), _mm256_loadu_ps(acc + m * PANEL + 8),
                 first_n(N - col));
 }
+
+/* int8 for several rows, the same way: tiles of up to QTILE_ROWS rows, set p (inputs p, p + 2, ...: INT8_FN's
+ * two sets, an odd K's last input in set 0) for all of them, then set 1 added to it, times the scales. */
+#define INT8_TILE_SET(R, p, ADD)                                                                       \
+  TILE_ROWS_##R(TILE_ROW_ZERO)                                                                        \
+  for (int64_t k = (p); k < K; k += QSETS) {                                                          \
+    const __m128i q = _mm_loadu_si128((const __m128i*)(w + k * PANEL));                               \
+    const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                                  \
+    const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));               \
+    TILE_ROWS_##R(TILE_ROW_FMA)                                                                       \
+  }                                                                                                   \
+  TILE_ROWS_##R(ADD)
+
+#define INT8_TILE_FN(R)                                                                                \
+  static void int8_tile_##R(const float* xs, const int8_t* w, float* sums, int64_t K) {               \
+    TILE_ROWS_##R(TILE_ROW_DECLARE)                                                                   \
+    INT8_TILE_SET(R, 0, TILE_ROW_FIRST_SET)                                                           \
+    INT8_TILE_SET(R, 1, TILE_ROW_NEXT_SET)                                                            \
+  }
+
+INT8_TILE_FN(3) INT8_TILE_FN(4)
+
+/* One panel (int8 w, scales, output columns col..) for all M rows (M a sum of tiles of 4 and at most one of 3);
+ * sums: QTILE_ROWS * PANEL floats. */
+static void int8_panel_rows(const float* x, const int8_t* w, const float* scales, float* y, int64_t M, int64_t K,
+                            int64_t N, int64_t col, float* sums) {
+  const __m256 s_lo = _mm256_loadu_ps(scales), s_hi = _mm256_loadu_ps(scales + 8);
+  for (int64_t m0 = 0; m0 < M; m0 += QTILE_ROWS) {
+    const int64_t r = M - m0 < QTILE_ROWS ? M - m0 : QTILE_ROWS;
+    if (r == 4) int8_tile_4(x + m0 * K, w, sums, K);
+    else int8_tile_3(x + m0 * K, w, sums, K);
+    for (int64_t m = 0; m < r; ++m)
+      store_panel(y + (m0 + m) * N + col, _mm256_mul_ps(_mm256_loadu_ps(sums + m * PANEL), s_lo),
+                  _mm256_mul_ps(_mm256_loadu_ps(sums + m * PANEL + 8), s_hi), first_n(N - col));
+  }
+}
 #endif
 
 /* Panels first..first+count-1 (count is QSTREAMS, or 1 at the end of a matrix) for every row, in row pairs. */
@@ -528,15 +564,20 @@ static void quantized_panels(const float* x, const float* xsum, const void* pack
                              float* work) {
   const int64_t col = first * PANEL;
 #ifndef __AVX512F__
-  if (bits == 4 && M >= INT4_MANY_ROWS && group % 8 == 0) {
+  if (M >= QMANY_ROWS && (bits == 8 || group % 8 == 0)) {
     /* tiles of 4 rows and one of 3; one or two rows left over take the pairs below (a tile of 1 or 2 rows has
-     * too few FMA chains: 5 rows as 3 + 2 took 1.45x as long as 4 + 1) */
-    const int64_t tail = M % INT4_TILE_ROWS <= 2 ? M % INT4_TILE_ROWS : 0;
-    const int64_t words = (K + 7) / 8;
-    int4_panel_rows(x, xsum, (const int32_t*)packed + first * words * PANEL, scales + first * (K / group) * PANEL,
-                    y, M - tail, K, N, col, group, work);
+     * too few FMA chains: int4, 5 rows as 3 + 2 took 1.45x as long as 4 + 1) */
+    const int64_t tail = M % QTILE_ROWS <= 2 ? M % QTILE_ROWS : 0;
+    if (bits == 8) {
+      int8_panel_rows(x, (const int8_t*)packed + first * K * PANEL, scales + first * PANEL, y, M - tail, K, N, col,
+                      work);
+    } else {
+      const int64_t words = (K + 7) / 8;
+      int4_panel_rows(x, xsum, (const int32_t*)packed + first * words * PANEL, scales + first * (K / group) * PANEL,
+                      y, M - tail, K, N, col, group, work);
+      xsum += (M - tail) * (K / group);
+    }
     x += (M - tail) * K;
-    xsum += (M - tail) * (K / group);
     y += (M - tail) * N;
     M = tail;
   }
@@ -616,8 +657,8 @@ int omnimtp_quantized_linear(const float* x, const void* packed, const float* sc
   }
 #ifdef __AVX512F__
   const int64_t work_floats = 0;
-#else /* each thread's scratch for the int4 path of several rows (int4_panel_rows) */
-  const int64_t work_floats = bits == 4 && M >= INT4_MANY_ROWS ? (M + INT4_TILE_ROWS) * PANEL : 0;
+#else /* each thread's scratch for the paths of several rows (int4_panel_rows, int8_panel_rows) */
+  const int64_t work_floats = M >= QMANY_ROWS ? (M + QTILE_ROWS) * PANEL : 0;
 #endif
   const int threads = num_threads > 1 && groups > 1 ? num_threads : 1;
   float* work = work_floats ? (float*)malloc(sizeof(float) * (size_t)(threads * work_floats)) : NULL;
