@@ -11,6 +11,7 @@ from reference_omni import reference_generate
 from omnimtp.engine.core import EngineConfig
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
+from omnimtp.talker.loop import TalkerBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,8 +89,6 @@ def test_a_first_chunk_goes_out_before_the_talker_forward_toward_the_next_frame(
     """The step that completes a first chunk's frames decodes it and hands it out before the talker's forward for
     the next frame, where the codec looks at no later frame (Qwen3-Omni's code2wav, the 12 Hz decoder);
     Qwen2.5's token2wav holds samples back until later frames come, so there the forward goes first."""
-    from omnimtp.talker.loop import TalkerBatch
-
     log = []
     advance = TalkerBatch.advance
 

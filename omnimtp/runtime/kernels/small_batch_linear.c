@@ -490,11 +490,9 @@ INT4_FN(1, 1) INT4_FN(2, 1)
   }
 
 INT4_TILE_FN(3) INT4_TILE_FN(4)
-typedef void (*int4_tile_fn)(const float*, const int32_t*, float*, int64_t, int64_t, int64_t);
-static const int4_tile_fn kInt4Tiles[QTILE_ROWS + 1] = {0, 0, 0, int4_tile_3, int4_tile_4};
 
-/* One panel (words w, scales, output columns col..) for all M rows. work: M * PANEL floats for the rows'
- * outputs, then QTILE_ROWS * PANEL for a tile's group sums. */
+/* One panel (words w, scales, output columns col..) for all M rows (tiles of 4, at most one of 3). work: M * PANEL
+ * floats for the rows' outputs, then QTILE_ROWS * PANEL for a tile's group sums. */
 static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w, const float* scales, float* y,
                             int64_t M, int64_t K, int64_t N, int64_t col, int64_t group, float* work) {
   const int64_t groups = K / group;
@@ -505,7 +503,8 @@ static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w
     const __m256 s_hi = _mm256_loadu_ps(scales + (k0 / group) * PANEL + 8);
     for (int64_t m0 = 0; m0 < M; m0 += QTILE_ROWS) {
       const int64_t r = M - m0 < QTILE_ROWS ? M - m0 : QTILE_ROWS;
-      kInt4Tiles[r](xs + m0 * K, w, sums, K, k0, group);
+      if (r == 4) int4_tile_4(xs + m0 * K, w, sums, K, k0, group);
+      else int4_tile_3(xs + m0 * K, w, sums, K, k0, group);
       for (int64_t m = 0; m < r; ++m) { /* INT4_FN's end of a group: less 8 * xsum, times the scales */
         const __m256 bias = _mm256_set1_ps(8.0f * xsum[(m0 + m) * groups + k0 / group]);
         float* a = acc + (m0 + m) * PANEL;
