@@ -2,15 +2,22 @@
 leaving no trace of rejected drafts in the recurrent state.
 
     python benchmarks/hybrid_rollback.py [--family qwen3_next] [--num-layers 2] [--batch-size 1] [--threads 1]
+        [--widths tiny|qwen3_next]
 
 A prompt of 32 tokens is prefilled, then a k + 1 = 4 token block is verified (and undone, so every repeat
 sees the same cache). Rows keep `--kept` tokens of the block. Strategies:
-  verify only            the forward alone: the all-accepted case, nothing to undo
-  omnimtp rollback       snapshot, forward (layer inputs recorded), restore + the linear layers' token mixers
-                         re-run on the kept tokens one token at a time (`omnimtp.spec_decode.hybrid.rollback`)
+  verify only            the forward alone: the all-accepted case, nothing to undo (transformers' chunked
+                         rule for the linear layers, and the recurrent one that omnimtp's verify takes)
+  omnimtp rollback       snapshot, forward (recurrent rule, layer inputs recorded), restore + the linear
+                         layers' token mixers re-run on the kept tokens one token at a time
+                         (`omnimtp.spec_decode.hybrid.rollback`)
   re-feed the prefix     snapshot, forward, restore, then the whole target again on the kept tokens
   per-token layers       our own layer loop: linear layers one token at a time inside every verify, each
                          token's state kept (whole decoder layer per token, or only its token mixer)
+
+`--widths qwen3_next` gives the layers Qwen3-Next-80B-A3B's widths (hidden 2048; linear attention 16 key
+heads and 32 value heads of 128; attention 16 heads, 2 KV heads of 256; 10 routed experts of 512 and a
+shared one a token) with 16 experts in the pool instead of 512 (the same work a token, random weights).
 """
 
 from __future__ import annotations
@@ -27,7 +34,19 @@ from transformers.masking_utils import create_causal_mask
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp.models.tiny_lm import tiny_lm, tiny_lm_config  # noqa: E402
-from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot  # noqa: E402
+from omnimtp.spec_decode.hybrid import (  # noqa: E402
+    crop_attention,
+    linear_layer_indices,
+    rollback,
+    snapshot,
+    verify_blocks,
+)
+
+QWEN3_NEXT_WIDTHS = dict(
+    hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, num_experts=16, num_experts_per_tok=10, intermediate_size=5120,
+)
 
 
 def _restore(cache, saved):
@@ -78,9 +97,13 @@ def main() -> None:
     parser.add_argument("--kept", type=int, default=2, help="tokens of the 4-token block the rows keep")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--widths", default="tiny", choices=["tiny", "qwen3_next"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = tiny_lm_config(args.family)
+    if args.widths == "qwen3_next":
+        for name, value in QWEN3_NEXT_WIDTHS.items():
+            setattr(config, name, value)
     if args.num_layers != 2:
         config.num_hidden_layers = args.num_layers
         config.layer_types = [
@@ -103,11 +126,16 @@ def main() -> None:
         def verify_only():
             decoder(input_ids=block, position_ids=positions, cache=cache, use_cache=True)
 
+        def verify_recurrent():
+            with verify_blocks(target):
+                verify_only()
+
         def omnimtp_rollback():
             saved = snapshot(cache, layers)
-            out = decoder(
-                input_ids=block, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True
-            )
+            with verify_blocks(target):
+                out = decoder(
+                    input_ids=block, position_ids=positions, cache=cache, use_cache=True, output_hidden_states=True
+                )
             crop_attention(cache, width - kept)
             rollback(target, cache, saved, out.hidden_states, num_kept)
 
@@ -124,9 +152,10 @@ def main() -> None:
         def one_token_step():
             decoder(input_ids=block[:, :1], position_ids=positions[:, :1], cache=cache, use_cache=True)
 
-        print(f"{args.family}, {config.num_hidden_layers} layers ({len(layers)} linear), batch {batch}, "
-              f"block {width}, rows keep {kept}, {args.threads} thread(s)")
-        cases = [("verify only (all accepted)", verify_only, width), ("omnimtp rollback", omnimtp_rollback, kept),
+        print(f"{args.family} at {args.widths} widths, {config.num_hidden_layers} layers ({len(layers)} linear), "
+              f"batch {batch}, block {width}, rows keep {kept}, {args.threads} thread(s)")
+        cases = [("verify only (all accepted)", verify_only, width),
+                 ("verify only, recurrent rule", verify_recurrent, width), ("omnimtp rollback", omnimtp_rollback, kept),
                  ("re-feed the kept prefix", refeed, kept), ("per-token layers in verify", per_token(False), width),
                  ("per-token mixers in verify", per_token(True), width), ("plain one-token step", one_token_step, 1)]
         for name, step, _appended in cases:

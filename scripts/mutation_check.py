@@ -1066,6 +1066,18 @@ MUTATIONS = [
         ("tests/test_pipeline.py",), "a first audio chunk waits for the talker forward toward the next frame",
     ),
     Mutation(
+        "hybrid_verify_blocks_keep_chunks", "omnimtp/spec_decode/generate.py",
+        "        with verify_blocks(target) if linear_layers else contextlib.nullcontext():",
+        "        with contextlib.nullcontext():",
+        ("tests/test_spec_hybrid.py",), "a hybrid target's verify blocks run transformers' padded chunked rule",
+    ),
+    Mutation(
+        "hybrid_recurrent_blocks_of_any_length", "omnimtp/spec_decode/hybrid.py",
+        "    return num_tokens <= RECURRENT_MAX_TOKENS and",
+        "    return num_tokens >= 0 and",
+        ("tests/test_spec_hybrid.py",), "long verify blocks run the recurrent rule token by token",
+    ),
+    Mutation(
         "int4_tiles_add_their_sets_out_of_order", "omnimtp/runtime/kernels/small_batch_linear.c",
         "    INT4_TILE_SET(R, 1, TILE_ROW_NEXT_SET)                                                            \\\n"
         "    INT4_TILE_SET(R, 2, TILE_ROW_NEXT_SET)                                                            \\\n",

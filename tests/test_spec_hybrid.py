@@ -2,6 +2,8 @@
 decoding == `generate` for k = 1..4, batch 1 and a ragged batch of 3 whose rows accept different numbers of drafts;
 a rollback leaves exactly the state of decoding the kept tokens one by one; their MTP heads (`mtp.*`)."""
 
+import contextlib
+
 import pytest
 import torch
 from spec_checkpoints import train_save_load_and_spec
@@ -10,7 +12,8 @@ from transformers import DynamicCache
 
 from omnimtp import MTPHead, speculative_generate
 from omnimtp.models.tiny_lm import tiny_lm
-from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
+from omnimtp.spec_decode import hybrid
+from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot, verify_blocks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,15 +42,22 @@ def test_greedy_identical_to_generate(target, k):
         assert stats.num_generated_tokens == 14 * ids.shape[0]
 
 
-def test_drafts_accepted_partially_and_fully(target):
-    """The drafter of the greedy test really exercises partial rollbacks and the all-accepted path."""
+def test_drafts_accepted_partially_and_fully(target, monkeypatch):
+    """The drafter of the greedy test really exercises partial rollbacks and the all-accepted path; its verify
+    blocks run the linear layers' recurrent rule."""
     ids, mask = ragged_batch(seed=9)
+    layer = target.get_decoder().layers[linear_layer_indices(target)[0]]
+    module = __import__(type(layer.linear_attn).__module__, fromlist=["_"])
+    recurrent, block_widths = module.torch_recurrent_gated_delta_rule, []
+    monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule",
+                        lambda query, *a, **kw: block_widths.append(query.shape[1]) or recurrent(query, *a, **kw))
     out = speculative_generate(
         target, RecomputingDraft(target, corrupt_rate=0.3, seed=9), ids, mask, max_new_tokens=14,
         num_draft_tokens=3, eos_token_id=-1,
     )
     rates = out.stats.acceptance_per_position
     assert 0.2 < rates[0] < 0.95 and rates[2] > 0.05, rates
+    assert block_widths.count(4) == out.stats.num_steps * len(linear_layer_indices(target)), block_widths
 
 
 def test_rollback_equals_decoding_the_kept_tokens(target):
@@ -86,6 +96,47 @@ def test_rollback_equals_decoding_the_kept_tokens(target):
                                               cache.layers[layers[0]].recurrent_states[0])]
         rollback(target, cache, snapshot(cache, layers), out.hidden_states, torch.tensor([4, 4, 4]))
         assert torch.equal(cache.layers[layers[0]].conv_states[0], before[0])
+
+
+def test_a_verify_block_runs_the_recurrent_rule_and_other_forwards_keep_chunks(target, monkeypatch):
+    """Inside `verify_blocks` a cached block of up to RECURRENT_MAX_TOKENS tokens takes the linear layers'
+    recurrent rule (the decode step's: the states match decoding the block token by token); a longer block, a
+    block over the state budget and every forward outside keep transformers' chunked rule."""
+    decoder = target.get_decoder()
+    layers = linear_layer_indices(target)
+    prompt = torch.randint(3, 64, (3, 5), generator=torch.Generator().manual_seed(0))
+    block = torch.randint(3, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(5, 17)[None].expand(3, -1)
+    calls = []
+
+    def states_after(width: int, verifying: bool, steps: bool = False):
+        cache = DynamicCache(config=target.config)
+        decoder(input_ids=prompt, cache=cache, use_cache=True)
+        module = __import__(type(decoder.layers[layers[0]].linear_attn).__module__, fromlist=["_"])
+        with verify_blocks(target) if verifying else contextlib.nullcontext():
+            chunked, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
+            monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule",
+                                lambda *a, **kw: calls.append("recurrent") or recurrent(*a, **kw))
+            for t0, t1 in ([(t, t + 1) for t in range(width)] if steps else [(0, width)]):
+                decoder(input_ids=block[:, t0:t1], position_ids=positions[:, t0:t1], cache=cache, use_cache=True)
+            monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule", recurrent)
+            assert module.torch_chunk_gated_delta_rule is chunked
+        return [(cache.layers[i].conv_states[0], cache.layers[i].recurrent_states[0]) for i in layers]
+
+    with torch.inference_mode():
+        decoded = states_after(4, verifying=False, steps=True)
+        calls.clear()
+        verified = states_after(4, verifying=True)
+        assert calls == ["recurrent"] * len(layers)  # one call a linear layer, for the whole block
+        for ours, theirs in zip(verified, decoded, strict=True):
+            for a, b in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        calls.clear()
+        states_after(4, verifying=False)
+        states_after(hybrid.RECURRENT_MAX_TOKENS + 1, verifying=True)
+        monkeypatch.setattr(hybrid, "RECURRENT_MAX_STATE_BYTES", 0)
+        states_after(4, verifying=True)
+        assert calls == []
 
 
 def test_head_structure_and_mtp_keys(target, tmp_path):

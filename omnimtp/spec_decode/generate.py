@@ -42,6 +42,7 @@ alone or in a batch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ from omnimtp.spec_decode.adaptive import (
 )
 from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
-from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot
+from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot, verify_blocks
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
 from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, check_drafts, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
@@ -476,7 +477,8 @@ def _speculative_generate(
         verify_positions = next_position[:, None] + offsets  # [B, k+1]
         verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
         saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
-        hidden, logits, layer_inputs = forward(verify_ids, verify_positions, verify_mask, saved_states is not None)
+        with verify_blocks(target) if linear_layers else contextlib.nullcontext():  # hybrids: the recurrent rule
+            hidden, logits, layer_inputs = forward(verify_ids, verify_positions, verify_mask, saved_states is not None)
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
             tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
         else:

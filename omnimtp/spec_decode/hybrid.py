@@ -25,12 +25,32 @@ are causal, so the recomputed state equals the state after decoding the kept tok
 to float rounding, which is all `generate` gives.
 
 Full-attention layers keep their KV slots and are cropped like any cache (`crop_attention`).
+
+A verify block runs its linear layers on the recurrent rule (`verify_blocks`), the decode step's rule.
+transformers' forward takes the chunked rule for every cached forward of more than one token, and its PyTorch
+fallback (no flash-linear-attention, as on a CPU) pads each row's block to a 64-token chunk. At Qwen3-Next's
+widths (32 value heads of 128 × 128) the rule alone then took 2.3–5.9× as long on a 2–4-token block at 1 and
+4 rows; a whole verify of such layers, whose matmuls dominate, 4–18 % longer (`python
+benchmarks/hybrid_rollback.py --widths qwen3_next`, a noisy 2-core box); the sampled verifies of the tests'
+tiny models 2.5×. The rule goes back to chunks where the states the recurrent rule streams for every token
+outgrow the caches: more than RECURRENT_MAX_TOKENS tokens a row, or more than RECURRENT_MAX_STATE_BYTES of
+state × tokens (at 16 rows of 3–8 tokens the recurrent rule took 0.4–1.3× as long as the chunked).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import sys
+import threading
+
 import torch
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+RECURRENT_MAX_TOKENS = 8
+RECURRENT_MAX_STATE_BYTES = 64 << 20  # rows × tokens × one row's recurrent state
+_verifying = contextvars.ContextVar("omnimtp_hybrid_verifying", default=False)
+_install_lock = threading.Lock()
 
 
 def linear_layer_indices(target) -> list[int]:
@@ -91,3 +111,44 @@ def rollback(
         kept_recurrent = torch.stack(recurrent_steps)[step, rows]  # [B, heads, d_k, d_v]
         conv.copy_(torch.where(partial[:, None, None], kept_conv, after_block[0]))
         recurrent.copy_(torch.where(partial[:, None, None, None], kept_recurrent, after_block[1]))
+
+
+def _short_block(query: torch.Tensor, initial_state: torch.Tensor | None) -> bool:
+    if not _verifying.get() or initial_state is None:
+        return False
+    batch_size, num_tokens = query.shape[:2]
+    row_bytes = initial_state[0].numel() * initial_state.element_size()
+    return num_tokens <= RECURRENT_MAX_TOKENS and batch_size * num_tokens * row_bytes <= RECURRENT_MAX_STATE_BYTES
+
+
+def _install_recurrent_blocks(module) -> None:
+    """Route `module`'s chunked gated delta rule to its recurrent rule for short verify blocks (once)."""
+    chunked = module.torch_chunk_gated_delta_rule
+    if getattr(chunked, "omnimtp_chunked", None) is not None:
+        return
+
+    def gated_delta_rule(query, key, value, *args, initial_state=None, **kwargs):
+        if _short_block(query, initial_state) and not args:
+            kwargs.pop("chunk_size", None)
+            return module.torch_recurrent_gated_delta_rule(query, key, value, initial_state=initial_state, **kwargs)
+        return chunked(query, key, value, *args, initial_state=initial_state, **kwargs)
+
+    gated_delta_rule.omnimtp_chunked = chunked
+    module.torch_chunk_gated_delta_rule = gated_delta_rule
+
+
+@contextlib.contextmanager
+def verify_blocks(target):
+    """Within: forwards of `target` with a cache run short blocks through its linear layers on the recurrent
+    rule (see the module docstring); other forwards, and other threads, keep transformers' choice."""
+    layers = target.get_decoder().layers
+    modules = {sys.modules[type(layers[i].linear_attn).__module__] for i in linear_layer_indices(target)}
+    with _install_lock:
+        for module in modules:
+            if hasattr(module, "torch_chunk_gated_delta_rule") and hasattr(module, "torch_recurrent_gated_delta_rule"):
+                _install_recurrent_blocks(module)
+    token = _verifying.set(True)
+    try:
+        yield
+    finally:
+        _verifying.reset(token)
