@@ -204,9 +204,8 @@ def _filter_order_laws(target, exact) -> dict[str, torch.Tensor]:
     return {name: exact[name] for name in ("top_p_before_top_k", "temperature_after_top_p")}
 
 
+@pytest.mark.parametrize("target", ["glm4_moe"], indirect=True)  # plain_generate is family-independent
 def test_plain_sampling_follows_the_filtered_law(target, exact):
-    if target.config.model_type != "glm4_moe":
-        pytest.skip("plain_generate is family-independent; it is checked on glm4_moe")
     sequences = plain_generate(
         target, PROMPT.expand(NUM_ROWS, -1), max_new_tokens=NUM_TOKENS, sampling=SAMPLING,
         seed=list(range(NUM_ROWS)), eos_token_id=-1,
@@ -215,11 +214,10 @@ def test_plain_sampling_follows_the_filtered_law(target, exact):
                _filter_order_laws(target, exact))
 
 
-@pytest.mark.parametrize("num_draft_tokens", [1, 2])
+# the k = 1 bonus-position rule is family-independent: other families run k = 2 (accept, recover, bonus)
+@pytest.mark.parametrize(("target", "num_draft_tokens"), [("glm4_moe", 1), *((family, 2) for family in FAMILIES)],
+                         indirect=["target"])
 def test_speculative_sampling_with_a_bad_drafter_follows_the_target_law(target, exact, table, num_draft_tokens):
-    if num_draft_tokens == 1 and target.config.model_type != "glm4_moe":
-        pytest.skip("the k = 1 bonus-position rule is family-independent; "
-                    "other families run k = 2 (accept, recover, bonus)")
     vocab = target.config.vocab_size
     sequences, num_accepted, num_drafted = [], 0, 0
     for first in range(0, NUM_ROWS, BATCH_ROWS):
