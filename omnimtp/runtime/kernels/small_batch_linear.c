@@ -346,6 +346,12 @@ INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 2) /* two rows over 4 strea
 #else /* AVX2: each panel row is two 8-lane registers, one panel at a time */
 #define QSTREAMS 1
 
+/* 8 int8 weights → 8 floats: the sign extension reads its 8 bytes from memory (one instruction; a 16-byte load
+ * and its two halves took a shift and two shuffles more) */
+static inline __m256 int8_lanes(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+}
+
 /* Both halves of a panel row (v_lo, v_hi) times input kj of each of R rows of xv, into accumulators lo[m], hi[m]
  * (one set's: lo and hi are that set's arrays of R). */
 #define ROWS_FMA(R, xv, kj, v_lo, v_hi, lo, hi)                                                        \
@@ -358,9 +364,7 @@ INT4_FN(1, 1) INT4_FN(2, 1) INT4_FN(1, 4) INT4_FN(2, 2) /* two rows over 4 strea
 /* Input kj into accumulator set p (a constant: the sets stay in registers). */
 #define INT8_INPUT(R, S, kj, p)                                                                        \
   do {                                                                                                \
-    const __m128i q = _mm_loadu_si128((const __m128i*)(w + (kj) * PANEL));                            \
-    const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                                  \
-    const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));               \
+    const __m256 v_lo = int8_lanes(w + (kj) * PANEL), v_hi = int8_lanes(w + (kj) * PANEL + 8);        \
     ROWS_FMA(R, x, kj, v_lo, v_hi, lo[p], hi[p]);                                                     \
   } while (0)
 
@@ -525,9 +529,7 @@ static void int4_panel_rows(const float* xs, const float* xsum, const int32_t* w
 #define INT8_TILE_SET(R, p, ADD)                                                                       \
   TILE_ROWS_##R(TILE_ROW_ZERO)                                                                        \
   for (int64_t k = (p); k < K; k += QSETS) {                                                          \
-    const __m128i q = _mm_loadu_si128((const __m128i*)(w + k * PANEL));                               \
-    const __m256 v_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));                                  \
-    const __m256 v_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));               \
+    const __m256 v_lo = int8_lanes(w + k * PANEL), v_hi = int8_lanes(w + k * PANEL + 8);              \
     TILE_ROWS_##R(TILE_ROW_FMA)                                                                       \
   }                                                                                                   \
   TILE_ROWS_##R(ADD)
