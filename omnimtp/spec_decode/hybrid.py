@@ -30,7 +30,7 @@ A verify block runs its linear layers on the recurrent rule (`verify_blocks`), t
 transformers' forward takes the chunked rule for every cached forward of more than one token, and its PyTorch
 fallback (no flash-linear-attention, as on a CPU) pads each row's block to a 64-token chunk. At Qwen3-Next's
 widths (32 value heads of 128 × 128) the rule alone then took 2.3–5.9× as long on a 2–4-token block at 1 and
-4 rows; a whole verify of such layers, whose matmuls dominate, 4–18 % longer (`python
+4 rows; a whole verify of such layers, whose matmuls dominate, 4–22 % longer (`python
 benchmarks/hybrid_rollback.py --widths qwen3_next`, a noisy 2-core box); the sampled verifies of the tests'
 tiny models 2.5×. The rule goes back to chunks where the states the recurrent rule streams for every token
 outgrow the caches: more than RECURRENT_MAX_TOKENS tokens a row, or more than RECURRENT_MAX_STATE_BYTES of
@@ -139,8 +139,8 @@ def _install_recurrent_blocks(module) -> None:
 
 @contextlib.contextmanager
 def verify_blocks(target):
-    """Within: forwards of `target` with a cache run short blocks through its linear layers on the recurrent
-    rule (see the module docstring); other forwards, and other threads, keep transformers' choice."""
+    """Within: cached forwards of `target` in this thread run short blocks through its linear layers on the
+    recurrent rule (see the module docstring); other forwards, and other threads, keep transformers' choice."""
     layers = target.get_decoder().layers
     modules = {sys.modules[type(layers[i].linear_attn).__module__] for i in linear_layer_indices(target)}
     with _install_lock:
