@@ -127,11 +127,11 @@ def _install_recurrent_blocks(module) -> None:
     if getattr(chunked, "omnimtp_chunked", None) is not None:
         return
 
-    def gated_delta_rule(query, key, value, *args, initial_state=None, **kwargs):
-        if _short_block(query, initial_state) and not args:
+    def gated_delta_rule(query, key, value, *args, **kwargs):  # transformers passes all but q, k, v by name
+        if not args and _short_block(query, kwargs.get("initial_state")):
             kwargs.pop("chunk_size", None)
-            return module.torch_recurrent_gated_delta_rule(query, key, value, initial_state=initial_state, **kwargs)
-        return chunked(query, key, value, *args, initial_state=initial_state, **kwargs)
+            return module.torch_recurrent_gated_delta_rule(query, key, value, **kwargs)
+        return chunked(query, key, value, *args, **kwargs)
 
     gated_delta_rule.omnimtp_chunked = chunked
     module.torch_chunk_gated_delta_rule = gated_delta_rule
