@@ -3,6 +3,7 @@ decoding == `generate` for k = 1..4, batch 1 and a ragged batch of 3 whose rows 
 a rollback leaves exactly the state of decoding the kept tokens one by one; their MTP heads (`mtp.*`)."""
 
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -42,12 +43,17 @@ def test_greedy_identical_to_generate(target, k):
         assert stats.num_generated_tokens == 14 * ids.shape[0]
 
 
+def _linear_attention_module(target):
+    """transformers' modeling module of the target's linear-attention layers (where its delta rules live)."""
+    layer = target.get_decoder().layers[linear_layer_indices(target)[0]]
+    return importlib.import_module(type(layer.linear_attn).__module__)
+
+
 def test_drafts_accepted_partially_and_fully(target, monkeypatch):
     """The drafter of the greedy test really exercises partial rollbacks and the all-accepted path; its verify
     blocks run the linear layers' recurrent rule."""
     ids, mask = ragged_batch(seed=9)
-    layer = target.get_decoder().layers[linear_layer_indices(target)[0]]
-    module = __import__(type(layer.linear_attn).__module__, fromlist=["_"])
+    module = _linear_attention_module(target)
     recurrent, block_widths = module.torch_recurrent_gated_delta_rule, []
     monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule",
                         lambda query, *a, **kw: block_widths.append(query.shape[1]) or recurrent(query, *a, **kw))
@@ -112,7 +118,7 @@ def test_a_verify_block_runs_the_recurrent_rule_and_other_forwards_keep_chunks(t
     def states_after(width: int, verifying: bool, steps: bool = False):
         cache = DynamicCache(config=target.config)
         decoder(input_ids=prompt, cache=cache, use_cache=True)
-        module = __import__(type(decoder.layers[layers[0]].linear_attn).__module__, fromlist=["_"])
+        module = _linear_attention_module(target)
         with verify_blocks(target) if verifying else contextlib.nullcontext():
             chunked, recurrent = module.torch_chunk_gated_delta_rule, module.torch_recurrent_gated_delta_rule
             monkeypatch.setattr(module, "torch_recurrent_gated_delta_rule",
