@@ -1,7 +1,9 @@
 """Speculation against our own plain loop on the same forward, held-out prompts, interleaved, at batch 1 (and
-at every --batches size: B prompts decoded together, left-padded for the demo LM, cycling through the prompts):
+at every --batches size: B prompts decoded together, left-padded for the demo LMs, cycling through the prompts):
 
-- demo LM (`omnimtp/data/demo_lm`): `speculative_generate` vs `plain_generate` (packed target, row kernel);
+- demo LM (`omnimtp/data/demo_lm`, Glm4Moe): `speculative_generate` vs `plain_generate` (packed target, row kernel);
+- GLM-5 demo (`omnimtp/data/demo_glm5`, GlmMoeDsa: MLA with the DSA indexer): the same two loops on transformers'
+  forward (the packed target does not run MLA);
 - demo omni thinker (`omnimtp/data/demo_omni`): speculative `ThinkerRun` vs the plain `ThinkerRun`;
 each greedy (output checked equal to plain's) and sampled with Qwen3-Omni's thinker defaults (T 0.7, top-k 20,
 top-p 0.8, seeded), at fixed k (--ks, default 3) and k = auto; plus the row kernel's verify cost (a (k+1)-row
@@ -45,6 +47,9 @@ from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS  # noqa: E402
 from omnimtp.spec_decode.generate import calibrate_draft_costs  # noqa: E402
 
 SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)  # Qwen3-Omni's thinker defaults
+
+
+DEMOS = {"lm": "demo LM", "glm5": "GLM-5 demo", "omni": "demo omni thinker"}  # --demos → the tables' names
 
 
 def interleaved(methods: dict, num_prompts: int, repeats: int) -> dict:
@@ -121,15 +126,17 @@ def groups(num_prompts: int, batch: int) -> list[list[int]]:
     return [[(i + j) % num_prompts for j in range(batch)] for i in range(num_prompts)]
 
 
-def demo_lm(args, batch: int = 1) -> dict:
+def demo_lm(args, batch: int = 1, name: str = "lm") -> dict:
+    """A shipped demo LM (`demo_model_dir(name)`: "lm" or "glm5") through both loops."""
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
     from omnimtp.mtp.head import load_target_and_head
 
-    target, head = load_target_and_head(demo_model_dir())
-    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())
-    texts = json.loads((demo_model_dir() / "heldout_prompts.json").read_text())[: args.num_prompts]
+    directory = demo_model_dir(name)
+    target, head = load_target_and_head(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    texts = json.loads((directory / "heldout_prompts.json").read_text())[: args.num_prompts]
     rows = [tokenizer(t, return_tensors="pt").input_ids[0] for t in texts]
     prompts = [left_padded([rows[j] for j in group]) for group in groups(len(rows), batch)]
     n = args.max_new_tokens
@@ -325,6 +332,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[3])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1], help="batch sizes of the demo runs")
+    parser.add_argument("--demos", nargs="+", choices=DEMOS, default=list(DEMOS), help="the demo models to run")
     parser.add_argument("--oracle", action="store_true", help="also the oracle drafter on a random-weight target")
     parser.add_argument("--only-oracle", action="store_true")
     parser.add_argument("--oracle-hidden", type=int, default=1024)
@@ -351,10 +359,10 @@ def main() -> None:
               f"{report['verify_cost']['verify_k3_over_plain_step']:.2f}")
         for batch in args.batches:
             suffix = "" if batch == 1 else f"_batch{batch}"
-            report[f"demo_lm{suffix}"] = demo_lm(args, batch)
-            print_table(f"demo LM, batch {batch}", report[f"demo_lm{suffix}"])
-            report[f"demo_omni{suffix}"] = demo_omni(args, batch)
-            print_table(f"demo omni thinker, batch {batch}", report[f"demo_omni{suffix}"])
+            for demo in args.demos:
+                key = f"demo_{demo}{suffix}"
+                report[key] = demo_omni(args, batch) if demo == "omni" else demo_lm(args, batch, demo)
+                print_table(f"{DEMOS[demo]}, batch {batch}", report[key])
     if args.oracle or args.only_oracle:
         report["oracle"] = oracle(args)
     if args.out:
