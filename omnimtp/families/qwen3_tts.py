@@ -431,7 +431,11 @@ class Qwen3TTSFamily(ChatText):
         if self._text_projection is None:
             return self.talker.text_projection(embeds)
         (fc1, bias1), (fc2, bias2) = self._text_projection
-        hidden = torch.nn.functional.silu(linear(embeds, None, bias1, packed=fc1))
+        hidden = linear(embeds, None, bias1, packed=fc1)  # [1, n, I]
+        # SiLU a row at a time: torch's vectorized elementwise loop leaves a tail past its last full block of
+        # vectors to the scalar exp, so a row's bits would depend on where it sits in a larger tensor (AVX-512:
+        # blocks of 32 floats)
+        hidden = torch.stack([torch.nn.functional.silu(row) for row in hidden.unbind(1)], dim=1)
         return linear(hidden, None, bias2, packed=fc2)
 
     def _codec_rows(self, ids: list[int]) -> torch.Tensor:
