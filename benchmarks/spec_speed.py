@@ -236,11 +236,15 @@ class OracleDrafter:
     accepts a draft with that probability, given the ones before it were accepted."""
 
     def __init__(self, reference: torch.Tensor, prompt_len: int, acceptance: float, vocab: int):
-        self.reference, self.prompt_len, self.acceptance, self.vocab = reference, prompt_len, acceptance, vocab
+        self.batch_reference, self.prompt_len, self.acceptance, self.vocab = reference, prompt_len, acceptance, vocab
         self.reset()
 
     def reset(self):
         self.coins = torch.Generator().manual_seed(0)
+        self.reference = self.batch_reference
+
+    def keep_rows(self, rows):  # the batch's finished rows leave: each row keeps its own continuation
+        self.reference = self.reference[rows]
 
     def propose(self, block, num_draft_tokens, sampling, generators):
         rows = torch.arange(block.input_ids.shape[0])

@@ -641,3 +641,46 @@ def test_a_second_server_start_reads_its_costs_back_and_reports_them(cost_cache_
     assert {s for table in second.values() for s in table.sources().values()} == {"cached"}
     assert 'omnimtp_thinker_draft_costs_cached{batch_size="2",sampling="greedy"} 0.0' in first_text
     assert 'omnimtp_thinker_draft_costs_cached{batch_size="2",sampling="greedy"} 1.0' in second_text
+
+
+def test_a_static_batch_drops_its_finished_rows_and_drafts_by_the_rows_left(tiny):
+    """A 3-row batch where drafting is dear at its size (plain steps only) whose EOS ends two rows early: the
+    finished rows leave the batch, the steps after run fewer rows and draft by the smaller buckets' costs,
+    and every row is plain greedy's (`generate`'s)."""
+    target, _ = tiny
+    ids = torch.randint(3, 64, (3, 6), generator=torch.Generator().manual_seed(0))
+    free = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=-1)[:, 6:]
+    eos, ends = _eos_ending_all_rows_but_one_early(free)
+    reference = target.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+    assert torch.equal(plain_generate(target, ids, max_new_tokens=24, eos_token_id=eos), reference)
+    dear_at_three = DraftCostTable((
+        (1, DraftCosts((1.0, 1.1, 1.2, 1.3))),
+        (2, DraftCosts((1.0, 1.5, 1.8, 2.1))),
+        (4, DraftCosts((1.0, 3.0, 5.0, 7.0))),
+    ))
+    rows_drafted_for = []
+
+    class Recording(TargetProposer):
+        def propose(self, block, num_draft_tokens, sampling, generators):
+            rows_drafted_for.append(block.input_ids.shape[0])
+            return super().propose(block, num_draft_tokens, sampling, generators)
+
+    out = speculative_generate(target, Recording(target), ids, max_new_tokens=24, num_draft_tokens="auto",
+                               draft_costs=dear_at_three, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    histogram = out.stats.draft_histogram
+    assert histogram.get(0, 0) >= min(end for end in ends if end is not None)  # 3 rows: plain steps
+    assert max(histogram) >= 2  # drafting once rows left
+    assert rows_drafted_for and max(rows_drafted_for) <= 2 and rows_drafted_for[-1] == 1
+    assert rows_drafted_for == sorted(rows_drafted_for, reverse=True)
+
+
+def _eos_ending_all_rows_but_one_early(free: torch.Tensor) -> tuple[int, list[int | None]]:
+    """A token of the rows' free greedy continuations [B, N] that ends all rows but one between their 3rd and
+    12th token and never appears in that one → (the token, each row's end step or None)."""
+    for token in free[:, :12].unique().tolist():
+        ends = [(row == token).nonzero()[0, 0].item() if (row == token).any() else None for row in free]
+        early = [end for end in ends if end is not None and 2 <= end < 12]
+        if len(early) == free.shape[0] - 1 and ends.count(None) == 1:
+            return token, ends
+    raise AssertionError("no token ends all rows but one early")

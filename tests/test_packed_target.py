@@ -308,3 +308,38 @@ def test_backend_selection_and_errors():
     assert torch.equal(out.sequences, reference)  # "auto" fell back to transformers
     with pytest.raises(ValueError, match="max_new_tokens"):
         plain_generate(target, prompt, max_new_tokens=0)
+
+
+@pytest.mark.parametrize("backend", ["packed", "transformers"])
+def test_a_cache_that_keeps_some_rows_goes_on_as_those_rows_did(backend):
+    """`keep_cache_rows` (a speculative batch whose finished rows leave): the kept rows, in a new order, give
+    the same next logits as they did in the whole batch."""
+    from transformers import DynamicCache
+
+    from omnimtp.runtime.kv_cache import keep_cache_rows
+    from omnimtp.spec_decode.generate import _target_forward
+
+    target = tiny_lm("glm4_moe", seed=0)
+    packed = _packed_or_none(target, backend)
+    ids = torch.randint(3, 64, (4, 7), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(7).expand(4, -1)
+    step, step_positions = ids[:, :1] + 1, torch.full((4, 1), 7)
+    mask = torch.ones(4, 8, dtype=torch.long)
+
+    def cache():
+        return KVCache(packed, 4, capacity=16) if packed is not None else DynamicCache(config=target.config)
+
+    with torch.inference_mode():
+        whole = cache()
+        _target_forward(target, packed, ids, positions, mask[:, :7], whole)
+        _, expected, _ = _target_forward(target, packed, step, step_positions, mask, whole)
+        some = cache()
+        _target_forward(target, packed, ids, positions, mask[:, :7], some)
+        keep_cache_rows(some, [3, 1])
+        assert some.get_seq_length() == 7
+        kept = torch.tensor([3, 1])
+        _, logits, _ = _target_forward(target, packed, step[kept], step_positions[kept], mask[kept], some)
+    torch.testing.assert_close(logits, expected[kept], atol=1e-5, rtol=0)
+    assert torch.equal(logits.argmax(-1), expected[kept].argmax(-1))
+    with pytest.raises(ValueError, match="slots|rows"):
+        keep_cache_rows(some, [])

@@ -16,7 +16,8 @@ starts as zeros, so stale columns stay finite.
 Uses:
 - thinker / talker: ragged slots (`plan(slots, T)`, `keep` compaction, `reset` for a new request);
 - the speculative target and the MTP head: every slot shares one length (`length`, `crop`), which slots
-  a row may attend to is the caller's kv_mask (left padding, rejected drafts of ragged rows);
+  a row may attend to is the caller's kv_mask (left padding, rejected drafts of ragged rows); finished
+  rows leave (`keep(slots, shrink=True)`, `keep_cache_rows`);
 - the code predictor: a fixed buffer of G columns written at positions [T] shared by the rows
   (`append_kv` with a positions tensor: compile-friendly writes).
 """
@@ -109,9 +110,20 @@ class KVCache:
         self.lengths[slot] = 0
         self.rope_offsets[slot] = 0
 
-    def keep(self, slots: list[int]) -> None:
-        """Compact: slot i becomes the old slot slots[i] for i < len(slots); the rest are emptied."""
+    def keep(self, slots: list[int], *, shrink: bool = False) -> None:
+        """Compact: slot i becomes the old slot slots[i] for i < len(slots); the rest are emptied, or with
+        shrink dropped (max_batch_size becomes len(slots): a shared-length cache whose finished rows leave)."""
         self.check_slots(slots)
+        if shrink:
+            if not slots:
+                raise ValueError("slots: a cache keeps at least one slot")
+            if slots != list(range(self.max_batch_size)):
+                self.buffer = self.buffer.index_select(2, torch.tensor(slots, device=self.buffer.device))
+                self.layer_views = layer_views(self.buffer)
+            self.max_batch_size = len(slots)
+            self.lengths = [self.lengths[s] for s in slots]
+            self.rope_offsets = [self.rope_offsets[s] for s in slots]
+            return
         if slots != list(range(len(slots))):
             index = torch.tensor(slots, device=self.buffer.device)
             self.buffer[:, :, : len(slots)] = self.buffer.index_select(2, index)
@@ -184,6 +196,18 @@ class KVCache:
         """The slots now hold `num_new` more positions (after every layer wrote them)."""
         for slot in slots:
             self.lengths[slot] += num_new
+
+
+def keep_cache_rows(cache, rows: list[int]) -> None:
+    """Keep only the batch rows `rows` of a speculative loop's cache, in that order: a `KVCache` whose slots
+    share one length (`keep(rows, shrink=True)`), or a transformers `Cache` (`reorder_cache`, which selects
+    every layer's rows: keys and values, linear-attention states, DSA indexer keys)."""
+    if isinstance(cache, KVCache):
+        cache.keep(rows, shrink=True)
+        return
+    if not rows:
+        raise ValueError("rows: a cache keeps at least one row")
+    cache.reorder_cache(torch.tensor(rows))
 
 
 def layer_views(buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

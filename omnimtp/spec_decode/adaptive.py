@@ -253,6 +253,10 @@ class DraftController:
         typical request's drafts do not pay at this batch size and a probe would only confirm it."""
         return any(expected_tokens(self.prior, k) > cost for k, cost in enumerate(costs.step) if k > 0)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """The batch keeps only rows `rows` (in that order): their estimates follow them."""
+        self.acceptance = [self.acceptance[b] for b in rows]
+
     def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
         """After verifying num_drafted drafts per row: num_accepted[b] of row b's were accepted."""
         beta = self.smoothing
@@ -273,6 +277,9 @@ class FixedDrafts:
 
     def choose(self, active: list[bool], num_step_rows: int | None = None) -> int:
         return self.max_draft_tokens
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
 
     def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
         pass

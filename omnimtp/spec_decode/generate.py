@@ -14,7 +14,11 @@ row's positions advance by its own n_b. A row therefore attends exactly to its o
 own positions — the same attention as a contiguous cache, with masked holes — and no token is re-fed.
 Left padding of the prompts is one more set of invalid slots in the same mask. The cost is a few dead
 slots per step when rows disagree (never more than k per step; none when every row rejects at the same
-place). Rows that finished (EOS or max_new_tokens) keep riding along, emit nothing and count n_b = 1.
+place). Rows that finished (EOS or max_new_tokens) leave the batch after the step they finished in: every
+cache, the mask and the per-row state keep only the rows still generating (`keep_cache_rows`), so a batch
+whose rows accept at different rates does not run its last steps at full width for one slow row. With a
+drafter that cannot drop rows (a `Proposer` without `keep_rows`) finished rows ride along instead, emit
+nothing and count n_b = 1.
 
 Target backends. `target_backend="packed"` runs the target on `omnimtp.spec_decode.packed_target` (packed
 weights, a static KV buffer with the same one-length + kv_mask + crop semantics, SDPA), which removes
@@ -30,10 +34,10 @@ back at its own accepted length after every verify (`omnimtp.spec_decode.hybrid`
 full-attention layers follow the slot scheme above.
 
 Adaptive drafting (`num_draft_tokens="auto"`, `omnimtp.spec_decode.adaptive`): before each step a
-controller picks k in 0..K from the rows' past acceptance and the costs of a step of B rows (measured once
-per model and batch-size bucket; finished rows ride along, so every step runs B rows); k = 0 is a
-plain one-token step (the target reads the pending token, the next one is sampled from its logits) and
-the drafter reads the slots it missed with the next step that drafts.
+controller picks k in 0..K from the rows' past acceptance and the costs of a step of as many rows as the
+step runs (measured once per model and batch-size bucket); k = 0 is a plain one-token step (the target
+reads the pending token, the next one is sampled from its logits) and the drafter reads the slots it
+missed with the next step that drafts.
 
 Randomness: every row has its own generator (`seed` + row index, or one seed per row); the first token,
 the drafts and the verification draw from it in a fixed order, so a seeded row gives the same tokens
@@ -51,7 +55,7 @@ from transformers import DynamicCache
 
 from omnimtp.mtp.head import MTPHead
 from omnimtp.runtime.decoder import PackedDecoder
-from omnimtp.runtime.kv_cache import KVCache
+from omnimtp.runtime.kv_cache import KVCache, keep_cache_rows
 from omnimtp.sampling import SamplingParams, make_generators, probs_from_logits, row_seeds, sample
 from omnimtp.spec_decode.adaptive import (
     AUTO,
@@ -68,7 +72,14 @@ from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot, verify_blocks
 from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, check_drafts, with_plain_steps
+from omnimtp.spec_decode.proposer import (
+    DraftInput,
+    MTPProposer,
+    Proposer,
+    check_drafts,
+    select_rows,
+    with_plain_steps,
+)
 from omnimtp.spec_decode.rejection import rejection_sample
 
 
@@ -413,6 +424,8 @@ def _speculative_generate(
 
     generated: list[list[int]] = [[] for _ in range(batch_size)]
     finished = [False] * batch_size
+    live = list(range(batch_size))  # the batch's rows: live[i] is the request row in position i
+    can_drop_rows = callable(getattr(proposer, "keep_rows", None))
 
     def emit(row: int, tokens: list[int]) -> None:
         for token in tokens:
@@ -432,7 +445,6 @@ def _speculative_generate(
         kv_mask=kv_mask,
         last_index=torch.full((batch_size,), prompt_len - 1, device=device),
     )
-    rows = torch.arange(batch_size, device=device)
     next_position = position_ids[:, -1] + 1  # [B] the pending token's position
     plain_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # k = 0 steps the drafter has not read
 
@@ -446,18 +458,32 @@ def _speculative_generate(
 
     decode_start = time.perf_counter()
     while not all(finished) and (max_steps is None or stats.num_steps < max_steps):
-        is_active = [not f for f in finished]
-        k = controller.choose(is_active, batch_size)  # finished rows ride along: every step runs B rows
+        if can_drop_rows and any(finished[row] for row in live):  # finished rows leave the batch
+            kept = [i for i, row in enumerate(live) if not finished[row]]
+            live = [live[i] for i in kept]
+            index = torch.tensor(kept, device=device)
+            keep_cache_rows(target_cache, kept)
+            proposer.keep_rows(kept)
+            controller.keep_rows(kept)
+            if generators is not None:
+                generators = [generators[i] for i in kept]
+            kv_mask, pending, next_position = kv_mask[index], pending[index], next_position[index]
+            block = select_rows(block, index)
+            plain_steps = [tuple(part[index] for part in step) for step in plain_steps]
+        num_rows = len(live)
+        rows = torch.arange(num_rows, device=device)
+        is_active = [not finished[row] for row in live]
+        k = controller.choose(is_active, num_rows)  # rows that finished and stay (see above) ride along
         t0 = time.perf_counter()
         if k == 0:  # a plain step, as `plain_generate` takes it;
             # the drafter reads its slot with the next step that drafts
-            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(num_rows, 1)], dim=1)
             hidden, logits, _ = forward(pending[:, None], next_position[:, None], kv_mask)
-            token = sample(logits[:, 0], sampling, generators)  # [B]
+            token = sample(logits[:, 0], sampling, generators)  # [R]
             plain_steps.append((pending, token, hidden[:, 0]))
-            for row, token_id in enumerate(token.tolist()):
-                if not finished[row]:
-                    emit(row, [token_id])
+            for i, token_id in enumerate(token.tolist()):
+                if is_active[i]:
+                    emit(live[i], [token_id])
             pending, next_position = token, next_position + 1
             stats.verify_time_s += time.perf_counter() - t0
             stats.num_steps += 1
@@ -467,31 +493,31 @@ def _speculative_generate(
         if plain_steps:
             block = with_plain_steps(block, plain_steps, next_position - len(plain_steps), kv_mask)
             plain_steps = []
-        draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [B, k], [B, k, V]
+        draft_tokens, draft_probs = proposer.propose(block, k, sampling, generators)  # [R, k], [R, k, V]
         if is_foreign:
-            check_drafts(draft_tokens, batch_size, k, vocab_size)
+            check_drafts(draft_tokens, num_rows, k, vocab_size)
         t1 = time.perf_counter()
 
         offsets = torch.arange(k + 1, device=device)
-        verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [B, k+1]
-        verify_positions = next_position[:, None] + offsets  # [B, k+1]
-        verify_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, k + 1)], dim=1)  # [B, L+k+1]
+        verify_ids = torch.cat([pending[:, None], draft_tokens], dim=1)  # [R, k+1]
+        verify_positions = next_position[:, None] + offsets  # [R, k+1]
+        verify_mask = torch.cat([kv_mask, kv_mask.new_ones(num_rows, k + 1)], dim=1)  # [R, L+k+1]
         saved_states = snapshot(target_cache, linear_layers) if linear_layers else None
         with verify_blocks(target) if linear_layers else contextlib.nullcontext():  # hybrids: the recurrent rule
             hidden, logits, layer_inputs = forward(verify_ids, verify_positions, verify_mask, saved_states is not None)
         if sampling.is_greedy:  # probs_from_logits would be one_hot(argmax): verify on the argmax directly
-            tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [B, k+1], [B]
+            tokens, num_emitted = greedy_verify(logits.argmax(dim=-1), draft_tokens.long())  # [R, k+1], [R]
         else:
-            target_probs = probs_from_logits(logits, sampling)  # [B, k+1, V]
+            target_probs = probs_from_logits(logits, sampling)  # [R, k+1, V]
             tokens, num_emitted = rejection_sample(
                 target_probs, draft_tokens, draft_probs, greedy=False, generators=generators,
                 check_values=is_foreign,  # our own drafts are valid by construction
-            )  # [B, k+1], [B]
+            )  # [R, k+1], [R]
         stats.verify_time_s += time.perf_counter() - t1
         stats.draft_time_s += t1 - t0
 
         # The step's counts read back once; the bookkeeping below is plain Python on them.
-        emitted_counts = num_emitted.tolist()  # [B]
+        emitted_counts = num_emitted.tolist()  # [R]
         accepted_counts = [n - 1 for n in emitted_counts]
         controller.update(k, accepted_counts, is_active)
         active_accepted = [a for a, is_row_active in zip(accepted_counts, is_active, strict=True) if is_row_active]
@@ -505,7 +531,7 @@ def _speculative_generate(
 
         # Rollback: keep max n_b slots of the block, mask each row's surplus.
         kept_counts = [n if is_row_active else 1 for n, is_row_active in zip(emitted_counts, is_active, strict=True)]
-        num_kept = torch.tensor(kept_counts, device=device)  # [B]
+        num_kept = torch.tensor(kept_counts, device=device)  # [R]
         block_width = max(kept_counts)
         if block_width < k + 1:
             if packed is not None:
@@ -515,15 +541,15 @@ def _speculative_generate(
         if saved_states is not None:
             rollback(target, target_cache, saved_states, layer_inputs, num_kept)
         if min(kept_counts) == block_width:  # every row kept the whole block (batch 1 always)
-            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, block_width)], dim=1)
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(num_rows, block_width)], dim=1)
         else:
             kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
 
         token_rows = tokens[:, :block_width].tolist()
-        for row in range(batch_size):
-            if not finished[row]:
-                emit(row, token_rows[row][: emitted_counts[row]])
-        last_index = num_kept - 1  # [B]
+        for i, row in enumerate(live):
+            if is_active[i]:
+                emit(row, token_rows[i][: emitted_counts[i]])
+        last_index = num_kept - 1  # [R]
         pending = tokens[rows, last_index].clamp(min=0)  # finished rows: any valid id
         next_position = next_position + num_kept
         block = DraftInput(
@@ -562,7 +588,8 @@ def plain_generate(
     on supported CPU models and transformers' forward otherwise (e.g. MLA models), "packed" (ValueError
     if unsupported), "transformers". Same contract as `speculative_generate` (left-padded input_ids
     [B, P], sampling None = greedy = `target.generate(do_sample=False)`, seeds per row, EOS / padding like
-    `generate`) → sequences [B, P + generated]."""
+    `generate`) → sequences [B, P + generated]. A row that emitted EOS leaves the batch (every cache keeps
+    only the rows still generating), as in `speculative_generate`."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling = sampling if sampling is not None else SamplingParams.greedy()
@@ -587,17 +614,24 @@ def plain_generate(
         _, logits, _ = _target_forward(target, packed, input_ids, position_ids, kv_mask, cache, last_logits_only=True)
         positions = position_ids[:, -1:]  # [B, 1]
         eos = torch.tensor(eos_ids, device=device)
-        finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
-        tokens = []
+        live = list(range(batch_size))  # the batch's rows: rows that emitted EOS leave it
+        tokens = torch.full((batch_size, max_new_tokens), pad_id, dtype=input_ids.dtype, device=device)
         for step in range(max_new_tokens):
-            token = sample(logits[:, -1], sampling, generators)  # [B]
-            token = torch.where(finished, pad_id, token)
-            tokens.append(token)
-            finished = finished | torch.isin(token, eos)
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            token = sample(logits[:, -1], sampling, generators)  # [R]
+            tokens[live, step] = token.to(tokens.dtype)
+            num_new = step + 1
+            done = torch.isin(token, eos)
+            if step == max_new_tokens - 1 or bool(done.all()):
                 break
-            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(batch_size, 1)], dim=1)
+            if bool(done.any()):
+                kept = (~done).nonzero().squeeze(1)  # [R']
+                keep_cache_rows(cache, kept.tolist())
+                live = [live[i] for i in kept.tolist()]
+                if generators is not None:
+                    generators = [generators[i] for i in kept.tolist()]
+                token, kv_mask, positions = token[kept], kv_mask[kept], positions[kept]
+            kv_mask = torch.cat([kv_mask, kv_mask.new_ones(len(live), 1)], dim=1)
             positions = positions + 1
             _, logits, _ = _target_forward(target, packed, token[:, None], positions, kv_mask, cache)
-        sequences = torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+        sequences = torch.cat([input_ids, tokens[:, :num_new]], dim=1)
     return sequences.clone()

@@ -4,7 +4,9 @@ Slot layout (shared with `speculative_generate`): every KV cache — target's an
 per token the target has processed, in the order it processed them; `kv_mask [B, L]` says which slots are
 real for each row (left padding of ragged prompts, and the rejected tail of a verify block when other rows
 of the batch accepted more). A drafter keeps its cache aligned with the target's: on entry it holds the
-slots before the new block, it appends the block, drafts, and crops its speculative slots again.
+slots before the new block, it appends the block, drafts, and crops its speculative slots again. A drafter
+with `keep_rows` lets a batch drop its finished rows: the loop then keeps only the rows still generating, in
+the drafter as in the target; a drafter without it sees every row until the batch ends.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from omnimtp.mtp.head import MTPHead
+from omnimtp.runtime.kv_cache import keep_cache_rows
 from omnimtp.sampling import SamplingParams, exponential_noise, probs_from_logits, sample_from_probs
 
 
@@ -39,6 +42,15 @@ class DraftInput:
     kv_mask: torch.Tensor
     last_index: torch.Tensor
     next_position_ids: torch.Tensor | None = None
+
+
+def select_rows(block: DraftInput, index: torch.Tensor) -> DraftInput:
+    """The rows `index` [R] of `block`, in that order (a batch whose finished rows leave)."""
+    return DraftInput(
+        input_ids=block.input_ids[index], next_ids=block.next_ids[index], hidden=block.hidden[index],
+        position_ids=block.position_ids[index], kv_mask=block.kv_mask[index], last_index=block.last_index[index],
+        next_position_ids=None if block.next_position_ids is None else block.next_position_ids[:, index],
+    )
 
 
 def extend_block(block: DraftInput, new: DraftInput) -> DraftInput:
@@ -96,6 +108,9 @@ class Proposer(Protocol):
     def reset(self) -> None:
         """Forget any state (call before a new batch of prompts)."""
 
+    # Optional: def keep_rows(self, rows: list[int]) -> None — keep only the batch rows `rows` (in that
+    # order) of any per-row state, as the target's cache does; the next block has len(rows) rows.
+
     def propose(
         self,
         block: DraftInput,
@@ -150,6 +165,10 @@ class MTPProposer:
     def reset(self) -> None:
         self.packed = self.head.packed() if self.head.supports_draft_step else None
         self.cache = None if self.packed is not None else self.head.make_cache()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.cache is not None:
+            keep_cache_rows(self.cache, rows)
 
     def _step(self, input_ids, prev_hidden, position_ids, kv_mask, last_index=None, packed=None, shared_selection=None):
         """One head pass appended to the cache → (hidden [B, 1, H], logits [B, V], the DSA key selection
@@ -226,6 +245,11 @@ class ArgmaxDrafts:
     def reset(self) -> None:
         self.proposer.reset()
 
+    def __getattr__(self, name):  # keep_rows exactly where the inner proposer has it
+        if name == "keep_rows":
+            return self.proposer.keep_rows
+        raise AttributeError(name)
+
     def propose(self, block, num_draft_tokens, sampling, generators):
         return self.proposer.propose(block, num_draft_tokens, SamplingParams.greedy(), None)
 
@@ -242,6 +266,9 @@ class TargetProposer:
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.target.config)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        keep_cache_rows(self.cache, rows)
 
     def _logits(self, input_ids, position_ids, kv_mask) -> torch.Tensor:
         hidden = self.target.get_decoder()(
