@@ -279,6 +279,32 @@ MUTATIONS = [
         ADAPTIVE, "after plain steps the drafter reads only the newest slot (its cache falls out of line)",
     ),
     Mutation(
+        "spec_dropped_rows_keep_their_controller_estimates", "omnimtp/spec_decode/generate.py",
+        "            controller.keep_rows(kept)\n",
+        "",
+        ADAPTIVE, "finished rows leave the batch but not the controller, which then decides with a stale "
+        "row count",
+    ),
+    Mutation(
+        "spec_dropped_rows_stay_in_the_drafter", "omnimtp/spec_decode/generate.py",
+        "            block = select_rows(block, index)\n",
+        "",
+        SPEC, "the drafter's block keeps the finished rows the target's cache dropped",
+    ),
+    Mutation(
+        "dsa_plain_steps_after_holes_use_transformers_forward", "omnimtp/spec_decode/generate.py",
+        "if dsa and (ids.shape[1] > 1 or has_holes):",
+        "if dsa and ids.shape[1] > 1:",
+        ("tests/test_spec_glm5.py",), "a GLM-5 plain step after rejected drafts left holes runs transformers' "
+        "forward, whose indexer then sorts another array than decoding does",
+    ),
+    Mutation(
+        "dsa_batched_selection_ignores_holes", "omnimtp/mtp/dsa.py",
+        "whole = allowed[:, t, num_prompt_slots:length].all(dim=-1)",
+        "whole = allowed[:, t, :length].any(dim=-1)",
+        ("tests/test_spec_glm5.py",), "rows with holes join the batched top-k over their full columns",
+    ),
+    Mutation(
         "adaptive_thinker_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/thinker_spec.py",
         "self._block = with_plain_steps(self._block, self._plain_steps, self.next_positions, kv_mask)",
         "self._block = with_plain_steps(self._block, self._plain_steps[-1:], self.next_positions, kv_mask)",

@@ -76,3 +76,11 @@ class RecomputingDraft:
             draft_probs.append(probs)
             sequences = [seq + [int(t)] for seq, t in zip(sequences, token, strict=True)]
         return torch.stack(draft_tokens, dim=1), torch.stack(draft_probs, dim=1)
+
+
+class RowDroppingRecomputingDraft(RecomputingDraft):
+    """A `RecomputingDraft` with `keep_rows`: a batch drafted by it drops its finished rows."""
+
+    def keep_rows(self, rows: list[int]) -> None:
+        if self.history is not None:
+            self.history = [self.history[i] for i in rows]

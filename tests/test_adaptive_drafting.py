@@ -684,3 +684,37 @@ def _eos_ending_all_rows_but_one_early(free: torch.Tensor) -> tuple[int, list[in
         if len(early) == free.shape[0] - 1 and ends.count(None) == 1:
             return token, ends
     raise AssertionError("no token ends all rows but one early")
+
+
+def test_a_row_left_alone_decides_with_its_own_acceptance():
+    """Two rows, one whose drafts are always right and one whose drafts are always wrong: the first ends
+    early (4 tokens a step), and the row left alone decides by its own estimate (low: plain steps and a few
+    probes), not by the finished row's."""
+    target = tiny_lm("glm4_moe", seed=0)
+    vocab = target.get_output_embeddings().weight.shape[0]
+
+    class OneRowWrong(TargetProposer):
+        def reset(self):
+            super().reset()
+            self.rows, self.calls = [0, 1], []
+
+        def keep_rows(self, rows):
+            super().keep_rows(rows)
+            self.rows = [self.rows[i] for i in rows]
+
+        def propose(self, block, num_draft_tokens, sampling, generators):
+            tokens, _ = super().propose(block, num_draft_tokens, sampling, generators)
+            self.calls.append(tokens.shape[0])
+            wrong = torch.tensor([row == 1 for row in self.rows])[:, None]
+            tokens = torch.where(wrong, (tokens + 1) % vocab, tokens)
+            return tokens, torch.nn.functional.one_hot(tokens, vocab).float()
+
+    costs = DraftCostTable(((1, DraftCosts((1.0, 1.5, 1.8, 2.1))), (2, DraftCosts((1.0, 1.1, 1.2, 1.3)))))
+    prompts = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    drafter = OneRowWrong(target)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=40, num_draft_tokens="auto",
+                               draft_costs=costs, eos_token_id=-1)
+    assert torch.equal(out.sequences, plain_generate(target, prompts, max_new_tokens=40, eos_token_id=-1))
+    alone = drafter.calls.count(1)
+    assert drafter.calls[0] == 2 and out.stats.num_steps - len(drafter.calls) >= 15  # plain steps, alone
+    assert alone <= 5, drafter.calls  # probes only (with the finished row's estimate: a draft every step)

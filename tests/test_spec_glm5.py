@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from spec_checkpoints import train_save_load_and_spec
-from spec_drafters import RecomputingDraft, ragged_batch
+from spec_drafters import RecomputingDraft, RowDroppingRecomputingDraft, ragged_batch
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
@@ -133,3 +133,67 @@ def test_train_mtp_cli_save_load_and_spec_cli(target, tmp_path, capsys, case):
     if target.config.index_topk != 4 or not target.config.index_share_for_mtp_iteration:
         pytest.skip("one GLM-5 case end to end")
     train_save_load_and_spec(target, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_selection_sorts_each_querys_own_array(seed):
+    """`decode_selection` against its definition, one top-k per row and query on the array one-token
+    decoding sorts (the prompt's slots, then the query's allowed later slots in order), on scores with the
+    indexer's many exact ties (ReLU zeros) and ragged holes: rows without holes go through one batched top-k."""
+    from omnimtp.mtp.dsa import decode_selection
+
+    g = torch.Generator().manual_seed(seed)
+    batch_size, num_tokens, num_prompt_slots, num_slots, index_topk = 6, 4, 9, 30, 7
+    scores = torch.relu(torch.randn(batch_size, num_tokens, num_slots, generator=g)).round(decimals=1)
+    real = torch.ones(batch_size, num_slots, dtype=torch.bool)
+    real[:, :3] = torch.rand(batch_size, 3, generator=g) < 0.5  # left padding
+    holes = torch.rand(batch_size, num_slots, generator=g) < 0.15
+    holes[: batch_size // 2] = False  # half the rows have no hole
+    real[:, num_prompt_slots : num_slots - num_tokens] &= ~holes[:, num_prompt_slots : num_slots - num_tokens]
+    query = num_slots - num_tokens + torch.arange(num_tokens)
+    allowed = real[:, None, :] & (torch.arange(num_slots)[None, :] <= query[:, None])[None]  # [B, T, S]
+    expected = torch.zeros_like(allowed)
+    for row in range(batch_size):
+        for t in range(num_tokens):
+            columns = [s for s in range(num_slots) if s < num_prompt_slots or allowed[row, t, s]]
+            values = scores[row, t, columns].masked_fill(~allowed[row, t, columns], float("-inf"))
+            for i in values.topk(min(index_topk, len(columns))).indices.tolist():
+                expected[row, t, columns[i]] = True
+    expected &= allowed
+    assert torch.equal(decode_selection(scores, allowed, index_topk, num_prompt_slots), expected)
+    assert (scores == 0).sum() > scores.numel() // 3  # ties: the order of the sorted array matters
+
+
+def test_greedy_auto_with_plain_steps_before_and_after_holes_equals_generate(target):
+    """`auto` on a 3-row ragged batch whose rows finish one after another, its costs dear at 3 rows and at 1
+    and cheap at 2: plain steps first (no hole yet: `generate`'s own forward), drafts at 2 rows (rejected
+    drafts leave holes), plain steps again at 1 row (the selection-exact forward); every row is
+    `generate`'s."""
+    from omnimtp.spec_decode.adaptive import DraftCosts, DraftCostTable
+
+    dear, cheap = DraftCosts((1.0, 3.0, 5.0, 7.0)), DraftCosts((1.0, 1.1, 1.2, 1.3))
+    costs = DraftCostTable(((1, dear), (2, cheap), (4, dear)))
+    for seed in range(40):
+        ids, mask = ragged_batch(seed=seed, lengths=(9, 6, 8))
+        free = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=-1)
+        eos = _eos_ending_rows_in_turn(free[:, ids.shape[1] :])
+        if eos is not None:
+            break
+    else:
+        raise AssertionError("no EOS ends the rows one after another")
+    reference = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=eos)
+    drafter = RowDroppingRecomputingDraft(target, corrupt_rate=0.3, seed=3)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=16, num_draft_tokens="auto",
+                               draft_costs=costs, eos_token_id=eos)
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.draft_histogram.get(0, 0) >= 3 and max(out.stats.draft_histogram) >= 2
+
+
+def _eos_ending_rows_in_turn(free: torch.Tensor) -> int | None:
+    """A token of 3 rows' free continuations [3, N] that ends one row at its 3rd-5th token, another at least
+    4 tokens later and not before its 9th, and never appears in the third."""
+    for token in free.unique().tolist():
+        ends = sorted((row == token).nonzero()[0, 0].item() if (row == token).any() else 99 for row in free)
+        if 2 <= ends[0] <= 4 and ends[1] >= max(ends[0] + 4, 8) and ends[1] < 12 and ends[2] == 99:
+            return token
+    return None

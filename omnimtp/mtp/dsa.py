@@ -74,12 +74,23 @@ def decode_selection(
     scores: torch.Tensor, allowed: torch.Tensor, index_topk: int, num_prompt_slots: int
 ) -> torch.Tensor:
     """`topk_selection` row by row on the array one-token decoding sorts (see the module docstring): the
-    first `num_prompt_slots` slots (masked ones at -inf), then the allowed later slots in order."""
+    first `num_prompt_slots` slots (masked ones at -inf), then the allowed later slots in order. scores,
+    allowed [B, T, S]; the T queries are the last T slots. A row with no hole before its query sorts its
+    first columns as they are, so such rows go through one top-k per query position together (the per-row
+    arrays of a batched top-k are sorted as each alone); rows with holes take their own array."""
     selected = torch.zeros_like(allowed)
     batch_size, num_tokens, num_slots = scores.shape
     slots = torch.arange(num_slots, device=scores.device)
-    for row in range(batch_size):
-        for t in range(num_tokens):
+    for t in range(num_tokens):
+        length = num_slots - num_tokens + t + 1  # the query's own slot and every slot before it
+        whole = allowed[:, t, num_prompt_slots:length].all(dim=-1)  # [B] no hole after the prompt
+        rows = whole.nonzero().squeeze(1)
+        if rows.numel():
+            values = scores[rows, t, :length].masked_fill(~allowed[rows, t, :length], float("-inf"))  # [R, length]
+            top = values.topk(min(index_topk, length), dim=-1).indices  # [R, k]
+            picked = torch.zeros(rows.numel(), num_slots, dtype=torch.bool, device=scores.device)
+            selected[rows, t] = picked.scatter_(1, top, True)
+        for row in (~whole).nonzero().squeeze(1).tolist():
             keep = allowed[row, t] | (slots < num_prompt_slots)
             columns = slots[keep]
             values = scores[row, t, columns].masked_fill(~allowed[row, t, columns], float("-inf"))

@@ -448,8 +448,10 @@ def _speculative_generate(
     next_position = position_ids[:, -1] + 1  # [B] the pending token's position
     plain_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # k = 0 steps the drafter has not read
 
+    has_holes = False  # whether a verify left rejected drafts' slots in the mask (left padding aside)
+
     def forward(ids, positions, mask, record_layer_inputs=False):  # → hidden [B, T, H], logits [B, T, V], layer inputs
-        if dsa:
+        if dsa and (ids.shape[1] > 1 or has_holes):  # one token without holes: `generate`'s own step
             hidden = dsa_verify_forward(target, ids, positions, mask, target_cache, prompt_len)
             return hidden, target.get_output_embeddings()(hidden).float(), None
         return _target_forward(
@@ -544,6 +546,7 @@ def _speculative_generate(
             kv_mask = torch.cat([kv_mask, kv_mask.new_ones(num_rows, block_width)], dim=1)
         else:
             kv_mask = torch.cat([kv_mask, (offsets[None, :block_width] < num_kept[:, None]).long()], dim=1)
+            has_holes = True
 
         token_rows = tokens[:, :block_width].tolist()
         for i, row in enumerate(live):
