@@ -202,6 +202,7 @@ class ThinkerRun:
             self.proposer = speculation.new_proposer()
             # a caller's Proposer: its drafts are checked
             self.checks_drafts = not isinstance(self.proposer, MTPProposer)
+            self.drops_rows = callable(getattr(self.proposer, "keep_rows", None))  # finished rows leave its view
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
             if speculation.is_adaptive:
                 for stats in self.spec_stats:
@@ -333,15 +334,19 @@ class ThinkerRun:
         """After a plain step of a speculative run (the controller chose k = 0): sampled_ids [R] and final
         [R, 1, D] of the active rows. The drafter reads the step's slots with the next step that drafts
         (`DraftLayout.advance_plain`); the stats count it."""
-        layout, batch_size = self._layout, len(self.output_ids)
-        if len(active) == batch_size:
-            next_ids, rows = sampled_ids, final.view(batch_size, -1)  # [B], [B, D]
+        layout = self._drop_finished_rows()
+        requests = layout.requests
+        if requests == active:
+            next_ids, rows = sampled_ids, final.view(len(active), -1)  # [L], [L, D]
         else:  # rows not decoded: any id, zero hidden
-            next_ids = layout.pending.new_zeros(batch_size)
-            rows = torch.zeros((batch_size, self.decoder.hidden_size), dtype=self.decoder.dtype, device=next_ids.device)
-            if active:
-                index = torch.tensor(active, device=next_ids.device)
-                next_ids[index], rows[index] = sampled_ids, final[:, 0]
+            num_rows = len(requests)
+            next_ids = layout.pending.new_zeros(num_rows)
+            rows = torch.zeros((num_rows, self.decoder.hidden_size), dtype=self.decoder.dtype, device=next_ids.device)
+            decoded = [(p, active.index(i)) for p, i in enumerate(requests) if i in active]
+            if decoded:
+                to = torch.tensor([p for p, _ in decoded], device=next_ids.device)
+                source = torch.tensor([r for _, r in decoded], device=next_ids.device)
+                next_ids[to], rows[to] = sampled_ids[source], final[source, 0]
         layout.advance_plain(next_ids, rows)
         step_time = time.perf_counter() - started
         for i in active:
@@ -353,29 +358,44 @@ class ThinkerRun:
             stats.verify_time_s += step_time
             stats.total_time_s += step_time
 
+    def _drop_finished_rows(self) -> DraftLayout:
+        """The drafter's layout without the rows of finished requests, where the proposer can drop rows
+        (`keep_rows`); else as it is (those rows ride along)."""
+        layout = self._layout
+        if self.drops_rows and any(self.finish_reasons[i] is not None for i in layout.requests):
+            kept = [p for p, i in enumerate(layout.requests) if self.finish_reasons[i] is None]
+            if kept:
+                layout.keep_rows(kept)
+                self.proposer.keep_rows(kept)
+        return layout
+
     def _speculative_step(self, active: list[int], k: int) -> list[ThinkerEvent]:
-        """Draft k >= 1 tokens for every row, verify the unfinished rows' drafts in one forward, roll back
-        the rejected ones → the accepted tokens' events, in request order (see the module docstring)."""
-        layout, device = self._layout, self.decoder.device
-        batch_size = len(self.output_ids)
+        """Draft k >= 1 tokens for the drafter's rows, verify the unfinished rows' drafts in one forward, roll
+        back the rejected ones → the accepted tokens' events, in request order (see the module docstring)."""
+        layout, device = self._drop_finished_rows(), self.decoder.device
+        batch_size, requests = len(self.output_ids), layout.requests
+        num_rows = len(requests)  # the drafter's rows: the unfinished requests (and finished ones riding along)
         is_active = [reason is None for reason in self.finish_reasons]
         started = time.perf_counter()
         with torch.no_grad():
-            generators = None if all(s is None or s.is_greedy for s in self.sampling) else self.generators
+            sampling = [self.sampling[i] for i in requests]
+            generators = (
+                None if all(s is None or s.is_greedy for s in sampling) else [self.generators[i] for i in requests]
+            )
             draft_tokens, draft_probs = self.proposer.propose(
-                layout.block, k, draft_sampling(self.sampling), generators
-            )  # [B, k], [B, k, V]
+                layout.block, k, draft_sampling(sampling), generators
+            )  # [L, k], [L, k, V]
             if self.checks_drafts:
-                check_drafts(draft_tokens, batch_size, k, self.thinker.get_output_embeddings().weight.shape[0])
+                check_drafts(draft_tokens, num_rows, k, self.thinker.get_output_embeddings().weight.shape[0])
             drafted = time.perf_counter()
-            verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [B, k+1]
-            num_kept = torch.ones(batch_size, dtype=torch.long, device=device)  # [B]
-            tokens = verify_ids.new_full(verify_ids.shape, -1)  # [B, k+1]
+            verify_ids = torch.cat([layout.pending[:, None], draft_tokens.long()], dim=1)  # [L, k+1]
+            num_kept = torch.ones(num_rows, dtype=torch.long, device=device)  # [L]
+            tokens = verify_ids.new_full(verify_ids.shape, -1)  # [L, k+1]
             final_rows = torch.zeros(
-                (batch_size, k + 1, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device
+                (num_rows, k + 1, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device
             )
             if active:
-                index = torch.tensor(active, device=device)
+                index = torch.tensor([requests.index(i) for i in active], device=device)  # their rows
                 embeds = self.thinker.get_input_embeddings()(verify_ids[index])  # [R, k+1, D]
                 starts = [self.kv.lengths[i] for i in active]
                 # [R, k+1, D], [R, k+1, V], [R, k+1, D]
@@ -391,7 +411,10 @@ class ThinkerRun:
                 self.kv.restore(tuple(lengths))
                 num_kept[index], tokens[index], final_rows[index] = num_emitted, row_tokens, final
         verified = time.perf_counter()
-        self.controller.update(k, (num_kept - 1).tolist(), is_active)
+        accepted = [0] * batch_size  # per request
+        for p, count in enumerate(num_kept.tolist()):
+            accepted[requests[p]] = count - 1
+        self.controller.update(k, accepted, is_active)
         layout.advance(verify_ids, tokens, final_rows, num_kept)
         emitted = dict(zip(active, row_tokens.tolist(), strict=True)) if active else {}
         events = []
@@ -401,7 +424,7 @@ class ThinkerRun:
                 events.append(ThinkerEvent(i, None, empty, empty, None))
                 continue
             r = active.index(i)
-            num_accepted = int(num_kept[i]) - 1
+            num_accepted = accepted[i]
             stats = self.spec_stats[i]
             stats.num_steps += 1
             stats.num_row_steps += 1

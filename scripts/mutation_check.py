@@ -305,6 +305,25 @@ MUTATIONS = [
         ("tests/test_spec_glm5.py",), "rows with holes join the batched top-k over their full columns",
     ),
     Mutation(
+        "thinker_finished_rows_stay_in_the_drafter", "omnimtp/thinker.py",
+        "if self.drops_rows and any(self.finish_reasons[i] is not None for i in layout.requests):",
+        "if False:",
+        THINKER_SPEC, "a thinker cohort keeps drafting for its finished requests",
+    ),
+    Mutation(
+        "thinker_dropped_rows_stay_in_the_proposer", "omnimtp/thinker.py",
+        "                self.proposer.keep_rows(kept)\n",
+        "",
+        THINKER_SPEC, "the thinker's layout drops a finished request's row but its proposer keeps it",
+    ),
+    Mutation(
+        "mtp_proposer_keeps_dropped_rows", "omnimtp/spec_decode/proposer.py",
+        "        if self.cache is not None:\n            keep_cache_rows(self.cache, rows)\n",
+        "        pass\n",
+        ("tests/test_spec_generate.py", "tests/test_adaptive_drafting.py", "tests/test_thinker_spec.py"),
+        "the MTP head's draft cache keeps the rows its batch dropped",
+    ),
+    Mutation(
         "adaptive_thinker_drafter_skips_the_plain_steps_slots", "omnimtp/spec_decode/thinker_spec.py",
         "self._block = with_plain_steps(self._block, self._plain_steps, self.next_positions, kv_mask)",
         "self._block = with_plain_steps(self._block, self._plain_steps[-1:], self.next_positions, kv_mask)",

@@ -79,8 +79,14 @@ class RecomputingDraft:
 
 
 class RowDroppingRecomputingDraft(RecomputingDraft):
-    """A `RecomputingDraft` with `keep_rows`: a batch drafted by it drops its finished rows."""
+    """A `RecomputingDraft` with `keep_rows`: a batch drafted by it drops its finished rows. A block whose rows
+    are not the rows it keeps a history for is an error (a loop that dropped rows without telling it)."""
 
     def keep_rows(self, rows: list[int]) -> None:
         if self.history is not None:
             self.history = [self.history[i] for i in rows]
+
+    def propose(self, block, num_draft_tokens, sampling, generators):
+        if self.history is not None and len(self.history) != block.input_ids.shape[0]:
+            raise AssertionError(f"a block of {block.input_ids.shape[0]} rows, a history of {len(self.history)}")
+        return super().propose(block, num_draft_tokens, sampling, generators)

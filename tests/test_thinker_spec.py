@@ -19,7 +19,7 @@ import torch
 from audio_checks import assert_audible, assert_audio_equal
 from distribution_checks import empirical_law, total_variation, tv_bound
 from server_harness import running_server
-from spec_drafters import RecomputingDraft
+from spec_drafters import RecomputingDraft, RowDroppingRecomputingDraft
 from test_media_input import audio_case, image_case
 
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS as T
@@ -139,6 +139,26 @@ def test_greedy_speculative_equals_plain(plain, checkpoint, reference, drafter, 
         assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))  # position i+1 needs position i
         if drafter == "target":
             assert 0 < stats.num_accepted < stats.num_drafted  # accepted runs and rejections both happened
+
+
+def test_a_cohort_drafts_only_for_its_unfinished_requests(plain, reference):
+    """A drafter that can drop rows (`keep_rows`) drafts for the requests still generating only: once the
+    first request ends, the next drafts are for one row; text, frames and audio stay plain decoding's."""
+    rows_drafted_for = []
+
+    class Recording(RowDroppingRecomputingDraft):
+        def propose(self, block, num_draft_tokens, sampling, generators):
+            rows_drafted_for.append(block.input_ids.shape[0])
+            return super().propose(block, num_draft_tokens, sampling, generators)
+
+    pipe = _spec_pipe(plain, Recording(plain.model.thinker, corrupt_rate=0.5, seed=4), 3)
+    outputs = pipe.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    for ours, expected in zip(outputs, reference, strict=True):
+        _assert_same_speech(ours, expected)
+    steps = [output.spec_stats.num_steps for output in outputs]
+    assert min(steps) < max(steps)  # one request ended first
+    assert rows_drafted_for[0] == 2 and rows_drafted_for[-1] == 1
+    assert rows_drafted_for == sorted(rows_drafted_for, reverse=True)
 
 
 def test_head_loaded_from_the_checkpoint_dir_streams_what_plain_generates(checkpoint, reference):

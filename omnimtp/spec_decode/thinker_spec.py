@@ -11,7 +11,8 @@ One speculative step of a run, request i, k = 3:
 The thinker's cache has one ragged slot per request (`omnimtp.runtime.kv_cache.KVCache`). Proposers speak
 `speculative_generate`'s layout instead (`DraftInput`: every row shares one length, a kv_mask marks the
 holes). `DraftLayout` keeps that view for the run's B rows: the prefill block is the prompts left-padded,
-each verify block adds max_b kept_b slots, and a row whose request has finished rides along with one slot.
+each verify block adds max_b kept_b slots, and a finished request's row leaves it (`keep_rows`, with the
+proposer's own rows) where the proposer can drop rows; else it rides along with one slot.
 Positions are the thinker's RoPE positions (slot index + the slot's M-RoPE offset, equal on all axes after
 the prefill), so an MTP head drafts at the positions the thinker decodes at.
 """
@@ -35,7 +36,7 @@ from omnimtp.spec_decode.adaptive import (
     check_num_draft_tokens,
 )
 from omnimtp.spec_decode.generate import greedy_verify
-from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, with_plain_steps
+from omnimtp.spec_decode.proposer import DraftInput, MTPProposer, Proposer, select_rows, with_plain_steps
 from omnimtp.spec_decode.rejection import rejection_sample
 
 GREEDY = SamplingParams.greedy()
@@ -158,6 +159,15 @@ class DraftLayout:
         self._plain_steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # see `advance_plain`
         self.pending = torch.tensor(first_ids, device=device)  # [B] emitted, not yet read by the thinker
         self.next_positions = position_ids[:, -1] + 1  # [B] the pending token's position
+        self.requests = list(range(batch_size))  # the request of each row (rows of finished ones leave)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only rows `rows` (positions in `requests`), in that order."""
+        index = torch.tensor(rows, device=self.pending.device)
+        self._block = select_rows(self._block, index)
+        self._plain_steps = [tuple(part[index] for part in step) for step in self._plain_steps]
+        self.pending, self.next_positions = self.pending[index], self.next_positions[index]
+        self.requests = [self.requests[r] for r in rows]
 
     @property
     def block(self) -> DraftInput:
