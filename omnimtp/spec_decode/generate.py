@@ -628,10 +628,11 @@ def plain_generate(
                 break
             if bool(done.any()):
                 kept = (~done).nonzero().squeeze(1)  # [R']
-                keep_cache_rows(cache, kept.tolist())
-                live = [live[i] for i in kept.tolist()]
+                rows = kept.tolist()
+                keep_cache_rows(cache, rows)
+                live = [live[i] for i in rows]
                 if generators is not None:
-                    generators = [generators[i] for i in kept.tolist()]
+                    generators = [generators[i] for i in rows]
                 token, kv_mask, positions = token[kept], kv_mask[kept], positions[kept]
             kv_mask = torch.cat([kv_mask, kv_mask.new_ones(len(live), 1)], dim=1)
             positions = positions + 1
