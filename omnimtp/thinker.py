@@ -477,26 +477,26 @@ def calibrate_thinker_costs(
     thinker, decoder: PackedDecoder, speculation: ThinkerSpeculation, accept_hidden_layer: int, batch_size: int,
     is_sampled: bool, model_path: str | os.PathLike | None = None,
 ) -> DraftCosts:
-    """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: a few steps of `ThinkerRun` with each fixed
-    k on a fixed 16-token prompt per row (and the drafts' acceptance in them, the prior of an auto run), at
+    """`omnimtp.spec_decode.adaptive.calibrate` for the thinker: steps of `ThinkerRun`, each k in turn step by
+    step, on a fixed 16-token prompt per row (and the drafts' acceptance in them, the prior of an auto run), at
     this batch size, greedy or sampled (`CALIBRATION_SAMPLING`: one measurement serves every sampled
     request, whatever its temperature), measured once per thinker and key, then reused. One run serves several
-    measurements (its controller swapped; a fresh run once its rows hold CALIBRATION_TOKENS new tokens): the
+    cycles (its controller swapped every step; a fresh run once its rows hold CALIBRATION_TOKENS new tokens): the
     thinker's prefill runs one request at a time, and a prefill per measurement took most of the time at 16
     rows. Kept on disk for the next process (`omnimtp.spec_decode.cost_cache`; model_path: the directory the
     omni model was loaded from)."""
     vocab = thinker.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(16)]
     run_sampling = [CALIBRATION_SAMPLING if is_sampled else None] * batch_size
-    max_k, num_steps = DEFAULT_MAX_DRAFT_TOKENS, 6
+    max_k = DEFAULT_MAX_DRAFT_TOKENS
     runs: list[ThinkerRun] = []
 
-    def seconds_per_step(k: int) -> tuple[float, int, int]:
+    def time_cycle(ks: list[int]) -> list[tuple[float, int, int]]:
         if not runs or max(len(ids) for ids in runs[-1].output_ids) > CALIBRATION_TOKENS:
             runs[:] = [ThinkerRun(
                 thinker, [prompt] * batch_size, accept_hidden_layer=accept_hidden_layer, eos_token_ids=set(),
-                # room for the measurement's steps: no row may finish (the batch would shrink)
-                max_new_tokens=CALIBRATION_TOKENS + (num_steps + 2) * (max_k + 1), sampling=run_sampling,
+                # room for a cycle's steps: no row may finish (the batch would shrink)
+                max_new_tokens=CALIBRATION_TOKENS + (len(ks) + 1) * (max_k + 1), sampling=run_sampling,
                 decoder=decoder, speculation=ThinkerSpeculation(speculation.drafter, max_k),
                 generators=(
                     [torch.Generator(device=decoder.device).manual_seed(b) for b in range(batch_size)] if is_sampled
@@ -505,15 +505,16 @@ def calibrate_thinker_costs(
             )]
             runs[-1].step()  # the prefill
         run = runs[-1]
-        run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
-        run.step()  # untimed: the first drafting step after plain ones also reads their slots
-        before = _draft_counts(run, k)
-        start = time.perf_counter()
-        for _ in range(num_steps):
+        steps = []
+        for k in ks:
+            run.controller = FixedDrafts(k)  # k = 0: the plain steps of a speculative run
+            before = _draft_counts(run, k)
+            start = time.perf_counter()
             run.step()
-        seconds = (time.perf_counter() - start) / num_steps
-        accepted, verified = (after - first for after, first in zip(_draft_counts(run, k), before, strict=True))
-        return seconds, accepted, verified
+            seconds = time.perf_counter() - start
+            accepted, verified = (after - first for after, first in zip(_draft_counts(run, k), before, strict=True))
+            steps.append((seconds, accepted, verified))
+        return steps
 
     key = (id(speculation.drafter), batch_size, is_sampled, str(decoder.device))
     def fingerprint() -> dict:
@@ -523,7 +524,7 @@ def calibrate_thinker_costs(
             "max_draft_tokens": DEFAULT_MAX_DRAFT_TOKENS,
         })
 
-    return calibrate(thinker, key, seconds_per_step, DEFAULT_MAX_DRAFT_TOKENS, fingerprint)
+    return calibrate(thinker, key, time_cycle, DEFAULT_MAX_DRAFT_TOKENS, fingerprint)
 
 
 def _draft_counts(run: ThinkerRun, k: int) -> tuple[int, int]:

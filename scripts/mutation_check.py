@@ -196,6 +196,19 @@ MUTATIONS = [
         "request whose drafts started paying again stays plain",
     ),
     Mutation(
+        "calibration_times_the_catch_up_step", "omnimtp/spec_decode/adaptive.py",
+        "    return ks, [k != 1 or i != 2 for i, k in enumerate(ks)]",
+        "    return ks, [True for i, k in enumerate(ks)]",
+        ADAPTIVE, "calibration times the drafting step that reads the plain steps' slots as a k = 1 step: "
+        "the catch-up a run pays once per run of plain steps inflates c_1",
+    ),
+    Mutation(
+        "calibration_counts_plain_steps_in_the_acceptance", "omnimtp/spec_decode/adaptive.py",
+        "                    if timed and k > 0:",
+        "                    if timed:",
+        ADAPTIVE, "the prior acceptance counts what plain steps report, which verified no draft",
+    ),
+    Mutation(
         "transposed_conv_matmul_overlap_added_the_wrong_way", "omnimtp/codec/speech_tokenizer.py",
         "            out[:, j:] += taps[:, : length - j, :, j]",
         "            out[:, : length - j] += taps[:, j:, :, j]",

@@ -515,22 +515,42 @@ def cost_cache_dir(tmp_path, monkeypatch):
 
 
 def _counting_calibration(model, fingerprint, seconds=(1.0, 1.5, 1.7)):
-    """k = 1 steps accept 3 of 4 verified drafts, k = 2 steps 1 of 4: acceptance 4 / 8 over every round."""
-    measured = []
+    """k = 1 steps accept 3 of 4 verified drafts, k = 2 steps 1 of 4: acceptance 4 / 8 over every cycle (the
+    untimed first step of one draft, which accepts all 4 and takes 100 s, counts for neither)."""
+    cycles = []
 
-    def seconds_per_step(k):
-        measured.append(k)
-        return seconds[k], (0, 3, 1)[k], (0, 4, 4)[k]
+    def time_cycle(ks):
+        cycles.append(list(ks))
+        steps = [(seconds[k], (0, 3, 1)[k], (0, 4, 4)[k]) for k in ks]
+        steps[2] = (100.0, 4, 4)
+        return steps
 
-    costs = adaptive.calibrate(model, ("key",), seconds_per_step, len(seconds) - 1, lambda: fingerprint)
-    return costs, measured
+    costs = adaptive.calibrate(model, ("key",), time_cycle, len(seconds) - 1, lambda: fingerprint)
+    return costs, cycles
+
+
+def test_calibration_times_every_k_step_by_step_and_a_drift_moves_every_k_alike():
+    """Each cycle runs two plain steps, an untimed step of one draft (it reads the plain steps' slots), then
+    one step of each k; a machine twice as slow in half the cycles leaves the costs as they are."""
+    assert adaptive.calibration_cycle(3) == ([0, 0, 1, 1, 2, 3], [True, True, False, True, True, True])
+    cycles = []
+
+    def time_cycle(ks):
+        slow = 2.0 if len(cycles) % 2 else 1.0
+        cycles.append(ks)
+        return [(slow * (1.0, 1.2, 1.5, 2.0)[k] * (50.0 if i == 2 else 1.0), k, k + 1) for i, k in enumerate(ks)]
+
+    costs = adaptive.calibrate(torch.nn.Linear(2, 2), ("drift",), time_cycle, 3)
+    assert len(cycles) == adaptive.CALIBRATION_CYCLES and costs.source == "measured"
+    assert costs.step == pytest.approx((1.0, 1.2, 1.5, 2.0))
+    assert costs.acceptance == pytest.approx((1 + 2 + 3) / (2 + 3 + 4))  # the timed steps' drafts only
 
 
 def test_a_second_process_reads_the_costs_back_and_a_changed_setting_measures_again(cost_cache_dir, monkeypatch):
     model, drafter = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
     fingerprint = cost_fingerprint(model, drafter, key={"batch_size": 4})
     costs, measured = _counting_calibration(model, fingerprint)
-    assert costs.step == (1.0, 1.5, 1.7) and costs.source == "measured" and len(measured) == 9
+    assert costs.step == (1.0, 1.5, 1.7) and costs.source == "measured" and len(measured) == adaptive.CALIBRATION_CYCLES
     assert costs.acceptance == 0.5
     assert len(list(cost_cache_dir.glob("*.json"))) == 1
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -296,38 +297,85 @@ def check_num_draft_tokens(value, name: str = "num_draft_tokens") -> None:
 _CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {key: DraftCosts}
 
 
-CALIBRATION_ROUNDS = 3
+CALIBRATION_CYCLES = 16
+
+
+def calibration_cycle(max_draft_tokens: int) -> tuple[list[int], list[bool]]:
+    """The steps of one calibration cycle: (the k of each step, whether it is timed). Two plain steps, a
+    step of one draft that is not timed (it reads the slots the plain steps skipped, what a run's first
+    drafting step after plain ones pays), then one step of each k = 1..K."""
+    ks = [0, 0, 1, *range(1, max_draft_tokens + 1)]
+    return ks, [k != 1 or i != 2 for i, k in enumerate(ks)]
 
 
 def calibrate(
-    model, key: tuple, seconds_per_step: Callable[[int], tuple[float, int, int]], max_draft_tokens: int,
+    model, key: tuple, time_cycle: Callable[[list[int]], list[tuple[float, int, int]]], max_draft_tokens: int,
     fingerprint: Callable[[], dict] | None = None,
 ) -> DraftCosts:
-    """Costs measured once per (model, key) and then frozen: seconds_per_step(k) runs a few steps drafting
-    k tokens and returns the seconds of one step, the drafts those steps accepted and the drafts they
-    verified (accepted ones and each row's first rejection), whose ratio over every k is the costs'
-    `acceptance`. Every k is measured in each of CALIBRATION_ROUNDS rounds
-    (k = 0, 1, ..., K, then again), so a change of the machine's load hits every k alike, and the median
-    of its rounds is kept. fingerprint: where given, what makes the `cost_cache.cost_fingerprint` of the
-    measurement (called only when the costs are not in this process yet): costs kept on disk for it are
-    used instead of measuring (source "cached"), and a measurement is kept there."""
+    """Costs measured once per (model, key) and then frozen: time_cycle(ks) runs one step drafting ks[i]
+    tokens after the other (a `calibration_cycle`: on one run, so that a drafting step follows the steps
+    before it as in a run; a fresh run may start with a cycle) and returns for each step its seconds, the
+    drafts it accepted and the drafts it verified (accepted ones and each row's first rejection). Each k
+    is timed once per cycle, CALIBRATION_CYCLES cycles, and a k's cost is the median of its steps over the
+    median of the plain steps: step by step, neighbouring steps see the machine alike, so a drift of its
+    speed moves every k together (timing each k for several steps in a row instead gave c_4 / c_3 of 1.24
+    to 1.41 on one model from one calibration to the next; step by step, 1.33 to 1.36). The accepted
+    over the verified drafts of the timed drafting steps is the costs' `acceptance`. fingerprint: where given, what
+    makes the `cost_cache.cost_fingerprint` of the measurement (called only when the costs are not in
+    this process yet): costs kept on disk for it are used instead of measuring (source "cached"), and a
+    measurement is kept there."""
     cache = _CALIBRATED.setdefault(model, {})
     key = (*key, max_draft_tokens)
     if key not in cache:
         on_disk = None if fingerprint is None else fingerprint()
         costs = None if on_disk is None else _cached_costs(on_disk, max_draft_tokens)
         if costs is None:
-            rounds = [[seconds_per_step(k) for k in range(max_draft_tokens + 1)] for _ in range(CALIBRATION_ROUNDS)]
-            accepted = sum(accepted for steps in rounds for _, accepted, _ in steps)
-            verified = sum(verified for steps in rounds for _, _, verified in steps)
+            ks, is_timed = calibration_cycle(max_draft_tokens)
+            seconds: list[list[float]] = [[] for _ in range(max_draft_tokens + 1)]
+            accepted = verified = 0
+            for _ in range(CALIBRATION_CYCLES):
+                steps = time_cycle(ks)
+                if len(steps) != len(ks):
+                    raise RuntimeError(f"calibration: {len(steps)} steps timed for a cycle of {len(ks)}")
+                for k, timed, (step_seconds, step_accepted, step_verified) in zip(ks, is_timed, steps, strict=True):
+                    if timed:
+                        seconds[k].append(step_seconds)
+                    if timed and k > 0:
+                        accepted, verified = accepted + step_accepted, verified + step_verified
             costs = DraftCosts.from_seconds(
-                [statistics.median(seconds for seconds, _, _ in per_k) for per_k in zip(*rounds, strict=True)],
-                acceptance=accepted / verified if verified else None,
+                [statistics.median(per_k) for per_k in seconds], acceptance=accepted / verified if verified else None
             )
             if on_disk is not None:
                 write_costs(on_disk, costs.step, costs.acceptance)
         cache[key] = costs
     return cache[key]
+
+
+class ScheduledDrafts:
+    """The controller of a calibration run: step i drafts ks[i] tokens; `step_starts` records when each
+    step began (its `choose`), so step i took step_starts[i + 1] - step_starts[i], and `counts` the drafts
+    each drafting step accepted and verified."""
+
+    def __init__(self, ks: list[int]):
+        self.ks = list(ks)
+        self.max_draft_tokens = max(self.ks)
+        self.step_starts: list[float] = []
+        self.counts: list[tuple[int, int]] = []
+
+    def choose(self, active: list[bool], num_step_rows: int | None = None) -> int:
+        self.step_starts.append(time.perf_counter())
+        k = self.ks[len(self.step_starts) - 1]
+        if k == 0:
+            self.counts.append((0, 0))
+        return k
+
+    def keep_rows(self, rows: list[int]) -> None:
+        pass
+
+    def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
+        verified = [min(a + 1, num_drafted) for a, is_active in zip(num_accepted, active, strict=True) if is_active]
+        accepted = [a for a, is_active in zip(num_accepted, active, strict=True) if is_active]
+        self.counts.append((sum(accepted), sum(verified)))
 
 
 def _cached_costs(fingerprint: dict, max_draft_tokens: int) -> DraftCosts | None:

@@ -47,6 +47,7 @@ alone or in a batch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ from omnimtp.spec_decode.adaptive import (
     DraftCosts,
     DraftCostTable,
     FixedDrafts,
+    ScheduledDrafts,
     batch_buckets,
     calibrate,
     check_num_draft_tokens,
@@ -330,30 +332,32 @@ def calibrate_draft_costs(
     target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
 ) -> DraftCosts:
     """What a step drafting k = 0..max_draft_tokens tokens costs relative to a plain step, measured on
-    this target, drafter and backend at this batch size and sampling: a few steps of this loop with each
-    fixed k on a fixed 16-token prompt (the median of three rounds), and the drafts' acceptance in those steps
-    (`DraftCosts.acceptance`, an auto run's prior). Measured once per model and key, then
-    reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs (at the bucket of
-    its batch size, `batch_buckets(B)[-1]`), and kept on disk for the next process
+    this target, drafter and backend at this batch size and sampling: steps of this loop on fixed 16-token
+    prompts, each k in turn step by step (`adaptive.calibrate`; a fresh run, prompt and seed per cycle), and
+    the drafts' acceptance in those steps (`DraftCosts.acceptance`, an auto run's prior). Measured once per
+    model and key, then reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs
+    (at the bucket of its batch size, `batch_buckets(B)[-1]`), and kept on disk for the next process
     (`omnimtp.spec_decode.cost_cache`)."""
     sampling = sampling if sampling is not None else SamplingParams.greedy()
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
         raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
     vocab = target.get_output_embeddings().weight.shape[0]
     device = target.get_output_embeddings().weight.device
-    prompt = (torch.arange(16, device=device) * 7 + 3).remainder(vocab).expand(batch_size, -1)  # [B, 16]
+    cycles = itertools.count()
 
-    def seconds_per_step(k: int) -> tuple[float, int, int]:
+    def time_cycle(ks: list[int]) -> list[tuple[float, int, int]]:
+        # each cycle its own prompt and seed: the acceptance is observed on more than one continuation
+        cycle = next(cycles)
+        prompt = (torch.arange(16, device=device) * 7 + 3 + 11 * cycle).remainder(vocab)
+        prompt = prompt.expand(batch_size, -1)  # [B, 16]
+        controller = ScheduledDrafts([*ks, 0])  # the extra step ends the last timed one
         with torch.inference_mode():
-            out = _speculative_generate(
-                target, head, prompt, None, FixedDrafts(k), max_new_tokens=64, sampling=sampling, seed=0,
-                eos_token_id=[], target_backend=target_backend, max_steps=6,
+            _speculative_generate(
+                target, head, prompt, None, controller, max_new_tokens=64, sampling=sampling, seed=cycle,
+                eos_token_id=[], target_backend=target_backend, max_steps=len(ks) + 1,
             )
-        stats = out.stats
-        if k == 0:
-            return stats.decode_time_s / max(stats.num_steps, 1), 0, 0
-        rejections = stats.num_row_steps - stats.accepted_per_position[k - 1]  # row-steps not wholly accepted
-        return stats.decode_time_s / max(stats.num_steps, 1), stats.num_accepted, stats.num_accepted + rejections
+        starts, counts = controller.step_starts, controller.counts[: len(ks)]
+        return [(end - start, *step) for start, end, step in zip(starts[:-1], starts[1:], counts, strict=True)]
 
     key = (id(head), target_backend, sampling, batch_size, str(device))
     def fingerprint() -> dict:
@@ -362,7 +366,7 @@ def calibrate_draft_costs(
             "batch_size": batch_size, "max_draft_tokens": max_draft_tokens,
         })
 
-    return calibrate(target, key, seconds_per_step, max_draft_tokens, fingerprint)
+    return calibrate(target, key, time_cycle, max_draft_tokens, fingerprint)
 
 
 def calibrate_draft_cost_table(
