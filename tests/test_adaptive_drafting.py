@@ -185,7 +185,7 @@ def test_calibrated_costs_are_measured_once_and_reused(tiny):
     assert [rows for rows, _ in table.by_batch] == [1, 2, 4] and table.for_batch(1) is costs
     assert table.for_batch(3) is calibrate_draft_costs(target, head, batch_size=4, max_draft_tokens=2)
     out = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens="auto", eos_token_id=-1)
-    assert out.stats.draft_costs is not None and len(out.stats.draft_costs) == 5
+    assert out.stats.draft_costs is not None and len(out.stats.draft_costs) == adaptive.DEFAULT_MAX_DRAFT_TOKENS + 1
     assert out.stats.to_dict()["draft_costs_by_batch"] == {1: out.stats.draft_costs}
     assert torch.equal(out.sequences, target.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=-1))
 

@@ -9,6 +9,7 @@ from omnimtp import MTPHead
 from omnimtp.cli import main
 from omnimtp.models.tiny import THINKER_VOCAB_SIZE
 from omnimtp.models.tiny_lm import tiny_lm
+from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from omnimtp.tokenizer import byte_tokenizer
 
 
@@ -43,7 +44,7 @@ def test_spec_auto_reports_its_costs_and_steps(checkpoint, capsys):
     assert main(["spec", "--model", str(checkpoint), "--prompt", "Hello", "-k", "auto", "--max-new-tokens", "12",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert len(result["draft_costs"]) == 5 and result["draft_costs"][0] == 1.0
+    assert len(result["draft_costs"]) == DEFAULT_MAX_DRAFT_TOKENS + 1 and result["draft_costs"][0] == 1.0
     assert result["draft_costs_by_batch"] == {"1": result["draft_costs"]}  # per batch-size bucket; batch 1 here
     assert sum(result["draft_histogram"].values()) == result["num_steps"]
 

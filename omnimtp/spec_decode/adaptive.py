@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from omnimtp.spec_decode.cost_cache import read_costs, write_costs
 
 AUTO = "auto"
-DEFAULT_MAX_DRAFT_TOKENS = 4
+DEFAULT_MAX_DRAFT_TOKENS = 6
 DEFAULT_PRIOR = 0.7
 PROBE_BUDGET = 0.01
 

@@ -477,7 +477,6 @@ def _speculative_generate(
             block = select_rows(block, index)
             plain_steps = [tuple(part[index] for part in step) for step in plain_steps]
         num_rows = len(live)
-        rows = torch.arange(num_rows, device=device)
         is_active = [not finished[row] for row in live]
         k = controller.choose(is_active, num_rows)  # rows that finished and stay (see above) ride along
         t0 = time.perf_counter()
@@ -557,7 +556,7 @@ def _speculative_generate(
             if is_active[i]:
                 emit(row, token_rows[i][: emitted_counts[i]])
         last_index = num_kept - 1  # [R]
-        pending = tokens[rows, last_index].clamp(min=0)  # finished rows: any valid id
+        pending = tokens[torch.arange(num_rows, device=device), last_index].clamp(min=0)  # finished rows: any valid id
         next_position = next_position + num_kept
         block = DraftInput(
             input_ids=verify_ids[:, :block_width],
