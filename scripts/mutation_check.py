@@ -196,6 +196,13 @@ MUTATIONS = [
         "request whose drafts started paying again stays plain",
     ),
     Mutation(
+        "decoder_quantized_while_packed_stays_float", "omnimtp/runtime/decoder.py",
+        "            if quantize is None:\n                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)",
+        "            if True:\n                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)",
+        QUANTIZED, "a decoder asked to quantize while packing keeps its float layers and runs them: quantize set, "
+        "no quantized matrix",
+    ),
+    Mutation(
         "calibration_times_the_catch_up_step", "omnimtp/spec_decode/adaptive.py",
         "    return ks, [k != 1 or i != 2 for i, k in enumerate(ks)]",
         "    return ks, [True for i, k in enumerate(ks)]",

@@ -20,6 +20,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.runtime import decoder as decoder_module
 from omnimtp.runtime.kernels import small_batch_linear as sbl
 from omnimtp.runtime.ops import QUANTIZE_MODES, check_quantize, linear, quantize_weight
 
@@ -163,6 +164,31 @@ def test_quantized_decoder_equals_decoder_on_dequantized_weights(mode):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     error = ((outs[0] - outs[2]).norm() / outs[2].norm()).item()
     assert 0 < error < (0.05 if mode == "int8" else 0.6)  # tiny random model: loose bounds
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", QUANTIZE_MODES)
+def test_a_decoder_quantized_while_packed_is_the_decoder_packed_then_quantized(mode, monkeypatch):
+    """`from_module(quantize=)` quantizes each layer as it packs it (the fused float copies of one layer at a
+    time) and holds the same weights as packing everything first and quantizing after."""
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(tiny_code_predictor_config()).eval()
+    packed_then_quantized = PackedDecoder.from_module(model.model).quantized(mode)
+    events = []
+    pack, quantize = decoder_module.pack_layer, decoder_module.quantize_layer
+    monkeypatch.setattr(decoder_module, "pack_layer", lambda *a: events.append("pack") or pack(*a))
+    monkeypatch.setattr(decoder_module, "quantize_layer", lambda *a: events.append("quantize") or quantize(*a))
+    quantized_while_packed = PackedDecoder.from_module(model.model, quantize=mode)
+    assert events == ["pack", "quantize"] * len(model.model.layers)
+    assert quantized_while_packed.quantize == mode
+    for layer in quantized_while_packed.layers:  # it holds no float matrix it no longer runs
+        assert layer.qkv is None and layer.o is None and layer.gate_up is None and layer.mlp_down is None
+    for ours, theirs in zip(quantized_while_packed.quantized_layers, packed_then_quantized.quantized_layers,
+                            strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
+    with pytest.raises(ValueError, match="quantize"):
+        PackedDecoder.from_module(model.model, quantize="int3")
 
 
 @needs_kernel

@@ -78,9 +78,9 @@ class Qwen2_5OmniFamily(ChatText):
         self.max_positions = text_config.max_position_embeddings
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
         self.thinker_decoder = (
-            PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel().quantized(quantize)
+            PackedDecoder.from_module(model.thinker.model.language_model, quantize=quantize).with_row_kernel()
         )
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model).quantized(quantize)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model, quantize=quantize)
         self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)
 

@@ -67,10 +67,12 @@ class Qwen3OmniFamily(ChatText):
         self.eos_token_ids = {config.im_end_token_id}
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        # quantized: each layer quantized as it is packed, and never packed for the row kernel (`with_row_kernel`
+        # leaves a quantized decoder as it is)
         self.thinker_decoder = (
-            PackedDecoder.from_module(model.thinker.model.language_model).with_row_kernel().quantized(quantize)
+            PackedDecoder.from_module(model.thinker.model.language_model, quantize=quantize).with_row_kernel()
         )
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model).quantized(quantize)
+        self.talker_decoder = PackedDecoder.from_module(model.talker.model, quantize=quantize)
         self.codec = StreamingCode2Wav(model.code2wav)
         self._predictors: dict[int, CodePredictorRunner] = {}
         self.speech_header_ids = speech_header_ids(tokenizer)

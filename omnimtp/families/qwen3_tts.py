@@ -136,12 +136,12 @@ class Qwen3TTSFamily(ChatText):
         self.max_positions = self.talker.config.max_position_embeddings
         # fp32: a step's rows on omnimtp's row kernel (the 0.6B talker at one row 117 → 63 ms a frame step, at its
         # floor, and 351 → 146 ms at 8 rows, 2-core AVX2), for a packed copy of its matrices (+1.8 GB at 0.6B);
-        # quantized: the quantized matrices instead (never packed in float first, and the float packed decoder
-        # freed at once: either would keep memory resident)
+        # quantized: the quantized matrices instead (never packed for the row kernel, and each layer quantized as
+        # it is packed, so the fused float copies never exist for more than one layer)
         if quantize is None:
             self.talker_decoder = PackedDecoder.from_module(self.talker.model).with_row_kernel()
         else:
-            self.talker_decoder = PackedDecoder.from_module(self.talker.model).quantized(quantize)
+            self.talker_decoder = PackedDecoder.from_module(self.talker.model, quantize=quantize)
         self._predictors: dict[int, CodePredictorRunner] = {}
         # quantized: the code predictor's weights packed and quantized once and shared by every runner, so no
         # runner needs the model's float matrices again (`Qwen3TTSModel.release_decoder_linears`)

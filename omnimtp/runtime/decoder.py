@@ -131,18 +131,8 @@ class PackedDecoder:
         check_quantize(quantize, self.device)
         if self.quantize is not None:
             raise ValueError(f"quantize={quantize!r}: this decoder is already quantized ({self.quantize!r})")
-        quantized_layers, layers = [], []
-        for layer in self.layers:
-            if layer.router is None:
-                quantized_layers.append(tuple(
-                    quantize_weight(matrix, quantize) for matrix in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
-                ))
-                layers.append(replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None))
-            else:  # attention only: the shared experts stay float
-                quantized_layers.append((quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize),
-                                         None, None))
-                layers.append(replace(layer, qkv=None, o=None))
-        return replace(self, layers=tuple(layers), quantize=quantize, quantized_layers=tuple(quantized_layers),
+        layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
+        return replace(self, layers=layers, quantize=quantize, quantized_layers=quantized_layers,
                        row_kernel=None, row_kernel_lm_head=None)
 
     def with_row_kernel(self) -> PackedDecoder:
@@ -208,7 +198,7 @@ class PackedDecoder:
         """model: a transformers decoder (`layers`, `norm`, `rotary_emb`): Qwen3-Omni's thinker text model
         or talker model, its code predictor's model, or a supported causal LM's `get_decoder()`. dtype:
         default the module's own. num_layers: the first layers only (default all). options: `fused_norm`,
-        `fp32_attention`. ValueError when a layer is not supported."""
+        `fp32_attention`, `quantize` (see `from_layers`). ValueError when a layer is not supported."""
         if not hasattr(model, "layers") or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
             raise ValueError(
                 f"model must be a transformers decoder model (layers, norm, rotary_emb), got {type(model).__name__}"
@@ -226,13 +216,27 @@ class PackedDecoder:
         return cls.from_layers(layers, config, model.rotary_emb, model.norm, dtype, **options)
 
     @classmethod
-    def from_layers(cls, layers, config, rotary, final_norm, dtype: torch.dtype, **options) -> PackedDecoder:
-        """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm."""
+    def from_layers(
+        cls, layers, config, rotary, final_norm, dtype: torch.dtype, quantize: str | None = None, **options
+    ) -> PackedDecoder:
+        """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm. quantize:
+        as `quantized(quantize)`, each layer quantized as soon as it is packed, so the float copies packing
+        makes (fused q/k/v, gate/up) never exist for more than one layer at a time."""
+        if quantize is not None:
+            check_quantize(quantize, rotary.inv_freq.device)
+        quantized_layers = None
         with torch.no_grad():
-            packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+            if quantize is None:
+                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+            else:
+                packed_layers, quantized_layers = zip(
+                    *(quantize_layer(pack_layer(layer, config, dtype), quantize) for layer in layers), strict=True
+                )
         attn = layers[0].self_attn
         return cls(
             layers=packed_layers,
+            quantize=quantize,
+            quantized_layers=quantized_layers,
             final_norm=cast(final_norm.weight, dtype),
             rope=Rope.from_module(rotary, attn.head_dim),
             num_heads=config.num_attention_heads,
@@ -280,6 +284,19 @@ def unsupported_layer_reason(layer) -> str | None:
     elif not hasattr(mlp.gate, "norm_topk_prob"):
         return f"router {type(mlp.gate).__name__} is not supported"
     return None
+
+
+def quantize_layer(layer: LayerWeights, quantize: str) -> tuple[LayerWeights, tuple]:
+    """A packed layer → (the layer without the float matrices it no longer runs, its (qkv, o, gate_up, down)
+    weight-only quantized to `quantize`; a MoE layer's attention only: its experts and shared experts stay
+    float, gate_up and down None)."""
+    if layer.router is None:
+        quantized = tuple(
+            quantize_weight(matrix, quantize) for matrix in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+        )
+        return replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None), quantized
+    quantized = (quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize), None, None)
+    return replace(layer, qkv=None, o=None), quantized
 
 
 def pack_layer(layer, config, dtype: torch.dtype) -> LayerWeights:
