@@ -197,8 +197,8 @@ MUTATIONS = [
     ),
     Mutation(
         "decoder_quantized_while_packed_stays_float", "omnimtp/runtime/decoder.py",
-        "            if quantize is None:\n                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)",
-        "            if True:\n                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)",
+        "            if quantize is None:\n                packed_layers = tuple(",
+        "            if True:\n                packed_layers = tuple(",
         QUANTIZED, "a decoder asked to quantize while packing keeps its float layers and runs them: quantize set, "
         "no quantized matrix",
     ),
