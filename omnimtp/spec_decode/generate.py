@@ -353,7 +353,8 @@ def calibrate_draft_costs(
         controller = ScheduledDrafts([*ks, 0])  # the extra step ends the last timed one
         with torch.inference_mode():
             _speculative_generate(
-                target, head, prompt, None, controller, max_new_tokens=64, sampling=sampling, seed=cycle,
+                target, head, prompt, None, controller, max_new_tokens=(len(ks) + 1) * (max(ks) + 1),  # no row ends
+                sampling=sampling, seed=cycle,
                 eos_token_id=[], target_backend=target_backend, max_steps=len(ks) + 1,
             )
         starts, counts = controller.step_starts, controller.counts[: len(ks)]
