@@ -184,8 +184,9 @@ def test_calibrated_costs_are_measured_once_and_reused(tiny):
     table = calibrate_draft_cost_table(target, head, max_batch_size=3, max_draft_tokens=2)
     assert [rows for rows, _ in table.by_batch] == [1, 2, 4] and table.for_batch(1) is costs
     assert table.for_batch(3) is calibrate_draft_costs(target, head, batch_size=4, max_draft_tokens=2)
-    many = calibrate_draft_costs(target, head, max_draft_tokens=12)  # a cycle's rows never run out of tokens
-    assert len(many.step) == 13 and list(many.step) == sorted(many.step)
+    # every draft accepted, 12 a step: a cycle's rows never run out of tokens
+    many = calibrate_draft_costs(target, TargetProposer(target), max_draft_tokens=12)
+    assert len(many.step) == 13 and list(many.step) == sorted(many.step) and many.acceptance == 1.0
     out = speculative_generate(target, head, prompt, max_new_tokens=12, num_draft_tokens="auto", eos_token_id=-1)
     assert out.stats.draft_costs is not None and len(out.stats.draft_costs) == adaptive.DEFAULT_MAX_DRAFT_TOKENS + 1
     assert out.stats.to_dict()["draft_costs_by_batch"] == {1: out.stats.draft_costs}
