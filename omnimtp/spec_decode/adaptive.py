@@ -373,9 +373,8 @@ class ScheduledDrafts:
         pass
 
     def update(self, num_drafted: int, num_accepted: list[int], active: list[bool]) -> None:
-        verified = [min(a + 1, num_drafted) for a, is_active in zip(num_accepted, active, strict=True) if is_active]
         accepted = [a for a, is_active in zip(num_accepted, active, strict=True) if is_active]
-        self.counts.append((sum(accepted), sum(verified)))
+        self.counts.append((sum(accepted), sum(min(a + 1, num_drafted) for a in accepted)))
 
 
 def _cached_costs(fingerprint: dict, max_draft_tokens: int) -> DraftCosts | None:
