@@ -1,5 +1,6 @@
-"""Weight-only quantized matmuls of a few rows at the Qwen3-TTS 0.6B talker's widths (hidden 1024, MLP 3072,
-16/8 heads × 128): omnimtp's kernel (int8 per channel, int4 per channel and group of 128) against torch's own
+"""Quantized matmuls of a few rows at the Qwen3-TTS 0.6B talker's widths (hidden 1024, MLP 3072, 16/8 heads
+× 128): omnimtp's kernel (weight-only int8 per channel and int4 per channel and group of 128; w4a8, those int4
+weights with int8 activations per row and group, on AVX512-VNNI or AVX2) against torch's own
 CPU kernels (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`), torchao's weight-only configs
 (`quantize_`, where it imports) and fp32 (`F.linear`, omnimtp's fp32 row kernel), in one run.
 
@@ -88,7 +89,7 @@ def main() -> None:
         paths["fp32 omnimtp"] = [
             lambda x, p=p, n=w.shape[0]: sbl.small_batch_linear(x, p, n) for p, w in zip(packed, weights, strict=True)
         ]
-        for mode in ("int8", "int4"):
+        for mode in ("int8", "int4", "w4a8"):
             quantized = [quantize_weight(w, mode) for w in weights]
             paths[f"{mode} omnimtp"] = [
                 lambda x, q=q, w=w: linear(x, w, packed=q) for q, w in zip(quantized, weights, strict=True)
@@ -100,7 +101,7 @@ def main() -> None:
         if all(m is not None for m in modules):
             modules = modules + [torchao_path(w, mode) for w in weights[len(SHAPES):]]
             paths[f"{mode} torchao"] = modules
-    bytes_per_weight = {"fp32": 4, "int8": 1, "int4": 0.5}
+    bytes_per_weight = {"fp32": 4, "int8": 1, "int4": 0.5, "w4a8": 0.5}
     results = []
     for rows in args.rows:
         x = torch.randn(rows, 1024, generator=gen)

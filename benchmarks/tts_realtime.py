@@ -6,7 +6,7 @@ the 12 Hz speech tokenizer's decoder at its released widths (latent 1024, hidden
 read from `--model DIR`. The text vocabulary shrinks to the byte tokenizer's (a text row is one lookup).
 
 This machine's physics first, in the same run: the streaming read bandwidth (a sum over 512 MB) and a copy's,
-and the fp32 matmul peak (2048³ GEMMs), on `--threads` threads. Then per mode (fp32, bf16, int8, int4), each
+and the fp32 matmul peak (2048³ GEMMs), on `--threads` threads. Then per mode (fp32, bf16, int8, int4, w4a8), each
 in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, `--frames` frames per request:
 
 - RTF (wall ÷ audio seconds, aggregate over the batch), ms per frame step split into talker, code predictor
@@ -23,7 +23,7 @@ batch 1 and 8, in its own process. `--profile` adds a `torch.profiler` op table 
 top ops by self CPU time, the number of ops per frame, and the time not seen by the profiler: omnimtp's C
 kernels are called through ctypes and do not show up as ops).
 
-    python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4] [--batch-sizes 1 8]
+    python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4 w4a8] [--batch-sizes 1 8]
         [--threads 2] [--frames 12] [--profile] [--no-reference] [--model DIR] [--out tts_realtime.json] [--quick]
         [--compile-predictor step|frame]
 
@@ -59,7 +59,7 @@ TEXTS = [
     "Short one.", "A fourth sentence, with a comma and some more words.",
 ]
 VOICES = ["aiden", "vivian"]
-MODES = ("fp32", "bf16", "int8", "int4")
+MODES = ("fp32", "bf16", "int8", "int4", "w4a8")
 TTFA_RUNS = 5  # streamed first chunks timed per mode; the median is reported
 NUM_TEXT_ROWS = 320  # the byte tokenizer's vocabulary: the text embedding shrinks to it
 
@@ -322,7 +322,7 @@ def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads:
 
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    quantize = mode if mode in ("int8", "int4") else None
+    quantize = mode if mode in ("int8", "int4", "w4a8") else None
     compiled = compile_predictor != "none"
     result = {"mode": mode + (f" {compile_predictor}-compiled" if compiled else "")}
     started = time.perf_counter()

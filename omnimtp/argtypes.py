@@ -84,10 +84,12 @@ def add_threads_argument(parser) -> None:
                         "the cores for a real one)")
 
 
-QUANTIZE_CHOICES = ("int8", "int4")  # `omnimtp.runtime.ops.QUANTIZE_MODES`, without importing torch to parse
+QUANTIZE_CHOICES = ("int8", "int4", "w4a8")  # `omnimtp.runtime.ops.QUANTIZE_MODES`, without importing torch to parse
 
 
 def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
-                        help="weight-only quantized linears on the CPU: int8 (per output channel) or int4 (per "
-                        "channel and group of 128 inputs); activations stay float (default: the weights as they are)")
+                        help="quantized linears on the CPU: int8 (per output channel) or int4 (per channel and "
+                        "group of 128 inputs), weight-only, activations in float; or w4a8: int4 weights with the "
+                        "activations rounded to int8 per row and group at run time, the fastest and the least "
+                        "exact (default: the weights as they are)")

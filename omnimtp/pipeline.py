@@ -131,7 +131,8 @@ class OmniPipeline:
         weights as they are), "int8" (per output channel) or "int4" (per output channel and group of 128
         inputs): every dense linear of the thinker, talker and code predictor weight-only quantized, run
         on omnimtp's CPU kernel (activations stay float; a CPU with AVX2 or AVX-512F and a C compiler);
-        with a ready family, give it to the family."""
+        or "w4a8": int4 weights, each linear's input rounded to int8 per row and group of 128 as it runs
+        (exact integer sums; AVX512-VNNI where the CPU has it); with a ready family, give it to the family."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,

@@ -1156,6 +1156,24 @@ MUTATIONS = [
         "  for (int64_t k = (p); k + 1 < K; k += QSETS) {",
         ("tests/test_quantized_linear.py",), "int8 tiles of several rows drop an odd K's last input",
     ),
+    Mutation(
+        "w4a8_vnni_keeps_the_stored_plus_8", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "const __m512i bias = _mm512_set1_epi32(8 * a->xsum[row * a->groups + g]);",
+        "const __m512i bias = _mm512_set1_epi32(0 * a->xsum[row * a->groups + g]);",
+        QUANTIZED, "the VNNI w4a8 kernel multiplies by the stored q + 8 instead of q",
+    ),
+    Mutation(
+        "w4a8_truncates_the_inputs_past_the_last_8", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    float r = __builtin_nearbyintf(x[k] * inv);",
+        "    float r = __builtin_truncf(x[k] * inv);",
+        QUANTIZED, "w4a8 rounds a group's last inputs (past its whole words of 8) toward zero, not to nearest",
+    ),
+    Mutation(
+        "w4a8_runs_as_weight_only_int4", "omnimtp/runtime/ops.py",
+        "int8_activations=mode == \"w4a8\")",
+        "int8_activations=False)",
+        QUANTIZED, "quantize=\"w4a8\" runs the weight-only int4 kernel: int4's speed, called w4a8",
+    ),
 ]
 
 

@@ -32,7 +32,7 @@ def test_realtime_quick_run_reports_every_part(tmp_path):
     results = json.loads(out.read_text())
     machine = results["machine"]
     assert machine["read_gb_s"] > 0 and machine["copy_gb_s"] > 0 and machine["fp32_matmul_gflop_s"] > 0
-    assert [entry["mode"] for entry in results["modes"]] == ["fp32", "bf16", "int8", "int4"]
+    assert [entry["mode"] for entry in results["modes"]] == ["fp32", "bf16", "int8", "int4", "w4a8"]
     for entry in results["modes"]:
         assert "unsupported" not in entry and "failed" not in entry, entry
         assert entry["ttfa_s"] > 0 and entry["peak_rss_mb"] >= entry["rss_loaded_mb"] > 0
@@ -45,9 +45,10 @@ def test_realtime_quick_run_reports_every_part(tmp_path):
             floor = batch["floor"]
             assert floor["talker_ms"] > 0 and floor["code_predictor_ms"] > 0 and floor["decoder_ms"] > 0
             assert 0 < floor["rtf"] <= batch["rtf"]  # the parts at their floors, nothing else
-    fp32, int8, int4 = (results["modes"][i]["batch_1"]["floor"] for i in (0, 2, 3))
+    fp32, int8, int4, w4a8 = (results["modes"][i]["batch_1"]["floor"] for i in (0, 2, 3, 4))
     # the floors read the weights the engine holds (the layers' quantized as stored; the codec head stays float)
     assert int4["talker_weight_bytes"] < int8["talker_weight_bytes"] < fp32["talker_weight_bytes"]
+    assert w4a8["talker_weight_bytes"] == int4["talker_weight_bytes"]  # the same int4 weights
     profile = results["modes"][0]["profile"]
     assert profile["ops_per_frame"] > 0 and profile["top_ops"]
     if has_reference:
@@ -63,17 +64,19 @@ def test_quality_quick_run_reports_every_part(tmp_path):
     for key in ("demo_lm", "demo_omni_thinker"):
         entry = results[key]
         assert entry["fp32_perplexity"] > 1
-        for mode in ("int8", "int4"):
+        for mode in ("int8", "int4", "w4a8"):
             assert 0 <= entry[mode]["greedy_agreement"] <= 1 and entry[mode]["perplexity"] > 1
     talker = results["tts_talker"]
-    for mode in ("int8", "int4"):
+    for mode in ("int8", "int4", "w4a8"):
         assert 0 <= talker[mode]["codebook0_top1_agreement"] <= 1
-    # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's
+    # int8 keeps 8 bits a weight, int4 4: the logits move, and int8's less than int4's; w4a8 rounds its inputs too
     assert 0 < talker["int8"]["logits_relative_error"] < talker["int4"]["logits_relative_error"]
+    assert talker["w4a8"]["logits_relative_error"] != talker["int4"]["logits_relative_error"]
     assert 0 < talker["text_projection_int8_relative_error"] < 0.05
     predictor = results["tts_code_predictor"]
     assert set(predictor["int8"]) == {"heads_int8"} and set(predictor["int4"]) == {"heads_int8", "heads_int4"}
-    for figures in (*predictor["int8"].values(), *predictor["int4"].values()):
+    assert set(predictor["w4a8"]) == {"heads_int8", "heads_w4a8"}
+    for figures in (*predictor["int8"].values(), *predictor["int4"].values(), *predictor["w4a8"].values()):
         assert 0 <= figures["top1_agreement"] <= 1 and figures["logits_relative_error"] > 0
 
 
@@ -89,4 +92,4 @@ def test_floors_count_every_multiply_add_of_a_quantized_matrix():
     if not small_batch_linear.available():
         pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
     weight = torch.randn(48, 256)
-    assert [_matrix_macs(quantize_weight(weight, mode)) for mode in ("int8", "int4")] == [weight.numel()] * 2
+    assert [_matrix_macs(quantize_weight(weight, mode)) for mode in ("int8", "int4", "w4a8")] == [weight.numel()] * 3

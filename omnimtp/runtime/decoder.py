@@ -114,18 +114,19 @@ class PackedDecoder:
     # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # `quantized`: per layer (qkv, o, gate_up, down) weight-only quantized (`ops.QuantizedWeight`), used for
-    # every row count, in place of the layers' float matrices; quantize: the mode ("int8", "int4") or None
+    # `quantized`: per layer (qkv, o, gate_up, down) quantized (`ops.QuantizedWeight`), used for
+    # every row count, in place of the layers' float matrices; quantize: the mode (`ops.QUANTIZE_MODES`) or None
     quantize: str | None = None
     quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
-        """This decoder with every dense layer's linears (qkv, o, gate/up, down) weight-only quantized
-        (`ops.quantize_weight`; activations stay in the decoder's dtype), run on omnimtp's CPU kernel for any
-        row count. Routed experts, routers and norms stay as they are. The quantized decoder does not hold the
-        float matrices it replaces (its dense layers' qkv, o, gate_up and mlp_down are None), so they are freed
-        once nothing else holds them. None, or this decoder's own mode: this decoder unchanged. ValueError
-        naming `quantize` for an unknown mode, a device without a kernel, or a decoder quantized to another mode."""
+        """This decoder with every dense layer's linears (qkv, o, gate/up, down) quantized
+        (`ops.quantize_weight`; activations stay in the decoder's dtype, rounded to int8 inside each "w4a8"
+        matmul), run on omnimtp's CPU kernel for any row count. Routed experts, routers and norms stay as they
+        are. The quantized decoder does not hold the float matrices it replaces (its dense layers' qkv, o,
+        gate_up and mlp_down are None), so they are freed once nothing else holds them. None, or this
+        decoder's own mode: this decoder unchanged. ValueError naming `quantize` for an unknown mode, a device
+        without a kernel, or a decoder quantized to another mode."""
         if quantize is None or quantize == self.quantize:
             return self
         check_quantize(quantize, self.device)
@@ -288,7 +289,7 @@ def unsupported_layer_reason(layer) -> str | None:
 
 def quantize_layer(layer: LayerWeights, quantize: str) -> tuple[LayerWeights, tuple]:
     """A packed layer → (the layer without the float matrices it no longer runs, its (qkv, o, gate_up, down)
-    weight-only quantized to `quantize`; a MoE layer's attention only: its experts and shared experts stay
+    quantized to `quantize`; a MoE layer's attention only: its experts and shared experts stay
     float, gate_up and down None)."""
     if layer.router is None:
         quantized = tuple(

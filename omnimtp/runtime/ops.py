@@ -6,7 +6,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
 
     normed = rms_norm(x, weight, eps)                           # transformers' Qwen3 RMSNorm
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
-    q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # weight-only int8 / int4
+    q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # int8 / int4 (/ w4a8) weights
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
     out = attention(q, keys, values, mask, scale)               # SDPA, GQA; [R, T, Nq * D]
@@ -162,20 +162,33 @@ class PackedGemm:
         return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
-QUANTIZE_MODES = ("int8", "int4")
+# "int8" and "int4": weight-only (activations and sums in float); "w4a8": int4 weights with the activations
+# quantized to int8 per row and group of inputs as each matmul starts (dynamic), the sums exact integers
+QUANTIZE_MODES = ("int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 128  # inputs per int4 scale (the common choice: GPTQ, AWQ, torchao's default)
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A linear weight quantized weight-only for omnimtp's CPU kernel (`small_batch_linear.quantize_int8`
-    / `quantize_int4`): activations, sums and output stay float; `linear` runs it when passed as `packed`.
-    `dequantized` [N, K] fp32 is the weight the kernel multiplies by (what tests compare against)."""
+    """A linear weight quantized for omnimtp's CPU kernel (`small_batch_linear.quantize_int8` /
+    `quantize_int4`); `linear` runs it when passed as `packed`. Weight-only (int8_activations False): the
+    activations, sums and output stay float. int8_activations (the "w4a8" mode, int4 weights): each call
+    quantizes its input per row and group of `group_size` inputs (`small_batch_linear.w4a8_linear`).
+    `dequantized` [N, K] fp32 is the weight the kernel multiplies by and `dequantized_input(x)` the input
+    (what tests compare against)."""
 
     packed: torch.Tensor
     scales: torch.Tensor
     out_features: int
     group_size: int | None  # None: int8 per output channel; else int4 per channel and group of inputs
+    int8_activations: bool = False
+
+    def dequantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input [M, K] the kernel multiplies by: x itself (weight-only), or x rounded to its int8 grid."""
+        if not self.int8_activations:
+            return x
+        xq, scales = small_batch_linear.quantize_activations_int8(x, self.group_size)
+        return (xq.view(x.shape[0], -1, self.group_size) * scales[..., None]).view_as(x)
 
     def dequantized(self) -> torch.Tensor:
         if self.group_size is None:
@@ -189,7 +202,8 @@ class QuantizedWeight:
 
 def check_quantize(quantize: str | None, device: torch.device | str) -> None:
     """ValueError naming `quantize` unless it is None or a mode in QUANTIZE_MODES with a kernel on `device`
-    (omnimtp's CPU kernel: an x86 CPU with AVX2 or AVX-512F and a C compiler)."""
+    (omnimtp's CPU kernel: an x86 CPU with AVX2 or AVX-512F and a C compiler; "w4a8" runs AVX512-VNNI where
+    the CPU has it, else AVX2, with the same values)."""
     if quantize is None:
         return
     if quantize not in QUANTIZE_MODES:
@@ -201,16 +215,19 @@ def check_quantize(quantize: str | None, device: torch.device | str) -> None:
 
 
 def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROUP_SIZE) -> QuantizedWeight:
-    """nn.Linear weight [N, K] → its weight-only quantized form ("int8": symmetric per output channel;
-    "int4": symmetric per output channel and group of `group_size` inputs, or of all K inputs when K is
-    not a multiple of it). The weight is not modified."""
+    """nn.Linear weight [N, K] → its quantized form ("int8": symmetric per output channel; "int4" and "w4a8":
+    symmetric per output channel and group of `group_size` inputs, or of all K inputs when K is not a
+    multiple of it; "w4a8" then quantizes the activations per row and the same groups). The weight is not
+    modified."""
     check_quantize(mode, weight.device)
     if mode == "int8":
         packed, scales, _ = small_batch_linear.quantize_int8(weight)
         return QuantizedWeight(packed, scales, weight.shape[0], None)
     group = group_size if weight.shape[1] % group_size == 0 else weight.shape[1]
+    if mode == "w4a8" and group % 8 and group != weight.shape[1]:
+        raise ValueError(f"group_size={group_size}: w4a8 needs groups of whole words of 8 inputs")
     packed, scales, _ = small_batch_linear.quantize_int4(weight, group)
-    return QuantizedWeight(packed, scales, weight.shape[0], group)
+    return QuantizedWeight(packed, scales, weight.shape[0], group, int8_activations=mode == "w4a8")
 
 
 def linear(
@@ -231,7 +248,8 @@ def linear(
     memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
     if isinstance(packed, QuantizedWeight):
         rows = x.shape[:-1].numel()
-        out = small_batch_linear.quantized_linear(
+        kernel = small_batch_linear.w4a8_linear if packed.int8_activations else small_batch_linear.quantized_linear
+        out = kernel(
             x.reshape(rows, x.shape[-1]).float(), packed.packed, packed.scales, packed.out_features, packed.group_size
         ).to(x.dtype)
         out = out.view(*x.shape[:-1], packed.out_features)

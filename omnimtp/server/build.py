@@ -20,7 +20,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
-    quantize: weight-only quantized linears (`OmniPipeline`'s). timeout_text_idle: how long a streamed-text
+    quantize: quantized linears (`OmniPipeline`'s). timeout_text_idle: how long a streamed-text
     speech request may wait for more text (`Engine`'s). prefix_cache_bytes: the budget of the realtime
     conversations kept warm (`EngineConfig`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily

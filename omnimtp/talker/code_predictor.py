@@ -214,8 +214,8 @@ class PredictorWeights:
     quantized_lm_heads: tuple | None = None
 
     def quantized(self, quantize: str | None) -> PredictorWeights:
-        """These weights with the transformer's linears weight-only quantized to `quantize`
-        (`PackedDecoder.quantized`) and the G-1 lm_heads to int8 in either mode: with int4 layers, the residual
+        """These weights with the transformer's linears quantized to `quantize` (`PackedDecoder.quantized`)
+        and the G-1 lm_heads to int8 (weight-only) in every mode: with int4 layers, the residual
         codes' top-1 agreement with fp32 is 88.7% with int8 heads and 83.9% with int4 ones (0.6B widths, random
         weights, teacher forced: `benchmarks/quantized_quality.py`), and int8 heads read a quarter of the
         float heads' bytes. None, or the mode these weights have: unchanged.
@@ -424,7 +424,7 @@ class CodePredictorRunner:
     one copy of the matrices reordered by oneDNN (~20% less time per matmul than `F.linear` at real
     dims). bf16: the same values as plain kernels; fp32: equal up to rounding.
 
-    `quantize`: None, or "int8" / "int4": the transformer's linears weight-only quantized
+    `quantize`: None, or a mode of `ops.QUANTIZE_MODES`: the transformer's linears quantized
     (`PackedDecoder.quantized`), on omnimtp's CPU kernel for every batch size (packed_gemm is then off);
     a row's codes still depend only on its own inputs. ValueError naming it where it cannot run.
 

@@ -125,6 +125,11 @@ def _library() -> ctypes.CDLL | None:
     quantized = lib.omnimtp_quantized_linear
     quantized.restype = ctypes.c_int
     quantized.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    w4a8 = lib.omnimtp_w4a8_linear
+    w4a8.restype = ctypes.c_int
+    w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    lib.omnimtp_w4a8_has_vnni.restype = ctypes.c_int
+    lib.omnimtp_w4a8_has_vnni.argtypes = []
     return lib
 
 
@@ -314,5 +319,84 @@ def _quantized_linear_op(
 
 
 @_quantized_linear_op.register_fake
+def _(x, packed, scales, out_features, group_size):
+    return x.new_empty(x.shape[0], out_features)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 weights with int8 activations ("w4a8": `quantize_int4`'s weights; the activations quantized per row and
+# group of inputs as each call starts, the inner sums exact integers)
+
+W4A8_ISAS = ("AVX512-VNNI", "AVX2")
+
+
+def w4a8_isa() -> str | None:
+    """Which instructions `w4a8_linear` runs here: "AVX512-VNNI" where the CPU has them, else "AVX2"; None
+    without the kernel. Both give the same bits."""
+    lib = _library()
+    if lib is None:
+        return None
+    return W4A8_ISAS[0] if lib.omnimtp_w4a8_has_vnni() else W4A8_ISAS[1]
+
+
+def quantize_activations_int8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `w4a8_linear` does to its input, in torch ops: x [M, K] fp32 → (xq [M, K] fp32 holding integers in
+    -127..127, scales [M, K / group_size]): per row and group, scale = max|x| / 127 and xq = round(x * (127 /
+    max|x|)), ties to even; an all-zero group gives zeros and scale 0, a group with a NaN or an infinity scale
+    NaN. x is not modified."""
+    rows, in_features = x.shape
+    groups = x.float().view(rows, in_features // group_size, group_size)
+    amax = groups.abs().amax(-1)  # NaN where a NaN is
+    finite = torch.isfinite(amax) & (amax > 0)
+    inv = torch.where(finite, 127.0 / torch.where(finite, amax, 1.0), 0.0)
+    xq = torch.round(groups * inv[..., None]).clamp(-127, 127)
+    scales = torch.where(finite | (amax == 0), amax / 127.0, float("nan"))
+    return xq.view(rows, in_features), scales
+
+
+def w4a8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int,
+    *, isa: str | None = None,
+) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T → [M, out_features] with W from `quantize_int4` and x quantized to int8 per row and
+    group of `group_size` inputs (`quantize_activations_int8`): sum over groups of (weight scale × activation
+    scale) × the exact integer dot product of the group. isa: None for this CPU's best (`w4a8_isa()`), or one of
+    W4A8_ISAS (ValueError where the CPU lacks it): every choice gives the same bits, and a row's values do not
+    depend on the other rows. Needs `available()`; no argument checks beyond isa."""
+    if isa is not None and isa not in W4A8_ISAS:
+        raise ValueError(f"isa must be None or one of {W4A8_ISAS}, got {isa!r}")
+    if torch.compiler.is_compiling():
+        return _w4a8_linear_op(x, packed, scales, out_features, group_size)
+    return _run_w4a8(x.contiguous(), packed, scales, out_features, group_size, isa)
+
+
+def _run_w4a8(x, packed, scales, out_features: int, group_size: int, isa: str | None = None) -> torch.Tensor:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the quantized linear kernel is not available: {_unavailable}")
+    rows, in_features = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows and out_features:
+        choice = -1 if isa is None else int(isa == W4A8_ISAS[0])
+        status = lib.omnimtp_w4a8_linear(
+            x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
+            group_size, torch.get_num_threads(), choice,
+        )
+        if status == -2:
+            raise ValueError(f"isa={isa!r}: this CPU lacks it (it runs {w4a8_isa()})")
+        if status != 0:
+            raise MemoryError("w4a8_linear: out of memory")
+    return out
+
+
+@torch.library.custom_op("omnimtp::w4a8_linear", mutates_args=())
+def _w4a8_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int
+) -> torch.Tensor:
+    """The w4a8 kernel as one opaque op under torch.compile."""
+    return _run_w4a8(x.contiguous(), packed, scales, out_features, group_size)
+
+
+@_w4a8_linear_op.register_fake
 def _(x, packed, scales, out_features, group_size):
     return x.new_empty(x.shape[0], out_features)
