@@ -112,27 +112,19 @@ def packed_gemm_available(device: torch.device | str, dtype: torch.dtype) -> boo
     return packed_gemm_kind(device, dtype) is not None
 
 
-@torch.library.custom_op("omnimtp::mkl_packed_linear", mutates_args=())
-def _mkl_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """`torch.ops.mkl._mkl_linear` as an opaque op, so torch.compile calls it instead of lowering it
-    (inductor's own lowering expects the packed weight to be a frozen constant)."""
-    return torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
-
-
-@_mkl_packed_linear_op.register_fake
-def _(x, packed, weight, rows):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("omnimtp::onednn_packed_linear", mutates_args=())
-def _onednn_packed_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """oneDNN's linear on a reordered (opaque) weight, kept opaque under torch.compile as above."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-@_onednn_packed_linear_op.register_fake
-def _(x, packed, out_features):
-    return x.new_empty(x.shape[0], out_features)
+# `torch.ops.mkl._mkl_linear` as an opaque op, so torch.compile calls it instead of lowering it (inductor's own
+# lowering expects the packed weight to be a frozen constant)
+_mkl_packed_linear_op = small_batch_linear.opaque_op(
+    "mkl_packed_linear", "(Tensor x, Tensor packed, Tensor weight, int rows) -> Tensor",
+    lambda x, packed, weight, rows: torch.ops.mkl._mkl_linear(x, packed, weight, None, rows),
+    lambda x, packed, weight, rows: x.new_empty(x.shape[0], weight.shape[0]),
+)
+# oneDNN's linear on a reordered (opaque) weight, kept opaque under torch.compile as above
+_onednn_packed_linear_op = small_batch_linear.opaque_op(
+    "onednn_packed_linear", "(Tensor x, Tensor packed, int out_features) -> Tensor",
+    lambda x, packed, out_features: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    lambda x, packed, out_features: x.new_empty(x.shape[0], out_features),
+)
 
 
 @dataclass(frozen=True)
