@@ -135,6 +135,10 @@ def test_w4a8_quantizes_each_row_and_group_of_inputs_and_is_exact_on_that_grid(i
 def test_w4a8_refuses_groups_inside_words_of_8_inputs():
     with pytest.raises(ValueError, match="group_size"):
         quantize_weight(torch.randn(16, 48), "w4a8", 12)
+    q = quantize_weight(torch.randn(16, 48), "w4a8", 16)
+    for group in (12, 20, 0):
+        with pytest.raises(ValueError, match="group_size"):
+            sbl.w4a8_linear(torch.randn(2, 48), q.packed, q.scales, 16, group)
 
 
 @needs_kernel

@@ -882,9 +882,11 @@ __attribute__((target("avx2,fma"))) static void w4a8_quantize_group(const float*
 
 /* x [M, K] fp32, words and scales as int4's (`omnimtp_quantized_linear` with bits 4), y [M, N]. vnni: -1 for
  * this CPU's best (AVX512-VNNI where it has it), 0 for the AVX2 code, 1 for VNNI (what tests compare). Returns
- * 0, -1 when out of memory, -2 when VNNI is asked for and absent. */
+ * 0, -1 when out of memory, -2 when VNNI is asked for and absent, -3 for a group that does not divide K or, with
+ * several groups, falls inside words of 8 inputs. */
 int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scales, float* y, int64_t M, int64_t K,
                         int64_t N, int64_t group, int num_threads, int vnni) {
+  if (group < 1 || K % group != 0 || (K / group > 1 && group % 8 != 0)) return -3;
   if (vnni < 0) vnni = has_vnni();
   else if (vnni && !has_vnni()) return -2;
   const int64_t panels = (N + PANEL - 1) / PANEL, groups = K / group, words_per_panel = (K + 7) / 8;

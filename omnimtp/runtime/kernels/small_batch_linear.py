@@ -368,7 +368,8 @@ def w4a8_linear(
     group of `group_size` inputs (`quantize_activations_int8`): sum over groups of (weight scale × activation
     scale) × the exact integer dot product of the group. isa: None for this CPU's best (`w4a8_isa()`), or one of
     W4A8_ISAS (ValueError where the CPU lacks it): every choice gives the same bits, and a row's values do not
-    depend on the other rows. Needs `available()`; no argument checks beyond isa."""
+    depend on the other rows. Needs `available()`; ValueError for a group_size that does not divide K in whole
+    words of 8 inputs (one group of all K may be any width); no other argument checks."""
     if isa is not None and isa not in W4A8_ISAS:
         raise ValueError(f"isa must be None or one of {W4A8_ISAS}, got {isa!r}")
     if torch.compiler.is_compiling():
@@ -390,6 +391,8 @@ def _run_w4a8(x, packed, scales, out_features: int, group_size: int, isa: str | 
         )
         if status == -2:
             raise ValueError(f"isa={isa!r}: this CPU lacks it (it runs {w4a8_isa()})")
+        if status == -3:
+            raise ValueError(f"group_size={group_size} must divide {in_features} inputs in words of 8 (or be all)")
         if status != 0:
             raise MemoryError("w4a8_linear: out of memory")
     return out
