@@ -214,9 +214,11 @@ class ThinkerRun:
     def is_finished(self) -> bool:
         return all(reason is not None for reason in self.finish_reasons)
 
-    def step(self) -> list[ThinkerEvent]:
+    def step(self, *, plain: bool = False) -> list[ThinkerEvent]:
         """One forward for every unfinished request (the first step: each request's prefill) → one
-        event per request."""
+        event per request. plain: with `auto` drafts, a plain step (no drafts) instead of the controller's
+        choice, the shortest step, for a caller that has a request waiting on it; a fixed k drafts as
+        always (its seeded requests' tokens do not depend on when others arrive)."""
         active = [i for i, reason in enumerate(self.finish_reasons) if reason is None]
         device = self.decoder.device
         embed_tokens = self.thinker.get_input_embeddings()
@@ -225,6 +227,8 @@ class ThinkerRun:
             k = 0
             if self._plain_steps_left:
                 self._plain_steps_left -= 1
+            elif plain and self.speculation.is_adaptive:
+                pass
             else:
                 k = self.controller.choose([reason is None for reason in self.finish_reasons])
             if k > 0:

@@ -260,6 +260,40 @@ def test_greedy_auto_on_the_demo_omni_thinker_equals_plain():
         ThinkerSpeculation(head, 3, draft_costs=CHEAP)
 
 
+def test_a_thinker_step_asked_to_be_plain_drafts_nothing_under_auto_and_a_fixed_k_drafts_as_always():
+    """While a request waits for its first audio the engine asks its cohorts for plain steps: with `auto` such a
+    step drafts nothing (the greedy text stays plain greedy's, steps asked and not asked mixed), and a fixed k
+    drafts as always, so its seeded requests do not depend on when others arrive."""
+    from omnimtp.mtp.demo import demo_omni_dir, demo_omni_prompts
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+    from omnimtp.thinker import ThinkerRun
+
+    pipe = OmniPipeline.demo(thinker_mtp=None)
+    head = MTPHead.from_pretrained(demo_omni_dir(), pipe.model.thinker).eval()
+    prompts = [pipe.family.chat_ids([{"role": "user", "content": t}]) for t in demo_omni_prompts()[:2]]
+
+    def run(speculation, plain_steps):
+        thinker_run = ThinkerRun(pipe.model.thinker, prompts, accept_hidden_layer=pipe.accept_hidden_layer,
+                                 eos_token_ids=pipe.eos_token_ids, max_new_tokens=24, decoder=pipe.thinker_decoder,
+                                 speculation=speculation)
+        with torch.inference_mode():
+            step = 0
+            while not thinker_run.is_finished:
+                thinker_run.step(plain=plain_steps(step))
+                step += 1
+        return thinker_run
+
+    plain = run(None, lambda step: False).output_ids
+    always = run(ThinkerSpeculation(head, "auto", draft_costs=CHEAP), lambda step: True)
+    assert always.output_ids == plain and all(set(s.draft_histogram) == {0} for s in always.spec_stats)
+    mixed = run(ThinkerSpeculation(head, "auto", draft_costs=CHEAP), lambda step: step % 3 == 1)
+    assert mixed.output_ids == plain and sum(s.num_accepted for s in mixed.spec_stats) > 0
+    assert all(0 in s.draft_histogram for s in mixed.spec_stats)
+    fixed = run(ThinkerSpeculation(head, 3), lambda step: True)
+    assert fixed.output_ids == plain and sum(s.num_accepted for s in fixed.spec_stats) > 0
+
+
 # --- sampled: the target's law, repeatable -------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ One `step()` is one audio frame boundary:
 
     think    one thinker step for every running cohort (requests admitted together share a run); while a
              request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
-             reply rows (ahead of their audio, as speculation gets) skip theirs
+             reply rows (ahead of their audio, as speculation gets) skip theirs, and the others' `auto`
+             speculation takes plain steps (the shortest: a fixed k drafts as always)
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
              speech request with no text ids yet is not admitted); chat requests form a new cohort that
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
@@ -266,7 +267,7 @@ class EngineCore:
         is_first_audio_due = self._is_first_audio_due()
         for cohort in self.cohorts:
             if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
-                yield from self._think(cohort)
+                yield from self._think(cohort, plain=is_first_audio_due)
         yield from self._start(self._admit(admit_background=not is_first_audio_due))
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
@@ -379,9 +380,11 @@ class EngineCore:
 
     # --- think ---
 
-    def _think(self, cohort: _Cohort) -> list[StepEvent]:
+    def _think(self, cohort: _Cohort, plain: bool = False) -> list[StepEvent]:
+        """One thinker step of the cohort; plain: while a request waits for its first audio, `auto`
+        speculation takes plain steps, the shortest, so that first audio comes sooner (`ThinkerRun.step`)."""
         events = []
-        for event in cohort.run.step():
+        for event in cohort.run.step(plain=plain):
             request = cohort.requests[event.index]
             if event.token_id is not None and request.is_thinking:  # aborted rows ride along unread
                 events += self._take_token(request, event)
