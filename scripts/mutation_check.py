@@ -1157,6 +1157,18 @@ MUTATIONS = [
         ("tests/test_quantized_linear.py",), "int8 tiles of several rows drop an odd K's last input",
     ),
     Mutation(
+        "auto_drafts_while_a_first_audio_waits", "omnimtp/thinker.py",
+        "            elif plain and self.speculation.is_adaptive:",
+        "            elif False:",
+        ADAPTIVE, "auto speculation drafts its long verify steps while a request waits for its first audio",
+    ),
+    Mutation(
+        "engine_never_asks_for_plain_thinker_steps", "omnimtp/engine/core.py",
+        "yield from self._think(cohort, plain=is_first_audio_due)",
+        "yield from self._think(cohort, plain=False)",
+        THINKER_SPEC, "the engine never asks its cohorts for plain steps while a request waits for its first audio",
+    ),
+    Mutation(
         "w4a8_vnni_keeps_the_stored_plus_8", "omnimtp/runtime/kernels/small_batch_linear.c",
         "const __m512i bias = _mm512_set1_epi32(8 * a->xsum[row * a->groups + g]);",
         "const __m512i bias = _mm512_set1_epi32(0 * a->xsum[row * a->groups + g]);",

@@ -350,7 +350,8 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
 ):
     """With exact drafts a speculative cohort's thinker runs ahead of its talker. While a newcomer waits for its
     first audio the cohort takes no thinker step, and its frames keep coming from the reply rows its talker holds;
-    afterwards it goes on. With drafts always rejected it keeps pace with its talker and so keeps thinking. The
+    afterwards it goes on. With drafts always rejected it keeps pace with its talker and so keeps thinking, asked
+    for a plain step while the newcomer waits (which `auto` takes and a fixed k does not). The
     newcomer's first audio comes in its admission step, and every output is the one it gives alone."""
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
@@ -385,11 +386,13 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
     cohort = core.cohorts[0]
     thinker_steps = 0
     run_step = cohort.run.step
+    asked_plain = []  # per thinker step of the cohort: whether the engine asked for a plain one
 
-    def counted_step():
+    def counted_step(**kwargs):
         nonlocal thinker_steps
         thinker_steps += 1
-        return run_step()
+        asked_plain.append(kwargs.get("plain", False))
+        return run_step(**kwargs)
 
     cohort.run.step = counted_step
     newcomer = request("new", "Hi")
@@ -398,9 +401,11 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
     admission_events = step()
     assert any(e.audio is not None and e.request is newcomer for e in admission_events)
     assert thinker_steps == (0 if is_ahead else 1) and len(long.frames) == frames_before + 1
+    assert asked_plain == ([] if is_ahead else [True])  # `auto` would take a plain step; this fixed k drafts
     while core.has_work():
         step()
     assert thinker_steps > 0, "the cohort went on thinking once the newcomer's audio had started"
+    assert not asked_plain[-1], "no plain step asked for once the newcomer's audio had started"
     for request_id, text in (("long", "Tell me a story"), ("new", "Hi")):
         expected = alone(text)
         assert outputs[request_id].text_ids == expected.text_ids
