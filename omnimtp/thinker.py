@@ -227,9 +227,7 @@ class ThinkerRun:
             k = 0
             if self._plain_steps_left:
                 self._plain_steps_left -= 1
-            elif plain and self.speculation.is_adaptive:
-                pass
-            else:
+            elif not (plain and self.speculation.is_adaptive):
                 k = self.controller.choose([reason is None for reason in self.finish_reasons])
             if k > 0:
                 return self._speculative_step(active, k)

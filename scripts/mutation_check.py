@@ -1158,8 +1158,8 @@ MUTATIONS = [
     ),
     Mutation(
         "auto_drafts_while_a_first_audio_waits", "omnimtp/thinker.py",
-        "            elif plain and self.speculation.is_adaptive:",
-        "            elif False:",
+        "            elif not (plain and self.speculation.is_adaptive):",
+        "            else:",
         ADAPTIVE, "auto speculation drafts its long verify steps while a request waits for its first audio",
     ),
     Mutation(

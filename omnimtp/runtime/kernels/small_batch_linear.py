@@ -184,12 +184,18 @@ def tiling() -> tuple[int, int]:
     return _TILING.get(isa(), _TILING["AVX512"])
 
 
-def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int, tile_rows: int, pass_rows: int) -> torch.Tensor:
+def _library_and_output(x: torch.Tensor, out_features: int, what: str) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The loaded kernel (RuntimeError naming `what` where it is not available) and the empty fp32 output
+    [rows of x, out_features] a call writes."""
     lib = _library()
     if lib is None:
-        raise RuntimeError(f"the small-batch linear kernel is not available: {_unavailable}")
+        raise RuntimeError(f"the {what} kernel is not available: {_unavailable}")
+    return lib, torch.empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int, tile_rows: int, pass_rows: int) -> torch.Tensor:
+    lib, out = _library_and_output(x, out_features, "small-batch linear")
     rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and out_features:
         status = lib.omnimtp_small_batch_linear(
             x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, in_features, out_features, torch.get_num_threads(),
@@ -305,11 +311,8 @@ def quantized_linear(
 
 
 def _run_quantized(x, packed, scales, out_features: int, group_size: int) -> torch.Tensor:
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"the quantized linear kernel is not available: {_unavailable}")
+    lib, out = _library_and_output(x, out_features, "quantized linear")
     rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and out_features:
         status = lib.omnimtp_quantized_linear(
             x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
@@ -378,11 +381,8 @@ def w4a8_linear(
 
 
 def _run_w4a8(x, packed, scales, out_features: int, group_size: int, isa: str | None = None) -> torch.Tensor:
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"the quantized linear kernel is not available: {_unavailable}")
+    lib, out = _library_and_output(x, out_features, "quantized linear")
     rows, in_features = x.shape
-    out = torch.empty(rows, out_features, dtype=torch.float32)
     if rows and out_features:
         choice = -1 if isa is None else int(isa == W4A8_ISAS[0])
         status = lib.omnimtp_w4a8_linear(
