@@ -1169,6 +1169,14 @@ MUTATIONS = [
         THINKER_SPEC, "the engine never asks its cohorts for plain steps while a request waits for its first audio",
     ),
     Mutation(
+        "engine_asks_for_first_audio_once_a_step", "omnimtp/engine/core.py",
+        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n"
+        "            is_first_audio_due = self._is_first_audio_due()\n",
+        "        is_first_audio_due = self._is_first_audio_due()\n"
+        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n",
+        THINKER_SPEC, "a request that comes during a step leaves that step's later cohorts drafting",
+    ),
+    Mutation(
         "w4a8_vnni_keeps_the_stored_plus_8", "omnimtp/runtime/kernels/small_batch_linear.c",
         "const __m512i bias = _mm512_set1_epi32(8 * a->xsum[row * a->groups + g]);",
         "const __m512i bias = _mm512_set1_epi32(0 * a->xsum[row * a->groups + g]);",

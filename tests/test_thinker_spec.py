@@ -413,6 +413,67 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
         assert_audio_equal(outputs[request_id].audio, expected.audio)
 
 
+def test_a_newcomer_that_comes_during_a_step_makes_the_later_cohorts_of_that_step_plain(plain):
+    """A request that arrives while the engine runs one cohort's thinker step (a closed-loop client sends its
+    next request as its last one's audio ends, so arrivals fall early in a step) waits for every cohort's
+    thinker step before it is admitted. The cohorts after the one running when it came are asked for a plain
+    step (the shortest, under `auto`), as if it had been there when the step began; it is admitted and
+    speaks in that step, and every output is the one it gives alone."""
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+
+    pipe = _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=1.0), 3)
+
+    def request(request_id: str, text: str) -> Request:
+        ids, _ = pipe.family.chat_inputs([{"role": "user", "content": text}], pipe.media_limits)
+        return Request(request_id, ids, max_new_tokens=24, max_frames=MAX_FRAMES, speaker=pipe.family.default_speaker)
+
+    def alone(text: str):
+        core = EngineCore(pipe.family, pipe.config)
+        core.add(request("x", text))
+        while core.has_work():
+            for event in core.step():
+                if event.is_finished:
+                    return core.output(event.request)
+
+    texts = {"first": "Tell me a story", "second": "Sing a song", "new": "Hi"}
+    core = EngineCore(pipe.family, pipe.config)
+    outputs = {}
+
+    def step() -> list:
+        events = list(core.step())
+        outputs.update({e.request.request_id: core.output(e.request) for e in events if e.is_finished})
+        return events
+
+    first, second, newcomer = (request(name, text) for name, text in texts.items())
+    core.add(first)
+    while not first.audio:
+        step()
+    core.add(second)
+    while not second.audio:
+        step()
+    assert len(core.cohorts) == 2 and all(r.is_thinking for r in (first, second)), "a reply ended first"
+    asked_plain: dict[str, list[bool]] = {"first": [], "second": []}
+    for name, cohort in zip(asked_plain, core.cohorts, strict=True):
+        def asked(run_step=cohort.run.step, calls=asked_plain[name], arrives=name == "first", **kwargs):
+            calls.append(kwargs.get("plain", False))
+            if arrives and len(calls) == 1:
+                core.add(newcomer)  # while this cohort's first wrapped thinker step runs
+            return run_step(**kwargs)
+
+        cohort.run.step = asked
+    admission_events = step()
+    assert asked_plain == {"first": [False], "second": [True]}  # `auto` would take a plain step; this fixed k drafts
+    assert any(e.audio is not None and e.request is newcomer for e in admission_events)
+    while core.has_work():
+        step()
+    for name, text in texts.items():
+        expected = alone(text)
+        assert outputs[name].text_ids == expected.text_ids
+        assert torch.equal(outputs[name].codes, expected.codes)
+        assert_audio_equal(outputs[name].audio, expected.audio)
+
+
 # -- server ---------------------------------------------------------------------------------------------
 
 

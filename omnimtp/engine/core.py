@@ -11,7 +11,8 @@ One `step()` is one audio frame boundary:
     think    one thinker step for every running cohort (requests admitted together share a run); while a
              request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
              reply rows (ahead of their audio, as speculation gets) skip theirs, and the others' `auto`
-             speculation takes plain steps (the shortest: a fixed k drafts as always)
+             speculation takes plain steps (the shortest: a fixed k drafts as always); asked before each
+             cohort, so a request that came while an earlier cohort thought counts for the later ones
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
              speech request with no text ids yet is not admitted); chat requests form a new cohort that
              takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
@@ -264,10 +265,12 @@ class EngineCore:
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
         started = time.perf_counter()
-        is_first_audio_due = self._is_first_audio_due()
-        for cohort in self.cohorts:
+        is_first_audio_due = False
+        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts
+            is_first_audio_due = self._is_first_audio_due()
             if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
                 yield from self._think(cohort, plain=is_first_audio_due)
+        is_first_audio_due = self._is_first_audio_due()
         yield from self._start(self._admit(admit_background=not is_first_audio_due))
         self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
