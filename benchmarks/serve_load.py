@@ -2,7 +2,9 @@
 
 For each concurrency level (default 1, 4, 16), `concurrency` clients each send `requests_per_client`
 streamed chat requests with audio back to back (closed loop) and we record, per request: time to the
-first audio delta (TTFA), total time, audio seconds received. Every request must complete or fail with
+first audio delta (TTFA), total time, audio seconds received (`--think-time S`: before each request a client pauses
+an exponential time of mean S, as a caller listens and answers, so that arrivals do not fall in step with
+the engine's iterations as back-to-back requests do). Every request must complete or fail with
 a clean OpenAI-style error; both are counted. Two servers run the same load on the same weights:
 
 - ours: continuous batching (`--max-batch-size`, default 16);
@@ -46,6 +48,7 @@ import contextlib
 import itertools
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -156,10 +159,19 @@ def mean_ms(before: dict, after: dict, name: str, label: str | None = None) -> f
 
 
 async def run_level(url: str, concurrency: int, requests_per_client: int, max_tokens: int,
-                    prompt: str | None = None) -> dict:
+                    prompt: str | None = None, think_time_s: float = 0.0) -> dict:
+    """think_time_s: each client pauses before each request for a time drawn from an exponential
+    distribution with this mean (seeded by the client, so every server sees the same pauses); 0 sends back
+    to back."""
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as client:
         async def worker(w: int) -> list[dict]:
-            return [await one_request(client, w * 1000 + r, max_tokens, prompt) for r in range(requests_per_client)]
+            pauses = random.Random(w)
+            results = []
+            for r in range(requests_per_client):
+                if think_time_s > 0:
+                    await asyncio.sleep(pauses.expovariate(1 / think_time_s))
+                results.append(await one_request(client, w * 1000 + r, max_tokens, prompt))
+            return results
 
         before = await histogram_sums(client)
         started = time.perf_counter()
@@ -209,6 +221,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                        help="mean seconds a client pauses before each request (exponential, seeded per client), as "
+                        "a caller listens and answers; 0 (default): back to back")
     parser.add_argument("--max-frames", type=int, default=25, help="audio frames per request (2 s)")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server process")
@@ -234,6 +249,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if not args.think_time >= 0:
+        parser.error("--think-time must be >= 0")
     if args.thinker_mtp and not args.demo:
         parser.error("--thinker-mtp needs --demo (the demo ships the MTP head)")
     if not args.cached_costs:
@@ -270,7 +287,8 @@ def main() -> None:
         for concurrency, round_index, (name, url) in itertools.product(
             args.concurrency, range(args.rounds), urls.items()
         ):
-            level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens, prompt))
+            level = asyncio.run(run_level(url, concurrency, args.requests_per_client, args.max_tokens, prompt,
+                                          args.think_time))
             level["round"] = round_index
             report["results"][name].append(level)
             print(f"{name:16s} c={concurrency:3d}  req/s {level['requests_per_s']:.2f}  "
