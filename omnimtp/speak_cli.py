@@ -69,7 +69,7 @@ def add_thinker_mtp_arguments(parser) -> None:
                         "e.g. what `omnimtp train-mtp --model <omni dir>` wrote); greedy text stays token for token "
                         "the plain loop's")
     parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=None, metavar="K",
-                        help="drafted thinker tokens per step with --thinker-mtp, or 'auto': 0..4 a step, as many as "
+                        help="drafted thinker tokens per step with --thinker-mtp, or 'auto': 0..6 a step, as many as "
                         "the acceptance so far pays for at the current batch size (step costs measured per batch "
                         "size; serve measures them at start-up) (default 3)")
 

@@ -90,6 +90,11 @@ def test_every_flag_says_what_it_does_and_shows_its_default():
         assert text in serve
     assert "(default: 1000)" in subcommands["train-mtp"].format_help()  # --steps
     assert "(default: 0.001)" in subcommands["train-mtp"].format_help()  # --lr
+    from omnimtp.spec_decode.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+
+    for name in ("speak", "chat", "serve", "spec"):  # -k auto's range, as the controller has it
+        (draft,) = [a for a in subcommands[name]._actions if "--num-draft-tokens" in a.option_strings]
+        assert f"'auto': 0..{DEFAULT_MAX_DRAFT_TOKENS} a step" in draft.help, name
 
 
 def test_printable_escapes_what_a_terminal_would_act_on():

@@ -16,7 +16,7 @@ def add_parser(subparsers) -> None:
                         help="checkpoint dir: target + MTP layer + tokenizer (default: the shipped demo model)")
     parser.add_argument("--prompt", required=True, help="the text the model continues")
     parser.add_argument("-k", "--num-draft-tokens", type=draft_tokens, default=3,
-                        help="drafted tokens per step, or 'auto': 0..4 a step, as many as the acceptance so far pays "
+                        help="drafted tokens per step, or 'auto': 0..6 a step, as many as the acceptance so far pays "
                         "for")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
