@@ -1,4 +1,4 @@
-"""What weight-only int8 / int4 cost in quality, measured where it can be measured honestly here.
+"""What weight-only int8 / int4, w4a8 and a bf16 codec cost in quality, measured where it can be measured honestly here.
 
 No released weights can be downloaded on this box, so quality is measured on the trained demo models, and only
 the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
@@ -20,7 +20,10 @@ the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
   agreement over the 15 codebooks (attention through SDPA, which takes the teacher-forced causal mask; the
   engine's own fp32 attention gives the same values up to rounding).
 
-Everything runs on omnimtp's packed decoder (the engine's forward), fp32 against `PackedDecoder.quantized`.
+- its 12 Hz decoder with the conv stack in bf16 (`codec_dtype="bfloat16"`) against fp32, on the same number of
+  seeded random frames: the SNR of the audio, one-shot and streamed in the engine's chunks.
+
+Everything else runs on omnimtp's packed decoder (the engine's forward), fp32 against `PackedDecoder.quantized`.
 
     python benchmarks/quantized_quality.py [--quick] [--threads 2] [--no-tts] [--tts-size 0.6b] [--out q.json]
 """
@@ -157,6 +160,38 @@ def tts_talker(path: str, modes, num_frames: int) -> dict:
     return result
 
 
+def tts_codec(path: str, num_frames: int) -> dict:
+    """The 12 Hz decoder with its conv stack in bf16 (`codec_dtype="bfloat16"`) against fp32 on seeded random
+    codes: the SNR of its audio (10·log10(Σ fp32² / Σ (bf16 − fp32)²)), one-shot and streamed as the engine
+    streams (a first chunk of one frame, then chunks of `EngineConfig.chunk_frames`)."""
+    import numpy as np
+
+    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
+    from omnimtp.engine.core import EngineConfig
+
+    codec_path = os.path.join(path, "speech_tokenizer")
+    decoders = {"fp32": SpeechTokenizerDecoder.from_pretrained(codec_path),
+                "bf16": SpeechTokenizerDecoder.from_pretrained(codec_path).to_conv_dtype(torch.bfloat16)}
+    codes = torch.randint(0, decoders["fp32"].codebook_size, (decoders["fp32"].num_quantizers, num_frames),
+                          generator=torch.Generator().manual_seed(0))
+    chunk = EngineConfig().chunk_frames
+    bounds = [0, *range(1, num_frames, chunk), num_frames]
+    audio = {}
+    for name, decoder in decoders.items():
+        stream = decoder.new_stream()
+        audio[name] = decoder.decode(codes), np.concatenate(
+            [decoder.decode_streams([stream], [codes[:, a:b]])[0] for a, b in zip(bounds, bounds[1:], strict=False)])
+
+    def snr_db(actual, expected) -> float:
+        expected = expected.astype(np.float64)
+        return float(10 * np.log10((expected**2).sum() / ((actual.astype(np.float64) - expected) ** 2).sum()))
+
+    return {"model": f"Qwen3-TTS 12 Hz decoder at {codec_path}", "frames": num_frames, "chunk_frames": chunk,
+            "fp32_rms": float(np.sqrt((audio["fp32"][0].astype(np.float64) ** 2).mean())),
+            "bf16_one_shot_snr_db": snr_db(audio["bf16"][0], audio["fp32"][0]),
+            "bf16_streamed_snr_db": snr_db(audio["bf16"][1], audio["fp32"][1])}
+
+
 def tts_code_predictor(path: str, modes, num_frames: int) -> dict:
     """The code predictor's 15 residual heads under teacher forcing, quantized vs fp32 (module docstring)."""
     from dataclasses import replace
@@ -260,6 +295,10 @@ def main() -> None:
             for name, e in entry[mode].items():
                 print(f"  {mode} layers, {name.replace('_', ' ')}: logits relative error "
                       f"{e['logits_relative_error']:.4f}, top-1 agreement {100 * e['top1_agreement']:.1f}%")
+        entry = results["tts_codec"] = tts_codec(path, args.tts_frames)
+        print(f"{entry['model']}, {entry['frames']} random frames (fp32 audio RMS {entry['fp32_rms']:.3f}): conv stack "
+              f"in bf16 against fp32, SNR {entry['bf16_one_shot_snr_db']:.1f} dB one-shot, "
+              f"{entry['bf16_streamed_snr_db']:.1f} dB streamed in chunks of {entry['chunk_frames']} frames")
     results["total_s"] = time.perf_counter() - started
     print(f"total {results['total_s']:.0f} s")
     if args.out:

@@ -15,7 +15,8 @@ in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, 
 - each part's floor: max(bytes it reads ÷ bandwidth, its FLOPs ÷ the matmul peak), where the bytes are the
   packed weights the engine really holds (quantized ones as stored; w4a8's integer multiply-adds are left out
   of the FLOPs: their peak is not measured here) and the decoder's FLOPs are counted by
-  torch's FLOP counter on the decoder itself, and the RTF those floors sum to (every part at its floor and
+  torch's FLOP counter on the decoder itself (over the bf16 matmul peak with `--codec-dtypes bfloat16`, whose
+  conv stack runs in bf16), and the RTF those floors sum to (every part at its floor and
   nothing else: the best this machine allows);
 - time to the first streamed audio chunk (batch 1, the median of 5), the RSS once loaded and the process's peak RSS.
 
@@ -26,7 +27,7 @@ kernels are called through ctypes and do not show up as ops).
 
     python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4 w4a8] [--batch-sizes 1 8]
         [--threads 2] [--frames 12] [--profile] [--no-reference] [--model DIR] [--out tts_realtime.json] [--quick]
-        [--compile-predictor step|frame]
+        [--compile-predictor step|frame] [--codec-dtypes float32 bfloat16]
 
 `--compile-predictor` runs the code predictor as compiled graphs, as a server does once its warm-up is done; the
 graphs of the measured batch sizes are built before any timing (minutes on a CPU; inductor keeps them on disk),
@@ -115,7 +116,8 @@ def build_checkpoint(size: str, path: Path) -> Path:
 
 
 def machine_floors(threads: int, quick: bool) -> dict:
-    """Streaming read and copy bandwidth (GB/s) and the fp32 matmul peak (GFLOP/s), best of a few runs."""
+    """Streaming read and copy bandwidth (GB/s) and the fp32 and bf16 matmul peaks (GFLOP/s), best of a few
+    runs."""
     torch.set_num_threads(threads)
     num = (16 if quick else 128) << 20  # floats: 64 / 512 MB, far beyond any cache
     src, dst = torch.ones(num), torch.empty(num)
@@ -134,8 +136,11 @@ def machine_floors(threads: int, quick: bool) -> dict:
     n = 512 if quick else 2048
     a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
     mm_s = best(lambda: torch.mm(a, b, out=c), 3 if quick else 5)
+    a16, b16, c16 = a.bfloat16(), b.bfloat16(), c.bfloat16()
+    mm16_s = best(lambda: torch.mm(a16, b16, out=c16), 3 if quick else 5)
     return {"read_gb_s": 4 * num / read_s / 1e9, "copy_gb_s": 2 * 4 * num / copy_s / 1e9,
-            "fp32_matmul_gflop_s": 2 * n**3 / mm_s / 1e9, "threads": threads}
+            "fp32_matmul_gflop_s": 2 * n**3 / mm_s / 1e9, "bf16_matmul_gflop_s": 2 * n**3 / mm16_s / 1e9,
+            "threads": threads}
 
 
 # --- one mode in one process --------------------------------------------------------------------------------
@@ -209,6 +214,8 @@ def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: f
     integer multiply-adds not counted: `_float_macs`)."""
     family = pipe.family
     bandwidth, peak = machine["read_gb_s"] * 1e9, machine["fp32_matmul_gflop_s"] * 1e9
+    is_bf16_codec = family.codec.conv_dtype == torch.bfloat16
+    decoder_peak = machine["bf16_matmul_gflop_s" if is_bf16_codec else "fp32_matmul_gflop_s"] * 1e9
     talker_bytes, talker_macs = decoder_read(family.talker_decoder)
     head = family.talker.codec_head.weight
     talker_bytes += _matrix_bytes(head)
@@ -232,7 +239,8 @@ def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: f
     return {
         "talker_ms": floor_ms(talker_bytes, 2 * talker_macs * batch_size),
         "code_predictor_ms": floor_ms(predictor_bytes, 2 * predictor_macs * batch_size),
-        "decoder_ms": 1000 * decoder_flops_per_frame * batch_size / peak,
+        # the decoder's conv stack (nearly all its FLOPs) at the matmul peak of its dtype
+        "decoder_ms": 1000 * decoder_flops_per_frame * batch_size / decoder_peak,
         "talker_weight_bytes": talker_bytes, "code_predictor_bytes_per_frame": predictor_bytes,
         "decoder_gflop_per_frame": decoder_flops_per_frame / 1e9,
     }
@@ -325,7 +333,7 @@ def summarize_profile(profiler, wall: float, steps: int, top: int = 20) -> dict:
 
 
 def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads: int, machine: dict,
-             decoder_frames: int, profile: bool, compile_predictor: str = "none") -> dict:
+             decoder_frames: int, profile: bool, compile_predictor: str = "none", codec_dtype: str = "float32") -> dict:
     """Every measurement of one mode (see the module docstring)."""
     from omnimtp.pipeline import OmniPipeline
 
@@ -333,12 +341,14 @@ def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads:
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     quantize = mode if mode in ("int8", "int4", "w4a8") else None
     compiled = compile_predictor != "none"
-    result = {"mode": mode + (f" {compile_predictor}-compiled" if compiled else "")}
+    result = {"mode": mode + (f" {compile_predictor}-compiled" if compiled else "")
+              + (f" {codec_dtype} codec" if codec_dtype != "float32" else "")}
     started = time.perf_counter()
     try:
         pipe = OmniPipeline.from_pretrained(path, dtype=dtype, quantize=quantize, max_frames=frames,
                                             max_batch_size=max(batch_sizes), torch_threads=threads,
-                                            compile_predictor=compile_predictor if compiled else False)
+                                            compile_predictor=compile_predictor if compiled else False,
+                                            codec_dtype=codec_dtype)
         result["load_s"] = time.perf_counter() - started
         if compiled:  # the greedy graphs of the buckets measured, built before any timing (what a warm server runs)
             started = time.perf_counter()
@@ -415,7 +425,8 @@ def run_worker(worker: dict) -> dict:
     if worker["kind"] == "reference":
         return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
     return run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
-                    worker["machine"], worker["decoder_frames"], worker["profile"], worker["compile_predictor"])
+                    worker["machine"], worker["decoder_frames"], worker["profile"], worker["compile_predictor"],
+                    worker["codec_dtype"])
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -465,6 +476,8 @@ def main() -> None:
     parser.add_argument("--compile-predictor", default="none", choices=("none", "step", "frame"),
                         help="run the code predictor as compiled graphs (`compile_predictor`, what a warm server "
                         "runs); each measured batch size's greedy graph is built before timing, its time reported")
+    parser.add_argument("--codec-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"),
+                        help="the 12 Hz decoder's conv stack (`codec_dtype`): each mode runs once per dtype given")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
@@ -483,14 +496,16 @@ def main() -> None:
     build_s = time.perf_counter() - started
     machine = machine_floors(args.threads, args.quick)
     print(f"machine: read {machine['read_gb_s']:.1f} GB/s, copy {machine['copy_gb_s']:.1f} GB/s, fp32 matmul "
-          f"{machine['fp32_matmul_gflop_s']:.0f} GFLOP/s on {args.threads} threads; checkpoint {path}")
+          f"{machine['fp32_matmul_gflop_s']:.0f} GFLOP/s, bf16 matmul {machine['bf16_matmul_gflop_s']:.0f} GFLOP/s on "
+          f"{args.threads} threads; checkpoint {path}")
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "size": args.size, "model": path,
                "frames": frames, "threads": args.threads, "torch": torch.__version__,
                "cpu": platform.processor() or platform.machine(), "load_average": os.getloadavg(),
                "machine": machine, "checkpoint_build_s": build_s, "modes": []}
     common = dict(path=path, batch_sizes=args.batch_sizes, frames=frames, threads=args.threads)
     workers = [dict(common, kind="mode", mode=mode, machine=machine, decoder_frames=2 if args.quick else 12,
-                    profile=args.profile, compile_predictor=args.compile_predictor) for mode in args.modes]
+                    profile=args.profile, compile_predictor=args.compile_predictor, codec_dtype=codec_dtype)
+               for mode in args.modes for codec_dtype in args.codec_dtypes]
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:

@@ -93,3 +93,7 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         "group of 128 inputs), weight-only, activations in float; or w4a8: int4 weights with the "
                         "activations rounded to int8 per row and group at run time, the fastest and the least "
                         "exact (default: the weights as they are)")
+    parser.add_argument("--codec-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="a Qwen3-TTS model's 12 Hz decoder: bfloat16 runs its conv stack on the CPU's bf16 "
+                        "units (AVX512_BF16, AMX), faster there and less exact (docs/tts.md states by how much); "
+                        "(default: float32)")

@@ -159,16 +159,18 @@ class PipelineSpeaker:
     "audio": encoded bytes}."""
 
     def __init__(self, model: str | None, voice: str | None, fmt: str, max_new_tokens: int | None,
-                 max_frames: int | None, batch_size: int, quantize: str | None = None):
+                 max_frames: int | None, batch_size: int, quantize: str | None = None,
+                 codec_dtype: str | None = None):
         import torch
 
         from omnimtp.pipeline import OmniPipeline
 
         if model is None:
             torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
-            self.pipe = OmniPipeline.tiny(quantize=quantize)
+            self.pipe = OmniPipeline.tiny(quantize=quantize, codec_dtype=codec_dtype)
         else:
-            self.pipe = OmniPipeline.from_pretrained(model, max_batch_size=batch_size, quantize=quantize)
+            self.pipe = OmniPipeline.from_pretrained(model, max_batch_size=batch_size, quantize=quantize,
+                                                     codec_dtype=codec_dtype)
         self.voice = self.pipe.family.default_speaker if voice is None else voice
         self.voice_files: dict[str, object] = {}  # a Base model's voices, each file read once
         self.fmt = fmt
@@ -293,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             PipelineSpeaker, batch_size=args.batch_size, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=args.replicas),
             fn_constructor_args=(args.model, args.voice, args.format, args.max_new_tokens, args.max_frames,
-                                 args.batch_size, args.quantize),
+                                 args.batch_size, args.quantize, args.codec_dtype),
             num_cpus=args.num_cpus_per_replica, num_gpus=args.num_gpus_per_replica,
         )
         with open(os.path.join(args.output, RESULTS_FILE), "a", encoding="utf-8") as out, \

@@ -208,9 +208,12 @@ class OmniPipeline:
         quiet_expected_warnings()
         tts_model_type = kwargs.pop("tts_model_type", "custom_voice")
         quantize = kwargs.pop("quantize", None)
+        codec_dtype = kwargs.pop("codec_dtype", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_tts":
-            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize), **kwargs)
+            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize,
+                                                  codec_dtype=codec_dtype), **kwargs)
+        _check_no_codec_dtype(codec_dtype)
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
             return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize, **kwargs)
@@ -235,9 +238,9 @@ class OmniPipeline:
         "tiny-qwen2.5-omni", "tiny-tts", "tiny-tts-design", "tiny-tts-base"; `tiny`). config.json's model_type
         picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
-        layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode); its tokenizer and its
-        processor (audio and images, `omnimtp.media.load_processor`), when it has them; the default caps a saved
-        pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
+        layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode and codec_dtype); its
+        tokenizer and its processor (audio and images, `omnimtp.media.load_processor`), when it has them; the
+        default caps a saved pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
         from transformers import AutoTokenizer
 
@@ -254,11 +257,12 @@ class OmniPipeline:
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)
-                for name in ("non_streaming_mode", "compile_predictor", "quantize") if name in kwargs
+                for name in ("non_streaming_mode", "compile_predictor", "quantize", "codec_dtype") if name in kwargs
             }
             return cls(
                 family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs
             )
+        _check_no_codec_dtype(kwargs.pop("codec_dtype", None))
         device = None if device is None else resolve_device(device)
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
@@ -746,3 +750,11 @@ def _is_batch(prompt, input_ids) -> bool:
     if isinstance(prompt, list) and prompt:
         return isinstance(prompt[0], (str, list))
     return False
+
+
+def _check_no_codec_dtype(codec_dtype) -> None:
+    """ValueError naming codec_dtype unless it is None or "float32": only Qwen3-TTS's 12 Hz decoder has
+    another (`omnimtp.families.qwen3_tts.CODEC_DTYPES`)."""
+    if codec_dtype not in (None, "float32"):
+        raise ValueError(f"codec_dtype: only a Qwen3-TTS model's decoder runs in another dtype than float32, "
+                         f"got {codec_dtype!r} for an omni model")

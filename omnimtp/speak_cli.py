@@ -91,7 +91,7 @@ def _load(args):
 
     resolve_device(args.device, "--device")
     # the thread rule's override and the weights' quantization (`OmniPipeline`)
-    options = {"torch_threads": args.threads, "quantize": args.quantize}
+    options = {"torch_threads": args.threads, "quantize": args.quantize, "codec_dtype": args.codec_dtype}
     if args.demo:
         return OmniPipeline.demo(device=args.device, **options, **speculation)
     if args.model is None:

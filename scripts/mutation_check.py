@@ -1177,6 +1177,18 @@ MUTATIONS = [
         THINKER_SPEC, "a request that comes during a step leaves that step's later cohorts drafting",
     ),
     Mutation(
+        "tiny_tts_codec_dtype_ignored", "omnimtp/families/qwen3_tts.py",
+        "tiny_speech_tokenizer(seed).to_conv_dtype(conv_dtype)",
+        "tiny_speech_tokenizer(seed).to_conv_dtype(torch.float32)",
+        QWEN3_TTS, "codec_dtype='bfloat16' leaves the decoder in fp32",
+    ),
+    Mutation(
+        "bf16_codec_takes_the_transformer_too", "omnimtp/codec/speech_tokenizer.py",
+        "        for part in (self.upsample, self.decoder):\n            part.to(dtype)",
+        "        for part in (self.upsample, self.decoder, self.pre_transformer):\n            part.to(dtype)",
+        SPEECH_TOKENIZER, "a bf16 codec runs its transformer in bf16 too",
+    ),
+    Mutation(
         "w4a8_vnni_keeps_the_stored_plus_8", "omnimtp/runtime/kernels/small_batch_linear.c",
         "const __m512i bias = _mm512_set1_epi32(8 * a->xsum[row * a->groups + g]);",
         "const __m512i bias = _mm512_set1_epi32(0 * a->xsum[row * a->groups + g]);",

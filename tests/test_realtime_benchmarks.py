@@ -78,6 +78,23 @@ def test_quality_quick_run_reports_every_part(tmp_path):
     assert set(predictor["w4a8"]) == {"heads_int8", "heads_w4a8"}
     for figures in (*predictor["int8"].values(), *predictor["int4"].values(), *predictor["w4a8"].values()):
         assert 0 <= figures["top1_agreement"] <= 1 and figures["logits_relative_error"] > 0
+    codec = results["tts_codec"]  # the bf16 conv stack changes the audio, within what docs/tts.md states
+    assert 20 <= codec["bf16_one_shot_snr_db"] < 60 and 20 <= codec["bf16_streamed_snr_db"] < 60
+
+
+def test_realtime_quick_run_with_the_codec_in_bf16(tmp_path):
+    """--codec-dtypes: each mode once per codec dtype; the bf16 decoder's floor is its FLOPs over the bf16 peak."""
+    out = tmp_path / "realtime.json"
+    _run(["benchmarks/tts_realtime.py", "--size", "tiny", "--quick", "--batch-sizes", "1", "--threads", "1",
+          "--in-process", "--no-reference", "--modes", "w4a8", "--codec-dtypes", "float32", "bfloat16",
+          "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    results = json.loads(out.read_text())
+    machine = results["machine"]
+    assert [entry["mode"] for entry in results["modes"]] == ["w4a8", "w4a8 bfloat16 codec"]
+    fp32, bf16 = (entry["batch_1"]["floor"] for entry in results["modes"])
+    assert fp32["decoder_gflop_per_frame"] == pytest.approx(bf16["decoder_gflop_per_frame"], rel=1e-6)
+    ratio = machine["fp32_matmul_gflop_s"] / machine["bf16_matmul_gflop_s"]
+    assert bf16["decoder_ms"] == pytest.approx(fp32["decoder_ms"] * ratio, rel=1e-6)
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():

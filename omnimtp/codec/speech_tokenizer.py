@@ -231,6 +231,11 @@ class SpeechTokenizerDecoder(nn.Module):
     def samples_per_frame(self) -> int:
         return self.total_upsample
 
+    @property
+    def conv_dtype(self) -> torch.dtype:
+        """The conv stack's dtype (`to_conv_dtype`)."""
+        return self._streaming.conv_dtype
+
     # --- loading and saving ---
 
     @classmethod
@@ -284,6 +289,16 @@ class SpeechTokenizerDecoder(nn.Module):
         """`tiny_speech_tokenizer`."""
         return tiny_speech_tokenizer(seed, **decoder_overrides)
 
+    def to_conv_dtype(self, dtype: torch.dtype) -> SpeechTokenizerDecoder:
+        """The conv stack (the upsampling and decoder blocks, nearly all of the decoder's arithmetic) in
+        `dtype`, in place; the quantizer, pre-conv and transformer stay as they are, and the stack's input is
+        cast as it enters. torch.bfloat16 runs the stack on the CPU's bf16 matrix units where it has them
+        (AVX512_BF16, AMX): an opt-in that changes the audio (`omnimtp.families.qwen3_tts.CODEC_DTYPES`). →
+        self."""
+        for part in (self.upsample, self.decoder):
+            part.to(dtype)
+        return self
+
     # --- decoding ---
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
@@ -294,6 +309,7 @@ class SpeechTokenizerDecoder(nn.Module):
         """`forward` before its ±1 clamp."""
         hidden = self.pre_conv(self.quantizer.decode(codes))  # [B, latent, T]
         hidden = self.pre_transformer.project(hidden.transpose(1, 2)).transpose(1, 2)
+        hidden = hidden.to(self.conv_dtype)
         for blocks in self.upsample:
             for block in blocks:
                 hidden = block(hidden)

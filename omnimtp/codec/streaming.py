@@ -64,10 +64,21 @@ class StreamingCode2Wav:
         self.samples_per_frame = int(code2wav.total_upsample)
         self.num_lost_samples = _num_lost_samples(code2wav)
         self.conv_context_frames = conv_receptive_field_frames(code2wav)
-        # bytes a frame of one row's output-rate activations takes (the last conv's input: the largest tensors)
+        # channels of one row's output-rate activations (the last conv's input: the largest tensors)
         last_conv = [m for m in _conv_stack_modules(code2wav) if isinstance(m, torch.nn.Conv1d)][-1]
-        param = next(code2wav.parameters())
-        self.output_rate_bytes_per_frame = self.samples_per_frame * last_conv.in_channels * param.element_size()
+        self._output_rate_channels = last_conv.in_channels
+
+    @property
+    def conv_dtype(self) -> torch.dtype:
+        """The conv stack's dtype: its input is cast to it (the transformer before it may run in another,
+        e.g. fp32 with a bf16 stack: `SpeechTokenizerDecoder.to_conv_dtype`)."""
+        return _conv_stack_dtype(self.code2wav)
+
+    @property
+    def output_rate_bytes_per_frame(self) -> int:
+        """Bytes a frame of one row's output-rate activations takes."""
+        element_size = torch.empty(0, dtype=self.conv_dtype).element_size()
+        return self.samples_per_frame * self._output_rate_channels * element_size
 
     def new_stream(self) -> CodecStream:
         hidden_size = self.code2wav.config.hidden_size
@@ -123,7 +134,7 @@ class StreamingCode2Wav:
         rows, frames = hidden.shape[:2]
         if rows > 1 and frames * self.output_rate_bytes_per_frame >= ROW_STACK_BYTES:
             return torch.cat([self._conv_stack(hidden[i : i + 1]) for i in range(rows)])
-        hidden = hidden.permute(0, 2, 1)
+        hidden = hidden.permute(0, 2, 1).to(self.conv_dtype)
         with RowwiseMatmuls() if hidden.shape[0] > 1 else contextlib.nullcontext():  # the mode costs per op
             for blocks in self.code2wav.upsample:
                 for block in blocks:
@@ -286,6 +297,11 @@ class RowwiseMatmuls(TorchFunctionMode):
             rows = args[0]
             return torch.cat([func(rows[i : i + 1], *args[1:], **kwargs) for i in range(rows.shape[0])])
         return func(*args, **kwargs)
+
+
+def _conv_stack_dtype(code2wav) -> torch.dtype:
+    """The dtype of the conv stack's first weight."""
+    return next(p for module in _conv_stack_modules(code2wav) for p in module.parameters(recurse=False)).dtype
 
 
 def _conv_stack_modules(code2wav) -> list:

@@ -54,6 +54,20 @@ from omnimtp.tokenizer import StreamedTextIds
 from omnimtp.voice import Voice
 
 SAMPLE_RATE = 24_000
+# The 12 Hz decoder's conv stack: float32 (the reference's numbers), or bfloat16, an opt-in that runs it on
+# the CPU's bf16 matrix units and changes the audio (docs/tts.md states by how much).
+CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def codec_dtype_of(codec_dtype: str | None) -> torch.dtype:
+    """The conv stack's torch dtype for a `CODEC_DTYPES` name (None: float32), or a ValueError naming
+    codec_dtype."""
+    if codec_dtype is None:
+        return torch.float32
+    if not isinstance(codec_dtype, str) or codec_dtype not in CODEC_DTYPES:
+        raise ValueError(f"codec_dtype must be one of {sorted(CODEC_DTYPES)} or None, got {codec_dtype!r}")
+    return CODEC_DTYPES[codec_dtype]
+
 # Qwen3-TTS's `generate` defaults: greedy keeps the repetition penalty; sampled, the talker and (without the
 # penalty) the code predictor use T 0.9, top-k 50, top-p 1.0.
 QWEN3_TTS_TALKER_GREEDY = SamplingParams(temperature=0.0, repetition_penalty=1.05)
@@ -172,15 +186,18 @@ class Qwen3TTSFamily(ChatText):
         self.tts_bos_embed, self.tts_eos_embed, self.tts_pad_embed = bos, eos, pad
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> Qwen3TTSFamily:
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, codec_dtype: str | None = None,
+                        **kwargs) -> Qwen3TTSFamily:
         """A checkpoint in the released layout: config.json + model.safetensors, the text tokenizer when its
         files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
         is read, and a Base model's encoder when the tokenizer has its weights: without them a Base model
-        clones from the x-vector alone)."""
+        clones from the x-vector alone). codec_dtype: the decoder's conv stack in "float32" (None) or
+        "bfloat16" (`CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`)."""
         from transformers import AutoTokenizer
 
         from omnimtp.runtime.device import resolve_device
 
+        conv_dtype = codec_dtype_of(codec_dtype)
         path = os.fspath(path)
         model = Qwen3TTSModel.from_pretrained(path, dtype=dtype)
         if device is not None:
@@ -194,7 +211,7 @@ class Qwen3TTSFamily(ChatText):
         codec_path = os.path.join(path, "speech_tokenizer")
         if not os.path.isdir(codec_path):
             raise ValueError(f"path: {path!r} has no speech_tokenizer/ (a Qwen3-TTS checkpoint keeps its codec there)")
-        codec = SpeechTokenizerDecoder.from_pretrained(codec_path, device=model.talker.device)
+        codec = SpeechTokenizerDecoder.from_pretrained(codec_path, device=model.talker.device).to_conv_dtype(conv_dtype)
         speech_encoder = None
         if model.speaker_encoder is not None:
             speech_encoder = SpeechTokenizerEncoder.from_pretrained(codec_path, device=model.talker.device)
@@ -203,15 +220,18 @@ class Qwen3TTSFamily(ChatText):
         return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
 
     @classmethod
-    def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, **kwargs) -> Qwen3TTSFamily:
+    def tiny(cls, seed: int = 0, tts_model_type: str = "custom_voice", device=None, codec_dtype: str | None = None,
+             **kwargs) -> Qwen3TTSFamily:
         """A seeded tiny Qwen3-TTS (`omnimtp.models.qwen3_tts.tiny_qwen3_tts`) with the byte-level tokenizer and
         a seeded tiny speech tokenizer decoder (`tiny_speech_tokenizer`: audible on random codes); a Base model
-        also gets a seeded tiny tokenizer encoder (`tiny_speech_tokenizer_encoder`)."""
+        also gets a seeded tiny tokenizer encoder (`tiny_speech_tokenizer_encoder`). codec_dtype: as in
+        `from_pretrained`."""
         from omnimtp.models.qwen3_tts import tiny_qwen3_tts
         from omnimtp.runtime.device import resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
-        model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed)
+        conv_dtype = codec_dtype_of(codec_dtype)
+        model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed).to_conv_dtype(conv_dtype)
         speech_encoder = tiny_speech_tokenizer_encoder(seed) if tts_model_type == "base" else None
         if device is not None:
             model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))

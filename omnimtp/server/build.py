@@ -14,15 +14,15 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None, torch_threads: int | None = None,
                  quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, codec_dtype: str | None = None):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
-    quantize: quantized linears (`OmniPipeline`'s). timeout_text_idle: how long a streamed-text
-    speech request may wait for more text (`Engine`'s). prefix_cache_bytes: the budget of the realtime
-    conversations kept warm (`EngineConfig`'s)."""
+    quantize: quantized linears, codec_dtype: a Qwen3-TTS decoder's conv stack (`OmniPipeline`'s).
+    timeout_text_idle: how long a streamed-text speech request may wait for more text (`Engine`'s).
+    prefix_cache_bytes: the budget of the realtime conversations kept warm (`EngineConfig`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -30,6 +30,9 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     warm_up = compile_predictor is not False
     if model_dir is None:
+        if codec_dtype not in (None, "float32"):
+            raise ValueError("--codec-dtype: only a Qwen3-TTS model's decoder runs in bfloat16 (--model tiny-tts, or "
+                             "a Qwen3-TTS checkpoint)")
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
@@ -42,7 +45,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
                                         thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
-                                        torch_threads=torch_threads, quantize=quantize)
+                                        torch_threads=torch_threads, quantize=quantize, codec_dtype=codec_dtype)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
@@ -69,7 +72,7 @@ def build_app(args: argparse.Namespace):
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
-                          timeout_text_idle=args.timeout_text_idle,
+                          codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)), **speculation)
     voice_store = None
     if args.voices_dir is not None:
