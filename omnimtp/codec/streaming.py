@@ -77,8 +77,7 @@ class StreamingCode2Wav:
     @property
     def output_rate_bytes_per_frame(self) -> int:
         """Bytes a frame of one row's output-rate activations takes."""
-        element_size = torch.empty(0, dtype=self.conv_dtype).element_size()
-        return self.samples_per_frame * self._output_rate_channels * element_size
+        return self.samples_per_frame * self._output_rate_channels * self.conv_dtype.itemsize
 
     def new_stream(self) -> CodecStream:
         hidden_size = self.code2wav.config.hidden_size
@@ -300,8 +299,8 @@ class RowwiseMatmuls(TorchFunctionMode):
 
 
 def _conv_stack_dtype(code2wav) -> torch.dtype:
-    """The dtype of the conv stack's first weight."""
-    return next(p for module in _conv_stack_modules(code2wav) for p in module.parameters(recurse=False)).dtype
+    """The dtype of the conv stack's first weight (its upsampling blocks come first)."""
+    return next(code2wav.upsample.parameters()).dtype
 
 
 def _conv_stack_modules(code2wav) -> list:
