@@ -277,7 +277,12 @@ class OmniPipeline:
     def save_pretrained(self, path) -> None:
         """The model (Qwen2.5-Omni: its speakers in spk_dict.pt; Qwen3-TTS: its speech tokenizer's decoder, and
         a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout;
-        the default caps in CAPS_FILE."""
+        the default caps in CAPS_FILE. A Qwen3-TTS pipeline loaded with codec_dtype="bfloat16" holds rounded
+        decoder weights: a ValueError before anything is written."""
+        codec = getattr(self.family, "codec", None)
+        if isinstance(self.family, Qwen3TTSFamily) and codec is not None and codec.conv_dtype != torch.float32:
+            raise ValueError(f"path: this pipeline's decoder runs its conv stack in {codec.conv_dtype} (codec_dtype) "
+                             "and its float32 weights are gone; save from a pipeline loaded without codec_dtype")
         self.model.save_pretrained(path)
         with open(os.path.join(os.fspath(path), CAPS_FILE), "w") as f:
             json.dump({"max_new_tokens": self.config.max_new_tokens, "max_frames": self.config.max_frames}, f)

@@ -239,7 +239,7 @@ def test_tiny_pipeline_and_save_pretrained_round_trip(tmp_path):
     qwen_tts_reference.talker_model(tmp_path / "saved")  # the reference loads what we save
 
 
-def test_codec_dtype_bfloat16_changes_only_the_audio_and_within_its_stated_error():
+def test_codec_dtype_bfloat16_changes_only_the_audio_and_within_its_stated_error(tmp_path):
     """`codec_dtype="bfloat16"` runs the decoder's conv stack in bf16: the same codes, audio within 20 dB SNR
     of fp32's (docs/tts.md: 22.5–23.5 dB measured) and not equal to it, a request alone as in a batch; a bad
     value, or an omni model, is a ValueError naming codec_dtype."""
@@ -258,6 +258,9 @@ def test_codec_dtype_bfloat16_changes_only_the_audio_and_within_its_stated_error
             OmniPipeline.tiny(family="qwen3_tts", codec_dtype=bad)
     with pytest.raises(ValueError, match="codec_dtype"):
         OmniPipeline.tiny(codec_dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32 weights are gone"):  # nothing written: no checkpoint that sounds off
+        bf16.save_pretrained(tmp_path / "rounded")
+    assert not (tmp_path / "rounded").exists()
 
 
 # --- audio ----------------------------------------------------------------------------------------------

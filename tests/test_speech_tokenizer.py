@@ -234,6 +234,9 @@ def test_a_bf16_conv_stack_keeps_the_streaming_guarantees_within_a_stated_error(
     steps = zip(bounds, bounds[1:], strict=False)
     together = [bf16.decode_streams(streams, [c[:, a:b] for c in codes]) for a, b in steps]
     assert_audio_equal(np.concatenate([chunks[0] for chunks in together]), alone)
+    with pytest.raises(ValueError, match="conv stack runs in torch.bfloat16"):  # its fp32 weights are gone
+        bf16.save_pretrained(saved.parent / "rounded")
+    assert not (saved.parent / "rounded").exists()
 
 
 @pytest.mark.parametrize("form", ["matmul", "row kernel"])

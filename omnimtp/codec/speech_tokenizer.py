@@ -274,7 +274,12 @@ class SpeechTokenizerDecoder(nn.Module):
 
     def save_pretrained(self, path) -> None:
         """config.json + model.safetensors in the reference's layout (`decoder.*`, moshi quantizer names),
-        loadable by `Qwen3TTSTokenizerV2Model.from_pretrained` (its encoder left to its own init)."""
+        loadable by `Qwen3TTSTokenizerV2Model.from_pretrained` (its encoder left to its own init). A decoder
+        whose conv stack was cast to another dtype (`to_conv_dtype`) holds rounded weights: a ValueError,
+        rather than a checkpoint that would quietly sound different."""
+        if self.conv_dtype != torch.float32:
+            raise ValueError(f"path: this decoder's conv stack runs in {self.conv_dtype} (codec_dtype) and its float32 "
+                             "weights are gone; save from a model loaded without codec_dtype")
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         tensors = {
