@@ -94,6 +94,6 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         "activations rounded to int8 per row and group at run time, the fastest and the least "
                         "exact (default: the weights as they are)")
     parser.add_argument("--codec-dtype", choices=("float32", "bfloat16"), default=None,
-                        help="a Qwen3-TTS model's 12 Hz decoder: bfloat16 runs its conv stack on the CPU's bf16 "
-                        "units (AVX512_BF16, AMX), faster there and less exact (docs/tts.md states by how much); "
+                        help="a Qwen3-TTS model's 12 Hz decoder: bfloat16 runs its conv stack in bf16, faster on a "
+                        "CPU with bf16 instructions (AVX512_BF16) and less exact (docs/tts.md states by how much) "
                         "(default: float32)")

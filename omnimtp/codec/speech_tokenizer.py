@@ -297,8 +297,8 @@ class SpeechTokenizerDecoder(nn.Module):
     def to_conv_dtype(self, dtype: torch.dtype) -> SpeechTokenizerDecoder:
         """The conv stack (the upsampling and decoder blocks, nearly all of the decoder's arithmetic) in
         `dtype`, in place; the quantizer, pre-conv and transformer stay as they are, and the stack's input is
-        cast as it enters. torch.bfloat16 runs the stack on the CPU's bf16 matrix units where it has them
-        (AVX512_BF16, AMX): an opt-in that changes the audio (`omnimtp.families.qwen3_tts.CODEC_DTYPES`). →
+        cast as it enters. torch.bfloat16 runs the stack on the CPU's bf16 instructions where it has them
+        (AVX512_BF16): an opt-in that changes the audio (`omnimtp.families.qwen3_tts.CODEC_DTYPES`). →
         self."""
         for part in (self.upsample, self.decoder):
             part.to(dtype)

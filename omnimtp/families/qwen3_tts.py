@@ -55,7 +55,7 @@ from omnimtp.voice import Voice
 
 SAMPLE_RATE = 24_000
 # The 12 Hz decoder's conv stack: float32 (the reference's numbers), or bfloat16, an opt-in that runs it on
-# the CPU's bf16 matrix units and changes the audio (docs/tts.md states by how much).
+# the CPU's bf16 instructions and changes the audio (docs/tts.md states by how much).
 CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
