@@ -213,7 +213,7 @@ class OmniPipeline:
         if family == "qwen3_tts":
             return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize,
                                                   codec_dtype=codec_dtype), **kwargs)
-        _check_no_codec_dtype(codec_dtype)
+        check_omni_codec_dtype(codec_dtype)
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
             return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize, **kwargs)
@@ -262,7 +262,7 @@ class OmniPipeline:
             return cls(
                 family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs
             )
-        _check_no_codec_dtype(kwargs.pop("codec_dtype", None))
+        check_omni_codec_dtype(kwargs.pop("codec_dtype", None))
         device = None if device is None else resolve_device(device)
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
@@ -757,7 +757,7 @@ def _is_batch(prompt, input_ids) -> bool:
     return False
 
 
-def _check_no_codec_dtype(codec_dtype) -> None:
+def check_omni_codec_dtype(codec_dtype) -> None:
     """ValueError naming codec_dtype unless it is None or "float32": only Qwen3-TTS's 12 Hz decoder has
     another (`omnimtp.families.qwen3_tts.CODEC_DTYPES`)."""
     if codec_dtype not in (None, "float32"):

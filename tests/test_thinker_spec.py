@@ -344,6 +344,26 @@ def test_a_runs_plain_start_steps_draft_nothing_then_it_drafts(plain):
             family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=bad)
 
 
+def _engine_request(pipe, request_id: str, text: str):
+    """A chat request with audio for an `EngineCore` of the pipeline's family."""
+    from omnimtp.engine.request import Request
+
+    ids, _ = pipe.family.chat_inputs([{"role": "user", "content": text}], pipe.media_limits)
+    return Request(request_id, ids, max_new_tokens=24, max_frames=MAX_FRAMES, speaker=pipe.family.default_speaker)
+
+
+def _alone(pipe, text: str):
+    """The output of `text` as the only request of an engine core."""
+    from omnimtp.engine.core import EngineCore
+
+    core = EngineCore(pipe.family, pipe.config)
+    core.add(_engine_request(pipe, "x", text))
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                return core.output(event.request)
+
+
 @pytest.mark.parametrize("corrupt_rate, is_ahead", [(0.0, True), (1.0, False)])
 def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_for_first_audio(
     plain, corrupt_rate, is_ahead
@@ -354,24 +374,11 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
     for a plain step while the newcomer waits (which `auto` takes and a fixed k does not). The
     newcomer's first audio comes in its admission step, and every output is the one it gives alone."""
     from omnimtp.engine.core import EngineCore
-    from omnimtp.engine.request import Request
 
     pipe = _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=corrupt_rate), 3)
 
-    def request(request_id: str, text: str) -> Request:
-        ids, _ = pipe.family.chat_inputs([{"role": "user", "content": text}], pipe.media_limits)
-        return Request(request_id, ids, max_new_tokens=24, max_frames=MAX_FRAMES, speaker=pipe.family.default_speaker)
-
-    def alone(text: str):
-        core = EngineCore(pipe.family, pipe.config)
-        core.add(request("x", text))
-        while core.has_work():
-            for event in core.step():
-                if event.is_finished:
-                    return core.output(event.request)
-
     core = EngineCore(pipe.family, pipe.config)
-    long = request("long", "Tell me a story")
+    long = _engine_request(pipe, "long", "Tell me a story")
     core.add(long)
     outputs = {}
 
@@ -395,7 +402,7 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
         return run_step(**kwargs)
 
     cohort.run.step = counted_step
-    newcomer = request("new", "Hi")
+    newcomer = _engine_request(pipe, "new", "Hi")
     core.add(newcomer)
     frames_before = len(long.frames)
     admission_events = step()
@@ -407,7 +414,7 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
     assert thinker_steps > 0, "the cohort went on thinking once the newcomer's audio had started"
     assert not asked_plain[-1], "no plain step asked for once the newcomer's audio had started"
     for request_id, text in (("long", "Tell me a story"), ("new", "Hi")):
-        expected = alone(text)
+        expected = _alone(pipe, text)
         assert outputs[request_id].text_ids == expected.text_ids
         assert torch.equal(outputs[request_id].codes, expected.codes)
         assert_audio_equal(outputs[request_id].audio, expected.audio)
@@ -420,21 +427,8 @@ def test_a_newcomer_that_comes_during_a_step_makes_the_later_cohorts_of_that_ste
     step (the shortest, under `auto`), as if it had been there when the step began; it is admitted and
     speaks in that step, and every output is the one it gives alone."""
     from omnimtp.engine.core import EngineCore
-    from omnimtp.engine.request import Request
 
     pipe = _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=1.0), 3)
-
-    def request(request_id: str, text: str) -> Request:
-        ids, _ = pipe.family.chat_inputs([{"role": "user", "content": text}], pipe.media_limits)
-        return Request(request_id, ids, max_new_tokens=24, max_frames=MAX_FRAMES, speaker=pipe.family.default_speaker)
-
-    def alone(text: str):
-        core = EngineCore(pipe.family, pipe.config)
-        core.add(request("x", text))
-        while core.has_work():
-            for event in core.step():
-                if event.is_finished:
-                    return core.output(event.request)
 
     texts = {"first": "Tell me a story", "second": "Sing a song", "new": "Hi"}
     core = EngineCore(pipe.family, pipe.config)
@@ -445,7 +439,7 @@ def test_a_newcomer_that_comes_during_a_step_makes_the_later_cohorts_of_that_ste
         outputs.update({e.request.request_id: core.output(e.request) for e in events if e.is_finished})
         return events
 
-    first, second, newcomer = (request(name, text) for name, text in texts.items())
+    first, second, newcomer = (_engine_request(pipe, name, text) for name, text in texts.items())
     core.add(first)
     while not first.audio:
         step()
@@ -468,7 +462,7 @@ def test_a_newcomer_that_comes_during_a_step_makes_the_later_cohorts_of_that_ste
     while core.has_work():
         step()
     for name, text in texts.items():
-        expected = alone(text)
+        expected = _alone(pipe, text)
         assert outputs[name].text_ids == expected.text_ids
         assert torch.equal(outputs[name].codes, expected.codes)
         assert_audio_equal(outputs[name].audio, expected.audio)

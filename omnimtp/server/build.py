@@ -30,9 +30,9 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     warm_up = compile_predictor is not False
     if model_dir is None:
-        if codec_dtype not in (None, "float32"):
-            raise ValueError("--codec-dtype: only a Qwen3-TTS model's decoder runs in bfloat16 (--model tiny-tts, or "
-                             "a Qwen3-TTS checkpoint)")
+        from omnimtp.pipeline import check_omni_codec_dtype
+
+        check_omni_codec_dtype(codec_dtype)
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
