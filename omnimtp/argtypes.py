@@ -94,6 +94,7 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         "activations rounded to int8 per row and group at run time, the fastest and the least "
                         "exact (default: the weights as they are)")
     parser.add_argument("--codec-dtype", choices=("float32", "bfloat16"), default=None,
-                        help="a Qwen3-TTS model's 12 Hz decoder: bfloat16 runs its conv stack in bf16, faster on a "
-                        "CPU with bf16 instructions (AVX512_BF16) and less exact (docs/tts.md states by how much) "
-                        "(default: float32)")
+                        help="the audio decoder of a Qwen3-Omni model (code2wav) or a Qwen3-TTS model (12 Hz "
+                        "decoder): bfloat16 runs its conv stack in bf16, faster on a CPU with bf16 instructions "
+                        "(AVX512_BF16) and less exact (docs/speech.md and docs/tts.md state by how much); not for "
+                        "Qwen2.5-Omni (default: float32; a Qwen3-Omni checkpoint's own dtype)")

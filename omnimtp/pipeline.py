@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
+from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
@@ -110,7 +111,7 @@ class OmniPipeline:
         max_frames: int | None = None, compile_predictor: bool | str = False, processor=None,
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
         torch_threads: int | None = None,
-        quantize: str | None = None, max_segment_tokens: int | None = None,
+        quantize: str | None = None, max_segment_tokens: int | None = None, codec_dtype: str | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s); max_segment_tokens: the text
         tokens of one segment of a spoken text, longer texts are spoken in segments (default `EngineConfig`'s).
@@ -132,7 +133,11 @@ class OmniPipeline:
         inputs): every dense linear of the thinker, talker and code predictor weight-only quantized, run
         on omnimtp's CPU kernel (activations stay float; a CPU with AVX2 or AVX-512F and a C compiler);
         or "w4a8": int4 weights, each linear's input rounded to int8 per row and group of 128 as it runs
-        (exact integer sums; AVX512-VNNI where the CPU has it); with a ready family, give it to the family."""
+        (exact integer sums; AVX512-VNNI where the CPU has it); with a ready family, give it to the family.
+        codec_dtype (Qwen3-Omni): code2wav's conv stack in "float32" or "bfloat16" (None: in the model's dtype),
+        on a copy of the stack where the model's is in another (the model's own is left as it is); bfloat16 is
+        faster on a CPU with bf16 instructions and less exact than float32 (docs/speech.md states by how much);
+        with a ready family, give it to the family."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -144,12 +149,15 @@ class OmniPipeline:
             raise ValueError("model: give exactly one of model or family")
         if family is not None and quantize is not None:
             raise ValueError("quantize: give it to the family (e.g. Qwen3TTSFamily(..., quantize=))")
+        if family is not None and codec_dtype is not None:
+            raise ValueError("codec_dtype: give it to the family (e.g. Qwen3OmniFamily(..., codec_dtype=))")
         if family is not None and (thinker_mtp is not None or num_draft_tokens is not None):
             raise ValueError("thinker_mtp: give the speculation to the family (Qwen3OmniFamily(thinker_speculation=))")
         if family is None:
             model_type = model.config.model_type
             if model_type not in MODEL_TYPES:
                 raise ValueError(f"model: a {model_type!r} model; supported: {sorted(MODEL_TYPES)}")
+            check_codec_dtype(codec_dtype, model_type)
             if model_type == "qwen2_5_omni":
                 if thinker_mtp is not None or num_draft_tokens is not None:
                     raise ValueError(
@@ -160,7 +168,7 @@ class OmniPipeline:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
                 family = Qwen3OmniFamily(
                     model, tokenizer, processor=processor, compile_predictor=compile_predictor,
-                    thinker_speculation=speculation, quantize=quantize,
+                    thinker_speculation=speculation, quantize=quantize, codec_dtype=codec_dtype,
                 )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
@@ -213,11 +221,12 @@ class OmniPipeline:
         if family == "qwen3_tts":
             return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize,
                                                   codec_dtype=codec_dtype), **kwargs)
-        check_omni_codec_dtype(codec_dtype)
         if family == "qwen3":
             made = Qwen3OmniFamily.tiny(seed, device=device)
-            return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize, **kwargs)
+            return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize,
+                       codec_dtype=codec_dtype, **kwargs)
         if family == "qwen2_5":
+            check_codec_dtype(codec_dtype, "qwen2_5_omni")
             return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
         raise ValueError(f"family must be 'qwen3', 'qwen2_5' or 'qwen3_tts', got {family!r}")
 
@@ -262,7 +271,7 @@ class OmniPipeline:
             return cls(
                 family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs
             )
-        check_omni_codec_dtype(kwargs.pop("codec_dtype", None))
+        check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load
         device = None if device is None else resolve_device(device)
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
@@ -757,9 +766,10 @@ def _is_batch(prompt, input_ids) -> bool:
     return False
 
 
-def check_omni_codec_dtype(codec_dtype) -> None:
-    """ValueError naming codec_dtype unless it is None or "float32": only Qwen3-TTS's 12 Hz decoder has
-    another (`omnimtp.families.qwen3_tts.CODEC_DTYPES`)."""
-    if codec_dtype not in (None, "float32"):
-        raise ValueError(f"codec_dtype: only a Qwen3-TTS model's decoder runs in another dtype than float32, "
-                         f"got {codec_dtype!r} for an omni model")
+def check_codec_dtype(codec_dtype, model_type: str) -> None:
+    """ValueError naming codec_dtype unless it is None or one of `omnimtp.codec.streaming.CODEC_DTYPES`, and
+    None or "float32" for Qwen2.5-Omni: only the conv stacks of Qwen3-Omni's code2wav and Qwen3-TTS's 12 Hz
+    decoder run in another dtype (Qwen2.5-Omni's token2wav does not)."""
+    codec_dtype_of(codec_dtype)
+    if model_type == "qwen2_5_omni" and codec_dtype not in (None, "float32"):
+        raise ValueError(f"codec_dtype: Qwen2.5-Omni's token2wav runs in float32 only, got {codec_dtype!r}")

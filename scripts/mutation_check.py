@@ -1183,10 +1183,22 @@ MUTATIONS = [
         QWEN3_TTS, "codec_dtype='bfloat16' leaves the decoder in fp32",
     ),
     Mutation(
-        "bf16_codec_takes_the_transformer_too", "omnimtp/codec/speech_tokenizer.py",
-        "        for part in (self.upsample, self.decoder):\n            part.to(dtype)",
-        "        for part in (self.upsample, self.decoder, self.pre_transformer):\n            part.to(dtype)",
+        "bf16_codec_takes_the_transformer_too", "omnimtp/codec/streaming.py",
+        "    for part in (code2wav.upsample, code2wav.decoder):\n        part.to(dtype)",
+        "    for part in (code2wav.upsample, code2wav.decoder, code2wav.pre_transformer):\n        part.to(dtype)",
         SPEECH_TOKENIZER, "a bf16 codec runs its transformer in bf16 too",
+    ),
+    Mutation(
+        "bf16_code2wav_casts_the_callers_stack", "omnimtp/codec/streaming.py",
+        "        made._modules[name] = copy.deepcopy(code2wav._modules[name])",
+        "        made._modules[name] = code2wav._modules[name]",
+        ("tests/test_codec_streaming.py",), "a bf16 code2wav casts the stack of the model it was given, not a copy",
+    ),
+    Mutation(
+        "qwen3_omni_ignores_codec_dtype", "omnimtp/families/qwen3_omni.py",
+        "        self.codec = StreamingCode2Wav(model.code2wav, conv_dtype=conv_dtype)",
+        "        self.codec = StreamingCode2Wav(model.code2wav)",
+        ("tests/test_pipeline.py",), "Qwen3-Omni's codec_dtype=\"bfloat16\" leaves code2wav in fp32",
     ),
     Mutation(
         "w4a8_vnni_keeps_the_stored_plus_8", "omnimtp/runtime/kernels/small_batch_linear.c",

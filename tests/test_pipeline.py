@@ -134,6 +134,46 @@ def test_seeded_sampling_repeats_and_is_batch_invariant(pipe):
     assert_audio_equal(audio, alone)  # and a streamed request's float audio does not depend on its batch
 
 
+def test_codec_dtype_bfloat16_changes_only_the_audio_and_leaves_the_model_as_it_is(pipe, checkpoint, tmp_path):
+    """`codec_dtype="bfloat16"` runs code2wav's conv stack on a bf16 copy: the same text and codes, audio within
+    20 dB SNR of fp32's (docs/speech.md: 31 dB measured at the released widths) and not equal to it, a request
+    alone as in a batch; the model's own code2wav stays float32, so the pipeline saves the checkpoint it
+    loaded. Qwen2.5-Omni's token2wav, a bad value, or a ready family with the option: a ValueError naming
+    codec_dtype."""
+    bf16 = OmniPipeline.from_pretrained(checkpoint, codec_dtype="bfloat16")
+    assert bf16.family.codec.conv_dtype == torch.bfloat16 and pipe.family.codec.conv_dtype == torch.float32
+    limits = dict(max_new_tokens=MAX_NEW_TOKENS, max_frames=MAX_FRAMES)
+    expected, alone = pipe.generate("Hello", **limits), bf16.generate("Hello", **limits)
+    assert alone.text_ids == expected.text_ids and torch.equal(alone.codes, expected.codes)
+    assert alone.audio.dtype == np.float32 and alone.audio.shape == expected.audio.shape
+    assert_audible(alone.audio)
+    noise = ((alone.audio.astype(np.float64) - expected.audio) ** 2).sum()
+    assert 0 < noise <= 10 ** (-20 / 10) * (expected.audio.astype(np.float64) ** 2).sum()
+    assert_audio_equal(bf16.generate(["Something else entirely", "Hello"], **limits)[1].audio, alone.audio)
+    assert {p.dtype for p in bf16.model.code2wav.parameters()} == {torch.float32}
+    bf16.save_pretrained(tmp_path / "saved")  # the float32 weights it loaded, not rounded ones
+    saved = OmniPipeline.from_pretrained(tmp_path / "saved").model.code2wav.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in pipe.model.code2wav.state_dict().items())
+    for bad in ("float16", torch.bfloat16):
+        with pytest.raises(ValueError, match="codec_dtype"):
+            OmniPipeline.tiny(codec_dtype=bad)
+    with pytest.raises(ValueError, match="codec_dtype: Qwen2.5-Omni"):
+        OmniPipeline.tiny(family="qwen2_5", codec_dtype="bfloat16")
+    with pytest.raises(ValueError, match="codec_dtype: give it to the family"):
+        OmniPipeline(family=pipe.family, codec_dtype="bfloat16")
+    model = OmniPipeline.tiny().model  # a checkpoint stored in bf16 runs its own dtype unless codec_dtype says
+    model.code2wav.to(torch.bfloat16)
+    assert OmniPipeline(model, pipe.tokenizer).family.codec.code2wav is model.code2wav
+    fp32 = OmniPipeline(model, pipe.tokenizer, codec_dtype="float32", max_new_tokens=4, max_frames=12)
+    assert fp32.family.codec.conv_dtype == torch.float32
+    assert next(model.code2wav.decoder.parameters()).dtype == torch.bfloat16
+    assert_audible(fp32.generate("Hello").audio)  # the bf16 transformer's rows enter the fp32 stack
+    from omnimtp.server.build import build_engine  # `serve --codec-dtype` on the embedded model
+
+    assert build_engine(None, max_batch_size=2, max_frames=None, codec_dtype="bfloat16").family.codec.conv_dtype == (
+        torch.bfloat16)
+
+
 def test_talker_without_eos_stops_at_max_frames(pipe):
     # the tiny talker's codec head never favours EOS on this prompt within 7 frames: the cap ends it
     out = pipe.generate("Hello", max_new_tokens=MAX_NEW_TOKENS, max_frames=7)

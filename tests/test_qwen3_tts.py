@@ -242,7 +242,7 @@ def test_tiny_pipeline_and_save_pretrained_round_trip(tmp_path):
 def test_codec_dtype_bfloat16_changes_only_the_audio_and_within_its_stated_error(tmp_path):
     """`codec_dtype="bfloat16"` runs the decoder's conv stack in bf16: the same codes, audio within 20 dB SNR
     of fp32's (docs/tts.md: 22.5–23.5 dB measured) and not equal to it, a request alone as in a batch; a bad
-    value, or an omni model, is a ValueError naming codec_dtype."""
+    value, or a Qwen2.5-Omni model, is a ValueError naming codec_dtype."""
     texts = [OTHER_TEXT, "A second text, a little longer than the first one."]
     fp32 = OmniPipeline.tiny(family="qwen3_tts", max_frames=12)
     bf16 = OmniPipeline.tiny(family="qwen3_tts", max_frames=12, codec_dtype="bfloat16")
@@ -257,7 +257,7 @@ def test_codec_dtype_bfloat16_changes_only_the_audio_and_within_its_stated_error
         with pytest.raises(ValueError, match="codec_dtype"):
             OmniPipeline.tiny(family="qwen3_tts", codec_dtype=bad)
     with pytest.raises(ValueError, match="codec_dtype"):
-        OmniPipeline.tiny(codec_dtype="bfloat16")
+        OmniPipeline.tiny(family="qwen2_5", codec_dtype="bfloat16")
     with pytest.raises(ValueError, match="float32 weights are gone"):  # nothing written: no checkpoint that sounds off
         bf16.save_pretrained(tmp_path / "rounded")
     assert not (tmp_path / "rounded").exists()

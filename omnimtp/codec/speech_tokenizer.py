@@ -61,7 +61,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
-from omnimtp.codec.streaming import CodecStream, StreamingCode2Wav, row_kernel_weight
+from omnimtp.codec.streaming import CodecStream, StreamingCode2Wav, cast_conv_stack, row_kernel_weight
 from omnimtp.models.tiny import TINY_SPEECH_RMS
 from omnimtp.runtime.decoder import ROW_KERNEL
 from omnimtp.runtime.ops import linear
@@ -298,10 +298,9 @@ class SpeechTokenizerDecoder(nn.Module):
         """The conv stack (the upsampling and decoder blocks, nearly all of the decoder's arithmetic) in
         `dtype`, in place; the quantizer, pre-conv and transformer stay as they are, and the stack's input is
         cast as it enters. torch.bfloat16 runs the stack on the CPU's bf16 instructions where it has them
-        (AVX512_BF16): an opt-in that changes the audio (`omnimtp.families.qwen3_tts.CODEC_DTYPES`). →
+        (AVX512_BF16): an opt-in that changes the audio (`omnimtp.codec.streaming.CODEC_DTYPES`). →
         self."""
-        for part in (self.upsample, self.decoder):
-            part.to(dtype)
+        cast_conv_stack(self, dtype)
         return self
 
     # --- decoding ---

@@ -17,11 +17,16 @@ We stream it in two parts, both exact:
     decoder = StreamingCode2Wav(model.code2wav)
     stream = decoder.new_stream()
     audio = decoder.decode([stream], [codes])     # codes [G, n] → [float32 numpy of 1920·n (− 555 once)]
+
+The conv stack holds nearly all of the arithmetic. `conv_dtype=torch.bfloat16` runs it on the CPU's bf16
+instructions where it has them (AVX512_BF16), on a bf16 copy of the stack: an opt-in (`codec_dtype`, one of
+`CODEC_DTYPES`) that changes the audio (docs/speech.md and docs/tts.md state by how much).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +43,10 @@ from omnimtp.runtime.decoder import ROW_KERNEL
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.ops import linear
 
+# The conv stack's dtypes by `codec_dtype` name: float32 (the reference's numbers), or bfloat16, an opt-in that
+# runs the stack on the CPU's bf16 instructions and changes the audio.
+CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 # One row's output-rate activations from this size on: its conv stack runs alone (`_conv_stack`). The real
 # decoders (96 channels at 24 kHz) reach it at 3 frames, the tiny test models' windows never.
 ROW_STACK_BYTES = 2 << 20
@@ -52,11 +61,24 @@ class CodecStream:
     num_frames: int = 0  # frames decoded so far
 
 
+def codec_dtype_of(codec_dtype: str | None) -> torch.dtype:
+    """The conv stack's torch dtype for a `CODEC_DTYPES` name (None: float32), or a ValueError naming
+    codec_dtype."""
+    if codec_dtype is None:
+        return torch.float32
+    if not isinstance(codec_dtype, str) or codec_dtype not in CODEC_DTYPES:
+        raise ValueError(f"codec_dtype must be one of {sorted(CODEC_DTYPES)} or None, got {codec_dtype!r}")
+    return CODEC_DTYPES[codec_dtype]
+
+
 class StreamingCode2Wav:
     """Exact chunked decoding; see the module docstring. A stream's audio is bit for bit the same whichever
-    other streams `decode` is given with it."""
+    other streams `decode` is given with it. conv_dtype: the conv stack's dtype (None: as code2wav's is);
+    another than code2wav's runs on a copy of the stack in that dtype, and code2wav's own stays as it is."""
 
-    def __init__(self, code2wav):
+    def __init__(self, code2wav, conv_dtype: torch.dtype | None = None):
+        if conv_dtype is not None and conv_dtype != _conv_stack_dtype(code2wav):
+            code2wav = _with_conv_stack_in(code2wav, conv_dtype)
         self.code2wav = code2wav
         use_inplace_snake(code2wav)
         use_unpadded_pointwise_convs(code2wav)
@@ -301,6 +323,26 @@ class RowwiseMatmuls(TorchFunctionMode):
 def _conv_stack_dtype(code2wav) -> torch.dtype:
     """The dtype of the conv stack's first weight (its upsampling blocks come first)."""
     return next(code2wav.upsample.parameters()).dtype
+
+
+def cast_conv_stack(code2wav, dtype: torch.dtype) -> None:
+    """The conv stack (the upsampling and decoder blocks) in `dtype`, in place; the transformer before it stays
+    as it is (`StreamingCode2Wav` casts the stack's input as it enters)."""
+    for part in (code2wav.upsample, code2wav.decoder):
+        part.to(dtype)
+
+
+def _with_conv_stack_in(code2wav, dtype: torch.dtype):
+    """A code2wav that shares code2wav's embedding and transformer and holds a copy of its conv stack in
+    `dtype`; code2wav is left as it is."""
+    made = copy.copy(code2wav)
+    made._modules = dict(code2wav._modules)
+    for name in ("upsample", "decoder"):
+        made._modules[name] = copy.deepcopy(code2wav._modules[name])
+        for module in made._modules[name].modules():
+            module.__dict__.pop("_row_kernel_weight", None)  # fp32 packings the copy never uses
+    cast_conv_stack(made, dtype)
+    return made
 
 
 def _conv_stack_modules(code2wav) -> list:

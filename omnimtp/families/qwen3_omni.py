@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-from omnimtp.codec.streaming import StreamingCode2Wav
+from omnimtp.codec.streaming import StreamingCode2Wav, codec_dtype_of
 from omnimtp.families.placeholders import check_placeholders, split_media
 from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import SpeechTextStream, TalkerInputs
@@ -41,15 +41,20 @@ class Qwen3OmniFamily(ChatText):
     (`omnimtp.media.load_processor`), or None when the checkpoint has none (then chat media is refused).
     compile_predictor: `CodePredictorRunner`'s compile mode (False, "step" or "frame"); worth it for a
     long-lived process, see `warm_up`. thinker_speculation: the thinker's speculative steps
-    (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step."""
+    (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step. quantize: the
+    thinker's and talker's linears (`OmniPipeline`'s). codec_dtype: code2wav's conv stack in "float32" or
+    "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`), on a copy of the stack where the model's is in another
+    dtype (the model's own code2wav is left as it is); None: in the model's dtype."""
 
     model_type = "qwen3_omni_moe"  # the checkpoint's config.json model_type
     sample_rate = SAMPLE_RATE
     codec_looks_ahead = False  # code2wav looks at no later frame
 
     def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
-                 thinker_speculation: ThinkerSpeculation | None = None, quantize: str | None = None):
+                 thinker_speculation: ThinkerSpeculation | None = None, quantize: str | None = None,
+                 codec_dtype: str | None = None):
         check_quantize(quantize, model.thinker.device)
+        conv_dtype = None if codec_dtype is None else codec_dtype_of(codec_dtype)  # None: as the model's is
         self.quantize = quantize
         self.model = model.eval()
         self.thinker_speculation = thinker_speculation
@@ -73,7 +78,8 @@ class Qwen3OmniFamily(ChatText):
             PackedDecoder.from_module(model.thinker.model.language_model, quantize=quantize).with_row_kernel()
         )
         self.talker_decoder = PackedDecoder.from_module(model.talker.model, quantize=quantize)
-        self.codec = StreamingCode2Wav(model.code2wav)
+        # another codec_dtype than the model's: code2wav's conv stack runs on a copy in it (the model's stays)
+        self.codec = StreamingCode2Wav(model.code2wav, conv_dtype=conv_dtype)
         self._predictors: dict[int, CodePredictorRunner] = {}
         self.speech_header_ids = speech_header_ids(tokenizer)
 

@@ -41,6 +41,7 @@ from omnimtp.codec.speech_encoder import (
     tiny_speech_tokenizer_encoder,
 )
 from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder, tiny_speech_tokenizer
+from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.families.text import ChatText, match_speaker
 from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.limits import MAX_REF_AUDIO_MAGNITUDE, MAX_REF_AUDIO_SECONDS, MIN_REF_AUDIO_SECONDS, MediaLimits
@@ -54,19 +55,6 @@ from omnimtp.tokenizer import StreamedTextIds
 from omnimtp.voice import Voice
 
 SAMPLE_RATE = 24_000
-# The 12 Hz decoder's conv stack: float32 (the reference's numbers), or bfloat16, an opt-in that runs it on
-# the CPU's bf16 instructions and changes the audio (docs/tts.md states by how much).
-CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def codec_dtype_of(codec_dtype: str | None) -> torch.dtype:
-    """The conv stack's torch dtype for a `CODEC_DTYPES` name (None: float32), or a ValueError naming
-    codec_dtype."""
-    if codec_dtype is None:
-        return torch.float32
-    if not isinstance(codec_dtype, str) or codec_dtype not in CODEC_DTYPES:
-        raise ValueError(f"codec_dtype must be one of {sorted(CODEC_DTYPES)} or None, got {codec_dtype!r}")
-    return CODEC_DTYPES[codec_dtype]
 
 # Qwen3-TTS's `generate` defaults: greedy keeps the repetition penalty; sampled, the talker and (without the
 # penalty) the code predictor use T 0.9, top-k 50, top-p 1.0.
@@ -192,7 +180,7 @@ class Qwen3TTSFamily(ChatText):
         files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
         is read, and a Base model's encoder when the tokenizer has its weights: without them a Base model
         clones from the x-vector alone). codec_dtype: the decoder's conv stack in "float32" (None) or
-        "bfloat16" (`CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`)."""
+        "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`)."""
         from transformers import AutoTokenizer
 
         from omnimtp.runtime.device import resolve_device

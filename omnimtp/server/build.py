@@ -20,7 +20,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
     media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
-    quantize: quantized linears, codec_dtype: a Qwen3-TTS decoder's conv stack (`OmniPipeline`'s).
+    quantize: quantized linears, codec_dtype: the audio decoder's conv stack (`OmniPipeline`'s).
     timeout_text_idle: how long a streamed-text speech request may wait for more text (`Engine`'s).
     prefix_cache_bytes: the budget of the realtime conversations kept warm (`EngineConfig`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
@@ -30,10 +30,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     warm_up = compile_predictor is not False
     if model_dir is None:
-        from omnimtp.pipeline import check_omni_codec_dtype
-
-        check_omni_codec_dtype(codec_dtype)
-        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize)
+        family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize,
+                                      codec_dtype=codec_dtype)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
