@@ -1,6 +1,6 @@
-"""benchmarks/tts_realtime.py and benchmarks/quantized_quality.py --quick at tiny sizes, so the scripts cannot rot:
-every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every quality figure,
-with fp32 agreeing with itself nowhere but where it must."""
+"""benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick and benchmarks/omni_codec.py at tiny sizes,
+so the scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the
+reference; every quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
 import importlib.util
 import json
@@ -95,6 +95,23 @@ def test_realtime_quick_run_with_the_codec_in_bf16(tmp_path):
     assert fp32["decoder_gflop_per_frame"] == pytest.approx(bf16["decoder_gflop_per_frame"], rel=1e-6)
     ratio = machine["fp32_matmul_gflop_s"] / machine["bf16_matmul_gflop_s"]
     assert bf16["decoder_ms"] == pytest.approx(fp32["decoder_ms"] * ratio, rel=1e-6)
+
+
+def test_omni_codec_quick_run_reports_every_part(tmp_path):
+    """benchmarks/omni_codec.py --tiny: every decoder at each batch size, the floors from the FLOP count (the bf16
+    one lower: its conv stack over the bf16 peak), and bf16's audio within what docs/speech.md states."""
+    out = tmp_path / "omni_codec.json"
+    _run(["benchmarks/omni_codec.py", "--tiny", "--frames", "27", "--rounds", "1", "--batch-sizes", "1", "2",
+          "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["bounds"] == [0, 1, 26, 27] and results["gflop_per_frame"] > 0
+    assert 0 < results["conv_stack_share"] <= 1
+    floors = results["floor_ms_per_frame"]
+    assert 0 < floors["bf16"] <= floors["fp32"]
+    for batch_size in ("1", "2"):
+        entry = results["batches"][batch_size]
+        assert set(entry["ms_per_frame"]) == {"reference", "fp32", "bf16"} and min(entry["ms_per_frame"].values()) > 0
+        assert 20 <= entry["bf16_snr_db"] < 60 and entry["fp32_rms"] > 0.01
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():
