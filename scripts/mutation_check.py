@@ -1218,6 +1218,24 @@ MUTATIONS = [
         "int8_activations=False)",
         QUANTIZED, "quantize=\"w4a8\" runs the weight-only int4 kernel: int4's speed, called w4a8",
     ),
+    Mutation(
+        "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "        sg[s] = expf(sg[s] - top);",
+        "        sg[s] = expf(sg[s]);",
+        ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
+    ),
+    Mutation(
+        "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    for (int64_t s = 0; s < S; ++s) {\n      const float* row = vh + s * v_row_stride;",
+        "    for (int64_t s = 0; s < S - 1; ++s) {\n      const float* row = vh + s * v_row_stride;",
+        ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
+    ),
+    Mutation(
+        "one_row_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
+        "        if mask is None and _on_decode_attention_kernel(query, keys, values):",
+        "        if False and _on_decode_attention_kernel(query, keys, values):",
+        ("tests/test_small_batch_linear.py",), "a batch-1 decode step's attention never runs on the kernel",
+    ),
 ]
 
 

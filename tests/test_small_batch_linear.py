@@ -107,6 +107,82 @@ def test_bad_arguments_raise_value_errors_naming_them():
         sbl.small_batch_linear(x, weight, 48)
 
 
+# --- one query position's attention ------------------------------------------------------------------------
+
+
+def _cache_views(num_kv_heads: int, length: int, head_dim: int, capacity: int, seed: int):
+    """Keys and values [1, Nkv, length, D] as a KV cache holds them: views of [1, Nkv, capacity, D] buffers."""
+    g = torch.Generator().manual_seed(seed)
+    buffers = torch.randn(2, 1, num_kv_heads, capacity, head_dim, generator=g) * 2
+    return buffers[0][:, :, :length], buffers[1][:, :, :length]
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(num_kv_heads=st.integers(1, 8), group=st.sampled_from([1, 2, 4, 16]),
+       head_dim=st.sampled_from([8, 16, 64, 128, 256]), length=st.integers(1, 300), seed=st.integers(0, 99))
+def test_decode_attention_equals_sdpa_up_to_rounding(num_kv_heads, group, head_dim, length, seed):
+    """Every group size, head width and length (one key included), on a cache's strided views: SDPA's values
+    (transformers' grouped-query attention) up to fp32 rounding, the inputs untouched."""
+    keys, values = _cache_views(num_kv_heads, length, head_dim, length + 7, seed)
+    query = torch.randn(num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    before = [t.clone() for t in (query, keys, values)]
+    scale = head_dim**-0.5
+    out = sbl.decode_attention(query, keys, values, scale)
+    expected = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=scale, enable_gqa=True)
+    assert out.shape == (num_kv_heads * group * head_dim,) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.reshape(-1), rtol=1e-5, atol=1e-5 * float(values.abs().max()))
+    assert all(torch.equal(t, b) for t, b in zip((query, keys, values), before, strict=True))
+
+
+@needs_kernel
+def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_scores():
+    """Bit for bit on 1 and 2 threads (a head's sums run in the same order on either); scores of ±1e4 (exp
+    overflows unless the maximum is taken out first) give SDPA's values; out-of-range shapes are ValueErrors."""
+    keys, values = _cache_views(4, 333, 128, 400, seed=3)
+    query = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = sbl.decode_attention(query, keys, values, 0.09)
+        torch.set_num_threads(2)
+        two_threads = sbl.decode_attention(query, keys, values, 0.09)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, two_threads)
+    out = sbl.decode_attention(query, keys, values, 100.0)
+    expected = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=100.0, enable_gqa=True)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected.reshape(-1), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        sbl.decode_attention(torch.randn(2, 512), *_cache_views(1, 5, 512, 5, seed=0), 1.0)
+    with pytest.raises(ValueError, match="32 query heads over 1"):
+        sbl.decode_attention(torch.randn(32, 8), *_cache_views(1, 5, 8, 5, seed=0), 1.0)
+
+
+@needs_kernel
+def test_one_rows_attention_at_one_position_runs_on_the_kernel_only_where_it_applies(monkeypatch):
+    """`ops.attention`: one row at one position, fp32, no mask, no gradient: the kernel (either layout of the
+    query); a mask, bf16, gradients, more rows or positions: SDPA, as before."""
+    from omnimtp.runtime import ops
+
+    calls = []
+    kernel = sbl.decode_attention
+    monkeypatch.setattr(sbl, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    keys, values = _cache_views(2, 9, 16, 12, seed=5)
+    query = torch.randn(4, 16)
+    flat = ops.attention(query, keys, values, None, 0.25)
+    assert len(calls) == 1 and flat.shape == (64,)
+    assert torch.equal(ops.attention(query[None, None], keys, values, None, 0.25), flat.view(1, 1, -1))
+    assert len(calls) == 2
+    ops.attention(query, keys, values, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.25)
+    ops.attention(query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, 0.25)
+    with torch.enable_grad():
+        ops.attention(query.requires_grad_(), keys, values, None, 0.25)
+    ops.attention(torch.randn(1, 2, 4, 16), keys, values, None, 0.25)
+    assert len(calls) == 2
+
+
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
     """The kernel loader with its cache cleared (and restored afterwards), building into tmp_path."""

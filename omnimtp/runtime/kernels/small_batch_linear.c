@@ -16,6 +16,7 @@
  * or on M.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -913,5 +914,80 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
   free(xq);
   free(xsum);
   free(xscale);
+  return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Attention of one query position (a batch-1 decode step), grouped-query: q [Nq, D] contiguous; key head h's
+ * row s at k + h * k_head_stride + s * k_row_stride (values likewise), every row 0..S-1 visible; out [Nq, D].
+ * Query head j reads key head j / (Nq / Nkv).
+ *
+ * Why: at one query the step is bound by reading the keys and values. torch's SDPA CPU kernel runs such a step
+ * as a small GEMM per block of keys and read them at 10-12 GB/s in a decoder's step on a 2-core AMD EPYC; here
+ * each key and value row is read once for all the query heads of its group (scores, then a softmax, then the
+ * weighted sum of the values), at the core's read bandwidth. The key heads are split over the threads.
+ *
+ * Numerics: scores, softmax and sums in fp32 in position order (SDPA's blocked online softmax rounds otherwise:
+ * equal up to fp32 rounding). Returns 0, -1 when out of memory, -2 for D > 256 or a group of more than 16. */
+#define ATTENTION_MAX_D 256
+#define ATTENTION_MAX_GROUP 16
+
+int omnimtp_decode_attention(const float* q, const float* k, const float* v, float* out, int64_t num_q_heads,
+                             int64_t num_kv_heads, int64_t S, int64_t D, int64_t k_head_stride,
+                             int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, float scale,
+                             int num_threads) {
+  if (D > ATTENTION_MAX_D || num_kv_heads < 1 || num_q_heads % num_kv_heads) return -2;
+  const int64_t G = num_q_heads / num_kv_heads;
+  if (G > ATTENTION_MAX_GROUP) return -2;
+  float* work = (float*)malloc(sizeof(float) * (size_t)(num_kv_heads * G * (S > 0 ? S : 1)));
+  if (work == NULL) return -1;
+  const int threads = num_threads > 1 && num_kv_heads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    float* scores = work + h * G * S; /* [G, S] */
+    const float* kh = k + h * k_head_stride;
+    const float* vh = v + h * v_head_stride;
+    const float* qh = q + h * G * D;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* row = kh + s * k_row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qh + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+        scores[g * S + s] = dot * scale;
+      }
+    }
+    float inv_sum[ATTENTION_MAX_GROUP];
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = scores + g * S;
+      float top = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) top = sg[s] > top ? sg[s] : top;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t s = 0; s < S; ++s) {
+        sg[s] = expf(sg[s] - top);
+        sum += sg[s];
+      }
+      inv_sum[g] = 1.f / sum;
+    }
+    float acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_D];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* row = vh + s * v_row_stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * S + s];
+        float* a = acc[g];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* o = out + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[g][d] * inv_sum[g];
+    }
+  }
+  free(work);
   return 0;
 }

@@ -144,6 +144,9 @@ def _library() -> ctypes.CDLL | None:
     w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     lib.omnimtp_w4a8_has_vnni.restype = ctypes.c_int
     lib.omnimtp_w4a8_has_vnni.argtypes = []
+    attention = lib.omnimtp_decode_attention
+    attention.restype = ctypes.c_int
+    attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -404,3 +407,36 @@ _w4a8_linear_op = opaque_op(  # the w4a8 kernel as one opaque op under torch.com
         x.contiguous(), packed, scales, out_features, group_size),
     lambda x, packed, scales, out_features, group_size: x.new_empty(x.shape[0], out_features),
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention of one query position (a batch-1 decode step)
+
+DECODE_ATTENTION_MAX_HEAD_DIM = 256
+DECODE_ATTENTION_MAX_GROUP = 16
+
+
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of one query position over every key: query [Nq, D] fp32, keys and values [1,
+    Nkv, S, D] fp32 CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`) → [Nq * D],
+    query head h reading key head h // (Nq / Nkv); equal to SDPA up to fp32 rounding. Needs `available()`, D
+    up to DECODE_ATTENTION_MAX_HEAD_DIM and Nq / Nkv up to DECODE_ATTENTION_MAX_GROUP (ValueError otherwise);
+    no gradients, no other argument checks (`omnimtp.runtime.ops.attention` calls it where it applies)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the decode attention kernel is not available: {_unavailable}")
+    num_heads, head_dim = query.shape
+    _, num_kv_heads, length, _ = keys.shape
+    query = query.contiguous()
+    out = torch.empty(num_heads * head_dim, dtype=torch.float32)
+    status = lib.omnimtp_decode_attention(
+        query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, length,
+        head_dim, keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), scale, torch.get_num_threads(),
+    )
+    if status == -2:
+        raise ValueError(f"decode_attention: head_dim {head_dim} (at most {DECODE_ATTENTION_MAX_HEAD_DIM}) or "
+                         f"{num_heads} query heads over {num_kv_heads} key heads (a group of at most "
+                         f"{DECODE_ATTENTION_MAX_GROUP}) out of range")
+    if status != 0:
+        raise MemoryError("decode_attention: out of memory")
+    return out
