@@ -1,6 +1,7 @@
-"""benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick and benchmarks/omni_codec.py at tiny sizes,
-so the scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the
-reference; every quality figure, with fp32 agreeing with itself nowhere but where it must."""
+"""benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py and
+benchmarks/decode_attention.py at tiny sizes, so the scripts cannot rot: every mode, two batch sizes, the profile
+and (where `qwen_tts` is installed) the reference; every quality figure, with fp32 agreeing with itself nowhere
+but where it must."""
 
 import importlib.util
 import json
@@ -112,6 +113,23 @@ def test_omni_codec_quick_run_reports_every_part(tmp_path):
         entry = results["batches"][batch_size]
         assert set(entry["ms_per_frame"]) == {"reference", "fp32", "bf16"} and min(entry["ms_per_frame"].values()) > 0
         assert 20 <= entry["bf16_snr_db"] < 60 and entry["fp32_rms"] > 0.01
+
+
+def test_decode_attention_quick_run_reports_every_length(tmp_path):
+    """benchmarks/decode_attention.py --quick: both sides cold and warm at each length, the floor from the read
+    bandwidth, the kernel within fp32 rounding of SDPA."""
+    from omnimtp.runtime.kernels import small_batch_linear
+
+    if not small_batch_linear.available():
+        pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
+    out = tmp_path / "decode_attention.json"
+    _run(["benchmarks/decode_attention.py", "--quick", "--lengths", "1", "40", "--layers", "3", "--rounds", "3",
+          "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["heads"] == [16, 8, 128] and set(results["lengths"]) == {"1", "40"}
+    for entry in results["lengths"].values():
+        assert entry["max_rel_error"] < 1e-5 and entry["floor_us"] > 0
+        assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():
