@@ -1220,8 +1220,8 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "        sg[s] = expf(sg[s] - top);",
-        "        sg[s] = expf(sg[s]);",
+        "        sg[s] = exp_nonpositive(sg[s] - top);",
+        "        sg[s] = exp_nonpositive(sg[s]);",
         ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
     ),
     Mutation(
