@@ -443,7 +443,8 @@ def attention(
     head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
     come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]: without a mask, fp32 on a CPU, omnimtp's
     kernel (`small_batch_linear.decode_attention`: each key and value read once for its query heads, SDPA's
-    values up to fp32 rounding, 1.9-2.6x SDPA's speed in a decoder's step), else the same SDPA call.
+    values up to fp32 rounding, 1.6-3.2x SDPA's speed at 64-4096 keys: `benchmarks/decode_attention.py`), else
+    the same SDPA call.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
     attend) or additive, or None (every column visible).
