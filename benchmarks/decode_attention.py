@@ -4,10 +4,12 @@ A decoder's step reads every layer's keys and values once, between its weights: 
 cache views (each [1, Nkv, capacity, D], as `omnimtp.runtime.kv_cache` holds them), one query per layer, and a
 64 MB copy before each step so that the keys and values come from memory as they do in a model's step ("cold";
 "warm": without the copy). Heads: `--heads Nq Nkv D` (default the Qwen3-TTS 0.6B talker's 16 / 8 / 128; the
-Qwen3-Omni-30B-A3B thinker's are 32 / 4 / 128). Per `--lengths` key count: µs a layer for each, the ratio, and the
-floor (the layer's key and value bytes ÷ the measured read bandwidth). Writes JSON.
+Qwen3-Omni-30B-A3B thinker's are 32 / 4 / 128). `--rows R`: a batched step, R rows a few keys apart (row r at
+the length less 3r), each row's visible keys given by a bool mask as the engine gives them. Per `--lengths` key
+count: µs a layer for each, the ratio, and the floor (the layer's visible key and value bytes ÷ the measured
+read bandwidth). Writes JSON.
 
-    python benchmarks/decode_attention.py [--lengths 64 256 1024 4096] [--layers 28] [--threads 2] [--out a.json]
+    python benchmarks/decode_attention.py [--lengths 64 256 1024 4096] [--layers 28] [--rows 1] [--out a.json]
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ def timed_steps(fn, layers: int, rounds: int, evict) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sdpa_step(query: torch.Tensor, views: list, scale: float):
-    return lambda: [F.scaled_dot_product_attention(query[None, :, None], k, v, scale=scale, enable_gqa=True)
-                    for k, v in views]
+def sdpa_step(query: torch.Tensor, views: list, scale: float, mask):
+    """query [R, Nq, D]; mask None or bool [R, S]."""
+    attn_mask = None if mask is None else mask[:, None, None]
+    return lambda: [F.scaled_dot_product_attention(query[:, :, None], k, v, attn_mask=attn_mask, scale=scale,
+                                                   enable_gqa=True) for k, v in views]
 
 
-def kernel_step(query: torch.Tensor, views: list, scale: float):
-    return lambda: [small_batch_linear.decode_attention(query, k, v, scale) for k, v in views]
+def kernel_step(query: torch.Tensor, views: list, scale: float, mask):
+    return lambda: [small_batch_linear.decode_attention(query, k, v, scale, mask) for k, v in views]
 
 
 def main() -> None:
@@ -55,6 +59,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--heads", type=int, nargs=3, default=[16, 8, 128], metavar=("NQ", "NKV", "D"))
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--rows", type=int, default=1, help="rows of a batched step (default 1: a batch-1 step)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small probe of the machine (a test's run)")
@@ -69,20 +74,23 @@ def main() -> None:
     junk = torch.randn(16 << 20)
     sink = torch.empty_like(junk)
     results = {"machine": machine, "platform": platform.processor() or platform.machine(), "heads": args.heads,
-               "layers": args.layers, "threads": args.threads, "lengths": {}}
+               "layers": args.layers, "rows": args.rows, "threads": args.threads, "lengths": {}}
     print(f"machine: read {machine['read_gb_s']:.1f} GB/s, {args.threads} threads; heads {num_heads} / "
-          f"{num_kv_heads} / {head_dim}, {args.layers} layers")
+          f"{num_kv_heads} / {head_dim}, {args.layers} layers, {args.rows} row(s)")
     for length in args.lengths:
         generator = torch.Generator().manual_seed(length)
         capacity = length + 64
-        caches = [torch.randn(2, 1, num_kv_heads, capacity, head_dim, generator=generator) for _ in range(args.layers)]
+        caches = [torch.randn(2, args.rows, num_kv_heads, capacity, head_dim, generator=generator)
+                  for _ in range(args.layers)]
         views = [(cache[0][:, :, :length], cache[1][:, :, :length]) for cache in caches]
-        query = torch.randn(num_heads, head_dim, generator=generator)
-        ours = small_batch_linear.decode_attention(query, *views[0], scale)
-        sdpa = F.scaled_dot_product_attention(query[None, :, None], *views[0], scale=scale, enable_gqa=True)
-        error = float((ours - sdpa.reshape(-1)).abs().max() / sdpa.abs().max())
-        runs = {"sdpa": sdpa_step(query, views, scale), "ours": kernel_step(query, views, scale)}
-        entry = {"max_rel_error": error, "kv_bytes_per_layer": 2 * num_kv_heads * length * head_dim * 4}
+        query = torch.randn(args.rows, num_heads, head_dim, generator=generator)
+        lengths = torch.tensor([max(length - 3 * r, 1) for r in range(args.rows)])
+        mask = None if args.rows == 1 else torch.arange(length)[None] < lengths[:, None]  # [R, S]
+        ours = small_batch_linear.decode_attention(query, *views[0], scale, mask)
+        sdpa = sdpa_step(query, views[:1], scale, mask)()[0].reshape(args.rows, -1)
+        error = float((ours - sdpa).abs().max() / sdpa.abs().max())
+        runs = {"sdpa": sdpa_step(query, views, scale, mask), "ours": kernel_step(query, views, scale, mask)}
+        entry = {"max_rel_error": error, "kv_bytes_per_layer": 2 * num_kv_heads * int(lengths.sum()) * head_dim * 4}
         entry["floor_us"] = 1e6 * entry["kv_bytes_per_layer"] / (machine["read_gb_s"] * 1e9)
         for state, evict in (("cold", lambda: sink.copy_(junk)), ("warm", lambda: None)):
             for name, fn in runs.items():

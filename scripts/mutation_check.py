@@ -1220,21 +1220,33 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "        sg[s] = exp_nonpositive(sg[s] - top);",
-        "        sg[s] = exp_nonpositive(sg[s]);",
+        "      sg[i] = exp_nonpositive(sg[i] - top);",
+        "      sg[i] = exp_nonpositive(sg[i]);",
         ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
     ),
     Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "    for (int64_t s = 0; s < S; ++s) {\n      const float* row = vh + s * v_row_stride;",
-        "    for (int64_t s = 0; s < S - 1; ++s) {\n      const float* row = vh + s * v_row_stride;",
+        "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
+        "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
         ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
     ),
     Mutation(
         "one_row_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
-        "        if mask is None and _on_decode_attention_kernel(query, keys, values):",
-        "        if False and _on_decode_attention_kernel(query, keys, values):",
+        "        on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)\n        if on_kernel:",
+        "        on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)\n        if False:",
         ("tests/test_small_batch_linear.py",), "a batch-1 decode step's attention never runs on the kernel",
+    ),
+    Mutation(
+        "batched_decode_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
+        "    if num_new == 1 and not fp32_manual:",
+        "    if False:",
+        ("tests/test_small_batch_linear.py",), "a batched decode step's attention never runs on the kernel",
+    ),
+    Mutation(
+        "decode_attention_weights_masked_keys_by_zero", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "      if (m[s]) positions[r * span + n++] = s;",
+        "      positions[r * span + n++] = s;",
+        ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
     ),
 ]
 

@@ -122,14 +122,15 @@ def test_decode_attention_quick_run_reports_every_length(tmp_path):
 
     if not small_batch_linear.available():
         pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
-    out = tmp_path / "decode_attention.json"
-    _run(["benchmarks/decode_attention.py", "--quick", "--lengths", "1", "40", "--layers", "3", "--rounds", "3",
-          "--threads", "1", "--out", str(out)])
-    results = json.loads(out.read_text())
-    assert results["heads"] == [16, 8, 128] and set(results["lengths"]) == {"1", "40"}
-    for entry in results["lengths"].values():
-        assert entry["max_rel_error"] < 1e-5 and entry["floor_us"] > 0
-        assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
+    for rows in (1, 3):  # a batch-1 step, and a batched one whose rows the mask keeps to their lengths
+        out = tmp_path / f"decode_attention_{rows}.json"
+        _run(["benchmarks/decode_attention.py", "--quick", "--lengths", "1", "40", "--layers", "3", "--rounds", "3",
+              "--rows", str(rows), "--threads", "1", "--out", str(out)])
+        results = json.loads(out.read_text())
+        assert results["heads"] == [16, 8, 128] and results["rows"] == rows and set(results["lengths"]) == {"1", "40"}
+        for entry in results["lengths"].values():
+            assert entry["max_rel_error"] < 1e-5 and entry["floor_us"] > 0
+            assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():

@@ -161,9 +161,40 @@ def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_sco
 
 
 @needs_kernel
-def test_one_rows_attention_at_one_position_runs_on_the_kernel_only_where_it_applies(monkeypatch):
-    """`ops.attention`: one row at one position, fp32, no mask, no gradient: the kernel (either layout of the
-    query); a mask, bf16, gradients, more rows or positions: SDPA, as before."""
+@pytest.mark.parametrize("prefix", [True, False])
+def test_decode_attention_of_rows_with_a_mask_equals_sdpa_and_each_row_alone(prefix):
+    """Rows at their own lengths in one call (a batched decode step: a bool mask, True = visible): SDPA's values
+    with that mask up to rounding, and each row bit for bit what it gets alone over its visible keys without a
+    mask (a masked key is left out, not weighted by zero: the unwritten cache past a row's length may hold
+    anything, NaN included). prefix False: visible keys scattered, as any bool mask may have them."""
+    num_rows, num_kv_heads, length, head_dim = 5, 2, 70, 64
+    g = torch.Generator().manual_seed(9)
+    cache = torch.randn(2, num_rows, num_kv_heads, 96, head_dim, generator=g)
+    keys, values = cache[0][:, :, :length], cache[1][:, :, :length]
+    query = torch.randn(num_rows, 8, head_dim, generator=g)
+    lengths = torch.tensor([70, 1, 33, 64, 2])
+    if prefix:
+        visible = torch.arange(length)[None] < lengths[:, None]  # [R, S]
+    else:
+        visible = torch.rand(num_rows, length, generator=g) < 0.6
+        visible[:, 0] = True
+    keys.masked_fill_(~visible[:, None, :, None], float("nan"))  # what a masked key holds must not matter
+    out = sbl.decode_attention(query, keys, values, 0.125, visible)
+    clean_keys = keys.nan_to_num(0.0)
+    expected = F.scaled_dot_product_attention(query[:, :, None], clean_keys, values, attn_mask=visible[:, None, None],
+                                              scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out, expected.reshape(num_rows, -1), rtol=1e-5, atol=1e-5)
+    for r in range(num_rows):
+        seen = visible[r].nonzero()[:, 0]
+        alone = sbl.decode_attention(query[r], keys[r : r + 1, :, seen], values[r : r + 1, :, seen], 0.125)
+        assert torch.equal(alone, out[r]), r
+
+
+@needs_kernel
+def test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies(monkeypatch):
+    """`ops.attention`: one position a row (either layout of the query, one row or several), fp32, no mask or a
+    bool one, no gradient: the kernel; an additive mask, bf16, gradients, more positions or the code predictor's
+    written-out form (fp32_manual): SDPA or that form, as before."""
     from omnimtp.runtime import ops
 
     calls = []
@@ -174,13 +205,22 @@ def test_one_rows_attention_at_one_position_runs_on_the_kernel_only_where_it_app
     flat = ops.attention(query, keys, values, None, 0.25)
     assert len(calls) == 1 and flat.shape == (64,)
     assert torch.equal(ops.attention(query[None, None], keys, values, None, 0.25), flat.view(1, 1, -1))
-    assert len(calls) == 2
-    ops.attention(query, keys, values, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.25)
+    visible = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    assert torch.equal(ops.attention(query, keys, values, visible, 0.25), flat)
+    rows = torch.randn(3, 1, 4, 16)
+    batch_keys, batch_values = (torch.cat([t, t.flip(2), t * 2]) for t in (keys, values))
+    lengths_mask = (torch.arange(9)[None] < torch.tensor([9, 4, 7])[:, None])[:, None, None]
+    batched = ops.attention(rows, batch_keys, batch_values, lengths_mask, 0.25)
+    assert len(calls) == 4 and batched.shape == (3, 1, 64)
+    assert torch.equal(batched[1, 0], ops.attention(rows[1, 0], batch_keys[1:2, :, :4], batch_values[1:2, :, :4],
+                                                    None, 0.25))
+    ops.attention(query, keys, values, torch.zeros(1, 1, 1, 9), 0.25)  # additive
     ops.attention(query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, 0.25)
     with torch.enable_grad():
-        ops.attention(query.requires_grad_(), keys, values, None, 0.25)
+        ops.attention(query.clone().requires_grad_(), keys, values, None, 0.25)
     ops.attention(torch.randn(1, 2, 4, 16), keys, values, None, 0.25)
-    assert len(calls) == 2
+    ops.attention(rows[:1], keys, values, torch.zeros(1, 1, 9), 0.25, fp32_manual=True)
+    assert len(calls) == 5  # only the row alone above
 
 
 @pytest.fixture

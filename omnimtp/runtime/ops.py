@@ -414,20 +414,25 @@ def apply_rope(
 # Attention
 
 
-def _on_decode_attention_kernel(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether one row's attention at one position runs on omnimtp's kernel (`small_batch_linear.decode_attention`):
-    fp32 on a CPU with the kernel, rows of keys and values contiguous, head_dim and group in its range, no
-    gradient and not under torch.compile."""
-    num_heads, head_dim = query.shape
-    return (
+def _decode_attention_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> tuple[bool, object]:
+    """(whether one query position a row runs on omnimtp's kernel, the kernel's mask [R or 1, S] or None). It
+    does for query [R, Nq, D] in fp32 on a CPU with the kernel, keys and values [R, Nkv, S, D] with contiguous
+    rows, head_dim and group in its range, mask None or bool [R or 1, 1, 1, S], no gradient, not under
+    torch.compile."""
+    num_rows, num_heads, head_dim = query.shape
+    if not (
         query.dtype == keys.dtype == values.dtype == torch.float32 and query.device.type == "cpu"
-        and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.shape[0] == 1
+        and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.shape[0] == values.shape[0] == num_rows
         and head_dim <= small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM
         and num_heads % keys.shape[1] == 0
         and num_heads // keys.shape[1] <= small_batch_linear.DECODE_ATTENTION_MAX_GROUP
+        and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+                              and mask.shape[0] in (1, num_rows) and mask.shape[3] == keys.shape[2]))
         and not (torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad))
         and not torch.compiler.is_compiling() and small_batch_linear.available()
-    )
+    ):
+        return False, None
+    return True, None if mask is None else mask[:, 0, 0]
 
 
 def attention(
@@ -441,10 +446,11 @@ def attention(
 ) -> torch.Tensor:
     """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
     head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
-    come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]: without a mask, fp32 on a CPU, omnimtp's
-    kernel (`small_batch_linear.decode_attention`: each key and value read once for its query heads, SDPA's
-    values up to fp32 rounding, 1.6-3.2x SDPA's speed at 64-4096 keys: `benchmarks/decode_attention.py`), else
-    the same SDPA call.
+    come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]. One position a row (T = 1) in fp32 on a
+    CPU, with no mask or a bool one, runs on omnimtp's kernel (`small_batch_linear.decode_attention`: each key
+    and value read once for its query heads, SDPA's values up to fp32 rounding, 1.6-3.2x SDPA's speed at
+    64-4096 keys: `benchmarks/decode_attention.py`; a row's values the same alone and in any batch), the rest
+    on SDPA.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
     attend) or additive, or None (every column visible).
@@ -452,15 +458,18 @@ def attention(
     them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
     torch.compile fuses (the code predictor's compiled step)."""
     if query.dim() == 2:
-        if mask is None and _on_decode_attention_kernel(query, keys, values):
-            return small_batch_linear.decode_attention(query, keys, values, scale)
+        on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)
+        if on_kernel:
+            return small_batch_linear.decode_attention(query, keys, values, scale, rows_mask)
         out = F.scaled_dot_product_attention(
             query.view(1, query.shape[0], 1, query.shape[1]), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )  # [1, Nq, 1, D]
         return out.view(-1)
     num_rows, num_new, num_heads, head_dim = query.shape
-    if num_rows == num_new == 1 and mask is None and _on_decode_attention_kernel(query[0, 0], keys, values):
-        return small_batch_linear.decode_attention(query[0, 0], keys, values, scale).view(1, 1, -1)  # as above
+    if num_new == 1 and not fp32_manual:  # one position a row: the kernel where it applies (as above)
+        on_kernel, rows_mask = _decode_attention_mask(query[:, 0], keys, values, mask)
+        if on_kernel:
+            return small_batch_linear.decode_attention(query[:, 0], keys, values, scale, rows_mask)[:, None]
     if not fp32_manual:
         out = F.scaled_dot_product_attention(
             query.transpose(1, 2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True

@@ -919,14 +919,13 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Attention of one query position (a batch-1 decode step), grouped-query: q [Nq, D] contiguous; key head h's
- * row s at k + h * k_head_stride + s * k_row_stride (values likewise), every row 0..S-1 visible; out [Nq, D].
- * Query head j reads key head j / (Nq / Nkv).
+ * Attention of one query position a row (a decode step), grouped-query: query head j reads key head j / (Nq /
+ * Nkv); the layout is `omnimtp_decode_attention`'s.
  *
  * Why: at one query the step is bound by reading the keys and values. torch's SDPA CPU kernel runs such a step
  * as a small GEMM per block of keys and read them at 10-12 GB/s in a decoder's step on a 2-core AMD EPYC; here
  * each key and value row is read once for all the query heads of its group (scores, then a softmax, then the
- * weighted sum of the values), at the core's read bandwidth. The key heads are split over the threads.
+ * weighted sum of the values), at the core's read bandwidth. The (row, key head) pairs are split over the threads.
  *
  * Numerics: scores, softmax and sums in fp32 in position order, exp within 1 ulp of libm's (SDPA's blocked online
  * softmax and its own exp round otherwise: equal up to fp32 rounding). Returns 0, -1 when out of memory, -2 for
@@ -955,62 +954,92 @@ static inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-int omnimtp_decode_attention(const float* q, const float* k, const float* v, float* out, int64_t num_q_heads,
-                             int64_t num_kv_heads, int64_t S, int64_t D, int64_t k_head_stride,
-                             int64_t k_row_stride, int64_t v_head_stride, int64_t v_row_stride, float scale,
-                             int num_threads) {
+/* One key head of one row: its G query heads qh [G, D] over n key positions (positions[i], or i where positions
+ * is NULL), each key and value row read once; scores: G * n floats of work space; out [G, D]. */
+static void attend_one_head(const float* qh, const float* kh, const float* vh, int64_t k_row_stride,
+                            int64_t v_row_stride, const int64_t* positions, int64_t n, int64_t G, int64_t D,
+                            float scale, float* scores, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = kh + (positions ? positions[i] : i) * k_row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qh + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+      scores[g * n + i] = dot * scale;
+    }
+  }
+  float inv_sum[ATTENTION_MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) top = sg[i] > top ? sg[i] : top;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = exp_nonpositive(sg[i] - top);
+      sum += sg[i];
+    }
+    inv_sum[g] = 1.f / sum; /* no visible key: 1 / 0, and the output NaN, as SDPA's */
+  }
+  float acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_D];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = vh + (positions ? positions[i] : i) * v_row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + i];
+      float* a = acc[g];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = n ? acc[g][d] * inv_sum[g] : NAN;
+}
+
+/* R rows, each one query position: q row r at q + r * q_row_stride ([Nq, D] contiguous); row r's key head h's
+ * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise); mask: NULL
+ * (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero = visible (a stride of 0
+ * shares one row). A masked position is skipped, not weighted by zero, so a row's output is bit for bit the
+ * same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. */
+int omnimtp_decode_attention(const float* q, const float* k, const float* v, const uint8_t* mask, float* out,
+                             int64_t num_rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t S, int64_t D,
+                             int64_t q_row_stride, int64_t k_batch_stride, int64_t k_head_stride,
+                             int64_t k_row_stride, int64_t v_batch_stride, int64_t v_head_stride,
+                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads) {
   if (D > ATTENTION_MAX_D || num_kv_heads < 1 || num_q_heads % num_kv_heads) return -2;
   const int64_t G = num_q_heads / num_kv_heads;
   if (G > ATTENTION_MAX_GROUP) return -2;
-  float* work = (float*)malloc(sizeof(float) * (size_t)(num_kv_heads * G * (S > 0 ? S : 1)));
-  if (work == NULL) return -1;
-  const int threads = num_threads > 1 && num_kv_heads > 1 ? num_threads : 1;
+  const int64_t tasks = num_rows * num_kv_heads;
+  const int64_t span = S > 0 ? S : 1;
+  float* work = (float*)malloc(sizeof(float) * (size_t)(tasks * G * span));
+  int64_t* positions = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)(num_rows * span)) : NULL;
+  int64_t* counts = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)num_rows) : NULL;
+  if (work == NULL || (mask && (positions == NULL || counts == NULL))) {
+    free(work);
+    free(positions);
+    free(counts);
+    return -1;
+  }
+  for (int64_t r = 0; mask && r < num_rows; ++r) { /* each row's visible positions, in order */
+    const uint8_t* m = mask + r * mask_row_stride;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (m[s]) positions[r * span + n++] = s;
+    counts[r] = n;
+  }
+  const int threads = num_threads > 1 && tasks > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t h = 0; h < num_kv_heads; ++h) {
-    float* scores = work + h * G * S; /* [G, S] */
-    const float* kh = k + h * k_head_stride;
-    const float* vh = v + h * v_head_stride;
-    const float* qh = q + h * G * D;
-    for (int64_t s = 0; s < S; ++s) {
-      const float* row = kh + s * k_row_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qh + g * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-        scores[g * S + s] = dot * scale;
-      }
-    }
-    float inv_sum[ATTENTION_MAX_GROUP];
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores + g * S;
-      float top = -INFINITY;
-      for (int64_t s = 0; s < S; ++s) top = sg[s] > top ? sg[s] : top;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t s = 0; s < S; ++s) {
-        sg[s] = exp_nonpositive(sg[s] - top);
-        sum += sg[s];
-      }
-      inv_sum[g] = 1.f / sum;
-    }
-    float acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_D];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
-    for (int64_t s = 0; s < S; ++s) {
-      const float* row = vh + s * v_row_stride;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * S + s];
-        float* a = acc[g];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* o = out + (h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[g][d] * inv_sum[g];
-    }
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t r = t / num_kv_heads, h = t % num_kv_heads;
+    attend_one_head(q + r * q_row_stride + h * G * D, k + r * k_batch_stride + h * k_head_stride,
+                    v + r * v_batch_stride + h * v_head_stride, k_row_stride, v_row_stride,
+                    mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale, work + t * G * span,
+                    out + (r * num_q_heads + h * G) * D);
   }
   free(work);
+  free(positions);
+  free(counts);
   return 0;
 }

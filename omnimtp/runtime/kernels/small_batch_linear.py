@@ -146,7 +146,7 @@ def _library() -> ctypes.CDLL | None:
     lib.omnimtp_w4a8_has_vnni.argtypes = []
     attention = lib.omnimtp_decode_attention
     attention.restype = ctypes.c_int
-    attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -416,22 +416,32 @@ DECODE_ATTENTION_MAX_HEAD_DIM = 256
 DECODE_ATTENTION_MAX_GROUP = 16
 
 
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention of one query position over every key: query [Nq, D] fp32, keys and values [1,
-    Nkv, S, D] fp32 CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`) → [Nq * D],
-    query head h reading key head h // (Nq / Nkv); equal to SDPA up to fp32 rounding. Needs `available()`, D
-    up to DECODE_ATTENTION_MAX_HEAD_DIM and Nq / Nkv up to DECODE_ATTENTION_MAX_GROUP (ValueError otherwise);
-    no gradients, no other argument checks (`omnimtp.runtime.ops.attention` calls it where it applies)."""
+def decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Grouped-query attention of one query position a row: query [Nq, D] (one row) or [R, Nq, D] fp32; keys and
+    values [R, Nkv, S, D] fp32 CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`);
+    mask: None (every key visible) or bool [R or 1, S] (True = visible) → [Nq * D] (one row) or [R, Nq * D],
+    query head h reading key head h // (Nq / Nkv); equal to SDPA up to fp32 rounding. A masked key is left out,
+    not weighted by zero, so a row's output is bit for bit the same alone (its visible keys, no mask) as in any
+    batch. Needs `available()`, D up to DECODE_ATTENTION_MAX_HEAD_DIM and Nq / Nkv up to
+    DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
+    (`omnimtp.runtime.ops.attention` calls it where it applies)."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the decode attention kernel is not available: {_unavailable}")
-    num_heads, head_dim = query.shape
+    rows = query.contiguous() if query.dim() == 3 else query.contiguous()[None]  # [R, Nq, D]
+    num_rows, num_heads, head_dim = rows.shape
     _, num_kv_heads, length, _ = keys.shape
-    query = query.contiguous()
-    out = torch.empty(num_heads * head_dim, dtype=torch.float32)
+    if mask is not None:
+        mask = mask.contiguous()
+    out = torch.empty(num_rows, num_heads * head_dim, dtype=torch.float32)
     status = lib.omnimtp_decode_attention(
-        query.data_ptr(), keys.data_ptr(), values.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, length,
-        head_dim, keys.stride(1), keys.stride(2), values.stride(1), values.stride(2), scale, torch.get_num_threads(),
+        rows.data_ptr(), keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
+        out.data_ptr(), num_rows, num_heads, num_kv_heads, length, head_dim, rows.stride(0),
+        keys.stride(0) if keys.shape[0] > 1 else 0, keys.stride(1), keys.stride(2),
+        values.stride(0) if values.shape[0] > 1 else 0, values.stride(1), values.stride(2),
+        0 if mask is None or mask.shape[0] == 1 else mask.stride(0), scale, torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(f"decode_attention: head_dim {head_dim} (at most {DECODE_ATTENTION_MAX_HEAD_DIM}) or "
@@ -439,4 +449,4 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                          f"{DECODE_ATTENTION_MAX_GROUP}) out of range")
     if status != 0:
         raise MemoryError("decode_attention: out of memory")
-    return out
+    return out if query.dim() == 3 else out[0]
