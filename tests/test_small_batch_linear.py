@@ -235,9 +235,15 @@ def fresh_library(monkeypatch, tmp_path):
 
 
 def test_disabled_by_environment_falls_back_to_mkl(fresh_library, monkeypatch):
+    from omnimtp.runtime import ops
+
     monkeypatch.setenv("OMNIMTP_NATIVE_KERNELS", "0")
     assert not sbl.available()
     assert "OMNIMTP_NATIVE_KERNELS" in sbl.unavailable_reason()
+    keys, values = _cache_views(2, 9, 16, 12, seed=5)  # a decode step's attention: SDPA's, exactly
+    query = torch.randn(4, 16)
+    expected = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=0.25, enable_gqa=True)
+    assert torch.equal(ops.attention(query, keys, values, None, 0.25), expected.reshape(-1))
     assert "row" not in packed_gemm_kinds(torch.device("cpu"), torch.float32)
     cp = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration(
         tiny_code_predictor_config(num_code_groups=4)
