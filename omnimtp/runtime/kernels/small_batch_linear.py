@@ -1,6 +1,7 @@
 """fp32 linear layers for a few rows (in passes that read the weights once) that stream their weights at a
 core's read bandwidth, on x86 CPUs with AVX-512F or AVX2 + FMA (see the C source for how; `isa()` says which
-build runs).
+build runs); their int8 / int4 / w4a8 forms; and a decode step's attention (`decode_attention`: one query
+position a row, each key and value read once).
 
 The kernel is small C (`small_batch_linear.c`, next to this file), compiled with the system C compiler
 on first use (a few seconds) into a per-user cache directory (OMNIMTP_CACHE_DIR, else ~/.cache/omnimtp)
