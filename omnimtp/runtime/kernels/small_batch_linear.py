@@ -431,7 +431,7 @@ def decode_attention(
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the decode attention kernel is not available: {_unavailable}")
-    rows = query.contiguous() if query.dim() == 3 else query.contiguous()[None]  # [R, Nq, D]
+    rows = (query if query.dim() == 3 else query[None]).contiguous()  # [R, Nq, D]
     num_rows, num_heads, head_dim = rows.shape
     _, num_kv_heads, length, _ = keys.shape
     if mask is not None:
