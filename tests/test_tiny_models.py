@@ -52,3 +52,45 @@ def test_one_thread_rule_for_a_small_model_unless_told():
     assert torch.get_num_threads() == 1
     with pytest.raises(ValueError, match="torch_threads must be an integer >= 1, got 0"):
         OmniPipeline.tiny(torch_threads=0)
+
+
+def test_a_tiny_model_is_built_on_one_thread(monkeypatch):
+    """Building a tiny model (its weights drawn, its codec calibrated on random codes, its decoders packed) runs
+    on the one thread the rule gives it, not on every core, and leaves the caller's thread count as it was."""
+    from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.models import qwen3_tts, tiny, tiny_qwen2_5_omni
+
+    seen = []
+
+    def recording(build):
+        def wrapped(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return build(*args, **kwargs)
+        return wrapped
+
+    for module, name in ((tiny, "tiny_qwen3_omni"), (tiny_qwen2_5_omni, "tiny_qwen2_5_omni"),
+                         (qwen3_tts, "tiny_qwen3_tts")):
+        monkeypatch.setattr(module, name, recording(getattr(module, name)))
+    torch.set_num_threads(2)
+    for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily):
+        family.tiny()
+        assert torch.get_num_threads() == 2, family
+    assert seen == [1, 1, 1]
+
+
+def test_threads_beyond_what_the_model_can_use_warn(caplog):
+    from omnimtp.runtime.device import available_cores, too_many_threads
+
+    with caplog.at_level("WARNING", logger="omnimtp.runtime.device"):
+        OmniPipeline.tiny(torch_threads=1)
+        assert not caplog.records
+        OmniPipeline.tiny(torch_threads=2)
+    assert torch.get_num_threads() == 2  # done as asked, with the warning
+    [record] = caplog.records
+    message = record.getMessage()
+    assert message.startswith("threads: 2 asked for a small model (") and "slows it down" in message
+
+    assert too_many_threads(available_cores(), 10**9) is None  # a real model on every core: no warning
+    assert "this process may run on" in too_many_threads(available_cores() + 1, 10**9)

@@ -90,14 +90,15 @@ class Qwen2_5OmniFamily(ChatText):
         processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor
         from omnimtp.models.tiny_qwen2_5_omni import qwen2_5_byte_tokenizer, tiny_qwen2_5_omni
-        from omnimtp.runtime.device import resolve_device
+        from omnimtp.runtime.device import one_thread, resolve_device
 
-        model = tiny_qwen2_5_omni(seed)
-        if device is not None:
-            model = model.to(resolve_device(device))
-        tokenizer = qwen2_5_byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni"),
-                   **kwargs)
+        with one_thread():
+            model = tiny_qwen2_5_omni(seed)
+            if device is not None:
+                model = model.to(resolve_device(device))
+            tokenizer = qwen2_5_byte_tokenizer()
+            processor = tiny_processor(tokenizer, model.config.thinker_config, "qwen2_5_omni")
+            return cls(model, tokenizer, processor=processor, **kwargs)
 
     @property
     def device(self) -> torch.device:

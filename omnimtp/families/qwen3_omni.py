@@ -89,14 +89,15 @@ class Qwen3OmniFamily(ChatText):
         its byte-level tokenizer and its processor, on `device` (default the CPU)."""
         from omnimtp.media import tiny_processor
         from omnimtp.models.tiny import tiny_qwen3_omni
-        from omnimtp.runtime.device import resolve_device
+        from omnimtp.runtime.device import one_thread, resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
-        model = tiny_qwen3_omni(seed)
-        if device is not None:
-            model = model.to(resolve_device(device))
-        tokenizer = byte_tokenizer()
-        return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config), **kwargs)
+        with one_thread():
+            model = tiny_qwen3_omni(seed)
+            if device is not None:
+                model = model.to(resolve_device(device))
+            tokenizer = byte_tokenizer()
+            return cls(model, tokenizer, processor=tiny_processor(tokenizer, model.config.thinker_config), **kwargs)
 
     @property
     def device(self) -> torch.device:

@@ -215,17 +215,19 @@ class Qwen3TTSFamily(ChatText):
         also gets a seeded tiny tokenizer encoder (`tiny_speech_tokenizer_encoder`). codec_dtype: as in
         `from_pretrained`."""
         from omnimtp.models.qwen3_tts import tiny_qwen3_tts
-        from omnimtp.runtime.device import resolve_device
+        from omnimtp.runtime.device import one_thread, resolve_device
         from omnimtp.tokenizer import byte_tokenizer
 
         conv_dtype = codec_dtype_of(codec_dtype)
-        model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed).to_conv_dtype(conv_dtype)
-        speech_encoder = tiny_speech_tokenizer_encoder(seed) if tts_model_type == "base" else None
-        if device is not None:
-            model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))
-            speech_encoder = None if speech_encoder is None else speech_encoder.to(resolve_device(device))
-            model._restore_rope()
-        return cls(model, byte_tokenizer(), codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
+        with one_thread():
+            model, codec = tiny_qwen3_tts(seed, tts_model_type), tiny_speech_tokenizer(seed).to_conv_dtype(conv_dtype)
+            speech_encoder = tiny_speech_tokenizer_encoder(seed) if tts_model_type == "base" else None
+            if device is not None:
+                model, codec = model.to(resolve_device(device)), codec.to(resolve_device(device))
+                speech_encoder = None if speech_encoder is None else speech_encoder.to(resolve_device(device))
+                model._restore_rope()
+            family = cls(model, byte_tokenizer(), codec=codec, speech_encoder=speech_encoder, **kwargs)
+            return family._owning_model()
 
     def _owning_model(self) -> Qwen3TTSFamily:
         """This family, for a model it made itself: quantized, the float matrices its quantized copies replace

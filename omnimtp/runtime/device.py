@@ -9,6 +9,10 @@ CPU-only kernels (the AVX-512 matmul, MKL / oneDNN packing) are chosen only for 
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+
 import torch
 
 
@@ -36,17 +40,58 @@ def resolve_device(device, param: str = "device") -> torch.device:
 
 
 # Below this many weights a model's ops are too small to split across threads: on a CPU more threads only
-# contend (the built-in tiny models run 10-25x slower on every core of a busy box than on one).
+# contend (the built-in tiny models run 10-25x slower on every core of a busy box than on one, and take
+# seconds instead of a fraction of one to build).
 SMALL_MODEL_PARAMETERS = 50_000_000
+
+logger = logging.getLogger(__name__)
 
 
 def apply_thread_rule(model: torch.nn.Module, torch_threads: int | None = None) -> None:
     """The one thread rule of the Python API, the CLI and the server: `torch_threads` when given; else one
     thread for a small model (under SMALL_MODEL_PARAMETERS weights), and torch's own default (the cores) left
-    as it is for a real one. torch's thread count is per process: the last model loaded sets it."""
+    as it is for a real one. torch's thread count is per process: the last model loaded sets it. Asking for
+    more threads than the model can use (more than one for a small model, more than the cores for any) is
+    done, with a warning: it only slows the model down."""
+    num_parameters = sum(parameter.numel() for parameter in model.parameters())
     if torch_threads is not None:
         if isinstance(torch_threads, bool) or not isinstance(torch_threads, int) or torch_threads < 1:
             raise ValueError(f"torch_threads must be an integer >= 1, got {torch_threads!r}")
+        warning = too_many_threads(torch_threads, num_parameters)
+        if warning is not None:
+            logger.warning(warning)
         torch.set_num_threads(torch_threads)
-    elif sum(parameter.numel() for parameter in model.parameters()) < SMALL_MODEL_PARAMETERS:
+    elif num_parameters < SMALL_MODEL_PARAMETERS:
         torch.set_num_threads(1)
+
+
+def too_many_threads(torch_threads: int, num_parameters: int) -> str | None:
+    """The warning for `torch_threads` on a model of `num_parameters` weights, or None where it can use them."""
+    if torch_threads > 1 and num_parameters < SMALL_MODEL_PARAMETERS:
+        return (f"threads: {torch_threads} asked for a small model ({num_parameters / 1e6:.1f} M weights), whose "
+                f"ops are too small to split: more than one thread only slows it down")
+    cores = available_cores()
+    if torch_threads > cores:
+        return (f"threads: {torch_threads} asked for, but this process may run on {cores} cores: the extra "
+                f"threads only contend")
+    return None
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside, its thread count restored after: building a tiny model (its weights drawn,
+    its codec calibrated, its decoders packed) runs on the thread count the rule gives it anyway, not on
+    every core."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
