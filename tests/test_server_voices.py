@@ -200,6 +200,11 @@ def test_inline_clone_fields_speak_as_the_python_api(pipe, servers):
     assert _greedy(url, speaker_embedding=x_vector.speaker_embedding.tolist()) == flat
 
 
+def test_a_base_model_speaks_without_a_voice_as_the_python_api(pipe, servers):
+    """No voice, recording or embedding: no speaker row, as `OmniPipeline.speech` and `omnimtp speak` speak."""
+    assert _greedy(servers["base"]) == _expected_pcm(pipe, None)
+
+
 def test_the_openai_client_speaks_a_saved_voice(servers):
     url = servers["base"]
     reply = _post_form(url, REFERENCE_WAV, name="carol", consent=CONSENT)
@@ -265,7 +270,7 @@ def test_duplicates_and_unknowns(servers):
 
 BAD_BASE_SPEECH = [
     ({"voice": "nobody"}, "voice", ["'nobody'"]),
-    ({}, "voice", ["required"]),
+    ({"x_vector_only_mode": True}, "x_vector_only_mode", ["cloned voice"]),
     ({"voice": "dora", "ref_audio": _b64(REFERENCE_WAV)}, "ref_audio", ["one of"]),
     ({"ref_text": REF_TEXT}, "ref_text", []),
     ({"ref_audio": _b64(_wav(_recording(0.3)))}, "ref_audio", ["shorter"]),

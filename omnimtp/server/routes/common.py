@@ -121,8 +121,9 @@ class ServingContext:
     async def speech_speaker(self, body: SpeechRequest):
         """`speech_voice` of a whole speech request, with its voice-cloning fields: on a Base model the voice
         is a saved voice (`voice`), a reference recording (`ref_audio`, optional `ref_text`,
-        `x_vector_only_mode`) or a `speaker_embedding`, exactly one of them; any other model refuses those
-        fields by name."""
+        `x_vector_only_mode`) or a `speaker_embedding`, at most one of them; none speaks without a speaker row,
+        as `OmniPipeline.speech` and `omnimtp speak` do without a voice. Any other model refuses those fields
+        by name."""
         clone = body.clone_fields
         if self.engine.tts_model_type != "base":
             if clone:
@@ -135,14 +136,16 @@ class ServingContext:
                            param="ref_text", code="invalid_value")
         sources = [name for name, value in (("voice", body.voice), ("ref_audio", body.ref_audio),
                                             ("speaker_embedding", body.speaker_embedding)) if value is not None]
-        if len(sources) != 1:
-            message = (f"give one of voice, ref_audio or speaker_embedding, not {' and '.join(sources)}" if sources
-                       else "required: a Base model speaks a saved voice (voice), a reference recording (ref_audio) "
-                       "or a speaker_embedding")
-            param = sources[-1] if sources else "voice"
-            raise APIError(400, f"{param}: {message}", param=param,
-                           code="invalid_value" if sources else "missing_required_parameter")
-        if body.voice is not None:
+        if len(sources) > 1:
+            raise APIError(400, f"{sources[-1]}: give one of voice, ref_audio or speaker_embedding, not "
+                           f"{' and '.join(sources)}", param=sources[-1], code="invalid_value")
+        if not sources:
+            if body.x_vector_only_mode:
+                raise APIError(400, "x_vector_only_mode: applies to a cloned voice (voice, ref_audio or "
+                               "speaker_embedding), which the request does not give", param="x_vector_only_mode",
+                               code="invalid_value")
+            voice = None
+        elif body.voice is not None:
             voice = await self.saved_voice(body.voice)
             if body.x_vector_only_mode:
                 voice = voice.x_vector_only()
