@@ -210,3 +210,21 @@ def test_the_server_packs_each_decoder_once(monkeypatch, tmp_path):
         engine.shutdown()
         decoders = sorted(name for name in packed if "CodePredictor" not in name)
         assert decoders == ["Qwen3OmniMoeTalkerModel", "Qwen3OmniMoeThinkerTextModel"]
+
+
+def test_the_banner_names_the_voices_each_kind_of_model_takes_and_the_playground():
+    from types import SimpleNamespace
+
+    from omnimtp.server.cli import banner
+
+    url = "http://127.0.0.1:8000"
+    omni = SimpleNamespace(model_id="omnimtp-tiny", speakers=("chelsie", "ethan"), tts_model_type=None)
+    assert banner(omni, url, playground=True).splitlines() == [
+        "omnimtp: serving omnimtp-tiny on http://127.0.0.1:8000/v1 (voices: chelsie, ethan)",
+        "omnimtp: the playground is on http://127.0.0.1:8000/"]
+    base = SimpleNamespace(model_id="tiny-tts-base", speakers=(), tts_model_type="base")
+    assert banner(base, url, playground=False) == (
+        "omnimtp: serving tiny-tts-base on http://127.0.0.1:8000/v1 (voices cloned from a recording: "
+        "POST /v1/audio/voices, or ref_audio in a speech request)")
+    design = SimpleNamespace(model_id="tiny-tts-design", speakers=(), tts_model_type="voice_design")
+    assert "(voices described in words: instructions)" in banner(design, url, playground=False)

@@ -195,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_timeout_s=args.timeout_keep_alive, graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,
         log_level=args.log_level,
     )
-    print(f"omnimtp: serving {engine.model_id} on http://{args.host}:{args.port}/v1 "
-          f"(voices: {', '.join(engine.speakers)})", flush=True)
+    print(banner(engine, f"http://{args.host}:{args.port}", playground=args.playground), flush=True)
     code = 0
     try:
         uvicorn.Server(config).run()
@@ -210,6 +209,21 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def banner(engine, url: str, *, playground: bool) -> str:
+    """What `serve` prints once the engine is built: the model, its API's URL, how it takes a voice, and the
+    playground's URL where it is served."""
+    if engine.speakers:
+        voices = f"voices: {', '.join(engine.speakers)}"
+    elif engine.tts_model_type == "base":
+        voices = "voices cloned from a recording: POST /v1/audio/voices, or ref_audio in a speech request"
+    else:
+        voices = "voices described in words: instructions"
+    lines = [f"omnimtp: serving {engine.model_id} on {url}/v1 ({voices})"]
+    if playground:
+        lines.append(f"omnimtp: the playground is on {url}/")
+    return "\n".join(lines)
 
 
 def app_builder(config: dict):
