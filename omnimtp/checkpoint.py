@@ -36,6 +36,22 @@ def tiny_model(path) -> tuple[str, str | None] | None:
     return TINY_MODELS[path][1:]
 
 
+def random_weights_note(model: str | None, *, transcribes: bool = False) -> str | None:
+    """The line the command line prints once for a built-in tiny model (`model` None: the embedded one), so
+    that its output is not taken for a fault; None for any other model. transcribes: for `transcribe`."""
+    name = "tiny" if model is None else model
+    if tiny_model(name) is None:
+        return None
+    if transcribes:
+        what = "its transcripts are random bytes (control characters shown escaped), cut at the cap"
+    elif TINY_MODELS[name][0] in OWN_MODEL_TYPES:
+        what = "its speech sounds like noise and runs to the frame cap (finish=length)"
+    else:
+        what = ("its text is random bytes (control characters shown escaped), its speech sounds like noise, and "
+                "every reply runs to its cap (finish=length)")
+    return f"note: {name} is a built-in tiny model with random weights: {what}; --model takes a real checkpoint"
+
+
 def saved_caps(path: str) -> dict:
     """The caps a saved pipeline wrote (CAPS_FILE), or none."""
     caps_path = os.path.join(path, CAPS_FILE)

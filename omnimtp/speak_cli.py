@@ -16,7 +16,7 @@ import sys
 import time
 
 from omnimtp.argtypes import add_quantize_argument, add_reply_caps, add_threads_argument, draft_tokens
-from omnimtp.checkpoint import TINY_MODELS, omni_model_type
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type, random_weights_note
 from omnimtp.console import printable
 
 
@@ -178,6 +178,7 @@ def run_speak(args: argparse.Namespace) -> int:
         _check_model_args(args)
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
+        _note_random_weights(args)
         if not pipe.family.has_chat:
             _say(pipe, prompt, args)
             return 0
@@ -190,6 +191,12 @@ def run_speak(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _refuse(str(exc))
     return 0
+
+
+def _note_random_weights(args) -> None:
+    note = None if args.demo else random_weights_note(args.model)
+    if note is not None:
+        print(note, file=sys.stderr)
 
 
 def _say(pipe, text, args) -> None:
@@ -260,6 +267,7 @@ def run_chat(args: argparse.Namespace) -> int:
     pipe = _load(args)
     if not pipe.family.has_chat:
         return _refuse("--model: a Qwen3-TTS model has no chat; use omnimtp speak")
+    _note_random_weights(args)
     messages = []
     turn = 0
     print("omnimtp chat — empty line or Ctrl-D to quit", file=sys.stderr)

@@ -12,7 +12,7 @@ import json
 import sys
 
 from omnimtp.argtypes import positive_int
-from omnimtp.checkpoint import omni_model_type
+from omnimtp.checkpoint import omni_model_type, random_weights_note
 from omnimtp.console import printable
 
 
@@ -42,6 +42,9 @@ def run_transcribe(args: argparse.Namespace) -> int:
 
     pipe = OmniPipeline.tiny(device=args.device) if args.model is None else OmniPipeline.from_pretrained(
         args.model, device=args.device)
+    note = random_weights_note(args.model, transcribes=True)
+    if note is not None:
+        print(note, file=sys.stderr)
     sampling = None if args.seed is None else SamplingParams(temperature=1.0)
     for path in args.files:
         try:

@@ -37,6 +37,19 @@ def test_speak_prints_model_text_escaped(tmp_path, capsys):
     assert "\\x" in seen or "\\u" in seen  # some random characters were unprintable, shown escaped
 
 
+def test_a_built_in_tiny_model_says_once_that_its_weights_are_random(tmp_path, capsys):
+    """Random bytes and finish=length are what random weights give: the command says so, once, for a built-in
+    tiny model only (not for a checkpoint directory, even one saved from a tiny model)."""
+    caps = ["--max-new-tokens", "4", "--max-frames", "3"]
+    for model, words in ([], "its text is random bytes"), (["--model", "tiny-tts"], "its speech sounds like noise"):
+        assert main(["speak", "Hello", "-o", str(tmp_path / "a.wav"), *model, *caps]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+        assert len(notes) == 1 and "random weights" in notes[0] and words in notes[0], notes
+    OmniPipeline.from_pretrained("tiny-tts").save_pretrained(tmp_path / "saved")
+    assert main(["speak", "Hello", "-o", str(tmp_path / "a.wav"), "--model", str(tmp_path / "saved"), *caps]) == 0
+    assert "note: " not in capsys.readouterr().err
+
+
 def test_chat_answers_each_line(tmp_path, monkeypatch, capsys):
     lines = iter(["Hi", "And again", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))

@@ -13,7 +13,7 @@ from omnimtp.argtypes import (
     positive_float,
     positive_int,
 )
-from omnimtp.checkpoint import TINY_MODELS, omni_model_type
+from omnimtp.checkpoint import TINY_MODELS, omni_model_type, random_weights_note
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     print(banner(engine, f"http://{args.host}:{args.port}", playground=args.playground), flush=True)
+    note = None if args.demo else random_weights_note(args.model)
+    if note is not None:
+        print(note, flush=True)
     code = 0
     try:
         uvicorn.Server(config).run()
