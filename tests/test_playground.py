@@ -51,7 +51,8 @@ def servers(tmp_path_factory):
     urls = {}
     with running_server(omni) as urls["omni"], running_server(_tts_app("custom_voice")) as urls["speak"], \
             running_server(_tts_app("base", voice_store=VoiceStore(tmp_path_factory.mktemp("voices")),
-                                    max_ref_seconds=4.0)) as urls["clone"]:
+                                    max_ref_seconds=4.0)) as urls["clone"], \
+            running_server(_tts_app("voice_design")) as urls["design"]:
         yield urls
 
 
@@ -219,6 +220,21 @@ def test_speak_plays_the_pcm_the_api_returns_for_the_same_seed(browser, servers)
     error = _wait(browser, "const e = document.getElementById('speak-error'); return !e.hidden && e.textContent")
     assert error == "input: empty text (nothing to speak)"
     _assert_only_local(browser, url)
+
+
+def test_the_instructions_field_shows_only_where_the_model_takes_them(browser, servers):
+    """VoiceDesign reads instructions (the voice, in words): the field is shown, and what is typed is spoken. The
+    tiny CustomVoice (0.6B) and Base models would refuse them: no field."""
+    for name, shown in (("speak", False), ("clone", False), ("design", True)):
+        _open(browser, servers[name])
+        assert browser.find_element("id", "speak").is_displayed(), name
+        assert browser.find_element("id", "speak-instructions-label").is_displayed() == shown, name
+    browser.find_element("id", "speak-instructions").send_keys("A calm, low voice.")
+    _click(browser, "speak-go")
+    _wait(browser, "return document.querySelector('#speak-replies a[download]')")
+    assert browser.find_element("id", "speak-error").get_attribute("hidden") is not None
+    assert_audible(_played(browser, "speak").astype(np.float32) / 32768)
+    _assert_only_local(browser, servers["design"])
 
 
 def test_clone_saves_a_voice_that_the_api_lists(browser, servers, tmp_path):

@@ -200,8 +200,10 @@ def test_models_say_what_the_model_is(clients):
     assert card["task_type"] == "CustomVoice" and card["endpoints"] == ["/v1/audio/speech", "/v1/audio/speech/batch",
                                                                        "/v1/audio/speech/stream"]
     assert card["voices"] == ["aiden", "eric", "vivian"] and card["languages"] == ["auto", "chinese", "english"]
+    assert card["takes_instructions"] is False  # the tiny CustomVoice is a 0.6B, which ignores instructions
     design = clients["voice_design"].models.list().data[0].model_dump()
     assert (design["tts_model_type"], design["task_type"], design["voices"]) == ("voice_design", "VoiceDesign", [])
+    assert design["takes_instructions"] is True
 
 
 @pytest.fixture(scope="module")

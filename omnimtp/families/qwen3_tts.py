@@ -402,10 +402,16 @@ class Qwen3TTSFamily(ChatText):
             return self.language_ids[dialect]  # a dialect speaker speaks Chinese in its dialect
         return None if key == AUTO_LANGUAGE else self.language_ids[key]
 
-    def _instruct_ids(self, instructions: str | None) -> tuple[int, ...] | None:
-        takes_instructions = self.tts_model_type == "voice_design" or (
+    @property
+    def takes_instructions(self) -> bool:
+        """Whether the model reads `instructions`: VoiceDesign (the voice, required) and CustomVoice 1.7B (the
+        style); CustomVoice 0.6B and Base ignore them, so a request giving them is refused."""
+        return self.tts_model_type == "voice_design" or (
             self.tts_model_type == "custom_voice" and self.tts_model_size != "0b6"
         )
+
+    def _instruct_ids(self, instructions: str | None) -> tuple[int, ...] | None:
+        takes_instructions = self.takes_instructions
         if instructions is not None and not isinstance(instructions, str):
             raise ValueError(f"instructions: expected a string or None, got {type(instructions).__name__}")
         given = instructions is not None and instructions.strip() != ""

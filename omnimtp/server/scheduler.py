@@ -321,8 +321,8 @@ class Engine:
 
     def model_card(self) -> dict:
         """What /v1/models says about the model besides its name: the family (its config.json model_type), the
-        APIs it serves and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves and
-        its languages ("auto" first)."""
+        APIs it serves and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves, its
+        languages ("auto" first) and whether it takes instructions."""
         family = self.family
         card = {"family": getattr(family, "model_type", None),
                 "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
@@ -333,6 +333,7 @@ class Engine:
             card["tts_model_type"] = self.tts_model_type
             card["task_type"] = TTS_TASK_TYPES[self.tts_model_type]
             card["languages"] = [AUTO_LANGUAGE, *family.languages]
+            card["takes_instructions"] = family.takes_instructions
         return card
 
     def prompt_ids(self, request: EngineRequest) -> tuple[list[int], MediaInputs | None]:

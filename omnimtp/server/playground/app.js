@@ -284,7 +284,7 @@ async function start() {
   fillSelect($("talk-voice"), card.voices || [], (card.voices || [])[0]);
   $("speak-language-label").hidden = !card.languages;
   fillSelect($("speak-language"), card.languages || [], "auto");
-  $("speak-instructions-label").hidden = card.family !== "qwen3_tts" || card.tts_model_type === "base";
+  $("speak-instructions-label").hidden = !card.takes_instructions;
   await refreshVoices();
   selectTab(hasTalk ? "talk" : "speak");
   document.body.dataset.ready = "true";
