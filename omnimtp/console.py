@@ -54,18 +54,35 @@ _CONFIG_LOGGER = "transformers.configuration_utils"
 _QWEN3_TTS_MESSAGE = "You are using a model of type `qwen3_tts` to instantiate a model of type ``."
 
 
-class _ExpectedQwen3TTSConfig(logging.Filter):
+# Qwen2.5-Omni's talker config carries the thinker's text ids beside its own codec vocabulary: transformers'
+# check of every `*_token_id` against the talker's vocabulary warns for each of these, on every load, as expected.
+# The same check on any other id (or any other config's out-of-range id) is still reported.
+_VOCABULARY_MESSAGE = "must be `None` or an integer within the vocabulary"
+_QWEN2_5_TALKER_TEXT_IDS = frozenset({
+    "tts_text_start_token_id", "tts_text_end_token_id", "tts_text_pad_token_id", "vision_start_token_id",
+    "vision_end_token_id", "audio_start_token_id", "audio_end_token_id",
+})
+
+
+class _ExpectedConfigWarnings(logging.Filter):
+    """Drops the Qwen3-TTS model-type warning and the Qwen2.5-Omni talker's text-id warnings above."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_QWEN3_TTS_MESSAGE)
+        message = record.getMessage()
+        if message.startswith(_QWEN3_TTS_MESSAGE):
+            return False
+        words = message.split(" ", 3)
+        return not (message.startswith("Model config: ") and _VOCABULARY_MESSAGE in message
+                    and len(words) > 2 and words[2] in _QWEN2_5_TALKER_TEXT_IDS)
 
 
-_QWEN3_TTS_FILTER = _ExpectedQwen3TTSConfig()
+_CONFIG_FILTER = _ExpectedConfigWarnings()
 
 
 def quiet_expected_warnings() -> None:
     """Install the filters above on transformers' loggers (idempotent; transformers need not be imported)."""
     logging.getLogger(_ROPE_LOGGER).addFilter(_ROPE_FILTER)
-    logging.getLogger(_CONFIG_LOGGER).addFilter(_QWEN3_TTS_FILTER)
+    logging.getLogger(_CONFIG_LOGGER).addFilter(_CONFIG_FILTER)
 
 
 def quiet_progress_bars() -> None:

@@ -131,6 +131,28 @@ def test_tiny_model_configs_build_without_the_rope_warning(capfd):
     assert "Unrecognized keys" not in capfd.readouterr().err
 
 
+def test_only_the_qwen2_5_talkers_text_ids_are_quiet_of_the_vocabulary_warnings(caplog, capfd):
+    """Qwen2.5-Omni's talker config holds the thinker's text ids, outside its codec vocabulary: transformers'
+    warning for those is dropped, the same warning for any other id is not."""
+    from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni
+
+    quiet_expected_warnings()
+    logger = logging.getLogger("transformers.configuration_utils")
+    template = "Model config: {} must be `None` or an integer within the vocabulary (between 0 and 63), got 259."
+    logger.addHandler(caplog.handler)  # transformers' loggers do not propagate to the root logger
+    try:
+        for name in ("tts_text_start_token_id", "audio_end_token_id", "pad_token_id", "vision_start_token_idx"):
+            logger.warning(template.format(name))
+        logger.warning("tts_text_start_token_id: something else")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert [r.getMessage().split()[2] for r in caplog.records[:2]] == ["pad_token_id", "vision_start_token_idx"]
+    assert len(caplog.records) == 3
+    capfd.readouterr()
+    tiny_qwen2_5_omni()
+    assert "within the vocabulary" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["serve", "--port", "x"], ["speak", "--max-new-tokens", "-1", "-o", "a.wav", "hi"]])
 def test_a_bad_value_is_a_usage_error_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit) as exc:
