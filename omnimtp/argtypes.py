@@ -98,3 +98,10 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         "decoder): bfloat16 runs its conv stack in bf16, faster on a CPU with bf16 instructions "
                         "(AVX512_BF16) and less exact (docs/speech.md and docs/tts.md state by how much); not for "
                         "Qwen2.5-Omni (default: float32; a Qwen3-Omni checkpoint's own dtype)")
+
+
+def add_verbose_argument(parser) -> None:
+    """--verbose: Ray's own INFO logs (serve --replicas, batch)."""
+    parser.add_argument("--verbose", action="store_true",
+                        help="Ray's own INFO logs too: its start-up, Serve's controller and proxy, every request a "
+                        "replica serves (default: Ray's warnings and errors only)")

@@ -25,7 +25,13 @@ import os
 import re
 import sys
 
-from omnimtp.argtypes import add_quantize_argument, add_reply_caps, non_negative_float, positive_int
+from omnimtp.argtypes import (
+    add_quantize_argument,
+    add_reply_caps,
+    add_verbose_argument,
+    non_negative_float,
+    positive_int,
+)
 
 RESULTS_FILE = "results.jsonl"
 AUDIO_FORMATS = ("wav", "flac")
@@ -64,6 +70,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--num-gpus-per-replica", type=non_negative_float, default=0.0, metavar="G",
                         help="GPUs Ray reserves for each actor (default %(default)g)")
     parser.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster to run on (default: a local instance)")
+    add_verbose_argument(parser)
     parser.set_defaults(handler=run)
 
 
@@ -163,8 +170,10 @@ class PipelineSpeaker:
                  codec_dtype: str | None = None):
         import torch
 
+        from omnimtp.console import quiet_expected_warnings
         from omnimtp.pipeline import OmniPipeline
 
+        quiet_expected_warnings()
         if model is None:
             torch.set_num_threads(1)  # the tiny model's ops are too small to split; threads only contend
             self.pipe = OmniPipeline.tiny(quantize=quantize, codec_dtype=codec_dtype)
@@ -286,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
 
     num_done = len(rows) - len(pending)
     try:
-        init_ray(args.ray_address)
+        init_ray(args.ray_address, verbose=args.verbose)
         interrupt_on_signals()  # Ray's handlers replaced: Ctrl-C and SIGTERM stop the job
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the job's own bar counts prompts

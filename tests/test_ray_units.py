@@ -35,6 +35,27 @@ def test_fixed_replicas_take_a_whole_batch_queue_and_sessions_each():
     assert options["graceful_shutdown_timeout_s"] == 30.0
 
 
+def test_ray_logs_warnings_only_unless_verbose(caplog):
+    """Serve's controller, proxy and replicas log at WARNING without their access log unless --verbose; the
+    expected start-up notices are dropped (the warning that token authentication is *off* is not)."""
+    import logging
+
+    assert _options("--replicas", "1")["logging_config"] == {"log_level": "WARNING", "enable_access_log": False}
+    assert _options("--replicas", "1", "--verbose")["logging_config"] == {"log_level": "INFO",
+                                                                          "enable_access_log": True}
+    assert build_parser().parse_args(["batch", "--input", "a", "--output", "b", "--verbose"]).verbose
+    ray_serve.quiet_ray()
+    ray_serve.quiet_ray()  # idempotent
+    token = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    assert len(token.filters) == 1
+    with caplog.at_level(logging.WARNING):
+        token.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        token.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+        logging.getLogger("ray.data._internal.progress").warning("Progress bars disabled. To enable, set ...")
+    assert [record.getMessage()[:40] for record in caplog.records] == ["Token authentication is disabled for thi"]
+    assert logging.getLogger("ray.serve").level == logging.WARNING == logging.getLogger("ray.data").level
+
+
 def test_app_builder_reads_a_serve_config_as_serve_flags(monkeypatch):
     # a RayService's `args`: each key a `serve` flag without its dashes; the application gets what the CLI parses
     monkeypatch.setattr(ray_serve, "application", lambda args: args)

@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 
-from omnimtp.argtypes import non_negative_float, positive_float, positive_int
+from omnimtp.argtypes import add_verbose_argument, non_negative_float, positive_float, positive_int
 from omnimtp.console import interrupt_on_signals, signals_ignored, stopped_by
 
 APP_NAME = "omnimtp"
@@ -88,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CPUs Ray reserves for each replica (default %(default)g; fractions allowed)")
     group.add_argument("--num-gpus-per-replica", type=non_negative_float, default=0.0, metavar="G",
                        help="GPUs Ray reserves for each replica (default %(default)g)")
+    add_verbose_argument(group)
 
 
 def is_requested(args: argparse.Namespace) -> bool:
@@ -109,6 +110,7 @@ def deployment_options(args: argparse.Namespace) -> dict:
                                  + _CONTROL_SLOTS),
         "graceful_shutdown_timeout_s": args.timeout_graceful_shutdown,
         "ray_actor_options": {"num_cpus": args.num_cpus_per_replica, "num_gpus": args.num_gpus_per_replica},
+        "logging_config": serve_logging(getattr(args, "verbose", False)),
     }
     if not autoscale:
         options["num_replicas"] = args.replicas
@@ -138,7 +140,10 @@ class OmniReplica:
     def __init__(self, serve_args: dict):
         import torch
 
+        from omnimtp.console import quiet_expected_warnings
         from omnimtp.server.build import build_app
+
+        quiet_expected_warnings()
 
         # Torch uses the CPUs Ray reserved for the replica (at least one thread), not the whole node's.
         torch.set_num_threads(max(1, int(serve_args["num_cpus_per_replica"])))
@@ -332,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     is_local = args.ray_address is None
     is_deploying = False
     try:
-        init_ray(args.ray_address)
+        init_ray(args.ray_address, verbose=args.verbose)
         interrupt_on_signals()  # Ray's handlers replaced: Ctrl-C and SIGTERM stop a deploy under way too
         if is_local:
             needed = _replicas_at_start(options) * args.num_cpus_per_replica
@@ -371,22 +376,62 @@ def deploy(args: argparse.Namespace) -> None:
     """Start Serve's proxy on --host/--port (on the connected Ray cluster) and run the application;
     returns once every replica is running."""
     serve = import_serve()
-    serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": args.timeout_keep_alive})
+    serve.start(http_options={"host": args.host, "port": args.port, "keep_alive_timeout_s": args.timeout_keep_alive},
+                logging_config=serve_logging(args.verbose))
     serve.run(application(args), name=APP_NAME, route_prefix="/", blocking=False)
 
 
-def init_ray(address: str | None, **local_options) -> None:
+def init_ray(address: str | None, *, verbose: bool = False, **local_options) -> None:
     """Connect to the Ray cluster at `address`, or start a local instance (on the loopback address, no
     dashboard; local_options: more `ray.init` arguments, e.g. num_cpus) whose workers import the
-    omnimtp this process runs (a checkout, or the installed one). A cluster's nodes need omnimtp installed."""
+    omnimtp this process runs (a checkout, or the installed one). A cluster's nodes need omnimtp installed.
+    Ray logs its warnings and errors only, unless `verbose` (`quiet_ray`)."""
     import ray
 
+    level = logging.INFO if verbose else logging.WARNING
+    if not verbose:
+        quiet_ray()
     if address is not None:
-        ray.init(address=address)
+        ray.init(address=address, logging_level=level)
         return
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=level,
              runtime_env={"env_vars": {"PYTHONPATH": package_root}}, **local_options)
+
+
+def serve_logging(verbose: bool) -> dict:
+    """Serve's `logging_config` for its controller, proxy and replicas: INFO with each request's access log
+    when `verbose`, else warnings and errors only."""
+    return {"log_level": "INFO" if verbose else "WARNING", "enable_access_log": verbose}
+
+
+# What Ray says at every start that a user of these commands need not read: a local instance made with token
+# authentication on (the secure default; the warning that it is *off* is kept), and Ray Data's note that
+# progress bars are off (`omnimtp batch` draws its own).
+_RAY_EXPECTED = {
+    "ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this Ray cluster",
+    "ray.data._internal.progress": "Progress bars disabled.",
+}
+
+
+class _ExpectedRayNotice(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_ray() -> None:
+    """Ray's expected start-up notices (above) filtered, and the driver's Ray Serve and Ray Data loggers at
+    WARNING (each sets its own level; `ray.init`'s logging_level does not reach them). Idempotent."""
+    for name, prefix in _RAY_EXPECTED.items():
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedRayNotice) for f in logger_.filters):
+            logger_.addFilter(_ExpectedRayNotice(prefix))
+    for name in ("ray.serve", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _replicas_at_start(options: dict) -> int:
