@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,7 @@ def test_the_cli_commands_run(readme_dir, capsys):
             assert rate == 24_000 and len(audio) > 0 and np.abs(audio).max() > 0, shlex.join(command)
         run.append(command)
     assert {"speak", "spec"} <= {c[1] for c in run} and len(run) >= 4
+    assert_ignored_by_git(readme_dir)
 
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines):
@@ -179,6 +181,19 @@ def test_the_python_snippets_run(readme_dir, capped_pipelines):
                 assert namespace["pcm"], name
             if "spoken" in namespace:
                 assert namespace["spoken"] and namespace["event"].response.status in ("completed", "incomplete"), name
+    assert_ignored_by_git(readme_dir)
+
+
+def assert_ignored_by_git(directory: Path) -> None:
+    """The files the documentation's commands wrote (here, in `directory`) are ones .gitignore ignores: run from
+    a clone's root, they leave `git status` clean."""
+    written = sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
+                     if path.is_file() and path.relative_to(directory).parts[0] != "examples")
+    assert written, "the commands wrote nothing"
+    checked = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], input="\n".join(written),
+                             cwd=REPO_ROOT, capture_output=True, text=True)
+    shown = sorted(set(written) - set(checked.stdout.split()))
+    assert not shown, f"the documentation's commands leave files git status shows: {shown}"
 
 
 def test_the_shipped_samples_are_what_make_samples_writes(tmp_path):
