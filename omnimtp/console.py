@@ -92,6 +92,24 @@ def quiet_progress_bars() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+@contextlib.contextmanager
+def progress_bars_off(is_off: bool = True):
+    """transformers' tqdm bars ("Loading weights") off inside where `is_off`, then as they were (for a load
+    that takes a fraction of a second, such as a shipped demo checkpoint's; a real checkpoint keeps its bar)."""
+    if not is_off:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is."""
 

@@ -43,7 +43,7 @@ import torch
 
 from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
 from omnimtp.codec.streaming import codec_dtype_of
-from omnimtp.console import quiet_expected_warnings
+from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
@@ -51,6 +51,7 @@ from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
+from omnimtp.mtp.demo import is_shipped
 from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
@@ -273,7 +274,8 @@ class OmniPipeline:
             )
         check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load
         device = None if device is None else resolve_device(device)
-        model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
+        with progress_bars_off(is_shipped(path)):
+            model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(

@@ -153,7 +153,7 @@ def test_the_cli_commands_run(readme_dir, capsys):
     assert_ignored_by_git(readme_dir)
 
 
-def test_the_python_snippets_run(readme_dir, capped_pipelines):
+def test_the_python_snippets_run(readme_dir, capped_pipelines, capfd):
     blocks = doc_blocks("python")
     assert len(blocks) >= 12 and {name for name, _ in blocks} >= {"README.md", "speech.md", "tts.md"}
     served = [(name, block) for name, block in blocks if "from openai import OpenAI" in block]
@@ -182,6 +182,7 @@ def test_the_python_snippets_run(readme_dir, capped_pipelines):
             if "spoken" in namespace:
                 assert namespace["spoken"] and namespace["event"].response.status in ("completed", "incomplete"), name
     assert_ignored_by_git(readme_dir)
+    assert "Loading weights" not in capfd.readouterr().err  # the shipped demos load without a progress bar
 
 
 def assert_ignored_by_git(directory: Path) -> None:

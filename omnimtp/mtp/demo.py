@@ -8,10 +8,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_lm"
-DEMO_GLM5_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_glm5"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DEMO_MODEL_DIR = DATA_DIR / "demo_lm"
+DEMO_GLM5_DIR = DATA_DIR / "demo_glm5"
 DEMO_LM_DIRS = {"lm": DEMO_MODEL_DIR, "glm5": DEMO_GLM5_DIR}
-DEMO_OMNI_DIR = Path(__file__).resolve().parent.parent / "data" / "demo_omni"
+DEMO_OMNI_DIR = DATA_DIR / "demo_omni"
+
+
+def is_shipped(path) -> bool:
+    """Whether `path` is one of the checkpoints shipped in the package (they load in a fraction of a second:
+    no "Loading weights" bar for them)."""
+    return Path(path).resolve().is_relative_to(DATA_DIR)
 
 
 def demo_model_dir(name: str = "lm") -> Path:

@@ -569,6 +569,9 @@ def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype |
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from omnimtp.console import progress_bars_off
+    from omnimtp.mtp.demo import is_shipped
+
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise ValueError(f"checkpoint_dir: {checkpoint_dir!r} is not a directory")
@@ -577,7 +580,8 @@ def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype |
     try:
         # dtype=None passed explicitly makes transformers take the weights' storage dtype; "auto" honours
         # the config's dtype first (checkpoints stored in bf16 with a float32 config load as float32).
-        target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype or "auto").eval()
+        with progress_bars_off(is_shipped(checkpoint_dir)):
+            target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype or "auto").eval()
     finally:
         logging.set_verbosity(verbosity)
     enable_transformers_mtp(target)
