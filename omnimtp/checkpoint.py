@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 # config.json's model_type → the transformers class of the whole model
 MODEL_TYPES = {
@@ -50,6 +51,12 @@ def random_weights_note(model: str | None, *, transcribes: bool = False) -> str 
         what = ("its text is random bytes (control characters shown escaped), its speech sounds like noise, and "
                 "every reply runs to its cap (finish=length)")
     return f"note: {name} is a built-in tiny model with random weights: {what}; --model takes a real checkpoint"
+
+
+def is_shipped(path) -> bool:
+    """Whether `path` is one of the checkpoints shipped in the package (`omnimtp.mtp.demo`): they load in a
+    fraction of a second, without a "Loading weights" bar."""
+    return Path(path).resolve().is_relative_to(Path(__file__).resolve().parent / "data")
 
 
 def saved_caps(path: str) -> dict:

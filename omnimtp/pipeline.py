@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, omni_model_type, saved_caps, tiny_model
+from omnimtp.checkpoint import CAPS_FILE, MODEL_TYPES, is_shipped, omni_model_type, saved_caps, tiny_model
 from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
@@ -51,7 +51,6 @@ from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
-from omnimtp.mtp.demo import is_shipped
 from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation

@@ -15,12 +15,6 @@ DEMO_LM_DIRS = {"lm": DEMO_MODEL_DIR, "glm5": DEMO_GLM5_DIR}
 DEMO_OMNI_DIR = DATA_DIR / "demo_omni"
 
 
-def is_shipped(path) -> bool:
-    """Whether `path` is one of the checkpoints shipped in the package (they load in a fraction of a second:
-    no "Loading weights" bar for them)."""
-    return Path(path).resolve().is_relative_to(DATA_DIR)
-
-
 def demo_model_dir(name: str = "lm") -> Path:
     """Directory of a shipped demo checkpoint, "lm" (Glm4Moe) or "glm5" (GLM-5): config, safetensors incl.
     `model-mtp.safetensors`, tokenizer, `heldout_prompts.json`; `load_target_and_head` loads it."""

@@ -569,8 +569,8 @@ def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype |
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from omnimtp.checkpoint import is_shipped
     from omnimtp.console import progress_bars_off
-    from omnimtp.mtp.demo import is_shipped
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
