@@ -71,6 +71,56 @@ print(json.dumps({{"codes": codes, "heavy": [m for m in {HEAVY!r} if m in sys.mo
     assert "is not a checkpoint directory (no config.json)" in serve_err
 
 
+# What no command that runs one model in this process needs: the server stack (only `serve` builds it), Ray
+# (`serve --replicas`, `batch`), the OpenAI client (the tests' and the docs'), and decoders of formats it neither
+# reads nor writes (PyAV: mp3 / opus / aac output; librosa: never).
+SERVER_STACK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
+NEVER_NEEDED = ("ray", "openai", "av", "librosa")
+
+
+def _imported_by(code: str, cwd: Path) -> set[str]:
+    """The top-level packages `code` left imported, run in a fresh interpreter."""
+    script = code + "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    out = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_each_command_imports_only_what_it_runs(tmp_path):
+    """speak and transcribe on a tiny model import torch and transformers but no server, Ray or client stack;
+    serve's app (what `serve` builds before uvicorn runs it) imports no Ray, no OpenAI client and no PyAV. Import
+    costs are what a short command's start-up is made of (`python -X importtime -m omnimtp.cli ...`)."""
+    question = REPO / "examples" / "question.wav"
+    speak = _imported_by(f"""
+from omnimtp.cli import main
+assert main(["speak", "Hi", "-o", "a.wav", "--max-new-tokens", "2", "--max-frames", "2"]) == 0
+assert main(["speak", "--model", "tiny-tts", "Hi", "-o", "b.wav", "--max-frames", "2"]) == 0
+assert main(["transcribe", {str(question)!r}, "--max-new-tokens", "2"]) == 0
+""", tmp_path)
+    assert {"torch", "transformers"} <= speak
+    assert speak.isdisjoint(SERVER_STACK + NEVER_NEEDED), sorted(speak & set(SERVER_STACK + NEVER_NEEDED))
+    serve = _imported_by("""
+from omnimtp.cli import build_parser
+from omnimtp.server.build import build_app
+build_app(build_parser().parse_args(["serve", "--eager", "--max-frames", "2"]))
+""", tmp_path)
+    assert {"fastapi", "uvicorn"} & serve and serve.isdisjoint(NEVER_NEEDED), sorted(serve & set(NEVER_NEEDED))
+
+
+def test_help_answers_within_a_generous_bound():
+    """`omnimtp --help` in a fresh interpreter: argparse-level modules only, a fraction of a second on an idle
+    box (benchmarks/RESULTS.md); the bound leaves room for a loaded one and catches a heavy import at once."""
+    import time
+
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "omnimtp.cli", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 0 and "speak" in out.stdout
+    assert elapsed < 10, f"omnimtp --help took {elapsed:.1f} s"
+
+
 def test_every_flag_says_what_it_does_and_shows_its_default():
     parser = build_parser()
     subcommands = _subcommands(parser)
