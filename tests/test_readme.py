@@ -36,6 +36,8 @@ NOT_RUN = {
     "python -m pytest": "the test suite itself",
     "ruff check": "the lint gate (.ci/run runs it before the tests)",
     "python scripts/mutation_check.py --check-snippets": "the lint gate (.ci/run runs it before the tests)",
+    "omnimtp serve --model Qwen3-TTS-12Hz-0.6B-CustomVoice --quantize w4a8 --port 8000": (
+        "a server that runs until stopped: test_the_real_speech_server_builds builds its app on the stand-in"),
     "omnimtp serve --model Qwen3-TTS": "a released checkpoint (tests/test_server_tts.py serves the tiny one)",
     "hf download": "downloads a released checkpoint",
     "omnimtp speak 'Tell me a joke' -o joke.wav --model": "a released checkpoint",
@@ -55,6 +57,9 @@ NOT_RUN = {
     ),
     "omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base": "a released checkpoint (tests/test_voice_cli.py)",
 }
+# A released checkpoint's directory, as `hf download --local-dir` leaves it, stood in for by the tiny model of its
+# kind saved in the released layout: the documented commands on it run as written.
+STAND_INS = {"Qwen3-TTS-12Hz-0.6B-CustomVoice": "tiny-tts"}
 # caps added to a command that sets none, so a run takes seconds
 CAPS = {"speak": {"--max-new-tokens": "4", "--max-frames": "6"}, "spec": {"--max-new-tokens": "16"}}
 SNIPPET_CAPS = dict(max_new_tokens=6, max_frames=8)
@@ -110,8 +115,11 @@ def with_caps(argv: list[str]) -> list[str]:
 
 @pytest.fixture
 def readme_dir(tmp_path, monkeypatch):
-    """A working directory holding the README's sample inputs, as the repository root does."""
+    """A working directory holding the README's sample inputs, as the repository root does, and the stand-ins
+    of the checkpoints it downloads."""
     shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")
+    for directory, tiny in STAND_INS.items():
+        OmniPipeline.from_pretrained(tiny).save_pretrained(tmp_path / directory)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -151,6 +159,31 @@ def test_the_cli_commands_run(readme_dir, capsys):
         run.append(command)
     assert {"speak", "spec"} <= {c[1] for c in run} and len(run) >= 4
     assert_ignored_by_git(readme_dir)
+
+
+def test_the_real_speech_server_builds(readme_dir):
+    """The documented `serve` of a downloaded checkpoint: its flags parse and its app builds (quantized as it
+    says) on the stand-in checkpoint."""
+    from omnimtp.server.build import build_app
+
+    served = [c for c in readme_commands() if c[:2] == ["omnimtp", "serve"] and "--model" in c
+              and c[c.index("--model") + 1] in STAND_INS]
+    assert any("--quantize" in c for c in served), "the README serves no downloaded checkpoint"
+    for command in served:
+        engine, _ = build_app(build_parser().parse_args(command[1:]))
+        quantize = command[command.index("--quantize") + 1] if "--quantize" in command else None
+        assert engine.model_id in STAND_INS and engine.family.quantize == quantize, shlex.join(command)
+
+
+def test_ci_runs_the_readmes_install_line_and_test_commands():
+    """`.ci/run` runs, as written, the README's install line (with its first result) and its test commands; every
+    line of those blocks but the virtualenv's, which CI makes in its own folder."""
+    ci = (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+    blocks = file_blocks((REPO_ROOT / "README.md").read_text(), "bash")
+    install, tests = blocks[0].splitlines(), next(b for b in blocks if "python -m pytest" in b).splitlines()
+    assert install[0].startswith("python3 -m venv") and "omnimtp speak" in install[1]
+    for line in install[1:] + tests:
+        assert line in ci, f".ci/run does not run the README's {line!r}"
 
 
 def test_the_python_snippets_run(readme_dir, capped_pipelines, capfd):
