@@ -1248,6 +1248,57 @@ MUTATIONS = [
         "      positions[r * span + n++] = s;",
         ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
     ),
+    # --- the front door: start-up, first output, quiet logs -------------------------------------------
+    Mutation(
+        "tiny_model_built_on_every_core", "omnimtp/runtime/device.py",
+        "    previous = torch.get_num_threads()\n    torch.set_num_threads(1)\n",
+        "    previous = torch.get_num_threads()\n    torch.set_num_threads(previous)\n",
+        ("tests/test_tiny_models.py::test_a_tiny_model_is_built_on_one_thread",),
+        "a tiny model is built on every core (seconds on a busy box instead of a fraction of one)",
+    ),
+    Mutation(
+        "too_many_threads_silent", "omnimtp/runtime/device.py",
+        "        if warning is not None:\n            logger.warning(warning)",
+        "        if False:\n            logger.warning(warning)",
+        ("tests/test_tiny_models.py::test_threads_beyond_what_the_model_can_use_warn",),
+        "--threads beyond what the model can use says nothing",
+    ),
+    Mutation(
+        "tiny_model_random_weights_unsaid", "omnimtp/speak_cli.py",
+        "    note = None if args.demo else random_weights_note(args.model)",
+        "    note = None",
+        ("tests/test_speak_cli.py::test_a_built_in_tiny_model_says_once_that_its_weights_are_random",),
+        "a tiny model's random bytes and finish=length come with no word that random weights give them",
+    ),
+    Mutation(
+        "qwen2_5_talker_id_warnings_shown", "omnimtp/console.py",
+        "                    and len(words) > 2 and words[2] in _QWEN2_5_TALKER_TEXT_IDS)",
+        "                    and len(words) > 2 and words[2] in ())",
+        ("tests/test_cli.py::test_only_the_qwen2_5_talkers_text_ids_are_quiet_of_the_vocabulary_warnings",),
+        "every Qwen2.5-Omni load prints transformers' seven expected vocabulary warnings",
+    ),
+    Mutation(
+        "playground_hidden_fields_shown", "omnimtp/server/playground/style.css",
+        "[hidden] { display: none !important; }",
+        "[hidden] { }",
+        ("tests/test_playground.py::test_the_instructions_field_shows_only_where_the_model_takes_them",),
+        "the playground's hidden fields (Instructions) show, as label.wide's display rule overrides hidden",
+    ),
+    Mutation(
+        "base_model_requires_a_voice_over_http", "omnimtp/server/routes/common.py",
+        "            voice = None\n        elif body.voice is not None:",
+        "            raise APIError(400, \"voice: required\", param=\"voice\", code=\"missing_required_parameter\")\n"
+        "        elif body.voice is not None:",
+        ("tests/test_server_voices.py::test_a_base_model_speaks_without_a_voice_as_the_python_api",),
+        "a Base model over HTTP refuses a request without a voice, which the CLI and Python API speak",
+    ),
+    Mutation(
+        "ray_logs_info_by_default", "omnimtp/server/ray_serve.py",
+        "    return {\"log_level\": \"INFO\" if verbose else \"WARNING\", \"enable_access_log\": verbose}",
+        "    return {\"log_level\": \"INFO\", \"enable_access_log\": True}",
+        ("tests/test_ray_units.py::test_ray_logs_warnings_only_unless_verbose",),
+        "Ray Serve logs every request of every replica without --verbose",
+    ),
 ]
 
 
