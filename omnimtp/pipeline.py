@@ -158,6 +158,7 @@ class OmniPipeline:
             if model_type not in MODEL_TYPES:
                 raise ValueError(f"model: a {model_type!r} model; supported: {sorted(MODEL_TYPES)}")
             check_codec_dtype(codec_dtype, model_type)
+            apply_thread_rule(model, torch_threads)  # the family packs (and quantizes) on the rule's threads
             if model_type == "qwen2_5_omni":
                 if thinker_mtp is not None or num_draft_tokens is not None:
                     raise ValueError(
@@ -170,9 +171,10 @@ class OmniPipeline:
                     model, tokenizer, processor=processor, compile_predictor=compile_predictor,
                     thinker_speculation=speculation, quantize=quantize, codec_dtype=codec_dtype,
                 )
+        else:
+            apply_thread_rule(family.model, torch_threads)
         self.family = family
         self.media_limits = media_limits or MediaLimits()
-        apply_thread_rule(family.model, torch_threads)
 
     @property
     def model(self):

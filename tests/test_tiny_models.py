@@ -80,6 +80,23 @@ def test_a_tiny_model_is_built_on_one_thread(monkeypatch):
     assert seen == [1, 1, 1]
 
 
+def test_a_small_checkpoint_is_packed_on_the_rules_one_thread(monkeypatch):
+    """A checkpoint loaded from disk: the rule is applied once its weights are known, before the family packs
+    them (the shipped demo Qwen3-Omni, 2.6 M weights)."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    seen, init = [], Qwen3OmniFamily.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen3OmniFamily, "__init__", recording)
+    torch.set_num_threads(2)
+    OmniPipeline.demo()
+    assert seen == [1] and torch.get_num_threads() == 1
+
+
 def test_threads_beyond_what_the_model_can_use_warn(caplog):
     from omnimtp.runtime.device import available_cores, too_many_threads
 
