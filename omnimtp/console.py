@@ -95,8 +95,10 @@ def quiet_progress_bars() -> None:
 @contextlib.contextmanager
 def progress_bars_off(is_off: bool = True):
     """transformers' tqdm bars ("Loading weights") off inside where `is_off`, then as they were (for a load
-    that takes a fraction of a second, such as a shipped demo checkpoint's; a real checkpoint keeps its bar)."""
-    if not is_off:
+    that takes a fraction of a second, such as a shipped demo checkpoint's; a real checkpoint keeps its bar).
+    HF_HUB_DISABLE_PROGRESS_BARS=0 in the environment keeps them, as it does on the command line."""
+    asked_for = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").strip().lower() in ("0", "false", "no", "off")
+    if not is_off or asked_for:
         yield
         return
     from transformers.utils import logging as transformers_logging

@@ -178,18 +178,18 @@ def run_speak(args: argparse.Namespace) -> int:
         _check_model_args(args)
         prompt = _speak_prompt(args.text, args.audio, args.image)  # media is read before the model loads
         pipe = _load(args)
-        _note_random_weights(args)
         if not pipe.family.has_chat:
             _say(pipe, prompt, args)
-            return 0
-        for flag in ("language", "instructions"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag}: only a Qwen3-TTS model takes it")
-        if args.voice is not None:
-            args.speaker = args.speaker or args.voice
-        _speak(pipe, prompt, args, args.output, live=args.stream)
+        else:
+            for flag in ("language", "instructions"):
+                if getattr(args, flag) is not None:
+                    raise ValueError(f"--{flag}: only a Qwen3-TTS model takes it")
+            if args.voice is not None:
+                args.speaker = args.speaker or args.voice
+            _speak(pipe, prompt, args, args.output, live=args.stream)
     except ValueError as exc:
         return _refuse(str(exc))
+    _note_random_weights(args)  # after the output it explains; an error comes alone
     return 0
 
 

@@ -42,9 +42,6 @@ def run_transcribe(args: argparse.Namespace) -> int:
 
     pipe = OmniPipeline.tiny(device=args.device) if args.model is None else OmniPipeline.from_pretrained(
         args.model, device=args.device)
-    note = random_weights_note(args.model, transcribes=True)
-    if note is not None:
-        print(note, file=sys.stderr)
     sampling = None if args.seed is None else SamplingParams(temperature=1.0)
     for path in args.files:
         try:
@@ -57,4 +54,7 @@ def run_transcribe(args: argparse.Namespace) -> int:
         else:
             print(printable(result.text))
         sys.stdout.flush()
+    note = random_weights_note(args.model, transcribes=True)  # after the transcripts it explains
+    if note is not None:
+        print(note, file=sys.stderr)
     return 0
