@@ -52,6 +52,7 @@ THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
+QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
@@ -1217,6 +1218,27 @@ MUTATIONS = [
         "int8_activations=mode == \"w4a8\")",
         "int8_activations=False)",
         QUANTIZED, "quantize=\"w4a8\" runs the weight-only int4 kernel: int4's speed, called w4a8",
+    ),
+    Mutation(
+        "quantized_experts_leave_the_rows_grouped", "omnimtp/runtime/moe.py",
+        "    return out if order is None else torch.empty_like(out).index_copy_(0, order, out)",
+        "    return out",
+        QUANTIZED_EXPERTS, "the quantized experts' rows come back in expert order, not (token, rank) order: every "
+        "token of a batch mixes other tokens' expert outputs",
+    ),
+    Mutation(
+        "quantized_experts_read_the_first_experts_scales", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "scales + experts[i] * scale_stride, y + m0 * N, offsets[i + 1] - m0",
+        "scales + experts[0] * scale_stride, y + m0 * N, offsets[i + 1] - m0",
+        QUANTIZED_EXPERTS, "the grouped int8 / int4 kernel scales every expert's rows by the first group's expert's "
+        "scales",
+    ),
+    Mutation(
+        "quantized_router_runs_on_torch_kernels", "omnimtp/runtime/decoder.py",
+        "    if layer.router_row_kernel is None:\n        projected = linear(x, layer.router_in)",
+        "    if True:\n        projected = linear(x, layer.router_in)",
+        QUANTIZED_EXPERTS, "a quantized Qwen3-MoE layer's router runs on torch's matrix-vector or GEMM kernel by "
+        "row count: a row's routing logits, and so its output, depend on the batch",
     ),
     Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
