@@ -227,17 +227,27 @@ class PackedDecoder:
 
     @classmethod
     def from_layers(
-        cls, layers, config, rotary, final_norm, dtype: torch.dtype, quantize: str | None = None, **options
+        cls, layers, config, rotary, final_norm, dtype: torch.dtype, quantize: str | None = None,
+        stored: list[dict] | None = None, **options
     ) -> PackedDecoder:
         """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm. quantize:
         as `quantized(quantize)`, each layer quantized as soon as it is packed, so the float copies packing
-        makes (fused q/k/v, gate/up) never exist for more than one layer at a time."""
+        makes (fused q/k/v, gate/up) never exist for more than one layer at a time. stored: each layer's
+        `quantized_matrices` in mode `quantize`, as a quantized checkpoint holds them (`omnimtp.quantized_checkpoint`):
+        used as they are, and the layers' matrices they replace may be on the meta device (only shapes are read)."""
         if quantize is not None:
             check_quantize(quantize, rotary.inv_freq.device)
+        if stored is not None and (quantize is None or len(stored) != len(layers)):
+            raise ValueError(f"stored: {len(stored)} layers' matrices in mode {quantize!r} for {len(layers)} layers")
         quantized_layers = None
         with torch.no_grad():
             if quantize is None:
                 packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+            elif stored is not None:
+                packed_layers, quantized_layers = zip(*(
+                    with_quantized_matrices(pack_layer(layer, config, dtype), matrices)
+                    for layer, matrices in zip(layers, stored, strict=True)
+                ), strict=True)
             else:
                 packed_layers, quantized_layers = zip(
                     *(quantize_layer(pack_layer(layer, config, dtype), quantize) for layer in layers), strict=True
@@ -296,31 +306,53 @@ def unsupported_layer_reason(layer) -> str | None:
     return None
 
 
+QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "experts.gate_up", "experts.down")
+
+
 def quantize_layer(layer: LayerWeights, quantize: str) -> tuple[LayerWeights, tuple]:
     """A packed layer → (the layer without the float matrices it no longer runs, its (qkv, o, gate_up, down)
-    quantized to `quantize`). In a MoE layer gate_up and down are its shared experts' (glm4_moe's fused ones;
-    Qwen3-MoE's shared expert, its gate and up fused here; None without one), and its routed experts are quantized
-    too, stacked in the layer's `quantized_experts`; the routers stay float, on omnimtp's fp32 kernel
-    (`router_row_kernel`)."""
+    quantized to `quantize`): `with_quantized_matrices(layer, quantized_matrices(layer, quantize))`."""
+    return with_quantized_matrices(layer, quantized_matrices(layer, quantize))
+
+
+def quantized_matrices(layer: LayerWeights, quantize: str) -> dict[str, QuantizedWeight | None]:
+    """A packed layer's matrices quantized to `quantize`, by QUANTIZED_MATRICES name: qkv, o, and the MLP's gate_up
+    and down; in a MoE layer gate_up and down are its shared experts' (glm4_moe's fused ones; Qwen3-MoE's shared
+    expert, its gate and up fused here; None without one), and "experts.gate_up" / "experts.down" every routed
+    expert's, stacked (`ops.quantize_experts`; None in a dense layer). What a quantized checkpoint stores."""
     if layer.router is None:
-        quantized = tuple(
-            quantize_weight(matrix, quantize) for matrix in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
-        )
-        return replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None), quantized
+        names = ("qkv", "o", "gate_up", "down")
+        matrices = (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+        return {**dict.fromkeys(QUANTIZED_MATRICES),
+                **{name: quantize_weight(matrix, quantize) for name, matrix in zip(names, matrices, strict=True)}}
     shared_gate_up = layer.gate_up
     if layer.shared_gate_proj is not None:
         shared_gate_up = torch.cat([layer.shared_gate_proj, layer.shared_up_proj])
-    quantized = (
-        quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize),
-        None if shared_gate_up is None else quantize_weight(shared_gate_up, quantize),
-        None if layer.mlp_down is None else quantize_weight(layer.mlp_down, quantize),
-    )
-    experts = (quantize_experts(layer.expert_gate_up, quantize), quantize_experts(layer.expert_down, quantize))
+    return {
+        "qkv": quantize_weight(layer.qkv, quantize), "o": quantize_weight(layer.o, quantize),
+        "gate_up": None if shared_gate_up is None else quantize_weight(shared_gate_up, quantize),
+        "down": None if layer.mlp_down is None else quantize_weight(layer.mlp_down, quantize),
+        "experts.gate_up": quantize_experts(layer.expert_gate_up, quantize),
+        "experts.down": quantize_experts(layer.expert_down, quantize),
+    }
+
+
+def with_quantized_matrices(
+    layer: LayerWeights, matrices: dict[str, QuantizedWeight | None]
+) -> tuple[LayerWeights, tuple]:
+    """A packed layer and its `quantized_matrices` (made here, or read from a quantized checkpoint) → (the layer
+    without the float matrices they replace, its (qkv, o, gate_up, down) quantized): a MoE layer's routed experts
+    in its `quantized_experts`, its router on omnimtp's fp32 kernel (`router_row_kernel`), its router rows and
+    norms as they are."""
+    quantized = tuple(matrices[name] for name in ("qkv", "o", "gate_up", "down"))
+    if layer.router is None:
+        return replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None), quantized
     router_rows = layer.router.weight if isinstance(layer.router, GroupLimitedSigmoid) else layer.router_in
     return replace(
         layer, qkv=None, o=None, gate_up=None, mlp_down=None, shared_gate_proj=None, shared_up_proj=None,
         expert_gate_up=None, expert_down=None, expert_gate_up_views=(), expert_down_views=(),
-        quantized_experts=experts, router_row_kernel=small_batch_linear.pack_weight(router_rows.float()),
+        quantized_experts=(matrices["experts.gate_up"], matrices["experts.down"]),
+        router_row_kernel=small_batch_linear.pack_weight(router_rows.float()),
     ), quantized
 
 
