@@ -53,6 +53,7 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
 QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
+QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
@@ -1239,6 +1240,26 @@ MUTATIONS = [
         "    if True:\n        projected = linear(x, layer.router_in)",
         QUANTIZED_EXPERTS, "a quantized Qwen3-MoE layer's router runs on torch's matrix-vector or GEMM kernel by "
         "row count: a row's routing logits, and so its output, depend on the batch",
+    ),
+    Mutation(
+        "quantized_checkpoint_loads_in_any_mode", "omnimtp/quantized_checkpoint.py",
+        "    if quantize is not None and quantize != mode:",
+        "    if False:",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint asked for another mode loads its own silently: --quantize w4a8 "
+        "runs int4 weights",
+    ),
+    Mutation(
+        "quantized_checkpoint_reads_expert_0_for_every_expert", "omnimtp/quantized_checkpoint.py",
+        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == index)",
+        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == 0)",
+        QUANTIZED_CHECKPOINT, "the converter quantizes expert 0's weights into every expert of a layer",
+    ),
+    Mutation(
+        "quantized_checkpoint_leaves_buffers_empty", "omnimtp/quantized_checkpoint.py",
+        "    model.initialize_weights()\n",
+        "\n",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint's non-persistent buffers (rotary tables) are left as uninitialised "
+        "memory",
     ),
     Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
