@@ -169,6 +169,20 @@ MUTATIONS = [
         ADAPTIVE, "a goodput tie picks the larger k",
     ),
     Mutation(
+        "adaptive_probe_drafts_one", "omnimtp/spec_decode/adaptive.py",
+        "        probe = max(range(1, len(goodput)), key=lambda i: (goodput[i], -i))",
+        "        probe = 1",
+        ("tests/test_adaptive_drafting.py::test_a_probe_drafts_the_k_of_best_goodput_on_a_worked_example",),
+        "a probe always drafts one token, not the k of best goodput among k >= 1",
+    ),
+    Mutation(
+        "draft_costs_kept_across_kernel_builds", "omnimtp/spec_decode/cost_cache.py",
+        '        "kernel": small_batch_linear.build_id(),',
+        '        "kernel": None,',
+        ("tests/test_adaptive_drafting.py::test_the_fingerprint_changes_with_the_kernel_build",),
+        "draft costs measured with one build of the kernel are read back for another (other ISA, tiling, source)",
+    ),
+    Mutation(
         "adaptive_k_from_the_clock", "omnimtp/spec_decode/adaptive.py",
         "k = max(range(len(goodput)), key=lambda i: (goodput[i], -i))  # ties: the fewer drafts",
         "k = __import__(\"time\").perf_counter_ns() // 1000 % len(goodput)",
@@ -385,6 +399,13 @@ MUTATIONS = [
         "        if block is not None and num_user + NUM_ASSISTANT_ROWS > block:",
         "        if False:",
         PREFIX_CACHE, "a long talker prefill's user rows are projected in one call (their bits depend on its length)",
+    ),
+    Mutation(
+        "session_cache_weighs_thinker_prefixes_only", "omnimtp/engine/prefix_cache.py",
+        "        return sum(part.num_bytes for part in (self.thinker, self.talker) if part is not None)",
+        "        return sum(part.num_bytes for part in (self.thinker,) if part is not None)",
+        ("tests/test_prefix_cache.py::test_talker_prefixes_count_in_the_budget_and_the_gauge",),
+        "the session cache's budget and its bytes gauge leave out the talker prefixes it holds",
     ),
     Mutation(
         "thinker_spec_no_rollback", "omnimtp/thinker.py",
@@ -931,10 +952,15 @@ MUTATIONS = [
     ),
     Mutation(
         "vad_restart_scores_the_cleared_tail", "omnimtp/server/vad.py",
+        "        if self._resampler is not None:\n"
+        "            tail = self._resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)\n"
+        "            self._resampler = self._new_resampler()\n"
+        "            self._num_scored += len(tail)\n"
         "        self._num_scored += len(self._pending)\n        self._pending = self._pending[:0]\n",
         "",
         ("tests/test_realtime_vad.py::test_clearing_the_buffer_mid_speech_resets_the_detector",),
-        "the cleared audio's unscored tail (a partial window) starts a phantom turn after input_audio_buffer.clear",
+        "the cleared audio's unscored tail (the resampler's delay, a partial window) starts a phantom turn after "
+        "input_audio_buffer.clear",
     ),
     Mutation(
         "vad_turn_detection_update_ignored", "omnimtp/server/routes/realtime.py",
@@ -1011,6 +1037,13 @@ MUTATIONS = [
         "            if len(item) > MAX_JSON_ARRAY_ITEMS:",
         "            if False:",
         SERVER_STRUCTURE, "an over-long JSON array reaches the schema instead of a 400 naming its path",
+    ),
+    Mutation(
+        "json_arrays_not_counted", "omnimtp/server/guard.py",
+        '    num_containers = text.count("{") + text.count("[")',
+        '    num_containers = text.count("{")',
+        ("tests/test_server_structure.py::test_arrays_count_as_containers",),
+        "JSON arrays do not count against MAX_JSON_CONTAINERS: 100,000 short arrays are parsed",
     ),
     Mutation(
         "omni_speech_sampling_ignored", "omnimtp/server/routes/common.py",
@@ -1199,6 +1232,49 @@ MUTATIONS = [
         TRANSCRIPTION, "the language hint never reaches the ASR prompt",
     ),
     Mutation(
+        "transcription_prompt_limit_names_messages", "omnimtp/server/routes/transcriptions.py",
+        '            exc.param = "file"',
+        "            exc.param = exc.param",
+        ("tests/test_server_transcriptions.py::test_an_upload_over_the_prompt_limit_names_file",),
+        "an upload whose prompt is over the limit is a 400 naming messages, a field the route does not have",
+    ),
+    Mutation(
+        "transcription_ignores_the_token_limit", "omnimtp/server/routes/transcriptions.py",
+        "max_new_tokens=min(engine.config.max_new_tokens, context.max_tokens_limit),",
+        "max_new_tokens=engine.config.max_new_tokens,",
+        ("tests/test_server_transcriptions.py::test_the_server_token_limit_caps_transcripts_and_realtime_input_"
+         "transcripts",),
+        "transcripts (the route's and realtime input transcripts) run past --max-tokens-limit",
+    ),
+    Mutation(
+        "transcription_total_tokens_is_the_output", "omnimtp/server/routes/transcriptions.py",
+        '            "total_tokens": event.prompt_tokens + event.completion_tokens}',
+        '            "total_tokens": event.completion_tokens}',
+        ("tests/test_server_transcriptions.py::test_every_format_and_the_stream_give_the_pipelines_text",),
+        "a transcription's usage.total_tokens leaves out its input tokens",
+    ),
+    Mutation(
+        "realtime_transcript_total_tokens_is_the_output", "omnimtp/server/routes/realtime.py",
+        '"total_tokens": final.prompt_tokens + final.completion_tokens}})',
+        '"total_tokens": final.completion_tokens}})',
+        ("tests/test_server_transcriptions.py::test_realtime_input_transcripts_equal_the_routes",),
+        "a realtime input transcript's usage.total_tokens leaves out its input tokens",
+    ),
+    Mutation(
+        "transcription_exact_fit_refused", "omnimtp/pipeline.py",
+        '        if len(ids) + max_new_tokens > self.family.max_positions:\n            raise ValueError(f"audio: ',
+        '        if len(ids) + max_new_tokens >= self.family.max_positions:\n            raise ValueError(f"audio: ',
+        ("tests/test_transcription.py::test_a_prompt_and_reply_cap_that_exactly_fill_the_positions_are_taken",),
+        "a transcription whose prompt and max_new_tokens exactly fill the thinker's positions is refused",
+    ),
+    Mutation(
+        "transcribe_cli_seed_is_greedy", "omnimtp/transcribe_cli.py",
+        "    sampling = None if args.seed is None else SamplingParams(temperature=1.0)",
+        "    sampling = None",
+        ("tests/test_transcription.py::test_cli_seed_samples_and_repeats",),
+        "omnimtp transcribe --seed N transcribes greedily (the seed does nothing)",
+    ),
+    Mutation(
         "websocket_key_subprotocol_any_token", "omnimtp/server/guard.py",
         "if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode(\"utf-8\"), self.api_key):",
         "if prefix == KEY_SUBPROTOCOL:",
@@ -1333,6 +1409,41 @@ MUTATIONS = [
         "      if (m[s]) positions[r * span + n++] = s;",
         "      positions[r * span + n++] = s;",
         ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
+    ),
+    Mutation(
+        "decode_attention_group_unchecked", "omnimtp/runtime/ops.py",
+        "        and num_heads // keys.shape[1] <= small_batch_linear.DECODE_ATTENTION_MAX_GROUP\n",
+        "",
+        ("tests/test_small_batch_linear.py::test_decode_attention_runs_on_the_kernel_only_within_its_range",),
+        "attention with more than 16 query heads a KV head goes to the kernel, which refuses it (ValueError)",
+    ),
+    Mutation(
+        "decode_attention_head_dim_unchecked", "omnimtp/runtime/ops.py",
+        "        and head_dim <= small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM\n",
+        "",
+        ("tests/test_small_batch_linear.py::test_decode_attention_runs_on_the_kernel_only_within_its_range",),
+        "attention with a head_dim over 256 goes to the kernel, which refuses it (ValueError)",
+    ),
+    Mutation(
+        "decode_attention_shared_mask_on_sdpa", "omnimtp/runtime/ops.py",
+        "and mask.shape[0] in (1, num_rows)",
+        "and mask.shape[0] == num_rows",
+        ("tests/test_small_batch_linear.py::test_one_mask_shared_by_several_rows_runs_on_the_kernel",),
+        "a batched decode step whose rows share one mask runs on SDPA, not the kernel",
+    ),
+    Mutation(
+        "int4_groups_of_64", "omnimtp/runtime/ops.py",
+        "INT4_GROUP_SIZE = 128  # inputs per int4 scale",
+        "INT4_GROUP_SIZE = 64  # inputs per int4 scale",
+        ("tests/test_quantized_linear.py::test_int4_scales_are_per_output_and_group_of_128_inputs",),
+        "int4 and w4a8 weights get a scale per 64 inputs: twice the scales, other values than documented",
+    ),
+    Mutation(
+        "w4a8_isa_argument_dropped", "omnimtp/runtime/kernels/small_batch_linear.py",
+        "        choice = -1 if isa is None else int(isa == W4A8_ISAS[0])",
+        "        choice = -1",
+        ("tests/test_quantized_linear.py::test_the_isa_argument_reaches_the_kernel",),
+        "w4a8_linear(isa=...) runs this CPU's best instructions whatever it names (the same bits: unseen)",
     ),
 ]
 
