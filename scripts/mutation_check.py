@@ -1039,6 +1039,29 @@ MUTATIONS = [
         SERVER_STRUCTURE, "an over-long JSON array reaches the schema instead of a 400 naming its path",
     ),
     Mutation(
+        "speech_batch_whitespace_item_not_refused", "omnimtp/server/routes/speech.py",
+        "            if not item.input.strip():",
+        "            if not item.input:",
+        ("tests/test_audio_formats.py::test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_"
+         "length",),
+        "a whitespace-only item of /v1/audio/speech/batch reaches the engine instead of being that item's 400",
+    ),
+    Mutation(
+        "speech_batch_item_finish_reason_always_stop", "omnimtp/server/routes/speech.py",
+        '"response_format": item.response_format, "finish_reason": final.finish_reason,',
+        '"response_format": item.response_format, "finish_reason": "stop",',
+        ("tests/test_audio_formats.py::test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_"
+         "length",),
+        "a batch item cut at max_frames says finish_reason stop",
+    ),
+    Mutation(
+        "playground_assets_without_the_page_headers", "omnimtp/server/routes/playground.py",
+        "    return Response(_read(name), media_type=_FILES[name], headers=_HEADERS)",
+        "    return Response(_read(name), media_type=_FILES[name])",
+        ("tests/test_playground.py::test_the_page_and_its_files_are_served_and_can_be_turned_off",),
+        "the playground's script and style go out without nosniff, no-cache and the CSP the page has",
+    ),
+    Mutation(
         "json_arrays_not_counted", "omnimtp/server/guard.py",
         '    num_containers = text.count("{") + text.count("[")',
         '    num_containers = text.count("{")',
@@ -1138,6 +1161,21 @@ MUTATIONS = [
         "        return []",
         ("tests/test_speech_stream.py::test_a_session_silent_past_the_text_timeout_ends_its_request",),
         "a streamed-text request waiting for text past --timeout-text-idle is never ended",
+    ),
+    Mutation(
+        "text_idle_timeout_is_a_server_error", "omnimtp/server/routes/speech_stream.py",
+        'type="invalid_request_error" if is_timeout else "server_error"',
+        'type="server_error"',
+        ("tests/test_speech_stream.py::test_a_session_silent_past_the_text_timeout_ends_its_request",),
+        "the text-idle timeout's error event says server_error, though the client's pause caused it",
+    ),
+    Mutation(
+        "parked_request_holds_back_background_work", "omnimtp/engine/core.py",
+        "r.first_audio_at is None and not r.is_parked\n",
+        "r.first_audio_at is None\n",
+        ("tests/test_speech_stream.py::test_a_request_parked_before_its_first_audio_does_not_hold_back_background_"
+         "work",),
+        "a request parked (waiting for text) before its first audio keeps background requests out of the engine",
     ),
     Mutation(
         "error_location_keeps_union_tags", "omnimtp/server/errors.py",
