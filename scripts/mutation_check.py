@@ -1011,7 +1011,21 @@ MUTATIONS = [
         'G711_CODECS = {"audio/pcmu": "pcm_mulaw", "audio/pcma": "pcm_alaw"}',
         'G711_CODECS = {"audio/pcmu": "pcm_alaw", "audio/pcma": "pcm_mulaw"}',
         ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
-        "audio/pcmu is encoded and decoded as A-law and audio/pcma as μ-law",
+        "audio/pcmu is decoded as A-law and audio/pcma as μ-law",
+    ),
+    Mutation(
+        "g711_encoder_laws_swapped", "omnimtp/server/audio.py",
+        '    if fmt == "audio/pcmu":\n        biased',
+        '    if fmt == "audio/pcma":\n        biased',
+        ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
+        "audio/pcmu is encoded as A-law and audio/pcma as μ-law (decoded as named)",
+    ),
+    Mutation(
+        "g711_negative_samples_negated", "omnimtp/server/audio.py",
+        "    magnitude = np.where(samples < 0, ~samples, samples)",
+        "    magnitude = np.where(samples < 0, -samples, samples)",
+        ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
+        "a negative sample is encoded by its negation, not its one's complement as G.191's reference encoder does",
     ),
     # --- request limits ---------------------------------------------------------------------------
     Mutation(

@@ -413,39 +413,50 @@ def _a_law_sample(code: int) -> int:
 
 
 # Samples and their code words from G.711's definition: zero, the smallest step either side, full scale either
-# side, and both sides of the boundaries of the first and the last segment.
+# side, and both sides of the boundaries of the first and the last segment (reconstruction values: both ways).
 MU_LAW = {0: 0xFF, 8: 0xFE, -8: 0x7E, 32124: 0x80, -32124: 0x00, 120: 0xF0, 132: 0xEF, 15996: 0x90, 16764: 0x8F,
           -16764: 0x0F}
 A_LAW = {8: 0xD5, -8: 0x55, 32256: 0xAA, -32256: 0x2A, 248: 0xDA, 264: 0xC5, 16128: 0xBA, 16896: 0xA5,
          -16896: 0x25}
+# Samples near the top of a segment, nearer the segment's last reconstruction value than the next segment's
+# first, but past the decision level between them (μ-law 16252, A-law 16384): the next segment's code word.
+MU_LAW_DECIDED = {16376: 0x8F, -16377: 0x0F}
+A_LAW_DECIDED = {16510: 0xA5, -16511: 0x25}
 
 
-@pytest.mark.parametrize("fmt, table, sample_of", [("audio/pcmu", MU_LAW, _mu_law_sample),
-                                                     ("audio/pcma", A_LAW, _a_law_sample)])
-def test_g711_code_words_are_the_standard_s(fmt, table, sample_of):
-    """Known samples ↔ code words both ways, every code word decoded as G.711 defines it (and as Python's
-    audioop, an independent implementation, decodes it), and every reconstruction value encoded back to its
-    code word; out of range samples clip to full scale, and 0 is μ-law 0xFF, A-law 0xD5."""
-    samples = np.array(list(table), dtype=np.int16)
-    assert g711_encode(samples, fmt) == bytes(table.values())
+def _audioop():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pytest.importorskip("audioop")
+
+
+@pytest.mark.parametrize("fmt, table, decided, sample_of", [("audio/pcmu", MU_LAW, MU_LAW_DECIDED, _mu_law_sample),
+                                                              ("audio/pcma", A_LAW, A_LAW_DECIDED, _a_law_sample)])
+def test_g711_code_words_are_the_standard_s(fmt, table, decided, sample_of):
+    """Known samples ↔ code words both ways; every code word decoded as G.711 defines it (and as Python's
+    audioop, an independent implementation, decodes it); every 16-bit sample encoded as audioop encodes it,
+    except that a negative sample is encoded by its one's complement as ITU-T G.191's reference encoder does
+    (audioop negates it: μ-law code words of negative samples then differ at the decision levels)."""
+    samples = np.array([*table, *decided], dtype=np.int16)
+    assert g711_encode(samples, fmt) == bytes([*table.values(), *decided.values()])
     assert g711_decode(bytes(table.values()), fmt).tolist() == list(table)
-    assert g711_encode(np.array([0, 32767, -32768], dtype=np.int16), fmt) == bytes(
-        [0xFF, 0x80, 0x00] if fmt == "audio/pcmu" else [0xD5, 0xAA, 0x2A])
     codes = bytes(range(256))
     decoded = g711_decode(codes, fmt)
     assert decoded.tolist() == [sample_of(code) for code in codes]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        audioop = pytest.importorskip("audioop")
-        reference = audioop.ulaw2lin(codes, 2) if fmt == "audio/pcmu" else audioop.alaw2lin(codes, 2)
-        assert decoded.tolist() == np.frombuffer(reference, dtype="<i2").tolist()
-        again = audioop.lin2ulaw(decoded.tobytes(), 2) if fmt == "audio/pcmu" else audioop.lin2alaw(
-            decoded.tobytes(), 2)
-    negative_zero = [0x7F] if fmt == "audio/pcmu" else []  # μ-law's two zeros: 0 encodes as 0xFF
-    encoded = g711_encode(decoded, fmt)
-    assert [(code, new) for code, new in zip(codes, encoded, strict=True) if code != new] == [
-        (code, 0xFF) for code in negative_zero]
-    assert encoded == again
+    audioop = _audioop()
+    reference = audioop.ulaw2lin(codes, 2) if fmt == "audio/pcmu" else audioop.alaw2lin(codes, 2)
+    assert decoded.tolist() == np.frombuffer(reference, dtype="<i2").tolist()
+    every = np.arange(-32768, 32768, dtype=np.int64)
+    encoded = np.frombuffer(g711_encode(every.astype(np.int16), fmt), dtype=np.uint8)
+    lin2law = audioop.lin2ulaw if fmt == "audio/pcmu" else audioop.lin2alaw
+    expected = np.frombuffer(lin2law(every.astype("<i2").tobytes(), 2), dtype=np.uint8)
+    non_negative = every >= 0
+    np.testing.assert_array_equal(encoded[non_negative], expected[non_negative])
+    np.testing.assert_array_equal(encoded[~every[non_negative] + 32768], encoded[non_negative] ^ 0x80)
+    if fmt == "audio/pcma":  # A-law cuts 3 bits more: audioop's negation lands in the same code word
+        np.testing.assert_array_equal(encoded, expected)
+    assert g711_encode(decoded, fmt) == bytes(0xFF if code == 0x7F and fmt == "audio/pcmu" else code
+                                              for code in codes)  # μ-law's two zeros: 0 encodes as 0xFF
 
 
 @pytest.mark.parametrize("fmt", ["audio/pcmu", "audio/pcma"])
@@ -456,7 +467,8 @@ def test_g711_round_trip_within_its_error(speech, fmt):
     decoded = g711_decode(data, fmt)
     assert np.abs(pcm).max() > 3000
     assert np.all(np.abs(decoded.astype(np.int64) - pcm) <= _g711_error_bound(pcm))
-    assert g711_encode(decoded, fmt) == data  # decoded values are codewords
+    negative_zero = b"\x7f" if fmt == "audio/pcmu" else b""  # μ-law's -0 decodes to 0, which encodes as +0
+    assert g711_encode(decoded, fmt) == (data.replace(negative_zero, b"\xff") if negative_zero else data)
     assert g711_decode(data, "audio/pcma" if fmt == "audio/pcmu" else "audio/pcmu").tolist() != decoded.tolist()
 
 
