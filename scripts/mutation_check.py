@@ -1472,8 +1472,8 @@ MUTATIONS = [
         "quantized_checkpoint_leaves_buffers_empty", "omnimtp/quantized_checkpoint.py",
         "    model.initialize_weights()\n",
         "\n",
-        QUANTIZED_CHECKPOINT, "a quantized checkpoint's non-persistent buffers (rotary tables) are left as uninitialised "
-        "memory",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint's non-persistent buffers (rotary tables) are left as "
+        "uninitialised memory",
     ),
     Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
