@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -215,26 +216,90 @@ def _is_quantized_parameter(name: str, decoders: tuple[str, ...]) -> bool:
     return any(name.startswith(prefix + ".layers.") for prefix in decoders) and bool(_QUANTIZED_PARAMETER.search(name))
 
 
+def _check_destination(quantize: str, dst: str) -> None:
+    if quantize not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
+    check_quantize(quantize, "cpu")
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise ValueError(f"dst: {dst!r} exists and is not an empty directory")
+
+
 def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYTES) -> dict:
     """Writes the quantized checkpoint of SRC (a Qwen3-Omni or Qwen2.5-Omni checkpoint directory) into DST (a new or
     empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode", "decoders": {prefix:
     layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in QUANTIZE_MODES or without a
     kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is not empty."""
-    if quantize not in QUANTIZE_MODES:
-        raise ValueError(f"quantize must be one of {QUANTIZE_MODES}, got {quantize!r}")
-    check_quantize(quantize, "cpu")
     src, dst = os.fspath(src), os.fspath(dst)
+    _check_destination(quantize, dst)
     model_type = omni_model_type(src, "src")
     if model_type not in DECODERS:
         raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts {sorted(DECODERS)}")
     if is_quantized_checkpoint(src):
         raise ValueError(f"src: {src!r} is already quantized")
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise ValueError(f"dst: {dst!r} exists and is not an empty directory")
-    os.makedirs(dst, exist_ok=True)
-    decoders = DECODERS[model_type]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
     model = _meta_model(src, model_type)
-    source = _SourceTensors(model, src)
+    summary = _write(model, _SourceTensors(model, src), dst, quantize, DECODERS[model_type], config, shard_bytes)
+    for entry in os.listdir(src):
+        if entry.endswith(".safetensors") or entry in ("config.json", "model.safetensors.index.json"):
+            continue
+        from_path, to_path = os.path.join(src, entry), os.path.join(dst, entry)
+        if os.path.isdir(from_path):
+            shutil.copytree(from_path, to_path)
+        else:
+            shutil.copy2(from_path, to_path)
+    return summary
+
+
+class _RandomTensors:
+    """`_SourceTensors`' reads for a checkpoint that does not exist: seeded normal weights (std 0.02, as transformers
+    initialises linears and embeddings; norms 1), each drawn when read, in `dtype`."""
+
+    def __init__(self, model, seed: int, dtype: torch.dtype):
+        self.shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+        self.dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
+        self.seed, self.dtype = seed, dtype
+
+    def materialize(self, name: str) -> torch.Tensor:
+        if not self.dtypes[name].is_floating_point:  # counters and indices of the codec's buffers
+            return torch.zeros(self.shapes[name], dtype=self.dtypes[name])
+        if re.search(r"norm[^.]*\.weight$|layernorm\.weight$", name):
+            return torch.ones(self.shapes[name], dtype=self.dtype)
+        return self._draw(name, self.shapes[name])
+
+    def expert(self, name: str, index: int) -> torch.Tensor:
+        return self._draw(f"{name}.{index}", self.shapes[name][1:])
+
+    def _draw(self, name: str, shape) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
+        return (torch.randn(shape, generator=generator) * 0.02).to(self.dtype)
+
+    def release(self) -> None:
+        pass
+
+
+def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                                shard_bytes: int = SHARD_BYTES) -> dict:
+    """A seeded random-weight checkpoint of a Qwen3-Omni or Qwen2.5-Omni `config` (a config.json's dict, e.g. a
+    released one) written straight into DST in the quantized format, one layer and one tensor at a time: a model of
+    any size is built without its float weights ever existing (what `benchmarks/omni_realsize.py` measures the
+    released sizes with). Float tensors in `dtype`. Returns `quantize_checkpoint`'s summary."""
+    dst = os.fspath(dst)
+    _check_destination(quantize, dst)
+    model_type = config.get("model_type")
+    if model_type not in DECODERS:
+        raise ValueError(f"config: model_type {model_type!r}; supported: {sorted(DECODERS)}")
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    model = _meta_model(dst, model_type)
+    os.remove(os.path.join(dst, "config.json"))
+    return _write(model, _RandomTensors(model, seed, dtype), dst, quantize, DECODERS[model_type], config, shard_bytes)
+
+
+def _write(model, source, dst: str, quantize: str, decoders: tuple[str, ...], config: dict, shard_bytes: int) -> dict:
+    """The quantized checkpoint of `model` (on the meta device) with its tensors from `source`, into DST."""
+    os.makedirs(dst, exist_ok=True)
     quantized = _ShardWriter(dst, "quantized", shard_bytes)
     with torch.no_grad():
         for prefix in decoders:
@@ -276,23 +341,11 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
             if len(floats.files) != written:  # a file was written: the tensors it held are gone
                 source.release()
     floats.flush()
-    del source
-    for entry in os.listdir(src):
-        if entry.endswith(".safetensors") or entry in ("config.json", "model.safetensors.index.json"):
-            continue
-        from_path, to_path = os.path.join(src, entry), os.path.join(dst, entry)
-        if os.path.isdir(from_path):
-            shutil.copytree(from_path, to_path)
-        else:
-            shutil.copy2(from_path, to_path)
     summary = {"format": FORMAT, "mode": quantize,
                "decoders": {prefix: len(model.get_submodule(prefix).layers) for prefix in decoders},
                "files": {**floats.files, **quantized.files}}
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config[CONFIG_KEY] = summary
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump({**config, CONFIG_KEY: summary}, f, indent=2)
     return summary
 
 
@@ -361,10 +414,14 @@ def load_quantized_model(path, quantize: str | None = None) -> QuantizedModel:
     for name, buffer in model.named_non_persistent_buffers():
         _load_parameter_into_model(model, name, torch.empty_like(buffer, device="cpu"))
     model.initialize_weights()
-    # the weights the stored matrices replace: zero-stride CPU placeholders, their shapes and dtypes kept, no data
+    # the weights the stored matrices replace: zero-stride CPU placeholders of their shapes, no data, in their
+    # decoder's dtype (its first stored tensor's: what `.dtype` of the model's parts then says)
+    dtypes = {prefix: next(p.dtype for p in model.get_submodule(prefix).parameters() if p.device.type != "meta")
+              for prefix in decoders}
     for name, parameter in list(model.named_parameters()):
         if parameter.device.type == "meta":
-            placeholder = torch.zeros((), dtype=parameter.dtype).expand(parameter.shape)
+            dtype = next(dtypes[prefix] for prefix in decoders if name.startswith(prefix + "."))
+            placeholder = torch.zeros((), dtype=dtype).expand(parameter.shape)
             _load_parameter_into_model(model, name, torch.nn.Parameter(placeholder, requires_grad=False))
     model.omnimtp_quantized_checkpoint = path  # (`OmniPipeline.save_pretrained` refuses such a model)
     if hasattr(model, "load_speakers") and os.path.isfile(os.path.join(path, "spk_dict.pt")):

@@ -16,7 +16,12 @@ import torch
 
 from omnimtp import OmniPipeline
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
-from omnimtp.quantized_checkpoint import CONFIG_KEY, load_quantized_model, quantize_checkpoint
+from omnimtp.quantized_checkpoint import (
+    CONFIG_KEY,
+    load_quantized_model,
+    quantize_checkpoint,
+    random_quantized_checkpoint,
+)
 from omnimtp.runtime.kernels import small_batch_linear as sbl
 
 pytestmark = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
@@ -67,6 +72,22 @@ def test_a_quantized_checkpoint_speaks_as_quantizing_at_load(sources, tmp_path, 
     assert {"tokenizer.json", "processor_config.json", "omnimtp_caps.json"} <= set(os.listdir(tmp_path / "q"))
     with pytest.raises(ValueError, match="quantized checkpoint"):
         loaded.save_pretrained(tmp_path / "again")
+
+
+def test_a_random_checkpoint_is_written_straight_in_the_quantized_format(sources, tmp_path):
+    """What omni_realsize.py builds the released sizes with: no float model, a checkpoint that loads and speaks."""
+    config = json.loads((sources["qwen3"] / "config.json").read_text())
+    summary = random_quantized_checkpoint(config, tmp_path / "r", "w4a8", seed=3)
+    assert summary["mode"] == "w4a8" and set(summary["decoders"]) == {"thinker.model.language_model", "talker.model"}
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "r" / name).write_bytes((sources["qwen3"] / name).read_bytes())
+    pipe = OmniPipeline.from_pretrained(tmp_path / "r")
+    out = pipe.generate("Hello", max_new_tokens=4, max_frames=6)
+    assert len(out.text_ids) == 4 and out.codes.shape[0] == 16 and torch.isfinite(torch.as_tensor(out.audio)).all()
+    again = random_quantized_checkpoint(config, tmp_path / "r2", "w4a8", seed=3)  # seeded: the same bytes
+    for name in summary["files"]:
+        assert (tmp_path / "r" / name).read_bytes() == (tmp_path / "r2" / name).read_bytes()
+    assert again["files"] == summary["files"]
 
 
 def test_refusals_name_what_is_wrong(sources, tmp_path):
