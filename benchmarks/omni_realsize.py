@@ -1,93 +1,89 @@
-"""Qwen3-Omni-30B-A3B's thinker and talker decoders at the released widths, quantized, on this CPU: per-layer costs
-of a decode step, a batch of rows, a speculative verify and a prefill, next to their floors, and what they add up to
-over the released depths.
+"""Qwen3-Omni-30B-A3B at its released size, quantized, speaking on this CPU: load, memory, thinker and speech speed,
+each next to its floor.
 
-The whole model does not fit this box in float, so this builds `--layers` decoder layers of each (random weights in
-the released shapes: thinker 32 / 4 heads × 128, 128 experts of 2 × 768 × 2048 top-8; talker 16 / 2 heads × 128,
-128 experts of 2 × 384 × 1024 top-6 and a 768-wide gated shared expert; `THINKER` and `TALKER` below, from the
-released config.json), one layer at a time in bf16, each quantized as soon as it is packed (the engine's
-`PackedDecoder.from_layers(quantize=)`), and times the packed decoder as the engine runs it:
+No released weights can be downloaded here, so this builds a seeded random-weight checkpoint of `--config` (the
+released config.json's fields, `configs/`) straight in omnimtp's quantized format (`omnimtp.quantized_checkpoint.
+random_quantized_checkpoint`: one layer and one expert at a time, the float model never exists; encoders and codec
+in bf16 as released), kept in `--cache-dir` for later runs, then loads it with `OmniPipeline.from_pretrained` in a
+fresh process and measures there:
 
-- a decode step of one row after a `--prompt`-token prompt, and of `--batch` rows;
-- a verify of k + 1 = 2, 3, 4 positions of one row (a speculative step with k drafts), against the plain step;
-- a prefill of the prompt;
-- the thinker's LM head (152064 × 2048, kept in bf16 as the engine keeps it: not quantized) as one `torch.mv`.
+- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
+- the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
+  and the LM head, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions against the plain
+  step (a MoE verify reads the union of its rows' experts);
+- speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
+  `--frames` frames: random weights never end on their own), time to first audio, the real-time factor, and per
+  frame the thinker's, talker's, code predictor's and code2wav's shares.
 
-Per layer: median ms, and for the one-row step its floor, the bytes the step reads (the layer's attention and
-shared-expert weights, the router, the picked experts' weights and scales, the KV rows) ÷ the read bandwidth
-measured in the same run. The totals scale the per-layer figures to the released depths (48 thinker, 20 talker
-layers) and add the LM head: the thinker's tokens a second at batch 1, extrapolated from `--layers` layers (experts
-picked by random routers, so a verify's rows pick more distinct experts than a trained model's consecutive
-tokens would). Peak RSS of the process is reported too. Writes JSON.
+Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
+KV rows, and the LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
+Writes JSON.
 
-    python benchmarks/omni_realsize.py [--layers 4] [--quantize w4a8] [--threads 2] [--out r.json]
-    python benchmarks/omni_realsize.py --quick      # reduced widths: a check that it runs
+    python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
+        [--codec-dtype bfloat16] [--threads 2] [--out r.json]
+    python benchmarks/omni_realsize.py --build-only DIR        # only write the quantized checkpoint into DIR
+    python benchmarks/omni_realsize.py --quick                 # the tiny model's config: a check that it runs
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import resource
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
 sys.path.insert(0, os.path.dirname(__file__))
 
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerTextConfig,
-    Qwen3OmniMoeTextConfig,
-)
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerModel,
-    Qwen3OmniMoeThinkerTextModel,
-)
-from tts_realtime import machine_floors  # noqa: E402
+from tts_realtime import PhaseClock, machine_floors  # noqa: E402
 
-from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward  # noqa: E402
 from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
 
-_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [24, 20, 20], "interleaved": True}
-# Qwen3-Omni-30B-A3B-Instruct's config.json: thinker_config.text_config and talker_config.text_config
-THINKER = dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-               intermediate_size=768, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-               shared_expert_intermediate_size=0, norm_topk_prob=True, vocab_size=152064, rms_norm_eps=1e-6,
-               max_position_embeddings=65536, mlp_only_layers=[], decoder_sparse_step=1)
-TALKER = dict(hidden_size=1024, num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
-              intermediate_size=2048, moe_intermediate_size=384, num_experts=128, num_experts_per_tok=6,
-              shared_expert_intermediate_size=768, norm_topk_prob=True, vocab_size=3072, rms_norm_eps=1e-6,
-              max_position_embeddings=65536, mlp_only_layers=[], decoder_sparse_step=1)
-QUICK = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=128,
-             moe_intermediate_size=128, num_experts=16, vocab_size=4096)
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "qwen3-omni-30b-a3b-instruct.json"
+NEWLINE = 198  # "\n" in the Qwen tokenizers (the chat template's line ends)
 
 
-def build_decoder(name: str, fields: dict, num_layers: int, quantize: str, seed: int) -> PackedDecoder:
-    """`num_layers` layers of the decoder in bf16 random weights (std 0.02), each quantized as packed into an fp32
-    decoder (activations, norms and the KV cache in fp32, as the CPU kernels run them)."""
-    config_class, model_class = ((Qwen3OmniMoeTextConfig, Qwen3OmniMoeThinkerTextModel) if name == "thinker"
-                                 else (Qwen3OmniMoeTalkerTextConfig, Qwen3OmniMoeTalkerModel))
-    config = config_class(**{**fields, "num_hidden_layers": num_layers}, rope_parameters=dict(_ROPE))
-    with torch.device("meta"):
-        module = model_class(config)
-    module = module.to_empty(device="cpu").to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-        for norm_name, param in module.named_parameters():
-            if "norm" in norm_name:
-                param.fill_(1.0)
-    module.rotary_emb = type(module.rotary_emb)(config)  # its buffers computed on the CPU, not left empty
-    return PackedDecoder.from_module(module, dtype=torch.float32, quantize=quantize)
+def peak_rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return max(peak_kb / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up."""
+def quick_config() -> dict:
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+    return tiny_qwen3_omni_config().to_dict()
+
+
+def build(config: dict, path: Path, mode: str, seed: int) -> dict:
+    from omnimtp.quantized_checkpoint import random_quantized_checkpoint
+
+    started = time.perf_counter()
+    summary = random_quantized_checkpoint(config, path, mode, seed=seed)
+    return {"build_s": time.perf_counter() - started, "bytes": sum(summary["files"].values()),
+            "build_peak_rss_gb": peak_rss_gb()}
+
+
+# --- measured in a fresh process ----------------------------------------------------------------------------------
+
+
+def chat_ids(config, body: list[int]) -> list[int]:
+    """A one-turn chat prompt around `body`: <|im_start|>user \\n body <|im_end|> \\n <|im_start|>assistant \\n."""
+    return [config.im_start_token_id, config.user_token_id, NEWLINE, *body, config.im_end_token_id, NEWLINE,
+            config.im_start_token_id, config.assistant_token_id, NEWLINE]
+
+
+def median_s(fn, repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -97,114 +93,191 @@ def timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def step_fn(decoder: PackedDecoder, prompt: torch.Tensor, rows: int, positions: int):
-    """A function that runs one forward of `positions` new positions for `rows` rows after the prompt (each call
-    on a fresh copy of the prompt's cache, so every call sees the same lengths)."""
-    hidden = decoder.hidden_size
-    cache = KVCache(decoder, rows, prompt.shape[1] + positions + 1)
-    decoder_forward(decoder, cache, prompt.expand(rows, -1, -1).contiguous(), list(range(rows)))
-    saved = cache.snapshot()
-    generator = torch.Generator().manual_seed(rows * 10 + positions)
-    embeds = [(torch.randn(rows, positions, hidden, generator=generator) * 0.02).to(decoder.dtype) for _ in range(8)]
-    state = {"i": 0}
-
-    def run():
-        state["i"] += 1
-        decoder_forward(decoder, cache, embeds[state["i"] % len(embeds)], list(range(rows)))
-        cache.restore(saved)
-
-    return run
-
-
-def layer_bytes(decoder: PackedDecoder, prompt_len: int) -> int:
-    """Bytes one layer's one-row step reads: attention (and shared experts), router, top-k experts, KV rows."""
-    layer, quantized = decoder.layers[0], decoder.quantized_layers[0]
-    total = sum(t.numel() * t.element_size() for q in quantized if q is not None for t in (q.packed, q.scales))
-    total += layer.router_row_kernel.numel() * 4
-    gate_up, down = layer.quantized_experts
-    per_expert = sum(t[0].numel() * t.element_size() for q in (gate_up, down) for t in (q.packed, q.scales))
-    total += layer.router.top_k * per_expert
-    total += 2 * decoder.num_kv_heads * decoder.head_dim * prompt_len * decoder.dtype.itemsize  # keys, values
+def step_bytes(decoder, lm_head: torch.Tensor, kv_length: int) -> int:
+    """Bytes a one-row step of the quantized thinker reads (see the module docstring)."""
+    total = lm_head.numel() * lm_head.element_size()
+    for layer, quantized in zip(decoder.layers, decoder.quantized_layers, strict=True):
+        total += sum(t.numel() * t.element_size() for q in quantized if q is not None for t in (q.packed, q.scales))
+        if layer.router is not None:
+            total += layer.router_row_kernel.numel() * 4
+            gate_up, down = layer.quantized_experts
+            total += layer.router.top_k * sum(t[0].numel() * t.element_size() for q in (gate_up, down)
+                                              for t in (q.packed, q.scales))
+        total += 2 * decoder.num_kv_heads * decoder.head_dim * kv_length * decoder.dtype.itemsize
     return total
 
 
-def bench(name: str, fields: dict, args, read_gb_s: float) -> dict:
-    started = time.perf_counter()
-    decoder = build_decoder(name, fields, args.layers, args.quantize, seed=len(name))
-    built_s = time.perf_counter() - started
-    layers = decoder.num_layers
-    prompt = torch.randn(1, args.prompt, decoder.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
-    result = {"decoder": name, "layers_built": layers, "released_layers": fields["num_hidden_layers"],
-              "build_s": built_s, "ms_per_layer": {}}
-    per_layer = result["ms_per_layer"]
-    per_layer["step_1_row"] = 1e3 * timed(step_fn(decoder, prompt, 1, 1), args.repeats) / layers
-    per_layer[f"step_{args.batch}_rows"] = 1e3 * timed(step_fn(decoder, prompt, args.batch, 1), args.repeats) / layers
-    for k in (1, 2, 3):
-        per_layer[f"verify_k{k}"] = 1e3 * timed(step_fn(decoder, prompt, 1, k + 1), args.repeats) / layers
-    cache = KVCache(decoder, 1, args.prompt + 1)
+def thinker_figures(pipe, args, read_gb_s: float) -> dict:
+    from omnimtp.packed_decoder import KVCache, decoder_forward
+
+    decoder = pipe.family.thinker_decoder
+    thinker = pipe.model.thinker
+    embed = thinker.model.language_model.embed_tokens.weight
+    lm_head = thinker.lm_head.weight
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, embed.shape[0], (args.prompt,), generator=generator)
+    embeds = embed[prompt].to(decoder.dtype)[None]  # [1, P, H]
+    cache = KVCache(decoder, 4, args.prompt + 16)
     empty = cache.snapshot()
-    per_layer[f"prefill_{args.prompt}"] = 1e3 * timed(
-        lambda: (decoder_forward(decoder, cache, prompt, [0]), cache.restore(empty)), max(3, args.repeats // 4)
-    ) / layers
-    floor_ms = 1e3 * layer_bytes(decoder, args.prompt) / (read_gb_s * 1e9)
-    result["floor_ms_per_layer_step_1_row"] = floor_ms
-    released = fields["num_hidden_layers"]
-    result["step_1_row_ms_released_depth"] = per_layer["step_1_row"] * released
-    if name == "thinker":
-        lm_head = torch.randn(fields["vocab_size"], decoder.hidden_size, dtype=torch.bfloat16) * 0.02
-        row = torch.randn(decoder.hidden_size, dtype=torch.bfloat16)
-        lm_ms = 1e3 * timed(lambda: torch.mv(lm_head, row), args.repeats)
-        result["lm_head_bf16_ms"] = lm_ms
-        result["lm_head_floor_ms"] = 1e3 * lm_head.numel() * 2 / (read_gb_s * 1e9)
-        token_ms = result["step_1_row_ms_released_depth"] + lm_ms
-        result["tokens_per_s_batch_1"] = 1e3 / token_ms
-        result["tokens_per_s_floor"] = 1e3 / (floor_ms * released + result["lm_head_floor_ms"])
-        batch_ms = per_layer[f"step_{args.batch}_rows"] * released + lm_ms  # (the LM head's rows: one read)
-        result[f"tokens_per_s_batch_{args.batch}"] = args.batch * 1e3 / batch_ms
-    print(f"{name}: {layers} of {released} layers built in {built_s:.0f} s; per layer: " + ", ".join(
-        f"{key} {ms:.2f} ms" for key, ms in per_layer.items()) + f"; one-row floor {floor_ms:.2f} ms", flush=True)
-    if name == "thinker":
-        print(f"  thinker at 48 layers + LM head ({result['lm_head_bf16_ms']:.1f} ms, floor "
-              f"{result['lm_head_floor_ms']:.1f}): {result['tokens_per_s_batch_1']:.1f} tokens/s at batch 1 "
-              f"(floor {result['tokens_per_s_floor']:.1f}), {result[f'tokens_per_s_batch_{args.batch}']:.1f} at "
-              f"batch {args.batch}", flush=True)
-    else:
-        print(f"  talker at {released} layers: {result['step_1_row_ms_released_depth']:.1f} ms a frame's step "
-              f"(floor {floor_ms * released:.1f})", flush=True)
+
+    def prefill():
+        cache.restore(empty)
+        hidden = decoder_forward(decoder, cache, embeds, [0]).last_hidden
+        return hidden.to(lm_head.dtype) @ lm_head.T
+
+    figures = {"prefill_ms": 1e3 * median_s(prefill, 3)}
+    cache.restore(empty)
+    decoder_forward(decoder, cache, embeds.expand(4, -1, -1).contiguous(), [0, 1, 2, 3])
+    prompt_done = cache.snapshot()
+    tokens = [embed[torch.randint(0, embed.shape[0], (4, k), generator=generator)].to(decoder.dtype)
+              for k in (1, 2, 3, 4)]
+
+    def step(rows: int, positions: int):
+        def run():
+            hidden = decoder_forward(decoder, cache, tokens[positions - 1][:rows], list(range(rows)),
+                                     all_final=positions > 1)
+            cache.restore(prompt_done)
+            final = hidden.final if positions > 1 else hidden.last_hidden[:, None]
+            return final.to(lm_head.dtype) @ lm_head.T
+        return run
+
+    one = median_s(step(1, 1), args.repeats)
+    four = median_s(step(4, 1), args.repeats)
+    figures.update(step_ms_batch_1=1e3 * one, step_ms_batch_4=1e3 * four, tokens_per_s_batch_1=1 / one,
+                   tokens_per_s_batch_4=4 / four)
+    for k in (1, 2, 3):
+        figures[f"verify_k{k}_ms"] = 1e3 * median_s(step(1, k + 1), args.repeats)
+        figures[f"verify_k{k}_vs_step"] = figures[f"verify_k{k}_ms"] / figures["step_ms_batch_1"]
+    floor_s = step_bytes(decoder, lm_head, args.prompt) / (read_gb_s * 1e9)
+    figures.update(floor_step_ms=1e3 * floor_s, floor_tokens_per_s=1 / floor_s,
+                   step_bytes_gb=step_bytes(decoder, lm_head, args.prompt) / 1e9)
+    return figures
+
+
+def speech_figures(pipe, args) -> dict:
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+
+    config = pipe.model.config
+    generator = torch.Generator().manual_seed(2)
+    vocab = config.thinker_config.text_config.vocab_size
+    body = torch.randint(min(1000, vocab // 4), min(100_000, vocab), (args.prompt,), generator=generator).tolist()
+    request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=args.frames,
+                      speaker=pipe.family.default_speaker)
+    clock = PhaseClock()
+    runner = pipe.family.predictor(pipe.config.max_batch_size)
+    run = runner.run
+
+    def timed_run(*run_args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*run_args, **kwargs)
+        finally:
+            clock.phases["code_predictor"] += time.perf_counter() - started
+
+    runner.run = timed_run
+    core = EngineCore(pipe.family, pipe.config, observer=clock)
+    core.add(request)
+    first_audio, audio_samples = None, 0
+    started = time.perf_counter()
+    try:
+        while core.has_work():
+            for event in core.step():
+                if event.audio is not None and len(event.audio):
+                    audio_samples += len(event.audio)
+                    first_audio = first_audio or time.perf_counter() - started
+                if event.is_finished:
+                    output = core.output(event.request)
+    finally:
+        del runner.run
+    wall = time.perf_counter() - started
+    audio_s = len(output.audio) / pipe.family.sample_rate
+    frames = max(clock.num_frame_steps, 1)
+    phases = clock.phases
+    return {
+        "first_audio_s": first_audio, "wall_s": wall, "audio_s": audio_s, "rtf": wall / audio_s,
+        "frames": int(output.codes.shape[-1]), "think_tokens": len(output.text_ids),
+        "ms_per_frame": {"talker": 1e3 * (phases["talk"] - phases["code_predictor"]) / frames,
+                         "code_predictor": 1e3 * phases["code_predictor"] / frames,
+                         "code2wav": 1e3 * phases["code2wav"] / frames},
+        "thinker_s": phases["think"],
+    }
+
+
+def measure(path: str, args) -> dict:
+    from omnimtp import OmniPipeline
+
+    torch.set_num_threads(args.threads)
+    floors = machine_floors(args.threads, args.quick)
+    started = time.perf_counter()
+    pipe = OmniPipeline.from_pretrained(path, codec_dtype=args.codec_dtype, max_batch_size=4,
+                                        torch_threads=args.threads)
+    result = {"load_s": time.perf_counter() - started, "rss_after_load_gb": peak_rss_gb(), "floors": floors}
+    with torch.inference_mode():
+        result["thinker"] = thinker_figures(pipe, args, floors["read_gb_s"])
+        result["speech"] = speech_figures(pipe, args)
+    result["peak_rss_gb"] = peak_rss_gb()
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="layers built of each decoder (measured per layer)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Qwen3-Omni config.json")
     parser.add_argument("--quantize", default="w4a8", choices=QUANTIZE_MODES)
-    parser.add_argument("--prompt", type=int, default=64, help="prompt positions before the timed steps")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--codec-dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--think-tokens", type=int, default=24, help="thinker tokens of the spoken reply")
+    parser.add_argument("--frames", type=int, default=75, help="frames spoken (12.5 a second)")
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="reduced widths, 2 layers, 3 repeats")
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
+    parser.add_argument("--build-only", default=None, metavar="DIR", help="write the checkpoint into DIR and stop")
+    parser.add_argument("--quick", action="store_true", help="the tiny Qwen3-Omni's config, short runs")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the fresh process's side
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    thinker, talker = THINKER, TALKER
     if args.quick:
-        thinker, talker = {**THINKER, **QUICK}, {**TALKER, **QUICK}
-        args.layers, args.repeats, args.prompt = 2, 3, 16
+        args.prompt, args.think_tokens, args.frames, args.repeats = 16, 4, 8, 3
+    if args.measure is not None:
+        print(json.dumps(measure(args.measure, args)))
+        return
     torch.set_num_threads(args.threads)
-    floors = machine_floors(args.threads, args.quick)
-    print(f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}, "
-          f"{torch.backends.cpu.get_cpu_capability()}, {args.quantize}: read {floors['read_gb_s']:.1f} GB/s",
-          flush=True)
-    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
-               "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(), "quantize": args.quantize,
-               "prompt": args.prompt, "batch": args.batch, "floors": floors}
-    with torch.inference_mode():
-        results["thinker"] = bench("thinker", thinker, args, floors["read_gb_s"])
-        results["talker"] = bench("talker", talker, args, floors["read_gb_s"])
-    results["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    print(f"peak RSS {results['peak_rss_gb']:.2f} GB", flush=True)
+    config = quick_config() if args.quick else json.loads(Path(args.config).read_text())
+    name = "quick" if args.quick else Path(args.config).stem
+    path = Path(args.build_only) if args.build_only else Path(args.cache_dir) / f"{name}-{args.quantize}-{args.seed}"
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": name, "quantize": args.quantize,
+               "codec_dtype": args.codec_dtype, "threads": args.threads, "torch": torch.__version__,
+               "machine": platform.processor() or platform.machine(), "isa": torch.backends.cpu.get_cpu_capability(),
+               "checkpoint": str(path)}
+    if not (path / "config.json").is_file():
+        with contextlib.suppress(FileNotFoundError):
+            path.rmdir()  # an empty leftover of an interrupted build
+        results["build"] = build(config, path, args.quantize, args.seed)
+        print(f"built {path}: {results['build']['bytes'] / 1e9:.2f} GB in {results['build']['build_s']:.0f} s, "
+              f"peak RSS {results['build']['build_peak_rss_gb']:.2f} GB", flush=True)
+    if args.build_only:
+        return
+    command = [sys.executable, __file__, "--measure", str(path), "--threads", str(args.threads), "--prompt",
+               str(args.prompt), "--think-tokens", str(args.think_tokens), "--frames", str(args.frames),
+               "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    if args.codec_dtype:
+        command += ["--codec-dtype", args.codec_dtype]
+    process = subprocess.run(command, capture_output=True, text=True)
+    if process.returncode != 0:
+        sys.exit(f"the measuring process failed:\n{process.stderr[-3000:]}")
+    results.update(json.loads(process.stdout.strip().splitlines()[-1]))
+    t, s = results["thinker"], results["speech"]
+    print(f"load {results['load_s']:.1f} s, RSS after load {results['rss_after_load_gb']:.2f} GB, peak "
+          f"{results['peak_rss_gb']:.2f} GB; read {results['floors']['read_gb_s']:.1f} GB/s")
+    print(f"thinker: prefill {args.prompt} tokens {t['prefill_ms']:.0f} ms; {t['tokens_per_s_batch_1']:.1f} tokens/s "
+          f"at batch 1 (floor {t['floor_tokens_per_s']:.1f}: {t['step_bytes_gb']:.2f} GB a step), "
+          f"{t['tokens_per_s_batch_4']:.1f} at batch 4; verify k = 1, 2, 3: "
+          + ", ".join(f"{t[f'verify_k{k}_vs_step']:.2f}x" for k in (1, 2, 3)) + " a plain step")
+    print(f"speech: first audio {s['first_audio_s']:.2f} s, RTF {s['rtf']:.2f} ({s['audio_s']:.1f} s of audio, "
+          f"{s['frames']} frames); per frame " + ", ".join(f"{k} {v:.1f} ms" for k, v in s["ms_per_frame"].items()))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
