@@ -1,0 +1,284 @@
+"""Qwen3-Omni-30B-A3B at its released size, quantized, speaking on this CPU: load, memory, thinker and speech speed,
+each next to its floor.
+
+No released weights can be downloaded here, so this builds a seeded random-weight checkpoint of `--config` (the
+released config.json's fields, `configs/`) straight in omnimtp's quantized format (`omnimtp.quantized_checkpoint.
+random_quantized_checkpoint`: one layer and one expert at a time, the float model never exists; encoders and codec
+in bf16 as released), kept in `--cache-dir` for later runs, then loads it with `OmniPipeline.from_pretrained` in a
+fresh process and measures there:
+
+- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
+- the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
+  and the LM head, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions against the plain
+  step (a MoE verify reads the union of its rows' experts);
+- speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
+  `--frames` frames: random weights never end on their own), time to first audio, the real-time factor, and per
+  frame the thinker's, talker's, code predictor's and code2wav's shares.
+
+Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
+KV rows, and the LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
+Writes JSON.
+
+    python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
+        [--codec-dtype bfloat16] [--threads 2] [--out r.json]
+    python benchmarks/omni_realsize.py --build-only DIR        # only write the quantized checkpoint into DIR
+    python benchmarks/omni_realsize.py --quick                 # the tiny model's config: a check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tts_realtime import PhaseClock, machine_floors  # noqa: E402
+
+from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONFIG = HERE / "configs" / "qwen3-omni-30b-a3b-instruct.json"
+NEWLINE = 198  # "\n" in the Qwen tokenizers (the chat template's line ends)
+
+
+def peak_rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return max(peak_kb / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+def quick_config() -> dict:
+    from omnimtp.models.tiny import tiny_qwen3_omni_config
+
+    return tiny_qwen3_omni_config().to_dict()
+
+
+def build(config: dict, path: Path, mode: str, seed: int) -> dict:
+    from omnimtp.quantized_checkpoint import random_quantized_checkpoint
+
+    started = time.perf_counter()
+    summary = random_quantized_checkpoint(config, path, mode, seed=seed)
+    return {"build_s": time.perf_counter() - started, "bytes": sum(summary["files"].values()),
+            "build_peak_rss_gb": peak_rss_gb()}
+
+
+# --- measured in a fresh process ----------------------------------------------------------------------------------
+
+
+def chat_ids(config, body: list[int]) -> list[int]:
+    """A one-turn chat prompt around `body`: <|im_start|>user \\n body <|im_end|> \\n <|im_start|>assistant \\n."""
+    return [config.im_start_token_id, config.user_token_id, NEWLINE, *body, config.im_end_token_id, NEWLINE,
+            config.im_start_token_id, config.assistant_token_id, NEWLINE]
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def step_bytes(decoder, lm_head: torch.Tensor, kv_length: int) -> int:
+    """Bytes a one-row step of the quantized thinker reads (see the module docstring)."""
+    total = lm_head.numel() * lm_head.element_size()
+    for layer, quantized in zip(decoder.layers, decoder.quantized_layers, strict=True):
+        total += sum(t.numel() * t.element_size() for q in quantized if q is not None for t in (q.packed, q.scales))
+        if layer.router is not None:
+            total += layer.router_row_kernel.numel() * 4
+            gate_up, down = layer.quantized_experts
+            total += layer.router.top_k * sum(t[0].numel() * t.element_size() for q in (gate_up, down)
+                                              for t in (q.packed, q.scales))
+        total += 2 * decoder.num_kv_heads * decoder.head_dim * kv_length * decoder.dtype.itemsize
+    return total
+
+
+def thinker_figures(pipe, args, read_gb_s: float) -> dict:
+    from omnimtp.packed_decoder import KVCache, decoder_forward
+
+    decoder = pipe.family.thinker_decoder
+    thinker = pipe.model.thinker
+    embed = thinker.model.language_model.embed_tokens.weight
+    lm_head = thinker.lm_head.weight
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, embed.shape[0], (args.prompt,), generator=generator)
+    embeds = embed[prompt].to(decoder.dtype)[None]  # [1, P, H]
+    cache = KVCache(decoder, 4, args.prompt + 16)
+    empty = cache.snapshot()
+
+    def prefill():
+        cache.restore(empty)
+        hidden = decoder_forward(decoder, cache, embeds, [0]).last_hidden
+        return hidden.to(lm_head.dtype) @ lm_head.T
+
+    figures = {"prefill_ms": 1e3 * median_s(prefill, 3)}
+    cache.restore(empty)
+    decoder_forward(decoder, cache, embeds.expand(4, -1, -1).contiguous(), [0, 1, 2, 3])
+    prompt_done = cache.snapshot()
+    tokens = [embed[torch.randint(0, embed.shape[0], (4, k), generator=generator)].to(decoder.dtype)
+              for k in (1, 2, 3, 4)]
+
+    def step(rows: int, positions: int):
+        def run():
+            hidden = decoder_forward(decoder, cache, tokens[positions - 1][:rows], list(range(rows)),
+                                     all_final=positions > 1)
+            cache.restore(prompt_done)
+            final = hidden.final if positions > 1 else hidden.last_hidden[:, None]
+            return final.to(lm_head.dtype) @ lm_head.T
+        return run
+
+    one = median_s(step(1, 1), args.repeats)
+    four = median_s(step(4, 1), args.repeats)
+    figures.update(step_ms_batch_1=1e3 * one, step_ms_batch_4=1e3 * four, tokens_per_s_batch_1=1 / one,
+                   tokens_per_s_batch_4=4 / four)
+    for k in (1, 2, 3):
+        figures[f"verify_k{k}_ms"] = 1e3 * median_s(step(1, k + 1), args.repeats)
+        figures[f"verify_k{k}_vs_step"] = figures[f"verify_k{k}_ms"] / figures["step_ms_batch_1"]
+    floor_s = step_bytes(decoder, lm_head, args.prompt) / (read_gb_s * 1e9)
+    figures.update(floor_step_ms=1e3 * floor_s, floor_tokens_per_s=1 / floor_s,
+                   step_bytes_gb=step_bytes(decoder, lm_head, args.prompt) / 1e9)
+    return figures
+
+
+def speech_figures(pipe, args) -> dict:
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+
+    config = pipe.model.config
+    generator = torch.Generator().manual_seed(2)
+    vocab = config.thinker_config.text_config.vocab_size
+    body = torch.randint(min(1000, vocab // 4), min(100_000, vocab), (args.prompt,), generator=generator).tolist()
+    request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=args.frames,
+                      speaker=pipe.family.default_speaker)
+    clock = PhaseClock()
+    runner = pipe.family.predictor(pipe.config.max_batch_size)
+    run = runner.run
+
+    def timed_run(*run_args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*run_args, **kwargs)
+        finally:
+            clock.phases["code_predictor"] += time.perf_counter() - started
+
+    runner.run = timed_run
+    core = EngineCore(pipe.family, pipe.config, observer=clock)
+    core.add(request)
+    first_audio, audio_samples = None, 0
+    started = time.perf_counter()
+    try:
+        while core.has_work():
+            for event in core.step():
+                if event.audio is not None and len(event.audio):
+                    audio_samples += len(event.audio)
+                    first_audio = first_audio or time.perf_counter() - started
+                if event.is_finished:
+                    output = core.output(event.request)
+    finally:
+        del runner.run
+    wall = time.perf_counter() - started
+    audio_s = len(output.audio) / pipe.family.sample_rate
+    frames = max(clock.num_frame_steps, 1)
+    phases = clock.phases
+    return {
+        "first_audio_s": first_audio, "wall_s": wall, "audio_s": audio_s, "rtf": wall / audio_s,
+        "frames": int(output.codes.shape[-1]), "think_tokens": len(output.text_ids),
+        "ms_per_frame": {"talker": 1e3 * (phases["talk"] - phases["code_predictor"]) / frames,
+                         "code_predictor": 1e3 * phases["code_predictor"] / frames,
+                         "code2wav": 1e3 * phases["code2wav"] / frames},
+        "thinker_s": phases["think"],
+    }
+
+
+def measure(path: str, args) -> dict:
+    from omnimtp import OmniPipeline
+
+    torch.set_num_threads(args.threads)
+    floors = machine_floors(args.threads, args.quick)
+    started = time.perf_counter()
+    pipe = OmniPipeline.from_pretrained(path, codec_dtype=args.codec_dtype, max_batch_size=4,
+                                        torch_threads=args.threads)
+    result = {"load_s": time.perf_counter() - started, "rss_after_load_gb": peak_rss_gb(), "floors": floors}
+    with torch.inference_mode():
+        result["thinker"] = thinker_figures(pipe, args, floors["read_gb_s"])
+        result["speech"] = speech_figures(pipe, args)
+    result["peak_rss_gb"] = peak_rss_gb()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Qwen3-Omni config.json")
+    parser.add_argument("--quantize", default="w4a8", choices=QUANTIZE_MODES)
+    parser.add_argument("--codec-dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--think-tokens", type=int, default=24, help="thinker tokens of the spoken reply")
+    parser.add_argument("--frames", type=int, default=75, help="frames spoken (12.5 a second)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
+    parser.add_argument("--build-only", default=None, metavar="DIR", help="write the checkpoint into DIR and stop")
+    parser.add_argument("--quick", action="store_true", help="the tiny Qwen3-Omni's config, short runs")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the fresh process's side
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.prompt, args.think_tokens, args.frames, args.repeats = 16, 4, 8, 3
+    if args.measure is not None:
+        print(json.dumps(measure(args.measure, args)))
+        return
+    torch.set_num_threads(args.threads)
+    config = quick_config() if args.quick else json.loads(Path(args.config).read_text())
+    name = "quick" if args.quick else Path(args.config).stem
+    path = Path(args.build_only) if args.build_only else Path(args.cache_dir) / f"{name}-{args.quantize}-{args.seed}"
+    results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": name, "quantize": args.quantize,
+               "codec_dtype": args.codec_dtype, "threads": args.threads, "torch": torch.__version__,
+               "machine": platform.processor() or platform.machine(), "isa": torch.backends.cpu.get_cpu_capability(),
+               "checkpoint": str(path)}
+    if not (path / "config.json").is_file():
+        with contextlib.suppress(FileNotFoundError):
+            path.rmdir()  # an empty leftover of an interrupted build
+        results["build"] = build(config, path, args.quantize, args.seed)
+        print(f"built {path}: {results['build']['bytes'] / 1e9:.2f} GB in {results['build']['build_s']:.0f} s, "
+              f"peak RSS {results['build']['build_peak_rss_gb']:.2f} GB", flush=True)
+    if args.build_only:
+        return
+    command = [sys.executable, __file__, "--measure", str(path), "--threads", str(args.threads), "--prompt",
+               str(args.prompt), "--think-tokens", str(args.think_tokens), "--frames", str(args.frames),
+               "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    if args.codec_dtype:
+        command += ["--codec-dtype", args.codec_dtype]
+    process = subprocess.run(command, capture_output=True, text=True)
+    if process.returncode != 0:
+        sys.exit(f"the measuring process failed:\n{process.stderr[-3000:]}")
+    results.update(json.loads(process.stdout.strip().splitlines()[-1]))
+    t, s = results["thinker"], results["speech"]
+    print(f"load {results['load_s']:.1f} s, RSS after load {results['rss_after_load_gb']:.2f} GB, peak "
+          f"{results['peak_rss_gb']:.2f} GB; read {results['floors']['read_gb_s']:.1f} GB/s")
+    print(f"thinker: prefill {args.prompt} tokens {t['prefill_ms']:.0f} ms; {t['tokens_per_s_batch_1']:.1f} tokens/s "
+          f"at batch 1 (floor {t['floor_tokens_per_s']:.1f}: {t['step_bytes_gb']:.2f} GB a step), "
+          f"{t['tokens_per_s_batch_4']:.1f} at batch 4; verify k = 1, 2, 3: "
+          + ", ".join(f"{t[f'verify_k{k}_vs_step']:.2f}x" for k in (1, 2, 3)) + " a plain step")
+    print(f"speech: first audio {s['first_audio_s']:.2f} s, RTF {s['rtf']:.2f} ({s['audio_s']:.1f} s of audio, "
+          f"{s['frames']} frames); per frame " + ", ".join(f"{k} {v:.1f} ms" for k, v in s["ms_per_frame"].items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
