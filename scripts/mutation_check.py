@@ -1248,6 +1248,39 @@ MUTATIONS = [
         "      positions[r * span + n++] = s;",
         ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
     ),
+    # --- runaway audio and the outside fuzz's findings ---------------------------------------------
+    Mutation(
+        "runaway_text_bound_off", "omnimtp/talker/loop.py",
+        "        elif runaway is not None and row.num_frames >= runaway.max_text_frames(row.num_text_rows):",
+        "        elif False:",
+        ("tests/test_server.py::test_a_talker_that_never_ends_is_cut_at_its_texts_bound_and_counted",),
+        "a talker that never ends runs to max_frames whatever its text",
+    ),
+    Mutation(
+        "runaway_text_bound_ignores_pushed_rows", "omnimtp/talker/loop.py",
+        "        row.num_text_rows += rows.shape[0]\n",
+        "",
+        ("tests/test_pipeline_talker_loop.py",), "a text still arriving is cut at the bound of its first rows",
+    ),
+    Mutation(
+        "runaway_repetition_off", "omnimtp/talker/loop.py",
+        "        elif row.repeats is not None and row.repeats.push(next_code0):",
+        "        elif False:",
+        ("tests/test_pipeline_talker_loop.py",), "code 0 repeating one pattern runs on to max_frames",
+    ),
+    Mutation(
+        "runaway_repeat_period_off_by_one", "omnimtp/talker/loop.py",
+        "        return any(self.runs[p] + p >= self.num_frames for p in range(1, self.max_period + 1))",
+        "        return any(self.runs[p] + p >= self.num_frames for p in range(1, self.max_period))",
+        ("tests/test_pipeline_talker_loop.py",), "a pattern of exactly max_repeat_period frames is never caught",
+    ),
+    Mutation(
+        "runaway_cut_not_counted", "omnimtp/server/scheduler.py",
+        "                self.metrics.audio_cut.labels(cut_by=request.audio_cut_by).inc()",
+        "                pass",
+        ("tests/test_server.py::test_a_talker_that_never_ends_is_cut_at_its_texts_bound_and_counted",),
+        "audio cut by a runaway limit is not counted in the metrics",
+    ),
 ]
 
 

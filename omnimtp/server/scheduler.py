@@ -685,6 +685,8 @@ class Engine:
             self.metrics.frames_per_second.observe(len(request.frames) / elapsed)
         if self.metrics is not None:
             self.metrics.observe_spec(request.spec_stats)
+            if request.audio_cut_by is not None:
+                self.metrics.audio_cut.labels(cut_by=request.audio_cut_by).inc()
 
     def _fail(self, requests: list[Request], message: str) -> None:
         for request in requests:
