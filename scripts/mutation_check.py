@@ -1281,6 +1281,34 @@ MUTATIONS = [
         ("tests/test_server.py::test_a_talker_that_never_ends_is_cut_at_its_texts_bound_and_counted",),
         "audio cut by a runaway limit is not counted in the metrics",
     ),
+    Mutation(
+        "websocket_receive_never_yields", "omnimtp/server/websocket.py",
+        "            await asyncio.sleep(0)\n            try:",
+        "            try:",
+        ("tests/test_server_websocket.py::test_receive_yields_before_each_message",),
+        "a burst of buffered WebSocket events runs without letting any other request in",
+    ),
+    Mutation(
+        "speech_stream_burst_tokenized_per_delta", "omnimtp/server/routes/speech_stream.py",
+        "    if len(deltas) > 1:",
+        "    if False:",
+        ("tests/test_speech_stream.py::test_a_burst_of_tiny_deltas_does_not_hold_up_the_server",),
+        "each delta of a burst re-tokenizes the whole text so far (quadratic work per burst)",
+    ),
+    Mutation(
+        "idle_stream_requests_fill_the_queue", "omnimtp/server/scheduler.py",
+        "            if self._core.num_queued() >= self.max_queue:",
+        "            if len(self._core.waiting) >= self.max_queue:",
+        ("tests/test_speech_stream.py::test_sessions_waiting_for_their_first_words_do_not_fill_the_queue",),
+        "streamed-text requests waiting for their first words count against --max-queue (idle sessions cause 429s)",
+    ),
+    Mutation(
+        "multipart_parsed_on_the_loop", "omnimtp/server/guard.py",
+        "            return await run_in_threadpool(asyncio.run, parser.parse())",
+        "            return await parser.parse()",
+        ("tests/test_server_transcriptions.py::test_a_large_malformed_upload_is_parsed_off_the_event_loop",),
+        "a 16 MiB multipart upload is parsed on the event loop (seconds without /health)",
+    ),
 ]
 
 
