@@ -168,6 +168,12 @@ class EngineCore:
                 request.waits_for_text_since = request.submitted_at
             self.waiting.append(request)
 
+    def num_queued(self) -> int:
+        """Waiting requests that can take a slot once one is free (a streamed text's request still waiting for its
+        first words is not one: it holds nothing another request needs)."""
+        with self.lock:
+            return sum(_has_text(r) for r in self.waiting)
+
     def has_work(self) -> bool:
         with self.lock:
             return bool(self.waiting or self.running)

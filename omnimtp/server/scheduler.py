@@ -451,7 +451,8 @@ class Engine:
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
                prompt: tuple[list[int], MediaInputs | None] | None = None,
                segments: Iterator[list[int]] | None = None) -> RequestHandle:
-        """Queue a request (called on the event loop). Raises QueueFullError at the bound and
+        """Queue a request (called on the event loop). Raises QueueFullError at the bound (max_queue requests
+        waiting for a slot; a streamed text's request waiting for its first words does not count) and
         PromptTooLongError for a prompt over max_prompt_tokens (before anything is queued). prompt: what
         `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
         off the event loop); segments: what `speech_segments(request)` gives a speech request, likewise."""
@@ -479,7 +480,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
-            if len(self._core.waiting) >= self.max_queue:
+            if self._core.num_queued() >= self.max_queue:
                 raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             sampling = None if sampling.is_greedy else sampling
