@@ -210,3 +210,36 @@ def test_realtime_input_transcripts_equal_the_routes(server, http, speech_path):
             is_done = is_done or event.type == "response.done"
     assert completed.item_id == item_id and completed.transcript == expected
     assert "".join(deltas).strip() == expected and expected
+
+
+def test_a_large_malformed_upload_is_parsed_off_the_event_loop(server):
+    """A 16 MiB multipart body of false boundaries (the parser's slowest input): `/health` answers while it is
+    parsed (on a worker thread), and the upload gets its 400."""
+    import time
+
+    import httpx
+
+    body = b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n"
+    body += b"\r\n--Bx" * ((16 << 20) // 6 - 32)  # each a boundary, then not the end of one
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=server, timeout=60) as http:
+            while not stop.is_set():
+                started = time.perf_counter()
+                http.get("/health")
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.2)
+    try:
+        response = httpx.post(server + "/v1/audio/transcriptions", content=body, timeout=120,
+                              headers={"Content-Type": "multipart/form-data; boundary=B"})
+    finally:
+        stop.set()
+        poller.join(60)
+    assert response.status_code == 400, response.text
+    print(f"/health max {max(latencies) * 1e3:.0f} ms over {len(latencies)} polls")
+    assert max(latencies) < 1.0, max(latencies)

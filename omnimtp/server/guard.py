@@ -140,8 +140,9 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
 
 
 async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1, max_fields: int = 16) -> FormData:
-    """A multipart/form-data body (`read_body`'s size limit), parsed by Starlette's multipart parser: at most
-    `max_files` files and `max_fields` other fields. 415 for another Content-Type, 400 for a malformed body."""
+    """A multipart/form-data body (`read_body`'s size limit), parsed by Starlette's multipart parser (on a worker
+    thread past THREAD_PARSE_BYTES, as JSON is): at most `max_files` files and `max_fields` other fields. 415 for
+    another Content-Type, 400 for a malformed body."""
     content_type = request.headers.get("content-type", "")
     if not is_form(content_type):
         raise APIError(415, f"Content-Type must be multipart/form-data or application/json, got "
@@ -154,6 +155,8 @@ async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1
     parser = MultiPartParser(request.headers, stream(), max_files=max_files, max_fields=max_fields,
                              max_part_size=max_body_bytes)
     try:
+        if len(body) > THREAD_PARSE_BYTES:  # seconds for 16 MiB of false boundaries: on a worker thread
+            return await run_in_threadpool(asyncio.run, parser.parse())
         return await parser.parse()
     except MultiPartException as exc:
         raise APIError(400, f"request body is not a valid multipart form: {exc.message}", code="invalid_form") from None
