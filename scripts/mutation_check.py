@@ -1309,6 +1309,13 @@ MUTATIONS = [
         ("tests/test_server_transcriptions.py::test_a_large_malformed_upload_is_parsed_off_the_event_loop",),
         "a 16 MiB multipart upload is parsed on the event loop (seconds without /health)",
     ),
+    Mutation(
+        "conversation_media_parts_per_request", "omnimtp/server/scheduler.py",
+        "        if request.cache_key is None:\n            return self.media_limits",
+        "        if True:\n            return self.media_limits",
+        ("tests/test_server_realtime.py::test_a_conversation_answers_after_more_audio_turns_than_max_media_parts",),
+        "a realtime session cannot answer once its history holds more than --max-media-parts audio turns",
+    ),
 ]
 
 

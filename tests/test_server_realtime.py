@@ -425,3 +425,23 @@ def test_qwen2_5_omni_audio_turn():
         reply = _response(connection)
     messages = [{"role": "user", "content": [{"type": "audio", "audio": (_heard(samples), 24000)}]}]
     _assert_reply(reply, *_expected(pipe, messages), is_qwen3=False)
+
+
+def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(client):
+    """--max-media-parts (8) holds each turn of a realtime conversation, not its whole history: a ninth audio
+    turn is answered; a single turn of nine audio parts is refused, naming it."""
+    pcm = base64.b64encode(to_pcm16(tone(0.1, 24000, hz=300.0)).tobytes()).decode("ascii")
+    with _connect(client, output_modalities=["text"]) as connection:
+        for _ in range(9):
+            connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_audio", "audio": pcm}]})
+            assert _next(connection).type == "conversation.item.created"
+        reply = _response(connection)
+        assert reply["done"].status in ("completed", "incomplete") and reply["text"]
+        connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": pcm}] * 9})
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        error = connection.recv()
+    assert error.type == "error" and "more than 8" in error.error.message, error
+    assert error.error.param == "messages.10.content", error.error  # nine turns, the reply, this turn

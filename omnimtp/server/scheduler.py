@@ -30,7 +30,7 @@ from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
-from omnimtp.media import MediaInputs, MediaLimits
+from omnimtp.media import MediaError, MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
 
@@ -352,12 +352,26 @@ class Engine:
                 {"role": "system" if role == "developer" else role, "content": content if isinstance(content, str)
                  else list(content)} for role, content in request.messages
             ]
-            ids, media = self.family.chat_inputs(messages, self.media_limits)
+            ids, media = self.family.chat_inputs(messages, self._media_limits(request))
             self._check_prompt_length(ids, name)
         else:
             ids = self.family.speech_ids(request.speak_text)
             self._check_prompt_length(ids, name)
         return ids, media
+
+    def _media_limits(self, request: EngineRequest) -> MediaLimits:
+        """A request's media limits. A conversation kept warm (a realtime session: `cache_key`) is one request of
+        its whole history, so `max_parts` holds each of its turns instead (MediaError naming the turn), and the
+        session's item and byte limits bound the whole."""
+        if request.cache_key is None:
+            return self.media_limits
+        num_parts = [0 if isinstance(content, str) else sum(part["type"] != "text" for part in content)
+                     for _, content in request.messages]
+        for index, count in enumerate(num_parts):
+            if count > self.media_limits.max_parts:
+                raise MediaError(f"messages.{index}.content",
+                                 f"{count} media parts, more than {self.media_limits.max_parts} in one turn")
+        return replace(self.media_limits, max_parts=max(self.media_limits.max_parts, sum(num_parts)))
 
     def speech_segments(self, request: EngineRequest) -> Iterator[list[int]]:
         """A speech request's text as the segments its talker speaks one after another (the family's
