@@ -1316,6 +1316,25 @@ MUTATIONS = [
         ("tests/test_server_realtime.py::test_a_conversation_answers_after_more_audio_turns_than_max_media_parts",),
         "a realtime session cannot answer once its history holds more than --max-media-parts audio turns",
     ),
+    Mutation(
+        "non_seekable_audio_refused", "omnimtp/media.py",
+        "            while len(block := sound.read(_AUDIO_BLOCK_FRAMES, dtype=\"float32\", always_2d=True)):",
+        "            for block in sound.blocks(_AUDIO_BLOCK_FRAMES, dtype=\"float32\", always_2d=True):",
+        ("tests/test_media.py",), "GSM 6.10, G.721 and XI audio (not seekable to libsndfile) cannot be read",
+    ),
+    Mutation(
+        "loud_audio_taken", "omnimtp/media.py",
+        "    if np.abs(samples).max() > MAX_AUDIO_MAGNITUDE:",
+        "    if False:",
+        ("tests/test_media.py", "tests/test_server_transcriptions.py::test_bad_input_is_a_4xx_naming_the_field"),
+        "audio of ±1e20 samples is heard (a transcript of NUL characters) instead of refused",
+    ),
+    Mutation(
+        "audio_sample_rate_unbounded", "omnimtp/media.py",
+        "        if rate > MAX_AUDIO_SAMPLE_RATE:",
+        "        if False:",
+        ("tests/test_media.py",), "a header declaring 2^31 - 1 samples/s is resampled",
+    ),
 ]
 
 

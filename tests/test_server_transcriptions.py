@@ -124,17 +124,30 @@ def test_transcriptions_next_to_speaking_chats_are_what_they_are_alone(http, spe
     assert len(set(alone[:8])) > 1  # the seeds matter
 
 
-def _tone(seconds: float) -> bytes:
+def _tone(seconds: float, level: float = 0.3, subtype: str | None = None) -> bytes:
     out = io.BytesIO()
     t = np.arange(int(16_000 * seconds)) / 16_000
-    soundfile.write(out, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16_000, format="WAV")
+    soundfile.write(out, (level * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16_000, format="WAV",
+                    subtype=subtype)
     return out.getvalue()
+
+
+def test_a_gsm_wav_is_transcribed(http):
+    """A WAV of GSM 6.10 (a codec libsndfile cannot seek in) is heard, not a 500."""
+    out = io.BytesIO()
+    t = np.arange(8_000) / 8_000
+    soundfile.write(out, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 8_000, format="WAV",
+                    subtype="GSM610")
+    response = http.post("/v1/audio/transcriptions", files={"file": _file(out.getvalue())})
+    assert response.status_code == 200, response.text
+    assert isinstance(response.json()["text"], str)
 
 
 BAD = [
     ("no file", None, {}, 400, "file"),
     ("empty file", b"", {}, 400, "file"),
     ("garbage", b"this is not audio" * 20, {}, 400, "file"),
+    ("loud float samples", "loud", {}, 400, "file"),  # ±1e20: a transcript of NUL characters otherwise
     ("too long", "long", {}, 400, "file"),
     ("unknown format", "speech", {"response_format": "srt"}, 400, "response_format"),
     ("unknown language", "speech", {"language": "klingon"}, 400, "language"),
@@ -148,7 +161,8 @@ BAD = [
 
 @pytest.mark.parametrize("name, data, fields, status, param", BAD, ids=[case[0] for case in BAD])
 def test_bad_input_is_a_4xx_naming_the_field(http, speech, name, data, fields, status, param):
-    data = {"speech": speech, "long": _tone(LIMITS.max_audio_seconds + 1)}.get(data, data)
+    data = {"speech": speech, "long": _tone(LIMITS.max_audio_seconds + 1), "loud": _tone(1.0, 1e20, "FLOAT")}.get(
+        data, data)
     if data is None:  # a form with no file part
         response = http.post("/v1/audio/transcriptions", headers={"content-type": "multipart/form-data; boundary=x"},
                              content=b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nomnimtp-tiny\r\n'
