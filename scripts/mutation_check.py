@@ -1335,6 +1335,20 @@ MUTATIONS = [
         "        if False:",
         ("tests/test_media.py",), "a header declaring 2^31 - 1 samples/s is resampled",
     ),
+    Mutation(
+        "batch_items_encoded_on_the_loop", "omnimtp/server/routes/speech.py",
+        "audio = await run_in_threadpool(_base64_audio, samples, context.engine.sample_rate, item.response_format)",
+        "audio = _base64_audio(samples, context.engine.sample_rate, item.response_format)",
+        ("tests/test_server.py::test_whole_speech_files_are_encoded_off_the_event_loop",),
+        "/v1/audio/speech/batch encodes its items on the event loop (32 mp3 items: /health waits)",
+    ),
+    Mutation(
+        "whole_speech_file_encoded_on_the_loop", "omnimtp/server/routes/speech.py",
+        "Response(await run_in_threadpool(encode_audio, samples, sample_rate, fmt)",
+        "Response(encode_audio(samples, sample_rate, fmt)",
+        ("tests/test_server.py::test_whole_speech_files_are_encoded_off_the_event_loop",),
+        "a whole-file /v1/audio/speech response is encoded on the event loop",
+    ),
 ]
 
 

@@ -461,3 +461,23 @@ def test_a_talker_that_never_ends_is_cut_at_its_texts_bound_and_counted(tiny):
         assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] == "length"
         metrics = http.get("/metrics").text
     assert 'omnimtp_audio_cut_requests_total{cut_by="text_length"} 2.0' in metrics
+
+
+def test_whole_speech_files_are_encoded_off_the_event_loop(http, monkeypatch):
+    """/v1/audio/speech's whole files and every /v1/audio/speech/batch item are encoded on a worker thread (an
+    mp3 of minutes takes seconds), never on the server's event loop thread."""
+    import omnimtp.server.routes.speech as speech_route
+
+    threads, encode_audio = [], speech_route.encode_audio
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return encode_audio(*args)
+
+    monkeypatch.setattr(speech_route, "encode_audio", spy)
+    items = [{"input": "Hi", "voice": "ethan", "response_format": fmt} for fmt in ("wav", "flac")]
+    batch = http.post("/v1/audio/speech/batch", json={"items": items})
+    whole = http.post("/v1/audio/speech", json={"input": "Hi", "voice": "ethan", "response_format": "flac"})
+    assert batch.status_code == 200 and all("audio" in item for item in batch.json()["data"])
+    assert whole.status_code == 200
+    assert len(threads) == 3 and "uvicorn-test" not in threads, threads

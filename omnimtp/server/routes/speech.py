@@ -22,6 +22,7 @@ import base64
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
@@ -61,7 +62,7 @@ async def speech(request: Request):
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
     # file of any format, whose length is then known).
     _, samples, final = await collect(handle, request, events)
-    return Response(encode_audio(samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
+    return Response(await run_in_threadpool(encode_audio, samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
                     headers={FINISH_REASON_HEADER: final.finish_reason})
 
 
@@ -98,10 +99,16 @@ async def speech_batch(request: Request):
         except APIError as error:
             data.append(_item_error(index, error))
             continue
-        audio = encode_audio(samples, context.engine.sample_rate, item.response_format)
+        # encoded on a worker thread (an mp3 of minutes takes seconds), and only the encoded file is kept
+        audio = await run_in_threadpool(_base64_audio, samples, context.engine.sample_rate, item.response_format)
+        del samples
         data.append({"index": index, "response_format": item.response_format, "finish_reason": final.finish_reason,
-                     "audio": base64.b64encode(audio).decode("ascii")})
+                     "audio": audio})
     return {"object": "list", "data": data}
+
+
+def _base64_audio(samples, sample_rate: int, fmt: str) -> str:
+    return base64.b64encode(encode_audio(samples, sample_rate, fmt)).decode("ascii")
 
 
 def _item_error(index: int, error: APIError) -> dict:
