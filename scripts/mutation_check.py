@@ -1349,6 +1349,13 @@ MUTATIONS = [
         ("tests/test_server.py::test_whole_speech_files_are_encoded_off_the_event_loop",),
         "a whole-file /v1/audio/speech response is encoded on the event loop",
     ),
+    Mutation(
+        "models_omit_transcriptions", "omnimtp/server/scheduler.py",
+        "                + ([\"/v1/audio/transcriptions\"] if hears_audio else [])",
+        "                + ([] if hears_audio else [])",
+        ("tests/test_server_transcriptions.py::test_models_lists_transcriptions_for_a_model_that_hears",),
+        "/v1/models does not list transcriptions for an omni model that hears",
+    ),
 ]
 
 

@@ -257,3 +257,9 @@ def test_a_large_malformed_upload_is_parsed_off_the_event_loop(server):
     assert response.status_code == 400, response.text
     print(f"/health max {max(latencies) * 1e3:.0f} ms over {len(latencies)} polls")
     assert max(latencies) < 1.0, max(latencies)
+
+
+def test_models_lists_transcriptions_for_a_model_that_hears(http):
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["endpoints"] == ["/v1/chat/completions", "/v1/audio/speech", "/v1/audio/speech/batch",
+                                 "/v1/audio/speech/stream", "/v1/audio/transcriptions", "/v1/realtime"]

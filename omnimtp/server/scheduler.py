@@ -321,12 +321,14 @@ class Engine:
 
     def model_card(self) -> dict:
         """What /v1/models says about the model besides its name: the family (its config.json model_type), the
-        APIs it serves and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves and
+        APIs it serves (transcriptions where it has an audio processor to hear with) and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves and
         its languages ("auto" first)."""
         family = self.family
+        hears_audio = self.has_chat and self.audio_sampling_rate is not None
         card = {"family": getattr(family, "model_type", None),
                 "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
                 + ["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"]
+                + (["/v1/audio/transcriptions"] if hears_audio else [])
                 + (["/v1/realtime"] if self.has_chat else []),
                 "voices": list(self.speakers)}
         if self.tts_model_type is not None:
