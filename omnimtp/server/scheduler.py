@@ -321,8 +321,8 @@ class Engine:
 
     def model_card(self) -> dict:
         """What /v1/models says about the model besides its name: the family (its config.json model_type), the
-        APIs it serves (transcriptions where it has an audio processor to hear with) and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves and
-        its languages ("auto" first)."""
+        APIs it serves (transcriptions where it has an audio processor to hear with) and its voices; a Qwen3-TTS
+        model also its tts_model_type, the task_type it serves and its languages ("auto" first)."""
         family = self.family
         hears_audio = self.has_chat and self.audio_sampling_rate is not None
         card = {"family": getattr(family, "model_type", None),
