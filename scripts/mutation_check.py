@@ -1356,6 +1356,20 @@ MUTATIONS = [
         ("tests/test_server_transcriptions.py::test_models_lists_transcriptions_for_a_model_that_hears",),
         "/v1/models does not list transcriptions for an omni model that hears",
     ),
+    Mutation(
+        "g711_append_decoded_before_its_size_check", "omnimtp/server/routes/realtime.py",
+        "    if len(state.audio_buffer) + num_bytes > max_bytes:",
+        "    if len(state.audio_buffer) + len(_pcm_bytes(data, state.settings.input_format, \"audio\")) > max_bytes:",
+        ("tests/test_server_realtime.py::test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded",),
+        "a G.711 append over the buffer limit is decoded on the event loop before it is refused",
+    ),
+    Mutation(
+        "transcription_refuses_negative_seeds", "omnimtp/server/routes/transcriptions.py",
+        "    seed = _number(fields, \"seed\", None, INT64_MIN, INT64_MAX, int)",
+        "    seed = _number(fields, \"seed\", None, 0, INT64_MAX, int)",
+        ("tests/test_server_transcriptions.py::test_a_negative_seed_is_taken_as_on_every_route",),
+        "a negative seed is refused on /v1/audio/transcriptions while every other route takes it",
+    ),
 ]
 
 

@@ -156,7 +156,15 @@ BAD = [
     ("word timestamps", "speech", {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
     ("unknown field", "speech", {"colour": "blue"}, 400, "colour"),
     ("unknown model", "speech", {"model": "whisper-1"}, 404, "model"),
+    ("seed below int64", "speech", {"seed": str(-(1 << 63) - 1)}, 400, "seed"),
 ]
+
+
+def test_a_negative_seed_is_taken_as_on_every_route(http, speech):
+    """Any int64 seed, as chat and speech take it: a negative one samples like any other."""
+    response = http.post("/v1/audio/transcriptions", files={"file": _file(speech)},
+                         data={"seed": "-5", "temperature": "1"})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("name, data, fields, status, param", BAD, ids=[case[0] for case in BAD])

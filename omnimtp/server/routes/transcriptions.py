@@ -23,6 +23,7 @@ from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
 from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
+from omnimtp.server.schemas import INT64_MAX, INT64_MIN
 
 router = APIRouter()
 
@@ -47,7 +48,7 @@ async def transcriptions(request: Request):
         raise APIError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got "
                        f"{response_format[:32]!r}", param="response_format", code="invalid_value")
     temperature = _number(fields, "temperature", 0.0, 0.0, 2.0, float)
-    seed = _number(fields, "seed", None, 0, 2**63 - 1, int)
+    seed = _number(fields, "seed", None, INT64_MIN, INT64_MAX, int)  # any int64, as every route takes
     is_streamed = _boolean(fields, "stream")
     granularity = fields.get("timestamp_granularities[]", "segment")
     if granularity != "segment":
