@@ -445,3 +445,25 @@ def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(clie
         error = connection.recv()
     assert error.type == "error" and "more than 8" in error.error.message, error
     assert error.error.param == "messages.10.content", error.error  # nine turns, the reply, this turn
+
+
+def test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded(client, monkeypatch):
+    import omnimtp.server.routes.realtime as realtime_route
+
+    decoded, g711_decode = [], realtime_route.g711_decode
+
+    def spy(data, fmt):
+        decoded.append(len(data))
+        return g711_decode(data, fmt)
+
+    monkeypatch.setattr(realtime_route, "g711_decode", spy)
+    over = base64.b64encode(bytes(int(8000 * MAX_AUDIO_SECONDS) + 1)).decode()
+    within = base64.b64encode(bytes(4000)).decode()
+    with _connect(client, audio={"input": {"format": {"type": "audio/pcmu"}, "turn_detection": None}}) as connection:
+        connection.input_audio_buffer.append(audio=over)
+        error = connection.recv()
+        assert error.type == "error" and error.error.code == "input_audio_buffer_full", error
+        connection.input_audio_buffer.append(audio=within)
+        connection.input_audio_buffer.commit()
+        assert _next(connection).type == "input_audio_buffer.committed"
+    assert decoded == [4000]
