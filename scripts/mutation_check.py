@@ -1370,6 +1370,13 @@ MUTATIONS = [
         ("tests/test_server_transcriptions.py::test_a_negative_seed_is_taken_as_on_every_route",),
         "a negative seed is refused on /v1/audio/transcriptions while every other route takes it",
     ),
+    Mutation(
+        "format_change_keeps_old_audio", "omnimtp/server/routes/realtime.py",
+        "        _clear_buffer(state)  # its audio is in the old format: never heard at the new one",
+        "        pass",
+        ("tests/test_server_realtime.py::test_a_new_input_format_empties_the_buffer_of_the_old_ones_audio",),
+        "audio buffered before an input format change is committed as audio of the new format",
+    ),
 ]
 
 

@@ -467,3 +467,16 @@ def test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded(client, mo
         connection.input_audio_buffer.commit()
         assert _next(connection).type == "input_audio_buffer.committed"
     assert decoded == [4000]
+
+
+def test_a_new_input_format_empties_the_buffer_of_the_old_ones_audio(client):
+    """Audio appended at 24 kHz is never committed as 16 kHz audio: the format change empties the buffer."""
+    pcm = base64.b64encode(to_pcm16(tone(0.5, 24000, hz=300.0)).tobytes()).decode("ascii")
+    with _connect(client) as connection:
+        connection.input_audio_buffer.append(audio=pcm)
+        connection.session.update(session={"type": "realtime", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000}}}})
+        assert _next(connection).type == "session.updated"
+        connection.input_audio_buffer.commit()
+        error = connection.recv()
+    assert error.type == "error" and error.error.code == "input_audio_buffer_commit_empty", error

@@ -523,6 +523,8 @@ def _update_settings(state: RealtimeSession, fields: SessionFields) -> None:
         if audio.output.voice is not None:
             changes["voice"] = _voice(context, audio.output.voice, "session.audio.output.voice")
     state.settings = replace(settings, **changes)
+    if (state.settings.input_format, state.settings.input_rate) != (settings.input_format, settings.input_rate):
+        _clear_buffer(state)  # its audio is in the old format: never heard at the new one
     if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != settings.input_rate:
         state.turns.restart(None)  # the next append starts a detector with the new settings
 
