@@ -1377,6 +1377,13 @@ MUTATIONS = [
         ("tests/test_server_realtime.py::test_a_new_input_format_empties_the_buffer_of_the_old_ones_audio",),
         "audio buffered before an input format change is committed as audio of the new format",
     ),
+    Mutation(
+        "long_transcription_prompt_blamed_on_the_file", "omnimtp/server/routes/transcriptions.py",
+        "            exc.param = \"prompt\" if is_prompt else \"file\"",
+        "            exc.param = \"file\"",
+        ("tests/test_server_transcriptions.py::test_bad_input_is_a_4xx_naming_the_field",),
+        "a transcription prompt over the token limit is reported as the file's fault",
+    ),
 ]
 
 

@@ -157,6 +157,7 @@ BAD = [
     ("unknown field", "speech", {"colour": "blue"}, 400, "colour"),
     ("unknown model", "speech", {"model": "whisper-1"}, 404, "model"),
     ("seed below int64", "speech", {"seed": str(-(1 << 63) - 1)}, 400, "seed"),
+    ("prompt over the token limit", "speech", {"prompt": "x" * 9000}, 400, "prompt"),  # 8192 tokens
 ]
 
 
