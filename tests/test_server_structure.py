@@ -88,3 +88,22 @@ def test_a_body_at_the_structure_limits_is_read(server):
     reply = httpx.post(server + "/v1/chat/completions", timeout=120,
                        json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
     assert reply.status_code != 400 or reply.json()["error"]["code"] != "structure_too_large", reply.text
+
+
+UNKNOWN_KEYS = json.dumps({"messages": [{"role": "user", "content": "a"}], **{f"k{i}": 0 for i in range(99_000)}})
+
+
+def test_a_body_of_many_unknown_keys_is_refused_without_stalling_health(server):
+    """99,000 unknown keys, just under the structure limits: the first one is named at once (the schema's error for
+    every one of them took most of a second to build, holding the event loop)."""
+    def send():
+        with httpx.Client(base_url=server, timeout=120) as client:
+            return client.post("/v1/chat/completions", content=UNKNOWN_KEYS,
+                               headers={"Content-Type": "application/json"})
+
+    worst, reply = _worst_health_latency(server, send)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "unknown_parameter" and error["param"] == "k0", error
+    print(f"/health worst {worst * 1e3:.0f} ms")
+    assert worst < MAX_HEALTH_S / 2, f"/health took {worst:.3f} s during the request"
