@@ -1384,6 +1384,20 @@ MUTATIONS = [
         ("tests/test_server_transcriptions.py::test_bad_input_is_a_4xx_naming_the_field",),
         "a transcription prompt over the token limit is reported as the file's fault",
     ),
+    Mutation(
+        "unknown_keys_left_to_the_schema", "omnimtp/server/routes/common.py",
+        "            if unknown is not None:\n                raise APIError(400, f\"Unrecognized request argument",
+        "            if False:\n                raise APIError(400, f\"Unrecognized request argument",
+        ("tests/test_server_structure.py::test_a_body_of_many_unknown_keys_is_refused_without_stalling_health",),
+        "100,000 unknown keys are left to the schema, whose errors hold the event loop for most of a second",
+    ),
+    Mutation(
+        "batch_schema_errors_dotted", "omnimtp/server/routes/speech.py",
+        "        if error.param is not None and (item := _ITEM_PATH.match(error.param)):",
+        "        if False and (item := _ITEM_PATH.match(error.param)):",
+        ("tests/test_audio_formats.py::test_a_batch_items_schema_error_names_the_item_as_its_own_errors_do",),
+        "a speech batch's schema errors spell an item's field items.1.speed, its item errors items[2].voice",
+    ),
 ]
 
 

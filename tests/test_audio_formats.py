@@ -115,3 +115,13 @@ def test_speech_batch_route_gives_each_item_what_it_gets_alone(client):
         assert_audible(np.frombuffer(alone, dtype="<i2"))
         assert base64.b64decode(batch[index]["audio"]) == alone, index
     assert batch[3]["response_format"] == "mp3" and _decode(base64.b64decode(batch[3]["audio"]), "mp3").size
+
+
+def test_a_batch_items_schema_error_names_the_item_as_its_own_errors_do(client):
+    """One spelling for an item's field: a schema error in item 1 is `items[1].speed`, as `items[2].voice` is."""
+    items = [{"input": "Hi.", "voice": "aiden"}, {"input": "Hi.", "voice": "aiden", "speed": "fast"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/audio/speech/batch", body={"items": items}, cast_to=object)
+    error = caught.value.body
+    error = error.get("error", error)
+    assert error["param"] == "items[1].speed" and error["message"].startswith("items[1].speed"), error

@@ -19,6 +19,7 @@ an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: 
 from __future__ import annotations
 
 import base64
+import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -34,6 +35,7 @@ from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 # known before the body starts: a whole-file response (flac, or any format without audio) and a stream whose
 # request made no audio. A streamed response with audio says it in its last SSE event.
 FINISH_REASON_HEADER = "X-Finish-Reason"
+_ITEM_PATH = re.compile(r"items\.(\d+)")  # a batch body's schema error at an item: items.2.speed
 
 router = APIRouter()
 
@@ -78,7 +80,14 @@ async def speech_batch(request: Request):
     is awaited, so the engine steps them as one batch; seeded, each item's audio is the one it gets alone.
     The response lists each item's base64 audio or its error, in order; a bad item does not fail the others."""
     context = serving(request)
-    body = await context.read_body(request, SpeechBatchRequest)
+    try:
+        body = await context.read_body(request, SpeechBatchRequest)
+    except APIError as error:  # an item's field spelled as in an item's own error: items[2].speed
+        if error.param is not None and (item := _ITEM_PATH.match(error.param)):
+            named = f"items[{item.group(1)}]{error.param[item.end():]}"
+            error.message = error.message.replace(error.param, named, 1)
+            error.param = named
+        raise
     handles: list = []
     for index, item in enumerate(body.items):
         try:
