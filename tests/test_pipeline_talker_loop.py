@@ -197,3 +197,11 @@ def test_a_text_still_arriving_is_not_cut_by_its_bound_early():
             break
         frames += batch.step()
     assert len(frames) == 2 * rows.shape[0] and frames[-1].cut_by == "text_length"
+
+
+def test_cuts_runaway_is_a_bool():
+    from omnimtp.engine.core import EngineConfig
+
+    assert EngineConfig().cuts_runaway is True
+    with pytest.raises(ValueError, match="cuts_runaway"):
+        EngineConfig(cuts_runaway=1)
