@@ -3,8 +3,8 @@
 No released weights can be downloaded on this box, so quality is measured on the trained demo models, and only
 the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
 
-- the demo LM (`omnimtp/data/demo_lm`, a trained Glm4Moe: its dense layers and every attention quantize, its
-  routed experts stay float) and the demo Qwen3-Omni thinker (`omnimtp/data/demo_omni`, dense): over their
+- the demo LM (`omnimtp/data/demo_lm`, a trained Glm4Moe whose target layers are all dense) and the demo
+  Qwen3-Omni thinker (`omnimtp/data/demo_omni`, dense): over their
   held-out prompts (stdlib code none of them saw), per mode, greedy token agreement with fp32 (`--new-tokens`
   tokens after each prompt's first `--prefix-tokens`: the share of positions where both pick the same token,
   and the mean number of tokens before the first difference) and the perplexity of the held-out text under
@@ -22,6 +22,12 @@ the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
 
 - its 12 Hz decoder with the conv stack in bf16 (`codec_dtype="bfloat16"`) against fp32, on the same number of
   seeded random frames: the SNR of the audio, one-shot and streamed in the engine's chunks.
+
+- routed experts: the GLM-5 demo (`omnimtp/data/demo_glm5`, glm_moe_dsa, the one trained checkpoint here with
+  MoE layers: three of its four layers, 4 routed experts, top-2) through transformers' forward with each MoE layer's
+  routed experts replaced by omnimtp's quantized ones (`ops.quantize_experts`, `moe.quantized_expert_outputs`:
+  what a quantized packed MoE layer runs) and everything else float, so the figures are the experts' error alone:
+  greedy agreement and perplexity as above, over its held-out prompts.
 
 Everything else runs on omnimtp's packed decoder (the engine's forward), fp32 against `PackedDecoder.quantized`.
 
@@ -66,6 +72,25 @@ def greedy(decoder: PackedDecoder, embed: torch.Tensor, lm_head: torch.Tensor, i
     return out
 
 
+def summarize(result: dict, runs: dict, nll: dict, modes, num_new: int) -> dict:
+    """result with fp32's perplexity and, per mode, the greedy agreement of its runs (per mode: each prompt's new
+    tokens) with fp32's and its perplexity (nll: mean negative log-likelihood per mode)."""
+    result["fp32_perplexity"] = math.exp(nll["fp32"])
+    for mode in modes:
+        same = sum(a == b for ref, got in zip(runs["fp32"], runs[mode], strict=True)
+                   for a, b in zip(ref, got, strict=True))
+        prefixes = [next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), num_new)
+                    for ref, got in zip(runs["fp32"], runs[mode], strict=True)]
+        result[mode] = {
+            "greedy_agreement": same / (num_new * len(runs["fp32"])),
+            "identical_runs": sum(p == num_new for p in prefixes),
+            "mean_tokens_before_first_difference": sum(prefixes) / len(prefixes),
+            "perplexity": math.exp(nll[mode]),
+            "perplexity_change": math.exp(nll[mode] - nll["fp32"]) - 1,
+        }
+    return result
+
+
 def lm_quality(name: str, decoder: PackedDecoder, embed, lm_head, texts: list[list[int]], modes, prefix: int,
                num_new: int) -> dict:
     """Greedy agreement and teacher-forced perplexity per mode against fp32 (see the module docstring)."""
@@ -82,20 +107,7 @@ def lm_quality(name: str, decoder: PackedDecoder, embed, lm_head, texts: list[li
                 total += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
                 count += len(ids) - 1
             nll[mode] = total / count
-    result["fp32_perplexity"] = math.exp(nll["fp32"])
-    for mode in modes:
-        same = sum(a == b for ref, got in zip(runs["fp32"], runs[mode], strict=True)
-                   for a, b in zip(ref, got, strict=True))
-        prefixes = [next((i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b), num_new)
-                    for ref, got in zip(runs["fp32"], runs[mode], strict=True)]
-        result[mode] = {
-            "greedy_agreement": same / (num_new * len(texts)),
-            "identical_runs": sum(p == num_new for p in prefixes),
-            "mean_tokens_before_first_difference": sum(prefixes) / len(prefixes),
-            "perplexity": math.exp(nll[mode]),
-            "perplexity_change": math.exp(nll[mode] - nll["fp32"]) - 1,
-        }
-    return result
+    return summarize(result, runs, nll, modes, num_new)
 
 
 def demo_lm(modes, num_prompts: int, prefix: int, num_new: int, max_tokens: int) -> dict:
@@ -119,6 +131,55 @@ def demo_omni_thinker(modes, num_prompts: int, prefix: int, num_new: int, max_to
     texts = [tokenizer.encode(t)[:max_tokens] for t in demo_omni_prompts()[:num_prompts]]
     embed, lm_head = thinker.model.language_model.embed_tokens.weight.detach(), thinker.lm_head.weight.detach()
     return lm_quality("demo Qwen3-Omni thinker", decoder, embed, lm_head, texts, modes, prefix, num_new)
+
+
+class _QuantizedExperts(torch.nn.Module):
+    """A transformers experts module's forward (tokens, top-k ids, top-k weights → [N, H]) on omnimtp's quantized
+    experts."""
+
+    def __init__(self, experts, mode: str):
+        super().__init__()
+        from omnimtp.runtime.ops import quantize_experts
+
+        self.gate_up = quantize_experts(experts.gate_up_proj.detach(), mode)
+        self.down = quantize_experts(experts.down_proj.detach(), mode)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        from omnimtp.runtime.moe import combine, quantized_expert_outputs
+
+        outputs = quantized_expert_outputs(hidden_states, top_k_index, self.gate_up, self.down)
+        return combine(outputs, top_k_weights, hidden_states.dtype)
+
+
+def demo_glm5_experts(modes, num_prompts: int, prefix: int, num_new: int, max_tokens: int) -> dict:
+    """Greedy agreement and perplexity of the GLM-5 demo with its routed experts quantized (module docstring)."""
+    from omnimtp.mtp.demo import demo_heldout_prompts, load_demo_model
+
+    target, _, tokenizer = load_demo_model("glm5")
+    texts = [tokenizer.encode(t)[:max_tokens] for t in demo_heldout_prompts("glm5")[:num_prompts]]
+    sparse = [layer.mlp for layer in target.model.layers if hasattr(layer.mlp, "experts")]
+    originals = [mlp.experts for mlp in sparse]
+    result = {"model": f"GLM-5 demo (glm_moe_dsa), routed experts of {len(sparse)} MoE layers",
+              "num_prompts": len(texts), "prefix_tokens": prefix, "new_tokens": num_new}
+    runs, nll = {}, {}
+    for mode in ["fp32", *modes]:
+        for mlp, experts in zip(sparse, originals, strict=True):
+            mlp.experts = experts if mode == "fp32" else _QuantizedExperts(experts, mode)
+        with torch.no_grad():
+            runs[mode] = [
+                target.generate(torch.tensor([ids[:prefix]]), max_new_tokens=num_new, min_new_tokens=num_new,
+                                do_sample=False)[0, prefix:].tolist()
+                for ids in texts
+            ]
+            total, count = 0.0, 0
+            for ids in texts:
+                logits = target(torch.tensor([ids])).logits[0]  # [T, V]
+                total += F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="sum").item()
+                count += len(ids) - 1
+            nll[mode] = total / count
+    for mlp, experts in zip(sparse, originals, strict=True):
+        mlp.experts = experts
+    return summarize(result, runs, nll, modes, num_new)
 
 
 def tts_talker(path: str, modes, num_frames: int) -> dict:
@@ -265,7 +326,8 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
                "torch": torch.__version__, "modes": args.modes}
     options = (args.modes, args.num_prompts, args.prefix_tokens, args.new_tokens, args.max_tokens)
-    for key, measure in (("demo_lm", demo_lm), ("demo_omni_thinker", demo_omni_thinker)):
+    for key, measure in (("demo_lm", demo_lm), ("demo_omni_thinker", demo_omni_thinker),
+                         ("demo_glm5_experts", demo_glm5_experts)):
         entry = results[key] = measure(*options)
         print(f"{entry['model']}: fp32 perplexity {entry['fp32_perplexity']:.3f} over {entry['num_prompts']} prompts")
         for mode in args.modes:

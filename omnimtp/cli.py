@@ -26,7 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from omnimtp import batch, speak_cli, transcribe_cli, voice_cli
+    from omnimtp import batch, quantize_cli, speak_cli, transcribe_cli, voice_cli
     from omnimtp.mtp import train_cli
     from omnimtp.server import cli as server_cli
     from omnimtp.spec_decode import cli as spec_cli
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"omnimtp {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # Subcommands register here (each module exposes `add_parser(subparsers)` that sets `handler`).
-    for module in (speak_cli, voice_cli, transcribe_cli, train_cli, spec_cli, server_cli, batch):
+    for module in (speak_cli, voice_cli, transcribe_cli, train_cli, spec_cli, server_cli, batch, quantize_cli):
         module.add_parser(subparsers)
     return parser
 

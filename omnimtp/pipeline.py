@@ -51,6 +51,7 @@ from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
+from omnimtp.quantized_checkpoint import is_quantized_checkpoint, load_quantized_model
 from omnimtp.runtime.device import apply_thread_rule, resolve_device
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
@@ -112,6 +113,7 @@ class OmniPipeline:
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
         torch_threads: int | None = None,
         quantize: str | None = None, max_segment_tokens: int | None = None, codec_dtype: str | None = None,
+        stored: dict | None = None,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s); max_segment_tokens: the text
         tokens of one segment of a spoken text, longer texts are spoken in segments (default `EngineConfig`'s).
@@ -137,7 +139,9 @@ class OmniPipeline:
         codec_dtype (Qwen3-Omni): code2wav's conv stack in "float32" or "bfloat16" (None: in the model's dtype),
         on a copy of the stack where the model's is in another (the model's own is left as it is); bfloat16 is
         faster on a CPU with bf16 instructions and less exact than float32 (docs/speech.md states by how much);
-        with a ready family, give it to the family."""
+        with a ready family, give it to the family. stored: the quantized layers of a quantized checkpoint
+        (`omnimtp.quantized_checkpoint.load_quantized_model`, which `from_pretrained` calls for one), with quantize
+        their mode."""
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -163,12 +167,12 @@ class OmniPipeline:
                     raise ValueError(
                         "thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's"
                     )
-                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor, quantize=quantize)
+                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor, quantize=quantize, stored=stored)
             else:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
                 family = Qwen3OmniFamily(
                     model, tokenizer, processor=processor, compile_predictor=compile_predictor,
-                    thinker_speculation=speculation, quantize=quantize, codec_dtype=codec_dtype,
+                    thinker_speculation=speculation, quantize=quantize, codec_dtype=codec_dtype, stored=stored,
                 )
         self.family = family
         self.media_limits = media_limits or MediaLimits()
@@ -273,7 +277,16 @@ class OmniPipeline:
             )
         check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load
         device = None if device is None else resolve_device(device)
-        model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
+        if is_quantized_checkpoint(path):  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
+            if device is not None and device.type != "cpu":
+                raise ValueError(f"device: {path!r} is a quantized checkpoint; its kernels run on the CPU only")
+            if dtype is not None:
+                raise ValueError(f"dtype: {path!r} is a quantized checkpoint; its float tensors load as stored")
+            loaded = load_quantized_model(path, kwargs.pop("quantize", None))
+            model, device = loaded.model, None
+            kwargs.update(quantize=loaded.mode, stored=loaded.stored)
+        else:
+            model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)  # once, before the family packs the weights
         has_tokenizer = any(
@@ -288,6 +301,9 @@ class OmniPipeline:
         a Base model's encoder, in speech_tokenizer/), its tokenizer and its processor, in a checkpoint's layout;
         the default caps in CAPS_FILE. A Qwen3-TTS pipeline loaded with codec_dtype="bfloat16" holds rounded
         decoder weights: a ValueError before anything is written."""
+        if getattr(self.model, "omnimtp_quantized_checkpoint", None) is not None:
+            raise ValueError("path: this pipeline was loaded from a quantized checkpoint, whose float weights are "
+                             "not here; copy that directory instead")
         codec = getattr(self.family, "codec", None)
         if isinstance(self.family, Qwen3TTSFamily) and codec is not None and codec.conv_dtype != torch.float32:
             raise ValueError(f"path: this pipeline's decoder runs its conv stack in {codec.conv_dtype} (codec_dtype) "

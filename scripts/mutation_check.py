@@ -52,6 +52,8 @@ THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
+QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
+QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
@@ -167,6 +169,20 @@ MUTATIONS = [
         "key=lambda i: (goodput[i], -i))  # ties: the fewer drafts",
         "key=lambda i: (goodput[i], i))  # ties: the fewer drafts",
         ADAPTIVE, "a goodput tie picks the larger k",
+    ),
+    Mutation(
+        "adaptive_probe_drafts_one", "omnimtp/spec_decode/adaptive.py",
+        "        probe = max(range(1, len(goodput)), key=lambda i: (goodput[i], -i))",
+        "        probe = 1",
+        ("tests/test_adaptive_drafting.py::test_a_probe_drafts_the_k_of_best_goodput_on_a_worked_example",),
+        "a probe always drafts one token, not the k of best goodput among k >= 1",
+    ),
+    Mutation(
+        "draft_costs_kept_across_kernel_builds", "omnimtp/spec_decode/cost_cache.py",
+        '        "kernel": small_batch_linear.build_id(),',
+        '        "kernel": None,',
+        ("tests/test_adaptive_drafting.py::test_the_fingerprint_changes_with_the_kernel_build",),
+        "draft costs measured with one build of the kernel are read back for another (other ISA, tiling, source)",
     ),
     Mutation(
         "adaptive_k_from_the_clock", "omnimtp/spec_decode/adaptive.py",
@@ -385,6 +401,13 @@ MUTATIONS = [
         "        if block is not None and num_user + NUM_ASSISTANT_ROWS > block:",
         "        if False:",
         PREFIX_CACHE, "a long talker prefill's user rows are projected in one call (their bits depend on its length)",
+    ),
+    Mutation(
+        "session_cache_weighs_thinker_prefixes_only", "omnimtp/engine/prefix_cache.py",
+        "        return sum(part.num_bytes for part in (self.thinker, self.talker) if part is not None)",
+        "        return sum(part.num_bytes for part in (self.thinker,) if part is not None)",
+        ("tests/test_prefix_cache.py::test_talker_prefixes_count_in_the_budget_and_the_gauge",),
+        "the session cache's budget and its bytes gauge leave out the talker prefixes it holds",
     ),
     Mutation(
         "thinker_spec_no_rollback", "omnimtp/thinker.py",
@@ -901,6 +924,111 @@ MUTATIONS = [
         "    pass",
         REALTIME, "response.cancel leaves the response running to its end",
     ),
+    Mutation(
+        "vad_create_response_ignored", "omnimtp/server/routes/realtime.py",
+        "        if config.create_response and state.response is None:",
+        "        if state.response is None:",
+        ("tests/test_realtime_vad.py::test_create_response_false_commits_the_turn_and_starts_no_response",),
+        "a turn the server VAD commits starts a response under create_response: false",
+    ),
+    Mutation(
+        "vad_interrupt_response_ignored", "omnimtp/server/routes/realtime.py",
+        "            if config.interrupt_response and state.response is not None:",
+        "            if state.response is not None:",
+        ("tests/test_realtime_vad.py::test_interrupt_response_false_leaves_the_response_running",),
+        "speech during a response cancels it under interrupt_response: false",
+    ),
+    Mutation(
+        "vad_silence_kept_between_turns", "omnimtp/server/routes/realtime.py",
+        "    if not turns.detector.is_speaking:  # keep the prefix padding",
+        "    if False:  # keep the prefix padding",
+        ("tests/test_realtime_vad.py::test_long_silence_under_vad_never_fills_the_buffer",),
+        "the silence between turns stays in the input buffer until it is full (input_audio_buffer_full)",
+    ),
+    Mutation(
+        "vad_clear_keeps_the_turn_in_progress", "omnimtp/server/routes/realtime.py",
+        "    if turns.detector is not None:\n        turns.detector.restart()",
+        "    if False:\n        turns.detector.restart()",
+        ("tests/test_realtime_vad.py::test_clearing_the_buffer_mid_speech_resets_the_detector",),
+        "input_audio_buffer.clear mid-speech leaves the detector inside the cleared speech",
+    ),
+    Mutation(
+        "vad_restart_scores_the_cleared_tail", "omnimtp/server/vad.py",
+        "        if self._resampler is not None:\n"
+        "            tail = self._resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)\n"
+        "            self._resampler = self._new_resampler()\n"
+        "            self._num_scored += len(tail)\n"
+        "        self._num_scored += len(self._pending)\n        self._pending = self._pending[:0]\n",
+        "",
+        ("tests/test_realtime_vad.py::test_clearing_the_buffer_mid_speech_resets_the_detector",),
+        "the cleared audio's unscored tail (the resampler's delay, a partial window) starts a phantom turn after "
+        "input_audio_buffer.clear",
+    ),
+    Mutation(
+        "vad_turn_detection_update_ignored", "omnimtp/server/routes/realtime.py",
+        "    if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != "
+        "settings.input_rate:",
+        "    if state.settings.input_rate != settings.input_rate:",
+        ("tests/test_realtime_vad.py::test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_after_the_speech",),
+        "a session.update of turn_detection between turns keeps the detector of the old settings",
+    ),
+    Mutation(
+        "vad_input_rate_update_ignored", "omnimtp/server/routes/realtime.py",
+        "    if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != "
+        "settings.input_rate:",
+        "    if state.settings.turn_detection != settings.turn_detection:",
+        ("tests/test_realtime_vad.py::test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_after_the_speech",),
+        "a session.update of the input rate between turns keeps the detector resampling from the old rate",
+    ),
+    Mutation(
+        "vad_end_is_the_prefix_padding_after_the_speech", "omnimtp/server/routes/realtime.py",
+        "turns.sample(event.sample, rate) + config.silence_duration_ms * rate // 1000)",
+        "turns.sample(event.sample, rate) + config.prefix_padding_ms * rate // 1000)",
+        ("tests/test_realtime_vad.py::test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_after_the_speech",),
+        "speech_stopped's audio_end_ms is prefix_padding_ms after the speech, not silence_duration_ms",
+    ),
+    Mutation(
+        "vad_exit_threshold_not_silero_s", "omnimtp/server/vad.py",
+        "        self._exit_threshold = max(config.threshold - 0.15, 0.01)",
+        "        self._exit_threshold = max(config.threshold - 0.1, 0.01)",
+        ("tests/test_realtime_vad.py::test_the_exit_rule_is_silero_s_on_scripted_scores",),
+        "speech ends at scores under threshold - 0.1, not silero's threshold - 0.15",
+    ),
+    Mutation(
+        "vad_exit_threshold_unfloored", "omnimtp/server/vad.py",
+        "        self._exit_threshold = max(config.threshold - 0.15, 0.01)",
+        "        self._exit_threshold = config.threshold - 0.15",
+        ("tests/test_realtime_vad.py::test_the_exit_rule_is_silero_s_on_scripted_scores",),
+        "under a threshold of 0.15 or less speech never ends (silero's exit threshold is at least 0.01)",
+    ),
+    Mutation(
+        "truncate_at_the_whole_duration_refused", "omnimtp/server/routes/realtime.py",
+        "    if event.audio_end_ms > duration_ms:",
+        "    if event.audio_end_ms >= duration_ms:",
+        ("tests/test_realtime_vad.py::test_truncate_cuts_the_reply_to_what_was_heard",),
+        "conversation.item.truncate at exactly the item's duration is refused",
+    ),
+    Mutation(
+        "g711_laws_swapped", "omnimtp/server/audio.py",
+        'G711_CODECS = {"audio/pcmu": "pcm_mulaw", "audio/pcma": "pcm_alaw"}',
+        'G711_CODECS = {"audio/pcmu": "pcm_alaw", "audio/pcma": "pcm_mulaw"}',
+        ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
+        "audio/pcmu is decoded as A-law and audio/pcma as μ-law",
+    ),
+    Mutation(
+        "g711_encoder_laws_swapped", "omnimtp/server/audio.py",
+        '    if fmt == "audio/pcmu":\n        biased',
+        '    if fmt == "audio/pcma":\n        biased',
+        ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
+        "audio/pcmu is encoded as A-law and audio/pcma as μ-law (decoded as named)",
+    ),
+    Mutation(
+        "g711_negative_samples_negated", "omnimtp/server/audio.py",
+        "    magnitude = np.where(samples < 0, ~samples, samples)",
+        "    magnitude = np.where(samples < 0, -samples, samples)",
+        ("tests/test_realtime_vad.py::test_g711_code_words_are_the_standard_s",),
+        "a negative sample is encoded by its negation, not its one's complement as G.191's reference encoder does",
+    ),
     # --- request limits ---------------------------------------------------------------------------
     Mutation(
         "body_limit_off_by_one", "omnimtp/server/guard.py",
@@ -925,6 +1053,36 @@ MUTATIONS = [
         "            if len(item) > MAX_JSON_ARRAY_ITEMS:",
         "            if False:",
         SERVER_STRUCTURE, "an over-long JSON array reaches the schema instead of a 400 naming its path",
+    ),
+    Mutation(
+        "speech_batch_whitespace_item_not_refused", "omnimtp/server/routes/speech.py",
+        "            if not item.input.strip():",
+        "            if not item.input:",
+        ("tests/test_audio_formats.py::test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_"
+         "length",),
+        "a whitespace-only item of /v1/audio/speech/batch reaches the engine instead of being that item's 400",
+    ),
+    Mutation(
+        "speech_batch_item_finish_reason_always_stop", "omnimtp/server/routes/speech.py",
+        '"response_format": item.response_format, "finish_reason": final.finish_reason,',
+        '"response_format": item.response_format, "finish_reason": "stop",',
+        ("tests/test_audio_formats.py::test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_"
+         "length",),
+        "a batch item cut at max_frames says finish_reason stop",
+    ),
+    Mutation(
+        "playground_assets_without_the_page_headers", "omnimtp/server/routes/playground.py",
+        "    return Response(_read(name), media_type=_FILES[name], headers=_HEADERS)",
+        "    return Response(_read(name), media_type=_FILES[name])",
+        ("tests/test_playground.py::test_the_page_and_its_files_are_served_and_can_be_turned_off",),
+        "the playground's script and style go out without nosniff, no-cache and the CSP the page has",
+    ),
+    Mutation(
+        "json_arrays_not_counted", "omnimtp/server/guard.py",
+        '    num_containers = text.count("{") + text.count("[")',
+        '    num_containers = text.count("{")',
+        ("tests/test_server_structure.py::test_arrays_count_as_containers",),
+        "JSON arrays do not count against MAX_JSON_CONTAINERS: 100,000 short arrays are parsed",
     ),
     Mutation(
         "omni_speech_sampling_ignored", "omnimtp/server/routes/common.py",
@@ -1021,6 +1179,21 @@ MUTATIONS = [
         "a streamed-text request waiting for text past --timeout-text-idle is never ended",
     ),
     Mutation(
+        "text_idle_timeout_is_a_server_error", "omnimtp/server/routes/speech_stream.py",
+        'type="invalid_request_error" if is_timeout else "server_error"',
+        'type="server_error"',
+        ("tests/test_speech_stream.py::test_a_session_silent_past_the_text_timeout_ends_its_request",),
+        "the text-idle timeout's error event says server_error, though the client's pause caused it",
+    ),
+    Mutation(
+        "parked_request_holds_back_background_work", "omnimtp/engine/core.py",
+        "r.first_audio_at is None and not r.is_parked\n",
+        "r.first_audio_at is None\n",
+        ("tests/test_speech_stream.py::test_a_request_parked_before_its_first_audio_does_not_hold_back_background_"
+         "work",),
+        "a request parked (waiting for text) before its first audio keeps background requests out of the engine",
+    ),
+    Mutation(
         "error_location_keeps_union_tags", "omnimtp/server/errors.py",
         "        loc = [part for part in loc if not (isinstance(part, str) and _UNION_TAG.fullmatch(part))]",
         "        loc = list(loc)",
@@ -1111,6 +1284,49 @@ MUTATIONS = [
         'instruction = f"Transcribe the {name} audio into text." if name else "Transcribe the audio into text."',
         'instruction = "Transcribe the audio into text."',
         TRANSCRIPTION, "the language hint never reaches the ASR prompt",
+    ),
+    Mutation(
+        "transcription_prompt_limit_names_messages", "omnimtp/server/routes/transcriptions.py",
+        '            exc.param = "prompt" if is_prompt else "file"',
+        "            exc.param = exc.param",
+        ("tests/test_server_transcriptions.py::test_an_upload_over_the_prompt_limit_names_file",),
+        "an upload whose prompt is over the limit is a 400 naming messages, a field the route does not have",
+    ),
+    Mutation(
+        "transcription_ignores_the_token_limit", "omnimtp/server/routes/transcriptions.py",
+        "max_new_tokens=min(engine.config.max_new_tokens, context.max_tokens_limit),",
+        "max_new_tokens=engine.config.max_new_tokens,",
+        ("tests/test_server_transcriptions.py::test_the_server_token_limit_caps_transcripts_and_realtime_input_"
+         "transcripts",),
+        "transcripts (the route's and realtime input transcripts) run past --max-tokens-limit",
+    ),
+    Mutation(
+        "transcription_total_tokens_is_the_output", "omnimtp/server/routes/transcriptions.py",
+        '            "total_tokens": event.prompt_tokens + event.completion_tokens}',
+        '            "total_tokens": event.completion_tokens}',
+        ("tests/test_server_transcriptions.py::test_every_format_and_the_stream_give_the_pipelines_text",),
+        "a transcription's usage.total_tokens leaves out its input tokens",
+    ),
+    Mutation(
+        "realtime_transcript_total_tokens_is_the_output", "omnimtp/server/routes/realtime.py",
+        '"total_tokens": final.prompt_tokens + final.completion_tokens}})',
+        '"total_tokens": final.completion_tokens}})',
+        ("tests/test_server_transcriptions.py::test_realtime_input_transcripts_equal_the_routes",),
+        "a realtime input transcript's usage.total_tokens leaves out its input tokens",
+    ),
+    Mutation(
+        "transcription_exact_fit_refused", "omnimtp/pipeline.py",
+        '        if len(ids) + max_new_tokens > self.family.max_positions:\n            raise ValueError(f"audio: ',
+        '        if len(ids) + max_new_tokens >= self.family.max_positions:\n            raise ValueError(f"audio: ',
+        ("tests/test_transcription.py::test_a_prompt_and_reply_cap_that_exactly_fill_the_positions_are_taken",),
+        "a transcription whose prompt and max_new_tokens exactly fill the thinker's positions is refused",
+    ),
+    Mutation(
+        "transcribe_cli_seed_is_greedy", "omnimtp/transcribe_cli.py",
+        "    sampling = None if args.seed is None else SamplingParams(temperature=1.0)",
+        "    sampling = None",
+        ("tests/test_transcription.py::test_cli_seed_samples_and_repeats",),
+        "omnimtp transcribe --seed N transcribes greedily (the seed does nothing)",
     ),
     Mutation(
         "websocket_key_subprotocol_any_token", "omnimtp/server/guard.py",
@@ -1219,6 +1435,47 @@ MUTATIONS = [
         QUANTIZED, "quantize=\"w4a8\" runs the weight-only int4 kernel: int4's speed, called w4a8",
     ),
     Mutation(
+        "quantized_experts_leave_the_rows_grouped", "omnimtp/runtime/moe.py",
+        "    return out if order is None else torch.empty_like(out).index_copy_(0, order, out)",
+        "    return out",
+        QUANTIZED_EXPERTS, "the quantized experts' rows come back in expert order, not (token, rank) order: every "
+        "token of a batch mixes other tokens' expert outputs",
+    ),
+    Mutation(
+        "quantized_experts_read_the_first_experts_scales", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "scales + experts[i] * scale_stride, y + m0 * N, offsets[i + 1] - m0",
+        "scales + experts[0] * scale_stride, y + m0 * N, offsets[i + 1] - m0",
+        QUANTIZED_EXPERTS, "the grouped int8 / int4 kernel scales every expert's rows by the first group's expert's "
+        "scales",
+    ),
+    Mutation(
+        "quantized_router_runs_on_torch_kernels", "omnimtp/runtime/decoder.py",
+        "    if layer.router_row_kernel is None:\n        projected = linear(x, layer.router_in)",
+        "    if True:\n        projected = linear(x, layer.router_in)",
+        QUANTIZED_EXPERTS, "a quantized Qwen3-MoE layer's router runs on torch's matrix-vector or GEMM kernel by "
+        "row count: a row's routing logits, and so its output, depend on the batch",
+    ),
+    Mutation(
+        "quantized_checkpoint_loads_in_any_mode", "omnimtp/quantized_checkpoint.py",
+        "    if quantize is not None and quantize != mode:",
+        "    if False:",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint asked for another mode loads its own silently: --quantize w4a8 "
+        "runs int4 weights",
+    ),
+    Mutation(
+        "quantized_checkpoint_reads_expert_0_for_every_expert", "omnimtp/quantized_checkpoint.py",
+        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == index)",
+        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == 0)",
+        QUANTIZED_CHECKPOINT, "the converter quantizes expert 0's weights into every expert of a layer",
+    ),
+    Mutation(
+        "quantized_checkpoint_leaves_buffers_empty", "omnimtp/quantized_checkpoint.py",
+        "    model.initialize_weights()\n",
+        "\n",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint's non-persistent buffers (rotary tables) are left as "
+        "uninitialised memory",
+    ),
+    Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "      sg[i] = exp_nonpositive(sg[i] - top);",
         "      sg[i] = exp_nonpositive(sg[i]);",
@@ -1247,6 +1504,41 @@ MUTATIONS = [
         "      if (m[s]) positions[r * span + n++] = s;",
         "      positions[r * span + n++] = s;",
         ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
+    ),
+    Mutation(
+        "decode_attention_group_unchecked", "omnimtp/runtime/ops.py",
+        "        and num_heads // keys.shape[1] <= small_batch_linear.DECODE_ATTENTION_MAX_GROUP\n",
+        "",
+        ("tests/test_small_batch_linear.py::test_decode_attention_runs_on_the_kernel_only_within_its_range",),
+        "attention with more than 16 query heads a KV head goes to the kernel, which refuses it (ValueError)",
+    ),
+    Mutation(
+        "decode_attention_head_dim_unchecked", "omnimtp/runtime/ops.py",
+        "        and head_dim <= small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM\n",
+        "",
+        ("tests/test_small_batch_linear.py::test_decode_attention_runs_on_the_kernel_only_within_its_range",),
+        "attention with a head_dim over 256 goes to the kernel, which refuses it (ValueError)",
+    ),
+    Mutation(
+        "decode_attention_shared_mask_on_sdpa", "omnimtp/runtime/ops.py",
+        "and mask.shape[0] in (1, num_rows)",
+        "and mask.shape[0] == num_rows",
+        ("tests/test_small_batch_linear.py::test_one_mask_shared_by_several_rows_runs_on_the_kernel",),
+        "a batched decode step whose rows share one mask runs on SDPA, not the kernel",
+    ),
+    Mutation(
+        "int4_groups_of_64", "omnimtp/runtime/ops.py",
+        "INT4_GROUP_SIZE = 128  # inputs per int4 scale",
+        "INT4_GROUP_SIZE = 64  # inputs per int4 scale",
+        ("tests/test_quantized_linear.py::test_int4_scales_are_per_output_and_group_of_128_inputs",),
+        "int4 and w4a8 weights get a scale per 64 inputs: twice the scales, other values than documented",
+    ),
+    Mutation(
+        "w4a8_isa_argument_dropped", "omnimtp/runtime/kernels/small_batch_linear.py",
+        "        choice = -1 if isa is None else int(isa == W4A8_ISAS[0])",
+        "        choice = -1",
+        ("tests/test_quantized_linear.py::test_the_isa_argument_reaches_the_kernel",),
+        "w4a8_linear(isa=...) runs this CPU's best instructions whatever it names (the same bits: unseen)",
     ),
     # --- runaway audio and the outside fuzz's findings ---------------------------------------------
     Mutation(

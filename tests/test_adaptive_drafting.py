@@ -107,6 +107,17 @@ def test_only_verified_drafts_move_the_estimate_and_probes_are_spaced_by_their_e
     assert DraftController(MIXED, 1).choose([False]) == 0
 
 
+def test_a_probe_drafts_the_k_of_best_goodput_on_a_worked_example():
+    """c = (1, 1.4, 1.455, 1.6) at α 0.3: E = 1, 1.3, 1.39, 1.417 and E/c = 1, 0.929, 0.955, 0.886, so plain
+    steps; drafting pays at the prior 0.7 (E_2 = 2.19 > 1.455), so probes run, each drafting k = 2 (the best
+    goodput among k >= 1, neither the fewest drafts nor the most) and losing c_2 - E_2 = 0.065 plain steps:
+    0.065 / 1 % → a probe after every 7 plain steps."""
+    controller = DraftController(DraftCosts((1.0, 1.4, 1.455, 1.6)), 1)
+    assert controller.prior == 0.7
+    controller.acceptance = [0.3]
+    assert [controller.choose([True]) for _ in range(16)] == ([0] * 7 + [2]) * 2
+
+
 def test_k_follows_the_costs_of_the_rows_a_step_runs():
     assert batch_buckets(1) == (1,) and batch_buckets(12) == (1, 2, 4, 8, 16) and batch_buckets(16)[-1] == 16
     controller = DraftController(PER_BATCH, 16, prior=0.7)
@@ -612,6 +623,19 @@ def test_a_second_process_reads_the_costs_back_and_a_changed_setting_measures_ag
         monkeypatch.setattr(adaptive, "_CALIBRATED", weakref.WeakKeyDictionary())
         costs, measured = _counting_calibration(model, other, seconds=(2.0, 2.2, 2.6))
         assert costs.step == (1.0, 1.1, 1.3) and costs.source == "measured" and measured, other
+
+
+def test_the_fingerprint_changes_with_the_kernel_build(monkeypatch):
+    """Another build of omnimtp's kernel (its ISA, tiling or source: `small_batch_linear.build_id`) times steps
+    differently: the costs measured with one are not read back for the other."""
+    from omnimtp.runtime.kernels import small_batch_linear
+
+    model = torch.nn.Linear(4, 4)
+    fingerprints = []
+    for build in ("AVX2 6x64 1f0c2a9b", "AVX512 4x64 1f0c2a9b", "AVX2 6x64 77aa0b3c"):
+        monkeypatch.setattr(small_batch_linear, "build_id", lambda build=build: build)
+        fingerprints.append(json.dumps(cost_fingerprint(model, model, key={}), sort_keys=True))
+    assert len(set(fingerprints)) == 3
 
 
 def test_a_model_directory_whose_files_change_is_measured_again(cost_cache_dir, monkeypatch, tmp_path):

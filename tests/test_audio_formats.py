@@ -117,6 +117,20 @@ def test_speech_batch_route_gives_each_item_what_it_gets_alone(client):
     assert batch[3]["response_format"] == "mp3" and _decode(base64.b64decode(batch[3]["audio"]), "mp3").size
 
 
+def test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_length(client):
+    """A batch of a whitespace-only text and a text longer than 12 frames can say: the first item is an error
+    of its own (400 naming items[0].input), not the batch's; the second is cut at the engine's max_frames with
+    finish_reason "length"."""
+    items = [{"input": " \n\t ", "voice": "aiden"},
+             {"input": "This sentence is far longer than twelve frames of speech can say.", "voice": "aiden",
+              "seed": 3, "response_format": "pcm"}]
+    batch = client.post("/audio/speech/batch", body={"items": items}, cast_to=object)["data"]
+    error = batch[0]["error"]
+    assert (error["status"], error["param"], error["code"]) == (400, "items[0].input", "invalid_value")
+    pcm = np.frombuffer(base64.b64decode(batch[1]["audio"]), dtype="<i2")
+    assert batch[1]["finish_reason"] == "length" and len(pcm) == 12 * 1920  # 1920 samples a frame
+
+
 def test_a_batch_items_schema_error_names_the_item_as_its_own_errors_do(client):
     """One spelling for an item's field: a schema error in item 1 is `items[1].speed`, as `items[2].voice` is."""
     items = [{"input": "Hi.", "voice": "aiden"}, {"input": "Hi.", "voice": "aiden", "speed": "fast"}]

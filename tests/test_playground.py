@@ -67,6 +67,12 @@ def test_the_page_and_its_files_are_served_and_can_be_turned_off(servers):
         assert "/playground/app.js" in page.text and "http" not in page.text  # nothing from elsewhere
     assert httpx.get(url + "/playground/app.js").headers["content-type"].startswith("text/javascript")
     assert httpx.get(url + "/playground/style.css").headers["content-type"].startswith("text/css")
+    guarded = ("content-security-policy", "x-content-type-options", "cache-control")
+    page_headers = {name: httpx.get(url + "/").headers[name] for name in guarded}
+    assert page_headers["x-content-type-options"] == "nosniff" and page_headers["cache-control"] == "no-cache"
+    for asset in ("app.js", "style.css"):  # the page's script and style carry the page's headers
+        headers = httpx.get(f"{url}/playground/{asset}").headers
+        assert {name: headers.get(name) for name in guarded} == page_headers, asset
     missing = httpx.get(url + "/playground/secret.py")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "no playground file 'secret.py'"
     # under --api-key the page itself is public (it asks for the key); the API is not

@@ -20,7 +20,9 @@ from omnimtp.media import MediaLimits
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.sampling import SamplingParams
+from omnimtp.server.metrics import ServerMetrics
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
+from omnimtp.talker.loop import TalkerPrefix
 from omnimtp.thinker import PrefixRows, ThinkerRun
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -330,6 +332,27 @@ def test_the_cache_stays_within_its_budget_least_recently_used_out():
     assert off.get("a") is None and off.num_bytes == 0
     with pytest.raises(ValueError, match="max_bytes"):
         PrefixCache(-1)
+
+
+def _talker_prefix(num_rows: int) -> TalkerPrefix:
+    return TalkerPrefix(torch.zeros(num_rows, 4), SavedSlot(torch.zeros(1, 2, 1, num_rows, 4), num_rows, 0), 4)
+
+
+def test_talker_prefixes_count_in_the_budget_and_the_gauge():
+    """A session's entry weighs its thinker and its talker prefix: two whole entries over the budget evict the
+    older one (their thinker parts alone would fit), and the server's gauge reports both parts' bytes."""
+    whole = _prefix(8).num_bytes + _talker_prefix(8).num_bytes
+    cache = PrefixCache(max_bytes=2 * whole - 1)
+    assert 2 * _prefix(8).num_bytes <= cache.max_bytes
+    for key in ("a", "b"):
+        cache.put(key, _prefix(8))
+        cache.put_talker(key, _talker_prefix(8))
+    assert cache.get("a") is None and cache.get_talker("b") is not None and cache.stats.evictions == 1
+    assert cache.num_bytes == whole
+    metrics = ServerMetrics()
+    metrics.observe_session_cache(cache)
+    assert metrics.registry.get_sample_value("omnimtp_session_cache_bytes") == whole
+    assert metrics.registry.get_sample_value("omnimtp_session_cache_sessions") == 1
 
 
 def test_matching_rows_stops_at_the_first_differing_id_or_row():

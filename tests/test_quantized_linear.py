@@ -23,7 +23,7 @@ from omnimtp.models.tiny import tiny_code_predictor_config
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime import decoder as decoder_module
 from omnimtp.runtime.kernels import small_batch_linear as sbl
-from omnimtp.runtime.ops import QUANTIZE_MODES, check_quantize, linear, quantize_weight
+from omnimtp.runtime.ops import INT4_GROUP_SIZE, QUANTIZE_MODES, check_quantize, linear, quantize_weight
 
 needs_kernel = pytest.mark.skipif(not sbl.available(), reason=f"kernel unavailable: {sbl.unavailable_reason()}")
 
@@ -139,6 +139,40 @@ def test_w4a8_refuses_groups_inside_words_of_8_inputs():
     for group in (12, 20, 0):
         with pytest.raises(ValueError, match="group_size"):
             sbl.w4a8_linear(torch.randn(2, 48), q.packed, q.scales, 16, group)
+
+
+@needs_kernel
+def test_int4_scales_are_per_output_and_group_of_128_inputs():
+    """int4 and w4a8 scale each output channel's groups of 128 inputs (scales [ceil(N/16), K/128, 16], each
+    max|w| / 7 of its group: a large weight raises its own group's scale only); a K that 128 does not divide is
+    one group."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 384, generator=g)
+    weight[:, 130] = 50.0  # the second group of every output
+    expected = weight.view(40, 3, 128).abs().amax(-1) / 7  # [N, G]
+    assert INT4_GROUP_SIZE == 128
+    for mode in ("int4", "w4a8"):
+        q = quantize_weight(weight, mode)
+        assert q.group_size == 128 and q.scales.shape == (3, 3, 16)
+        torch.testing.assert_close(q.scales.transpose(1, 2).reshape(48, 3)[:40], expected)
+    odd = quantize_weight(torch.randn(20, 200, generator=g), "int4")
+    assert odd.group_size == 200 and odd.scales.shape == (2, 1, 16)
+
+
+@needs_kernel
+def test_the_isa_argument_reaches_the_kernel(monkeypatch):
+    """Every ISA gives the same bits, so which one ran shows only in the kernel's last argument: -1 (this CPU's
+    best), 0 (AVX2), 1 (AVX512-VNNI)."""
+    lib = sbl._library()
+    choices = []
+    kernel = lib.omnimtp_w4a8_linear
+    monkeypatch.setattr(lib, "omnimtp_w4a8_linear", lambda *args: choices.append(args[-1]) or kernel(*args))
+    q = quantize_weight(torch.randn(32, 128), "w4a8")
+    x = torch.randn(2, 128)
+    isas = [None, "AVX2", "AVX512-VNNI"] if sbl.w4a8_isa() == "AVX512-VNNI" else [None, "AVX2"]
+    outs = [sbl.w4a8_linear(x, q.packed, q.scales, q.out_features, q.group_size, isa=isa) for isa in isas]
+    assert choices == [-1, 0, 1][: len(isas)]
+    assert all(torch.equal(out, outs[0]) for out in outs)
 
 
 @needs_kernel

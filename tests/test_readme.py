@@ -53,6 +53,10 @@ NOT_RUN = {
         "a released checkpoint (tests/test_voice_cli.py clones with the tiny one)"
     ),
     "omnimtp speak --model Qwen3-TTS-12Hz-0.6B-Base": "a released checkpoint (tests/test_voice_cli.py)",
+    "omnimtp quantize Qwen3-Omni-30B-A3B-Instruct": (
+        "a released checkpoint (tests/test_quantized_checkpoint.py converts the tiny ones)"
+    ),
+    "omnimtp speak Hello --model qwen3-omni-w4a8": "the quantized copy of a released checkpoint",
 }
 # caps added to a command that sets none, so a run takes seconds
 CAPS = {"speak": {"--max-new-tokens": "4", "--max-frames": "6"}, "spec": {"--max-new-tokens": "16"}}

@@ -1,7 +1,7 @@
-"""benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py and
-benchmarks/decode_attention.py at tiny sizes, so the scripts cannot rot: every mode, two batch sizes, the profile
-and (where `qwen_tts` is installed) the reference; every quality figure, with fp32 agreeing with itself nowhere
-but where it must."""
+"""benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
+benchmarks/decode_attention.py, benchmarks/moe_experts.py and benchmarks/omni_realsize.py at tiny sizes, so the
+scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
+quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
 import importlib.util
 import json
@@ -62,7 +62,7 @@ def test_quality_quick_run_reports_every_part(tmp_path):
     _run(["benchmarks/quantized_quality.py", "--quick", "--threads", "1", "--cache-dir", str(tmp_path / "cache"),
           "--out", str(out)])
     results = json.loads(out.read_text())
-    for key in ("demo_lm", "demo_omni_thinker"):
+    for key in ("demo_lm", "demo_omni_thinker", "demo_glm5_experts"):
         entry = results[key]
         assert entry["fp32_perplexity"] > 1
         for mode in ("int8", "int4", "w4a8"):
@@ -146,3 +146,30 @@ def test_floors_count_every_multiply_add_of_a_quantized_matrix():
         pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
     weight = torch.randn(48, 256)
     assert [_matrix_macs(quantize_weight(weight, mode)) for mode in ("int8", "int4", "w4a8")] == [weight.numel()] * 3
+
+
+def test_moe_experts_quick_run_times_every_variant_against_its_floor(tmp_path):
+    out = tmp_path / "moe.json"
+    _run(["benchmarks/moe_experts.py", "--quick", "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert [row["tokens"] for row in results["rows"]] == [1, 3]
+    for row in results["rows"]:
+        assert set(row["ms"]) == {"bf16", "fp32", "int8", "int4", "w4a8", "w4a8-loop"}
+        assert all(ms > 0 for ms in row["ms"].values())
+        floors = row["floor_ms"]  # bytes read: fp32 twice bf16's, int8 past int4's, w4a8 reading int4's weights
+        assert floors["fp32"] > floors["bf16"] > floors["int8"] > floors["int4"] == floors["w4a8"] > 0
+
+
+def test_omni_realsize_quick_run_reports_per_layer_costs_and_floors(tmp_path):
+    out = tmp_path / "realsize.json"
+    _run(["benchmarks/omni_realsize.py", "--quick", "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    for name in ("thinker", "talker"):
+        entry = results[name]
+        assert entry["layers_built"] == 2 and entry["floor_ms_per_layer_step_1_row"] > 0
+        assert set(entry["ms_per_layer"]) == {"step_1_row", "step_4_rows", "verify_k1", "verify_k2", "verify_k3",
+                                              "prefill_16"}
+        assert all(ms > 0 for ms in entry["ms_per_layer"].values())
+    thinker = results["thinker"]
+    assert 0 < thinker["tokens_per_s_batch_1"] and thinker["lm_head_floor_ms"] > 0
+    assert results["peak_rss_gb"] > 0

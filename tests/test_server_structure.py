@@ -14,7 +14,8 @@ from server_harness import running_server
 
 from omnimtp.server.app import create_app
 from omnimtp.server.build import build_engine
-from omnimtp.server.guard import MAX_JSON_ARRAY_ITEMS, MAX_JSON_DEPTH
+from omnimtp.server.errors import APIError
+from omnimtp.server.guard import MAX_JSON_ARRAY_ITEMS, MAX_JSON_COMMAS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, parse_json
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -88,6 +89,17 @@ def test_a_body_at_the_structure_limits_is_read(server):
     reply = httpx.post(server + "/v1/chat/completions", timeout=120,
                        json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
     assert reply.status_code != 400 or reply.json()["error"]["code"] != "structure_too_large", reply.text
+
+
+def test_arrays_count_as_containers():
+    """More than MAX_JSON_CONTAINERS short arrays, in arrays short and shallow enough for the shape checks and
+    with fewer commas than MAX_JSON_COMMAS, are refused by their bracket count before they are parsed."""
+    group = "[" + ",".join(["[]"] * MAX_JSON_ARRAY_ITEMS) + "]"
+    text = "[" + ",".join([group] * (MAX_JSON_CONTAINERS // MAX_JSON_ARRAY_ITEMS + 1)) + "]"
+    assert text.count(",") < MAX_JSON_COMMAS and "{" not in text
+    with pytest.raises(APIError) as caught:
+        parse_json(text)
+    assert caught.value.code == "structure_too_large" and "objects and arrays" in caught.value.message
 
 
 UNKNOWN_KEYS = json.dumps({"messages": [{"role": "user", "content": "a"}], **{f"k{i}": 0 for i in range(99_000)}})

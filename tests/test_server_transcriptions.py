@@ -9,6 +9,7 @@ import base64
 import io
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import openai
@@ -24,6 +25,7 @@ from omnimtp.media import MediaLimits, load_audio
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.app import create_app
+from omnimtp.server.routes.transcriptions import transcription_request
 from omnimtp.server.scheduler import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,9 +51,13 @@ def pipe() -> OmniPipeline:
 
 
 @pytest.fixture(scope="module")
-def server():
-    engine = Engine(Qwen3OmniFamily.tiny(0), max_new_tokens=MAX_NEW_TOKENS, max_frames=4, first_chunk_frames=2,
-                    chunk_frames=2, max_batch_size=16, media_limits=LIMITS)
+def engine():
+    return Engine(Qwen3OmniFamily.tiny(0), max_new_tokens=MAX_NEW_TOKENS, max_frames=4, first_chunk_frames=2,
+                  chunk_frames=2, max_batch_size=16, media_limits=LIMITS)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     with running_server(create_app(engine, max_tokens_limit=MAX_NEW_TOKENS)) as url:
         yield url
 
@@ -64,7 +70,11 @@ def test_every_format_and_the_stream_give_the_pipelines_text(client, pipe, speec
     expected = pipe.transcribe(speech_path, language="en", prompt="A greeting.")
     assert expected.text_ids
     common = dict(model="omnimtp-tiny", file=_file(speech), language="en", prompt="A greeting.")
-    assert client.audio.transcriptions.create(**common).text == expected.text
+    served = client.audio.transcriptions.create(**common)
+    assert served.text == expected.text
+    usage = served.usage
+    assert usage.output_tokens == len(expected.text_ids) and usage.input_tokens > 0
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert client.audio.transcriptions.create(**common, response_format="text").strip() == expected.text
     verbose = client.audio.transcriptions.create(**common, response_format="verbose_json",
                                                  timestamp_granularities=["segment"])
@@ -77,6 +87,7 @@ def test_every_format_and_the_stream_give_the_pipelines_text(client, pipe, speec
     assert [e.type for e in events[len(deltas):]] == ["transcript.text.done"]
     assert events[-1].text == expected.text and "".join(deltas).strip() == expected.text
     assert events[-1].usage.output_tokens == len(expected.text_ids)
+    assert events[-1].usage.total_tokens == usage.input_tokens + usage.output_tokens
 
 
 def test_seeded_sampling_repeats_and_equals_the_pipeline(client, pipe, speech, speech_path):
@@ -183,6 +194,27 @@ def test_bad_input_is_a_4xx_naming_the_field(http, speech, name, data, fields, s
     assert http.get("/health").status_code == 200
 
 
+def test_an_upload_over_the_prompt_limit_names_file(http, engine, speech, monkeypatch):
+    """The prompt is the ASR instruction around the uploaded audio's rows: too long is the file's fault."""
+    monkeypatch.setattr(engine, "max_prompt_tokens", 20)
+    response = http.post("/v1/audio/transcriptions", files={"file": _file(speech)})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "file" and "20" in response.json()["error"]["message"]
+
+
+def test_the_server_token_limit_caps_transcripts_and_realtime_input_transcripts(pipe):
+    """`--max-tokens-limit` under the model's reply cap caps a transcript, the route's and a realtime session's
+    input transcript (a background request) alike; over it, the model's cap holds."""
+    samples = np.zeros(16_000, dtype=np.float32)
+    for limit, expected in ((3, 3), (1000, pipe.config.max_new_tokens)):
+        context = SimpleNamespace(engine=SimpleNamespace(family=pipe.family, config=pipe.config),
+                                  max_tokens_limit=limit)
+        for is_background in (False, True):
+            request = transcription_request(context, samples, None, None, 0.0, None, is_streamed=True,
+                                            is_background=is_background)
+            assert request.max_new_tokens == expected and request.is_background == is_background
+
+
 def test_a_json_body_is_415_and_a_tts_model_is_400_naming_model(http, speech):
     response = http.post("/v1/audio/transcriptions", json={"file": "x", "model": "omnimtp-tiny"})
     assert response.status_code == 415
@@ -232,6 +264,8 @@ def test_realtime_input_transcripts_equal_the_routes(server, http, speech_path):
                 completed = event
             is_done = is_done or event.type == "response.done"
     assert completed.item_id == item_id and completed.transcript == expected
+    usage = completed.usage
+    assert usage.output_tokens > 0 and usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert "".join(deltas).strip() == expected and expected
 
 

@@ -223,6 +223,50 @@ def test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies(
     assert len(calls) == 5  # only the row alone above
 
 
+@needs_kernel
+@pytest.mark.parametrize("num_kv_heads, num_heads, head_dim, on_kernel", [
+    (2, 32, 64, True), (2, 34, 64, False),  # 16 query heads a KV head; 17
+    (1, 4, 256, True), (1, 4, 264, False),  # head_dim 256; 264
+])
+def test_decode_attention_runs_on_the_kernel_only_within_its_range(monkeypatch, num_kv_heads, num_heads, head_dim,
+                                                                   on_kernel):
+    """Past 16 query heads a KV head or a head_dim of 256, one position a row falls back to SDPA (the kernel
+    refuses them), with SDPA's values."""
+    from omnimtp.runtime import ops
+
+    calls = []
+    kernel = sbl.decode_attention
+    monkeypatch.setattr(sbl, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    g = torch.Generator().manual_seed(num_heads + head_dim)
+    keys, values = (torch.randn(2, num_kv_heads, 9, head_dim, generator=g) for _ in range(2))
+    query = torch.randn(2, 1, num_heads, head_dim, generator=g)
+    out = ops.attention(query, keys, values, None, 0.1)
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, scale=0.1, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(2, 1, -1), rtol=1e-5, atol=1e-5)
+    assert len(calls) == on_kernel
+
+
+@needs_kernel
+def test_one_mask_shared_by_several_rows_runs_on_the_kernel(monkeypatch):
+    """A bool mask [1, 1, 1, S] for every row of a batched decode step: the kernel, with SDPA's values under
+    that mask for every row."""
+    from omnimtp.runtime import ops
+
+    calls = []
+    kernel = sbl.decode_attention
+    monkeypatch.setattr(sbl, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    g = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(3, 2, 11, 16, generator=g) for _ in range(2))
+    query = torch.randn(3, 1, 8, 16, generator=g)
+    visible = torch.rand(1, 1, 1, 11, generator=g) < 0.5
+    visible[..., 0] = True
+    out = ops.attention(query, keys, values, visible, 0.25)
+    expected = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible, scale=0.25,
+                                              enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(3, 1, -1), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and not visible.all()
+
+
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
     """The kernel loader with its cache cleared (and restored afterwards), building into tmp_path."""

@@ -215,6 +215,29 @@ def test_requests_waiting_for_text_hold_no_slot(tts):
     assert torch.equal(core.output(other).codes, tts.speech(TEXT, voice="aiden", language="english").codes)
 
 
+def test_a_request_parked_before_its_first_audio_does_not_hold_back_background_work(tts):
+    """A request whose talker spoke all its text so far before its first audio chunk waits for text, not for the
+    engine: a background request (which waits while a first audio is due) is admitted and finishes meanwhile."""
+    family = tts.family
+    core = EngineCore(family, replace(tts.config, first_chunk_frames=8))
+    voice = family.voice("aiden", "english")
+    streamed = _request(family, voice)
+    core.add(streamed)
+    core.push_speech_ids(0, family.speech_text_ids().push("Hi "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert streamed.is_parked and streamed.frames and streamed.first_audio_at is None
+    background = Request(1, family.speech_ids(TEXT), max_new_tokens=1, max_frames=4, speaker=voice, is_chat=False,
+                         is_background=True)
+    core.add(background)
+    for _ in range(20):
+        if background.status is Status.FINISHED:
+            break
+        list(core.step())
+    assert background.status is Status.FINISHED and len(background.frames) == 4 and streamed.is_parked
+    core.abort(0)
+
+
 def test_abort_frees_a_parked_request(tts):
     family = tts.family
     core = EngineCore(family, tts.config)
@@ -697,6 +720,7 @@ def test_a_session_silent_past_the_text_timeout_ends_its_request(slot_server):
             assert any(g["omnimtp_parked_requests"] + g["omnimtp_queue_depth"] == 1
                        and g["omnimtp_active_requests"] == 0 for g in gauges), gauges
             assert event["type"] == "error" and event["error"]["code"] == "timeout_text_idle", event
+            assert event["error"]["type"] == "invalid_request_error"  # the client's pause, not a server error
             assert "--timeout-text-idle" in event["error"]["message"] and TEXT_IDLE_S <= waited < 30
             assert not engine._core.running and not engine._core.waiting and not engine._core.talker.rows
         audio, _ = _stream_pcm(ws, ["Hi there"])

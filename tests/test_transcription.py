@@ -113,6 +113,27 @@ def test_bad_arguments_name_the_argument(pipe, speech, tmp_path):
         tts.transcribe(speech)
 
 
+def test_a_prompt_and_reply_cap_that_exactly_fill_the_positions_are_taken(pipe, speech):
+    request, _ = pipe._transcription_request(speech, None, None, None, None, 1, is_streamed=False)
+    room = pipe.family.max_positions - len(request.prompt_ids)
+    exact, _ = pipe._transcription_request(speech, None, None, None, None, room, is_streamed=False)
+    assert exact.max_new_tokens == room
+    with pytest.raises(ValueError, match="positions"):
+        pipe._transcription_request(speech, None, None, None, None, room + 1, is_streamed=False)
+
+
+def test_cli_seed_samples_and_repeats(speech, capsys):
+    """`omnimtp transcribe --seed N` samples (temperature 1) with that seed: twice the same transcript, the
+    pipeline's seeded one, not the greedy one."""
+    pipe = OmniPipeline.tiny()
+    sampled = pipe.transcribe(speech, sampling=SamplingParams(temperature=1.0), seed=7)
+    assert sampled.text_ids != pipe.transcribe(speech).text_ids
+    capsys.readouterr()
+    for _ in range(2):
+        assert main(["transcribe", speech, "--seed", "7", "--json"]) == 0
+    assert [json.loads(line)["text_ids"] for line in capsys.readouterr().out.splitlines()] == [sampled.text_ids] * 2
+
+
 def test_cli_prints_the_transcripts(speech, capsys):
     """`omnimtp transcribe FILE FILE --json`: one object per file, the tiny Qwen3-Omni's `transcribe`; a bad
     language is one error line naming it, exit status 2."""

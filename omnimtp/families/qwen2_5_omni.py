@@ -50,9 +50,11 @@ class Qwen2_5OmniFamily(ChatText):
     refused). Video comes as transformers' processor tensors with prompt ids that hold its placeholders.
     talker_layout: the talker prefill (`omnimtp.talker.qwen2_5_inputs`): "generate" (default) is what
     transformers' `generate` runs with the checkpoint's EOS ids (no codec pad / bos rows), "seed" the intended
-    layout with both codec embeddings."""
+    layout with both codec embeddings. quantize: the thinker's and talker's linears; stored: a quantized
+    checkpoint's layers (`omnimtp.quantized_checkpoint`, as `Qwen3OmniFamily` takes them), with quantize its mode."""
 
     model_type = "qwen2_5_omni"  # the checkpoint's config.json model_type
+    decoder_paths = ("thinker.model.language_model", "talker.model")  # the packed (and quantized) decoders
     sample_rate = SAMPLE_RATE
     num_code_groups = 1
     codec_looks_ahead = True  # token2wav holds a chunk's last samples back until later frames (or the end) come
@@ -60,7 +62,7 @@ class Qwen2_5OmniFamily(ChatText):
     transcription_system = "You are a speech recognition model."
 
     def __init__(self, model, tokenizer=None, *, processor=None, talker_layout: str = "generate",
-                 quantize: str | None = None):
+                 quantize: str | None = None, stored: dict | None = None):
         check_quantize(quantize, model.thinker.device)
         self.quantize = quantize
         if talker_layout not in PREFILL_LAYOUTS:
@@ -77,10 +79,9 @@ class Qwen2_5OmniFamily(ChatText):
         self.accept_hidden_layer = text_config.num_hidden_layers  # the last layer after the final norm
         self.max_positions = text_config.max_position_embeddings
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
-        self.thinker_decoder = (
-            PackedDecoder.from_module(model.thinker.model.language_model, quantize=quantize).with_row_kernel()
-        )
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model, quantize=quantize)
+        thinker, talker = (PackedDecoder.from_module(model.get_submodule(path), quantize=quantize,
+                                                     stored=(stored or {}).get(path)) for path in self.decoder_paths)
+        self.thinker_decoder, self.talker_decoder = thinker.with_row_kernel(), talker
         self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)
 

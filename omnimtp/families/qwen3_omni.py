@@ -44,15 +44,18 @@ class Qwen3OmniFamily(ChatText):
     (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step. quantize: the
     thinker's and talker's linears (`OmniPipeline`'s). codec_dtype: code2wav's conv stack in "float32" or
     "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`), on a copy of the stack where the model's is in another
-    dtype (the model's own code2wav is left as it is); None: in the model's dtype."""
+    dtype (the model's own code2wav is left as it is); None: in the model's dtype. stored: a quantized checkpoint's
+    layers (`omnimtp.quantized_checkpoint`: per path of `decoder_paths`, each layer's quantized matrices; the
+    model's float weights they replace are placeholders without data), with quantize its mode."""
 
     model_type = "qwen3_omni_moe"  # the checkpoint's config.json model_type
+    decoder_paths = ("thinker.model.language_model", "talker.model")  # the packed (and quantized) decoders
     sample_rate = SAMPLE_RATE
     codec_looks_ahead = False  # code2wav looks at no later frame
 
     def __init__(self, model, tokenizer=None, *, processor=None, compile_predictor: bool | str = False,
                  thinker_speculation: ThinkerSpeculation | None = None, quantize: str | None = None,
-                 codec_dtype: str | None = None):
+                 codec_dtype: str | None = None, stored: dict | None = None):
         check_quantize(quantize, model.thinker.device)
         conv_dtype = None if codec_dtype is None else codec_dtype_of(codec_dtype)  # None: as the model's is
         self.quantize = quantize
@@ -74,10 +77,9 @@ class Qwen3OmniFamily(ChatText):
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         # quantized: each layer quantized as it is packed, and never packed for the row kernel (`with_row_kernel`
         # leaves a quantized decoder as it is)
-        self.thinker_decoder = (
-            PackedDecoder.from_module(model.thinker.model.language_model, quantize=quantize).with_row_kernel()
-        )
-        self.talker_decoder = PackedDecoder.from_module(model.talker.model, quantize=quantize)
+        thinker, talker = (PackedDecoder.from_module(model.get_submodule(path), quantize=quantize,
+                                                     stored=(stored or {}).get(path)) for path in self.decoder_paths)
+        self.thinker_decoder, self.talker_decoder = thinker.with_row_kernel(), talker
         # another codec_dtype than the model's: code2wav's conv stack runs on a copy in it (the model's stays)
         self.codec = StreamingCode2Wav(model.code2wav, conv_dtype=conv_dtype)
         self._predictors: dict[int, CodePredictorRunner] = {}

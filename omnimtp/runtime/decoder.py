@@ -40,6 +40,7 @@ from omnimtp.runtime.moe import (
 )
 from omnimtp.runtime.ops import (
     PackedGemm,
+    QuantizedWeight,
     Rope,
     apply_rope,
     attention,
@@ -47,6 +48,7 @@ from omnimtp.runtime.ops import (
     check_quantize,
     gated_mlp,
     linear,
+    quantize_experts,
     quantize_weight,
     rms_norm,
 )
@@ -80,6 +82,12 @@ class LayerWeights:
     expert_down_views: tuple[torch.Tensor, ...] = ()
     # `PackedDecoder.with_dense_experts`: (gate_up [E * 2Ie, H], down [H, E * Ie]) of every expert, or None
     dense_experts: tuple[torch.Tensor, torch.Tensor] | None = None
+    # `quantize_layer`: every routed expert's (gate_up, down) quantized and stacked (`ops.quantize_experts`), in
+    # place of expert_gate_up / expert_down (then None)
+    quantized_experts: tuple[QuantizedWeight, QuantizedWeight] | None = None
+    # `quantize_layer`: the router's fp32 rows (router_in, or glm4_moe's router weight) packed for omnimtp's fp32
+    # kernel, so a token's routing, like the rest of a quantized layer, does not depend on the other rows
+    router_row_kernel: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -120,11 +128,11 @@ class PackedDecoder:
     quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
-        """This decoder with every dense layer's linears (qkv, o, gate/up, down) quantized
-        (`ops.quantize_weight`; activations stay in the decoder's dtype, rounded to int8 inside each "w4a8"
-        matmul), run on omnimtp's CPU kernel for any row count. Routed experts, routers and norms stay as they
-        are. The quantized decoder does not hold the float matrices it replaces (its dense layers' qkv, o,
-        gate_up and mlp_down are None), so they are freed once nothing else holds them. None, or this
+        """This decoder with every layer's linears (qkv, o, gate/up, down; in a MoE layer its shared experts'
+        and its routed experts', `quantize_layer`) quantized (`ops.quantize_weight`; activations stay in the
+        decoder's dtype, rounded to int8 inside each "w4a8" matmul), run on omnimtp's CPU kernel for any row
+        count. Routers and norms stay as they are. The quantized decoder does not hold the float matrices it
+        replaces (None in its layers), so they are freed once nothing else holds them. None, or this
         decoder's own mode: this decoder unchanged. ValueError naming `quantize` for an unknown mode, a device
         without a kernel, or a decoder quantized to another mode."""
         if quantize is None or quantize == self.quantize:
@@ -162,12 +170,13 @@ class PackedDecoder:
         """This decoder with every MoE layer whose router always picks every expert (`moe.routes_every_expert`)
         running its experts as one MLP (`moe.every_expert`: one matmul for every gate/up, one for every down,
         instead of a dispatch per expert). Rounding differs from transformers' rank-order sum: for drafters,
-        whose tokens only feed verification. Other layers are kept as they are; the down matrices are copied."""
+        whose tokens only feed verification. Other layers (quantized ones too) are kept as they are; the down
+        matrices are copied."""
         layers = tuple(
             replace(layer, dense_experts=(
                 layer.expert_gate_up.reshape(-1, layer.expert_gate_up.shape[-1]),  # [E * 2Ie, H], a view
                 layer.expert_down.permute(1, 0, 2).reshape(layer.expert_down.shape[1], -1),  # [H, E * Ie]
-            )) if routes_every_expert(layer.router) else layer
+            )) if routes_every_expert(layer.router) and layer.quantized_experts is None else layer
             for layer in self.layers
         )
         return replace(self, layers=layers)
@@ -218,17 +227,27 @@ class PackedDecoder:
 
     @classmethod
     def from_layers(
-        cls, layers, config, rotary, final_norm, dtype: torch.dtype, quantize: str | None = None, **options
+        cls, layers, config, rotary, final_norm, dtype: torch.dtype, quantize: str | None = None,
+        stored: list[dict] | None = None, **options
     ) -> PackedDecoder:
         """Transformers decoder layers (see `pack_layer`), their config, rotary module and final norm. quantize:
         as `quantized(quantize)`, each layer quantized as soon as it is packed, so the float copies packing
-        makes (fused q/k/v, gate/up) never exist for more than one layer at a time."""
+        makes (fused q/k/v, gate/up) never exist for more than one layer at a time. stored: each layer's
+        `quantized_matrices` in mode `quantize`, as a quantized checkpoint holds them (`omnimtp.quantized_checkpoint`):
+        used as they are, and the layers' matrices they replace may be on the meta device (only shapes are read)."""
         if quantize is not None:
             check_quantize(quantize, rotary.inv_freq.device)
+        if stored is not None and (quantize is None or len(stored) != len(layers)):
+            raise ValueError(f"stored: {len(stored)} layers' matrices in mode {quantize!r} for {len(layers)} layers")
         quantized_layers = None
         with torch.no_grad():
             if quantize is None:
                 packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+            elif stored is not None:
+                packed_layers, quantized_layers = zip(*(
+                    with_quantized_matrices(pack_layer(layer, config, dtype), matrices)
+                    for layer, matrices in zip(layers, stored, strict=True)
+                ), strict=True)
             else:
                 packed_layers, quantized_layers = zip(
                     *(quantize_layer(pack_layer(layer, config, dtype), quantize) for layer in layers), strict=True
@@ -287,17 +306,54 @@ def unsupported_layer_reason(layer) -> str | None:
     return None
 
 
+QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "experts.gate_up", "experts.down")
+
+
 def quantize_layer(layer: LayerWeights, quantize: str) -> tuple[LayerWeights, tuple]:
     """A packed layer → (the layer without the float matrices it no longer runs, its (qkv, o, gate_up, down)
-    quantized to `quantize`; a MoE layer's attention only: its experts and shared experts stay
-    float, gate_up and down None)."""
+    quantized to `quantize`): `with_quantized_matrices(layer, quantized_matrices(layer, quantize))`."""
+    return with_quantized_matrices(layer, quantized_matrices(layer, quantize))
+
+
+def quantized_matrices(layer: LayerWeights, quantize: str) -> dict[str, QuantizedWeight | None]:
+    """A packed layer's matrices quantized to `quantize`, by QUANTIZED_MATRICES name: qkv, o, and the MLP's gate_up
+    and down; in a MoE layer gate_up and down are its shared experts' (glm4_moe's fused ones; Qwen3-MoE's shared
+    expert, its gate and up fused here; None without one), and "experts.gate_up" / "experts.down" every routed
+    expert's, stacked (`ops.quantize_experts`; None in a dense layer). What a quantized checkpoint stores."""
     if layer.router is None:
-        quantized = tuple(
-            quantize_weight(matrix, quantize) for matrix in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
-        )
+        names = ("qkv", "o", "gate_up", "down")
+        matrices = (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
+        return {**dict.fromkeys(QUANTIZED_MATRICES),
+                **{name: quantize_weight(matrix, quantize) for name, matrix in zip(names, matrices, strict=True)}}
+    shared_gate_up = layer.gate_up
+    if layer.shared_gate_proj is not None:
+        shared_gate_up = torch.cat([layer.shared_gate_proj, layer.shared_up_proj])
+    return {
+        "qkv": quantize_weight(layer.qkv, quantize), "o": quantize_weight(layer.o, quantize),
+        "gate_up": None if shared_gate_up is None else quantize_weight(shared_gate_up, quantize),
+        "down": None if layer.mlp_down is None else quantize_weight(layer.mlp_down, quantize),
+        "experts.gate_up": quantize_experts(layer.expert_gate_up, quantize),
+        "experts.down": quantize_experts(layer.expert_down, quantize),
+    }
+
+
+def with_quantized_matrices(
+    layer: LayerWeights, matrices: dict[str, QuantizedWeight | None]
+) -> tuple[LayerWeights, tuple]:
+    """A packed layer and its `quantized_matrices` (made here, or read from a quantized checkpoint) → (the layer
+    without the float matrices they replace, its (qkv, o, gate_up, down) quantized): a MoE layer's routed experts
+    in its `quantized_experts`, its router on omnimtp's fp32 kernel (`router_row_kernel`), its router rows and
+    norms as they are."""
+    quantized = tuple(matrices[name] for name in ("qkv", "o", "gate_up", "down"))
+    if layer.router is None:
         return replace(layer, qkv=None, o=None, gate_up=None, mlp_down=None), quantized
-    quantized = (quantize_weight(layer.qkv, quantize), quantize_weight(layer.o, quantize), None, None)
-    return replace(layer, qkv=None, o=None), quantized
+    router_rows = layer.router.weight if isinstance(layer.router, GroupLimitedSigmoid) else layer.router_in
+    return replace(
+        layer, qkv=None, o=None, gate_up=None, mlp_down=None, shared_gate_proj=None, shared_up_proj=None,
+        expert_gate_up=None, expert_down=None, expert_gate_up_views=(), expert_down_views=(),
+        quantized_experts=(matrices["experts.gate_up"], matrices["experts.down"]),
+        router_row_kernel=small_batch_linear.pack_weight(router_rows.float()),
+    ), quantized
 
 
 def pack_layer(layer, config, dtype: torch.dtype) -> LayerWeights:
@@ -369,24 +425,38 @@ def mlp_block(
     gemm: PackedGemm | None = None,
 ) -> torch.Tensor:
     """The layer's MLP on tokens x [N, H] (or one token [H]) → [N, H]. packed: (gate_up, down) packed by
-    `gemm` (dense only)."""
+    `gemm` (a dense layer), or quantized (`quantize_layer`: a MoE layer's shared experts), or None."""
     router = layer.router
     if router is None:
         return gated_mlp(x, layer.gate_up, layer.mlp_down, packed=packed, gemm=gemm)
-    views = (layer.expert_gate_up_views, layer.expert_down_views)
+    experts = (layer.expert_gate_up, layer.expert_down)
+    options = dict(gate_up_views=layer.expert_gate_up_views, down_views=layer.expert_down_views,
+                   quantized=layer.quantized_experts)
     if isinstance(router, GroupLimitedSigmoid):
         if layer.dense_experts is not None:
             routed = every_expert(router, x, *layer.dense_experts)
         else:
-            routed = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, None, *views)
-        return routed + gated_mlp(x, layer.gate_up, layer.mlp_down)
-    projected = linear(x, layer.router_in)  # [N, E (+ 1)]
+            logits = None if layer.router_row_kernel is None else _row_kernel_logits(layer, x, router.num_experts)
+            routed = routed_experts(router, x, *experts, logits, **options)
+        return routed + gated_mlp(x, layer.gate_up, layer.mlp_down, packed=packed, gemm=gemm)
     num_experts = router.num_experts
-    out = routed_experts(router, x, layer.expert_gate_up, layer.expert_down, projected[..., :num_experts], *views)
-    if layer.shared_gate_proj is not None:
-        shared = gated_mlp(x, None, layer.mlp_down, gate=layer.shared_gate_proj, up=layer.shared_up_proj)
+    if layer.router_row_kernel is None:
+        projected = linear(x, layer.router_in)  # [N, E (+ 1)]
+    else:
+        projected = _row_kernel_logits(layer, x, layer.router_in.shape[0]).to(x.dtype)
+    out = routed_experts(router, x, *experts, projected[..., :num_experts], **options)
+    if layer.router_in.shape[0] > num_experts:  # a gated shared expert: its gate and up fused once quantized
+        shared = gated_mlp(x, None, layer.mlp_down, gate=layer.shared_gate_proj, up=layer.shared_up_proj,
+                           packed=packed, gemm=gemm)
         out = out + torch.sigmoid(projected[..., num_experts:]) * shared
     return out
+
+
+def _row_kernel_logits(layer: LayerWeights, x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """x [..., H] @ the router's rows (`router_row_kernel`) in fp32 on omnimtp's kernel → [..., num_rows] fp32."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    out = small_batch_linear.small_batch_linear_unchecked(flat, layer.router_row_kernel, num_rows)
+    return out.view(*x.shape[:-1], num_rows)
 
 
 def decoder_layer(

@@ -3,6 +3,7 @@
     top_weights, top_experts = route(router, x, router_logits)        # [N, k] each
     outputs = expert_outputs(x, top_experts, gate_up, down)           # [N*k, H], only picked experts
     routed = combine(outputs, top_weights, x.dtype)                   # [N, H], rank-order sums
+    outputs = quantized_expert_outputs(x, top_experts, gate_up_q, down_q)   # quantized: one call per matmul
 
 Routers, exactly as transformers computes them:
 - `SoftmaxTopK` (Qwen3-MoE / Qwen3-Omni `TopKRouter`): softmax of the logits in fp32, top-k, optional
@@ -11,7 +12,8 @@ Routers, exactly as transformers computes them:
   for the choice only, the best `top_k_groups` groups (by the sum of their two best scores), top-k among
   their experts, optional renormalisation, `routed_scaling_factor`; weights stay fp32.
 Experts are transformers' fused tensors (gate_up [E, 2I, H], down [E, H, I], SiLU-gated) summed over each
-token's top-k in rank order, as its default `grouped_mm` path.
+token's top-k in rank order, as its default `grouped_mm` path; or those tensors quantized (`ops.quantize_experts`),
+where each of the two matmuls is one kernel call for every picked expert (`quantized_expert_outputs`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.ops import linear
+from omnimtp.runtime.ops import QuantizedWeight, expert_linear, linear
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens x [N, H] → (top_weights [N, k], top_experts [N, k]). SoftmaxTopK takes the router's logits
     [N, E] (computed by the caller, often fused with another matmul; one token may come as [E] → [k]);
-    GroupLimitedSigmoid computes its own."""
+    GroupLimitedSigmoid computes its own fp32 logits x @ weight.T, or takes them from the caller likewise."""
     if isinstance(router, SoftmaxTopK):
         probs = router_logits.softmax(dim=-1, dtype=torch.float)  # [N, E]
         top_weights, top_experts = torch.topk(probs, router.top_k, dim=-1)  # [N, k]
@@ -66,10 +68,12 @@ def route(
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return top_weights.to(router_logits.dtype), top_experts
     if x.dim() == 1:  # one token
-        top_weights, top_experts = route(router, x[None])
+        top_weights, top_experts = route(router, x[None], None if router_logits is None else router_logits[None])
         return top_weights[0], top_experts[0]
     num_tokens, num_experts = x.shape[0], router.num_experts
-    scores = F.linear(x.float(), router.weight).sigmoid()  # [N, E]
+    if router_logits is None:
+        router_logits = F.linear(x.float(), router.weight)
+    scores = router_logits.sigmoid()  # [N, E]
     scores_for_choice = scores + router.correction_bias
     if router.top_k_groups < router.num_groups:  # else every group is kept: the mask below would keep all
         group_scores = scores_for_choice.view(
@@ -153,6 +157,42 @@ def expert_outputs(
     return outputs
 
 
+def quantized_expert_outputs(
+    x: torch.Tensor, top_experts: torch.Tensor, gate_up: QuantizedWeight, down: QuantizedWeight
+) -> torch.Tensor:
+    """`expert_outputs` on quantized experts (`ops.quantize_experts` of transformers' gate_up [E, 2I, H] and down
+    [E, H, I]): x [N, H] (or one token [H]), top_experts [N, k] (or [k]) → [N*k, H], row token * k + rank. The
+    (token, rank) rows are grouped by expert (a stable sort) and each matmul is one `ops.expert_linear` call for
+    all of them, as llama.cpp's `mul_mat_id` and vLLM's fused MoE do; a row's values do not depend on the other
+    tokens. One token's k rows need no sort: its experts are distinct, a group of one row each."""
+    top_k = top_experts.shape[-1]
+    rows = x.reshape(-1, x.shape[-1])  # [N, H]
+    flat = top_experts.reshape(-1)  # [N*k]
+    if rows.shape[0] == 1:
+        order = None
+        grouped, experts, offsets = rows.expand(top_k, -1), flat, _rank_offsets(top_k, x.device)
+    else:
+        order = torch.argsort(flat, stable=True)  # [N*k]: the rows grouped by expert
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)  # [G] each
+        offsets = F.pad(counts.cumsum(0), (1, 0))  # [G + 1]
+        grouped = rows.index_select(0, order // top_k)  # [N*k, H]
+    gate, up = expert_linear(grouped, gate_up, experts, offsets).chunk(2, dim=-1)
+    out = expert_linear(F.silu(gate) * up, down, experts, offsets)  # [N*k, H], grouped
+    return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
+
+
+_RANK_OFFSETS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _rank_offsets(top_k: int, device: torch.device) -> torch.Tensor:
+    """[0, 1, ..., k] int64: one token's k expert rows, one group each (kept per k and device)."""
+    key = (top_k, device)
+    if key not in _RANK_OFFSETS:
+        with torch.inference_mode(False):
+            _RANK_OFFSETS[key] = torch.arange(top_k + 1, device=device)
+    return _RANK_OFFSETS[key]
+
+
 def combine(outputs: torch.Tensor, top_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """outputs [N*k, H] weighted by top_weights [N, k] and summed over each token's k in rank order → [N, H]
     in `dtype` (fp32 weights, as glm4_moe's, give an fp32 sum that is cast back once). One token may come
@@ -173,8 +213,14 @@ def routed_experts(
     router_logits: torch.Tensor | None = None,
     gate_up_views: tuple[torch.Tensor, ...] = (),
     down_views: tuple[torch.Tensor, ...] = (),
+    quantized: tuple[QuantizedWeight, QuantizedWeight] | None = None,
 ) -> torch.Tensor:
-    """The routed experts of an MoE block on tokens x [N, H] → [N, H]: `route`, `expert_outputs`, `combine`."""
+    """The routed experts of an MoE block on tokens x [N, H] → [N, H]: `route`, `expert_outputs`, `combine`.
+    quantized: the experts' (gate_up, down) as `ops.quantize_experts` stacks them, run by
+    `quantized_expert_outputs` instead (expert_gate_up and expert_down unused, may be None)."""
     top_weights, top_experts = route(router, x, router_logits)
-    outputs = expert_outputs(x, top_experts, expert_gate_up, expert_down, gate_up_views, down_views)
+    if quantized is not None:
+        outputs = quantized_expert_outputs(x, top_experts, *quantized)
+    else:
+        outputs = expert_outputs(x, top_experts, expert_gate_up, expert_down, gate_up_views, down_views)
     return combine(outputs, top_weights, x.dtype)

@@ -7,6 +7,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
     normed = rms_norm(x, weight, eps)                           # transformers' Qwen3 RMSNorm
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
     q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # int8 / int4 (/ w4a8) weights
+    qe = quantize_experts(experts, "w4a8"); y = expert_linear(rows, qe, ids, offsets)  # routed experts, one call
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
     out = attention(q, keys, values, mask, scale)               # SDPA, GQA; [R, T, Nq * D]
@@ -14,7 +15,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,10 @@ class QuantizedWeight:
         xq, scales = small_batch_linear.quantize_activations_int8(x, self.group_size)
         return (xq.view(x.shape[0], -1, self.group_size) * scales[..., None]).view_as(x)
 
+    def expert(self, index: int) -> QuantizedWeight:
+        """Expert `index`'s matrix of a stacked form (`quantize_experts`), as views."""
+        return replace(self, packed=self.packed[index], scales=self.scales[index])
+
     def dequantized(self) -> torch.Tensor:
         if self.group_size is None:
             q = self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1]).float()
@@ -220,6 +225,34 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROU
         raise ValueError(f"group_size={group_size}: w4a8 needs groups of whole words of 8 inputs")
     packed, scales, _ = small_batch_linear.quantize_int4(weight, group)
     return QuantizedWeight(packed, scales, weight.shape[0], group, int8_activations=mode == "w4a8")
+
+
+def quantize_experts(weights: torch.Tensor, mode: str, group_size: int = INT4_GROUP_SIZE) -> QuantizedWeight:
+    """Every routed expert's matrix, weights [E, N, K] (transformers' fused expert tensors, [gate; up] or down), →
+    one QuantizedWeight whose packed and scales carry a leading [E] dimension (`QuantizedWeight.expert(e)`:
+    expert e's), each expert quantized as `quantize_weight` quantizes a matrix, one at a time into the stacked
+    tensors. `expert_linear` runs it. The weights are not modified."""
+    first = quantize_weight(weights[0], mode, group_size)
+    packed = first.packed.new_empty((weights.shape[0], *first.packed.shape))
+    scales = first.scales.new_empty((weights.shape[0], *first.scales.shape))
+    packed[0], scales[0] = first.packed, first.scales
+    for index in range(1, weights.shape[0]):
+        quantized = quantize_weight(weights[index], mode, group_size)
+        packed[index], scales[index] = quantized.packed, quantized.scales
+    return replace(first, packed=packed, scales=scales)
+
+
+def expert_linear(
+    x: torch.Tensor, weight: QuantizedWeight, experts: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Rows grouped by expert through their experts' quantized matrices (`quantize_experts`) in one kernel call:
+    x [T, K], rows offsets[i]..offsets[i + 1] - 1 by expert experts[i] (int64 [G + 1] and [G]) → [T, N] in x's
+    dtype, each row the bits `linear(row, packed=weight.expert(e))` gives it alone."""
+    out = small_batch_linear.quantized_experts(
+        x.float(), weight.packed, weight.scales, weight.out_features, weight.group_size, weight.int8_activations,
+        experts, offsets,
+    )
+    return out.to(x.dtype)
 
 
 def linear(

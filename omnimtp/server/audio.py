@@ -13,6 +13,7 @@ play at 48 kHz whatever the input was), so other rates are resampled by FFmpeg's
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import struct
@@ -177,14 +178,29 @@ def g711_decode(data: bytes, fmt: str) -> np.ndarray:
 
 
 def g711_encode(pcm16: np.ndarray, fmt: str) -> bytes:
-    """int16 samples at 8 kHz → G.711 bytes ("audio/pcmu" or "audio/pcma"), one per sample."""
-    import av
+    """int16 samples at 8 kHz → G.711 bytes ("audio/pcmu" or "audio/pcma"), one per sample: the code words of
+    ITU-T G.711's decision levels (`_g711_codes`)."""
+    if fmt not in G711_CODECS:
+        raise ValueError(f"fmt must be one of {', '.join(G711_CODECS)}, got {fmt!r}")
+    pcm16 = np.asarray(pcm16, dtype=np.int16)
+    return _g711_codes(fmt)[pcm16.astype(np.int32) + 32768].tobytes()
 
-    pcm16 = np.ascontiguousarray(pcm16, dtype=np.int16)
-    if not pcm16.size:
-        return b""
-    encoder = av.CodecContext.create(G711_CODECS[fmt], "w")
-    encoder.sample_rate, encoder.layout, encoder.format = G711_RATE, "mono", "s16"
-    frame = av.AudioFrame.from_ndarray(pcm16[None], format="s16", layout="mono")
-    frame.sample_rate = G711_RATE
-    return b"".join(bytes(packet) for packet in [*encoder.encode(frame), *encoder.encode(None)])
+
+@functools.cache
+def _g711_codes(fmt: str) -> np.ndarray:
+    """[65536] uint8: the code word of each int16 sample (at index sample + 32768), as ITU-T G.191's reference
+    encoder forms it: the sample's magnitude (its one's complement when negative) cut to μ-law's 14 or A-law's
+    13 bits, its segment (the power of two it lies under) and the 4-bit step inside that segment; μ-law sends
+    all bits inverted, A-law the even ones. (FFmpeg's encoders pick the nearest reconstruction value instead,
+    which differs from the standard's decision levels at the top of each segment.)"""
+    samples = np.arange(-32768, 32768, dtype=np.int32)
+    magnitude = np.where(samples < 0, ~samples, samples)
+    if fmt == "audio/pcmu":
+        biased = np.minimum((magnitude >> 2) + 33, 0x1FFF)  # 14 bits with the bias of 33: 33..8191
+        segment = np.frexp(biased >> 5)[1] - 1  # 0..7
+        code = 0x7F - ((segment << 4) | ((biased >> (segment + 1)) & 0x0F))
+    else:
+        level = magnitude >> 4  # 12 bits of magnitude (13 with the sign)
+        segment = np.where(level > 15, np.frexp(level >> 4)[1], 0)  # 0..7
+        code = ((segment << 4) | np.where(segment == 0, level, (level >> np.maximum(segment - 1, 0)) - 16)) ^ 0x55
+    return np.where(samples >= 0, code | 0x80, code).astype(np.uint8)

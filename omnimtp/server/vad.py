@@ -73,10 +73,9 @@ class SpeechDetector:
     def __init__(self, config: TurnDetection, input_rate: int):
         self.config = config
         self.input_rate = input_rate
-        self._resampler = None if input_rate == VAD_RATE else soxr.ResampleStream(input_rate, VAD_RATE, 1,
-                                                                                   dtype="float32")
+        self._resampler = self._new_resampler()
         self._pending = np.zeros(0, dtype=np.float32)  # [n < WINDOW_SAMPLES] at 16 kHz, not scored yet
-        self._num_scored = 0  # samples at 16 kHz already scored (a multiple of WINDOW_SAMPLES)
+        self._num_scored = 0  # samples at 16 kHz already scored, or dropped unscored by `restart`
         self._state = torch.zeros(_STATE_SHAPE)
         self._context = torch.zeros(1, _CONTEXT_SAMPLES)
         self.is_speaking = False
@@ -102,10 +101,22 @@ class SpeechDetector:
         return events
 
     def restart(self) -> None:
-        """Forget the speech in progress (the buffer it was in was committed or cleared); the model keeps its
-        acoustic state, as the audio itself goes on."""
+        """Forget the speech in progress (the buffer it was in was committed or cleared), and the audio fed so far
+        that was not scored yet (a partial window, the resampler's delay): it was in that buffer, so it starts no
+        turn after it. The model keeps its acoustic state, as the audio itself goes on."""
         self.is_speaking = False
         self._possible_end = 0
+        if self._resampler is not None:
+            tail = self._resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+            self._resampler = self._new_resampler()
+            self._num_scored += len(tail)
+        self._num_scored += len(self._pending)
+        self._pending = self._pending[:0]
+
+    def _new_resampler(self) -> soxr.ResampleStream | None:
+        if self.input_rate == VAD_RATE:
+            return None
+        return soxr.ResampleStream(self.input_rate, VAD_RATE, 1, dtype="float32")
 
     @torch.inference_mode()
     def _score(self, window: np.ndarray) -> float:

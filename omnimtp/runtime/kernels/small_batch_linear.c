@@ -629,41 +629,59 @@ static void quantized_panels(const float* x, const float* xsum, const void* pack
   }
 }
 
-/* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][ceil(K/8)][16] words, scales
- * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Groups of QSTREAMS panels
- * are split over the threads. Returns 0, or -1 when out of memory. */
-int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
-                             int64_t N, int bits, int64_t group, int num_threads) {
-  const int64_t panels = (N + PANEL - 1) / PANEL;
-  const int64_t groups = (panels + QSTREAMS - 1) / QSTREAMS;
-  float *xs = NULL, *xsum = NULL;
-  if (bits == 4) { /* x[m, k] * 16^-min(k % 8, 6), and each group's inputs summed in k order */
-    static const float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-24f};
-    const int64_t num_groups = K / group;
-    xs = (float*)malloc(sizeof(float) * (size_t)(M * K));
-    xsum = (float*)malloc(sizeof(float) * (size_t)(M * num_groups));
-    if (!xs || !xsum) {
-      free(xs);
-      free(xsum);
-      return -1;
-    }
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < num_groups; ++g) {
-        float sum = 0.0f;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-          sum += x[m * K + k];
-          xs[m * K + k] = x[m * K + k] * kNibbleScale[k & 7];
-        }
-        xsum[m * num_groups + g] = sum;
+/* Weight-only int4's input, prepared once per call: xs = x[m, k] * 16^-min(k % 8, 6) and xsum = each group's inputs
+ * summed in k order ([M, K / group]). Returns 0, or -1 when out of memory (nothing allocated). */
+static int int4_prepare(const float* x, int64_t M, int64_t K, int64_t group, float** xs_out, float** xsum_out) {
+  static const float kNibbleScale[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-24f};
+  const int64_t num_groups = K / group;
+  float* xs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
+  float* xsum = (float*)malloc(sizeof(float) * (size_t)(M * num_groups + 1));
+  if (!xs || !xsum) {
+    free(xs);
+    free(xsum);
+    return -1;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        sum += x[m * K + k];
+        xs[m * K + k] = x[m * K + k] * kNibbleScale[k & 7];
       }
+      xsum[m * num_groups + g] = sum;
+    }
+  *xs_out = xs;
+  *xsum_out = xsum;
+  return 0;
+}
+
+/* Routed experts in one call (llama.cpp's mul_mat_id, vLLM's fused MoE): the rows of x [T, K] come grouped by
+ * expert, rows offsets[i]..offsets[i + 1] - 1 going to expert experts[i] (i < num_used), whose weights start
+ * packed_stride bytes and scales scale_stride floats after expert 0's; y [T, N]. Weights as
+ * `omnimtp_quantized_linear`'s. Every (expert, QSTREAMS panels) pair is a work item, all of them split over the
+ * threads, so a decode step's k experts of one token keep both cores reading. A row's values are those it gets
+ * from its expert's matrix alone. Returns 0, or -1 when out of memory. */
+int omnimtp_quantized_experts(const float* x, const void* packed, const float* scales, float* y, int64_t T, int64_t K,
+                              int64_t N, int bits, int64_t group, const int64_t* experts, const int64_t* offsets,
+                              int64_t num_used, int64_t packed_stride, int64_t scale_stride, int num_threads) {
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  const int64_t chunks = (panels + QSTREAMS - 1) / QSTREAMS, items = num_used * chunks;
+  const int64_t num_groups = bits == 4 ? K / group : 0;
+  float *xs = NULL, *xsum = NULL;
+  if (bits == 4) {
+    if (int4_prepare(x, T, K, group, &xs, &xsum) != 0) return -1;
     x = xs;
   }
+  int64_t max_rows = 0;
+  for (int64_t i = 0; i < num_used; ++i)
+    if (offsets[i + 1] - offsets[i] > max_rows) max_rows = offsets[i + 1] - offsets[i];
 #ifdef __AVX512F__
   const int64_t work_floats = 0;
+  (void)max_rows;
 #else /* each thread's scratch for the paths of several rows (int4_panel_rows, int8_panel_rows) */
-  const int64_t work_floats = M >= QMANY_ROWS ? (M + QTILE_ROWS) * PANEL : 0;
+  const int64_t work_floats = max_rows >= QMANY_ROWS ? (max_rows + QTILE_ROWS) * PANEL : 0;
 #endif
-  const int threads = num_threads > 1 && groups > 1 ? num_threads : 1;
+  const int threads = num_threads > 1 && items > 1 ? num_threads : 1;
   float* work = work_floats ? (float*)malloc(sizeof(float) * (size_t)(threads * work_floats)) : NULL;
   if (work_floats && work == NULL) {
     free(xs);
@@ -671,16 +689,30 @@ int omnimtp_quantized_linear(const float* x, const void* packed, const float* sc
     return -1;
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t first = g * QSTREAMS;
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t i = item / chunks, first = (item % chunks) * QSTREAMS, m0 = offsets[i];
     const int64_t count = panels - first < QSTREAMS ? panels - first : QSTREAMS;
+    const char* weights = (const char*)packed + experts[i] * packed_stride;
     float* own = work == NULL ? NULL : work + (int64_t)omp_get_thread_num() * work_floats;
-    quantized_panels(x, xsum, packed, scales, y, M, K, N, bits, group, first, count, own);
+    quantized_panels(x + m0 * K, xsum == NULL ? NULL : xsum + m0 * num_groups, weights,
+                     scales + experts[i] * scale_stride, y + m0 * N, offsets[i + 1] - m0, K, N, bits, group, first,
+                     count, own);
   }
   free(work);
   free(xs);
   free(xsum);
   return 0;
+}
+
+/* bits 8: packed int8 [panels][K][16], scales [panels * 16]; bits 4: packed [panels][ceil(K/8)][16] words, scales
+ * [panels][K / group][16] (K a multiple of group). x [M, K], y [M, N] row-major. Groups of QSTREAMS panels
+ * are split over the threads: one expert's worth of `omnimtp_quantized_experts`. Returns 0, or -1 when out of
+ * memory. */
+int omnimtp_quantized_linear(const float* x, const void* packed, const float* scales, float* y, int64_t M, int64_t K,
+                             int64_t N, int bits, int64_t group, int num_threads) {
+  const int64_t expert = 0, offsets[2] = {0, M};
+  return omnimtp_quantized_experts(x, packed, scales, y, M, K, N, bits, group, &expert, offsets, 1, 0, 0,
+                                   num_threads);
 }
 
 /* int4 weights with int8 activations ("w4a8"): y[M, N] = sum over groups of scale_w[g][n] * scale_x[m][g] *
@@ -882,40 +914,55 @@ __attribute__((target("avx2,fma"))) static void w4a8_quantize_group(const float*
   *scale = amax / 127.0f;
 }
 
-/* x [M, K] fp32, words and scales as int4's (`omnimtp_quantized_linear` with bits 4), y [M, N]. vnni: -1 for
- * this CPU's best (AVX512-VNNI where it has it), 0 for the AVX2 code, 1 for VNNI (what tests compare). Returns
- * 0, -1 when out of memory, -2 when VNNI is asked for and absent, -3 for a group that does not divide K or, with
- * several groups, falls inside words of 8 inputs. */
-int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scales, float* y, int64_t M, int64_t K,
-                        int64_t N, int64_t group, int num_threads, int vnni) {
+/* The routed experts of `omnimtp_quantized_experts` (rows grouped by expert, experts[i] taking rows offsets[i]..
+ * offsets[i + 1] - 1; its words words_stride and its scales scale_stride int32s / floats after expert 0's) in w4a8:
+ * x [T, K] fp32 quantized once, y [T, N]; every (expert, panel) pair a work item. vnni: -1 for this CPU's best
+ * (AVX512-VNNI where it has it), 0 for the AVX2 code, 1 for VNNI (what tests compare). A row's values are those it
+ * gets from its expert alone. Returns 0, -1 when out of memory, -2 when VNNI is asked for and absent, -3 for a
+ * group that does not divide K or, with several groups, falls inside words of 8 inputs. */
+int omnimtp_w4a8_experts(const float* x, const int32_t* words, const float* scales, float* y, int64_t T, int64_t K,
+                         int64_t N, int64_t group, const int64_t* experts, const int64_t* offsets, int64_t num_used,
+                         int64_t words_stride, int64_t scale_stride, int num_threads, int vnni) {
   if (group < 1 || K % group != 0 || (K / group > 1 && group % 8 != 0)) return -3;
   if (vnni < 0) vnni = has_vnni();
   else if (vnni && !has_vnni()) return -2;
   const int64_t panels = (N + PANEL - 1) / PANEL, groups = K / group, words_per_panel = (K + 7) / 8;
-  const int64_t kw = 8 * words_per_panel;
-  int8_t* xq = (int8_t*)malloc((size_t)(M * kw + 1));
-  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(M * groups + 1));
-  float* xscale = (float*)malloc(sizeof(float) * (size_t)(M * groups + 1));
+  const int64_t kw = 8 * words_per_panel, items = num_used * panels;
+  int8_t* xq = (int8_t*)malloc((size_t)(T * kw + 1));
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(T * groups + 1));
+  float* xscale = (float*)malloc(sizeof(float) * (size_t)(T * groups + 1));
   if (!xq || !xsum || !xscale) {
     free(xq);
     free(xsum);
     free(xscale);
     return -1;
   }
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < T; ++m)
     for (int64_t g = 0; g < groups; ++g)
       w4a8_quantize_group(x + m * K + g * group, group, g * group, xq + m * kw, xsum + m * groups + g,
                           xscale + m * groups + g);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < T; ++m)
     for (int64_t k = K; k < kw; ++k) xq[m * kw + (k & ~7) + kSlot[k & 7]] = 0;
-  const w4a8_args args = {xq, xsum, xscale, words, scales, y, K, N, group, groups, words_per_panel};
-  const int threads = num_threads > 1 && panels > 1 ? num_threads : 1;
+  const int threads = num_threads > 1 && items > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t p = 0; p < panels; ++p) w4a8_panel(&args, M, p, vnni);
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t i = item / panels, m0 = offsets[i];
+    const w4a8_args args = {xq + m0 * kw, xsum + m0 * groups, xscale + m0 * groups, words + experts[i] * words_stride,
+                            scales + experts[i] * scale_stride, y + m0 * N, K, N, group, groups, words_per_panel};
+    w4a8_panel(&args, offsets[i + 1] - m0, item % panels, vnni);
+  }
   free(xq);
   free(xsum);
   free(xscale);
   return 0;
+}
+
+/* x [M, K] fp32, words and scales as int4's (`omnimtp_quantized_linear` with bits 4), y [M, N]: one expert's worth
+ * of `omnimtp_w4a8_experts` (its vnni and return values). */
+int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scales, float* y, int64_t M, int64_t K,
+                        int64_t N, int64_t group, int num_threads, int vnni) {
+  const int64_t expert = 0, offsets[2] = {0, M};
+  return omnimtp_w4a8_experts(x, words, scales, y, M, K, N, group, &expert, offsets, 1, 0, 0, num_threads, vnni);
 }
 
 /* ---------------------------------------------------------------------------------------------

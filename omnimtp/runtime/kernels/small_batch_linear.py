@@ -143,6 +143,14 @@ def _library() -> ctypes.CDLL | None:
     w4a8 = lib.omnimtp_w4a8_linear
     w4a8.restype = ctypes.c_int
     w4a8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    experts = lib.omnimtp_quantized_experts
+    experts.restype = ctypes.c_int
+    experts.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64]
+    experts.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    w4a8_experts = lib.omnimtp_w4a8_experts
+    w4a8_experts.restype = ctypes.c_int
+    w4a8_experts.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
+    w4a8_experts.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     lib.omnimtp_w4a8_has_vnni.restype = ctypes.c_int
     lib.omnimtp_w4a8_has_vnni.argtypes = []
     attention = lib.omnimtp_decode_attention
@@ -408,6 +416,45 @@ _w4a8_linear_op = opaque_op(  # the w4a8 kernel as one opaque op under torch.com
         x.contiguous(), packed, scales, out_features, group_size),
     lambda x, packed, scales, out_features, group_size: x.new_empty(x.shape[0], out_features),
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts: every expert's matrix quantized alike and stacked, the rows of one call grouped by expert
+
+
+def quantized_experts(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, out_features: int, group_size: int | None,
+    int8_activations: bool, experts: torch.Tensor, offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Rows x [T, K] fp32, grouped by expert, through their experts' matrices in one call → [T, out_features]:
+    rows offsets[i]..offsets[i + 1] - 1 (offsets int64 [G + 1], 0 to T, non-decreasing) by expert experts[i]
+    (int64 [G], each in 0..E-1, any order). packed, scales: every expert's `quantize_int8` / `quantize_int4` form
+    stacked, [E, ...] (int8_activations: `w4a8_linear` on the int4 weights). Work is split over the threads by
+    (expert, panel of columns), so one token's experts run on every core; a row's values are those of the
+    single-matrix kernel on its expert alone (`quantized_linear` / `w4a8_linear`), bit for bit. Needs
+    `available()`; no argument checks (`omnimtp.runtime.ops.expert_linear` calls it)."""
+    lib, out = _library_and_output(x, out_features, "quantized experts")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    if rows and out_features and experts.numel():
+        threads = torch.get_num_threads()
+        if int8_activations:
+            status = lib.omnimtp_w4a8_experts(
+                x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
+                group_size, experts.data_ptr(), offsets.data_ptr(), experts.numel(), packed.stride(0),
+                scales.stride(0), threads, -1,
+            )
+            if status == -3:
+                raise ValueError(f"group_size={group_size} must divide {in_features} inputs in words of 8 (or be all)")
+        else:
+            status = lib.omnimtp_quantized_experts(
+                x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows, in_features, out_features,
+                4 if group_size else 8, group_size or 0, experts.data_ptr(), offsets.data_ptr(), experts.numel(),
+                packed.stride(0) * packed.element_size(), scales.stride(0), threads,
+            )
+        if status != 0:
+            raise MemoryError("quantized_experts: out of memory")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
