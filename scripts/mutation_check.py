@@ -1690,6 +1690,13 @@ MUTATIONS = [
         ("tests/test_audio_formats.py::test_a_batch_items_schema_error_names_the_item_as_its_own_errors_do",),
         "a speech batch's schema errors spell an item's field items.1.speed, its item errors items[2].voice",
     ),
+    Mutation(
+        "huge_json_integers_converted", "omnimtp/server/guard.py",
+        "        value = json.loads(text, parse_int=_parse_int)",
+        "        value = json.loads(text)",
+        ("tests/test_server_structure.py::test_an_integer_of_more_than_100_digits_is_refused_as_it_is_read",),
+        "integers of thousands of digits are converted (quadratic, holding the GIL) before any limit refuses them",
+    ),
 ]
 
 

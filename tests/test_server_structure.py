@@ -119,3 +119,15 @@ def test_a_body_of_many_unknown_keys_is_refused_without_stalling_health(server):
     assert error["code"] == "unknown_parameter" and error["param"] == "k0", error
     print(f"/health worst {worst * 1e3:.0f} ms")
     assert worst < MAX_HEALTH_S / 2, f"/health took {worst:.3f} s during the request"
+
+
+def test_an_integer_of_more_than_100_digits_is_refused_as_it_is_read():
+    """Thousands of 4,000-digit integers held the GIL in their conversion for 0.4 s; every integer field takes an
+    int64, so one over MAX_JSON_INT_DIGITS digits is refused before it is converted."""
+    from omnimtp.server.guard import MAX_JSON_INT_DIGITS
+
+    digits = "9" * MAX_JSON_INT_DIGITS
+    assert parse_json(f'{{"seed": -{digits}, "x": [{digits}]}}') == {"seed": -int(digits), "x": [int(digits)]}
+    with pytest.raises(APIError) as caught:
+        parse_json(f'{{"x": [1, 2, {digits}9]}}')
+    assert caught.value.code == "invalid_json" and "too many digits" in caught.value.message
