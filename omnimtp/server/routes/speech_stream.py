@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import APIError, validation_error
@@ -143,23 +144,23 @@ async def _run(session: Session) -> None:
 
 
 async def _take_deltas(context, session: Session, speech: _Speech, taken: list[tuple[dict, str]]) -> None:
-    """Tokenize the deltas read since the last call (emptying `taken`): their text at once when it keeps within the
-    limits, as it nearly always does, else delta by delta, each refused one with its own error event. A burst of
-    one-character deltas so costs one tokenization of the text, not one per delta."""
+    """Tokenize the deltas read since the last call (emptying `taken`), on a worker thread (cutting a long text
+    into segments takes a while): their text at once when it keeps within the limits, as it nearly always does,
+    else delta by delta, each refused one with its own error event. A burst of one-character deltas so costs one
+    tokenization of the text, not one per delta."""
     deltas = list(taken)
     taken.clear()
     if len(deltas) > 1:
         try:
-            _push(context, speech, "".join(delta for _, delta in deltas))
+            await run_in_threadpool(_push, context, speech, "".join(delta for _, delta in deltas))
             return
         except EventError:
             pass
     for event, delta in deltas:
         try:
-            _push(context, speech, delta)
+            await run_in_threadpool(_push, context, speech, delta)
         except EventError as exc:
             await session.send_error(exc, event)
-        await asyncio.sleep(0)
 
 
 async def _configure(context, event: dict) -> _Config:
