@@ -26,9 +26,12 @@ TINY_MAX_FRAMES = 100
 # minute, measured before resampling (the released models are cloned from a few seconds).
 MIN_REF_AUDIO_SECONDS = 1.0
 MAX_REF_AUDIO_SECONDS = 60.0
-# Its largest sample magnitude (full scale is 1; a float recording may overshoot a little). Far larger values
-# overflow the speaker encoder's float32 spectrogram into an embedding of infinities.
-MAX_REF_AUDIO_MAGNITUDE = 16.0
+# The largest sample magnitude of any audio input (full scale is 1; a float recording may overshoot a little).
+# Far larger values overflow the float32 spectrograms: the speaker encoder's embedding becomes infinities, and a
+# transcript or reply heard from them is garbage (NUL characters).
+MAX_AUDIO_MAGNITUDE = 16.0
+# The highest sample rate an audio input may declare (resampling from a header's 2^31 − 1 Hz takes seconds).
+MAX_AUDIO_SAMPLE_RATE = 384_000
 
 # The server's timeouts (`omnimtp.server.serving`) and request limits (`omnimtp.server.app.create_app`).
 DEFAULT_HEADERS_TIMEOUT_S = 10.0

@@ -32,7 +32,7 @@ from transformers import Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor, WhisperFea
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
 
-from omnimtp.limits import MediaLimits
+from omnimtp.limits import MAX_AUDIO_MAGNITUDE, MAX_AUDIO_SAMPLE_RATE, MediaLimits
 from omnimtp.tokenizer import message_texts, prompt_tokenizer
 
 
@@ -220,6 +220,8 @@ def _read_audio(file, format: str | None, sampling_rate: int, limits: MediaLimit
         if format is not None and sound.format not in _LIBSNDFILE_FORMATS[format]:
             raise MediaError(param, f"format is {format!r} but the data is {sound.format.lower()} audio")
         rate = sound.samplerate
+        if rate > MAX_AUDIO_SAMPLE_RATE:
+            raise MediaError(param, f"sample rate {rate} Hz is over the limit of {MAX_AUDIO_SAMPLE_RATE} Hz")
         max_frames = math.floor(limits.max_audio_seconds * rate)
         if sound.frames > max_frames:
             raise MediaError(param, f"{sound.frames / rate:.1f} s of audio is over the limit of "
@@ -227,13 +229,15 @@ def _read_audio(file, format: str | None, sampling_rate: int, limits: MediaLimit
         resampler = None if rate == sampling_rate else soxr.ResampleStream(rate, sampling_rate, 1, dtype="float32")
         pieces, num_frames = [], 0
         try:
-            for block in sound.blocks(_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True):
+            # read block by block, as far as the data goes: some codecs (GSM 6.10, G.721, XI) are not seekable,
+            # so their length is not known up front
+            while len(block := sound.read(_AUDIO_BLOCK_FRAMES, dtype="float32", always_2d=True)):
                 num_frames += len(block)
                 if num_frames > max_frames:
                     raise MediaError(param, f"audio is longer than the limit of {limits.max_audio_seconds:g} s")
                 mono = block.mean(axis=1, dtype=np.float32)  # [frames]
                 pieces.append(mono if resampler is None else resampler.resample_chunk(mono))
-        except (soundfile.SoundFileError, RuntimeError):
+        except (soundfile.SoundFileError, RuntimeError, ValueError):
             raise MediaError(param, "is not audio that can be decoded") from None
         if resampler is not None:
             pieces.append(resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True))
@@ -322,6 +326,8 @@ def _checked_samples(samples: np.ndarray, sampling_rate: int, param: str) -> np.
         raise MediaError(param, f"audio is shorter than {1000 * MIN_AUDIO_SECONDS:g} ms")
     if not np.isfinite(samples).all():
         raise MediaError(param, "audio has NaN or infinite samples")
+    if np.abs(samples).max() > MAX_AUDIO_MAGNITUDE:
+        raise MediaError(param, f"audio has samples beyond ±{MAX_AUDIO_MAGNITUDE:g} (full scale is 1)")
     return samples
 
 

@@ -129,3 +129,13 @@ def test_a_whitespace_item_is_its_own_400_and_an_item_cut_at_max_frames_says_len
     assert (error["status"], error["param"], error["code"]) == (400, "items[0].input", "invalid_value")
     pcm = np.frombuffer(base64.b64decode(batch[1]["audio"]), dtype="<i2")
     assert batch[1]["finish_reason"] == "length" and len(pcm) == 12 * 1920  # 1920 samples a frame
+
+
+def test_a_batch_items_schema_error_names_the_item_as_its_own_errors_do(client):
+    """One spelling for an item's field: a schema error in item 1 is `items[1].speed`, as `items[2].voice` is."""
+    items = [{"input": "Hi.", "voice": "aiden"}, {"input": "Hi.", "voice": "aiden", "speed": "fast"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/audio/speech/batch", body={"items": items}, cast_to=object)
+    error = caught.value.body
+    error = error.get("error", error)
+    assert error["param"] == "items[1].speed" and error["message"].startswith("items[1].speed"), error

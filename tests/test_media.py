@@ -97,6 +97,16 @@ def test_audio_decodes_to_mono_at_the_rate_asked_and_the_tone_survives(fmt, name
     assert abs(rms - 0.75 * 0.5 / np.sqrt(2)) < 0.02  # the channels' mean: 0.75 of the left tone
 
 
+@pytest.mark.parametrize("fmt,subtype,name", [("WAV", "GSM610", "wav"), ("WAV", "G721_32", "wav"),
+                                              ("XI", "DPCM_16", None), ("AU", "G721_32", None)])
+def test_codecs_libsndfile_cannot_seek_in_are_decoded(fmt, subtype, name):
+    """GSM 6.10, G.721 and XI files are not seekable to libsndfile (their length is unknown up front): read block
+    by block to their end, not refused and not an exception."""
+    samples = decode_audio(encode(tone(1.0, 8_000, hz=440.0), 8_000, fmt, subtype), name, AUDIO_SAMPLING_RATE)
+    assert samples.dtype == np.float32 and len(samples) > AUDIO_SAMPLING_RATE // 10  # XI keeps its own rate
+    assert np.sqrt(np.mean(samples ** 2)) > 0.05
+
+
 def test_stereo_is_the_mean_of_its_channels_and_an_equal_rate_is_not_resampled():
     left, right = tone(0.5, AUDIO_SAMPLING_RATE, hz=300.0), tone(0.5, AUDIO_SAMPLING_RATE, hz=1234.0, level=0.2)
     samples = decode_audio(encode(np.stack([left, right], axis=1), AUDIO_SAMPLING_RATE), "wav", AUDIO_SAMPLING_RATE)
@@ -140,6 +150,8 @@ BAD_AUDIO = [
     ("wav sent as mp3", encode(tone(0.1, 8_000), 8_000), "mp3", "format is 'mp3' but the data is wav"),
     ("ogg", encode(tone(0.1, 8_000), 8_000, "OGG"), "ogg", "'ogg' is not supported"),
     ("m4a", b"\x00\x00\x00\x20ftypM4A ", "m4a", "'m4a' is not supported"),
+    ("loud float samples", encode(tone(0.1, 8_000) * 1e20, 8_000, "WAV", "FLOAT"), "wav", "beyond ±16"),
+    ("2^31 - 1 Hz", encode(tone(0.01, 8_000), 2**31 - 1), "wav", "over the limit of 384000 Hz"),
 ]
 
 

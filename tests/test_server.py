@@ -372,7 +372,7 @@ def _wait_for(predicate, timeout=60.0):
 
 
 def test_dropped_stream_frees_its_slot_and_others_are_unaffected(tiny):
-    engine = _engine(tiny, 150, max_batch_size=2)
+    engine = _engine(tiny, 150, max_batch_size=2, cuts_runaway=False)  # runs until dropped
     other = {"input": "Another one", "voice": "aiden", "response_format": "pcm", "seed": 9}
     with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
         alone = http.post("/v1/audio/speech", json=other).content
@@ -436,3 +436,48 @@ def test_a_model_error_fails_its_requests_cleanly_and_the_server_recovers(tiny):
         assert failed.json()["error"]["type"] == "server_error" and "Traceback" not in failed.text
         ok = http.post("/v1/audio/speech", json=body)
         assert ok.status_code == 200 and _decode(ok.content)[1] == 24000
+
+
+def test_a_talker_that_never_ends_is_cut_at_its_texts_bound_and_counted(tiny):
+    """A talker forced never to emit codec EOS stops at its text's bound (the 10 s floor, 125 frames, for a short
+    text), well before --max-frames: finish_reason "length" on speech and chat, each counted by what cut it."""
+    family = Qwen3OmniFamily(*tiny)
+    new_talker_batch = family.new_talker_batch
+
+    def never_ending(max_batch_size):
+        batch = new_talker_batch(max_batch_size)
+        batch.frames.eos_ids = frozenset()
+        return batch
+
+    family.new_talker_batch = never_ending
+    engine = _engine(tiny, 400, family, max_batch_size=2)
+    with running_server(create_app(engine)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        speech = http.post("/v1/audio/speech", json={"input": "Hi", "voice": "ethan", "response_format": "flac"})
+        assert speech.status_code == 200 and speech.headers["x-finish-reason"] == "length"
+        assert len(_decode(speech.content)[0]) == 125 * SAMPLES_PER_FRAME - TAIL  # not 400 frames
+        chat = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "wav"}})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] == "length"
+        metrics = http.get("/metrics").text
+    assert 'omnimtp_audio_cut_requests_total{cut_by="text_length"} 2.0' in metrics
+
+
+def test_whole_speech_files_are_encoded_off_the_event_loop(http, monkeypatch):
+    """/v1/audio/speech's whole files and every /v1/audio/speech/batch item are encoded on a worker thread (an
+    mp3 of minutes takes seconds), never on the server's event loop thread."""
+    import omnimtp.server.routes.speech as speech_route
+
+    threads, encode_audio = [], speech_route.encode_audio
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return encode_audio(*args)
+
+    monkeypatch.setattr(speech_route, "encode_audio", spy)
+    items = [{"input": "Hi", "voice": "ethan", "response_format": fmt} for fmt in ("wav", "flac")]
+    batch = http.post("/v1/audio/speech/batch", json={"items": items})
+    whole = http.post("/v1/audio/speech", json={"input": "Hi", "voice": "ethan", "response_format": "flac"})
+    assert batch.status_code == 200 and all("audio" in item for item in batch.json()["data"])
+    assert whole.status_code == 200
+    assert len(threads) == 3 and "uvicorn-test" not in threads, threads

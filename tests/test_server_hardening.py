@@ -138,7 +138,7 @@ def test_streams_cut_at_the_shutdown_deadline_end_with_an_error_event(caplog):
     from omnimtp.server.scheduler import Engine
     from omnimtp.server.serving import server_config
 
-    engine = Engine(Qwen3OmniFamily.tiny(0), max_frames=100_000, max_batch_size=2)
+    engine = Engine(Qwen3OmniFamily.tiny(0), max_frames=100_000, max_batch_size=2, cuts_runaway=False)  # runs on
     port = free_port()
     server = uvicorn.Server(server_config(create_app(engine), port=port, graceful_shutdown_timeout_s=1.5,
                                           log_level="info"))

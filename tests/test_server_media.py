@@ -95,6 +95,8 @@ _BAD_MEDIA = [
      f"{_P}.input_audio.data", "invalid_value", "format is 'wav' but the data is flac"),
     ("audio too long", user(audio_part(encode(tone(2.5, 8_000), 8_000))), f"{_P}.input_audio.data", "invalid_value",
      "over the limit of 2 s"),
+    ("loud float audio", user(audio_part(encode(tone(0.5, 8_000) * 1e20, 8_000, "WAV", "FLOAT"))),
+     f"{_P}.input_audio.data", "invalid_value", "beyond ±16"),
     ("zero-length audio", user(audio_part(encode(np.zeros((0, 1), np.float32), 16_000))), f"{_P}.input_audio.data",
      "invalid_value", "no samples"),
     ("10 ms of audio", user(audio_part(encode(tone(0.01, 16_000), 16_000))), f"{_P}.input_audio.data",

@@ -425,3 +425,58 @@ def test_qwen2_5_omni_audio_turn():
         reply = _response(connection)
     messages = [{"role": "user", "content": [{"type": "audio", "audio": (_heard(samples), 24000)}]}]
     _assert_reply(reply, *_expected(pipe, messages), is_qwen3=False)
+
+
+def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(client):
+    """--max-media-parts (8) holds each turn of a realtime conversation, not its whole history: a ninth audio
+    turn is answered; a single turn of nine audio parts is refused, naming it."""
+    pcm = base64.b64encode(to_pcm16(tone(0.1, 24000, hz=300.0)).tobytes()).decode("ascii")
+    with _connect(client, output_modalities=["text"]) as connection:
+        for _ in range(9):
+            connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_audio", "audio": pcm}]})
+            assert _next(connection).type == "conversation.item.created"
+        reply = _response(connection)
+        assert reply["done"].status in ("completed", "incomplete") and reply["text"]
+        connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": pcm}] * 9})
+        assert _next(connection).type == "conversation.item.created"
+        connection.response.create()
+        error = connection.recv()
+    assert error.type == "error" and "more than 8" in error.error.message, error
+    assert error.error.param == "messages.10.content", error.error  # nine turns, the reply, this turn
+
+
+def test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded(client, monkeypatch):
+    import omnimtp.server.routes.realtime as realtime_route
+
+    decoded, g711_decode = [], realtime_route.g711_decode
+
+    def spy(data, fmt):
+        decoded.append(len(data))
+        return g711_decode(data, fmt)
+
+    monkeypatch.setattr(realtime_route, "g711_decode", spy)
+    over = base64.b64encode(bytes(int(8000 * MAX_AUDIO_SECONDS) + 1)).decode()
+    within = base64.b64encode(bytes(4000)).decode()
+    with _connect(client, audio={"input": {"format": {"type": "audio/pcmu"}, "turn_detection": None}}) as connection:
+        connection.input_audio_buffer.append(audio=over)
+        error = connection.recv()
+        assert error.type == "error" and error.error.code == "input_audio_buffer_full", error
+        connection.input_audio_buffer.append(audio=within)
+        connection.input_audio_buffer.commit()
+        assert _next(connection).type == "input_audio_buffer.committed"
+    assert decoded == [4000]
+
+
+def test_a_new_input_format_empties_the_buffer_of_the_old_ones_audio(client):
+    """Audio appended at 24 kHz is never committed as 16 kHz audio: the format change empties the buffer."""
+    pcm = base64.b64encode(to_pcm16(tone(0.5, 24000, hz=300.0)).tobytes()).decode("ascii")
+    with _connect(client) as connection:
+        connection.input_audio_buffer.append(audio=pcm)
+        connection.session.update(session={"type": "realtime", "audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16000}}}})
+        assert _next(connection).type == "session.updated"
+        connection.input_audio_buffer.commit()
+        error = connection.recv()
+    assert error.type == "error" and error.error.code == "input_audio_buffer_commit_empty", error

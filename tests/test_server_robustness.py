@@ -370,7 +370,7 @@ def test_non_streaming_disconnects_cancel_running_and_queued_requests(tiny):
     """One slot, a queue of one: a running FLAC speech request and a queued non-streaming audio chat
     are cancelled when their clients leave (slot and queue place freed long before the 3000 frames
     they asked for), each counted; the full queue's 429 says when to retry."""
-    engine = _engine(tiny, max_frames=3000, max_batch_size=1)
+    engine = _engine(tiny, max_frames=3000, max_batch_size=1, cuts_runaway=False)  # runs until cancelled
     long_speech = {"input": "A long one", "voice": "ethan", "response_format": "flac"}
     long_chat = _chat("Talk", max_tokens=2, modalities=["text", "audio"], audio={"voice": "aiden", "format": "wav"})
     with running_server(create_app(engine, max_queue=1)) as url:

@@ -100,3 +100,41 @@ def test_arrays_count_as_containers():
     with pytest.raises(APIError) as caught:
         parse_json(text)
     assert caught.value.code == "structure_too_large" and "objects and arrays" in caught.value.message
+
+
+UNKNOWN_KEYS = json.dumps({"messages": [{"role": "user", "content": "a"}], **{f"k{i}": 0 for i in range(99_000)}})
+
+
+def test_a_body_of_many_unknown_keys_is_refused_without_stalling_health(server, monkeypatch):
+    """99,000 unknown keys, just under the structure limits: the first one is named at once, and the schema never
+    sees the body (its error for every one of them took up to a second to build, holding the event loop)."""
+    from omnimtp.server.schemas import ChatCompletionRequest
+
+    validated, model_validate = [], ChatCompletionRequest.model_validate
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate",
+                        lambda value: validated.append(1) or model_validate(value))
+
+    def send():
+        with httpx.Client(base_url=server, timeout=120) as client:
+            return client.post("/v1/chat/completions", content=UNKNOWN_KEYS,
+                               headers={"Content-Type": "application/json"})
+
+    worst, reply = _worst_health_latency(server, send)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "unknown_parameter" and error["param"] == "k0", error
+    assert not validated
+    print(f"/health worst {worst * 1e3:.0f} ms")
+    assert worst < MAX_HEALTH_S / 2, f"/health took {worst:.3f} s during the request"
+
+
+def test_an_integer_of_more_than_100_digits_is_refused_as_it_is_read():
+    """Thousands of 4,000-digit integers held the GIL in their conversion for 0.4 s; every integer field takes an
+    int64, so one over MAX_JSON_INT_DIGITS digits is refused before it is converted."""
+    from omnimtp.server.guard import MAX_JSON_INT_DIGITS
+
+    digits = "9" * MAX_JSON_INT_DIGITS
+    assert parse_json(f'{{"seed": -{digits}, "x": [{digits}]}}') == {"seed": -int(digits), "x": [int(digits)]}
+    with pytest.raises(APIError) as caught:
+        parse_json(f'{{"x": [1, 2, {digits}9]}}')
+    assert caught.value.code == "invalid_json" and "too many digits" in caught.value.message

@@ -135,17 +135,30 @@ def test_transcriptions_next_to_speaking_chats_are_what_they_are_alone(http, spe
     assert len(set(alone[:8])) > 1  # the seeds matter
 
 
-def _tone(seconds: float) -> bytes:
+def _tone(seconds: float, level: float = 0.3, subtype: str | None = None) -> bytes:
     out = io.BytesIO()
     t = np.arange(int(16_000 * seconds)) / 16_000
-    soundfile.write(out, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16_000, format="WAV")
+    soundfile.write(out, (level * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16_000, format="WAV",
+                    subtype=subtype)
     return out.getvalue()
+
+
+def test_a_gsm_wav_is_transcribed(http):
+    """A WAV of GSM 6.10 (a codec libsndfile cannot seek in) is heard, not a 500."""
+    out = io.BytesIO()
+    t = np.arange(8_000) / 8_000
+    soundfile.write(out, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 8_000, format="WAV",
+                    subtype="GSM610")
+    response = http.post("/v1/audio/transcriptions", files={"file": _file(out.getvalue())})
+    assert response.status_code == 200, response.text
+    assert isinstance(response.json()["text"], str)
 
 
 BAD = [
     ("no file", None, {}, 400, "file"),
     ("empty file", b"", {}, 400, "file"),
     ("garbage", b"this is not audio" * 20, {}, 400, "file"),
+    ("loud float samples", "loud", {}, 400, "file"),  # ±1e20: a transcript of NUL characters otherwise
     ("too long", "long", {}, 400, "file"),
     ("unknown format", "speech", {"response_format": "srt"}, 400, "response_format"),
     ("unknown language", "speech", {"language": "klingon"}, 400, "language"),
@@ -154,12 +167,22 @@ BAD = [
     ("word timestamps", "speech", {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[]"),
     ("unknown field", "speech", {"colour": "blue"}, 400, "colour"),
     ("unknown model", "speech", {"model": "whisper-1"}, 404, "model"),
+    ("seed below int64", "speech", {"seed": str(-(1 << 63) - 1)}, 400, "seed"),
+    ("prompt over the token limit", "speech", {"prompt": "x" * 9000}, 400, "prompt"),  # 8192 tokens
 ]
+
+
+def test_a_negative_seed_is_taken_as_on_every_route(http, speech):
+    """Any int64 seed, as chat and speech take it: a negative one samples like any other."""
+    response = http.post("/v1/audio/transcriptions", files={"file": _file(speech)},
+                         data={"seed": "-5", "temperature": "1"})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("name, data, fields, status, param", BAD, ids=[case[0] for case in BAD])
 def test_bad_input_is_a_4xx_naming_the_field(http, speech, name, data, fields, status, param):
-    data = {"speech": speech, "long": _tone(LIMITS.max_audio_seconds + 1)}.get(data, data)
+    data = {"speech": speech, "long": _tone(LIMITS.max_audio_seconds + 1), "loud": _tone(1.0, 1e20, "FLOAT")}.get(
+        data, data)
     if data is None:  # a form with no file part
         response = http.post("/v1/audio/transcriptions", headers={"content-type": "multipart/form-data; boundary=x"},
                              content=b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nomnimtp-tiny\r\n'
@@ -244,3 +267,42 @@ def test_realtime_input_transcripts_equal_the_routes(server, http, speech_path):
     usage = completed.usage
     assert usage.output_tokens > 0 and usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert "".join(deltas).strip() == expected and expected
+
+
+def test_a_large_malformed_upload_is_parsed_off_the_event_loop(server):
+    """A 16 MiB multipart body of false boundaries (the parser's slowest input): `/health` answers while it is
+    parsed (on a worker thread), and the upload gets its 400."""
+    import time
+
+    import httpx
+
+    body = b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n"
+    body += b"\r\n--Bx" * ((16 << 20) // 6 - 32)  # each a boundary, then not the end of one
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=server, timeout=60) as http:
+            while not stop.is_set():
+                started = time.perf_counter()
+                http.get("/health")
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.2)
+    try:
+        response = httpx.post(server + "/v1/audio/transcriptions", content=body, timeout=120,
+                              headers={"Content-Type": "multipart/form-data; boundary=B"})
+    finally:
+        stop.set()
+        poller.join(60)
+    assert response.status_code == 400, response.text
+    print(f"/health max {max(latencies) * 1e3:.0f} ms over {len(latencies)} polls")
+    assert max(latencies) < 1.0, max(latencies)
+
+
+def test_models_lists_transcriptions_for_a_model_that_hears(http):
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["endpoints"] == ["/v1/chat/completions", "/v1/audio/speech", "/v1/audio/speech/batch",
+                                 "/v1/audio/speech/stream", "/v1/audio/transcriptions", "/v1/realtime"]

@@ -116,3 +116,34 @@ def test_an_idle_session_is_closed(server):
         assert 1.0 < time.monotonic() - started < 10
         assert closed.value.rcvd.code == 1000 and closed.value.rcvd.reason == IDLE_CLOSE_REASON
     _wait_open(app, 0)
+
+
+def test_receive_yields_before_each_message():
+    """Buffered messages are read without suspending (a burst already in the socket's queue): `receive` yields
+    once per message anyway, so other requests run between the events of a burst."""
+    import asyncio
+
+    from omnimtp.server.metrics import ServerMetrics
+    from omnimtp.server.websocket import Session
+
+    class Buffered:  # every message already there: its receive never suspends
+        async def receive(self):
+            return {"type": "websocket.receive", "text": '{"type": "x"}'}
+
+    async def main() -> int:
+        session = Session(Buffered(), "/r", WebSocketLimits(), ServerMetrics())
+        ticks = 0
+
+        async def other_request():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.ensure_future(other_request())
+        for _ in range(100):
+            assert (await session.receive())["type"] == "x"
+        other.cancel()
+        return ticks
+
+    assert asyncio.run(main()) >= 99

@@ -737,3 +737,88 @@ def test_the_text_timeout_is_a_positive_number(slot_server, value):
         Engine(slot_server["engine"].family, timeout_text_idle=value)
     assert build_parser().parse_args(["serve"]).timeout_text_idle == DEFAULT_TIMEOUT_TEXT_IDLE_S
     assert build_parser().parse_args(["serve", "--timeout-text-idle", "0.5"]).timeout_text_idle == 0.5
+
+
+def _health_latencies(url: str, stop) -> list[float]:
+    """`/health`'s response times, polled back to back until `stop` is set (call in a thread)."""
+    import time
+
+    import httpx
+
+    latencies = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    return latencies
+
+
+def test_a_burst_of_tiny_deltas_does_not_hold_up_the_server(servers, monkeypatch):
+    """2,000 one-character deltas sent at once: `/health` answers within a bound far below the burst's work on
+    the old loop (every buffered event run without a yield, each delta re-tokenizing the whole text: seconds),
+    the text is tokenized once per batch of deltas that arrived together, not once per delta, and the deltas are
+    taken in order (an event after them is answered after them)."""
+    import threading
+    import time
+
+    engine = servers["engines"]["tts"]
+    checks, check_speech_text = [], engine.check_speech_text
+    monkeypatch.setattr(engine, "check_speech_text", lambda text, name: checks.append(1) or check_speech_text(
+        text, name))
+    stop, result = threading.Event(), {}
+    poller = threading.Thread(target=lambda: result.setdefault("latencies", _health_latencies(servers["tts"], stop)))
+    with _ws(servers, "tts") as ws:
+        _send(ws, {"type": "session.config", "voice": "aiden"})
+        _recv(ws)
+        poller.start()
+        time.sleep(0.2)
+        started = time.perf_counter()
+        for _ in range(1000):
+            _send(ws, {"type": "input_text.delta", "delta": "a"})
+            _send(ws, {"type": "input_text.delta", "delta": " "})
+        _send(ws, {"type": "session.config", "voice": "eric", "event_id": "last"})  # refused: a request runs
+        while (event := _recv(ws))["type"] == "audio.delta":
+            pass
+        elapsed = time.perf_counter() - started
+        stop.set()
+        poller.join(60)
+    assert event["type"] == "error" and event["error"]["event_id"] == "last", event
+    latencies = result["latencies"]
+    print(f"burst taken in {elapsed:.2f} s in {len(checks)} batches; /health max {max(latencies) * 1e3:.0f} ms over "
+          f"{len(latencies)} polls")
+    assert max(latencies) < 1.0, max(latencies)
+    assert len(checks) < 200, len(checks)  # the deltas came in far fewer batches than 2,000
+    assert elapsed < 6.0, elapsed  # a few tokenizations of the text, not 2,000 of a growing one (9-13 s here)
+
+
+def test_sessions_waiting_for_their_first_words_do_not_fill_the_queue():
+    """--max-queue 1 and three sessions whose requests wait for their first words (whitespace has no ids yet): they
+    hold nothing another request needs, so a fourth session and a plain request are still served, not 429."""
+    import httpx
+    from server_harness import running_server
+
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+    from omnimtp.server.app import create_app
+    from omnimtp.server.scheduler import Engine
+
+    engine = Engine(Qwen3TTSFamily.tiny(0), model_id="tts", max_frames=FRAMES, max_batch_size=1)
+    with running_server(create_app(engine, max_queue=1)) as url:
+        server = {"tts": url}
+        idle = [_ws(server, "tts") for _ in range(3)]
+        try:
+            for ws in idle:
+                _send(ws, {"type": "session.config", "voice": "aiden"})
+                _recv(ws)
+                _send(ws, {"type": "input_text.delta", "delta": " "})
+            with _ws(server, "tts") as ws:
+                audio, done = _stream_pcm(ws, ["Hi there"], {"voice": "aiden", "seed": 1})
+                assert done["type"] == "done" and audio
+            response = httpx.post(url + "/v1/audio/speech", timeout=60,
+                                  json={"input": "Hi", "voice": "aiden", "response_format": "pcm"})
+            assert response.status_code == 200, response.text
+            assert engine._core.num_queued() == 0 and len(engine._core.waiting) == 3
+        finally:
+            for ws in idle:
+                ws.close()

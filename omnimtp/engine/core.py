@@ -55,7 +55,7 @@ from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
 from omnimtp.limits import DEFAULT_MAX_FRAMES, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MAX_SEGMENT_TOKENS
-from omnimtp.talker.loop import TalkerRequest
+from omnimtp.talker.loop import TalkerFrame, TalkerRequest
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,9 @@ class EngineConfig:
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
     prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
     is a chat request's talker prefill when longer than a block (`omnimtp.talker.loop`).
-    prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none)."""
+    prefix_cache_bytes: the budget of the conversations kept warm (`omnimtp.engine.prefix_cache`; 0: none).
+    cuts_runaway: a talker that does not end is also cut at its text's bound and on a repeating code 0 (the
+    family's `omnimtp.talker.loop.RunawayLimits`); False: at max_frames only."""
 
     max_batch_size: int = 8
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -89,11 +91,16 @@ class EngineConfig:
     max_defer_steps: int = 0
     prefix_cache_bytes: int = 0
     prefill_block: int = 256
+    cuts_runaway: bool = True
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "max_decode_frames" and value is None:
+                continue
+            if f.name == "cuts_runaway":
+                if not isinstance(value, bool):
+                    raise ValueError(f"cuts_runaway must be a bool, got {value!r}")
                 continue
             minimum = 0 if f.name in ("max_defer_steps", "prefix_cache_bytes") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -160,6 +167,12 @@ class EngineCore:
             if not _has_text(request):
                 request.waits_for_text_since = request.submitted_at
             self.waiting.append(request)
+
+    def num_queued(self) -> int:
+        """Waiting requests that can take a slot once one is free (a streamed text's request still waiting for its
+        first words is not one: it holds nothing another request needs)."""
+        with self.lock:
+            return sum(_has_text(r) for r in self.waiting)
 
     def has_work(self) -> bool:
         with self.lock:
@@ -497,6 +510,7 @@ class EngineCore:
                 prefill_block=None if builder is None else self.config.prefill_block,
                 prefix=self.prefix_cache.get_talker(request.cache_key) if is_kept else None,
                 keeps_prefix=is_kept and builder.prefill_positions is None,
+                runaway=self.talker.frames.runaway if self.config.cuts_runaway else None,
             ))
             request.is_in_talker = True
         ended = self.talker.admit(talker_requests)  # codec EOS straight after the prefill: no frames
@@ -509,7 +523,7 @@ class EngineCore:
             if request.talker_admitted_at is None:  # a later segment's admission is not the request's
                 request.talker_admitted_at = now
                 self._stage("thinker", now - request.admitted_at)
-        self._end_talkers([(frame.request_id, frame.finish_reason) for frame in ended])
+        self._end_talkers(ended)
 
     def _speak(self) -> Generator[StepEvent, None, float]:
         """One talker step. Where the codec looks at no later frame, the first chunks its frames complete are
@@ -537,19 +551,19 @@ class EngineCore:
         if self.observer is not None:
             self.observer.talker_batch(len(frames))
         # a finished row leaves the talker batch now; its audio may still be decoding
-        self._end_talkers([(frame.request_id, frame.finish_reason) for frame in frames
-                           if frame.finish_reason is not None])
+        self._end_talkers([frame for frame in frames if frame.finish_reason is not None])
         return decode_s
 
-    def _end_talkers(self, ended: list[tuple[Hashable, str]]) -> None:
+    def _end_talkers(self, ended: list[TalkerFrame]) -> None:
         if not ended:
             return
-        self.talker.retire([request_id for request_id, _ in ended])
-        for request_id, finish_reason in ended:
-            request = self.running[request_id]
+        self.talker.retire([frame.request_id for frame in ended])
+        for frame in ended:
+            request = self.running[frame.request_id]
             request.is_in_talker = False
             request.segment_frames.append(len(request.frames) - sum(request.segment_frames))
-            request.segment_finish_reasons.append(finish_reason)
+            request.segment_finish_reasons.append(frame.finish_reason)
+            request.audio_cut_by = request.audio_cut_by or frame.cut_by
             ids = None if request.segments is None else next(request.segments, None)
             if ids is not None or _may_have_next_segment(request):
                 self._next_segment(request, ids or [])

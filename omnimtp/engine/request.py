@@ -105,6 +105,7 @@ class Request:
     frames: list[torch.Tensor] = field(default_factory=list, repr=False)  # [G] each
     segment_frames: list[int] = field(default_factory=list)  # frames of each finished segment
     segment_finish_reasons: list[str] = field(default_factory=list)
+    audio_cut_by: str | None = None  # what cut its audio ("length"): `omnimtp.talker.loop.TalkerFrame.cut_by`
     num_decoded: int = 0  # frames already turned into audio
     audio: list[np.ndarray] = field(default_factory=list, repr=False)
     codec_stream: object = field(default=None, repr=False)

@@ -42,6 +42,10 @@ MAX_JSON_CONTAINERS = 100_000
 MAX_JSON_COMMAS = 200_000
 MAX_JSON_DEPTH = 32
 MAX_JSON_ARRAY_ITEMS = 8192
+# The most digits of a JSON integer (every integer field takes an int64, 19 digits): longer ones are refused as
+# they are read, before Python converts them (quadratic in their length, holding the GIL: thousands of
+# 4,000-digit integers stalled the server for 0.4 s).
+MAX_JSON_INT_DIGITS = 100
 # A body or event larger than this is parsed and validated on a worker thread, off the event loop.
 THREAD_PARSE_BYTES = 64 << 10
 
@@ -84,7 +88,7 @@ def parse_json(text: str, what: str = "request body") -> object:
     if text.count(",") > MAX_JSON_COMMAS:
         raise APIError(400, f"{what}: more than {MAX_JSON_COMMAS} JSON values (commas)", code="structure_too_large")
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_parse_int)
     except RecursionError:
         raise APIError(400, f"{what} is not valid JSON: nested too deeply", code="invalid_json") from None
     except json.JSONDecodeError as exc:
@@ -99,6 +103,12 @@ def parse_json(text: str, what: str = "request body") -> object:
             raise APIError(400, f"{path or what}: contains a lone UTF-16 surrogate, which is not valid Unicode",
                            param=path or None, code="invalid_value")
     return value
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > MAX_JSON_INT_DIGITS:
+        raise ValueError(f"more than {MAX_JSON_INT_DIGITS} digits")
+    return int(digits)
 
 
 def is_json(content_type: str) -> bool:
@@ -140,8 +150,9 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
 
 
 async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1, max_fields: int = 16) -> FormData:
-    """A multipart/form-data body (`read_body`'s size limit), parsed by Starlette's multipart parser: at most
-    `max_files` files and `max_fields` other fields. 415 for another Content-Type, 400 for a malformed body."""
+    """A multipart/form-data body (`read_body`'s size limit), parsed by Starlette's multipart parser (on a worker
+    thread past THREAD_PARSE_BYTES, as JSON is): at most `max_files` files and `max_fields` other fields. 415 for
+    another Content-Type, 400 for a malformed body."""
     content_type = request.headers.get("content-type", "")
     if not is_form(content_type):
         raise APIError(415, f"Content-Type must be multipart/form-data or application/json, got "
@@ -154,6 +165,8 @@ async def read_form(request: Request, max_body_bytes: int, *, max_files: int = 1
     parser = MultiPartParser(request.headers, stream(), max_files=max_files, max_fields=max_fields,
                              max_part_size=max_body_bytes)
     try:
+        if len(body) > THREAD_PARSE_BYTES:  # seconds for 16 MiB of false boundaries: on a worker thread
+            return await run_in_threadpool(asyncio.run, parser.parse())
         return await parser.parse()
     except MultiPartException as exc:
         raise APIError(400, f"request body is not a valid multipart form: {exc.message}", code="invalid_form") from None

@@ -40,6 +40,11 @@ class ServerMetrics:
             "Requests cancelled before they finished, queued or running: the client disconnected, or the "
             "server's shutdown deadline passed", registry=r,
         )
+        self.audio_cut = Counter(
+            "omnimtp_audio_cut_requests", "Requests whose audio was cut (finish_reason \"length\") by what cut it: "
+            "max_frames (--max-frames), text_length (its text's bound: frames per text token, with a floor), "
+            "repetition (code 0 repeating a short pattern)", ["cut_by"], registry=r,
+        )
         self.time_to_first_audio = Histogram(
             "omnimtp_time_to_first_audio_seconds", "Submission to first audio chunk", buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -30,7 +30,7 @@ from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
-from omnimtp.media import MediaInputs, MediaLimits
+from omnimtp.media import MediaError, MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
 from omnimtp.tokenizer import message_texts
 
@@ -321,12 +321,15 @@ class Engine:
 
     def model_card(self) -> dict:
         """What /v1/models says about the model besides its name: the family (its config.json model_type), the
-        APIs it serves and its voices; a Qwen3-TTS model also its tts_model_type, the task_type it serves, its
-        languages ("auto" first) and whether it takes instructions."""
+        APIs it serves (transcriptions where it has an audio processor to hear with) and its voices; a Qwen3-TTS
+        model also its tts_model_type, the task_type it serves, its languages ("auto" first) and whether it takes
+        instructions."""
         family = self.family
+        hears_audio = self.has_chat and self.audio_sampling_rate is not None
         card = {"family": getattr(family, "model_type", None),
                 "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
                 + ["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"]
+                + (["/v1/audio/transcriptions"] if hears_audio else [])
                 + (["/v1/realtime"] if self.has_chat else []),
                 "voices": list(self.speakers)}
         if self.tts_model_type is not None:
@@ -353,12 +356,26 @@ class Engine:
                 {"role": "system" if role == "developer" else role, "content": content if isinstance(content, str)
                  else list(content)} for role, content in request.messages
             ]
-            ids, media = self.family.chat_inputs(messages, self.media_limits)
+            ids, media = self.family.chat_inputs(messages, self._media_limits(request))
             self._check_prompt_length(ids, name)
         else:
             ids = self.family.speech_ids(request.speak_text)
             self._check_prompt_length(ids, name)
         return ids, media
+
+    def _media_limits(self, request: EngineRequest) -> MediaLimits:
+        """A request's media limits. A conversation kept warm (a realtime session: `cache_key`) is one request of
+        its whole history, so `max_parts` holds each of its turns instead (MediaError naming the turn), and the
+        session's item and byte limits bound the whole."""
+        if request.cache_key is None:
+            return self.media_limits
+        num_parts = [0 if isinstance(content, str) else sum(part["type"] != "text" for part in content)
+                     for _, content in request.messages]
+        for index, count in enumerate(num_parts):
+            if count > self.media_limits.max_parts:
+                raise MediaError(f"messages.{index}.content",
+                                 f"{count} media parts, more than {self.media_limits.max_parts} in one turn")
+        return replace(self.media_limits, max_parts=max(self.media_limits.max_parts, sum(num_parts)))
 
     def speech_segments(self, request: EngineRequest) -> Iterator[list[int]]:
         """A speech request's text as the segments its talker speaks one after another (the family's
@@ -452,7 +469,8 @@ class Engine:
     def submit(self, request: EngineRequest, *, loop: asyncio.AbstractEventLoop,
                prompt: tuple[list[int], MediaInputs | None] | None = None,
                segments: Iterator[list[int]] | None = None) -> RequestHandle:
-        """Queue a request (called on the event loop). Raises QueueFullError at the bound and
+        """Queue a request (called on the event loop). Raises QueueFullError at the bound (max_queue requests
+        waiting for a slot; a streamed text's request waiting for its first words does not count) and
         PromptTooLongError for a prompt over max_prompt_tokens (before anything is queued). prompt: what
         `prompt_ids(request)` gives, when it was made beforehand (a request with media runs the processor:
         off the event loop); segments: what `speech_segments(request)` gives a speech request, likewise."""
@@ -480,7 +498,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
-            if len(self._core.waiting) >= self.max_queue:
+            if self._core.num_queued() >= self.max_queue:
                 raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             sampling = None if sampling.is_greedy else sampling
@@ -686,6 +704,8 @@ class Engine:
             self.metrics.frames_per_second.observe(len(request.frames) / elapsed)
         if self.metrics is not None:
             self.metrics.observe_spec(request.spec_stats)
+            if request.audio_cut_by is not None:
+                self.metrics.audio_cut.labels(cut_by=request.audio_cut_by).inc()
 
     def _fail(self, requests: list[Request], message: str) -> None:
         for request in requests:

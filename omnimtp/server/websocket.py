@@ -22,7 +22,8 @@ A route hands its session handler to `WebSocketSessions.serve`, and the handler 
                 idle close, an exception: logged, then a `server_error` event and close code 1011)
     messages    a text message must be a JSON object with a string "type", of at most `max_message_bytes`
                 (UTF-8); anything else is answered with an `error` event naming the field, and the session
-                goes on (`receive` reads the next message)
+                goes on (`receive` reads the next message); `receive` yields to the event loop before each
+                message, so a burst of buffered events never holds up other requests
     idle        no message either way for `idle_timeout_s`: the server closes the session (code 1000,
                 reason "idle timeout"), and `receive` returns None
     metrics     omnimtp_websocket_sessions{route, status} (accepted | too_many_sessions; refused keys count
@@ -138,6 +139,9 @@ class Session:
         that is not such an object is answered with an `error` event and skipped."""
         loop = asyncio.get_running_loop()
         while not self.is_closed:
+            # a burst of buffered messages is read without suspending: yield once per message, so other requests
+            # (`/health`, other sessions) run between them
+            await asyncio.sleep(0)
             try:
                 async with asyncio.timeout_at(self._last_active + self.limits.idle_timeout_s):
                     message = await self.websocket.receive()

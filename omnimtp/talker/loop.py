@@ -34,6 +34,12 @@ yet (streamed thinker) sits the step out: it is not forwarded and its state is u
 
 Greedy defaults reproduce transformers' `generate(talker_do_sample=False)`, whose repetition penalty
 1.05 still applies; the last talker token (normally EOS) makes no frame.
+
+A talker that never samples codec EOS (codec repetition, most often with quantized weights) is cut, "length",
+at the first of: max_frames; its text's bound (`RunawayLimits`: frames per text row it was given, with a
+floor); code 0 repeating one short pattern for `repeat_frames` frames. The defaults leave real speech alone:
+`RUNAWAY_LIMITS_12_5_HZ` allows 12 frames (0.96 s) per text token, about three times a typical token's
+speech and twice slow, expressive Chinese, and never less than 10 s.
 """
 
 from __future__ import annotations
@@ -67,6 +73,64 @@ QWEN2_5_OMNI_TALKER_SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0
 KV_START_CAPACITY = 64
 
 
+@dataclass(frozen=True)
+class RunawayLimits:
+    """Where a talker that does not end is cut ("length"), besides its max_frames.
+
+    frames_per_text_row, min_frames: a request makes at most max(min_frames, frames_per_text_row × the text
+    rows it was given) frames (a text still arriving bounds nothing early: a frame takes a row until it ends).
+    repeat_frames, max_repeat_period: code 0 of its last repeat_frames sampled frames repeating one pattern of
+    at most max_repeat_period frames (one code held, or a short cycle) ends it too.
+
+    Worked example at 12.5 frames/s (`RUNAWAY_LIMITS_12_5_HZ`): "Hi" (a few rows) may make 125 frames (10 s); a
+    text of 100 rows 1,200 frames (96 s); codes 7, 3, 7, 3, ... for 125 frames end it at once."""
+
+    frames_per_text_row: int
+    min_frames: int
+    repeat_frames: int
+    max_repeat_period: int
+
+    def __post_init__(self):
+        for name in ("frames_per_text_row", "min_frames", "repeat_frames", "max_repeat_period"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_repeat_period >= self.repeat_frames:
+            raise ValueError(f"max_repeat_period must be < repeat_frames ({self.repeat_frames}), "
+                             f"got {self.max_repeat_period}")
+
+    def max_text_frames(self, num_text_rows: int) -> int:
+        return max(self.min_frames, self.frames_per_text_row * num_text_rows)
+
+
+# Qwen3-Omni and Qwen3-TTS (12.5 frames/s): 0.96 s per text token, at least 10 s; a pattern of up to 1 s held 10 s.
+RUNAWAY_LIMITS_12_5_HZ = RunawayLimits(frames_per_text_row=12, min_frames=125, repeat_frames=125,
+                                       max_repeat_period=12)
+# Qwen2.5-Omni (50 frames/s): the same seconds.
+RUNAWAY_LIMITS_50_HZ = RunawayLimits(frames_per_text_row=48, min_frames=500, repeat_frames=500,
+                                     max_repeat_period=48)
+
+
+class RepeatDetector:
+    """Whether a code sequence ends in one pattern of at most max_period codes repeated over its last
+    num_frames codes. `push` is O(max_period): runs[p] counts the latest codes equal to the code p before.
+
+        detector = RepeatDetector(num_frames=6, max_period=2)
+        [detector.push(c) for c in [5, 7, 3, 7, 3, 7, 3]]  # → six False, then True (7 3 7 3 7 3)"""
+
+    def __init__(self, num_frames: int, max_period: int):
+        self.num_frames = num_frames
+        self.max_period = max_period
+        self.recent: list[int] = []  # the last max_period codes
+        self.runs = [0] * (max_period + 1)
+
+    def push(self, code: int) -> bool:
+        for period in range(1, min(self.max_period, len(self.recent)) + 1):
+            self.runs[period] = self.runs[period] + 1 if self.recent[-period] == code else 0
+        self.recent = [*self.recent[1 - self.max_period:], code] if self.max_period > 1 else [code]
+        return any(self.runs[p] + p >= self.num_frames for p in range(1, self.max_period + 1))
+
+
 @dataclass
 class TalkerRequest:
     """One request's talker inputs and settings.
@@ -79,7 +143,8 @@ class TalkerRequest:
     [3, L] M-RoPE ids of the prefill (a prompt with images or videos), None for 1-D positions.
     prefill_block: a prefill longer than this runs in blocks of it (None: one forward); prefix: a `TalkerPrefix`
     of that block to start from; keeps_prefix: leave the prefill's whole blocks in `kept_prefix` (1-D positions
-    only). `admit` sets reused_rows (rows taken from prefix) and kept_prefix."""
+    only). `admit` sets reused_rows (rows taken from prefix) and kept_prefix. runaway: where a request that does
+    not end is cut besides max_frames (None: max_frames only; the family's are its `FrameMaker.runaway`)."""
 
     request_id: Hashable
     prefill_embeds: torch.Tensor
@@ -93,6 +158,7 @@ class TalkerRequest:
     prefill_block: int | None = None
     prefix: TalkerPrefix | None = None
     keeps_prefix: bool = False
+    runaway: RunawayLimits | None = None
     reused_rows: int = field(default=0, init=False)
     kept_prefix: TalkerPrefix | None = field(default=None, init=False)
 
@@ -120,6 +186,8 @@ class TalkerRequest:
             raise ValueError(f"prefix must be None or a TalkerPrefix of block {block}")
         if self.keeps_prefix and block is None:
             raise ValueError("keeps_prefix needs a prefill_block")
+        if self.runaway is not None and not isinstance(self.runaway, RunawayLimits):
+            raise ValueError(f"runaway must be None or a RunawayLimits, got {type(self.runaway).__name__}")
 
 
 @dataclass(frozen=True)
@@ -154,11 +222,13 @@ class TalkerPrefix:
 @dataclass
 class TalkerFrame:
     """One request's output of a step: its frame's codes [G] (None when it ended without a frame)
-    and, on its last frame, the finish reason ("stop": codec EOS; "length": max_frames)."""
+    and, on its last frame, the finish reason ("stop": codec EOS; "length": cut) and, when cut, by what
+    (cut_by: "max_frames", "text_length" or "repetition", `RunawayLimits`)."""
 
     request_id: Hashable
     codes: torch.Tensor | None
     finish_reason: str | None = None
+    cut_by: str | None = None
 
 
 @dataclass
@@ -168,6 +238,9 @@ class _Row:
     is_text_finished: bool = True
     num_frames: int = 0
     finish_reason: str | None = None
+    cut_by: str | None = None
+    num_text_rows: int = 0  # the reply rows it was given
+    repeats: RepeatDetector | None = None  # code 0 so far (None: no runaway limits)
 
     @property
     def is_ready(self) -> bool:
@@ -208,6 +281,7 @@ class FrameMaker(Protocol):
     is_suppressed: torch.Tensor  # [V] bool: ids never sampled
     greedy: SamplingParams  # the talker's sampling when a request gives none
     min_new_tokens: int  # EOS is not sampled while a request has generated fewer talker tokens
+    runaway: RunawayLimits  # the family's limits for a talker that does not end (at its frame rate)
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         """Talker inputs [R, T, D] → the decoder's input embeddings [R, T, H]."""
@@ -251,6 +325,7 @@ class Qwen3FrameMaker:
         self.greedy = greedy
         self.predictor_sampling = predictor_sampling
         self.min_new_tokens = min_new_tokens
+        self.runaway = RUNAWAY_LIMITS_12_5_HZ
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         return embeds  # the talker inputs are built in the talker's width
@@ -312,6 +387,7 @@ class Qwen2_5FrameMaker:
         self.is_suppressed[config.tts_codec_start_token_id] = True
         self.greedy = QWEN2_5_OMNI_TALKER_GREEDY
         self.min_new_tokens = 0
+        self.runaway = RUNAWAY_LIMITS_50_HZ
         self.codec_mask_id = config.tts_codec_mask_token_id
         self.codec_pad_id = config.tts_codec_pad_token_id
         self.codec_bos_id = config.tts_codec_start_token_id
@@ -378,7 +454,10 @@ class TalkerBatch:
             self._prefill(slot, request) for slot, request in enumerate(requests, start=len(self.rows))
         ])  # [N, H]: one prefill per request, in its slot
         new_rows = [
-            _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished) for r in requests
+            _Row(r, list(r.trailing_text.unbind(0)), r.is_text_finished, num_text_rows=r.trailing_text.shape[0],
+                 repeats=None if r.runaway is None else RepeatDetector(r.runaway.repeat_frames,
+                                                                       r.runaway.max_repeat_period))
+            for r in requests
         ]
         seen = torch.zeros((len(requests), self.frames.is_suppressed.shape[0]), dtype=torch.bool, device=hidden.device)
         for i, request in enumerate(requests):
@@ -390,6 +469,8 @@ class TalkerBatch:
             if code in self.frames.eos_ids:
                 row.finish_reason = "stop"
                 finished.append(TalkerFrame(row.request.request_id, None, "stop"))
+            elif row.repeats is not None:
+                row.repeats.push(code)
         return finished
 
     def push_text(self, request_id: Hashable, rows: torch.Tensor, is_finished: bool) -> None:
@@ -398,6 +479,7 @@ class TalkerBatch:
         if row.is_text_finished:
             raise ValueError(f"request_id {request_id!r}: its text is already finished")
         row.text_rows.extend(rows.unbind(0))
+        row.num_text_rows += rows.shape[0]
         row.is_text_finished = is_finished
 
     def park(self, request_id: Hashable) -> ParkedTalker:
@@ -531,11 +613,18 @@ class TalkerBatch:
     def _finish_frame(self, i: int, codes: torch.Tensor, next_code0: int) -> TalkerFrame:
         row = self.rows[i]
         row.num_frames += 1
+        runaway = row.request.runaway
         if next_code0 in self.frames.eos_ids:
             row.finish_reason = "stop"
         elif row.num_frames >= row.request.max_frames:
+            row.cut_by = "max_frames"
+        elif runaway is not None and row.num_frames >= runaway.max_text_frames(row.num_text_rows):
+            row.cut_by = "text_length"
+        elif row.repeats is not None and row.repeats.push(next_code0):
+            row.cut_by = "repetition"
+        if row.cut_by is not None:
             row.finish_reason = "length"
-        return TalkerFrame(row.request.request_id, codes, row.finish_reason)
+        return TalkerFrame(row.request.request_id, codes, row.finish_reason, row.cut_by)
 
     def _merge(self, new_rows, hidden, code0, seen) -> None:
         if not self.rows:

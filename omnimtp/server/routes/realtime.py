@@ -523,6 +523,8 @@ def _update_settings(state: RealtimeSession, fields: SessionFields) -> None:
         if audio.output.voice is not None:
             changes["voice"] = _voice(context, audio.output.voice, "session.audio.output.voice")
     state.settings = replace(settings, **changes)
+    if (state.settings.input_format, state.settings.input_rate) != (settings.input_format, settings.input_rate):
+        _clear_buffer(state)  # its audio is in the old format: never heard at the new one
     if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != settings.input_rate:
         state.turns.restart(None)  # the next append starts a detector with the new settings
 
@@ -650,13 +652,15 @@ async def _transcribe(state: RealtimeSession, item: ConversationItem, transcript
 
 
 async def _append_audio(state: RealtimeSession, data: str) -> None:
-    pcm = _pcm_bytes(data, state.settings.input_format, "audio")
     max_seconds = state.context.engine.media_limits.max_audio_seconds
     rate = state.settings.input_rate
     max_bytes = 2 * int(max_seconds * rate)
-    if len(state.audio_buffer) + len(pcm) > max_bytes:
+    # the PCM16 bytes valid base64 decodes to, from its length: an append over the limit is never decoded
+    num_bytes = (len(data) * 3 // 4 - data[-2:].count("=")) * (2 if state.settings.input_format in G711_CODECS else 1)
+    if len(state.audio_buffer) + num_bytes > max_bytes:
         raise EventError(f"audio: the input audio buffer would hold more than the limit of {max_seconds:g} s of "
                          "audio per turn; commit or clear it first", param="audio", code="input_audio_buffer_full")
+    pcm = _pcm_bytes(data, state.settings.input_format, "audio")
     turns = state.turns
     if state.settings.turn_detection is not None and turns.detector is None:
         turns.restart(SpeechDetector(state.settings.turn_detection, rate))

@@ -19,9 +19,11 @@ an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: 
 from __future__ import annotations
 
 import base64
+import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
@@ -33,6 +35,7 @@ from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 # known before the body starts: a whole-file response (flac, or any format without audio) and a stream whose
 # request made no audio. A streamed response with audio says it in its last SSE event.
 FINISH_REASON_HEADER = "X-Finish-Reason"
+_ITEM_PATH = re.compile(r"items\.(\d+)")  # a batch body's schema error at an item: items.2.speed
 
 router = APIRouter()
 
@@ -61,7 +64,7 @@ async def speech(request: Request):
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
     # file of any format, whose length is then known).
     _, samples, final = await collect(handle, request, events)
-    return Response(encode_audio(samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
+    return Response(await run_in_threadpool(encode_audio, samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
                     headers={FINISH_REASON_HEADER: final.finish_reason})
 
 
@@ -77,7 +80,14 @@ async def speech_batch(request: Request):
     is awaited, so the engine steps them as one batch; seeded, each item's audio is the one it gets alone.
     The response lists each item's base64 audio or its error, in order; a bad item does not fail the others."""
     context = serving(request)
-    body = await context.read_body(request, SpeechBatchRequest)
+    try:
+        body = await context.read_body(request, SpeechBatchRequest)
+    except APIError as error:  # an item's field spelled as in an item's own error: items[2].speed
+        if error.param is not None and (item := _ITEM_PATH.match(error.param)):
+            named = f"items[{item.group(1)}]{error.param[item.end():]}"
+            error.message = error.message.replace(error.param, named, 1)
+            error.param = named
+        raise
     handles: list = []
     for index, item in enumerate(body.items):
         try:
@@ -98,10 +108,16 @@ async def speech_batch(request: Request):
         except APIError as error:
             data.append(_item_error(index, error))
             continue
-        audio = encode_audio(samples, context.engine.sample_rate, item.response_format)
+        # encoded on a worker thread (an mp3 of minutes takes seconds), and only the encoded file is kept
+        audio = await run_in_threadpool(_base64_audio, samples, context.engine.sample_rate, item.response_format)
+        del samples
         data.append({"index": index, "response_format": item.response_format, "finish_reason": final.finish_reason,
-                     "audio": base64.b64encode(audio).decode("ascii")})
+                     "audio": audio})
     return {"object": "list", "data": data}
+
+
+def _base64_audio(samples, sample_rate: int, fmt: str) -> str:
+    return base64.b64encode(encode_audio(samples, sample_rate, fmt)).decode("ascii")
 
 
 def _item_error(index: int, error: APIError) -> dict:

@@ -19,9 +19,10 @@ seconds at a time: then it ends with an `error` event `timeout_text_idle`, and t
 request. The text is tokenized as it comes and only ids no later text can change go to the engine
 (`omnimtp.tokenizer.StreamedTextIds`); the talker waits for each text row it has not got, so the audio is that of
 the whole text sent to `/v1/audio/speech` with the same seed, byte for byte, however it was split and whenever it
-came (a long one included: the talker's positions hold each segment). A bad event gets an `error` event and the
-session goes on; a request's text is at most 4096 characters (as `input`). Closing the session (or the idle
-timeout) cancels its request and frees the slot. Session limits, the API key on the upgrade and the message size:
+came (a long one included: the talker's positions hold each segment). Deltas that arrive together (a burst) are
+tokenized together, once, when no next event is waiting. A bad event gets an `error` event and the session goes
+on; a request's text is at most 4096 characters (as `input`). Closing the session (or the idle timeout) cancels
+its request and frees the slot. Session limits, the API key on the upgrade and the message size:
 `omnimtp.server.websocket`.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import APIError, validation_error
@@ -41,6 +43,8 @@ from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
 from omnimtp.server.websocket import EventError, Session, echo, websocket_sessions
 
 ROUTE = "/v1/audio/speech/stream"
+# How long the session waits for a next event already on its way before it tokenizes the deltas read so far.
+BURST_WAIT_S = 0.005
 
 router = APIRouter()
 
@@ -79,8 +83,20 @@ async def _run(session: Session) -> None:
     context = session.websocket.app.state.serving
     config: _Config | None = None
     speech: _Speech | None = None
+    taken: list[tuple[dict, str]] = []  # deltas read but not tokenized yet (a burst's, in order), with their events
+    receiving: asyncio.Future | None = None
     try:
-        while (event := await session.receive()) is not None:
+        while True:
+            receiving = asyncio.ensure_future(session.receive())
+            if taken:  # more of a burst may be buffered: read it all, then tokenize its text once
+                done, _ = await asyncio.wait({receiving}, timeout=BURST_WAIT_S)
+                if not done:
+                    await _take_deltas(context, session, speech, taken)
+            event = await receiving
+            if event is None:
+                break
+            if taken and (event["type"] != "input_text.delta" or speech.is_over):
+                await _take_deltas(context, session, speech, taken)  # in order: the burst first
             if speech is not None and speech.is_over:
                 speech = None
             try:
@@ -102,7 +118,7 @@ async def _run(session: Session) -> None:
                     if speech is None:
                         config = config or await _configure(context, {"type": "session.config"})
                         speech = _start(context, session, config)
-                    _push(context, speech, delta)
+                    taken.append((event, delta))
                 elif kind == "input_text.done":
                     if speech is None or speech.is_text_done:
                         raise EventError("input_text.done: no text to speak", param="type", code="invalid_value")
@@ -119,10 +135,32 @@ async def _run(session: Session) -> None:
             except EventError as exc:
                 await session.send_error(exc, event)
     finally:
+        if receiving is not None:
+            receiving.cancel()
         if speech is not None:
             speech.handle.cancel()  # a client gone mid-request frees its slot at the next frame boundary
             if speech.sender is not None:
                 speech.sender.cancel()
+
+
+async def _take_deltas(context, session: Session, speech: _Speech, taken: list[tuple[dict, str]]) -> None:
+    """Tokenize the deltas read since the last call (emptying `taken`), on a worker thread (cutting a long text
+    into segments takes a while): their text at once when it keeps within the limits, as it nearly always does,
+    else delta by delta, each refused one with its own error event. A burst of one-character deltas so costs one
+    tokenization of the text, not one per delta."""
+    deltas = list(taken)
+    taken.clear()
+    if len(deltas) > 1:
+        try:
+            await run_in_threadpool(_push, context, speech, "".join(delta for _, delta in deltas))
+            return
+        except EventError:
+            pass
+    for event, delta in deltas:
+        try:
+            await run_in_threadpool(_push, context, speech, delta)
+        except EventError as exc:
+            await session.send_error(exc, event)
 
 
 async def _configure(context, event: dict) -> _Config:

@@ -23,6 +23,7 @@ from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
 from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
+from omnimtp.server.schemas import INT64_MAX, INT64_MIN
 
 router = APIRouter()
 
@@ -47,7 +48,7 @@ async def transcriptions(request: Request):
         raise APIError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got "
                        f"{response_format[:32]!r}", param="response_format", code="invalid_value")
     temperature = _number(fields, "temperature", 0.0, 0.0, 2.0, float)
-    seed = _number(fields, "seed", None, 0, 2**63 - 1, int)
+    seed = _number(fields, "seed", None, INT64_MIN, INT64_MAX, int)  # any int64, as every route takes
     is_streamed = _boolean(fields, "stream")
     granularity = fields.get("timestamp_granularities[]", "segment")
     if granularity != "segment":
@@ -68,8 +69,9 @@ async def transcriptions(request: Request):
         handle = await context.submit(transcription_request(context, samples, language, prompt, temperature, seed,
                                                             is_streamed=is_streamed))
     except APIError as exc:
-        if exc.param == "messages":  # the prompt is the ASR instruction around the audio: too long is the file's
-            exc.param = "file"
+        if exc.param == "messages":  # the ASR instruction around the audio: too long is the file's, or the prompt's
+            is_prompt = prompt is not None and await run_in_threadpool(_is_prompt_too_long, engine, language, prompt)
+            exc.param = "prompt" if is_prompt else "file"
         raise
     if is_streamed:
         return StreamingResponse(_transcript_stream(handle), media_type="text/event-stream")
@@ -86,6 +88,13 @@ async def transcriptions(request: Request):
         "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text, "temperature": temperature}],
         "usage": _usage(final),
     }
+
+
+def _is_prompt_too_long(engine, language: str | None, prompt: str) -> bool:
+    """Whether the ASR messages without their audio are already over the prompt-token limit: the prompt's fault."""
+    messages = engine.family.transcription_messages(None, language, prompt)
+    messages[-1] = {"role": "user", "content": messages[-1]["content"][1]["text"]}
+    return len(engine.family.chat_ids(messages)) > engine.max_prompt_tokens
 
 
 def transcription_request(context: ServingContext, samples, language: str | None, prompt: str | None,
