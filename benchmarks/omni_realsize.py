@@ -9,14 +9,14 @@ fresh process and measures there:
 
 - load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
 - the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
-  and the LM head, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions against the plain
-  step (a MoE verify reads the union of its rows' experts);
+  and the LM head, in int8, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions
+  against the plain step (a MoE verify reads the union of its rows' experts);
 - speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
   `--frames` frames: random weights never end on their own), time to first audio, the real-time factor, and per
   frame the thinker's, talker's, code predictor's and code2wav's shares.
 
 Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
-KV rows, and the LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
+KV rows, and the int8 LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
 Writes JSON.
 
     python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
@@ -93,9 +93,20 @@ def median_s(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def logits(decoder, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """The thinker's logits as the engine computes them: its int8 head where the decoder has one."""
+    from omnimtp.runtime.ops import linear
+
+    if decoder.quantized_lm_head is not None:
+        return linear(hidden, None, packed=decoder.quantized_lm_head)
+    return torch.nn.functional.linear(hidden, lm_head)
+
+
 def step_bytes(decoder, lm_head: torch.Tensor, kv_length: int) -> int:
     """Bytes a one-row step of the quantized thinker reads (see the module docstring)."""
-    total = lm_head.numel() * lm_head.element_size()
+    head = decoder.quantized_lm_head
+    total = (lm_head.numel() * lm_head.element_size() if head is None
+             else head.packed.numel() + head.scales.numel() * 4)
     for layer, quantized in zip(decoder.layers, decoder.quantized_layers, strict=True):
         total += sum(t.numel() * t.element_size() for q in quantized if q is not None for t in (q.packed, q.scales))
         if layer.router is not None:
@@ -122,8 +133,7 @@ def thinker_figures(pipe, args, read_gb_s: float) -> dict:
 
     def prefill():
         cache.restore(empty)
-        hidden = decoder_forward(decoder, cache, embeds, [0]).last_hidden
-        return hidden.to(lm_head.dtype) @ lm_head.T
+        return logits(decoder, decoder_forward(decoder, cache, embeds, [0]).last_hidden, lm_head)
 
     figures = {"prefill_ms": 1e3 * median_s(prefill, 3)}
     cache.restore(empty)
@@ -137,8 +147,7 @@ def thinker_figures(pipe, args, read_gb_s: float) -> dict:
             hidden = decoder_forward(decoder, cache, tokens[positions - 1][:rows], list(range(rows)),
                                      all_final=positions > 1)
             cache.restore(prompt_done)
-            final = hidden.final if positions > 1 else hidden.last_hidden[:, None]
-            return final.to(lm_head.dtype) @ lm_head.T
+            return logits(decoder, hidden.final if positions > 1 else hidden.last_hidden[:, None], lm_head)
         return run
 
     one = median_s(step(1, 1), args.repeats)

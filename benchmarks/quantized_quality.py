@@ -4,11 +4,11 @@ No released weights can be downloaded on this box, so quality is measured on the
 the numeric error on the real-width Qwen3-TTS checkpoint (random weights):
 
 - the demo LM (`omnimtp/data/demo_lm`, a trained Glm4Moe whose target layers are all dense) and the demo
-  Qwen3-Omni thinker (`omnimtp/data/demo_omni`, dense): over their
-  held-out prompts (stdlib code none of them saw), per mode, greedy token agreement with fp32 (`--new-tokens`
-  tokens after each prompt's first `--prefix-tokens`: the share of positions where both pick the same token,
-  and the mean number of tokens before the first difference) and the perplexity of the held-out text under
-  teacher forcing, next to fp32's;
+  Qwen3-Omni thinker (`omnimtp/data/demo_omni`, dense; its quantized modes with the int8 LM head the engine runs,
+  and fp32 layers with that head alone): over their held-out prompts (stdlib code none of them saw), per mode,
+  greedy token agreement with fp32 (`--new-tokens` tokens after each prompt's first `--prefix-tokens`: the share
+  of positions where both pick the same token, and the mean number of tokens before the first difference) and the
+  perplexity of the held-out text under teacher forcing, next to fp32's;
 - the Qwen3-TTS talker at the released widths (`--tts-model DIR`, or the checkpoint `tts_realtime.py` builds
   and caches): under teacher forcing on `--tts-frames` frames of seeded random codes (each input row the sum
   of the frame's 16 code embeddings and the text pad row, the talker's input once the text is spoken), the
@@ -60,13 +60,20 @@ def final_states(decoder: PackedDecoder, embeds: torch.Tensor) -> torch.Tensor:
     return decoder_forward(decoder, cache, embeds[None], [0], all_final=True).final[0]
 
 
+def head_logits(decoder: PackedDecoder, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] → logits, by the decoder's int8 head where it has one (what a quantized thinker runs)."""
+    if decoder.quantized_lm_head is not None:
+        return linear(hidden, None, packed=decoder.quantized_lm_head)
+    return hidden @ lm_head.T
+
+
 def greedy(decoder: PackedDecoder, embed: torch.Tensor, lm_head: torch.Tensor, ids: list[int], num_new: int):
     """num_new greedy tokens after ids on the packed decoder."""
     cache = KVCache(decoder, 1, len(ids) + num_new + 1)
     hidden = decoder_forward(decoder, cache, embed[torch.tensor(ids)][None], [0]).last_hidden  # [1, H]
     out = []
     for _ in range(num_new):
-        token = int((hidden[0] @ lm_head.T).argmax())
+        token = int(head_logits(decoder, hidden[0], lm_head).argmax())
         out.append(token)
         hidden = decoder_forward(decoder, cache, embed[token][None, None], [0]).last_hidden
     return out
@@ -92,9 +99,15 @@ def summarize(result: dict, runs: dict, nll: dict, modes, num_new: int) -> dict:
 
 
 def lm_quality(name: str, decoder: PackedDecoder, embed, lm_head, texts: list[list[int]], modes, prefix: int,
-               num_new: int) -> dict:
-    """Greedy agreement and teacher-forced perplexity per mode against fp32 (see the module docstring)."""
+               num_new: int, int8_head: bool = False) -> dict:
+    """Greedy agreement and teacher-forced perplexity per mode against fp32 (see the module docstring). int8_head:
+    each mode's logits from the int8 head a quantized thinker runs (`with_quantized_lm_head`), and one more
+    variant, "fp32_layers_int8_head", the head's error alone."""
     decoders = {"fp32": decoder, **{mode: decoder.quantized(mode) for mode in modes}}
+    if int8_head:
+        decoders = {mode: d if mode == "fp32" else d.with_quantized_lm_head(lm_head) for mode, d in decoders.items()}
+        decoders["fp32_layers_int8_head"] = decoder.with_quantized_lm_head(lm_head)
+        modes = [*modes, "fp32_layers_int8_head"]
     result = {"model": name, "num_prompts": len(texts), "prefix_tokens": prefix, "new_tokens": num_new}
     with torch.no_grad():
         runs = {mode: [greedy(d, embed, lm_head, ids[:prefix], num_new) for ids in texts]
@@ -103,7 +116,7 @@ def lm_quality(name: str, decoder: PackedDecoder, embed, lm_head, texts: list[li
         for mode, d in decoders.items():
             total, count = 0.0, 0
             for ids in texts:
-                logits = final_states(d, embed[torch.tensor(ids)]) @ lm_head.T  # [T, V]
+                logits = head_logits(d, final_states(d, embed[torch.tensor(ids)]), lm_head)  # [T, V]
                 total += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
                 count += len(ids) - 1
             nll[mode] = total / count
@@ -130,7 +143,8 @@ def demo_omni_thinker(modes, num_prompts: int, prefix: int, num_new: int, max_to
     decoder = PackedDecoder.from_module(thinker.model.language_model)
     texts = [tokenizer.encode(t)[:max_tokens] for t in demo_omni_prompts()[:num_prompts]]
     embed, lm_head = thinker.model.language_model.embed_tokens.weight.detach(), thinker.lm_head.weight.detach()
-    return lm_quality("demo Qwen3-Omni thinker", decoder, embed, lm_head, texts, modes, prefix, num_new)
+    return lm_quality("demo Qwen3-Omni thinker", decoder, embed, lm_head, texts, modes, prefix, num_new,
+                      int8_head=True)
 
 
 class _QuantizedExperts(torch.nn.Module):
@@ -330,7 +344,7 @@ def main() -> None:
                          ("demo_glm5_experts", demo_glm5_experts)):
         entry = results[key] = measure(*options)
         print(f"{entry['model']}: fp32 perplexity {entry['fp32_perplexity']:.3f} over {entry['num_prompts']} prompts")
-        for mode in args.modes:
+        for mode in [m for m in entry if m in args.modes or m == "fp32_layers_int8_head"]:
             e = entry[mode]
             print(f"  {mode}: greedy agreement {100 * e['greedy_agreement']:.1f}% ({e['identical_runs']}/"
                   f"{entry['num_prompts']} runs identical, {e['mean_tokens_before_first_difference']:.1f} tokens "

@@ -39,6 +39,7 @@ import torch
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.kv_cache import SavedSlot
+from omnimtp.runtime.ops import linear
 from omnimtp.sampling import QWEN3_OMNI_THINKER_SAMPLING, SamplingParams, sample
 from omnimtp.spec_decode.adaptive import (
     DEFAULT_MAX_DRAFT_TOKENS,
@@ -465,7 +466,10 @@ class ThinkerRun:
             rope_positions=rope_positions, layer_adds=layer_adds, all_final=self.speculation is not None,
         )
         last = out.final if all_logits else out.last_hidden
-        logits = torch.nn.functional.linear(last, self.thinker.lm_head.weight)  # [R, V] or [R, T, V]
+        if self.decoder.quantized_lm_head is not None:  # a quantized thinker's int8 head
+            logits = linear(last, None, packed=self.decoder.quantized_lm_head)  # [R, V] or [R, T, V]
+        else:
+            logits = torch.nn.functional.linear(last, self.thinker.lm_head.weight)
         return out.captured, logits, out.final
 
 

@@ -211,3 +211,27 @@ def test_a_quantized_moe_decoder_steps_a_row_as_in_a_batch(omni, name):
     decoder_forward(decoder, cache, prompt[1:2], [0])
     alone = decoder_forward(decoder, cache, step[1:2], [0]).last_hidden
     assert torch.equal(alone[0], batch[1])
+
+
+def test_a_quantized_omni_thinker_runs_an_int8_lm_head(omni, monkeypatch):
+    """A quantized Qwen3-Omni family's thinker logits come from its int8 head, one kernel call a step, within the
+    int8 grid of the float head's logits; the float family keeps the float head."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.runtime.ops import QuantizedWeight
+
+    family = Qwen3OmniFamily(omni, quantize="w4a8")
+    head = family.thinker_decoder.quantized_lm_head
+    assert isinstance(head, QuantizedWeight) and head.group_size is None and not head.int8_activations
+    assert Qwen3OmniFamily(omni).thinker_decoder.quantized_lm_head is None
+    weight = omni.thinker.lm_head.weight
+    hidden = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(5))
+    got = linear(hidden, None, packed=head)
+    bound = 1e-5 * (hidden.abs() @ head.dequantized().abs().T) + 1e-6
+    assert ((got - hidden @ head.dequantized().T).abs() <= bound).all()
+    calls = []
+    quantized = sbl.quantized_linear
+    monkeypatch.setattr(sbl, "quantized_linear", lambda *a: calls.append(a[3]) or quantized(*a))
+    from omnimtp import OmniPipeline
+
+    OmniPipeline.tiny(quantize="w4a8").generate("Hi", max_new_tokens=3, max_frames=2)
+    assert calls.count(weight.shape[0]) == 3  # the prefill's step and two decode steps, each one head call

@@ -81,6 +81,8 @@ class Qwen2_5OmniFamily(ChatText):
         self.eos_token_ids = _thinker_eos_ids(model, tokenizer)
         thinker, talker = (PackedDecoder.from_module(model.get_submodule(path), quantize=quantize,
                                                      stored=(stored or {}).get(path)) for path in self.decoder_paths)
+        if quantize is not None:  # its logits from an int8 head too (`PackedDecoder.with_quantized_lm_head`)
+            thinker = thinker.with_quantized_lm_head(model.thinker.lm_head.weight)
         self.thinker_decoder, self.talker_decoder = thinker.with_row_kernel(), talker
         self.codec = StreamingToken2Wav(model.token2wav)
         self.speech_header_ids = speech_header_ids(tokenizer)

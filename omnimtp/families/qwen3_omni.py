@@ -79,6 +79,8 @@ class Qwen3OmniFamily(ChatText):
         # leaves a quantized decoder as it is)
         thinker, talker = (PackedDecoder.from_module(model.get_submodule(path), quantize=quantize,
                                                      stored=(stored or {}).get(path)) for path in self.decoder_paths)
+        if quantize is not None:  # its logits from an int8 head too (`PackedDecoder.with_quantized_lm_head`)
+            thinker = thinker.with_quantized_lm_head(model.thinker.lm_head.weight)
         self.thinker_decoder, self.talker_decoder = thinker.with_row_kernel(), talker
         # another codec_dtype than the model's: code2wav's conv stack runs on a copy in it (the model's stays)
         self.codec = StreamingCode2Wav(model.code2wav, conv_dtype=conv_dtype)

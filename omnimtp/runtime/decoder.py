@@ -126,6 +126,8 @@ class PackedDecoder:
     # every row count, in place of the layers' float matrices; quantize: the mode (`ops.QUANTIZE_MODES`) or None
     quantize: str | None = None
     quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
+    # `with_quantized_lm_head`: the model's output matrix in int8, what a quantized thinker's logits come from
+    quantized_lm_head: QuantizedWeight | None = field(default=None, compare=False, repr=False)
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
         """This decoder with every layer's linears (qkv, o, gate/up, down; in a MoE layer its shared experts'
@@ -143,6 +145,13 @@ class PackedDecoder:
         layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
         return replace(self, layers=layers, quantize=quantize, quantized_layers=quantized_layers,
                        row_kernel=None, row_kernel_lm_head=None)
+
+    def with_quantized_lm_head(self, lm_head: torch.Tensor) -> PackedDecoder:
+        """This decoder with its model's output matrix lm_head [V, H] quantized to int8 per output channel
+        (`quantized_lm_head`, whatever the layers' mode, as the code predictor's heads: the largest single read of
+        a thinker's step, 0.62 GB in bf16 at Qwen3-Omni's vocabulary, and int8 moves no greedy token on the
+        demo thinker: docs/quantization.md); its rows are computed each on its own, as the layers' are."""
+        return replace(self, quantized_lm_head=quantize_weight(lm_head, "int8"))
 
     def with_row_kernel(self) -> PackedDecoder:
         """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a

@@ -159,6 +159,7 @@ class PackedGemm:
 # quantized to int8 per row and group of inputs as each matmul starts (dynamic), the sums exact integers
 QUANTIZE_MODES = ("int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 128  # inputs per int4 scale (the common choice: GPTQ, AWQ, torchao's default)
+INT8_BLOCK_ROWS = 8192  # rows an int8 matrix is quantized in at a time (a multiple of the kernel's 16-row panels)
 
 
 @dataclass(frozen=True)
@@ -217,8 +218,9 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROU
     multiple of it; "w4a8" then quantizes the activations per row and the same groups). The weight is not
     modified."""
     check_quantize(mode, weight.device)
-    if mode == "int8":
-        packed, scales, _ = small_batch_linear.quantize_int8(weight)
+    if mode == "int8":  # rows in blocks (whole 16-row panels): an LM head's float copies stay a block's
+        blocks = [small_batch_linear.quantize_int8(block)[:2] for block in weight.split(INT8_BLOCK_ROWS)]
+        packed, scales = (torch.cat(parts) for parts in zip(*blocks, strict=True))
         return QuantizedWeight(packed, scales, weight.shape[0], None)
     group = group_size if weight.shape[1] % group_size == 0 else weight.shape[1]
     if mode == "w4a8" and group % 8 and group != weight.shape[1]:
