@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tts_realtime import PhaseClock, machine_floors  # noqa: E402
+from tts_realtime import PhaseClock, machine_floors, timed_predictor  # noqa: E402
 
 from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
 
@@ -174,31 +174,17 @@ def speech_figures(pipe, args) -> dict:
     request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=args.frames,
                       speaker=pipe.family.default_speaker)
     clock = PhaseClock()
-    runner = pipe.family.predictor(pipe.config.max_batch_size)
-    run = runner.run
-
-    def timed_run(*run_args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return run(*run_args, **kwargs)
-        finally:
-            clock.phases["code_predictor"] += time.perf_counter() - started
-
-    runner.run = timed_run
     core = EngineCore(pipe.family, pipe.config, observer=clock)
     core.add(request)
-    first_audio, audio_samples = None, 0
+    first_audio = None
     started = time.perf_counter()
-    try:
+    with timed_predictor(pipe, clock):
         while core.has_work():
             for event in core.step():
                 if event.audio is not None and len(event.audio):
-                    audio_samples += len(event.audio)
                     first_audio = first_audio or time.perf_counter() - started
                 if event.is_finished:
                     output = core.output(event.request)
-    finally:
-        del runner.run
     wall = time.perf_counter() - started
     audio_s = len(output.audio) / pipe.family.sample_rate
     frames = max(clock.num_frame_steps, 1)

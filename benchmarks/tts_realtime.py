@@ -163,6 +163,27 @@ class PhaseClock:
         self.num_frame_steps += 1
 
 
+@contextlib.contextmanager
+def timed_predictor(pipe, clock: PhaseClock):
+    """While inside, the family's code predictor runner times each `run` into clock.phases["code_predictor"] (an
+    attribute of the runner instance, removed on the way out)."""
+    runner = pipe.family.predictor(pipe.config.max_batch_size)
+    run = runner.run
+
+    def timed_run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            clock.phases["code_predictor"] += time.perf_counter() - started
+
+    runner.run = timed_run
+    try:
+        yield
+    finally:
+        del runner.run
+
+
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -266,32 +287,18 @@ def timed_batch(pipe, batch_size: int, frames: int, profile: bool = False) -> di
     voices = [VOICES[i % len(VOICES)] for i in range(batch_size)]
     requests, _ = pipe._speech_requests(texts, None, voices, None, None, None, None, frames, is_streamed=False)
     clock = PhaseClock()
-    runner = pipe.family.predictor(pipe.config.max_batch_size)
-    run = runner.run
-
-    def timed_run(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return run(*args, **kwargs)
-        finally:
-            clock.phases["code_predictor"] += time.perf_counter() - started
-
-    runner.run = timed_run  # the instance's own attribute: the family's runner, this batch only
     core = EngineCore(pipe.family, pipe.config, observer=clock)
     for request in requests:
         core.add(request)
     outputs = []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
-    try:
-        with profiler or contextlib.nullcontext():
-            started = time.perf_counter()
-            while core.has_work():
-                for event in core.step():
-                    if event.is_finished:
-                        outputs.append(core.output(event.request))
-            wall = time.perf_counter() - started
-    finally:
-        del runner.run
+    with timed_predictor(pipe, clock), profiler or contextlib.nullcontext():
+        started = time.perf_counter()
+        while core.has_work():
+            for event in core.step():
+                if event.is_finished:
+                    outputs.append(core.output(event.request))
+        wall = time.perf_counter() - started
     audio_s = sum(len(o.audio) for o in outputs) / pipe.family.sample_rate
     steps = max(clock.num_frame_steps, 1)
     phases = clock.phases
