@@ -197,9 +197,17 @@ class _ShardWriter:
         metadata = {"format": "pt"}
         if self.metadata:
             metadata["omnimtp"] = json.dumps(self.metadata)
-        save_file(self.pending, os.path.join(self.directory, name), metadata=metadata)
-        self.files[name] = os.path.getsize(os.path.join(self.directory, name))
+        path = os.path.join(self.directory, name)
+        save_file(self.pending, path, metadata=metadata)
+        os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600: as readable as the directory's other files
+        self.files[name] = os.path.getsize(path)
         self.pending, self.metadata, self.pending_bytes = {}, {}, 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _meta_model(path: str, model_type: str):

@@ -69,8 +69,10 @@ def test_a_quantized_checkpoint_speaks_as_quantizing_at_load(sources, tmp_path, 
     for prefix in summary["decoders"]:
         layer = loaded.model.get_submodule(prefix).layers[0]
         assert layer.self_attn.q_proj.weight.stride() == (0, 0)
-    # tokenizer, processor and caps came along
+    # tokenizer, processor and caps came along; the weights are as readable as they are
     assert {"tokenizer.json", "processor_config.json", "omnimtp_caps.json"} <= set(os.listdir(tmp_path / "q"))
+    mode = (tmp_path / "q" / "tokenizer.json").stat().st_mode & 0o777
+    assert all((tmp_path / "q" / name).stat().st_mode & 0o777 == mode for name in summary["files"])
     with pytest.raises(ValueError, match="quantized checkpoint"):
         loaded.save_pretrained(tmp_path / "again")
 
