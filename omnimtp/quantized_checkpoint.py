@@ -240,6 +240,9 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
     src, dst = os.fspath(src), os.fspath(dst)
     _check_destination(quantize, dst)
     model_type = omni_model_type(src, "src")
+    if not os.path.isdir(src):  # a built-in tiny model's name: made in memory, not read from files
+        raise ValueError(f"src: {src!r} is a built-in model, not a checkpoint directory: save it first "
+                         "(OmniPipeline.from_pretrained(name).save_pretrained(DIR)), then quantize DIR")
     if model_type not in DECODERS:
         raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts {sorted(DECODERS)}")
     if is_quantized_checkpoint(src):

@@ -107,6 +107,8 @@ def test_refusals_name_what_is_wrong(sources, tmp_path):
         quantize_checkpoint(dst, tmp_path / "twice", "int8")
     with pytest.raises(ValueError, match="quantize"):
         quantize_checkpoint(sources["qwen3"], tmp_path / "bad", "int3")
+    with pytest.raises(ValueError, match="src: 'tiny' is a built-in model"):
+        quantize_checkpoint("tiny", tmp_path / "tiny-q", "int8")
     tts = tmp_path / "tts"
     OmniPipeline.tiny(family="qwen3_tts").save_pretrained(tts)
     with pytest.raises(ValueError, match="src.*qwen3_tts"):
