@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tts_realtime import PhaseClock, machine_floors, timed_predictor  # noqa: E402
+from tts_realtime import PhaseClock, machine_floors, repeat_times, timed_predictor  # noqa: E402
 
 from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
 
@@ -84,13 +84,8 @@ def chat_ids(config, body: list[int]) -> list[int]:
 
 
 def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    times = sorted(repeat_times(fn, repeats))
+    return times[len(times) // 2]
 
 
 def logits(decoder, hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,17 @@ def build_checkpoint(size: str, path: Path) -> Path:
 # --- the machine --------------------------------------------------------------------------------------------
 
 
+def repeat_times(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def machine_floors(threads: int, quick: bool) -> dict:
     """Streaming read and copy bandwidth (GB/s) and the fp32 and bf16 matmul peaks (GFLOP/s), best of a few
     runs."""
@@ -123,13 +134,7 @@ def machine_floors(threads: int, quick: bool) -> dict:
     src, dst = torch.ones(num), torch.empty(num)
 
     def best(fn, repeats):
-        fn()
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - started)
-        return min(times)
+        return min(repeat_times(fn, repeats))
 
     read_s = best(lambda: src.sum(), 10)  # best of 10: one probe of 5 read 24.7 GB/s, another 30.3
     copy_s = best(lambda: dst.copy_(src), 10)

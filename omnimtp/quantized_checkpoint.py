@@ -109,34 +109,26 @@ class _SourceTensors:
         sources = self.sources[name]
         if len(sources) == 1 and sources[0].pattern is None:
             return self._get(sources[0])
-        converter = next(c for c in self.converters if sources[0].pattern in c.source_patterns)
-        self.materialize_check(name, converter)
         num_experts = 1 + max(_expert_index(s) for s in sources)
         return torch.stack([self.expert(name, index) for index in range(num_experts)])
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         """Expert `index`'s slice of the fused expert parameter `name` ([E, ...] → [...]), reading that expert's
         source tensors only."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
         sources = self.sources[name]
         if len(sources) == 1 and sources[0].pattern is None:
             return self._get(sources[0])[index]
         converter = next(c for c in self.converters if sources[0].pattern in c.source_patterns)
-        self.materialize_check(name, converter)
-        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == index)
-                 for pattern in converter.source_patterns]
-        concat = [op for op in converter.operations if type(op).__name__ == "Concatenate"]
-        return self._get(parts[0]) if not concat else torch.cat([self._get(p) for p in parts], dim=concat[0].dim - 1)
-
-    @staticmethod
-    def materialize_check(name: str, converter) -> None:
-        """ValueError unless `converter` stacks per-expert tensors on a new first axis (and maybe concatenates)."""
-        from transformers.core_model_loading import Concatenate, MergeModulelist
-
         merge = [op for op in converter.operations if isinstance(op, MergeModulelist)]
         concat = [op for op in converter.operations if isinstance(op, Concatenate)]
         if (len(merge) != 1 or merge[0].dim != 0 or len(concat) > 1
-                or len(merge) + len(concat) != len(converter.operations)):
+                or len(merge) + len(concat) != len(converter.operations)):  # only a stack of experts (+ a concat)
             raise ValueError(f"src: {name!r} is converted by {converter.operations}, which omnimtp cannot apply")
+        parts = [self._get(next(s for s in sources if s.pattern == pattern and _expert_index(s) == index))
+                 for pattern in converter.source_patterns]
+        return parts[0] if not concat else torch.cat(parts, dim=concat[0].dim - 1)  # the stack's axis is gone
 
     def _get(self, source: _Source) -> torch.Tensor:
         from safetensors import safe_open
@@ -286,7 +278,7 @@ class _RandomTensors:
         return (torch.randn(shape, generator=generator) * 0.02).to(self.dtype)
 
     def release(self) -> None:
-        pass
+        """Nothing is mapped: `_SourceTensors.release`'s counterpart."""
 
 
 def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,

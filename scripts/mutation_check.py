@@ -1471,8 +1471,8 @@ MUTATIONS = [
     ),
     Mutation(
         "quantized_checkpoint_reads_expert_0_for_every_expert", "omnimtp/quantized_checkpoint.py",
-        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == index)",
-        "        parts = [next(s for s in sources if s.pattern == pattern and _expert_index(s) == 0)",
+        "        parts = [self._get(next(s for s in sources if s.pattern == pattern and _expert_index(s) == index))",
+        "        parts = [self._get(next(s for s in sources if s.pattern == pattern and _expert_index(s) == 0))",
         QUANTIZED_CHECKPOINT, "the converter quantizes expert 0's weights into every expert of a layer",
     ),
     Mutation(

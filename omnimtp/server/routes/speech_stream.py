@@ -154,7 +154,7 @@ async def _take_deltas(context, session: Session, speech: _Speech, taken: list[t
         try:
             await run_in_threadpool(_push, context, speech, "".join(delta for _, delta in deltas))
             return
-        except EventError:
+        except EventError:  # over a limit, and nothing taken (`_push` checks first): delta by delta, below
             pass
     for event, delta in deltas:
         try:
