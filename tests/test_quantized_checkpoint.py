@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from audio_checks import assert_audible
 from safetensors import safe_open
 
 from omnimtp import OmniPipeline
@@ -48,6 +49,7 @@ def _same_output(a: OmniPipeline, b: OmniPipeline, speaker: str) -> None:
     first, second = outputs
     assert first.text == second.text and first.codes.shape[-1] > 0
     assert torch.equal(first.codes, second.codes)
+    assert_audible(first.audio)  # loud enough that a wrong sample shows
     audio = torch.as_tensor(first.audio), torch.as_tensor(second.audio)
     if isinstance(a.family, Qwen3OmniFamily):
         assert torch.equal(*audio)
