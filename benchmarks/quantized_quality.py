@@ -296,7 +296,7 @@ def tts_code_predictor(path: str, modes, num_frames: int) -> dict:
                 frames.append(torch.stack([linear(states[j + 1], *head) for j, head in enumerate(heads)]))
             return torch.stack(frames)
 
-        float_heads = [(head, None, None) for head in weights.lm_heads.unbind(0)]
+        float_heads = [(head, None, None) for head in weights.lm_heads]
         reference = head_logits(weights.decoder, float_heads)
         result = {"model": f"Qwen3-TTS code predictor at {path}", "frames": num_frames, "codebooks": groups - 1,
                   "vocab_size": codebook_size, "num_layers": len(weights.decoder.layers)}
@@ -305,7 +305,7 @@ def tts_code_predictor(path: str, modes, num_frames: int) -> dict:
             quantized = replace(quantized, decoder=replace(quantized.decoder, fp32_attention=False))
             variants = {"heads_int8": [(None, None, head) for head in quantized.quantized_lm_heads]}
             if mode != "int8":
-                variants[f"heads_{mode}"] = [(None, None, quantize_weight(h, mode)) for h in weights.lm_heads.unbind(0)]
+                variants[f"heads_{mode}"] = [(None, None, quantize_weight(h, mode)) for h in weights.lm_heads]
             result[mode] = {}
             for name, heads in variants.items():
                 got = head_logits(quantized.decoder, heads)

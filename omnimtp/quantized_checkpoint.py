@@ -40,13 +40,15 @@ import torch
 from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.runtime.decoder import QUANTIZED_MATRICES, pack_layer, quantized_matrices
+from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.ops import QUANTIZE_MODES, QuantizedWeight, check_quantize
 
 FORMAT = 1
 CONFIG_KEY = "omnimtp_quantization"
 # the transformers module paths of the decoders each family packs (and so quantizes), by config model_type
-DECODERS = {family.model_type: family.decoder_paths for family in (Qwen3OmniFamily, Qwen2_5OmniFamily)}
+DECODERS = {family.model_type: family.decoder_paths for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily)}
 # a decoder layer's parameters that its quantized matrices replace (the rest of a layer stays float)
 _QUANTIZED_PARAMETER = re.compile(
     r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.shared_experts?\.(gate|up|down)_proj)\.weight$"
@@ -86,7 +88,10 @@ class _SourceTensors:
         files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
         if not files:
             raise ValueError(f"src: {path!r} has no .safetensors files")
-        transforms = get_model_conversion_mapping(model)
+        # a transformers model's checkpoint keys go through its renamings and converters; omnimtp's own models
+        # (Qwen3-TTS) store every tensor under its parameter name
+        is_transformers = hasattr(model, "base_model_prefix")
+        transforms = get_model_conversion_mapping(model) if is_transformers else []
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         meta_state = model.state_dict()
@@ -96,8 +101,10 @@ class _SourceTensors:
             with safe_open(os.path.join(path, name), "pt") as handle:
                 keys = list(handle.keys())
             for key in keys:
-                target, pattern = rename_source_key(key, renamings, self.converters, model.base_model_prefix,
-                                                    meta_state)
+                target, pattern = key, None
+                if is_transformers:
+                    target, pattern = rename_source_key(key, renamings, self.converters, model.base_model_prefix,
+                                                        meta_state)
                 self.sources.setdefault(target, []).append(_Source(name, key, pattern))
         missing = sorted(set(meta_state) - set(self.sources))
         if missing:
@@ -203,10 +210,19 @@ def _umask() -> int:
 
 
 def _meta_model(path: str, model_type: str):
-    """The transformers model of the checkpoint at `path`, built on the meta device (no memory)."""
+    """The model of the checkpoint at `path` (transformers', or omnimtp's own Qwen3-TTS model), built on the
+    meta device (no memory)."""
     import transformers
     from transformers import AutoConfig
 
+    if model_type == Qwen3TTSFamily.model_type:
+        from omnimtp.models.qwen3_tts import Qwen3TTSModel
+
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config.pop(CONFIG_KEY, None)
+        with torch.device("meta"):
+            return Qwen3TTSModel(config)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return getattr(transformers, MODEL_TYPES[model_type])(config)
@@ -225,10 +241,11 @@ def _check_destination(quantize: str, dst: str) -> None:
 
 
 def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYTES) -> dict:
-    """Writes the quantized checkpoint of SRC (a Qwen3-Omni or Qwen2.5-Omni checkpoint directory) into DST (a new or
-    empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode", "decoders": {prefix:
-    layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in QUANTIZE_MODES or without a
-    kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is not empty."""
+    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory) into
+    DST (a new or empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode",
+    "decoders": {prefix: layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in
+    QUANTIZE_MODES or without a kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is
+    not empty."""
     src, dst = os.fspath(src), os.fspath(dst)
     _check_destination(quantize, dst)
     model_type = omni_model_type(src, "src")
@@ -335,6 +352,7 @@ def _write(model, source, dst: str, quantize: str, decoders: tuple[str, ...], co
                 layer.to("meta")  # its float tensors go, and with the files closed their mapped pages
                 del matrices
                 source.release()
+                return_free_memory()  # the temporaries of packing and quantizing, freed but held by the heap
     quantized.flush()
     floats = _ShardWriter(dst, "model", shard_bytes)
     for name in model.state_dict():
@@ -366,10 +384,11 @@ class QuantizedModel:
     stored: dict[str, list[dict[str, QuantizedWeight | None]]]
 
 
-def load_quantized_model(path, quantize: str | None = None) -> QuantizedModel:
+def load_quantized_model(path, quantize: str | None = None, dtype: torch.dtype | None = None) -> QuantizedModel:
     """The quantized checkpoint at `path` (`quantize_checkpoint`), memory-mapped. quantize: None or the checkpoint's
-    own mode; another is a ValueError naming `quantize`. A checkpoint of another format, a missing, truncated or
-    foreign file is a ValueError naming the file."""
+    own mode; another is a ValueError naming `quantize`. dtype: the float tensors as stored (None), or cast copies
+    in `dtype` (the stored quantized matrices are what they are; the decoders then compute in `dtype`). A checkpoint
+    of another format, a missing, truncated or foreign file is a ValueError naming the file."""
     from safetensors import SafetensorError, safe_open
     from transformers.modeling_utils import _load_parameter_into_model
 
@@ -404,27 +423,33 @@ def load_quantized_model(path, quantize: str | None = None) -> QuantizedModel:
                     stored_meta.update(json.loads((handle.metadata() or {}).get("omnimtp", "{}")))
         except (SafetensorError, OSError, json.JSONDecodeError) as error:
             raise ValueError(f"{file}: not a readable safetensors file of a quantized checkpoint ({error})") from None
+    if dtype is not None:
+        floats = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in floats.items()}
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
     left = [name for name in missing if not _is_quantized_parameter(name, decoders)]
     if unexpected or left:
         raise ValueError(f"{path}: its model-*.safetensors files do not match the model (missing {left[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    # non-persistent buffers (rotary tables, ...) are not stored: made on the CPU and computed by the model's own
-    # initialisation, which leaves every loaded tensor as it is (and the meta ones: nothing to fill)
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type != "meta":
-            tensor._is_hf_initialized = True
-    for name, buffer in model.named_non_persistent_buffers():
-        _load_parameter_into_model(model, name, torch.empty_like(buffer, device="cpu"))
-    model.initialize_weights()
+    if model_type == Qwen3TTSFamily.model_type:  # omnimtp's own model: its rotary tables are all it computes
+        model._restore_rope()
+        model.has_released_linears = True  # (`Qwen3TTSModel.save_pretrained` refuses it)
+    else:
+        # non-persistent buffers (rotary tables, ...) are not stored: made on the CPU and computed by the model's
+        # own initialisation, which leaves every loaded tensor as it is (and the meta ones: nothing to fill)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.device.type != "meta":
+                tensor._is_hf_initialized = True
+        for name, buffer in model.named_non_persistent_buffers():
+            _load_parameter_into_model(model, name, torch.empty_like(buffer, device="cpu"))
+        model.initialize_weights()
     # the weights the stored matrices replace: zero-stride CPU placeholders of their shapes, no data, in their
     # decoder's dtype (its first stored tensor's: what `.dtype` of the model's parts then says)
     dtypes = {prefix: next(p.dtype for p in model.get_submodule(prefix).parameters() if p.device.type != "meta")
               for prefix in decoders}
     for name, parameter in list(model.named_parameters()):
         if parameter.device.type == "meta":
-            dtype = next(dtypes[prefix] for prefix in decoders if name.startswith(prefix + "."))
-            placeholder = torch.zeros((), dtype=dtype).expand(parameter.shape)
+            decoder_dtype = next(dtypes[prefix] for prefix in decoders if name.startswith(prefix + "."))
+            placeholder = torch.zeros((), dtype=decoder_dtype).expand(parameter.shape)
             _load_parameter_into_model(model, name, torch.nn.Parameter(placeholder, requires_grad=False))
     model.omnimtp_quantized_checkpoint = path  # (`OmniPipeline.save_pretrained` refuses such a model)
     if hasattr(model, "load_speakers") and os.path.isfile(os.path.join(path, "spk_dict.pt")):

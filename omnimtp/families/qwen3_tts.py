@@ -106,11 +106,14 @@ class Qwen3TTSFamily(ChatText):
     codec_looks_ahead = False  # the 12 Hz decoder is causal
     has_chat = False
     default_sampling = QWEN3_TTS_SAMPLING  # a sampled request's settings where it gives none (the reference's)
+    # the module paths of the decoders the family packs (and quantizes): the talker's and the code predictor's
+    decoder_paths = ("talker.model", "talker.code_predictor.model")
 
     def __init__(self, model: Qwen3TTSModel, tokenizer=None, *, codec=None, non_streaming_mode: bool = False,
                  compile_predictor: bool | str = False, speech_encoder: SpeechTokenizerEncoder | None = None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, stored: dict | None = None):
         check_quantize(quantize, model.talker.device)
+        stored = stored or {}
         self.quantize = quantize
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -143,7 +146,8 @@ class Qwen3TTSFamily(ChatText):
         if quantize is None:
             self.talker_decoder = PackedDecoder.from_module(self.talker.model).with_row_kernel()
         else:
-            self.talker_decoder = PackedDecoder.from_module(self.talker.model, quantize=quantize)
+            self.talker_decoder = PackedDecoder.from_module(self.talker.model, quantize=quantize,
+                                                            stored=stored.get(self.decoder_paths[0]))
         self._predictors: dict[int, CodePredictorRunner] = {}
         # quantized: the code predictor's weights packed and quantized once and shared by every runner, so no
         # runner needs the model's float matrices again (`Qwen3TTSModel.release_decoder_linears`)
@@ -151,7 +155,8 @@ class Qwen3TTSFamily(ChatText):
         if quantize is not None:
             cp = self.talker.code_predictor
             with torch.no_grad():
-                weights = pack_predictor_weights(cp, next(cp.parameters()).dtype)
+                weights = pack_predictor_weights(cp, next(cp.parameters()).dtype, quantize=quantize,
+                                                 stored=stored.get(self.decoder_paths[1]))
             self._predictor_weights = weights.quantized(quantize)
         # quantized: the text projection's two matrices in int8 (either mode), on the kernel that computes every row
         # on its own, so a call projects all of a text's trailing rows and each row's bits stay its own
@@ -183,12 +188,21 @@ class Qwen3TTSFamily(ChatText):
         "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`)."""
         from transformers import AutoTokenizer
 
+        from omnimtp.quantized_checkpoint import is_quantized_checkpoint, load_quantized_model
         from omnimtp.runtime.device import resolve_device
 
         conv_dtype = codec_dtype_of(codec_dtype)
         path = os.fspath(path)
-        model = Qwen3TTSModel.from_pretrained(path, dtype=dtype)
-        if device is not None:
+        is_quantized = is_quantized_checkpoint(path)  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
+        if is_quantized:
+            if device is not None and resolve_device(device).type != "cpu":
+                raise ValueError(f"device: {path!r} is a quantized checkpoint; its kernels run on the CPU only")
+            loaded = load_quantized_model(path, kwargs.pop("quantize", None), dtype=dtype)
+            model = loaded.model
+            kwargs.update(quantize=loaded.mode, stored=loaded.stored)
+        else:
+            model = Qwen3TTSModel.from_pretrained(path, dtype=dtype)
+        if device is not None and not is_quantized:
             model = model.to(resolve_device(device))
             model._restore_rope()
         has_tokenizer = any(
@@ -203,8 +217,8 @@ class Qwen3TTSFamily(ChatText):
         speech_encoder = None
         if model.speaker_encoder is not None:
             speech_encoder = SpeechTokenizerEncoder.from_pretrained(codec_path, device=model.talker.device)
-        if kwargs.get("quantize") is not None:  # so that releasing the float matrices unmaps the weights file
-            model.copy_other_weights()
+        if kwargs.get("quantize") is not None and not is_quantized:  # so that releasing the float matrices
+            model.copy_other_weights()  # unmaps the weights file
         return cls(model, tokenizer, codec=codec, speech_encoder=speech_encoder, **kwargs)._owning_model()
 
     @classmethod

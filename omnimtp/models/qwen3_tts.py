@@ -192,11 +192,12 @@ class Qwen3TTSModel(nn.Module):
                 decoder.rotary_emb = Qwen3RotaryEmbedding(decoder.config)
 
     def decoder_linears(self) -> list[nn.Linear]:
-        """The linears of the talker's and code predictor's decoder layers (q/k/v/o, gate/up/down)."""
+        """The linears a quantized runtime holds its own copies of: the talker's and code predictor's decoder
+        layers' (q/k/v/o, gate/up/down) and the code predictor's G-1 lm_heads."""
         names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj")
         return [layer.get_submodule(name) for decoder in (self.talker.model, self.talker.code_predictor.model)
-                for layer in decoder.layers for name in names]
+                for layer in decoder.layers for name in names] + list(self.talker.code_predictor.lm_head)
 
     def copy_other_weights(self) -> None:
         """Every parameter and buffer but the decoder linears' gets memory of its own (a copy). `from_pretrained`

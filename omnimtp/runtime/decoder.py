@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
 from omnimtp.runtime.moe import (
@@ -258,9 +259,11 @@ class PackedDecoder:
                     for layer, matrices in zip(layers, stored, strict=True)
                 ), strict=True)
             else:
-                packed_layers, quantized_layers = zip(
-                    *(quantize_layer(pack_layer(layer, config, dtype), quantize) for layer in layers), strict=True
-                )
+                pairs = []
+                for layer in layers:
+                    pairs.append(quantize_layer(pack_layer(layer, config, dtype), quantize))
+                    return_free_memory()  # the float temporaries of packing and quantizing, held by the heap
+                packed_layers, quantized_layers = zip(*pairs, strict=True)
         attn = layers[0].self_attn
         return cls(
             layers=packed_layers,

@@ -95,3 +95,24 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def return_free_memory() -> None:
+    """Gives the heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing). Packing and
+    quantizing a model layer by layer frees many mid-sized temporaries, which glibc keeps in the heap: without
+    this, a 0.6B Qwen3-TTS converted to w4a8 holds about 0.55 GB of freed memory by its last layer."""
+    global _libc
+    if _libc is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.malloc_trim  # noqa: B018 (musl and others have none)
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None

@@ -202,8 +202,10 @@ class PredictorWeights:
     attention: see the runtime's `rms_norm` and `attention`) plus its per-step tables."""
 
     decoder: PackedDecoder
-    lm_heads: torch.Tensor  # [G-1, V, H]
-    codec_embeddings: torch.Tensor  # [G-1, V, H]
+    # G-1 of each, [V, H]: the module's own tensors where they are in the runner's dtype (no copy), else cast
+    # copies; `quantized`'s lm_heads are zero-stride placeholders of their shapes (no data)
+    lm_heads: tuple[torch.Tensor, ...]
+    codec_embeddings: tuple[torch.Tensor, ...]
     cos: torch.Tensor  # [G, 1, D] (position, broadcast over heads)
     signed_sin: torch.Tensor  # [G, 1, D] = [-sin, sin] halves: rotate_half(x) * sin == roll(x) * signed_sin
     causal_mask: torch.Tensor  # [G, G] fp32 additive: row p is 0 up to column p, -inf after
@@ -218,13 +220,16 @@ class PredictorWeights:
         and the G-1 lm_heads to int8 (weight-only) in every mode: with int4 layers, the residual
         codes' top-1 agreement with fp32 is 88.7% with int8 heads and 83.9% with int4 ones (0.6B widths, random
         weights, teacher forced: `benchmarks/quantized_quality.py`), and int8 heads read a quarter of the
-        float heads' bytes. None, or the mode these weights have: unchanged.
+        float heads' bytes. The float heads are not kept (zero-stride placeholders: `linear` reads only the
+        quantized ones). None, or the mode these weights have: unchanged.
         ValueError naming `quantize` as `PackedDecoder.quantized` raises it."""
         decoder = self.decoder.quantized(quantize)
         if decoder is self.decoder and (quantize is None or self.quantized_lm_heads is not None):
             return self
-        heads = tuple(quantize_weight(head, "int8") for head in self.lm_heads.float().unbind(0))
-        return replace(self, decoder=decoder, quantized_lm_heads=heads)
+        heads = tuple(quantize_weight(head.float(), "int8") for head in self.lm_heads)
+        placeholders = tuple(torch.zeros((), dtype=head.dtype, device=head.device).expand(head.shape)
+                             for head in self.lm_heads)
+        return replace(self, decoder=decoder, lm_heads=placeholders, quantized_lm_heads=heads)
 
 
 def input_projection(cp) -> torch.nn.Linear | None:
@@ -233,19 +238,24 @@ def input_projection(cp) -> torch.nn.Linear | None:
     return projection if isinstance(projection, torch.nn.Linear) else None
 
 
-def pack_predictor_weights(cp, dtype: torch.dtype) -> PredictorWeights:
+def pack_predictor_weights(cp, dtype: torch.dtype, quantize: str | None = None,
+                           stored: list[dict] | None = None) -> PredictorWeights:
+    """cp's weights for the runner, in `dtype`. quantize, stored: the transformer's layers quantized as they are
+    packed, or given as a quantized checkpoint stores them (`PackedDecoder.from_layers`); the lm_heads stay float
+    until `PredictorWeights.quantized`."""
     config = cp.config
     num_code_groups = config.num_code_groups
     projection = input_projection(cp)
-    decoder = PackedDecoder.from_module(cp.model, dtype=dtype, fused_norm=False, fp32_attention=True)
+    decoder = PackedDecoder.from_module(cp.model, dtype=dtype, fused_norm=False, fp32_attention=True,
+                                        quantize=quantize, stored=stored)
     if any(layer.router is not None or layer.qkv_bias is not None for layer in decoder.layers):
         raise ValueError("cp: only dense layers without attention biases are supported by CodePredictorRunner")
     positions = torch.arange(num_code_groups, device=decoder.device)[None]  # [1, G]
     cos, signed_sin = decoder.rope.tables(positions, dtype)  # [1, G, 1, D] each, as the module computes them
     return PredictorWeights(
         decoder=decoder,
-        lm_heads=cast(torch.stack([head.weight for head in cp.lm_head]), dtype),
-        codec_embeddings=cast(torch.stack([table.weight for table in cp.model.codec_embedding]), dtype),
+        lm_heads=tuple(cast(head.weight, dtype) for head in cp.lm_head),
+        codec_embeddings=tuple(cast(table.weight, dtype) for table in cp.model.codec_embedding),
         cos=cos[0].contiguous(),
         signed_sin=signed_sin[0].contiguous(),
         causal_mask=torch.full((num_code_groups, num_code_groups), float("-inf"), device=decoder.device).triu(1),
@@ -286,7 +296,7 @@ def pack_matrices(w: PredictorWeights, kind: str, rows: int) -> PackedMatrices:
             tuple(op.pack(m, rows) for m in (layer.qkv, layer.o, layer.gate_up, layer.mlp_down))
             for layer in w.decoder.layers
         ),
-        lm_heads=tuple(op.pack(head, rows) for head in w.lm_heads.unbind(0)),
+        lm_heads=tuple(op.pack(head, rows) for head in w.lm_heads),
     )
 
 
@@ -497,8 +507,8 @@ class CodePredictorRunner:
         # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
         self.kv = KVCache(self.weights.decoder, max_batch_size, capacity=self.num_code_groups, is_growable=False)
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
-        self._lm_heads = list(self.weights.lm_heads.unbind(0))
-        self._codec_embeddings = list(self.weights.codec_embeddings.unbind(0))
+        self._lm_heads = list(self.weights.lm_heads)
+        self._codec_embeddings = list(self.weights.codec_embeddings)
         # The first step writes positions 0 and 1 ([h, E0(cb0)]); step j >= 1 writes position j + 1.
         self._positions = [torch.arange(2, device=self.device)] + [
             torch.tensor([j + 1], device=self.device) for j in range(1, self.num_code_groups - 1)
