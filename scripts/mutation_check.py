@@ -1483,6 +1483,13 @@ MUTATIONS = [
         "uninitialised memory",
     ),
     Mutation(
+        "tts_checkpoint_requantizes_the_predictor", "omnimtp/families/qwen3_tts.py",
+        "                                                 stored=stored.get(self.decoder_paths[1]))",
+        "                                                 stored=None)",
+        QUANTIZED_CHECKPOINT, "a quantized Qwen3-TTS checkpoint's code predictor is quantized again from the "
+        "placeholders its stored matrices replace (all zeros)",
+    ),
+    Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "      sg[i] = exp_nonpositive(sg[i] - top);",
         "      sg[i] = exp_nonpositive(sg[i]);",
