@@ -27,7 +27,10 @@ kernels are called through ctypes and do not show up as ops).
 
     python benchmarks/tts_realtime.py [--size 0.6b|1.7b|tiny] [--modes fp32 bf16 int8 int4 w4a8] [--batch-sizes 1 8]
         [--threads 2] [--frames 12] [--profile] [--no-reference] [--model DIR] [--out tts_realtime.json] [--quick]
-        [--compile-predictor step|frame] [--codec-dtypes float32 bfloat16]
+        [--compile-predictor step|frame] [--codec-dtypes float32 bfloat16] [--prequantized]
+
+`--prequantized` also runs each quantized mode from a pre-quantized copy of the checkpoint (`omnimtp quantize`,
+built once beside it, the converter's time and peak RSS reported): what a user who quantized once loads, memory-mapped.
 
 `--compile-predictor` runs the code predictor as compiled graphs, as a server does once its warm-up is done; the
 graphs of the measured batch sizes are built before any timing (minutes on a CPU; inductor keeps them on disk),
@@ -62,6 +65,7 @@ TEXTS = [
 ]
 VOICES = ["aiden", "vivian"]
 MODES = ("fp32", "bf16", "int8", "int4", "w4a8")
+QUANTIZED_MODES = ("int8", "int4", "w4a8")
 TTFA_RUNS = 5  # streamed first chunks timed per mode; the median is reported
 NUM_TEXT_ROWS = 320  # the byte tokenizer's vocabulary: the text embedding shrinks to it
 
@@ -436,9 +440,25 @@ def in_subprocess(worker: dict, threads: int) -> dict:
 def run_worker(worker: dict) -> dict:
     if worker["kind"] == "reference":
         return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
-    return run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
-                    worker["machine"], worker["decoder_frames"], worker["profile"], worker["compile_predictor"],
-                    worker["codec_dtype"])
+    result = run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
+                      worker["machine"], worker["decoder_frames"], worker["profile"], worker["compile_predictor"],
+                      worker["codec_dtype"])
+    return {**result, "mode": result["mode"] + worker.get("label", "")}
+
+
+def prequantized_copy(path: str, mode: str, threads: int) -> tuple[str, dict | None]:
+    """`omnimtp quantize PATH PATH-MODE --quantize MODE` in its own process, unless that copy exists (then None):
+    the copy's path and what the command reported (seconds, peak RSS)."""
+    copy = f"{path.rstrip(os.sep)}-{mode}"
+    if os.path.isfile(os.path.join(copy, "config.json")):
+        return copy, None
+    staging = tempfile.mkdtemp(prefix=os.path.basename(copy) + ".", dir=os.path.dirname(copy) or ".")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    process = subprocess.run([sys.executable, "-m", "omnimtp.cli", "quantize", path, staging, "--quantize", mode,
+                              "--json"], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    os.rename(staging, copy)
+    return copy, json.loads(process.stdout.strip().splitlines()[-1])
 
 
 # --- the report ---------------------------------------------------------------------------------------------
@@ -490,6 +510,9 @@ def main() -> None:
                         "runs); each measured batch size's greedy graph is built before timing, its time reported")
     parser.add_argument("--codec-dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"),
                         help="the 12 Hz decoder's conv stack (`codec_dtype`): each mode runs once per dtype given")
+    parser.add_argument("--prequantized", action="store_true",
+                        help="each quantized mode also from a pre-quantized copy of the checkpoint (`omnimtp "
+                        "quantize`, built once beside it: its time and peak RSS reported), loaded memory-mapped")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
@@ -518,6 +541,16 @@ def main() -> None:
     workers = [dict(common, kind="mode", mode=mode, machine=machine, decoder_frames=2 if args.quick else 12,
                     profile=args.profile, compile_predictor=args.compile_predictor, codec_dtype=codec_dtype)
                for mode in args.modes for codec_dtype in args.codec_dtypes]
+    if args.prequantized:
+        for mode in (m for m in args.modes if m in QUANTIZED_MODES):
+            copy, converted = prequantized_copy(path, mode, args.threads)
+            results.setdefault("conversions", {})[mode] = converted
+            print(f"{mode} copy {copy}: " + (f"converted in {converted['seconds']} s, peak RSS "
+                                             f"{converted['peak_rss_mb']} MB" if converted else "built earlier"))
+            workers += [dict(common, path=copy, kind="mode", mode=mode, machine=machine, label=" pre-quantized",
+                             decoder_frames=2 if args.quick else 12, profile=args.profile,
+                             compile_predictor=args.compile_predictor, codec_dtype=codec_dtype)
+                        for codec_dtype in args.codec_dtypes]
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:

@@ -84,15 +84,19 @@ def test_quality_quick_run_reports_every_part(tmp_path):
 
 
 def test_realtime_quick_run_with_the_codec_in_bf16(tmp_path):
-    """--codec-dtypes: each mode once per codec dtype; the bf16 decoder's floor is its FLOPs over the bf16 peak."""
+    """--codec-dtypes: each mode once per codec dtype; the bf16 decoder's floor is its FLOPs over the bf16 peak.
+    --prequantized: each again from `omnimtp quantize`'s copy."""
     out = tmp_path / "realtime.json"
     _run(["benchmarks/tts_realtime.py", "--size", "tiny", "--quick", "--batch-sizes", "1", "--threads", "1",
           "--in-process", "--no-reference", "--modes", "w4a8", "--codec-dtypes", "float32", "bfloat16",
-          "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+          "--prequantized", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
     results = json.loads(out.read_text())
     machine = results["machine"]
-    assert [entry["mode"] for entry in results["modes"]] == ["w4a8", "w4a8 bfloat16 codec"]
-    fp32, bf16 = (entry["batch_1"]["floor"] for entry in results["modes"])
+    assert [entry["mode"] for entry in results["modes"]] == [
+        "w4a8", "w4a8 bfloat16 codec", "w4a8 pre-quantized", "w4a8 bfloat16 codec pre-quantized"]
+    assert results["conversions"]["w4a8"]["peak_rss_mb"] > 0  # `omnimtp quantize` ran, and said what it cost
+    assert (tmp_path / "cache" / "qwen3-tts-tiny-w4a8" / "quantized-00001.safetensors").is_file()
+    fp32, bf16 = (entry["batch_1"]["floor"] for entry in results["modes"][:2])
     assert fp32["decoder_gflop_per_frame"] == pytest.approx(bf16["decoder_gflop_per_frame"], rel=1e-6)
     ratio = machine["fp32_matmul_gflop_s"] / machine["bf16_matmul_gflop_s"]
     assert bf16["decoder_ms"] == pytest.approx(fp32["decoder_ms"] * ratio, rel=1e-6)
