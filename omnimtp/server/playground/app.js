@@ -304,7 +304,7 @@ async function refreshVoices() {
   const current = $("speak-voice").value;
   const names = [...own, ...uploaded.map((voice) => voice.name)];
   fillSelect($("speak-voice"), names, names.includes(current) ? current : names[0]);
-  $("speak-go").disabled = names.length === 0 && card.tts_model_type === "base";
+  // a Base model with no saved voice speaks too (in the server's default voice): Speak stays enabled
   const list = $("clone-voices");
   list.replaceChildren(...uploaded.map((voice) => {
     const item = document.createElement("li");
