@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 from omnimtp.argtypes import (
     add_quantize_argument,
@@ -300,13 +301,19 @@ def run(args: argparse.Namespace) -> int:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the job's own bar counts prompts
         dataset = ray.data.from_items([{"id": row["id"], "request": json.dumps(row)} for row in pending])
-        results = dataset.map_batches(
-            PipelineSpeaker, batch_size=args.batch_size, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=args.replicas),
-            fn_constructor_args=(args.model, args.voice, args.format, args.max_new_tokens, args.max_frames,
-                                 args.batch_size, args.quantize, args.codec_dtype),
-            num_cpus=args.num_cpus_per_replica, num_gpus=args.num_gpus_per_replica,
-        )
+        with warnings.catch_warnings():  # (Ray 2.60 names no other way to pass max_restarts; the pin is < 2.61)
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            results = dataset.map_batches(
+                PipelineSpeaker, batch_size=args.batch_size, batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=args.replicas),
+                fn_constructor_args=(args.model, args.voice, args.format, args.max_new_tokens, args.max_frames,
+                                     args.batch_size, args.quantize, args.codec_dtype),
+                num_cpus=args.num_cpus_per_replica, num_gpus=args.num_gpus_per_replica,
+                # a replica that dies ends the job (rerunning resumes it) rather than restarting: Ray logs an
+                # error-level line for every restartable actor whose constructor arguments sit in the object store,
+                # as Ray Data's always do, and a replica killed for its memory would only die again
+                max_restarts=0,
+            )
         with open(os.path.join(args.output, RESULTS_FILE), "a", encoding="utf-8") as out, \
                 tqdm(total=len(rows), initial=len(rows) - len(pending), unit="prompt") as progress:
             for row in results.iter_rows():
