@@ -66,13 +66,18 @@ class EngineConfig:
     frames: per segment). max_segment_tokens: text tokens per segment of a spoken text (the drivers cut longer
     texts with the family's `speech_segments`).
     first_chunk_frames, chunk_frames: streamed audio goes out after first_chunk_frames frames (fast first
-    audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
+    audio), then every chunk_frames frames, then the rest. playout_rtf: a later chunk is instead as long as
+    a listener who started at the first chunk can wait for while frames are made at this real-time factor
+    (`chunk_frames_after`), so chunks grow from single frames to chunk_frames as the listener's lead builds up;
+    the sizes depend on nothing but the frames already decoded, so a request's chunks are the same under any
+    load (None: every chunk_frames). max_start_steps: thinker steps a newly
     admitted cohort takes in its first step (its prefill counts as one); a speculative cohort's first
     max_start_steps − 1 steps after its prefill draft nothing, so its first audio comes as fast as a plain
     cohort's (the talker takes one reply row a frame: drafting ahead of it then buys nothing).
     max_decode_frames: frames of later (not first) chunks decoded per step, though always the oldest chunk
     (None: every due chunk).
-    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
+    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot; only chunks whose
+    listeners hold more than two steps of audio wait (their lead over the playback clock, `Request.playback`).
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
     prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
     is a chat request's talker prefill when longer than a block (`omnimtp.talker.loop`).
@@ -86,6 +91,7 @@ class EngineConfig:
     max_segment_tokens: int = DEFAULT_MAX_SEGMENT_TOKENS
     first_chunk_frames: int = 1
     chunk_frames: int = 25
+    playout_rtf: float | None = None
     max_start_steps: int = 3
     max_decode_frames: int | None = None
     max_defer_steps: int = 0
@@ -96,7 +102,11 @@ class EngineConfig:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "max_decode_frames" and value is None:
+            if f.name in ("max_decode_frames", "playout_rtf") and value is None:
+                continue
+            if f.name == "playout_rtf":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ValueError(f"playout_rtf must be None or a number in (0, 1], got {value!r}")
                 continue
             if f.name == "cuts_runaway":
                 if not isinstance(value, bool):
@@ -148,7 +158,12 @@ class EngineCore:
         self.talker = family.new_talker_batch(self.config.max_batch_size)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes)
         self.num_steps = 0
+        self.step_s = 0.0  # the last step's seconds
         self._num_deferred = 0
+        # the most requests that speak running at once (parked ones count: their listeners' clocks run on),
+        # set between steps by a driver that admits by capacity (`omnimtp.server.admission`); None: only
+        # max_batch_size bounds them
+        self.max_speaking: int | None = None
 
     # --- the driver's side ---
 
@@ -184,7 +199,7 @@ class EngineCore:
         nothing else can move)."""
         with self.lock:
             if self._num_free_slots() > 0 and (
-                any(_has_text(r) for r in self.waiting) or any(_can_resume(r) for r in self.running.values())
+                self._admissible() or any(_can_resume(r) for r in self.running.values())
             ):
                 return True
             return any(not r.is_parked and not self._waits_for_text(r) for r in self.running.values())
@@ -277,7 +292,7 @@ class EngineCore:
         """One step; its events are yielded as they are made (a first audio chunk goes out before the
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
-        started = time.perf_counter()
+        started = step_started = time.perf_counter()
         is_first_audio_due = False
         for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts
             is_first_audio_due = self._is_first_audio_due()
@@ -299,6 +314,7 @@ class EngineCore:
         self._phase("code2wav", now - early_decode_s)
         yield from self._retire()
         self._park()
+        self.step_s = time.perf_counter() - step_started
 
     # --- admit ---
 
@@ -308,8 +324,7 @@ class EngineCore:
         never delay it. Only running ones count when every slot is taken, so background requests holding the
         slots still finish."""
         with self.lock:
-            is_slot_free = self._num_free_slots() > 0
-            waiting = [r for r in self.waiting if _has_text(r)] if is_slot_free else []
+            waiting = self._admissible() if self._num_free_slots() > 0 else []
             return any(not r.is_background and r.has_speech and r.first_audio_at is None and not r.is_parked
                        for r in [*self.running.values(), *waiting])
 
@@ -322,9 +337,37 @@ class EngineCore:
             r.has_speech and r.is_in_talker and self.talker.num_text_rows(r.request_id) > 0 for r in thinking
         )
 
+    def num_startable(self, has_speech: bool) -> int:
+        """How many more requests (that speak, or not) the next step could start (call holding `lock`)."""
+        room = self._num_free_slots()
+        if has_speech and self.max_speaking is not None:
+            room = min(room, self.max_speaking - self._num_speaking())
+        return max(room, 0)
+
+    def _num_speaking(self) -> int:
+        """Running requests whose talkers still make frames, or will (call holding `lock`)."""
+        return sum(r.has_speech and r.talker_finish_reason is None for r in self.running.values())
+
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
         return self.config.max_batch_size - sum(not r.is_parked for r in self.running.values())
+
+    def _admissible(self) -> list[Request]:
+        """Waiting requests that may start now, oldest first (call holding `lock`): those with text, and of those
+        that speak only as many as `max_speaking` leaves room for, in arrival order (a later one never
+        overtakes an earlier one that waits for room)."""
+        waiting = [r for r in self.waiting if _has_text(r)]
+        if self.max_speaking is None:
+            return waiting
+        room = self.max_speaking - self._num_speaking()
+        admissible = []
+        for request in waiting:
+            if request.has_speech:
+                if room <= 0:
+                    continue
+                room -= 1
+            admissible.append(request)
+        return admissible
 
     def _admit(self, admit_background: bool = True) -> list[Request]:
         """Parked requests whose text came, then waiting requests into free slots, oldest first: those of
@@ -335,7 +378,7 @@ class EngineCore:
             resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]
             for request in resumed:
                 request.is_parked = False
-            waiting = [r for r in self.waiting if _has_text(r)]
+            waiting = self._admissible()
             chosen = [r for r in waiting if not r.is_background]
             if not chosen and admit_background:
                 chosen = waiting
@@ -487,7 +530,7 @@ class EngineCore:
         if request.is_in_talker and self.talker.is_ready(request.request_id):
             return False
         pending = len(request.frames) - request.num_decoded
-        target = self.config.first_chunk_frames if request.num_decoded == 0 else self.config.chunk_frames
+        target = self.config.first_chunk_frames if request.num_decoded == 0 else self._chunk_size(request)
         return not (request.is_streamed and pending >= target)
 
     # --- prefill + speak ---
@@ -605,7 +648,8 @@ class EngineCore:
                     first.append((request, size))
                 continue
             else:
-                size = min(pending, config.chunk_frames) if pending >= config.chunk_frames or is_talker_done else 0
+                target = self._chunk_size(request)
+                size = min(pending, target) if pending >= target or is_talker_done else 0
             if size == 0:
                 continue
             if request.chunk_ready_step is None:
@@ -614,10 +658,12 @@ class EngineCore:
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
         if later and self._num_deferred < config.max_defer_steps:
             with self.lock:
-                has_newcomers = self._num_free_slots() > 0 and any(_has_text(r) for r in self.waiting)
-            if has_newcomers:  # end the step: admitting them now beats decoding audio not yet due
-                self._num_deferred += 1
-                later = []
+                has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
+            if has_newcomers:  # admitting them now beats decoding audio not yet due: chunks whose listeners
+                self._num_deferred += 1  # hold two steps of audio wait
+                now = time.perf_counter()
+                later = [item for item in later if item[1].playback.lead(now) is None
+                         or item[1].playback.lead(now) < 2 * self.step_s]
         if later:
             self._num_deferred = 0
         budget = config.max_decode_frames
@@ -630,6 +676,10 @@ class EngineCore:
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first
+
+    def _chunk_size(self, request: Request) -> int:
+        """The frames of a streamed request's next later chunk."""
+        return chunk_frames_after(request.num_decoded, self.config.chunk_frames, self.config.playout_rtf)
 
     def _first_chunk_size(self, request: Request) -> int:
         """The frames of a streamed request's first chunk once it is due (first_chunk_frames, or fewer when its
@@ -654,6 +704,7 @@ class EngineCore:
             if audio.size == 0:  # a codec that looks ahead holds this block's samples back
                 continue
             request.audio.append(audio)
+            request.playback.push(now, audio.size / self.family.sample_rate)
             if request.first_audio_at is None:
                 request.first_audio_at = now
                 self._stage("code2wav", now - request.first_frame_at)
@@ -700,6 +751,19 @@ class EngineCore:
         if self.observer is not None:
             self.observer.phase(phase, now - started)
         return now
+
+
+def chunk_frames_after(num_decoded: int, chunk_frames: int, playout_rtf: float | None) -> int:
+    """The frames of a streamed request's later chunk once num_decoded frames are out (`EngineConfig.playout_rtf`).
+
+    Frames made in r (playout_rtf) of a frame's audio each, each chunk sent when its last frame is made: a listener
+    who started at a first chunk of one frame holds L = 1 + (D − 1)·(1 − r) frames of audio when D frames are out
+    (a chunk of s frames takes s·r to make and adds s), and the next chunk of n frames, made in n·r, comes before
+    that runs out while n·r ≤ L, i.e. n ≤ 1 + D·(1 − r) / r. At 0.9: 1 frame each until 9 are out, then 2 until
+    18, ..., chunk_frames (25) from 216 out (17 s of audio)."""
+    if playout_rtf is None:
+        return chunk_frames
+    return max(1, min(chunk_frames, int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)))
 
 
 def _has_text(request: Request) -> bool:
