@@ -66,6 +66,7 @@ TRANSCRIPTION = ("tests/test_transcription.py",)
 SERVER_HARDENING = ("tests/test_server_hardening.py",)
 SERVER_STRUCTURE = ("tests/test_server_structure.py",)
 SERVER = ("tests/test_server.py",)
+ADMISSION = ("tests/test_admission.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -1160,8 +1161,8 @@ MUTATIONS = [
     ),
     Mutation(
         "textless_request_admitted", "omnimtp/engine/core.py",
-        "            waiting = [r for r in self.waiting if _has_text(r)]\n",
-        "            waiting = list(self.waiting)\n",
+        "        waiting = [r for r in self.waiting if _has_text(r)]\n",
+        "        waiting = list(self.waiting)\n",
         ("tests/test_speech_stream.py::test_requests_waiting_for_text_hold_no_slot",),
         "a streamed-text speech request is admitted into a slot before it has any text id",
     ),
@@ -1647,8 +1648,8 @@ MUTATIONS = [
     ),
     Mutation(
         "idle_stream_requests_fill_the_queue", "omnimtp/server/scheduler.py",
-        "            if self._core.num_queued() >= self.max_queue:",
-        "            if len(self._core.waiting) >= self.max_queue:",
+        "            num_queued = self._core.num_queued()\n",
+        "            num_queued = len(self._core.waiting)\n",
         ("tests/test_speech_stream.py::test_sessions_waiting_for_their_first_words_do_not_fill_the_queue",),
         "streamed-text requests waiting for their first words count against --max-queue (idle sessions cause 429s)",
     ),
@@ -1754,6 +1755,25 @@ MUTATIONS = [
         "        value = json.loads(text)",
         ("tests/test_server_structure.py::test_an_integer_of_more_than_100_digits_is_refused_as_it_is_read",),
         "integers of thousands of digits are converted (quadratic, holding the GIL) before any limit refuses them",
+    ),
+    # --- admission by real-time capacity ---------------------------------------------------------------
+    Mutation(
+        "admission_ignores_capacity", "omnimtp/engine/core.py",
+        "        if self.max_speaking is None:\n            return waiting\n",
+        "        return waiting\n",
+        ADMISSION, "every waiting stream starts at once, whatever the capacity (the playing ones then stall)",
+    ),
+    Mutation(
+        "playout_chunks_one_frame_long", "omnimtp/engine/core.py",
+        "int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
+        "int(2 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
+        ADMISSION, "streamed chunks one frame longer than a listener who plays from the first chunk can wait for",
+    ),
+    Mutation(
+        "capacity_estimate_too_kind", "omnimtp/server/admission.py",
+        "            return measured[n] * num_streams / n",
+        "            return measured[n]",
+        ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
     ),
 ]
 
