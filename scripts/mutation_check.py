@@ -1775,6 +1775,19 @@ MUTATIONS = [
         "            return measured[n]",
         ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
     ),
+    Mutation(
+        "deferred_chunks_ignore_the_lead", "omnimtp/engine/core.py",
+        "                later = [item for item in later if item[1].playback.lead(now) is None\n"
+        "                         or item[1].playback.lead(now) < 2 * self.step_s]\n",
+        "                later = []\n",
+        ADMISSION, "while newcomers wait, every later chunk is held, even one whose listener is about to run dry",
+    ),
+    Mutation(
+        "newcomers_wait_behind_later_chunks", "omnimtp/engine/core.py",
+        "        if later and self._num_deferred < config.max_defer_steps:",
+        "        if False:",
+        ADMISSION, "later chunks of listeners far ahead are decoded before a newcomer is admitted",
+    ),
 ]
 
 

@@ -5,6 +5,7 @@ seeded request's bytes."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -306,3 +307,39 @@ def test_a_refused_stream_gets_429_with_retry_after_and_metrics_show_the_streams
     assert "omnimtp_queue_depth 1.0" in metrics
     assert "omnimtp_stream_underruns_total" in metrics
     assert 'omnimtp_stream_lead_seconds{stream="0"}' in metrics
+
+
+# --- a newcomer's first chunk ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead_s, is_held", [(10.0, True), (0.0, False)])
+def test_a_newcomer_goes_before_chunks_whose_listeners_are_ahead(family, lead_s, is_held):
+    """A newcomer arrives during a step in which a running stream's later chunk is due. A listener `lead_s` ahead
+    (10 s) waits: the step ends without that chunk, the newcomer is admitted at the next step and its first chunk
+    goes out before the held one. A listener about to run dry (lead 0) gets its chunk at once."""
+    engine_config = EngineConfig(max_batch_size=4, max_frames=12, first_chunk_frames=1, chunk_frames=4,
+                                 max_defer_steps=2)
+
+    class Arrival(_FramesMade):
+        def talker_batch(self, size: int) -> None:  # mid-step, after the talker's frames
+            running = core.running.get(0)
+            if not arrived and running is not None and (
+                    len(running.frames) - running.num_decoded >= engine_config.chunk_frames):
+                running.playback.ends_at = time.perf_counter() + lead_s
+                core.add(newcomer)
+                arrived.append(core.num_steps)
+
+    newcomer, arrived = _speech_request(family, 1, 12), []
+    core = EngineCore(family, engine_config, observer=Arrival())
+    core.add(_speech_request(family, 0, 12))
+    audio = []  # (step, request id) of each chunk, in the order they went out
+    while core.has_work():
+        audio += [(event.step, event.request.request_id) for event in core.step() if event.audio is not None]
+    step = arrived[0]
+    chunk = (step, 0) if not is_held else next(item for item in audio if item[1] == 0 and item[0] > step)
+    newcomer_first = next(item for item in audio if item[1] == 1)
+    assert newcomer_first[0] == step + 1, "the newcomer's first chunk came in the step after it arrived"
+    if is_held:
+        assert (step, 0) not in audio and audio.index(newcomer_first) < audio.index(chunk)
+    else:
+        assert audio.index(chunk) < audio.index(newcomer_first)
