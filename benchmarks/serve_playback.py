@@ -12,17 +12,19 @@ Workloads (`--workloads`):
   a few deltas, then `input_text.done`;
 - `chat`: the shipped demo Qwen3-Omni, `/v1/chat/completions` streamed with audio (SSE).
 
-Loads, each on every server in turn (the levels interleave, so a shared machine's drift hits all alike):
+Loads, each on every server in turn (the levels interleave, so a shared machine's drift hits all alike; the
+Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
 - `alone`: one stream at a time (`--alone` of them): first audio of a stream with the server to itself;
 - `burst`: `--burst` streams sent at once: the first one's first audio next to its value alone, and whether
   the later ones (queued or refused) slow it;
 - `poisson R`: open-loop arrivals at R streams per second for `--duration` seconds (a rate sweep with several R),
-  seeded, so every server sees the same arrival times;
+  seeded, so every server sees the same arrival times (`--max-queue` 8: arrivals past capacity wait or get 429);
 - `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds.
 
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
-joins the batch at once, the engine as it was without admission by capacity), so before/after is one run; with
-`--previous-tree DIR`, the server of another checkout too. `--quick` runs the tiny models on short loads (a check
+joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
+`--previous-tree DIR` (e.g. `git worktree add DIR <commit>`), the server of another checkout too, on the same
+model and `--max-queue`. `--quick` runs the tiny models on short loads (a check
 that the script works: its figures mean nothing).
 
     python benchmarks/serve_playback.py --compare --out benchmarks/results/serve_playback.json
@@ -207,9 +209,9 @@ async def run_load(url: str, workload: str, load: tuple[str, float], voice: str 
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
-    """The load's figures: streams that got audio, refused and failed requests, first audio p50/p95 (and the
-    first request's), underruns, stalled seconds, continuity (the worst stream's and all streams'), audio per
-    wall second."""
+    """The load's figures: streams that got audio, refused and failed requests, first audio p50/p95 (and of the
+    stream served first: a burst's head), underruns, stalled seconds, continuity (the worst stream's and all
+    streams'), audio per wall second."""
     played = [r for r in results if r["first_audio_s"] is not None]
     first = [r["first_audio_s"] for r in played]
     audio, stalled = sum(r["audio_s"] for r in played), sum(r["stalled_s"] for r in played)
@@ -220,7 +222,7 @@ def summarize(results: list[dict], wall_s: float) -> dict:
                       for r in results),
         "queued": sum((r["queue_position"] or 0) > 0 for r in results),
         "first_audio_p50_s": percentile(first, 50), "first_audio_p95_s": percentile(first, 95),
-        "head_first_audio_s": results[0]["first_audio_s"] if results else None,
+        "head_first_audio_s": min(first, default=None),  # the stream served first
         "underruns": sum(r["underruns"] for r in played), "stalled_s": stalled,
         "continuity_min": min((r["continuity"] for r in played), default=None),
         "continuity_all": audio / (audio + stalled) if audio else None,
@@ -243,14 +245,23 @@ def print_level(server: str, workload: str, load: tuple[str, float], level: dict
           f"audio/s {fmt(level['audio_s_per_s'], '.2f')}  load {level['load_average_1min']:.2f}", flush=True)
 
 
-def loads(args) -> list[tuple[str, float]]:
-    return ([("alone", args.alone), ("burst", args.burst)] + [("poisson", rate) for rate in args.rates]
-            + [("closed", c) for c in args.closed])
+# The loads each workload runs by default (the sweep on the HTTP route; the WebSocket and chat: fewer, so that the
+# full run fits in about 8 minutes).
+WORKLOAD_LOADS = {"speech": ("alone", "burst", "poisson", "closed"), "speech_stream": ("alone", "burst", "closed"),
+                  "chat": ("alone", "burst", "closed")}
+# Workloads that share a model share its servers.
+MODELS = {"speech": "tts", "speech_stream": "tts", "chat": "omni"}
 
 
-def model_args(workload: str, args, cache_dir: Path) -> tuple[str, ...]:
-    """The `serve` flags of a workload's model."""
-    if workload == "chat":
+def loads(args, workload: str) -> list[tuple[str, float]]:
+    every = ([("alone", args.alone), ("burst", args.burst)] + [("poisson", rate) for rate in args.rates]
+             + [("closed", c) for c in args.closed])
+    return [load for load in every if load[0] in WORKLOAD_LOADS[workload]]
+
+
+def model_args(model: str, args, cache_dir: Path) -> tuple[str, ...]:
+    """The `serve` flags of a model ("tts" or "omni")."""
+    if model == "omni":
         if args.quick:
             return ()  # the embedded tiny Qwen3-Omni
         from omnimtp.mtp.demo import demo_omni_dir
@@ -261,16 +272,39 @@ def model_args(workload: str, args, cache_dir: Path) -> tuple[str, ...]:
     return ("--model", str(build_checkpoint("0.6b", cache_dir / "qwen3-tts-0.6b")), "--quantize", "w4a8")
 
 
+def print_summary(workload: str, results: dict, args) -> None:
+    """The goals' figures: the head of a burst next to a stream alone, the worst stream's continuity, and each other
+    server's audio per second next to ours under the heaviest loads."""
+    for name, levels in results.items():
+        by_load = {tuple(level["load"]): level for level in levels}
+        alone, burst = by_load.get(("alone", args.alone)), by_load.get(("burst", args.burst))
+        if alone and burst and alone["first_audio_p50_s"] and burst["head_first_audio_s"]:
+            print(f"{name:10s} {workload:13s} burst of {args.burst}: the head's first audio "
+                  f"{burst['head_first_audio_s'] / alone['first_audio_p50_s']:.2f}x its value alone (goal <= 2x)")
+        worst = min((level["continuity_min"] for level in levels if level["continuity_min"] is not None), default=None)
+        print(f"{name:10s} {workload:13s} worst stream's continuity over every load: {fmt(worst, '.4f')} "
+              "(goal >= 0.99)")
+    ours = {tuple(level["load"]): level for level in results["ours"]}
+    for name, levels in results.items():
+        if name == "ours":
+            continue
+        for level in levels:
+            mine = ours[tuple(level["load"])]
+            if level["load"][0] in ("poisson", "closed") and level["audio_s_per_s"] and mine["audio_s_per_s"]:
+                print(f"{workload:13s} {level['load'][0]} {level['load'][1]:g}: ours / {name} audio per second "
+                      f"{mine['audio_s_per_s'] / level['audio_s_per_s']:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--alone", type=int, default=3, help="streams sent one at a time (first audio alone)")
+    parser.add_argument("--alone", type=int, default=2, help="streams sent one at a time (first audio alone)")
     parser.add_argument("--burst", type=int, default=12, help="streams sent at once")
-    parser.add_argument("--rates", type=float, nargs="*", default=[0.25, 0.5, 1.0],
-                        help="open-loop Poisson arrival rates, streams per second (a sweep)")
+    parser.add_argument("--rates", type=float, nargs="*", default=[0.3, 1.0],
+                        help="open-loop Poisson arrival rates, streams per second (a sweep; `speech` only)")
     parser.add_argument("--closed", type=int, nargs="*", default=[4], help="closed-loop client counts")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per open/closed load")
-    parser.add_argument("--max-frames", type=int, default=40, help="audio frames per request (40: 3.2 s)")
+    parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per open/closed load")
+    parser.add_argument("--max-frames", type=int, default=30, help="audio frames per request (30: 2.4 s)")
     parser.add_argument("--max-tokens", type=int, default=24, help="chat: thinker tokens per reply")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=8, help="the servers' --max-queue (429 past it)")
@@ -295,49 +329,39 @@ def main() -> None:
     started = time.perf_counter()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": vars(args), "results": {}}
     cache_dir = Path(args.cache_dir)
-    for workload in args.workloads:
-        common = (*model_args(workload, args, cache_dir), "--max-queue", str(args.max_queue), *args.serve_arg)
-        setups = [("ours", None, common)]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    for model in dict.fromkeys(MODELS[workload] for workload in args.workloads):
+        flags = (*model_args(model, args, cache_dir), "--max-queue", str(args.max_queue))
+        setups = [("ours", None, (*flags, *args.serve_arg))]
         if args.compare:
-            setups.append(("no_admit", None, (*common, "--admission", "off")))
+            setups.append(("no_admit", None, (*flags, *args.serve_arg, "--admission", "off")))
         if args.previous_tree:
-            setups.append(("previous", args.previous_tree,
-                           (*model_args(workload, args, cache_dir), "--max-queue", str(args.max_queue))))
-        results = report["results"][workload] = {name: [] for name, _, _ in setups}
+            setups.append(("previous", args.previous_tree, flags))
         with contextlib.ExitStack() as stack:
             urls = {name: stack.enter_context(server_process(
                 args.max_batch_size, args.max_frames, args.threads, tree, extra, args.start_timeout))
                 for name, tree, extra in setups}
             voices = {name: (httpx.get(f"{url}/v1/models").json()["data"][0].get("voices") or [None])[0]
                       for name, url in urls.items()}
-            for name, url in urls.items():  # warm-up: the first request's one-off costs, and a measured step
-                asyncio.run(run_load(url, workload, ("alone", 1), voices[name], duration_s=0,
-                                     max_tokens=args.max_tokens, seed=10_000))
-            for index, load in enumerate(loads(args)):
-                for name, url in urls.items():
-                    level_started = time.perf_counter()
-                    raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
-                                               max_tokens=args.max_tokens, seed=1000 * index))
-                    level = summarize(raw, time.perf_counter() - level_started)
-                    level.update(load=list(load), streams_detail=raw)
-                    results[name].append(level)
-                    print_level(name, workload, load, level)
-            for name in urls:
-                by_load = {tuple(level["load"]): level for level in results[name]}
-                alone, burst = by_load[("alone", args.alone)], by_load[("burst", args.burst)]
-                if alone["first_audio_p50_s"] and burst["head_first_audio_s"]:
-                    ratio = burst["head_first_audio_s"] / alone["first_audio_p50_s"]
-                    print(f"{name:10s} {workload:13s} burst of {args.burst}: the head's first audio "
-                          f"{ratio:.2f}x its value alone (goal <= 2x)")
-                worst = min((lvl["continuity_min"] for lvl in results[name] if lvl["continuity_min"] is not None),
-                            default=None)
-                print(f"{name:10s} {workload:13s} worst stream's continuity over every load: {fmt(worst, '.4f')} "
-                      "(goal >= 0.99)")
+            for workload in [w for w in args.workloads if MODELS[w] == model]:
+                results = report["results"][workload] = {name: [] for name in urls}
+                for name, url in urls.items():  # warm-up: the first request's one-off costs, and measured steps
+                    asyncio.run(run_load(url, workload, ("alone", 1), voices[name], duration_s=0,
+                                         max_tokens=args.max_tokens, seed=10_000))
+                for index, load in enumerate(loads(args, workload)):
+                    for name, url in urls.items():  # each load on every server in turn
+                        level_started = time.perf_counter()
+                        raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
+                                                   max_tokens=args.max_tokens, seed=1000 * index))
+                        level = summarize(raw, time.perf_counter() - level_started)
+                        level.update(load=list(load), streams_detail=raw)
+                        results[name].append(level)
+                        print_level(name, workload, load, level)
+                        Path(args.out).write_text(json.dumps(report, indent=2))  # an interrupted run keeps them
+                print_summary(workload, results, args)
     report["total_s"] = time.perf_counter() - started
     print(f"total {report['total_s']:.0f} s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
 
