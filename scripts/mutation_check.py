@@ -1764,7 +1764,7 @@ MUTATIONS = [
         ADMISSION, "every waiting stream starts at once, whatever the capacity (the playing ones then stall)",
     ),
     Mutation(
-        "playout_chunks_one_frame_long", "omnimtp/engine/core.py",
+        "playout_chunks_one_frame_long", "omnimtp/engine/playback.py",
         "int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
         "int(2 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
         ADMISSION, "streamed chunks one frame longer than a listener who plays from the first chunk can wait for",

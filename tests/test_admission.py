@@ -13,8 +13,8 @@ import pytest
 from audio_checks import assert_audible
 from server_harness import running_server
 
-from omnimtp.engine.core import EngineConfig, EngineCore, chunk_frames_after
-from omnimtp.engine.playback import PlaybackClock
+from omnimtp.engine.core import EngineConfig, EngineCore
+from omnimtp.engine.playback import PlaybackClock, chunk_frames_after
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.sampling import SamplingParams

@@ -14,10 +14,11 @@ One `step()` is one audio frame boundary:
              speculation takes plain steps (the shortest: a fixed k drafts as always); asked before each
              cohort, so a request that came while an earlier cohort thought counts for the later ones
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
-             speech request with no text ids yet is not admitted); chat requests form a new cohort that
-             takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
-             prefill and one reply row), so a request that arrived while the engine was busy speaks in
-             this step; speech requests get their talker inputs from the text to speak
+             speech request with no text ids yet is not admitted) and, of those that speak, up to `max_speaking`
+             (a driver's real-time capacity, `omnimtp.server.admission`; later ones wait in arrival order);
+             chat requests form a new cohort that takes up to `max_start_steps` thinker steps at once (its
+             first frame needs the talker prefill and one reply row), so a request that arrived while the
+             engine was busy speaks in this step; speech requests get their talker inputs from the text to speak
     text     speech requests' text ids that came since the last step (`push_speech_ids`: a text still being
              written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`, one per segment of a long
              text); a talker row waits for a text row it has not got, and a driver waits for text while nothing
@@ -27,7 +28,8 @@ One `step()` is one audio frame boundary:
              completes the step's frames, then (where the codec looks at no later frame) the first chunks
              they complete are decoded and go out, then the talker forward toward the next frame
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
-             `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
+             `max_decode_frames`, and while requests queue for a slot those whose listeners are more than two
+             steps ahead (`Request.playback`) may wait `max_defer_steps`, so a newcomer is admitted at once
     retire   finished requests
     park     running requests that can do nothing until more of their text comes give up their slot: their
              talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 
 from omnimtp.engine.family import Family
+from omnimtp.engine.playback import chunk_frames_after
 from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
@@ -751,19 +754,6 @@ class EngineCore:
         if self.observer is not None:
             self.observer.phase(phase, now - started)
         return now
-
-
-def chunk_frames_after(num_decoded: int, chunk_frames: int, playout_rtf: float | None) -> int:
-    """The frames of a streamed request's later chunk once num_decoded frames are out (`EngineConfig.playout_rtf`).
-
-    Frames made in r (playout_rtf) of a frame's audio each, each chunk sent when its last frame is made: a listener
-    who started at a first chunk of one frame holds L = 1 + (D − 1)·(1 − r) frames of audio when D frames are out
-    (a chunk of s frames takes s·r to make and adds s), and the next chunk of n frames, made in n·r, comes before
-    that runs out while n·r ≤ L, i.e. n ≤ 1 + D·(1 − r) / r. At 0.9: 1 frame each until 9 are out, then 2 until
-    18, ..., chunk_frames (25) from 216 out (17 s of audio)."""
-    if playout_rtf is None:
-        return chunk_frames
-    return max(1, min(chunk_frames, int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)))
 
 
 def _has_text(request: Request) -> bool:

@@ -12,8 +12,10 @@ audio ÷ (audio + stalled seconds), 1.0 for a stream that never stalled.
     clock.push(0.30, 0.08)     # the audio ran out at 0.16: a 0.14 s underrun, then 0.08 s to play
     clock.num_underruns, round(clock.stalled_s, 2), round(clock.continuity, 3)   # 1, 0.14, 0.632
 
-The server keeps one per stream (its lead and underruns go to /metrics); `benchmarks/serve_playback.py` keeps
-one per response it reads.
+The engine keeps one per request (`Request.playback`: which later chunks may wait for a newcomer), the server one
+per stream (its lead and underruns go to /metrics), `benchmarks/serve_playback.py` one per response it reads.
+`chunk_frames_after` sizes streamed chunks so that such a listener never runs dry while frames are made faster than
+real time.
 """
 
 from __future__ import annotations
@@ -65,3 +67,16 @@ class PlaybackClock:
         """audio ÷ (audio + stalled seconds); 1.0 before any audio."""
         total = self.audio_s + self.stalled_s
         return 1.0 if total == 0 else self.audio_s / total
+
+
+def chunk_frames_after(num_decoded: int, chunk_frames: int, playout_rtf: float | None) -> int:
+    """The frames of a streamed request's later chunk once num_decoded frames are out (`EngineConfig.playout_rtf`).
+
+    Frames made in r (playout_rtf) of a frame's audio each, each chunk sent when its last frame is made: a listener
+    who started at a first chunk of one frame holds L = 1 + (D − 1)·(1 − r) frames of audio when D frames are out
+    (a chunk of s frames takes s·r to make and adds s), and the next chunk of n frames, made in n·r, comes before
+    that runs out while n·r ≤ L, i.e. n ≤ 1 + D·(1 − r) / r. At 0.9: 1 frame each until 9 are out, then 2 until
+    18, ..., chunk_frames (25) from 216 out (17 s of audio)."""
+    if playout_rtf is None:
+        return chunk_frames
+    return max(1, min(chunk_frames, int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)))

@@ -667,7 +667,8 @@ class Engine:
             try:
                 self._deliver(core.step())  # each event goes out as soon as the step makes it
                 if self.admission is not None:
-                    self.admission.costs.observe(self._observer.num_streams, time.perf_counter() - started)
+                    with self._cond:  # the HTTP side reads the costs for a Retry-After
+                        self.admission.costs.observe(self._observer.num_streams, time.perf_counter() - started)
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
@@ -760,9 +761,10 @@ class Engine:
         del self._handles[request.request_id]
         self._forget_stream(request.request_id)
         if self.admission is not None and request.frames and request.audio:
-            self.admission.observe_frame_seconds(sum(a.size for a in request.audio) / self.sample_rate
-                                                 / len(request.frames))
-            self.admission.observe_stream(request.finished_at - request.admitted_at)
+            with self._cond:
+                self.admission.observe_frame_seconds(sum(a.size for a in request.audio) / self.sample_rate
+                                                     / len(request.frames))
+                self.admission.observe_stream(request.finished_at - request.admitted_at)
         handle.is_done = True
         handle.push(EngineEvent(
             finish_reason=request.finish_reason, prompt_tokens=len(request.prompt_ids),
