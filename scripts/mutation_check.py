@@ -1387,10 +1387,10 @@ MUTATIONS = [
     ),
     Mutation(
         "engine_asks_for_first_audio_once_a_step", "omnimtp/engine/core.py",
-        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n"
+        "        for cohort in thinking:  # asked before each cohort: a request that came during the step counts\n"
         "            is_first_audio_due = self._is_first_audio_due()\n",
         "        is_first_audio_due = self._is_first_audio_due()\n"
-        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n",
+        "        for cohort in thinking:  # asked before each cohort: a request that came during the step counts\n",
         THINKER_SPEC, "a request that comes during a step leaves that step's later cohorts drafting",
     ),
     Mutation(
@@ -1787,6 +1787,12 @@ MUTATIONS = [
         "        if later and self._num_deferred < config.max_defer_steps:",
         "        if False:",
         ADMISSION, "later chunks of listeners far ahead are decoded before a newcomer is admitted",
+    ),
+    Mutation(
+        "newcomer_waits_for_running_cohorts", "omnimtp/engine/core.py",
+        "            yield from self._start(self._admit(admit_background=False))\n",
+        "            pass\n",
+        ADMISSION, "a request that came during the last step is admitted only after every running cohort thought",
     ),
 ]
 

@@ -248,7 +248,9 @@ def test_a_queued_stream_starts_when_capacity_frees_and_a_full_queue_refuses(fam
                 second = engine.submit(_speech(engine, 1), loop=loop)
                 with pytest.raises(QueueFullError) as refused:
                     engine.submit(_speech(engine, 2), loop=loop)
+                assert (engine.queue_position(first), engine.queue_position(second)) == (0, 1)
             results = await asyncio.gather(_pcm(first), _pcm(second))
+            assert engine.queue_position(second) is None  # it ran
             return first, second, refused.value, results
         finally:
             await asyncio.to_thread(engine.shutdown)
@@ -343,3 +345,57 @@ def test_a_newcomer_goes_before_chunks_whose_listeners_are_ahead(family, lead_s,
         assert (step, 0) not in audio and audio.index(newcomer_first) < audio.index(chunk)
     else:
         assert audio.index(chunk) < audio.index(newcomer_first)
+
+
+def test_a_chat_newcomer_starts_before_the_running_cohorts_think():
+    """A chat with audio that comes between steps while a text-only chat is thinking: in the next step its own
+    thinker steps come before the running cohort's step, which it does not wait for; each request's tokens are
+    the ones it gets alone."""
+    from test_media_input import _user_turn
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    omni = Qwen3OmniFamily.tiny(0)
+    config = EngineConfig(max_batch_size=4, max_frames=6)
+    thinker_steps = []  # (engine step, request id of the cohort's first request), in the order they ran
+    new_thinker = omni.new_thinker
+
+    def logged_thinker(prompts, *args, **kwargs):
+        run = new_thinker(prompts, *args, **kwargs)
+        step = run.step
+        request_id = 0 if len(prompts[0]) == len(first_prompt) else 1
+
+        def logged_step(*step_args, **step_kwargs):
+            thinker_steps.append((core.num_steps, request_id))
+            return step(*step_args, **step_kwargs)
+
+        run.step = logged_step
+        return run
+
+    omni.new_thinker = logged_thinker
+    first_prompt, second_prompt = _user_turn([], b"Tell me a long story"), _user_turn([], b"Hi")
+
+    def requests():
+        return (Request(0, list(first_prompt), max_new_tokens=12, max_frames=6, seed=1),
+                Request(1, list(second_prompt), max_new_tokens=4, max_frames=6, seed=2, speaker=omni.default_speaker))
+
+    def run_all(core, added_later=None):
+        for _ in range(3 if added_later is not None else 0):
+            list(core.step())
+        if added_later is not None:
+            core.add(added_later)
+        while core.has_work():
+            list(core.step())
+
+    core = EngineCore(omni, config)
+    together = requests()
+    core.add(together[0])
+    run_all(core, together[1])
+    step = next(step for step, request_id in thinker_steps if request_id == 1)
+    in_step = [request_id for s, request_id in thinker_steps if s == step]
+    assert in_step[0] == 1 and 0 in in_step, f"the newcomer waited for the running cohort's step: {in_step}"
+    for request in requests():
+        core = EngineCore(omni, config)
+        core.add(request)
+        run_all(core)
+        assert request.output_ids == together[request.request_id].output_ids, request.request_id

@@ -8,6 +8,8 @@
 
 One `step()` is one audio frame boundary:
 
+    admit    (first) while a request waits for its first audio, waiting requests are admitted before the
+             running cohorts think (below), so one that came during the last step never waits for their steps
     think    one thinker step for every running cohort (requests admitted together share a run); while a
              request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
              reply rows (ahead of their audio, as speculation gets) skip theirs, and the others' `auto`
@@ -192,6 +194,12 @@ class EngineCore:
         with self.lock:
             return sum(_has_text(r) for r in self.waiting)
 
+    def num_queued_ahead(self, request: Request) -> int | None:
+        """The queued requests (as `num_queued` counts them) ahead of a waiting one; None when it is not queued."""
+        with self.lock:
+            queued = [r for r in self.waiting if _has_text(r)]
+            return next((i for i, r in enumerate(queued) if r is request), None)
+
     def has_work(self) -> bool:
         with self.lock:
             return bool(self.waiting or self.running)
@@ -296,8 +304,11 @@ class EngineCore:
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
         started = step_started = time.perf_counter()
+        thinking = list(self.cohorts)
+        if self._is_first_audio_due():  # a request that came during the last step starts before the others think
+            yield from self._start(self._admit(admit_background=False))
         is_first_audio_due = False
-        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts
+        for cohort in thinking:  # asked before each cohort: a request that came during the step counts
             is_first_audio_due = self._is_first_audio_due()
             if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
                 yield from self._think(cohort, plain=is_first_audio_due)

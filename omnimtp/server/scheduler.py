@@ -555,6 +555,14 @@ class Engine:
         the room the next step has (0: it starts at the next step)."""
         return max(0, num_queued + 1 - self._core.num_startable(has_speech))
 
+    def queue_position(self, handle: RequestHandle) -> int | None:
+        """Where a request waits now (as `RequestHandle.queue_position` counts; 0: it starts at the next step), or
+        None once it has started or ended: what a route that keeps its client waiting (a realtime response) can
+        tell it while it waits."""
+        with self._cond:
+            ahead = self._core.num_queued_ahead(handle.request)
+            return None if ahead is None else self._queue_position(ahead, handle.request.has_speech)
+
     def push_speech_text(self, handle: RequestHandle, pieces: list[tuple[list[int], bool]], is_finished: bool) -> None:
         """More text ids of a `submit_speech_stream` request, as `streamed_speech_segments` gives them (a no-op
         once it has ended)."""
