@@ -399,3 +399,17 @@ def test_a_chat_newcomer_starts_before_the_running_cohorts_think():
         core.add(request)
         run_all(core)
         assert request.output_ids == together[request.request_id].output_ids, request.request_id
+
+
+def test_serve_admits_by_capacity_unless_told_off():
+    """`omnimtp serve` admits by capacity (chunks sized for the listener); `--admission off` turns both off."""
+    from omnimtp.cli import build_parser
+    from omnimtp.server.build import build_app
+
+    parser = build_parser()
+    engine, _ = build_app(parser.parse_args(["serve", "--eager", "--max-frames", "2"]))
+    assert engine.admission is not None and engine.config.playout_rtf == 0.9
+    engine, _ = build_app(parser.parse_args(["serve", "--eager", "--max-frames", "2", "--admission", "off"]))
+    assert engine.admission is None and engine.config.playout_rtf is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--admission", "sometimes"])
