@@ -1794,6 +1794,18 @@ MUTATIONS = [
         "            pass\n",
         ADMISSION, "a request that came during the last step is admitted only after every running cohort thought",
     ),
+    Mutation(
+        "parked_stream_holds_capacity", "omnimtp/engine/core.py",
+        "r.talker_finish_reason is None and not r.is_parked for r in self.running.values())",
+        "r.talker_finish_reason is None for r in self.running.values())",
+        ADMISSION, "a stream parked while it waits for text keeps its share of the real-time capacity",
+    ),
+    Mutation(
+        "parked_stream_resumes_past_capacity", "omnimtp/engine/core.py",
+        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]",
+        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]",
+        ADMISSION, "a parked stream whose text came resumes whatever the capacity",
+    ),
 ]
 
 

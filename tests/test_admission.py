@@ -10,6 +10,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from audio_checks import assert_audible
 from server_harness import running_server
 
@@ -413,3 +414,38 @@ def test_serve_admits_by_capacity_unless_told_off():
     assert engine.admission is None and engine.config.playout_rtf is None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--admission", "sometimes"])
+
+
+def test_a_parked_stream_holds_no_capacity_and_resumes_within_it(family):
+    """Capacity 1 (`max_speaking`): a streamed text's request that spoke all its text so far is parked and another
+    stream runs meanwhile; text that comes while that one speaks waits until its talker has ended, then the
+    parked one resumes and speaks the whole text as it would alone."""
+    config = EngineConfig(max_batch_size=4, max_frames=28)
+    voice = family.voice("aiden", "english")
+    core = EngineCore(family, config)
+    core.max_speaking = 1
+    streamed = Request(0, [], max_new_tokens=1, max_frames=28, speaker=voice, is_chat=False, is_text_finished=False)
+    core.add(streamed)
+    text_ids = family.speech_text_ids()
+    core.push_speech_ids(0, text_ids.push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert streamed.is_parked and streamed.frames
+    other = Request(1, family.speech_ids("Another text"), max_new_tokens=1, max_frames=28, speaker=voice,
+                    is_chat=False)
+    core.add(other)
+    list(core.step())
+    assert other.is_in_talker, "the parked stream held the capacity"
+    core.push_speech_ids(0, text_ids.finish(), is_finished=True)
+    while other.talker_finish_reason is None:
+        list(core.step())
+        assert streamed.is_parked, "the parked stream resumed beyond the capacity"
+    while core.has_work():
+        list(core.step())
+    alone = EngineCore(family, config)
+    again = Request(0, family.speech_ids("Hello there "), max_new_tokens=1, max_frames=28, speaker=voice,
+                    is_chat=False)
+    alone.add(again)
+    while alone.has_work():
+        list(alone.step())
+    assert torch.equal(core.output(streamed).codes, alone.output(again).codes)

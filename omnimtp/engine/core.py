@@ -17,7 +17,7 @@ One `step()` is one audio frame boundary:
              cohort, so a request that came while an earlier cohort thought counts for the later ones
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
              speech request with no text ids yet is not admitted) and, of those that speak, up to `max_speaking`
-             (a driver's real-time capacity, `omnimtp.server.admission`; later ones wait in arrival order);
+             unparked (a driver's real-time capacity, `omnimtp.server.admission`; later ones wait in order);
              chat requests form a new cohort that takes up to `max_start_steps` thinker steps at once (its
              first frame needs the talker prefill and one reply row), so a request that arrived while the
              engine was busy speaks in this step; speech requests get their talker inputs from the text to speak
@@ -359,8 +359,9 @@ class EngineCore:
         return max(room, 0)
 
     def _num_speaking(self) -> int:
-        """Running requests whose talkers still make frames, or will (call holding `lock`)."""
-        return sum(r.has_speech and r.talker_finish_reason is None for r in self.running.values())
+        """Running requests whose talkers still make frames, or will (call holding `lock`); a parked one does not
+        count (it makes none until its text comes, and then resumes within `max_speaking` like a newcomer)."""
+        return sum(r.has_speech and r.talker_finish_reason is None and not r.is_parked for r in self.running.values())
 
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
@@ -389,7 +390,8 @@ class EngineCore:
         when admit_background. A speech request with no text ids yet waits, so it holds no slot."""
         with self.lock:
             num_free = self._num_free_slots()
-            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]
+            room = num_free if self.max_speaking is None else min(num_free, self.max_speaking - self._num_speaking())
+            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]
             for request in resumed:
                 request.is_parked = False
             waiting = self._admissible()
