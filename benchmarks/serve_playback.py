@@ -2,8 +2,9 @@
 
 Each response's audio is fed, as it arrives, to a player that starts at its first audio and plays on in real time
 (`omnimtp.engine.playback.PlaybackClock`); per stream we record the time to the first audio (from the request),
-underruns (the player ran dry) and stalled seconds, and continuity = audio ÷ (audio + stalled seconds). A
-request refused with 429 is counted as refused (with its Retry-After), never as a stream.
+underruns (the player ran dry; a gap under 5 ms, one read's jitter, is not one) and stalled seconds, and
+continuity = audio ÷ (audio + stalled seconds). A request refused with 429 is counted as refused (with its
+Retry-After), never as a stream.
 
 Workloads (`--workloads`):
 - `speech`: Qwen3-TTS 0.6B at the released widths (random weights, built once like `tts_realtime.py`'s) in w4a8,
