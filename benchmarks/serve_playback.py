@@ -11,7 +11,8 @@ Workloads (`--workloads`):
   `/v1/audio/speech` with `response_format: pcm`, read as raw PCM16 bytes as they come;
 - `speech_stream`: the same model over the speech stream WebSocket (`/v1/audio/speech/stream`): the text in
   a few deltas, then `input_text.done`;
-- `chat`: the shipped demo Qwen3-Omni, `/v1/chat/completions` streamed with audio (SSE).
+- `chat`: the shipped demo Qwen3-Omni, `/v1/chat/completions` streamed with audio (SSE); with `--auto`, also a
+  server whose thinker speculates (`--thinker-mtp DEMO -k auto`) next to the plain one.
 
 Loads, each on every server in turn (the levels interleave, so a shared machine's drift hits all alike; the
 Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
@@ -275,7 +276,7 @@ def model_args(model: str, args, cache_dir: Path) -> tuple[str, ...]:
 
 def print_summary(workload: str, results: dict, args) -> None:
     """The goals' figures: the head of a burst next to a stream alone, the worst stream's continuity, and each other
-    server's audio per second next to ours under the heaviest loads."""
+    server's audio per second (open and closed loads) and first audio p50 next to ours."""
     for name, levels in results.items():
         by_load = {tuple(level["load"]): level for level in levels}
         alone, burst = by_load.get(("alone", args.alone)), by_load.get(("burst", args.burst))
@@ -290,10 +291,13 @@ def print_summary(workload: str, results: dict, args) -> None:
         if name == "ours":
             continue
         for level in levels:
-            mine = ours[tuple(level["load"])]
+            mine, load = ours[tuple(level["load"])], f"{level['load'][0]} {level['load'][1]:g}"
             if level["load"][0] in ("poisson", "closed") and level["audio_s_per_s"] and mine["audio_s_per_s"]:
-                print(f"{workload:13s} {level['load'][0]} {level['load'][1]:g}: ours / {name} audio per second "
+                print(f"{workload:13s} {load}: ours / {name} audio per second "
                       f"{mine['audio_s_per_s'] / level['audio_s_per_s']:.3f}")
+            if level["first_audio_p50_s"] and mine["first_audio_p50_s"]:
+                print(f"{workload:13s} {load}: {name} / ours first audio p50 "
+                      f"{level['first_audio_p50_s'] / mine['first_audio_p50_s']:.3f}")
 
 
 def main() -> None:
@@ -313,6 +317,9 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true",
                         help="also this checkout's server with --admission off (before/after in one run)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also the server of this checkout (before/after)")
+    parser.add_argument("--auto", action="store_true",
+                        help="chat: also a server with `auto` speculative thinker steps (the demo's MTP head), its "
+                        "step costs measured at its start")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="another `omnimtp serve` flag for this checkout's servers (repeatable)")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"),
@@ -327,6 +334,9 @@ def main() -> None:
         args.max_frames, args.max_tokens = 6, 4
     if args.alone < 1 or args.burst < 1 or any(r <= 0 for r in args.rates) or any(c < 1 for c in args.closed):
         parser.error("--alone and --burst must be >= 1, --rates > 0, --closed >= 1")
+    if args.auto and args.quick:
+        parser.error("--auto needs the demo Qwen3-Omni (it ships the MTP head): not with --quick")
+    os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"  # an `auto` server measures its costs now, under this run's load
     started = time.perf_counter()
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": vars(args), "results": {}}
     cache_dir = Path(args.cache_dir)
@@ -336,6 +346,9 @@ def main() -> None:
         setups = [("ours", None, (*flags, *args.serve_arg))]
         if args.compare:
             setups.append(("no_admit", None, (*flags, *args.serve_arg, "--admission", "off")))
+        if args.auto and model == "omni":
+            demo = flags[flags.index("--model") + 1]
+            setups.append(("auto", None, (*flags, *args.serve_arg, "--thinker-mtp", demo, "-k", "auto")))
         if args.previous_tree:
             setups.append(("previous", args.previous_tree, flags))
         with contextlib.ExitStack() as stack:
