@@ -1777,9 +1777,9 @@ MUTATIONS = [
     ),
     Mutation(
         "deferred_chunks_ignore_the_lead", "omnimtp/engine/core.py",
-        "                later = [item for item in later if item[1].playback.lead(now) is None\n"
-        "                         or item[1].playback.lead(now) < 2 * self.step_s]\n",
-        "                later = []\n",
+        "                due = [item for item in later if item[1].playback.lead(now) is None\n"
+        "                       or item[1].playback.lead(now) < 2 * self.step_s]\n",
+        "                due = []\n",
         ADMISSION, "while newcomers wait, every later chunk is held, even one whose listener is about to run dry",
     ),
     Mutation(
@@ -1787,6 +1787,12 @@ MUTATIONS = [
         "        if later and self._num_deferred < config.max_defer_steps:",
         "        if False:",
         ADMISSION, "later chunks of listeners far ahead are decoded before a newcomer is admitted",
+    ),
+    Mutation(
+        "chunks_deferred_without_bound", "omnimtp/engine/core.py",
+        "        if later and self._num_deferred < config.max_defer_steps:",
+        "        if later and config.max_defer_steps > 0:",
+        ADMISSION, "later chunks wait for newcomers as long as newcomers keep coming (max_defer_steps ignored)",
     ),
     Mutation(
         "newcomer_waits_for_running_cohorts", "omnimtp/engine/core.py",

@@ -449,3 +449,29 @@ def test_a_parked_stream_holds_no_capacity_and_resumes_within_it(family):
     while alone.has_work():
         list(alone.step())
     assert torch.equal(core.output(streamed).codes, alone.output(again).codes)
+
+
+def test_chunks_wait_for_newcomers_at_most_max_defer_steps_in_a_row(family):
+    """A newcomer in every step while a listener far ahead has a chunk due: the chunk waits max_defer_steps (2)
+    steps in a row, then goes out whatever still comes."""
+    engine_config = EngineConfig(max_batch_size=8, max_frames=12, first_chunk_frames=1, chunk_frames=4,
+                                 max_defer_steps=2)
+    arrived = []
+
+    class Arrivals(_FramesMade):
+        def talker_batch(self, size: int) -> None:
+            running = core.running.get(0)
+            if running is None or len(arrived) >= 4:
+                return
+            if arrived or len(running.frames) - running.num_decoded >= engine_config.chunk_frames:
+                running.playback.ends_at = time.perf_counter() + 10.0
+                core.add(_speech_request(family, len(arrived) + 1, 12))
+                arrived.append(core.num_steps)
+
+    core = EngineCore(family, engine_config, observer=Arrivals())
+    core.add(_speech_request(family, 0, 12))
+    steps = []
+    while core.has_work():
+        steps += [event.step for event in core.step() if event.audio is not None and event.request.request_id == 0]
+    assert arrived == list(range(arrived[0], arrived[0] + 4)), "a newcomer came in each of four steps"
+    assert arrived[0] + 2 in steps and not {arrived[0], arrived[0] + 1} & set(steps)

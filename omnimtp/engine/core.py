@@ -165,9 +165,8 @@ class EngineCore:
         self.num_steps = 0
         self.step_s = 0.0  # the last step's seconds
         self._num_deferred = 0
-        # the most requests that speak running at once (parked ones count: their listeners' clocks run on),
-        # set between steps by a driver that admits by capacity (`omnimtp.server.admission`); None: only
-        # max_batch_size bounds them
+        # the most requests that speak running at once (parked ones aside), set between steps by a driver that
+        # admits by capacity (`omnimtp.server.admission`); None: only max_batch_size bounds them
         self.max_speaking: int | None = None
 
     # --- the driver's side ---
@@ -672,15 +671,18 @@ class EngineCore:
                 request.chunk_ready_step = self.num_steps
             later.append((order, request, size))
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
+        is_deferring = False
         if later and self._num_deferred < config.max_defer_steps:
             with self.lock:
                 has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
             if has_newcomers:  # admitting them now beats decoding audio not yet due: chunks whose listeners
-                self._num_deferred += 1  # hold two steps of audio wait
-                now = time.perf_counter()
-                later = [item for item in later if item[1].playback.lead(now) is None
-                         or item[1].playback.lead(now) < 2 * self.step_s]
-        if later:
+                now = time.perf_counter()  # hold two steps of audio wait
+                due = [item for item in later if item[1].playback.lead(now) is None
+                       or item[1].playback.lead(now) < 2 * self.step_s]
+                is_deferring, later = len(due) < len(later), due
+        if is_deferring:
+            self._num_deferred += 1
+        elif later:
             self._num_deferred = 0
         budget = config.max_decode_frames
         taken = []
