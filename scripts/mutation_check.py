@@ -66,6 +66,7 @@ TRANSCRIPTION = ("tests/test_transcription.py",)
 SERVER_HARDENING = ("tests/test_server_hardening.py",)
 SERVER_STRUCTURE = ("tests/test_server_structure.py",)
 SERVER = ("tests/test_server.py",)
+ADMISSION = ("tests/test_admission.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -1160,8 +1161,8 @@ MUTATIONS = [
     ),
     Mutation(
         "textless_request_admitted", "omnimtp/engine/core.py",
-        "            waiting = [r for r in self.waiting if _has_text(r)]\n",
-        "            waiting = list(self.waiting)\n",
+        "        waiting = [r for r in self.waiting if _has_text(r)]\n",
+        "        waiting = list(self.waiting)\n",
         ("tests/test_speech_stream.py::test_requests_waiting_for_text_hold_no_slot",),
         "a streamed-text speech request is admitted into a slot before it has any text id",
     ),
@@ -1386,10 +1387,10 @@ MUTATIONS = [
     ),
     Mutation(
         "engine_asks_for_first_audio_once_a_step", "omnimtp/engine/core.py",
-        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n"
+        "        for cohort in thinking:  # asked before each cohort: a request that came during the step counts\n"
         "            is_first_audio_due = self._is_first_audio_due()\n",
         "        is_first_audio_due = self._is_first_audio_due()\n"
-        "        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts\n",
+        "        for cohort in thinking:  # asked before each cohort: a request that came during the step counts\n",
         THINKER_SPEC, "a request that comes during a step leaves that step's later cohorts drafting",
     ),
     Mutation(
@@ -1654,8 +1655,8 @@ MUTATIONS = [
     ),
     Mutation(
         "idle_stream_requests_fill_the_queue", "omnimtp/server/scheduler.py",
-        "            if self._core.num_queued() >= self.max_queue:",
-        "            if len(self._core.waiting) >= self.max_queue:",
+        "            num_queued = self._core.num_queued()\n",
+        "            num_queued = len(self._core.waiting)\n",
         ("tests/test_speech_stream.py::test_sessions_waiting_for_their_first_words_do_not_fill_the_queue",),
         "streamed-text requests waiting for their first words count against --max-queue (idle sessions cause 429s)",
     ),
@@ -1761,6 +1762,62 @@ MUTATIONS = [
         "        value = json.loads(text)",
         ("tests/test_server_structure.py::test_an_integer_of_more_than_100_digits_is_refused_as_it_is_read",),
         "integers of thousands of digits are converted (quadratic, holding the GIL) before any limit refuses them",
+    ),
+    # --- admission by real-time capacity ---------------------------------------------------------------
+    Mutation(
+        "admission_ignores_capacity", "omnimtp/engine/core.py",
+        "        if self.max_speaking is None:\n            return waiting\n",
+        "        return waiting\n",
+        ADMISSION, "every waiting stream starts at once, whatever the capacity (the playing ones then stall)",
+    ),
+    Mutation(
+        "playout_chunks_one_frame_long", "omnimtp/engine/playback.py",
+        "int(1 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
+        "int(2 + num_decoded * (1 - playout_rtf) / playout_rtf + 1e-9)",
+        ADMISSION, "streamed chunks one frame longer than a listener who plays from the first chunk can wait for",
+    ),
+    Mutation(
+        "capacity_estimate_too_kind", "omnimtp/server/admission.py",
+        "            return measured[n] * num_streams / n",
+        "            return measured[n]",
+        ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
+    ),
+    Mutation(
+        "deferred_chunks_ignore_the_lead", "omnimtp/engine/core.py",
+        "                due = [item for item in later if item[1].playback.lead(now) is None\n"
+        "                       or item[1].playback.lead(now) < 2 * self.step_s]\n",
+        "                due = []\n",
+        ADMISSION, "while newcomers wait, every later chunk is held, even one whose listener is about to run dry",
+    ),
+    Mutation(
+        "newcomers_wait_behind_later_chunks", "omnimtp/engine/core.py",
+        "        if later and self._num_deferred < config.max_defer_steps:",
+        "        if False:",
+        ADMISSION, "later chunks of listeners far ahead are decoded before a newcomer is admitted",
+    ),
+    Mutation(
+        "chunks_deferred_without_bound", "omnimtp/engine/core.py",
+        "        if later and self._num_deferred < config.max_defer_steps:",
+        "        if later and config.max_defer_steps > 0:",
+        ADMISSION, "later chunks wait for newcomers as long as newcomers keep coming (max_defer_steps ignored)",
+    ),
+    Mutation(
+        "newcomer_waits_for_running_cohorts", "omnimtp/engine/core.py",
+        "            yield from self._start(self._admit(admit_background=False))\n",
+        "            pass\n",
+        ADMISSION, "a request that came during the last step is admitted only after every running cohort thought",
+    ),
+    Mutation(
+        "parked_stream_holds_capacity", "omnimtp/engine/core.py",
+        "r.talker_finish_reason is None and not r.is_parked for r in self.running.values())",
+        "r.talker_finish_reason is None for r in self.running.values())",
+        ADMISSION, "a stream parked while it waits for text keeps its share of the real-time capacity",
+    ),
+    Mutation(
+        "parked_stream_resumes_past_capacity", "omnimtp/engine/core.py",
+        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]",
+        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]",
+        ADMISSION, "a parked stream whose text came resumes whatever the capacity",
     ),
 ]
 

@@ -178,3 +178,21 @@ def test_omni_realsize_quick_run_builds_loads_and_measures_against_the_floors(tm
     speech = results["speech"]
     assert speech["frames"] == 8 and speech["first_audio_s"] > 0 and speech["rtf"] > 0
     assert set(speech["ms_per_frame"]) == {"talker", "code_predictor", "code2wav"}
+
+
+def test_playback_quick_run_reports_every_load(tmp_path):
+    """benchmarks/serve_playback.py --quick on the tiny Qwen3-TTS, this checkout's server with admission and
+    without: every load's streams played, each with its first audio, underruns and continuity."""
+    out = tmp_path / "playback.json"
+    _run(["benchmarks/serve_playback.py", "--quick", "--workloads", "speech", "--compare", "--threads", "1",
+          "--out", str(out)])
+    results = json.loads(out.read_text())["results"]["speech"]
+    assert set(results) == {"ours", "no_admit"}
+    for levels in results.values():
+        assert [level["load"][0] for level in levels] == ["alone", "burst", "poisson", "closed"]
+        for level in levels:
+            assert level["failed"] == 0 and level["streams"] + level["refused_429"] == level["requests"] > 0
+            assert level["first_audio_p50_s"] > 0 and level["audio_s_per_s"] > 0
+            assert 0 < level["continuity_min"] <= level["continuity_all"] <= 1
+            for stream in level["streams_detail"]:
+                assert stream["audio_s"] > 0 and stream["underruns"] >= 0 and stream["queue_position"] is not None

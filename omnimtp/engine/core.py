@@ -8,16 +8,19 @@
 
 One `step()` is one audio frame boundary:
 
+    admit    (first) while a request waits for its first audio, waiting requests are admitted before the
+             running cohorts think (below), so one that came during the last step never waits for their steps
     think    one thinker step for every running cohort (requests admitted together share a run); while a
              request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
              reply rows (ahead of their audio, as speculation gets) skip theirs, and the others' `auto`
              speculation takes plain steps (the shortest: a fixed k drafts as always); asked before each
              cohort, so a request that came while an earlier cohort thought counts for the later ones
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
-             speech request with no text ids yet is not admitted); chat requests form a new cohort that
-             takes up to `max_start_steps` thinker steps at once (its first frame needs the talker
-             prefill and one reply row), so a request that arrived while the engine was busy speaks in
-             this step; speech requests get their talker inputs from the text to speak
+             speech request with no text ids yet is not admitted) and, of those that speak, up to `max_speaking`
+             unparked (a driver's real-time capacity, `omnimtp.server.admission`; later ones wait in order);
+             chat requests form a new cohort that takes up to `max_start_steps` thinker steps at once (its
+             first frame needs the talker prefill and one reply row), so a request that arrived while the
+             engine was busy speaks in this step; speech requests get their talker inputs from the text to speak
     text     speech requests' text ids that came since the last step (`push_speech_ids`: a text still being
              written) on to their talker inputs (`omnimtp.handoff.SpeechTextStream`, one per segment of a long
              text); a talker row waits for a text row it has not got, and a driver waits for text while nothing
@@ -27,7 +30,8 @@ One `step()` is one audio frame boundary:
              completes the step's frames, then (where the codec looks at no later frame) the first chunks
              they complete are decoded and go out, then the talker forward toward the next frame
     decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
-             `max_decode_frames`, and while requests queue for a slot they may wait `max_defer_steps`
+             `max_decode_frames`, and while requests queue for a slot those whose listeners are more than two
+             steps ahead (`Request.playback`) may wait `max_defer_steps`, so a newcomer is admitted at once
     retire   finished requests
     park     running requests that can do nothing until more of their text comes give up their slot: their
              talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
@@ -51,6 +55,7 @@ import numpy as np
 import torch
 
 from omnimtp.engine.family import Family
+from omnimtp.engine.playback import chunk_frames_after
 from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
@@ -66,13 +71,18 @@ class EngineConfig:
     frames: per segment). max_segment_tokens: text tokens per segment of a spoken text (the drivers cut longer
     texts with the family's `speech_segments`).
     first_chunk_frames, chunk_frames: streamed audio goes out after first_chunk_frames frames (fast first
-    audio), then every chunk_frames frames, then the rest. max_start_steps: thinker steps a newly
+    audio), then every chunk_frames frames, then the rest. playout_rtf: a later chunk is instead as long as
+    a listener who started at the first chunk can wait for while frames are made at this real-time factor
+    (`chunk_frames_after`), so chunks grow from single frames to chunk_frames as the listener's lead builds up;
+    the sizes depend on nothing but the frames already decoded, so a request's chunks are the same under any
+    load (None: every chunk_frames). max_start_steps: thinker steps a newly
     admitted cohort takes in its first step (its prefill counts as one); a speculative cohort's first
     max_start_steps − 1 steps after its prefill draft nothing, so its first audio comes as fast as a plain
     cohort's (the talker takes one reply row a frame: drafting ahead of it then buys nothing).
     max_decode_frames: frames of later (not first) chunks decoded per step, though always the oldest chunk
     (None: every due chunk).
-    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot.
+    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot; only chunks whose
+    listeners hold more than two steps of audio wait (their lead over the playback clock, `Request.playback`).
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
     prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
     is a chat request's talker prefill when longer than a block (`omnimtp.talker.loop`).
@@ -86,6 +96,7 @@ class EngineConfig:
     max_segment_tokens: int = DEFAULT_MAX_SEGMENT_TOKENS
     first_chunk_frames: int = 1
     chunk_frames: int = 25
+    playout_rtf: float | None = None
     max_start_steps: int = 3
     max_decode_frames: int | None = None
     max_defer_steps: int = 0
@@ -96,7 +107,11 @@ class EngineConfig:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "max_decode_frames" and value is None:
+            if f.name in ("max_decode_frames", "playout_rtf") and value is None:
+                continue
+            if f.name == "playout_rtf":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ValueError(f"playout_rtf must be None or a number in (0, 1], got {value!r}")
                 continue
             if f.name == "cuts_runaway":
                 if not isinstance(value, bool):
@@ -148,7 +163,11 @@ class EngineCore:
         self.talker = family.new_talker_batch(self.config.max_batch_size)
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes)
         self.num_steps = 0
+        self.step_s = 0.0  # the last step's seconds
         self._num_deferred = 0
+        # the most requests that speak running at once (parked ones aside), set between steps by a driver that
+        # admits by capacity (`omnimtp.server.admission`); None: only max_batch_size bounds them
+        self.max_speaking: int | None = None
 
     # --- the driver's side ---
 
@@ -174,6 +193,12 @@ class EngineCore:
         with self.lock:
             return sum(_has_text(r) for r in self.waiting)
 
+    def num_queued_ahead(self, request: Request) -> int | None:
+        """The queued requests (as `num_queued` counts them) ahead of a waiting one; None when it is not queued."""
+        with self.lock:
+            queued = [r for r in self.waiting if _has_text(r)]
+            return next((i for i, r in enumerate(queued) if r is request), None)
+
     def has_work(self) -> bool:
         with self.lock:
             return bool(self.waiting or self.running)
@@ -184,7 +209,7 @@ class EngineCore:
         nothing else can move)."""
         with self.lock:
             if self._num_free_slots() > 0 and (
-                any(_has_text(r) for r in self.waiting) or any(_can_resume(r) for r in self.running.values())
+                self._admissible() or any(_can_resume(r) for r in self.running.values())
             ):
                 return True
             return any(not r.is_parked and not self._waits_for_text(r) for r in self.running.values())
@@ -277,9 +302,12 @@ class EngineCore:
         """One step; its events are yielded as they are made (a first audio chunk goes out before the
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
-        started = time.perf_counter()
+        started = step_started = time.perf_counter()
+        thinking = list(self.cohorts)
+        if self._is_first_audio_due():  # a request that came during the last step starts before the others think
+            yield from self._start(self._admit(admit_background=False))
         is_first_audio_due = False
-        for cohort in self.cohorts:  # asked before each cohort: a request that came during the step counts
+        for cohort in thinking:  # asked before each cohort: a request that came during the step counts
             is_first_audio_due = self._is_first_audio_due()
             if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
                 yield from self._think(cohort, plain=is_first_audio_due)
@@ -299,6 +327,7 @@ class EngineCore:
         self._phase("code2wav", now - early_decode_s)
         yield from self._retire()
         self._park()
+        self.step_s = time.perf_counter() - step_started
 
     # --- admit ---
 
@@ -308,8 +337,7 @@ class EngineCore:
         never delay it. Only running ones count when every slot is taken, so background requests holding the
         slots still finish."""
         with self.lock:
-            is_slot_free = self._num_free_slots() > 0
-            waiting = [r for r in self.waiting if _has_text(r)] if is_slot_free else []
+            waiting = self._admissible() if self._num_free_slots() > 0 else []
             return any(not r.is_background and r.has_speech and r.first_audio_at is None and not r.is_parked
                        for r in [*self.running.values(), *waiting])
 
@@ -322,9 +350,38 @@ class EngineCore:
             r.has_speech and r.is_in_talker and self.talker.num_text_rows(r.request_id) > 0 for r in thinking
         )
 
+    def num_startable(self, has_speech: bool) -> int:
+        """How many more requests (that speak, or not) the next step could start (call holding `lock`)."""
+        room = self._num_free_slots()
+        if has_speech and self.max_speaking is not None:
+            room = min(room, self.max_speaking - self._num_speaking())
+        return max(room, 0)
+
+    def _num_speaking(self) -> int:
+        """Running requests whose talkers still make frames, or will (call holding `lock`); a parked one does not
+        count (it makes none until its text comes, and then resumes within `max_speaking` like a newcomer)."""
+        return sum(r.has_speech and r.talker_finish_reason is None and not r.is_parked for r in self.running.values())
+
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
         return self.config.max_batch_size - sum(not r.is_parked for r in self.running.values())
+
+    def _admissible(self) -> list[Request]:
+        """Waiting requests that may start now, oldest first (call holding `lock`): those with text, and of those
+        that speak only as many as `max_speaking` leaves room for, in arrival order (a later one never
+        overtakes an earlier one that waits for room)."""
+        waiting = [r for r in self.waiting if _has_text(r)]
+        if self.max_speaking is None:
+            return waiting
+        room = self.max_speaking - self._num_speaking()
+        admissible = []
+        for request in waiting:
+            if request.has_speech:
+                if room <= 0:
+                    continue
+                room -= 1
+            admissible.append(request)
+        return admissible
 
     def _admit(self, admit_background: bool = True) -> list[Request]:
         """Parked requests whose text came, then waiting requests into free slots, oldest first: those of
@@ -332,10 +389,11 @@ class EngineCore:
         when admit_background. A speech request with no text ids yet waits, so it holds no slot."""
         with self.lock:
             num_free = self._num_free_slots()
-            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]
+            room = num_free if self.max_speaking is None else min(num_free, self.max_speaking - self._num_speaking())
+            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]
             for request in resumed:
                 request.is_parked = False
-            waiting = [r for r in self.waiting if _has_text(r)]
+            waiting = self._admissible()
             chosen = [r for r in waiting if not r.is_background]
             if not chosen and admit_background:
                 chosen = waiting
@@ -487,7 +545,7 @@ class EngineCore:
         if request.is_in_talker and self.talker.is_ready(request.request_id):
             return False
         pending = len(request.frames) - request.num_decoded
-        target = self.config.first_chunk_frames if request.num_decoded == 0 else self.config.chunk_frames
+        target = self.config.first_chunk_frames if request.num_decoded == 0 else self._chunk_size(request)
         return not (request.is_streamed and pending >= target)
 
     # --- prefill + speak ---
@@ -605,20 +663,26 @@ class EngineCore:
                     first.append((request, size))
                 continue
             else:
-                size = min(pending, config.chunk_frames) if pending >= config.chunk_frames or is_talker_done else 0
+                target = self._chunk_size(request)
+                size = min(pending, target) if pending >= target or is_talker_done else 0
             if size == 0:
                 continue
             if request.chunk_ready_step is None:
                 request.chunk_ready_step = self.num_steps
             later.append((order, request, size))
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
+        is_deferring = False
         if later and self._num_deferred < config.max_defer_steps:
             with self.lock:
-                has_newcomers = self._num_free_slots() > 0 and any(_has_text(r) for r in self.waiting)
-            if has_newcomers:  # end the step: admitting them now beats decoding audio not yet due
-                self._num_deferred += 1
-                later = []
-        if later:
+                has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
+            if has_newcomers:  # admitting them now beats decoding audio not yet due: chunks whose listeners
+                now = time.perf_counter()  # hold two steps of audio wait
+                due = [item for item in later if item[1].playback.lead(now) is None
+                       or item[1].playback.lead(now) < 2 * self.step_s]
+                is_deferring, later = len(due) < len(later), due
+        if is_deferring:
+            self._num_deferred += 1
+        elif later:
             self._num_deferred = 0
         budget = config.max_decode_frames
         taken = []
@@ -630,6 +694,10 @@ class EngineCore:
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first
+
+    def _chunk_size(self, request: Request) -> int:
+        """The frames of a streamed request's next later chunk."""
+        return chunk_frames_after(request.num_decoded, self.config.chunk_frames, self.config.playout_rtf)
 
     def _first_chunk_size(self, request: Request) -> int:
         """The frames of a streamed request's first chunk once it is due (first_chunk_frames, or fewer when its
@@ -654,6 +722,7 @@ class EngineCore:
             if audio.size == 0:  # a codec that looks ahead holds this block's samples back
                 continue
             request.audio.append(audio)
+            request.playback.push(now, audio.size / self.family.sample_rate)
             if request.first_audio_at is None:
                 request.first_audio_at = now
                 self._stage("code2wav", now - request.first_frame_at)

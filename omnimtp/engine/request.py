@@ -15,6 +15,7 @@ from enum import Enum
 import numpy as np
 import torch
 
+from omnimtp.engine.playback import PlaybackClock
 from omnimtp.media import MediaInputs
 from omnimtp.sampling import SamplingParams, make_generators, request_seeds
 
@@ -113,6 +114,7 @@ class Request:
     num_reused_rows: int = 0  # prompt rows its thinker took from the prefix cache
     num_talker_reused_rows: int = 0  # talker prefill rows taken from the prefix cache
     chunk_ready_step: int | None = None  # the step its next later chunk became due
+    playback: PlaybackClock = field(default_factory=PlaybackClock)  # its listener's, its audio pushed as decoded
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
     admitted_step: int | None = None

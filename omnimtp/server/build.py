@@ -14,7 +14,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None, torch_threads: int | None = None,
                  quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
-                 prefix_cache_bytes: int = 0, codec_dtype: str | None = None):
+                 prefix_cache_bytes: int = 0, codec_dtype: str | None = None, admission: bool = False):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
     graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
@@ -22,7 +22,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
     quantize: quantized linears, codec_dtype: the audio decoder's conv stack (`OmniPipeline`'s).
     timeout_text_idle: how long a streamed-text speech request may wait for more text (`Engine`'s).
-    prefix_cache_bytes: the budget of the realtime conversations kept warm (`EngineConfig`'s)."""
+    prefix_cache_bytes: the budget of the realtime conversations kept warm (`EngineConfig`'s).
+    admission: admit streams by measured real-time capacity (`Engine`'s)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -37,7 +38,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits, timeout_text_idle=timeout_text_idle,
-                      prefix_cache_bytes=prefix_cache_bytes)
+                      prefix_cache_bytes=prefix_cache_bytes, admission=admission)
     from omnimtp.checkpoint import tiny_model
     from omnimtp.pipeline import OmniPipeline
 
@@ -51,7 +52,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
                   media_limits=media_limits, timeout_text_idle=timeout_text_idle,
-                  prefix_cache_bytes=prefix_cache_bytes)
+                  prefix_cache_bytes=prefix_cache_bytes, admission=admission)
 
 
 def build_app(args: argparse.Namespace):
@@ -71,7 +72,8 @@ def build_app(args: argparse.Namespace):
                           compile_predictor=False if args.eager else "frame", media_limits=media_limits,
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
-                          prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)), **speculation)
+                          prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),
+                          admission=getattr(args, "admission", "capacity") == "capacity", **speculation)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore

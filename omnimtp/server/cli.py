@@ -72,6 +72,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generating at once")
     parser.add_argument("--max-queue", type=positive_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                         help="waiting requests before 429")
+    parser.add_argument("--admission", choices=("capacity", "off"), default="capacity",
+                        help="capacity (default): a new stream waits in the queue while starting it would push the "
+                        "streams playing under real time (the engine's measured step costs); off: every request "
+                        "takes a free slot at once")
     parser.add_argument("--max-frames", type=positive_int, default=None, metavar="N",
                         help=f"audio frames per request, per segment of a long text (default {TINY_MAX_FRAMES} tiny, "
                         f"{DEFAULT_MAX_FRAMES} checkpoint: 2 minutes of speech at 12.5 frames/s)")

@@ -63,6 +63,23 @@ class ServerMetrics:
             "omnimtp_engine_phase_seconds", "Engine iteration time by phase: think, talker_admit, talk, code2wav",
             ["phase"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.stream_underruns = Counter(
+            "omnimtp_stream_underruns", "Times a stream's listener ran out of audio (a chunk came after the audio "
+            "before it would have finished playing in real time from the stream's first chunk)", registry=r,
+        )
+        self.stream_stalled_seconds = Counter(
+            "omnimtp_stream_stalled_seconds", "Seconds listeners waited for audio after their stream's first chunk",
+            registry=r,
+        )
+        self.stream_lead = Gauge(
+            "omnimtp_stream_lead_seconds", "Each playing stream's lead over its listener at its last chunk: audio "
+            "sent and not yet played in real time (by engine request id; a stream leaves when it ends)", ["stream"],
+            registry=r,
+        )
+        self.realtime_capacity = Gauge(
+            "omnimtp_realtime_capacity_streams", "Streams the engine can keep in real time, from its measured step "
+            "costs (admission by capacity; absent with --admission off)", registry=r,
+        )
         self.step_batch_size = Histogram(
             "omnimtp_talker_step_batch_size", "Requests in one talker step", buckets=_BATCH_BUCKETS, registry=r
         )

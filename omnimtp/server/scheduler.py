@@ -16,6 +16,7 @@ bytes as `OmniPipeline` and as alone, under any load (tested on audible audio).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -26,12 +27,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from omnimtp.engine.core import EngineConfig, EngineCore
+from omnimtp.engine.playback import PlaybackClock
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
 from omnimtp.media import MediaError, MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
+from omnimtp.server.admission import DEFAULT_HEADROOM, Admission
 from omnimtp.tokenizer import message_texts
 
 logger = logging.getLogger("omnimtp.server")
@@ -41,7 +44,11 @@ TTS_TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", 
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the HTTP layer answers 429."""
+    """The waiting queue is at its bound; the HTTP layer answers 429 with `Retry-After: retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class PromptTooLongError(ValueError):
@@ -144,6 +151,9 @@ class RequestHandle:
         self.is_cancelled = False
         self.is_done = False
         self.request: Request | None = None  # the engine's state of it
+        # requests that had to start before it when it came (0: it starts at the next step)
+        self.queue_position = 0
+        self.playback = PlaybackClock()  # its listener's clock, from its first audio chunk
 
     @property
     def admitted_step(self) -> int | None:
@@ -173,20 +183,26 @@ class RequestHandle:
             self._on_cancel(self)
 
 
-class _Metrics:
-    """The core's observations into the server's Prometheus metrics."""
+class _Observer:
+    """The core's observations: into the server's Prometheus metrics (when it has them), and the streams the
+    step in flight made frames for (`num_streams`, what admission's step costs are measured at)."""
 
     def __init__(self, metrics):
         self.metrics = metrics
+        self.num_streams = 0
 
     def stage(self, stage: str, seconds: float) -> None:
-        self.metrics.first_audio_stage.labels(stage=stage).observe(seconds)
+        if self.metrics is not None:
+            self.metrics.first_audio_stage.labels(stage=stage).observe(seconds)
 
     def phase(self, phase: str, seconds: float) -> None:
-        self.metrics.engine_phase.labels(phase=phase).observe(seconds)
+        if self.metrics is not None:
+            self.metrics.engine_phase.labels(phase=phase).observe(seconds)
 
     def talker_batch(self, size: int) -> None:
-        self.metrics.step_batch_size.observe(size)
+        self.num_streams = size
+        if self.metrics is not None:
+            self.metrics.step_batch_size.observe(size)
 
 
 class Engine:
@@ -205,11 +221,14 @@ class Engine:
     audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens.
     timeout_text_idle: seconds a `submit_speech_stream` request may wait for more text (queued with no text
     yet, or parked by the core with all its text spoken) before it ends with an error event whose error_code is
-    "timeout_text_idle"; its memory is freed then (it holds no slot while it waits)."""
+    "timeout_text_idle"; its memory is freed then (it holds no slot while it waits).
+    admission: admit streams by measured real-time capacity (`omnimtp.server.admission`): a stream that would push
+    the playing ones under real time waits in the queue, and streamed chunks are sized for a listener who plays
+    from the first one (`EngineConfig.playout_rtf`, unless given); False: every slot is open to every request."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
                  warm_up: bool = False, media_limits: MediaLimits = MediaLimits(),
-                 timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, **config):
+                 timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, admission: bool = False, **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
         timeout_text_idle = check_seconds("timeout_text_idle", timeout_text_idle)
@@ -223,7 +242,13 @@ class Engine:
         if isinstance(batch_size, int) and not isinstance(batch_size, bool):
             config.setdefault("max_decode_frames", 4 * batch_size)
         config.setdefault("max_defer_steps", 2)
+        if not isinstance(admission, bool):
+            raise ValueError(f"admission must be a bool, got {admission!r}")
+        if admission:  # chunks sized for a listener who plays from the first one, at the real time admission keeps
+            config.setdefault("playout_rtf", DEFAULT_HEADROOM)
         self.config = EngineConfig(**config)
+        self.admission = Admission(max_streams=self.config.max_batch_size) if admission else None
+        self._observer: _Observer | None = None
         self.family = family
         self.model_id = model_id
         self.max_prompt_tokens = max_prompt_tokens
@@ -415,7 +440,7 @@ class Engine:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
-        observer = None if metrics is None else _Metrics(metrics)
+        observer = self._observer = _Observer(metrics)
         calibrate = getattr(self.family, "calibrate_speculation", None)
         if calibrate is not None and self.draft_costs is None:  # before serving: no request waits for it
             started = time.perf_counter()
@@ -431,6 +456,8 @@ class Engine:
         self._core = EngineCore(
             self.family, self.config, lock=self._cond, observer=observer
         )  # model errors surface here
+        if self.admission is not None:
+            self._core.max_speaking = self.admission.capacity()
         self.metrics = metrics
         self.max_queue = max_queue
         self._stopping = False
@@ -498,9 +525,13 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
-            if self._core.num_queued() >= self.max_queue:
-                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry later")
+            num_queued = self._core.num_queued()
+            if num_queued >= self.max_queue:
+                retry_after_s = 1 if self.admission is None else self.admission.retry_after_s(num_queued)
+                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in {retry_after_s} s",
+                                     retry_after_s)
             handle = RequestHandle(next(self._ids), loop, self._cancel)
+            handle.queue_position = self._queue_position(num_queued, has_speech=speaker is not None)
             sampling = None if sampling.is_greedy else sampling
             # A model with a thinker samples it as asked and its talker as the family does; a speech-only
             # model's sampling is its talker's.
@@ -518,6 +549,19 @@ class Engine:
             self._set_gauges()
             self._cond.notify_all()
         return handle
+
+    def _queue_position(self, num_queued: int, has_speech: bool) -> int:
+        """A new request's place in the queue (called holding `_cond`): the requests that start before it, less
+        the room the next step has (0: it starts at the next step)."""
+        return max(0, num_queued + 1 - self._core.num_startable(has_speech))
+
+    def queue_position(self, handle: RequestHandle) -> int | None:
+        """Where a request waits now (as `RequestHandle.queue_position` counts; 0: it starts at the next step), or
+        None once it has started or ended: what a route that keeps its client waiting (a realtime response) can
+        tell it while it waits."""
+        with self._cond:
+            ahead = self._core.num_queued_ahead(handle.request)
+            return None if ahead is None else self._queue_position(ahead, handle.request.has_speech)
 
     def push_speech_text(self, handle: RequestHandle, pieces: list[tuple[list[int], bool]], is_finished: bool) -> None:
         """More text ids of a `submit_speech_stream` request, as `streamed_speech_segments` gives them (a no-op
@@ -621,8 +665,18 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
             self._drop_cancelled(cancelled)
             self._end_text_waits()
+            if self.admission is not None:
+                with self._cond:
+                    core.max_speaking = self.admission.capacity()
+                if self.metrics is not None:
+                    self.metrics.realtime_capacity.set(core.max_speaking)
+                self._observer.num_streams = 0
+            started = time.perf_counter()
             try:
                 self._deliver(core.step())  # each event goes out as soon as the step makes it
+                if self.admission is not None:
+                    with self._cond:  # the HTTP side reads the costs for a Retry-After
+                        self.admission.costs.observe(self._observer.num_streams, time.perf_counter() - started)
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")
@@ -652,6 +706,7 @@ class Engine:
             for request_id in self._text_timed_out():
                 handle = self._handles.pop(request_id, None)
                 self._core.abort(request_id)
+                self._forget_stream(request_id)
                 if handle is None:
                     continue
                 handle.is_done = True
@@ -667,6 +722,7 @@ class Engine:
             handle = self._handles.pop(request_id, None)
             if handle is None:
                 continue
+            self._forget_stream(request_id)
             if self._core.abort(request_id) is not None and self.metrics is not None:
                 self.metrics.cancelled.inc()  # not counted: cancelled in the step that finished it
             handle.is_done = True
@@ -684,6 +740,7 @@ class Engine:
             if event.audio is not None:
                 if self.metrics is not None and len(request.audio) == 1:
                     self.metrics.time_to_first_audio.observe(request.first_audio_at - request.submitted_at)
+                self._play(handle, event.audio.size / self.sample_rate)
                 handle.push(EngineEvent(audio=event.audio, step=event.step, num_frames=len(request.frames)))
             elif event.text:
                 handle.push(EngineEvent(text=event.text))
@@ -692,8 +749,30 @@ class Engine:
         with self._cond:
             self._set_gauges()
 
+    def _play(self, handle: RequestHandle, seconds: float) -> None:
+        """A chunk on to its stream's playback clock: its underruns and its lead to the metrics."""
+        now = time.perf_counter()
+        stall = handle.playback.push(now, seconds)
+        if self.metrics is not None:
+            if stall > 0:
+                self.metrics.stream_underruns.inc()
+                self.metrics.stream_stalled_seconds.inc(stall)
+            self.metrics.stream_lead.labels(stream=str(handle.request_id)).set(handle.playback.lead(now))
+
+    def _forget_stream(self, request_id: int) -> None:
+        """A stream that ended leaves the lead gauge."""
+        if self.metrics is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.stream_lead.remove(str(request_id))
+
     def _finish(self, handle: RequestHandle, request: Request) -> None:
         del self._handles[request.request_id]
+        self._forget_stream(request.request_id)
+        if self.admission is not None and request.frames and request.audio:
+            with self._cond:
+                self.admission.observe_frame_seconds(sum(a.size for a in request.audio) / self.sample_rate
+                                                     / len(request.frames))
+                self.admission.observe_stream(request.finished_at - request.admitted_at)
         handle.is_done = True
         handle.push(EngineEvent(
             finish_reason=request.finish_reason, prompt_tokens=len(request.prompt_ids),
@@ -710,6 +789,7 @@ class Engine:
     def _fail(self, requests: list[Request], message: str) -> None:
         for request in requests:
             handle = self._handles.pop(request.request_id, None)
+            self._forget_stream(request.request_id)
             if handle is not None:
                 handle.is_done = True
                 handle.push(EngineEvent(error=message))

@@ -18,7 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from omnimtp.media import MediaError, MediaLimits, decode_audio, decode_base64, decode_image, decode_image_url
 from omnimtp.server.audio import encode_audio
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import b64_pcm16, collect, sampling_params, serving, sse, stream_error
+from omnimtp.server.routes.common import (
+    QUEUE_POSITION_HEADER,
+    b64_pcm16,
+    collect,
+    sampling_params,
+    serving,
+    sse,
+    stream_error,
+)
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, TextPart
 
@@ -83,7 +91,7 @@ async def chat_completions(request: Request):
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
             _chat_stream(handle, completion_id, created, model_name, speaker is not None, include_usage),
-            media_type="text/event-stream",
+            media_type="text/event-stream", headers={QUEUE_POSITION_HEADER: str(handle.queue_position)},
         )
     text, samples, final = await collect(handle, request)
     message: dict = {"role": "assistant", "content": text, "refusal": None}

@@ -33,8 +33,9 @@ from omnimtp.server.schemas import SpeechRequest
 from omnimtp.server.voice_store import VoiceStore
 from omnimtp.voice import Voice
 
-# A client told "queue full" may retry after this many seconds (a slot frees up every few frames).
-_RETRY_AFTER_S = 1
+# A response's header: the requests that had to start before it when it came (0: it started at the next step);
+# a stream the server could not yet keep in real time waits behind them (`omnimtp.server.admission`).
+QUEUE_POSITION_HEADER = "X-Queue-Position"
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -241,7 +242,7 @@ class ServingContext:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
 
 
 def serving(request: Request) -> ServingContext:

@@ -27,7 +27,16 @@ from starlette.concurrency import run_in_threadpool
 
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
+from omnimtp.server.routes.common import (
+    QUEUE_POSITION_HEADER,
+    b64_pcm16,
+    collect,
+    first_event,
+    prepended,
+    serving,
+    sse,
+    stream_error,
+)
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
@@ -56,16 +65,20 @@ async def speech(request: Request):
     events = handle.events()
     first = await first_event(handle, request, events)
     events = prepended(first, events)
-    headers = {} if first.finish_reason is None else {FINISH_REASON_HEADER: first.finish_reason}
+    headers = {QUEUE_POSITION_HEADER: str(handle.queue_position)}
+    if first.finish_reason is not None:
+        headers[FINISH_REASON_HEADER] = first.finish_reason
     if body.stream_format == "sse":
         return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
     if fmt in STREAMED_FORMATS and first.finish_reason is None:
-        return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt])
+        return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt],
+                                 headers=headers)
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
     # file of any format, whose length is then known).
     _, samples, final = await collect(handle, request, events)
+    headers[FINISH_REASON_HEADER] = final.finish_reason
     return Response(await run_in_threadpool(encode_audio, samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
-                    headers={FINISH_REASON_HEADER: final.finish_reason})
+                    headers=headers)
 
 
 def _engine_request(context, body: SpeechRequest, speaker) -> EngineRequest:

@@ -5,6 +5,7 @@
                       {"type": "input_text.delta", "delta": "Hello, "}      ... any number
                       {"type": "input_text.done"}
     server → client   {"type": "session.configured", "session": {...}}     the config as it will be used
+                      {"type": "queued", "queue_position": n}   the request waits: n − 1 start before it
                       {"type": "audio.delta", "delta": base64 PCM16 24 kHz mono}    as soon as the talker speaks
                       {"type": "done", "finish_reason", "usage": {"input_tokens", "output_tokens", "total_tokens"}}
                       {"type": "error", "error": {"type", "code", "message", "param", "event_id"}}
@@ -218,6 +219,8 @@ async def _send_audio(session: Session, speech: _Speech) -> None:
     """The request's audio deltas as the engine makes them, then its done event (or an error event)."""
     handle = speech.handle
     try:
+        if handle.queue_position > 0:
+            await session.send({"type": "queued", "queue_position": handle.queue_position})
         async for event in handle.events():
             if event.error is not None:
                 speech.is_ended = True

@@ -1,0 +1,106 @@
+"""Admission by measured real-time capacity: streams already playing keep real time.
+
+One engine step makes one audio frame for every stream in the talker batch, so n streams play in real time
+while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). `StepCosts` measures what a step of
+n streams costs on this machine as the engine runs (the median of its recent steps at each n); the capacity
+is the largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
+the largest smaller one measured, in proportion (a step's fixed part is left out, so the estimate errs high):
+capacity grows as it is measured and never rests on a guess that is too kind. A stream that would push the
+playing ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is
+refused with 429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
+
+    costs = StepCosts()
+    costs.observe(1, 0.030); costs.observe(2, 0.050)
+    costs.predict(4)                     # 0.100: 2 streams' 0.050, in proportion
+    Admission(costs, max_streams=16).capacity(frame_s=0.08)   # 2: 4 would cost 0.100 > 0.9 · 0.080
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+# The share of a frame's audio a step may cost: the rest absorbs a step's jitter and a newcomer's prefill.
+DEFAULT_HEADROOM = 0.9
+# A frame's audio before any stream has told: Qwen3-Omni's and Qwen3-TTS's 12.5 Hz codecs (1920 samples at 24 kHz).
+DEFAULT_FRAME_S = 0.08
+_NUM_SAMPLES = 16  # recent steps kept per size (their median is the size's cost)
+_MAX_RETRY_AFTER_S = 120
+
+
+class StepCosts:
+    """Seconds per engine step by the number of streams it made frames for (see the module docstring)."""
+
+    def __init__(self, num_samples: int = _NUM_SAMPLES):
+        self._samples: dict[int, deque[float]] = {}
+        self.num_samples = num_samples
+
+    def observe(self, num_streams: int, seconds: float) -> None:
+        if num_streams < 1 or not seconds >= 0:
+            return
+        self._samples.setdefault(num_streams, deque(maxlen=self.num_samples)).append(float(seconds))
+
+    def measured(self) -> dict[int, float]:
+        """{streams: median step seconds} of every size measured."""
+        return {n: statistics.median(samples) for n, samples in sorted(self._samples.items())}
+
+    def predict(self, num_streams: int) -> float | None:
+        """A step's seconds at num_streams: measured, else in proportion to the largest smaller size measured,
+        else the smallest larger size's; None while nothing is measured."""
+        measured = self.measured()
+        if not measured:
+            return None
+        if num_streams in measured:
+            return measured[num_streams]
+        below = [n for n in measured if n < num_streams]
+        if below:
+            n = max(below)
+            return measured[n] * num_streams / n
+        return measured[min(measured)]
+
+
+class Admission:
+    """How many streams may play at once (`capacity`) and how long a refused client should wait (`retry_after_s`).
+    max_streams: the engine's slots; headroom: the share of a frame's audio a step may cost."""
+
+    def __init__(self, costs: StepCosts | None = None, *, max_streams: int, headroom: float = DEFAULT_HEADROOM):
+        if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
+            raise ValueError(f"max_streams must be an integer >= 1, got {max_streams!r}")
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+        self.costs = costs or StepCosts()
+        self.max_streams = max_streams
+        self.headroom = headroom
+        self.frame_s = DEFAULT_FRAME_S
+        self._stream_s: float | None = None  # a stream's mean time from admission to its end (moving average)
+
+    def capacity(self, frame_s: float | None = None) -> int:
+        """The most streams whose steps keep real time (at least 1: the server always serves one)."""
+        budget = self.headroom * (frame_s or self.frame_s)
+        if not self.costs.measured():
+            return 1
+        capacity = 1
+        for n in range(2, self.max_streams + 1):
+            if self.costs.predict(n) > budget:
+                break
+            capacity = n
+        return capacity
+
+    def observe_frame_seconds(self, seconds: float) -> None:
+        """A finished stream's audio seconds per frame (what real time means for this model's codec)."""
+        if seconds > 0 and math.isfinite(seconds):
+            self.frame_s = seconds
+
+    def observe_stream(self, seconds: float) -> None:
+        """A finished stream's seconds from admission to its end."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._stream_s = seconds if self._stream_s is None else 0.8 * self._stream_s + 0.2 * seconds
+
+    def retry_after_s(self, num_queued: int) -> int:
+        """Whole seconds a refused client should wait: the streams queued (and it) served `capacity` at a time,
+        each taking a stream's mean time; 1 before any stream has ended."""
+        if self._stream_s is None:
+            return 1
+        rounds = math.ceil((num_queued + 1) / self.capacity())
+        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(rounds * self._stream_s)))

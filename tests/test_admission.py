@@ -1,0 +1,477 @@
+"""Speech that keeps real time under load: the listener's playback clock, chunks sized for it, admission by measured
+capacity (queued streams start when capacity frees, refused ones get 429 + Retry-After), and none of it changes a
+seeded request's bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from audio_checks import assert_audible
+from server_harness import running_server
+
+from omnimtp.engine.core import EngineConfig, EngineCore
+from omnimtp.engine.playback import PlaybackClock, chunk_frames_after
+from omnimtp.engine.request import Request
+from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+from omnimtp.sampling import SamplingParams
+from omnimtp.server.admission import Admission, StepCosts
+from omnimtp.server.audio import to_pcm16
+from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FRAME_S = 0.08  # Qwen3-TTS's 12 Hz codec: 1920 samples at 24 kHz
+TEXTS = ["Hello there, how are you?", "Say a few words.", "Another one to speak", "Short.", "The fifth text",
+         "Number six here", "Seven is a lucky number", "Eight and done"]
+
+
+class LinearCosts(StepCosts):
+    """A step cost model: fixed + per_stream · n seconds, whatever the engine measures."""
+
+    def __init__(self, fixed: float, per_stream: float):
+        super().__init__()
+        self.fixed, self.per_stream = fixed, per_stream
+
+    def observe(self, num_streams: int, seconds: float) -> None:
+        pass
+
+    def measured(self) -> dict[int, float]:
+        return {1: self.predict(1)}
+
+    def predict(self, num_streams: int) -> float:
+        return self.fixed + self.per_stream * num_streams
+
+
+@pytest.fixture(scope="module")
+def family():
+    return Qwen3TTSFamily.tiny(0)
+
+
+# --- the pure pieces ---------------------------------------------------------------------------------------
+
+
+def test_playback_clock_counts_stalls_from_the_first_audio():
+    clock = PlaybackClock()
+    assert clock.lead(5.0) is None and clock.continuity == 1.0
+    assert clock.push(10.0, 0.08) == 0.0  # the player starts here, whenever that is
+    assert clock.push(10.05, 0.08) == 0.0 and clock.lead(10.05) == pytest.approx(0.11)
+    assert clock.push(10.30, 0.08) == pytest.approx(0.14)  # the audio ran out at 10.16
+    assert (clock.num_underruns, clock.stalled_s) == (1, pytest.approx(0.14))
+    assert clock.continuity == pytest.approx(0.24 / 0.38)
+    assert clock.lead(10.40) == pytest.approx(-0.02)  # stalled again, 20 ms so far
+    jitter = PlaybackClock(min_stall_s=0.005)
+    jitter.push(0.0, 0.08)
+    assert jitter.push(0.083, 0.08) == 0.0 and jitter.num_underruns == 0
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="seconds"):
+            clock.push(11.0, bad)
+
+
+def test_capacity_is_what_measured_steps_keep_in_real_time():
+    costs = StepCosts()
+    admission = Admission(costs, max_streams=16)
+    assert admission.capacity() == 1  # nothing measured: one stream at a time
+    costs.observe(1, 0.030)
+    assert costs.predict(2) == pytest.approx(0.060)  # in proportion: never kinder than measured
+    assert admission.capacity() == 2
+    for seconds in (0.050, 0.040, 0.045):
+        costs.observe(2, seconds)
+    assert costs.measured()[2] == pytest.approx(0.045)  # the median
+    assert admission.capacity() == 3  # 3 would cost 0.0675 ≤ 0.9 · 0.080, 4 0.090
+    costs.observe(3, 0.080)  # measured: more than it was estimated
+    assert admission.capacity() == 2
+    assert admission.capacity(frame_s=0.04) == 1
+    assert admission.retry_after_s(5) == 1  # before any stream ended
+    admission.observe_stream(4.0)
+    assert admission.retry_after_s(5) == 12  # 6 streams, 2 at a time, 4 s each
+    with pytest.raises(ValueError, match="max_streams"):
+        Admission(max_streams=0)
+    with pytest.raises(ValueError, match="headroom"):
+        Admission(max_streams=4, headroom=1.5)
+    with pytest.raises(ValueError, match="playout_rtf"):
+        EngineConfig(playout_rtf=1.5)
+
+
+@pytest.mark.parametrize("rtf", [0.5, 0.9, 0.97])
+def test_chunks_sized_for_the_listener_never_let_it_run_dry(rtf):
+    """Frames made at `rtf` of their audio each, every chunk sent the moment its last frame is made: with
+    `chunk_frames_after`'s sizes a listener who plays from the first frame never waits; with fixed 25-frame
+    chunks (or sizes one frame longer) it does."""
+
+    def stalls(sizes) -> float:
+        clock, made = PlaybackClock(min_stall_s=1e-9), 0
+        for size in sizes:
+            made += size
+            clock.push(made * rtf, size)
+        return clock.stalled_s
+
+    def schedule(size_of, num_frames=1000):
+        sizes, done = [1], 1
+        while done < num_frames:
+            sizes.append(min(size_of(done), num_frames - done))
+            done += sizes[-1]
+        return sizes
+
+    playout = schedule(lambda done: chunk_frames_after(done, 25, rtf))
+    assert max(playout) == 25 and stalls(playout) == 0
+    assert stalls(schedule(lambda done: 25)) > 0
+    assert stalls(schedule(lambda done: chunk_frames_after(done, 25, rtf) + 1)) > 0
+    assert chunk_frames_after(3, 25, None) == 25
+
+
+# --- the engine, on a simulated clock -----------------------------------------------------------------------
+
+
+def _speech_request(family, index: int, max_frames: int) -> Request:
+    voice = family.voice("aiden", "auto", None)
+    segments = family.speech_segments(TEXTS[index], voice, max_frames, 64)
+    return Request(index, next(segments), max_new_tokens=1, max_frames=max_frames, speaker=voice,
+                   thinker_sampling=None, talker_sampling=SamplingParams(temperature=0.9, top_k=50), seed=100 + index,
+                   is_chat=False, segments=segments)
+
+
+class _FramesMade:
+    """The core's observer: the streams the last step made frames for."""
+
+    num_streams = 0
+
+    def stage(self, stage: str, seconds: float) -> None:
+        pass
+
+    def phase(self, phase: str, seconds: float) -> None:
+        pass
+
+    def talker_batch(self, size: int) -> None:
+        self.num_streams = size
+
+
+def _simulate(family, admission: Admission | None, costs: LinearCosts, num_streams: int = 6, max_frames: int = 30,
+              playout_rtf: float | None = 0.9) -> tuple[dict, dict]:
+    """`num_streams` speech requests arrive at once; each step takes costs.predict(streams it made frames for) on a
+    simulated clock, and every audio chunk reaches its listener at the end of its step. Admission (when given) sets
+    the streams that may speak before every step, as the server's loop does. → ({id: its clock}, {id: its PCM16})."""
+    frames_made = _FramesMade()
+    core = EngineCore(family, EngineConfig(max_batch_size=8, max_frames=max_frames, chunk_frames=25,
+                                           playout_rtf=playout_rtf, max_defer_steps=0), observer=frames_made)
+    for index in range(num_streams):
+        core.add(_speech_request(family, index, max_frames))
+    clocks = {index: PlaybackClock() for index in range(num_streams)}
+    pcm = {index: [] for index in range(num_streams)}
+    now = 0.0
+    while core.has_work():
+        if admission is not None:
+            core.max_speaking = admission.capacity(FRAME_S)
+        frames_made.num_streams = 0
+        events = list(core.step())
+        if admission is not None:
+            assert frames_made.num_streams <= core.max_speaking
+        now += costs.predict(max(frames_made.num_streams, 1))
+        for event in events:
+            if event.audio is not None:
+                clocks[event.request.request_id].push(now, event.audio.size / family.sample_rate)
+                pcm[event.request.request_id].append(to_pcm16(event.audio).tobytes())
+    return clocks, {index: b"".join(chunks) for index, chunks in pcm.items()}
+
+
+def test_admitted_streams_never_run_dry_in_a_simulated_overload(family):
+    """Six streams at once where a step of n streams costs 10 + 20·n ms (three keep real time at 80 ms a frame):
+    admitted by capacity, each plays from its first chunk without a stall, the later ones after waiting; all six
+    at once, every one stalls. Either way each stream's PCM is the one it gets alone."""
+    costs = LinearCosts(0.010, 0.020)
+    admission = Admission(costs, max_streams=8)
+    assert admission.capacity(FRAME_S) == 3
+    admitted, admitted_pcm = _simulate(family, admission, costs)
+    crowded, crowded_pcm = _simulate(family, None, costs)
+    for index, clock in admitted.items():
+        assert clock.audio_s > 1.0, index
+        assert clock.num_underruns == 0, f"stream {index} stalled {clock.stalled_s:.3f} s"
+    assert all(clock.num_underruns > 0 for clock in crowded.values())
+    waited = sorted(clock.started_at for clock in admitted.values())
+    assert waited[3] > waited[2] + 1.0, "the fourth stream waited for capacity"
+    for index in (0, 4):
+        pcm = _alone_pcm(family, index)
+        assert_audible(np.frombuffer(pcm, dtype=np.int16))
+        assert admitted_pcm[index] == pcm == crowded_pcm[index]
+
+
+def _alone_pcm(family, index: int) -> bytes:
+    core = EngineCore(family, EngineConfig(max_batch_size=1, max_frames=30, chunk_frames=25, playout_rtf=0.9))
+    core.add(_speech_request(family, index, 30))
+    chunks = []
+    while core.has_work():
+        chunks += [to_pcm16(event.audio).tobytes() for event in core.step() if event.audio is not None]
+    return b"".join(chunks)
+
+
+# --- the server ------------------------------------------------------------------------------------------
+
+
+def _engine(family, costs: StepCosts | None = None, **config) -> Engine:
+    engine = Engine(family, model_id="tiny-tts", max_frames=config.pop("max_frames", 40), max_batch_size=4,
+                    admission=True, **config)
+    if costs is not None:
+        engine.admission = Admission(costs, max_streams=4)
+    return engine
+
+
+def _speech(engine: Engine, index: int) -> EngineRequest:
+    return EngineRequest(messages=None, speak_text=TEXTS[index], speaker=engine.speech_voice("aiden", "auto", None),
+                         sampling=SamplingParams(temperature=0.9, top_k=50), seed=100 + index, max_new_tokens=0)
+
+
+async def _pcm(handle) -> tuple[bytes, list[int]]:
+    pcm, steps = [], []
+    async for event in handle.events():
+        assert event.error is None, event.error
+        if event.audio is not None:
+            pcm.append(to_pcm16(event.audio).tobytes())
+            steps.append(event.step)
+    return b"".join(pcm), steps
+
+
+def test_a_queued_stream_starts_when_capacity_frees_and_a_full_queue_refuses(family):
+    """Capacity 1 (a step of two streams would cost 96 ms of an 80 ms frame), --max-queue 2, three streams before
+    the engine's next step: the first starts, the second waits (queue position 1) and starts once the first has
+    finished speaking, the third is refused with a Retry-After; the queued one's PCM is the one it gets alone."""
+    engine = _engine(family, LinearCosts(0.0, 0.048))
+
+    async def scenario():
+        engine.start(max_queue=2)
+        try:
+            loop = asyncio.get_running_loop()
+            with engine._cond:  # all three come before the engine's next step
+                first = engine.submit(_speech(engine, 0), loop=loop)
+                second = engine.submit(_speech(engine, 1), loop=loop)
+                with pytest.raises(QueueFullError) as refused:
+                    engine.submit(_speech(engine, 2), loop=loop)
+                assert (engine.queue_position(first), engine.queue_position(second)) == (0, 1)
+            results = await asyncio.gather(_pcm(first), _pcm(second))
+            assert engine.queue_position(second) is None  # it ran
+            return first, second, refused.value, results
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    first, second, refused, ((_, first_steps), (second_pcm, _)) = asyncio.run(scenario())
+    assert (first.queue_position, second.queue_position) == (0, 1)
+    assert refused.retry_after_s >= 1 and "retry" in str(refused)
+    # the first's talker ends in the step of its last chunk, or up to max_defer_steps before it
+    assert second.admitted_step >= first_steps[-1] - engine.config.max_defer_steps > first_steps[0], (
+        "the second stream started while the first was speaking")
+    alone = _engine(family)
+
+    async def by_itself():
+        alone.start()
+        try:
+            return await _pcm(alone.submit(_speech(alone, 1), loop=asyncio.get_running_loop()))
+        finally:
+            await asyncio.to_thread(alone.shutdown)
+
+    alone_pcm, _ = asyncio.run(by_itself())
+    assert_audible(np.frombuffer(alone_pcm, dtype=np.int16))
+    assert second_pcm == alone_pcm
+
+
+def test_a_refused_stream_gets_429_with_retry_after_and_metrics_show_the_streams(family):
+    """Over HTTP: while one long stream plays and one waits (capacity 1, --max-queue 1), a third request gets 429
+    `queue_full` with a Retry-After; the queued one's response says its queue position; /metrics has the capacity,
+    the queue, the underruns counter and the lead of the stream that plays."""
+    from omnimtp.server.app import create_app
+
+    engine = _engine(family, LinearCosts(0.0, 0.048), max_frames=400)
+    app = create_app(engine, max_queue=1)
+    body = {"model": "tiny-tts", "voice": "aiden", "response_format": "pcm", "seed": 1}
+
+    async def scenario(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/audio/speech", json={**body, "input": TEXTS[0]}) as playing:
+                assert playing.status_code == 200 and playing.headers["x-queue-position"] == "0"
+                reader = playing.aiter_bytes()
+                await reader.__anext__()
+                waiting = asyncio.ensure_future(client.post("/v1/audio/speech", json={**body, "input": TEXTS[1]}))
+                while engine._core.num_queued() == 0:
+                    await asyncio.sleep(0.005)
+                refused = await client.post("/v1/audio/speech", json={**body, "input": TEXTS[2]})
+                metrics = (await client.get("/metrics")).text
+                async for _ in reader:
+                    pass
+            return refused, await waiting, metrics
+
+    with running_server(app) as url:
+        refused, waited, metrics = asyncio.run(scenario(url))
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert waited.status_code == 200 and waited.headers["x-queue-position"] == "1" and waited.content
+    assert "omnimtp_realtime_capacity_streams 1.0" in metrics
+    assert "omnimtp_queue_depth 1.0" in metrics
+    assert "omnimtp_stream_underruns_total" in metrics
+    assert 'omnimtp_stream_lead_seconds{stream="0"}' in metrics
+
+
+# --- a newcomer's first chunk ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead_s, is_held", [(10.0, True), (0.0, False)])
+def test_a_newcomer_goes_before_chunks_whose_listeners_are_ahead(family, lead_s, is_held):
+    """A newcomer arrives during a step in which a running stream's later chunk is due. A listener `lead_s` ahead
+    (10 s) waits: the step ends without that chunk, the newcomer is admitted at the next step and its first chunk
+    goes out before the held one. A listener about to run dry (lead 0) gets its chunk at once."""
+    engine_config = EngineConfig(max_batch_size=4, max_frames=12, first_chunk_frames=1, chunk_frames=4,
+                                 max_defer_steps=2)
+
+    class Arrival(_FramesMade):
+        def talker_batch(self, size: int) -> None:  # mid-step, after the talker's frames
+            running = core.running.get(0)
+            if not arrived and running is not None and (
+                    len(running.frames) - running.num_decoded >= engine_config.chunk_frames):
+                running.playback.ends_at = time.perf_counter() + lead_s
+                core.add(newcomer)
+                arrived.append(core.num_steps)
+
+    newcomer, arrived = _speech_request(family, 1, 12), []
+    core = EngineCore(family, engine_config, observer=Arrival())
+    core.add(_speech_request(family, 0, 12))
+    audio = []  # (step, request id) of each chunk, in the order they went out
+    while core.has_work():
+        audio += [(event.step, event.request.request_id) for event in core.step() if event.audio is not None]
+    step = arrived[0]
+    chunk = (step, 0) if not is_held else next(item for item in audio if item[1] == 0 and item[0] > step)
+    newcomer_first = next(item for item in audio if item[1] == 1)
+    assert newcomer_first[0] == step + 1, "the newcomer's first chunk came in the step after it arrived"
+    if is_held:
+        assert (step, 0) not in audio and audio.index(newcomer_first) < audio.index(chunk)
+    else:
+        assert audio.index(chunk) < audio.index(newcomer_first)
+
+
+def test_a_chat_newcomer_starts_before_the_running_cohorts_think():
+    """A chat with audio that comes between steps while a text-only chat is thinking: in the next step its own
+    thinker steps come before the running cohort's step, which it does not wait for; each request's tokens are
+    the ones it gets alone."""
+    from test_media_input import _user_turn
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    omni = Qwen3OmniFamily.tiny(0)
+    config = EngineConfig(max_batch_size=4, max_frames=6)
+    thinker_steps = []  # (engine step, request id of the cohort's first request), in the order they ran
+    new_thinker = omni.new_thinker
+
+    def logged_thinker(prompts, *args, **kwargs):
+        run = new_thinker(prompts, *args, **kwargs)
+        step = run.step
+        request_id = 0 if len(prompts[0]) == len(first_prompt) else 1
+
+        def logged_step(*step_args, **step_kwargs):
+            thinker_steps.append((core.num_steps, request_id))
+            return step(*step_args, **step_kwargs)
+
+        run.step = logged_step
+        return run
+
+    omni.new_thinker = logged_thinker
+    first_prompt, second_prompt = _user_turn([], b"Tell me a long story"), _user_turn([], b"Hi")
+
+    def requests():
+        return (Request(0, list(first_prompt), max_new_tokens=12, max_frames=6, seed=1),
+                Request(1, list(second_prompt), max_new_tokens=4, max_frames=6, seed=2, speaker=omni.default_speaker))
+
+    def run_all(core, added_later=None):
+        for _ in range(3 if added_later is not None else 0):
+            list(core.step())
+        if added_later is not None:
+            core.add(added_later)
+        while core.has_work():
+            list(core.step())
+
+    core = EngineCore(omni, config)
+    together = requests()
+    core.add(together[0])
+    run_all(core, together[1])
+    step = next(step for step, request_id in thinker_steps if request_id == 1)
+    in_step = [request_id for s, request_id in thinker_steps if s == step]
+    assert in_step[0] == 1 and 0 in in_step, f"the newcomer waited for the running cohort's step: {in_step}"
+    for request in requests():
+        core = EngineCore(omni, config)
+        core.add(request)
+        run_all(core)
+        assert request.output_ids == together[request.request_id].output_ids, request.request_id
+
+
+def test_serve_admits_by_capacity_unless_told_off():
+    """`omnimtp serve` admits by capacity (chunks sized for the listener); `--admission off` turns both off."""
+    from omnimtp.cli import build_parser
+    from omnimtp.server.build import build_app
+
+    parser = build_parser()
+    engine, _ = build_app(parser.parse_args(["serve", "--eager", "--max-frames", "2"]))
+    assert engine.admission is not None and engine.config.playout_rtf == 0.9
+    engine, _ = build_app(parser.parse_args(["serve", "--eager", "--max-frames", "2", "--admission", "off"]))
+    assert engine.admission is None and engine.config.playout_rtf is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--admission", "sometimes"])
+
+
+def test_a_parked_stream_holds_no_capacity_and_resumes_within_it(family):
+    """Capacity 1 (`max_speaking`): a streamed text's request that spoke all its text so far is parked and another
+    stream runs meanwhile; text that comes while that one speaks waits until its talker has ended, then the
+    parked one resumes and speaks the whole text as it would alone."""
+    config = EngineConfig(max_batch_size=4, max_frames=28)
+    voice = family.voice("aiden", "english")
+    core = EngineCore(family, config)
+    core.max_speaking = 1
+    streamed = Request(0, [], max_new_tokens=1, max_frames=28, speaker=voice, is_chat=False, is_text_finished=False)
+    core.add(streamed)
+    text_ids = family.speech_text_ids()
+    core.push_speech_ids(0, text_ids.push("Hello there "), is_finished=False)
+    while core.has_ready_work():
+        list(core.step())
+    assert streamed.is_parked and streamed.frames
+    other = Request(1, family.speech_ids("Another text"), max_new_tokens=1, max_frames=28, speaker=voice,
+                    is_chat=False)
+    core.add(other)
+    list(core.step())
+    assert other.is_in_talker, "the parked stream held the capacity"
+    core.push_speech_ids(0, text_ids.finish(), is_finished=True)
+    while other.talker_finish_reason is None:
+        list(core.step())
+        assert streamed.is_parked, "the parked stream resumed beyond the capacity"
+    while core.has_work():
+        list(core.step())
+    alone = EngineCore(family, config)
+    again = Request(0, family.speech_ids("Hello there "), max_new_tokens=1, max_frames=28, speaker=voice,
+                    is_chat=False)
+    alone.add(again)
+    while alone.has_work():
+        list(alone.step())
+    assert torch.equal(core.output(streamed).codes, alone.output(again).codes)
+
+
+def test_chunks_wait_for_newcomers_at_most_max_defer_steps_in_a_row(family):
+    """A newcomer in every step while a listener far ahead has a chunk due: the chunk waits max_defer_steps (2)
+    steps in a row, then goes out whatever still comes."""
+    engine_config = EngineConfig(max_batch_size=8, max_frames=12, first_chunk_frames=1, chunk_frames=4,
+                                 max_defer_steps=2)
+    arrived = []
+
+    class Arrivals(_FramesMade):
+        def talker_batch(self, size: int) -> None:
+            running = core.running.get(0)
+            if running is None or len(arrived) >= 4:
+                return
+            if arrived or len(running.frames) - running.num_decoded >= engine_config.chunk_frames:
+                running.playback.ends_at = time.perf_counter() + 10.0
+                core.add(_speech_request(family, len(arrived) + 1, 12))
+                arrived.append(core.num_steps)
+
+    core = EngineCore(family, engine_config, observer=Arrivals())
+    core.add(_speech_request(family, 0, 12))
+    steps = []
+    while core.has_work():
+        steps += [event.step for event in core.step() if event.audio is not None and event.request.request_id == 0]
+    assert arrived == list(range(arrived[0], arrived[0] + 4)), "a newcomer came in each of four steps"
+    assert arrived[0] + 2 in steps and not {arrived[0], arrived[0] + 1} & set(steps)
