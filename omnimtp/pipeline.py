@@ -274,9 +274,11 @@ class OmniPipeline:
                 name: kwargs.pop(name)
                 for name in ("non_streaming_mode", "compile_predictor", "quantize", "codec_dtype") if name in kwargs
             }
-            return cls(
-                family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, **family_options), **kwargs
-            )
+            quantized = None
+            if is_quantized_checkpoint(path):  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
+                quantized = load_quantized_model(path, family_options.get("quantize"), dtype=dtype)
+            return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, quantized=quantized,
+                                                             **family_options), **kwargs)
         check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load
         device = None if device is None else resolve_device(device)
         if is_quantized_checkpoint(path):  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only

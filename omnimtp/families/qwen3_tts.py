@@ -180,26 +180,29 @@ class Qwen3TTSFamily(ChatText):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, codec_dtype: str | None = None,
-                        **kwargs) -> Qwen3TTSFamily:
+                        quantized=None, **kwargs) -> Qwen3TTSFamily:
         """A checkpoint in the released layout: config.json + model.safetensors, the text tokenizer when its
         files are there (without them requests come as input_ids), and speech_tokenizer/ (only its decoder
         is read, and a Base model's encoder when the tokenizer has its weights: without them a Base model
         clones from the x-vector alone). codec_dtype: the decoder's conv stack in "float32" (None) or
-        "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`)."""
+        "bfloat16" (`omnimtp.codec.streaming.CODEC_DTYPES`, `SpeechTokenizerDecoder.to_conv_dtype`). quantized:
+        the checkpoint at `path` loaded by `omnimtp.quantized_checkpoint.load_quantized_model` when it is a quantized
+        one (`OmniPipeline.from_pretrained` does it): its model and stored matrices, in its mode."""
         from transformers import AutoTokenizer
 
-        from omnimtp.quantized_checkpoint import is_quantized_checkpoint, load_quantized_model
         from omnimtp.runtime.device import resolve_device
 
         conv_dtype = codec_dtype_of(codec_dtype)
         path = os.fspath(path)
-        is_quantized = is_quantized_checkpoint(path)  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
+        is_quantized = quantized is not None
         if is_quantized:
             if device is not None and resolve_device(device).type != "cpu":
                 raise ValueError(f"device: {path!r} is a quantized checkpoint; its kernels run on the CPU only")
-            loaded = load_quantized_model(path, kwargs.pop("quantize", None), dtype=dtype)
-            model = loaded.model
-            kwargs.update(quantize=loaded.mode, stored=loaded.stored)
+            if kwargs.get("quantize") not in (None, quantized.mode):
+                raise ValueError(f"quantize={kwargs['quantize']!r}: {path!r} holds {quantized.mode!r} weights "
+                                 "(quantize with `omnimtp quantize` again from the float checkpoint for another mode)")
+            model = quantized.model
+            kwargs.update(quantize=quantized.mode, stored=quantized.stored)
         else:
             model = Qwen3TTSModel.from_pretrained(path, dtype=dtype)
         if device is not None and not is_quantized:
