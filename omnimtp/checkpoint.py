@@ -13,7 +13,7 @@ MODEL_TYPES = {
     "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
 }
 # served with the project's own modules (not in transformers)
-OWN_MODEL_TYPES = ("qwen3_tts",)
+OWN_MODEL_TYPES = ("qwen3_tts", "qwen3_asr")
 # The built-in tiny models (seeded random weights, made in a second, noise-like speech) by the name `--model`
 # and `OmniPipeline.from_pretrained` take: name → (config.json's model_type, `OmniPipeline.tiny`'s family,
 # its tts_model_type). A name wins over a directory of the same name only where no such directory exists.
@@ -23,7 +23,10 @@ TINY_MODELS = {
     "tiny-tts": ("qwen3_tts", "qwen3_tts", "custom_voice"),
     "tiny-tts-design": ("qwen3_tts", "qwen3_tts", "voice_design"),
     "tiny-tts-base": ("qwen3_tts", "qwen3_tts", "base"),
+    "tiny-asr": ("qwen3_asr", "qwen3_asr", None),
 }
+# The built-in tiny Qwen3-ForcedAligner (what `serve --aligner-model` takes beside a model; no pipeline runs it).
+TINY_ALIGNER = "tiny-aligner"
 # what `save_pretrained` writes next to config.json: the pipeline's default caps (max_new_tokens, max_frames),
 # which `from_pretrained` takes back, so a saved tiny model keeps its short caps
 CAPS_FILE = "omnimtp_caps.json"

@@ -1,0 +1,120 @@
+"""The `qwen_asr` package (PyPI `qwen-asr-dgxspark`, the transformers-5 build of `qwen-asr`, installed with
+--no-deps) as a test reference.
+
+Its package `__init__` imports the forced aligner's module, which imports nagisa (Japanese words) and, when
+asked, soynlp (Korean words) at the top; the tests align English and Chinese, which use neither, so they are
+registered as empty modules when absent. On transformers 5.24 its text config has no `pad_token_id` attribute
+(5.24 configs no longer default it), which its text model reads: the shim sets it to None, what the released
+configs leave it. Import the reference through `load()` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+_UNUSED_FOR_ENGLISH_AND_CHINESE = ("nagisa", "soynlp", "soynlp.tokenizer")
+
+
+def _register_empty(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = module
+
+
+def load() -> types.ModuleType:
+    """The `qwen_asr` package, or skip the calling test when it is not installed."""
+    pytest.importorskip("librosa")
+    for name in _UNUSED_FOR_ENGLISH_AND_CHINESE:
+        _register_empty(name)
+    qwen_asr = pytest.importorskip("qwen_asr")
+    _patch_for_transformers_5_24()
+    return qwen_asr
+
+
+_PATCHED: set[str] = set()
+
+
+def _patch_for_transformers_5_24() -> None:
+    """5.24's `generate` hands the cache to `forward` as `cache=` and reads it back from the output's `cache`
+    field: the thinker's forward takes `cache` as its `past_key_values` and its output dataclass gets a `cache`
+    field (without this the reference would silently run every step uncached). Once per process."""
+    if "models" in _PATCHED:
+        return
+    from qwen_asr.core.transformers_backend import modeling_qwen3_asr as modeling
+
+    name = "Qwen3ASRThinkerCausalLMOutputWithPast"
+    original = getattr(modeling, name)
+    patched = dataclasses.make_dataclass(name, [("cache", Any, dataclasses.field(default=None))], bases=(original,))
+    patched.__module__ = modeling.__name__
+    setattr(modeling, name, patched)
+    thinker = modeling.Qwen3ASRThinkerForConditionalGeneration
+    forward = thinker.forward
+
+    @functools.wraps(forward)
+    def cached_forward(self, *args, **kwargs):
+        if "cache" in kwargs:
+            if kwargs.get("past_key_values") is not None:
+                raise ValueError("both cache and past_key_values given")
+            kwargs["past_key_values"] = kwargs.pop("cache")
+        out = forward(self, *args, **kwargs)
+        return patched(**{**out, "cache": out.past_key_values})
+
+    thinker.forward = cached_forward
+    _PATCHED.add("models")
+
+
+def reference_model(model):
+    """The reference's `Qwen3ASRForConditionalGeneration` with the weights of our `Qwen3ASRModel` (its config dict
+    and state dict: the same released layout), fp32, eval."""
+    load()
+    from qwen_asr.core.transformers_backend import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
+
+    config = Qwen3ASRConfig(**{k: v for k, v in model.config.items() if k not in ("model_type", "architectures")})
+    for key in ("timestamp_token_id", "timestamp_segment_time"):
+        if key in model.config:
+            setattr(config, key, model.config[key])
+    text_config = config.thinker_config.text_config
+    if "pad_token_id" not in vars(text_config):
+        text_config.pad_token_id = None
+    reference = Qwen3ASRForConditionalGeneration(config).eval()
+    result = reference.load_state_dict(model.state_dict(), strict=False)
+    missing = [name for name in result.missing_keys if name != "thinker.lm_head.weight"]
+    if missing or result.unexpected_keys:
+        raise AssertionError(f"reference layout differs: missing {missing}, unexpected {result.unexpected_keys}")
+    if "thinker.lm_head.weight" in result.missing_keys:  # a tied head: the embedding
+        reference.thinker.lm_head.weight = reference.thinker.model.embed_tokens.weight
+    return reference
+
+
+def reference_processor(family_processor):
+    """The reference's `Qwen3ASRProcessor` over our feature extractor and tokenizer."""
+    load()
+    from qwen_asr.core.transformers_backend import Qwen3ASRProcessor
+
+    return Qwen3ASRProcessor(feature_extractor=family_processor.feature_extractor,
+                             tokenizer=family_processor.tokenizer)
+
+
+def greedy_ids(reference, input_ids: list[int], input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
+               eos_token_ids, max_new_tokens: int) -> list[int]:
+    """The reference's greedy reply ids (its `generate`, EOS the given ids: its default ids are the released
+    vocabulary's <|im_end|> and <|endoftext|>)."""
+    ids = torch.tensor([input_ids])
+    out = reference.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), input_features=input_features,
+        feature_attention_mask=feature_attention_mask, max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(eos_token_ids), do_sample=False,
+    )
+    return out.sequences[0, ids.shape[1]:].tolist()
