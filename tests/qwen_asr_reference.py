@@ -10,6 +10,7 @@ configs leave it. Import the reference through `load()` only.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -99,12 +100,25 @@ def reference_model(model):
 
 
 def reference_processor(family_processor):
-    """The reference's `Qwen3ASRProcessor` over our feature extractor and tokenizer."""
+    """The reference's `Qwen3ASRProcessor` over our feature extractor and a copy of our tokenizer (with a pad
+    token, which the reference's batched calls ask for: `<|im_end|>`, never reached with one request)."""
     load()
     from qwen_asr.core.transformers_backend import Qwen3ASRProcessor
 
-    return Qwen3ASRProcessor(feature_extractor=family_processor.feature_extractor,
-                             tokenizer=family_processor.tokenizer)
+    tokenizer = copy.deepcopy(family_processor.tokenizer)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = "<|im_end|>"
+    return Qwen3ASRProcessor(feature_extractor=family_processor.feature_extractor, tokenizer=tokenizer)
+
+
+def reference_aligner(aligner):
+    """The reference's `Qwen3ForcedAligner` (its own `align`: word splitting, processor, forward, repair) over the
+    weights, feature extractor and tokenizer of our `Qwen3ForcedAligner`."""
+    qwen_asr = load()
+    from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
+
+    return qwen_asr.Qwen3ForcedAligner(reference_model(aligner.model), reference_processor(aligner.processor),
+                                       Qwen3ForceAlignProcessor())
 
 
 def greedy_ids(reference, input_ids: list[int], input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
