@@ -115,8 +115,8 @@ class ChatText:
 
     def parse_transcript(self, reply: str, language: str | None = None) -> tuple[str | None, str]:
         """A transcription reply → (language, text): the thinker writes the text alone, so the language is the
-        hint given."""
-        return language, reply.strip()
+        hint given, by its English name ("en" → "English"), or None."""
+        return self.transcription_language(language), reply.strip()
 
     def transcript_deltas(self, language: str | None = None) -> TranscriptDeltas:
         """The text deltas of a transcription reply as it is written (`TranscriptDeltas`): here the reply's own."""
