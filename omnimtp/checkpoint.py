@@ -56,6 +56,22 @@ def random_weights_note(model: str | None, *, transcribes: bool = False) -> str 
     return f"note: {name} is a built-in tiny model with random weights: {what}; --model takes a real checkpoint"
 
 
+def check_aligner_path(path: str, param: str = "aligner_model") -> None:
+    """ValueError naming `param` unless `path` is a Qwen3-ForcedAligner checkpoint directory (config.json with
+    model_type "qwen3_asr" and a thinker of model_type "qwen3_forced_aligner") or the built-in TINY_ALIGNER."""
+    if path == TINY_ALIGNER and not os.path.exists(path):
+        return
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{param}: {path!r} is not a checkpoint directory (no config.json), nor {TINY_ALIGNER!r}")
+    with open(config_path) as f:
+        config = json.load(f)
+    thinker_type = (config.get("thinker_config") or {}).get("model_type")
+    if config.get("model_type") != "qwen3_asr" or thinker_type != "qwen3_forced_aligner":
+        raise ValueError(f"{param}: {path!r} is not a Qwen3-ForcedAligner checkpoint (model_type "
+                         f"{config.get('model_type')!r}, thinker {thinker_type!r})")
+
+
 def is_shipped(path) -> bool:
     """Whether `path` is one of the checkpoints shipped in the package (`omnimtp.mtp.demo`): they load in a
     fraction of a second, without a "Loading weights" bar."""

@@ -193,7 +193,7 @@ class Qwen3ForcedAligner:
                 model.restore_buffers()
             return cls(model, asr_byte_tokenizer(), **kwargs)
 
-    def words(self, text: str, language: str) -> list[str]:
+    def words(self, text: str, language: str | None) -> list[str]:
         """The transcript's alignment units (`split_words`). ValueError naming language for Japanese and Korean
         (the reference finds their words with nagisa and soynlp, which are not used here)."""
         if asr_language(language, self.languages) in DICTIONARY_LANGUAGES:
@@ -207,9 +207,10 @@ class Qwen3ForcedAligner:
         text = f"<|audio_start|>{'<|audio_pad|>' * num_rows}<|audio_end|>" + slots.join(words) + slots
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def align(self, audio, text: str, language: str, limits: MediaLimits | None = None) -> list[AlignedWord]:
+    def align(self, audio, text: str, language: str | None, limits: MediaLimits | None = None) -> list[AlignedWord]:
         """When each word of `text` (the transcript of `audio`: a path, a (samples, rate) pair or 16 kHz samples)
-        is spoken. language: an ISO code or a language name. ValueError naming audio, text or language."""
+        is spoken. language: an ISO code, a language name, or None (words split at spaces and CJK characters, as
+        for every language but Japanese and Korean). ValueError naming audio, text or language."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         words = self.words(text, language)

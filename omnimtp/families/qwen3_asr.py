@@ -268,8 +268,9 @@ class Qwen3ASRFamily(ChatText):
 
     def transcript_deltas(self, language: str | None = None) -> TranscriptDeltas:
         """The text deltas of a reply as it is written: without a forced language the "language X<asr_text>" it
-        opens with is held back (`TranscriptDeltas`); with one the reply is the text."""
-        return TranscriptDeltas(holds_tag=language is None, tag=ASR_TEXT_TOKEN)
+        opens with is held back (`TranscriptDeltas`); with one the reply is the text. Either way the deltas join
+        to `parse_transcript`'s text."""
+        return TranscriptDeltas(strips=True, holds_tag=language is None, tag=ASR_TEXT_TOKEN)
 
     def check_media(self, prompt_ids: list[int], media: MediaInputs | None) -> None:
         """ValueError unless the prompt holds one `<|audio_pad|>` run of the audio's encoder rows per audio."""

@@ -120,7 +120,7 @@ class ChatText:
 
     def transcript_deltas(self, language: str | None = None) -> TranscriptDeltas:
         """The text deltas of a transcription reply as it is written (`TranscriptDeltas`): here the reply's own."""
-        return TranscriptDeltas(holds_tag=False)
+        return TranscriptDeltas()
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
         """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
@@ -208,36 +208,35 @@ class ChatText:
 
 
 class TranscriptDeltas:
-    """The text deltas of a transcription reply as it is written. holds_tag: the reply opens with
-    "language X<asr_text>" (Qwen3-ASR without a forced language), held back until the tag is written; the text
-    after it goes out without the spaces around it (`parse_transcript` strips them), and a reply that ends without
-    the tag is all text. push(reply delta) → text delta; finish() → what was held back."""
+    """The text deltas of a transcription reply as it is written. strips: the deltas join to the reply without
+    the spaces around it (what `parse_transcript` gives), else they are the reply's own. holds_tag: the reply
+    opens with "language X<asr_text>" (Qwen3-ASR without a forced language), held back until the tag is written
+    (a reply that ends without the tag is all text). push(reply delta) → text delta; finish() → what was held
+    back."""
 
-    def __init__(self, holds_tag: bool, tag: str = "<asr_text>"):
+    def __init__(self, *, strips: bool = False, holds_tag: bool = False, tag: str = "<asr_text>"):
         self._reply = ""
         self._num_sent = 0
-        self._holds_tag = holds_tag
+        self._strips = strips or holds_tag
         self._is_open = not holds_tag  # past the tag (or no tag expected)
         self._tag = tag
 
     def push(self, delta: str) -> str:
-        if not self._holds_tag:
+        if not self._strips:
             return delta
         self._reply += delta
         if not self._is_open:
             if self._tag not in self._reply:
                 return ""
             self._is_open = True
-            self._reply = self._reply.split(self._tag, 1)[1].lstrip()
-        return self._take(self._reply.rstrip())
+            self._reply = self._reply.split(self._tag, 1)[1]
+        return self._take(self._reply.strip())
 
     def finish(self) -> str:
-        if not self._holds_tag:
+        if not self._strips:
             return ""
-        if not self._is_open:
-            self._is_open = True
-            self._reply = self._reply.strip()
-        return self._take(self._reply.rstrip())
+        self._is_open = True
+        return self._take(self._reply.strip())
 
     def _take(self, text: str) -> str:
         if len(text) <= self._num_sent:

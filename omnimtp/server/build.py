@@ -72,6 +72,11 @@ def build_app(args: argparse.Namespace):
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)), **speculation)
+    aligner = None
+    if getattr(args, "aligner_model", None) is not None:
+        from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+
+        aligner = Qwen3ForcedAligner.from_pretrained(args.aligner_model, device=args.device, quantize=args.quantize)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore
@@ -81,6 +86,7 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name, voice_store=voice_store,
                      max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
+                     aligner=aligner,
                      websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
                          max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
