@@ -161,3 +161,17 @@ def test_bad_input_names_the_argument(family):
         pipe.speech("Hi")
     with pytest.raises(ValueError, match="^speaker:"):
         family.check_speaker("ethan")
+
+
+def test_the_command_line_transcribes_with_tiny_asr_and_checks_the_aligner_path(tmp_path, capsys):
+    from pathlib import Path
+
+    from omnimtp.cli import main
+
+    question = Path(__file__).resolve().parents[1] / "examples" / "question.wav"
+    assert main(["transcribe", str(question), "--model", "tiny-asr", "--max-new-tokens", "3"]) == 0
+    assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
+    assert "--aligner-model: " in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_asr", "thinker_config": {}}')
+    assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
+    assert "is not a Qwen3-ForcedAligner checkpoint" in capsys.readouterr().err
