@@ -46,6 +46,7 @@ from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
+from omnimtp.families.asr_stream import PartialTranscript, RecognitionStep, StreamingRecognition
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
 from omnimtp.families.qwen3_asr import Qwen3ASRFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
@@ -451,6 +452,38 @@ class OmniPipeline:
                 yield _transcription(self.family, event.output, duration, language)
             elif event.text and (delta := deltas.push(event.text)):
                 yield delta
+
+    def stream_recognition(self, audio_chunks, language: str | None = None, prompt: str | None = None, *,
+                           chunk_seconds: float = 2.0, unfixed_chunks: int = 2, unfixed_tokens: int = 5,
+                           max_new_tokens: int | None = None) -> Iterator[PartialTranscript]:
+        """Streaming recognition with a Qwen3-ASR model (`omnimtp.families.asr_stream.StreamingRecognition`:
+        the reference's streaming mode): audio_chunks, 16 kHz float (or int16) sample arrays as they arrive, of
+        any length → a `PartialTranscript` (the whole text so far) each time chunk_seconds of audio have
+        gathered, and the final one, of the tail, last. Each transcription is a greedy engine request over all
+        the audio so far, continuing the previous reply less its last unfixed_tokens tokens (none for the first
+        unfixed_chunks chunks). language, prompt: as `transcribe`'s."""
+        if not isinstance(self.family, Qwen3ASRFamily):
+            raise ValueError("model: streaming recognition needs a Qwen3-ASR model")
+        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stream = StreamingRecognition(self.family, language, prompt, chunk_seconds=chunk_seconds,
+                                      unfixed_chunks=unfixed_chunks, unfixed_tokens=unfixed_tokens)
+        for samples in audio_chunks:
+            stream.feed(samples)
+            while (step := stream.next_step()) is not None:
+                yield stream.accept(step, self._recognized(step, max_new_tokens))
+        if (step := stream.finish()) is not None:
+            yield stream.accept(step, self._recognized(step, max_new_tokens))
+
+    def _recognized(self, step: RecognitionStep, max_new_tokens: int) -> str:
+        """The reply to one streaming-recognition step (greedy)."""
+        if len(step.prompt_ids) + max_new_tokens > self.family.max_positions:
+            raise ValueError(f"audio: {len(step.prompt_ids)} prompt tokens with max_new_tokens={max_new_tokens} "
+                             f"exceed the model's {self.family.max_positions} positions")
+        request = Request(0, step.prompt_ids, max_new_tokens=max_new_tokens, max_frames=1, speaker=None,
+                          media=step.media)
+        return next(event.output for event in self._run([request]) if event.output is not None).text
 
     def _transcription_request(self, audio, language, prompt, sampling, seed, max_new_tokens, *,
                                is_streamed: bool) -> tuple[Request, float]:

@@ -132,3 +132,43 @@ def greedy_ids(reference, input_ids: list[int], input_features: torch.Tensor, fe
         eos_token_id=sorted(eos_token_ids), do_sample=False,
     )
     return out.sequences[0, ids.shape[1]:].tolist()
+
+
+# The released chat template's rendering of the ASR messages (a system turn of the context, a user turn of one
+# audio), the prompt the reference's `_build_text_prompt` renders with the real processor.
+ASR_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+class GreedyLLM:
+    """What the reference's streaming mode calls (vLLM's `LLM.generate([{"prompt", "multi_modal_data"}], ...)`,
+    its only backend for streaming) answered by the reference's transformers model, greedy: so the reference's
+    own streaming code (prefix rollback, prompts, parsing) runs on the same weights as ours."""
+
+    def __init__(self, reference, processor, eos_token_ids, max_new_tokens: int):
+        self.reference, self.processor = reference, processor
+        self.eos_token_ids, self.max_new_tokens = eos_token_ids, max_new_tokens
+
+    def generate(self, inputs, sampling_params=None, use_tqdm=False):
+        outputs = []
+        for item in inputs:
+            audio = item["multi_modal_data"]["audio"][0]
+            batch = self.processor(text=[item["prompt"]], audio=[audio], return_tensors="pt")
+            ids = greedy_ids(self.reference, batch["input_ids"][0].tolist(), batch["input_features"],
+                             batch["feature_attention_mask"], self.eos_token_ids, self.max_new_tokens)
+            text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
+            outputs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(text=text)]))
+        return outputs
+
+
+def reference_streaming(family, max_new_tokens: int):
+    """The reference's `Qwen3ASRModel` in its streaming mode over our family's weights (`GreedyLLM`)."""
+    qwen_asr = load()
+    processor = reference_processor(family.processor)
+    processor.chat_template = ASR_CHAT_TEMPLATE
+    llm = GreedyLLM(reference_model(family.model), processor, family.eos_token_ids, max_new_tokens)
+    return qwen_asr.Qwen3ASRModel(backend="vllm", model=llm, processor=processor, sampling_params=None)

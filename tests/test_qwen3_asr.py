@@ -175,3 +175,70 @@ def test_the_command_line_transcribes_with_tiny_asr_and_checks_the_aligner_path(
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_asr", "thinker_config": {}}')
     assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
     assert "is not a Qwen3-ForcedAligner checkpoint" in capsys.readouterr().err
+
+
+def test_collapse_repeats_and_parse_are_the_references():
+    """`collapse_repeats` and `parse_transcript` are `qwen_asr`'s `detect_and_fix_repetitions` and
+    `parse_asr_output` on looping replies (runs of a character, repeated pieces) and tagged ones."""
+    reference.load()
+    from qwen_asr.inference.utils import detect_and_fix_repetitions, parse_asr_output
+
+    from omnimtp.families.qwen3_asr import collapse_repeats
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        parts = []
+        for _ in range(rng.integers(1, 6)):
+            kind = rng.integers(0, 3)
+            if kind == 0:
+                parts.append("".join(rng.choice(list("abcxyz "), size=rng.integers(0, 30))))
+            elif kind == 1:
+                parts.append(str(rng.choice(list("abc"))) * int(rng.integers(15, 30)))
+            else:
+                parts.append("".join(rng.choice(list("ab c"), size=rng.integers(1, 5))) * int(rng.integers(15, 26)))
+        text = "".join(parts)
+        assert collapse_repeats(text) == detect_and_fix_repetitions(text), text
+        for raw in (text, f"language English<asr_text>{text}", f"language chinese\n<asr_text> {text} "):
+            language, parsed = parse_transcript(raw)
+            assert (language or "", parsed) == parse_asr_output(raw), raw
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_streaming_recognition_is_the_references(family, language):
+    """`stream_recognition` gives, chunk by chunk and for the tail, the transcripts of the reference's streaming
+    mode (its own prefix rollback and prompts; its vLLM generator answered by its transformers model, greedy, on
+    the same weights); pieces of any size give the same transcripts."""
+    streaming = reference.reference_streaming(family, 10)
+    pipe = OmniPipeline(family=family, max_new_tokens=10)
+    audio = _speechlike(2.7, 12)
+    chunk = 8000  # 0.5 s
+    state = streaming.init_streaming_state(context="Hi", language=None if language is None else "English",
+                                           unfixed_chunk_num=2, unfixed_token_num=3, chunk_size_sec=0.5)
+    expected = []
+    for start in range(0, len(audio), chunk):
+        before = state.chunk_id
+        streaming.streaming_transcribe(audio[start:start + chunk], state)
+        if state.chunk_id > before:
+            expected.append(state.text)
+    streaming.finish_streaming_transcribe(state)
+    expected.append(state.text)
+    for size in (chunk, 3001):
+        pieces = [audio[i:i + size] for i in range(0, len(audio), size)]
+        partials = list(pipe.stream_recognition(pieces, language, "Hi", chunk_seconds=0.5, unfixed_chunks=2,
+                                                unfixed_tokens=3))
+        assert [p.text for p in partials] == expected
+        assert [p.is_final for p in partials] == [False] * (len(expected) - 1) + [True]
+        assert partials[-1].audio_seconds == pytest.approx(len(audio) / RATE)
+    assert len(set(expected)) > 2
+
+
+def test_streaming_recognition_bad_input(family):
+    pipe = OmniPipeline(family=family, max_new_tokens=4)
+    for kwargs, name in (({"chunk_seconds": 0}, "chunk_seconds"), ({"unfixed_tokens": -1}, "unfixed_tokens"),
+                         ({"language": "xx"}, "language")):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            list(pipe.stream_recognition([np.zeros(100, np.float32)], **kwargs))
+    with pytest.raises(ValueError, match="^samples"):
+        list(pipe.stream_recognition([np.zeros((2, 100), np.float32)]))
+    with pytest.raises(ValueError, match="^model: streaming recognition needs a Qwen3-ASR"):
+        list(OmniPipeline.tiny().stream_recognition([np.zeros(100, np.float32)]))

@@ -63,11 +63,45 @@ def asr_language(language: str | None, supported=ASR_LANGUAGES) -> str | None:
     return name
 
 
+def collapse_repeats(text: str, threshold: int = 20, max_pattern: int = 20) -> str:
+    """A reply that loops cut back as the reference cuts it (`qwen_asr`'s `detect_and_fix_repetitions`): a run of
+    more than `threshold` equal characters becomes one; then, scanning from the start, the first piece of 1 to
+    `max_pattern` characters repeated at least `threshold` times in a row stays once, the rest after its repeats
+    is cut the same way.
+
+        >>> collapse_repeats("ab" + "x" * 30 + "cd")
+        'abxcd'"""
+    kept, start = [], 0
+    while start < len(text):
+        end = start
+        while end < len(text) and text[end] == text[start]:
+            end += 1
+        kept.append(text[start] if end - start > threshold else text[start:end])
+        start = end
+    return _collapse_patterns("".join(kept), threshold, max_pattern)
+
+
+def _collapse_patterns(text: str, threshold: int, max_pattern: int) -> str:
+    n = len(text)
+    for i in range(max(0, n - 2 * threshold + 1)):
+        for k in range(1, max_pattern + 1):
+            if i + k * threshold > n:
+                break
+            pattern = text[i:i + k]
+            if all(text[i + r * k:i + (r + 1) * k] == pattern for r in range(1, threshold)):
+                end = i + threshold * k
+                while end + k <= n and text[end:end + k] == pattern:
+                    end += k
+                return text[:i] + pattern + _collapse_patterns(text[end:], threshold, max_pattern)
+    return text
+
+
 def parse_transcript(raw: str, language: str | None = None) -> tuple[str | None, str]:
-    """The model's raw reply → (language, text), as `qwen_asr.parse_asr_output`: with a forced language the
-    reply is the text; else "language English<asr_text>Hello." → ("English", "Hello."), "language None<asr_text>"
-    (no speech) → (None, ""), a reply without the tag is all text."""
-    text = raw.strip()
+    """The model's raw reply → (language, text), as `qwen_asr.parse_asr_output`: a looping reply is cut
+    (`collapse_repeats`); with a forced language the reply is the text; else "language English<asr_text>Hello."
+    → ("English", "Hello."), "language None<asr_text>" (no speech) → (None, ""), a reply without the tag is all
+    text."""
+    text = collapse_repeats(raw.strip())
     if language is not None or ASR_TEXT_TOKEN not in text:
         return language, text
     meta, text = text.split(ASR_TEXT_TOKEN, 1)
