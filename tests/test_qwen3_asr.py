@@ -175,6 +175,9 @@ def test_the_command_line_transcribes_with_tiny_asr_and_checks_the_aligner_path(
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_asr", "thinker_config": {}}')
     assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
     assert "is not a Qwen3-ForcedAligner checkpoint" in capsys.readouterr().err
+    assert main(["speak", "--model", "tiny-asr", "Hi", "-o", str(tmp_path / "a.wav")]) == 2
+    assert main(["chat", "--model", "tiny-asr", "--out-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("is a Qwen3-ASR model: it hears and does not speak or chat") == 2
 
 
 def test_collapse_repeats_and_parse_are_the_references():
