@@ -76,20 +76,26 @@ def _patch_for_transformers_5_24() -> None:
     _PATCHED.add("models")
 
 
-def reference_model(model):
-    """The reference's `Qwen3ASRForConditionalGeneration` with the weights of our `Qwen3ASRModel` (its config dict
-    and state dict: the same released layout), fp32, eval."""
+def random_reference(config: dict):
+    """The reference's `Qwen3ASRForConditionalGeneration` of a config.json dict, with its own random weights, fp32,
+    eval."""
     load()
     from qwen_asr.core.transformers_backend import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
 
-    config = Qwen3ASRConfig(**{k: v for k, v in model.config.items() if k not in ("model_type", "architectures")})
+    reference_config = Qwen3ASRConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
     for key in ("timestamp_token_id", "timestamp_segment_time"):
-        if key in model.config:
-            setattr(config, key, model.config[key])
-    text_config = config.thinker_config.text_config
+        if key in config:
+            setattr(reference_config, key, config[key])
+    text_config = reference_config.thinker_config.text_config
     if "pad_token_id" not in vars(text_config):
         text_config.pad_token_id = None
-    reference = Qwen3ASRForConditionalGeneration(config).eval()
+    return Qwen3ASRForConditionalGeneration(reference_config).eval()
+
+
+def reference_model(model):
+    """The reference's `Qwen3ASRForConditionalGeneration` with the weights of our `Qwen3ASRModel` (its config dict
+    and state dict: the same released layout), fp32, eval."""
+    reference = random_reference(model.config)
     result = reference.load_state_dict(model.state_dict(), strict=False)
     missing = [name for name in result.missing_keys if name != "thinker.lm_head.weight"]
     if missing or result.unexpected_keys:
@@ -114,11 +120,16 @@ def reference_processor(family_processor):
 def reference_aligner(aligner):
     """The reference's `Qwen3ForcedAligner` (its own `align`: word splitting, processor, forward, repair) over the
     weights, feature extractor and tokenizer of our `Qwen3ForcedAligner`."""
+    return aligner_of(reference_model(aligner.model), aligner.processor)
+
+
+def aligner_of(reference, processor):
+    """The reference's `Qwen3ForcedAligner` of a reference model and our `ASRProcessor` (feature extractor and
+    tokenizer)."""
     qwen_asr = load()
     from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
 
-    return qwen_asr.Qwen3ForcedAligner(reference_model(aligner.model), reference_processor(aligner.processor),
-                                       Qwen3ForceAlignProcessor())
+    return qwen_asr.Qwen3ForcedAligner(reference, reference_processor(processor), Qwen3ForceAlignProcessor())
 
 
 def greedy_ids(reference, input_ids: list[int], input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
