@@ -163,12 +163,14 @@ class GreedyLLM:
     def __init__(self, reference, processor, eos_token_ids, max_new_tokens: int):
         self.reference, self.processor = reference, processor
         self.eos_token_ids, self.max_new_tokens = eos_token_ids, max_new_tokens
+        self.prompt_ids: list[list[int]] = []  # every prompt it was given, as ids
 
     def generate(self, inputs, sampling_params=None, use_tqdm=False):
         outputs = []
         for item in inputs:
             audio = item["multi_modal_data"]["audio"][0]
             batch = self.processor(text=[item["prompt"]], audio=[audio], return_tensors="pt")
+            self.prompt_ids.append(batch["input_ids"][0].tolist())
             ids = greedy_ids(self.reference, batch["input_ids"][0].tolist(), batch["input_features"],
                              batch["feature_attention_mask"], self.eos_token_ids, self.max_new_tokens)
             text = self.processor.tokenizer.decode(ids, skip_special_tokens=True)
@@ -176,10 +178,32 @@ class GreedyLLM:
         return outputs
 
 
-def reference_streaming(family, max_new_tokens: int):
-    """The reference's `Qwen3ASRModel` in its streaming mode over our family's weights (`GreedyLLM`)."""
+class ScriptedLLM(GreedyLLM):
+    """`GreedyLLM` that answers with the given replies in turn (what a trained model might write) instead."""
+
+    def __init__(self, processor, replies: list[str]):
+        super().__init__(None, processor, (), 0)
+        self.replies = list(replies)
+
+    def generate(self, inputs, sampling_params=None, use_tqdm=False):
+        outputs = []
+        for item in inputs:
+            batch = self.processor(text=[item["prompt"]], audio=[item["multi_modal_data"]["audio"][0]],
+                                   return_tensors="pt")
+            self.prompt_ids.append(batch["input_ids"][0].tolist())
+            reply = self.replies.pop(0)
+            outputs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(text=reply)]))
+        return outputs
+
+
+def reference_streaming(family, max_new_tokens: int, replies: list[str] | None = None):
+    """The reference's `Qwen3ASRModel` in its streaming mode over our family's weights (`GreedyLLM`), or answering
+    with scripted replies (`ScriptedLLM`)."""
     qwen_asr = load()
     processor = reference_processor(family.processor)
     processor.chat_template = ASR_CHAT_TEMPLATE
-    llm = GreedyLLM(reference_model(family.model), processor, family.eos_token_ids, max_new_tokens)
+    if replies is not None:
+        llm = ScriptedLLM(processor, replies)
+    else:
+        llm = GreedyLLM(reference_model(family.model), processor, family.eos_token_ids, max_new_tokens)
     return qwen_asr.Qwen3ASRModel(backend="vllm", model=llm, processor=processor, sampling_params=None)

@@ -11,6 +11,7 @@ import torch
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
+from omnimtp.families.asr_stream import StreamingRecognition
 from omnimtp.families.qwen3_asr import Qwen3ASRFamily, parse_transcript
 from omnimtp.models.qwen3_asr import Qwen3ASRModel
 from omnimtp.pipeline import OmniPipeline
@@ -233,6 +234,44 @@ def test_streaming_recognition_is_the_references(family, language):
         assert [p.is_final for p in partials] == [False] * (len(expected) - 1) + [True]
         assert partials[-1].audio_seconds == pytest.approx(len(audio) / RATE)
     assert len(set(expected)) > 2
+    # the prompts too (the kept prefix of each): the tiny model's replies may hide a prefix one token off
+    stream = StreamingRecognition(family, language, "Hi", chunk_seconds=0.5, unfixed_chunks=2, unfixed_tokens=3)
+    prompts = []
+    stream.feed(audio)
+    while (step := stream.next_step() or stream.finish()) is not None:
+        prompts.append(step.prompt_ids)
+        stream.accept(step, pipe._recognized(step, 10))
+    assert prompts == streaming.model.prompt_ids
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_streaming_prefixes_roll_back_as_the_references(family, language):
+    """With replies a trained model might write (words, multi-byte characters whose tokens a cut would split),
+    each transcription's prompt (the kept prefix after the rollback) and each transcript are the reference's."""
+    tag = "" if language else "language English<asr_text>"
+    replies = [f"{tag}Hello wor", f"{tag}Hello world, 你好", "ld, 你好 again and", " again and again.",
+               "n and again. Done", " Done."]
+    streaming = reference.reference_streaming(family, 0, replies)
+    audio = _speechlike(2.7, 13)
+    state = streaming.init_streaming_state(language=None if language is None else "English", unfixed_chunk_num=2,
+                                           unfixed_token_num=4, chunk_size_sec=0.5)
+    expected = []
+    for start in range(0, len(audio), 8000):
+        before = state.chunk_id
+        streaming.streaming_transcribe(audio[start:start + 8000], state)
+        if state.chunk_id > before:
+            expected.append(state.text)
+    streaming.finish_streaming_transcribe(state)
+    expected.append(state.text)
+    stream = StreamingRecognition(family, language, None, chunk_seconds=0.5, unfixed_chunks=2, unfixed_tokens=4)
+    stream.feed(audio)
+    prompts, texts, scripted = [], [], list(replies)
+    while (step := stream.next_step() or stream.finish()) is not None:
+        prompts.append(step.prompt_ids)
+        texts.append(stream.accept(step, scripted.pop(0)).text)
+    assert prompts == streaming.model.prompt_ids
+    assert texts == expected
+    assert not scripted and any(len(p) > len(prompts[0]) for p in prompts)  # prefixes were kept
 
 
 def test_streaming_recognition_bad_input(family):
