@@ -333,6 +333,9 @@ class OmniPipeline:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
             return
+        if isinstance(self.family, Qwen3ASRFamily):
+            self.processor.save_pretrained(path)  # preprocessor_config.json and the tokenizer
+            return
         if self.model.config.model_type == "qwen2_5_omni":
             torch.save(self.model.speaker_map, os.path.join(os.fspath(path), "spk_dict.pt"))
         if self.processor is not None:

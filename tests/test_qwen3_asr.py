@@ -119,9 +119,9 @@ def test_quantized_transcribes_alone_as_in_a_batch_and_starts_as_the_float_model
 def test_the_released_layout_round_trips(family, tmp_path):
     """save_pretrained writes config.json + model.safetensors (the tied head not stored) that from_pretrained reads
     back to the same transcript; a file that does not match its config is refused naming path."""
-    family.model.save_pretrained(tmp_path)
-    family.tokenizer.save_pretrained(tmp_path)
-    pipe = OmniPipeline.from_pretrained(tmp_path, max_new_tokens=12)
+    OmniPipeline(family=family, max_new_tokens=12).save_pretrained(tmp_path)
+    pipe = OmniPipeline.from_pretrained(tmp_path)  # its caps, feature extractor and tokenizer too
+    assert pipe.config.max_new_tokens == 12 and pipe.processor.feature_extractor.feature_size == 16
     samples = _speechlike(1.0, 10)
     assert pipe.transcribe(samples).text_ids == OmniPipeline(family=family, max_new_tokens=12).transcribe(
         samples).text_ids

@@ -122,7 +122,11 @@ def test_bad_files_are_a_400_naming_file(http, body):
     assert response.json()["error"]["param"] == "file"
 
 
-def test_the_model_hears_and_does_not_speak(http):
+def test_the_model_hears_and_does_not_speak(http, family, aligner):
+    from omnimtp.server.cli import banner
+
+    engine = Engine(family, model_id=MODEL, max_batch_size=2)
+    assert "speech recognition: POST /v1/audio/transcriptions" in banner(engine, "http://x", playground=False)
     (card,) = http.get("/v1/models").json()["data"]
     assert card["family"] == "qwen3_asr" and card["endpoints"] == ["/v1/audio/transcriptions"]
     response = http.post("/v1/audio/speech", json={"model": MODEL, "input": "Hi", "voice": "alloy"})

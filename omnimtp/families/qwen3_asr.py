@@ -130,6 +130,11 @@ class ASRProcessor:
                                      truncation=False, return_attention_mask=True, return_tensors="pt")
         return MediaInputs(input_features=out["input_features"].float(), feature_attention_mask=out["attention_mask"])
 
+    def save_pretrained(self, path) -> None:
+        """preprocessor_config.json (the feature extractor) and the tokenizer's files."""
+        self.feature_extractor.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+
 
 class _NoTalker:
     """The talker batch of a model that does not speak: it never holds a row (the engine admits no speech request

@@ -48,6 +48,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
     model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
+    warm_up = warm_up and pipe.family.speaks  # (a model that only hears has no code predictor to compile)
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
                   media_limits=media_limits, timeout_text_idle=timeout_text_idle,

@@ -223,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
 def banner(engine, url: str, *, playground: bool) -> str:
     """What `serve` prints once the engine is built: the model, its API's URL, how it takes a voice, and the
     playground's URL where it is served."""
-    if engine.speakers:
+    if not engine.family.speaks:
+        voices = "speech recognition: POST /v1/audio/transcriptions"
+    elif engine.speakers:
         voices = f"voices: {', '.join(engine.speakers)}"
     elif engine.tts_model_type == "base":
         voices = "voices cloned from a recording: POST /v1/audio/voices, or ref_audio in a speech request"
