@@ -9,6 +9,7 @@ import pytest
 import qwen_asr_reference as reference
 
 from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins, split_words
+from omnimtp.media import MediaLimits
 
 RATE = 16_000
 
@@ -92,5 +93,7 @@ def test_bad_input_names_the_argument(aligner):
         aligner.align(samples, None, "en")
     with pytest.raises(ValueError, match="^audio:"):
         aligner.align(np.zeros(0, dtype=np.float32), "hi", "en")
+    with pytest.raises(ValueError, match="^audio: 401.0 s is longer than the aligner's time bins reach .400 s."):
+        aligner.align(np.zeros(401 * RATE, dtype=np.float32), "hi", "en", MediaLimits(max_audio_seconds=500))
     with pytest.raises(ValueError, match="^path:"):
         Qwen3ForcedAligner.from_pretrained("/nonexistent/aligner")

@@ -217,6 +217,10 @@ class Qwen3ForcedAligner:
         if not words:
             return []
         samples = load_audio(audio, self.processor.feature_extractor.sampling_rate, limits or MediaLimits(), "audio")
+        max_seconds = self.model.thinker.config.classify_num * self.segment_ms / 1000
+        if samples.shape[0] > max_seconds * self.processor.feature_extractor.sampling_rate:
+            raise ValueError(f"audio: {samples.shape[0] / self.processor.feature_extractor.sampling_rate:.1f} s is "
+                             f"longer than the aligner's time bins reach ({max_seconds:g} s)")
         media = self.processor.features(samples)
         n_window = self.model.thinker.config.audio_config.n_window
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
