@@ -146,3 +146,19 @@ def test_without_an_aligner_word_timestamps_are_a_400_naming_timestamp_granulari
         assert httpx.get(f"{url}/health").status_code == 200
     assert caught.value.body["param"] == "timestamp_granularities[]"
     assert "--aligner-model" in caught.value.body["message"]
+
+
+def test_an_omni_model_with_an_aligner_gives_word_timestamps_too(aligner, speech_path):
+    """The aligner serves either kind of model: an omni model's transcript (its language the hint) aligned."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    engine = Engine(Qwen3OmniFamily.tiny(0), max_new_tokens=16, max_frames=4, max_batch_size=2, media_limits=LIMITS)
+    pipe = OmniPipeline(family=engine.family, max_new_tokens=16, media_limits=LIMITS)
+    expected = pipe.transcribe(speech_path, language="en")
+    words = aligner.align(load_audio(speech_path, 16_000, LIMITS), expected.text, "en")
+    with running_server(create_app(engine, aligner=aligner)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        verbose = client.audio.transcriptions.create(model="omnimtp-tiny", file=_file(speech_path), language="en",
+                                                     response_format="verbose_json", timestamp_granularities=["word"])
+    assert verbose.text == expected.text and verbose.language == "english"
+    assert [(w.word, w.start, w.end) for w in verbose.words] == [(w.word, w.start, w.end) for w in words]
