@@ -162,3 +162,40 @@ def test_an_omni_model_with_an_aligner_gives_word_timestamps_too(aligner, speech
                                                      response_format="verbose_json", timestamp_granularities=["word"])
     assert verbose.text == expected.text and verbose.language == "english"
     assert [(w.word, w.start, w.end) for w in verbose.words] == [(w.word, w.start, w.end) for w in words]
+
+
+def test_speech_the_server_made_gets_word_timestamps(aligner):
+    """`/v1/audio/speech` with `timestamp_granularities: ["word"]` (SSE): `speech.audio.done` carries the aligner's
+    words of the input on the request's audio, the pipeline's audio for the same greedy request."""
+    import base64
+    import json
+
+    from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+
+    family = Qwen3TTSFamily.tiny(0)
+    text = "Hello there, this is a test."
+    output = OmniPipeline(family=family, max_frames=12).speech(text, voice="aiden", language="english",
+                                                                sampling=None)
+    expected = aligner.align((output.audio, family.sample_rate), text, "English")
+    assert [w.word for w in expected] == ["Hello", "there", "this", "is", "a", "test"]
+    engine = Engine(family, model_id="tiny-tts", max_frames=12, max_batch_size=2)
+    body = {"model": "tiny-tts", "input": text, "voice": "aiden", "language": "english", "temperature": 0,
+            "response_format": "pcm", "stream_format": "sse", "timestamp_granularities": ["word"]}
+    with running_server(create_app(engine, aligner=aligner)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/audio/speech", json=body) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+        assert len(pcm) == 2 * len(output.audio)
+        assert events[-1]["type"] == "speech.audio.done"
+        assert events[-1]["words"] == [{"word": w.word, "start": w.start, "end": w.end} for w in expected]
+        for fields, param in (({"stream_format": "audio"}, "timestamp_granularities"),
+                              ({"language": "japanese", "input": "こんにちは"}, "language"),
+                              ({"timestamp_granularities": ["phoneme"]}, "timestamp_granularities.0")):
+            response = http.post("/v1/audio/speech", json={**body, **fields})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        batch = http.post("/v1/audio/speech/batch", json={"items": [body]}).json()
+        assert batch["data"][0]["error"]["param"] == "items[0].timestamp_granularities"
+    with running_server(create_app(engine)) as url:
+        response = httpx.post(f"{url}/v1/audio/speech", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "timestamp_granularities"
