@@ -60,6 +60,7 @@ PREFIX_CACHE = ("tests/test_prefix_cache.py",)
 VOICE_AGENT = ("tests/test_realtime_vad.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
+ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
@@ -1787,6 +1788,18 @@ MUTATIONS = [
         "rows = out.final[0, slots]  # [2·words, D]",
         "rows = out.final[0, slots.roll(1)]  # [2·words, D]",
         QWEN3_ALIGNER, "the aligner classifies the position after each <timestamp> slot",
+    ),
+    Mutation(
+        "transcription_words_on_half_the_audio", "omnimtp/server/routes/transcriptions.py",
+        "return aligner.align((samples, rate), text, language)",
+        "return aligner.align((samples[: len(samples) // 2], rate), text, language)",
+        ASR_SERVER, "a transcript's word timestamps are aligned on the first half of its audio",
+    ),
+    Mutation(
+        "speech_words_at_the_wrong_rate", "omnimtp/server/routes/speech.py",
+        "for w in aligner.align((audio, sample_rate), text, language)]",
+        "for w in aligner.align((audio, 16_000), text, language)]",
+        ASR_SERVER, "generated speech (24 kHz) is aligned as if it were 16 kHz audio",
     ),
 ]
 
