@@ -29,6 +29,7 @@ each process's peak RSS is one model's (about 7 GB for the fp32 0.6B weights and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -113,17 +114,36 @@ def _flops(fn) -> float:
 
 
 def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, quick: bool, machine: dict) -> dict:
+    """One mode: the ASR measured and released (`_measure_asr`), then the aligner built and measured."""
+    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+    from omnimtp.media import MediaLimits
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+
+    torch.set_num_threads(threads)
+    quantize = None if mode == "fp32" else mode
+    entry = _measure_asr(mode, quantize, seconds, tokens, quick, machine)
+    gc.collect()  # the ASR's weights are gone before the aligner's are made: one model at a time
+    limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
+    samples = _audio(seconds)
+    aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize)
+    text = _transcript(words)
+    aligner.align(samples[: RATE // 2], "warm up", "en", limits)
+    started = time.perf_counter()
+    aligned = aligner.align(samples, text, "en", limits)
+    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
+    entry["peak_rss_mb"] = _peak_rss_mb()
+    return entry
+
+
+def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, quick: bool, machine: dict) -> dict:
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
-    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
     from omnimtp.families.qwen3_asr import Qwen3ASRFamily
     from omnimtp.media import MediaLimits
     from omnimtp.models.qwen3_asr import asr_byte_tokenizer
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.thinker import multimodal_prefill
 
-    torch.set_num_threads(threads)
-    quantize = None if mode == "fp32" else mode
     started = time.perf_counter()
     family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize)
     load_s = time.perf_counter() - started
@@ -179,14 +199,7 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     }
     floor = entry["floor"]
     floor["transcribe_s"] = floor["first_step_s"] + (tokens - 1) * step_floor_s
-    del pipe, family
-    aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize)
-    text = _transcript(words)
-    aligner.align(samples[: RATE // 2], "warm up", "en", limits)
-    started = time.perf_counter()
-    aligned = aligner.align(samples, text, "en", limits)
-    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
-    entry["peak_rss_mb"] = _peak_rss_mb()
+    entry["asr_peak_rss_mb"] = _peak_rss_mb()
     return entry
 
 
@@ -217,6 +230,7 @@ def run_reference(seconds: float, tokens: int, words: int, threads: int, quick: 
     entry = {"reply_tokens": out.sequences.shape[1] - ids.shape[1], "transcribe_s": transcribe_s,
              "rtf": transcribe_s / seconds}
     del model, out
+    gc.collect()
     config = _config(True, quick)
     aligner = reference.aligner_of(reference.random_reference(config), _processor(config))
     text = _transcript(words)

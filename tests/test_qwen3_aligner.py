@@ -97,3 +97,11 @@ def test_bad_input_names_the_argument(aligner):
         aligner.align(np.zeros(401 * RATE, dtype=np.float32), "hi", "en", MediaLimits(max_audio_seconds=500))
     with pytest.raises(ValueError, match="^path:"):
         Qwen3ForcedAligner.from_pretrained("/nonexistent/aligner")
+
+
+def test_a_quantized_aligner_it_made_itself_frees_its_float_matrices(aligner):
+    own = Qwen3ForcedAligner.tiny(0, quantize="int8")
+    assert all(linear.weight.stride() == (0, 0) for linear in own.model.decoder_linears())
+    samples = _speechlike(1.3, 6)
+    kept = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
+    assert own.align(samples, "one two three four", "en") == kept.align(samples, "one two three four", "en")

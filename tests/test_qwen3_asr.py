@@ -284,3 +284,18 @@ def test_streaming_recognition_bad_input(family):
         list(pipe.stream_recognition([np.zeros((2, 100), np.float32)]))
     with pytest.raises(ValueError, match="^model: streaming recognition needs a Qwen3-ASR"):
         list(OmniPipeline.tiny().stream_recognition([np.zeros(100, np.float32)]))
+
+
+def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_path):
+    """Loaded quantized, the family releases the decoder matrices its quantized copies replace (zero-stride
+    placeholders): the same transcript as quantizing a model the caller keeps; saving it is refused."""
+    pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="int8", max_new_tokens=8)
+    linears = pipe.family.model.decoder_linears()
+    assert linears and all(linear.weight.stride() == (0, 0) for linear in linears)
+    kept = Qwen3ASRFamily(family.model, family.tokenizer, quantize="int8")
+    assert all(linear.weight.stride() != (0, 0) for linear in family.model.decoder_linears())
+    samples = _speechlike(1.1, 14)
+    assert pipe.transcribe(samples).text_ids == OmniPipeline(family=kept, max_new_tokens=8).transcribe(
+        samples).text_ids
+    with pytest.raises(ValueError, match="^model: its decoder matrices were released"):
+        pipe.save_pretrained(tmp_path)

@@ -151,6 +151,7 @@ class Qwen3ForcedAligner:
         if quantize is not None:
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.decoder = decoder
+        self.quantize = quantize
         self._lock = threading.Lock()
 
     @classmethod
@@ -177,7 +178,7 @@ class Qwen3ForcedAligner:
         processor = None
         if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             processor = ASRProcessor(WhisperFeatureExtractor.from_pretrained(path), tokenizer)
-        return cls(model, tokenizer, processor=processor, **kwargs)
+        return cls(model, tokenizer, processor=processor, **kwargs)._owning_model()
 
     @classmethod
     def tiny(cls, seed: int = 0, device=None, **kwargs) -> Qwen3ForcedAligner:
@@ -191,7 +192,14 @@ class Qwen3ForcedAligner:
             if device is not None:
                 model = model.to(resolve_device(device))
                 model.restore_buffers()
-            return cls(model, asr_byte_tokenizer(), **kwargs)
+            return cls(model, asr_byte_tokenizer(), **kwargs)._owning_model()
+
+    def _owning_model(self) -> Qwen3ForcedAligner:
+        """This aligner, for a model it made itself: quantized, the float matrices its quantized copies replace are
+        released from the model (`Qwen3ASRModel.release_decoder_linears`)."""
+        if self.quantize is not None:
+            self.model.release_decoder_linears()
+        return self
 
     def words(self, text: str, language: str | None) -> list[str]:
         """The transcript's alignment units (`split_words`). ValueError naming language for Japanese and Korean

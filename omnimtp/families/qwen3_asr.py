@@ -224,7 +224,7 @@ class Qwen3ASRFamily(ChatText):
         processor = None
         if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             processor = ASRProcessor(WhisperFeatureExtractor.from_pretrained(path), tokenizer)
-        return cls(model, tokenizer, processor=processor, **kwargs)
+        return cls(model, tokenizer, processor=processor, **kwargs)._owning_model()
 
     @classmethod
     def tiny(cls, seed: int = 0, device=None, **kwargs) -> Qwen3ASRFamily:
@@ -237,7 +237,15 @@ class Qwen3ASRFamily(ChatText):
             if device is not None:
                 model = model.to(resolve_device(device))
                 model.restore_buffers()
-            return cls(model, asr_byte_tokenizer(), **kwargs)
+            return cls(model, asr_byte_tokenizer(), **kwargs)._owning_model()
+
+    def _owning_model(self) -> Qwen3ASRFamily:
+        """This family, for a model it made itself: quantized, the float matrices its quantized copies replace are
+        released from the model (`Qwen3ASRModel.release_decoder_linears`), so quantizing saves memory. A model the
+        caller passed is left as it is."""
+        if self.quantize is not None:
+            self.model.release_decoder_linears()
+        return self
 
     @property
     def device(self) -> torch.device:

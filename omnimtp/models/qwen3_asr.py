@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
 
-from omnimtp.models.qwen3_tts import Decoder, decoder_config
+from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 
 CONFIG_NAME = "config.json"
@@ -133,6 +133,7 @@ class Qwen3ASRModel(nn.Module):
             raise ValueError(f"config: model_type {config.get('model_type')!r} is not 'qwen3_asr'")
         self.config = config
         self.thinker = Qwen3ASRThinker(config["thinker_config"])
+        self.has_released_linears = False  # see `release_decoder_linears`
 
     @property
     def is_aligner(self) -> bool:
@@ -188,8 +189,23 @@ class Qwen3ASRModel(nn.Module):
                 tower.config.max_source_positions, tower.config.d_model
             )
 
+    def decoder_linears(self) -> list[nn.Linear]:
+        """The linears of the text decoder's layers (q/k/v/o, gate/up/down)."""
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj")
+        return [layer.get_submodule(name) for layer in self.thinker.model.layers for name in names]
+
+    def release_decoder_linears(self) -> None:
+        """Frees the decoder layers' matrices for a runtime that holds its own quantized copies
+        (`omnimtp.models.qwen3_tts.release_matrices`); the model can then no longer be saved nor packed again."""
+        release_matrices(self.decoder_linears())
+        self.has_released_linears = True
+
     def save_pretrained(self, path) -> None:
         """config.json and model.safetensors in the released layout."""
+        if self.has_released_linears:
+            raise ValueError("model: its decoder matrices were released for quantized weights; save the "
+                             "checkpoint it was loaded from instead")
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
