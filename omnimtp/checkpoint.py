@@ -95,6 +95,8 @@ def omni_model_type(path: str, param: str = "path") -> str:
     model's name (TINY_MODELS) is its model type."""
     if tiny_model(path) is not None:
         return TINY_MODELS[path][0]
+    if path == TINY_ALIGNER and not os.path.exists(path):
+        raise ValueError(f"{param}: {path!r} is a forced aligner, loaded beside a model (serve --aligner-model)")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         reason = ("does not exist (nor is it a built-in model: " + ", ".join(TINY_MODELS) + ")"

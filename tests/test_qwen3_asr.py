@@ -179,6 +179,9 @@ def test_the_command_line_transcribes_with_tiny_asr_and_checks_the_aligner_path(
     assert main(["speak", "--model", "tiny-asr", "Hi", "-o", str(tmp_path / "a.wav")]) == 2
     assert main(["chat", "--model", "tiny-asr", "--out-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("is a Qwen3-ASR model: it hears and does not speak or chat") == 2
+    assert main(["transcribe", str(question), "--model", "tiny-aligner"]) == 2
+    error = capsys.readouterr().err
+    assert "'tiny-aligner' is a forced aligner, loaded beside a model (serve --aligner-model)" in error
 
 
 def test_collapse_repeats_and_parse_are_the_references():
