@@ -13,7 +13,7 @@ MODEL_TYPES = {
     "qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
 }
 # served with the project's own modules (not in transformers)
-OWN_MODEL_TYPES = ("qwen3_tts",)
+OWN_MODEL_TYPES = ("qwen3_tts", "qwen3_asr")
 # The built-in tiny models (seeded random weights, made in a second, noise-like speech) by the name `--model`
 # and `OmniPipeline.from_pretrained` take: name → (config.json's model_type, `OmniPipeline.tiny`'s family,
 # its tts_model_type). A name wins over a directory of the same name only where no such directory exists.
@@ -23,7 +23,10 @@ TINY_MODELS = {
     "tiny-tts": ("qwen3_tts", "qwen3_tts", "custom_voice"),
     "tiny-tts-design": ("qwen3_tts", "qwen3_tts", "voice_design"),
     "tiny-tts-base": ("qwen3_tts", "qwen3_tts", "base"),
+    "tiny-asr": ("qwen3_asr", "qwen3_asr", None),
 }
+# The built-in tiny Qwen3-ForcedAligner (what `serve --aligner-model` takes beside a model; no pipeline runs it).
+TINY_ALIGNER = "tiny-aligner"
 # what `save_pretrained` writes next to config.json: the pipeline's default caps (max_new_tokens, max_frames),
 # which `from_pretrained` takes back, so a saved tiny model keeps its short caps
 CAPS_FILE = "omnimtp_caps.json"
@@ -53,6 +56,22 @@ def random_weights_note(model: str | None, *, transcribes: bool = False) -> str 
     return f"note: {name} is a built-in tiny model with random weights: {what}; --model takes a real checkpoint"
 
 
+def check_aligner_path(path: str, param: str = "aligner_model") -> None:
+    """ValueError naming `param` unless `path` is a Qwen3-ForcedAligner checkpoint directory (config.json with
+    model_type "qwen3_asr" and a thinker of model_type "qwen3_forced_aligner") or the built-in TINY_ALIGNER."""
+    if path == TINY_ALIGNER and not os.path.exists(path):
+        return
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{param}: {path!r} is not a checkpoint directory (no config.json), nor {TINY_ALIGNER!r}")
+    with open(config_path) as f:
+        config = json.load(f)
+    thinker_type = (config.get("thinker_config") or {}).get("model_type")
+    if config.get("model_type") != "qwen3_asr" or thinker_type != "qwen3_forced_aligner":
+        raise ValueError(f"{param}: {path!r} is not a Qwen3-ForcedAligner checkpoint (model_type "
+                         f"{config.get('model_type')!r}, thinker {thinker_type!r})")
+
+
 def is_shipped(path) -> bool:
     """Whether `path` is one of the checkpoints shipped in the package (`omnimtp.mtp.demo`): they load in a
     fraction of a second, without a "Loading weights" bar."""
@@ -76,6 +95,8 @@ def omni_model_type(path: str, param: str = "path") -> str:
     model's name (TINY_MODELS) is its model type."""
     if tiny_model(path) is not None:
         return TINY_MODELS[path][0]
+    if path == TINY_ALIGNER and not os.path.exists(path):
+        raise ValueError(f"{param}: {path!r} is a forced aligner, loaded beside a model (serve --aligner-model)")
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         reason = ("does not exist (nor is it a built-in model: " + ", ".join(TINY_MODELS) + ")"

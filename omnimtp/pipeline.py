@@ -46,7 +46,9 @@ from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
+from omnimtp.families.asr_stream import PartialTranscript, RecognitionStep, StreamingRecognition
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
+from omnimtp.families.qwen3_asr import Qwen3ASRFamily
 from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
@@ -93,7 +95,8 @@ class TranscriptionSegment:
 @dataclass
 class Transcription:
     """What `OmniPipeline.transcribe` heard. The model writes no timestamps, so there is one segment: the whole
-    text over the whole audio (start 0, end = duration). language: the hint given, or None."""
+    text over the whole audio (start 0, end = duration). language: the hint given, the language a Qwen3-ASR
+    model named ("English"), or None."""
 
     text: str
     text_ids: list[int]
@@ -213,9 +216,10 @@ class OmniPipeline:
         """The embedded default: a seeded tiny Qwen3-Omni (random weights: its speech is noise-like)
         with the byte-level tokenizer and its processor; short caps keep a run to a few seconds. device:
         where it runs (default the CPU). family: "qwen3", "qwen2_5" (a tiny Qwen2.5-Omni, its byte
-        tokenizer and its processor) or "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
+        tokenizer and its processor), "qwen3_tts" (a tiny Qwen3-TTS: CustomVoice with the speakers aiden,
         vivian and eric (a Sichuan-dialect speaker) and the languages english and chinese; `tts_model_type=
-        "voice_design"` for its VoiceDesign twin, "base" for its Base (voice-clone) twin). kwargs:
+        "voice_design"` for its VoiceDesign twin, "base" for its Base (voice-clone) twin) or "qwen3_asr" (a tiny
+        Qwen3-ASR in the released layout: it transcribes). kwargs:
         `OmniPipeline`'s (e.g. thinker_mtp, Qwen3 only)."""
         from omnimtp.limits import TINY_MAX_FRAMES, TINY_MAX_NEW_TOKENS
 
@@ -224,6 +228,8 @@ class OmniPipeline:
         quantize = kwargs.pop("quantize", None)
         codec_dtype = kwargs.pop("codec_dtype", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
+        if family == "qwen3_asr":
+            return cls(family=Qwen3ASRFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
         if family == "qwen3_tts":
             return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize,
                                                   codec_dtype=codec_dtype), **kwargs)
@@ -234,7 +240,7 @@ class OmniPipeline:
         if family == "qwen2_5":
             check_codec_dtype(codec_dtype, "qwen2_5_omni")
             return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
-        raise ValueError(f"family must be 'qwen3', 'qwen2_5' or 'qwen3_tts', got {family!r}")
+        raise ValueError(f"family must be 'qwen3', 'qwen2_5', 'qwen3_tts' or 'qwen3_asr', got {family!r}")
 
     @classmethod
     def demo(cls, device=None, *, thinker_mtp="shipped", **kwargs) -> OmniPipeline:
@@ -250,10 +256,11 @@ class OmniPipeline:
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> OmniPipeline:
         """A checkpoint directory, or a built-in tiny model's name (`omnimtp.checkpoint.TINY_MODELS`: "tiny",
-        "tiny-qwen2.5-omni", "tiny-tts", "tiny-tts-design", "tiny-tts-base"; `tiny`). config.json's model_type
-        picks the family ("qwen3_omni_moe": Qwen3-Omni,
+        "tiny-qwen2.5-omni", "tiny-tts", "tiny-tts-design", "tiny-tts-base", "tiny-asr"; `tiny`). config.json's
+        model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
-        layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode and codec_dtype); its
+        layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode and codec_dtype; "qwen3_asr":
+        Qwen3-ASR in its released layout, `Qwen3ASRFamily.from_pretrained`, which also takes quantize); its
         tokenizer and its processor (audio and images, `omnimtp.media.load_processor`), when it has them; the
         default caps a saved pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
@@ -269,6 +276,10 @@ class OmniPipeline:
             return cls.tiny(device=device, family=family, **tts, **kwargs)
         model_type = omni_model_type(path)
         kwargs = {**saved_caps(path), **kwargs}
+        if model_type == "qwen3_asr":
+            quantize = kwargs.pop("quantize", None)
+            return cls(family=Qwen3ASRFamily.from_pretrained(path, dtype=dtype, device=device, quantize=quantize),
+                       **kwargs)
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)
@@ -323,6 +334,9 @@ class OmniPipeline:
                     self.family.speech_encoder.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
+            return
+        if isinstance(self.family, Qwen3ASRFamily):
+            self.processor.save_pretrained(path)  # preprocessor_config.json and the tokenizer
             return
         if self.model.config.model_type == "qwen2_5_omni":
             torch.save(self.model.speaker_map, os.path.join(os.fspath(path), "spk_dict.pt"))
@@ -427,7 +441,7 @@ class OmniPipeline:
         request, duration = self._transcription_request(audio, language, prompt, sampling, seed, max_new_tokens,
                                                         is_streamed=False)
         output = next(event.output for event in self._run([request]) if event.output is not None)
-        return _transcription(output, duration, language)
+        return _transcription(self.family, output, duration, language)
 
     def stream_transcription(self, audio, language: str | None = None, prompt: str | None = None,
                              sampling: SamplingParams | None = None, *, seed: int | None = None,
@@ -435,23 +449,57 @@ class OmniPipeline:
         """`transcribe` as it is written: text deltas, then the `Transcription` (the one `transcribe` gives)."""
         request, duration = self._transcription_request(audio, language, prompt, sampling, seed, max_new_tokens,
                                                         is_streamed=True)
+        deltas = self.family.transcript_deltas(language)
         for event in self._run([request]):
             if event.output is not None:
-                yield _transcription(event.output, duration, language)
-            elif event.text:
-                yield event.text
+                if rest := deltas.finish():
+                    yield rest
+                yield _transcription(self.family, event.output, duration, language)
+            elif event.text and (delta := deltas.push(event.text)):
+                yield delta
+
+    def stream_recognition(self, audio_chunks, language: str | None = None, prompt: str | None = None, *,
+                           chunk_seconds: float = 2.0, unfixed_chunks: int = 2, unfixed_tokens: int = 5,
+                           max_new_tokens: int | None = None) -> Iterator[PartialTranscript]:
+        """Streaming recognition with a Qwen3-ASR model (`omnimtp.families.asr_stream.StreamingRecognition`:
+        the reference's streaming mode): audio_chunks, 16 kHz float (or int16) sample arrays as they arrive, of
+        any length → a `PartialTranscript` (the whole text so far) each time chunk_seconds of audio have
+        gathered, and the final one, of the tail, last. Each transcription is a greedy engine request over all
+        the audio so far, continuing the previous reply less its last unfixed_tokens tokens (none for the first
+        unfixed_chunks chunks). language, prompt: as `transcribe`'s."""
+        if not isinstance(self.family, Qwen3ASRFamily):
+            raise ValueError("model: streaming recognition needs a Qwen3-ASR model")
+        max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        stream = StreamingRecognition(self.family, language, prompt, chunk_seconds=chunk_seconds,
+                                      unfixed_chunks=unfixed_chunks, unfixed_tokens=unfixed_tokens)
+        for samples in audio_chunks:
+            stream.feed(samples)
+            while (step := stream.next_step()) is not None:
+                yield stream.accept(step, self._recognized(step, max_new_tokens))
+        if (step := stream.finish()) is not None:
+            yield stream.accept(step, self._recognized(step, max_new_tokens))
+
+    def _recognized(self, step: RecognitionStep, max_new_tokens: int) -> str:
+        """The reply to one streaming-recognition step (greedy)."""
+        if len(step.prompt_ids) + max_new_tokens > self.family.max_positions:
+            raise ValueError(f"audio: {len(step.prompt_ids)} prompt tokens with max_new_tokens={max_new_tokens} "
+                             f"exceed the model's {self.family.max_positions} positions")
+        request = Request(0, step.prompt_ids, max_new_tokens=max_new_tokens, max_frames=1, speaker=None,
+                          media=step.media)
+        return next(event.output for event in self._run([request]) if event.output is not None).text
 
     def _transcription_request(self, audio, language, prompt, sampling, seed, max_new_tokens, *,
                                is_streamed: bool) -> tuple[Request, float]:
         """A text-only request (speaker None: no talker) for the ASR prompt of `audio`, and the audio's seconds."""
-        if not self.family.has_chat or self.processor is None:
-            raise ValueError("model: transcription needs a model with a thinker and an audio processor")
+        if self.processor is None:
+            raise ValueError("model: transcription needs a model that hears audio (an audio processor)")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be None or a SamplingParams, got {type(sampling).__name__}")
         rate = self.processor.feature_extractor.sampling_rate
         samples = load_audio(audio, rate, self.media_limits, "audio")
-        ids, media = self.family.chat_inputs(self.family.transcription_messages(samples, language, prompt),
-                                             self.media_limits)
+        ids, media = self.family.transcription_inputs(samples, language, prompt, self.media_limits)
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -589,6 +637,8 @@ class OmniPipeline:
     def _speech_requests(self, text, input_ids, voice, language, instructions, sampling, seed, max_frames, *,
                          is_streamed: bool) -> tuple[list[Request], bool]:
         family = self.family
+        if not family.speaks:
+            raise ValueError("text: this model does not speak; it transcribes audio (transcribe)")
         if not hasattr(family, "voice"):
             raise ValueError("text: this model speaks its chat replies; use generate or stream")
         if (text is None) == (input_ids is None):
@@ -762,8 +812,8 @@ class SpeechSession:
         return chunks
 
 
-def _transcription(output: OmniOutput, duration: float, language: str | None) -> Transcription:
-    text = output.text.strip()
+def _transcription(family, output: OmniOutput, duration: float, language: str | None) -> Transcription:
+    language, text = family.parse_transcript(output.text, language)
     segment = TranscriptionSegment(0, 0.0, duration, text, list(output.text_ids))
     return Transcription(text, list(output.text_ids), duration, language, output.finish_reason, [segment])
 

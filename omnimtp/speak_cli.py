@@ -78,8 +78,9 @@ def _check_model_args(args) -> dict:
     """--model, --demo, --thinker-mtp and -k checked before anything heavy loads (ValueErrors name the
     flag) → `thinker_mtp_kwargs`."""
     speculation = thinker_mtp_kwargs(args)
-    if args.model is not None:
-        omni_model_type(args.model, "--model")
+    if args.model is not None and omni_model_type(args.model, "--model") == "qwen3_asr":
+        raise ValueError(f"--model: {args.model!r} is a Qwen3-ASR model: it hears and does not speak or chat; "
+                         "use omnimtp transcribe")
     return speculation
 
 
@@ -264,7 +265,10 @@ def run_chat(args: argparse.Namespace) -> int:
         os.makedirs(args.out_dir, exist_ok=True)  # before the model loads: a bad path fails at once
     except OSError as exc:
         return _refuse(f"--out-dir: cannot create {args.out_dir!r} ({exc.strerror})", "chat")
-    pipe = _load(args)
+    try:
+        pipe = _load(args)
+    except ValueError as exc:
+        return _refuse(str(exc), "chat")
     if not pipe.family.has_chat:
         return _refuse("--model: a Qwen3-TTS model has no chat; use omnimtp speak")
     _note_random_weights(args)

@@ -591,8 +591,10 @@ def multimodal_prefill(thinker, prompt: list[int], media: MediaInputs | None, de
     if not media.has_audio and not media.has_vision:
         return Prefill(embeds)
     if media.has_audio:
+        # the audio tower: transformers' omni thinkers keep it in their model, Qwen3-ASR's thinker beside it
+        audio_tower = getattr(thinker, "audio_tower", None) or thinker.model.audio_tower
         audio = thinker.get_audio_features(
-            media.input_features.to(device, thinker.model.audio_tower.dtype), media.feature_attention_mask.to(device),
+            media.input_features.to(device, audio_tower.dtype), media.feature_attention_mask.to(device),
             return_dict=True,
         ).last_hidden_state
         embeds = _scatter(embeds, ids == config.audio_token_id, audio, "audio")

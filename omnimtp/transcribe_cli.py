@@ -1,7 +1,9 @@
-"""`omnimtp transcribe`: the words spoken in audio files, heard by the omni model's thinker (no talker).
+"""`omnimtp transcribe`: the words spoken in audio files, heard by the omni model's thinker (no talker) or by a
+Qwen3-ASR model.
 
     omnimtp transcribe question.wav                        # the text, one line per file
     omnimtp transcribe --model Qwen3-Omni-30B-A3B-Instruct --language en a.wav b.flac --json
+    omnimtp transcribe --model Qwen3-ASR-0.6B a.wav        # the language: the one the model names
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from omnimtp.console import printable
 
 
 def add_parser(subparsers) -> None:
-    transcribe = subparsers.add_parser("transcribe", help="write down what audio files say (Qwen3-Omni / "
-                                       "Qwen2.5-Omni thinker)")
+    transcribe = subparsers.add_parser("transcribe", help="write down what audio files say (Qwen3-ASR, or "
+                                       "a Qwen3-Omni / Qwen2.5-Omni thinker)")
     transcribe.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, mp3, ogg, ...)")
-    transcribe.add_argument("--model", default=None, help="Qwen3-Omni or Qwen2.5-Omni checkpoint directory "
-                            "(default: embedded tiny model)")
-    transcribe.add_argument("--language", default=None, help="the spoken language, a hint: en, zh, de, ... "
-                            "(default: the model finds it)")
+    transcribe.add_argument("--model", default=None, help="Qwen3-ASR, Qwen3-Omni or Qwen2.5-Omni checkpoint "
+                            "directory, or tiny-asr (default: embedded tiny model)")
+    transcribe.add_argument("--language", default=None, help="the spoken language: en, zh, de, ... (a hint to an "
+                            "omni model, forced on Qwen3-ASR; default: the model finds it)")
     transcribe.add_argument("--prompt", default=None, help="context: earlier words, names and their spelling")
     transcribe.add_argument("--seed", type=int, default=None, help="sample with this seed (default: greedy)")
     transcribe.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",

@@ -58,6 +58,9 @@ VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
 VOICE_AGENT = ("tests/test_realtime_vad.py",)
+QWEN3_ASR = ("tests/test_qwen3_asr.py",)
+QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
+ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
 SERVER_VOICES = ("tests/test_server_voices.py",)
 SPEECH_STREAM = ("tests/test_speech_stream.py",)
@@ -1818,6 +1821,49 @@ MUTATIONS = [
         "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]",
         "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]",
         ADMISSION, "a parked stream whose text came resumes whatever the capacity",
+    ),
+    # --- Qwen3-ASR and Qwen3-ForcedAligner ------------------------------------------------------------
+    Mutation(
+        "asr_prompt_loses_the_assistant_line_end", "omnimtp/families/qwen3_asr.py",
+        '"<|audio_end|><|im_end|>\\n<|im_start|>assistant\\n")',
+        '"<|audio_end|><|im_end|>\\n<|im_start|>assistant")',
+        QWEN3_ASR, "the ASR prompt's assistant turn opens without its line end",
+    ),
+    Mutation(
+        "asr_audio_rows_of_a_wider_window", "omnimtp/families/qwen3_asr.py",
+        "return _get_feat_extract_output_lengths(lengths, n_window).tolist()",
+        "return _get_feat_extract_output_lengths(lengths, 2 * n_window).tolist()",
+        QWEN3_ASR, "the prompt holds the audio rows of an encoder window twice the model's",
+    ),
+    Mutation(
+        "asr_stream_rolls_back_one_token_less", "omnimtp/families/asr_stream.py",
+        "            end = max(0, len(ids) - cut)",
+        "            end = max(0, len(ids) - cut + 1)",
+        QWEN3_ASR, "streaming recognition keeps one unstable reply token more in its prefix",
+    ),
+    Mutation(
+        "aligner_gap_takes_the_right_neighbour_on_a_tie", "omnimtp/families/qwen3_aligner.py",
+        "nearer_left = left is not None and (right is None or k - (i - 1) <= j - k)",
+        "nearer_left = left is not None and (right is None or k - (i - 1) < j - k)",
+        QWEN3_ALIGNER, "a repaired time bin equally far from both neighbours takes the right one",
+    ),
+    Mutation(
+        "aligner_reads_the_slot_after_each_timestamp", "omnimtp/families/qwen3_aligner.py",
+        "rows = out.final[0, slots]  # [2·words, D]",
+        "rows = out.final[0, slots.roll(1)]  # [2·words, D]",
+        QWEN3_ALIGNER, "the aligner classifies the position after each <timestamp> slot",
+    ),
+    Mutation(
+        "transcription_words_on_half_the_audio", "omnimtp/server/routes/transcriptions.py",
+        "return aligner.align((samples, rate), text, language)",
+        "return aligner.align((samples[: len(samples) // 2], rate), text, language)",
+        ASR_SERVER, "a transcript's word timestamps are aligned on the first half of its audio",
+    ),
+    Mutation(
+        "speech_words_at_the_wrong_rate", "omnimtp/server/routes/speech.py",
+        "for w in aligner.align((audio, sample_rate), text, language)]",
+        "for w in aligner.align((audio, 16_000), text, language)]",
+        ASR_SERVER, "generated speech (24 kHz) is aligned as if it were 16 kHz audio",
     ),
 ]
 

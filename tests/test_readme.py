@@ -60,6 +60,9 @@ NOT_RUN = {
         "a released checkpoint (tests/test_quantized_checkpoint.py converts the tiny ones)"
     ),
     "omnimtp speak Hello --model qwen3-omni-w4a8": "the quantized copy of a released checkpoint",
+    "omnimtp serve --model tiny-asr --aligner-model tiny-aligner": (
+        "a server that runs until stopped (tests/test_server_asr.py serves both through the openai client)"),
+    "omnimtp serve --model Qwen3-ASR-0.6B": "released checkpoints (tests/test_server_asr.py serves the tiny ones)",
 }
 # A released checkpoint's directory, as `hf download --local-dir` leaves it, stood in for by the tiny model of its
 # kind saved in the released layout: the documented commands on it run as written.

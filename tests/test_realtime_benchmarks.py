@@ -196,3 +196,30 @@ def test_playback_quick_run_reports_every_load(tmp_path):
             assert 0 < level["continuity_min"] <= level["continuity_all"] <= 1
             for stream in level["streams_detail"]:
                 assert stream["audio_s"] > 0 and stream["underruns"] >= 0 and stream["queue_position"] is not None
+
+
+def test_asr_speed_quick_run_reports_every_part(tmp_path):
+    """benchmarks/asr_speed.py --quick: our modes and (where `qwen_asr` is installed) the reference, each part
+    timed and next to its floor."""
+    out = tmp_path / "asr.json"
+    has_reference = importlib.util.find_spec("qwen_asr") is not None
+    command = ["benchmarks/asr_speed.py", "--quick", "--threads", "1", "--modes", "fp32", "w4a8", "--out", str(out)]
+    if not has_reference:
+        command.append("--no-reference")
+    _run(command)
+    results = json.loads(out.read_text())
+    assert results["workload"]["size"] == "tiny" and results["machine"]["read_gb_s"] > 0
+    assert [entry["mode"] for entry in results["modes"]] == ["fp32", "w4a8"]
+    for entry in results["modes"]:
+        assert "failed" not in entry, entry
+        assert entry["reply_tokens"] == 8 and entry["prompt_tokens"] > 8
+        assert entry["first_step_s"] > 0 and entry["encoder_s"] > 0 and entry["decode_ms_per_token"] > 0
+        assert entry["rtf"] > 0 and entry["first_partial_s"] > 0 and entry["aligner"]["words"] == 8
+        floor = entry["floor"]
+        assert 0 < floor["decode_ms_per_token"] and 0 < floor["first_step_s"] < floor["transcribe_s"]
+        assert entry["peak_rss_mb"] > 0
+    if has_reference:
+        reference = results["reference"]
+        assert "failed" not in reference, reference
+        assert reference["reply_tokens"] == 8 and reference["aligner"]["words"] == 8
+        assert results["modes"][0]["speedup_vs_reference"] > 0

@@ -218,13 +218,14 @@ def test_the_banner_names_the_voices_each_kind_of_model_takes_and_the_playground
     from omnimtp.server.cli import banner
 
     url = "http://127.0.0.1:8000"
-    omni = SimpleNamespace(model_id="omnimtp-tiny", speakers=("chelsie", "ethan"), tts_model_type=None)
+    speaks = SimpleNamespace(speaks=True)
+    omni = SimpleNamespace(model_id="omnimtp-tiny", speakers=("chelsie", "ethan"), tts_model_type=None, family=speaks)
     assert banner(omni, url, playground=True).splitlines() == [
         "omnimtp: serving omnimtp-tiny on http://127.0.0.1:8000/v1 (voices: chelsie, ethan)",
         "omnimtp: the playground is on http://127.0.0.1:8000/"]
-    base = SimpleNamespace(model_id="tiny-tts-base", speakers=(), tts_model_type="base")
+    base = SimpleNamespace(model_id="tiny-tts-base", speakers=(), tts_model_type="base", family=speaks)
     assert banner(base, url, playground=False) == (
         "omnimtp: serving tiny-tts-base on http://127.0.0.1:8000/v1 (voices cloned from a recording: "
         "POST /v1/audio/voices, or ref_audio in a speech request)")
-    design = SimpleNamespace(model_id="tiny-tts-design", speakers=(), tts_model_type="voice_design")
+    design = SimpleNamespace(model_id="tiny-tts-design", speakers=(), tts_model_type="voice_design", family=speaks)
     assert "(voices described in words: instructions)" in banner(design, url, playground=False)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = {"tiny": ("Qwen3OmniFamily", None), "tiny-qwen2.5-omni": ("Qwen2_5OmniFamily", None),
             "tiny-tts": ("Qwen3TTSFamily", "custom_voice"), "tiny-tts-design": ("Qwen3TTSFamily", "voice_design"),
-            "tiny-tts-base": ("Qwen3TTSFamily", "base")}
+            "tiny-tts-base": ("Qwen3TTSFamily", "base"), "tiny-asr": ("Qwen3ASRFamily", None)}
 
 
 @pytest.mark.parametrize("name", list(TINY_MODELS))

@@ -74,6 +74,7 @@ class ChatText:
     prompts (a thinker), False for a speech-only model."""
 
     has_chat = True
+    speaks = True  # it has a talker (a model that only hears, Qwen3-ASR, has not)
     tokenizer = None
     processor = None
     speech_header_ids: list[int] | None = None
@@ -86,6 +87,10 @@ class ChatText:
     def chat_ids(self, messages: list[dict]) -> list[int]:
         """The templated prompt of chat messages, the assistant turn opened."""
         return chat_ids(self.tokenizer, messages)
+
+    def transcription_language(self, language: str | None) -> str | None:
+        """An ISO-639-1 code or a language name → the English name the ASR prompt says (`transcription_language`)."""
+        return transcription_language(language)
 
     def transcription_messages(self, audio, language: str | None = None, prompt: str | None = None) -> list[dict]:
         """The chat messages that ask the thinker to transcribe `audio` (a chat audio part's value): a user turn
@@ -101,6 +106,21 @@ class ChatText:
         messages.append({"role": "user", "content": [{"type": "audio", "audio": audio},
                                                      {"type": "text", "text": instruction}]})
         return messages
+
+    def transcription_inputs(self, samples, language: str | None = None, prompt: str | None = None,
+                             limits: MediaLimits | None = None) -> tuple[list[int], MediaInputs | None]:
+        """The prompt ids and media tensors that ask the model to transcribe `samples` (16 kHz float): the chat
+        inputs of `transcription_messages`."""
+        return self.chat_inputs(self.transcription_messages(samples, language, prompt), limits or MediaLimits())
+
+    def parse_transcript(self, reply: str, language: str | None = None) -> tuple[str | None, str]:
+        """A transcription reply → (language, text): the thinker writes the text alone, so the language is the
+        hint given, by its English name ("en" → "English"), or None."""
+        return self.transcription_language(language), reply.strip()
+
+    def transcript_deltas(self, language: str | None = None) -> TranscriptDeltas:
+        """The text deltas of a transcription reply as it is written (`TranscriptDeltas`): here the reply's own."""
+        return TranscriptDeltas()
 
     def chat_inputs(self, messages: list[dict], limits: MediaLimits) -> tuple[list[int], MediaInputs | None]:
         """The templated prompt of chat messages and their media tensors (`omnimtp.media.chat_media_inputs`);
@@ -185,6 +205,44 @@ class ChatText:
     def match_speaker(self, name: str) -> str | None:
         """The model's speaker called `name` (case-insensitive), or None."""
         return match_speaker(self.speakers, name)
+
+
+class TranscriptDeltas:
+    """The text deltas of a transcription reply as it is written. strips: the deltas join to the reply without
+    the spaces around it (what `parse_transcript` gives), else they are the reply's own. holds_tag: the reply
+    opens with "language X<asr_text>" (Qwen3-ASR without a forced language), held back until the tag is written
+    (a reply that ends without the tag is all text). push(reply delta) → text delta; finish() → what was held
+    back."""
+
+    def __init__(self, *, strips: bool = False, holds_tag: bool = False, tag: str = "<asr_text>"):
+        self._reply = ""
+        self._num_sent = 0
+        self._strips = strips or holds_tag
+        self._is_open = not holds_tag  # past the tag (or no tag expected)
+        self._tag = tag
+
+    def push(self, delta: str) -> str:
+        if not self._strips:
+            return delta
+        self._reply += delta
+        if not self._is_open:
+            if self._tag not in self._reply:
+                return ""
+            self._is_open = True
+            self._reply = self._reply.split(self._tag, 1)[1]
+        return self._take(self._reply.strip())
+
+    def finish(self) -> str:
+        if not self._strips:
+            return ""
+        self._is_open = True
+        return self._take(self._reply.strip())
+
+    def _take(self, text: str) -> str:
+        if len(text) <= self._num_sent:
+            return ""
+        delta, self._num_sent = text[self._num_sent:], len(text)
+        return delta
 
 
 class StreamedSpeechSegments:

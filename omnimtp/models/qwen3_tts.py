@@ -215,10 +215,7 @@ class Qwen3TTSModel(nn.Module):
         copies: each becomes a zero-stride placeholder, its shape, dtype and device kept, no data (every element
         reads 0). Embeddings, heads, norms and projections stay. The model can no longer be saved
         (`save_pretrained` raises ValueError) nor packed again."""
-        for linear in self.decoder_linears():
-            weight = linear.weight
-            placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-            linear.weight = nn.Parameter(placeholder, requires_grad=False)
+        release_matrices(self.decoder_linears())
         self.has_released_linears = True
 
     def save_pretrained(self, path) -> None:
@@ -234,6 +231,15 @@ class Qwen3TTSModel(nn.Module):
             json.dump(GENERATION_DEFAULTS, f, indent=2)
         tensors = {name: tensor.detach().contiguous() for name, tensor in self.state_dict().items()}
         save_file(tensors, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def release_matrices(linears) -> None:
+    """Each linear's matrix becomes a zero-stride placeholder (its shape, dtype and device kept, no data: every
+    element reads 0), for a runtime that holds its own (quantized) copies."""
+    for linear in linears:
+        weight = linear.weight
+        placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        linear.weight = nn.Parameter(placeholder, requires_grad=False)
 
 
 # --- the tiny seeded model ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
@@ -68,6 +69,7 @@ def create_app(
     voice_store: VoiceStore | None = None,
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
     playground: bool = True,
+    aligner: Qwen3ForcedAligner | None = None,
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
@@ -77,7 +79,8 @@ def create_app(
     WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`). voice_store:
     where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
     recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS). playground: serve the web playground at /
-    and /playground (`routes/playground.py`)."""
+    and /playground (`routes/playground.py`). aligner: a Qwen3-ForcedAligner beside the model, which gives
+    `/v1/audio/transcriptions` its word timestamps (`timestamp_granularities[]=word`)."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -93,6 +96,8 @@ def create_app(
         )
     if voice_store is not None and not isinstance(voice_store, VoiceStore):
         raise ValueError(f"voice_store must be a VoiceStore or None, got {type(voice_store).__name__}")
+    if aligner is not None and not isinstance(aligner, Qwen3ForcedAligner):
+        raise ValueError(f"aligner must be a Qwen3ForcedAligner or None, got {type(aligner).__name__}")
     if isinstance(served_model_names, str):
         raise ValueError(f"served_model_names must be a sequence of names, not the string {served_model_names!r}")
     model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
@@ -119,7 +124,7 @@ def create_app(
     app.state.websockets = WebSocketSessions(websocket_limits, metrics)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit, voices=voice_store,
-                                       max_ref_seconds=max_ref_seconds)
+                                       max_ref_seconds=max_ref_seconds, aligner=aligner)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
     for api in (chat, speech, speech_stream, transcriptions, voices, realtime, models):

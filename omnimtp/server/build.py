@@ -49,6 +49,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
     model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
+    warm_up = warm_up and pipe.family.speaks  # (a model that only hears has no code predictor to compile)
     return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
                   media_limits=media_limits, timeout_text_idle=timeout_text_idle,
@@ -74,6 +75,11 @@ def build_app(args: argparse.Namespace):
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),
                           admission=getattr(args, "admission", "capacity") == "capacity", **speculation)
+    aligner = None
+    if getattr(args, "aligner_model", None) is not None:
+        from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+
+        aligner = Qwen3ForcedAligner.from_pretrained(args.aligner_model, device=args.device, quantize=args.quantize)
     voice_store = None
     if args.voices_dir is not None:
         from omnimtp.server.voice_store import VoiceStore
@@ -83,6 +89,7 @@ def build_app(args: argparse.Namespace):
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name, voice_store=voice_store,
                      max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
+                     aligner=aligner,
                      websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
                          max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,

@@ -13,7 +13,7 @@ from omnimtp.argtypes import (
     positive_float,
     positive_int,
 )
-from omnimtp.checkpoint import TINY_MODELS, omni_model_type, random_weights_note
+from omnimtp.checkpoint import TINY_MODELS, check_aligner_path, omni_model_type, random_weights_note
 from omnimtp.console import stopped_by
 from omnimtp.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -142,6 +142,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"),
                         help="uvicorn's and omnimtp's log level")
+    parser.add_argument("--aligner-model", metavar="DIR", default=None,
+                        help="a Qwen3-ForcedAligner checkpoint (or tiny-aligner) loaded beside the model: word "
+                        "timestamps for /v1/audio/transcriptions (timestamp_granularities[]=word)")
     add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
@@ -151,8 +154,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         thinker_mtp_kwargs(args)  # --demo with --model, -k without --thinker-mtp
-        if args.model is not None and not (ray_serve.is_requested(args) and args.ray_address is not None):
-            omni_model_type(args.model, "--model")  # (on a Ray cluster, the path is the nodes')
+        if not (ray_serve.is_requested(args) and args.ray_address is not None):  # (on a Ray cluster: the nodes')
+            if args.model is not None:
+                omni_model_type(args.model, "--model")
+            if args.aligner_model is not None:
+                check_aligner_path(args.aligner_model, "--aligner-model")
     except ValueError as exc:
         return _refuse(str(exc))
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
@@ -221,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
 def banner(engine, url: str, *, playground: bool) -> str:
     """What `serve` prints once the engine is built: the model, its API's URL, how it takes a voice, and the
     playground's URL where it is served."""
-    if engine.speakers:
+    if not engine.family.speaks:
+        voices = "speech recognition: POST /v1/audio/transcriptions"
+    elif engine.speakers:
         voices = f"voices: {', '.join(engine.speakers)}"
     elif engine.tts_model_type == "base":
         voices = "voices cloned from a recording: POST /v1/audio/voices, or ref_audio in a speech request"

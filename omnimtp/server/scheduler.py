@@ -350,10 +350,10 @@ class Engine:
         model also its tts_model_type, the task_type it serves, its languages ("auto" first) and whether it takes
         instructions."""
         family = self.family
-        hears_audio = self.has_chat and self.audio_sampling_rate is not None
+        hears_audio = self.audio_sampling_rate is not None
         card = {"family": getattr(family, "model_type", None),
                 "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
-                + ["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"]
+                + (["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"] if family.speaks else [])
                 + (["/v1/audio/transcriptions"] if hears_audio else [])
                 + (["/v1/realtime"] if self.has_chat else []),
                 "voices": list(self.speakers)}
@@ -534,9 +534,10 @@ class Engine:
             handle.queue_position = self._queue_position(num_queued, has_speech=speaker is not None)
             sampling = None if sampling.is_greedy else sampling
             # A model with a thinker samples it as asked and its talker as the family does; a speech-only
-            # model's sampling is its talker's.
+            # model's sampling is its talker's; a model that only hears (Qwen3-ASR) samples its thinker.
             thinker_sampling, talker_sampling = (
-                (sampling, self.family.sampled_talker(sampling)) if self.has_chat else (None, sampling))
+                (sampling, self.family.sampled_talker(sampling)) if self.has_chat
+                else (None, sampling) if self.family.speaks else (sampling, None))
             handle.request = Request(
                 handle.request_id, prompt_ids, max_new_tokens=max(max_new_tokens, 1),
                 max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,

@@ -208,6 +208,9 @@ class SpeechRequest(SpeechVoice):
     # vllm-omni's default); mp3, opus and aac are there for the asking
     response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
+    # an extension: ["word"] puts the spoken words' timestamps (a forced aligner beside the model, on the audio
+    # the request made) into the SSE `speech.audio.done` event (`routes/speech.py`)
+    timestamp_granularities: Annotated[list[Literal["word"]], Field(min_length=1, max_length=1)] | None = None
 
 
 MAX_SPEECH_BATCH_ITEMS = 32

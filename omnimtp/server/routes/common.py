@@ -16,6 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
 from omnimtp.limits import MAX_REF_AUDIO_SECONDS, MediaLimits
 from omnimtp.media import MediaError, decode_audio, decode_base64, decode_data_url
 from omnimtp.sampling import SamplingParams
@@ -51,7 +52,8 @@ _CLONE_ARGUMENTS = {"ref_audio": "ref_audio", "ref_text": "ref_text", "x_vector_
 class ServingContext:
     """The engine handle every route uses, and the server's limits. model_names: the names `model` may
     take (the engine's model id first), all listed by /v1/models. voices: the saved voices (None: the server
-    saves none); max_ref_seconds: the longest voice-clone reference recording."""
+    saves none); max_ref_seconds: the longest voice-clone reference recording; aligner: the forced aligner that
+    gives transcripts word timestamps (`serve --aligner-model`; None: word timestamps are refused)."""
 
     engine: Engine
     model_names: Sequence[str]
@@ -59,6 +61,7 @@ class ServingContext:
     max_tokens_limit: int
     voices: VoiceStore | None = None
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
+    aligner: Qwen3ForcedAligner | None = None
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
         """The request's JSON body validated by `schema` (on a worker thread: the parsed body may still be
@@ -107,6 +110,9 @@ class ServingContext:
         (listing the voices) or language (listing them), instructions the model ignores or that a VoiceDesign
         model lacks, a task_type that is not the model's."""
         engine = self.engine
+        if not engine.family.speaks:
+            raise APIError(400, f"the model {engine.model_id!r} hears and does not speak (speech recognition); "
+                           "transcribe audio with /v1/audio/transcriptions", param="model", code="model_not_supported")
         model_type = engine.tts_model_type
         if model_type is None:
             for name, value in (("language", language), ("instructions", instructions), ("task_type", task_type)):

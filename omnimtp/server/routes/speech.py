@@ -11,6 +11,11 @@ sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a
 (`ServingContext.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
 engine step loop as every other request.
 
+`timestamp_granularities: ["word"]` (an extension, with `stream_format: "sse"`, where the server loads a forced
+aligner: `serve --aligner-model`) adds the spoken words' timestamps to `speech.audio.done` as
+`words: [{word, start, end}]` (seconds in the audio sent): the aligner's words of `input` on the request's whole
+audio, so an agent can cut a reply at the last word its listener heard.
+
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
 an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: only
 `speech.audio.done`) and says
@@ -21,10 +26,12 @@ from __future__ import annotations
 import base64
 import re
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from omnimtp.families.qwen3_asr import asr_language
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import (
@@ -58,6 +65,7 @@ async def speech(request: Request):
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
     speaker = await context.speech_speaker(body)
+    words_language = _word_timestamps_language(context, body)
     handle = await context.submit(_engine_request(context, body, speaker))
     fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
@@ -69,7 +77,9 @@ async def speech(request: Request):
     if first.finish_reason is not None:
         headers[FINISH_REASON_HEADER] = first.finish_reason
     if body.stream_format == "sse":
-        return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
+        aligned = None if words_language is False else (context.aligner, body.input, words_language, sample_rate)
+        return StreamingResponse(_speech_sse(handle, events, aligned), media_type="text/event-stream",
+                                 headers=headers)
     if fmt in STREAMED_FORMATS and first.finish_reason is None:
         return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt],
                                  headers=headers)
@@ -79,6 +89,30 @@ async def speech(request: Request):
     headers[FINISH_REASON_HEADER] = final.finish_reason
     return Response(await run_in_threadpool(encode_audio, samples, sample_rate, fmt), media_type=MEDIA_TYPES[fmt],
                     headers=headers)
+
+
+def _word_timestamps_language(context, body: SpeechRequest):
+    """False when the request asks for no word timestamps, else the language the aligner splits `input` in (None:
+    at spaces and CJK characters). 400 naming timestamp_granularities without an aligner or outside SSE, naming
+    language for a language the aligner cannot split (Japanese, Korean)."""
+    if body.timestamp_granularities is None:
+        return False
+    if context.aligner is None:
+        raise APIError(400, "timestamp_granularities: word timestamps need a forced aligner beside the model, and "
+                       "this server has none (serve --aligner-model)", param="timestamp_granularities",
+                       code="invalid_value")
+    if body.stream_format != "sse":
+        raise APIError(400, "timestamp_granularities: word timestamps come in the speech.audio.done event of "
+                       'stream_format "sse"', param="timestamp_granularities", code="invalid_value")
+    try:
+        language = asr_language(body.language, context.aligner.languages)
+    except ValueError:  # "auto", a dialect: split as the languages written with spaces (and Chinese) are
+        language = None
+    try:
+        context.aligner.words(body.input, language)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="language", code="invalid_value") from None
+    return language
 
 
 def _engine_request(context, body: SpeechRequest, speaker) -> EngineRequest:
@@ -105,6 +139,9 @@ async def speech_batch(request: Request):
     for index, item in enumerate(body.items):
         try:
             context.check_model(item.model)
+            if item.timestamp_granularities is not None:
+                raise APIError(400, "timestamp_granularities: word timestamps come with a single SSE speech "
+                               "request, not in a batch", param="timestamp_granularities", code="invalid_value")
             if not item.input.strip():
                 raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
             speaker = await context.speech_speaker(item)
@@ -139,18 +176,26 @@ def _item_error(index: int, error: APIError) -> dict:
                                       "code": error.code}}
 
 
-async def _speech_sse(handle, events):
+async def _speech_sse(handle, events, aligned=None):
+    """SSE audio deltas, then `speech.audio.done`; aligned: (aligner, text, language, sample_rate) of a request
+    that asked for word timestamps (its audio is kept until the end to align it whole)."""
+    chunks = []
     try:
         async for event in events:
             if event.error is not None:
                 yield sse({"type": "error", "error": stream_error(event)})
                 break
             if event.audio is not None and event.audio.size:
+                if aligned is not None:
+                    chunks.append(event.audio)
                 yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
             if event.finish_reason is not None:
                 usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
                          "total_tokens": event.prompt_tokens + event.num_frames}
-                yield sse({"type": "speech.audio.done", "usage": usage, "finish_reason": event.finish_reason})
+                done = {"type": "speech.audio.done", "usage": usage, "finish_reason": event.finish_reason}
+                if aligned is not None:
+                    done["words"] = await run_in_threadpool(_spoken_words, chunks, *aligned)
+                yield sse(done)
                 break
     finally:
         handle.cancel()
@@ -171,3 +216,12 @@ async def _speech_chunks(handle, events, fmt: str, sample_rate: int):
         yield encoder.finish()
     finally:
         handle.cancel()
+
+
+def _spoken_words(chunks: list, aligner, text: str, language: str | None, sample_rate: int) -> list[dict]:
+    """The aligner's words of `text` on the request's whole audio (none without audio)."""
+    if not chunks:
+        return []
+    audio = np.concatenate(chunks).astype(np.float32)
+    return [{"word": w.word, "start": w.start, "end": w.end}
+            for w in aligner.align((audio, sample_rate), text, language)]

@@ -1,13 +1,16 @@
 """`/v1/audio/transcriptions`: the words spoken in an uploaded file (OpenAI's multipart route), heard by the
-served model's thinker alone (no talker) answering its family's ASR prompt (`ChatText.transcription_messages`);
-it runs in the same engine step loop as every other request.
+served model's thinker alone (no talker) answering its family's ASR prompt (`ChatText.transcription_messages`;
+a Qwen3-ASR model's own prompt); it runs in the same engine step loop as every other request.
 
 Form fields: `file` (required; any format libsndfile reads, within the server's audio limits), `model`,
-`language` (a hint: an ISO-639-1 code), `prompt` (context), `response_format` (`json`, `text` or
+`language` (an ISO-639-1 code or a language name: a hint to an omni model, the forced language of a Qwen3-ASR
+model, which otherwise names the language it heard), `prompt` (context), `response_format` (`json`, `text` or
 `verbose_json`), `temperature` (0, the default: greedy), `stream` (`true`: SSE `transcript.text.delta` events,
-then `transcript.text.done`), `timestamp_granularities[]` (`segment` only) and `seed` (an extension: seeded
-sampling repeats). The model writes no timestamps: verbose_json has one segment, the whole text over the whole
-audio. A model without a thinker (Qwen3-TTS) answers 400 naming `model`.
+then `transcript.text.done`), `timestamp_granularities[]` (`segment`, and `word` where the server has a forced
+aligner beside its model: `serve --aligner-model`; verbose_json only) and `seed` (an extension: seeded sampling
+repeats). The model writes no timestamps: verbose_json has one segment, the whole text over the whole audio, and
+with word timestamps `words: [{word, start, end}]` (seconds), the aligner's. A model that does not hear
+(Qwen3-TTS) answers 400 naming `model`.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from omnimtp.families.text import transcription_language
 from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
 from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import INT64_MAX, INT64_MIN
+from omnimtp.tokenizer import prompt_tokenizer
 
 router = APIRouter()
 
@@ -31,6 +34,8 @@ RESPONSE_FORMATS = ("json", "text", "verbose_json")
 _FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "timestamp_granularities[]",
            "seed")
 _BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
+GRANULARITIES = ("segment", "word")
+_REPEATED = ("timestamp_granularities[]",)  # fields a client may give more than once (one value each)
 
 
 @router.post("/v1/audio/transcriptions")
@@ -39,7 +44,6 @@ async def transcriptions(request: Request):
     engine = context.engine
     upload, fields = await _read_form(request, context.max_body_bytes)
     context.check_model(fields.get("model"))
-    context.check_chat()
     if engine.audio_sampling_rate is None:
         raise APIError(400, f"the model {engine.model_id!r} has no audio processor to hear audio", param="model",
                        code="model_not_supported")
@@ -50,14 +54,10 @@ async def transcriptions(request: Request):
     temperature = _number(fields, "temperature", 0.0, 0.0, 2.0, float)
     seed = _number(fields, "seed", None, INT64_MIN, INT64_MAX, int)  # any int64, as every route takes
     is_streamed = _boolean(fields, "stream")
-    granularity = fields.get("timestamp_granularities[]", "segment")
-    if granularity != "segment":
-        raise APIError(400, f"timestamp_granularities[]: only 'segment' (the model writes no word timestamps), got "
-                       f"{granularity[:32]!r}", param="timestamp_granularities[]", code="invalid_value")
+    has_words = _has_word_timestamps(context, fields.get("timestamp_granularities[]", ["segment"]), response_format)
     language, prompt = fields.get("language"), fields.get("prompt")
     try:
-        language_name = transcription_language(language)
-        engine.family.transcription_messages(None, language, prompt)  # checks prompt before the audio is read
+        engine.family.transcription_messages(None, language, prompt)  # checks both before the audio is read
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).partition(":")[0], code="invalid_value") from None
     try:
@@ -74,24 +74,62 @@ async def transcriptions(request: Request):
             exc.param = "prompt" if is_prompt else "file"
         raise
     if is_streamed:
-        return StreamingResponse(_transcript_stream(handle), media_type="text/event-stream")
-    text, _, final = await collect(handle, request)
-    text = text.strip()
+        return StreamingResponse(_transcript_stream(handle, engine.family, language),
+                                 media_type="text/event-stream")
+    reply, _, final = await collect(handle, request)
+    heard, text = engine.family.parse_transcript(reply, language)
     if response_format == "text":
         return PlainTextResponse(text)
     if response_format == "json":
         return {"text": text, "usage": _usage(final)}
     duration = samples.shape[0] / engine.audio_sampling_rate
-    return {
-        "task": "transcribe", "language": None if language_name is None else language_name.lower(),
-        "duration": duration, "text": text,
+    body = {
+        "task": "transcribe", "language": None if heard is None else heard.lower(), "duration": duration, "text": text,
         "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text, "temperature": temperature}],
         "usage": _usage(final),
     }
+    if has_words:
+        words = await run_in_threadpool(_aligned_words, context.aligner, samples, engine.audio_sampling_rate, text,
+                                        heard)
+        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in words]
+    return body
+
+
+def _has_word_timestamps(context: ServingContext, granularities: list[str], response_format: str) -> bool:
+    """Whether the client asked for word timestamps; 400 naming timestamp_granularities[] for an unknown
+    granularity, for words without an aligner beside the model or outside verbose_json (as OpenAI's)."""
+    for granularity in granularities:
+        if granularity not in GRANULARITIES:
+            raise APIError(400, f"timestamp_granularities[]: one of {', '.join(GRANULARITIES)}, got "
+                           f"{granularity[:32]!r}", param="timestamp_granularities[]", code="invalid_value")
+    if "word" not in granularities:
+        return False
+    if context.aligner is None:
+        raise APIError(400, "timestamp_granularities[]: word timestamps need a forced aligner beside the model, and "
+                       "this server has none (serve --aligner-model)", param="timestamp_granularities[]",
+                       code="invalid_value")
+    if response_format != "verbose_json":
+        raise APIError(400, "timestamp_granularities[]: timestamps come with response_format verbose_json, got "
+                       f"{response_format!r}", param="timestamp_granularities[]", code="invalid_value")
+    return True
+
+
+def _aligned_words(aligner, samples, rate: int, text: str, language: str | None):
+    """The aligner's words of the transcript (its language: the one forced or heard; None splits at spaces and
+    CJK characters). A language the aligner cannot split is a 400 naming language."""
+    try:
+        return aligner.align((samples, rate), text, language)
+    except ValueError as exc:
+        param = str(exc).partition(":")[0]
+        raise APIError(400, str(exc), param=param if param in ("language", "text") else "file",
+                       code="invalid_value") from None
 
 
 def _is_prompt_too_long(engine, language: str | None, prompt: str) -> bool:
-    """Whether the ASR messages without their audio are already over the prompt-token limit: the prompt's fault."""
+    """Whether the ASR messages without their audio are already over the prompt-token limit: the prompt's fault
+    (a model that only hears: whether the prompt's own tokens are)."""
+    if not engine.family.has_chat:
+        return len(prompt_tokenizer(engine.family.tokenizer).encode(prompt)) > engine.max_prompt_tokens
     messages = engine.family.transcription_messages(None, language, prompt)
     messages[-1] = {"role": "user", "content": messages[-1]["content"][1]["text"]}
     return len(engine.family.chat_ids(messages)) > engine.max_prompt_tokens
@@ -113,18 +151,25 @@ def transcription_request(context: ServingContext, samples, language: str | None
                          is_background=is_background)
 
 
-async def _transcript_stream(handle):
-    texts = []
+async def _transcript_stream(handle, family, language: str | None):
+    """The transcript's text deltas as the family gives them (`transcript_deltas`: a Qwen3-ASR reply's language
+    tag held back), then the text `parse_transcript` reads from the whole reply."""
+    replies = []
+    deltas = family.transcript_deltas(language)
     try:
         async for event in handle.events():
             if event.error is not None:
                 yield sse({"type": "error", "error": stream_error(event)})
                 break
             if event.text:
-                texts.append(event.text)
-                yield sse({"type": "transcript.text.delta", "delta": event.text})
+                replies.append(event.text)
+                if delta := deltas.push(event.text):
+                    yield sse({"type": "transcript.text.delta", "delta": delta})
             if event.finish_reason is not None:
-                yield sse({"type": "transcript.text.done", "text": "".join(texts).strip(), "usage": _usage(event)})
+                if rest := deltas.finish():
+                    yield sse({"type": "transcript.text.delta", "delta": rest})
+                _, text = family.parse_transcript("".join(replies), language)
+                yield sse({"type": "transcript.text.done", "text": text, "usage": _usage(event)})
                 break
     finally:
         handle.cancel()  # a no-op once finished; frees the engine row when the client leaves mid-stream
@@ -153,6 +198,9 @@ async def _read_form(request: Request, max_body_bytes: int) -> tuple[bytes, dict
             if key not in _FIELDS:
                 raise APIError(400, f"{key}: not a field of this route; fields: file, {', '.join(_FIELDS)}",
                                param=key, code="invalid_value")
+            if key in _REPEATED:
+                fields.setdefault(key, []).append(value)
+                continue
             if key in fields:
                 raise APIError(400, f"{key}: given twice", param=key, code="invalid_value")
             fields[key] = value

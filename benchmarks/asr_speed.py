@@ -1,0 +1,304 @@
+"""Qwen3-ASR-0.6B and Qwen3-ForcedAligner-0.6B at their released widths (random weights) on this CPU: a recording
+transcribed, a streamed session's first partial transcript, and the recording's words aligned, each next to its
+floor, with the reference (`qwen_asr`'s transformers model, fp32) side by side.
+
+Each side runs in a fresh process, one after another, so at most one model is in memory at a time and each
+process's peak RSS is its own:
+
+- ours, per `--modes` (w4a8 by default; fp32 and the other quantized modes): the transcription of `--seconds` of
+  audio as `OmniPipeline.transcribe` runs it (one engine core, greedy, `--tokens` reply tokens: random weights
+  rarely end on their own), each engine step timed: the features and prompt, the first step (the audio encoder,
+  the prefill and a token; the encoder alone too) and the decode steps; the real-time factor; the first partial
+  transcript of a
+  streamed session (`stream_recognition`, 1 s chunks) after its first second of audio; the aligner's `align` of
+  the recording and a transcript of `--words` words;
+- the reference: its `generate` of exactly `--tokens` tokens on the same prompt (its own random weights: the same
+  work) and its aligner's forward.
+
+Floors: the decode steps' weight bytes (the layers' and the head's, as the engine holds them) ÷ the read bandwidth
+measured here; the first step's FLOPs (the encoder's by torch's FLOP counter, the prefill's as 2 × the layers'
+parameters × the prompt's tokens) ÷ the fp32 matmul peak measured here. Writes JSON.
+
+    python benchmarks/asr_speed.py [--modes w4a8 fp32] [--seconds 60] [--tokens 128] [--threads 2] [--out r.json]
+
+A full run (w4a8 and the reference, 60 s, 128 tokens) is sized to finish within 5 minutes on an idle 2-core box;
+each process's peak RSS is one model's (about 7 GB for the fp32 0.6B weights and their packed copy).
+    python benchmarks/asr_speed.py --quick           # tiny widths, 3 s of audio: a check that it runs (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tts_realtime import _peak_rss_mb, decoder_read, machine_floors  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RATE = 16_000
+
+
+def _config(aligner: bool, quick: bool) -> dict:
+    """The config.json of the measured model: the tiny one, or the released 0.6B widths."""
+    from omnimtp.models.qwen3_asr import tiny_config
+
+    return tiny_config(aligner) if quick else tiny_config(aligner, **_released(aligner))
+
+
+def _model(aligner: bool, quick: bool):
+    """Our model of `_config`: seeded random weights."""
+    from omnimtp.models.qwen3_asr import tiny_qwen3_asr
+
+    return tiny_qwen3_asr(0, aligner=aligner) if quick else tiny_qwen3_asr(0, aligner=aligner, **_released(aligner))
+
+
+def _released(aligner: bool) -> dict:
+    from omnimtp.models.qwen3_asr import (
+        QWEN3_ALIGNER_0_6B_AUDIO,
+        QWEN3_ALIGNER_0_6B_TEXT,
+        QWEN3_ASR_0_6B_AUDIO,
+        QWEN3_ASR_0_6B_TEXT,
+    )
+
+    audio, text = ((QWEN3_ALIGNER_0_6B_AUDIO, QWEN3_ALIGNER_0_6B_TEXT) if aligner
+                   else (QWEN3_ASR_0_6B_AUDIO, QWEN3_ASR_0_6B_TEXT))
+    return {"audio": audio, "text": text, "initializer_range": 0.02}
+
+
+def _processor(config: dict):
+    """Our `ASRProcessor` for a config (its mel bins) with the ASR byte tokenizer."""
+    from transformers import WhisperFeatureExtractor
+
+    from omnimtp.families.qwen3_asr import ASRProcessor
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+
+    mel_bins = config["thinker_config"]["audio_config"]["num_mel_bins"]
+    extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=RATE, return_attention_mask=True)
+    return ASRProcessor(extractor, asr_byte_tokenizer())
+
+
+def _audio(seconds: float) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    n = int(seconds * RATE)
+    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, seconds * np.pi, n))
+    return (0.1 * envelope * rng.standard_normal(n)).astype(np.float32)
+
+
+def _transcript(num_words: int) -> str:
+    words = ("the quick brown fox jumps over a lazy dog while seven bright stars shine above quiet hills").split()
+    return " ".join(words[i % len(words)] for i in range(num_words))
+
+
+def _flops(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+# --- our side: one mode in one process ----------------------------------------------------------------------
+
+
+def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, quick: bool, machine: dict) -> dict:
+    """One mode: the ASR measured and released (`_measure_asr`), then the aligner built and measured."""
+    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+    from omnimtp.media import MediaLimits
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+
+    torch.set_num_threads(threads)
+    quantize = None if mode == "fp32" else mode
+    entry = _measure_asr(mode, quantize, seconds, tokens, quick, machine)
+    gc.collect()  # the ASR's weights are gone before the aligner's are made: one model at a time
+    limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
+    samples = _audio(seconds)
+    aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize)
+    text = _transcript(words)
+    aligner.align(samples[: RATE // 2], "warm up", "en", limits)
+    started = time.perf_counter()
+    aligned = aligner.align(samples, text, "en", limits)
+    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
+    entry["peak_rss_mb"] = _peak_rss_mb()
+    return entry
+
+
+def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, quick: bool, machine: dict) -> dict:
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.media import MediaLimits
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.thinker import multimodal_prefill
+
+    started = time.perf_counter()
+    family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize)
+    load_s = time.perf_counter() - started
+    limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
+    pipe = OmniPipeline(family=family, max_new_tokens=tokens, media_limits=limits)
+    samples = _audio(seconds)
+    started = time.perf_counter()
+    ids, media = family.transcription_inputs(samples, "en", None, limits)  # the features and the prompt
+    inputs_s = time.perf_counter() - started
+    thinker, device = family.model.thinker, family.device
+    with torch.no_grad():
+        encoder_flops = _flops(lambda: multimodal_prefill(thinker, ids, media, device))  # (and a warm-up)
+        started = time.perf_counter()
+        multimodal_prefill(thinker, ids, media, device)  # the embeddings and the audio encoder
+        encoder_s = time.perf_counter() - started
+    # the transcription as `transcribe` runs it (one engine core, stepped until done), each step timed: the first
+    # is the encoder, the prefill and the first token, each later one a token
+    core = EngineCore(family, pipe.config)
+    core.add(Request(0, ids, max_new_tokens=tokens, max_frames=1, speaker=None, media=media))
+    step_s, reply_ids = [], []
+    while core.has_work():
+        started = time.perf_counter()
+        for event in core.step():
+            if event.is_finished:
+                reply_ids = core.output(event.request).text_ids
+        step_s.append(time.perf_counter() - started)
+    first_step_s, decode_s = step_s[0], sum(step_s[1:])
+    transcribe_s = inputs_s + first_step_s + decode_s
+    # the first partial transcript of a streamed session: after its first second of audio (1 s chunks)
+    first_partial_s = None
+    if seconds >= 1.0:
+        stream = pipe.stream_recognition([samples[:RATE]], "en", chunk_seconds=1.0, max_new_tokens=min(tokens, 16))
+        started = time.perf_counter()
+        next(stream)
+        first_partial_s = time.perf_counter() - started
+        stream.close()
+    weight_bytes, _ = decoder_read(family.thinker_decoder)
+    head = family.thinker_decoder.quantized_lm_head
+    head_bytes = (thinker.lm_head.weight.numel() * 4 if head is None
+                  else sum(t.numel() * t.element_size() for t in (head.packed, head.scales)))
+    step_floor_s = (weight_bytes + head_bytes) / (machine["read_gb_s"] * 1e9)
+    prefill_flops = 2 * sum(p.numel() for p in thinker.model.layers.parameters()) * len(ids)
+    entry = {
+        "mode": mode, "load_s": load_s, "prompt_tokens": len(ids), "reply_tokens": len(reply_ids),
+        "inputs_s": inputs_s, "encoder_s": encoder_s, "first_step_s": first_step_s,
+        "decode_ms_per_token": 1e3 * decode_s / max(len(step_s) - 1, 1),
+        "transcribe_s": transcribe_s, "rtf": transcribe_s / seconds, "first_partial_s": first_partial_s,
+        "floor": {
+            "encoder_s": encoder_flops / (machine["fp32_matmul_gflop_s"] * 1e9),
+            "first_step_s": (encoder_flops + prefill_flops) / (machine["fp32_matmul_gflop_s"] * 1e9),
+            "decode_ms_per_token": 1e3 * step_floor_s,
+        },
+    }
+    floor = entry["floor"]
+    floor["transcribe_s"] = floor["first_step_s"] + (tokens - 1) * step_floor_s
+    entry["asr_peak_rss_mb"] = _peak_rss_mb()
+    return entry
+
+
+# --- the reference, in its own process ----------------------------------------------------------------------
+
+
+def run_reference(seconds: float, tokens: int, words: int, threads: int, quick: bool) -> dict:
+    """The reference's transcription (exactly `tokens` tokens, greedy) and alignment of the same workload, each
+    model built from the config with its own random weights (the same work), one at a time."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import qwen_asr_reference as reference
+
+    torch.set_num_threads(threads)
+    samples = _audio(seconds)
+    config = _config(False, quick)
+    processor = reference.reference_processor(_processor(config))
+    prompt = ("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>"
+              "\n<|im_start|>assistant\nlanguage English<asr_text>")
+    batch = processor(text=[prompt], audio=[samples], return_tensors="pt")
+    model = reference.random_reference(config)
+    ids = batch["input_ids"]
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), input_features=batch["input_features"],
+                             feature_attention_mask=batch["feature_attention_mask"], max_new_tokens=tokens,
+                             min_new_tokens=tokens, do_sample=False)
+    transcribe_s = time.perf_counter() - started
+    entry = {"reply_tokens": out.sequences.shape[1] - ids.shape[1], "transcribe_s": transcribe_s,
+             "rtf": transcribe_s / seconds}
+    del model, out
+    gc.collect()
+    config = _config(True, quick)
+    aligner = reference.aligner_of(reference.random_reference(config), _processor(config))
+    text = _transcript(words)
+    aligner.align(audio=(samples[: RATE // 2], RATE), text="warm up", language="English")
+    started = time.perf_counter()
+    aligned = aligner.align(audio=(samples, RATE), text=text, language="English")[0]
+    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
+    entry["peak_rss_mb"] = _peak_rss_mb()
+    return entry
+
+
+def in_subprocess(worker: dict, threads: int) -> dict:
+    """A worker (`--worker JSON`) in a fresh process, so its peak RSS is its own and one model lives at a time."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        process = subprocess.run([sys.executable, __file__, "--worker", json.dumps(worker), "--out", out.name],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+        if process.returncode != 0:
+            return {"mode": worker.get("mode", "reference"), "failed": process.stderr.strip()[-2000:]}
+        return json.loads(Path(out.name).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", default=["w4a8"], choices=["fp32", "int8", "int4", "w4a8"],
+                        help="our modes, each in its own process (default w4a8, the fastest; fp32 adds ~1.5 min)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="the recording's length (default 60)")
+    parser.add_argument("--tokens", type=int, default=128, help="reply tokens of the transcription (default 128)")
+    parser.add_argument("--words", type=int, default=150, help="the aligned transcript's words (default 150)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny widths, 3 s, 8 tokens, 8 words: a check")
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference (qwen_asr)")
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker = json.loads(args.worker)
+        kind = worker.pop("kind")
+        result = run_reference(**worker) if kind == "reference" else run_ours(**worker)
+        Path(args.out).write_text(json.dumps(result))
+        return
+    if args.quick:
+        args.seconds, args.tokens, args.words = 3.0, 8, 8
+    machine = machine_floors(args.threads, args.quick)
+    common = {"seconds": args.seconds, "tokens": args.tokens, "words": args.words, "threads": args.threads,
+              "quick": args.quick}
+    results = {"machine": {**machine, "cpu": platform.processor() or platform.machine()},
+               "workload": {**common, "size": "tiny" if args.quick else "0.6B"}, "modes": []}
+    for mode in args.modes:
+        entry = in_subprocess({"kind": "ours", "mode": mode, "machine": machine, **common}, args.threads)
+        results["modes"].append(entry)
+        print(json.dumps(entry), flush=True)
+    if not args.no_reference:
+        results["reference"] = in_subprocess({"kind": "reference", **common}, args.threads)
+        print(json.dumps(results["reference"]), flush=True)
+        reference = results["reference"]
+        if "failed" not in reference:
+            for entry in results["modes"]:
+                if "failed" not in entry:
+                    entry["speedup_vs_reference"] = reference["transcribe_s"] / entry["transcribe_s"]
+                    entry["aligner"]["speedup_vs_reference"] = (reference["aligner"]["align_s"]
+                                                                / entry["aligner"]["align_s"])
+    text = json.dumps(results, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

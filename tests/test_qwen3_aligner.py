@@ -1,0 +1,107 @@
+"""Qwen3-ForcedAligner: word and character timestamps equal to the reference (`qwen_asr`'s `Qwen3ForcedAligner`
+on the same tiny seeded checkpoint in the released layout), its word splitting and its repair of bins that run
+backwards, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import qwen_asr_reference as reference
+
+from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins, split_words
+from omnimtp.media import MediaLimits
+
+RATE = 16_000
+
+
+def _speechlike(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * RATE)
+    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
+    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def aligner():
+    return Qwen3ForcedAligner.tiny(0)
+
+
+@pytest.fixture(scope="module")
+def ref(aligner):
+    return reference.reference_aligner(aligner)
+
+
+@pytest.mark.parametrize(("text", "language", "seconds", "seed"), [
+    ("Hello, world! It's a test of twelve words, or so it seems.", "English", 3.0, 1),
+    ("你好，世界！今天 天气 很好abc", "Chinese", 2.2, 2),
+    ("Bonjour à tous, ça va?", "fr", 1.4, 3),
+])
+def test_timestamps_equal_the_reference(aligner, ref, text, language, seconds, seed):
+    samples = _speechlike(seconds, seed)
+    ours = aligner.align(samples, text, language)
+    theirs = ref.align(audio=(samples, RATE), text=text, language=_name(language))[0]
+    assert [(w.word, w.start, w.end) for w in ours] == [(i.text, i.start_time, i.end_time) for i in theirs]
+    assert len({w.start for w in ours}) > 1  # the bins depend on the position (a test that can fail)
+
+
+def _name(language: str) -> str:
+    return {"fr": "French"}.get(language, language)
+
+
+def test_split_words_is_the_references():
+    reference.load()
+    from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
+
+    processor = Qwen3ForceAlignProcessor()
+    for text in ("Hello, world!", "don't stop — 3.14 and 1,000", "你好，世界abc 测试 x你y", "  ", "¿Qué tal? Ça va.",
+                 "mixed中文and English", "emoji 🙂 here", "tab\tand\nnewline"):
+        assert split_words(text) == processor.tokenize_space_lang(text), text
+
+
+def test_repair_bins_is_the_references():
+    """The reference's `fix_timestamp` on random bins (many running backwards, with ties) and on edge cases."""
+    reference.load()
+    from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
+
+    processor = Qwen3ForceAlignProcessor()
+    rng = np.random.default_rng(0)
+    cases = [[80.0], [0.0, 0.0], [400.0, 80.0, 160.0], [80.0, 4000.0, 160.0, 240.0],
+             [80.0, 160.0, 0.0, 0.0, 0.0, 800.0]]
+    cases += [(rng.integers(0, 12, size=rng.integers(1, 24)) * 80.0).tolist() for _ in range(300)]
+    for bins in cases:
+        assert repair_bins(bins) == processor.fix_timestamp(np.array(bins, dtype=np.float32)), bins
+    assert repair_bins([]) == []
+
+
+def test_quantized_aligner_runs_and_repeats(aligner):
+    quantized = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
+    samples = _speechlike(1.5, 4)
+    first = quantized.align(samples, "one two three", "en")
+    assert first == quantized.align(samples, "one two three", "en")
+    assert [w.word for w in first] == ["one", "two", "three"]
+    assert all(isinstance(w, AlignedWord) and 0 <= w.start <= w.end for w in first)
+
+
+def test_bad_input_names_the_argument(aligner):
+    samples = _speechlike(0.5, 5)
+    assert aligner.align(samples, " ,. ", "English") == []
+    with pytest.raises(ValueError, match="^language: word timestamps of 'ja'"):
+        aligner.align(samples, "こんにちは", "ja")
+    with pytest.raises(ValueError, match="^language: 'xx'"):
+        aligner.align(samples, "hi", "xx")
+    with pytest.raises(ValueError, match="^text:"):
+        aligner.align(samples, None, "en")
+    with pytest.raises(ValueError, match="^audio:"):
+        aligner.align(np.zeros(0, dtype=np.float32), "hi", "en")
+    with pytest.raises(ValueError, match="^audio: 401.0 s is longer than the aligner's time bins reach .400 s."):
+        aligner.align(np.zeros(401 * RATE, dtype=np.float32), "hi", "en", MediaLimits(max_audio_seconds=500))
+    with pytest.raises(ValueError, match="^path:"):
+        Qwen3ForcedAligner.from_pretrained("/nonexistent/aligner")
+
+
+def test_a_quantized_aligner_it_made_itself_frees_its_float_matrices(aligner):
+    own = Qwen3ForcedAligner.tiny(0, quantize="int8")
+    assert all(linear.weight.stride() == (0, 0) for linear in own.model.decoder_linears())
+    samples = _speechlike(1.3, 6)
+    kept = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
+    assert own.align(samples, "one two three four", "en") == kept.align(samples, "one two three four", "en")

@@ -1,0 +1,304 @@
+"""Qwen3-ASR as a family: the prompt, features and greedy tokens of the reference (`qwen_asr`, on the same tiny
+seeded checkpoint in the released layout), a request alone equals it in a batch, quantized runs, the released
+layout round trip, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import qwen_asr_reference as reference
+import torch
+
+from omnimtp.engine.core import EngineConfig, EngineCore
+from omnimtp.engine.request import Request
+from omnimtp.families.asr_stream import StreamingRecognition
+from omnimtp.families.qwen3_asr import Qwen3ASRFamily, parse_transcript
+from omnimtp.models.qwen3_asr import Qwen3ASRModel
+from omnimtp.pipeline import OmniPipeline
+from omnimtp.sampling import SamplingParams
+
+RATE = 16_000
+
+
+def _speechlike(seconds: float, seed: int) -> np.ndarray:
+    """Noise shaped by a slow envelope: audio whose encoder rows differ from row to row."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * RATE)
+    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
+    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return Qwen3ASRFamily.tiny(0)
+
+
+@pytest.fixture(scope="module")
+def ref(family):
+    return reference.reference_model(family.model)
+
+
+def _run(family, requests):
+    core = EngineCore(family, EngineConfig(max_batch_size=max(4, len(requests))))
+    for request in requests:
+        core.add(request)
+    outputs = {}
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                outputs[event.request.request_id] = core.output(event.request).text_ids
+    return [outputs[r.request_id] for r in requests]
+
+
+def test_prompt_and_features_are_the_reference_processors(family):
+    """The released prompt (`_build_text_prompt`'s string, a forced language's "language X<asr_text>" after it)
+    through the reference's processor gives our ids and features; a context's special-token string stays text."""
+    processor = reference.reference_processor(family.processor)
+    samples = _speechlike(1.3, 1)
+    for language, context in ((None, ""), ("en", "Names: Qwen, Omni."), ("Chinese", "上文")):
+        ids, media = family.transcription_inputs(samples, language, context)
+        prompt = (f"<|im_start|>system\n{context}<|im_end|>\n<|im_start|>user\n<|audio_start|><|audio_pad|>"
+                  "<|audio_end|><|im_end|>\n<|im_start|>assistant\n")
+        if language is not None:
+            prompt += f"language {family.transcription_language(language)}<asr_text>"
+        expected = processor(text=[prompt], audio=[samples], return_tensors="pt")
+        assert ids == expected["input_ids"][0].tolist()
+        assert torch.equal(media.input_features, expected["input_features"])
+        assert torch.equal(media.feature_attention_mask, expected["feature_attention_mask"])
+    ids, _ = family.transcription_inputs(samples, None, "<|im_end|>")
+    assert ids.count(family.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2  # the template's two, not a third
+
+
+def test_greedy_tokens_equal_the_reference(family, ref):
+    """Greedy transcripts of two audios, with and without a forced language and context, are the reference's
+    `generate` tokens on the same checkpoint."""
+    pipe = OmniPipeline(family=family, max_new_tokens=24)
+    for seconds, seed, language, context in ((2.0, 2, None, ""), (0.7, 3, "en", "Hello"), (3.1, 4, "zh", "")):
+        samples = _speechlike(seconds, seed)
+        ours = pipe.transcribe(samples, language=language, prompt=context)
+        ids, media = family.transcription_inputs(samples, language, context)
+        expected = reference.greedy_ids(ref, ids, media.input_features, media.feature_attention_mask,
+                                        family.eos_token_ids, 24)
+        assert ours.text_ids == expected
+        assert len(set(expected)) > 3  # a reply that depends on the audio and the step, not one token repeated
+
+
+def test_a_request_alone_equals_it_in_a_batch(family):
+    """Greedy and seeded-sampled requests give the same tokens alone and batched with others."""
+    specs = [(_speechlike(1.5, 5), None, None), (_speechlike(0.9, 6), SamplingParams(temperature=0.9), 11),
+             (_speechlike(2.4, 7), SamplingParams(temperature=1.0, top_k=20), 12)]
+    requests = []
+    for i, (samples, sampling, seed) in enumerate(specs):
+        ids, media = family.transcription_inputs(samples, None, "")
+        requests.append(lambda i=i, ids=ids, media=media, sampling=sampling, seed=seed: Request(
+            i, ids, max_new_tokens=16, max_frames=1, speaker=None, thinker_sampling=sampling, seed=seed, media=media))
+    alone = [_run(family, [make()])[0] for make in requests]
+    batched = _run(family, [make() for make in requests])
+    assert alone == batched
+    assert len({tuple(ids) for ids in alone}) == 3
+
+
+@pytest.mark.parametrize("mode", ["int8", "w4a8"])
+def test_quantized_transcribes_alone_as_in_a_batch_and_starts_as_the_float_model(family, mode):
+    """A quantized Qwen3-ASR (decoder and head) runs on the engine and a request alone equals it batched; int8
+    starts as the float model on these audios (4-bit weights move a tiny model's logits too far to ask that)."""
+    quantized = Qwen3ASRFamily(family.model, family.tokenizer, quantize=mode)
+    audios = [_speechlike(1.2, 8), _speechlike(2.0, 9)]
+    inputs = [family.transcription_inputs(samples, None, "") for samples in audios]
+
+    def make(fam):
+        return [Request(i, ids, max_new_tokens=8, max_frames=1, speaker=None, media=media)
+                for i, (ids, media) in enumerate(inputs)]
+
+    alone = [_run(quantized, [request])[0] for request in make(quantized)]
+    assert _run(quantized, make(quantized)) == alone
+    if mode == "int8":
+        assert [ids[0] for ids in alone] == [ids[0] for ids in _run(family, make(family))]
+
+
+def test_the_released_layout_round_trips(family, tmp_path):
+    """save_pretrained writes config.json + model.safetensors (the tied head not stored) that from_pretrained reads
+    back to the same transcript; a file that does not match its config is refused naming path."""
+    OmniPipeline(family=family, max_new_tokens=12).save_pretrained(tmp_path)
+    pipe = OmniPipeline.from_pretrained(tmp_path)  # its caps, feature extractor and tokenizer too
+    assert pipe.config.max_new_tokens == 12 and pipe.processor.feature_extractor.feature_size == 16
+    samples = _speechlike(1.0, 10)
+    assert pipe.transcribe(samples).text_ids == OmniPipeline(family=family, max_new_tokens=12).transcribe(
+        samples).text_ids
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "model.safetensors")
+    assert "thinker.lm_head.weight" not in weights
+    weights.pop("thinker.model.norm.weight")
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="path: .*missing"):
+        Qwen3ASRModel.from_pretrained(tmp_path)
+
+
+def test_transcript_language_and_streamed_text():
+    """The reply's "language X<asr_text>" names the language and is not part of the text, streamed or not."""
+    assert parse_transcript("language English<asr_text> Hello there. ") == ("English", "Hello there.")
+    assert parse_transcript("language None<asr_text>") == (None, "")
+    assert parse_transcript("no tag at all") == (None, "no tag at all")
+    assert parse_transcript("language English<asr_text>Hi", "English") == ("English", "language English<asr_text>Hi")
+    family = Qwen3ASRFamily.tiny(0)
+    deltas = family.transcript_deltas(None)
+    pieces = [deltas.push(d) for d in ("lang", "uage Eng", "lish<asr", "_text> Hel", "lo ", "there.")]
+    assert pieces[:3] == ["", "", ""] and "".join(pieces) + deltas.finish() == "Hello there."
+
+
+def test_bad_input_names_the_argument(family):
+    pipe = OmniPipeline(family=family, max_new_tokens=4)
+    samples = _speechlike(0.5, 11)
+    with pytest.raises(ValueError, match="^language: 'klingon'"):
+        pipe.transcribe(samples, language="klingon")
+    with pytest.raises(ValueError, match="^prompt:"):
+        pipe.transcribe(samples, prompt=3)
+    with pytest.raises(ValueError, match="^audio:"):
+        pipe.transcribe(np.zeros(0, dtype=np.float32))
+    with pytest.raises(ValueError, match="^prompt: this model has no chat"):
+        pipe.generate("Hi")
+    with pytest.raises(ValueError, match="^text: this model does not speak"):
+        pipe.speech("Hi")
+    with pytest.raises(ValueError, match="^speaker:"):
+        family.check_speaker("ethan")
+
+
+def test_the_command_line_transcribes_with_tiny_asr_and_checks_the_aligner_path(tmp_path, capsys):
+    from pathlib import Path
+
+    from omnimtp.cli import main
+
+    question = Path(__file__).resolve().parents[1] / "examples" / "question.wav"
+    assert main(["transcribe", str(question), "--model", "tiny-asr", "--max-new-tokens", "3"]) == 0
+    assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
+    assert "--aligner-model: " in capsys.readouterr().err
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_asr", "thinker_config": {}}')
+    assert main(["serve", "--model", "tiny-asr", "--aligner-model", str(tmp_path)]) == 2
+    assert "is not a Qwen3-ForcedAligner checkpoint" in capsys.readouterr().err
+    assert main(["speak", "--model", "tiny-asr", "Hi", "-o", str(tmp_path / "a.wav")]) == 2
+    assert main(["chat", "--model", "tiny-asr", "--out-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("is a Qwen3-ASR model: it hears and does not speak or chat") == 2
+    assert main(["transcribe", str(question), "--model", "tiny-aligner"]) == 2
+    error = capsys.readouterr().err
+    assert "'tiny-aligner' is a forced aligner, loaded beside a model (serve --aligner-model)" in error
+
+
+def test_collapse_repeats_and_parse_are_the_references():
+    """`collapse_repeats` and `parse_transcript` are `qwen_asr`'s `detect_and_fix_repetitions` and
+    `parse_asr_output` on looping replies (runs of a character, repeated pieces) and tagged ones."""
+    reference.load()
+    from qwen_asr.inference.utils import detect_and_fix_repetitions, parse_asr_output
+
+    from omnimtp.families.qwen3_asr import collapse_repeats
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        parts = []
+        for _ in range(rng.integers(1, 6)):
+            kind = rng.integers(0, 3)
+            if kind == 0:
+                parts.append("".join(rng.choice(list("abcxyz "), size=rng.integers(0, 30))))
+            elif kind == 1:
+                parts.append(str(rng.choice(list("abc"))) * int(rng.integers(15, 30)))
+            else:
+                parts.append("".join(rng.choice(list("ab c"), size=rng.integers(1, 5))) * int(rng.integers(15, 26)))
+        text = "".join(parts)
+        assert collapse_repeats(text) == detect_and_fix_repetitions(text), text
+        for raw in (text, f"language English<asr_text>{text}", f"language chinese\n<asr_text> {text} "):
+            language, parsed = parse_transcript(raw)
+            assert (language or "", parsed) == parse_asr_output(raw), raw
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_streaming_recognition_is_the_references(family, language):
+    """`stream_recognition` gives, chunk by chunk and for the tail, the transcripts of the reference's streaming
+    mode (its own prefix rollback and prompts; its vLLM generator answered by its transformers model, greedy, on
+    the same weights); pieces of any size give the same transcripts."""
+    streaming = reference.reference_streaming(family, 10)
+    pipe = OmniPipeline(family=family, max_new_tokens=10)
+    audio = _speechlike(2.7, 12)
+    chunk = 8000  # 0.5 s
+    state = streaming.init_streaming_state(context="Hi", language=None if language is None else "English",
+                                           unfixed_chunk_num=2, unfixed_token_num=3, chunk_size_sec=0.5)
+    expected = []
+    for start in range(0, len(audio), chunk):
+        before = state.chunk_id
+        streaming.streaming_transcribe(audio[start:start + chunk], state)
+        if state.chunk_id > before:
+            expected.append(state.text)
+    streaming.finish_streaming_transcribe(state)
+    expected.append(state.text)
+    for size in (chunk, 3001):
+        pieces = [audio[i:i + size] for i in range(0, len(audio), size)]
+        partials = list(pipe.stream_recognition(pieces, language, "Hi", chunk_seconds=0.5, unfixed_chunks=2,
+                                                unfixed_tokens=3))
+        assert [p.text for p in partials] == expected
+        assert [p.is_final for p in partials] == [False] * (len(expected) - 1) + [True]
+        assert partials[-1].audio_seconds == pytest.approx(len(audio) / RATE)
+    assert len(set(expected)) > 2
+    # the prompts too (the kept prefix of each): the tiny model's replies may hide a prefix one token off
+    stream = StreamingRecognition(family, language, "Hi", chunk_seconds=0.5, unfixed_chunks=2, unfixed_tokens=3)
+    prompts = []
+    stream.feed(audio)
+    while (step := stream.next_step() or stream.finish()) is not None:
+        prompts.append(step.prompt_ids)
+        stream.accept(step, pipe._recognized(step, 10))
+    assert prompts == streaming.model.prompt_ids
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_streaming_prefixes_roll_back_as_the_references(family, language):
+    """With replies a trained model might write (words, multi-byte characters whose tokens a cut would split),
+    each transcription's prompt (the kept prefix after the rollback) and each transcript are the reference's."""
+    tag = "" if language else "language English<asr_text>"
+    replies = [f"{tag}Hello wor", f"{tag}Hello world, 你好", "ld, 你好 again and", " again and again.",
+               "n and again. Done", " Done."]
+    streaming = reference.reference_streaming(family, 0, replies)
+    audio = _speechlike(2.7, 13)
+    state = streaming.init_streaming_state(language=None if language is None else "English", unfixed_chunk_num=2,
+                                           unfixed_token_num=4, chunk_size_sec=0.5)
+    expected = []
+    for start in range(0, len(audio), 8000):
+        before = state.chunk_id
+        streaming.streaming_transcribe(audio[start:start + 8000], state)
+        if state.chunk_id > before:
+            expected.append(state.text)
+    streaming.finish_streaming_transcribe(state)
+    expected.append(state.text)
+    stream = StreamingRecognition(family, language, None, chunk_seconds=0.5, unfixed_chunks=2, unfixed_tokens=4)
+    stream.feed(audio)
+    prompts, texts, scripted = [], [], list(replies)
+    while (step := stream.next_step() or stream.finish()) is not None:
+        prompts.append(step.prompt_ids)
+        texts.append(stream.accept(step, scripted.pop(0)).text)
+    assert prompts == streaming.model.prompt_ids
+    assert texts == expected
+    assert not scripted and any(len(p) > len(prompts[0]) for p in prompts)  # prefixes were kept
+
+
+def test_streaming_recognition_bad_input(family):
+    pipe = OmniPipeline(family=family, max_new_tokens=4)
+    for kwargs, name in (({"chunk_seconds": 0}, "chunk_seconds"), ({"unfixed_tokens": -1}, "unfixed_tokens"),
+                         ({"language": "xx"}, "language")):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            list(pipe.stream_recognition([np.zeros(100, np.float32)], **kwargs))
+    with pytest.raises(ValueError, match="^samples"):
+        list(pipe.stream_recognition([np.zeros((2, 100), np.float32)]))
+    with pytest.raises(ValueError, match="^model: streaming recognition needs a Qwen3-ASR"):
+        list(OmniPipeline.tiny().stream_recognition([np.zeros(100, np.float32)]))
+
+
+def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_path):
+    """Loaded quantized, the family releases the decoder matrices its quantized copies replace (zero-stride
+    placeholders): the same transcript as quantizing a model the caller keeps; saving it is refused."""
+    pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="int8", max_new_tokens=8)
+    linears = pipe.family.model.decoder_linears()
+    assert linears and all(linear.weight.stride() == (0, 0) for linear in linears)
+    kept = Qwen3ASRFamily(family.model, family.tokenizer, quantize="int8")
+    assert all(linear.weight.stride() != (0, 0) for linear in family.model.decoder_linears())
+    samples = _speechlike(1.1, 14)
+    assert pipe.transcribe(samples).text_ids == OmniPipeline(family=kept, max_new_tokens=8).transcribe(
+        samples).text_ids
+    with pytest.raises(ValueError, match="^model: its decoder matrices were released"):
+        pipe.save_pretrained(tmp_path)
