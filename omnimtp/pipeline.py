@@ -276,18 +276,19 @@ class OmniPipeline:
             return cls.tiny(device=device, family=family, **tts, **kwargs)
         model_type = omni_model_type(path)
         kwargs = {**saved_caps(path), **kwargs}
+        # `omnimtp quantize`'s copy of an omnimtp model (Qwen3-TTS, Qwen3-ASR): memory-mapped, its mode, CPU only
+        quantized = None
+        if model_type in ("qwen3_asr", "qwen3_tts") and is_quantized_checkpoint(path):
+            quantized = load_quantized_model(path, kwargs.get("quantize"), dtype=dtype)
         if model_type == "qwen3_asr":
             quantize = kwargs.pop("quantize", None)
-            return cls(family=Qwen3ASRFamily.from_pretrained(path, dtype=dtype, device=device, quantize=quantize),
-                       **kwargs)
+            return cls(family=Qwen3ASRFamily.from_pretrained(path, dtype=dtype, device=device, quantize=quantize,
+                                                             quantized=quantized), **kwargs)
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)
                 for name in ("non_streaming_mode", "compile_predictor", "quantize", "codec_dtype") if name in kwargs
             }
-            quantized = None
-            if is_quantized_checkpoint(path):  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
-                quantized = load_quantized_model(path, family_options.get("quantize"), dtype=dtype)
             return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, quantized=quantized,
                                                              **family_options), **kwargs)
         check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load

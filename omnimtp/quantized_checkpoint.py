@@ -39,6 +39,7 @@ import torch
 
 from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
 from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
+from omnimtp.families.qwen3_asr import Qwen3ASRFamily
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.runtime.decoder import QUANTIZED_MATRICES, pack_layer, quantized_matrices
@@ -48,7 +49,8 @@ from omnimtp.runtime.ops import QUANTIZE_MODES, QuantizedWeight, check_quantize
 FORMAT = 1
 CONFIG_KEY = "omnimtp_quantization"
 # the transformers module paths of the decoders each family packs (and so quantizes), by config model_type
-DECODERS = {family.model_type: family.decoder_paths for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily)}
+DECODERS = {family.model_type: family.decoder_paths
+            for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily, Qwen3ASRFamily)}
 # a decoder layer's parameters that its quantized matrices replace (the rest of a layer stays float)
 _QUANTIZED_PARAMETER = re.compile(
     r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.shared_experts?\.(gate|up|down)_proj)\.weight$"
@@ -106,7 +108,7 @@ class _SourceTensors:
                     target, pattern = rename_source_key(key, renamings, self.converters, model.base_model_prefix,
                                                         meta_state)
                 self.sources.setdefault(target, []).append(_Source(name, key, pattern))
-        missing = sorted(set(meta_state) - set(self.sources))
+        missing = sorted(set(meta_state) - set(self.sources) - set(tied_aliases(model)))
         if missing:
             raise ValueError(f"src: {path!r} lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
 
@@ -215,17 +217,42 @@ def _meta_model(path: str, model_type: str):
     import transformers
     from transformers import AutoConfig
 
-    if model_type == Qwen3TTSFamily.model_type:
-        from omnimtp.models.qwen3_tts import Qwen3TTSModel
-
+    own = _own_model_class(model_type)
+    if own is not None:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
         config.pop(CONFIG_KEY, None)
         with torch.device("meta"):
-            return Qwen3TTSModel(config)
+            return own(config)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         return getattr(transformers, MODEL_TYPES[model_type])(config)
+
+
+def _own_model_class(model_type: str):
+    """omnimtp's own model class of a model type (built from config.json's dict, tensors under their parameter
+    names, `restore_buffers` for what is not stored), or None for a transformers model."""
+    if model_type == Qwen3TTSFamily.model_type:
+        from omnimtp.models.qwen3_tts import Qwen3TTSModel
+
+        return Qwen3TTSModel
+    if model_type == Qwen3ASRFamily.model_type:
+        from omnimtp.models.qwen3_asr import Qwen3ASRModel
+
+        return Qwen3ASRModel
+    return None
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """Parameter names that are another name of an earlier parameter (a tied LM head) → that earlier name: stored
+    once, under the first name, and tied again at load."""
+    first, aliases = {}, {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
 
 
 def _is_quantized_parameter(name: str, decoders: tuple[str, ...]) -> bool:
@@ -241,7 +268,7 @@ def _check_destination(quantize: str, dst: str) -> None:
 
 
 def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYTES) -> dict:
-    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory) into
+    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni, Qwen3-TTS or Qwen3-ASR checkpoint) into
     DST (a new or empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode",
     "decoders": {prefix: layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in
     QUANTIZE_MODES or without a kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is
@@ -259,6 +286,9 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     model = _meta_model(src, model_type)
+    if getattr(model, "is_aligner", False):
+        raise ValueError(f"src: {src!r} is a Qwen3-ForcedAligner, which omnimtp quantize does not convert (serve it "
+                         "with --aligner-model and --quantize)")
     summary = _write(model, _SourceTensors(model, src), dst, quantize, DECODERS[model_type], config, shard_bytes)
     for entry in os.listdir(src):
         if entry.endswith(".safetensors") or entry in ("config.json", "model.safetensors.index.json"):
@@ -355,8 +385,9 @@ def _write(model, source, dst: str, quantize: str, decoders: tuple[str, ...], co
                 return_free_memory()  # the temporaries of packing and quantizing, freed but held by the heap
     quantized.flush()
     floats = _ShardWriter(dst, "model", shard_bytes)
+    aliases = tied_aliases(model)
     for name in model.state_dict():
-        if not _is_quantized_parameter(name, decoders):
+        if not _is_quantized_parameter(name, decoders) and name not in aliases:
             written = len(floats.files)
             floats.add(name, source.materialize(name))
             if len(floats.files) != written:  # a file was written: the tensors it held are gone
@@ -425,14 +456,17 @@ def load_quantized_model(path, quantize: str | None = None, dtype: torch.dtype |
             raise ValueError(f"{file}: not a readable safetensors file of a quantized checkpoint ({error})") from None
     if dtype is not None:
         floats = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor for name, tensor in floats.items()}
+    aliases = tied_aliases(model)
     missing, unexpected = model.load_state_dict(floats, strict=False, assign=True)
-    left = [name for name in missing if not _is_quantized_parameter(name, decoders)]
+    for alias, name in aliases.items():  # tied again: the alias's module takes the loaded parameter
+        _load_parameter_into_model(model, alias, model.get_parameter(name))
+    left = [name for name in missing if not _is_quantized_parameter(name, decoders) and name not in aliases]
     if unexpected or left:
         raise ValueError(f"{path}: its model-*.safetensors files do not match the model (missing {left[:3]}, "
                          f"unexpected {unexpected[:3]})")
-    if model_type == Qwen3TTSFamily.model_type:  # omnimtp's own model: its rotary tables are all it computes
-        model._restore_rope()
-        model.has_released_linears = True  # (`Qwen3TTSModel.save_pretrained` refuses it)
+    if _own_model_class(model_type) is not None:  # omnimtp's own model computes what is not stored itself
+        model.restore_buffers()
+        model.has_released_linears = True  # (its `save_pretrained` refuses it)
     else:
         # non-persistent buffers (rotary tables, ...) are not stored: made on the CPU and computed by the model's
         # own initialisation, which leaves every loaded tensor as it is (and the meta ones: nothing to fill)

@@ -115,6 +115,28 @@ def test_a_quantized_qwen3_tts_checkpoint_speaks_as_quantizing_at_load(tmp_path,
         loaded.save_pretrained(tmp_path / "again")
 
 
+@pytest.mark.parametrize("mode", ["int8", "w4a8"])
+def test_a_quantized_qwen3_asr_checkpoint_transcribes_as_quantizing_at_load(tmp_path, mode):
+    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+
+    source = tmp_path / "src"
+    OmniPipeline.from_pretrained("tiny-asr").save_pretrained(source)
+    summary = quantize_checkpoint(source, tmp_path / "q", mode)
+    assert summary["decoders"] == {"thinker.model": 2}
+    loaded = OmniPipeline.from_pretrained(tmp_path / "q")
+    at_load = OmniPipeline.from_pretrained(source, quantize=mode)
+    audio = (np.sin(np.arange(16_000) / 7.0) * 0.3).astype(np.float32), 16_000
+    first, second = (pipe.transcribe(audio) for pipe in (loaded, at_load))
+    assert first.text and first.text == second.text and loaded.family.quantize == mode
+    thinker = loaded.family.model.thinker  # the tied head is stored once and tied again
+    assert thinker.lm_head.weight is thinker.model.embed_tokens.weight
+    assert thinker.model.layers[0].self_attn.q_proj.weight.stride() == (0, 0)
+    aligner = Qwen3ForcedAligner.tiny()
+    aligner.model.save_pretrained(tmp_path / "aligner")
+    with pytest.raises(ValueError, match="src.*ForcedAligner"):
+        quantize_checkpoint(tmp_path / "aligner", tmp_path / "aligner-q", mode)
+
+
 def test_a_random_checkpoint_is_written_straight_in_the_quantized_format(sources, tmp_path):
     """What omni_realsize.py builds the released sizes with: no float model, a checkpoint that loads and speaks."""
     config = json.loads((sources["qwen3"] / "config.json").read_text())

@@ -206,15 +206,27 @@ class Qwen3ASRFamily(ChatText):
         self.speech_header_ids = None
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> Qwen3ASRFamily:
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, quantized=None,
+                        **kwargs) -> Qwen3ASRFamily:
         """A checkpoint in the released layout: config.json + model.safetensors, the tokenizer files and
-        preprocessor_config.json (the feature extractor; the released one without it)."""
+        preprocessor_config.json (the feature extractor; the released one without it). quantized: the checkpoint
+        at `path` loaded by `omnimtp.quantized_checkpoint.load_quantized_model` when it is a quantized one
+        (`OmniPipeline.from_pretrained` does it): its model and stored matrices, in its mode."""
         from transformers import AutoTokenizer
 
         from omnimtp.runtime.device import resolve_device
 
         path = os.fspath(path)
-        model = Qwen3ASRModel.from_pretrained(path, dtype=dtype)
+        if quantized is not None:
+            if device is not None and resolve_device(device).type != "cpu":
+                raise ValueError(f"device: {path!r} is a quantized checkpoint; its kernels run on the CPU only")
+            if kwargs.get("quantize") not in (None, quantized.mode):
+                raise ValueError(f"quantize={kwargs['quantize']!r}: {path!r} holds {quantized.mode!r} weights "
+                                 "(quantize with `omnimtp quantize` again from the float checkpoint for another mode)")
+            model, device = quantized.model, None
+            kwargs.update(quantize=quantized.mode, stored=quantized.stored)
+        else:
+            model = Qwen3ASRModel.from_pretrained(path, dtype=dtype)
         if model.is_aligner:
             raise ValueError(f"path: {path!r} is a Qwen3-ForcedAligner; serve it with --aligner-model")
         if device is not None:

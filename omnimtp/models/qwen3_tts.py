@@ -185,6 +185,10 @@ class Qwen3TTSModel(nn.Module):
             model = model.to(dtype)
         return model.eval()
 
+    def restore_buffers(self) -> None:
+        """What is not stored in the checkpoint, computed again on the weights' device (the rotary tables)."""
+        self._restore_rope()
+
     def _restore_rope(self) -> None:
         """The rotary tables (buffers that are not in the file), computed again on the weights' device."""
         for decoder in (self.talker.model, self.talker.code_predictor.model):
