@@ -865,25 +865,25 @@ MUTATIONS = [
     ),
     # --- /v1/realtime -------------------------------------------------------------------------------
     Mutation(
-        "realtime_item_audio_rate_ignored", "omnimtp/server/routes/realtime.py",
-        'audio = await _heard(state, pcm, state.settings.input_rate, f"{param}.audio")',
-        'audio = await _heard(state, pcm, PCM_RATE, f"{param}.audio")',
+        "realtime_item_audio_rate_ignored", "omnimtp/server/routes/realtime/conversation.py",
+        'audio = await heard_audio(state, pcm, state.settings.input_rate, f"{param}.audio")',
+        'audio = await heard_audio(state, pcm, PCM_RATE, f"{param}.audio")',
         REALTIME, "an input_audio item is read as 24 kHz whatever rate the session names",
     ),
     Mutation(
-        "realtime_cancel_any_response_id", "omnimtp/server/routes/realtime.py",
+        "realtime_cancel_any_response_id", "omnimtp/server/routes/realtime/responses.py",
         "    if event.response_id is not None and event.response_id != state.response_id:",
         "    if False:",
         REALTIME, "response.cancel naming another response cancels the active one",
     ),
     Mutation(
-        "realtime_forgets_earlier_turns", "omnimtp/server/routes/realtime.py",
+        "realtime_forgets_earlier_turns", "omnimtp/server/routes/realtime/responses.py",
         "(item.role, item.content) for item in state.items)",
         "(item.role, item.content) for item in state.items[-1:])",
         REALTIME, "a response answers only the conversation's last item, not its earlier turns",
     ),
     Mutation(
-        "realtime_input_rate_ignored", "omnimtp/server/routes/realtime.py",
+        "realtime_input_rate_ignored", "omnimtp/server/routes/realtime/formats.py",
         "    return audio_format.type, audio_format.rate or PCM_RATE",
         "    return audio_format.type, PCM_RATE",
         REALTIME, "input audio is read as 24 kHz whatever rate the session names (no resampling)",
@@ -895,60 +895,60 @@ MUTATIONS = [
         VOICE_AGENT, "speech stops at its first silent window, whatever silence_duration_ms says",
     ),
     Mutation(
-        "vad_barge_in_ignored", "omnimtp/server/routes/realtime.py",
+        "vad_barge_in_ignored", "omnimtp/server/routes/realtime/turns.py",
         "            if config.interrupt_response and state.response is not None:",
         "            if False:",
         VOICE_AGENT, "speech during a response does not cancel it",
     ),
     Mutation(
-        "truncate_keeps_the_transcript", "omnimtp/server/routes/realtime.py",
+        "truncate_keeps_the_transcript", "omnimtp/server/routes/realtime/conversation.py",
         "    item.text_deltas = item.text_deltas[:heard_frames]",
         "    item.text_deltas = item.text_deltas",
         VOICE_AGENT, "a truncated reply's unheard transcript stays in the conversation",
     ),
     Mutation(
-        "g711_output_is_mu_law_always", "omnimtp/server/routes/realtime.py",
+        "g711_output_is_mu_law_always", "omnimtp/server/routes/realtime/formats.py",
         "        return base64.b64encode(g711_encode(pcm, self.fmt)).decode(\"ascii\")",
         "        return base64.b64encode(g711_encode(pcm, \"audio/pcmu\")).decode(\"ascii\")",
         VOICE_AGENT, "A-law output is encoded as μ-law",
     ),
     Mutation(
-        "session_items_unbounded", "omnimtp/server/routes/realtime.py",
+        "session_items_unbounded", "omnimtp/server/routes/realtime/conversation.py",
         "    if len(state.items) + num_items > limits.max_session_items:",
         "    if False:",
         VOICE_AGENT, "a realtime conversation grows past --max-session-items",
     ),
     Mutation(
-        "realtime_cancel_ignored", "omnimtp/server/routes/realtime.py",
+        "realtime_cancel_ignored", "omnimtp/server/routes/realtime/responses.py",
         "    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled",
         "    pass",
         REALTIME, "response.cancel leaves the response running to its end",
     ),
     Mutation(
-        "vad_create_response_ignored", "omnimtp/server/routes/realtime.py",
+        "vad_create_response_ignored", "omnimtp/server/routes/realtime/turns.py",
         "        if config.create_response and state.response is None:",
         "        if state.response is None:",
         ("tests/test_realtime_vad.py::test_create_response_false_commits_the_turn_and_starts_no_response",),
         "a turn the server VAD commits starts a response under create_response: false",
     ),
     Mutation(
-        "vad_interrupt_response_ignored", "omnimtp/server/routes/realtime.py",
+        "vad_interrupt_response_ignored", "omnimtp/server/routes/realtime/turns.py",
         "            if config.interrupt_response and state.response is not None:",
         "            if state.response is not None:",
         ("tests/test_realtime_vad.py::test_interrupt_response_false_leaves_the_response_running",),
         "speech during a response cancels it under interrupt_response: false",
     ),
     Mutation(
-        "vad_silence_kept_between_turns", "omnimtp/server/routes/realtime.py",
+        "vad_silence_kept_between_turns", "omnimtp/server/routes/realtime/turns.py",
         "    if not turns.detector.is_speaking:  # keep the prefix padding",
         "    if False:  # keep the prefix padding",
         ("tests/test_realtime_vad.py::test_long_silence_under_vad_never_fills_the_buffer",),
         "the silence between turns stays in the input buffer until it is full (input_audio_buffer_full)",
     ),
     Mutation(
-        "vad_clear_keeps_the_turn_in_progress", "omnimtp/server/routes/realtime.py",
-        "    if turns.detector is not None:\n        turns.detector.restart()",
-        "    if False:\n        turns.detector.restart()",
+        "vad_clear_keeps_the_turn_in_progress", "omnimtp/server/routes/realtime/state.py",
+        "        if turns.detector is not None:\n            turns.detector.restart()",
+        "        if False:\n            turns.detector.restart()",
         ("tests/test_realtime_vad.py::test_clearing_the_buffer_mid_speech_resets_the_detector",),
         "input_audio_buffer.clear mid-speech leaves the detector inside the cleared speech",
     ),
@@ -965,7 +965,7 @@ MUTATIONS = [
         "input_audio_buffer.clear",
     ),
     Mutation(
-        "vad_turn_detection_update_ignored", "omnimtp/server/routes/realtime.py",
+        "vad_turn_detection_update_ignored", "omnimtp/server/routes/realtime/settings.py",
         "    if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != "
         "settings.input_rate:",
         "    if state.settings.input_rate != settings.input_rate:",
@@ -973,7 +973,7 @@ MUTATIONS = [
         "a session.update of turn_detection between turns keeps the detector of the old settings",
     ),
     Mutation(
-        "vad_input_rate_update_ignored", "omnimtp/server/routes/realtime.py",
+        "vad_input_rate_update_ignored", "omnimtp/server/routes/realtime/settings.py",
         "    if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != "
         "settings.input_rate:",
         "    if state.settings.turn_detection != settings.turn_detection:",
@@ -981,7 +981,7 @@ MUTATIONS = [
         "a session.update of the input rate between turns keeps the detector resampling from the old rate",
     ),
     Mutation(
-        "vad_end_is_the_prefix_padding_after_the_speech", "omnimtp/server/routes/realtime.py",
+        "vad_end_is_the_prefix_padding_after_the_speech", "omnimtp/server/routes/realtime/turns.py",
         "turns.sample(event.sample, rate) + config.silence_duration_ms * rate // 1000)",
         "turns.sample(event.sample, rate) + config.prefix_padding_ms * rate // 1000)",
         ("tests/test_realtime_vad.py::test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_after_the_speech",),
@@ -1002,7 +1002,7 @@ MUTATIONS = [
         "under a threshold of 0.15 or less speech never ends (silero's exit threshold is at least 0.01)",
     ),
     Mutation(
-        "truncate_at_the_whole_duration_refused", "omnimtp/server/routes/realtime.py",
+        "truncate_at_the_whole_duration_refused", "omnimtp/server/routes/realtime/conversation.py",
         "    if event.audio_end_ms > duration_ms:",
         "    if event.audio_end_ms >= duration_ms:",
         ("tests/test_realtime_vad.py::test_truncate_cuts_the_reply_to_what_was_heard",),
@@ -1200,7 +1200,7 @@ MUTATIONS = [
         REALTIME, "an error inside a union names pydantic's member tag (session.max_output_tokens.constrained-int)",
     ),
     Mutation(
-        "engine_argument_name_in_the_message", "omnimtp/server/routes/common.py",
+        "engine_argument_name_in_the_message", "omnimtp/server/routes/voices.py",
         "        message = param + message[len(name):]  # the field the client sent, not the engine's argument",
         "        message = message",
         SERVER_VOICES, "a voice upload's error message names ref_audio, not the audio_sample the client sent",
@@ -1254,9 +1254,9 @@ MUTATIONS = [
         VOICE_STORE, "a voice loaded from a file or bytes loses its seconds, created and info",
     ),
     Mutation(
-        "clone_fields_on_any_model", "omnimtp/server/routes/common.py",
-        '        if self.engine.tts_model_type != "base":\n            if clone:',
-        '        if self.engine.tts_model_type != "base":\n            if False:',
+        "clone_fields_on_any_model", "omnimtp/server/routes/voices.py",
+        '    if context.engine.tts_model_type != "base":\n        if clone:',
+        '    if context.engine.tts_model_type != "base":\n        if False:',
         SERVER_VOICES, "a CustomVoice model ignores the Base-only clone fields instead of refusing them",
     ),
     Mutation(
@@ -1267,9 +1267,9 @@ MUTATIONS = [
         SERVER_VOICES, "the voices routes answer without the API key",
     ),
     Mutation(
-        "saved_voice_x_vector_only_ignored", "omnimtp/server/routes/common.py",
-        "            if body.x_vector_only_mode:\n                voice = voice.x_vector_only()",
-        "            if body.x_vector_only_mode:\n                voice = voice",
+        "saved_voice_x_vector_only_ignored", "omnimtp/server/routes/voices.py",
+        "        if body.x_vector_only_mode:\n            voice = voice.x_vector_only()",
+        "        if body.x_vector_only_mode:\n            voice = voice",
         SERVER_VOICES, "x_vector_only_mode is ignored with a saved in-context voice",
     ),
     # --- transcription ---------------------------------------------------------------------------------
@@ -1308,7 +1308,7 @@ MUTATIONS = [
         "a transcription's usage.total_tokens leaves out its input tokens",
     ),
     Mutation(
-        "realtime_transcript_total_tokens_is_the_output", "omnimtp/server/routes/realtime.py",
+        "realtime_transcript_total_tokens_is_the_output", "omnimtp/server/routes/realtime/transcription.py",
         '"total_tokens": final.prompt_tokens + final.completion_tokens}})',
         '"total_tokens": final.completion_tokens}})',
         ("tests/test_server_transcriptions.py::test_realtime_input_transcripts_equal_the_routes",),
@@ -1584,10 +1584,10 @@ MUTATIONS = [
         "the playground's hidden fields (Instructions) show, as label.wide's display rule overrides hidden",
     ),
     Mutation(
-        "base_model_requires_a_voice_over_http", "omnimtp/server/routes/common.py",
-        "            voice = None\n        elif body.voice is not None:",
-        "            raise APIError(400, \"voice: required\", param=\"voice\", code=\"missing_required_parameter\")\n"
-        "        elif body.voice is not None:",
+        "base_model_requires_a_voice_over_http", "omnimtp/server/routes/voices.py",
+        "        voice = None\n    elif body.voice is not None:",
+        "        raise APIError(400, \"voice: required\", param=\"voice\", code=\"missing_required_parameter\")\n"
+        "    elif body.voice is not None:",
         ("tests/test_server_voices.py::test_a_base_model_speaks_without_a_voice_as_the_python_api",),
         "a Base model over HTTP refuses a request without a voice, which the CLI and Python API speak",
     ),
@@ -1707,9 +1707,9 @@ MUTATIONS = [
         "/v1/models does not list transcriptions for an omni model that hears",
     ),
     Mutation(
-        "g711_append_decoded_before_its_size_check", "omnimtp/server/routes/realtime.py",
+        "g711_append_decoded_before_its_size_check", "omnimtp/server/routes/realtime/turns.py",
         "    if len(state.audio_buffer) + num_bytes > max_bytes:",
-        "    if len(state.audio_buffer) + len(_pcm_bytes(data, state.settings.input_format, \"audio\")) > max_bytes:",
+        "    if len(state.audio_buffer) + len(pcm_bytes(data, state.settings.input_format, \"audio\")) > max_bytes:",
         ("tests/test_server_realtime.py::test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded",),
         "a G.711 append over the buffer limit is decoded on the event loop before it is refused",
     ),
@@ -1721,8 +1721,8 @@ MUTATIONS = [
         "a negative seed is refused on /v1/audio/transcriptions while every other route takes it",
     ),
     Mutation(
-        "format_change_keeps_old_audio", "omnimtp/server/routes/realtime.py",
-        "        _clear_buffer(state)  # its audio is in the old format: never heard at the new one",
+        "format_change_keeps_old_audio", "omnimtp/server/routes/realtime/settings.py",
+        "        state.clear_buffer()  # its audio is in the old format: never heard at the new one",
         "        pass",
         ("tests/test_server_realtime.py::test_a_new_input_format_empties_the_buffer_of_the_old_ones_audio",),
         "audio buffered before an input format change is committed as audio of the new format",

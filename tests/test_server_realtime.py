@@ -448,7 +448,7 @@ def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(clie
 
 
 def test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded(client, monkeypatch):
-    import omnimtp.server.routes.realtime as realtime_route
+    import omnimtp.server.routes.realtime.formats as realtime_route
 
     decoded, g711_decode = [], realtime_route.g711_decode
 

@@ -7,8 +7,9 @@
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
-    routes/realtime.py /v1/realtime (WebSocket: OpenAI's Realtime API)
-    routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir)
+    routes/realtime/   /v1/realtime (WebSocket: OpenAI's Realtime API)
+    routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir),
+                       and the voice of every speaking request (speaker names, saved and cloned voices)
     routes/speech_stream.py /v1/audio/speech/stream (WebSocket: text streamed into speech)
     routes/transcriptions.py /v1/audio/transcriptions (the thinker hears an uploaded file)
     routes/models.py   /v1/models, /health, /metrics

@@ -8,7 +8,7 @@ or "VoiceDesign"); `voice` is a CustomVoice speaker (default: the model's) and s
 the reference's defaults (T 0.9, top-k 50, repetition penalty 1.05; temperature 0: greedy). On a Base model
 (`task_type` "Base") the voice is cloned: `voice` names a saved voice (routes/voices.py), or the request
 sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a `speaker_embedding`
-(`ServingContext.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
+(`voices.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
 engine step loop as every other request.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
+from omnimtp.server.routes.voices import speech_speaker
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
@@ -48,7 +49,7 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-    speaker = await context.speech_speaker(body)
+    speaker = await speech_speaker(context, body)
     handle = await context.submit(_engine_request(context, body, speaker))
     fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
@@ -94,7 +95,7 @@ async def speech_batch(request: Request):
             context.check_model(item.model)
             if not item.input.strip():
                 raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-            speaker = await context.speech_speaker(item)
+            speaker = await speech_speaker(context, item)
             handles.append(await context.submit(_engine_request(context, item, speaker)))
         except APIError as error:
             handles.append(_item_error(index, error))
