@@ -1,5 +1,8 @@
 """The conversation: items made from committed audio or `conversation.item.create`, placed by
-`previous_item_id` within the session's limits, and cut by `conversation.item.truncate`."""
+`previous_item_id` within the session's limits, cut by `conversation.item.truncate`, taken out by
+`conversation.item.delete` and shown by `conversation.item.retrieve`. A new item is announced by
+`conversation.item.added` and, once complete, `conversation.item.done` (a reply's item: when its response
+ends)."""
 
 from __future__ import annotations
 
@@ -38,12 +41,19 @@ async def commit_audio(state: RealtimeSession, pcm: bytes, item_id: str) -> None
     previous = insert_item(state, item, None)
     await state.session.send({"type": "input_audio_buffer.committed", "previous_item_id": previous,
                               "item_id": item.id})
-    await state.session.send({"type": "conversation.item.created", "previous_item_id": previous,
-                              "item": item.event_item()})
+    await send_added(state, item, previous)
     if state.settings.transcription is not None:
         task = asyncio.ensure_future(transcribe_item(state, item, state.settings.transcription))
         state.transcripts.add(task)
         task.add_done_callback(state.transcripts.discard)
+
+
+async def send_added(state: RealtimeSession, item: ConversationItem, previous_item_id: str | None) -> None:
+    """The events of a complete item that joined the conversation after `previous_item_id`."""
+    await state.session.send({"type": "conversation.item.added", "previous_item_id": previous_item_id,
+                              "item": item.event_item()})
+    await state.session.send({"type": "conversation.item.done", "previous_item_id": previous_item_id,
+                              "item": item.event_item()})
 
 
 async def client_item(state: RealtimeSession, item: Item) -> ConversationItem:
@@ -78,7 +88,8 @@ async def client_item(state: RealtimeSession, item: Item) -> ConversationItem:
     else:
         content = "".join(part["text"] for part in engine_parts)
     if item.id is not None and any(existing.id == item.id for existing in state.items):
-        raise EventError(f"item.id: the conversation already has an item {item.id!r}", param="item.id")
+        raise EventError(f"item.id: the conversation already has an item {item.id!r}", param="item.id",
+                         code="item_create_duplicate_item_id")
     return ConversationItem(item.id or new_id("item"), item.role, content, parts)
 
 
@@ -114,23 +125,49 @@ def check_room(state: RealtimeSession, num_items: int, num_bytes: int) -> None:
                          param="max_session_bytes", code="conversation_full")
 
 
+def find_item(state: RealtimeSession, item_id: str) -> ConversationItem:
+    """The conversation's item `item_id`; EventError item_not_found naming `item_id` when there is none."""
+    item = next((item for item in state.items if item.id == item_id), None)
+    if item is None:
+        raise EventError(f"item_id: the conversation has no item {item_id!r}", param="item_id",
+                         code="item_not_found")
+    return item
+
+
 def truncate_item(state: RealtimeSession, event: ItemTruncate) -> None:
     """Cut a spoken assistant item to the audio the user heard (`audio_end_ms`), and its transcript with it, so
     that later turns hold only what was heard. The talker reads one reply token per audio frame, so the frames
-    heard keep that many of the transcript's deltas (one delta per token)."""
-    item = next((item for item in state.items if item.id == event.item_id), None)
-    if item is None:
-        raise EventError(f"item_id: the conversation has no item {event.item_id!r}", param="item_id",
-                         code="item_not_found")
-    if item.role != "assistant" or item.parts[0]["type"] != "output_audio" or not item.num_frames:
+    heard keep that many of the transcript's deltas (one delta per token). A reply still streaming is cut at
+    what it has sent, and its response is cancelled: what it would say next was not heard."""
+    item = find_item(state, event.item_id)
+    is_streaming = item.status == "in_progress"
+    if item.role != "assistant" or item.parts[0]["type"] != "output_audio" or not (item.num_frames or is_streaming):
         raise EventError(f"item_id: {event.item_id!r} is not an assistant item with audio", param="item_id")
     duration_ms = item.num_samples * 1000 // PCM_RATE
     if event.audio_end_ms > duration_ms:
         raise EventError(f"audio_end_ms: the item's audio is {duration_ms} ms long, got {event.audio_end_ms}",
                          param="audio_end_ms")
     heard_samples = event.audio_end_ms * PCM_RATE // 1000
-    heard_frames = heard_samples * item.num_frames // item.num_samples
+    heard_frames = heard_samples * item.num_frames // item.num_samples if item.num_samples else 0
     item.text_deltas = item.text_deltas[:heard_frames]
     item.num_frames, item.num_samples = heard_frames, heard_samples
     item.content = "".join(item.text_deltas)
     item.parts = [{"type": "output_audio", "transcript": item.content}]
+    if is_streaming:
+        _stop_reply(state, item)
+
+
+def delete_item(state: RealtimeSession, item_id: str) -> None:
+    """Take item `item_id` out of the conversation; a reply still streaming into it is cancelled."""
+    item = find_item(state, item_id)
+    state.items.remove(item)
+    if item.status == "in_progress":
+        _stop_reply(state, item)
+
+
+def _stop_reply(state: RealtimeSession, item: ConversationItem) -> None:
+    """The active response streaming into `item` is cancelled, and nothing more it streams joins the item."""
+    item.is_cut = True
+    if state.response is not None:
+        state.cancel_reason = "client_cancelled"
+        state.handle.cancel()

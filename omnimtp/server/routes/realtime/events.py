@@ -181,6 +181,16 @@ class ItemTruncate(ClientEvent):
     audio_end_ms: Annotated[int, Field(ge=0)]
 
 
+class ItemDelete(ClientEvent):
+    type: Literal["conversation.item.delete"]
+    item_id: Annotated[str, Field(min_length=1)]
+
+
+class ItemRetrieve(ClientEvent):
+    type: Literal["conversation.item.retrieve"]
+    item_id: Annotated[str, Field(min_length=1)]
+
+
 class OutputAudioClear(ClientEvent):
     type: Literal["output_audio_buffer.clear"]
 
@@ -194,6 +204,8 @@ CLIENT_EVENTS: dict[str, type[ClientEvent]] = {
     "response.create": ResponseCreate,
     "response.cancel": ResponseCancel,
     "conversation.item.truncate": ItemTruncate,
+    "conversation.item.delete": ItemDelete,
+    "conversation.item.retrieve": ItemRetrieve,
     "output_audio_buffer.clear": OutputAudioClear,
 }
 

@@ -7,9 +7,9 @@ import asyncio
 
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import sampling_params
-from omnimtp.server.routes.realtime.conversation import check_room
+from omnimtp.server.routes.realtime.conversation import check_room, insert_item
 from omnimtp.server.routes.realtime.events import PCM_RATE, ResponseCancel, ResponseFields
-from omnimtp.server.routes.realtime.formats import OutputEncoder, describe_format
+from omnimtp.server.routes.realtime.formats import OutputEncoder, describe_format, output_format
 from omnimtp.server.routes.realtime.settings import max_output_tokens_setting, session_voice
 from omnimtp.server.routes.realtime.state import ConversationItem, RealtimeSession
 from omnimtp.server.scheduler import EngineRequest
@@ -21,11 +21,11 @@ def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[Eng
     response reports (voice, modalities, max_output_tokens)."""
     context, settings = state.context, state.settings
     modalities = tuple(fields.output_modalities or settings.output_modalities)
-    voice, output_format = settings.voice, settings.output_format
+    voice, out_format = settings.voice, settings.output_format
     audio = fields.audio.output if fields.audio is not None else None
     if audio is not None:
         if audio.format is not None:
-            output_format = output_format(audio.format, "response.audio.output.format")
+            out_format = output_format(audio.format, "response.audio.output.format")
         if audio.voice is not None:
             voice = session_voice(context, audio.voice, "response.audio.output.voice")
     max_output_tokens = settings.max_output_tokens
@@ -37,21 +37,23 @@ def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[Eng
     instructions = settings.instructions if fields.instructions is None else fields.instructions
     turns = ((("system", instructions),) if instructions else ()) + tuple(
         (item.role, item.content) for item in state.items)
-    engine = context.engine
-    max_new_tokens = (min(engine.config.max_new_tokens, context.max_tokens_limit) if max_output_tokens == "inf"
-                      else max_output_tokens)
+    # "inf": no cap of the response's own; the reply ends at its end of turn, the server's --max-tokens-limit or
+    # the model's context, whichever comes first
+    max_new_tokens = context.max_tokens_limit if max_output_tokens == "inf" else max_output_tokens
     request = EngineRequest(
         messages=turns, speak_text=None, speaker=voice if modalities == ("audio",) else None,
         sampling=sampling_params(settings.temperature, settings.top_p, settings.top_k), seed=settings.seed,
         max_new_tokens=max_new_tokens, cache_key=state.id,
     )
     described = {"output_modalities": list(modalities), "max_output_tokens": max_output_tokens,
-                 "audio": {"output": {"format": describe_format(output_format, PCM_RATE), "voice": voice}},
+                 "audio": {"output": {"format": describe_format(out_format, PCM_RATE), "voice": voice}},
                  "metadata": fields.metadata}
     return request, described
 
 
 async def start_response(state: RealtimeSession, fields: ResponseFields) -> None:
+    """Submit the response's request and start streaming it. Its assistant item joins the conversation at once
+    (after the items the request answers): a truncate or delete may cut it while it streams."""
     if state.response is not None:
         raise EventError(f"the conversation already has an active response {state.response_id}; cancel it or wait "
                          "for its response.done", code="conversation_already_has_active_response")
@@ -62,9 +64,13 @@ async def start_response(state: RealtimeSession, fields: ResponseFields) -> None
     except APIError as exc:
         raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value",
                          type=exc.type) from None
+    is_audio = described["output_modalities"] == ["audio"]
+    part = {"type": "output_audio", "transcript": ""} if is_audio else {"type": "output_text", "text": ""}
+    item = ConversationItem(new_id("item"), "assistant", "", [part], status="in_progress")
+    previous = insert_item(state, item, None)
     response_id = new_id("resp")
     state.response_id, state.handle = response_id, handle
-    state.response = asyncio.create_task(_respond(state, handle, response_id, described))
+    state.response = asyncio.create_task(_respond(state, handle, response_id, described, item, previous))
 
 
 async def cancel_response(state: RealtimeSession, event: ResponseCancel) -> None:
@@ -77,41 +83,42 @@ async def cancel_response(state: RealtimeSession, event: ResponseCancel) -> None
     state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled
 
 
-async def _respond(state: RealtimeSession, handle, response_id: str, described: dict) -> None:
-    """Stream one response's events, then add the reply to the conversation (its transcript as the assistant
-    turn). A cancelled request (response.cancel) ends with status "cancelled"; the client leaving cancels it."""
+async def _respond(state: RealtimeSession, handle, response_id: str, described: dict, item: ConversationItem,
+                   previous_item_id: str | None) -> None:
+    """Stream one response's events into its assistant item (its transcript is the assistant turn). A cancelled
+    request (response.cancel, barge-in, the item cut) ends with status "cancelled"; the client leaving cancels
+    it."""
     session = state.session
     is_audio = described["output_modalities"] == ["audio"]
-    item_id = new_id("item")
-    part_type = "output_audio" if is_audio else "output_text"
     text_key = "transcript" if is_audio else "text"
     response = {"id": response_id, "object": "realtime.response", "conversation_id": state.id, "output": [],
                 "status": "in_progress", "status_details": None, "usage": None, **described}
-    where = {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
+    where = {"response_id": response_id, "item_id": item.id, "output_index": 0, "content_index": 0}
     texts: list[str] = []
     encoder = OutputEncoder(described["audio"]["output"]["format"]["type"])
-    num_samples = num_frames = 0
     final = None
     try:
         await session.send({"type": "response.created", "response": response})
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "status": "in_progress",
-                "role": "assistant", "content": []}
+        added = {**item.event_item(), "content": []}
         await session.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
-                            "item": item})
-        await session.send({"type": "conversation.item.created", "previous_item_id":
-                            state.items[-1].id if state.items else None, "item": item})
+                            "item": added})
+        await session.send({"type": "conversation.item.added", "previous_item_id": previous_item_id,
+                            "item": added})
         await session.send({"type": "response.content_part.added", **where,
                             "part": {"type": "audio" if is_audio else "text", text_key: ""}})
         delta_type = "response.output_audio_transcript.delta" if is_audio else "response.output_text.delta"
         async for event in handle.events():
+            if item.is_cut:
+                break
             if event.error is not None:
                 final = event
                 break
             if event.text:
                 texts.append(event.text)
+                item.text_deltas += (event.text,)
                 await session.send({"type": delta_type, **where, "delta": event.text})
             if is_audio and event.audio is not None and event.audio.size:
-                num_samples, num_frames = num_samples + event.audio.size, event.num_frames
+                item.num_samples, item.num_frames = item.num_samples + event.audio.size, event.num_frames
                 await session.send({"type": "response.output_audio.delta", **where,
                                     "delta": encoder.encode(event.audio)})
             if event.finish_reason is not None:
@@ -129,11 +136,10 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
             status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         else:
             status, details = "completed", None
-        done_item = ConversationItem(item_id, "assistant", text, [{"type": part_type, text_key: text}],
-                                     status="completed" if status == "completed" else "incomplete",
-                                     text_deltas=tuple(texts), num_samples=num_samples,
-                                     num_frames=num_frames)
-        state.items.append(done_item)
+        item.status = "completed" if status == "completed" else "incomplete"
+        if not item.is_cut:
+            item.content = "".join(item.text_deltas)
+            item.parts = [{"type": item.parts[0]["type"], text_key: item.content}]
     if is_audio:
         if final is not None and final.error is None and (tail := encoder.encode(None)):
             await session.send({"type": "response.output_audio.delta", **where, "delta": tail})
@@ -144,9 +150,9 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
     await session.send({"type": "response.content_part.done", **where,
                         "part": {"type": "audio" if is_audio else "text", text_key: text}})
     await session.send({"type": "response.output_item.done", "response_id": response_id, "output_index": 0,
-                        "item": done_item.event_item()})
-    await session.send({"type": "conversation.item.done", "item": done_item.event_item()})
-    response.update(status=status, status_details=details, output=[done_item.event_item()],
+                        "item": item.event_item()})
+    await session.send({"type": "conversation.item.done", "item": item.event_item()})
+    response.update(status=status, status_details=details, output=[item.event_item()],
                     usage=_usage(final, is_audio))
     await session.send({"type": "response.done", "response": response})
     # only now may the next response start: its events never interleave with this one's last ones

@@ -8,12 +8,22 @@ from fastapi import APIRouter, WebSocket
 
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import ServingContext
-from omnimtp.server.routes.realtime.conversation import client_item, commit_audio, insert_item, truncate_item
+from omnimtp.server.routes.realtime.conversation import (
+    client_item,
+    commit_audio,
+    delete_item,
+    find_item,
+    insert_item,
+    send_added,
+    truncate_item,
+)
 from omnimtp.server.routes.realtime.events import (
     AudioAppend,
     BufferEvent,
     ClientEvent,
     ItemCreate,
+    ItemDelete,
+    ItemRetrieve,
     ItemTruncate,
     OutputAudioClear,
     ResponseCreate,
@@ -86,9 +96,13 @@ async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
         state.clear_buffer()
     elif isinstance(event, ItemCreate):
         item = await client_item(state, event.item)
-        previous = insert_item(state, item, event.previous_item_id)
-        await session.send({"type": "conversation.item.created", "previous_item_id": previous,
-                            "item": item.event_item()})
+        await send_added(state, item, insert_item(state, item, event.previous_item_id))
+    elif isinstance(event, ItemDelete):
+        delete_item(state, event.item_id)
+        await session.send({"type": "conversation.item.deleted", "item_id": event.item_id})
+    elif isinstance(event, ItemRetrieve):
+        item = find_item(state, event.item_id)
+        await session.send({"type": "conversation.item.retrieved", "item": item.event_item()})
     elif isinstance(event, ResponseCreate):
         await start_response(state, event.response or ResponseFields())
     elif isinstance(event, ItemTruncate):

@@ -47,6 +47,7 @@ class ConversationItem:
     text_deltas: tuple[str, ...] = ()
     num_frames: int = 0
     num_samples: int = 0
+    is_cut: bool = False  # truncated or deleted while its response ran: what it streams after is not kept
 
     @property
     def num_bytes(self) -> int:
