@@ -1728,6 +1728,43 @@ MUTATIONS = [
         "audio buffered before an input format change is committed as audio of the new format",
     ),
     Mutation(
+        "streaming_truncate_leaves_the_reply_running", "omnimtp/server/routes/realtime/conversation.py",
+        "    if is_streaming:\n        _stop_reply(state, item)",
+        "    if False:\n        _stop_reply(state, item)",
+        ("tests/test_realtime_items.py::test_a_reply_still_streaming_is_truncated_to_what_was_heard",),
+        "a reply truncated while it streams goes on streaming what the user will not hear",
+    ),
+    Mutation(
+        "item_added_is_the_beta_name", "omnimtp/server/routes/realtime/conversation.py",
+        '    await state.session.send({"type": "conversation.item.added", "previous_item_id": previous_item_id,',
+        '    await state.session.send({"type": "conversation.item.created", "previous_item_id": previous_item_id,',
+        ("tests/test_realtime_items.py::test_items_go_after_previous_item_id_and_are_retrieved_and_deleted",),
+        "a new item is announced with the beta conversation.item.created, which GA clients (pipecat) refuse",
+    ),
+    Mutation(
+        "duplicate_item_id_generic_code", "omnimtp/server/routes/realtime/conversation.py",
+        '                         code="item_create_duplicate_item_id")',
+        '                         code="invalid_value")',
+        ("tests/test_realtime_items.py::test_items_go_after_previous_item_id_and_are_retrieved_and_deleted",),
+        "a re-created item id gets a code LiveKit's chat-context sync does not know as 'already there'",
+    ),
+    Mutation(
+        "openai_voice_alias_ignored", "omnimtp/server/routes/voices.py",
+        "    return context.voice_aliases.get(voice.lower(), voice)",
+        "    return voice",
+        ("tests/test_server_aliases.py::test_an_openai_voice_speaks_as_the_speaker_it_names",),
+        "OpenAI's voice names (pipecat's TTS sends only those) are unknown voices",
+    ),
+    Mutation(
+        "speech_sse_deltas_always_pcm", "omnimtp/server/routes/speech.py",
+        "    encoder = StreamEncoder(fmt, sample_rate)\n    try:\n        async for event in events:\n"
+        "            if event.error is not None:\n                yield sse(",
+        "    encoder = StreamEncoder(\"pcm\", sample_rate)\n    try:\n        async for event in events:\n"
+        "            if event.error is not None:\n                yield sse(",
+        ("tests/test_server_aliases.py::test_speech_sse_deltas_are_the_asked_format",),
+        "SSE speech deltas are PCM whatever response_format asks (LiveKit's mp3 over SSE cannot be decoded)",
+    ),
+    Mutation(
         "long_transcription_prompt_blamed_on_the_file", "omnimtp/server/routes/transcriptions.py",
         "            exc.param = \"prompt\" if is_prompt else \"file\"",
         "            exc.param = \"file\"",

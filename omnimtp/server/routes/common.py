@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -40,7 +40,8 @@ Body = TypeVar("Body", bound=BaseModel)
 class ServingContext:
     """The engine handle every route uses, and the server's limits. model_names: the names `model` may
     take (the engine's model id first), all listed by /v1/models. voices: the saved voices (None: the server
-    saves none); max_ref_seconds: the longest voice-clone reference recording."""
+    saves none); max_ref_seconds: the longest voice-clone reference recording; voice_aliases: other names of the
+    model's speakers (`omnimtp.server.aliases`)."""
 
     engine: Engine
     model_names: Sequence[str]
@@ -48,6 +49,7 @@ class ServingContext:
     max_tokens_limit: int
     voices: VoiceStore | None = None
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
+    voice_aliases: Mapping[str, str] = field(default_factory=dict)  # lower-case alias → the model's speaker
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
         """The request's JSON body validated by `schema` (on a worker thread: the parsed body may still be

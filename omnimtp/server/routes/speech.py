@@ -1,5 +1,7 @@
 """`/v1/audio/speech`: text spoken in a voice, as a file (wav, pcm, mp3, opus (Ogg) and aac sent as they are
-encoded; flac once complete) or as SSE `speech.audio.delta` events (PCM16).
+encoded; flac once complete) or as SSE `speech.audio.delta` events (`stream_format: "sse"`: each delta the next
+bytes of the response_format's stream, so the deltas joined are one file; flac, which needs the whole signal,
+is a 400).
 
 On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-TTS model the request also
 takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
@@ -12,8 +14,8 @@ sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a
 engine step loop as every other request.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
-an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: only
-`speech.audio.done`) and says
+an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: the format's
+empty stream, then `speech.audio.done`) and says
 `X-Finish-Reason: no_audio`."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import b64_pcm16, collect, first_event, prepended, serving, sse, stream_error
+from omnimtp.server.routes.common import collect, first_event, prepended, serving, sse, stream_error
 from omnimtp.server.routes.voices import speech_speaker
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
@@ -49,9 +51,12 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
+    fmt, sample_rate = body.response_format, engine.sample_rate
+    if body.stream_format == "sse" and fmt not in STREAMED_FORMATS:
+        raise APIError(400, f"response_format: SSE deltas stream {', '.join(STREAMED_FORMATS)}, not {fmt} (it needs "
+                       "the whole signal)", param="response_format", code="invalid_value")
     speaker = await speech_speaker(context, body)
     handle = await context.submit(_engine_request(context, body, speaker))
-    fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
     # an engine error before any audio is an error body.
     events = handle.events()
@@ -59,7 +64,8 @@ async def speech(request: Request):
     events = prepended(first, events)
     headers = {} if first.finish_reason is None else {FINISH_REASON_HEADER: first.finish_reason}
     if body.stream_format == "sse":
-        return StreamingResponse(_speech_sse(handle, events), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_speech_sse(handle, events, fmt, sample_rate), media_type="text/event-stream",
+                                 headers=headers)
     if fmt in STREAMED_FORMATS and first.finish_reason is None:
         return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt])
     # FLAC needs the whole signal for its header: the body is sent once the audio is complete (as is an empty
@@ -127,15 +133,20 @@ def _item_error(index: int, error: APIError) -> dict:
                                       "code": error.code}}
 
 
-async def _speech_sse(handle, events):
+async def _speech_sse(handle, events, fmt: str, sample_rate: int):
+    """OpenAI's speech SSE: `speech.audio.delta` events whose `audio` is the next bytes of the response_format
+    stream (PCM16, or the encoder's output: the deltas joined are one file), then `speech.audio.done`."""
+    encoder = StreamEncoder(fmt, sample_rate)
     try:
         async for event in events:
             if event.error is not None:
                 yield sse({"type": "error", "error": stream_error(event)})
                 break
-            if event.audio is not None and event.audio.size:
-                yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
+            if event.audio is not None and event.audio.size and (data := encoder.push(event.audio)):
+                yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
             if event.finish_reason is not None:
+                if data := encoder.finish():
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
                 usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
                          "total_tokens": event.prompt_tokens + event.num_frames}
                 yield sse({"type": "speech.audio.done", "usage": usage, "finish_reason": event.finish_reason})

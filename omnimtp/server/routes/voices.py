@@ -3,8 +3,8 @@
     POST   /v1/audio/voices          save a voice: `name`, `consent` (required, recorded), and `audio_sample`
                                      (a file in a multipart form, or base64 / a data: URL in a JSON body) with
                                      an optional `ref_text`, or a precomputed `speaker_embedding`
-    GET    /v1/audio/voices          {"voices": the model's own speakers, "uploaded_voices": [name, created_at,
-                                     mode, seconds, model]}
+    GET    /v1/audio/voices          {"voices": the model's own speakers, "voice_aliases": {alias: speaker},
+                                     "uploaded_voices": [name, created_at, mode, seconds, model]}
     GET    /v1/audio/voices/{name}   one saved voice: the list entry, its transcript and consent record
     DELETE /v1/audio/voices/{name}
 
@@ -100,7 +100,8 @@ async def create_voice(request: Request):
 async def list_voices(request: Request):
     context = serving(request)
     saved = [] if context.voices is None else await run_in_threadpool(context.voices.list)
-    return {"voices": list(context.engine.speakers), "uploaded_voices": [voice.summary() for voice in saved]}
+    return {"voices": list(context.engine.speakers), "voice_aliases": dict(context.voice_aliases),
+            "uploaded_voices": [voice.summary() for voice in saved]}
 
 
 @router.get("/v1/audio/voices/{name}")
@@ -181,10 +182,11 @@ def _api_error(exc: VoiceStoreError) -> APIError:
 
 
 def check_voice(context: ServingContext, voice: str, param: str) -> str:
-    """The model's speaker `voice` names; APIError 400 naming `param` (listing the speakers) when none."""
-    speaker = context.engine.match_speaker(voice)
+    """The model's speaker `voice` names (or is an alias of); APIError 400 naming `param` (listing the speakers)
+    when none."""
+    speaker = context.engine.match_speaker(aliased_voice(context, voice))
     if speaker is None:
-        names = ", ".join(context.engine.speakers)
+        names = ", ".join([*context.engine.speakers, *context.voice_aliases])
         raise APIError(400, f"unknown voice {voice!r}; this model has: {names}", param=param, code="invalid_value")
     return speaker
 
@@ -211,9 +213,17 @@ def speech_voice(context: ServingContext, voice, language: str | None, instructi
         raise APIError(400, f"task_type: the model {engine.model_id!r} serves {served}, not {task_type}{clone}",
                        param="task_type", code="invalid_value")
     try:
-        return engine.speech_voice(voice, language, instructions)
+        return engine.speech_voice(aliased_voice(context, voice), language, instructions)
     except ValueError as exc:
         raise _field_error(exc, _VOICE_FIELDS) from None
+
+
+def aliased_voice(context: ServingContext, voice):
+    """The speaker an alias names (`omnimtp.server.aliases`); any other voice as it is (a model's own speaker
+    wins over an alias of the same name)."""
+    if not isinstance(voice, str) or context.engine.match_speaker(voice) is not None:
+        return voice
+    return context.voice_aliases.get(voice.lower(), voice)
 
 
 async def speech_speaker(context: ServingContext, body: SpeechRequest):

@@ -13,9 +13,11 @@ reply bit for bit; the session's entry goes when its WebSocket closes.
 
     client                                   server
     session.update                           session.updated
-    input_audio_buffer.append / .commit      input_audio_buffer.committed, conversation.item.created
-    conversation.item.create                 conversation.item.created
-    response.create                          response.created, response.output_item.added, ...,
+    input_audio_buffer.append / .commit      input_audio_buffer.committed, conversation.item.added / .done
+    conversation.item.create                 conversation.item.added, conversation.item.done
+    conversation.item.retrieve / .delete     conversation.item.retrieved / .deleted
+    response.create                          response.created, response.output_item.added,
+                                             conversation.item.added, ...,
                                              response.output_audio.delta | response.output_text.delta,
                                              response.output_audio_transcript.delta, ..., response.done (usage)
     response.cancel                          response.done (status "cancelled")
@@ -32,12 +34,14 @@ create_response and interrupt_response true). Speech sends `input_audio_buffer.s
 (`audio_start_ms`: where the committed audio begins, prefix padding included) and, with interrupt_response,
 cancels the active response at its next frame (response.done: cancelled, reason "turn_detected"); the
 silence after it sends `speech_stopped` (`audio_end_ms`: where it ends, the silence duration included),
-`committed`, `conversation.item.created` and, with create_response, a response. `semantic_vad` and an
+`committed`, `conversation.item.added` / `.done` and, with create_response, a response. `semantic_vad` and an
 `idle_timeout_ms` are not built.
 
 `conversation.item.truncate` cuts a spoken assistant item to the audio the user heard (`audio_end_ms`) and its
 transcript with it (the talker reads one reply token per frame: the frames heard keep that many tokens), so
-the next turns hold only what was heard. `output_audio_buffer.clear` cancels the active response at its next
+the next turns hold only what was heard. A reply's item is in the conversation from
+`response.output_item.added` on: truncating (or deleting) it while its response streams cuts it at what it has
+sent and cancels the response. `output_audio_buffer.clear` cancels the active response at its next
 frame and answers `output_audio_buffer.cleared`. Tools are not served, and asking for them is an `error` event
 naming the field.
 
