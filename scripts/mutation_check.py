@@ -926,8 +926,8 @@ MUTATIONS = [
     ),
     Mutation(
         "vad_create_response_ignored", "omnimtp/server/routes/realtime/turns.py",
-        "        if config.create_response and state.response is None:",
-        "        if state.response is None:",
+        "        if config.create_response and state.response is None and state.settings.type == \"realtime\":",
+        "        if state.response is None and state.settings.type == \"realtime\":",
         ("tests/test_realtime_vad.py::test_create_response_false_commits_the_turn_and_starts_no_response",),
         "a turn the server VAD commits starts a response under create_response: false",
     ),
@@ -1309,8 +1309,8 @@ MUTATIONS = [
     ),
     Mutation(
         "realtime_transcript_total_tokens_is_the_output", "omnimtp/server/routes/realtime/transcription.py",
-        '"total_tokens": final.prompt_tokens + final.completion_tokens}})',
-        '"total_tokens": final.completion_tokens}})',
+        '"total_tokens": final.input_tokens + final.output_tokens}})',
+        '"total_tokens": final.output_tokens}})',
         ("tests/test_server_transcriptions.py::test_realtime_input_transcripts_equal_the_routes",),
         "a realtime input transcript's usage.total_tokens leaves out its input tokens",
     ),

@@ -314,9 +314,30 @@ def test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_
     assert abs(stopped.audio_end_ms - expected) <= 1, (stopped.audio_end_ms, expected)
 
 
+def test_semantic_vad_eagerness_is_the_silence_that_ends_a_turn(client, speech):
+    """LiveKit's default turn detection: 0.7 s of silence after the speech ends a turn at eagerness "high"
+    (250 ms) and not at "low" (1000 ms)."""
+    audio = np.concatenate([_silence(0.3), speech, _silence(0.7)])
+    for eagerness, ends in (("high", True), ("low", False)):
+        turn_detection = {"type": "semantic_vad", "eagerness": eagerness, "create_response": False}
+        with _connect(client, audio={"input": {"turn_detection": turn_detection}}) as (connection, described):
+            vad = described.audio.input.turn_detection
+            assert (vad.type, vad.eagerness, vad.create_response) == ("semantic_vad", eagerness, False)
+            _append(connection, audio)
+            assert _next(connection).type == "input_audio_buffer.speech_started"
+            connection.session.update(session={"type": "realtime", "instructions": "Go on."})
+            kinds = []
+            while (kind := _next(connection).type) != "session.updated":
+                kinds.append(kind)
+            assert ("input_audio_buffer.speech_stopped" in kinds) == ends, (eagerness, kinds)
+
+
 def test_bad_turn_detection_is_an_error_naming_the_field(client):
     with _connect(client) as (connection, _):
-        for turn_detection, param in (({"type": "semantic_vad"}, "session.audio.input.turn_detection.type"),
+        for turn_detection, param in (({"type": "semantic_vad", "threshold": 0.5},
+                                       "session.audio.input.turn_detection.threshold"),
+                                      ({"type": "server_vad", "eagerness": "low"},
+                                       "session.audio.input.turn_detection.eagerness"),
                                       ({"type": "server_vad", "threshold": 1.5},
                                        "session.audio.input.turn_detection.threshold"),
                                       ({"type": "server_vad", "silence_duration_ms": "x"},

@@ -311,7 +311,8 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}}},
      "session.audio.output.voice", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
-        "type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type", "invalid_value"),
+        "type": "semantic_vad", "silence_duration_ms": 300}}}}},
+     "session.audio.input.turn_detection.silence_duration_ms", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {
         "type": "audio/opus"}}}}}, "session.audio.input.format.type", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {

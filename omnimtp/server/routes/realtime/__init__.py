@@ -34,8 +34,9 @@ create_response and interrupt_response true). Speech sends `input_audio_buffer.s
 (`audio_start_ms`: where the committed audio begins, prefix padding included) and, with interrupt_response,
 cancels the active response at its next frame (response.done: cancelled, reason "turn_detected"); the
 silence after it sends `speech_stopped` (`audio_end_ms`: where it ends, the silence duration included),
-`committed`, `conversation.item.added` / `.done` and, with create_response, a response. `semantic_vad` and an
-`idle_timeout_ms` are not built.
+`committed`, `conversation.item.added` / `.done` and, with create_response, a response. `semantic_vad` is the same
+detector with its eagerness as the silence that ends a turn (low 1000 ms, medium and auto 500, high 250:
+`vad.EAGERNESS_SILENCE_MS`); an `idle_timeout_ms` is not built.
 
 `conversation.item.truncate` cuts a spoken assistant item to the audio the user heard (`audio_end_ms`) and its
 transcript with it (the talker reads one reply token per frame: the frames heard keep that many tokens), so

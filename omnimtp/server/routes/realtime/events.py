@@ -28,7 +28,7 @@ class AudioFormat(BaseModel):
 
 
 class ServerVad(BaseModel):
-    """`turn_detection`: server_vad (semantic_vad is named so that asking for it is refused by name)."""
+    """`turn_detection`: server_vad, or semantic_vad (its eagerness: how long a silence ends the turn)."""
 
     model_config = _STRICT
     type: Literal["server_vad", "semantic_vad"]
@@ -77,7 +77,7 @@ class SessionFields(BaseModel):
     """`session.update`'s session: the fields given change, the others keep their values."""
 
     model_config = _STRICT
-    type: Literal["realtime"] = "realtime"
+    type: Literal["realtime", "transcription"] = "realtime"
     model: str | None = None
     instructions: str | None = None
     output_modalities: Modalities | None = None

@@ -54,6 +54,9 @@ def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[Eng
 async def start_response(state: RealtimeSession, fields: ResponseFields) -> None:
     """Submit the response's request and start streaming it. Its assistant item joins the conversation at once
     (after the items the request answers): a truncate or delete may cut it while it streams."""
+    if state.settings.type == "transcription":
+        raise EventError("a transcription session transcribes its input audio and makes no responses; open a "
+                         "realtime session (session.type \"realtime\") for replies", param="type")
     if state.response is not None:
         raise EventError(f"the conversation already has an active response {state.response_id}; cancel it or wait "
                          "for its response.done", code="conversation_already_has_active_response")

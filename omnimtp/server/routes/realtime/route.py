@@ -28,6 +28,7 @@ from omnimtp.server.routes.realtime.events import (
     OutputAudioClear,
     ResponseCreate,
     ResponseFields,
+    SessionFields,
     SessionUpdate,
     event_error,
     parse_event,
@@ -61,6 +62,13 @@ async def _run(session: Session) -> None:
         return
     state = RealtimeSession(context, session, Settings(voice=engine.match_speaker(engine.family.default_speaker)),
                             model_name)
+    if session.websocket.query_params.get("intent") == "transcription":  # a transcription session from the start
+        try:
+            update_settings(state, SessionFields(type="transcription"))
+        except EventError as exc:
+            await session.send_error(exc)
+            await session.close(1008, exc.message[:120])
+            return
     await session.send({"type": "session.created", "session": state.describe()})
     try:
         while (event := await session.receive()) is not None:

@@ -31,11 +31,11 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
         changes["output_modalities"] = tuple(fields.output_modalities)
     if fields.max_output_tokens is not None:
         changes["max_output_tokens"] = max_output_tokens_setting(context, fields.max_output_tokens,
-                                                          "session.max_output_tokens")
+                                                                 "session.max_output_tokens")
     audio = fields.audio
     if audio is not None and audio.input is not None and audio.input.format is not None:
         changes["input_format"], changes["input_rate"] = input_format(audio.input.format,
-                                                                       "session.audio.input.format")
+                                                                      "session.audio.input.format")
     if audio is not None and audio.input is not None and "turn_detection" in audio.input.model_fields_set:
         changes["turn_detection"] = _turn_detection(audio.input.turn_detection)
     if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
@@ -45,7 +45,12 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
             changes["output_format"] = output_format(audio.output.format, "session.audio.output.format")
         if audio.output.voice is not None:
             changes["voice"] = session_voice(context, audio.output.voice, "session.audio.output.voice")
-    state.settings = replace(settings, **changes)
+    if "type" in fields.model_fields_set:
+        changes["type"] = fields.type
+    new = replace(settings, **changes)
+    if new.type == "transcription" and new.transcription is None:  # what a transcription session is for
+        new = replace(new, transcription=transcription_settings(context, InputTranscription()))
+    state.settings = new
     if (state.settings.input_format, state.settings.input_rate) != (settings.input_format, settings.input_rate):
         state.clear_buffer()  # its audio is in the old format: never heard at the new one
     if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != settings.input_rate:
@@ -55,9 +60,14 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
 def _turn_detection(vad: ServerVad | None) -> TurnDetection | None:
     if vad is None:
         return None
+    param = "session.audio.input.turn_detection"
     if vad.type == "semantic_vad":
-        raise EventError("session.audio.input.turn_detection.type: semantic_vad is not served; use server_vad or "
-                         "null (manual turns)", param="session.audio.input.turn_detection.type")
+        given = sorted(vad.model_fields_set & {"threshold", "prefix_padding_ms", "silence_duration_ms"})
+        if given:
+            raise EventError(f"{param}.{given[0]}: semantic_vad takes an eagerness, not server_vad's {given[0]}",
+                             param=f"{param}.{given[0]}")
+        return TurnDetection.semantic(vad.eagerness or "auto", create_response=vad.create_response,
+                                      interrupt_response=vad.interrupt_response)
     if vad.eagerness is not None:
         raise EventError("session.audio.input.turn_detection.eagerness: only semantic_vad has an eagerness",
                          param="session.audio.input.turn_detection.eagerness")

@@ -4,6 +4,7 @@ and its active response."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnimtp.server.routes.common import ServingContext
@@ -31,6 +32,7 @@ class Settings:
     top_k: int | None = None
     transcription: dict | None = None  # {"model", "language", "prompt"}: committed audio is transcribed
     turn_detection: TurnDetection | None = TurnDetection()  # None: manual turns
+    type: str = "realtime"  # "transcription": committed turns are transcribed and never answered
 
 
 @dataclass
@@ -104,17 +106,22 @@ class RealtimeSession:
     transcripts: set[asyncio.Task] = field(default_factory=set)
     cancel_reason: str = "client_cancelled"  # what response.done says of a cancelled response
     turns: TurnState = field(default_factory=lambda: TurnState())
+    recognizer: Callable | None = None  # what transcribes input audio (transcription.py); None: the thinker
 
     def describe(self) -> dict:
         s = self.settings
+        audio_input = {"format": describe_format(s.input_format, s.input_rate),
+                       "turn_detection": s.turn_detection and s.turn_detection.describe(),
+                       "transcription": s.transcription, "noise_reduction": None}
+        if s.type == "transcription":
+            return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
+                    "audio": {"input": audio_input}, "include": None}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model_name,
             "output_modalities": list(s.output_modalities), "instructions": s.instructions,
             "max_output_tokens": s.max_output_tokens, "tools": [], "tool_choice": s.tool_choice, "tracing": None,
             "audio": {
-                "input": {"format": describe_format(s.input_format, s.input_rate),
-                          "turn_detection": s.turn_detection and s.turn_detection.describe(),
-                          "transcription": s.transcription, "noise_reduction": None},
+                "input": audio_input,
                 "output": {"format": describe_format(s.output_format, PCM_RATE), "voice": s.voice,
                            "speed": 1.0},
             },

@@ -62,7 +62,7 @@ async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
         state.audio_buffer = bytearray(rest)
         turns.buffer_start, turns.speech_start, turns.item_id = end, None, None
         await commit_audio(state, turn_pcm, item_id)
-        if config.create_response and state.response is None:
+        if config.create_response and state.response is None and state.settings.type == "realtime":
             await start_response(state, ResponseFields())
     if not turns.detector.is_speaking:  # keep the prefix padding (and a window of slack) of the silence
         keep = (config.prefix_padding_ms + 100) * rate // 1000
