@@ -1,6 +1,8 @@
-"""pipecat (`pipecat-ai`) against `omnimtp serve`'s app on the tiny Qwen3-Omni, with the framework's defaults and
-only `base_url` changed: `OpenAIRealtimeLLMService` in a pipeline (server VAD turns from espeak-ng speech, the
-reply's audio and transcript, a barge-in while the reply plays that truncates it), and no `error` event."""
+"""pipecat (`pipecat-ai`) against `omnimtp serve`'s app on the tiny Qwen3-Omni, each OpenAI service with the
+framework's defaults and only `base_url` changed, in a pipeline with a frame source and a sink:
+`OpenAIRealtimeLLMService` (server VAD turns from espeak-ng speech, the reply's audio and transcript, a barge-in
+while the reply plays that truncates it), `OpenAITTSService` (OpenAI's voice names), `OpenAISTTService` and
+`OpenAIRealtimeSTTService` (transcripts of the speech); no `error` event and no ErrorFrame anywhere."""
 
 from __future__ import annotations
 
@@ -24,14 +26,20 @@ from pipecat.frames.frames import (  # noqa: E402
     EndFrame,
     ErrorFrame,
     InputAudioRawFrame,
+    TranscriptionFrame,
     TTSAudioRawFrame,
+    TTSSpeakFrame,
     TTSTextFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.pipeline.runner import PipelineRunner  # noqa: E402
 from pipecat.pipeline.task import PipelineTask  # noqa: E402
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor  # noqa: E402
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService  # noqa: E402
+from pipecat.services.openai.stt import OpenAIRealtimeSTTService, OpenAISTTService  # noqa: E402
+from pipecat.services.openai.tts import OpenAITTSService  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,10 +48,15 @@ FRAME_SAMPLES = RATE // 50  # 20 ms, as a transport sends microphone audio
 
 
 @pytest.fixture(scope="module")
-def url():
+def server():
     engine = Engine(Qwen3OmniFamily.tiny(0), max_frames=24, max_batch_size=2)
     with running_server(create_app(engine, openai_aliases=True)) as base:
-        yield base.replace("http://", "ws://") + "/v1/realtime"
+        yield base
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server.replace("http://", "ws://") + "/v1/realtime"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +84,8 @@ class Sink(FrameProcessor):
 
     def __init__(self):
         super().__init__()
-        self.audio, self.texts, self.errors = [], [], []
+        self.audio, self.texts, self.transcripts, self.errors = [], [], [], []
+        self.transcribed = asyncio.Event()
         self.first_audio = asyncio.Event()
 
     async def process_frame(self, frame, direction: FrameDirection):
@@ -81,6 +95,9 @@ class Sink(FrameProcessor):
             self.first_audio.set()
         elif isinstance(frame, TTSTextFrame):
             self.texts.append(frame.text)
+        elif isinstance(frame, TranscriptionFrame):
+            self.transcripts.append(frame.text)
+            self.transcribed.set()
         elif isinstance(frame, ErrorFrame):
             self.errors.append(frame.error)
         await self.push_frame(frame, direction)
@@ -116,3 +133,44 @@ def test_realtime_llm_service_turns_replies_and_barge_in(url, speech, server_eve
     assert "".join(sink.texts).strip()
     assert kinds.count("input_audio_buffer.speech_started") == 2 and kinds.count("response.done") >= 2
     assert "conversation.item.truncated" in kinds
+
+
+async def _run(service, frames: list, sink: Sink, until: asyncio.Event | None = None) -> None:
+    """`frames` through a pipeline of `service` and `sink`; ends after `until` is set (or the frames are done)."""
+    task = PipelineTask(Pipeline([service, sink]))
+    runner = asyncio.create_task(PipelineRunner(handle_sigint=False).run(task))
+    await task.queue_frames(frames)
+    if until is not None:
+        await asyncio.wait_for(until.wait(), 30)
+    await task.queue_frame(EndFrame())
+    await asyncio.wait_for(runner, 30)
+
+
+def test_tts_service_speaks_an_openai_voice(server):
+    sink = Sink()
+    tts = OpenAITTSService(api_key="unused", base_url=f"{server}/v1")  # voice "alloy", model gpt-4o-mini-tts
+    asyncio.run(_run(tts, [TTSSpeakFrame("Good morning, how are you?")], sink))
+    assert not sink.errors, sink.errors
+    pcm = np.frombuffer(b"".join(sink.audio), dtype="<i2")
+    assert pcm.size > RATE // 10 and np.abs(pcm).max() > 100
+
+
+def test_stt_service_transcribes_a_spoken_turn(server, speech):
+    sink = Sink()
+    stt = OpenAISTTService(api_key="unused", base_url=f"{server}/v1")  # model gpt-transcribe, language en
+    frames = [VADUserStartedSpeakingFrame(), *_frames(speech), VADUserStoppedSpeakingFrame()]
+    asyncio.run(_run(stt, frames, sink, sink.transcribed))
+    assert not sink.errors, sink.errors
+    assert sink.transcripts and sink.transcripts[0].strip()
+
+
+def test_realtime_stt_service_transcribes_a_spoken_turn(url, speech, server_events):
+    sink = Sink()
+    stt = OpenAIRealtimeSTTService(api_key="unused", base_url=url)  # ?intent=transcription, its own commits
+    frames = [VADUserStartedSpeakingFrame(), *_frames(speech), VADUserStoppedSpeakingFrame()]
+    asyncio.run(_run(stt, frames, sink, sink.transcribed))
+    kinds = [event["type"] for event in server_events]
+    assert not sink.errors and "error" not in kinds, sink.errors
+    completed = [e for e in server_events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert sink.transcripts == [completed[0]["transcript"]] and sink.transcripts[0]
+    assert not [kind for kind in kinds if kind.startswith("response.")]

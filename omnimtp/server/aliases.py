@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 
 # OpenAI's realtime, transcription and speech models (late 2026).
 OPENAI_MODELS = ("gpt-realtime", "gpt-realtime-mini", "gpt-realtime-1.5", "gpt-realtime-2", "gpt-realtime-2.1",
-                 "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-4o-transcribe",
-                 "gpt-4o-mini-transcribe", "whisper-1", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+                 "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-transcribe", "gpt-4o-transcribe",
+                 "gpt-4o-mini-transcribe", "gpt-realtime-whisper", "gpt-live-transcribe", "whisper-1", "tts-1",
+                 "tts-1-hd", "gpt-4o-mini-tts")
 # OpenAI's built-in voices.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")
