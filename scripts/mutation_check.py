@@ -1765,6 +1765,20 @@ MUTATIONS = [
         "SSE speech deltas are PCM whatever response_format asks (LiveKit's mp3 over SSE cannot be decoded)",
     ),
     Mutation(
+        "semantic_vad_eagerness_ignored", "omnimtp/server/vad.py",
+        "        return cls(silence_duration_ms=EAGERNESS_SILENCE_MS[eagerness], create_response=create_response,",
+        "        return cls(create_response=create_response,",
+        ("tests/test_realtime_vad.py::test_semantic_vad_eagerness_is_the_silence_that_ends_a_turn",),
+        "semantic_vad's eagerness does not change when a turn ends",
+    ),
+    Mutation(
+        "transcription_session_answers", "omnimtp/server/routes/realtime/turns.py",
+        "        if config.create_response and state.response is None and state.settings.type == \"realtime\":",
+        "        if config.create_response and state.response is None:",
+        ("tests/test_realtime_transcription.py::test_an_intent_transcription_session_transcribes_each_turn_and_never_answers",),
+        "a transcription session answers each turn it transcribes",
+    ),
+    Mutation(
         "long_transcription_prompt_blamed_on_the_file", "omnimtp/server/routes/transcriptions.py",
         "            exc.param = \"prompt\" if is_prompt else \"file\"",
         "            exc.param = \"file\"",

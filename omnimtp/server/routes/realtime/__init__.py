@@ -51,6 +51,9 @@ committed audio item as a low-priority request of the same engine (routes/transc
 never delays a response's first audio): `conversation.item.input_audio_transcription.delta` events, then
 `.completed` with the transcript, which the item keeps, or `.failed`.
 
+A transcription session (`?intent=transcription`, or `session.type: "transcription"`) commits and transcribes
+turns as above and makes no responses; its recognizer is transcription.py's `Recognizer` (the thinker today).
+
 Extensions (not in OpenAI's API): `session.seed` (each response of the session is seeded with it: the same
 conversation gives the same reply), `session.temperature` / `top_p` / `top_k` (chat's defaults: T 1, top-p 1,
 no top-k).
