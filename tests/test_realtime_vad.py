@@ -332,6 +332,30 @@ def test_semantic_vad_eagerness_is_the_silence_that_ends_a_turn(client, speech):
             assert ("input_audio_buffer.speech_stopped" in kinds) == ends, (eagerness, kinds)
 
 
+def test_idle_timeout_answers_the_users_silence_after_the_reply_has_played(client, speech):
+    """idle_timeout_ms (either VAD type): the reply's audio played and that long more without speech, the session
+    commits the buffered silence as a turn (`input_audio_buffer.timeout_triggered`) and answers it; speech
+    before the timeout starts a turn as usual."""
+    for turn_detection in ({"type": "server_vad", "idle_timeout_ms": 300},
+                           {"type": "semantic_vad", "eagerness": "high", "idle_timeout_ms": 300}):
+        with _connect(client, audio={"input": {"turn_detection": turn_detection}}) as (connection, described):
+            assert described.audio.input.turn_detection.idle_timeout_ms == 300
+            _user_text(connection, "Hello")
+            connection.response.create()
+            _, reply = _until_done(connection)
+            played = len(reply["pcm"]) // 2 / RATE
+            _append(connection, _silence(played + 0.2))  # the client streams silence while the reply plays
+            timeout = _next(connection)
+            assert timeout.type == "input_audio_buffer.timeout_triggered", timeout
+            assert timeout.audio_end_ms > timeout.audio_start_ms
+            events, answer = _until_done(connection)
+            kinds = [event.type for event in events]
+            assert kinds[:3] == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+            assert events[1].item.id == timeout.item_id and answer["status"] in ("completed", "incomplete")
+            _append(connection, np.concatenate([speech, _silence(0.3)]))  # the user speaks before the timeout
+            assert _next(connection).type == "input_audio_buffer.speech_started"
+
+
 def test_bad_turn_detection_is_an_error_naming_the_field(client):
     with _connect(client) as (connection, _):
         for turn_detection, param in (({"type": "semantic_vad", "threshold": 0.5},
@@ -342,7 +366,7 @@ def test_bad_turn_detection_is_an_error_naming_the_field(client):
                                        "session.audio.input.turn_detection.threshold"),
                                       ({"type": "server_vad", "silence_duration_ms": "x"},
                                        "session.audio.input.turn_detection.silence_duration_ms"),
-                                      ({"type": "server_vad", "idle_timeout_ms": 5000},
+                                      ({"type": "server_vad", "idle_timeout_ms": 50},
                                        "session.audio.input.turn_detection.idle_timeout_ms")):
             connection.session.update(session={"type": "realtime", "audio": {"input": {
                 "turn_detection": turn_detection}}})

@@ -36,7 +36,8 @@ cancels the active response at its next frame (response.done: cancelled, reason 
 silence after it sends `speech_stopped` (`audio_end_ms`: where it ends, the silence duration included),
 `committed`, `conversation.item.added` / `.done` and, with create_response, a response. `semantic_vad` is the same
 detector with its eagerness as the silence that ends a turn (low 1000 ms, medium and auto 500, high 250:
-`vad.EAGERNESS_SILENCE_MS`); an `idle_timeout_ms` is not built.
+`vad.EAGERNESS_SILENCE_MS`). With `idle_timeout_ms` (either type), a response's audio played and that long more
+without speech commit the buffered silence as a turn (`input_audio_buffer.timeout_triggered`) and answer it.
 
 `conversation.item.truncate` cuts a spoken assistant item to the audio the user heard (`audio_end_ms`) and its
 transcript with it (the talker reads one reply token per frame: the frames heard keep that many tokens), so

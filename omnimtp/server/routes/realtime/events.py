@@ -17,6 +17,8 @@ _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 # Input rates a client may name for audio/pcm (resampled to the processor's rate with soxr).
 MIN_INPUT_RATE, MAX_INPUT_RATE = 8000, 48000
 MAX_TURN_MS = 10_000  # the longest prefix padding or silence duration a session may ask for
+# idle_timeout_ms's range (OpenAI's is 5-30 s; a shorter one is allowed)
+MIN_IDLE_TIMEOUT_MS, MAX_IDLE_TIMEOUT_MS = 100, 30_000
 
 
 class AudioFormat(BaseModel):
@@ -37,7 +39,7 @@ class ServerVad(BaseModel):
     silence_duration_ms: Annotated[int, Field(ge=0, le=MAX_TURN_MS)] = TurnDetection.silence_duration_ms
     create_response: bool = TurnDetection.create_response
     interrupt_response: bool = TurnDetection.interrupt_response
-    idle_timeout_ms: None = None  # an idle timeout is not built
+    idle_timeout_ms: Annotated[int, Field(ge=MIN_IDLE_TIMEOUT_MS, le=MAX_IDLE_TIMEOUT_MS)] | None = None
     eagerness: Literal["low", "medium", "high", "auto"] | None = None
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import sampling_params
-from omnimtp.server.routes.realtime.conversation import check_room, insert_item
+from omnimtp.server.routes.realtime.conversation import check_room, commit_audio, insert_item
 from omnimtp.server.routes.realtime.events import PCM_RATE, ResponseCancel, ResponseFields
 from omnimtp.server.routes.realtime.formats import OutputEncoder, describe_format, output_format
 from omnimtp.server.routes.realtime.settings import max_output_tokens_setting, session_voice
@@ -71,6 +71,7 @@ async def start_response(state: RealtimeSession, fields: ResponseFields) -> None
     part = {"type": "output_audio", "transcript": ""} if is_audio else {"type": "output_text", "text": ""}
     item = ConversationItem(new_id("item"), "assistant", "", [part], status="in_progress")
     previous = insert_item(state, item, None)
+    cancel_idle(state)
     response_id = new_id("resp")
     state.response_id, state.handle = response_id, handle
     state.response = asyncio.create_task(_respond(state, handle, response_id, described, item, previous))
@@ -160,6 +161,45 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
     await session.send({"type": "response.done", "response": response})
     # only now may the next response start: its events never interleave with this one's last ones
     state.response, state.response_id, state.handle = None, None, None
+    watch_idle(state, item.num_samples * 1000 / PCM_RATE)
+
+
+def watch_idle(state: RealtimeSession, audio_ms: float) -> None:
+    """With turn detection's idle_timeout_ms: once the reply's audio has played (`audio_ms` after its end) and
+    idle_timeout_ms more have passed without the user speaking or another response, the buffered audio is
+    committed as a turn (`input_audio_buffer.timeout_triggered`) and answered. Speech or a response cancels
+    the wait (`cancel_idle`)."""
+    cancel_idle(state)
+    config = state.settings.turn_detection
+    if config is None or config.idle_timeout_ms is None or state.settings.type != "realtime":
+        return
+    seconds = (audio_ms + config.idle_timeout_ms) / 1000
+    state.turns.idle_timer = asyncio.get_running_loop().create_task(_idle(state, seconds))
+
+
+def cancel_idle(state: RealtimeSession) -> None:
+    timer, state.turns.idle_timer = state.turns.idle_timer, None
+    if timer is not None and timer is not asyncio.current_task():
+        timer.cancel()
+
+
+async def _idle(state: RealtimeSession, seconds: float) -> None:
+    await asyncio.sleep(seconds)
+    state.turns.idle_timer = None
+    config, turns = state.settings.turn_detection, state.turns
+    if config is None or config.idle_timeout_ms is None or state.response is not None or turns.speech_start is not None:
+        return
+    rate, item_id, pcm = state.settings.input_rate, new_id("item"), bytes(state.audio_buffer)
+    await state.session.send({"type": "input_audio_buffer.timeout_triggered", "item_id": item_id,
+                              "audio_start_ms": turns.ms(turns.buffer_start, rate),
+                              "audio_end_ms": turns.ms(turns.num_appended, rate)})
+    try:
+        if pcm:
+            state.clear_buffer()
+            await commit_audio(state, pcm, item_id)
+        await start_response(state, ResponseFields())
+    except EventError as exc:
+        await state.session.send_error(exc)
 
 
 def _usage(final, is_audio: bool) -> dict | None:

@@ -33,7 +33,7 @@ from omnimtp.server.routes.realtime.events import (
     event_error,
     parse_event,
 )
-from omnimtp.server.routes.realtime.responses import cancel_response, start_response
+from omnimtp.server.routes.realtime.responses import cancel_idle, cancel_response, start_response
 from omnimtp.server.routes.realtime.settings import update_settings
 from omnimtp.server.routes.realtime.state import RealtimeSession, Settings
 from omnimtp.server.routes.realtime.turns import append_audio
@@ -77,6 +77,7 @@ async def _run(session: Session) -> None:
             except EventError as exc:
                 await session.send_error(exc, event)
     finally:
+        cancel_idle(state)
         if state.response is not None:  # the client left mid-response: the engine request is cancelled
             state.response.cancel()
             await asyncio.gather(state.response, return_exceptions=True)

@@ -67,13 +67,13 @@ def _turn_detection(vad: ServerVad | None) -> TurnDetection | None:
             raise EventError(f"{param}.{given[0]}: semantic_vad takes an eagerness, not server_vad's {given[0]}",
                              param=f"{param}.{given[0]}")
         return TurnDetection.semantic(vad.eagerness or "auto", create_response=vad.create_response,
-                                      interrupt_response=vad.interrupt_response)
+                                      interrupt_response=vad.interrupt_response, idle_timeout_ms=vad.idle_timeout_ms)
     if vad.eagerness is not None:
         raise EventError("session.audio.input.turn_detection.eagerness: only semantic_vad has an eagerness",
                          param="session.audio.input.turn_detection.eagerness")
     return TurnDetection(threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms,
                          silence_duration_ms=vad.silence_duration_ms, create_response=vad.create_response,
-                         interrupt_response=vad.interrupt_response)
+                         interrupt_response=vad.interrupt_response, idle_timeout_ms=vad.idle_timeout_ms)
 
 
 def max_output_tokens_setting(context: ServingContext, value, param: str):

@@ -77,6 +77,7 @@ class TurnState:
     origin_ms: float = 0.0
     speech_start: int | None = None  # the first sample the turn in progress commits (prefix padding included)
     item_id: str | None = None  # the id the turn in progress's item gets
+    idle_timer: asyncio.Task | None = None  # idle_timeout_ms's wait after a response (responses.watch_idle)
 
     def restart(self, detector: SpeechDetector | None) -> None:
         """A new detector from now on (None: manual turns); a turn in progress is forgotten."""

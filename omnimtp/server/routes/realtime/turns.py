@@ -9,7 +9,7 @@ from omnimtp.server.audio import G711_CODECS
 from omnimtp.server.routes.realtime.conversation import commit_audio
 from omnimtp.server.routes.realtime.events import ResponseFields
 from omnimtp.server.routes.realtime.formats import pcm_bytes
-from omnimtp.server.routes.realtime.responses import start_response
+from omnimtp.server.routes.realtime.responses import cancel_idle, start_response
 from omnimtp.server.routes.realtime.state import RealtimeSession
 from omnimtp.server.vad import SpeechDetector
 from omnimtp.server.websocket import EventError, new_id
@@ -46,6 +46,7 @@ async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
         if event.kind == "speech_started":
             start = max(turns.buffer_start, turns.sample(event.sample, rate) - config.prefix_padding_ms * rate // 1000)
             turns.speech_start, turns.item_id = start, new_id("item")
+            cancel_idle(state)
             await session.send({"type": "input_audio_buffer.speech_started", "item_id": turns.item_id,
                                 "audio_start_ms": turns.ms(start, rate)})
             if config.interrupt_response and state.response is not None:
