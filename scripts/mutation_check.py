@@ -1779,6 +1779,20 @@ MUTATIONS = [
         "a transcription session answers each turn it transcribes",
     ),
     Mutation(
+        "reply_item_joins_at_its_end", "omnimtp/server/routes/realtime/responses.py",
+        "    previous = insert_item(state, item, None)\n",
+        "    previous = None\n",
+        ("tests/test_realtime_items.py::test_a_reply_still_streaming_is_truncated_to_what_was_heard",),
+        "a reply still streaming is not in the conversation: a barge-in's truncate gets item_not_found",
+    ),
+    Mutation(
+        "idle_timeout_ignored", "omnimtp/server/routes/realtime/responses.py",
+        "    state.turns.idle_timer = asyncio.get_running_loop().create_task(_idle(state, seconds))",
+        "    state.turns.idle_timer = None",
+        ("tests/test_realtime_vad.py::test_idle_timeout_answers_the_users_silence_after_the_reply_has_played",),
+        "idle_timeout_ms is reported but never fires",
+    ),
+    Mutation(
         "long_transcription_prompt_blamed_on_the_file", "omnimtp/server/routes/transcriptions.py",
         "            exc.param = \"prompt\" if is_prompt else \"file\"",
         "            exc.param = \"file\"",
