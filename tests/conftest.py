@@ -23,6 +23,30 @@ def _seed_global_rng():
     yield
 
 
+@pytest.fixture(autouse=True)
+def checked_realtime_events(monkeypatch):
+    """Every event a `/v1/realtime` session of the test sends is checked against the `openai` package's GA
+    server event models (realtime_contract.py); the test fails on the first that is not one."""
+    from realtime_contract import check_server_event
+
+    from omnimtp.server.websocket import Session
+
+    failures: list[str] = []
+    send = Session.send
+
+    async def checked_send(self, event: dict) -> bool:
+        if self.route == "/v1/realtime":
+            try:
+                check_server_event(event if "event_id" in event else {"event_id": "event_checked", **event})
+            except ValueError as exc:
+                failures.append(str(exc))
+        return await send(self, event)
+
+    monkeypatch.setattr(Session, "send", checked_send)
+    yield
+    assert not failures, failures[0]
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny-model ops are too small to split across threads; on a shared CPU the threads only contend.

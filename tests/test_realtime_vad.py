@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import time
 import warnings
 
 import numpy as np
@@ -174,10 +175,10 @@ def test_a_default_session_answers_when_the_speaker_stops(client, speech):
         vad = described.audio.input.turn_detection
         assert vad.type == "server_vad" and vad.silence_duration_ms == 500 and vad.prefix_padding_ms == 300
         _append(connection, audio)
-        started, stopped, committed, created = (_next(connection) for _ in range(4))
-        assert [started.type, stopped.type, committed.type, created.type] == [
+        started, stopped, committed, created, done = (_next(connection) for _ in range(5))
+        assert [started.type, stopped.type, committed.type, created.type, done.type] == [
             "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-            "input_audio_buffer.committed", "conversation.item.created"]
+            "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
         assert started.item_id == stopped.item_id == committed.item_id == created.item.id
         # speech begins about 0.5 s in; the turn holds 300 ms before it and 500 ms of silence after it
         assert 150 <= started.audio_start_ms <= 300
@@ -191,7 +192,7 @@ def test_a_default_session_answers_when_the_speaker_stops(client, speech):
         _append(connection, heard)
         connection.input_audio_buffer.commit()
         assert _next(connection).type == "input_audio_buffer.committed"
-        assert _next(connection).type == "conversation.item.created"
+        assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
         connection.response.create()
         _, manual = _until_done(connection)
     assert auto == manual
@@ -201,7 +202,7 @@ def test_speech_during_a_response_cancels_it(client, speech):
     with _connect(client, max_output_tokens="inf") as (connection, _):
         connection.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": "Talk for a while"}]})
-        assert _next(connection).type == "conversation.item.created"
+        assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
         connection.response.create()
         assert _next(connection).type == "response.created"
         _append(connection, speech[: RATE // 2])
@@ -212,11 +213,11 @@ def test_speech_during_a_response_cancels_it(client, speech):
 
 
 def _turn_events(connection) -> list:
-    """The four events of a turn the server VAD found and committed."""
-    events = [_next(connection) for _ in range(4)]
+    """The five events of a turn the server VAD found and committed."""
+    events = [_next(connection) for _ in range(5)]
     assert [event.type for event in events] == [
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-        "input_audio_buffer.committed", "conversation.item.created"], events
+        "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"], events
     return events
 
 
@@ -262,7 +263,7 @@ def test_clearing_the_buffer_mid_speech_resets_the_detector(client, speech):
         connection.input_audio_buffer.clear()
         assert _next(connection).type == "input_audio_buffer.cleared"
         _append(connection, np.concatenate([_silence(0.6), speech, _silence(0.8)]))
-        started, stopped, _, created = _turn_events(connection)
+        started, stopped, _, created, _ = _turn_events(connection)
         assert started.item_id == stopped.item_id == created.item.id
         # after the clear, and the whole speech (over a second), its prefix padding and its silence: no turn made
         # of the cleared speech's tail
@@ -307,21 +308,75 @@ def test_a_session_update_between_turns_takes_effect_and_the_end_is_the_silence_
         assert _next(connection).type == "session.updated"
         turn = np.concatenate([soxr.resample(speech, RATE, rate).astype(np.float32), np.zeros(rate, np.float32)])
         _append(connection, turn, rate // 50)
-        _, stopped, _, _ = _turn_events(connection)
+        _, stopped, _, _, _ = _turn_events(connection)
         connection.session.update(session={"type": "realtime", "instructions": "Go on."})
         assert _next(connection).type == "session.updated"  # no response was started
     expected = 500 + _expected_end_ms(after, turn, rate, rate // 50)
     assert abs(stopped.audio_end_ms - expected) <= 1, (stopped.audio_end_ms, expected)
 
 
+def test_semantic_vad_eagerness_is_the_silence_that_ends_a_turn(client, speech):
+    """LiveKit's default turn detection: 0.7 s of silence after the speech ends a turn at eagerness "high"
+    (250 ms) and not at "low" (1000 ms)."""
+    audio = np.concatenate([_silence(0.3), speech, _silence(0.7)])
+    for eagerness, ends in (("high", True), ("low", False)):
+        turn_detection = {"type": "semantic_vad", "eagerness": eagerness, "create_response": False}
+        with _connect(client, audio={"input": {"turn_detection": turn_detection}}) as (connection, described):
+            vad = described.audio.input.turn_detection
+            assert (vad.type, vad.eagerness, vad.create_response) == ("semantic_vad", eagerness, False)
+            _append(connection, audio)
+            assert _next(connection).type == "input_audio_buffer.speech_started"
+            connection.session.update(session={"type": "realtime", "instructions": "Go on."})
+            kinds = []
+            while (kind := _next(connection).type) != "session.updated":
+                kinds.append(kind)
+            assert ("input_audio_buffer.speech_stopped" in kinds) == ends, (eagerness, kinds)
+
+
+def test_idle_timeout_answers_the_users_silence_after_the_reply_has_played(client, speech):
+    """idle_timeout_ms (either VAD type): the reply's audio played and that long more without speech, the session
+    commits the buffered silence as a turn (`input_audio_buffer.timeout_triggered`) and answers it; speech
+    before the timeout starts a turn as usual."""
+    for turn_detection in ({"type": "server_vad", "idle_timeout_ms": 300},
+                           {"type": "semantic_vad", "eagerness": "high", "idle_timeout_ms": 300}):
+        with _connect(client, audio={"input": {"turn_detection": turn_detection}}) as (connection, described):
+            assert described.audio.input.turn_detection.idle_timeout_ms == 300
+            _user_text(connection, "Hello")
+            connection.response.create()
+            _, reply = _until_done(connection)
+            played = len(reply["pcm"]) // 2 / RATE
+            _append(connection, _silence(played + 0.2))  # the client streams silence while the reply plays
+            time.sleep(played + 1.0)
+            connection.session.update(session={"type": "realtime"})  # a marker: its session.updated
+            events = []
+            while True:
+                events.append(_next(connection))
+                kinds = [event.type for event in events]
+                if "session.updated" in kinds and ("input_audio_buffer.timeout_triggered" not in kinds
+                                                   or "response.done" in kinds):
+                    break
+            assert "input_audio_buffer.timeout_triggered" in kinds, kinds
+            timeout = events[kinds.index("input_audio_buffer.timeout_triggered")]
+            assert timeout.audio_end_ms > timeout.audio_start_ms
+            turn = [kind for kind in kinds if kind != "session.updated"]
+            assert turn[1:4] == ["input_audio_buffer.committed", "conversation.item.added", "conversation.item.done"]
+            committed = events[kinds.index("input_audio_buffer.committed")]
+            assert committed.item_id == timeout.item_id and events[-1].type in ("response.done", "session.updated")
+            _append(connection, np.concatenate([speech, _silence(0.3)]))  # the user speaks before the timeout
+            assert _next(connection).type == "input_audio_buffer.speech_started"
+
+
 def test_bad_turn_detection_is_an_error_naming_the_field(client):
     with _connect(client) as (connection, _):
-        for turn_detection, param in (({"type": "semantic_vad"}, "session.audio.input.turn_detection.type"),
+        for turn_detection, param in (({"type": "semantic_vad", "threshold": 0.5},
+                                       "session.audio.input.turn_detection.threshold"),
+                                      ({"type": "server_vad", "eagerness": "low"},
+                                       "session.audio.input.turn_detection.eagerness"),
                                       ({"type": "server_vad", "threshold": 1.5},
                                        "session.audio.input.turn_detection.threshold"),
                                       ({"type": "server_vad", "silence_duration_ms": "x"},
                                        "session.audio.input.turn_detection.silence_duration_ms"),
-                                      ({"type": "server_vad", "idle_timeout_ms": 5000},
+                                      ({"type": "server_vad", "idle_timeout_ms": 50},
                                        "session.audio.input.turn_detection.idle_timeout_ms")):
             connection.session.update(session={"type": "realtime", "audio": {"input": {
                 "turn_detection": turn_detection}}})
@@ -334,7 +389,7 @@ def test_bad_turn_detection_is_an_error_naming_the_field(client):
 def _user_text(connection, text: str) -> None:
     connection.conversation.item.create(item={"type": "message", "role": "user",
                                               "content": [{"type": "input_text", "text": text}]})
-    assert _next(connection).type == "conversation.item.created"
+    assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
 
 
 def test_truncate_cuts_the_reply_to_what_was_heard(client, engine, monkeypatch):
@@ -488,7 +543,7 @@ def test_a_phone_turn_in_mu_law_and_out_in_a_law(client, speech):
         connection.input_audio_buffer.append(audio=base64.b64encode(mu_law).decode())
         connection.input_audio_buffer.commit()
         assert _next(connection).type == "input_audio_buffer.committed"
-        assert _next(connection).type == "conversation.item.created"
+        assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
         connection.response.create()
         _, phone = _until_done(connection)
     heard = g711_decode(mu_law, "audio/pcmu").astype(np.float32) / 32768.0
@@ -497,7 +552,7 @@ def test_a_phone_turn_in_mu_law_and_out_in_a_law(client, speech):
         _append(connection, heard)  # exactly the samples the μ-law turn decoded to
         connection.input_audio_buffer.commit()
         assert _next(connection).type == "input_audio_buffer.committed"
-        assert _next(connection).type == "conversation.item.created"
+        assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
         connection.response.create()
         _, plain = _until_done(connection)
     assert phone["text"] == plain["text"]
@@ -518,7 +573,7 @@ def test_a_conversation_is_bounded_in_items_and_bytes(client):
                                                                       "audio": four_seconds}]}
         for _ in range(2):
             connection.conversation.item.create(item=audio_item)
-            assert _next(connection).type == "conversation.item.created"
+            assert [_next(connection).type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
         connection.conversation.item.create(item=audio_item)
         event = connection.recv()
         assert event.type == "error" and event.error.param == "max_session_bytes", event

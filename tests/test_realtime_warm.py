@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from audio_checks import assert_audible
 from media_samples import tone
-from test_server_realtime import _client, _configured, _next, _response, _serve, _user_audio, _user_text
+from test_server_realtime import _client, _configured, _item_added, _response, _serve, _user_audio, _user_text
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.server.audio import to_pcm16
@@ -76,10 +76,10 @@ def test_turn_5_of_a_warm_session_is_the_conversation_sent_as_one_request(warm_s
                 audio = base64.b64encode(to_pcm16(value).tobytes()).decode("ascii")
                 connection.conversation.item.create(item={"type": "message", "role": "user",
                                                           "content": [{"type": "input_audio", "audio": audio}]})
-                assert _next(connection).type == "conversation.item.created"
+                _item_added(connection)
             connection.conversation.item.create(item={"type": "message", "role": "assistant",
                                                       "content": [{"type": "output_text", "text": reply["text"]}]})
-            assert _next(connection).type == "conversation.item.created"
+            _item_added(connection)
         _user_text(connection, turns[-1][1])
         cold = _response(connection)
     assert _metric(engine, "omnimtp_session_cache_hits_total") - hits == 4  # the fresh session missed

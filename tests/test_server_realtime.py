@@ -107,10 +107,19 @@ def _response(connection, **response) -> dict:
             return {"text": "".join(texts), "pcm": b"".join(pcm), "done": event.response, "types": types}
 
 
+def _item_added(connection):
+    """The events of an item that joined the conversation complete: conversation.item.added, then .done; the
+    item."""
+    added, done = _next(connection), _next(connection)
+    assert (added.type, done.type) == ("conversation.item.added", "conversation.item.done"), (added, done)
+    assert added.item.id == done.item.id
+    return done.item
+
+
 def _user_text(connection, text: str) -> None:
     connection.conversation.item.create(item={"type": "message", "role": "user",
                                               "content": [{"type": "input_text", "text": text}]})
-    assert _next(connection).type == "conversation.item.created"
+    _item_added(connection)
 
 
 def _user_audio(connection, samples: np.ndarray) -> str:
@@ -121,8 +130,9 @@ def _user_audio(connection, samples: np.ndarray) -> str:
     connection.input_audio_buffer.commit()
     committed = _next(connection)
     assert committed.type == "input_audio_buffer.committed"
-    created = _next(connection)
-    assert created.type == "conversation.item.created" and created.item.id == committed.item_id
+    added, done = _next(connection), _next(connection)
+    assert added.type == "conversation.item.added" and added.item.id == committed.item_id
+    assert done.type == "conversation.item.done" and done.item.id == committed.item_id
     return committed.item_id
 
 
@@ -165,7 +175,7 @@ def test_a_text_turn_is_the_pipelines_reply(client, pipe):
         reply = _response(connection)
     _assert_reply(reply, *_expected(pipe, [{"role": "user", "content": "Hello there"}]))
     types = reply["types"]
-    assert types[:4] == ["response.created", "response.output_item.added", "conversation.item.created",
+    assert types[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
                          "response.content_part.added"]
     # the talker speaks before the thinker has written its whole reply
     first_audio = types.index("response.output_audio.delta")
@@ -211,7 +221,7 @@ def test_an_input_audio_item_is_heard_at_the_sessions_input_rate(client, pipe):
                                            "turn_detection": None}}) as connection:
         connection.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_audio", "audio": pcm}]})
-        assert _next(connection).type == "conversation.item.created"
+        _item_added(connection)
         reply = _response(connection)
     messages = [{"role": "user", "content": [{"type": "audio", "audio": (_heard(samples), 16000)}]}]
     _assert_reply(reply, *_expected(pipe, messages))
@@ -301,7 +311,8 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}}},
      "session.audio.output.voice", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
-        "type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type", "invalid_value"),
+        "type": "semantic_vad", "silence_duration_ms": 300}}}}},
+     "session.audio.input.turn_detection.silence_duration_ms", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {
         "type": "audio/opus"}}}}}, "session.audio.input.format.type", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": {
@@ -435,12 +446,12 @@ def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(clie
         for _ in range(9):
             connection.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_audio", "audio": pcm}]})
-            assert _next(connection).type == "conversation.item.created"
+            _item_added(connection)
         reply = _response(connection)
         assert reply["done"].status in ("completed", "incomplete") and reply["text"]
         connection.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_audio", "audio": pcm}] * 9})
-        assert _next(connection).type == "conversation.item.created"
+        _item_added(connection)
         connection.response.create()
         error = connection.recv()
     assert error.type == "error" and "more than 8" in error.error.message, error
@@ -448,7 +459,7 @@ def test_a_conversation_answers_after_more_audio_turns_than_max_media_parts(clie
 
 
 def test_a_g711_append_over_the_limit_is_refused_before_it_is_decoded(client, monkeypatch):
-    import omnimtp.server.routes.realtime as realtime_route
+    import omnimtp.server.routes.realtime.formats as realtime_route
 
     decoded, g711_decode = [], realtime_route.g711_decode
 

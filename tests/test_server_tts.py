@@ -25,6 +25,7 @@ from omnimtp.server.app import create_app
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import ServingContext
+from omnimtp.server.routes.voices import speech_voice
 from omnimtp.server.scheduler import Engine, EngineRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -175,12 +176,12 @@ def test_bad_input_is_a_400_naming_the_field(servers, kind, fields, param, words
 def test_omni_model_refuses_the_tts_fields():
     """A model with a thinker takes none of the Qwen3-TTS fields, and needs a voice."""
     context = ServingContext(Engine(Qwen3OmniFamily.tiny(0)), ("omnimtp-tiny",), 1 << 20, 64)
-    assert context.speech_voice("Ethan", None, None, None) == "ethan"
+    assert speech_voice(context, "Ethan", None, None, None) == "ethan"
     for name, arguments in (("language", ("ethan", "english", None, None)),
                             ("instructions", ("ethan", None, "calm", None)),
                             ("task_type", ("ethan", None, None, "CustomVoice")), ("voice", (None, None, None, None))):
         with pytest.raises(APIError) as caught:
-            context.speech_voice(*arguments)
+            speech_voice(context, *arguments)
         assert caught.value.status == 400 and caught.value.param == name
 
 

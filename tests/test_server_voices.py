@@ -308,7 +308,7 @@ def test_cloning_on_a_custom_voice_model_is_a_400_naming_the_model(servers):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
     assert "Base" in reply.json()["error"]["message"]
     listed = httpx.get(f"{url}/v1/audio/voices", timeout=60).json()
-    assert listed == {"voices": ["aiden", "eric", "vivian"], "uploaded_voices": []}
+    assert listed == {"voices": ["aiden", "eric", "vivian"], "voice_aliases": {}, "uploaded_voices": []}
 
 
 def test_content_types_and_the_body_limit(tmp_path, servers):
@@ -358,7 +358,7 @@ def test_without_a_voices_dir_nothing_is_saved_but_inline_cloning_works(pipe):
     with running_server(create_app(_engine("base"))) as url:
         reply = _post_form(url, REFERENCE_WAV, name="hal", consent=CONSENT)
         assert reply.status_code == 400 and "--voices-dir" in reply.json()["error"]["message"]
-        assert httpx.get(f"{url}/v1/audio/voices").json() == {"voices": [], "uploaded_voices": []}
+        assert httpx.get(f"{url}/v1/audio/voices").json() == {"voices": [], "voice_aliases": {}, "uploaded_voices": []}
         assert httpx.get(f"{url}/v1/audio/voices/hal").status_code == 404
         flat = pipe.create_voice(ref_audio=REFERENCE, x_vector_only=True)
         assert _greedy(url, ref_audio=_b64(REFERENCE_WAV)) == _expected_pcm(pipe, flat)

@@ -7,8 +7,9 @@
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
     routes/speech.py   /v1/audio/speech
-    routes/realtime.py /v1/realtime (WebSocket: OpenAI's Realtime API)
-    routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir)
+    routes/realtime/   /v1/realtime (WebSocket: OpenAI's Realtime API)
+    routes/voices.py   /v1/audio/voices: saved voice-clone voices (`voice_store.py`, SQLite under --voices-dir),
+                       and the voice of every speaking request (speaker names, saved and cloned voices)
     routes/speech_stream.py /v1/audio/speech/stream (WebSocket: text streamed into speech)
     routes/transcriptions.py /v1/audio/transcriptions (the thinker hears an uploaded file)
     routes/models.py   /v1/models, /health, /metrics
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -43,6 +44,7 @@ from omnimtp.limits import (
     check_api_key,
     check_seconds,
 )
+from omnimtp.server.aliases import OPENAI_MODELS, speaker_aliases
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import Guard
 from omnimtp.server.metrics import ServerMetrics
@@ -65,6 +67,8 @@ def create_app(
     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     served_model_names: Sequence[str] = (),
+    openai_aliases: bool = False,
+    voice_aliases: Mapping[str, str] | None = None,
     websocket_limits: WebSocketLimits = WebSocketLimits(),
     voice_store: VoiceStore | None = None,
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
@@ -75,7 +79,9 @@ def create_app(
 
     body_timeout_s: a request's whole body must arrive within this many seconds of its headers (else
     408 and the connection closes). served_model_names: names `model` may take besides the engine's
-    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. websocket_limits: the
+    model id, all listed by /v1/models; any other `model` is a 404 `model_not_found`. openai_aliases: OpenAI's
+    model names name the served model too, and OpenAI's voice names its default speaker (`aliases.py`);
+    voice_aliases: more voice names, each → one of the model's speakers. websocket_limits: the
     WebSocket routes' session limit, idle timeout and message size (`omnimtp.server.websocket`). voice_store:
     where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
     recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS). playground: serve the web playground at /
@@ -100,11 +106,14 @@ def create_app(
         raise ValueError(f"aligner must be a Qwen3ForcedAligner or None, got {type(aligner).__name__}")
     if isinstance(served_model_names, str):
         raise ValueError(f"served_model_names must be a sequence of names, not the string {served_model_names!r}")
-    model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names]))
+    openai_models = OPENAI_MODELS if openai_aliases else ()
+    model_names = tuple(dict.fromkeys([engine.model_id, *served_model_names, *openai_models]))
     if not all(isinstance(name, str) and name for name in model_names):
         raise ValueError(f"served_model_names must be non-empty strings, got {list(served_model_names)!r}")
     if not isinstance(websocket_limits, WebSocketLimits):
         raise ValueError(f"websocket_limits must be a WebSocketLimits, got {type(websocket_limits).__name__}")
+    aliases = speaker_aliases(engine.speakers, getattr(engine.family, "default_speaker", None), voice_aliases or {},
+                              openai=openai_aliases)
     metrics = ServerMetrics()
 
     @asynccontextmanager
@@ -124,7 +133,7 @@ def create_app(
     app.state.websockets = WebSocketSessions(websocket_limits, metrics)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit, voices=voice_store,
-                                       max_ref_seconds=max_ref_seconds, aligner=aligner)
+                                       max_ref_seconds=max_ref_seconds, aligner=aligner, voice_aliases=aliases)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
     app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
     for api in (chat, speech, speech_stream, transcriptions, voices, realtime, models):

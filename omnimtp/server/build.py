@@ -88,6 +88,8 @@ def build_app(args: argparse.Namespace):
     app = create_app(engine, api_key=args.api_key, max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
                      max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                      served_model_names=args.served_model_name, voice_store=voice_store,
+                     openai_aliases=getattr(args, "openai_aliases", True),
+                     voice_aliases=_voice_aliases(getattr(args, "voice_alias", [])),
                      max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
                      aligner=aligner,
                      websocket_limits=WebSocketLimits(
@@ -95,3 +97,14 @@ def build_app(args: argparse.Namespace):
                          max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,
                          max_session_bytes=args.max_session_bytes))
     return engine, app
+
+
+def _voice_aliases(given: list[str]) -> dict[str, str]:
+    """`--voice-alias NAME=SPEAKER` flags as a dict; ValueError naming the flag for one without "="."""
+    aliases = {}
+    for value in given:
+        name, sep, speaker = value.partition("=")
+        if not sep or not name or not speaker:
+            raise ValueError(f"--voice-alias: expected NAME=SPEAKER, got {value!r}")
+        aliases[name] = speaker
+    return aliases

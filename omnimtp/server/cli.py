@@ -61,6 +61,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", metavar="NAME", action="append", default=[],
                         help="another name clients may give as `model` (repeatable); /v1/models lists them all. "
                         "Any other `model` gets 404 model_not_found")
+    parser.add_argument("--openai-aliases", action=argparse.BooleanOptionalAction, default=True,
+                        help="OpenAI's model names (gpt-realtime, gpt-4o-mini-transcribe, tts-1, ...) name the served "
+                        "model, and OpenAI's voice names (alloy, marin, ...) its default speaker, so that clients "
+                        "with OpenAI defaults work unchanged (default: on)")
+    parser.add_argument("--voice-alias", metavar="NAME=SPEAKER", action="append", default=[],
+                        help="another name of one of the model's speakers (repeatable; over OpenAI's defaults: "
+                        "--voice-alias alloy=chelsie); /v1/audio/voices lists them")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     parser.add_argument("--api-key", default=os.environ.get("OMNIMTP_API_KEY"),

@@ -30,10 +30,17 @@ _CONTEXT_SAMPLES = 64  # the samples of the previous window silero sees in front
 _STATE_SHAPE = (2, 1, 128)  # silero's recurrent state for a batch of one
 
 
+# `semantic_vad`'s eagerness as the silence that ends a turn: the same detector, waiting longer for a speaker
+# who pauses ("low") or answering sooner ("high"); "auto" is "medium", server_vad's default window.
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
+
+
 @dataclass(frozen=True)
 class TurnDetection:
-    """`server_vad` as OpenAI's Realtime API names it (its defaults). idle_timeout_ms is reported, not acted on:
-    only None is accepted."""
+    """`server_vad` as OpenAI's Realtime API names it (its defaults), or `semantic_vad` (`eagerness` set: the
+    silence window is EAGERNESS_SILENCE_MS's, threshold and prefix padding server_vad's defaults).
+    idle_timeout_ms: after a response, this long past the end of its audio without the user speaking, the
+    session commits the silence as a turn and answers it (`input_audio_buffer.timeout_triggered`)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
@@ -41,8 +48,19 @@ class TurnDetection:
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None
+
+    @classmethod
+    def semantic(cls, eagerness: str, *, create_response: bool = True, interrupt_response: bool = True,
+                 idle_timeout_ms: int | None = None) -> TurnDetection:
+        return cls(silence_duration_ms=EAGERNESS_SILENCE_MS[eagerness], create_response=create_response,
+                   interrupt_response=interrupt_response, idle_timeout_ms=idle_timeout_ms, eagerness=eagerness)
 
     def describe(self) -> dict:
+        if self.eagerness is not None:
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response,
+                    **({} if self.idle_timeout_ms is None else {"idle_timeout_ms": self.idle_timeout_ms})}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}

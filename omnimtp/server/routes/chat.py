@@ -27,6 +27,7 @@ from omnimtp.server.routes.common import (
     sse,
     stream_error,
 )
+from omnimtp.server.routes.voices import check_voice
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, TextPart
 
@@ -57,7 +58,7 @@ async def chat_completions(request: Request):
         if body.audio is None:
             raise APIError(400, 'audio is required when modalities include "audio"', param="audio",
                            code="missing_required_parameter")
-        speaker = context.check_voice(body.audio.voice, "audio.voice")
+        speaker = check_voice(context, body.audio.voice, "audio.voice")
         audio_format = body.audio.format
     elif body.audio is not None:
         raise APIError(400, 'audio is given but modalities do not include "audio": add it, or drop audio',

@@ -1,5 +1,7 @@
 """`/v1/audio/speech`: text spoken in a voice, as a file (wav, pcm, mp3, opus (Ogg) and aac sent as they are
-encoded; flac once complete) or as SSE `speech.audio.delta` events (PCM16).
+encoded; flac once complete) or as SSE `speech.audio.delta` events (`stream_format: "sse"`: each delta the next
+bytes of the response_format's stream, so the deltas joined are one file; flac, which needs the whole signal,
+is a 400).
 
 On a Qwen3-Omni / Qwen2.5-Omni model `voice` is one of its speakers. On a Qwen3-TTS model the request also
 takes `language` (a language of the model, or "auto"), `instructions` (the voice described in words: required
@@ -8,7 +10,7 @@ or "VoiceDesign"); `voice` is a CustomVoice speaker (default: the model's) and s
 the reference's defaults (T 0.9, top-k 50, repetition penalty 1.05; temperature 0: greedy). On a Base model
 (`task_type` "Base") the voice is cloned: `voice` names a saved voice (routes/voices.py), or the request
 sends a reference recording (`ref_audio`, `ref_text`, `x_vector_only_mode`) or a `speaker_embedding`
-(`ServingContext.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
+(`voices.speech_speaker`); a model of another kind refuses those fields by name. It runs in the same
 engine step loop as every other request.
 
 `timestamp_granularities: ["word"]` (an extension, with `stream_format: "sse"`, where the server loads a forced
@@ -17,8 +19,8 @@ aligner: `serve --aligner-model`) adds the spoken words' timestamps to `speech.a
 audio, so an agent can cut a reply at the last word its listener heard.
 
 A request whose talker ends before its first frame is still a 200 with a valid file of no audio (a WAV with
-an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: only
-`speech.audio.done`) and says
+an empty data chunk, a FLAC stream without frames, empty PCM, mp3 / opus / aac: no bytes; SSE: the format's
+empty stream, then `speech.audio.done`) and says
 `X-Finish-Reason: no_audio`."""
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, e
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import (
     QUEUE_POSITION_HEADER,
-    b64_pcm16,
     collect,
     first_event,
     prepended,
@@ -44,6 +45,7 @@ from omnimtp.server.routes.common import (
     sse,
     stream_error,
 )
+from omnimtp.server.routes.voices import speech_speaker
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
@@ -64,10 +66,13 @@ async def speech(request: Request):
     context.check_model(body.model)
     if not body.input.strip():
         raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-    speaker = await context.speech_speaker(body)
+    fmt, sample_rate = body.response_format, engine.sample_rate
+    if body.stream_format == "sse" and fmt not in STREAMED_FORMATS:
+        raise APIError(400, f"response_format: SSE deltas stream {', '.join(STREAMED_FORMATS)}, not {fmt} (it needs "
+                       "the whole signal)", param="response_format", code="invalid_value")
+    speaker = await speech_speaker(context, body)
     words_language = _word_timestamps_language(context, body)
     handle = await context.submit(_engine_request(context, body, speaker))
-    fmt, sample_rate = body.response_format, engine.sample_rate
     # Wait for the first chunk before the headers: a request that ends without audio says so in them, and
     # an engine error before any audio is an error body.
     events = handle.events()
@@ -78,7 +83,8 @@ async def speech(request: Request):
         headers[FINISH_REASON_HEADER] = first.finish_reason
     if body.stream_format == "sse":
         aligned = None if words_language is False else (context.aligner, body.input, words_language, sample_rate)
-        return StreamingResponse(_speech_sse(handle, events, aligned), media_type="text/event-stream",
+        return StreamingResponse(_speech_sse(handle, events, fmt, sample_rate, aligned),
+                                 media_type="text/event-stream",
                                  headers=headers)
     if fmt in STREAMED_FORMATS and first.finish_reason is None:
         return StreamingResponse(_speech_chunks(handle, events, fmt, sample_rate), media_type=MEDIA_TYPES[fmt],
@@ -144,7 +150,7 @@ async def speech_batch(request: Request):
                                "request, not in a batch", param="timestamp_granularities", code="invalid_value")
             if not item.input.strip():
                 raise APIError(400, "input: empty text (nothing to speak)", param="input", code="invalid_value")
-            speaker = await context.speech_speaker(item)
+            speaker = await speech_speaker(context, item)
             handles.append(await context.submit(_engine_request(context, item, speaker)))
         except APIError as error:
             handles.append(_item_error(index, error))
@@ -176,9 +182,12 @@ def _item_error(index: int, error: APIError) -> dict:
                                       "code": error.code}}
 
 
-async def _speech_sse(handle, events, aligned=None):
-    """SSE audio deltas, then `speech.audio.done`; aligned: (aligner, text, language, sample_rate) of a request
-    that asked for word timestamps (its audio is kept until the end to align it whole)."""
+async def _speech_sse(handle, events, fmt: str, sample_rate: int, aligned=None):
+    """OpenAI's speech SSE: `speech.audio.delta` events whose `audio` is the next bytes of the response_format
+    stream (PCM16, or the encoder's output: the deltas joined are one file), then `speech.audio.done`; aligned:
+    (aligner, text, language, sample_rate) of a request that asked for word timestamps (its audio is kept until
+    the end to align it whole)."""
+    encoder = StreamEncoder(fmt, sample_rate)
     chunks = []
     try:
         async for event in events:
@@ -188,8 +197,11 @@ async def _speech_sse(handle, events, aligned=None):
             if event.audio is not None and event.audio.size:
                 if aligned is not None:
                     chunks.append(event.audio)
-                yield sse({"type": "speech.audio.delta", "audio": b64_pcm16(event.audio)})
+                if data := encoder.push(event.audio):
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
             if event.finish_reason is not None:
+                if data := encoder.finish():
+                    yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
                 usage = {"input_tokens": event.prompt_tokens, "output_tokens": event.num_frames,
                          "total_tokens": event.prompt_tokens + event.num_frames}
                 done = {"type": "speech.audio.done", "usage": usage, "finish_reason": event.finish_reason}

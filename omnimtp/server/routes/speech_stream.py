@@ -39,6 +39,7 @@ from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import APIError, validation_error
 from omnimtp.server.routes.common import b64_pcm16
+from omnimtp.server.routes.voices import speech_speaker
 from omnimtp.server.scheduler import PromptTooLongError, QueueFullError
 from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
 from omnimtp.server.websocket import EventError, Session, echo, websocket_sessions
@@ -175,7 +176,7 @@ async def _configure(context, event: dict) -> _Config:
     try:
         context.check_model(body.model)
         sampling = context.speech_sampling(body)
-        speaker = await context.speech_speaker(body)
+        speaker = await speech_speaker(context, body)
     except APIError as exc:
         raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value") from None
     report = body.model_dump(exclude={"type", "event_id", "ref_audio", "speaker_embedding"}, exclude_none=True)
