@@ -1494,6 +1494,20 @@ MUTATIONS = [
         "placeholders its stored matrices replace (all zeros)",
     ),
     Mutation(
+        "asr_session_becomes_a_conversation", "omnimtp/server/routes/realtime/settings.py",
+        '    if new.type == "realtime" and not context.engine.has_chat:',
+        "    if False:",
+        ("tests/test_realtime_transcription.py",), "a session of a model that only hears (Qwen3-ASR) is switched to a "
+        "conversation it cannot answer",
+    ),
+    Mutation(
+        "asr_session_deltas_keep_the_language_tag", "omnimtp/server/routes/realtime/transcription.py",
+        "            if event.text and (delta := deltas.push(event.text)):",
+        "            if event.text and (delta := event.text):",
+        ("tests/test_realtime_transcription.py",), "a Qwen3-ASR transcription session's deltas carry the reply's "
+        "'language X<asr_text>' tag",
+    ),
+    Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "      sg[i] = exp_nonpositive(sg[i] - top);",
         "      sg[i] = exp_nonpositive(sg[i]);",

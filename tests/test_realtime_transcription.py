@@ -96,3 +96,71 @@ def test_a_session_update_makes_a_transcription_session_with_another_recognizer(
         events = _until_completed(connection)
     assert [event.delta for event in events if event.type.endswith(".delta")] == ["hello", " there"]
     assert events[-1].transcript == "hello there" and events[-1].usage.total_tokens == 5
+
+
+def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech):
+    """A model that only hears (Qwen3-ASR): a transcription session transcribes each committed turn with it, its
+    reply's language tag held back, the transcript `transcribe`'s of the same audio; a conversation is refused by
+    name."""
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.pipeline import OmniPipeline
+
+    family = Qwen3ASRFamily.tiny(0)
+    engine = Engine(family, max_new_tokens=12, max_batch_size=2)
+    with running_server(create_app(engine, max_tokens_limit=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
+            assert connection.recv().session.type == "transcription"
+            connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}}})
+            assert connection.recv().type == "session.updated"
+            _append(connection, speech)
+            connection.input_audio_buffer.commit()
+            events = _until_completed(connection)
+            committed = next(e for e in events if e.type == "conversation.item.done").item.content[0]
+            connection.session.update(session={"type": "realtime"})
+            error = connection.recv()
+            assert error.type == "error" and error.error.param == "session.type", error
+        with client.realtime.connect(model=engine.model_id) as connection:  # a conversation: refused, then closed
+            error = connection.recv()
+            assert error.type == "error" and error.error.param == "model", error
+    deltas = "".join(event.delta for event in events if event.type.endswith(".delta"))
+    assert "<asr_text>" not in deltas and events[-1].transcript == deltas.strip()
+    assert committed.type == "input_audio"
+    heard = soxr.resample(speech, RATE, 16000).astype(np.float32)  # what the session hears: its audio at 16 kHz
+    expected = OmniPipeline(family=family, max_new_tokens=12).transcribe((heard, 16000)).text
+    assert events[-1].transcript == expected.strip(), (events[-1].transcript, expected)
+
+
+def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatch):
+    """The thinker recognizer passes a Qwen3-ASR reply ("language English<asr_text>Hello there.") through the
+    family's `transcript_deltas`: the deltas are the text alone."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+
+    pieces = ["language", " English", "<asr_text>", "Hello", " there."]
+
+    class Handle:
+        async def events(self):
+            for i, text in enumerate(pieces):
+                last = i == len(pieces) - 1
+                yield SimpleNamespace(error=None, text=text, finish_reason="stop" if last else None,
+                                      prompt_tokens=7, completion_tokens=len(pieces))
+
+        def cancel(self):
+            pass
+
+    async def submit(request):
+        return Handle()
+
+    context = SimpleNamespace(engine=SimpleNamespace(family=Qwen3ASRFamily.tiny(0)), submit=submit)
+    monkeypatch.setattr(transcription, "transcription_request", lambda *args, **kwargs: None)
+
+    async def run():
+        return [piece async for piece in transcription.thinker_recognizer(context, np.zeros(16000), None, None)]
+
+    out = asyncio.run(run())
+    assert "".join(p for p in out if isinstance(p, str)) == "Hello there."
+    assert out[-1] == transcription.Recognized(7, 5)

@@ -128,7 +128,7 @@ def test_the_model_hears_and_does_not_speak(http, family, aligner):
     engine = Engine(family, model_id=MODEL, max_batch_size=2)
     assert "speech recognition: POST /v1/audio/transcriptions" in banner(engine, "http://x", playground=False)
     (card,) = http.get("/v1/models").json()["data"]
-    assert card["family"] == "qwen3_asr" and card["endpoints"] == ["/v1/audio/transcriptions"]
+    assert card["family"] == "qwen3_asr" and card["endpoints"] == ["/v1/audio/transcriptions", "/v1/realtime"]
     response = http.post("/v1/audio/speech", json={"model": MODEL, "input": "Hi", "voice": "alloy"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model", response.text
     response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user",

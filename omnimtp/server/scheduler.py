@@ -355,7 +355,7 @@ class Engine:
                 "endpoints": (["/v1/chat/completions"] if self.has_chat else [])
                 + (["/v1/audio/speech", "/v1/audio/speech/batch", "/v1/audio/speech/stream"] if family.speaks else [])
                 + (["/v1/audio/transcriptions"] if hears_audio else [])
-                + (["/v1/realtime"] if self.has_chat else []),
+                + (["/v1/realtime"] if self.has_chat or hears_audio else []),  # (transcription sessions)
                 "voices": list(self.speakers)}
         if self.tts_model_type is not None:
             card["tts_model_type"] = self.tts_model_type

@@ -53,16 +53,19 @@ async def _run(session: Session) -> None:
     context: ServingContext = session.websocket.app.state.serving
     engine = context.engine
     model = session.websocket.query_params.get("model")
+    is_transcription = session.websocket.query_params.get("intent") == "transcription"
     try:
         model_name = context.check_model(model)
-        context.check_chat()
+        if not (is_transcription and engine.audio_sampling_rate is not None):  # (a model that only hears
+            context.check_chat()  # serves transcription sessions)
     except APIError as exc:  # the session opens and says why it cannot serve, then closes
         await session.send_error(event_error(exc))
         await session.close(1008, exc.message[:120])
         return
-    state = RealtimeSession(context, session, Settings(voice=engine.match_speaker(engine.family.default_speaker)),
-                            model_name)
-    if session.websocket.query_params.get("intent") == "transcription":  # a transcription session from the start
+    default_speaker = engine.family.default_speaker  # (None: a model that only hears)
+    voice = None if default_speaker is None else engine.match_speaker(default_speaker)
+    state = RealtimeSession(context, session, Settings(voice=voice), model_name)
+    if is_transcription:  # a transcription session from the start
         try:
             update_settings(state, SessionFields(type="transcription"))
         except EventError as exc:

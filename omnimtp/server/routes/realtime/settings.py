@@ -48,6 +48,10 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
     if "type" in fields.model_fields_set:
         changes["type"] = fields.type
     new = replace(settings, **changes)
+    if new.type == "realtime" and not context.engine.has_chat:
+        raise EventError(f"session.type: the model {context.engine.model_id!r} hears and does not answer; it serves "
+                         'sessions of type "transcription" (?intent=transcription)', param="session.type",
+                         code="invalid_value")
     if new.type == "transcription" and new.transcription is None:  # what a transcription session is for
         new = replace(new, transcription=transcription_settings(context, InputTranscription()))
     state.settings = new

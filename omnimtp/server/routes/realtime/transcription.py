@@ -1,8 +1,9 @@
 """Input audio transcription: each committed audio item's transcript, streamed as it is made, by a `Recognizer`.
 
 A recognizer is what hears a turn: an async generator of the transcript's text deltas as they are made, then
-one `Recognized` (the usage). `thinker_recognizer`, the served omni model's thinker answering its family's ASR
-prompt (routes/transcriptions.py's) as a low-priority request of the engine, is the one there is; a dedicated
+one `Recognized` (the usage). `thinker_recognizer`, the served model's thinker answering its family's ASR prompt
+(routes/transcriptions.py's) as a low-priority request of the engine — an omni model's, or a Qwen3-ASR model's,
+which serves transcription sessions only — is the one there is; a dedicated
 speech recognizer (a streaming ASR model) plugs in as another function of the same shape, set on the session
 (`RealtimeSession.recognizer`; None: the thinker):
 
@@ -49,13 +50,16 @@ async def thinker_recognizer(context: ServingContext, audio: np.ndarray, languag
         handle = await context.submit(request)
     except APIError as exc:
         raise RecognitionError(exc.message) from None
+    deltas = context.engine.family.transcript_deltas(language)  # (a Qwen3-ASR reply's language tag held back)
     try:
         async for event in handle.events():
             if event.error is not None:
                 raise RecognitionError(event.error)
-            if event.text:
-                yield event.text
+            if event.text and (delta := deltas.push(event.text)):
+                yield delta
             if event.finish_reason is not None:
+                if rest := deltas.finish():
+                    yield rest
                 yield Recognized(event.prompt_tokens, event.completion_tokens)
                 return
     finally:
