@@ -1508,6 +1508,13 @@ MUTATIONS = [
         "'language X<asr_text>' tag",
     ),
     Mutation(
+        "asr_beside_the_model_never_hears", "omnimtp/server/routes/common.py",
+        "        if self.asr is not None and (model is None or model in self.asr.model_names):",
+        "        if False:",
+        ("tests/test_server_asr.py",), "serve --asr-model loads a recognizer that nothing uses: the omni thinker "
+        "still transcribes every realtime turn and every request",
+    ),
+    Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "      sg[i] = exp_nonpositive(sg[i] - top);",
         "      sg[i] = exp_nonpositive(sg[i]);",

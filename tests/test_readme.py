@@ -63,6 +63,8 @@ NOT_RUN = {
     "omnimtp serve --model tiny-asr --aligner-model tiny-aligner": (
         "a server that runs until stopped (tests/test_server_asr.py serves both through the openai client)"),
     "omnimtp serve --model Qwen3-ASR-0.6B": "released checkpoints (tests/test_server_asr.py serves the tiny ones)",
+    "omnimtp serve --asr-model tiny-asr": (
+        "a server that runs until stopped (tests/test_server_asr.py builds its app and serves the pair)"),
 }
 # A released checkpoint's directory, as `hf download --local-dir` leaves it, stood in for by the tiny model of its
 # kind saved in the released layout: the documented commands on it run as written.

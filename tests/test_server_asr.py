@@ -199,3 +199,55 @@ def test_speech_the_server_made_gets_word_timestamps(aligner):
     with running_server(create_app(engine)) as url:
         response = httpx.post(f"{url}/v1/audio/speech", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "timestamp_granularities"
+
+
+def test_a_recognizer_served_beside_an_omni_model_hears_for_it(family, pipe, speech_path):
+    """`serve --asr-model`: the realtime session's input transcripts and /v1/audio/transcriptions under the
+    recognizer's names (its own, OpenAI's transcription models') come from the Qwen3-ASR engine, the omni
+    model's own name still from its thinker; /v1/models lists both, /health waits for both."""
+    import base64
+
+    import soxr
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.audio import to_pcm16
+
+    omni = Engine(Qwen3OmniFamily.tiny(0), max_new_tokens=4, max_frames=4, max_batch_size=2, media_limits=LIMITS)
+    asr = Engine(family, model_id=MODEL, max_new_tokens=MAX_NEW_TOKENS, max_batch_size=2, media_limits=LIMITS)
+    expected = pipe.transcribe(speech_path).text
+    with running_server(create_app(omni, asr_engine=asr, openai_aliases=True)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        cards = {card.id: card for card in client.models.list().data}
+        assert cards["omnimtp-tiny"].family == "qwen3_omni_moe" and cards[MODEL].family == "qwen3_asr"
+        assert cards["whisper-1"].family == "qwen3_asr" and cards["gpt-realtime"].family == "qwen3_omni_moe"
+        for name in (MODEL, "whisper-1"):
+            heard = client.audio.transcriptions.create(model=name, file=_file(speech_path))
+            assert heard.text == expected.strip(), name
+        by_thinker = client.audio.transcriptions.create(model="omnimtp-tiny", file=_file(speech_path))
+        samples = load_audio(speech_path, 24_000, LIMITS, "audio")
+        with client.realtime.connect(model="omnimtp-tiny") as connection:
+            assert connection.recv().type == "session.created"
+            connection.session.update(session={"type": "realtime", "audio": {"input": {
+                "turn_detection": None, "transcription": {}}}})
+            updated = connection.recv()
+            assert updated.session.audio.input.transcription.model == MODEL, updated
+            pcm = to_pcm16(samples).tobytes()
+            connection.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+            connection.input_audio_buffer.commit()
+            while (event := connection.recv()).type != "conversation.item.input_audio_transcription.completed":
+                assert event.type != "error", event
+    heard_16k = soxr.resample(samples, 24_000, 16_000).astype(np.float32)
+    assert event.transcript == pipe.transcribe((heard_16k, 16_000)).text.strip()
+    assert by_thinker.text != expected.strip()  # (the omni thinker's words, not the recognizer's)
+
+
+def test_serve_takes_an_asr_model_beside_its_model_and_refuses_another_kind(capsys):
+    from omnimtp.cli import build_parser, main
+    from omnimtp.server.build import build_app
+
+    engine, app = build_app(build_parser().parse_args(["serve", "--asr-model", "tiny-asr"]))
+    assert isinstance(app.state.serving.asr.engine.family, Qwen3ASRFamily) and engine.family.speaks
+    assert main(["serve", "--asr-model", "tiny-tts"]) == 2
+    assert "--asr-model: 'tiny-tts' is not a Qwen3-ASR checkpoint" in capsys.readouterr().err

@@ -25,7 +25,6 @@ disconnects is cancelled in the engine, streamed or not.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 
@@ -74,6 +73,7 @@ def create_app(
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS,
     playground: bool = True,
     aligner: Qwen3ForcedAligner | None = None,
+    asr_engine: Engine | None = None,
 ) -> FastAPI:
     """An app serving `engine`. The engine's loop starts with the app and stops on shutdown.
 
@@ -86,7 +86,11 @@ def create_app(
     where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
     recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS). playground: serve the web playground at /
     and /playground (`routes/playground.py`). aligner: a Qwen3-ForcedAligner beside the model, which gives
-    `/v1/audio/transcriptions` its word timestamps (`timestamp_granularities[]=word`)."""
+    `/v1/audio/transcriptions` its word timestamps (`timestamp_granularities[]=word`). asr_engine: a speech
+    recognizer (a Qwen3-ASR model's engine, `serve --asr-model`) beside the model: the realtime sessions' input
+    transcripts by default, and `/v1/audio/transcriptions` for its own name (and, with openai_aliases, OpenAI's
+    transcription models' names), so the model's slots are not spent on hearing; it starts and stops with the
+    app."""
     check_api_key(api_key)
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
@@ -104,6 +108,12 @@ def create_app(
         raise ValueError(f"voice_store must be a VoiceStore or None, got {type(voice_store).__name__}")
     if aligner is not None and not isinstance(aligner, Qwen3ForcedAligner):
         raise ValueError(f"aligner must be a Qwen3ForcedAligner or None, got {type(aligner).__name__}")
+    if asr_engine is not None:
+        if asr_engine is engine or asr_engine.family.speaks or asr_engine.audio_sampling_rate is None:
+            raise ValueError("asr_engine: must be another engine, of a model that only hears (Qwen3-ASR)")
+        if engine.audio_sampling_rate not in (None, asr_engine.audio_sampling_rate):
+            raise ValueError(f"asr_engine: hears at {asr_engine.audio_sampling_rate} Hz, the model at "
+                             f"{engine.audio_sampling_rate} Hz")
     if isinstance(served_model_names, str):
         raise ValueError(f"served_model_names must be a sequence of names, not the string {served_model_names!r}")
     openai_models = OPENAI_MODELS if openai_aliases else ()
@@ -119,11 +129,15 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start(metrics=metrics, max_queue=max_queue)
+        if asr_engine is not None:
+            asr_engine.start(max_queue=max_queue)  # (the metrics are the model's engine's)
         try:
             yield
         finally:
             # The server ends the lifespan once every request task has finished or been cancelled (its
             # shutdown deadline), and a cancelled task cancels its engine request: nothing is left to drain.
+            if asr_engine is not None:
+                await asyncio.to_thread(asr_engine.shutdown, drain=False)
             await asyncio.to_thread(engine.shutdown, drain=False)
 
     # No trailing-slash redirects: a redirect would point at the client's own Host header; a 404 instead.
@@ -131,11 +145,22 @@ def create_app(
                   redirect_slashes=False)
     app.state.metrics = metrics
     app.state.websockets = WebSocketSessions(websocket_limits, metrics)
+    asr = None
+    if asr_engine is not None:  # (it answers to its own name and OpenAI's transcription models')
+        transcribers = [name for name in openai_models if "transcribe" in name or "whisper" in name]
+        asr = ServingContext(engine=asr_engine, model_names=tuple(dict.fromkeys([asr_engine.model_id, *transcribers])),
+                             max_body_bytes=max_body_bytes, max_tokens_limit=max_tokens_limit, aligner=aligner)
     app.state.serving = ServingContext(engine=engine, model_names=model_names, max_body_bytes=max_body_bytes,
                                        max_tokens_limit=max_tokens_limit, voices=voice_store,
-                                       max_ref_seconds=max_ref_seconds, aligner=aligner, voice_aliases=aliases)
+                                       max_ref_seconds=max_ref_seconds, aligner=aligner, voice_aliases=aliases,
+                                       asr=asr)
     # Called just before the graceful shutdown deadline (`serving.ShutdownDeadline`).
-    app.state.on_shutdown_deadline = functools.partial(engine.end_requests, _SHUTDOWN_MESSAGE)
+    def end_requests() -> None:
+        for running in (engine, asr_engine):
+            if running is not None:
+                running.end_requests(_SHUTDOWN_MESSAGE)
+
+    app.state.on_shutdown_deadline = end_requests
     for api in (chat, speech, speech_stream, transcriptions, voices, realtime, models):
         app.include_router(api.router)
     if playground:

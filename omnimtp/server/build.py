@@ -75,6 +75,14 @@ def build_app(args: argparse.Namespace):
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),
                           admission=getattr(args, "admission", "capacity") == "capacity", **speculation)
+    asr_engine = None
+    if getattr(args, "asr_model", None) is not None:  # a speech recognizer beside the model, on the same CPU
+        asr_engine = build_engine(args.asr_model, max_batch_size=args.max_batch_size, max_frames=None,
+                                  media_limits=media_limits, device=args.device,
+                                  torch_threads=getattr(args, "threads", None), quantize=args.quantize)
+        if asr_engine.family.speaks:
+            raise ValueError(f"--asr-model: {args.asr_model!r} speaks; a Qwen3-ASR model is what hears beside "
+                             "the model")
     aligner = None
     if getattr(args, "aligner_model", None) is not None:
         from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
@@ -91,7 +99,7 @@ def build_app(args: argparse.Namespace):
                      openai_aliases=getattr(args, "openai_aliases", True),
                      voice_aliases=_voice_aliases(getattr(args, "voice_alias", [])),
                      max_ref_seconds=args.max_ref_seconds, playground=getattr(args, "playground", True),
-                     aligner=aligner,
+                     aligner=aligner, asr_engine=asr_engine,
                      websocket_limits=WebSocketLimits(
                          max_sessions=args.max_sessions, idle_timeout_s=args.timeout_session_idle,
                          max_message_bytes=args.max_body_bytes, max_session_items=args.max_session_items,

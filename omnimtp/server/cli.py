@@ -152,6 +152,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aligner-model", metavar="DIR", default=None,
                         help="a Qwen3-ForcedAligner checkpoint (or tiny-aligner) loaded beside the model: word "
                         "timestamps for /v1/audio/transcriptions (timestamp_granularities[]=word)")
+    parser.add_argument("--asr-model", metavar="DIR", default=None,
+                        help="a Qwen3-ASR checkpoint (or tiny-asr) served beside the model: the realtime sessions' "
+                        "input transcripts, and /v1/audio/transcriptions for its name and OpenAI's transcription "
+                        "models' names, so the model's slots are not spent on hearing")
     add_quantize_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
@@ -166,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
                 omni_model_type(args.model, "--model")
             if args.aligner_model is not None:
                 check_aligner_path(args.aligner_model, "--aligner-model")
+            if args.asr_model is not None and omni_model_type(args.asr_model, "--asr-model") != "qwen3_asr":
+                return _refuse(f"--asr-model: {args.asr_model!r} is not a Qwen3-ASR checkpoint (nor tiny-asr)")
     except ValueError as exc:
         return _refuse(str(exc))
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a

@@ -44,7 +44,8 @@ class ServingContext:
     take (the engine's model id first), all listed by /v1/models. voices: the saved voices (None: the server
     saves none); max_ref_seconds: the longest voice-clone reference recording; aligner: the forced aligner that
     gives transcripts word timestamps (`serve --aligner-model`; None: word timestamps are refused);
-    voice_aliases: other names of the model's speakers (`omnimtp.server.aliases`)."""
+    voice_aliases: other names of the model's speakers (`omnimtp.server.aliases`); asr: the speech recognizer's
+    context (`hearing`)."""
 
     engine: Engine
     model_names: Sequence[str]
@@ -54,6 +55,16 @@ class ServingContext:
     max_ref_seconds: float = MAX_REF_AUDIO_SECONDS
     aligner: Qwen3ForcedAligner | None = None
     voice_aliases: Mapping[str, str] = field(default_factory=dict)  # lower-case alias → the model's speaker
+    # the speech recognizer served beside the model (`serve --asr-model`): its own context, or None
+    asr: ServingContext | None = None
+
+    def hearing(self, model: str | None) -> ServingContext:
+        """The context whose model transcribes for a request naming `model`: the speech recognizer served beside
+        this model for its names (and for no name); else this one (APIError 404 for a name neither serves)."""
+        if self.asr is not None and (model is None or model in self.asr.model_names):
+            return self.asr
+        self.check_model(model)
+        return self
 
     async def read_body(self, request: Request, schema: type[Body]) -> Body:
         """The request's JSON body validated by `schema` (on a worker thread: the parsed body may still be

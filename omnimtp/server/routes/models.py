@@ -13,10 +13,11 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request):
     """200 {"status": "ok"} once the engine serves; 503 while it warms up ("loading") or stops."""
-    engine = serving(request).engine
-    if not engine.is_running:
+    context = serving(request)
+    engines = [context.engine] + ([context.asr.engine] if context.asr is not None else [])
+    if not all(engine.is_running for engine in engines):
         return JSONResponse({"status": "stopping"}, status_code=503)
-    if not engine.is_ready:
+    if not all(engine.is_ready for engine in engines):
         return JSONResponse({"status": "loading"}, status_code=503)
     return {"status": "ok"}
 
@@ -30,7 +31,11 @@ async def prometheus_metrics(request: Request):
 async def list_models(request: Request):
     """OpenAI's model list; each model also says its family, endpoints and voices (`Engine.model_card`)."""
     context = serving(request)
-    card = context.engine.model_card()
-    models = [{"id": name, "object": "model", "created": context.engine.created, "owned_by": "omnimtp", **card}
-              for name in context.model_names]
+    hearing = context.asr.model_names if context.asr is not None else ()  # (its names are the recognizer's)
+    models = []
+    for served, names in ((context, [n for n in context.model_names if n not in hearing]), (context.asr, hearing)):
+        if names:
+            card = served.engine.model_card()
+            models += [{"id": name, "object": "model", "created": served.engine.created, "owned_by": "omnimtp",
+                        **card} for name in names]
     return {"object": "list", "data": models}

@@ -41,9 +41,9 @@ _REPEATED = ("timestamp_granularities[]",)  # fields a client may give more than
 @router.post("/v1/audio/transcriptions")
 async def transcriptions(request: Request):
     context = serving(request)
-    engine = context.engine
     upload, fields = await _read_form(request, context.max_body_bytes)
-    context.check_model(fields.get("model"))
+    context = context.hearing(fields.get("model"))  # (the recognizer served beside the model, if it is named)
+    engine = context.engine
     if engine.audio_sampling_rate is None:
         raise APIError(400, f"the model {engine.model_id!r} has no audio processor to hear audio", param="model",
                        code="model_not_supported")

@@ -100,9 +100,11 @@ def transcription_settings(context: ServingContext, fields: InputTranscription |
     if fields is None:
         return None
     param = "session.audio.input.transcription"
-    if fields.model is not None and fields.model not in context.model_names:
-        raise EventError(f"{param}.model: transcripts come from the served model ({', '.join(context.model_names)}),"
-                         f" not {fields.model!r}", param=f"{param}.model", code="model_not_found")
+    names = [*(context.asr.model_names if context.asr is not None else ()), *context.model_names]
+    if fields.model is not None and fields.model not in names:
+        raise EventError(f"{param}.model: transcripts come from the served models ({', '.join(names)}), not "
+                         f"{fields.model!r}", param=f"{param}.model", code="model_not_found")
+    context = context.hearing(fields.model)  # (the recognizer served beside the model: by default)
     if context.engine.audio_sampling_rate is None:
         raise EventError(f"{param}: the model has no processor to hear audio", param=param,
                          code="model_not_supported")

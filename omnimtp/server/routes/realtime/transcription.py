@@ -73,9 +73,10 @@ async def transcribe_item(state: RealtimeSession, item: ConversationItem, transc
     the item) or `.failed`."""
     session, where = state.session, {"item_id": item.id, "content_index": 0}
     recognizer = state.recognizer or thinker_recognizer
+    hearing = state.context.hearing(transcription["model"])  # the model named (a recognizer beside: by default)
     texts, final = [], None
     try:
-        async for piece in recognizer(state.context, item.content[0]["audio"], transcription["language"],
+        async for piece in recognizer(hearing, item.content[0]["audio"], transcription["language"],
                                       transcription["prompt"]):
             if isinstance(piece, Recognized):
                 final = piece
