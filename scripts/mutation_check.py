@@ -1515,6 +1515,20 @@ MUTATIONS = [
         "still transcribes every realtime turn and every request",
     ),
     Mutation(
+        "live_recognition_unused_at_commit", "omnimtp/server/routes/realtime/transcription.py",
+        "        pieces = live.finish() if live is not None else recognizer(",
+        "        pieces = recognizer(",
+        ("tests/test_realtime_transcription.py",), "a transcription session's turn heard live by Qwen3-ASR is "
+        "transcribed again, whole, once committed (the live transcriptions wasted, the transcript not the stream's)",
+    ),
+    Mutation(
+        "vad_turn_cut_before_what_was_heard_live", "omnimtp/server/routes/realtime/turns.py",
+        "            end = max(end, state.live.next_sample)",
+        "            end = end",
+        ("tests/test_realtime_transcription.py",), "a server-VAD turn is committed shorter than the audio its live "
+        "recognition heard: the transcript is of other audio than the item's",
+    ),
+    Mutation(
         "decode_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "      sg[i] = exp_nonpositive(sg[i] - top);",
         "      sg[i] = exp_nonpositive(sg[i]);",

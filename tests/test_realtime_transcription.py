@@ -98,12 +98,16 @@ def test_a_session_update_makes_a_transcription_session_with_another_recognizer(
     assert events[-1].transcript == "hello there" and events[-1].usage.total_tokens == 5
 
 
-def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech):
-    """A model that only hears (Qwen3-ASR): a transcription session transcribes each committed turn with it, its
-    reply's language tag held back, the transcript `transcribe`'s of the same audio; a conversation is refused by
-    name."""
+def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech, monkeypatch):
+    """A model that only hears (Qwen3-ASR): a transcription session hears each turn while it is appended (live
+    recognition, the reference's streaming mode: a transcription each LIVE_CHUNK_SECONDS continuing the last one
+    less its unstable tokens), so the committed turn's transcript is `stream_recognition`'s of the same audio, not
+    one transcription of the whole; its reply's language tag held back; a conversation is refused by name."""
+    import omnimtp.server.routes.realtime.live as live
     from omnimtp.families.qwen3_asr import Qwen3ASRFamily
     from omnimtp.pipeline import OmniPipeline
+
+    monkeypatch.setattr(live, "LIVE_CHUNK_SECONDS", 0.5)  # three live transcriptions of the ~2 s turn, then its tail
 
     family = Qwen3ASRFamily.tiny(0)
     engine = Engine(family, max_new_tokens=12, max_batch_size=2)
@@ -128,8 +132,10 @@ def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech
     assert "<asr_text>" not in deltas and events[-1].transcript == deltas.strip()
     assert committed.type == "input_audio"
     heard = soxr.resample(speech, RATE, 16000).astype(np.float32)  # what the session hears: its audio at 16 kHz
-    expected = OmniPipeline(family=family, max_new_tokens=12).transcribe((heard, 16000)).text
-    assert events[-1].transcript == expected.strip(), (events[-1].transcript, expected)
+    pipe = OmniPipeline(family=family, max_new_tokens=12)
+    partials = list(pipe.stream_recognition([heard], chunk_seconds=0.5))
+    assert len(partials) == 4 and events[-1].transcript == partials[-1].text.strip()
+    assert events[-1].transcript != pipe.transcribe((heard, 16000)).text.strip()  # (heard live, not at the end)
 
 
 def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatch):
@@ -164,3 +170,35 @@ def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatc
     out = asyncio.run(run())
     assert "".join(p for p in out if isinstance(p, str)) == "Hello there."
     assert out[-1] == transcription.Recognized(7, 5)
+
+
+def test_server_vad_turns_are_heard_live_from_their_first_sample_to_their_last(speech, monkeypatch):
+    """With server VAD a turn is heard live from its first sample (prefix padding included) to the sample it is
+    committed at: its transcript is `stream_recognition`'s of exactly the committed item's audio."""
+    import omnimtp.server.routes.realtime.conversation as conversation
+    import omnimtp.server.routes.realtime.live as live
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.pipeline import OmniPipeline
+
+    monkeypatch.setattr(live, "LIVE_CHUNK_SECONDS", 0.5)
+    committed, transcribe_item = [], conversation.transcribe_item
+
+    def capture(state, item, settings, live_recognition=None):
+        assert live_recognition is not None  # heard as it came
+        committed.append(item.content[0]["audio"])
+        return transcribe_item(state, item, settings, live_recognition)
+
+    monkeypatch.setattr(conversation, "transcribe_item", capture)
+    family = Qwen3ASRFamily.tiny(0)
+    engine = Engine(family, max_new_tokens=12, max_batch_size=2)
+    silence = np.zeros(RATE, dtype=np.float32)
+    with running_server(create_app(engine, max_tokens_limit=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
+            assert connection.recv().session.audio.input.turn_detection.type == "server_vad"
+            _append(connection, np.concatenate([silence[: RATE // 3], speech, silence]))
+            events = _until_completed(connection)
+    (audio,) = committed
+    partials = list(OmniPipeline(family=family, max_new_tokens=12).stream_recognition([audio], chunk_seconds=0.5))
+    assert len(partials) >= 3 and events[-1].transcript == partials[-1].text.strip()

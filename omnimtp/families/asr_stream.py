@@ -76,6 +76,11 @@ class StreamingRecognition:
         self._reply = ""  # the last transcription's prefix + reply (what the next prefix is cut from)
         self.is_finished = False
 
+    @property
+    def reply(self) -> str:
+        """The last transcription's prefix and reply ("" before the first): the raw text of the transcript so far."""
+        return self._reply
+
     def feed(self, samples: np.ndarray) -> None:
         """More audio: 1-D float samples at the model's rate (16 kHz), or int16 PCM."""
         if self.is_finished:

@@ -116,9 +116,10 @@ class ServingContext:
                                param="temperature", code="invalid_value")
         return self.engine.speech_sampling(body.temperature, body.top_p, body.top_k)
 
-    async def submit(self, request: EngineRequest):
-        """Queue `request` in the engine: its `RequestHandle`. APIError for a prompt over the limit (400), bad
-        media (400), a full queue (429) or a stopping server (503)."""
+    async def submit(self, request: EngineRequest, prompt=None):
+        """Queue `request` in the engine: its `RequestHandle`. prompt: its (prompt ids, media), made beforehand
+        (default: `Engine.prompt_ids` of its messages). APIError for a prompt over the limit (400), bad media
+        (400), a full queue (429) or a stopping server (503)."""
         engine = self.engine
         if not engine.is_running:
             raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
@@ -128,7 +129,8 @@ class ServingContext:
             if request.messages is None:  # a speech request: its text cut into the segments it is spoken in
                 segments = await run_in_threadpool(engine.speech_segments, request)
                 return engine.submit(request, loop=asyncio.get_running_loop(), segments=segments)
-            prompt = await run_in_threadpool(engine.prompt_ids, request)
+            if prompt is None:
+                prompt = await run_in_threadpool(engine.prompt_ids, request)
             return engine.submit(request, loop=asyncio.get_running_loop(), prompt=prompt)
         except PromptTooLongError as exc:
             raise APIError(400, str(exc), param=exc.param, code="context_length_exceeded") from None

@@ -33,8 +33,9 @@ async def heard_audio(state: RealtimeSession, pcm: bytes, rate: int, param: str)
         raise EventError(str(exc), param=exc.param) from None
 
 
-async def commit_audio(state: RealtimeSession, pcm: bytes, item_id: str) -> None:
-    """The committed audio as a user item at the end of the conversation, and its events."""
+async def commit_audio(state: RealtimeSession, pcm: bytes, item_id: str, live=None) -> None:
+    """The committed audio as a user item at the end of the conversation, and its events. live: the turn's
+    `live.LiveRecognition`, which then writes its transcript."""
     audio = await heard_audio(state, pcm, state.settings.input_rate, "input_audio_buffer")
     item = ConversationItem(item_id, "user", ({"type": "audio", "audio": audio},),
                             [{"type": "input_audio", "transcript": None}])
@@ -43,7 +44,7 @@ async def commit_audio(state: RealtimeSession, pcm: bytes, item_id: str) -> None
                               "item_id": item.id})
     await send_added(state, item, previous)
     if state.settings.transcription is not None:
-        task = asyncio.ensure_future(transcribe_item(state, item, state.settings.transcription))
+        task = asyncio.ensure_future(transcribe_item(state, item, state.settings.transcription, live))
         state.transcripts.add(task)
         task.add_done_callback(state.transcripts.discard)
 

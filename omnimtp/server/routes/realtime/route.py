@@ -33,6 +33,7 @@ from omnimtp.server.routes.realtime.events import (
     event_error,
     parse_event,
 )
+from omnimtp.server.routes.realtime.live import take_live
 from omnimtp.server.routes.realtime.responses import cancel_idle, cancel_response, start_response
 from omnimtp.server.routes.realtime.settings import update_settings
 from omnimtp.server.routes.realtime.state import RealtimeSession, Settings
@@ -81,6 +82,7 @@ async def _run(session: Session) -> None:
                 await session.send_error(exc, event)
     finally:
         cancel_idle(state)
+        state.drop_live()
         if state.response is not None:  # the client left mid-response: the engine request is cancelled
             state.response.cancel()
             await asyncio.gather(state.response, return_exceptions=True)
@@ -104,7 +106,7 @@ async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
         if not state.audio_buffer:
             raise EventError("input_audio_buffer: nothing to commit: the buffer is empty",
                              code="input_audio_buffer_commit_empty")
-        await commit_audio(state, bytes(state.audio_buffer), new_id("item"))
+        await commit_audio(state, bytes(state.audio_buffer), new_id("item"), take_live(state))
         state.clear_buffer()
     elif isinstance(event, ItemCreate):
         item = await client_item(state, event.item)

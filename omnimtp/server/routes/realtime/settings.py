@@ -55,6 +55,8 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
     if new.type == "transcription" and new.transcription is None:  # what a transcription session is for
         new = replace(new, transcription=transcription_settings(context, InputTranscription()))
     state.settings = new
+    if new != settings:
+        state.drop_live()  # the turn in progress is heard again from its start with the new settings
     if (state.settings.input_format, state.settings.input_rate) != (settings.input_format, settings.input_rate):
         state.clear_buffer()  # its audio is in the old format: never heard at the new one
     if state.settings.turn_detection != settings.turn_detection or state.settings.input_rate != settings.input_rate:

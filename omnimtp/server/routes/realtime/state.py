@@ -108,6 +108,7 @@ class RealtimeSession:
     cancel_reason: str = "client_cancelled"  # what response.done says of a cancelled response
     turns: TurnState = field(default_factory=lambda: TurnState())
     recognizer: Callable | None = None  # what transcribes input audio (transcription.py); None: the thinker
+    live: object | None = None  # the turn in progress's `live.LiveRecognition`, while one hears it
 
     def describe(self) -> dict:
         s = self.settings
@@ -132,7 +133,14 @@ class RealtimeSession:
     def clear_buffer(self) -> None:
         """Empty the input audio buffer; a turn the server VAD had in progress ends with it."""
         turns = self.turns
+        self.drop_live()
         self.audio_buffer.clear()
         turns.buffer_start, turns.speech_start, turns.item_id = turns.num_appended, None, None
         if turns.detector is not None:
             turns.detector.restart()
+
+    def drop_live(self) -> None:
+        """The turn in progress is not committed (cleared, or the settings changed): its live recognition stops."""
+        if self.live is not None:
+            self.live.cancel()
+            self.live = None

@@ -67,17 +67,18 @@ async def thinker_recognizer(context: ServingContext, audio: np.ndarray, languag
     raise RecognitionError("no result")
 
 
-async def transcribe_item(state: RealtimeSession, item: ConversationItem, transcription: dict) -> None:
-    """A committed audio item's transcript by the session's recognizer:
-    `conversation.item.input_audio_transcription.delta` events, then `.completed` (the transcript is stored on
-    the item) or `.failed`."""
+async def transcribe_item(state: RealtimeSession, item: ConversationItem, transcription: dict, live=None) -> None:
+    """A committed audio item's transcript by the session's recognizer, or by the turn's live recognition
+    (`live.LiveRecognition`, which heard it as it came): `conversation.item.input_audio_transcription.delta`
+    events, then `.completed` (the transcript is stored on the item) or `.failed`."""
     session, where = state.session, {"item_id": item.id, "content_index": 0}
     recognizer = state.recognizer or thinker_recognizer
     hearing = state.context.hearing(transcription["model"])  # the model named (a recognizer beside: by default)
     texts, final = [], None
     try:
-        async for piece in recognizer(hearing, item.content[0]["audio"], transcription["language"],
-                                      transcription["prompt"]):
+        pieces = live.finish() if live is not None else recognizer(
+            hearing, item.content[0]["audio"], transcription["language"], transcription["prompt"])
+        async for piece in pieces:
             if isinstance(piece, Recognized):
                 final = piece
                 break

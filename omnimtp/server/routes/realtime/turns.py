@@ -9,6 +9,7 @@ from omnimtp.server.audio import G711_CODECS
 from omnimtp.server.routes.realtime.conversation import commit_audio
 from omnimtp.server.routes.realtime.events import ResponseFields
 from omnimtp.server.routes.realtime.formats import pcm_bytes
+from omnimtp.server.routes.realtime.live import live_feed, take_live
 from omnimtp.server.routes.realtime.responses import cancel_idle, start_response
 from omnimtp.server.routes.realtime.state import RealtimeSession
 from omnimtp.server.vad import SpeechDetector
@@ -33,6 +34,7 @@ async def append_audio(state: RealtimeSession, data: str) -> None:
     turns.appended_ms += len(pcm) // 2 * 1000 / rate
     if turns.detector is not None:
         await _detect_turns(state, pcm)
+    live_feed(state)  # a transcription session's turn in progress, heard as it comes (live.py)
 
 
 async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
@@ -54,6 +56,8 @@ async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
                 state.handle.cancel()
             continue
         end = min(turns.num_appended, turns.sample(event.sample, rate) + config.silence_duration_ms * rate // 1000)
+        if state.live is not None:  # the turn ends where its live recognition has heard to (a few ms of silence)
+            end = max(end, state.live.next_sample)
         item_id = turns.item_id
         await session.send({"type": "input_audio_buffer.speech_stopped", "item_id": item_id,
                             "audio_end_ms": turns.ms(end, rate)})
@@ -61,8 +65,10 @@ async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
         cut = 2 * (end - turns.buffer_start)
         turn_pcm, rest = bytes(state.audio_buffer[begin:cut]), state.audio_buffer[cut:]
         state.audio_buffer = bytearray(rest)
+        live_feed(state, until=end)
+        live = take_live(state)
         turns.buffer_start, turns.speech_start, turns.item_id = end, None, None
-        await commit_audio(state, turn_pcm, item_id)
+        await commit_audio(state, turn_pcm, item_id, live)
         if config.create_response and state.response is None and state.settings.type == "realtime":
             await start_response(state, ResponseFields())
     if not turns.detector.is_speaking:  # keep the prefix padding (and a window of slack) of the silence
