@@ -154,3 +154,75 @@ def test_spec_cli_quantize_compares_with_plain_decoding_on_the_quantized_target(
     result = json.loads(capsys.readouterr().out)
     assert result["quantize"] == "int8" and result["outputs_match"] is True
     assert "generate_tokens_per_s" not in result  # transformers' generate runs the float model: not compared
+
+
+# --- `omnimtp quantize` of an MTP family's checkpoint ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["int8", "w4a8"])
+def test_a_quantized_mtp_checkpoint_decodes_as_quantizing_at_load(demo, tmp_path, mode):
+    """The shipped demo LM converted: `load_target_and_head` on the copy gives the stored matrices bit for bit what
+    quantizing the float checkpoint at load makes, the same greedy speculative and plain tokens, its quantized
+    layers' float weights as zero-stride placeholders, and the float NextN head as stored."""
+    from safetensors import safe_open
+
+    from omnimtp import load_target_and_head
+    from omnimtp.mtp.demo import demo_model_dir
+    from omnimtp.quantized_checkpoint import quantize_checkpoint
+
+    target, head, prompts = demo
+    summary = quantize_checkpoint(demo_model_dir(), tmp_path / "q", mode)
+    assert summary["decoders"] == {"model": target.config.num_hidden_layers}
+    with safe_open(tmp_path / "q" / "model-00001.safetensors", "pt") as f:  # no float copy of a quantized matrix
+        assert not any(".self_attn." in key or ".mlp." in key for key in f.keys())
+    loaded_target, loaded_head = load_target_and_head(tmp_path / "q")
+    for name, parameter in loaded_target.named_parameters():
+        is_quantized = ".self_attn." in name and "_proj" in name or ".mlp." in name
+        assert (set(parameter.stride()) == {0}) == is_quantized, name
+    for name, value in head.state_dict().items():
+        assert torch.equal(loaded_head.state_dict()[name], value), name
+    at_load, stored = packed_target(target, mode), packed_target(loaded_target)
+    assert stored.quantize == mode
+    for ours, theirs in zip(stored.quantized_layers, at_load.quantized_layers, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
+    for prompt in prompts[:2]:
+        kwargs = dict(max_new_tokens=24, num_draft_tokens=3, eos_token_id=-1)
+        reference = speculative_generate(target, head, prompt, quantize=mode, **kwargs)
+        assert torch.equal(speculative_generate(loaded_target, loaded_head, prompt, **kwargs).sequences,
+                           reference.sequences)
+        assert torch.equal(plain_generate(loaded_target, prompt, max_new_tokens=24, eos_token_id=-1),
+                           reference.sequences)
+
+
+def test_quantized_mtp_checkpoint_refusals(demo, tmp_path):
+    from omnimtp import load_target_and_head
+    from omnimtp.mtp.demo import demo_model_dir
+    from omnimtp.quantized_checkpoint import load_quantized_target_and_head, quantize_checkpoint
+
+    with pytest.raises(ValueError, match="quantize"):
+        quantize_checkpoint(demo_model_dir(), tmp_path / "bad", "int3")
+    with pytest.raises(ValueError, match="src: .*'glm_moe_dsa'"):  # GLM-5 (MLA + DSA): no packed target
+        quantize_checkpoint(demo_model_dir("glm5"), tmp_path / "glm5", "int8")
+    quantize_checkpoint(demo_model_dir(), tmp_path / "q", "int8")
+    with pytest.raises(ValueError, match="quantize='int4'.*'int8'"):
+        load_quantized_target_and_head(tmp_path / "q", quantize="int4")
+    target, head = load_target_and_head(tmp_path / "q")
+    prompt = demo[2][0][:, :6]
+    with pytest.raises(ValueError, match="quantize='int4'.*'int8'"):
+        speculative_generate(target, head, prompt, max_new_tokens=2, num_draft_tokens=2, quantize="int4")
+    with pytest.raises(ValueError, match="quantize=None.*target_backend='transformers'"):  # its float weights: none
+        plain_generate(target, prompt, max_new_tokens=2, target_backend="transformers")
+    with pytest.raises(ValueError, match="dst"):
+        quantize_checkpoint(demo_model_dir(), tmp_path / "q", "int8")
+
+
+def test_the_cli_quantizes_an_mtp_checkpoint_that_spec_loads(tmp_path, capsys):
+    from omnimtp.mtp.demo import demo_model_dir
+
+    assert main(["quantize", str(demo_model_dir()), str(tmp_path / "q"), "--quantize", "w4a8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decoders"] == {"model": 12}
+    assert main(["spec", "--model", str(tmp_path / "q"), "--prompt", "def add(a, b):", "-k", "3",
+                 "--max-new-tokens", "16", "--compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quantize"] == "w4a8" and result["outputs_match"] is True

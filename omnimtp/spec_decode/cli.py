@@ -41,7 +41,7 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
     from omnimtp.runtime.device import resolve_device
     from omnimtp.sampling import SamplingParams
     from omnimtp.spec_decode.adaptive import acceptance_warning
