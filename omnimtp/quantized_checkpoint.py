@@ -253,7 +253,8 @@ def _check_destination(quantize: str, dst: str) -> None:
 
 
 def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYTES) -> dict:
-    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory) into
+    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or an MTP
+    family's: `MTP_DECODERS`, its NextN layer copied float) into
     DST (a new or empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode",
     "decoders": {prefix: layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in
     QUANTIZE_MODES or without a kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is
