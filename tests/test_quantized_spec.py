@@ -226,3 +226,25 @@ def test_the_cli_quantizes_an_mtp_checkpoint_that_spec_loads(tmp_path, capsys):
                  "--max-new-tokens", "16", "--compare", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["quantize"] == "w4a8" and result["outputs_match"] is True
+
+
+def test_a_quantized_moe_mtp_checkpoint_reads_its_routed_experts_one_by_one(tmp_path):
+    """A tiny glm4_moe checkpoint with a MoE layer (its routed experts stored one module per expert, as transformers
+    writes them): the converted copy decodes as the float checkpoint quantized at load."""
+    from omnimtp import load_target_and_head
+    from omnimtp.quantized_checkpoint import quantize_checkpoint
+
+    target = tiny_lm("glm4_moe", seed=0)
+    torch.manual_seed(0)
+    head = MTPHead.from_config(target)
+    target.save_pretrained(tmp_path / "src")
+    head.save_pretrained(tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", "w4a8")
+    loaded_target, loaded_head = load_target_and_head(tmp_path / "q")
+    experts = next(layer.mlp.experts for layer in loaded_target.model.layers if hasattr(layer.mlp, "experts"))
+    assert set(experts.gate_up_proj.stride()) == {0}
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=12, num_draft_tokens=2, eos_token_id=-1)
+    reference = speculative_generate(target, head, ids, quantize="w4a8", **kwargs).sequences
+    assert torch.equal(speculative_generate(loaded_target, loaded_head, ids, **kwargs).sequences, reference)
+    assert torch.equal(plain_generate(loaded_target, ids, max_new_tokens=12, eos_token_id=-1), reference)

@@ -90,6 +90,7 @@ def packed_target(target, quantize: str | None = None) -> PackedDecoder:
         if quantize is not None and quantize != stored.quantize:
             raise ValueError(f"quantize={quantize!r}: the target was loaded from a quantized checkpoint of "
                              f"{stored.quantize!r} weights (quantize the float checkpoint again for another mode)")
+        check_quantize(stored.quantize, target.get_output_embeddings().weight.device)  # (moved off the CPU)
         return stored
     if quantize is not None:
         check_quantize(quantize, target.get_output_embeddings().weight.device)
