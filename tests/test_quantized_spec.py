@@ -40,6 +40,22 @@ def test_greedy_speculative_equals_greedy_plain_on_the_quantized_demo(demo, mode
     assert packed_target(target, mode).quantize == mode
 
 
+def test_adaptive_drafting_calibrates_and_runs_on_the_quantized_target(monkeypatch):
+    """k = "auto": the costs are measured on the quantized target (the float one is never packed) and greedy
+    output is still plain greedy's on it."""
+    from omnimtp.spec_decode import packed_target as packed_module
+
+    monkeypatch.setenv("OMNIMTP_DRAFT_COST_CACHE", "0")
+    target = tiny_lm("glm4_moe", seed=2)
+    torch.manual_seed(3)
+    head = MTPHead.from_config(target)
+    ids = torch.randint(3, 64, (1, 6), generator=torch.Generator().manual_seed(6))
+    out = speculative_generate(target, head, ids, max_new_tokens=10, num_draft_tokens="auto", eos_token_id=-1,
+                               quantize="int4")
+    assert out.stats.is_adaptive and list(packed_module._PACKED[target]) == ["int4"]
+    assert torch.equal(out.sequences, plain_generate(target, ids, max_new_tokens=10, eos_token_id=-1, quantize="int4"))
+
+
 def test_a_ragged_batch_with_routed_experts_on_a_quantized_target():
     """tiny glm4_moe (a MoE layer: shared and routed experts quantized), a ragged batch whose rows end at an EOS
     mid-way: speculative == plain, and each row == that row alone (the quantized kernels compute rows on their own)."""
