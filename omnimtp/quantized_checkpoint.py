@@ -54,15 +54,16 @@ FORMAT = 1
 CONFIG_KEY = "omnimtp_quantization"
 # the transformers module paths of the decoders each family packs (and so quantizes), by config model_type
 DECODERS = {family.model_type: family.decoder_paths for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily)}
-# the MTP families (speculative decoding's targets): their causal LM's decoder, as `packed_target` packs it
-MTP_DECODERS = {"glm4_moe": ("model",)}
-MTP_STEM = "mtp"  # DST's files of the NextN layer's float tensors
 # a decoder layer's parameters that its quantized matrices replace (the rest of a layer stays float)
 _QUANTIZED_PARAMETER = re.compile(
     r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.shared_experts?\.(gate|up|down)_proj)\.weight$"
     r"|\.mlp\.experts\.(gate_up_proj|down_proj)$"
 )
 SHARD_BYTES = 2 << 30  # a DST file holds up to this many bytes (one tensor larger than it gets a file of its own)
+
+# the MTP families (speculative decoding's targets): their causal LM's decoder, as `packed_target` packs it
+MTP_DECODERS = {"glm4_moe": ("model",)}
+MTP_STEM = "mtp"  # DST's files of the NextN layer's float tensors
 
 
 def is_quantized_checkpoint(path) -> bool:
@@ -253,12 +254,11 @@ def _check_destination(quantize: str, dst: str) -> None:
 
 
 def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYTES) -> dict:
-    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory, or an MTP
-    family's: `MTP_DECODERS`, its NextN layer copied float) into
+    """Writes the quantized checkpoint of SRC (a Qwen3-Omni, Qwen2.5-Omni or Qwen3-TTS checkpoint directory) into
     DST (a new or empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode",
     "decoders": {prefix: layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in
     QUANTIZE_MODES or without a kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is
-    not empty."""
+    not empty. An MTP family's checkpoint (`MTP_DECODERS`) is converted too, its NextN layer copied float."""
     src, dst = os.fspath(src), os.fspath(dst)
     _check_destination(quantize, dst)
     if _mtp_model_type(src) is not None:
