@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, speculative_generate  # noqa: E402
 from omnimtp.mtp.demo import demo_model_dir  # noqa: E402
-from omnimtp.mtp.head import MTPHead, load_target_and_head  # noqa: E402
+from omnimtp.mtp.head import MTPHead  # noqa: E402
+from omnimtp.mtp.load import load_target_and_head  # noqa: E402
 from omnimtp.mtp.train import (  # noqa: E402
     collect_text_files,
     distillation_losses,

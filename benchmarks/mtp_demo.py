@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from omnimtp import SamplingParams, plain_generate, speculative_generate  # noqa: E402
 from omnimtp.mtp.demo import demo_model_dir  # noqa: E402
-from omnimtp.mtp.head import MTPHead, load_target_and_head  # noqa: E402
+from omnimtp.mtp.head import MTPHead  # noqa: E402
+from omnimtp.mtp.load import load_target_and_head  # noqa: E402
 
 
 def _pooled(stats_list, k: int) -> dict:

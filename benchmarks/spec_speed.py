@@ -131,7 +131,7 @@ def demo_lm(args, batch: int = 1, name: str = "lm") -> dict:
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
 
     directory = demo_model_dir(name)
     target, head = load_target_and_head(directory)
@@ -205,7 +205,7 @@ def demo_omni(args, batch: int = 1) -> dict:
 def verify_cost(args) -> dict:
     """Median ms of a one-row step and of (k+1)-row verify forwards on the demo LM's packed target."""
     from omnimtp.mtp.demo import demo_model_dir
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
     from omnimtp.runtime.kernels import small_batch_linear
     from omnimtp.runtime.kv_cache import KVCache
     from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target

@@ -44,7 +44,7 @@ _EXPORTS = {
     "plain_generate": "omnimtp.spec_decode.generate",
     "SpecOutput": "omnimtp.spec_decode.generate",
     "SpecStats": "omnimtp.spec_decode.generate",
-    "load_target_and_head": "omnimtp.mtp.head",
+    "load_target_and_head": "omnimtp.mtp.load",
     "MTPHead": "omnimtp.mtp.head",
     "Proposer": "omnimtp.spec_decode.proposer",
     "DraftInput": "omnimtp.spec_decode.proposer",

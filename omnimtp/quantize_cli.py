@@ -1,5 +1,6 @@
 """`omnimtp quantize SRC DST --quantize MODE`: a quantized copy of a checkpoint, which `--model DST` (and
-`OmniPipeline.from_pretrained`) then loads memory-mapped (`omnimtp.quantized_checkpoint`)."""
+`OmniPipeline.from_pretrained`; `omnimtp spec --model DST` for an MTP checkpoint) then loads memory-mapped
+(`omnimtp.quantized_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from omnimtp.argtypes import QUANTIZE_CHOICES
 
 def add_parser(subparsers) -> None:
     quantize = subparsers.add_parser(
-        "quantize", help="write a quantized copy of a Qwen3-Omni, Qwen2.5-Omni, Qwen3-TTS or Qwen3-ASR checkpoint "
-        "(read tensor by tensor, never the whole float model), which --model loads memory-mapped")
+        "quantize", help="write a quantized copy of a Qwen3-Omni, Qwen2.5-Omni, Qwen3-TTS or Qwen3-ASR checkpoint, or "
+        "of an MTP checkpoint (glm4_moe with its NextN layer: `omnimtp spec`'s) (read tensor by tensor, never the "
+        "whole float model), which --model loads memory-mapped")
     quantize.add_argument("src", metavar="SRC", help="the checkpoint directory (safetensors)")
     quantize.add_argument("dst", metavar="DST", help="a new (or empty) directory for the quantized checkpoint")
     quantize.add_argument("--quantize", choices=QUANTIZE_CHOICES, required=True,

@@ -14,7 +14,12 @@ What DST holds (format 1; docs/quantization.md has the same in prose):
   (`omnimtp.runtime.decoder.quantized_matrices`) as `{prefix}.layers.{i}.{matrix}.packed` and `.scales`, in the
   kernel's layout, each weight's out_features, group size and int8-activation flag in the file's "omnimtp"
   metadata (JSON);
-- every other file of SRC as it is (tokenizer, processor, chat template, generation config, speakers).
+- every other file of SRC as it is (tokenizer, processor, chat template, generation config, speakers);
+- an MTP family's checkpoint (a causal LM with its NextN layer, `MTP_DECODERS`): `mtp-NNNNN.safetensors`, the NextN
+  layer's tensors as SRC stores them (float: the head drafts in float), which transformers' causal-LM class does
+  not load and `MTPHead.from_pretrained` reads; `load_quantized_target_and_head` (what
+  `omnimtp.mtp.load.load_target_and_head` calls for such a directory) gives the target whose packed decoder holds
+  the stored matrices (`packed_target.stored_packed_target`) and its float head.
 
 The converter reads SRC's safetensors memory-mapped and never builds the float model: it makes the model's
 skeleton on the meta device, finds each of its parameters' source tensors by transformers' own checkpoint
@@ -57,6 +62,10 @@ _QUANTIZED_PARAMETER = re.compile(
     r"|\.mlp\.experts\.(gate_up_proj|down_proj)$"
 )
 SHARD_BYTES = 2 << 30  # a DST file holds up to this many bytes (one tensor larger than it gets a file of its own)
+
+# the MTP families (speculative decoding's targets): their causal LM's decoder, as `packed_target` packs it
+MTP_DECODERS = {"glm4_moe": ("model",)}
+MTP_STEM = "mtp"  # DST's files of the NextN layer's float tensors
 
 
 def is_quantized_checkpoint(path) -> bool:
@@ -212,10 +221,14 @@ def _umask() -> int:
 
 
 def _meta_model(path: str, model_type: str):
-    """The model of the checkpoint at `path` (transformers', or omnimtp's own Qwen3-TTS model), built on the
-    meta device (no memory)."""
+    """The model of the checkpoint at `path` (transformers', or omnimtp's own Qwen3-TTS model; an MTP family's causal
+    LM), built on the meta device (no memory)."""
     import transformers
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type in MTP_DECODERS:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
     own = _own_model_class(model_type)
     if own is not None:
@@ -272,15 +285,19 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
     DST (a new or empty directory) in mode `quantize` (module docstring). Returns what it wrote: {"mode",
     "decoders": {prefix: layers}, "files": {name: bytes}}. ValueError naming `quantize` for a mode not in
     QUANTIZE_MODES or without a kernel here, `src` for a checkpoint it cannot convert, `dst` for a directory that is
-    not empty."""
+    not empty. An MTP family's checkpoint (`MTP_DECODERS`) is converted too, its NextN layer copied float."""
     src, dst = os.fspath(src), os.fspath(dst)
     _check_destination(quantize, dst)
+    if _mtp_model_type(src) is not None:
+        return _quantize_mtp_checkpoint(src, dst, quantize, shard_bytes)
+    _check_convertible(src)
     model_type = omni_model_type(src, "src")
     if not os.path.isdir(src):  # a built-in tiny model's name: made in memory, not read from files
         raise ValueError(f"src: {src!r} is a built-in model, not a checkpoint directory: save it first "
                          "(OmniPipeline.from_pretrained(name).save_pretrained(DIR)), then quantize DIR")
     if model_type not in DECODERS:
-        raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts {sorted(DECODERS)}")
+        raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts "
+                         f"{sorted({**DECODERS, **MTP_DECODERS})}")
     if is_quantized_checkpoint(src):
         raise ValueError(f"src: {src!r} is already quantized")
     with open(os.path.join(src, "config.json")) as f:
@@ -290,6 +307,12 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
         raise ValueError(f"src: {src!r} is a Qwen3-ForcedAligner, which omnimtp quantize does not convert (serve it "
                          "with --aligner-model and --quantize)")
     summary = _write(model, _SourceTensors(model, src), dst, quantize, DECODERS[model_type], config, shard_bytes)
+    _copy_other_files(src, dst)
+    return summary
+
+
+def _copy_other_files(src: str, dst: str) -> None:
+    """Every file of SRC but its weights, its index and config.json (tokenizer, processor, speakers, ...)."""
     for entry in os.listdir(src):
         if entry.endswith(".safetensors") or entry in ("config.json", "model.safetensors.index.json"):
             continue
@@ -298,6 +321,59 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
             shutil.copytree(from_path, to_path)
         else:
             shutil.copy2(from_path, to_path)
+
+
+def _check_convertible(src: str) -> None:
+    """ValueError naming `src` for a checkpoint whose model type no family here converts (the MTP families' too)."""
+    config_path = os.path.join(src, "config.json")
+    if not os.path.isfile(config_path):
+        return  # a built-in name or no checkpoint at all: `omni_model_type` says which
+    with open(config_path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in DECODERS and model_type not in MTP_DECODERS:
+        raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts "
+                         f"{sorted({**DECODERS, **MTP_DECODERS})}")
+
+
+def _mtp_model_type(path: str) -> str | None:
+    """config.json's model_type of the checkpoint at `path` where it is an MTP family's (`MTP_DECODERS`), else None."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        model_type = json.load(f).get("model_type")
+    return model_type if model_type in MTP_DECODERS else None
+
+
+def _quantize_mtp_checkpoint(src: str, dst: str, quantize: str, shard_bytes: int) -> dict:
+    """`quantize_checkpoint` of an MTP family's checkpoint: the causal LM as the omni families' models are written
+    (its decoder layers quantized, the rest float), and the NextN layer's tensors copied as they are into
+    `mtp-NNNNN.safetensors` (listed with the other files in config.json)."""
+    from safetensors import safe_open
+
+    from omnimtp.mtp.head import MTPHead
+
+    if is_quantized_checkpoint(src):
+        raise ValueError(f"src: {src!r} is already quantized")
+    model_type = _mtp_model_type(src)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    model = _meta_model(src, model_type)
+    source = _SourceTensors(model, src)
+    summary = _write(model, source, dst, quantize, MTP_DECODERS[model_type], config, shard_bytes)
+    with torch.device("meta"):
+        prefix = MTPHead(model).checkpoint_prefix  # where the NextN layer's tensors are stored
+    mtp = _ShardWriter(dst, MTP_STEM, shard_bytes)
+    for name in sorted(entry for entry in os.listdir(src) if entry.endswith(".safetensors")):
+        with safe_open(os.path.join(src, name), "pt") as handle:
+            for key in handle.keys():
+                if key.startswith(prefix):
+                    mtp.add(key, handle.get_tensor(key))
+        mtp.flush()
+    summary["files"].update(mtp.files)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**config, CONFIG_KEY: summary}, f, indent=2)
+    _copy_other_files(src, dst)
     return summary
 
 
@@ -439,11 +515,13 @@ def load_quantized_model(path, quantize: str | None = None, dtype: torch.dtype |
         if not os.path.isfile(file) or os.path.getsize(file) != size:
             found = os.path.getsize(file) if os.path.isfile(file) else "missing"
             raise ValueError(f"{file}: expected {size} bytes, found {found} (a truncated or replaced file)")
-    model_type = omni_model_type(path)
+    model_type = _mtp_model_type(path) or omni_model_type(path)
     decoders = tuple(section["decoders"])
     model = _meta_model(path, model_type)
     floats, stored_tensors, stored_meta = {}, {}, {}
     for name in section["files"]:
+        if name.startswith(MTP_STEM + "-"):  # an MTP family's NextN layer: `MTPHead.from_pretrained` reads it
+            continue
         file = os.path.join(path, name)
         try:
             with safe_open(file, "pt") as handle:
@@ -506,3 +584,29 @@ def _stored_weight(tensors: dict, meta: dict, stem: str, path: str) -> Quantized
     out_features, group_size, int8_activations = meta[f"{stem}.packed"]
     return QuantizedWeight(tensors[f"{stem}.packed"], tensors[f"{stem}.scales"], out_features, group_size,
                            int8_activations)
+
+
+def load_quantized_target_and_head(path, quantize: str | None = None, dtype: torch.dtype | None = None):
+    """(target, head) of an MTP family's quantized checkpoint (`quantize_checkpoint` of a causal LM with its NextN
+    layer), memory-mapped: the target's packed decoder is made from the stored matrices (its quantized layers' float
+    weights are zero-stride placeholders, never materialized) and speculative decoding runs it in the checkpoint's
+    mode (`packed_target.stored_packed_target`); the head is read as stored, in float. dtype: the float tensors'
+    (None: the config's, as `load_target_and_head` loads a float checkpoint). quantize: None or the checkpoint's
+    mode (another: ValueError naming `quantize`)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from omnimtp.mtp.head import MTPHead
+    from omnimtp.spec_decode.packed_target import stored_packed_target
+
+    path = os.fspath(path)
+    if _mtp_model_type(path) is None:
+        raise ValueError(f"path: {path!r} is not a quantized checkpoint of an MTP family ({sorted(MTP_DECODERS)})")
+    if dtype is None:
+        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    loaded = load_quantized_model(path, quantize, dtype=dtype if isinstance(dtype, torch.dtype) else None)
+    target = loaded.model
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        target.generation_config = GenerationConfig.from_pretrained(path)
+    (prefix,) = loaded.stored
+    stored_packed_target(target, loaded.mode, loaded.stored[prefix])
+    return target, MTPHead.from_pretrained(path, target).eval()

@@ -54,6 +54,7 @@ SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
 QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
 QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
+QUANTIZED_SPEC = ("tests/test_quantized_spec.py",)
 VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
@@ -221,6 +222,20 @@ MUTATIONS = [
         "            if True:\n                packed_layers = tuple(",
         QUANTIZED, "a decoder asked to quantize while packing keeps its float layers and runs them: quantize set, "
         "no quantized matrix",
+    ),
+    Mutation(
+        "quantized_mtp_target_logits_from_the_float_head", "omnimtp/spec_decode/packed_target.py",
+        "    if packed.quantized_lm_head is not None:\n        return linear(",
+        "    if False:\n        return linear(",
+        QUANTIZED_SPEC, "a quantized MTP target quantizes its LM head and still computes its logits with the float "
+        "one: the head's bytes read in fp32 every step",
+    ),
+    Mutation(
+        "quantized_mtp_checkpoint_target_repacked_from_its_placeholders", "omnimtp/spec_decode/packed_target.py",
+        "    stored = _STORED.get(target)\n    if stored is not None:",
+        "    stored = None\n    if stored is not None:",
+        QUANTIZED_SPEC, "a target loaded from a quantized MTP checkpoint is packed from its zero-stride placeholders "
+        "instead of its stored matrices: zeros for every layer",
     ),
     Mutation(
         "calibration_times_the_catch_up_step", "omnimtp/spec_decode/adaptive.py",

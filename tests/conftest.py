@@ -72,6 +72,7 @@ FAST_FILES = {
     "test_media.py",
     "test_packed_decoder.py",
     "test_qwen2_5_talker_inputs.py",
+    "test_quantized_spec.py",
     "test_readme.py",
     "test_rejection.py",
     "test_runtime.py",

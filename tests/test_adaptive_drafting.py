@@ -225,7 +225,7 @@ def test_greedy_auto_on_the_demo_lm_equals_plain_and_generate():
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
 
     target, head = load_target_and_head(demo_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir())

@@ -50,7 +50,7 @@ def load_demo_model(name: str = "lm"):
     for `use_mtp`."""
     from transformers import AutoTokenizer
 
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
 
     target, head = load_target_and_head(demo_model_dir(name))  # weights stored bf16, config dtype float32
     return target, head, AutoTokenizer.from_pretrained(demo_model_dir(name))

@@ -561,28 +561,3 @@ def enable_transformers_mtp(target_model: nn.Module) -> nn.Module:
         if pattern not in existing:
             target_model._keys_to_ignore_on_load_unexpected = [pattern] + existing
     return target_model
-
-
-def load_target_and_head(checkpoint_dir: str | os.PathLike, dtype: torch.dtype | None = None):
-    """Load `(target, head)` from a checkpoint dir that holds the target and its NextN layer; the target is
-    in eval mode and already pointed at the layer for transformers' `generate(use_mtp=True)`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
-
-    from omnimtp.checkpoint import is_shipped
-    from omnimtp.console import progress_bars_off
-
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if not os.path.isdir(checkpoint_dir):
-        raise ValueError(f"checkpoint_dir: {checkpoint_dir!r} is not a directory")
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # the MTP keys are "unexpected" for the target class; that is fine
-    try:
-        # dtype=None passed explicitly makes transformers take the weights' storage dtype; "auto" honours
-        # the config's dtype first (checkpoints stored in bf16 with a float32 config load as float32).
-        with progress_bars_off(is_shipped(checkpoint_dir)):
-            target = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=dtype or "auto").eval()
-    finally:
-        logging.set_verbosity(verbosity)
-    enable_transformers_mtp(target)
-    return target, MTPHead.from_pretrained(checkpoint_dir, target).eval()

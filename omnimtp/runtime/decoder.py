@@ -283,11 +283,12 @@ class PackedDecoder:
         )
 
     @classmethod
-    def from_causal_lm(cls, target) -> PackedDecoder:
-        """A transformers causal LM: its decoder's first `num_hidden_layers` layers, embedding and lm_head."""
+    def from_causal_lm(cls, target, **options) -> PackedDecoder:
+        """A transformers causal LM: its decoder's first `num_hidden_layers` layers, embedding and lm_head.
+        options: as `from_module`'s (`quantize`, `stored`, ...)."""
         decoder = target.get_decoder()
         packed = cls.from_module(
-            decoder, dtype=decoder.embed_tokens.weight.dtype, num_layers=decoder.config.num_hidden_layers
+            decoder, dtype=decoder.embed_tokens.weight.dtype, num_layers=decoder.config.num_hidden_layers, **options
         )
         return replace(
             packed, embed=decoder.embed_tokens.weight.detach(), lm_head=target.get_output_embeddings().weight.detach(),

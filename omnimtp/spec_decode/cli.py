@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from omnimtp.argtypes import draft_tokens
+from omnimtp.argtypes import QUANTIZE_CHOICES, draft_tokens
 from omnimtp.console import printable
 
 
@@ -29,6 +29,10 @@ def add_parser(subparsers) -> None:
                         "generate, and report the speed-up over each")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", default="cpu", help="where target and head run (cpu, cuda, cuda:N)")
+    parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                        help="the target quantized on the CPU (its layers' linears int8, int4 or w4a8, its LM head "
+                        "int8; the MTP head drafts in float): speculative output is then lossless relative to the "
+                        "quantized target (default: the weights as they are; a quantized checkpoint: its mode)")
     parser.set_defaults(handler=run)
 
 
@@ -37,11 +41,12 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from omnimtp.mtp.demo import demo_model_dir
-    from omnimtp.mtp.head import load_target_and_head
+    from omnimtp.mtp.load import load_target_and_head
     from omnimtp.runtime.device import resolve_device
     from omnimtp.sampling import SamplingParams
     from omnimtp.spec_decode.adaptive import acceptance_warning
     from omnimtp.spec_decode.generate import plain_generate, speculative_generate
+    from omnimtp.spec_decode.packed_target import stored_mode
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     model_dir = args.model if args.model is not None else demo_model_dir()
@@ -51,17 +56,27 @@ def run(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     spec_kwargs = dict(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, sampling=sampling,
-                       seed=args.seed)
+                       seed=args.seed, quantize=args.quantize)
+    # a quantized target (--quantize, or a quantized checkpoint) is compared with plain decoding on itself only:
+    # transformers' generate runs the float model, or none at all
+    is_quantized = args.quantize is not None or stored_mode(target) is not None
     if args.compare:  # warm-up (and, with -k auto, the one-time cost calibration) outside the timed runs
         speculative_generate(target, head, input_ids, **spec_kwargs)
-        plain_generate(target, input_ids, max_new_tokens=2)
+        plain_generate(target, input_ids, max_new_tokens=2, quantize=args.quantize)
     out = speculative_generate(target, head, input_ids, **spec_kwargs)
     text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
-    result = {"text": text, **out.stats.to_dict()}
+    result = {"text": text, "quantize": args.quantize or stored_mode(target), **out.stats.to_dict()}
     if args.compare:
         start = time.perf_counter()
-        ours = plain_generate(target, input_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+        ours = plain_generate(target, input_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                              quantize=args.quantize)
         ours_time = time.perf_counter() - start
+        result["plain_tokens_per_s"] = (ours.shape[1] - input_ids.shape[1]) / ours_time
+        result["speedup"] = result["tokens_per_s"] / result["plain_tokens_per_s"]
+    if args.compare and is_quantized:
+        result["outputs_match"] = torch.equal(ours, out.sequences)
+        result["plain_text"] = tokenizer.decode(ours[0, input_ids.shape[1]:], skip_special_tokens=True)
+    elif args.compare:
         generate_kwargs = {"do_sample": False} if sampling.is_greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or 0,
             "top_p": sampling.top_p,
@@ -72,8 +87,6 @@ def run(args) -> int:
         with torch.no_grad():
             plain = target.generate(input_ids, max_new_tokens=args.max_new_tokens, **generate_kwargs)
         plain_time = time.perf_counter() - start
-        result["plain_tokens_per_s"] = (ours.shape[1] - input_ids.shape[1]) / ours_time
-        result["speedup"] = result["tokens_per_s"] / result["plain_tokens_per_s"]
         result["generate_tokens_per_s"] = (plain.shape[1] - input_ids.shape[1]) / plain_time
         result["speedup_vs_generate"] = result["tokens_per_s"] / result["generate_tokens_per_s"]
         # Sampled runs draw different random numbers, so only greedy outputs are expected to match.
@@ -93,11 +106,13 @@ def run(args) -> int:
             + f"  {result['tokens_per_s']:.1f} tok/s"
         )
         if args.compare:
+            versus_generate = "" if is_quantized else (
+                f"transformers generate {result['generate_tokens_per_s']:.1f} tok/s: speedup "
+                f"{result['speedup_vs_generate']:.2f}x  "
+            )
             print(
                 f"plain (ours, same forward) {result['plain_tokens_per_s']:.1f} tok/s: "
-                f"speedup {result['speedup']:.2f}x  "
-                f"transformers generate {result['generate_tokens_per_s']:.1f} tok/s: speedup "
-                f"{result['speedup_vs_generate']:.2f}x  outputs match: {result['outputs_match']}"
+                f"speedup {result['speedup']:.2f}x  {versus_generate}outputs match: {result['outputs_match']}"
             )
     warning = acceptance_warning(out.stats)
     if warning is not None:

@@ -73,7 +73,13 @@ from omnimtp.spec_decode.adaptive import (
 from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.dsa_target import dsa_verify_forward, is_dsa_target
 from omnimtp.spec_decode.hybrid import crop_attention, linear_layer_indices, rollback, snapshot, verify_blocks
-from omnimtp.spec_decode.packed_target import packed_forward, packed_logits, packed_target, unsupported_reason
+from omnimtp.spec_decode.packed_target import (
+    packed_forward,
+    packed_logits,
+    packed_target,
+    stored_mode,
+    unsupported_reason,
+)
 from omnimtp.spec_decode.proposer import (
     DraftInput,
     MTPProposer,
@@ -202,11 +208,17 @@ def _check_head(target, head: MTPHead) -> None:
 TARGET_BACKENDS = ("auto", "packed", "transformers")
 
 
-def _packed_or_none(target, target_backend: str) -> PackedDecoder | None:
+def _packed_or_none(target, target_backend: str, quantize: str | None = None) -> PackedDecoder | None:
     """The packed target for backend "packed" (ValueError when unsupported) or "auto" on a supported CPU
-    model; None means transformers' forward."""
+    model; None means transformers' forward. quantize (or a target loaded quantized): the quantized packed
+    target, which only the packed backend runs (ValueError naming `quantize` where it does not apply)."""
     if target_backend not in TARGET_BACKENDS:
         raise ValueError(f"target_backend must be one of {TARGET_BACKENDS}, got {target_backend!r}")
+    if quantize is not None or stored_mode(target) is not None:
+        if target_backend == "transformers":
+            raise ValueError(f"quantize={quantize!r}: a quantized target runs on the packed backend, not "
+                             "target_backend='transformers' (the float model's forward)")
+        return packed_target(target, quantize)  # ValueError naming quantize for an unsupported model or device
     if target_backend == "transformers":
         return None
     if target_backend == "auto":
@@ -285,6 +297,7 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     target_backend: str = "auto",
     draft_costs: DraftCosts | DraftCostTable | None = None,
+    quantize: str | None = None,
 ) -> SpecOutput:
     """Generate with drafts from `head` (an MTPHead, or any Proposer) verified by `target`.
 
@@ -294,6 +307,11 @@ def speculative_generate(
     generation config; finished rows are padded with its pad_token_id (else the first EOS id).
     target_backend: "auto" (packed on supported CPU models, else transformers), "packed" (ValueError if the
     model is unsupported) or "transformers" (the model's own forward); see the module docstring.
+    quantize: None (float) or "int8" / "int4" / "w4a8": the target runs quantized on the packed backend
+    (`packed_target(target, quantize)`: its layers' linears quantized, its LM head int8; CPU only); greedy output
+    is then `plain_generate(..., quantize=quantize)`'s, and the MTP head drafts in float. A target loaded from a
+    quantized checkpoint runs in its mode (None or that mode). ValueError naming `quantize` for another mode,
+    an unsupported model, a non-CPU device or target_backend="transformers".
     num_draft_tokens: k >= 1 drafts every step, or "auto": each step drafts 0..K tokens, whatever the rows'
     acceptance so far makes fastest at this batch size (`omnimtp.spec_decode.adaptive`), with draft_costs
     (one `DraftCosts`, or a `DraftCostTable` per batch size; K = its max_draft_tokens) or, when None, costs
@@ -315,7 +333,8 @@ def speculative_generate(
             if draft_costs is None:
                 bucket = batch_buckets(input_ids.shape[0])[-1]
                 draft_costs = {bucket: calibrate_draft_costs(
-                    target, head, batch_size=bucket, sampling=config.sampling, target_backend=target_backend
+                    target, head, batch_size=bucket, sampling=config.sampling, target_backend=target_backend,
+                    quantize=quantize,
                 )}
             controller = DraftController(draft_costs, input_ids.shape[0])
         else:
@@ -323,13 +342,14 @@ def speculative_generate(
         out = _speculative_generate(
             target, head, input_ids, attention_mask, controller, max_new_tokens=max_new_tokens,
             sampling=config.sampling, seed=seed, eos_token_id=eos_token_id, target_backend=target_backend,
+            quantize=quantize,
         )
     return SpecOutput(sequences=out.sequences.clone(), stats=out.stats)  # clone: a normal tensor outside
 
 
 def calibrate_draft_costs(
     target, head: MTPHead | Proposer, *, batch_size: int = 1, sampling: SamplingParams | None = None,
-    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, quantize: str | None = None,
 ) -> DraftCosts:
     """What a step drafting k = 0..max_draft_tokens tokens costs relative to a plain step, measured on
     this target, drafter and backend at this batch size and sampling: steps of this loop on fixed 16-token
@@ -337,7 +357,7 @@ def calibrate_draft_costs(
     the drafts' acceptance in those steps (`DraftCosts.acceptance`, an auto run's prior). Measured once per
     model and key, then reused (frozen) by every `num_draft_tokens="auto"` run that passes no draft_costs
     (at the bucket of its batch size, `batch_buckets(B)[-1]`), and kept on disk for the next process
-    (`omnimtp.spec_decode.cost_cache`)."""
+    (`omnimtp.spec_decode.cost_cache`). quantize: the target's mode, as `speculative_generate` takes it."""
     sampling = sampling if sampling is not None else SamplingParams.greedy()
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
         raise ValueError(f"max_draft_tokens must be an integer >= 1, got {max_draft_tokens!r}")
@@ -355,16 +375,17 @@ def calibrate_draft_costs(
             _speculative_generate(
                 target, head, prompt, None, controller, max_new_tokens=(len(ks) + 1) * (max(ks) + 1),  # no row ends
                 sampling=sampling, seed=cycle,
-                eos_token_id=[], target_backend=target_backend, max_steps=len(ks) + 1,
+                eos_token_id=[], target_backend=target_backend, max_steps=len(ks) + 1, quantize=quantize,
             )
         starts, counts = controller.step_starts, controller.counts[: len(ks)]
         return [(end - start, *step) for start, end, step in zip(starts[:-1], starts[1:], counts, strict=True)]
 
-    key = (id(head), target_backend, sampling, batch_size, str(device))
+    key = (id(head), target_backend, sampling, batch_size, str(device), quantize)
     def fingerprint() -> dict:
         return cost_fingerprint(target, head, device=device, key={
             "loop": "speculative_generate", "backend": target_backend, "sampling": repr(sampling),
             "batch_size": batch_size, "max_draft_tokens": max_draft_tokens,
+            **({"quantize": quantize} if quantize is not None else {}),
         })
 
     return calibrate(target, key, time_cycle, max_draft_tokens, fingerprint)
@@ -372,27 +393,27 @@ def calibrate_draft_costs(
 
 def calibrate_draft_cost_table(
     target, head: MTPHead | Proposer, *, max_batch_size: int, sampling: SamplingParams | None = None,
-    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+    target_backend: str = "auto", max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS, quantize: str | None = None,
 ) -> DraftCostTable:
     """`calibrate_draft_costs` at every batch-size bucket up to max_batch_size (`batch_buckets`): the table
     an adaptive run decides with at any batch size, each bucket measured once per model and reused."""
     return DraftCostTable(tuple(
         (rows, calibrate_draft_costs(target, head, batch_size=rows, sampling=sampling, target_backend=target_backend,
-                                     max_draft_tokens=max_draft_tokens))
+                                     max_draft_tokens=max_draft_tokens, quantize=quantize))
         for rows in batch_buckets(max_batch_size)
     ))
 
 
 def _speculative_generate(
     target, head, input_ids, attention_mask, controller, *, max_new_tokens, sampling, seed, eos_token_id,
-    target_backend, max_steps: int | None = None,
+    target_backend, max_steps: int | None = None, quantize: str | None = None,
 ) -> SpecOutput:
     """The loop; controller: a `DraftController` or `FixedDrafts`; max_steps: stop after that many steps
     (what calibration times), else at EOS / max_new_tokens."""
     attention_mask = _check_prompt(input_ids, attention_mask)
     batch_size, prompt_len = input_ids.shape
     device = input_ids.device
-    packed = _packed_or_none(target, target_backend)
+    packed = _packed_or_none(target, target_backend, quantize)
     linear_layers = linear_layer_indices(target) if packed is None else []
     dsa = packed is None and is_dsa_target(target)
     if isinstance(head, MTPHead):
@@ -589,6 +610,7 @@ def plain_generate(
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
     target_backend: str = "auto",
+    quantize: str | None = None,
 ) -> torch.Tensor:
     """Plain decoding (one token per forward) on the same target forward `speculative_generate` uses:
     the honest baseline for speculative decoding. target_backend as there: "auto" runs the packed target
@@ -596,7 +618,7 @@ def plain_generate(
     if unsupported), "transformers". Same contract as `speculative_generate` (left-padded input_ids
     [B, P], sampling None = greedy = `target.generate(do_sample=False)`, seeds per row, EOS / padding like
     `generate`) → sequences [B, P + generated]. A row that emitted EOS leaves the batch (every cache keeps
-    only the rows still generating), as in `speculative_generate`."""
+    only the rows still generating), as in `speculative_generate`. quantize: the quantized target, as there."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     sampling = sampling if sampling is not None else SamplingParams.greedy()
@@ -611,7 +633,7 @@ def plain_generate(
         pad_id = eos_ids[0] if eos_ids else 0
     generators = None if sampling.is_greedy else make_generators(row_seeds(seed, batch_size), device=device)
     with torch.inference_mode():
-        packed = _packed_or_none(target, target_backend)
+        packed = _packed_or_none(target, target_backend, quantize)
         if packed is not None:
             cache = KVCache(packed, batch_size, capacity=input_ids.shape[1] + max_new_tokens)
         else:

@@ -12,7 +12,14 @@ rejected drafts of ragged rows). New tokens attend to valid positions up to thei
 Supported: glm4_moe (dense and MoE layers), llama, qwen2, qwen3 with rope_type "default", SiLU MLPs
 and no sliding window. `unsupported_reason(target)` says why another model is not.
 
-    packed = packed_target(target)                     # cached per model; repacked if weights change
+Quantized (CPU): `packed_target(target, quantize)` packs the decoder with every layer's linears quantized
+(`PackedDecoder.quantized`: q/k/v, o, gate/up, down; a MoE layer's shared and routed experts) and the LM head in
+int8 (`with_quantized_lm_head`), as the omni thinker's; embeddings, norms and routers stay float. Those kernels
+compute each row on its own at any row count, so a verify block's rows and a batch's rows get the bits each gets
+alone. A target loaded from a quantized checkpoint (`omnimtp quantize`) holds no float weights for its layers:
+its packed decoder is the one made from the stored matrices (`stored_packed_target`), whatever quantize asks.
+
+    packed = packed_target(target)                     # cached per model and mode; repacked if weights change
     cache = KVCache(packed, max_batch_size=1)
     hidden = packed_forward(packed, cache, ids, positions, kv_mask)      # [B, T, H], appends T slots
     logits = packed_logits(packed, hidden[:, -1:])                       # [B, 1, V] float32
@@ -37,7 +44,7 @@ from omnimtp.runtime.decoder import (
     weights_fingerprint,
 )
 from omnimtp.runtime.kv_cache import KVCache
-from omnimtp.runtime.ops import linear, rms_norm
+from omnimtp.runtime.ops import check_quantize, linear, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "llama", "qwen2", "qwen3")
 
@@ -65,22 +72,61 @@ def unsupported_reason(target) -> str | None:
     return None
 
 
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → (weights fingerprint, PackedDecoder)
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {quantize: (fingerprint, PackedDecoder)}
+_STORED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → its quantized checkpoint's PackedDecoder
 
 
-def packed_target(target) -> PackedDecoder:
+def packed_target(target, quantize: str | None = None) -> PackedDecoder:
     """`PackedDecoder.from_causal_lm(target).with_row_kernel()` (ValueError naming why a model is not
-    supported), cached per model (repacked when its weights change): a verify of k + 1 rows and a plain
-    step run the same row kernel where it builds, so they cost about the same and agree bit for bit."""
+    supported), cached per model and mode (repacked when its weights change): a verify of k + 1 rows and a plain
+    step run the same row kernel where it builds, so they cost about the same and agree bit for bit.
+
+    quantize: None (float), or a mode of `ops.QUANTIZE_MODES`: the layers quantized as they are packed and the LM
+    head in int8 (module docstring); ValueError naming `quantize` for an unknown mode or a target off the CPU. A
+    target with a stored quantized decoder (`stored_packed_target`) returns it for None or its own mode, and
+    refuses another."""
+    stored = _STORED.get(target)
+    if stored is not None:
+        if quantize is not None and quantize != stored.quantize:
+            raise ValueError(f"quantize={quantize!r}: the target was loaded from a quantized checkpoint of "
+                             f"{stored.quantize!r} weights (quantize the float checkpoint again for another mode)")
+        check_quantize(stored.quantize, target.get_output_embeddings().weight.device)  # (moved off the CPU)
+        return stored
+    if quantize is not None:
+        check_quantize(quantize, target.get_output_embeddings().weight.device)
     fingerprint = weights_fingerprint(target)
-    entry = _PACKED.get(target)
+    entries = _PACKED.setdefault(target, {})
+    entry = entries.get(quantize)
     if entry is None or entry[0] != fingerprint:
         reason = unsupported_reason(target)
         if reason is not None:
-            raise ValueError(f"target: {reason}")
-        entry = (fingerprint, PackedDecoder.from_causal_lm(target).with_row_kernel())
-        _PACKED[target] = entry
+            raise ValueError(f"quantize={quantize!r}: {reason}" if quantize is not None else f"target: {reason}")
+        packed = PackedDecoder.from_causal_lm(target, quantize=quantize)  # each layer quantized as it is packed
+        if quantize is not None:
+            packed = packed.with_quantized_lm_head(packed.lm_head)
+        entry = (fingerprint, packed.with_row_kernel())  # (a quantized decoder is left as it is)
+        entries[quantize] = entry
     return entry[1]
+
+
+def stored_packed_target(target, quantize: str, stored: list[dict]) -> PackedDecoder:
+    """The packed decoder of a target loaded from a quantized checkpoint (`omnimtp.quantized_checkpoint`): its
+    layers from the stored `quantized_matrices` (the target's own weights for them are placeholders), its LM head
+    in int8 as `packed_target(target, quantize)` makes it; what `packed_target` returns for this target from now
+    on."""
+    reason = unsupported_reason(target)
+    if reason is not None:
+        raise ValueError(f"quantize={quantize!r}: {reason}")
+    packed = PackedDecoder.from_causal_lm(target, quantize=quantize, stored=stored)
+    _STORED[target] = packed.with_quantized_lm_head(packed.lm_head)
+    return _STORED[target]
+
+
+def stored_mode(target) -> str | None:
+    """The mode of a target loaded from a quantized checkpoint (`stored_packed_target`), which runs only quantized;
+    None for any other target."""
+    stored = _STORED.get(target)
+    return None if stored is None else stored.quantize
 
 
 def packed_forward(
@@ -106,7 +152,10 @@ def packed_forward(
 
 
 def packed_logits(packed: PackedDecoder, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [B, T, H] → logits [B, T, V] float32 (the LM head; on the row kernel for up to 16 rows)."""
+    """hidden [B, T, H] → logits [B, T, V] float32 (the LM head: int8 in a quantized target, else on the row kernel
+    for up to 16 rows)."""
+    if packed.quantized_lm_head is not None:
+        return linear(hidden, None, packed=packed.quantized_lm_head).float()
     if packed.row_kernel_lm_head is not None and hidden.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
         return linear(hidden, packed.lm_head, packed=packed.row_kernel_lm_head, gemm=ROW_KERNEL).float()
     return linear(hidden, packed.lm_head).float()
