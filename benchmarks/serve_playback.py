@@ -352,8 +352,10 @@ def main() -> None:
         if args.previous_tree:
             setups.append(("previous", args.previous_tree, flags))
         with contextlib.ExitStack() as stack:
+            # (each server measured compiled, as a warm `serve` runs; its warm-up never shares the CPU with a load)
             urls = {name: stack.enter_context(server_process(
-                args.max_batch_size, args.max_frames, args.threads, tree, extra, args.start_timeout))
+                args.max_batch_size, args.max_frames, args.threads, tree, extra, args.start_timeout,
+                wait_compiled=not args.quick and "--eager" not in extra and tree is None))
                 for name, tree, extra in setups}
             voices = {name: (httpx.get(f"{url}/v1/models").json()["data"][0].get("voices") or [None])[0]
                       for name, url in urls.items()}

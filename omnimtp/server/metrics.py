@@ -76,6 +76,9 @@ class ServerMetrics:
             "sent and not yet played in real time (by engine request id; a stream leaves when it ends)", ["stream"],
             registry=r,
         )
+        self.predictor_compiled = Gauge(
+            "omnimtp_predictor_compiled", "1 once the code predictor runs compiled for every batch size (the "
+            "server's warm-up is done), else 0", registry=r)
         self.realtime_capacity = Gauge(
             "omnimtp_realtime_capacity_streams", "Streams the engine can keep in real time, from its measured step "
             "costs (admission by capacity; absent with --admission off)", registry=r,

@@ -636,6 +636,8 @@ class Engine:
             return
         if self.is_warm:
             logger.info("warm-up: done in %.1f s, every batch size runs compiled", time.perf_counter() - started)
+            if self._observer is not None and self._observer.metrics is not None:
+                self._observer.metrics.predictor_compiled.set(1)
 
     def _run(self) -> None:
         try:
