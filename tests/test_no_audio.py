@@ -66,10 +66,16 @@ def test_speech_without_a_frame_is_a_valid_empty_file_that_says_so():
             {"wav": _check_empty_wav, "flac": _check_empty_flac}.get(fmt, lambda data, _: data == b"")(
                 response.content, 24_000)
             assert fmt != "pcm" or response.content == b""
-        response = http.post("/v1/audio/speech", json={**SPEECH, "stream_format": "sse"})
+        response = http.post("/v1/audio/speech", json={**SPEECH, "stream_format": "sse", "response_format": "pcm"})
         assert response.status_code == 200 and response.headers["x-finish-reason"] == "no_audio"
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
         assert [event["type"] for event in events] == ["speech.audio.done"]
+        wav = http.post("/v1/audio/speech", json={**SPEECH, "stream_format": "sse", "response_format": "wav"})
+        wav_events = [json.loads(line[6:]) for line in wav.text.splitlines() if line.startswith("data: ")]
+        assert [event["type"] for event in wav_events] == ["speech.audio.delta", "speech.audio.done"]
+        header = base64.b64decode(wav_events[0]["audio"])  # the deltas joined: a streamed WAV of no samples
+        samples, rate = sf.read(io.BytesIO(header), dtype="int16")
+        assert len(header) == 44 and rate == 24_000 and samples.size == 0
         assert events[0]["finish_reason"] == "no_audio" and events[0]["usage"]["output_tokens"] == 0
         # a request that does speak: streamed WAV carries no finish header, its SSE end says "stop" or "length"
         spoken = {**SPEECH, "seed": 1, "temperature": 0.0}

@@ -148,7 +148,8 @@ def test_speech_chunked_and_sse_match_the_single_process_server(client, single_p
     reference, _ = sf.read(io.BytesIO(single_process.audio.speech.create(**speech).content), dtype="int16")
     assert rate == 24000
     assert_audio_equal(samples, reference)
-    body = {"model": "omnimtp-tiny", "voice": "ethan", "input": "Hello there", "seed": 3, "stream_format": "sse"}
+    body = {"model": "omnimtp-tiny", "voice": "ethan", "input": "Hello there", "seed": 3, "stream_format": "sse",
+            "response_format": "pcm"}  # (SSE deltas are the bytes of the asked format)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     events = [json.loads(line[len("data: "):]) for line in httpx.post(
         f"{url}/v1/audio/speech", json=body, headers=headers, timeout=120).text.splitlines()
