@@ -5,6 +5,7 @@ never answered; the recognizer is a plug-in (`transcription.Recognizer`), the th
 from __future__ import annotations
 
 import base64
+import signal
 
 import numpy as np
 import openai
@@ -202,3 +203,44 @@ def test_server_vad_turns_are_heard_live_from_their_first_sample_to_their_last(s
     (audio,) = committed
     partials = list(OmniPipeline(family=family, max_new_tokens=12).stream_recognition([audio], chunk_seconds=0.5))
     assert len(partials) >= 3 and events[-1].transcript == partials[-1].text.strip()
+
+
+def test_a_live_recognition_that_fails_says_so_in_the_item_and_the_session_goes_on(speech, monkeypatch):
+    import omnimtp.server.routes.realtime.live as live
+    from omnimtp.families.asr_stream import StreamingRecognition
+
+    def refuse(self):
+        raise ValueError("audio: refused by the model")
+
+    def hung(signum, frame):
+        raise TimeoutError("no transcription event within 60 s: the failure was swallowed")
+
+    monkeypatch.setattr(live, "LIVE_CHUNK_SECONDS", 0.5)
+    monkeypatch.setattr(StreamingRecognition, "next_step", refuse)
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        _session_with_a_refused_turn(speech)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _session_with_a_refused_turn(speech) -> None:
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+
+    engine = Engine(Qwen3ASRFamily.tiny(0), max_new_tokens=12, max_batch_size=2)
+    with running_server(create_app(engine, max_tokens_limit=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
+            connection.recv()
+            connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}}})
+            connection.recv()
+            _append(connection, speech)
+            connection.input_audio_buffer.commit()
+            while (event := connection.recv()).type != "conversation.item.input_audio_transcription.failed":
+                assert event.type != "error", event
+            assert "refused by the model" in event.error.message
+            connection.input_audio_buffer.clear()  # the session still answers
+            assert connection.recv().type == "input_audio_buffer.cleared"

@@ -65,7 +65,7 @@ class LiveRecognition:
                     return
                 reply = "".join([text async for text in self._reply(step)])
                 self.stream.accept(step, reply)
-        except RecognitionError as exc:
+        except (RecognitionError, ValueError) as exc:  # (the turn's audio refused by the model: its `.failed`)
             self.error = str(exc)
 
     def _take_pending(self) -> None:
