@@ -1893,6 +1893,18 @@ MUTATIONS = [
         ADMISSION, "streamed chunks one frame longer than a listener who plays from the first chunk can wait for",
     ),
     Mutation(
+        "restart_forgets_step_costs", "omnimtp/server/scheduler.py",
+        "        if self.admission is not None:\n            self._seed_step_costs()\n",
+        "        if self.admission is not None:\n            pass\n",
+        ADMISSION, "a restarted server ignores the step costs it kept and admits one stream at a time again",
+    ),
+    Mutation(
+        "kept_step_costs_of_another_setting", "omnimtp/server/scheduler.py",
+        '("max_batch_size", "first_chunk_frames", "chunk_frames",',
+        '("max_batch_size", "first_chunk_frames",',
+        ADMISSION, "step costs kept under other chunk settings are read back as if they were this engine's",
+    ),
+    Mutation(
         "capacity_estimate_too_kind", "omnimtp/server/admission.py",
         "            return measured[n] * num_streams / n",
         "            return measured[n]",

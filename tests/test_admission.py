@@ -475,3 +475,48 @@ def test_chunks_wait_for_newcomers_at_most_max_defer_steps_in_a_row(family):
         steps += [event.step for event in core.step() if event.audio is not None and event.request.request_id == 0]
     assert arrived == list(range(arrived[0], arrived[0] + 4)), "a newcomer came in each of four steps"
     assert arrived[0] + 2 in steps and not {arrived[0], arrived[0] + 1} & set(steps)
+
+
+def test_a_restarted_server_starts_from_the_step_costs_it_measured(family, tmp_path, monkeypatch):
+    """The step costs measured while serving are kept on disk when the engine stops; the next engine on the same
+    model and settings starts from them (its capacity known before its first step), one with other settings does
+    not, and with the cost cache turned off nothing is kept."""
+    monkeypatch.setenv("OMNIMTP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OMNIMTP_DRAFT_COST_CACHE", "1")
+
+    def serve_three(engine: Engine) -> dict[int, float]:
+        async def scenario():
+            engine.start()
+            try:
+                loop = asyncio.get_running_loop()
+                await asyncio.gather(*(_pcm(engine.submit(_speech(engine, i), loop=loop)) for i in range(3)))
+                return engine.admission.costs.measured()
+            finally:
+                await asyncio.to_thread(engine.shutdown)
+        return asyncio.run(scenario())
+
+    first = _engine(family)
+    measured = serve_three(first)
+    assert measured, "nothing was measured"
+    kept = {n: seconds for n, seconds in first.admission.costs.measured(3).items()}
+    assert kept
+    again = _engine(family)
+    assert again.admission.costs.measured() == {}
+    again.start()
+    try:
+        assert again.admission.costs.measured() == kept  # before any request
+    finally:
+        again.shutdown()
+    other = _engine(family, chunk_frames=7)
+    other.start()
+    try:
+        assert other.admission.costs.measured() == {}
+    finally:
+        other.shutdown()
+    monkeypatch.setenv("OMNIMTP_DRAFT_COST_CACHE", "0")
+    off = _engine(family)
+    off.start()
+    try:
+        assert off.admission.costs.measured() == {}
+    finally:
+        off.shutdown()

@@ -9,6 +9,11 @@ capacity grows as it is measured and never rests on a guess that is too kind. A 
 playing ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is
 refused with 429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
 
+What was measured outlives the process: the engine keeps the step costs on disk (`keep_step_costs`, beside adaptive
+speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
+omnimtp's code and the engine's settings) and a later start on the same fingerprint begins from them
+(`cached_step_costs`), so a restarted server admits what it measured before instead of one stream at a time.
+
     costs = StepCosts()
     costs.observe(1, 0.030); costs.observe(2, 0.050)
     costs.predict(4)                     # 0.100: 2 streams' 0.050, in proportion
@@ -21,12 +26,16 @@ import math
 import statistics
 from collections import deque
 
+from omnimtp.spec_decode.cost_cache import read_entry, write_entry
+
 # The share of a frame's audio a step may cost: the rest absorbs a step's jitter and a newcomer's prefill.
 DEFAULT_HEADROOM = 0.9
 # A frame's audio before any stream has told: Qwen3-Omni's and Qwen3-TTS's 12.5 Hz codecs (1920 samples at 24 kHz).
 DEFAULT_FRAME_S = 0.08
 _NUM_SAMPLES = 16  # recent steps kept per size (their median is the size's cost)
 _MAX_RETRY_AFTER_S = 120
+_KIND = "speech_step_costs"  # the cost cache's directory for them
+MIN_KEPT_SAMPLES = 3  # a size measured fewer times is not kept on disk (`keep_step_costs`)
 
 
 class StepCosts:
@@ -41,9 +50,17 @@ class StepCosts:
             return
         self._samples.setdefault(num_streams, deque(maxlen=self.num_samples)).append(float(seconds))
 
-    def measured(self) -> dict[int, float]:
-        """{streams: median step seconds} of every size measured."""
-        return {n: statistics.median(samples) for n, samples in sorted(self._samples.items())}
+    def measured(self, min_samples: int = 1) -> dict[int, float]:
+        """{streams: median step seconds} of every size measured at least min_samples times."""
+        return {n: statistics.median(samples) for n, samples in sorted(self._samples.items())
+                if len(samples) >= min_samples}
+
+    def seed(self, measured: dict[int, float]) -> None:
+        """Start over from {streams: seconds} measured before (one sample each: the next steps measured at a
+        size move its median at once)."""
+        self._samples = {}
+        for num_streams, seconds in measured.items():
+            self.observe(num_streams, seconds)
 
     def predict(self, num_streams: int) -> float | None:
         """A step's seconds at num_streams: measured, else in proportion to the largest smaller size measured,
@@ -104,3 +121,27 @@ class Admission:
             return 1
         rounds = math.ceil((num_queued + 1) / self.capacity())
         return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(rounds * self._stream_s)))
+
+
+def cached_step_costs(fingerprint: dict) -> dict[int, float] | None:
+    """The step costs kept for exactly this fingerprint ({streams: seconds}), or None (none kept, unreadable,
+    not valid, or the cost cache turned off: OMNIMTP_DRAFT_COST_CACHE=0)."""
+    entry = read_entry(fingerprint, _KIND)
+    steps = None if entry is None else entry.get("steps")
+    if not isinstance(steps, dict) or not steps:
+        return None
+    costs = {}
+    for size, seconds in steps.items():
+        if not (isinstance(size, str) and size.isdigit() and int(size) >= 1) or isinstance(seconds, bool) or \
+                not isinstance(seconds, (int, float)) or not (math.isfinite(seconds) and seconds >= 0):
+            return None
+        costs[int(size)] = float(seconds)
+    return costs
+
+
+def keep_step_costs(fingerprint: dict, measured: dict[int, float]) -> bool:
+    """Keep {streams: seconds} (`StepCosts.measured(MIN_KEPT_SAMPLES)`: the sizes measured often enough) for a
+    later start; False when there are none or the cache cannot be written."""
+    if not measured:
+        return False
+    return write_entry(fingerprint, {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}, _KIND)

@@ -34,10 +34,18 @@ from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
 from omnimtp.media import MediaError, MediaInputs, MediaLimits
 from omnimtp.sampling import SamplingParams
-from omnimtp.server.admission import DEFAULT_HEADROOM, Admission
+from omnimtp.server.admission import (
+    DEFAULT_HEADROOM,
+    MIN_KEPT_SAMPLES,
+    Admission,
+    cached_step_costs,
+    keep_step_costs,
+)
+from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.tokenizer import message_texts
 
 logger = logging.getLogger("omnimtp.server")
+_KEEP_STEP_COSTS_EVERY = 64  # steps that made frames between two writes of admission's step costs to disk
 
 # A Qwen3-TTS model's tts_model_type → the `task_type` it serves (vllm-omni's names).
 TTS_TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -263,6 +271,8 @@ class Engine:
         self.draft_costs = None
         self.is_ready = False
         self.is_warm = False
+        self._step_fingerprints: dict[bool, dict] = {}  # admission's cost fingerprints, by predictor state
+        self._steps_since_kept = 0
         self._warm_stop = threading.Event()
         self.idle = threading.Event()  # set while no request is in flight (submitted and not yet finished)
         self.idle.set()
@@ -457,6 +467,7 @@ class Engine:
             self.family, self.config, lock=self._cond, observer=observer
         )  # model errors surface here
         if self.admission is not None:
+            self._seed_step_costs()
             self._core.max_speaking = self.admission.capacity()
         self.metrics = metrics
         self.max_queue = max_queue
@@ -636,12 +647,51 @@ class Engine:
             return
         if self.is_warm:
             logger.info("warm-up: done in %.1f s, every batch size runs compiled", time.perf_counter() - started)
+            if self.admission is not None:  # what the eager predictor's steps cost says nothing of the compiled
+                with self._cond:
+                    self._seed_step_costs()
             if self._observer is not None and self._observer.metrics is not None:
                 self._observer.metrics.predictor_compiled.set(1)
+
+    # -- admission's step costs, kept across starts ------------------------------------------------
+
+    def _step_cost_fingerprint(self) -> dict:
+        """What a speech step's cost depends on: the model, the machine and omnimtp's code (the cost cache's
+        fingerprint), the predictor's state, the quantization, the codec's dtype and the engine's settings."""
+        family, config = self.family, self.config
+        key = {"measure": "speech_step", "family": type(family).__qualname__,
+               "predictor_compiled": bool(self.is_warm), "quantize": getattr(family, "quantize", None),
+               "codec_dtype": str(getattr(getattr(family, "codec", None), "conv_dtype", None)),
+               **{name: getattr(config, name) for name in ("max_batch_size", "first_chunk_frames", "chunk_frames",
+                                                         "playout_rtf", "max_decode_frames")}}
+        compiled = key["predictor_compiled"]
+        if compiled not in self._step_fingerprints:
+            self._step_fingerprints[compiled] = cost_fingerprint(getattr(family, "model", None), None, key=key)
+        return self._step_fingerprints[compiled]
+
+    def _seed_step_costs(self) -> None:
+        """Admission's step costs from an earlier start's (`cached_step_costs`), where one was kept."""
+        cached = cached_step_costs(self._step_cost_fingerprint())
+        if cached is not None:
+            self.admission.costs.seed(cached)
+            logger.info("admission: step costs of an earlier start (%s predictor): %s",
+                        "compiled" if self.is_warm else "eager",
+                        {n: round(seconds, 4) for n, seconds in cached.items()})
+        self._steps_since_kept = 0
+
+    def _keep_step_costs(self) -> None:
+        """Keep admission's step costs for a later start (`keep_step_costs`)."""
+        with self._cond:
+            fingerprint = self._step_cost_fingerprint()
+            measured = self.admission.costs.measured(MIN_KEPT_SAMPLES)
+            self._steps_since_kept = 0
+        keep_step_costs(fingerprint, measured)
 
     def _run(self) -> None:
         try:
             self._loop()
+            if self.admission is not None:
+                self._keep_step_costs()
         except BaseException:  # the loop itself broke: nothing can be served any more
             logger.exception("engine loop stopped")
             with self._cond:
@@ -680,6 +730,9 @@ class Engine:
                 if self.admission is not None:
                     with self._cond:  # the HTTP side reads the costs for a Retry-After
                         self.admission.costs.observe(self._observer.num_streams, time.perf_counter() - started)
+                        self._steps_since_kept += self._observer.num_streams > 0
+                    if self._steps_since_kept >= _KEEP_STEP_COSTS_EVERY:
+                        self._keep_step_costs()
             except Exception as exc:  # a model error fails the requests in flight, never the server
                 logger.exception("engine step failed")
                 self._fail(core.fail_running(), f"generation failed: {type(exc).__name__}")

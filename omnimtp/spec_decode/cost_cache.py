@@ -1,5 +1,8 @@
 """Calibrated draft costs kept on disk, so a second start on the same model and machine measures nothing.
 
+Other measured costs use the same cache under their own directory (`read_entry` / `write_entry` with a `kind`):
+admission's speech step costs (`omnimtp.server.admission`).
+
 An entry is one JSON file under `cache_root()/draft_costs/` named by a digest of its fingerprint: the model
 (its directory and the sizes and modification times of the files there, its config, its parameters' names,
 shapes and dtypes), the drafter's (class, parameters), the machine (CPU model, cores, torch version and
@@ -108,24 +111,51 @@ def cost_fingerprint(
     }
 
 
-def _entry_path(fingerprint: dict) -> Path:
-    return cache_root() / "draft_costs" / f"{_digest(json.dumps(fingerprint, sort_keys=True))}.json"
+def _entry_path(fingerprint: dict, kind: str = "draft_costs") -> Path:
+    return cache_root() / kind / f"{_digest(json.dumps(fingerprint, sort_keys=True))}.json"
 
 
 def is_enabled() -> bool:
     return os.environ.get("OMNIMTP_DRAFT_COST_CACHE", "1") != "0"
 
 
-def read_costs(fingerprint: dict) -> tuple[list[float], float | None] | None:
-    """The cached costs [c_0, c_1, ...] and the drafts' acceptance measured with them (None when none was)
-    for exactly this fingerprint, or None (none, unreadable, corrupt, or the cache turned off)."""
+def read_entry(fingerprint: dict, kind: str = "draft_costs") -> dict | None:
+    """The JSON entry kept for exactly this fingerprint under `kind` (a directory of the cache), or None (none,
+    unreadable, another fingerprint's, or the cache turned off)."""
     if not is_enabled():
         return None
     try:
-        entry = json.loads(_entry_path(fingerprint).read_text())
+        entry = json.loads(_entry_path(fingerprint, kind).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or entry.get("fingerprint") != json.loads(json.dumps(fingerprint)):
+        return None
+    return entry
+
+
+def write_entry(fingerprint: dict, payload: dict, kind: str = "draft_costs") -> bool:
+    """Keep payload (JSON values) for this fingerprint under `kind` (atomically: a reader sees a whole entry or
+    none); False when the cache directory cannot be written or the cache is turned off."""
+    if not is_enabled():
+        return False
+    target = _entry_path(fingerprint, kind)
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as tmp:
+            json.dump({"fingerprint": fingerprint, **payload}, tmp, indent=1)
+        os.replace(tmp.name, target)
+    except OSError:
+        with contextlib.suppress(OSError, NameError):
+            os.unlink(tmp.name)
+        return False
+    return True
+
+
+def read_costs(fingerprint: dict) -> tuple[list[float], float | None] | None:
+    """The cached costs [c_0, c_1, ...] and the drafts' acceptance measured with them (None when none was)
+    for exactly this fingerprint, or None (none, unreadable, corrupt, or the cache turned off)."""
+    entry = read_entry(fingerprint)
+    if entry is None:
         return None
     steps = entry.get("step")
     if not isinstance(steps, list) or not all(
@@ -144,16 +174,4 @@ def write_costs(
 ) -> bool:
     """Keep the costs (and the acceptance measured with them) for this fingerprint (atomically); False when
     the cache directory cannot be written or the cache is turned off."""
-    if not is_enabled():
-        return False
-    target = _entry_path(fingerprint)
-    try:
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False) as tmp:
-            json.dump({"fingerprint": fingerprint, "step": list(steps), "acceptance": acceptance}, tmp, indent=1)
-        os.replace(tmp.name, target)
-    except OSError:
-        with contextlib.suppress(OSError, NameError):
-            os.unlink(tmp.name)
-        return False
-    return True
+    return write_entry(fingerprint, {"step": list(steps), "acceptance": acceptance})
