@@ -1905,6 +1905,12 @@ MUTATIONS = [
         ADMISSION, "step costs kept under other chunk settings are read back as if they were this engine's",
     ),
     Mutation(
+        "realtime_wait_unannounced", "omnimtp/server/scheduler.py",
+        "            remaining = max(0, core.num_startable(has_speech) - len(core.waiting))\n",
+        "            remaining, position = core.num_startable(has_speech), 0\n",
+        ADMISSION, "a realtime response that waits for capacity is told it starts at once",
+    ),
+    Mutation(
         "capacity_estimate_too_kind", "omnimtp/server/admission.py",
         "            return measured[n] * num_streams / n",
         "            return measured[n]",

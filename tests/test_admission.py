@@ -40,7 +40,7 @@ class LinearCosts(StepCosts):
     def observe(self, num_streams: int, seconds: float) -> None:
         pass
 
-    def measured(self) -> dict[int, float]:
+    def measured(self, min_samples: int = 1) -> dict[int, float]:
         return {1: self.predict(1)}
 
     def predict(self, num_streams: int) -> float:
@@ -520,3 +520,62 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(family, tmp_p
         assert off.admission.costs.measured() == {}
     finally:
         off.shutdown()
+
+
+def test_a_realtime_response_that_waits_for_capacity_says_so():
+    """Capacity 1: while one realtime session's reply speaks, another session's response starts with
+    `rate_limits.updated` saying none are left and how long it should wait, then is served once the first is done;
+    the first was told it started at once."""
+    import openai
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.server.app import create_app
+
+    engine = Engine(Qwen3OmniFamily.tiny(0), model_id="omnimtp-tiny", max_frames=300, max_batch_size=4,
+                    admission=True)
+    engine.admission = Admission(LinearCosts(0.0, 0.048), max_streams=4)
+    app = create_app(engine)
+
+    def connect(url):
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        connection = client.realtime.connect(model="omnimtp-tiny").__enter__()
+        assert connection.recv().type == "session.created"
+        connection.session.update(session={"type": "realtime", "seed": 3, "max_output_tokens": 4,
+                                           "audio": {"input": {"turn_detection": None}}})
+        assert connection.recv().type == "session.updated"
+        connection.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hello"}]})
+        assert [connection.recv().type for _ in range(2)] == ["conversation.item.added", "conversation.item.done"]
+        return connection
+
+    def limits_then_audio(connection):
+        connection.response.create()
+        limits = None
+        while (event := connection.recv()).type != "response.output_audio.delta":
+            assert event.type != "error", event
+            if event.type == "rate_limits.updated":
+                [limits] = event.rate_limits
+        return limits
+
+    def until_done(connection):
+        while (event := connection.recv()).type != "response.done":
+            assert event.type != "error", event
+        return event.response.status
+
+    with running_server(app) as url:
+        first, second = connect(url), connect(url)
+        try:
+            first_limits = limits_then_audio(first)
+            second.response.create()
+            while (event := second.recv()).type != "rate_limits.updated":
+                assert event.type != "error", event
+            [second_limits] = event.rate_limits
+            # (random weights end each reply at its max_output_tokens: "incomplete", not failed or cancelled)
+            assert until_done(first) == until_done(second) == "incomplete"
+        finally:
+            first.close()
+            second.close()
+    assert (first_limits.name, first_limits.limit, first_limits.reset_seconds) == ("requests", 1, 0)
+    assert (second_limits.limit, second_limits.remaining) == (1, 0)
+    assert second_limits.reset_seconds >= 1

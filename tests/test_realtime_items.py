@@ -45,6 +45,9 @@ class _GatedHandle:
     def __init__(self, handle, gate: threading.Event, num_audio: int):
         self.handle, self.gate, self.num_audio = handle, gate, num_audio
 
+    def __getattr__(self, name):  # the request, its id, ...: the handle's
+        return getattr(self.handle, name)
+
     def cancel(self):
         self.handle.cancel()
 

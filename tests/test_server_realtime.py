@@ -95,16 +95,19 @@ def _next(connection):
 def _response(connection, **response) -> dict:
     """response.create, then its events until response.done: text, PCM bytes, the done event, event order."""
     connection.response.create(**({"response": response} if response else {}))
-    texts, pcm, types = [], [], []
+    texts, pcm, types, limits = [], [], [], None
     while True:
         event = _next(connection)
         types.append(event.type)
-        if event.type in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+        if event.type == "rate_limits.updated":
+            limits = event.rate_limits
+        elif event.type in ("response.output_audio_transcript.delta", "response.output_text.delta"):
             texts.append(event.delta)
         elif event.type == "response.output_audio.delta":
             pcm.append(base64.b64decode(event.delta))
         elif event.type == "response.done":
-            return {"text": "".join(texts), "pcm": b"".join(pcm), "done": event.response, "types": types}
+            return {"text": "".join(texts), "pcm": b"".join(pcm), "done": event.response, "types": types,
+                    "rate_limits": limits}
 
 
 def _item_added(connection):
@@ -175,8 +178,12 @@ def test_a_text_turn_is_the_pipelines_reply(client, pipe):
         reply = _response(connection)
     _assert_reply(reply, *_expected(pipe, [{"role": "user", "content": "Hello there"}]))
     types = reply["types"]
-    assert types[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
-                         "response.content_part.added"]
+    assert types[:5] == ["response.created", "rate_limits.updated", "response.output_item.added",
+                         "conversation.item.added", "response.content_part.added"]
+    # no admission here: the slots are the limit, and this response started at once
+    [limits] = reply["rate_limits"]
+    assert (limits.name, limits.limit, limits.reset_seconds) == ("requests", ENGINE["max_batch_size"], 0)
+    assert 0 <= limits.remaining < ENGINE["max_batch_size"]
     # the talker speaks before the thinker has written its whole reply
     first_audio = types.index("response.output_audio.delta")
     last_text = max(i for i, kind in enumerate(types) if kind == "response.output_audio_transcript.delta")

@@ -575,6 +575,22 @@ class Engine:
             ahead = self._core.num_queued_ahead(handle.request)
             return None if ahead is None else self._queue_position(ahead, handle.request.has_speech)
 
+    def stream_limits(self, handle: RequestHandle) -> dict:
+        """What a realtime response tells its client as it starts, in OpenAI's `rate_limits.updated` shape (the
+        `requests` limit, for the requests this server runs at once): limit, the streams it keeps in real time
+        now (admission's capacity; the slots for a request that does not speak or without admission); remaining,
+        how many more could start at the next step; reset_seconds, how long this request is expected to wait
+        before it starts (0: at the next step; else admission's Retry-After estimate for its place)."""
+        with self._cond:
+            core, has_speech = self._core, handle.request.has_speech
+            limit = core.max_speaking if has_speech and core.max_speaking is not None else self.config.max_batch_size
+            ahead = core.num_queued_ahead(handle.request)
+            position = 0 if ahead is None else self._queue_position(ahead, has_speech)
+            remaining = max(0, core.num_startable(has_speech) - len(core.waiting))
+            wait_s = 0.0 if position == 0 else float(
+                1 if self.admission is None else self.admission.retry_after_s(position - 1))
+        return {"name": "requests", "limit": int(limit), "remaining": remaining, "reset_seconds": wait_s}
+
     def push_speech_text(self, handle: RequestHandle, pieces: list[tuple[list[int], bool]], is_finished: bool) -> None:
         """More text ids of a `submit_speech_stream` request, as `streamed_speech_segments` gives them (a no-op
         once it has ended)."""

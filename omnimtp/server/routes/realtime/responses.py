@@ -103,6 +103,8 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
     final = None
     try:
         await session.send({"type": "response.created", "response": response})
+        # as OpenAI does at a response's start; here the streams the server plays at once, and this one's wait
+        await session.send({"type": "rate_limits.updated", "rate_limits": [state.context.engine.stream_limits(handle)]})
         added = {**item.event_item(), "content": []}
         await session.send({"type": "response.output_item.added", "response_id": response_id, "output_index": 0,
                             "item": added})
