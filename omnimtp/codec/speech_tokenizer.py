@@ -15,16 +15,17 @@ right, so the decoder is causal to the sample — frame t's 1920 samples depend 
 frames give exactly 1920·T samples (Qwen3-Omni's give 1920·T − 555).
 
 Streaming (`new_stream` / `decode_streams`) is `omnimtp.codec.streaming.StreamingCode2Wav` with this model's
-front end. A chunk's left context, all of it computed from the modules:
-- pre-conv: its kernel − 1 = 2 frames of quantizer output;
+front end. A stream keeps exactly what its next chunk needs, all of it sized from the modules:
+- pre-conv: its last kernel − 1 = 2 frames of quantizer output (`causal_conv_step`);
 - transformer: its KV cache (the sliding-window cache keeps each layer's last 71 frames, all a query sees);
-- conv body: `conv_receptive_field_frames` = 10 frames of transformer output at the real dims: the first
-  sample of frame a depends on frame a − 10 and on none before (walk back from sample 1920·a: the final
-  conv 6 samples, each block's residual units 6 + 18 + 54 and its transposed conv (kernel 2r, stride r)
-  down to 640a − 29, 160a − 28, 32a − 23, 4a − 14; the first conv and each ConvNeXt 6 more, each ×2
-  upsampler halving: 2a − 13, then a − 10).
-A decoder that re-ran everything from codes (vLLM-Omni's 72 frames of left context) would need
-8 · 71 + 2 + 10 = 580 frames to be exact: each sliding-window layer reaches 71 frames further back.
+- conv body: every convolution's last inputs at its own rate — 6 for the first and last convs and each
+  ConvNeXt's depthwise conv, 6 / 18 / 54 for the residual units' dilations 1 / 3 / 9, one input for each
+  decoder block's transposed conv (kernel 2r, stride r), none for the ×2 upsamplers (kernel = stride): 22
+  tails, 134,208 values at the released widths.
+So a chunk of n frames runs n frames of convolution whatever n (a 1-frame chunk recomputes no left context:
+the first sample of frame a reaches back to frame a − 10 through the conv body, and those frames' work is
+what the tails hold). A decoder that re-ran everything from codes (vLLM-Omni's 72 frames of left context)
+would need 8 · 71 + 2 + 10 = 580 frames to be exact: each sliding-window layer reaches 71 frames further back.
 
 The reference's `Qwen3TTSTokenizerV2Model.decode` runs `chunked_decode(chunk_size=300, left_context_size=25)`,
 which is the full forward up to 300 frames (24 s) and an approximation beyond; `decode` here is the full
