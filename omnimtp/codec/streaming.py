@@ -61,7 +61,8 @@ from omnimtp.runtime.ops import linear
 CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # One row's output-rate activations from this size on: its conv stack runs alone (`_conv_stack`). The real
-# decoders (96 channels at 24 kHz) reach it at 3 frames, the tiny test models' windows never.
+# decoders (96 channels at 24 kHz) reach it at chunks of 3 frames (1- and 2-frame chunks run batched), the tiny
+# test models' chunks never.
 ROW_STACK_BYTES = 2 << 20
 
 
