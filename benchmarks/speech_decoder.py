@@ -1,12 +1,18 @@
-"""Qwen3-TTS's 12 Hz decoder at the released widths, streamed: its large transposed convolutions as matmuls
-(the default, `CausalTransConv.MATMUL_MIN_WEIGHTS`) against torch's transposed convolution, in one process.
+"""Qwen3-TTS's 12 Hz decoder at the released widths, streamed in chunks of a fixed size: ms per frame by chunk
+size, next to the decoder's FLOP floor; with `--previous-tree DIR`, another checkout's decoder timed alternately
+with this one's (before/after a change).
 
-The decoder of `tts_realtime.py`'s checkpoint (built there first, or `--model DIR`): streamed requests of
-`--frames` frames (a 1-frame first chunk, then 25-frame chunks), alone and 8 at once, each form in turn for
-`--rounds` rounds, the best round kept. Prints ms per frame for each form, their ratio, and the decoder's floor
-on this machine (its FLOPs per frame, by torch's FLOP counter, ÷ the measured fp32 matmul peak). Writes JSON.
+The decoder of `tts_realtime.py`'s checkpoint (built there first, or `--model DIR`): `--batch-size` streams of
+`--frames` random frames decoded chunk by chunk (`decode_streams`, every chunk `--chunks` frames, the last one
+what is left), `--repeats` times per process, the best kept. Each tree runs in its own process (the previous
+tree's `omnimtp` imported from DIR), `--rounds` rounds alternating the trees, the best round kept. Prints ms per
+frame (and, load-independent, the GFLOP a frame the streamed decode runs) for each chunk size and tree, the
+streamed audio's max |Δ| against the tree's one-shot `decode` and against the other tree's streamed audio
+(relative to the peak), and the decoder's floor on this machine (its FLOPs per frame, by torch's FLOP counter on
+a 25-frame one-shot decode, ÷ the measured fp32 matmul peak). Writes JSON.
 
-    python benchmarks/speech_decoder.py [--frames 12 51] [--batch-sizes 1 8] [--rounds 3] [--threads 2]
+    git archive <commit> | tar -x -C /tmp/before      # a copy of the previous tree
+    python benchmarks/speech_decoder.py [--chunks 1 2 4 25] [--frames 50] [--previous-tree /tmp/before] [--quick]
 """
 
 from __future__ import annotations
@@ -14,78 +20,157 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
-sys.path.insert(0, os.path.dirname(__file__))
-
-from tts_realtime import build_checkpoint, decoder_flops, machine_floors  # noqa: E402
-
-from omnimtp.codec.speech_tokenizer import CausalTransConv, SpeechTokenizerDecoder  # noqa: E402
-
-FORMS = {"matmul": CausalTransConv.MATMUL_MIN_WEIGHTS, "convolution": 1 << 62}
+HERE = Path(__file__).resolve().parent
 
 
-def streamed(decoder, batch_size: int, num_frames: int, generator: torch.Generator) -> float:
-    """Seconds to decode `batch_size` streams of `num_frames` random frames chunk by chunk."""
-    bounds = [0, 1, *range(26, num_frames, 25), num_frames]
-    codes = [torch.randint(0, decoder.codebook_size, (decoder.num_quantizers, num_frames), generator=generator)
-             for _ in range(batch_size)]
-    streams = [decoder.new_stream() for _ in range(batch_size)]
-    started = time.perf_counter()
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        decoder.decode_streams(streams, [c[:, a:b] for c in codes], [b == num_frames] * batch_size)
-    return time.perf_counter() - started
+def worker(args) -> None:
+    """One tree's timings, as JSON on stdout; the streamed audio per chunk size into args.audio_out (npz)."""
+    sys.path.insert(0, str(Path(args.tree).resolve()))
+    import numpy as np
+    import torch
+
+    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
+
+    torch.set_num_threads(args.threads)
+    decoder = SpeechTokenizerDecoder.from_pretrained(Path(args.model) / "speech_tokenizer")
+    generator = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, decoder.codebook_size, (decoder.num_quantizers, args.frames), generator=generator)
+             for _ in range(args.batch_size)]
+    one_shot = decoder.decode(codes[0])
+    peak = float(np.abs(one_shot).max())
+
+    def streamed(chunk: int) -> tuple[float, np.ndarray]:
+        bounds = [*range(0, args.frames, chunk), args.frames]
+        streams = [decoder.new_stream() for _ in codes]
+        pieces = []
+        started = time.perf_counter()
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            pieces.append(decoder.decode_streams(streams, [c[:, a:b] for c in codes])[0])
+        return time.perf_counter() - started, np.concatenate(pieces)
+
+    def counted_flops(chunk: int) -> float:
+        """FLOPs a frame of the streamed decode, the row kernel off (torch's FLOP counter does not see its op;
+        the same sums run as MKL matmuls and convolutions instead)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from omnimtp.codec import streaming
+
+        kept, streaming.ROW_KERNEL_MAX_ROWS = streaming.ROW_KERNEL_MAX_ROWS, 0
+        try:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                streamed(chunk)
+        finally:
+            streaming.ROW_KERNEL_MAX_ROWS = kept
+        return counter.get_total_flops() / (args.frames * args.batch_size)
+
+    with torch.no_grad():
+        streamed(args.frames)  # warm-up: weights packed, caches filled
+        results, audio = {}, {}
+        for chunk in args.chunks:
+            seconds, audio[str(chunk)] = min((streamed(chunk) for _ in range(args.repeats)), key=lambda r: r[0])
+            results[chunk] = {"ms_per_frame": 1000 * seconds / (args.frames * args.batch_size),
+                              "max_rel_diff_vs_one_shot": float(np.abs(audio[str(chunk)] - one_shot).max()) / peak,
+                              "gflop_per_frame": counted_flops(chunk) / 1e9 if args.count_flops else None}
+    if args.audio_out:
+        np.savez(args.audio_out, peak=peak, **audio)
+    print(json.dumps(results))
+
+
+def run_worker(args, tree: str, audio_out: str) -> dict:
+    command = [sys.executable, __file__, "--worker", "--tree", tree, "--model", str(args.model),
+               "--frames", str(args.frames), "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
+               "--threads", str(args.threads), "--audio-out", audio_out, "--chunks", *map(str, args.chunks),
+               *([] if args.count_flops else ["--no-flops"])]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the worker for {tree} failed:\n{done.stderr[-4000:]}")
+    return {int(chunk): entry for chunk, entry in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Qwen3-TTS checkpoint directory (default: built at 0.6B)")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
-    parser.add_argument("--frames", type=int, nargs="+", default=[12, 51])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 25])
+    parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--previous-tree", metavar="DIR", help="also time this checkout's decoder (before/after)")
+    parser.add_argument("--quick", action="store_true", help="26 frames, one round, one repeat (a smoke run)")
+    parser.add_argument("--no-flops", dest="count_flops", action="store_false",
+                        help="skip counting each chunk size's FLOPs a frame (one more streamed pass each)")
     parser.add_argument("--out", default="benchmarks/results/speech_decoder.json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--audio-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if any(chunk < 1 for chunk in args.chunks) or args.frames < 1:
+        parser.error("--chunks and --frames must be positive")
+    if args.quick:
+        args.frames, args.rounds, args.repeats = 26, 1, 1
+
+    sys.path.insert(0, str(HERE.parent))  # this checkout, not an installed copy
+    sys.path.insert(0, str(HERE))
+    import numpy as np
+    import torch
+    from tts_realtime import build_checkpoint, decoder_flops, machine_floors
+
+    from omnimtp.codec.speech_tokenizer import SpeechTokenizerDecoder
+
+    args.model = Path(args.model) if args.model else build_checkpoint("0.6b", Path(args.cache_dir) / "qwen3-tts-0.6b")
+    machine = machine_floors(args.threads, quick=args.quick)
+    flops = decoder_flops(SpeechTokenizerDecoder.from_pretrained(args.model / "speech_tokenizer"), 25)
+    floor_ms = 1000 * flops / (machine["fp32_matmul_gflop_s"] * 1e9)
+    print(f"machine: fp32 matmul {machine['fp32_matmul_gflop_s']:.0f} GFLOP/s on {args.threads} threads; decoder "
+          f"{flops / 1e9:.2f} GFLOP a frame, floor {floor_ms:.1f} ms a frame (its FLOPs ÷ that peak)")
     torch.set_num_threads(args.threads)
-    path = Path(args.model) if args.model else build_checkpoint("0.6b", Path(args.cache_dir) / "qwen3-tts-0.6b")
-    machine = machine_floors(args.threads, quick=False)
-    decoder = SpeechTokenizerDecoder.from_pretrained(path / "speech_tokenizer")
-    peak = machine["fp32_matmul_gflop_s"]
-    floor_ms = 1000 * decoder_flops(decoder, 25) / (peak * 1e9)
-    print(f"machine: fp32 matmul {peak:.0f} GFLOP/s on {args.threads} threads; decoder floor {floor_ms:.1f} ms "
-          "a frame (its FLOPs ÷ that peak)")
-    best: dict[tuple[str, int, int], float] = {}
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        streamed(decoder, 1, 2, generator)  # warm-up
+    trees = {"current": str(HERE.parent)}
+    if args.previous_tree:
+        trees["previous"] = args.previous_tree
+    best: dict[str, dict[int, dict]] = {name: {} for name in trees}
+    with tempfile.TemporaryDirectory() as scratch:
+        audio_paths = {name: os.path.join(scratch, f"{name}.npz") for name in trees}
         for _ in range(args.rounds):
-            for form, threshold in FORMS.items():
-                CausalTransConv.MATMUL_MIN_WEIGHTS = threshold
-                for batch_size in args.batch_sizes:
-                    for frames in args.frames:
-                        seconds = streamed(decoder, batch_size, frames, generator)
-                        key = (form, batch_size, frames)
-                        best[key] = min(best.get(key, float("inf")), seconds)
-    CausalTransConv.MATMUL_MIN_WEIGHTS = FORMS["matmul"]
+            for name, tree in trees.items():
+                for chunk, entry in run_worker(args, tree, audio_paths[name]).items():
+                    if chunk not in best[name] or entry["ms_per_frame"] < best[name][chunk]["ms_per_frame"]:
+                        best[name][chunk] = entry
+        if args.previous_tree:
+            current, previous = np.load(audio_paths["current"]), np.load(audio_paths["previous"])
+            for chunk in args.chunks:
+                diff = float(np.abs(current[str(chunk)] - previous[str(chunk)]).max()) / float(previous["peak"])
+                best["current"][chunk]["max_rel_diff_vs_previous"] = diff
     rows = []
-    for batch_size in args.batch_sizes:
-        for frames in args.frames:
-            per_frame = {form: 1000 * best[form, batch_size, frames] / (batch_size * frames) for form in FORMS}
-            ratio = per_frame["convolution"] / per_frame["matmul"]
-            rows.append({"batch_size": batch_size, "frames": frames, "ms_per_frame": per_frame, "speedup": ratio,
-                         "floor_ms_per_frame": floor_ms})
-            print(f"batch {batch_size}, {frames} frames: matmul {per_frame['matmul']:.1f} ms a frame, convolution "
-                  f"{per_frame['convolution']:.1f} ({ratio:.2f}x); floor {floor_ms:.1f}")
+    for chunk in args.chunks:
+        row = {"chunk_frames": chunk, "floor_ms_per_frame": floor_ms,
+               **{name: best[name][chunk] for name in trees}}
+        rows.append(row)
+        line = f"chunks of {chunk:>2}: " + ", ".join(
+            f"{name} {best[name][chunk]['ms_per_frame']:.1f} ms a frame"
+            + (f" ({best[name][chunk]['gflop_per_frame']:.2f} GFLOP)" if args.count_flops else "") for name in trees)
+        if args.previous_tree:
+            ratio = best["previous"][chunk]["ms_per_frame"] / best["current"][chunk]["ms_per_frame"]
+            line += f" ({ratio:.2f}x); max |Δ| vs previous {best['current'][chunk]['max_rel_diff_vs_previous']:.1e}"
+        one_shot_diff = best["current"][chunk]["max_rel_diff_vs_one_shot"]
+        line += f"; vs one-shot {one_shot_diff:.1e} of the peak; floor {floor_ms:.1f}"
+        print(line)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "machine": machine, "results": rows}, f, indent=2)
+        json.dump({"config": config, "machine": machine, "decoder_gflop_per_frame": flops / 1e9,
+                   "results": rows}, f, indent=2)
     print(f"wrote {args.out}")
 
 

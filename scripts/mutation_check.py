@@ -51,6 +51,7 @@ ENGINE_ROWS = ("tests/test_engine_rows.py",)
 THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
+STREAMED_CONV = ("tests/test_codec_streaming.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
 QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
 QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
@@ -108,14 +109,14 @@ MUTATIONS = [
     # --- speech: codec ------------------------------------------------------------------------------
     Mutation(
         "codec_all_zero_audio", "omnimtp/codec/streaming.py",
-        "return wav[start - window_start : stop - window_start].float().cpu().numpy()",
-        "return (0 * wav[start - window_start : stop - window_start]).float().cpu().numpy()",
+        "audio[i] = wavs[row].float().cpu().numpy()",
+        "audio[i] = (0 * wavs[row]).float().cpu().numpy()",
         CODEC, "the streaming code2wav returns silence of the right length",
     ),
     Mutation(
         "codec_zero_first_sample_of_chunk", "omnimtp/codec/streaming.py",
-        "                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])",
-        "                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])\n"
+        "                audio[i] = wavs[row].float().cpu().numpy()",
+        "                audio[i] = wavs[row].float().cpu().numpy()\n"
         "                audio[i][:1] = 0.0",
         CODEC, "the first sample of every decoded chunk is zeroed",
     ),
@@ -133,28 +134,46 @@ MUTATIONS = [
     ),
     # --- Qwen3-TTS: the 12 Hz speech tokenizer decoder ------------------------------------------------
     Mutation(
-        "tts_codec_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
-        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames, 0) :]",
-        "stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames + 1, 0) :]",
-        SPEECH_TOKENIZER, "a chunk's conv body sees one frame of transformer output less than its exact left context",
+        "codec_causal_conv_forgets_its_tail", "omnimtp/codec/streaming.py",
+        "    return out, extended[..., x.shape[-1] :]",
+        "    return out, torch.zeros_like(extended[..., x.shape[-1] :])",
+        STREAMED_CONV, "every causal conv of the stack starts each chunk from zeros, as if the stream were new",
     ),
     Mutation(
-        "tts_codec_pre_conv_context_one_frame_less", "omnimtp/codec/speech_tokenizer.py",
-        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 1",
-        "self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 2",
-        SPEECH_TOKENIZER, "a chunk's causal pre-conv sees one quantizer frame less than its kernel needs",
+        "codec_causal_conv_tail_one_step_short", "omnimtp/codec/streaming.py",
+        "    return out, extended[..., x.shape[-1] :]",
+        "    return out, torch.cat([0 * extended[..., :1], extended[..., x.shape[-1] + 1 :]], dim=-1)",
+        STREAMED_CONV, "a causal conv keeps one input fewer than its kernel needs (the oldest zeroed)",
+    ),
+    Mutation(
+        "codec_transposed_conv_forgets_its_input", "omnimtp/codec/streaming.py",
+        "            stream.conv_states[slot] = extended[row : row + 1, :, x.shape[-1] :].clone()",
+        "            stream.conv_states[slot] = torch.zeros_like(extended[row : row + 1, :, x.shape[-1] :])",
+        STREAMED_CONV, "a transposed conv's first outputs of a chunk miss the previous chunk's last input",
+    ),
+    Mutation(
+        "codec_batch_rows_share_a_conv_state", "omnimtp/codec/streaming.py",
+        "            stream.conv_states[slot] = tail[row : row + 1].clone()  # not a view of the whole input",
+        "            stream.conv_states[slot] = tail[:1].clone()",
+        STREAMED_CONV, "every stream of a batched call keeps the first stream's causal-conv tails",
+    ),
+    Mutation(
+        "codec_transposed_conv_left_trim_every_chunk", "omnimtp/codec/streaming.py",
+        "start = tail.shape[-1] * conv.stride[0] + (module.left_pad if is_start else 0)",
+        "start = tail.shape[-1] * conv.stride[0] + module.left_pad",
+        STREAMED_CONV, "Qwen3-Omni's transposed convs drop their left trim in every chunk, not only the first",
+    ),
+    Mutation(
+        "tts_codec_pre_conv_forgets_its_tail", "omnimtp/codec/speech_tokenizer.py",
+        "latent, stream.quantized_tail = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)",
+        "latent, _ = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)",
+        SPEECH_TOKENIZER, "the causal pre-conv starts each chunk from zeros instead of the last two quantizer frames",
     ),
     Mutation(
         "tts_codec_codebook_is_the_raw_ema_sum", "omnimtp/codec/speech_tokenizer.py",
         "                module._embed = None",
         "                module._embed = module.embed_sum",
         SPEECH_TOKENIZER, "the codebook lookup uses the EMA embedding_sum without dividing by cluster_usage",
-    ),
-    Mutation(
-        "tts_codec_pre_conv_tail_is_the_last_chunk", "omnimtp/codec/speech_tokenizer.py",
-        "stream.quantized_tail = quantized[..., max(quantized.shape[-1] - self.pre_conv_context_frames, 0) :]",
-        "stream.quantized_tail = quantized[..., -block.shape[1] :]",
-        SPEECH_TOKENIZER, "the pre-conv's left context is the last chunk's frames only (short after one-frame chunks)",
     ),
     Mutation(
         "tiny_temperature_divides", "omnimtp/sampling.py",
@@ -251,9 +270,9 @@ MUTATIONS = [
         ADAPTIVE, "the prior acceptance counts what plain steps report, which verified no draft",
     ),
     Mutation(
-        "transposed_conv_matmul_overlap_added_the_wrong_way", "omnimtp/codec/speech_tokenizer.py",
-        "            out[:, j:] += taps[:, : length - j, :, j]",
-        "            out[:, : length - j] += taps[:, j:, :, j]",
+        "transposed_conv_matmul_overlap_added_the_wrong_way", "omnimtp/codec/streaming.py",
+        "        out[:, j:] += taps[:, : length - j, :, j]",
+        "        out[:, : length - j] += taps[:, j:, :, j]",
         SPEECH_TOKENIZER, "a large transposed convolution's matmul form adds each tap block to the output block "
         "before its input instead of after: the 0.6B decoder's audio is wrong",
     ),
@@ -293,8 +312,8 @@ MUTATIONS = [
         "the 0.6B Qwen3-TTS predictor's frame 2.0-2.6x slower",
     ),
     Mutation(
-        "short_transposed_convolutions_off_the_row_kernel", "omnimtp/codec/speech_tokenizer.py",
-        "packed = row_kernel_weight(self, taps_matrix, hidden_state.transpose(1, 2))",
+        "short_transposed_convolutions_off_the_row_kernel", "omnimtp/codec/streaming.py",
+        "packed = row_kernel_weight(module, taps_matrix, hidden_state.transpose(1, 2))",
         "packed = None",
         ("tests/test_speech_tokenizer.py",), "a stream's first chunk runs the 0.6B decoder's transposed "
         "convolutions on MKL's matmul and torch's reference convolution again: ~25 ms more before the first audio",

@@ -1,4 +1,5 @@
-"""Streamed code2wav == one-shot code2wav, with no samples lost at chunk boundaries."""
+"""Streamed code2wav == one-shot code2wav, with no samples lost at chunk boundaries, each chunk running its own
+frames' convolutions only (Qwen3-Omni's code2wav, and the same tests on Qwen3-TTS's 12 Hz decoder)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnimtp.codec import streaming
-from omnimtp.codec.streaming import StreamingCode2Wav, conv_receptive_field_frames
+from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
+from omnimtp.codec.streaming import StreamingCode2Wav
 from omnimtp.models.tiny import scale_code2wav_to_speech_level, tiny_qwen3_omni_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -67,13 +69,13 @@ def test_any_chunking_is_exact(code2wav, sizes, seed):
 @pytest.mark.parametrize("row_stack_bytes", [streaming.ROW_STACK_BYTES, 1])
 def test_batched_streams_equal_single_streams_bit_for_bit(code2wav, row_stack_bytes, monkeypatch):
     """A stream's samples do not depend on the other streams decoded in the same call, whether their
-    chunks have the same length or not, and whether the conv stack runs the rows batched (small windows:
-    every window of the tiny model) or one at a time (large ones: here forced by a 1-byte threshold)."""
+    chunks have the same length or not, and whether the conv stack runs the rows batched (small chunks:
+    every chunk of the tiny model) or one at a time (large ones: here forced by a 1-byte threshold)."""
     monkeypatch.setattr(streaming, "ROW_STACK_BYTES", row_stack_bytes)
     rows_per_call = []
     conv_stack = StreamingCode2Wav._conv_stack
-    monkeypatch.setattr(StreamingCode2Wav, "_conv_stack", lambda self, hidden: (
-        rows_per_call.append(hidden.shape[0]), conv_stack(self, hidden))[1])
+    monkeypatch.setattr(StreamingCode2Wav, "_conv_stack", lambda self, hidden, streams, is_start: (
+        rows_per_call.append(hidden.shape[0]), conv_stack(self, hidden, streams, is_start))[1])
     decoder = StreamingCode2Wav(code2wav)
     codes = [_codes(40, 1), _codes(40, 2), _codes(40, 3)]
     bounds = [[0, 3, 20, 40], [0, 3, 20, 40], [0, 1, 2, 40]]
@@ -83,25 +85,116 @@ def test_batched_streams_equal_single_streams_bit_for_bit(code2wav, row_stack_by
         for step in range(3)
     ]
     is_split = row_stack_bytes == 1
-    # each step: streams 0 and 1 share a window length, stream 2 has its own; split, the pair runs a row at a time
+    # each step: streams 0 and 1 share a chunk length, stream 2 has its own; split, the pair runs a row at a time
     assert rows_per_call == ([2, 1, 1, 1] if is_split else [2, 1]) * 3
     for k in range(len(codes)):
         single = np.concatenate(_stream(decoder, codes[k], bounds[k]))
         assert_audio_equal(np.concatenate([chunks[k] for chunks in batched]), single)
 
 
-def test_context_covers_the_conv_receptive_field(code2wav):
-    """Perturbing one frame of transformer output must not move samples beyond the computed reach."""
-    decoder = StreamingCode2Wav(code2wav)
-    context = conv_receptive_field_frames(code2wav)
-    hidden = torch.randn(1, 40, code2wav.config.hidden_size)
-    with torch.no_grad():
-        base = decoder._conv_stack(hidden)[0]
-        moved = hidden.clone()
-        moved[:, 0] += 1.0
-        changed = (decoder._conv_stack(moved)[0] - base).abs() > 0
-    last_changed_frame = int(changed.nonzero().max()) // 1920
-    assert 0 < last_changed_frame < context
+# --- both decoders: Qwen3-Omni's code2wav and Qwen3-TTS's 12 Hz decoder --------------------------------------
+
+# Streamed vs one-shot: the conv stack's layers run over each chunk's inputs (and their kept tails) instead of
+# the whole signal, and oneDNN rounds a convolution's sums by its input length; measured on the tiny models, the
+# conv stack alone (the same transformer output in) ≤ 3e-5 of the peak (Qwen3-TTS's unit-gain convolutions carry a
+# 1-LSB difference furthest; Qwen3-Omni's ~5e-7), the whole decoder the same; a dropped state moves it ≥ 1e-2.
+SWEEP_REL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["qwen3_omni", "qwen3_tts"])
+def decoders(request):
+    """(streaming decoder, one-shot decode of codes [16, T] → numpy, code range) of either family. Qwen3-Omni's
+    ConvNeXt blocks get unit gammas (their init, 1e-6, would make those blocks' states inaudible)."""
+    if request.param == "qwen3_omni":
+        config = tiny_qwen3_omni_config().code2wav_config
+        config.num_hidden_layers = 2
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            code2wav = Qwen3OmniMoeCode2Wav(config).eval()
+        with torch.no_grad():
+            for blocks in code2wav.upsample:
+                blocks[1].gamma.fill_(1.0)
+        scale_code2wav_to_speech_level(code2wav)
+
+        def one_shot(codes):
+            with torch.no_grad():
+                return code2wav(codes[None])[0, 0].numpy()
+        return StreamingCode2Wav(code2wav), one_shot, 128
+    tts = tiny_speech_tokenizer(seed=0)
+    return tts._streaming, tts.decode, 2048
+
+
+def _sweep_codes(num_frames, seed, code_range):
+    return torch.randint(0, code_range, (16, num_frames), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("sizes", [[1], [2], [3], [7], [25], [1, 2, 3, 7, 25, 4]], ids=lambda s: "-".join(map(str, s)))
+def test_chunk_size_sweep_joins_into_the_one_shot_decode(decoders, sizes):
+    """Chunks of 1, 2, 3, 7 and 25 frames, and mixed sizes, join into the one-shot decode (within SWEEP_REL of its
+    peak), each chunk the samples the one-shot decode has in its place (1920 a frame; Qwen3-Omni's first chunk 555
+    fewer)."""
+    decoder, one_shot, code_range = decoders
+    num_frames = max(50, sum(sizes))
+    bounds = [0]
+    while bounds[-1] < num_frames:
+        bounds.append(min(bounds[-1] + sizes[(len(bounds) - 1) % len(sizes)], num_frames))
+    codes = _sweep_codes(num_frames, len(sizes), code_range)
+    chunks = _stream(decoder, codes, bounds)
+    assert [len(c) for c in chunks] == [decoder.num_samples(b) - decoder.num_samples(a)
+                                        for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert_audio_close(np.concatenate(chunks), one_shot(codes), rel=SWEEP_REL)
+
+
+def test_every_layer_keeps_its_own_state(decoders):
+    """Each stateful layer's kept inputs reach the next chunk: zeroing any one layer's state between two chunks
+    moves that chunk beyond the streaming tolerance. The states are as wide as each layer needs: K − 1 inputs
+    (dilation included) for a causal conv, ⌈k/s⌉ − 1 for a transposed conv."""
+    decoder, _, code_range = decoders
+    codes = _sweep_codes(6, 9, code_range)
+    kinds = [decoder._kinds[m] for m in decoder.state_layers]
+    widths = {(kind, state.shape[-1]) for kind, state in zip(kinds, decoder.new_conv_states(), strict=True)}
+    # dilations 1, 3, 9; the upsamplers' transposed convs (kernel = stride) keep nothing, the blocks' one input
+    assert widths == {("causal", 6), ("causal", 18), ("causal", 54), ("transposed", 0), ("transposed", 1)}
+    reference = decoder.new_stream()
+    decoder.decode([reference], [codes[:, :3]])
+    expected = decoder.decode([reference], [codes[:, 3:]])[0]
+    peak = float(np.abs(expected).max())
+    for slot, module in enumerate(decoder.state_layers):
+        if decoder.new_conv_states()[slot].shape[-1] == 0:
+            continue  # a transposed conv whose kernel is its stride: nothing to keep
+        stream = decoder.new_stream()
+        decoder.decode([stream], [codes[:, :3]])
+        stream.conv_states[slot] = torch.zeros_like(stream.conv_states[slot])
+        moved = float(np.abs(decoder.decode([stream], [codes[:, 3:]])[0] - expected).max())
+        assert moved > 2 * SWEEP_REL * peak, (slot, type(module).__name__)
+
+
+def _conv_stack_flops(decoder, codes, history: int) -> int:
+    """FLOPs (torch's FLOP counter) of the conv stack for the chunk codes [16, n] of a stream that decoded
+    `history` zero frames before it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stream = decoder.new_stream()
+    if history:
+        decoder.decode([stream], [torch.zeros(16, history, dtype=torch.long)])
+    hidden = decoder._advance_transformer(stream, codes)[None]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        decoder._conv_stack(hidden, [stream], False)
+    return counter.get_total_flops()
+
+
+def test_a_chunk_runs_its_own_frames_convolutions_only(decoders):
+    """The conv stack's FLOPs for a chunk of n frames do not depend on what the stream decoded before (no left
+    context is recomputed), and are n frames' worth of a 25-frame chunk's plus at most 1 % (each transposed conv's
+    one kept input; measured 0.85 % at n = 1)."""
+    decoder, _, code_range = decoders
+    codes = _sweep_codes(25, 4, code_range)
+    per_frame = _conv_stack_flops(decoder, codes, 0) / 25
+    for n in (1, 2, 4):
+        flops = _conv_stack_flops(decoder, codes[:, :n], 20)
+        assert flops == _conv_stack_flops(decoder, codes[:, :n], 0) == _conv_stack_flops(decoder, codes[:, :n], 3)
+        assert n * per_frame <= flops <= 1.01 * n * per_frame
 
 
 def test_bad_codes(code2wav):

@@ -1,4 +1,5 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
+benchmarks/speech_decoder.py,
 benchmarks/decode_attention.py, benchmarks/moe_experts.py and benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
@@ -117,6 +118,30 @@ def test_omni_codec_quick_run_reports_every_part(tmp_path):
         entry = results["batches"][batch_size]
         assert set(entry["ms_per_frame"]) == {"reference", "fp32", "bf16"} and min(entry["ms_per_frame"].values()) > 0
         assert 20 <= entry["bf16_snr_db"] < 60 and entry["fp32_rms"] > 0.01
+
+
+def test_speech_decoder_quick_run_compares_two_trees(tmp_path):
+    """benchmarks/speech_decoder.py --quick on a tiny decoder, this checkout against itself as the previous tree:
+    every chunk size timed in both, the same audio bit for bit, within streaming rounding of the one-shot decode,
+    and (the stateful conv stack) as many FLOPs a frame in 1-frame chunks as in 3-frame ones, within 2 %."""
+    from omnimtp.codec.speech_tokenizer import tiny_speech_tokenizer
+
+    tiny_speech_tokenizer(0).save_pretrained(tmp_path / "model" / "speech_tokenizer")
+    out = tmp_path / "speech_decoder.json"
+    _run(["benchmarks/speech_decoder.py", "--model", str(tmp_path / "model"), "--quick", "--chunks", "1", "3",
+          "--threads", "1", "--previous-tree", str(ROOT), "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["decoder_gflop_per_frame"] > 0
+    rows = {row["chunk_frames"]: row for row in results["results"]}
+    assert set(rows) == {1, 3}
+    for row in rows.values():
+        assert row["floor_ms_per_frame"] > 0
+        assert row["current"]["ms_per_frame"] > 0 and row["previous"]["ms_per_frame"] > 0
+        assert row["current"]["max_rel_diff_vs_previous"] == 0
+        assert row["current"]["max_rel_diff_vs_one_shot"] < 1e-4
+        assert row["current"]["gflop_per_frame"] == row["previous"]["gflop_per_frame"]
+    assert rows[3]["current"]["gflop_per_frame"] <= rows[1]["current"]["gflop_per_frame"] <= (
+        1.02 * rows[3]["current"]["gflop_per_frame"])
 
 
 def test_decode_attention_quick_run_reports_every_length(tmp_path):

@@ -18,14 +18,13 @@ from omnimtp.codec.speech_tokenizer import (
     real_size_config,
     tiny_speech_tokenizer,
 )
-from omnimtp.codec.streaming import conv_receptive_field_frames
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Streamed vs one-shot: the transformer's KV-cache path (n new frames against the cached ones) rounds its
-# matmuls differently from the full-sequence forward (~1e-6 on its output); the unit-gain conv body
-# carries that to ~3e-5 of the peak (measured). One frame less of left context is off by 2e-3 to 4e-3 (the
-# dropped frame reaches only the chunk's first samples, through the edge of the conv body's reach).
+# matmuls differently from the full-sequence forward (~1e-6 on its output), and the conv body's layers run over
+# each chunk's inputs and their kept tails (oneDNN blocks a convolution's sums by its input's length); the
+# unit-gain conv body carries either to ~3e-5 of the peak (measured).
 STREAM_REL = 1e-4
 # Ours vs the reference: the same modules' math; measured bit for bit at 40 frames and 1.4e-5 of the peak at
 # one frame (the attention of a one-frame sequence takes another SDPA path on one side).
@@ -171,26 +170,35 @@ def test_any_chunking_joins_into_the_one_shot_decode(decoder, sizes, seed):
     assert_audio_close(np.concatenate(_stream(decoder, codes, bounds)), decoder.decode(codes), rel=STREAM_REL)
 
 
-def test_the_left_context_is_exact(decoder):
-    """2 frames of quantizer output for the pre-conv and 10 of transformer output for the conv body (the same
-    10 at the real widths); one frame less of either moves the audio far beyond the streaming tolerance."""
-    streaming = decoder._streaming
-    assert (streaming.pre_conv_context_frames, streaming.conv_context_frames) == (2, 10)
+def test_the_pre_conv_keeps_its_last_inputs(decoder):
+    """The causal pre-conv (kernel 3) keeps its last 2 quantizer frames between chunks: zeroing them, or keeping
+    one frame fewer, moves the next chunk far beyond the streaming tolerance. (The conv body's states:
+    tests/test_codec_streaming.py, on this decoder and on Qwen3-Omni's.)"""
+    codes = _codes(6, 7)
+    stream = decoder.new_stream()
+    assert stream.quantized_tail.shape == (1, decoder.codebook_dim, 2)
+    decoder.decode_streams([stream], [codes[:, :3]])
+    expected = decoder.decode_streams([stream], [codes[:, 3:]])[0]
+    peak = float(np.abs(expected).max())
+    for spoil in (torch.zeros_like, lambda tail: torch.cat([torch.zeros_like(tail[..., :1]), tail[..., 1:]], -1)):
+        stream = decoder.new_stream()
+        decoder.decode_streams([stream], [codes[:, :3]])
+        stream.quantized_tail = spoil(stream.quantized_tail)
+        moved = float(np.abs(decoder.decode_streams([stream], [codes[:, 3:]])[0] - expected).max())
+        assert moved > 5 * STREAM_REL * peak
+
+
+def test_a_streams_conv_state_at_the_released_widths():
+    """At the released widths a stream's conv body keeps 22 tails, 134,208 values (0.54 MB in fp32): per layer its
+    kernel's reach at its own rate (6, 18, 54 for the residual units' dilations 1, 3, 9; one input for each
+    decoder block's transposed conv, none for the upsamplers', whose kernel is their stride)."""
     with torch.device("meta"):
         real = SpeechTokenizerDecoder(real_size_config())
-    assert conv_receptive_field_frames(real) == 10 and real.samples_per_frame == 1920
-    codes = _codes(40, 7)
-    one_shot = decoder.decode(codes)
-    peak = float(np.abs(one_shot).max())
-    bounds = [0, 1, 13, 26, 40]
-    for name in ("pre_conv_context_frames", "conv_context_frames"):
-        exact = getattr(streaming, name)
-        setattr(streaming, name, exact - 1)
-        try:
-            short = np.concatenate(_stream(decoder, codes, bounds))
-        finally:
-            setattr(streaming, name, exact)
-        assert np.abs(short - one_shot).max() > 5 * STREAM_REL * peak, name
+    states = real._streaming.new_conv_states()
+    widths = [state.shape[-1] for state in states]
+    assert widths == [0, 6, 0, 6, 6] + [1, 6, 18, 54] * 4 + [6]
+    assert sum(state.numel() for state in states) == 134_208
+    assert real.new_stream().quantized_tail.shape == (1, 512, 2)
 
 
 def test_batched_streams_equal_single_streams_bit_for_bit(decoder):
@@ -256,7 +264,7 @@ def test_transposed_convolutions_as_matmuls_keep_every_guarantee(decoder, saved,
     assert len(layers) >= 4 and all(m.conv.weight.numel() < streaming.ROW_KERNEL_MIN_WEIGHTS for m in layers)
     assert {m.conv.kernel_size[0] // m.conv.stride[0] for m in layers} == {1, 2}  # the upsamplers; the blocks
     if form == "matmul":
-        monkeypatch.setattr(CausalTransConv, "MATMUL_MIN_WEIGHTS", 0)
+        monkeypatch.setattr(streaming, "TRANSPOSED_MATMUL_MIN_WEIGHTS", 0)
         monkeypatch.setattr(streaming, "ROW_KERNEL_MAX_ROWS", 0)
     elif small_batch_linear.available():
         monkeypatch.setattr(streaming, "ROW_KERNEL_MIN_WEIGHTS", 0)

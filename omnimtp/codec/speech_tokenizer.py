@@ -15,16 +15,17 @@ right, so the decoder is causal to the sample — frame t's 1920 samples depend 
 frames give exactly 1920·T samples (Qwen3-Omni's give 1920·T − 555).
 
 Streaming (`new_stream` / `decode_streams`) is `omnimtp.codec.streaming.StreamingCode2Wav` with this model's
-front end. A chunk's left context, all of it computed from the modules:
-- pre-conv: its kernel − 1 = 2 frames of quantizer output;
+front end. A stream keeps exactly what its next chunk needs, all of it sized from the modules:
+- pre-conv: its last kernel − 1 = 2 frames of quantizer output (`causal_conv_step`);
 - transformer: its KV cache (the sliding-window cache keeps each layer's last 71 frames, all a query sees);
-- conv body: `conv_receptive_field_frames` = 10 frames of transformer output at the real dims: the first
-  sample of frame a depends on frame a − 10 and on none before (walk back from sample 1920·a: the final
-  conv 6 samples, each block's residual units 6 + 18 + 54 and its transposed conv (kernel 2r, stride r)
-  down to 640a − 29, 160a − 28, 32a − 23, 4a − 14; the first conv and each ConvNeXt 6 more, each ×2
-  upsampler halving: 2a − 13, then a − 10).
-A decoder that re-ran everything from codes (vLLM-Omni's 72 frames of left context) would need
-8 · 71 + 2 + 10 = 580 frames to be exact: each sliding-window layer reaches 71 frames further back.
+- conv body: every convolution's last inputs at its own rate — 6 for the first and last convs and each
+  ConvNeXt's depthwise conv, 6 / 18 / 54 for the residual units' dilations 1 / 3 / 9, one input for each
+  decoder block's transposed conv (kernel 2r, stride r), none for the ×2 upsamplers (kernel = stride): 22
+  tails, 134,208 values at the released widths.
+So a chunk of n frames runs n frames of convolution whatever n (a 1-frame chunk recomputes no left context:
+the first sample of frame a reaches back to frame a − 10 through the conv body, and those frames' work is
+what the tails hold). A decoder that re-ran everything from codes (vLLM-Omni's 72 frames of left context)
+would need 8 · 71 + 2 + 10 = 580 frames to be exact: each sliding-window layer reaches 71 frames further back.
 
 The reference's `Qwen3TTSTokenizerV2Model.decode` runs `chunked_decode(chunk_size=300, left_context_size=25)`,
 which is the full forward up to 300 frames (24 s) and an approximation beyond; `decode` here is the full
@@ -45,7 +46,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -61,10 +61,14 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
-from omnimtp.codec.streaming import CodecStream, StreamingCode2Wav, cast_conv_stack, row_kernel_weight
+from omnimtp.codec.streaming import (
+    CodecStream,
+    StreamingCode2Wav,
+    cast_conv_stack,
+    causal_conv_step,
+    transposed_conv_as_matmul,
+)
 from omnimtp.models.tiny import TINY_SPEECH_RMS
-from omnimtp.runtime.decoder import ROW_KERNEL
-from omnimtp.runtime.ops import linear
 
 SAMPLE_RATE = 24000
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
@@ -110,47 +114,13 @@ class CausalTransConv(Qwen3OmniMoeCausalTransConvNet):
         self.left_pad = 0
         self.right_pad = kernel_size - stride
 
-    # weights from which the matmul form runs. Measured at 2 threads on a 2-core AVX2 EPYC, one request: the
-    # 0.6B decoder's 1536 → 768 kernel-16 block (18.9 M weights) took 15–90 ms a call as a convolution for
-    # inputs of 2 to 48 steps (oneDNN, or torch's reference path for some lengths) and 6–21 ms as a matmul;
-    # its 2.9 M-weight 768 → 384 block was about even, the smaller ones faster as convolutions. The whole
-    # streamed decoder gains less: 0.99–1.12x (`benchmarks/speech_decoder.py`).
-    MATMUL_MIN_WEIGHTS = 8_000_000
-    # Short inputs (a stream's first chunks, up to `streaming.ROW_KERNEL_MAX_ROWS` input steps) run the matmul
-    # on omnimtp's row kernel (`row_kernel_weight`), whatever the layer's size above the kernel's minimum. The
-    # 0.6B decoder's 1536 → 768 block, 2 threads, 2-core AVX2 EPYC: 4 input steps 22 → 4.0 ms, 16 steps 18.9 →
-    # 10.7, 64 steps 57 → 46 (MKL's matmul won from ~100); its 1024 → 1024 upsamplers at 2 steps ran torch's
-    # reference convolution, 6.8 ms.
-
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        """[B, C_in, L] → [B, C_out, L·stride]. A large layer, or a short input of a layer the row kernel takes, runs as
-        one matmul of every input step by all kernel taps, then the overlapping taps added (kernel = m·stride;
-        output block u sums tap block j of input u − j): the convolution's sums in another order (within
-        2e-6 of its output's peak)."""
-        conv = self.conv
-        (stride,), (kernel,) = conv.stride, conv.kernel_size
-        if (
-            kernel % stride or conv.padding != (0,) or conv.dilation != (1,) or conv.groups != 1
-            or conv.output_padding != (0,)
-        ):
+        """[B, C_in, L] → [B, C_out, L·stride]. A large layer, or a short input of a layer the row kernel takes,
+        runs as a matmul (`streaming.transposed_conv_as_matmul`: within 2e-6 of the convolution's peak)."""
+        out = transposed_conv_as_matmul(self, hidden_state)
+        if out is None:
             return super().forward(hidden_state)
-        batch, _, length = hidden_state.shape
-        taps_matrix = conv.weight.flatten(1).t()  # [C_out·K, C_in]
-        packed = row_kernel_weight(self, taps_matrix, hidden_state.transpose(1, 2))
-        if packed is None and conv.weight.numel() < self.MATMUL_MIN_WEIGHTS:
-            return super().forward(hidden_state)
-        out_channels, num_blocks = conv.weight.shape[1], kernel // stride
-        rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
-        if packed is not None:  # every row on its own: no `RowwiseMatmuls` needed
-            taps = linear(rows, taps_matrix, packed=packed, gemm=ROW_KERNEL)
-        else:  # [B, L, C_out·K]; F.linear so that `RowwiseMatmuls` runs it one request at a time
-            taps = F.linear(rows, taps_matrix, None)
-        taps = taps.view(batch, length, out_channels, num_blocks, stride)
-        out = taps[:, :, :, 0].clone()  # [B, L, C_out, stride]
-        for j in range(1, num_blocks):
-            out[:, j:] += taps[:, : length - j, :, j]
-        out = out.permute(0, 2, 1, 3).reshape(batch, out_channels, length * stride)
-        return out if conv.bias is None else out + conv.bias[:, None]
+        return out if self.conv.bias is None else out + self.conv.bias[:, None]
 
 
 class DecoderTransformer(Qwen3OmniMoeCode2WavTransformerModel):
@@ -169,9 +139,9 @@ class DecoderTransformer(Qwen3OmniMoeCode2WavTransformerModel):
 
 @dataclass
 class SpeechTokenizerStream(CodecStream):
-    """`CodecStream` plus the last quantizer frames (the pre-conv's left context)."""
+    """`CodecStream` plus the pre-conv's state: its last kernel − 1 input frames."""
 
-    quantized_tail: torch.Tensor | None = None  # [1, codebook_dim, ≤ 2]
+    quantized_tail: torch.Tensor | None = None  # [1, codebook_dim, 2]
 
 
 class SpeechTokenizerDecoder(nn.Module):
@@ -372,31 +342,22 @@ class SpeechTokenizerDecoder(nn.Module):
 
 
 class _StreamingDecoder(StreamingCode2Wav):
-    """`StreamingCode2Wav` whose transformer input comes through the split RVQ and the causal pre-conv."""
-
-    def __init__(self, decoder: SpeechTokenizerDecoder):
-        super().__init__(decoder)
-        self.pre_conv_context_frames = decoder.pre_conv.kernel_size - 1
+    """`StreamingCode2Wav` whose transformer input comes through the split RVQ and the causal pre-conv (a stateful
+    convolution too: `causal_conv_step`)."""
 
     def new_stream(self) -> SpeechTokenizerStream:
         decoder = self.code2wav
-        param = decoder.pre_conv.conv.weight
         return SpeechTokenizerStream(
             cache=DynamicCache(config=decoder.config),
-            hidden_tail=param.new_zeros((0, decoder.latent_dim)),
-            quantized_tail=param.new_zeros((1, decoder.codebook_dim, 0)),
+            conv_states=self.new_conv_states(),
+            quantized_tail=decoder.pre_conv.conv.weight.new_zeros((1, decoder.codebook_dim, decoder.pre_conv.padding)),
         )
 
     def _advance_transformer(self, stream: SpeechTokenizerStream, block: torch.Tensor) -> torch.Tensor:
         decoder = self.code2wav
-        num_new = block.shape[1]
-        quantized = torch.cat([stream.quantized_tail, decoder.quantizer.decode(block[None])], dim=-1)
-        stream.quantized_tail = quantized[..., max(quantized.shape[-1] - self.pre_conv_context_frames, 0) :]
-        latent = decoder.pre_conv(quantized)[..., -num_new:]  # [1, latent, n]
-        hidden = decoder.pre_transformer.project(latent.transpose(1, 2), cache=stream.cache)[0]  # [n, latent]
-        window = torch.cat([stream.hidden_tail, hidden])  # [C' + n, latent]
-        stream.hidden_tail = window[max(window.shape[0] - self.conv_context_frames, 0) :]
-        return window
+        quantized = decoder.quantizer.decode(block[None])  # [1, codebook_dim, n]
+        latent, stream.quantized_tail = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)
+        return decoder.pre_transformer.project(latent.transpose(1, 2), cache=stream.cache)[0]  # [n, latent]
 
 
 def tiny_speech_tokenizer(seed: int = 0, **decoder_overrides) -> SpeechTokenizerDecoder:

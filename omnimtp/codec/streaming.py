@@ -1,22 +1,35 @@
-"""Streamed Qwen3-Omni code2wav whose chunks join into exactly the one-shot decode.
+"""Streamed code2wav whose chunks join into exactly the one-shot decode, each chunk costing its own frames only.
 
 transformers' `Qwen3OmniMoeCode2Wav` is: code embedding → a sliding-window transformer (72 frames,
 stacked, so its reach grows with depth) → a causal conv / transposed-conv stack up to 1920 samples per
 frame. A one-shot decode of F frames gives 1920·F − 555 samples: the transposed convolutions look one
-input step ahead, so the last 555 samples would need frames that do not exist yet.
+input step ahead, so the last 555 samples would need frames that do not exist yet. (Qwen3-TTS's 12 Hz
+decoder, `omnimtp.codec.speech_tokenizer`, runs the same stack with transposed convolutions trimmed on the
+right only: 1920·F samples, none held back.)
 
 We stream it in two parts, both exact:
 - the transformer runs incrementally with its own KV cache (the sliding-window cache keeps the last 71
   frames of every layer), so its output for a chunk equals the one-shot output;
-- the conv stack re-runs over `conv_context_frames` frames of transformer output before the chunk (its
-  left receptive field, computed from the modules' kernels, dilations and strides), and we keep only the
-  samples the previous chunks could not produce yet: chunk [a, b) emits global samples
-  [1920·a − 555, 1920·b − 555) (from 0 for the first chunk). Nothing is lost at chunk boundaries and
-  the concatenation of all chunks equals the one-shot decode of all frames.
+- the conv stack is stateful: every layer keeps, per stream, exactly the inputs its next chunk needs from
+  before it, at its own rate, so a chunk of n frames runs n frames' worth of convolution, whatever n:
+  - a causal convolution of effective kernel K (dilation included) keeps its last K − 1 inputs (zeros
+    before the first: its causal pad);
+  - a transposed convolution (kernel k, stride s) keeps its last ⌈k/s⌉ − 1 inputs (one, for the stack's
+    k = 2s; none for k = s) and runs over them and the chunk's inputs, so each output it emits is the one
+    sum a whole-signal run makes; it emits the n·s outputs no later input reaches (the rest come with the
+    next chunk) and, in a stream's first chunk, drops the layer's left trim (Qwen3-Omni: s; Qwen3-TTS: none);
+  - a ConvNeXt block's depthwise convolution and a residual unit's dilated convolution keep their tails as
+    above; SnakeBeta, LayerNorm and pointwise convolutions work step by step and keep nothing.
+  Chunk [a, b) then emits global samples [1920·a − 555, 1920·b − 555) (from 0 for the first chunk), and
+  the concatenation of all chunks equals the one-shot decode of all frames up to float rounding (oneDNN
+  blocks a convolution's sums by its input's length, and a short chunk runs on the row kernel).
 
     decoder = StreamingCode2Wav(model.code2wav)
     stream = decoder.new_stream()
     audio = decoder.decode([stream], [codes])     # codes [G, n] → [float32 numpy of 1920·n (− 555 once)]
+
+Streams decoded in one call whose chunks have the same length (and, for a stack that trims on the left,
+the same is-first) run the stack batched, each with its own states.
 
 The conv stack holds nearly all of the arithmetic. `conv_dtype=torch.bfloat16` runs it on the CPU's bf16
 instructions where it has them (AVX512_BF16), on a bf16 copy of the stack: an opt-in (`codec_dtype`, one of
@@ -48,7 +61,8 @@ from omnimtp.runtime.ops import linear
 CODEC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # One row's output-rate activations from this size on: its conv stack runs alone (`_conv_stack`). The real
-# decoders (96 channels at 24 kHz) reach it at 3 frames, the tiny test models' windows never.
+# decoders (96 channels at 24 kHz) reach it at chunks of 3 frames (1- and 2-frame chunks run batched), the tiny
+# test models' chunks never.
 ROW_STACK_BYTES = 2 << 20
 
 
@@ -57,7 +71,10 @@ class CodecStream:
     """One request's decoder state."""
 
     cache: DynamicCache
-    hidden_tail: torch.Tensor  # [C', Hc] the last transformer output frames (C' <= conv_context_frames)
+    # per stateful layer of the conv stack, in the order the signal meets them (`StreamingCode2Wav.state_layers`):
+    # its last inputs [1, C_in, K − 1] (a causal conv of effective kernel K) or [1, C_in, ⌈k/s⌉ − 1] (a transposed
+    # conv)
+    conv_states: list[torch.Tensor]
     num_frames: int = 0  # frames decoded so far
 
 
@@ -85,7 +102,10 @@ class StreamingCode2Wav:
         use_row_kernel_layers(code2wav)
         self.samples_per_frame = int(code2wav.total_upsample)
         self.num_lost_samples = _num_lost_samples(code2wav)
-        self.conv_context_frames = conv_receptive_field_frames(code2wav)
+        self._kinds = _stream_kinds(code2wav)
+        # the layers that keep a state per stream, in the order the signal meets them
+        self.state_layers = [m for m in _conv_stack_modules(code2wav) if self._kinds.get(m) in ("causal", "transposed")]
+        self._state_slot = {module: slot for slot, module in enumerate(self.state_layers)}
         # channels of one row's output-rate activations (the last conv's input: the largest tensors)
         last_conv = [m for m in _conv_stack_modules(code2wav) if isinstance(m, torch.nn.Conv1d)][-1]
         self._output_rate_channels = last_conv.in_channels
@@ -102,12 +122,21 @@ class StreamingCode2Wav:
         return self.samples_per_frame * self._output_rate_channels * self.conv_dtype.itemsize
 
     def new_stream(self) -> CodecStream:
-        hidden_size = self.code2wav.config.hidden_size
-        param = next(self.code2wav.parameters())
-        return CodecStream(
-            cache=DynamicCache(config=self.code2wav.config),
-            hidden_tail=param.new_zeros((0, hidden_size)),
-        )
+        return CodecStream(cache=DynamicCache(config=self.code2wav.config), conv_states=self.new_conv_states())
+
+    def new_conv_states(self) -> list[torch.Tensor]:
+        """A new stream's conv states: zeros (a causal conv's pad; a transposed conv's zero input before the first
+        adds nothing)."""
+        param = next(self.code2wav.upsample.parameters())
+        states = []
+        for module in self.state_layers:
+            conv = module.conv
+            if self._kinds[module] == "causal":
+                width = module.padding
+            else:
+                width = -(-conv.kernel_size[0] // conv.stride[0]) - 1
+            states.append(param.new_zeros((1, conv.in_channels, width)))
+        return states
 
     def num_samples(self, num_frames: int) -> int:
         """Samples of the one-shot decode of `num_frames` frames."""
@@ -120,58 +149,154 @@ class StreamingCode2Wav:
         not depend on the other streams of the call."""
         if len(streams) != len(codes):
             raise ValueError(f"codes: {len(codes)} code blocks for {len(streams)} streams")
-        windows = []
-        for stream, block in zip(streams, codes, strict=True):
+        for block in codes:
             if block.dim() != 2 or block.shape[0] != self.code2wav.config.num_quantizers or block.shape[1] == 0:
                 raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], "
                                  f"got {tuple(block.shape)}")
-            windows.append(self._advance_transformer(stream, block))  # [C + n, Hc]
-        groups: dict[int, list[int]] = {}
-        for i, window in enumerate(windows):
-            groups.setdefault(window.shape[0], []).append(i)
+        hiddens = [self._advance_transformer(stream, block) for stream, block in zip(streams, codes, strict=True)]
+        # a stack that trims on the left does so in a stream's first chunk only: first chunks run apart
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (stream, hidden) in enumerate(zip(streams, hiddens, strict=True)):
+            is_start = stream.num_frames == 0 and self.num_lost_samples > 0
+            groups.setdefault((hidden.shape[0], is_start), []).append(i)
         audio: list[np.ndarray | None] = [None] * len(streams)
-        for members in groups.values():
-            wavs = self._conv_stack(torch.stack([windows[i] for i in members]))  # [m, S]
+        for (_, is_start), members in groups.items():
+            wavs = self._conv_stack(torch.stack([hiddens[i] for i in members]), [streams[i] for i in members],
+                                    is_start)  # [m, S]
             for row, i in enumerate(members):
-                audio[i] = self._new_samples(streams[i], codes[i].shape[1], windows[i].shape[0], wavs[row])
+                streams[i].num_frames += codes[i].shape[1]
+                audio[i] = wavs[row].float().cpu().numpy()
         return audio
 
     def _advance_transformer(self, stream: CodecStream, block: torch.Tensor) -> torch.Tensor:
+        """block [G, n] → the transformer's output for its frames [n, Hc], the stream's KV cache advanced."""
         c2w = self.code2wav
         offsets = c2w.code_offset[0]  # [G, 1]
         embeds = c2w.code_embedding(block + offsets).mean(0)  # [n, Hc]
         hidden = c2w.pre_transformer(inputs_embeds=embeds[None], cache=stream.cache, use_cache=True)
-        window = torch.cat([stream.hidden_tail, hidden.last_hidden_state[0]])  # [C' + n, Hc]
-        stream.hidden_tail = window[-self.conv_context_frames :]
-        return window
+        return hidden.last_hidden_state[0]
 
-    def _conv_stack(self, hidden: torch.Tensor) -> torch.Tensor:
-        """transformers' Code2Wav forward after its transformer: [m, T, Hc] → [m, S]. Row i's samples are
-        bit for bit those of `_conv_stack(hidden[i:i+1])`: rows whose output-rate activations take
-        ROW_STACK_BYTES or more run the stack one at a time (a batch of them would not stay in the CPU's
+    def _conv_stack(self, hidden: torch.Tensor, streams: list[CodecStream], is_start: bool) -> torch.Tensor:
+        """transformers' Code2Wav forward after its transformer, continuing each stream's conv states:
+        hidden [m, n, Hc] (row i: streams[i]'s next n frames) → [m, S] the new samples (S = 1920·n, less
+        the stack's left trims where is_start: the streams' first chunk). Row i's samples are bit for bit
+        those of `_conv_stack(hidden[i:i+1], streams[i:i+1], is_start)`: rows whose output-rate activations
+        take ROW_STACK_BYTES or more run the stack one at a time (a batch of them would not stay in the CPU's
         cache, and every activation and residual add would stream from memory: the 0.6B Qwen3-TTS decoder
         at 8 streams of 12 frames took 1.25x the time batched, 2 threads, 2-core AVX2), smaller ones batched,
         with `RowwiseMatmuls`."""
         rows, frames = hidden.shape[:2]
         if rows > 1 and frames * self.output_rate_bytes_per_frame >= ROW_STACK_BYTES:
-            return torch.cat([self._conv_stack(hidden[i : i + 1]) for i in range(rows)])
+            return torch.cat([self._conv_stack(hidden[i : i + 1], streams[i : i + 1], is_start) for i in range(rows)])
         hidden = hidden.permute(0, 2, 1).to(self.conv_dtype)
-        with RowwiseMatmuls() if hidden.shape[0] > 1 else contextlib.nullcontext():  # the mode costs per op
+        with RowwiseMatmuls() if rows > 1 else contextlib.nullcontext():  # the mode costs per op
             for blocks in self.code2wav.upsample:
                 for block in blocks:
-                    hidden = block(hidden)
+                    hidden = self._layer(block, hidden, streams, is_start)
             wav = hidden
             for block in self.code2wav.decoder:
-                wav = block(wav)
+                wav = self._layer(block, wav, streams, is_start)
         return wav.clamp(min=-1, max=1)[:, 0]
 
-    def _new_samples(self, stream: CodecStream, num_new: int, window_frames: int, wav: torch.Tensor) -> np.ndarray:
-        first_frame = stream.num_frames
-        window_start = (first_frame + num_new - window_frames) * self.samples_per_frame  # global sample of wav[0]
-        start = self.num_samples(first_frame)
-        stop = self.num_samples(first_frame + num_new)
-        stream.num_frames += num_new
-        return wav[start - window_start : stop - window_start].float().cpu().numpy()
+    def _layer(self, module, x: torch.Tensor, streams: list[CodecStream], is_start: bool) -> torch.Tensor:
+        """One module of the stack over x [m, C, L], its stateful convolutions continuing the streams' states;
+        the same ops in the same order as the module's forward otherwise."""
+        kind = self._kinds[module]
+        if kind == "causal":
+            return self._causal_conv(module, x, streams)
+        if kind == "transposed":
+            return self._transposed_conv(module, x, streams, is_start)
+        if kind == "convnext":  # transformers' ConvNeXt block, its depthwise convolution stateful
+            hidden = self._causal_conv(module.dwconv, x, streams).permute(0, 2, 1)
+            hidden = module.pwconv2(module.act(module.pwconv1(module.norm(hidden))))
+            return x + (module.gamma * hidden).permute(0, 2, 1)
+        if kind == "residual":  # transformers' residual unit, its dilated convolution stateful
+            hidden = self._causal_conv(module.conv1, module.act1(x), streams)
+            return module.conv2(module.act2(hidden)) + x
+        if kind == "block":
+            for part in module.block:
+                x = self._layer(part, x, streams, is_start)
+            return x
+        return module(x)  # "stepwise": SnakeBeta, a pointwise convolution
+
+    def _causal_conv(self, module, x: torch.Tensor, streams: list[CodecStream]) -> torch.Tensor:
+        slot = self._state_slot[module]
+        tail = torch.cat([stream.conv_states[slot] for stream in streams])  # [m, C_in, K − 1]
+        out, tail = causal_conv_step(module, x, tail)
+        for row, stream in enumerate(streams):
+            stream.conv_states[slot] = tail[row : row + 1].clone()  # not a view of the whole input
+        return out
+
+    def _transposed_conv(self, module, x: torch.Tensor, streams: list[CodecStream], is_start: bool) -> torch.Tensor:
+        """[m, C_in, L] → [m, C_out, L·s] (less the left trim where is_start): the outputs of the L new inputs
+        that no later input reaches, computed over the kept last ⌈k/s⌉ − 1 inputs too, so that each is the one
+        sum a whole-signal run makes (the matmul form's in its order)."""
+        conv = module.conv
+        slot = self._state_slot[module]
+        tail = torch.cat([stream.conv_states[slot] for stream in streams])  # [m, C_in, ⌈k/s⌉ − 1]
+        extended = torch.cat([tail, x], dim=-1)
+        for row, stream in enumerate(streams):
+            stream.conv_states[slot] = extended[row : row + 1, :, x.shape[-1] :].clone()
+        start = tail.shape[-1] * conv.stride[0] + (module.left_pad if is_start else 0)
+        stop = extended.shape[-1] * conv.stride[0]
+        out = transposed_conv_as_matmul(module, extended)  # [m, C_out, stop], no bias
+        if out is None:
+            return conv(extended)[..., start:stop].contiguous()
+        out = out[..., start:]
+        return out.contiguous() if conv.bias is None else out + conv.bias[:, None]
+
+
+def causal_conv_step(module, x: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' causal convolution of stride 1 over x [B, C_in, L] continuing the inputs whose last K − 1
+    steps are tail [B, C_in, K − 1] (zeros before a signal's first step: the module's own pad) → (out
+    [B, C_out, L], the next tail: the last K − 1 steps of tail ++ x, a view). The module's forward over the
+    whole signal gives the same outputs, up to float rounding where one of the two runs on the row kernel."""
+    extended = torch.cat([tail, x], dim=-1)  # [B, C_in, K − 1 + L]
+    out = conv_on_row_kernel(module, extended)
+    if out is None:
+        out = module.conv(extended)
+    return out, extended[..., x.shape[-1] :]
+
+
+def _stream_kinds(code2wav) -> dict:
+    """How `StreamingCode2Wav._layer` runs each module of the conv stack it meets; a ValueError for a
+    stack it cannot stream exactly (a strided causal conv; a transposed conv with padding, or trimmed
+    otherwise than its whole overlap, at most a stride of it on the left)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeCausalConvNet,
+        Qwen3OmniMoeCausalTransConvNet,
+        Qwen3OmniMoeCode2WavDecoderBlock,
+        Qwen3OmniMoeCode2WavDecoderResidualUnit,
+        Qwen3OmniMoeConvNeXtBlock,
+        Qwen3OmniMoeSnakeBeta,
+    )
+
+    kinds = {}
+    for module in _conv_stack_modules(code2wav):
+        if isinstance(module, Qwen3OmniMoeCausalConvNet):
+            if module.stride != 1:
+                raise ValueError(f"code2wav: a causal conv of stride {module.stride} cannot be streamed")
+            kinds[module] = "causal" if module.padding > 0 else "stepwise"
+        elif isinstance(module, Qwen3OmniMoeCausalTransConvNet):
+            conv = module.conv
+            (kernel,), (stride,) = conv.kernel_size, conv.stride
+            if (conv.padding != (0,) or conv.output_padding != (0,) or conv.dilation != (1,)
+                    or module.right_pad != kernel - stride or module.left_pad > stride):
+                raise ValueError("code2wav: a transposed conv trimmed otherwise than its overlap cannot be streamed")
+            kinds[module] = "transposed"
+        elif isinstance(module, Qwen3OmniMoeConvNeXtBlock):
+            kinds[module] = "convnext"
+        elif isinstance(module, Qwen3OmniMoeCode2WavDecoderResidualUnit):
+            kinds[module] = "residual"
+        elif isinstance(module, Qwen3OmniMoeCode2WavDecoderBlock):
+            kinds[module] = "block"
+        elif isinstance(module, Qwen3OmniMoeSnakeBeta):
+            kinds[module] = "stepwise"
+    top_level = [m for blocks in code2wav.upsample for m in blocks] + list(code2wav.decoder)
+    unknown = sorted({type(m).__name__ for m in top_level if m not in kinds})
+    if unknown:
+        raise ValueError(f"code2wav: its conv stack holds modules that cannot be streamed: {unknown}")
+    return kinds
 
 
 class InplaceSnakeBeta(Qwen3OmniMoeSnakeBeta):
@@ -249,28 +374,80 @@ class RowKernelLinear(torch.nn.Linear):
 
 
 def causal_conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, hidden_state: torch.Tensor) -> torch.Tensor | None:
-    """transformers' causal convolution of stride 1 as one matmul on omnimtp's row kernel (every output step's
-    window of inputs, all kernel taps, by the weight [C_out, C_in·k]): hidden_state [B, C_in, L] → [B, C_out,
-    L], the convolution's sums in another order; None where `row_kernel_weight` does not apply (or a stride or
-    groups other than 1)."""
+    """transformers' causal convolution of stride 1 over hidden_state [B, C_in, L] (its causal left pad of zeros
+    included) on omnimtp's row kernel: `conv_on_row_kernel`."""
+    extended = hidden_state if module.padding == 0 else F.pad(hidden_state, (module.padding, 0))
+    return conv_on_row_kernel(module, extended)
+
+
+def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor) -> torch.Tensor | None:
+    """transformers' causal convolution of stride 1 over an input that holds its K − 1 earlier steps (extended
+    [B, C_in, K − 1 + L] → [B, C_out, L]) as one matmul on omnimtp's row kernel (every output step's window of
+    inputs, all kernel taps, by the weight [C_out, C_in·k]): the convolution's sums in another order; None
+    where `row_kernel_weight` does not apply to the L output steps (or a stride or groups other than 1)."""
     conv = module.conv
     if conv.stride != (1,) or conv.groups != 1:
         return None
     matrix = conv.weight.flatten(1)  # [C_out, C_in·k], input channel major, tap minor
-    packed = row_kernel_weight(module, matrix, hidden_state.transpose(1, 2))
+    length = extended.shape[-1] - module.padding
+    packed = row_kernel_weight(module, matrix, extended[..., module.padding :].transpose(1, 2))
     if packed is None:
         return None
     (kernel,), (dilation,) = conv.kernel_size, conv.dilation
-    batch, channels, length = hidden_state.shape
+    batch, channels = extended.shape[:2]
     if kernel == 1:
-        rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
-    else:  # the causal left pad, then each output step's k taps, `dilation` apart
-        windows = F.pad(hidden_state, (module.padding, 0)).unfold(-1, module.kernel_size, 1)[..., ::dilation]
+        rows = extended.transpose(1, 2)  # [B, L, C_in]
+    else:  # each output step's k taps, `dilation` apart
+        windows = extended.unfold(-1, module.kernel_size, 1)[..., ::dilation]
         rows = windows.permute(0, 2, 1, 3).reshape(batch, length, channels * kernel)  # [B, L, C_in·k]
     out = linear(rows, matrix, packed=packed, gemm=ROW_KERNEL)
     if conv.bias is not None:
         out = out + conv.bias
     return out.transpose(1, 2).contiguous()
+
+
+# Transposed convolutions of at least this many weights run as a matmul (`transposed_conv_as_matmul`). Measured at
+# 2 threads on a 2-core AVX2 EPYC, one request: the 0.6B Qwen3-TTS decoder's 1536 → 768 kernel-16 block (18.9 M
+# weights) took 15–90 ms a call as a convolution for inputs of 2 to 48 steps (oneDNN, or torch's reference path for
+# some lengths) and 6–21 ms as a matmul; its 2.9 M-weight 768 → 384 block was about even, the smaller ones faster
+# as convolutions. Short inputs (up to ROW_KERNEL_MAX_ROWS input steps) run the matmul on omnimtp's row kernel
+# (`row_kernel_weight`), whatever the layer's size above the kernel's minimum: the 1536 → 768 block, 4 input steps
+# 22 → 4.0 ms, 16 steps 18.9 → 10.7, 64 steps 57 → 46 (MKL's matmul won from ~100); its 1024 → 1024 upsamplers at
+# 2 steps ran torch's reference convolution, 6.8 ms.
+TRANSPOSED_MATMUL_MIN_WEIGHTS = 8_000_000
+
+
+def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tensor | None:
+    """module's transposed convolution (`Qwen3OmniMoeCausalTransConvNet`: kernel k = m·stride, no padding,
+    dilation or groups), its outputs that no later input reaches, before its trims and without its bias:
+    [B, C_in, L] → [B, C_out, L·stride], as one matmul of every input step by all kernel taps, then the
+    overlapping taps added (output block u sums tap block j of input u − j, j = 0, 1, … in that order): the
+    convolution's sums in another order (within 2e-6 of its output's peak). None where this form does not pay or
+    apply: a layer under TRANSPOSED_MATMUL_MIN_WEIGHTS whose input the row kernel does not take, or another
+    convolution."""
+    conv = module.conv
+    (stride,), (kernel,) = conv.stride, conv.kernel_size
+    if (
+        kernel % stride or conv.padding != (0,) or conv.dilation != (1,) or conv.groups != 1
+        or conv.output_padding != (0,)
+    ):
+        return None
+    taps_matrix = conv.weight.flatten(1).t()  # [C_out·K, C_in]
+    packed = row_kernel_weight(module, taps_matrix, hidden_state.transpose(1, 2))
+    if packed is None and conv.weight.numel() < TRANSPOSED_MATMUL_MIN_WEIGHTS:
+        return None
+    batch, _, length = hidden_state.shape
+    out_channels, num_blocks = conv.weight.shape[1], kernel // stride
+    rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
+    if packed is not None:  # every row on its own: no `RowwiseMatmuls` needed
+        taps = linear(rows, taps_matrix, packed=packed, gemm=ROW_KERNEL)
+    else:  # [B, L, C_out·K]; F.linear so that `RowwiseMatmuls` runs it one request at a time
+        taps = F.linear(rows, taps_matrix, None)
+    taps = taps.view(batch, length, out_channels, num_blocks, stride)
+    out = taps[:, :, :, 0].clone()  # [B, L, C_out, stride]
+    for j in range(1, num_blocks):
+        out[:, j:] += taps[:, : length - j, :, j]
+    return out.permute(0, 2, 1, 3).reshape(batch, out_channels, length * stride)
 
 
 class RowKernelCausalConv(Qwen3OmniMoeCausalConvNet):
@@ -361,28 +538,3 @@ def _num_lost_samples(code2wav) -> int:
         if isinstance(module, Qwen3OmniMoeCausalTransConvNet):
             lost = lost * module.conv.stride[0] + module.left_pad
     return lost
-
-
-def conv_receptive_field_frames(code2wav) -> int:
-    """How many frames of transformer output before a chunk the conv stack needs for the chunk's first
-    new sample: exact, so one frame less changes that sample.
-
-    Walks the stack from that sample back to the frames. A chunk starting at frame a emits from sample
-    p = spf·a − lost (`_num_lost_samples`); every stride divides spf, so the walk is the same for every a and
-    runs at a = 0 with Python's floor division. A causal conv of effective kernel K needs K − 1 earlier
-    samples; a transposed conv (kernel k, stride s, left trim L) computes output t from inputs
-    i with 0 <= t + L − i·s < k, the earliest being (t + L − k) // s + 1. Everything the first new sample
-    needs is then inside the window, and so is everything the later ones need."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoeCausalConvNet,
-        Qwen3OmniMoeCausalTransConvNet,
-    )
-
-    earliest = -_num_lost_samples(code2wav)
-    for module in reversed(_conv_stack_modules(code2wav)):
-        if isinstance(module, Qwen3OmniMoeCausalConvNet):
-            earliest -= module.kernel_size - 1
-        elif isinstance(module, Qwen3OmniMoeCausalTransConvNet):
-            kernel, stride = module.conv.kernel_size[0], module.conv.stride[0]
-            earliest = (earliest + module.left_pad - kernel) // stride + 1
-    return -earliest
