@@ -1955,6 +1955,30 @@ MUTATIONS = [
         QWEN3_ASR, "streaming recognition keeps one unstable reply token more in its prefix",
     ),
     Mutation(
+        "asr_float_family_encodes_in_bf16", "omnimtp/families/qwen3_asr.py",
+        "        self.thinker = thinker if quantize is None else EncoderThinker(",
+        "        self.thinker = EncoderThinker(",
+        QWEN3_ASR, "a float Qwen3-ASR encodes its audio with the bf16 encoder instead of the reference's",
+    ),
+    Mutation(
+        "asr_bf16_encoder_linear_drops_its_bias", "omnimtp/models/qwen3_asr.py",
+        "return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()",
+        "return linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm).float()",
+        QWEN3_ASR, "the fast audio encoder's bf16 linears leave out their biases",
+    ),
+    Mutation(
+        "onednn_packed_linear_drops_its_bias", "omnimtp/runtime/ops.py",
+        'out = torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")',
+        'out = torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [], "")',
+        QWEN3_ASR, "a linear on oneDNN-packed bf16 weights leaves out its bias",
+    ),
+    Mutation(
+        "aligner_float_encodes_in_bf16", "omnimtp/families/qwen3_aligner.py",
+        "        self.thinker = thinker if quantize is None else EncoderThinker(",
+        "        self.thinker = EncoderThinker(",
+        QWEN3_ALIGNER, "a float aligner encodes its audio with the bf16 encoder instead of the reference's",
+    ),
+    Mutation(
         "aligner_gap_takes_the_right_neighbour_on_a_tie", "omnimtp/families/qwen3_aligner.py",
         "nearer_left = left is not None and (right is None or k - (i - 1) <= j - k)",
         "nearer_left = left is not None and (right is None or k - (i - 1) < j - k)",

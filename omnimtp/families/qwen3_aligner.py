@@ -28,7 +28,7 @@ import torch
 
 from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
-from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel
+from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, EncoderThinker, Qwen3ASRModel, fast_audio_encoder
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.ops import check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
@@ -126,7 +126,8 @@ def repair_bins(values: list[float]) -> list[int]:
 class Qwen3ForcedAligner:
     """A Qwen3-ForcedAligner (see the module docstring). model: `Qwen3ASRModel` of an aligner checkpoint;
     tokenizer: its text tokenizer; processor: its `ASRProcessor` (default: a WhisperFeatureExtractor of the
-    model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes)."""
+    model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes), the audio
+    encoder as the ASR's (`omnimtp.models.qwen3_asr.fast_audio_encoder`)."""
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
                  quantize: str | None = None):
@@ -152,6 +153,8 @@ class Qwen3ForcedAligner:
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.decoder = decoder
         self.quantize = quantize
+        self.thinker = thinker if quantize is None else EncoderThinker(
+            thinker, fast_audio_encoder(thinker.audio_tower))
         self._lock = threading.Lock()
 
     @classmethod
@@ -245,7 +248,7 @@ class Qwen3ForcedAligner:
 
     def _bins(self, ids: list[int], media) -> np.ndarray:
         """The time bin at each `<timestamp>` position of the prompt: one forward over it, the head on those rows."""
-        prefill = multimodal_prefill(self.model.thinker, ids, media, self.decoder.device)
+        prefill = multimodal_prefill(self.thinker, ids, media, self.decoder.device)
         cache = KVCache(self.decoder, 1, capacity=len(ids))
         out = decoder_forward(self.decoder, cache, prefill.embeds.to(self.decoder.dtype), [0], all_final=True)
         slots = torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id  # [P]
