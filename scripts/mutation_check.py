@@ -1979,6 +1979,18 @@ MUTATIONS = [
         QWEN3_ALIGNER, "a float aligner encodes its audio with the bf16 encoder instead of the reference's",
     ),
     Mutation(
+        "causal_block_sees_every_column", "omnimtp/runtime/ops.py",
+        "query.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True",
+        "query.transpose(1, 2), keys, values, is_causal=False, scale=scale, enable_gqa=True",
+        ("tests/test_packed_decoder.py", *QWEN3_ALIGNER), "a square causal block attends to later positions too",
+    ),
+    Mutation(
+        "causal_block_for_a_continued_block", "omnimtp/packed_decoder.py",
+        "    if num_new > 1 and where.start == 0 and where.num_columns == num_new and not decoder.fp32_attention:",
+        "    if num_new > 1 and where.start is not None and not decoder.fp32_attention:",
+        ("tests/test_packed_decoder.py",), "a block continuing a slot's positions is taken for a square causal block",
+    ),
+    Mutation(
         "aligner_gap_takes_the_right_neighbour_on_a_tie", "omnimtp/families/qwen3_aligner.py",
         "nearer_left = left is not None and (right is None or k - (i - 1) <= j - k)",
         "nearer_left = left is not None and (right is None or k - (i - 1) < j - k)",

@@ -472,6 +472,17 @@ def _decode_attention_mask(query: torch.Tensor, keys: torch.Tensor, values: torc
     return True, None if mask is None else mask[:, 0, 0]
 
 
+# The mask of a square causal block from position 0 (every row's T new positions are its first T columns): SDPA
+# runs it with is_causal, skipping the blocks above the diagonal; the same values as the bool mask it stands for.
+CAUSAL = "causal"
+
+
+def causal_mask(num_positions: int, device) -> torch.Tensor:
+    """The bool mask [1, 1, T, T] that `CAUSAL` stands for (True = attend)."""
+    columns = torch.arange(num_positions, device=device)
+    return (columns[None, :] <= columns[:, None])[None, None]
+
+
 def attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -490,7 +501,7 @@ def attention(
     on SDPA.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
-    attend) or additive, or None (every column visible).
+    attend) or additive, or None (every column visible), or `CAUSAL` (T = S > 1: SDPA's is_causal).
     fp32_manual: scores, softmax and the weighted sum written out in fp32 (as SDPA's CPU kernels compute
     them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
     torch.compile fuses (the code predictor's compiled step)."""
@@ -503,6 +514,14 @@ def attention(
         )  # [1, Nq, 1, D]
         return out.view(-1)
     num_rows, num_new, num_heads, head_dim = query.shape
+    if isinstance(mask, str):  # CAUSAL
+        if fp32_manual or num_new != keys.shape[2]:
+            mask = causal_mask(num_new, query.device)
+        else:
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )  # [R, Nq, T, D]
+            return out.transpose(1, 2).reshape(num_rows, num_new, num_heads * head_dim)
     if num_new == 1 and not fp32_manual:  # one position a row: the kernel where it applies (as above)
         on_kernel, rows_mask = _decode_attention_mask(query[:, 0], keys, values, mask)
         if on_kernel:
