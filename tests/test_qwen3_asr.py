@@ -297,6 +297,9 @@ def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_p
     pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="int8", max_new_tokens=8)
     linears = pipe.family.model.decoder_linears()
     assert linears and all(linear.weight.stride() == (0, 0) for linear in linears)
+    tower = pipe.family.model.thinker.audio_tower  # encoded by its bf16 copy: the float matrices are released too
+    assert tower.layers[0].fc1.weight.stride() == (0, 0) and tower.conv2d2.weight.stride() == (0, 0, 0, 0)
+    assert family.model.thinker.audio_tower.layers[0].fc1.weight.stride() != (0, 0)
     kept = Qwen3ASRFamily(family.model, family.tokenizer, quantize="int8")
     assert all(linear.weight.stride() != (0, 0) for linear in family.model.decoder_linears())
     samples = _speechlike(1.1, 14)

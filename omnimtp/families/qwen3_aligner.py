@@ -199,9 +199,10 @@ class Qwen3ForcedAligner:
 
     def _owning_model(self) -> Qwen3ForcedAligner:
         """This aligner, for a model it made itself: quantized, the float matrices its quantized copies replace are
-        released from the model (`Qwen3ASRModel.release_decoder_linears`)."""
+        released from the model (`Qwen3ASRModel.release_decoder_linears`, `.release_audio_encoder`)."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
+            self.model.release_audio_encoder()  # it encodes with its bf16 copy
         return self
 
     def words(self, text: str, language: str | None) -> list[str]:

@@ -263,10 +263,11 @@ class Qwen3ASRFamily(ChatText):
 
     def _owning_model(self) -> Qwen3ASRFamily:
         """This family, for a model it made itself: quantized, the float matrices its quantized copies replace are
-        released from the model (`Qwen3ASRModel.release_decoder_linears`), so quantizing saves memory. A model the
-        caller passed is left as it is."""
+        released from the model (`Qwen3ASRModel.release_decoder_linears`, and `.release_audio_encoder`: it encodes
+        with its bf16 copy), so quantizing saves memory. A model the caller passed is left as it is."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
+            self.model.release_audio_encoder()  # it encodes with its bf16 copy
         return self
 
     @property

@@ -300,6 +300,13 @@ class Qwen3ASRModel(nn.Module):
         release_matrices(self.decoder_linears())
         self.has_released_linears = True
 
+    def release_audio_encoder(self) -> None:
+        """Frees the audio encoder's linear and convolution matrices for a runtime that encodes with its own copy
+        (`fast_audio_encoder`); the model's own encoder then no longer runs, nor can the model be saved."""
+        release_matrices([module for module in self.thinker.audio_tower.modules()
+                          if isinstance(module, (nn.Linear, nn.Conv2d))])
+        self.has_released_linears = True
+
     def save_pretrained(self, path) -> None:
         """config.json and model.safetensors in the released layout."""
         if self.has_released_linears:
