@@ -1991,6 +1991,12 @@ MUTATIONS = [
         ("tests/test_packed_decoder.py",), "a block continuing a slot's positions is taken for a square causal block",
     ),
     Mutation(
+        "asr_quantized_keeps_its_float_encoder", "omnimtp/families/qwen3_asr.py",
+        "            self.model.release_audio_encoder()  # it encodes with its bf16 copy\n",
+        "",
+        QWEN3_ASR, "a quantized Qwen3-ASR it loaded itself keeps its float audio encoder's matrices",
+    ),
+    Mutation(
         "aligner_gap_takes_the_right_neighbour_on_a_tie", "omnimtp/families/qwen3_aligner.py",
         "nearer_left = left is not None and (right is None or k - (i - 1) <= j - k)",
         "nearer_left = left is not None and (right is None or k - (i - 1) < j - k)",
