@@ -19,8 +19,9 @@ Each stage is timed next to its floor (JSON and a summary printed last): the fea
 encoder (its FLOPs by torch's FLOP counter ÷ the matmul peak of its dtype measured here: bf16 in the quantized
 modes, fp32 in fp32); the prefill (the first engine step less the encoder; floor: 2 × the layers' matrices × the
 prompt's tokens ÷ the mode's GEMM rate measured here on a 512-row linear, plus the causal attention's FLOPs ÷ the
-fp32 peak); the decode steps (the weight bytes each reads, the layers' and the head's as the engine holds them, ÷
-the read bandwidth measured here); the first partial's request by stage; the aligner's features, encoder and one
+fp32 peak); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds them,
+and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
+partial's request by stage; the aligner's features, encoder and one
 thinker forward with the same floors. Writes JSON.
 
     python benchmarks/asr_speed.py [--modes w4a8 fp32] [--seconds 60] [--tokens 128] [--threads 2] [--out r.json]
@@ -262,7 +263,11 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
     head = family.thinker_decoder.quantized_lm_head
     head_bytes = (thinker.lm_head.weight.numel() * 4 if head is None
                   else sum(t.numel() * t.element_size() for t in (head.packed, head.scales)))
-    step_floor_s = (weight_bytes + head_bytes) / (machine["read_gb_s"] * 1e9)
+    # and the keys and values each step reads: the prompt's and half the reply's positions on average
+    decoder = family.thinker_decoder
+    kv_bytes = (2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * decoder.dtype.itemsize
+                * (len(ids) + tokens / 2))
+    step_floor_s = (weight_bytes + head_bytes + kv_bytes) / (machine["read_gb_s"] * 1e9)
     linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
     encoder_floor_s = encoder_flops / (_encoder_peak(quantize, machine) * 1e9)
     prefill_floor_s = (linear_flops / (_gemm_rate(quantize, machine) * 1e9)
@@ -279,6 +284,7 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
             "encoder_s": encoder_floor_s, "prefill_s": prefill_floor_s,
             "first_step_s": encoder_floor_s + prefill_floor_s,
             "decode_ms_per_token": 1e3 * step_floor_s,
+            "decode_kv_ms_per_token": 1e3 * kv_bytes / (machine["read_gb_s"] * 1e9),  # its KV part
         },
     }
     floor = entry["floor"]
