@@ -15,6 +15,7 @@ read from config.json as a dict; `qwen_asr` is not imported.
 
     model = Qwen3ASRModel.from_pretrained(path)          # or tiny_qwen3_asr(seed), tiny_qwen3_asr(seed, aligner=True)
     rows = model.thinker.get_audio_features(features, feature_attention_mask).last_hidden_state
+    fast = EncoderThinker(model.thinker, fast_audio_encoder(model.thinker.audio_tower))  # bf16 encoder
 """
 
 from __future__ import annotations
@@ -215,6 +216,8 @@ class EncoderThinker:
         self.audio_tower = encoder
 
     def __getattr__(self, name: str):
+        if name == "thinker":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.thinker, name)
 
     def get_audio_features(self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
