@@ -1956,8 +1956,8 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_float_family_encodes_in_bf16", "omnimtp/families/qwen3_asr.py",
-        "        self.thinker = thinker if quantize is None else EncoderThinker(",
-        "        self.thinker = EncoderThinker(",
+        "        self.thinker = encoder_thinker(thinker, quantize)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
         QWEN3_ASR, "a float Qwen3-ASR encodes its audio with the bf16 encoder instead of the reference's",
     ),
     Mutation(
@@ -1974,8 +1974,8 @@ MUTATIONS = [
     ),
     Mutation(
         "aligner_float_encodes_in_bf16", "omnimtp/families/qwen3_aligner.py",
-        "        self.thinker = thinker if quantize is None else EncoderThinker(",
-        "        self.thinker = EncoderThinker(",
+        "        self.thinker = encoder_thinker(thinker, quantize)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
         QWEN3_ALIGNER, "a float aligner encodes its audio with the bf16 encoder instead of the reference's",
     ),
     Mutation(
@@ -1992,7 +1992,8 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_quantized_keeps_its_float_encoder", "omnimtp/families/qwen3_asr.py",
-        "            self.model.release_audio_encoder()  # it encodes with its bf16 copy\n",
+        "            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy\n"
+        "                self.model.release_audio_encoder()\n",
         "",
         QWEN3_ASR, "a quantized Qwen3-ASR it loaded itself keeps its float audio encoder's matrices",
     ),

@@ -28,7 +28,7 @@ import torch
 
 from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
-from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, EncoderThinker, Qwen3ASRModel, fast_audio_encoder
+from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.ops import check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
@@ -127,7 +127,7 @@ class Qwen3ForcedAligner:
     """A Qwen3-ForcedAligner (see the module docstring). model: `Qwen3ASRModel` of an aligner checkpoint;
     tokenizer: its text tokenizer; processor: its `ASRProcessor` (default: a WhisperFeatureExtractor of the
     model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes), the audio
-    encoder as the ASR's (`omnimtp.models.qwen3_asr.fast_audio_encoder`)."""
+    encoder as the ASR's (`omnimtp.models.qwen3_asr.encoder_thinker`)."""
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
                  quantize: str | None = None):
@@ -153,8 +153,7 @@ class Qwen3ForcedAligner:
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.decoder = decoder
         self.quantize = quantize
-        self.thinker = thinker if quantize is None else EncoderThinker(
-            thinker, fast_audio_encoder(thinker.audio_tower))
+        self.thinker = encoder_thinker(thinker, quantize)
         self._lock = threading.Lock()
 
     @classmethod
@@ -202,7 +201,8 @@ class Qwen3ForcedAligner:
         released from the model (`Qwen3ASRModel.release_decoder_linears`, `.release_audio_encoder`)."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
-            self.model.release_audio_encoder()  # it encodes with its bf16 copy
+            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
+                self.model.release_audio_encoder()
         return self
 
     def words(self, text: str, language: str | None) -> list[str]:

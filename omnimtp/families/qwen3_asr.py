@@ -32,9 +32,8 @@ from omnimtp.media import AUDIO_SAMPLING_RATE, MediaInputs, MediaLimits, load_au
 from omnimtp.models.qwen3_asr import (
     ASR_LANGUAGES,
     ASR_TEXT_TOKEN,
-    EncoderThinker,
     Qwen3ASRModel,
-    fast_audio_encoder,
+    encoder_thinker,
 )
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.runtime.ops import check_quantize
@@ -166,8 +165,8 @@ class Qwen3ASRFamily(ChatText):
 
     model: `omnimtp.models.qwen3_asr.Qwen3ASRModel` (an ASR, not an aligner); tokenizer: its text tokenizer;
     processor: its `ASRProcessor` (default: a 128-bin WhisperFeatureExtractor at 16 kHz, the released one, or
-    the model's mel bins). quantize: the decoder's linears and its head (`OmniPipeline`'s modes), and the audio
-    encoder's linears in the same mode with its convolutions in bf16 (`fast_audio_encoder`); stored: a
+    the model's mel bins). quantize: the decoder's linears and its head (`OmniPipeline`'s modes); the audio
+    encoder then runs in bf16 where oneDNN runs bf16 (`omnimtp.models.qwen3_asr.encoder_thinker`); stored: a
     quantized checkpoint's layers (`omnimtp.quantized_checkpoint`), with quantize its mode."""
 
     model_type = "qwen3_asr"
@@ -210,9 +209,8 @@ class Qwen3ASRFamily(ChatText):
         if quantize is not None:  # its logits from an int8 head too
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.thinker_decoder = decoder.with_row_kernel()
-        # quantized, the audio encoder too (`fast_audio_encoder`): a copy; the model's own stays float
-        self.thinker = thinker if quantize is None else EncoderThinker(
-            thinker, fast_audio_encoder(thinker.audio_tower))
+        # quantized, the audio encoder in bf16 (`encoder_thinker`): a copy; the model's own stays float
+        self.thinker = encoder_thinker(thinker, quantize)
         self.speech_header_ids = None
 
     @classmethod
@@ -267,7 +265,8 @@ class Qwen3ASRFamily(ChatText):
         with its bf16 copy), so quantizing saves memory. A model the caller passed is left as it is."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
-            self.model.release_audio_encoder()  # it encodes with its bf16 copy
+            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
+                self.model.release_audio_encoder()
         return self
 
     @property

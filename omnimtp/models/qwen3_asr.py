@@ -206,6 +206,16 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
     return encoder.eval()
 
 
+def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None):
+    """The thinker a family runs in `quantize`: float (None), the thinker itself (the reference's encoder); a
+    quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
+    thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
+    thinker itself)."""
+    if quantize is None or packed_gemm_kind(thinker.device, torch.bfloat16) != "onednn":
+        return thinker
+    return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower))
+
+
 class EncoderThinker:
     """A thinker seen with another audio encoder (`fast_audio_encoder`): `audio_tower` and
     `get_audio_features` are the encoder's, everything else the thinker's own (what `multimodal_prefill` and
