@@ -15,9 +15,14 @@ process's peak RSS is its own:
 - the reference: its `generate` of exactly `--tokens` tokens on the same prompt (its own random weights: the same
   work) and its aligner's forward.
 
-Floors: the decode steps' weight bytes (the layers' and the head's, as the engine holds them) ÷ the read bandwidth
-measured here; the first step's FLOPs (the encoder's by torch's FLOP counter, the prefill's as 2 × the layers'
-parameters × the prompt's tokens) ÷ the fp32 matmul peak measured here. Writes JSON.
+Each stage is timed next to its floor (JSON and a summary printed last): the features and prompt; the audio
+encoder (its FLOPs by torch's FLOP counter ÷ the matmul peak of its dtype measured here: bf16 in the quantized
+modes, fp32 in fp32); the prefill (the first engine step less the encoder; floor: 2 × the layers' matrices × the
+prompt's tokens ÷ the mode's GEMM rate measured here on a 512-row linear, plus the causal attention's FLOPs ÷ the
+fp32 peak); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds them,
+and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
+partial's request by stage; the aligner's features, encoder and one
+thinker forward with the same floors. Writes JSON.
 
     python benchmarks/asr_speed.py [--modes w4a8 fp32] [--seconds 60] [--tokens 128] [--threads 2] [--out r.json]
 
@@ -130,9 +135,81 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     aligner.align(samples[: RATE // 2], "warm up", "en", limits)
     started = time.perf_counter()
     aligned = aligner.align(samples, text, "en", limits)
-    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
+    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started,
+                        **_aligner_stages(aligner, samples, text, quantize, machine)}
     entry["peak_rss_mb"] = _peak_rss_mb()
     return entry
+
+
+def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | None, machine: dict) -> dict:
+    """The aligner's `align` again, stage by stage (the features and prompt, the audio encoder, the thinker's
+    one forward with the head on the time slots), each next to its floor: the encoder's FLOPs at the matmul peak
+    of its dtype (bf16 in the quantized modes), the forward's linear FLOPs at the mode's GEMM rate and its
+    causal attention's FLOPs at the fp32 peak."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    from omnimtp.packed_decoder import KVCache, decoder_forward
+    from omnimtp.thinker import multimodal_prefill
+
+    thinker, device = aligner.model.thinker, aligner.decoder.device
+    started = time.perf_counter()
+    media = aligner.processor.features(samples)
+    num_rows = int(_get_feat_extract_output_lengths(media.audio_lengths, thinker.config.audio_config.n_window)[0])
+    ids = aligner.prompt_ids(aligner.words(text, "en"), num_rows)
+    inputs_s = time.perf_counter() - started
+    with torch.no_grad():
+        encoder_flops = _flops(lambda: multimodal_prefill(thinker, ids, media, device))  # the float tower's FLOPs
+        started = time.perf_counter()
+        prefill = multimodal_prefill(aligner.thinker, ids, media, device)
+        encoder_s = time.perf_counter() - started
+        started = time.perf_counter()
+        cache = KVCache(aligner.decoder, 1, capacity=len(ids))
+        decoder_forward(aligner.decoder, cache, prefill.embeds.to(aligner.decoder.dtype), [0], all_final=True)
+        forward_s = time.perf_counter() - started
+    linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
+    return {
+        "positions": len(ids), "inputs_s": inputs_s, "encoder_s": encoder_s, "forward_s": forward_s,
+        "floor": {"encoder_s": encoder_flops / (_encoder_peak(quantize, machine) * 1e9),
+                  "forward_s": linear_flops / (_gemm_rate(quantize, machine) * 1e9)
+                  + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9)},
+    }
+
+
+def _decoder_flops(thinker, positions: int) -> tuple[float, float]:
+    """(the decoder layers' linear FLOPs, their causal attention's FLOPs) of one forward over `positions`."""
+    config = thinker.config.text_config
+    linear_flops = 2 * sum(p.numel() for p in thinker.model.layers.parameters() if p.dim() == 2) * positions
+    attention_flops = (2 * 2 * config.num_attention_heads * config.head_dim * positions * positions / 2
+                       * config.num_hidden_layers)
+    return float(linear_flops), float(attention_flops)
+
+
+def _encoder_peak(quantize: str | None, machine: dict) -> float:
+    """The matmul peak (GFLOP/s) of the audio encoder's dtype: bf16 in the quantized modes, else fp32."""
+    return machine["bf16_matmul_gflop_s" if quantize is not None else "fp32_matmul_gflop_s"]
+
+
+def _gemm_rate(quantize: str | None, machine: dict) -> float:
+    """GFLOP/s of a prefill-sized linear (512 rows, 1024 → 3072) in `quantize`'s kernel (fp32: the fp32 matmul
+    peak), measured here once per process."""
+    if quantize is None:
+        return machine["fp32_matmul_gflop_s"]
+    if quantize not in _GEMM_RATES:
+        from omnimtp.runtime.ops import linear, quantize_weight
+
+        x, weight = torch.randn(512, 1024), torch.randn(3072, 1024) * 0.02
+        packed = quantize_weight(weight, quantize)
+        linear(x, None, packed=packed)
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            linear(x, None, packed=packed)
+            times.append(time.perf_counter() - started)
+        _GEMM_RATES[quantize] = 2 * 512 * 1024 * 3072 / min(times) / 1e9
+    return _GEMM_RATES[quantize]
+
+
+_GEMM_RATES: dict[str, float] = {}
 
 
 def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, quick: bool, machine: dict) -> dict:
@@ -155,9 +232,10 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
     inputs_s = time.perf_counter() - started
     thinker, device = family.model.thinker, family.device
     with torch.no_grad():
-        encoder_flops = _flops(lambda: multimodal_prefill(thinker, ids, media, device))  # (and a warm-up)
+        encoder_flops = _flops(lambda: multimodal_prefill(thinker, ids, media, device))  # the float tower's FLOPs
+        multimodal_prefill(family.thinker, ids, media, device)  # a warm-up of the mode's encoder
         started = time.perf_counter()
-        multimodal_prefill(thinker, ids, media, device)  # the embeddings and the audio encoder
+        multimodal_prefill(family.thinker, ids, media, device)  # the embeddings and the audio encoder
         encoder_s = time.perf_counter() - started
     # the transcription as `transcribe` runs it (one engine core, stepped until done), each step timed: the first
     # is the encoder, the prefill and the first token, each later one a token
@@ -173,34 +251,73 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
     first_step_s, decode_s = step_s[0], sum(step_s[1:])
     transcribe_s = inputs_s + first_step_s + decode_s
     # the first partial transcript of a streamed session: after its first second of audio (1 s chunks)
-    first_partial_s = None
+    first_partial_s, first_partial_stages = None, None
     if seconds >= 1.0:
         stream = pipe.stream_recognition([samples[:RATE]], "en", chunk_seconds=1.0, max_new_tokens=min(tokens, 16))
         started = time.perf_counter()
         next(stream)
         first_partial_s = time.perf_counter() - started
         stream.close()
+        first_partial_stages = _first_partial_stages(family, pipe, samples[:RATE], min(tokens, 16), limits)
     weight_bytes, _ = decoder_read(family.thinker_decoder)
     head = family.thinker_decoder.quantized_lm_head
     head_bytes = (thinker.lm_head.weight.numel() * 4 if head is None
                   else sum(t.numel() * t.element_size() for t in (head.packed, head.scales)))
-    step_floor_s = (weight_bytes + head_bytes) / (machine["read_gb_s"] * 1e9)
-    prefill_flops = 2 * sum(p.numel() for p in thinker.model.layers.parameters()) * len(ids)
+    # and the keys and values each step reads: the prompt's and half the reply's positions on average
+    decoder = family.thinker_decoder
+    kv_bytes = (2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * decoder.dtype.itemsize
+                * (len(ids) + tokens / 2))
+    step_floor_s = (weight_bytes + head_bytes + kv_bytes) / (machine["read_gb_s"] * 1e9)
+    linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
+    encoder_floor_s = encoder_flops / (_encoder_peak(quantize, machine) * 1e9)
+    prefill_floor_s = (linear_flops / (_gemm_rate(quantize, machine) * 1e9)
+                       + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9))
     entry = {
         "mode": mode, "load_s": load_s, "prompt_tokens": len(ids), "reply_tokens": len(reply_ids),
         "inputs_s": inputs_s, "encoder_s": encoder_s, "first_step_s": first_step_s,
+        "prefill_s": max(first_step_s - encoder_s, 0.0),  # the first step less the encoder: the prefill + a token
         "decode_ms_per_token": 1e3 * decode_s / max(len(step_s) - 1, 1),
         "transcribe_s": transcribe_s, "rtf": transcribe_s / seconds, "first_partial_s": first_partial_s,
+        "first_partial_stages": first_partial_stages,
+        "gemm_gflop_s": _gemm_rate(quantize, machine),
         "floor": {
-            "encoder_s": encoder_flops / (machine["fp32_matmul_gflop_s"] * 1e9),
-            "first_step_s": (encoder_flops + prefill_flops) / (machine["fp32_matmul_gflop_s"] * 1e9),
+            "encoder_s": encoder_floor_s, "prefill_s": prefill_floor_s,
+            "first_step_s": encoder_floor_s + prefill_floor_s,
             "decode_ms_per_token": 1e3 * step_floor_s,
+            "decode_kv_ms_per_token": 1e3 * kv_bytes / (machine["read_gb_s"] * 1e9),  # its KV part
         },
     }
     floor = entry["floor"]
     floor["transcribe_s"] = floor["first_step_s"] + (tokens - 1) * step_floor_s
     entry["asr_peak_rss_mb"] = _peak_rss_mb()
     return entry
+
+
+def _first_partial_stages(family, pipe, samples: np.ndarray, tokens: int, limits) -> dict:
+    """The first partial's request (1 s of audio, at most `tokens` reply tokens) as its stages: the features and
+    prompt, the audio encoder, the first engine step (encoder, prefill, a token) and the decode steps."""
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+    from omnimtp.thinker import multimodal_prefill
+
+    started = time.perf_counter()
+    ids, media = family.transcription_inputs(samples, "en", None, limits)
+    inputs_s = time.perf_counter() - started
+    with torch.no_grad():
+        started = time.perf_counter()
+        multimodal_prefill(family.thinker, ids, media, family.device)
+        encoder_s = time.perf_counter() - started
+    core = EngineCore(family, pipe.config)
+    core.add(Request(0, ids, max_new_tokens=tokens, max_frames=1, speaker=None, media=media))
+    step_s = []
+    while core.has_work():
+        started = time.perf_counter()
+        for event in core.step():
+            if event.is_finished:
+                core.output(event.request)
+        step_s.append(time.perf_counter() - started)
+    return {"prompt_tokens": len(ids), "inputs_s": inputs_s, "encoder_s": encoder_s, "first_step_s": step_s[0],
+            "decode_steps": len(step_s) - 1, "decode_s": sum(step_s[1:])}
 
 
 # --- the reference, in its own process ----------------------------------------------------------------------
@@ -298,6 +415,32 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text)
     print(text)
+    print(summary(results))
+
+
+def summary(results: dict) -> str:
+    """Each mode's stages next to their floors, one line each (seconds; decode in ms per token)."""
+    lines = []
+    for entry in results["modes"]:
+        if "failed" in entry:
+            lines.append(f"{entry['mode']}: failed")
+            continue
+        floor, aligner = entry["floor"], entry["aligner"]
+        lines.append(
+            f"{entry['mode']}: transcribe {entry['transcribe_s']:.2f} s (RTF {entry['rtf']:.3f}; floor "
+            f"{floor['transcribe_s']:.2f}) = inputs {entry['inputs_s']:.2f} + encoder {entry['encoder_s']:.2f} "
+            f"(floor {floor['encoder_s']:.2f}) + prefill {entry['prefill_s']:.2f} (floor {floor['prefill_s']:.2f}) "
+            f"+ decode {entry['decode_ms_per_token']:.1f} ms/token (floor {floor['decode_ms_per_token']:.1f})")
+        if entry["first_partial_s"] is not None:
+            stages = entry["first_partial_stages"]
+            lines.append(f"  first partial {entry['first_partial_s']:.3f} s: inputs {stages['inputs_s']:.3f}, encoder "
+                         f"{stages['encoder_s']:.3f}, first step {stages['first_step_s']:.3f}, "
+                         f"{stages['decode_steps']} decode steps {stages['decode_s']:.3f}")
+        lines.append(
+            f"  aligner {aligner['words']} words {aligner['align_s']:.2f} s: inputs {aligner['inputs_s']:.2f} + "
+            f"encoder {aligner['encoder_s']:.2f} (floor {aligner['floor']['encoder_s']:.2f}) + forward "
+            f"{aligner['forward_s']:.2f} (floor {aligner['floor']['forward_s']:.2f}), {aligner['positions']} positions")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 from omnimtp.runtime.decoder import PackedDecoder, decoder_layers
 from omnimtp.runtime.kv_cache import KVCache
-from omnimtp.runtime.ops import rms_norm
+from omnimtp.runtime.ops import CAUSAL, rms_norm
 
 __all__ = ["DecoderOutput", "KVCache", "PackedDecoder", "decoder_forward"]
 
@@ -101,7 +101,10 @@ def decoder_forward(
             cache.rope_offsets[slot] = int(end) + 1 - (cache.lengths[slot] + num_new)
     rope = decoder.rope.tables(rope_positions, embeds.dtype)  # [R, T, 1, D]
     mask = None
-    if num_new > 1 or where.start is None:  # causal by cache index, and past each row's own length
+    if num_new > 1 and where.start == 0 and where.num_columns == num_new and not decoder.fp32_attention:
+        # every row's first T positions: SDPA's is_causal, the same values as the bool mask
+        mask = CAUSAL
+    elif num_new > 1 or where.start is None:  # causal by cache index, and past each row's own length
         columns = torch.arange(where.num_columns, device=embeds.device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
     x, captured = decoder_layers(

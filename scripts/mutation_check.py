@@ -1992,6 +1992,49 @@ MUTATIONS = [
         QWEN3_ASR, "streaming recognition keeps one unstable reply token more in its prefix",
     ),
     Mutation(
+        "asr_float_family_encodes_in_bf16", "omnimtp/families/qwen3_asr.py",
+        "        self.thinker = encoder_thinker(thinker, quantize)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
+        QWEN3_ASR, "a float Qwen3-ASR encodes its audio with the bf16 encoder instead of the reference's",
+    ),
+    Mutation(
+        "asr_bf16_encoder_linear_drops_its_bias", "omnimtp/models/qwen3_asr.py",
+        "return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()",
+        "return linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm).float()",
+        QWEN3_ASR, "the fast audio encoder's bf16 linears leave out their biases",
+    ),
+    Mutation(
+        "onednn_packed_linear_drops_its_bias", "omnimtp/runtime/ops.py",
+        'out = torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")',
+        'out = torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [], "")',
+        QWEN3_ASR, "a linear on oneDNN-packed bf16 weights leaves out its bias",
+    ),
+    Mutation(
+        "aligner_float_encodes_in_bf16", "omnimtp/families/qwen3_aligner.py",
+        "        self.thinker = encoder_thinker(thinker, quantize)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
+        QWEN3_ALIGNER, "a float aligner encodes its audio with the bf16 encoder instead of the reference's",
+    ),
+    Mutation(
+        "causal_block_sees_every_column", "omnimtp/runtime/ops.py",
+        "query.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True",
+        "query.transpose(1, 2), keys, values, is_causal=False, scale=scale, enable_gqa=True",
+        ("tests/test_packed_decoder.py", *QWEN3_ALIGNER), "a square causal block attends to later positions too",
+    ),
+    Mutation(
+        "causal_block_for_a_continued_block", "omnimtp/packed_decoder.py",
+        "    if num_new > 1 and where.start == 0 and where.num_columns == num_new and not decoder.fp32_attention:",
+        "    if num_new > 1 and where.start is not None and not decoder.fp32_attention:",
+        ("tests/test_packed_decoder.py",), "a block continuing a slot's positions is taken for a square causal block",
+    ),
+    Mutation(
+        "asr_quantized_keeps_its_float_encoder", "omnimtp/families/qwen3_asr.py",
+        "            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy\n"
+        "                self.model.release_audio_encoder()\n",
+        "",
+        QWEN3_ASR, "a quantized Qwen3-ASR it loaded itself keeps its float audio encoder's matrices",
+    ),
+    Mutation(
         "aligner_gap_takes_the_right_neighbour_on_a_tie", "omnimtp/families/qwen3_aligner.py",
         "nearer_left = left is not None and (right is None or k - (i - 1) <= j - k)",
         "nearer_left = left is not None and (right is None or k - (i - 1) < j - k)",

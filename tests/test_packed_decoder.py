@@ -12,7 +12,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnimtp.models.tiny import tiny_qwen3_omni
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.decoder import decoder_layers
-from omnimtp.runtime.ops import rms_norm
+from omnimtp.runtime.ops import CAUSAL, attention, causal_mask, rms_norm
 from omnimtp.talker.loop import TalkerBatch
 from omnimtp.thinker import ThinkerRun
 
@@ -48,7 +48,8 @@ def test_prefill_and_decode_match_the_module(model, name):
     decoder = PackedDecoder.from_module(module)
     num_layers = len(module.layers)
     gen = torch.Generator().manual_seed(0)
-    chunks = [torch.randn(1, 9, 64, generator=gen)] + [torch.randn(1, 1, 64, generator=gen) for _ in range(40)]
+    chunks = [torch.randn(1, 9, 64, generator=gen), torch.randn(1, 4, 64, generator=gen)]  # a square block, then
+    chunks += [torch.randn(1, 1, 64, generator=gen) for _ in range(40)]  # one that continues it, then steps
     reference = _reference_run(module, chunks)
     cache = KVCache(decoder, max_batch_size=3, capacity=8)  # grows several times on the way
     for step, (chunk, (ref_last, ref_hidden)) in enumerate(zip(chunks, reference, strict=True)):
@@ -58,7 +59,7 @@ def test_prefill_and_decode_match_the_module(model, name):
         assert torch.isfinite(out.last_hidden).all(), f"step {step}: not finite"
         torch.testing.assert_close(out.last_hidden, ref_last, atol=ATOL, rtol=0)
         torch.testing.assert_close(out.captured, ref_hidden[layer], atol=ATOL, rtol=0)
-    assert cache.lengths == [0, 0, 9 + 40] and cache.capacity >= 49
+    assert cache.lengths == [0, 0, 9 + 4 + 40] and cache.capacity >= 53
 
 
 def test_mrope_with_equal_axes_is_1d_rope(model):
@@ -270,3 +271,16 @@ def test_one_row_decode_step_equals_the_general_path_bit_for_bit(model, name):
             assert ours.captured.shape == (1, 1, 64) and torch.equal(ours.captured, captured), step
     assert fast.lengths == general.lengths == [0, 18]
     assert torch.equal(fast.buffer, general.buffer)
+
+
+@pytest.mark.parametrize("num_positions", [2, 37])
+def test_a_square_causal_block_runs_sdpa_is_causal_with_the_masks_values(num_positions):
+    """`CAUSAL` (what `decoder_forward` passes for every row's first T positions) gives the bits of the bool
+    causal mask it stands for (SDPA's is_causal skips the blocks above the diagonal), with grouped heads."""
+    generator = torch.Generator().manual_seed(num_positions)
+    query = torch.randn(2, num_positions, 8, 16, generator=generator)
+    keys, values = (torch.randn(2, 2, num_positions, 16, generator=generator) for _ in range(2))
+    expected = attention(query, keys, values, causal_mask(num_positions, query.device), 0.25)
+    assert torch.equal(attention(query, keys, values, CAUSAL, 0.25), expected)
+    # the row after the last one is not visible: the output differs from every column visible
+    assert not torch.equal(attention(query, keys, values, None, 0.25), expected)

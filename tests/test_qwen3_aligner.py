@@ -7,9 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import qwen_asr_reference as reference
+import torch
 
 from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins, split_words
 from omnimtp.media import MediaLimits
+from omnimtp.models.qwen3_asr import EncoderLinear
+from omnimtp.runtime.ops import packed_gemm_kind
 
 RATE = 16_000
 
@@ -75,6 +78,10 @@ def test_repair_bins_is_the_references():
 
 def test_quantized_aligner_runs_and_repeats(aligner):
     quantized = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
+    # quantized, the audio encoder is the bf16 copy; float, the model's own thinker (the reference's rows)
+    assert aligner.thinker is aligner.model.thinker
+    if packed_gemm_kind(torch.device("cpu"), torch.bfloat16) == "onednn":
+        assert isinstance(quantized.thinker.audio_tower.layers[0].fc1, EncoderLinear)
     samples = _speechlike(1.5, 4)
     first = quantized.align(samples, "one two three", "en")
     assert first == quantized.align(samples, "one two three", "en")

@@ -13,9 +13,11 @@ from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.asr_stream import StreamingRecognition
 from omnimtp.families.qwen3_asr import Qwen3ASRFamily, parse_transcript
-from omnimtp.models.qwen3_asr import Qwen3ASRModel
+from omnimtp.models.qwen3_asr import EncoderLinear, Qwen3ASRModel, encode_audio, fast_audio_encoder, tiny_qwen3_asr
 from omnimtp.pipeline import OmniPipeline
+from omnimtp.runtime.ops import PackedGemm, linear, packed_gemm_kind
 from omnimtp.sampling import SamplingParams
+from omnimtp.thinker import multimodal_prefill
 
 RATE = 16_000
 
@@ -295,6 +297,10 @@ def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_p
     pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="int8", max_new_tokens=8)
     linears = pipe.family.model.decoder_linears()
     assert linears and all(linear.weight.stride() == (0, 0) for linear in linears)
+    if pipe.family.thinker is not pipe.family.model.thinker:  # encoded by its bf16 copy: the float one is released
+        tower = pipe.family.model.thinker.audio_tower
+        assert tower.layers[0].fc1.weight.stride() == (0, 0) and tower.conv2d2.weight.stride() == (0, 0, 0, 0)
+    assert family.model.thinker.audio_tower.layers[0].fc1.weight.stride() != (0, 0)
     kept = Qwen3ASRFamily(family.model, family.tokenizer, quantize="int8")
     assert all(linear.weight.stride() != (0, 0) for linear in family.model.decoder_linears())
     samples = _speechlike(1.1, 14)
@@ -302,3 +308,71 @@ def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_p
         samples).text_ids
     with pytest.raises(ValueError, match="^model: its decoder matrices were released"):
         pipe.save_pretrained(tmp_path)
+
+
+def _audio_rows(thinker, family, samples):
+    ids, media = family.transcription_inputs(samples, None, "")
+    with torch.no_grad():
+        embeds = multimodal_prefill(thinker, ids, media, family.device).embeds[0]
+    return embeds[torch.tensor(ids) == family.model.thinker.config.audio_token_id]
+
+
+needs_onednn_bf16 = pytest.mark.skipif(packed_gemm_kind(torch.device("cpu"), torch.bfloat16) != "onednn",
+                                       reason="no oneDNN bf16 on this CPU: the quantized modes keep the float encoder")
+
+
+@needs_onednn_bf16
+def test_float_model_encodes_exactly_and_a_quantized_one_in_bf16(family):
+    """fp32 encodes with the model's own encoder (its rows are the float tower's bits); a quantized family encodes
+    with its bf16 copy (`fast_audio_encoder`), close to the float rows but not equal, and leaves the model's tower
+    float."""
+    samples = _speechlike(2.2, 15)
+    _, media = family.transcription_inputs(samples, None, "")
+    with torch.no_grad():
+        exact = encode_audio(family.model.thinker.audio_tower, media.input_features,
+                             media.feature_attention_mask).last_hidden_state
+    assert torch.equal(_audio_rows(family.thinker, family, samples), exact)
+    quantized = Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8")
+    assert isinstance(quantized.thinker.audio_tower.layers[0].fc1, EncoderLinear)
+    assert isinstance(family.model.thinker.audio_tower.layers[0].fc1, torch.nn.Linear)
+    fast = _audio_rows(quantized.thinker, quantized, samples)
+    assert not torch.equal(fast, exact)
+    assert ((fast - exact).norm() / exact.norm()).item() < 0.02
+    assert torch.equal(_audio_rows(family.thinker, family, samples), exact)  # the float family is unchanged
+
+
+@pytest.mark.parametrize("linears", ["bf16", "w4a8"])
+def test_fast_audio_encoder_is_close_to_the_float_one_with_its_biases(linears):
+    """The fast encoder of a tower with nonzero biases everywhere: bf16 within 2 % of the float rows, w4a8 within
+    the 4-bit weights' error; the tower itself is not modified."""
+    model = tiny_qwen3_asr(3)
+    tower = model.thinker.audio_tower
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in tower.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.5)
+    features = torch.randn(1, tower.config.num_mel_bins, 230, generator=generator)
+    mask = torch.ones(1, 230, dtype=torch.long)
+    with torch.no_grad():
+        exact = encode_audio(tower, features, mask).last_hidden_state
+        fast = encode_audio(fast_audio_encoder(tower, linears), features, mask).last_hidden_state
+        again = encode_audio(tower, features, mask).last_hidden_state
+    assert torch.equal(again, exact)
+    error = ((fast - exact).norm() / exact.norm()).item()
+    assert 0 < error < (0.02 if linears == "bf16" else 0.3)
+
+
+@needs_onednn_bf16
+def test_onednn_packed_linear_adds_its_bias():
+    """`linear` on a oneDNN-packed bf16 weight with a bias: F.linear's values up to bf16 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=generator).bfloat16()
+    weight = torch.randn(48, 64, generator=generator).bfloat16()
+    bias = (torch.randn(48, generator=generator) * 4).bfloat16()
+    gemm = PackedGemm("onednn", None)
+    out = linear(x, weight, bias, packed=gemm.pack(weight, 37), gemm=gemm)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=5e-2)
+    one = linear(x[:1], weight, bias, packed=gemm.pack(weight, 1), gemm=gemm)
+    torch.testing.assert_close(one.float(), expected[:1], rtol=2e-2, atol=5e-2)

@@ -242,6 +242,13 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
         assert entry["rtf"] > 0 and entry["first_partial_s"] > 0 and entry["aligner"]["words"] == 8
         floor = entry["floor"]
         assert 0 < floor["decode_ms_per_token"] and 0 < floor["first_step_s"] < floor["transcribe_s"]
+        assert entry["prefill_s"] >= 0 and floor["encoder_s"] > 0 and floor["prefill_s"] > 0
+        assert floor["first_step_s"] == pytest.approx(floor["encoder_s"] + floor["prefill_s"])
+        stages = entry["first_partial_stages"]
+        assert stages["encoder_s"] > 0 and stages["first_step_s"] > 0 and stages["decode_steps"] >= 0
+        aligner = entry["aligner"]
+        assert aligner["positions"] > 8 and aligner["encoder_s"] > 0 and aligner["forward_s"] > 0
+        assert aligner["floor"]["encoder_s"] > 0 and aligner["floor"]["forward_s"] > 0
         assert entry["peak_rss_mb"] > 0
     if has_reference:
         reference = results["reference"]

@@ -28,7 +28,7 @@ import torch
 
 from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
-from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel
+from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.ops import check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
@@ -126,7 +126,8 @@ def repair_bins(values: list[float]) -> list[int]:
 class Qwen3ForcedAligner:
     """A Qwen3-ForcedAligner (see the module docstring). model: `Qwen3ASRModel` of an aligner checkpoint;
     tokenizer: its text tokenizer; processor: its `ASRProcessor` (default: a WhisperFeatureExtractor of the
-    model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes)."""
+    model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes), the audio
+    encoder as the ASR's (`omnimtp.models.qwen3_asr.encoder_thinker`)."""
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
                  quantize: str | None = None):
@@ -152,6 +153,7 @@ class Qwen3ForcedAligner:
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.decoder = decoder
         self.quantize = quantize
+        self.thinker = encoder_thinker(thinker, quantize)
         self._lock = threading.Lock()
 
     @classmethod
@@ -196,9 +198,11 @@ class Qwen3ForcedAligner:
 
     def _owning_model(self) -> Qwen3ForcedAligner:
         """This aligner, for a model it made itself: quantized, the float matrices its quantized copies replace are
-        released from the model (`Qwen3ASRModel.release_decoder_linears`)."""
+        released from the model (`Qwen3ASRModel.release_decoder_linears`, `.release_audio_encoder`)."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
+            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
+                self.model.release_audio_encoder()
         return self
 
     def words(self, text: str, language: str | None) -> list[str]:
@@ -245,7 +249,7 @@ class Qwen3ForcedAligner:
 
     def _bins(self, ids: list[int], media) -> np.ndarray:
         """The time bin at each `<timestamp>` position of the prompt: one forward over it, the head on those rows."""
-        prefill = multimodal_prefill(self.model.thinker, ids, media, self.decoder.device)
+        prefill = multimodal_prefill(self.thinker, ids, media, self.decoder.device)
         cache = KVCache(self.decoder, 1, capacity=len(ids))
         out = decoder_forward(self.decoder, cache, prefill.embeds.to(self.decoder.dtype), [0], all_final=True)
         slots = torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id  # [P]

@@ -29,7 +29,12 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat
 
 from omnimtp.families.text import ChatText, TranscriptDeltas
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaInputs, MediaLimits, load_audio
-from omnimtp.models.qwen3_asr import ASR_LANGUAGES, ASR_TEXT_TOKEN, Qwen3ASRModel
+from omnimtp.models.qwen3_asr import (
+    ASR_LANGUAGES,
+    ASR_TEXT_TOKEN,
+    Qwen3ASRModel,
+    encoder_thinker,
+)
 from omnimtp.packed_decoder import PackedDecoder
 from omnimtp.runtime.ops import check_quantize
 from omnimtp.sampling import SamplingParams
@@ -160,7 +165,8 @@ class Qwen3ASRFamily(ChatText):
 
     model: `omnimtp.models.qwen3_asr.Qwen3ASRModel` (an ASR, not an aligner); tokenizer: its text tokenizer;
     processor: its `ASRProcessor` (default: a 128-bin WhisperFeatureExtractor at 16 kHz, the released one, or
-    the model's mel bins). quantize: the decoder's linears and its head (`OmniPipeline`'s modes); stored: a
+    the model's mel bins). quantize: the decoder's linears and its head (`OmniPipeline`'s modes); the audio
+    encoder then runs in bf16 where oneDNN runs bf16 (`omnimtp.models.qwen3_asr.encoder_thinker`); stored: a
     quantized checkpoint's layers (`omnimtp.quantized_checkpoint`), with quantize its mode."""
 
     model_type = "qwen3_asr"
@@ -203,6 +209,8 @@ class Qwen3ASRFamily(ChatText):
         if quantize is not None:  # its logits from an int8 head too
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.thinker_decoder = decoder.with_row_kernel()
+        # quantized, the audio encoder in bf16 (`encoder_thinker`): a copy; the model's own stays float
+        self.thinker = encoder_thinker(thinker, quantize)
         self.speech_header_ids = None
 
     @classmethod
@@ -253,10 +261,12 @@ class Qwen3ASRFamily(ChatText):
 
     def _owning_model(self) -> Qwen3ASRFamily:
         """This family, for a model it made itself: quantized, the float matrices its quantized copies replace are
-        released from the model (`Qwen3ASRModel.release_decoder_linears`), so quantizing saves memory. A model the
-        caller passed is left as it is."""
+        released from the model (`Qwen3ASRModel.release_decoder_linears`, and `.release_audio_encoder`: it encodes
+        with its bf16 copy), so quantizing saves memory. A model the caller passed is left as it is."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
+            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
+                self.model.release_audio_encoder()
         return self
 
     @property
@@ -365,7 +375,7 @@ class Qwen3ASRFamily(ChatText):
                     keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each with its own sampling, generator and audio."""
         return ThinkerRun(
-            self.model.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer, eos_token_ids=self.eos_token_ids,
+            self.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer, eos_token_ids=self.eos_token_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, generators=generators, decoder=self.thinker_decoder,
             media=media, prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
         )

@@ -15,15 +15,18 @@ read from config.json as a dict; `qwen_asr` is not imported.
 
     model = Qwen3ASRModel.from_pretrained(path)          # or tiny_qwen3_asr(seed), tiny_qwen3_asr(seed, aligner=True)
     rows = model.thinker.get_audio_features(features, feature_attention_mask).last_hidden_state
+    fast = EncoderThinker(model.thinker, fast_audio_encoder(model.thinker.audio_tower))  # bf16 encoder
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 from torch import nn
@@ -35,6 +38,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
+from omnimtp.runtime.ops import PackedGemm, QuantizedWeight, linear, packed_gemm_kind, quantize_weight
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -115,12 +119,120 @@ class Qwen3ASRThinker(nn.Module):
                            return_dict: bool = True) -> BaseModelOutput:
         """input_features [A, mel, T] and feature_attention_mask [A, T] → the encoder rows of every audio, one
         audio at a time as the reference encodes them, concatenated: last_hidden_state [rows, D]."""
-        lengths = feature_attention_mask.sum(-1)  # [A]
-        rows = [
-            self.audio_tower(features[:, :length], feature_lens=length[None]).last_hidden_state
-            for features, length in zip(input_features, lengths, strict=True)
-        ]
-        return BaseModelOutput(last_hidden_state=torch.cat(rows))
+        return encode_audio(self.audio_tower, input_features, feature_attention_mask)
+
+
+def encode_audio(tower: nn.Module, input_features: torch.Tensor, feature_attention_mask: torch.Tensor
+                 ) -> BaseModelOutput:
+    """`Qwen3ASRThinker.get_audio_features` with the audio encoder `tower` (the thinker's own, or its
+    `fast_audio_encoder`)."""
+    lengths = feature_attention_mask.sum(-1)  # [A]
+    rows = [
+        tower(features[:, :length], feature_lens=length[None]).last_hidden_state
+        for features, length in zip(input_features, lengths, strict=True)
+    ]
+    return BaseModelOutput(last_hidden_state=torch.cat(rows))
+
+
+# --- the audio encoder of the quantized modes ----------------------------------------------------------------
+
+
+ENCODER_ROWS_HINT = 1024  # the row count oneDNN tunes the encoder's packed bf16 weights for (~80 s of audio)
+
+
+class EncoderLinear(nn.Module):
+    """An nn.Linear of a fast audio encoder (`fast_audio_encoder`). linears "bf16": computed in bf16 on bf16
+    copies of the weight and bias, packed for oneDNN where it runs bf16 (the runtime's "onednn" `PackedGemm`: the
+    CPU's bf16 instructions), the input rounded to bf16 as it enters, the output back in float32; a quantized mode
+    ("int8", "int4", "w4a8"): the runtime's quantized kernel (`QuantizedWeight` of `quantize_weight`), the bias
+    float. Either way through `omnimtp.runtime.ops.linear`."""
+
+    def __init__(self, module: nn.Linear, linears: str):
+        super().__init__()
+        self.in_features, self.out_features = module.in_features, module.out_features
+        self.quantized: QuantizedWeight | None = None
+        self.packed, self.gemm = None, None
+        if linears == "bf16":
+            weight = module.weight.detach().to(torch.bfloat16).contiguous()
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().to(torch.bfloat16),
+                                                                      requires_grad=False)
+            if packed_gemm_kind(weight.device, torch.bfloat16) == "onednn":
+                self.gemm = PackedGemm("onednn", None)
+                self.packed = self.gemm.pack(weight, ENCODER_ROWS_HINT)
+        else:
+            self.quantized = quantize_weight(module.weight.detach().float(), linears)
+            self.bias = module.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()
+        return linear(x.float(), None, self.bias, packed=self.quantized)
+
+
+class Bf16Conv2d(nn.Module):
+    """An nn.Conv2d computed in bf16 (oneDNN's kernels, the CPU's bf16 instructions where it has them) on a bf16
+    copy of its weights, its input rounded to bf16 as it enters, its output bf16: the encoder's GELUs between the
+    convolutions then run in bf16 too, and the stack's large activations are never cast (the first linear after
+    it, `conv_out`, takes bf16 rows)."""
+
+    def __init__(self, module: nn.Conv2d):
+        super().__init__()
+        self.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().to(torch.bfloat16),
+                                                                  requires_grad=False)
+        self.stride, self.padding = module.stride, module.padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x.to(torch.bfloat16), self.weight, self.bias, self.stride, self.padding)
+
+
+def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
+    """A copy of the audio encoder `tower` (transformers' `Qwen3OmniMoeAudioEncoder`) for the fast modes: every
+    linear (the layers' q/k/v/out and fc1/fc2, conv_out, proj1/proj2) an `EncoderLinear` of `linears` ("bf16",
+    or a quantized mode), the
+    three convolutions in bf16 (`Bf16Conv2d`); norms, activations, attention and the sinusoids as they are, in
+    float32. The copy shares the tower's other tensors; the tower is not modified. Each audio is encoded alone,
+    so an audio's rows do not depend on the other requests."""
+    linear_names = {name for name, module in tower.named_modules() if isinstance(module, nn.Linear)}
+    convs = {name for name, module in tower.named_modules() if isinstance(module, nn.Conv2d)}
+    memo = {id(tensor): tensor for tensor in [*tower.parameters(), *tower.buffers()]}
+    encoder = copy.deepcopy(tower, memo)
+    for name in sorted(linear_names | convs):
+        parent_name, _, child = name.rpartition(".")
+        parent = encoder.get_submodule(parent_name) if parent_name else encoder
+        module = getattr(parent, child)
+        setattr(parent, child, EncoderLinear(module, linears) if name in linear_names else Bf16Conv2d(module))
+    return encoder.eval()
+
+
+def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None):
+    """The thinker a family runs in `quantize`: float (None), the thinker itself (the reference's encoder); a
+    quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
+    thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
+    thinker itself)."""
+    if quantize is None or packed_gemm_kind(thinker.device, torch.bfloat16) != "onednn":
+        return thinker
+    return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower))
+
+
+class EncoderThinker:
+    """A thinker seen with another audio encoder (`fast_audio_encoder`): `audio_tower` and
+    `get_audio_features` are the encoder's, everything else the thinker's own (what `multimodal_prefill` and
+    `omnimtp.thinker.ThinkerRun` read)."""
+
+    def __init__(self, thinker: Qwen3ASRThinker, encoder: nn.Module):
+        self.thinker = thinker
+        self.audio_tower = encoder
+
+    def __getattr__(self, name: str):
+        if name == "thinker":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.thinker, name)
+
+    def get_audio_features(self, input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
+                           return_dict: bool = True) -> BaseModelOutput:
+        return encode_audio(self.audio_tower, input_features, feature_attention_mask)
 
 
 class Qwen3ASRModel(nn.Module):
@@ -199,6 +311,13 @@ class Qwen3ASRModel(nn.Module):
         """Frees the decoder layers' matrices for a runtime that holds its own quantized copies
         (`omnimtp.models.qwen3_tts.release_matrices`); the model can then no longer be saved nor packed again."""
         release_matrices(self.decoder_linears())
+        self.has_released_linears = True
+
+    def release_audio_encoder(self) -> None:
+        """Frees the audio encoder's linear and convolution matrices for a runtime that encodes with its own copy
+        (`fast_audio_encoder`); the model's own encoder then no longer runs, nor can the model be saved."""
+        release_matrices([module for module in self.thinker.audio_tower.modules()
+                          if isinstance(module, (nn.Linear, nn.Conv2d))])
         self.has_released_linears = True
 
     def save_pretrained(self, path) -> None:

@@ -46,6 +46,7 @@ from omnimtp.runtime.ops import (
     apply_rope,
     attention,
     cast,
+    causal_mask,
     check_quantize,
     gated_mlp,
     linear,
@@ -512,6 +513,8 @@ def decoder_layer(
         rows = torch.arange(lead[0], device=x.device)
         queries = queries[rows, output_index][:, None]  # [R, 1, Nq, D]
         residual = residual[rows, output_index][:, None]  # [R, 1, H]
+        if isinstance(mask, str):  # CAUSAL
+            mask = causal_mask(lead[1], x.device)
         if mask is not None:
             mask = mask.expand(lead[0], -1, -1, -1)[rows, :, output_index][:, :, None]  # [R, 1, 1, S]
         lead = torch.Size((lead[0], 1))

@@ -267,7 +267,8 @@ def linear(
     """nn.Linear: x [..., in] @ weight[out, in].T (+ bias, added inside the matmul as the module does: one
     rounding in bf16). packed: `weight` packed by `gemm`, or None; or `weight` quantized
     (`quantize_weight`), which then runs on omnimtp's kernel in fp32 for any row count (weight and gemm
-    unused, weight may be None; the bias added after the matmul) and returns x's dtype.
+    unused, weight may be None; the bias added after the matmul) and returns x's dtype. A bias with a
+    oneDNN-packed weight is added inside oneDNN's matmul (eager; under torch.compile `F.linear` runs).
 
     "row": every row count runs omnimtp's kernel (a row's values do not depend on the other rows),
     except, under torch.compile, fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix. Otherwise a
@@ -281,7 +282,8 @@ def linear(
         ).to(x.dtype)
         out = out.view(*x.shape[:-1], packed.out_features)
         return out if bias is None else out + bias
-    if bias is not None:
+    onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
+    if bias is not None and not onednn:
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()
     # Under torch.compile the kernel is an opaque custom op whose Python dispatch costs ~25-50 us a
@@ -293,7 +295,7 @@ def linear(
     ):
         out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
-    if rows == 1:
+    if rows == 1 and bias is None:
         if x.dim() == 1:  # a one-row step on 1-D vectors
             return torch.mv(weight, x)
         return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
@@ -304,8 +306,8 @@ def linear(
     if gemm.kind == "onednn":
         if compiling:
             out = _onednn_packed_linear_op(x2d, packed, weight.shape[0])
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x2d, packed, None, "none", [], "")
+        else:  # the bias (if any) added inside oneDNN's matmul
+            out = torch.ops.mkldnn._linear_pointwise(x2d, packed, bias, "none", [], "")
         return out.view(*x.shape[:-1], weight.shape[0])
     outs = []
     for chunk in x2d.split(gemm.rows):  # [gemm.rows, in] each
@@ -470,6 +472,17 @@ def _decode_attention_mask(query: torch.Tensor, keys: torch.Tensor, values: torc
     return True, None if mask is None else mask[:, 0, 0]
 
 
+# The mask of a square causal block from position 0 (every row's T new positions are its first T columns): SDPA
+# runs it with is_causal, skipping the blocks above the diagonal; the same values as the bool mask it stands for.
+CAUSAL = "causal"
+
+
+def causal_mask(num_positions: int, device) -> torch.Tensor:
+    """The bool mask [1, 1, T, T] that `CAUSAL` stands for (True = attend)."""
+    columns = torch.arange(num_positions, device=device)
+    return (columns[None, :] <= columns[:, None])[None, None]
+
+
 def attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -488,7 +501,7 @@ def attention(
     on SDPA.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
-    attend) or additive, or None (every column visible).
+    attend) or additive, or None (every column visible), or `CAUSAL` (T = S > 1: SDPA's is_causal).
     fp32_manual: scores, softmax and the weighted sum written out in fp32 (as SDPA's CPU kernels compute
     them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
     torch.compile fuses (the code predictor's compiled step)."""
@@ -501,6 +514,14 @@ def attention(
         )  # [1, Nq, 1, D]
         return out.view(-1)
     num_rows, num_new, num_heads, head_dim = query.shape
+    if isinstance(mask, str):  # CAUSAL
+        if fp32_manual or num_new != keys.shape[2]:
+            mask = causal_mask(num_new, query.device)
+        else:
+            out = F.scaled_dot_product_attention(
+                query.transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )  # [R, Nq, T, D]
+            return out.transpose(1, 2).reshape(num_rows, num_new, num_heads * head_dim)
     if num_new == 1 and not fp32_manual:  # one position a row: the kernel where it applies (as above)
         on_kernel, rows_mask = _decode_attention_mask(query[:, 0], keys, values, mask)
         if on_kernel:
