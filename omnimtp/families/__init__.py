@@ -1,6 +1,7 @@
 """Model families behind the engine's interface, one module per family. A family's module is imported the first
 time a model of its type is loaded (`family_class`), so a command on one model imports that model's code and not
-the other families' (a Qwen3-TTS `speak` never imports Qwen2.5-Omni's or Qwen3-ASR's modules)."""
+the other families' (a `speak` on a Qwen3-TTS CustomVoice model imports neither Qwen2.5-Omni's nor Qwen3-ASR's
+code)."""
 
 from __future__ import annotations
 
