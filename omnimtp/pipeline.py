@@ -46,11 +46,9 @@ from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
+from omnimtp.families import family_class
 from omnimtp.families.asr_stream import PartialTranscript, RecognitionStep, StreamingRecognition
-from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
-from omnimtp.families.qwen3_asr import Qwen3ASRFamily
-from omnimtp.families.qwen3_omni import SAMPLE_RATE, Qwen3OmniFamily
-from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+from omnimtp.families.qwen3_omni import SAMPLE_RATE
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
 from omnimtp.quantized_checkpoint import is_quantized_checkpoint, load_quantized_model
@@ -171,10 +169,11 @@ class OmniPipeline:
                     raise ValueError(
                         "thinker_mtp: speculative thinker steps are for Qwen3-Omni's thinker, not Qwen2.5-Omni's"
                     )
-                family = Qwen2_5OmniFamily(model, tokenizer, processor=processor, quantize=quantize, stored=stored)
+                family = family_class(model_type)(model, tokenizer, processor=processor, quantize=quantize,
+                                                  stored=stored)
             else:
                 speculation = thinker_speculation(model.thinker, thinker_mtp, num_draft_tokens)
-                family = Qwen3OmniFamily(
+                family = family_class(model_type)(
                     model, tokenizer, processor=processor, compile_predictor=compile_predictor,
                     thinker_speculation=speculation, quantize=quantize, codec_dtype=codec_dtype, stored=stored,
                 )
@@ -229,17 +228,17 @@ class OmniPipeline:
         codec_dtype = kwargs.pop("codec_dtype", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_asr":
-            return cls(family=Qwen3ASRFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
+            return cls(family=family_class("qwen3_asr").tiny(seed, device=device, quantize=quantize), **kwargs)
         if family == "qwen3_tts":
-            return cls(family=Qwen3TTSFamily.tiny(seed, tts_model_type, device=device, quantize=quantize,
-                                                  codec_dtype=codec_dtype), **kwargs)
+            return cls(family=family_class("qwen3_tts").tiny(seed, tts_model_type, device=device, quantize=quantize,
+                                                             codec_dtype=codec_dtype), **kwargs)
         if family == "qwen3":
-            made = Qwen3OmniFamily.tiny(seed, device=device)
+            made = family_class("qwen3_omni_moe").tiny(seed, device=device)
             return cls(made.model, made.tokenizer, processor=made.processor, quantize=quantize,
                        codec_dtype=codec_dtype, **kwargs)
         if family == "qwen2_5":
             check_codec_dtype(codec_dtype, "qwen2_5_omni")
-            return cls(family=Qwen2_5OmniFamily.tiny(seed, device=device, quantize=quantize), **kwargs)
+            return cls(family=family_class("qwen2_5_omni").tiny(seed, device=device, quantize=quantize), **kwargs)
         raise ValueError(f"family must be 'qwen3', 'qwen2_5', 'qwen3_tts' or 'qwen3_asr', got {family!r}")
 
     @classmethod
@@ -282,15 +281,15 @@ class OmniPipeline:
             quantized = load_quantized_model(path, kwargs.get("quantize"), dtype=dtype)
         if model_type == "qwen3_asr":
             quantize = kwargs.pop("quantize", None)
-            return cls(family=Qwen3ASRFamily.from_pretrained(path, dtype=dtype, device=device, quantize=quantize,
-                                                             quantized=quantized), **kwargs)
+            return cls(family=family_class(model_type).from_pretrained(
+                path, dtype=dtype, device=device, quantize=quantize, quantized=quantized), **kwargs)
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)
                 for name in ("non_streaming_mode", "compile_predictor", "quantize", "codec_dtype") if name in kwargs
             }
-            return cls(family=Qwen3TTSFamily.from_pretrained(path, dtype=dtype, device=device, quantized=quantized,
-                                                             **family_options), **kwargs)
+            return cls(family=family_class(model_type).from_pretrained(
+                path, dtype=dtype, device=device, quantized=quantized, **family_options), **kwargs)
         check_codec_dtype(kwargs.get("codec_dtype"), model_type)  # before the weights load
         device = None if device is None else resolve_device(device)
         if is_quantized_checkpoint(path):  # `omnimtp quantize`'s: memory-mapped, its mode, CPU only
@@ -322,13 +321,13 @@ class OmniPipeline:
             raise ValueError("path: this pipeline was loaded from a quantized checkpoint, whose float weights are "
                              "not here; copy that directory instead")
         codec = getattr(self.family, "codec", None)
-        if isinstance(self.family, Qwen3TTSFamily) and codec is not None and codec.conv_dtype != torch.float32:
+        if self.family.model_type == "qwen3_tts" and codec is not None and codec.conv_dtype != torch.float32:
             raise ValueError(f"path: this pipeline's decoder runs its conv stack in {codec.conv_dtype} (codec_dtype) "
                              "and its float32 weights are gone; save from a pipeline loaded without codec_dtype")
         self.model.save_pretrained(path)
         with open(os.path.join(os.fspath(path), CAPS_FILE), "w") as f:
             json.dump({"max_new_tokens": self.config.max_new_tokens, "max_frames": self.config.max_frames}, f)
-        if isinstance(self.family, Qwen3TTSFamily):
+        if self.family.model_type == "qwen3_tts":
             if self.family.codec is not None:
                 self.family.codec.save_pretrained(os.path.join(os.fspath(path), "speech_tokenizer"))
                 if self.family.speech_encoder is not None:  # a Base model's, next to the decoder
@@ -336,7 +335,7 @@ class OmniPipeline:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(path)
             return
-        if isinstance(self.family, Qwen3ASRFamily):
+        if self.family.model_type == "qwen3_asr":
             self.processor.save_pretrained(path)  # preprocessor_config.json and the tokenizer
             return
         if self.model.config.model_type == "qwen2_5_omni":
@@ -468,7 +467,7 @@ class OmniPipeline:
         gathered, and the final one, of the tail, last. Each transcription is a greedy engine request over all
         the audio so far, continuing the previous reply less its last unfixed_tokens tokens (none for the first
         unfixed_chunks chunks). language, prompt: as `transcribe`'s."""
-        if not isinstance(self.family, Qwen3ASRFamily):
+        if self.family.model_type != "qwen3_asr":
             raise ValueError("model: streaming recognition needs a Qwen3-ASR model")
         max_new_tokens = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

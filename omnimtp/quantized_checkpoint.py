@@ -43,19 +43,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from omnimtp.checkpoint import MODEL_TYPES, omni_model_type
-from omnimtp.families.qwen2_5_omni import Qwen2_5OmniFamily
-from omnimtp.families.qwen3_asr import Qwen3ASRFamily
-from omnimtp.families.qwen3_omni import Qwen3OmniFamily
-from omnimtp.families.qwen3_tts import Qwen3TTSFamily
+from omnimtp.families import FAMILIES, family_class
 from omnimtp.runtime.decoder import QUANTIZED_MATRICES, pack_layer, quantized_matrices
 from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.ops import QUANTIZE_MODES, QuantizedWeight, check_quantize
 
 FORMAT = 1
 CONFIG_KEY = "omnimtp_quantization"
-# the transformers module paths of the decoders each family packs (and so quantizes), by config model_type
-DECODERS = {family.model_type: family.decoder_paths
-            for family in (Qwen3OmniFamily, Qwen2_5OmniFamily, Qwen3TTSFamily, Qwen3ASRFamily)}
 # a decoder layer's parameters that its quantized matrices replace (the rest of a layer stays float)
 _QUANTIZED_PARAMETER = re.compile(
     r"\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|mlp\.shared_experts?\.(gate|up|down)_proj)\.weight$"
@@ -245,11 +239,11 @@ def _meta_model(path: str, model_type: str):
 def _own_model_class(model_type: str):
     """omnimtp's own model class of a model type (built from config.json's dict, tensors under their parameter
     names, `restore_buffers` for what is not stored), or None for a transformers model."""
-    if model_type == Qwen3TTSFamily.model_type:
+    if model_type == "qwen3_tts":
         from omnimtp.models.qwen3_tts import Qwen3TTSModel
 
         return Qwen3TTSModel
-    if model_type == Qwen3ASRFamily.model_type:
+    if model_type == "qwen3_asr":
         from omnimtp.models.qwen3_asr import Qwen3ASRModel
 
         return Qwen3ASRModel
@@ -295,9 +289,9 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
     if not os.path.isdir(src):  # a built-in tiny model's name: made in memory, not read from files
         raise ValueError(f"src: {src!r} is a built-in model, not a checkpoint directory: save it first "
                          "(OmniPipeline.from_pretrained(name).save_pretrained(DIR)), then quantize DIR")
-    if model_type not in DECODERS:
+    if model_type not in FAMILIES:
         raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts "
-                         f"{sorted({**DECODERS, **MTP_DECODERS})}")
+                         f"{sorted({**FAMILIES, **MTP_DECODERS})}")
     if is_quantized_checkpoint(src):
         raise ValueError(f"src: {src!r} is already quantized")
     with open(os.path.join(src, "config.json")) as f:
@@ -306,7 +300,8 @@ def quantize_checkpoint(src, dst, quantize: str, *, shard_bytes: int = SHARD_BYT
     if getattr(model, "is_aligner", False):
         raise ValueError(f"src: {src!r} is a Qwen3-ForcedAligner, which omnimtp quantize does not convert (serve it "
                          "with --aligner-model and --quantize)")
-    summary = _write(model, _SourceTensors(model, src), dst, quantize, DECODERS[model_type], config, shard_bytes)
+    decoder_paths = family_class(model_type).decoder_paths
+    summary = _write(model, _SourceTensors(model, src), dst, quantize, decoder_paths, config, shard_bytes)
     _copy_other_files(src, dst)
     return summary
 
@@ -330,9 +325,9 @@ def _check_convertible(src: str) -> None:
         return  # a built-in name or no checkpoint at all: `omni_model_type` says which
     with open(config_path) as f:
         model_type = json.load(f).get("model_type")
-    if model_type not in DECODERS and model_type not in MTP_DECODERS:
+    if model_type not in FAMILIES and model_type not in MTP_DECODERS:
         raise ValueError(f"src: a {model_type!r} checkpoint; omnimtp quantize converts "
-                         f"{sorted({**DECODERS, **MTP_DECODERS})}")
+                         f"{sorted({**FAMILIES, **MTP_DECODERS})}")
 
 
 def _mtp_model_type(path: str) -> str | None:
@@ -413,14 +408,15 @@ def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dt
     dst = os.fspath(dst)
     _check_destination(quantize, dst)
     model_type = config.get("model_type")
-    if model_type not in DECODERS:
-        raise ValueError(f"config: model_type {model_type!r}; supported: {sorted(DECODERS)}")
+    if model_type not in FAMILIES:
+        raise ValueError(f"config: model_type {model_type!r}; supported: {sorted(FAMILIES)}")
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
     model = _meta_model(dst, model_type)
     os.remove(os.path.join(dst, "config.json"))
-    return _write(model, _RandomTensors(model, seed, dtype), dst, quantize, DECODERS[model_type], config, shard_bytes)
+    decoder_paths = family_class(model_type).decoder_paths
+    return _write(model, _RandomTensors(model, seed, dtype), dst, quantize, decoder_paths, config, shard_bytes)
 
 
 def _write(model, source, dst: str, quantize: str, decoders: tuple[str, ...], config: dict, shard_bytes: int) -> dict:

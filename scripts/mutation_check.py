@@ -1636,6 +1636,42 @@ MUTATIONS = [
         "a tiny model is built on every core (seconds on a busy box instead of a fraction of one)",
     ),
     Mutation(
+        "ray_workers_not_quieted", "omnimtp/server/ray_serve.py",
+        '    runtime_env = {} if verbose else {"worker_process_setup_hook": f"{__name__}.quiet_ray_worker"}',
+        "    runtime_env = {}",
+        ("tests/test_ray_units.py::test_ray_workers_drop_the_routers_expected_deadline_warning_unless_verbose",),
+        "serve --replicas prints Serve's router warning each time a busy replica answers its probe after 0.1 s",
+    ),
+    Mutation(
+        "ray_worker_filter_too_broad", "omnimtp/server/ray_serve.py",
+        '    "ray.serve": "Failed to get queue length from ",',
+        '    "ray.serve": "Failed to ",',
+        ("tests/test_ray_units.py::test_ray_workers_drop_the_routers_expected_deadline_warning_unless_verbose",),
+        "the proxy also drops Serve's warnings that a replica is unavailable or dead",
+    ),
+    Mutation(
+        "small_model_on_every_core", "omnimtp/runtime/device.py",
+        "    elif num_parameters < SMALL_MODEL_PARAMETERS:\n        torch.set_num_threads(1)",
+        "    elif num_parameters < 0:\n        torch.set_num_threads(1)",
+        ("tests/test_tiny_models.py::test_one_thread_rule_for_a_small_model_unless_told",),
+        "a tiny model runs on every core by default (10-25x slower than one thread on a busy box)",
+    ),
+    Mutation(
+        "every_family_imported", "omnimtp/families/__init__.py",
+        "    module, name = FAMILIES[model_type]\n    return getattr(importlib.import_module(module), name)",
+        "    classes = {key: getattr(importlib.import_module(m), n) for key, (m, n) in FAMILIES.items()}\n"
+        "    return classes[model_type]",
+        ("tests/test_cli.py::test_each_command_imports_only_what_it_runs",),
+        "a command on one model imports every family's code (Qwen2.5-Omni, Qwen3-ASR, Qwen3-TTS): slower start",
+    ),
+    Mutation(
+        "speaker_encoder_for_every_tts_model", "omnimtp/models/qwen3_tts.py",
+        "from torch import nn\n",
+        "from torch import nn\n\nimport omnimtp.models.speaker_encoder  # noqa: F401\n",
+        ("tests/test_cli.py::test_each_command_imports_only_what_it_runs",),
+        "every Qwen3-TTS model imports the Base model's speaker encoder (Qwen2.5-Omni's modeling) at start-up",
+    ),
+    Mutation(
         "too_many_threads_silent", "omnimtp/runtime/device.py",
         "        if warning is not None:\n            logger.warning(warning)",
         "        if False:\n            logger.warning(warning)",

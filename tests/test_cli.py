@@ -78,34 +78,67 @@ SERVER_STACK = ("fastapi", "starlette", "uvicorn", "prometheus_client")
 NEVER_NEEDED = ("ray", "openai", "av", "librosa")
 
 
-def _imported_by(code: str, cwd: Path) -> set[str]:
-    """The top-level packages `code` left imported, run in a fresh interpreter."""
-    script = code + "\nimport json, sys\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+def _imported_by(code: str, cwd: Path) -> list[set[str]]:
+    """The modules `code` left imported, run in a fresh interpreter: one set per `snapshot()` it calls, then one
+    at its end."""
+    script = ("import json, sys\nsnapshots = []\ndef snapshot():\n    snapshots.append(sorted(sys.modules))\n"
+              + code + "\nsnapshot()\nprint(json.dumps(snapshots))\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-3000:]
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+    return [set(names) for names in json.loads(out.stdout.strip().splitlines()[-1])]
+
+
+def _packages(modules: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in modules}
+
+
+# What a command on one model never imports: the other families' code (`omnimtp.families.family_class` imports a
+# family on first use). The Qwen3-TTS speech tokenizer is built of Qwen3-Omni's code2wav blocks, so a Qwen3-TTS
+# model does import Qwen3-Omni's modeling; only a Base model builds the speaker encoder (Qwen2.5-Omni's ECAPA).
+QWEN2_5_OMNI = ("omnimtp.families.qwen2_5_omni", "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni")
+QWEN3_ASR = ("omnimtp.families.qwen3_asr", "omnimtp.models.qwen3_asr")
+QWEN3_TTS = ("omnimtp.families.qwen3_tts", "omnimtp.models.qwen3_tts", "omnimtp.codec.speech_tokenizer")
+QWEN3_TTS_BASE = ("omnimtp.models.speaker_encoder",)
 
 
 def test_each_command_imports_only_what_it_runs(tmp_path):
-    """speak and transcribe on a tiny model import torch and transformers but no server, Ray or client stack;
-    serve's app (what `serve` builds before uvicorn runs it) imports no Ray, no OpenAI client and no PyAV. Import
-    costs are what a short command's start-up is made of (`python -X importtime -m omnimtp.cli ...`)."""
+    """speak and transcribe on a tiny model import torch and transformers but no server, Ray or client stack,
+    and no other family's code (speak on the Qwen3-Omni model no Qwen3-TTS, Qwen3-ASR or Qwen2.5-Omni modules;
+    speak on a Qwen3-TTS CustomVoice model no Qwen3-ASR or Qwen2.5-Omni ones); serve's app (what `serve` builds
+    before uvicorn runs it) imports no Ray, no OpenAI client and no PyAV. Import costs are what a short
+    command's start-up is made of (`python -X importtime -m omnimtp.cli ...`)."""
     question = REPO / "examples" / "question.wav"
-    speak = _imported_by(f"""
+    omni, tts, speak = _imported_by(f"""
 from omnimtp.cli import main
 assert main(["speak", "Hi", "-o", "a.wav", "--max-new-tokens", "2", "--max-frames", "2"]) == 0
+snapshot()
 assert main(["speak", "--model", "tiny-tts", "Hi", "-o", "b.wav", "--max-frames", "2"]) == 0
+snapshot()
 assert main(["transcribe", {str(question)!r}, "--max-new-tokens", "2"]) == 0
 """, tmp_path)
+    not_omni, not_tts = set(QWEN3_TTS + QWEN3_ASR + QWEN2_5_OMNI), set(QWEN3_ASR + QWEN2_5_OMNI + QWEN3_TTS_BASE)
+    assert omni.isdisjoint(not_omni), sorted(omni & not_omni)
+    assert set(QWEN3_TTS) <= tts and tts.isdisjoint(not_tts), sorted(tts & not_tts)
+    speak = _packages(speak)
     assert {"torch", "transformers"} <= speak
     assert speak.isdisjoint(SERVER_STACK + NEVER_NEEDED), sorted(speak & set(SERVER_STACK + NEVER_NEEDED))
-    serve = _imported_by("""
+    (serve,) = _imported_by("""
 from omnimtp.cli import build_parser
 from omnimtp.server.build import build_app
 build_app(build_parser().parse_args(["serve", "--eager", "--max-frames", "2"]))
 """, tmp_path)
+    serve = _packages(serve)
     assert {"fastapi", "uvicorn"} & serve and serve.isdisjoint(NEVER_NEEDED), sorted(serve & set(NEVER_NEEDED))
+
+
+def test_each_family_is_registered_under_its_model_type():
+    from omnimtp.families import FAMILIES, family_class
+
+    for model_type in FAMILIES:
+        assert family_class(model_type).model_type == model_type
+    with pytest.raises(ValueError, match="model_type: 'llama'; supported: "):
+        family_class("llama")
 
 
 def test_help_answers_within_a_generous_bound():

@@ -465,6 +465,25 @@ def test_a_killed_replica_is_replaced_and_later_requests_succeed(client, url):
     assert health.json()["replicas"] == {"running": 2, "total": 2}
 
 
+def test_the_proxy_drops_the_routers_expected_deadline_warning_only(url):
+    """Serve's proxy (where the router that probes the replicas' queues runs) started without --verbose has the
+    `quiet_ray_worker` filter on its `ray.serve` logger, installed by the job's worker set-up hook and kept
+    through Serve's own logging set-up: the expected "within 0.1s" warning is dropped, other warnings pass."""
+    def drops_the_routers_deadline_warning(_proxy) -> tuple[bool, bool]:  # run in the proxy's process
+        import logging
+
+        def passes(message: str) -> bool:
+            return bool(logging.getLogger("ray.serve").filter(logging.makeLogRecord({"msg": message})))
+
+        return (passes("Failed to get queue length from Replica(id='r') within 0.1s. If this happens ..."),
+                passes("Failed to fetch queue length for Replica(id='r'). Replica is temporarily unavailable."))
+
+    (proxy,) = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+                if actor["name"].startswith("SERVE_PROXY_ACTOR")]
+    handle = ray.get_actor(proxy["name"], namespace=proxy["namespace"])
+    assert ray.get(handle.__ray_call__.remote(drops_the_routers_deadline_warning), timeout=60) == (False, True)
+
+
 # -- omnimtp batch ------------------------------------------------------------------------------------
 
 

@@ -56,6 +56,41 @@ def test_ray_logs_warnings_only_unless_verbose(caplog):
     assert logging.getLogger("ray.serve").level == logging.WARNING == logging.getLogger("ray.data").level
 
 
+def test_ray_workers_drop_the_routers_expected_deadline_warning_unless_verbose(monkeypatch):
+    """Without --verbose every Ray worker of the job (Serve's proxy among them: tests/test_ray.py) runs
+    `quiet_ray_worker`, which drops the router's "Failed to get queue length" warning, a replica answering
+    later than 0.1 s in the middle of a step on a busy CPU, and nothing else; the deadline stays Ray's."""
+    import logging
+
+    import ray
+
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(kwargs))
+    ray_serve.init_ray(None)
+    ray_serve.init_ray("ray://cluster:10001")
+    ray_serve.init_ray(None, verbose=True)
+    hook = "omnimtp.server.ray_serve.quiet_ray_worker"
+    assert [kwargs["runtime_env"].get("worker_process_setup_hook") for kwargs in seen] == [hook, hook, None]
+    assert all("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S" not in kwargs["runtime_env"].get("env_vars", {})
+               for kwargs in seen)
+
+    ray_serve.quiet_ray_worker()
+    ray_serve.quiet_ray_worker()  # idempotent
+    serve_logger = logging.getLogger("ray.serve")
+    assert sum(isinstance(f, ray_serve._ExpectedRayNotice) for f in serve_logger.filters) == 1
+    kept = []
+    handler = logging.Handler()
+    handler.emit = kept.append
+    serve_logger.addHandler(handler)
+    try:
+        serve_logger.warning("Failed to get queue length from Replica(id='x', deployment='omnimtp') within 0.1s. "
+                             "If this happens repeatedly ...")
+        serve_logger.warning("Failed to fetch queue length for Replica(id='x'). Replica is temporarily unavailable.")
+    finally:
+        serve_logger.removeHandler(handler)
+    assert [record.getMessage()[:30] for record in kept] == ["Failed to fetch queue length f"]
+
+
 def test_app_builder_reads_a_serve_config_as_serve_flags(monkeypatch):
     # a RayService's `args`: each key a `serve` flag without its dashes; the application gets what the CLI parses
     monkeypatch.setattr(ray_serve, "application", lambda args: args)

@@ -19,6 +19,7 @@ from omnimtp.sampling import SamplingParams
 
 
 class Family(Protocol):
+    model_type: str  # the checkpoint's config.json model_type (a key of `omnimtp.families.FAMILIES`)
     sample_rate: int
     num_code_groups: int
     codec_looks_ahead: bool  # the codec holds a chunk's samples back until later frames (or is_final) come

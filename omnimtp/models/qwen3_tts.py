@@ -28,7 +28,6 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from omnimtp.models.speaker_encoder import SpeakerEncoder
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 
 CONFIG_NAME = "config.json"
@@ -157,6 +156,9 @@ class Qwen3TTSModel(nn.Module):
         self.speaker_encoder = None
         self.has_released_linears = False  # see `release_decoder_linears`
         if self.config["tts_model_type"] == "base":
+            # only a Base model has one: the others never import its blocks (Qwen2.5-Omni's ECAPA-TDNN)
+            from omnimtp.models.speaker_encoder import SpeakerEncoder
+
             self.speaker_encoder = SpeakerEncoder(self.config.get("speaker_encoder_config") or {})
             if self.speaker_encoder.enc_dim != self.talker.config.hidden_size:
                 raise ValueError(f"config: speaker_encoder_config.enc_dim {self.speaker_encoder.enc_dim} is not the "

@@ -385,18 +385,20 @@ def init_ray(address: str | None, *, verbose: bool = False, **local_options) -> 
     """Connect to the Ray cluster at `address`, or start a local instance (on the loopback address, no
     dashboard; local_options: more `ray.init` arguments, e.g. num_cpus) whose workers import the
     omnimtp this process runs (a checkout, or the installed one). A cluster's nodes need omnimtp installed.
-    Ray logs its warnings and errors only, unless `verbose` (`quiet_ray`)."""
+    Ray logs its warnings and errors only, unless `verbose` (`quiet_ray` here, `quiet_ray_worker` in every
+    worker process Ray starts for this job: Serve's controller, proxies and replicas, Ray Data's actors)."""
     import ray
 
     level = logging.INFO if verbose else logging.WARNING
+    runtime_env = {} if verbose else {"worker_process_setup_hook": f"{__name__}.quiet_ray_worker"}
     if not verbose:
         quiet_ray()
     if address is not None:
-        ray.init(address=address, logging_level=level)
+        ray.init(address=address, logging_level=level, runtime_env=runtime_env)
         return
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=level,
-             runtime_env={"env_vars": {"PYTHONPATH": package_root}}, **local_options)
+             runtime_env={**runtime_env, "env_vars": {"PYTHONPATH": package_root}}, **local_options)
 
 
 def serve_logging(verbose: bool) -> dict:
@@ -412,6 +414,14 @@ _RAY_EXPECTED = {
     "ray._private.authentication.authentication_token_setup": "Token authentication is enabled for this Ray cluster",
     "ray.data._internal.progress": "Progress bars disabled.",
 }
+# What Ray's workers say that is expected of this engine on a CPU: Serve's router (in each proxy) asks the
+# replicas how many requests they hold and waits 0.1 s for the answer; a replica in the middle of a model step
+# on a busy CPU often answers later, and the router goes on as designed (that replica's count unknown for this
+# choice, a doubled deadline the next time), warning each time. The deadline is left as it is: a longer one
+# would hold every request behind a slow replica's answer.
+_RAY_WORKER_EXPECTED = {
+    "ray.serve": "Failed to get queue length from ",
+}
 
 
 class _ExpectedRayNotice(logging.Filter):
@@ -423,15 +433,27 @@ class _ExpectedRayNotice(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+def _filter_expected(expected: dict[str, str]) -> None:
+    for name, prefix in expected.items():
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedRayNotice) and f.prefix == prefix for f in logger_.filters):
+            logger_.addFilter(_ExpectedRayNotice(prefix))
+
+
 def quiet_ray() -> None:
     """Ray's expected start-up notices (above) filtered, and the driver's Ray Serve and Ray Data loggers at
     WARNING (each sets its own level; `ray.init`'s logging_level does not reach them). Idempotent."""
-    for name, prefix in _RAY_EXPECTED.items():
-        logger_ = logging.getLogger(name)
-        if not any(isinstance(f, _ExpectedRayNotice) for f in logger_.filters):
-            logger_.addFilter(_ExpectedRayNotice(prefix))
+    _filter_expected(_RAY_EXPECTED)
     for name in ("ray.serve", "ray.data"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def quiet_ray_worker() -> None:
+    """Run by Ray in each worker process it starts for a command without --verbose (runtime_env's
+    `worker_process_setup_hook`, before the process becomes Serve's proxy, a replica or an actor): the expected
+    worker notices (`_RAY_WORKER_EXPECTED`) filtered from their loggers. Serve's own logging set-up replaces a
+    logger's handlers and level, not its filters; every other warning and error is still printed. Idempotent."""
+    _filter_expected(_RAY_WORKER_EXPECTED)
 
 
 def _replicas_at_start(options: dict) -> int:
