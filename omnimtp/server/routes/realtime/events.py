@@ -88,6 +88,7 @@ class SessionFields(BaseModel):
     tools: Annotated[list, Field(max_length=0)] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     tracing: None = None
+    include: list[Literal["item.input_audio_transcription.logprobs"]] | None = None
     # omnimtp's extensions
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -29,6 +29,8 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
             changes[name] = given[name]
     if fields.output_modalities is not None:
         changes["output_modalities"] = tuple(fields.output_modalities)
+    if "include" in given:
+        changes["include"] = tuple(dict.fromkeys(fields.include or ()))
     if fields.max_output_tokens is not None:
         changes["max_output_tokens"] = max_output_tokens_setting(context, fields.max_output_tokens,
                                                                  "session.max_output_tokens")
