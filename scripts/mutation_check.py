@@ -1370,6 +1370,13 @@ MUTATIONS = [
         "streamed logprobs of the last tokens, whose text is no delta's, go on no delta",
     ),
     Mutation(
+        "chat_logprobs_without_alternatives", "omnimtp/server/routes/chat.py",
+        '    return {"content": logprob_items(tokenizer, logprobs, with_top=True), "refusal": None}',
+        '    return {"content": logprob_items(tokenizer, logprobs), "refusal": None}',
+        ("tests/test_server.py::test_chat_logprobs_are_the_engines_streamed_or_not",),
+        "a chat completion's logprobs leave out top_logprobs",
+    ),
+    Mutation(
         "transcription_exact_fit_refused", "omnimtp/pipeline.py",
         '        if len(ids) + max_new_tokens > self.family.max_positions:\n            raise ValueError(f"audio: ',
         '        if len(ids) + max_new_tokens >= self.family.max_positions:\n            raise ValueError(f"audio: ',

@@ -26,10 +26,18 @@ from omnimtp.families.text import TranscriptTokens
 from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
-from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
+from omnimtp.server.routes.common import (
+    ServingContext,
+    collect,
+    logprob_items,
+    sampling_params,
+    serving,
+    sse,
+    stream_error,
+)
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import INT64_MAX, INT64_MIN
-from omnimtp.tokenizer import prompt_tokenizer, token_bytes
+from omnimtp.tokenizer import prompt_tokenizer
 
 router = APIRouter()
 
@@ -141,14 +149,6 @@ def _has_logprobs(includes: list[str], response_format: str) -> bool:
         raise APIError(400, f"include: logprobs come with response_format json, got {response_format!r}",
                        param="include", code="invalid_value")
     return bool(includes)
-
-
-def logprob_items(tokenizer, logprobs) -> list[dict]:
-    """`omnimtp.sampling.TokenLogprob`s as OpenAI lists a transcript's: {token, logprob, bytes} (the token's UTF-8
-    bytes; its text, a piece of a character shown as U+FFFD)."""
-    pieces = token_bytes(tokenizer, [lp.token_id for lp in logprobs])
-    return [{"token": piece.decode("utf-8", errors="replace"), "logprob": lp.logprob, "bytes": list(piece)}
-            for lp, piece in zip(logprobs, pieces, strict=True)]
 
 
 def _aligned_words(aligner, samples, rate: int, text: str, language: str | None):

@@ -25,9 +25,9 @@ import numpy as np
 
 from omnimtp.families.text import TranscriptTokens
 from omnimtp.server.errors import APIError
-from omnimtp.server.routes.common import ServingContext
+from omnimtp.server.routes.common import ServingContext, logprob_items
 from omnimtp.server.routes.realtime.state import ConversationItem, RealtimeSession
-from omnimtp.server.routes.transcriptions import logprob_items, transcription_request
+from omnimtp.server.routes.transcriptions import transcription_request
 
 INCLUDE_LOGPROBS = "item.input_audio_transcription.logprobs"
 
