@@ -307,6 +307,8 @@ def test_sessions_batch_with_each_other_and_give_their_replies_alone(client, pip
 
 BAD_EVENTS = [
     ({"type": "response.create"}, None, "conversation_empty"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"noise_reduction": {
+        "type": "studio"}}}}}, "session.audio.input.noise_reduction.type", "invalid_value"),
     ({"type": "nonsense.event"}, "type", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}}},
      "session.audio.output.voice", "invalid_value"),
@@ -342,6 +344,17 @@ BAD_EVENTS = [
      "previous_item_id", "item_not_found"),
     ({"type": "response.cancel"}, None, "response_cancel_not_active"),
 ]
+
+
+def test_noise_reduction_is_taken_and_echoed(client):
+    """`noise_reduction` (pipecat's realtime quick-start asks near_field): taken and echoed, null turns it off; no
+    filter runs (the audio is heard as it comes)."""
+    with _connect(client) as connection:
+        for value in ({"type": "near_field"}, {"type": "far_field"}, None):
+            connection.session.update(session={"type": "realtime", "audio": {"input": {"noise_reduction": value}}})
+            updated = _next(connection).session
+            reduction = updated.audio.input.noise_reduction
+            assert (reduction and reduction.model_dump(exclude_none=True)) == value
 
 
 def test_bad_events_get_error_events_naming_the_field(client, pipe):

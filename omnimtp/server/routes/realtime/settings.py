@@ -40,6 +40,9 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
                                                                       "session.audio.input.format")
     if audio is not None and audio.input is not None and "turn_detection" in audio.input.model_fields_set:
         changes["turn_detection"] = _turn_detection(audio.input.turn_detection)
+    if audio is not None and audio.input is not None and "noise_reduction" in audio.input.model_fields_set:
+        noise_reduction = audio.input.noise_reduction
+        changes["noise_reduction"] = None if noise_reduction is None else noise_reduction.type
     if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
         changes["transcription"] = transcription_settings(context, audio.input.transcription)
     if audio is not None and audio.output is not None:

@@ -34,6 +34,7 @@ class Settings:
     turn_detection: TurnDetection | None = TurnDetection()  # None: manual turns
     type: str = "realtime"  # "transcription": committed turns are transcribed and never answered
     include: tuple[str, ...] = ()  # "item.input_audio_transcription.logprobs": input transcripts with logprobs
+    noise_reduction: str | None = None  # the microphone kind a client names ("near_field"); no filter is applied
 
 
 @dataclass
@@ -115,7 +116,8 @@ class RealtimeSession:
         s = self.settings
         audio_input = {"format": describe_format(s.input_format, s.input_rate),
                        "turn_detection": s.turn_detection and s.turn_detection.describe(),
-                       "transcription": s.transcription, "noise_reduction": None}
+                       "transcription": s.transcription,
+                       "noise_reduction": None if s.noise_reduction is None else {"type": s.noise_reduction}}
         if s.type == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
                     "audio": {"input": audio_input}, "include": list(s.include) or None}
