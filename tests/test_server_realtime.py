@@ -186,6 +186,15 @@ def test_a_text_turn_is_the_pipelines_reply(client, pipe):
                           "response.done"]
 
 
+def test_a_response_to_instructions_alone_speaks_first(client, pipe):
+    """response.create on an empty conversation with instructions (LiveKit's quick-start greets this way:
+    `generate_reply(instructions=...)`): the reply to the instructions as the system turn alone, the pipeline's."""
+    instructions = "Greet the user and offer your assistance."
+    with _connect(client) as connection:
+        reply = _response(connection, instructions=instructions)
+    _assert_reply(reply, *_expected(pipe, [{"role": "system", "content": instructions}]))
+
+
 def test_an_audio_turn_is_heard_as_audio(client, pipe):
     samples = tone(0.6, 24000, hz=330.0)
     with _connect(client, audio={"input": {"turn_detection": None}, "output": {"voice": "Chelsie"}}) as connection:
