@@ -372,6 +372,15 @@ def test_unknown_voice_names_the_voices_and_the_client_raises(client):
     assert "alloy" in raised.value.body["message"] and "ethan" in raised.value.body["message"]
 
 
+def test_every_response_has_a_request_id_of_its_own(http):
+    """`x-request-id` on every response, a success or an error, as OpenAI's (LiveKit's TTS logs a warning without
+    one)."""
+    responses = [http.get("/v1/models"), http.get("/v1/models"), http.post("/v1/chat/completions", json={}),
+                 http.get("/nowhere")]
+    ids = [response.headers.get("x-request-id") for response in responses]
+    assert all(ids) and len(set(ids)) == len(ids), ids
+
+
 def test_unknown_route_and_method_get_openai_errors(http):
     missing = http.get("/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
