@@ -1377,6 +1377,20 @@ MUTATIONS = [
         "a chat completion's logprobs leave out top_logprobs",
     ),
     Mutation(
+        "realtime_noise_reduction_refused", "omnimtp/server/routes/realtime/events.py",
+        "    noise_reduction: NoiseReduction | None = None",
+        "    noise_reduction: None = None",
+        ("tests/test_server_realtime.py::test_noise_reduction_is_taken_and_echoed",),
+        "a session naming noise_reduction (pipecat's realtime quick-start: near_field) is refused",
+    ),
+    Mutation(
+        "realtime_instructions_alone_get_no_reply", "omnimtp/server/routes/realtime/responses.py",
+        "    if not state.items and not instructions:",
+        '    if not any(item.role == "user" for item in state.items):',
+        ("tests/test_server_realtime.py::test_a_response_to_instructions_alone_speaks_first",),
+        "response.create on an empty conversation with instructions (a greeting first) is refused",
+    ),
+    Mutation(
         "transcription_exact_fit_refused", "omnimtp/pipeline.py",
         '        if len(ids) + max_new_tokens > self.family.max_positions:\n            raise ValueError(f"audio: ',
         '        if len(ids) + max_new_tokens >= self.family.max_positions:\n            raise ValueError(f"audio: ',
