@@ -15,6 +15,8 @@ import torch
 
 # Logits of magnitude up to 1e30 still divide to finite float32 values above this.
 MIN_SAMPLED_TEMPERATURE = 1e-5
+# The most alternatives a request's token logprobs list (OpenAI's `top_logprobs` cap).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,36 @@ QWEN3_OMNI_THINKER_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.
 
 # Qwen3-Omni's code predictor samples with these (hard-coded in transformers and vllm-omni).
 QWEN3_OMNI_CODE_PREDICTOR_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model: the log-softmax of the raw logits it was drawn from
+    (before temperature, top-k and top-p: the model's own distribution, what OpenAI and vLLM report whatever the
+    sampling), and the `top` most likely tokens' (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, num_top: int = 0) -> TokenLogprob:
+    """`TokenLogprob` of `token_id` from one row's logits [V] (any float dtype; computed in float32), with the
+    num_top most likely tokens. A row's value depends on that row alone."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = ()
+    if num_top:
+        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(int(token_id), float(logprobs[token_id]), top)
+
+
+def check_num_logprobs(value, name: str = "logprobs") -> None:
+    """ValueError naming `name` unless value is None (no logprobs) or an integer in [0, MAX_TOP_LOGPROBS] (the
+    chosen token's logprob and that many alternatives)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

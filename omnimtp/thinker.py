@@ -40,7 +40,14 @@ from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.runtime.ops import linear
-from omnimtp.sampling import QWEN3_OMNI_THINKER_SAMPLING, SamplingParams, sample
+from omnimtp.sampling import (
+    QWEN3_OMNI_THINKER_SAMPLING,
+    SamplingParams,
+    TokenLogprob,
+    check_num_logprobs,
+    sample,
+    token_logprob,
+)
 from omnimtp.spec_decode.adaptive import (
     DEFAULT_MAX_DRAFT_TOKENS,
     DraftCosts,
@@ -61,13 +68,15 @@ class ThinkerEvent:
 
     token_id: the token it sampled, or None when the request was already finished.
     embeds, hidden: the rows of that forward ([P, D] at prefill, [1, D] after, [0, D] when finished).
-    finish_reason: "stop" or "length" on the step that finished the request, else None."""
+    finish_reason: "stop" or "length" on the step that finished the request, else None.
+    logprob: the token's `TokenLogprob` when the request asked for logprobs, else None."""
 
     index: int
     token_id: int | None
     embeds: torch.Tensor
     hidden: torch.Tensor
     finish_reason: str | None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,9 @@ class ThinkerRun:
     its prompt's whole blocks (`kept_prefixes[i]` after the first step). plain_start_steps: a speculative
     run's first steps after the prefill that draft nothing, whatever k or the controller would choose: a new
     request's first reply rows, what its talker prefill and first frame wait for, come at a plain step's cost
-    (the engine takes its start steps plain); the same for every row, so a seeded row stays what it is alone."""
+    (the engine takes its start steps plain); the same for every row, so a seeded row stays what it is alone.
+    logprobs[i]: None (request i's events carry no logprob, and nothing is computed for it) or n >= 0: each of its
+    events carries the token's `TokenLogprob` from the logits row it was drawn from, with n alternatives."""
 
     def __init__(
         self,
@@ -143,8 +154,14 @@ class ThinkerRun:
         prefixes: list[PrefixRows | None] | None = None,
         keeps_prefix: list[bool] | None = None,
         plain_start_steps: int = 0,
+        logprobs: list[int | None] | None = None,
     ):
         batch_size = len(prompts)
+        self.logprobs = list(logprobs) if logprobs is not None else [None] * batch_size
+        if len(self.logprobs) != batch_size:
+            raise ValueError(f"logprobs must be a list of {batch_size} entries (None or an integer)")
+        for value in self.logprobs:
+            check_num_logprobs(value)
         if isinstance(plain_start_steps, bool) or not isinstance(plain_start_steps, int) or plain_start_steps < 0:
             raise ValueError(f"plain_start_steps must be an integer >= 0, got {plain_start_steps!r}")
         self._plain_steps_left = plain_start_steps
@@ -265,14 +282,15 @@ class ThinkerRun:
                 empty = torch.zeros((0, self.decoder.hidden_size), dtype=self.decoder.dtype, device=device)
                 events.append(ThinkerEvent(i, None, empty, empty, None))
                 continue
-            row_embeds, row_hidden, _ = rows[i]
+            row_embeds, row_hidden, row_logits = rows[i]
             token_id = token_ids[i]
             self.output_ids[i].append(token_id)
             if token_id in self.eos_token_ids:
                 self.finish_reasons[i] = "stop"
             elif len(self.output_ids[i]) >= self.max_new_tokens:
                 self.finish_reasons[i] = "length"
-            events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i]))
+            logprob = None if self.logprobs[i] is None else token_logprob(row_logits, token_id, self.logprobs[i])
+            events.append(ThinkerEvent(i, token_id, row_embeds, row_hidden, self.finish_reasons[i], logprob))
         if is_plain_spec_step:
             self._record_plain_step(active, sampled_ids, final, started)
         if not is_prefill or self.speculation is None:
@@ -445,9 +463,10 @@ class ThinkerRun:
                     self.finish_reasons[i] = "stop"
                 elif len(self.output_ids[i]) >= self.max_new_tokens:
                     self.finish_reasons[i] = "length"
-                events.append(
-                    ThinkerEvent(i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i])
-                )
+                logprob = None if self.logprobs[i] is None else token_logprob(logits[r, j], token_id, self.logprobs[i])
+                events.append(ThinkerEvent(
+                    i, token_id, embeds[r, j : j + 1], hidden[r, j : j + 1], self.finish_reasons[i], logprob
+                ))
                 if self.finish_reasons[i] is not None:
                     break  # the rest of the accepted run is past the request's end
         step_time = time.perf_counter() - started

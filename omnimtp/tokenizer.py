@@ -107,6 +107,25 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
+_UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """Each token's own text as UTF-8 bytes: a byte-level BPE token's bytes (a piece of a character has the bytes
+    it holds; joined in order they are the text's), an added token's text (`<asr_text>`); an id past the
+    tokenizer's vocabulary (a model's padded rows) has none."""
+    added = set(tokenizer.get_added_vocab())
+    pieces = []
+    for token in tokenizer.convert_ids_to_tokens([int(token_id) for token_id in ids]):
+        if token is None:
+            pieces.append(b"")
+        elif token in added or not all(char in _UNICODE_TO_BYTE for char in token):
+            pieces.append(token.encode("utf-8"))
+        else:
+            pieces.append(bytes(_UNICODE_TO_BYTE[char] for char in token))
+    return pieces
+
+
 # --- prompts: the template's structure as special ids, message text as text ---------------------------
 
 # Private-use characters: one that no message holds marks where a special-token string stood in a message.

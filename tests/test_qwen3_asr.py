@@ -376,3 +376,82 @@ def test_onednn_packed_linear_adds_its_bias():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=5e-2)
     one = linear(x[:1], weight, bias, packed=gemm.pack(weight, 1), gemm=gemm)
     torch.testing.assert_close(one.float(), expected[:1], rtol=2e-2, atol=5e-2)
+
+
+def _logprob_run(family, requests):
+    """Each request's (output ids, output_logprobs, the logprobs its text events carried), run together."""
+    core = EngineCore(family, EngineConfig(max_batch_size=max(4, len(requests))))
+    for request in requests:
+        core.add(request)
+    carried = {request.request_id: [] for request in requests}
+    while core.has_work():
+        for event in core.step():
+            carried[event.request.request_id] += event.logprobs
+    return [(r.output_ids, r.output_logprobs, carried[r.request_id]) for r in requests]
+
+
+def test_greedy_logprobs_are_the_references_log_softmax(family, ref):
+    """A greedy transcription's token logprobs (and its top alternatives) are the log-softmax of the reference's
+    logits at each step, within float32 tolerance; the text events carry the reply's tokens, the stop token's
+    logprob stays on the request."""
+    samples = _speechlike(2.0, 2)
+    ids, media = family.transcription_inputs(samples, None, "")
+    prompt = torch.tensor([ids])
+    out = ref.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), input_features=media.input_features,
+                       feature_attention_mask=media.feature_attention_mask, max_new_tokens=24,
+                       eos_token_id=sorted(family.eos_token_ids), do_sample=False, output_logits=True)
+    expected_ids = out.sequences[0, prompt.shape[1]:].tolist()
+    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]  # [V] each
+    request = Request(0, ids, max_new_tokens=24, max_frames=1, media=media, logprobs=3)
+    output_ids, logprobs, carried = _logprob_run(family, [request])[0]
+    assert output_ids == expected_ids and [lp.token_id for lp in logprobs] == expected_ids
+    assert len(set(expected_ids)) > 3
+    for lp, row in zip(logprobs, expected, strict=True):
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-5)
+        top = torch.topk(row, 3)
+        assert [token for token, _ in lp.top] == top.indices.tolist()
+        assert [value for _, value in lp.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert carried == logprobs[:len(request.reply_ids)]
+
+
+def test_logprobs_alone_equal_them_in_a_batch(family, ref):
+    """Greedy and seeded-sampled requests' logprobs are the same alone and batched (next to a request that asks
+    none), within float32 rounding; a sampled token's logprob is the model's, before the temperature."""
+    specs = [(_speechlike(1.5, 5), None, None, 2), (_speechlike(0.9, 6), SamplingParams(temperature=1.3), 11, 0),
+             (_speechlike(2.4, 7), None, None, None)]
+    makes = []
+    for i, (samples, sampling, seed, num_top) in enumerate(specs):
+        ids, media = family.transcription_inputs(samples, None, "")
+        makes.append(lambda i=i, ids=ids, media=media, sampling=sampling, seed=seed, num_top=num_top: Request(
+            i, ids, max_new_tokens=16, max_frames=1, thinker_sampling=sampling, seed=seed, media=media,
+            logprobs=num_top))
+    alone = [_logprob_run(family, [make()])[0] for make in makes]
+    batched = _logprob_run(family, [make() for make in makes])
+    for (ids_alone, lps_alone, carried_alone), (ids_batched, lps_batched, carried_batched) in zip(
+            alone, batched, strict=True):
+        assert ids_alone == ids_batched
+        assert [(lp.token_id, [t for t, _ in lp.top]) for lp in lps_alone] == \
+            [(lp.token_id, [t for t, _ in lp.top]) for lp in lps_batched]
+        # the same within float32 rounding: a batched matmul may round a row's last bits differently
+        assert [lp.logprob for lp in lps_alone] == pytest.approx([lp.logprob for lp in lps_batched], abs=1e-5)
+        assert len(carried_alone) == len(carried_batched)
+    assert alone[2][1] == [] and len(alone[0][1]) == len(alone[0][0]) and len(alone[1][1]) == len(alone[1][0])
+    assert all(len(lp.top) == 2 for lp in alone[0][1]) and all(lp.top == () for lp in alone[1][1])
+    # the sampled row: its tokens' logprobs are those a greedy-forced run of its prompt + tokens gives
+    ids, media = family.transcription_inputs(specs[1][0], None, "")
+    sampled_ids = alone[1][0]
+    with torch.no_grad():
+        prompt = torch.tensor([ids + sampled_ids[:-1]])
+        logits = ref.thinker(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                             input_features=media.input_features,
+                             feature_attention_mask=media.feature_attention_mask).logits[0]
+    rows = torch.log_softmax(logits[len(ids) - 1:].float(), dim=-1)
+    assert [lp.logprob for lp in alone[1][1]] == pytest.approx(
+        [float(row[token]) for row, token in zip(rows, sampled_ids, strict=True)], abs=1e-5)
+
+
+def test_logprobs_must_be_a_count_in_range(family):
+    ids, media = family.transcription_inputs(_speechlike(0.5, 1), None, "")
+    for bad in (-1, 21, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="logprobs"):
+            Request(0, ids, max_new_tokens=4, max_frames=1, media=media, logprobs=bad)

@@ -79,7 +79,7 @@ def test_an_intent_transcription_session_transcribes_each_turn_and_never_answers
 
 
 def test_a_session_update_makes_a_transcription_session_with_another_recognizer(client, speech, monkeypatch):
-    async def recognizer(context, audio, language, prompt):
+    async def recognizer(context, audio, language, prompt, logprobs=False):
         assert audio.ndim == 1 and audio.size > 16000 // 2 and language == "en"
         yield "hello"
         yield " there"
@@ -139,6 +139,74 @@ def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech
     assert events[-1].transcript != pipe.transcribe((heard, 16000)).text.strip()  # (heard live, not at the end)
 
 
+def test_logprobs_come_with_each_delta_and_the_completed_transcript(client, speech):
+    """include: ["item.input_audio_transcription.logprobs"]: each `.delta` carries its tokens' logprobs and
+    `.completed` all of them, whose bytes join to the transcript (the GA event models check their shape); they are
+    `/v1/audio/transcriptions`' of the same audio; a session that asks none gets none."""
+    import io
+
+    events_by_include = {}
+    for include in (["item.input_audio_transcription.logprobs"], None):
+        with client.realtime.connect(model="omnimtp-tiny", extra_query={"intent": "transcription"}) as connection:
+            assert connection.recv().type == "session.created"
+            session = {"type": "transcription", "audio": {"input": {"turn_detection": None}}}
+            connection.session.update(session={**session, **({"include": include} if include else {})})
+            updated = connection.recv()
+            assert updated.type == "session.updated" and updated.session.include == include, updated
+            _append(connection, speech)
+            connection.input_audio_buffer.commit()
+            events_by_include[bool(include)] = _until_completed(connection)
+    events = events_by_include[True]
+    deltas = [event for event in events if event.type.endswith(".delta")]
+    carried = [lp.model_dump() for event in deltas for lp in event.logprobs]
+    completed = events[-1]
+    assert carried == [lp.model_dump() for lp in completed.logprobs] and carried
+    joined = b"".join(bytes(lp.bytes) for lp in completed.logprobs).decode("utf-8", "replace")
+    assert joined.strip() == completed.transcript
+    buffer = io.BytesIO()
+    sf.write(buffer, speech, RATE, format="WAV", subtype="PCM_16")
+    served = client.audio.transcriptions.create(model="omnimtp-tiny", file=("turn.wav", buffer.getvalue()),
+                                                include=["logprobs"])
+    assert served.text == completed.transcript
+    assert [lp.bytes for lp in served.logprobs] == [lp.bytes for lp in completed.logprobs]
+    # (near, not equal: the session resamples its 24 kHz stream as it comes, the route the whole file)
+    assert [lp.logprob for lp in served.logprobs] == pytest.approx([lp.logprob for lp in completed.logprobs],
+                                                                   abs=5e-3)
+    without = events_by_include[False]
+    assert without[-1].logprobs is None and all(e.logprobs is None for e in without if e.type.endswith(".delta"))
+    assert without[-1].transcript == completed.transcript
+
+
+def test_a_qwen3_asr_session_asking_logprobs_transcribes_each_turn_whole_with_them(speech):
+    """A Qwen3-ASR transcription session with include logprobs: each committed turn is one transcription of its
+    audio (`transcribe`'s text, every token written by that request), its logprobs on the deltas and the
+    completed event."""
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.pipeline import OmniPipeline
+
+    family = Qwen3ASRFamily.tiny(0)
+    engine = Engine(family, max_new_tokens=12, max_batch_size=2)
+    with running_server(create_app(engine, max_tokens_limit=12)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
+                               api_key="unused", max_retries=0)
+        with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
+            assert connection.recv().type == "session.created"
+            connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}},
+                                               "include": ["item.input_audio_transcription.logprobs"]})
+            assert connection.recv().type == "session.updated"
+            _append(connection, speech)
+            connection.input_audio_buffer.commit()
+            events = _until_completed(connection)
+    heard = soxr.resample(speech, RATE, 16000).astype(np.float32)
+    expected = OmniPipeline(family=family, max_new_tokens=12).transcribe((heard, 16000))
+    completed = events[-1]
+    assert completed.transcript == expected.text and completed.logprobs
+    carried = [lp.model_dump() for e in events if e.type.endswith(".delta") for lp in e.logprobs]
+    assert carried == [lp.model_dump() for lp in completed.logprobs]
+    joined = b"".join(bytes(lp.bytes) for lp in completed.logprobs).decode("utf-8", "replace")
+    assert joined.strip() == completed.transcript
+
+
 def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatch):
     """The thinker recognizer passes a Qwen3-ASR reply ("language English<asr_text>Hello there.") through the
     family's `transcript_deltas`: the deltas are the text alone."""
@@ -146,15 +214,19 @@ def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatc
     from types import SimpleNamespace
 
     from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.sampling import TokenLogprob
 
     pieces = ["language", " English", "<asr_text>", "Hello", " there."]
+    family = Qwen3ASRFamily.tiny(0)
+    ids = [family.tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
 
     class Handle:
         async def events(self):
             for i, text in enumerate(pieces):
                 last = i == len(pieces) - 1
                 yield SimpleNamespace(error=None, text=text, finish_reason="stop" if last else None,
-                                      prompt_tokens=7, completion_tokens=len(pieces))
+                                      prompt_tokens=7, completion_tokens=len(pieces),
+                                      logprobs=[TokenLogprob(t, -0.5 - i) for t in ids[i]])
 
         def cancel(self):
             pass
@@ -162,15 +234,21 @@ def test_a_qwen3_asr_replys_language_tag_is_held_back_from_the_deltas(monkeypatc
     async def submit(request):
         return Handle()
 
-    context = SimpleNamespace(engine=SimpleNamespace(family=Qwen3ASRFamily.tiny(0)), submit=submit)
+    context = SimpleNamespace(engine=SimpleNamespace(family=family), submit=submit)
     monkeypatch.setattr(transcription, "transcription_request", lambda *args, **kwargs: None)
 
     async def run():
-        return [piece async for piece in transcription.thinker_recognizer(context, np.zeros(16000), None, None)]
+        return [piece async for piece in transcription.thinker_recognizer(context, np.zeros(16000), None, None,
+                                                                          logprobs=True)]
 
     out = asyncio.run(run())
-    assert "".join(p for p in out if isinstance(p, str)) == "Hello there."
+    deltas = [p for p in out if isinstance(p, transcription.TranscriptDelta)]
+    assert "".join(p.text for p in deltas) == "Hello there."
     assert out[-1] == transcription.Recognized(7, 5)
+    # the logprobs are the transcript's tokens': those after the tag, each with its delta
+    logprobs = [lp for delta in deltas for lp in delta.logprobs]
+    assert b"".join(bytes(lp["bytes"]) for lp in logprobs) == b"Hello there."
+    assert [lp["logprob"] for lp in logprobs] == [-3.5] * len(ids[3]) + [-4.5] * len(ids[4])
 
 
 def test_server_vad_turns_are_heard_live_from_their_first_sample_to_their_last(speech, monkeypatch):

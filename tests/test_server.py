@@ -92,6 +92,47 @@ def test_chat_text_only_runs_the_thinker_alone(client):
     assert isinstance(choice.message.content, str)
 
 
+def test_chat_logprobs_are_the_engines_streamed_or_not(tiny, client):
+    """logprobs + top_logprobs: each reply token's logprob and alternatives (OpenAI's `choices[].logprobs.content`)
+    are the engine's for the same seeded request, sampled or greedy; streamed, the content chunks carry the same
+    list in order; their bytes join to the reply; a request that asks none gets `logprobs: null`."""
+    from omnimtp.engine.core import EngineCore
+    from omnimtp.engine.request import Request
+    from omnimtp.sampling import SamplingParams
+
+    family = Qwen3OmniFamily(*tiny)
+    messages = [{"role": "user", "content": "Hello"}]
+    for temperature in (0.0, 0.9):
+        common = dict(model="omnimtp-tiny", messages=messages, max_tokens=6, seed=3, temperature=temperature,
+                      logprobs=True, top_logprobs=2)
+        whole = client.chat.completions.create(**common).choices[0]
+        core = EngineCore(family)
+        sampling = None if temperature == 0 else SamplingParams(temperature=temperature)
+        request = Request(0, family.chat_ids(messages), max_new_tokens=6, max_frames=1, thinker_sampling=sampling,
+                          seed=3, logprobs=2)
+        core.add(request)
+        while core.has_work():
+            list(core.step())
+        expected = request.output_logprobs[:len(request.reply_ids)]
+        content = whole.logprobs.content
+        assert [lp.logprob for lp in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-6)
+        assert [top.logprob for lp in content for top in lp.top_logprobs] == pytest.approx(
+            [value for lp in expected for _, value in lp.top], abs=1e-6)
+        # (the tiny byte tokenizer: id b < 256 is byte b, a piece of a character included)
+        assert [[top.bytes for top in lp.top_logprobs] for lp in content] == [
+            [[token] if token < 256 else top.bytes for (token, _), top in zip(lp.top, lp_served.top_logprobs,
+                                                                               strict=True)]
+            for lp, lp_served in zip(expected, content, strict=True)]
+        assert any(token < 256 for lp in expected for token, _ in lp.top)
+        assert all(len(lp.top_logprobs) == 2 for lp in content) and content
+        assert b"".join(bytes(lp.bytes) for lp in content).decode("utf-8", "replace") == whole.message.content
+        streamed = [lp.model_dump() for chunk in client.chat.completions.create(**common, stream=True)
+                    for choice in chunk.choices if choice.logprobs is not None for lp in choice.logprobs.content]
+        assert streamed == [lp.model_dump() for lp in content]
+    plain = client.chat.completions.create(model="omnimtp-tiny", messages=messages, max_tokens=3, seed=3)
+    assert plain.choices[0].logprobs is None
+
+
 @pytest.mark.parametrize("fmt", ["wav", "flac", "pcm16"])
 def test_chat_audio_decodes_with_exact_length(client, fmt):
     result = _audio_chat(client, seed=7, fmt=fmt)
@@ -293,6 +334,9 @@ _BAD_REQUESTS = [
     ("chat unsupported format", "/v1/chat/completions", {**_AUDIO, "audio": {"voice": "ethan", "format": "ogg"}},
      400, "audio.format"),
     ("n above one", "/v1/chat/completions", {**_CHAT, "n": 2}, 400, "n"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
     ("speech missing input", "/v1/audio/speech", {"voice": "ethan"}, 400, "input"),
     ("speech empty input", "/v1/audio/speech", {**_SPEECH, "input": ""}, 400, "input"),
     ("speech unknown voice", "/v1/audio/speech", {**_SPEECH, "voice": "alloy"}, 400, "voice"),
@@ -326,6 +370,15 @@ def test_unknown_voice_names_the_voices_and_the_client_raises(client):
         client.audio.speech.create(model="omnimtp-tiny", voice="alloy", input="Hi")
     assert raised.value.body["param"] == "voice"
     assert "alloy" in raised.value.body["message"] and "ethan" in raised.value.body["message"]
+
+
+def test_every_response_has_a_request_id_of_its_own(http):
+    """`x-request-id` on every response, a success or an error, as OpenAI's (LiveKit's TTS logs a warning without
+    one)."""
+    responses = [http.get("/v1/models"), http.get("/v1/models"), http.post("/v1/chat/completions", json={}),
+                 http.get("/nowhere")]
+    ids = [response.headers.get("x-request-id") for response in responses]
+    assert all(ids) and len(set(ids)) == len(ids), ids
 
 
 def test_unknown_route_and_method_get_openai_errors(http):

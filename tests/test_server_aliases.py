@@ -44,6 +44,15 @@ def test_models_and_voices_list_the_aliases(client, server):
     assert voices["voice_aliases"] == {**dict.fromkeys(OPENAI_VOICES, "ethan"), "narrator": "chelsie"}
 
 
+def test_a_chat_model_name_frameworks_default_to_answers_as_the_served_model(client):
+    """pipecat's OpenAILLMService and LiveKit's openai.LLM send model "gpt-4.1": the served model answers it."""
+    def reply(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, seed=3).choices[0].message.content
+
+    assert reply("gpt-4.1") == reply("gpt-4o-mini") == reply("omnimtp-tiny")
+
+
 def test_an_openai_voice_speaks_as_the_speaker_it_names(client):
     def speak(voice: str, model: str = "tts-1") -> bytes:
         return client.audio.speech.create(model=model, voice=voice, input="Good morning", response_format="pcm",

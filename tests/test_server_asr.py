@@ -13,6 +13,8 @@ import pytest
 from audio_checks import spoken_wav
 from server_harness import running_server
 
+from omnimtp.engine.core import EngineCore
+from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
 from omnimtp.families.qwen3_asr import Qwen3ASRFamily
 from omnimtp.media import MediaLimits, load_audio
@@ -72,6 +74,29 @@ def test_every_format_and_the_stream_give_the_pipelines_text(client, pipe, speec
     events = list(client.audio.transcriptions.create(**common, stream=True))
     assert "".join(e.delta for e in events if e.type == "transcript.text.delta") == expected.text
     assert events[-1].type == "transcript.text.done" and events[-1].text == expected.text
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_logprobs_are_the_engines_for_the_transcripts_tokens(client, family, speech_path, language):
+    """include=["logprobs"] on a Qwen3-ASR model: the engine's logprobs of the reply's tokens (their bytes join to
+    the transcript), the same in the json body, across the stream's deltas and in its done event."""
+    samples = load_audio(speech_path, 16_000, LIMITS, "file")
+    ids, media = family.transcription_inputs(samples, language, "A greeting.")
+    core = EngineCore(family)
+    core.add(Request(0, ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=1, media=media, logprobs=0))
+    while core.has_work():
+        finished = [event.request for event in core.step() if event.is_finished]
+    engine_logprobs = finished[0].output_logprobs[:len(finished[0].reply_ids)]
+    common = dict(model=MODEL, file=_file(speech_path), prompt="A greeting.", include=["logprobs"],
+                  **({"language": language} if language else {}))
+    served = client.audio.transcriptions.create(**common)
+    assert [lp.logprob for lp in served.logprobs] == pytest.approx([lp.logprob for lp in engine_logprobs], abs=1e-6)
+    joined = b"".join(bytes(int(b) for b in lp.bytes) for lp in served.logprobs)
+    assert joined.decode("utf-8", "replace").strip() == served.text and served.text
+    events = list(client.audio.transcriptions.create(**common, stream=True))
+    carried = [lp for e in events if e.type == "transcript.text.delta" for lp in e.logprobs]
+    assert [lp.model_dump() for lp in carried] == [lp.model_dump() for lp in events[-1].logprobs] \
+        == [lp.model_dump() for lp in served.logprobs]
 
 
 def test_word_timestamps_are_the_aligners_on_the_transcript(client, pipe, aligner, speech_path):

@@ -193,6 +193,15 @@ def test_a_text_turn_is_the_pipelines_reply(client, pipe):
                           "response.done"]
 
 
+def test_a_response_to_instructions_alone_speaks_first(client, pipe):
+    """response.create on an empty conversation with instructions (LiveKit's quick-start greets this way:
+    `generate_reply(instructions=...)`): the reply to the instructions as the system turn alone, the pipeline's."""
+    instructions = "Greet the user and offer your assistance."
+    with _connect(client) as connection:
+        reply = _response(connection, instructions=instructions)
+    _assert_reply(reply, *_expected(pipe, [{"role": "system", "content": instructions}]))
+
+
 def test_an_audio_turn_is_heard_as_audio(client, pipe):
     samples = tone(0.6, 24000, hz=330.0)
     with _connect(client, audio={"input": {"turn_detection": None}, "output": {"voice": "Chelsie"}}) as connection:
@@ -314,6 +323,8 @@ def test_sessions_batch_with_each_other_and_give_their_replies_alone(client, pip
 
 BAD_EVENTS = [
     ({"type": "response.create"}, None, "conversation_empty"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"noise_reduction": {
+        "type": "studio"}}}}}, "session.audio.input.noise_reduction.type", "invalid_value"),
     ({"type": "nonsense.event"}, "type", "invalid_value"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}}},
      "session.audio.output.voice", "invalid_value"),
@@ -349,6 +360,17 @@ BAD_EVENTS = [
      "previous_item_id", "item_not_found"),
     ({"type": "response.cancel"}, None, "response_cancel_not_active"),
 ]
+
+
+def test_noise_reduction_is_taken_and_echoed(client):
+    """`noise_reduction` (pipecat's realtime quick-start asks near_field): taken and echoed, null turns it off; no
+    filter runs (the audio is heard as it comes)."""
+    with _connect(client) as connection:
+        for value in ({"type": "near_field"}, {"type": "far_field"}, None):
+            connection.session.update(session={"type": "realtime", "audio": {"input": {"noise_reduction": value}}})
+            updated = _next(connection).session
+            reduction = updated.audio.input.noise_reduction
+            assert (reduction and reduction.model_dump(exclude_none=True)) == value
 
 
 def test_bad_events_get_error_events_naming_the_field(client, pipe):

@@ -19,6 +19,8 @@ import soxr
 from audio_checks import spoken_wav
 from server_harness import running_server
 
+from omnimtp.engine.core import EngineCore
+from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.media import MediaLimits, load_audio
@@ -88,6 +90,32 @@ def test_every_format_and_the_stream_give_the_pipelines_text(client, pipe, speec
     assert events[-1].text == expected.text and "".join(deltas).strip() == expected.text
     assert events[-1].usage.output_tokens == len(expected.text_ids)
     assert events[-1].usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
+def test_logprobs_are_the_engines_for_the_transcripts_tokens(client, pipe, speech, speech_path):
+    """include=["logprobs"]: the json body's logprobs are the engine's for the reply's tokens (their bytes join to
+    the reply's text), and streamed, the deltas carry them in order and the done event all of them."""
+    expected = pipe.transcribe(speech_path, language="en")
+    request, _ = pipe._transcription_request(speech_path, "en", None, None, None, None, is_streamed=False)
+    core = EngineCore(pipe.family)
+    core.add(Request(0, request.prompt_ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=1, media=request.media,
+                     logprobs=0))
+    while core.has_work():
+        finished = [event.request for event in core.step() if event.is_finished]
+    engine_logprobs = finished[0].output_logprobs[:len(finished[0].reply_ids)]
+    assert finished[0].reply_ids == expected.text_ids[:len(finished[0].reply_ids)] and engine_logprobs
+    common = dict(model="omnimtp-tiny", file=_file(speech), language="en", include=["logprobs"])
+    served = client.audio.transcriptions.create(**common)
+    assert served.text == expected.text
+    assert [lp.logprob for lp in served.logprobs] == pytest.approx([lp.logprob for lp in engine_logprobs], abs=1e-6)
+    joined = b"".join(bytes(int(b) for b in lp.bytes) for lp in served.logprobs)
+    assert joined.decode("utf-8", "replace").strip() == expected.text  # (the tiny model writes byte salad)
+    assert all(lp.token == bytes(int(b) for b in lp.bytes).decode("utf-8", "replace") for lp in served.logprobs)
+    events = list(client.audio.transcriptions.create(**common, stream=True))
+    carried = [lp for e in events if e.type == "transcript.text.delta" for lp in e.logprobs]
+    assert [lp.model_dump() for lp in carried] == [lp.model_dump() for lp in events[-1].logprobs] \
+        == [lp.model_dump() for lp in served.logprobs]
+    assert client.audio.transcriptions.create(model="omnimtp-tiny", file=_file(speech)).logprobs is None
 
 
 def test_seeded_sampling_repeats_and_equals_the_pipeline(client, pipe, speech, speech_path):
@@ -169,6 +197,11 @@ BAD = [
     ("unknown model", "speech", {"model": "whisper-1"}, 404, "model"),
     ("seed below int64", "speech", {"seed": str(-(1 << 63) - 1)}, 400, "seed"),
     ("prompt over the token limit", "speech", {"prompt": "x" * 9000}, 400, "prompt"),  # 8192 tokens
+    ("logprobs in text", "speech", {"include[]": "logprobs", "response_format": "text"}, 400, "include"),
+    ("logprobs in verbose_json", "speech", {"include[]": "logprobs", "response_format": "verbose_json"}, 400,
+     "include"),
+    ("unknown include", "speech", {"include[]": "scores"}, 400, "include"),
+    ("unknown include without brackets", "speech", {"include": "words"}, 400, "include"),
 ]
 
 

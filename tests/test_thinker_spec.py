@@ -344,6 +344,25 @@ def test_a_runs_plain_start_steps_draft_nothing_then_it_drafts(plain):
             family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=bad)
 
 
+def test_speculative_logprobs_are_plain_greedys(plain):
+    """Logprobs through speculative steps: each accepted token's comes from the verify row that produced it, so
+    they are plain greedy's (within float32 rounding), with the same alternatives."""
+    family = _spec_pipe(plain, RecomputingDraft(plain.model.thinker), 3).family
+    prompts = [plain.family.chat_inputs([{"role": "user", "content": p}], plain.media_limits)[0] for p in PROMPTS]
+    runs = [f.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, logprobs=[1, None])
+            for f in (family, plain.family)]
+    events = []
+    for run in runs:
+        events.append([])
+        while not run.is_finished:
+            events[-1] += [e for e in run.step() if e.token_id is not None]
+    spec, greedy = ([e for e in run_events if e.index == 0] for run_events in events)
+    assert [e.token_id for e in spec] == [e.token_id for e in greedy] and len(spec) > 3
+    assert [e.logprob.top[0][0] for e in spec] == [e.logprob.top[0][0] for e in greedy]
+    assert [e.logprob.logprob for e in spec] == pytest.approx([e.logprob.logprob for e in greedy], abs=1e-5)
+    assert all(e.logprob is None for run_events in events for e in run_events if e.index == 1)
+
+
 def _engine_request(pipe, request_id: str, text: str):
     """A chat request with audio for an `EngineCore` of the pipeline's family."""
     from omnimtp.engine.request import Request

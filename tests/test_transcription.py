@@ -75,6 +75,39 @@ def test_transcribe_equals_transformers_generate(pipe, speech, language, prompt)
     assert request.prompt_ids == ref_prompt and request.speaker is None  # text only: no talker
 
 
+def test_greedy_logprobs_are_transformers_log_softmax(pipe, speech):
+    """A greedy transcription asked for logprobs: each reply token's logprob (and its 2 alternatives) is the
+    log-softmax of transformers' logits at that step, within float32 tolerance; the text events carry the reply's
+    tokens in order, and a request that asks none gets none."""
+    request, _ = pipe._transcription_request(speech, "en", None, None, None, None, is_streamed=True)
+    ids = torch.tensor([request.prompt_ids])
+    media = {"input_features": request.media.input_features,
+             "feature_attention_mask": request.media.feature_attention_mask}
+    out = pipe.model.thinker.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+        eos_token_id=sorted(pipe.eos_token_ids), output_logits=True, return_dict_in_generate=True, **media)
+    expected_ids = out.sequences[0, ids.shape[1]:].tolist()
+    expected = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    asked = Request("asked", request.prompt_ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=1, media=request.media,
+                    logprobs=2)
+    unasked = Request("unasked", request.prompt_ids, max_new_tokens=MAX_NEW_TOKENS, max_frames=1,
+                      media=request.media)
+    core = EngineCore(pipe.family)
+    core.add(asked)
+    core.add(unasked)
+    carried = {"asked": [], "unasked": []}
+    while core.has_work():
+        for event in core.step():
+            carried[event.request.request_id] += event.logprobs
+    assert asked.output_ids == unasked.output_ids == expected_ids
+    assert [lp.token_id for lp in asked.output_logprobs] == expected_ids and len(set(expected_ids)) > 2
+    for lp, row in zip(asked.output_logprobs, expected, strict=True):
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-5)
+        assert [token for token, _ in lp.top] == torch.topk(row, 2).indices.tolist()
+    assert carried["asked"] == asked.output_logprobs[:len(asked.reply_ids)]
+    assert unasked.output_logprobs == [] and carried["unasked"] == []
+
+
 def test_streamed_deltas_join_into_the_one_shot_text(pipe, speech):
     items = list(pipe.stream_transcription(speech, language="en"))
     final = items[-1]

@@ -376,6 +376,7 @@ class EngineCore:
             prefixes=[None if r.cache_key is None else self.prefix_cache.get(r.cache_key) for r in chats],
             keeps_prefix=[r.cache_key is not None and self.prefix_cache.max_bytes > 0 for r in chats],
             plain_start_steps=self.config.max_start_steps - 1,
+            logprobs=[r.logprobs for r in chats],
         )
         cohort = _Cohort(run, chats)
         self.cohorts.append(cohort)
@@ -412,8 +413,11 @@ class EngineCore:
         if finish_reason is None and len(request.output_ids) >= request.max_new_tokens:
             finish_reason = "length"  # the cohort's run may allow more; this request's budget is spent
         request.thinker_finish_reason = finish_reason
+        if event.logprob is not None:
+            request.output_logprobs.append(event.logprob)
         delta = request.text_delta(self.family.decode_text, is_final=finish_reason is not None)
-        events = [StepEvent(request, self.num_steps, text=delta)] if delta else []
+        logprobs = request.logprobs_delta() if request.logprobs is not None and (delta or finish_reason) else []
+        events = [StepEvent(request, self.num_steps, text=delta, logprobs=logprobs)] if delta or logprobs else []
         if request.has_speech and request.talker_finish_reason is None:
             self._hand_off(request, event, finish_reason)
         return events

@@ -37,12 +37,14 @@ class Family(Protocol):
     def new_thinker(self, prompts: list[list[int]], sampling: list[SamplingParams | None],
                     generators: list[torch.Generator], max_new_tokens: int, media: list[MediaInputs | None],
                     prefill_block: int | None = None, prefixes: list | None = None,
-                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0):
+                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0,
+                    logprobs: list[int | None] | None = None):
         """A thinker run over the prompts and their media (`omnimtp.thinker.ThinkerRun`: `step()` → events
         with token_id, embeds [n, D], hidden [n, D], finish_reason; `is_finished`). A speculative run emits
         several events per request and step, in order, and has `spec_stats` (one `SpecStats` per prompt).
         prefill_block, prefixes, keeps_prefix: blocked prefills and prefix reuse (`ThinkerRun`: `reused_rows`,
-        `kept_prefixes`); plain_start_steps: a speculative run's first steps after the prefill draft nothing."""
+        `kept_prefixes`); plain_start_steps: a speculative run's first steps after the prefill draft nothing;
+        logprobs: per prompt, None or the alternatives its events' `TokenLogprob`s list (`ThinkerRun`)."""
 
     def talker_builder(self, prompt_ids: list[int], speaker: str, media: MediaInputs | None,
                        prefill_block: int | None = None):

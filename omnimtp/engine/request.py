@@ -17,7 +17,7 @@ import torch
 
 from omnimtp.engine.playback import PlaybackClock
 from omnimtp.media import MediaInputs
-from omnimtp.sampling import SamplingParams, make_generators, request_seeds
+from omnimtp.sampling import SamplingParams, TokenLogprob, check_num_logprobs, make_generators, request_seeds
 
 FINISH_REASONS = ("stop", "length")
 
@@ -83,6 +83,7 @@ class Request:
     is_background: bool = False
     segments: Iterable[list[int]] | None = field(default=None, repr=False)
     cache_key: Hashable | None = None
+    logprobs: int | None = None
     # --- state ---
     status: Status = Status.WAITING
     thinker_generator: torch.Generator | None = field(default=None, repr=False)
@@ -90,6 +91,8 @@ class Request:
     codec_generator: torch.Generator | None = field(default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)  # thinker tokens, stop token included
     text: str = ""  # the text handed out so far
+    output_logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # one per output id (logprobs)
+    num_logprobs_sent: int = 0  # output_logprobs handed out on text events
     thinker_finish_reason: str | None = None
     talker_finish_reason: str | None = None
     talker_builder: object = field(default=None, repr=False)  # the family's TalkerInputBuilder (chat with speech)
@@ -129,6 +132,9 @@ class Request:
             raise ValueError("is_text_finished: only a speech request's text arrives in pieces")
         if self.cache_key is not None and not self.is_chat:
             raise ValueError("cache_key: only a chat request's prefixes are kept")
+        check_num_logprobs(self.logprobs)
+        if self.logprobs is not None and not self.is_chat:
+            raise ValueError("logprobs: only a chat request's thinker tokens have logprobs")
         if self.segments is not None:
             if self.is_chat or not self.is_text_finished:
                 raise ValueError("segments: only a speech request whose text is whole is spoken in segments")
@@ -214,6 +220,13 @@ class Request:
         delta, self.text = text[len(self.text):], text
         return delta
 
+    def logprobs_delta(self) -> list[TokenLogprob]:
+        """The reply tokens' logprobs not handed out yet (the stop token has none in the reply): what goes with a
+        text delta, the tokens whose text it hands out."""
+        new = self.output_logprobs[self.num_logprobs_sent:len(self.reply_ids)]
+        self.num_logprobs_sent += len(new)
+        return new
+
 
 @dataclass
 class OmniOutput:
@@ -240,10 +253,13 @@ class OmniOutput:
 @dataclass
 class StepEvent:
     """What one step produced for one request: a text delta (possibly ""), an audio chunk, or its end
-    (`is_finished`; `request` then holds the whole result). step: the engine step that made it."""
+    (`is_finished`; `request` then holds the whole result). step: the engine step that made it. logprobs: with a
+    text delta of a request that asked for them, the logprobs of the tokens whose text it hands out (a token whose
+    text waits for more bytes goes with the next delta; the last delta's event has the rest)."""
 
     request: Request
     step: int
     text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     audio: np.ndarray | None = None
     is_finished: bool = False

@@ -132,7 +132,8 @@ class Qwen2_5OmniFamily(ChatText):
                     generators: list[torch.Generator], max_new_tokens: int,
                     media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
                     prefixes: list[PrefixRows | None] | None = None,
-                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0) -> ThinkerRun:
+                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0,
+                    logprobs: list[int | None] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each row's media encoded in its prefill
         (`omnimtp.thinker.multimodal_prefill`); its hidden rows are the last layer after the final norm, what
         transformers hands the talker."""
@@ -141,7 +142,7 @@ class Qwen2_5OmniFamily(ChatText):
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generators=generators, decoder=self.thinker_decoder, media=media, prefill_block=prefill_block,
             prefixes=prefixes, keeps_prefix=keeps_prefix,
-            plain_start_steps=plain_start_steps,
+            plain_start_steps=plain_start_steps, logprobs=logprobs,
         )
 
     # --- thinker → talker ---

@@ -372,12 +372,14 @@ class Qwen3ASRFamily(ChatText):
                     generators: list[torch.Generator], max_new_tokens: int,
                     media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
                     prefixes: list[PrefixRows | None] | None = None,
-                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0) -> ThinkerRun:
+                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0,
+                    logprobs: list[int | None] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each with its own sampling, generator and audio."""
         return ThinkerRun(
             self.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer, eos_token_ids=self.eos_token_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, generators=generators, decoder=self.thinker_decoder,
             media=media, prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
+            logprobs=logprobs,
         )
 
     def new_talker_batch(self, max_batch_size: int) -> _NoTalker:

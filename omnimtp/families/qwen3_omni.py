@@ -130,7 +130,8 @@ class Qwen3OmniFamily(ChatText):
                     generators: list[torch.Generator], max_new_tokens: int,
                     media: list[MediaInputs | None] | None = None, prefill_block: int | None = None,
                     prefixes: list[PrefixRows | None] | None = None,
-                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0) -> ThinkerRun:
+                    keeps_prefix: list[bool] | None = None, plain_start_steps: int = 0,
+                    logprobs: list[int | None] | None = None) -> ThinkerRun:
         """One thinker run over `prompts` (one KV slot each), each row with its own sampling, generator
         and media (its encoders run in the row's prefill)."""
         return ThinkerRun(
@@ -138,7 +139,7 @@ class Qwen3OmniFamily(ChatText):
             eos_token_ids=self.eos_token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             generators=generators, decoder=self.thinker_decoder, media=media, speculation=self.thinker_speculation,
             prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
-            plain_start_steps=plain_start_steps,
+            plain_start_steps=plain_start_steps, logprobs=logprobs,
         )
 
     def calibrate_speculation(self, max_batch_size: int) -> dict[str, DraftCostTable] | None:

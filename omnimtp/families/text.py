@@ -238,11 +238,49 @@ class TranscriptDeltas:
         self._is_open = True
         return self._take(self._reply.strip())
 
+    @property
+    def held_tag(self) -> str | None:
+        """The tag the reply opens with, which is not the transcript's, until it is written (None: no tag is
+        expected, or it has been written)."""
+        return None if self._is_open else self._tag
+
     def _take(self, text: str) -> str:
         if len(text) <= self._num_sent:
             return ""
         delta, self._num_sent = text[self._num_sent:], len(text)
         return delta
+
+
+class TranscriptTokens:
+    """The transcript's tokens of a transcription reply as it is written, for their logprobs: push(items) → the
+    items that are the transcript's; finish() → those held back. An item is anything with `bytes` (the token's
+    UTF-8 bytes, a list of ints, OpenAI's logprob shape). tag: what the reply opens with that is not the transcript
+    (`TranscriptDeltas.held_tag`): the tokens up to the one that ends it are left out (a reply that never writes it
+    is all transcript), so the tokens kept are those of the text after the tag."""
+
+    def __init__(self, tag: str | None = None):
+        self._tag = None if tag is None else tag.encode("utf-8")
+        self._held: list = []
+
+    def push(self, items: list) -> list:
+        if self._tag is None:
+            return list(items)
+        self._held += items
+        head = b"".join(bytes(item["bytes"]) for item in self._held)
+        at = head.find(self._tag)
+        if at < 0:
+            return []
+        end, num_bytes, kept = at + len(self._tag), 0, []
+        for item in self._held:
+            num_bytes += len(item["bytes"])
+            if num_bytes > end:
+                kept.append(item)
+        self._tag, self._held = None, []
+        return kept
+
+    def finish(self) -> list:
+        held, self._held, self._tag = self._held, [], None
+        return held
 
 
 class StreamedSpeechSegments:

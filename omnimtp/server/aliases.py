@@ -1,6 +1,7 @@
 """OpenAI's model and voice names, taken as names of what this server serves (as other OpenAI-compatible
 servers do), so that a client whose defaults name OpenAI's (pipecat's TTS sends only OpenAI's voices; LiveKit's
-realtime model asks for voice "marin" and transcription model "gpt-4o-mini-transcribe") works unchanged.
+realtime model asks for voice "marin" and transcription model "gpt-4o-mini-transcribe"; both frameworks' chat LLM
+services default to "gpt-4.1") works unchanged.
 
     model    each of OPENAI_MODELS names the served model (listed by /v1/models beside its own name)
     voice    each of OPENAI_VOICES the model has no speaker of its own by names its default speaker, unless
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-# OpenAI's realtime, transcription and speech models (late 2026).
+# OpenAI's realtime, transcription and speech models, and the chat models voice frameworks default to (late 2026).
 OPENAI_MODELS = ("gpt-realtime", "gpt-realtime-mini", "gpt-realtime-1.5", "gpt-realtime-2", "gpt-realtime-2.1",
                  "gpt-4o-realtime-preview", "gpt-4o-mini-realtime-preview", "gpt-transcribe", "gpt-4o-transcribe",
                  "gpt-4o-mini-transcribe", "gpt-realtime-whisper", "gpt-live-transcribe", "whisper-1", "tts-1",
-                 "tts-1-hd", "gpt-4o-mini-tts")
+                 "tts-1-hd", "gpt-4o-mini-tts", "gpt-4.1", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4o", "gpt-4o-mini",
+                 "gpt-5", "gpt-5-mini", "gpt-5-nano")
 # OpenAI's built-in voices.
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")

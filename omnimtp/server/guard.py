@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import secrets
+import uuid
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -240,6 +241,8 @@ class Guard:
       one instead of finding this one reset under its next request;
     - an unexpected exception becomes a logged 500 with an OpenAI body (once a response has started,
       the server can only cut the connection);
+    - every response carries an `x-request-id` of its own, as OpenAI's do (clients log it: LiveKit warns
+      without one);
     - requests counted by route and status.
 
     (Not `BaseHTTPMiddleware`: it wraps `receive`, which hides a streaming client's disconnect.)"""
@@ -277,10 +280,13 @@ class Guard:
                 exchange["body_complete"] = True
             return message
 
+        request_id = (b"x-request-id", f"req_{uuid.uuid4().hex}".encode("ascii"))
+
         async def send_guarded(message):
             if message["type"] == "http.response.start":
                 exchange["status"] = message["status"]
-                headers = list(message.get("headers", []))
+                headers = [*message.get("headers", []), request_id]
+                message = {**message, "headers": headers}
                 if (message["status"] >= 500 or not exchange["body_complete"]) and _CLOSE not in headers:
                     message = {**message, "headers": [*headers, _CLOSE]}
             await send(message)

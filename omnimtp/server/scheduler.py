@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -93,6 +93,8 @@ class EngineRequest:
     is_background: low priority (`omnimtp.engine.request.Request.is_background`: a realtime input transcript).
     cache_key: the conversation this chat request continues (a realtime session's id), whose thinker and talker
     prefixes the engine keeps warm between its turns (`omnimtp.engine.request.Request.cache_key`).
+    logprobs: None, or the alternatives each reply token's logprob lists (`omnimtp.engine.request.Request.logprobs`;
+    a chat request's text events then carry their tokens' `TokenLogprob`s).
     """
 
     messages: tuple[tuple[str, str | tuple[dict, ...]], ...] | None
@@ -104,6 +106,7 @@ class EngineRequest:
     is_streamed: bool = True
     is_background: bool = False
     cache_key: str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if (self.messages is None) == (self.speak_text is None):
@@ -124,7 +127,8 @@ class EngineEvent:
     """One step of a request's output: a text delta, an audio chunk (float32), or the end.
     step: the engine step that decoded an audio chunk (see `RequestHandle.admitted_step`). num_frames: the
     request's audio frames so far (on an audio chunk) or in all (on the end). error_code:
-    "server_shutting_down" when the server ended the request (`Engine.end_requests`), else None."""
+    "server_shutting_down" when the server ended the request (`Engine.end_requests`), else None. logprobs: with
+    a text delta of a request that asked for them, its tokens' `omnimtp.sampling.TokenLogprob`s."""
 
     text: str = ""
     audio: np.ndarray | None = None
@@ -135,6 +139,7 @@ class EngineEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_frames: int = 0
+    logprobs: list = field(default_factory=list)
 
     def usage(self, audio: bool = False) -> dict:
         """OpenAI's usage block; with audio, `completion_tokens_details.audio_tokens` = audio frames."""
@@ -520,7 +525,7 @@ class Engine:
         return self._queue(loop, prompt_ids, request.speaker, request.sampling, request.seed,
                            is_chat=request.messages is not None, max_new_tokens=request.max_new_tokens,
                            is_streamed=request.is_streamed, media=media, is_background=request.is_background,
-                           segments=segments, cache_key=request.cache_key)
+                           segments=segments, cache_key=request.cache_key, logprobs=request.logprobs)
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
@@ -532,7 +537,8 @@ class Engine:
     def _queue(self, loop, prompt_ids: list[int], speaker, sampling: SamplingParams, seed: int | None, *, is_chat: bool,
                max_new_tokens: int = 1, is_streamed: bool = True, media: MediaInputs | None = None,
                is_text_finished: bool = True, is_background: bool = False,
-               segments: Iterator[list[int]] | None = None, cache_key: str | None = None) -> RequestHandle:
+               segments: Iterator[list[int]] | None = None, cache_key: str | None = None,
+               logprobs: int | None = None) -> RequestHandle:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
@@ -554,7 +560,7 @@ class Engine:
                 max_frames=self.config.max_frames, speaker=speaker, thinker_sampling=thinker_sampling,
                 talker_sampling=talker_sampling, seed=seed, is_chat=is_chat, is_streamed=is_streamed, media=media,
                 is_text_finished=is_text_finished, is_background=is_background, segments=segments,
-                cache_key=cache_key,
+                cache_key=cache_key, logprobs=logprobs,
             )
             self._handles[handle.request_id] = handle
             self._core.add(handle.request)
@@ -814,8 +820,8 @@ class Engine:
                     self.metrics.time_to_first_audio.observe(request.first_audio_at - request.submitted_at)
                 self._play(handle, event.audio.size / self.sample_rate)
                 handle.push(EngineEvent(audio=event.audio, step=event.step, num_frames=len(request.frames)))
-            elif event.text:
-                handle.push(EngineEvent(text=event.text))
+            elif event.text or event.logprobs:
+                handle.push(EngineEvent(text=event.text, logprobs=event.logprobs))
             if event.is_finished:
                 self._finish(handle, request)
         with self._cond:

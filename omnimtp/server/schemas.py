@@ -13,6 +13,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from omnimtp.sampling import MAX_TOP_LOGPROBS
+
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 _STRICT_OPEN = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -117,6 +119,8 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1  # an int, never a bool (a Literal would take True == 1)
     user: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @property
     def wants_audio(self) -> bool:

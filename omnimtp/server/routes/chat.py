@@ -22,6 +22,7 @@ from omnimtp.server.routes.common import (
     QUEUE_POSITION_HEADER,
     b64_pcm16,
     collect,
+    logprob_items,
     sampling_params,
     serving,
     sse,
@@ -66,6 +67,9 @@ async def chat_completions(request: Request):
     if not any(message.role == "user" and (message.text() or message.has_media) for message in body.messages):
         raise APIError(400, "messages must contain a non-empty user message", param="messages",
                        code="invalid_value")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     limits = engine.media_limits
     if any(message.has_media for message in body.messages):
         _check_media(body.messages, limits, has_processor=engine.audio_sampling_rate is not None)
@@ -84,6 +88,7 @@ async def chat_completions(request: Request):
         # without max_tokens: the model's default cap, the one `OmniPipeline` applies (at most the limit)
         max_new_tokens=max_tokens or min(engine.config.max_new_tokens, max_tokens_limit),
         is_streamed=bool(body.stream),
+        logprobs=logprobs,
     )
     handle = await context.submit(engine_request)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -91,10 +96,18 @@ async def chat_completions(request: Request):
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(
-            _chat_stream(handle, completion_id, created, model_name, speaker is not None, include_usage),
+            _chat_stream(handle, completion_id, created, model_name, speaker is not None, include_usage,
+                         engine.family.tokenizer if logprobs is not None else None),
             media_type="text/event-stream", headers={QUEUE_POSITION_HEADER: str(handle.queue_position)},
         )
-    text, samples, final = await collect(handle, request)
+    token_logprobs = []
+
+    async def events():  # (each event's logprobs kept: collect reads the text)
+        async for event in handle.events():
+            token_logprobs.extend(event.logprobs)
+            yield event
+
+    text, samples, final = await collect(handle, request, events())
     message: dict = {"role": "assistant", "content": text, "refusal": None}
     if speaker is not None:
         audio_bytes = encode_audio(samples, engine.sample_rate, audio_format)
@@ -109,7 +122,9 @@ async def chat_completions(request: Request):
         "object": "chat.completion",
         "created": created,
         "model": model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason,
+                     "logprobs": None if logprobs is None else _choice_logprobs(engine.family.tokenizer,
+                                                                                 token_logprobs)}],
         "usage": final.usage(audio=speaker is not None),
     }
 
@@ -161,9 +176,16 @@ def _decoded_messages(messages: list[ChatMessage], limits: MediaLimits, sampling
     return tuple(turns)
 
 
-async def _chat_stream(handle, completion_id, created, model_id, with_audio, include_usage):
-    def chunk(delta: dict, finish_reason=None, usage=None) -> bytes:
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+def _choice_logprobs(tokenizer, logprobs) -> dict:
+    """A choice's `logprobs` (OpenAI's chat shape): each reply token's, with its `top_logprobs`."""
+    return {"content": logprob_items(tokenizer, logprobs, with_top=True), "refusal": None}
+
+
+async def _chat_stream(handle, completion_id, created, model_id, with_audio, include_usage, tokenizer=None):
+    """The reply as chunks; tokenizer: given when the request asked for logprobs (each content chunk with its
+    tokens')."""
+    def chunk(delta: dict, finish_reason=None, usage=None, logprobs=None) -> bytes:
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
         payload = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model_id,
                    "choices": choices}
         if usage is not None:
@@ -178,8 +200,9 @@ async def _chat_stream(handle, completion_id, created, model_id, with_audio, inc
             if event.error is not None:
                 yield sse({"error": stream_error(event)})
                 break
-            if event.text:
-                yield chunk({"content": event.text})
+            if event.text or (tokenizer is not None and event.logprobs):
+                logprobs = None if tokenizer is None else _choice_logprobs(tokenizer, event.logprobs)
+                yield chunk({"content": event.text}, logprobs=logprobs)
             if with_audio and (event.audio is not None or event.text):
                 audio = {"id": audio_id, "transcript": event.text}
                 if event.audio is not None:

@@ -31,6 +31,7 @@ from omnimtp.server.scheduler import (
     QueueFullError,
 )
 from omnimtp.server.voice_store import VoiceStore
+from omnimtp.tokenizer import token_bytes
 
 # A response's header: the requests that had to start before it when it came (0: it started at the next step);
 # a stream the server could not yet keep in real time waits behind them (`omnimtp.server.admission`).
@@ -241,3 +242,22 @@ async def _wait_for_disconnect(request: Request) -> None:
     """Returns once the client has gone (the body has been read: `receive` only reports that now)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def logprob_items(tokenizer, logprobs, *, with_top: bool = False) -> list[dict]:
+    """`omnimtp.sampling.TokenLogprob`s as OpenAI lists them: {token, logprob, bytes} (the token's own UTF-8 bytes;
+    its text, a piece of a character shown as U+FFFD); with_top: and `top_logprobs`, the alternatives the same
+    way (a chat completion's `logprobs.content`)."""
+    ids = [lp.token_id for lp in logprobs]
+    if with_top:
+        ids += [token for lp in logprobs for token, _ in lp.top]
+    texts = dict(zip(ids, token_bytes(tokenizer, ids), strict=True))
+
+    def item(token_id: int, logprob: float) -> dict:
+        piece = texts[token_id]
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece)}
+
+    if not with_top:
+        return [item(lp.token_id, lp.logprob) for lp in logprobs]
+    return [{**item(lp.token_id, lp.logprob), "top_logprobs": [item(token, value) for token, value in lp.top]}
+            for lp in logprobs]

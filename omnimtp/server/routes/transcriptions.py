@@ -7,7 +7,9 @@ Form fields: `file` (required; any format libsndfile reads, within the server's 
 model, which otherwise names the language it heard), `prompt` (context), `response_format` (`json`, `text` or
 `verbose_json`), `temperature` (0, the default: greedy), `stream` (`true`: SSE `transcript.text.delta` events,
 then `transcript.text.done`), `timestamp_granularities[]` (`segment`, and `word` where the server has a forced
-aligner beside its model: `serve --aligner-model`; verbose_json only) and `seed` (an extension: seeded sampling
+aligner beside its model: `serve --aligner-model`; verbose_json only), `include[]` (`logprobs`, json only: the
+transcript's tokens as `logprobs: [{token, logprob, bytes}]`, the log-softmax of the model's raw logits at each
+step; streamed, each delta carries its tokens' and the done event all) and `seed` (an extension: seeded sampling
 repeats). The model writes no timestamps: verbose_json has one segment, the whole text over the whole audio, and
 with word timestamps `words: [{word, start, end}]` (seconds), the aligner's. A model that does not hear
 (Qwen3-TTS) answers 400 naming `model`.
@@ -20,10 +22,19 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from omnimtp.families.text import TranscriptTokens
 from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
-from omnimtp.server.routes.common import ServingContext, collect, sampling_params, serving, sse, stream_error
+from omnimtp.server.routes.common import (
+    ServingContext,
+    collect,
+    logprob_items,
+    sampling_params,
+    serving,
+    sse,
+    stream_error,
+)
 from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import INT64_MAX, INT64_MIN
 from omnimtp.tokenizer import prompt_tokenizer
@@ -32,10 +43,11 @@ router = APIRouter()
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
 _FIELDS = ("model", "language", "prompt", "response_format", "temperature", "stream", "timestamp_granularities[]",
-           "seed")
+           "include[]", "include", "seed")
 _BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
 GRANULARITIES = ("segment", "word")
-_REPEATED = ("timestamp_granularities[]",)  # fields a client may give more than once (one value each)
+_REPEATED = ("timestamp_granularities[]", "include[]", "include")  # fields given once per value
+INCLUDES = ("logprobs",)
 
 
 @router.post("/v1/audio/transcriptions")
@@ -55,6 +67,7 @@ async def transcriptions(request: Request):
     seed = _number(fields, "seed", None, INT64_MIN, INT64_MAX, int)  # any int64, as every route takes
     is_streamed = _boolean(fields, "stream")
     has_words = _has_word_timestamps(context, fields.get("timestamp_granularities[]", ["segment"]), response_format)
+    has_logprobs = _has_logprobs([*fields.get("include[]", []), *fields.get("include", [])], response_format)
     language, prompt = fields.get("language"), fields.get("prompt")
     try:
         engine.family.transcription_messages(None, language, prompt)  # checks both before the audio is read
@@ -67,21 +80,32 @@ async def transcriptions(request: Request):
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     try:
         handle = await context.submit(transcription_request(context, samples, language, prompt, temperature, seed,
-                                                            is_streamed=is_streamed))
+                                                            is_streamed=is_streamed, has_logprobs=has_logprobs))
     except APIError as exc:
         if exc.param == "messages":  # the ASR instruction around the audio: too long is the file's, or the prompt's
             is_prompt = prompt is not None and await run_in_threadpool(_is_prompt_too_long, engine, language, prompt)
             exc.param = "prompt" if is_prompt else "file"
         raise
     if is_streamed:
-        return StreamingResponse(_transcript_stream(handle, engine.family, language),
+        return StreamingResponse(_transcript_stream(handle, engine.family, language, has_logprobs),
                                  media_type="text/event-stream")
-    reply, _, final = await collect(handle, request)
+    logprobs = []
+
+    async def events():  # (each event's logprobs kept: collect reads the text)
+        async for event in handle.events():
+            logprobs.extend(event.logprobs)
+            yield event
+
+    reply, _, final = await collect(handle, request, events())
     heard, text = engine.family.parse_transcript(reply, language)
     if response_format == "text":
         return PlainTextResponse(text)
     if response_format == "json":
-        return {"text": text, "usage": _usage(final)}
+        body = {"text": text, "usage": _usage(final)}
+        if has_logprobs:
+            tokens = TranscriptTokens(engine.family.transcript_deltas(language).held_tag)
+            body["logprobs"] = [*tokens.push(logprob_items(engine.family.tokenizer, logprobs)), *tokens.finish()]
+        return body
     duration = samples.shape[0] / engine.audio_sampling_rate
     body = {
         "task": "transcribe", "language": None if heard is None else heard.lower(), "duration": duration, "text": text,
@@ -114,6 +138,19 @@ def _has_word_timestamps(context: ServingContext, granularities: list[str], resp
     return True
 
 
+def _has_logprobs(includes: list[str], response_format: str) -> bool:
+    """Whether the client asked for the transcript's logprobs (`include[]=logprobs`); 400 naming include for
+    another value, or with a response_format other than json (as OpenAI's)."""
+    for value in includes:
+        if value not in INCLUDES:
+            raise APIError(400, f"include: one of {', '.join(INCLUDES)}, got {value[:32]!r}", param="include",
+                           code="invalid_value")
+    if includes and response_format != "json":
+        raise APIError(400, f"include: logprobs come with response_format json, got {response_format!r}",
+                       param="include", code="invalid_value")
+    return bool(includes)
+
+
 def _aligned_words(aligner, samples, rate: int, text: str, language: str | None):
     """The aligner's words of the transcript (its language: the one forced or heard; None splits at spaces and
     CJK characters). A language the aligner cannot split is a 400 naming language."""
@@ -137,9 +174,10 @@ def _is_prompt_too_long(engine, language: str | None, prompt: str) -> bool:
 
 def transcription_request(context: ServingContext, samples, language: str | None, prompt: str | None,
                           temperature: float, seed: int | None, *, is_streamed: bool,
-                          is_background: bool = False) -> EngineRequest:
+                          is_background: bool = False, has_logprobs: bool = False) -> EngineRequest:
     """The engine request that transcribes `samples` (float32 at the processor's rate): the family's ASR
-    messages, text only (no speaker), with the model's reply cap (at most the server's limit) of tokens."""
+    messages, text only (no speaker), with the model's reply cap (at most the server's limit) of tokens;
+    has_logprobs: its tokens' logprobs come with its text events."""
     engine = context.engine
     messages = engine.family.transcription_messages(samples, language, prompt)
     turns = tuple((m["role"], m["content"] if isinstance(m["content"], str) else tuple(m["content"]))
@@ -147,29 +185,49 @@ def transcription_request(context: ServingContext, samples, language: str | None
     return EngineRequest(messages=turns, speak_text=None, speaker=None,
                          sampling=sampling_params(temperature, 1.0, None), seed=seed,
                          max_new_tokens=min(engine.config.max_new_tokens, context.max_tokens_limit),
-                         is_streamed=is_streamed,
-                         is_background=is_background)
+                         is_streamed=is_streamed, is_background=is_background,
+                         logprobs=0 if has_logprobs else None)
 
 
-async def _transcript_stream(handle, family, language: str | None):
+async def _transcript_stream(handle, family, language: str | None, has_logprobs: bool):
     """The transcript's text deltas as the family gives them (`transcript_deltas`: a Qwen3-ASR reply's language
-    tag held back), then the text `parse_transcript` reads from the whole reply."""
+    tag held back), then the text `parse_transcript` reads from the whole reply; with logprobs, each delta with
+    those of the transcript's tokens not sent yet (the last delta, possibly empty, with the rest), and the done
+    event with all."""
     replies = []
     deltas = family.transcript_deltas(language)
+    tokens = TranscriptTokens(deltas.held_tag)
+    pending, sent = [], []  # the transcript's logprob items not sent yet, and those sent
+
+    def delta_event(delta: str) -> str:
+        body = {"type": "transcript.text.delta", "delta": delta}
+        if has_logprobs:
+            body["logprobs"] = pending[:]
+            sent.extend(pending)
+            pending.clear()
+        return sse(body)
+
     try:
         async for event in handle.events():
             if event.error is not None:
                 yield sse({"type": "error", "error": stream_error(event)})
                 break
+            if has_logprobs and event.logprobs:
+                pending.extend(tokens.push(logprob_items(family.tokenizer, event.logprobs)))
             if event.text:
                 replies.append(event.text)
                 if delta := deltas.push(event.text):
-                    yield sse({"type": "transcript.text.delta", "delta": delta})
+                    yield delta_event(delta)
             if event.finish_reason is not None:
-                if rest := deltas.finish():
-                    yield sse({"type": "transcript.text.delta", "delta": rest})
+                pending.extend(tokens.finish())
+                rest = deltas.finish()
+                if rest or pending:  # (tokens whose text is none of the transcript's: with an empty delta)
+                    yield delta_event(rest)
                 _, text = family.parse_transcript("".join(replies), language)
-                yield sse({"type": "transcript.text.done", "text": text, "usage": _usage(event)})
+                done = {"type": "transcript.text.done", "text": text, "usage": _usage(event)}
+                if has_logprobs:
+                    done["logprobs"] = [*sent, *pending]
+                yield sse(done)
                 break
     finally:
         handle.cancel()  # a no-op once finished; frees the engine row when the client leaves mid-stream

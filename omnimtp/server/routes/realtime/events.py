@@ -50,12 +50,17 @@ class InputTranscription(BaseModel):
     prompt: str | None = None
 
 
+class NoiseReduction(BaseModel):
+    model_config = _STRICT
+    type: Literal["near_field", "far_field"]
+
+
 class AudioInput(BaseModel):
     model_config = _STRICT
     format: AudioFormat | None = None
     turn_detection: ServerVad | None = None  # given as null: manual turns (the client commits the buffer)
     transcription: InputTranscription | None = None
-    noise_reduction: None = None
+    noise_reduction: NoiseReduction | None = None  # taken and echoed; the audio is heard as it comes (no filter)
 
 
 class AudioOutput(BaseModel):
@@ -88,6 +93,7 @@ class SessionFields(BaseModel):
     tools: Annotated[list, Field(max_length=0)] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     tracing: None = None
+    include: list[Literal["item.input_audio_transcription.logprobs"]] | None = None
     # omnimtp's extensions
     seed: Seed | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

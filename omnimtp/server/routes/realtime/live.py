@@ -25,7 +25,7 @@ from omnimtp.families.qwen3_asr import Qwen3ASRFamily
 from omnimtp.server.errors import APIError
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.routes.realtime.state import RealtimeSession
-from omnimtp.server.routes.realtime.transcription import RecognitionError, Recognized
+from omnimtp.server.routes.realtime.transcription import INCLUDE_LOGPROBS, RecognitionError, Recognized
 from omnimtp.server.routes.transcriptions import transcription_request
 
 # the audio gathered between a live turn's transcriptions (the reference's streaming demo takes 2.0 s; a turn of
@@ -130,9 +130,12 @@ class LiveRecognition:
 
 def hears_live(state: RealtimeSession) -> ServingContext | None:
     """The context that hears the session's turns as they come: a transcription session's, when its recognizer is
-    a Qwen3-ASR model (served, or beside the served model) and no other recognizer is set; else None."""
+    a Qwen3-ASR model (served, or beside the served model), no other recognizer is set and the session asks no
+    logprobs (a live transcript's fixed words come from earlier transcriptions, as prompt; with logprobs each
+    committed turn is transcribed whole, every token written by one request); else None."""
     transcription = state.settings.transcription
-    if state.settings.type != "transcription" or transcription is None or state.recognizer is not None:
+    if state.settings.type != "transcription" or transcription is None or state.recognizer is not None \
+            or INCLUDE_LOGPROBS in state.settings.include:
         return None
     context = state.context.hearing(transcription["model"])
     return context if isinstance(context.engine.family, Qwen3ASRFamily) else None

@@ -31,10 +31,10 @@ def _engine_request(state: RealtimeSession, fields: ResponseFields) -> tuple[Eng
     max_output_tokens = settings.max_output_tokens
     if fields.max_output_tokens is not None:
         max_output_tokens = max_output_tokens_setting(context, fields.max_output_tokens, "response.max_output_tokens")
-    if not any(item.role == "user" for item in state.items):
-        raise EventError("the conversation has no user item to answer: commit the input audio buffer or create a "
-                         "user item first", code="conversation_empty")
     instructions = settings.instructions if fields.instructions is None else fields.instructions
+    if not state.items and not instructions:  # (with instructions alone the model speaks first: a greeting)
+        raise EventError("the conversation is empty and there are no instructions to answer: commit the input "
+                         "audio buffer, create an item or give instructions first", code="conversation_empty")
     turns = ((("system", instructions),) if instructions else ()) + tuple(
         (item.role, item.content) for item in state.items)
     # "inf": no cap of the response's own; the reply ends at its end of turn, the server's --max-tokens-limit or

@@ -29,6 +29,8 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
             changes[name] = given[name]
     if fields.output_modalities is not None:
         changes["output_modalities"] = tuple(fields.output_modalities)
+    if "include" in given:
+        changes["include"] = tuple(dict.fromkeys(fields.include or ()))
     if fields.max_output_tokens is not None:
         changes["max_output_tokens"] = max_output_tokens_setting(context, fields.max_output_tokens,
                                                                  "session.max_output_tokens")
@@ -38,6 +40,9 @@ def update_settings(state: RealtimeSession, fields: SessionFields) -> None:
                                                                       "session.audio.input.format")
     if audio is not None and audio.input is not None and "turn_detection" in audio.input.model_fields_set:
         changes["turn_detection"] = _turn_detection(audio.input.turn_detection)
+    if audio is not None and audio.input is not None and "noise_reduction" in audio.input.model_fields_set:
+        noise_reduction = audio.input.noise_reduction
+        changes["noise_reduction"] = None if noise_reduction is None else noise_reduction.type
     if audio is not None and audio.input is not None and "transcription" in audio.input.model_fields_set:
         changes["transcription"] = transcription_settings(context, audio.input.transcription)
     if audio is not None and audio.output is not None:

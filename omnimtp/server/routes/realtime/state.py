@@ -33,6 +33,8 @@ class Settings:
     transcription: dict | None = None  # {"model", "language", "prompt"}: committed audio is transcribed
     turn_detection: TurnDetection | None = TurnDetection()  # None: manual turns
     type: str = "realtime"  # "transcription": committed turns are transcribed and never answered
+    include: tuple[str, ...] = ()  # "item.input_audio_transcription.logprobs": input transcripts with logprobs
+    noise_reduction: str | None = None  # the microphone kind a client names ("near_field"); no filter is applied
 
 
 @dataclass
@@ -114,14 +116,16 @@ class RealtimeSession:
         s = self.settings
         audio_input = {"format": describe_format(s.input_format, s.input_rate),
                        "turn_detection": s.turn_detection and s.turn_detection.describe(),
-                       "transcription": s.transcription, "noise_reduction": None}
+                       "transcription": s.transcription,
+                       "noise_reduction": None if s.noise_reduction is None else {"type": s.noise_reduction}}
         if s.type == "transcription":
             return {"type": "transcription", "object": "realtime.transcription_session", "id": self.id,
-                    "audio": {"input": audio_input}, "include": None}
+                    "audio": {"input": audio_input}, "include": list(s.include) or None}
         return {
             "type": "realtime", "object": "realtime.session", "id": self.id, "model": self.model_name,
             "output_modalities": list(s.output_modalities), "instructions": s.instructions,
             "max_output_tokens": s.max_output_tokens, "tools": [], "tool_choice": s.tool_choice, "tracing": None,
+            "include": list(s.include) or None,
             "audio": {
                 "input": audio_input,
                 "output": {"format": describe_format(s.output_format, PCM_RATE), "voice": s.voice,
