@@ -21,7 +21,8 @@ from omnimtp.families.qwen3_tts import Qwen3TTSFamily
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.admission import Admission, StepCosts
 from omnimtp.server.audio import to_pcm16
-from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError
+from omnimtp.server.requests import EngineRequest, QueueFullError
+from omnimtp.server.scheduler import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

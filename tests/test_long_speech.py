@@ -173,7 +173,7 @@ def test_an_omni_speech_text_is_cut_by_the_same_budget_and_spoken_in_segments():
     """Qwen3-Omni's speech path (a `/v1/audio/speech` request's text): the same cut, the same segment loop."""
     from omnimtp.engine.core import EngineConfig, EngineCore
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
-    from omnimtp.server.scheduler import EngineRequest
+    from omnimtp.server.requests import EngineRequest
 
     family = Qwen3OmniFamily.tiny(0)
     engine = Engine(family, model_id="omni", max_frames=4, max_segment_tokens=MAX_SEGMENT_TOKENS)

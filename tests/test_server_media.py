@@ -24,7 +24,8 @@ from omnimtp.media import AUDIO_SAMPLING_RATE, MediaInputs, MediaLimits, chat_me
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.app import create_app
-from omnimtp.server.scheduler import Engine, EngineRequest
+from omnimtp.server.requests import EngineRequest
+from omnimtp.server.scheduler import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

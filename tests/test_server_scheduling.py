@@ -12,7 +12,7 @@ from server_harness import EngineSetup
 
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
-from omnimtp.server.scheduler import EngineRequest
+from omnimtp.server.requests import EngineRequest
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

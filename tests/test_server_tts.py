@@ -24,9 +24,10 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.server.app import create_app
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import APIError
+from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.routes.voices import speech_voice
-from omnimtp.server.scheduler import Engine, EngineRequest
+from omnimtp.server.scheduler import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,7 +18,8 @@ from server_harness import EngineSetup
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import encode_audio, streaming_wav_header, to_pcm16
-from omnimtp.server.scheduler import Engine, EngineRequest, QueueFullError
+from omnimtp.server.requests import EngineRequest, QueueFullError
+from omnimtp.server.scheduler import Engine
 from omnimtp.server.schemas import ChatCompletionRequest, SpeechRequest
 
 

@@ -551,7 +551,7 @@ def test_a_streamed_text_longer_than_a_segment_gives_the_bytes_of_v1_audio_speec
     """The talker's positions hold each segment of a streamed text, as they hold a whole text's: a text of
     several segments (the server's 150-token budget) sent in pieces is spoken end to end, as /v1/audio/speech
     speaks it; only the prompt-token limit applies to the whole text (an error naming `delta`)."""
-    from omnimtp.server.scheduler import EngineRequest
+    from omnimtp.server.requests import EngineRequest
 
     engine = servers["engines"]["tts"]
     text = " ".join(f"Sentence {i} is here." for i in range(20))

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from omnimtp.media import MediaError, MediaLimits, decode_audio, decode_base64, decode_image, decode_image_url
 from omnimtp.server.audio import encode_audio
 from omnimtp.server.errors import APIError
+from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import (
     QUEUE_POSITION_HEADER,
     b64_pcm16,
@@ -29,7 +30,6 @@ from omnimtp.server.routes.common import (
     stream_error,
 )
 from omnimtp.server.routes.voices import check_voice
-from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import ChatCompletionRequest, ChatMessage, InputAudioPart, TextPart
 
 # How long a returned audio id is said to live (we keep nothing; the field is part of the format).

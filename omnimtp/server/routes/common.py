@@ -24,12 +24,8 @@ from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
 from omnimtp.server.guard import read_json
-from omnimtp.server.scheduler import (
-    Engine,
-    EngineRequest,
-    PromptTooLongError,
-    QueueFullError,
-)
+from omnimtp.server.requests import EngineRequest, PromptTooLongError, QueueFullError
+from omnimtp.server.scheduler import Engine
 from omnimtp.server.voice_store import VoiceStore
 from omnimtp.tokenizer import token_bytes
 

@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from omnimtp.families.qwen3_asr import asr_language
 from omnimtp.server.audio import MEDIA_TYPES, STREAMED_FORMATS, StreamEncoder, encode_audio
 from omnimtp.server.errors import APIError
+from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import (
     QUEUE_POSITION_HEADER,
     collect,
@@ -46,7 +47,6 @@ from omnimtp.server.routes.common import (
     stream_error,
 )
 from omnimtp.server.routes.voices import speech_speaker
-from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import SpeechBatchRequest, SpeechRequest
 
 # How the speech ended ("stop", "length", or "no_audio": the talker ended before its first frame), where it is

@@ -38,9 +38,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.websockets import WebSocket
 
 from omnimtp.server.errors import APIError, validation_error
+from omnimtp.server.requests import PromptTooLongError, QueueFullError
 from omnimtp.server.routes.common import b64_pcm16
 from omnimtp.server.routes.voices import speech_speaker
-from omnimtp.server.scheduler import PromptTooLongError, QueueFullError
 from omnimtp.server.schemas import MAX_SPEECH_INPUT_CHARS, SpeechStreamConfig
 from omnimtp.server.websocket import EventError, Session, echo, websocket_sessions
 

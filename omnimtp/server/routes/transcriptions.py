@@ -26,6 +26,7 @@ from omnimtp.families.text import TranscriptTokens
 from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError
 from omnimtp.server.guard import read_form
+from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import (
     ServingContext,
     collect,
@@ -35,7 +36,6 @@ from omnimtp.server.routes.common import (
     sse,
     stream_error,
 )
-from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.schemas import INT64_MAX, INT64_MIN
 from omnimtp.tokenizer import prompt_tokenizer
 

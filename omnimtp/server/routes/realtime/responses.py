@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from omnimtp.server.errors import APIError
+from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import sampling_params
 from omnimtp.server.routes.realtime.conversation import check_room, commit_audio, insert_item
 from omnimtp.server.routes.realtime.events import PCM_RATE, ResponseCancel, ResponseFields
 from omnimtp.server.routes.realtime.formats import OutputEncoder, describe_format, output_format
 from omnimtp.server.routes.realtime.settings import max_output_tokens_setting, session_voice
 from omnimtp.server.routes.realtime.state import ConversationItem, RealtimeSession
-from omnimtp.server.scheduler import EngineRequest
 from omnimtp.server.websocket import EventError, new_id
 
 
