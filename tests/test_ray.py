@@ -164,7 +164,7 @@ def test_bad_input_is_an_openai_4xx(client, url):
         client.audio.speech.create(model="omnimtp-tiny", voice="nobody", input="Hi")
     assert bad_voice.value.body["param"] == "voice"
     with pytest.raises(openai.NotFoundError) as bad_model:
-        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "Hi"}])
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
     assert bad_model.value.body["code"] == "model_not_found"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()

@@ -35,7 +35,7 @@ def test_fixed_replicas_take_a_whole_batch_queue_and_sessions_each():
     assert options["graceful_shutdown_timeout_s"] == 30.0
 
 
-def test_ray_logs_warnings_only_unless_verbose(caplog):
+def test_ray_logs_warnings_only_unless_verbose():
     """Serve's controller, proxy and replicas log at WARNING without their access log unless --verbose; the
     expected start-up notices are dropped (the warning that token authentication is *off* is not)."""
     import logging
@@ -48,11 +48,20 @@ def test_ray_logs_warnings_only_unless_verbose(caplog):
     ray_serve.quiet_ray()  # idempotent
     token = logging.getLogger("ray._private.authentication.authentication_token_setup")
     assert len(token.filters) == 1
-    with caplog.at_level(logging.WARNING):
+    progress = logging.getLogger("ray.data._internal.progress")
+    records = []  # on the loggers themselves: once Ray has set up its logging, "ray" no longer propagates to root
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    for logger in (token, progress):
+        logger.addHandler(handler)
+    try:
         token.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
         token.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
-        logging.getLogger("ray.data._internal.progress").warning("Progress bars disabled. To enable, set ...")
-    assert [record.getMessage()[:40] for record in caplog.records] == ["Token authentication is disabled for thi"]
+        progress.warning("Progress bars disabled. To enable, set ...")
+    finally:
+        for logger in (token, progress):
+            logger.removeHandler(handler)
+    assert [record.getMessage()[:40] for record in records] == ["Token authentication is disabled for thi"]
     assert logging.getLogger("ray.serve").level == logging.WARNING == logging.getLogger("ray.data").level
 
 
