@@ -2023,6 +2023,18 @@ MUTATIONS = [
         ADMISSION, "a realtime response that waits for capacity is told it starts at once",
     ),
     Mutation(
+        "engine_thread_on_the_starters_threads", "omnimtp/server/scheduler.py",
+        "    def _run(self) -> None:\n        torch.set_num_threads(self.num_threads)\n",
+        "    def _run(self) -> None:\n",
+        ADMISSION, "the engine thread runs on the thread count of whoever started it (one, in serve), not the model's",
+    ),
+    Mutation(
+        "serve_loads_on_its_own_thread", "omnimtp/runtime/device.py",
+        "    thread.start()\n    thread.join()\n",
+        "    thread.run()\n",
+        ADMISSION, "serve builds its model on the thread that then serves HTTP (its OpenMP pool outlives the load)",
+    ),
+    Mutation(
         "capacity_estimate_too_kind", "omnimtp/server/admission.py",
         "            return measured[n] * num_streams / n",
         "            return measured[n]",

@@ -5,6 +5,7 @@ seeded request's bytes."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -580,3 +581,34 @@ def test_a_realtime_response_that_waits_for_capacity_says_so():
     assert (first_limits.name, first_limits.limit, first_limits.reset_seconds) == ("requests", 1, 0)
     assert (second_limits.limit, second_limits.remaining) == (1, 0)
     assert second_limits.reset_seconds >= 1
+
+
+def test_the_engine_thread_runs_on_the_threads_its_engine_was_built_with(family):
+    """`serve` builds its engine in a passing thread and leaves its own thread on one torch thread
+    (`build_in_passing_thread`); the engine and warm-up threads still run on the count the engine was built
+    with."""
+    from omnimtp.runtime.device import build_in_passing_thread
+
+    previous = torch.get_num_threads()
+    seen = {}
+    try:
+        def build():
+            torch.set_num_threads(2)
+            builder.append(threading.current_thread())
+            return Engine(family, model_id="tiny-tts", max_batch_size=2)
+
+        builder = []
+        engine = build_in_passing_thread(build)
+        [thread] = builder  # a thread of its own, gone (its OpenMP pool with it)
+        assert thread is not threading.current_thread() and not thread.is_alive()
+        assert engine.num_threads == 2 and torch.get_num_threads() == 1
+        engine._loop = lambda: seen.setdefault("engine", torch.get_num_threads())
+        engine.start()
+        engine._thread.join(10)
+        engine.family = type("F", (), {"warm_up": lambda *a, **k: seen.setdefault("warm_up", torch.get_num_threads())})
+        engine._warm_up()
+        with pytest.raises(ValueError, match="bad"):
+            build_in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == {"engine": 2, "warm_up": 2}

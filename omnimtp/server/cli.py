@@ -210,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
     from omnimtp.server.serving import server_config
 
     _log_to_stderr(args.log_level)
+    from omnimtp.runtime.device import build_in_passing_thread
     from omnimtp.server.build import build_app
 
-    engine, app = build_app(args)
+    engine, app = build_in_passing_thread(lambda: build_app(args))  # the engine thread alone runs the model
     config = server_config(
         app, host=args.host, port=args.port, headers_timeout_s=args.timeout_headers,
         keep_alive_timeout_s=args.timeout_keep_alive, graceful_shutdown_timeout_s=args.timeout_graceful_shutdown,

@@ -24,6 +24,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
+
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
@@ -135,6 +137,9 @@ class Engine:
         self.draft_costs = None
         self.is_ready = False
         self.is_warm = False
+        # torch's threads where this engine was built (after the model's thread rule): its engine and warm-up
+        # threads run on as many, whatever the thread that starts them runs on (`build_in_passing_thread`)
+        self.num_threads = torch.get_num_threads()
         self._step_fingerprints: dict[bool, dict] = {}  # admission's cost fingerprints, by predictor state
         self._steps_since_kept = 0
         self._warm_stop = threading.Event()
@@ -507,6 +512,7 @@ class Engine:
 
     def _warm_up(self) -> None:
         """The warm-up thread: the compiled predictor's graphs, bucket by bucket, logged as they are built."""
+        torch.set_num_threads(self.num_threads)  # the graphs are built for the engine thread's count
         started = time.perf_counter()
         logger.info("warm-up: compiling the code predictor for batches up to %d in the background; serving on "
                     "the eager predictor meanwhile", self.config.max_batch_size)
@@ -569,6 +575,7 @@ class Engine:
         keep_step_costs(fingerprint, measured)
 
     def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
         try:
             self._loop()
             if self.admission is not None:
