@@ -141,13 +141,18 @@ class OmniReplica:
         import torch
 
         from omnimtp.console import quiet_expected_warnings
+        from omnimtp.runtime.device import build_in_passing_thread
         from omnimtp.server.build import build_app
 
         quiet_expected_warnings()
 
-        # Torch uses the CPUs Ray reserved for the replica (at least one thread), not the whole node's.
-        torch.set_num_threads(max(1, int(serve_args["num_cpus_per_replica"])))
-        self.engine, self.server_app = build_app(argparse.Namespace(**serve_args))
+        def build():
+            # Torch uses the CPUs Ray reserved for the replica (at least one thread), not the whole node's.
+            torch.set_num_threads(max(1, int(serve_args["num_cpus_per_replica"])))
+            return build_app(argparse.Namespace(**serve_args))
+
+        # as `serve` does: the engine thread alone runs the model (`build_in_passing_thread`)
+        self.engine, self.server_app = build_in_passing_thread(build)
 
     def __serve_build_asgi_app__(self):
         serve = import_serve()
