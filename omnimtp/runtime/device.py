@@ -88,10 +88,9 @@ def build_in_passing_thread(build, name: str = "omnimtp-load"):
     """build() in a thread of its own that ends with it (its result returned, its exception raised here), and this
     thread's torch ops on one thread from then on: a serving process whose engine thread does the model's
     work. OpenMP keeps an intra-op thread pool for every thread that ran a parallel op, and once the pools'
-    threads outnumber the cores its workers stop spinning between ops (libgomp's throttled wait), so every op of
-    the engine thread waits for its workers to wake: on 2 cores a 1×1024×3072 w4a8 linear took 3× as long
-    from a second thread as from the only one, and a lone Qwen3-TTS stream fell from 1.09× to 0.66× real time.
-    Loading in a passing thread leaves no pool behind (the thread's goes with it); the engine thread sets its
+    threads outnumber the cores its workers stop spinning between ops (libgomp's throttled wait), so every small
+    op of the engine thread waits for its workers to wake (benchmarks/RESULTS.md has what it cost a Qwen3-TTS
+    stream). Loading in a passing thread leaves no pool behind (the thread's goes with it); the engine thread sets its
     own thread count (`omnimtp.server.scheduler.Engine`)."""
     import threading
 
