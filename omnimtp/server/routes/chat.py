@@ -101,13 +101,7 @@ async def chat_completions(request: Request):
             media_type="text/event-stream", headers={QUEUE_POSITION_HEADER: str(handle.queue_position)},
         )
     token_logprobs = []
-
-    async def events():  # (each event's logprobs kept: collect reads the text)
-        async for event in handle.events():
-            token_logprobs.extend(event.logprobs)
-            yield event
-
-    text, samples, final = await collect(handle, request, events())
+    text, samples, final = await collect(handle, request, logprobs=token_logprobs)
     message: dict = {"role": "assistant", "content": text, "refusal": None}
     if speaker is not None:
         audio_bytes = encode_audio(samples, engine.sample_rate, audio_format)

@@ -178,10 +178,11 @@ def response_error(event) -> APIError:
     return APIError(status, event.error, type="server_error", code=event.error_code)
 
 
-async def collect(handle, request: Request, events=None):
+async def collect(handle, request: Request, events=None, logprobs: list | None = None):
     """Wait for a whole request: (text, float32 samples, final event), while watching the client (`watched`).
-    events: the handle's events still to read (default all of them). Raises APIError on engine errors."""
-    return await watched(_gather(handle.events() if events is None else events), handle, request)
+    events: the handle's events still to read (default all of them). logprobs: a list the events' token logprobs
+    are added to (a request that asked for them). Raises APIError on engine errors."""
+    return await watched(_gather(handle.events() if events is None else events, logprobs), handle, request)
 
 
 async def watched(work, handle, request: Request):
@@ -220,12 +221,14 @@ async def prepended(event, events):
         yield later
 
 
-async def _gather(events):
+async def _gather(events, logprobs: list | None):
     texts, chunks = [], []
     async for event in events:
         if event.error is not None:
             raise response_error(event)
         texts.append(event.text)
+        if logprobs is not None:
+            logprobs.extend(event.logprobs)
         if event.audio is not None:
             chunks.append(event.audio)
         if event.finish_reason is not None:

@@ -90,13 +90,7 @@ async def transcriptions(request: Request):
         return StreamingResponse(_transcript_stream(handle, engine.family, language, has_logprobs),
                                  media_type="text/event-stream")
     logprobs = []
-
-    async def events():  # (each event's logprobs kept: collect reads the text)
-        async for event in handle.events():
-            logprobs.extend(event.logprobs)
-            yield event
-
-    reply, _, final = await collect(handle, request, events())
+    reply, _, final = await collect(handle, request, logprobs=logprobs)
     heard, text = engine.family.parse_transcript(reply, language)
     if response_format == "text":
         return PlainTextResponse(text)
