@@ -14,6 +14,7 @@ import pytest
 import torch
 from audio_checks import assert_audible
 from server_harness import running_server
+from test_server_realtime import _client
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.playback import PlaybackClock, chunk_frames_after
@@ -528,7 +529,6 @@ def test_a_realtime_response_that_waits_for_capacity_says_so():
     """Capacity 1: while one realtime session's reply speaks, another session's response starts with
     `rate_limits.updated` saying none are left and how long it should wait, then is served once the first is done;
     the first was told it started at once."""
-    import openai
 
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.server.app import create_app
@@ -539,8 +539,7 @@ def test_a_realtime_response_that_waits_for_capacity_says_so():
     app = create_app(engine)
 
     def connect(url):
-        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                               api_key="unused", max_retries=0)
+        client = _client(url)
         connection = client.realtime.connect(model="omnimtp-tiny").__enter__()
         assert connection.recv().type == "session.created"
         connection.session.update(session={"type": "realtime", "seed": 3, "max_output_tokens": 4,

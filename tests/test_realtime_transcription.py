@@ -8,12 +8,12 @@ import base64
 import signal
 
 import numpy as np
-import openai
 import pytest
 import soundfile as sf
 import soxr
 from audio_checks import spoken_wav
 from server_harness import running_server
+from test_server_realtime import _client
 
 import omnimtp.server.routes.realtime.transcription as transcription
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
@@ -32,8 +32,7 @@ def client():
     engine = Engine(Qwen3OmniFamily.tiny(0), max_new_tokens=8, max_frames=4, max_batch_size=4,
                     media_limits=MediaLimits(max_audio_seconds=4.0))
     with running_server(create_app(engine, max_tokens_limit=8)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                            api_key="unused", max_retries=0)
+        yield _client(url)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +112,7 @@ def test_a_qwen3_asr_model_serves_transcription_sessions_and_nothing_else(speech
     family = Qwen3ASRFamily.tiny(0)
     engine = Engine(family, max_new_tokens=12, max_batch_size=2)
     with running_server(create_app(engine, max_tokens_limit=12)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                               api_key="unused", max_retries=0)
+        client = _client(url)
         with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
             assert connection.recv().session.type == "transcription"
             connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}}})
@@ -187,8 +185,7 @@ def test_a_qwen3_asr_session_asking_logprobs_transcribes_each_turn_whole_with_th
     family = Qwen3ASRFamily.tiny(0)
     engine = Engine(family, max_new_tokens=12, max_batch_size=2)
     with running_server(create_app(engine, max_tokens_limit=12)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                               api_key="unused", max_retries=0)
+        client = _client(url)
         with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
             assert connection.recv().type == "session.created"
             connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}},
@@ -272,8 +269,7 @@ def test_server_vad_turns_are_heard_live_from_their_first_sample_to_their_last(s
     engine = Engine(family, max_new_tokens=12, max_batch_size=2)
     silence = np.zeros(RATE, dtype=np.float32)
     with running_server(create_app(engine, max_tokens_limit=12)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                               api_key="unused", max_retries=0)
+        client = _client(url)
         with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
             assert connection.recv().session.audio.input.turn_detection.type == "server_vad"
             _append(connection, np.concatenate([silence[: RATE // 3], speech, silence]))
@@ -309,8 +305,7 @@ def _session_with_a_refused_turn(speech) -> None:
 
     engine = Engine(Qwen3ASRFamily.tiny(0), max_new_tokens=12, max_batch_size=2)
     with running_server(create_app(engine, max_tokens_limit=12)) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                               api_key="unused", max_retries=0)
+        client = _client(url)
         with client.realtime.connect(model=engine.model_id, extra_query={"intent": "transcription"}) as connection:
             connection.recv()
             connection.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None}}})
