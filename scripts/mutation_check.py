@@ -2042,22 +2042,35 @@ MUTATIONS = [
     ),
     Mutation(
         "deferred_chunks_ignore_the_lead", "omnimtp/engine/core.py",
-        "                due = [item for item in later if item[1].playback.lead(now) is None\n"
-        "                       or item[1].playback.lead(now) < 2 * self.step_s]\n",
-        "                due = []\n",
-        ADMISSION, "while newcomers wait, every later chunk is held, even one whose listener is about to run dry",
+        "        if lead is None or lead < 2 * self.step_s + decode_s + decode_s / growth:\n            return False\n",
+        "        if lead is None:\n            return False\n",
+        ADMISSION, "a chunk waits for others even when its own listener is about to run dry",
     ),
     Mutation(
-        "newcomers_wait_behind_later_chunks", "omnimtp/engine/core.py",
-        "        if later and self._num_deferred < config.max_defer_steps:",
+        "later_chunks_never_wait", "omnimtp/engine/core.py",
+        "        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):",
         "        if False:",
-        ADMISSION, "later chunks of listeners far ahead are decoded before a newcomer is admitted",
+        ADMISSION, "a long chunk is decoded once due while a newcomer's player holds less than its decoding",
     ),
     Mutation(
         "chunks_deferred_without_bound", "omnimtp/engine/core.py",
-        "        if later and self._num_deferred < config.max_defer_steps:",
+        "        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):",
         "        if later and config.max_defer_steps > 0:",
         ADMISSION, "later chunks wait for newcomers as long as newcomers keep coming (max_defer_steps ignored)",
+    ),
+    Mutation(
+        "later_chunks_after_the_talker_forward", "omnimtp/engine/core.py",
+        "            first, later = self._due_chunks()\n            yield from self._decode_blocks(first)\n"
+        "            yield from self._decode_blocks(later)\n            decode_s = time.perf_counter() - started\n",
+        "            first, _ = self._due_chunks()\n            yield from self._decode_blocks(first)\n"
+        "            decode_s = time.perf_counter() - started\n",
+        ADMISSION, "a later chunk whose frames are made waits for the talker's forward toward the next frame",
+    ),
+    Mutation(
+        "newcomers_hold_near_chunks", "omnimtp/engine/core.py",
+        "        if lead is None or lead < 2 * self.step_s + decode_s + decode_s / growth:\n",
+        "        if lead is None or lead < 2 * self.step_s + decode_s + (0 if has_newcomers else decode_s / growth):\n",
+        ADMISSION, "a chunk not far ahead waits for a queued newcomer and then stalls that newcomer's start",
     ),
     Mutation(
         "newcomer_waits_for_running_cohorts", "omnimtp/engine/core.py",

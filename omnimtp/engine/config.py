@@ -26,8 +26,9 @@ class EngineConfig:
     cohort's (the talker takes one reply row a frame: drafting ahead of it then buys nothing).
     max_decode_frames: frames of later (not first) chunks decoded per step, though always the oldest chunk
     (None: every due chunk).
-    max_defer_steps: steps in a row later chunks may wait while requests queue for a free slot; only chunks whose
-    listeners hold more than two steps of audio wait (their lead over the playback clock, `Request.playback`).
+    max_defer_steps: steps in a row a later chunk may wait for a newcomer or for another listener who would run
+    dry during its decoding; only chunks whose listeners are far enough ahead (their lead over the playback
+    clock, `Request.playback`) that the others' leads can grow past that decoding meanwhile wait.
     prefill_block: every chat prompt is prefilled in blocks of this many positions from position 0, so a
     prompt's rows are the same whether a prefix of whole blocks was reused or prefilled (`omnimtp.thinker`); so
     is a chat request's talker prefill when longer than a block (`omnimtp.talker.loop`).

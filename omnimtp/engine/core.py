@@ -27,11 +27,14 @@ One `step()` is one audio frame boundary:
              else can move (`has_ready_work`)
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
     speak    one talker + code predictor step for every speaking request, as one batch: the code predictor
-             completes the step's frames, then (where the codec looks at no later frame) the first chunks
-             they complete are decoded and go out, then the talker forward toward the next frame
-    decode   code2wav of every chunk that is due: first chunks at once, later ones oldest first within
-             `max_decode_frames`, and while requests queue for a slot those whose listeners are more than two
-             steps ahead (`Request.playback`) may wait `max_defer_steps`, so a newcomer is admitted at once
+             completes the step's frames, then (where the codec looks at no later frame) the chunks they
+             complete are decoded and go out (below), then the talker forward toward the next frame
+    decode   code2wav of every chunk that is due (after the forward: those it made due, a talker's last chunk,
+             and a codec's that looks ahead): first chunks at once, later ones oldest first within
+             `max_decode_frames`; a later chunk whose listener is far enough ahead (`Request.playback`) that
+             others' leads can outgrow its decoding meanwhile waits, up to `max_defer_steps` in a row, while a
+             newcomer waits for its slot or its first audio, or another listener holds less than two steps and
+             that decoding: so newcomers start, and started players play on, ahead of audio not yet due
     retire   finished requests
     park     running requests that can do nothing until more of their text comes give up their slot: their
              talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
@@ -61,6 +64,10 @@ from omnimtp.engine.prefix_cache import PrefixCache
 from omnimtp.engine.request import OmniOutput, Request, Status, StepEvent
 from omnimtp.handoff import ThinkerToTalkerStream, reply_has_speech
 from omnimtp.talker.loop import TalkerFrame, TalkerRequest
+
+# How fast a newcomer's listener is assumed to gain lead where chunks are not sized for one (playout_rtf None): as
+# with admission's headroom, frames made at 0.9 of real time.
+_PLAYOUT_RTF = 0.9
 
 
 @dataclass
@@ -105,7 +112,9 @@ class EngineCore:
         self.prefix_cache = PrefixCache(self.config.prefix_cache_bytes)
         self.num_steps = 0
         self.step_s = 0.0  # the last step's seconds
+        self.decode_frame_s = 0.0  # code2wav's seconds a frame (a moving average over its calls)
         self._num_deferred = 0
+        self._deferred_step = 0  # the last step whose chunks waited
         # the most requests that speak running at once (parked ones aside), set between steps by a driver that
         # admits by capacity (`omnimtp.server.admission`); None: only max_batch_size bounds them
         self.max_speaking: int | None = None
@@ -529,9 +538,10 @@ class EngineCore:
         self._end_talkers(ended)
 
     def _speak(self) -> Generator[StepEvent, None, float]:
-        """One talker step. Where the codec looks at no later frame, the first chunks its frames complete are
-        decoded (and go out) between the step's frames and its talker forward toward the next frame, so a
-        first audio never waits for that forward. Returns the seconds that decoding took."""
+        """One talker step. Where the codec looks at no later frame, the chunks its frames complete are decoded
+        (and go out) between the step's frames and its talker forward toward the next frame, so no audio waits
+        for that forward (a talker's last chunk, known only once the forward has ended it, goes after). Returns
+        the seconds that decoding took."""
         taken = self.talker.take_frames() if self.talker.rows else None
         if taken is None:
             return 0.0
@@ -545,10 +555,9 @@ class EngineCore:
                 self._stage("talker", request.first_frame_at - request.talker_admitted_at)
         if not self.family.codec_looks_ahead:
             started = time.perf_counter()
-            yield from self._decode_blocks([
-                (request, size) for request in map(self.running.get, taken.request_ids)
-                if (size := self._first_chunk_size(request))
-            ])
+            first, later = self._due_chunks()
+            yield from self._decode_blocks(first)
+            yield from self._decode_blocks(later)
             decode_s = time.perf_counter() - started
         frames = self.talker.advance(taken)
         if self.observer is not None:
@@ -617,16 +626,16 @@ class EngineCore:
             later.append((order, request, size))
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
         is_deferring = False
-        if later and self._num_deferred < config.max_defer_steps:
+        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):
+            now = time.perf_counter()
             with self.lock:
                 has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
-            if has_newcomers:  # admitting them now beats decoding audio not yet due: chunks whose listeners
-                now = time.perf_counter()  # hold two steps of audio wait
-                due = [item for item in later if item[1].playback.lead(now) is None
-                       or item[1].playback.lead(now) < 2 * self.step_s]
-                is_deferring, later = len(due) < len(later), due
+            due = [item for item in later if not self._may_wait(item[1], item[2], now, has_newcomers)]
+            is_deferring, later = len(due) < len(later), due
         if is_deferring:
-            self._num_deferred += 1
+            if self._deferred_step != self.num_steps:  # a step decodes twice (`_speak`): its waits count once
+                self._num_deferred += 1
+                self._deferred_step = self.num_steps
         elif later:
             self._num_deferred = 0
         budget = config.max_decode_frames
@@ -639,6 +648,31 @@ class EngineCore:
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first
+
+    def _may_wait(self, request: Request, size: int, now: float, has_newcomers: bool) -> bool:
+        """Whether a due later chunk of `size` frames may wait a step (has_newcomers: a request queues for a free
+        slot): while decoding it now would hold back someone who cannot wait — a newcomer (queued, or running
+        without its first audio yet) or a listener who holds less than two steps and that decoding (it would stall
+        behind audio not yet due) — and only when its own listener is so far ahead that it can wait until their
+        lead has grown past the decoding: two steps and the decoding, plus the decoding ÷ (1 − the playout rate),
+        how long a listener's lead takes to gain that much. Else the chunk goes now, and a newcomer's first audio
+        comes that much later, where a started player would have stalled."""
+        lead = request.playback.lead(now)
+        decode_s = size * self.decode_frame_s
+        growth = 1 - (self.config.playout_rtf or _PLAYOUT_RTF)
+        if lead is None or lead < 2 * self.step_s + decode_s + decode_s / growth:
+            return False
+        if has_newcomers:
+            return True
+        for other in self.running.values():
+            if other is request or other.is_parked or not other.has_speech:
+                continue
+            if other.talker_finish_reason is not None and other.num_decoded == len(other.frames):
+                continue  # all its audio is out
+            other_lead = other.playback.lead(now)
+            if other_lead is None or other_lead < 2 * self.step_s + decode_s:
+                return True
+        return False
 
     def _chunk_size(self, request: Request) -> int:
         """The frames of a streamed request's next later chunk."""
@@ -659,8 +693,11 @@ class EngineCore:
             return []
         blocks = [torch.stack(r.frames[r.num_decoded : r.num_decoded + n], dim=1) for r, n in ready]  # [G, n] each
         is_final = [r.talker_finish_reason is not None and r.num_decoded + n == len(r.frames) for r, n in ready]
+        started = time.perf_counter()
         chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks, is_final)
         now = time.perf_counter()
+        frame_s = (now - started) / sum(n for _, n in ready)
+        self.decode_frame_s = frame_s if self.decode_frame_s == 0 else 0.8 * self.decode_frame_s + 0.2 * frame_s
         events = []
         for (request, n), audio in zip(ready, chunks, strict=True):
             request.num_decoded += n

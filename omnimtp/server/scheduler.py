@@ -85,7 +85,8 @@ class Engine:
     family: the model side (`omnimtp.families.qwen3_omni.Qwen3OmniFamily`; its tokenizer needs a chat
     template). config: `EngineConfig` fields; the server's defaults are max_batch_size 16,
     max_decode_frames 4·max_batch_size (well above the max_batch_size frames a talker step makes, so a
-    backlog drains fast) and max_defer_steps 2. max_prompt_tokens: longer prompts are refused (400).
+    backlog drains fast) and max_defer_steps 8 (a chunk waits only while its listener holds two steps of audio
+    more than its decoding takes, so the bound is a safety net). max_prompt_tokens: longer prompts are refused (400).
     warm_up: build a compiled predictor's graphs for every batch bucket in a background thread
     ("omnimtp-warm-up", one log line per bucket) while the engine already serves on the eager predictor;
     each bucket switches to its compiled graph once it is built (`is_warm` when all are). The compile runs
@@ -115,7 +116,7 @@ class Engine:
         batch_size = config.setdefault("max_batch_size", 16)
         if isinstance(batch_size, int) and not isinstance(batch_size, bool):
             config.setdefault("max_decode_frames", 4 * batch_size)
-        config.setdefault("max_defer_steps", 2)
+        config.setdefault("max_defer_steps", 8)
         if not isinstance(admission, bool):
             raise ValueError(f"admission must be a bool, got {admission!r}")
         if admission:  # chunks sized for a listener who plays from the first one, at the real time admission keeps
