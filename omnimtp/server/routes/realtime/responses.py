@@ -201,8 +201,10 @@ async def _aligned_words(state: RealtimeSession, item: ConversationItem, text: s
     state.alignments.add(task)
     task.add_done_callback(state.alignments.discard)
     stopped = asyncio.ensure_future(state.stopped.wait())
-    await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
     return task.result() if task.done() else None
 
 
