@@ -2123,9 +2123,16 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_bf16_encoder_linear_drops_its_bias", "omnimtp/models/qwen3_asr.py",
-        "return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()",
-        "return linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm).float()",
+        "out = linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm)",
+        "out = linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm)",
         QWEN3_ASR, "the fast audio encoder's bf16 linears leave out their biases",
+    ),
+    Mutation(
+        "encoder_fc1_rows_cast_to_float", "omnimtp/models/qwen3_asr.py",
+        "            return out if self.bf16_out else out.float()",
+        "            return out.float()",
+        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_fc1_rows_bf16_with_the_same_bits",),
+        "the bf16 encoder casts fc1's widest rows to float32 and back again",
     ),
     Mutation(
         "onednn_packed_linear_drops_its_bias", "omnimtp/runtime/ops.py",
