@@ -2131,8 +2131,15 @@ MUTATIONS = [
         "encoder_fc1_rows_cast_to_float", "omnimtp/models/qwen3_asr.py",
         "            return out if self.bf16_out else out.float()",
         "            return out.float()",
-        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_fc1_rows_bf16_with_the_same_bits",),
+        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_rows_bf16_with_the_same_bits",),
         "the bf16 encoder casts fc1's widest rows to float32 and back again",
+    ),
+    Mutation(
+        "encoder_norm_rows_float_for_each_reader", "omnimtp/models/qwen3_asr.py",
+        "        return out.to(torch.bfloat16) if self.bf16_out else out",
+        "        return out",
+        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_rows_bf16_with_the_same_bits",),
+        "the bf16 encoder's norms hand q, k and v float32 rows, each rounded to bf16 again",
     ),
     Mutation(
         "onednn_packed_linear_drops_its_bias", "omnimtp/runtime/ops.py",
