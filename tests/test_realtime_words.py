@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import threading
 import time
 
@@ -145,6 +146,11 @@ def _spread_aligner(aligner, monkeypatch, hold: threading.Event | None = None) -
 
 
 def test_a_spoken_reply_gets_the_aligners_words(client, expected):
+    """The words are the aligner's; the event with them is still what pipecat's realtime service parses (its
+    models ignore the extra field; LiveKit's reads the `openai` package's, which the suite checks every event
+    against)."""
+    from pipecat.services.openai.realtime.events import ResponseAudioTranscriptDone, parse_server_event
+
     text, words = expected
     assert words  # the tiny model's reply holds letters to align
     with _connect(client) as connection:
@@ -152,6 +158,8 @@ def test_a_spoken_reply_gets_the_aligners_words(client, expected):
         done, _ = _reply(connection)
     assert done["transcript"] == text
     assert done["words"] == _as_dicts(words)
+    parsed = parse_server_event(json.dumps(done))
+    assert isinstance(parsed, ResponseAudioTranscriptDone) and parsed.transcript == text
 
 
 def test_a_truncation_cuts_the_transcript_after_the_last_word_heard(client, engine, aligner, expected,
