@@ -11,7 +11,8 @@ process's peak RSS is its own:
   the prefill and a token; the encoder alone too) and the decode steps; the real-time factor; the first partial
   transcript of a
   streamed session (`stream_recognition`, 1 s chunks) after its first second of audio; the aligner's `align` of
-  the recording and a transcript of `--words` words;
+  the recording and a transcript of `--words` words, its tokens as many as the released tokenizer would make
+  (`train_bpe`: a BPE trained here; "aligner") and a byte each (the tiny checkpoints' tokenizer; "aligner_bytes");
 - the reference: its `generate` of exactly `--tokens` tokens on the same prompt (its own random weights: the same
   work) and its aligner's forward.
 
@@ -83,8 +84,8 @@ def _released(aligner: bool) -> dict:
     return {"audio": audio, "text": text, "initializer_range": 0.02}
 
 
-def _processor(config: dict):
-    """Our `ASRProcessor` for a config (its mel bins) with the ASR byte tokenizer."""
+def _processor(config: dict, tokenizer=None):
+    """Our `ASRProcessor` for a config (its mel bins) with `tokenizer` (default: the ASR byte tokenizer)."""
     from transformers import WhisperFeatureExtractor
 
     from omnimtp.families.qwen3_asr import ASRProcessor
@@ -92,7 +93,78 @@ def _processor(config: dict):
 
     mel_bins = config["thinker_config"]["audio_config"]["num_mel_bins"]
     extractor = WhisperFeatureExtractor(feature_size=mel_bins, sampling_rate=RATE, return_attention_mask=True)
-    return ASRProcessor(extractor, asr_byte_tokenizer())
+    return ASRProcessor(extractor, tokenizer or asr_byte_tokenizer())
+
+
+BPE_VOCAB_SIZE = 32768
+
+
+def train_bpe(quick: bool) -> str:
+    """The ASR byte tokenizer with byte-level BPE merges (its JSON), so that a transcript takes about as many
+    aligner positions as with the released ~151k-token tokenizer (the byte tokenizer spends a position on every
+    byte: ~5 a word; English takes ~1.3 tokens a word in Qwen's). The merges are trained with `tokenizers` on the
+    docstrings of this Python's standard library modules (its top level, English prose; the first 20 modules
+    with `quick`; up to `BPE_VOCAB_SIZE` tokens) with Qwen2's pre-tokenizer; the bytes and the special tokens
+    keep their ids, the merged tokens come after them. The benchmark's words then take `tokens_per_word` tokens
+    each (about 1.5: 'brown' is 'bro'+'wn'), a little over the released tokenizer's. The ids only change the
+    text's length: the weights are random either way."""
+    import ast
+    import glob
+    import sysconfig
+
+    from tokenizers import Tokenizer, trainers
+
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+
+    docs = []
+    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    for path in paths[:20] if quick else paths:
+        try:
+            tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        docs += [doc for node in ast.walk(tree) if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                 and (doc := ast.get_docstring(node))]
+    spec = json.loads(asr_byte_tokenizer().backend_tokenizer.to_str())
+    trained = Tokenizer.from_str(json.dumps({**spec, "added_tokens": []}))
+    first = 1 + max(token["id"] for token in spec["added_tokens"])  # the merged tokens' first id
+    # (the tiny aligner's vocabulary holds a few dozen merges)
+    size = min(BPE_VOCAB_SIZE, _config(True, quick)["thinker_config"]["text_config"]["vocab_size"] - first + 256)
+    trained.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=size, show_progress=False,
+                                                          initial_alphabet=list(spec["model"]["vocab"])))
+    trained_spec = json.loads(trained.to_str())
+    vocab = dict(spec["model"]["vocab"])  # the bytes at their ids
+    merged = sorted((token_id, token) for token, token_id in trained_spec["model"]["vocab"].items()
+                    if token not in vocab)
+    vocab.update({token: first + i for i, (_, token) in enumerate(merged)})
+    # the special tokens in the model's vocabulary too, at their ids (an added token not in it gets a new id)
+    vocab.update({token["content"]: token["id"] for token in spec["added_tokens"]})
+    spec["model"] = {**spec["model"], "vocab": vocab, "merges": trained_spec["model"]["merges"]}
+    return json.dumps(spec)
+
+
+def bpe_tokenizer(path: str):
+    """`train_bpe`'s tokenizer (its JSON at `path`), its special tokens at the byte tokenizer's ids."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from omnimtp.models.qwen3_asr import asr_byte_tokenizer
+
+    byte_tokenizer = asr_byte_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(path))
+    for name in ("eos_token", "audio_token", "audio_bos_token", "audio_eos_token"):
+        if getattr(byte_tokenizer, name, None) is not None:
+            setattr(tokenizer, name, getattr(byte_tokenizer, name))
+    for name in byte_tokenizer.get_added_vocab():
+        if tokenizer.convert_tokens_to_ids(name) != byte_tokenizer.convert_tokens_to_ids(name):
+            raise RuntimeError(f"{name!r} moved in the BPE tokenizer")
+    return tokenizer
+
+
+def tokens_per_word(tokenizer, text: str) -> float:
+    """The tokens a word of `text` takes as the aligner writes it (each word alone, between time slots)."""
+    words = text.split()
+    return sum(len(tokenizer.encode(word, add_special_tokens=False)) for word in words) / len(words)
 
 
 def _audio(seconds: float) -> np.ndarray:
@@ -118,7 +190,8 @@ def _flops(fn) -> float:
 # --- our side: one mode in one process ----------------------------------------------------------------------
 
 
-def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, quick: bool, machine: dict) -> dict:
+def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, quick: bool, machine: dict,
+             bpe: str) -> dict:
     """One mode: the ASR measured and released (`_measure_asr`), then the aligner built and measured."""
     from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
     from omnimtp.media import MediaLimits
@@ -133,10 +206,14 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize)
     text = _transcript(words)
     aligner.align(samples[: RATE // 2], "warm up", "en", limits)
-    started = time.perf_counter()
-    aligned = aligner.align(samples, text, "en", limits)
-    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started,
-                        **_aligner_stages(aligner, samples, text, quantize, machine)}
+    # the transcript's tokens as the released tokenizer would have them ("aligner"), and a byte each
+    for key, tokenizer in (("aligner", bpe_tokenizer(bpe)), ("aligner_bytes", aligner.tokenizer)):
+        aligner.tokenizer = tokenizer
+        started = time.perf_counter()
+        aligned = aligner.align(samples, text, "en", limits)
+        entry[key] = {"words": len(aligned), "align_s": time.perf_counter() - started,
+                      "tokens_per_word": tokens_per_word(tokenizer, text),
+                      **_aligner_stages(aligner, samples, text, quantize, machine)}
     entry["peak_rss_mb"] = _peak_rss_mb()
     return entry
 
@@ -323,7 +400,7 @@ def _first_partial_stages(family, pipe, samples: np.ndarray, tokens: int, limits
 # --- the reference, in its own process ----------------------------------------------------------------------
 
 
-def run_reference(seconds: float, tokens: int, words: int, threads: int, quick: bool) -> dict:
+def run_reference(seconds: float, tokens: int, words: int, threads: int, quick: bool, bpe: str) -> dict:
     """The reference's transcription (exactly `tokens` tokens, greedy) and alignment of the same workload, each
     model built from the config with its own random weights (the same work), one at a time."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -349,12 +426,14 @@ def run_reference(seconds: float, tokens: int, words: int, threads: int, quick: 
     del model, out
     gc.collect()
     config = _config(True, quick)
-    aligner = reference.aligner_of(reference.random_reference(config), _processor(config))
+    model = reference.random_reference(config)
     text = _transcript(words)
-    aligner.align(audio=(samples[: RATE // 2], RATE), text="warm up", language="English")
-    started = time.perf_counter()
-    aligned = aligner.align(audio=(samples, RATE), text=text, language="English")[0]
-    entry["aligner"] = {"words": len(aligned), "align_s": time.perf_counter() - started}
+    for key, tokenizer in (("aligner", bpe_tokenizer(bpe)), ("aligner_bytes", None)):
+        aligner = reference.aligner_of(model, _processor(config, tokenizer))
+        aligner.align(audio=(samples[: RATE // 2], RATE), text="warm up", language="English")
+        started = time.perf_counter()
+        aligned = aligner.align(audio=(samples, RATE), text=text, language="English")[0]
+        entry[key] = {"words": len(aligned), "align_s": time.perf_counter() - started}
     entry["peak_rss_mb"] = _peak_rss_mb()
     return entry
 
@@ -393,24 +472,28 @@ def main() -> None:
     if args.quick:
         args.seconds, args.tokens, args.words = 3.0, 8, 8
     machine = machine_floors(args.threads, args.quick)
-    common = {"seconds": args.seconds, "tokens": args.tokens, "words": args.words, "threads": args.threads,
-              "quick": args.quick}
-    results = {"machine": {**machine, "cpu": platform.processor() or platform.machine()},
-               "workload": {**common, "size": "tiny" if args.quick else "0.6B"}, "modes": []}
-    for mode in args.modes:
-        entry = in_subprocess({"kind": "ours", "mode": mode, "machine": machine, **common}, args.threads)
-        results["modes"].append(entry)
-        print(json.dumps(entry), flush=True)
-    if not args.no_reference:
-        results["reference"] = in_subprocess({"kind": "reference", **common}, args.threads)
-        print(json.dumps(results["reference"]), flush=True)
-        reference = results["reference"]
-        if "failed" not in reference:
-            for entry in results["modes"]:
-                if "failed" not in entry:
-                    entry["speedup_vs_reference"] = reference["transcribe_s"] / entry["transcribe_s"]
-                    entry["aligner"]["speedup_vs_reference"] = (reference["aligner"]["align_s"]
-                                                                / entry["aligner"]["align_s"])
+    with tempfile.TemporaryDirectory() as scratch:
+        common = {"seconds": args.seconds, "tokens": args.tokens, "words": args.words, "threads": args.threads,
+                  "quick": args.quick}
+        results = {"machine": {**machine, "cpu": platform.processor() or platform.machine()},
+                   "workload": {**common, "size": "tiny" if args.quick else "0.6B"}, "modes": []}
+        bpe = Path(scratch) / "bpe.json"  # trained once, read by each process
+        bpe.write_text(train_bpe(args.quick))
+        common["bpe"] = str(bpe)
+        for mode in args.modes:
+            entry = in_subprocess({"kind": "ours", "mode": mode, "machine": machine, **common}, args.threads)
+            results["modes"].append(entry)
+            print(json.dumps(entry), flush=True)
+        if not args.no_reference:
+            results["reference"] = in_subprocess({"kind": "reference", **common}, args.threads)
+            print(json.dumps(results["reference"]), flush=True)
+            reference = results["reference"]
+            if "failed" not in reference:
+                for entry in results["modes"]:
+                    if "failed" not in entry:
+                        entry["speedup_vs_reference"] = reference["transcribe_s"] / entry["transcribe_s"]
+                        for key in ("aligner", "aligner_bytes"):
+                            entry[key]["speedup_vs_reference"] = reference[key]["align_s"] / entry[key]["align_s"]
     text = json.dumps(results, indent=2)
     if args.out:
         Path(args.out).write_text(text)
@@ -436,10 +519,12 @@ def summary(results: dict) -> str:
             lines.append(f"  first partial {entry['first_partial_s']:.3f} s: inputs {stages['inputs_s']:.3f}, encoder "
                          f"{stages['encoder_s']:.3f}, first step {stages['first_step_s']:.3f}, "
                          f"{stages['decode_steps']} decode steps {stages['decode_s']:.3f}")
-        lines.append(
-            f"  aligner {aligner['words']} words {aligner['align_s']:.2f} s: inputs {aligner['inputs_s']:.2f} + "
-            f"encoder {aligner['encoder_s']:.2f} (floor {aligner['floor']['encoder_s']:.2f}) + forward "
-            f"{aligner['forward_s']:.2f} (floor {aligner['floor']['forward_s']:.2f}), {aligner['positions']} positions")
+        for name, stages in (("aligner", aligner), ("aligner, a byte a token", entry["aligner_bytes"])):
+            lines.append(
+                f"  {name} {stages['words']} words {stages['align_s']:.2f} s: inputs {stages['inputs_s']:.2f} + "
+                f"encoder {stages['encoder_s']:.2f} (floor {stages['floor']['encoder_s']:.2f}) + forward "
+                f"{stages['forward_s']:.2f} (floor {stages['floor']['forward_s']:.2f}), {stages['positions']} "
+                f"positions ({stages['tokens_per_word']:.2f} tokens a word)")
     return "\n".join(lines)
 
 

@@ -60,6 +60,7 @@ VOICE_CLONE = ("tests/test_voice_clone.py",)
 REALTIME = ("tests/test_server_realtime.py",)
 PREFIX_CACHE = ("tests/test_prefix_cache.py",)
 VOICE_AGENT = ("tests/test_realtime_vad.py",)
+REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
@@ -934,15 +935,33 @@ MUTATIONS = [
     ),
     Mutation(
         "vad_barge_in_ignored", "omnimtp/server/routes/realtime/turns.py",
-        "            if config.interrupt_response and state.response is not None:",
+        "            if config.interrupt_response:",
         "            if False:",
         VOICE_AGENT, "speech during a response does not cancel it",
     ),
     Mutation(
         "truncate_keeps_the_transcript", "omnimtp/server/routes/realtime/conversation.py",
-        "    item.text_deltas = item.text_deltas[:heard_frames]",
-        "    item.text_deltas = item.text_deltas",
+        "        item.text_deltas = item.text_deltas[:heard_frames]",
+        "        item.text_deltas = item.text_deltas",
         VOICE_AGENT, "a truncated reply's unheard transcript stays in the conversation",
+    ),
+    Mutation(
+        "truncate_ignores_word_timestamps", "omnimtp/server/routes/realtime/conversation.py",
+        "    if item.words is not None:  # cut after the last word spoken whole before audio_end_ms",
+        "    if False:",
+        REALTIME_WORDS, "a truncated reply with word timestamps is cut by frames, not after its last heard word",
+    ),
+    Mutation(
+        "realtime_reply_waits_for_its_words", "omnimtp/server/routes/realtime/state.py",
+        "        self.stopped.set()",
+        "        pass",
+        REALTIME_WORDS, "a response stopped while its reply is aligned waits for the aligner before response.done",
+    ),
+    Mutation(
+        "realtime_words_not_the_aligners", "omnimtp/server/routes/realtime/responses.py",
+        "aligner.align((audio, state.context.engine.sample_rate), text, None))",
+        "aligner.align((audio, 16000), text, None))",
+        REALTIME_WORDS, "a spoken reply's words are aligned on its audio read at the wrong rate",
     ),
     Mutation(
         "g711_output_is_mu_law_always", "omnimtp/server/routes/realtime/formats.py",
@@ -958,7 +977,7 @@ MUTATIONS = [
     ),
     Mutation(
         "realtime_cancel_ignored", "omnimtp/server/routes/realtime/responses.py",
-        "    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled",
+        "    state.stop_response(\"client_cancelled\")  # its event stream ends; `_respond` reports it cancelled",
         "    pass",
         REALTIME, "response.cancel leaves the response running to its end",
     ),
@@ -971,8 +990,8 @@ MUTATIONS = [
     ),
     Mutation(
         "vad_interrupt_response_ignored", "omnimtp/server/routes/realtime/turns.py",
-        "            if config.interrupt_response and state.response is not None:",
-        "            if state.response is not None:",
+        "            if config.interrupt_response:",
+        "            if True:",
         ("tests/test_realtime_vad.py::test_interrupt_response_false_leaves_the_response_running",),
         "speech during a response cancels it under interrupt_response: false",
     ),
@@ -2117,9 +2136,23 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_bf16_encoder_linear_drops_its_bias", "omnimtp/models/qwen3_asr.py",
-        "return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()",
-        "return linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm).float()",
+        "out = linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm)",
+        "out = linear(x.to(torch.bfloat16), self.weight, None, packed=self.packed, gemm=self.gemm)",
         QWEN3_ASR, "the fast audio encoder's bf16 linears leave out their biases",
+    ),
+    Mutation(
+        "encoder_fc1_rows_cast_to_float", "omnimtp/models/qwen3_asr.py",
+        "            return out if self.bf16_out else out.float()",
+        "            return out.float()",
+        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_rows_bf16_with_the_same_bits",),
+        "the bf16 encoder casts fc1's widest rows to float32 and back again",
+    ),
+    Mutation(
+        "encoder_norm_rows_float_for_each_reader", "omnimtp/models/qwen3_asr.py",
+        "        return out.to(torch.bfloat16) if self.bf16_out else out",
+        "        return out",
+        ("tests/test_qwen3_asr.py::test_fast_audio_encoder_keeps_rows_bf16_with_the_same_bits",),
+        "the bf16 encoder's norms hand q, k and v float32 rows, each rounded to bf16 again",
     ),
     Mutation(
         "onednn_packed_linear_drops_its_bias", "omnimtp/runtime/ops.py",

@@ -40,7 +40,14 @@ def check_server_event(event: dict) -> None:
 
 def _without_extensions(event: dict) -> dict:
     """The event with omnimtp's documented extensions taken out: input audio/pcm at a rate other than 24 kHz
-    (a session may name 8-48 kHz; GA's audio/pcm input is 24 kHz only)."""
+    (a session may name 8-48 kHz; GA's audio/pcm input is 24 kHz only), and a spoken reply's word timestamps
+    (`words` of `response.output_audio_transcript.done`, each `{word, start, end}`)."""
+    if event["type"] == "response.output_audio_transcript.done" and "words" in event:
+        words = event["words"]
+        if not (isinstance(words, list) and all(isinstance(w, dict) and sorted(w) == ["end", "start", "word"]
+                                                and isinstance(w["word"], str) for w in words)):
+            raise ValueError(f"'words' of {event['type']!r} is not a list of {{word, start, end}}: {words!r:.200}")
+        return {key: value for key, value in event.items() if key != "words"}
     if event["type"] not in ("session.created", "session.updated"):
         return event
     event = copy.deepcopy(event)

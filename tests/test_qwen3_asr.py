@@ -364,6 +364,31 @@ def test_fast_audio_encoder_is_close_to_the_float_one_with_its_biases(linears):
 
 
 @needs_onednn_bf16
+def test_fast_audio_encoder_keeps_rows_bf16_with_the_same_bits():
+    """In bf16, fc1 and proj1 hand their GELU bf16 rows (no cast of the widest rows to float32 and back), and the
+    norms before q/k/v, fc1 and proj1 round their rows once: the encoder's rows are bit for bit those of the same
+    copy with every linear's and norm's output float32."""
+    model = tiny_qwen3_asr(3)
+    tower = model.thinker.audio_tower
+    generator = torch.Generator().manual_seed(5)
+    features = torch.randn(1, tower.config.num_mel_bins, 230, generator=generator)
+    mask = torch.ones(1, 230, dtype=torch.long)
+    fast = fast_audio_encoder(tower, "bf16")
+    kept = [name for name, module in fast.named_modules() if getattr(module, "bf16_out", False)]
+    assert sorted({name.rpartition(".")[2] for name in kept}) == ["fc1", "final_layer_norm", "ln_post", "proj1",
+                                                                  "self_attn_layer_norm"]
+    assert len(kept) == 3 * len(tower.layers) + 2
+    with torch.no_grad():
+        rows_in = torch.randn(3, fast.layers[0].fc1.in_features)
+        assert fast.layers[0].fc1(rows_in).dtype == fast.layers[0].final_layer_norm(rows_in).dtype == torch.bfloat16
+        rows = encode_audio(fast, features, mask).last_hidden_state
+        for name in kept:
+            fast.get_submodule(name).bf16_out = False
+        assert torch.equal(encode_audio(fast, features, mask).last_hidden_state, rows)
+    assert rows.dtype == torch.float32
+
+
+@needs_onednn_bf16
 def test_onednn_packed_linear_adds_its_bias():
     """`linear` on a oneDNN-packed bf16 weight with a bias: F.linear's values up to bf16 rounding."""
     generator = torch.Generator().manual_seed(0)

@@ -145,11 +145,14 @@ class EncoderLinear(nn.Module):
     copies of the weight and bias, packed for oneDNN where it runs bf16 (the runtime's "onednn" `PackedGemm`: the
     CPU's bf16 instructions), the input rounded to bf16 as it enters, the output back in float32; a quantized mode
     ("int8", "int4", "w4a8"): the runtime's quantized kernel (`QuantizedWeight` of `quantize_weight`), the bias
-    float. Either way through `omnimtp.runtime.ops.linear`."""
+    float. Either way through `omnimtp.runtime.ops.linear`. bf16_out (linears "bf16"): the output stays bf16 (a
+    linear whose output an activation takes to the next linear, which rounds its input to bf16 anyway: GELU on
+    the bf16 rows gives those same bits, without casting the widest rows to float32 and back)."""
 
-    def __init__(self, module: nn.Linear, linears: str):
+    def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False):
         super().__init__()
         self.in_features, self.out_features = module.in_features, module.out_features
+        self.bf16_out = bf16_out and linears == "bf16"
         self.quantized: QuantizedWeight | None = None
         self.packed, self.gemm = None, None
         if linears == "bf16":
@@ -166,7 +169,8 @@ class EncoderLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is None:
-            return linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm).float()
+            out = linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm)
+            return out if self.bf16_out else out.float()
         return linear(x.float(), None, self.bias, packed=self.quantized)
 
 
@@ -187,14 +191,38 @@ class Bf16Conv2d(nn.Module):
         return F.conv2d(x.to(torch.bfloat16), self.weight, self.bias, self.stride, self.padding)
 
 
+class RoundedNorm(nn.Module):
+    """A LayerNorm of a fast audio encoder in bf16 whose only readers are bf16 linears (`EncoderLinear`, which
+    round their input to bf16): its float32 output rounded to bf16 once, not once per reader (q, k and v read
+    the same rows). bf16_out False: the float32 output as it is."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.norm = module
+        self.bf16_out = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.norm(x)
+        return out.to(torch.bfloat16) if self.bf16_out else out
+
+
+# each bf16 linear an activation leads to another linear from (→ GELU → fc2, → proj2), and each norm whose
+# only readers are linears (q/k/v, fc1, proj1): their output stays bf16, the bits the readers see unchanged
+BF16_OUT_LINEARS = ("fc1", "proj1")
+ROUNDED_NORMS = ("self_attn_layer_norm", "final_layer_norm", "ln_post")
+
+
 def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
     """A copy of the audio encoder `tower` (transformers' `Qwen3OmniMoeAudioEncoder`) for the fast modes: every
     linear (the layers' q/k/v/out and fc1/fc2, conv_out, proj1/proj2) an `EncoderLinear` of `linears` ("bf16",
-    or a quantized mode), the
+    or a quantized mode; in bf16, fc1's and proj1's rows stay bf16 through their GELU, and the norms before q/k/v,
+    fc1 and proj1 round their rows once, `RoundedNorm`), the
     three convolutions in bf16 (`Bf16Conv2d`); norms, activations, attention and the sinusoids as they are, in
     float32. The copy shares the tower's other tensors; the tower is not modified. Each audio is encoded alone,
     so an audio's rows do not depend on the other requests."""
     linear_names = {name for name, module in tower.named_modules() if isinstance(module, nn.Linear)}
+    bf16_out = {name for name in linear_names if name.rpartition(".")[2] in BF16_OUT_LINEARS}
+    norms = {name for name, _ in tower.named_modules() if name.rpartition(".")[2] in ROUNDED_NORMS}
     convs = {name for name, module in tower.named_modules() if isinstance(module, nn.Conv2d)}
     memo = {id(tensor): tensor for tensor in [*tower.parameters(), *tower.buffers()]}
     encoder = copy.deepcopy(tower, memo)
@@ -202,7 +230,13 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = encoder.get_submodule(parent_name) if parent_name else encoder
         module = getattr(parent, child)
-        setattr(parent, child, EncoderLinear(module, linears) if name in linear_names else Bf16Conv2d(module))
+        setattr(parent, child, EncoderLinear(module, linears, name in bf16_out) if name in linear_names
+                else Bf16Conv2d(module))
+    if linears == "bf16":
+        for name in sorted(norms):
+            parent_name, _, child = name.rpartition(".")
+            parent = encoder.get_submodule(parent_name) if parent_name else encoder
+            setattr(parent, child, RoundedNorm(getattr(parent, child)))
     return encoder.eval()
 
 

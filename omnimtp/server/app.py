@@ -86,7 +86,8 @@ def create_app(
     where /v1/audio/voices saves voices (None: it saves none); max_ref_seconds: the longest reference
     recording a voice is cloned from (at least MIN_REF_AUDIO_SECONDS). playground: serve the web playground at /
     and /playground (`routes/playground.py`). aligner: a Qwen3-ForcedAligner beside the model, which gives
-    `/v1/audio/transcriptions` its word timestamps (`timestamp_granularities[]=word`). asr_engine: a speech
+    `/v1/audio/transcriptions` its word timestamps (`timestamp_granularities[]=word`), and the speech the server
+    makes (`/v1/audio/speech`, realtime spoken replies) its words' timestamps. asr_engine: a speech
     recognizer (a Qwen3-ASR model's engine, `serve --asr-model`) beside the model: the realtime sessions' input
     transcripts by default, and `/v1/audio/transcriptions` for its own name (and, with openai_aliases, OpenAI's
     transcription models' names), so the model's slots are not spent on hearing; it starts and stops with the

@@ -151,7 +151,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's and omnimtp's log level")
     parser.add_argument("--aligner-model", metavar="DIR", default=None,
                         help="a Qwen3-ForcedAligner checkpoint (or tiny-aligner) loaded beside the model: word "
-                        "timestamps for /v1/audio/transcriptions (timestamp_granularities[]=word)")
+                        "timestamps for /v1/audio/transcriptions (timestamp_granularities[]=word), /v1/audio/speech "
+                        "and realtime spoken replies")
     parser.add_argument("--asr-model", metavar="DIR", default=None,
                         help="a Qwen3-ASR checkpoint (or tiny-asr) served beside the model: the realtime sessions' "
                         "input transcripts, and /v1/audio/transcriptions for its name and OpenAI's transcription "

@@ -43,7 +43,10 @@ without speech commit the buffered silence as a turn (`input_audio_buffer.timeou
 transcript with it (the talker reads one reply token per frame: the frames heard keep that many tokens), so
 the next turns hold only what was heard. A reply's item is in the conversation from
 `response.output_item.added` on: truncating (or deleting) it while its response streams cuts it at what it has
-sent and cancels the response. `output_audio_buffer.clear` cancels the active response at its next
+sent and cancels the response. Where the server loads a forced aligner (`serve --aligner-model`), a spoken reply's
+`response.output_audio_transcript.done` carries its word timestamps (`words: [{word, start, end}]`, an
+extension; responses.py), and a truncation cuts the transcript after the last word heard whole instead.
+`output_audio_buffer.clear` cancels the active response at its next
 frame and answers `output_audio_buffer.cleared`. Tools are not served, and asking for them is an `error` event
 naming the field.
 

@@ -150,12 +150,34 @@ def truncate_item(state: RealtimeSession, event: ItemTruncate) -> None:
                          param="audio_end_ms")
     heard_samples = event.audio_end_ms * PCM_RATE // 1000
     heard_frames = heard_samples * item.num_frames // item.num_samples if item.num_samples else 0
-    item.text_deltas = item.text_deltas[:heard_frames]
+    if item.words is not None:  # cut after the last word spoken whole before audio_end_ms
+        item.content, item.words = heard_words(item.content, item.words, event.audio_end_ms)
+        item.text_deltas = (item.content,)
+    else:
+        item.text_deltas = item.text_deltas[:heard_frames]
+        item.content = "".join(item.text_deltas)
     item.num_frames, item.num_samples = heard_frames, heard_samples
-    item.content = "".join(item.text_deltas)
     item.parts = [{"type": "output_audio", "transcript": item.content}]
     if is_streaming:
         _stop_reply(state, item)
+
+
+def heard_words(text: str, words: tuple, audio_end_ms: int) -> tuple[str, tuple]:
+    """`text` cut after the last of its aligned `words` that ends by `audio_end_ms`, and the words kept (all of
+    them: the whole text). A word's letters are found in the text in order (the aligner keeps a word's letters,
+    digits and apostrophes as the text writes them), so the cut falls right after the last one heard.
+
+        >>> heard_words("Hi, you there.", (AlignedWord("Hi", 0, 0.2), AlignedWord("you", 0.3, 0.5),
+        ...                                AlignedWord("there", 0.6, 0.9)), 700)[0]
+        'Hi, you'"""
+    kept = tuple(word for word in words if round(word.end * 1000) <= audio_end_ms)
+    if len(kept) == len(words):
+        return text, words
+    end = 0
+    for word in kept:
+        for char in word.word:
+            end = text.index(char, end) + 1
+    return text[:end], kept
 
 
 def delete_item(state: RealtimeSession, item_id: str) -> None:
@@ -169,6 +191,4 @@ def delete_item(state: RealtimeSession, item_id: str) -> None:
 def _stop_reply(state: RealtimeSession, item: ConversationItem) -> None:
     """The active response streaming into `item` is cancelled, and nothing more it streams joins the item."""
     item.is_cut = True
-    if state.response is not None:
-        state.cancel_reason = "client_cancelled"
-        state.handle.cancel()
+    state.stop_response("client_cancelled")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
 from omnimtp.server.errors import APIError
 from omnimtp.server.requests import EngineRequest
 from omnimtp.server.routes.common import sampling_params
@@ -74,6 +77,7 @@ async def start_response(state: RealtimeSession, fields: ResponseFields) -> None
     cancel_idle(state)
     response_id = new_id("resp")
     state.response_id, state.handle = response_id, handle
+    state.stopped.clear()
     state.response = asyncio.create_task(_respond(state, handle, response_id, described, item, previous))
 
 
@@ -83,8 +87,7 @@ async def cancel_response(state: RealtimeSession, event: ResponseCancel) -> None
     if event.response_id is not None and event.response_id != state.response_id:
         raise EventError(f"response_id: the active response is {state.response_id}, not {event.response_id!r}",
                          param="response_id", code="response_not_found")
-    state.cancel_reason = "client_cancelled"
-    state.handle.cancel()  # its event stream ends; `_respond` reports it cancelled
+    state.stop_response("client_cancelled")  # its event stream ends; `_respond` reports it cancelled
 
 
 async def _respond(state: RealtimeSession, handle, response_id: str, described: dict, item: ConversationItem,
@@ -99,6 +102,7 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
                 "status": "in_progress", "status_details": None, "usage": None, **described}
     where = {"response_id": response_id, "item_id": item.id, "output_index": 0, "content_index": 0}
     texts: list[str] = []
+    chunks: list | None = [] if is_audio and state.context.aligner is not None else None  # kept to align
     encoder = OutputEncoder(described["audio"]["output"]["format"]["type"])
     final = None
     try:
@@ -125,6 +129,8 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
                 await session.send({"type": delta_type, **where, "delta": event.text})
             if is_audio and event.audio is not None and event.audio.size:
                 item.num_samples, item.num_frames = item.num_samples + event.audio.size, event.num_frames
+                if chunks is not None:
+                    chunks.append(event.audio)
                 await session.send({"type": "response.output_audio.delta", **where,
                                     "delta": encoder.encode(event.audio)})
             if event.finish_reason is not None:
@@ -150,7 +156,12 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
         if final is not None and final.error is None and (tail := encoder.encode(None)):
             await session.send({"type": "response.output_audio.delta", **where, "delta": tail})
         await session.send({"type": "response.output_audio.done", **where})
-        await session.send({"type": "response.output_audio_transcript.done", **where, "transcript": text})
+        done = {"type": "response.output_audio_transcript.done", **where, "transcript": text}
+        if chunks and final is not None and final.error is None and not item.is_cut:
+            words = await _aligned_words(state, item, text, chunks)
+            if words is not None:
+                done["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in words]
+        await session.send(done)
     else:
         await session.send({"type": "response.output_text.done", **where, "text": text})
     await session.send({"type": "response.content_part.done", **where,
@@ -164,6 +175,37 @@ async def _respond(state: RealtimeSession, handle, response_id: str, described: 
     # only now may the next response start: its events never interleave with this one's last ones
     state.response, state.response_id, state.handle = None, None, None
     watch_idle(state, item.num_samples * 1000 / PCM_RATE)
+
+
+async def _aligned_words(state: RealtimeSession, item: ConversationItem, text: str, chunks: list) -> tuple | None:
+    """The reply's words and when each is spoken in its audio, by the server's forced aligner (words split at
+    spaces and CJK characters), kept in the item for a truncation to cut at a heard word. None when the reply
+    cannot be aligned (longer than the aligner's time bins reach), or when the response is stopped first (a
+    barge-in does not wait for them: the item still gets its words once they are found, unless it was cut)."""
+    num_samples = item.num_samples
+    audio = np.concatenate(chunks).astype(np.float32)
+
+    def align():
+        try:
+            return tuple(state.context.aligner.align((audio, state.context.engine.sample_rate), text, None))
+        except ValueError:
+            return None
+
+    async def keep():
+        words = await run_in_threadpool(align)
+        if item.num_samples == num_samples and not item.is_cut:  # (a truncation before they came cut the item)
+            item.words = words
+        return words
+
+    task = asyncio.ensure_future(keep())
+    state.alignments.add(task)
+    task.add_done_callback(state.alignments.discard)
+    stopped = asyncio.ensure_future(state.stopped.wait())
+    try:
+        await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return task.result() if task.done() else None
 
 
 def watch_idle(state: RealtimeSession, audio_ms: float) -> None:

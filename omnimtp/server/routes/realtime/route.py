@@ -86,9 +86,9 @@ async def _run(session: Session) -> None:
         if state.response is not None:  # the client left mid-response: the engine request is cancelled
             state.response.cancel()
             await asyncio.gather(state.response, return_exceptions=True)
-        for task in state.transcripts:  # and so are its input transcripts
+        for task in (*state.transcripts, *state.alignments):  # and so are its input transcripts and alignments
             task.cancel()
-        await asyncio.gather(*state.transcripts, return_exceptions=True)
+        await asyncio.gather(*state.transcripts, *state.alignments, return_exceptions=True)
         engine.drop_conversation(state.id)
 
 
@@ -125,9 +125,7 @@ async def _handle(state: RealtimeSession, event: ClientEvent) -> None:
                             "content_index": event.content_index, "audio_end_ms": event.audio_end_ms})
     elif isinstance(event, OutputAudioClear):
         response_id = state.response_id
-        if state.response is not None:
-            state.cancel_reason = "client_cancelled"
-            state.handle.cancel()
+        state.stop_response("client_cancelled")
         await session.send({"type": "output_audio_buffer.cleared", "response_id": response_id})
     else:
         await cancel_response(state, event)

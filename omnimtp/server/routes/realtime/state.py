@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omnimtp.server.routes.common import ServingContext
 from omnimtp.server.routes.realtime.events import PCM_RATE
 from omnimtp.server.routes.realtime.formats import describe_format
 from omnimtp.server.vad import VAD_RATE, SpeechDetector, TurnDetection
 from omnimtp.server.websocket import Session, new_id
+
+if TYPE_CHECKING:
+    from omnimtp.families.qwen3_aligner import AlignedWord
 
 
 @dataclass
@@ -51,6 +55,8 @@ class ConversationItem:
     text_deltas: tuple[str, ...] = ()
     num_frames: int = 0
     num_samples: int = 0
+    # a spoken reply's words and when each is spoken in its audio (the server's forced aligner; None: unknown)
+    words: tuple[AlignedWord, ...] | None = None
     is_cut: bool = False  # truncated or deleted while its response ran: what it streams after is not kept
 
     @property
@@ -109,6 +115,8 @@ class RealtimeSession:
     transcripts: set[asyncio.Task] = field(default_factory=set)
     cancel_reason: str = "client_cancelled"  # what response.done says of a cancelled response
     turns: TurnState = field(default_factory=lambda: TurnState())
+    alignments: set[asyncio.Task] = field(default_factory=set)  # replies' word timestamps being found
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set when the active response is stopped
     recognizer: Callable | None = None  # what transcribes input audio (transcription.py); None: the thinker
     live: object | None = None  # the turn in progress's `live.LiveRecognition`, while one hears it
 
@@ -133,6 +141,15 @@ class RealtimeSession:
             },
             "seed": s.seed, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
         }
+
+    def stop_response(self, reason: str) -> None:
+        """Cancel the active response at its next frame (response.done: cancelled, `reason`); a reply whose words
+        are being aligned ends at once, without them."""
+        if self.response is None:
+            return
+        self.cancel_reason = reason
+        self.handle.cancel()
+        self.stopped.set()
 
     def clear_buffer(self) -> None:
         """Empty the input audio buffer; a turn the server VAD had in progress ends with it."""

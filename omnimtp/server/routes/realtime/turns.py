@@ -51,9 +51,8 @@ async def _detect_turns(state: RealtimeSession, pcm: bytes) -> None:
             cancel_idle(state)
             await session.send({"type": "input_audio_buffer.speech_started", "item_id": turns.item_id,
                                 "audio_start_ms": turns.ms(start, rate)})
-            if config.interrupt_response and state.response is not None:
-                state.cancel_reason = "turn_detected"
-                state.handle.cancel()
+            if config.interrupt_response:
+                state.stop_response("turn_detected")
             continue
         end = min(turns.num_appended, turns.sample(event.sample, rate) + config.silence_duration_ms * rate // 1000)
         if state.live is not None:  # the turn ends where its live recognition has heard to (a few ms of silence)
