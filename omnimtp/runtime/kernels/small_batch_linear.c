@@ -975,8 +975,9 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
  * weighted sum of the values), at the core's read bandwidth. The (row, key head) pairs are split over the threads.
  *
  * Numerics: scores, softmax and sums in fp32 in position order, exp within 1 ulp of libm's (SDPA's blocked online
- * softmax and its own exp round otherwise: equal up to fp32 rounding). Returns 0, -1 when out of memory, -2 for
- * D > 256 or a group of more than 16. */
+ * softmax and its own exp round otherwise: equal up to fp32 rounding). A bf16 cache (a bf16 decoder's) is read as
+ * it is stored and widened row by row, the sums still in fp32 and each output rounded to bf16 once (SDPA's bf16
+ * CPU kernel rounds its probabilities to bf16 too). Returns 0, -1 when out of memory, -2 for D > 256 or a group of more than 16. */
 #define ATTENTION_MAX_D 256
 #define ATTENTION_MAX_GROUP 16
 
@@ -1001,13 +1002,42 @@ static inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-/* One key head of one row: its G query heads qh [G, D] over n key positions (positions[i], or i where positions
- * is NULL), each key and value row read once; scores: G * n floats of work space; out [G, D]. */
-static void attend_one_head(const float* qh, const float* kh, const float* vh, int64_t k_row_stride,
-                            int64_t v_row_stride, const int64_t* positions, int64_t n, int64_t G, int64_t D,
-                            float scale, float* scores, float* out) {
+/* bf16 (the upper 16 bits of an fp32) → fp32, exactly. */
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* fp32 → bf16 rounded to nearest, ties to even; a NaN gives 0x7FC0 (torch's conversion). */
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Row `index` of a key or value head (`stride` elements apart) as fp32: the row itself, or (bf16) its D values
+ * widened into `buffer`. */
+static inline const float* row_as_float(const void* head, int64_t index, int64_t stride, int64_t D, int bf16,
+                                        float* buffer) {
+  if (!bf16) return (const float*)head + index * stride;
+  const uint16_t* row = (const uint16_t*)head + index * stride;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) buffer[d] = bf16_to_float(row[d]);
+  return buffer;
+}
+
+/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
+ * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
+ * the same values); scores: G * n floats of work space; out [G, D] fp32. */
+static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
+                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
+                            int64_t D, float scale, float* scores, float* out) {
+  float widened[ATTENTION_MAX_D];
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = kh + (positions ? positions[i] : i) * k_row_stride;
+    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
       float dot = 0.f;
@@ -1033,7 +1063,7 @@ static void attend_one_head(const float* qh, const float* kh, const float* vh, i
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = vh + (positions ? positions[i] : i) * v_row_stride;
+    const float* row = row_as_float(vh, positions ? positions[i] : i, v_row_stride, D, bf16, widened);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + i];
       float* a = acc[g];
@@ -1046,20 +1076,23 @@ static void attend_one_head(const float* qh, const float* kh, const float* vh, i
 }
 
 /* R rows, each one query position: q row r at q + r * q_row_stride ([Nq, D] contiguous); row r's key head h's
- * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise); mask: NULL
- * (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero = visible (a stride of 0
- * shares one row). A masked position is skipped, not weighted by zero, so a row's output is bit for bit the
- * same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. */
-int omnimtp_decode_attention(const float* q, const float* k, const float* v, const uint8_t* mask, float* out,
+ * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise; strides in
+ * elements); mask: NULL (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero =
+ * visible (a stride of 0 shares one row). A masked position is skipped, not weighted by zero, so a row's output
+ * is bit for bit the same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. bf16:
+ * 0 for fp32 q, k, v and out; 1 for all four in bf16, the arithmetic in fp32 as above on the widened values and
+ * each output rounded to bf16 once (to nearest, ties to even). */
+int omnimtp_decode_attention(const void* q, const void* k, const void* v, const uint8_t* mask, void* out,
                              int64_t num_rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t S, int64_t D,
                              int64_t q_row_stride, int64_t k_batch_stride, int64_t k_head_stride,
                              int64_t k_row_stride, int64_t v_batch_stride, int64_t v_head_stride,
-                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads) {
+                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads, int bf16) {
   if (D > ATTENTION_MAX_D || num_kv_heads < 1 || num_q_heads % num_kv_heads) return -2;
   const int64_t G = num_q_heads / num_kv_heads;
   if (G > ATTENTION_MAX_GROUP) return -2;
   const int64_t tasks = num_rows * num_kv_heads;
   const int64_t span = S > 0 ? S : 1;
+  const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
   float* work = (float*)malloc(sizeof(float) * (size_t)(tasks * G * span));
   int64_t* positions = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)(num_rows * span)) : NULL;
   int64_t* counts = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)num_rows) : NULL;
@@ -1079,11 +1112,16 @@ int omnimtp_decode_attention(const float* q, const float* k, const float* v, con
   const int threads = num_threads > 1 && tasks > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t r = t / num_kv_heads, h = t % num_kv_heads;
-    attend_one_head(q + r * q_row_stride + h * G * D, k + r * k_batch_stride + h * k_head_stride,
-                    v + r * v_batch_stride + h * v_head_stride, k_row_stride, v_row_stride,
-                    mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale, work + t * G * span,
-                    out + (r * num_q_heads + h * G) * D);
+    const int64_t r = t / num_kv_heads, h = t % num_kv_heads, first = (r * num_q_heads + h * G) * D;
+    const char* qh = (const char*)q + (size_t)(r * q_row_stride + h * G * D) * size;
+    float widened_q[ATTENTION_MAX_GROUP * ATTENTION_MAX_D], result[ATTENTION_MAX_GROUP * ATTENTION_MAX_D];
+    for (int64_t j = 0; bf16 && j < G * D; ++j) widened_q[j] = bf16_to_float(((const uint16_t*)qh)[j]);
+    attend_one_head(bf16 ? widened_q : (const float*)qh,
+                    (const char*)k + (size_t)(r * k_batch_stride + h * k_head_stride) * size,
+                    (const char*)v + (size_t)(r * v_batch_stride + h * v_head_stride) * size, k_row_stride,
+                    v_row_stride, bf16, mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale,
+                    work + t * G * span, bf16 ? result : (float*)out + first);
+    for (int64_t j = 0; bf16 && j < G * D; ++j) ((uint16_t*)out)[first + j] = float_to_bf16(result[j]);
   }
   free(work);
   free(positions);
