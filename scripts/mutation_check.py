@@ -1627,9 +1627,29 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
-        "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
+        "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
+        "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",
         ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
+    ),
+    Mutation(
+        "bf16_decode_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
+        "query.dtype in small_batch_linear.DECODE_ATTENTION_DTYPES",
+        "query.dtype == torch.float32",
+        ("tests/test_small_batch_linear.py::test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies",),
+        "a bf16 decoder's decode step (the Qwen3-Omni thinker's) runs its attention on SDPA, not the kernel",
+    ),
+    Mutation(
+        "bf16_decode_attention_truncates", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);",
+        "  return (uint16_t)(bits >> 16);",
+        ("tests/test_small_batch_linear.py",), "the bf16 attention's outputs are truncated, not rounded to nearest",
+    ),
+    Mutation(
+        "bf16_decode_attention_ties_away", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);",
+        "  return (uint16_t)((bits + 0x8000u) >> 16);",
+        ("tests/test_small_batch_linear.py::test_bf16_decode_attention_of_rows_with_a_mask_is_each_row_alone_and_rounds_nan_and_ties",),
+        "the bf16 attention rounds its ties away from zero, not to even (torch's rounding)",
     ),
     Mutation(
         "one_row_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",

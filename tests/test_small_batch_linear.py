@@ -239,11 +239,12 @@ def test_bf16_decode_attention_of_rows_with_a_mask_is_each_row_alone_and_rounds_
         assert alone.dtype == torch.bfloat16 and torch.equal(alone, out[r]), r
     nothing = sbl.decode_attention(query[:1], keys[:1], values[:1], 0.125, torch.zeros(1, 40, dtype=torch.bool))
     assert torch.isnan(nothing.float()).all()
-    # two keys with equal scores (zero queries): the mean of two bf16 values, a tie wherever they differ in the
-    # last place only; 1 + 2^-7 + 1 over 2 = 1 + 2^-8, halfway between bf16's 1 and 1 + 2^-7: even is 1
-    pair = torch.tensor([[1.0, 1.0 + 2**-7, 1.0 + 3 * 2**-7], [1.0 + 2**-7, 1.0, 1.0 + 2 * 2**-7]]).bfloat16()
-    mean = sbl.decode_attention(torch.zeros(1, 3).bfloat16(), pair[None, None] * 0, pair[None, None], 1.0)
-    assert mean.tolist() == [1.0, 1.0, 1.0 + 2 * 2**-7]
+    # two keys with equal scores (zero queries): the exact mean of two bf16 values, a tie where they differ in the
+    # last place only: 1 and 1 + 2^-7 → 1 + 2^-8, even is 1 (down); 1 + 2^-7 and 1 + 2 * 2^-7 → even is the upper
+    pair = torch.tensor([[1.0, 1.0 + 2**-7, 1.0 + 3 * 2**-7], [1.0 + 2**-7, 1.0 + 2 * 2**-7, 1.0 + 2 * 2**-7]])
+    mean = sbl.decode_attention(torch.zeros(1, 3).bfloat16(), torch.zeros(1, 1, 2, 3).bfloat16(),
+                                pair.bfloat16()[None, None], 1.0)
+    assert mean.tolist() == [1.0, 1.0 + 2 * 2**-7, 1.0 + 2 * 2**-7]
 
 
 @needs_kernel
