@@ -1518,6 +1518,18 @@ MUTATIONS = [
         QUANTIZED, "the VNNI w4a8 kernel multiplies by the stored q + 8 instead of q",
     ),
     Mutation(
+        "w4a8_vnni_drops_a_chain", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "                                     _mm512_add_epi32(dot[2][m], dot[3][m]));",
+        "                                     _mm512_add_epi32(dot[2][m], dot[2][m]));",
+        QUANTIZED, "the VNNI w4a8 kernel leaves the odd inputs of every other word out of its sums",
+    ),
+    Mutation(
+        "w4a8_vnni_drops_an_odd_last_word", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "      if (i < i1) W4A8_VNNI_WORD(R, i, 0)",
+        "      if (0) W4A8_VNNI_WORD(R, i, 0)",
+        QUANTIZED, "the VNNI w4a8 kernel leaves out a group's last word where the group has an odd number of them",
+    ),
+    Mutation(
         "w4a8_truncates_the_inputs_past_the_last_8", "omnimtp/runtime/kernels/small_batch_linear.c",
         "    float r = __builtin_nearbyintf(x[k] * inv);",
         "    float r = __builtin_truncf(x[k] * inv);",
