@@ -146,7 +146,7 @@ def test_speech_decoder_quick_run_compares_two_trees(tmp_path):
 
 def test_decode_attention_quick_run_reports_every_length(tmp_path):
     """benchmarks/decode_attention.py --quick: both sides cold and warm at each length, the floor from the read
-    bandwidth, the kernel within fp32 rounding of SDPA (bf16: within the output's rounding of fp32 SDPA)."""
+    bandwidth, the kernel within fp32 rounding of SDPA (bf16: within a bf16 step of fp32 SDPA)."""
     from omnimtp.runtime.kernels import small_batch_linear
 
     if not small_batch_linear.available():
@@ -160,7 +160,7 @@ def test_decode_attention_quick_run_reports_every_length(tmp_path):
         assert results["heads"] == [16, 8, 128] and results["rows"] == rows and set(results["lengths"]) == {"1", "40"}
         assert results["dtype"] == dtype
         for entry in results["lengths"].values():
-            assert entry["max_rel_error"] < (1e-5 if dtype == "float32" else 2**-8) and entry["floor_us"] > 0
+            assert entry["max_rel_error"] < (1e-5 if dtype == "float32" else 2**-7) and entry["floor_us"] > 0
             assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
 
 
