@@ -1664,6 +1664,13 @@ MUTATIONS = [
         "the bf16 attention rounds its ties away from zero, not to even (torch's rounding)",
     ),
     Mutation(
+        "decode_attention_dtypes_unchecked", "omnimtp/runtime/kernels/small_batch_linear.py",
+        "    if not (query.dtype == keys.dtype == values.dtype and query.dtype in DECODE_ATTENTION_DTYPES):",
+        "    if False:",
+        ("tests/test_small_batch_linear.py::test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_scores",),
+        "decode_attention reads a bf16 query against fp32 keys (or fp16 ones) as raw bytes: garbage, no error",
+    ),
+    Mutation(
         "one_row_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
         "        on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)\n        if on_kernel:",
         "        on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)\n        if False:",

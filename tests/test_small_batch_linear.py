@@ -138,7 +138,8 @@ def test_decode_attention_equals_sdpa_up_to_rounding(num_kv_heads, group, head_d
 @needs_kernel
 def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_scores():
     """Bit for bit on 1 and 2 threads (a head's sums run in the same order on either); scores of ±1e4 (exp
-    overflows unless the maximum is taken out first) give SDPA's values; out-of-range shapes are ValueErrors."""
+    overflows unless the maximum is taken out first) give SDPA's values; out-of-range shapes, mixed dtypes and
+    dtypes it has no form for are ValueErrors."""
     keys, values = _cache_views(4, 333, 128, 400, seed=3)
     query = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
@@ -158,6 +159,10 @@ def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_sco
         sbl.decode_attention(torch.randn(2, 512), *_cache_views(1, 5, 512, 5, seed=0), 1.0)
     with pytest.raises(ValueError, match="32 query heads over 1"):
         sbl.decode_attention(torch.randn(32, 8), *_cache_views(1, 5, 8, 5, seed=0), 1.0)
+    with pytest.raises(ValueError, match="query, keys and values must all be one of"):
+        sbl.decode_attention(torch.randn(2, 8).bfloat16(), *_cache_views(1, 5, 8, 5, seed=0), 1.0)
+    with pytest.raises(ValueError, match="float16"):
+        sbl.decode_attention(*(t.half() for t in (torch.randn(2, 8), *_cache_views(1, 5, 8, 5, seed=0))), 1.0)
 
 
 @needs_kernel

@@ -476,9 +476,12 @@ def decode_attention(
     output rounded to bf16 once, so a bf16 call gives fp32 SDPA's values on the widened tensors, rounded (SDPA's
     bf16 CPU kernel also rounds its probabilities to bf16: within a bf16 step or two of it). A masked key is left
     out, not weighted by zero, so a row's output is bit for bit the same alone (its visible keys, no mask) as in
-    any batch. Needs `available()`, D up to DECODE_ATTENTION_MAX_HEAD_DIM and Nq / Nkv up to
-    DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
+    any batch. Needs `available()`, one of those dtypes for all three, D up to DECODE_ATTENTION_MAX_HEAD_DIM and
+    Nq / Nkv up to DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
     (`omnimtp.runtime.ops.attention` calls it where it applies)."""
+    if not (query.dtype == keys.dtype == values.dtype and query.dtype in DECODE_ATTENTION_DTYPES):
+        raise ValueError(f"decode_attention: query, keys and values must all be one of {DECODE_ATTENTION_DTYPES}, "
+                         f"got {query.dtype}, {keys.dtype}, {values.dtype}")
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the decode attention kernel is not available: {_unavailable}")
