@@ -1537,6 +1537,18 @@ MUTATIONS = [
         QUANTIZED, "the VNNI w4a8 kernel multiplies by the stored q + 8 instead of q",
     ),
     Mutation(
+        "w4a8_vnni_drops_a_chain", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "                                     _mm512_add_epi32(dot[2][m], dot[3][m]));",
+        "                                     _mm512_add_epi32(dot[2][m], dot[2][m]));",
+        QUANTIZED, "the VNNI w4a8 kernel leaves the odd inputs of every other word out of its sums",
+    ),
+    Mutation(
+        "w4a8_vnni_drops_an_odd_last_word", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "      if (i < i1) W4A8_VNNI_WORD(R, i, 0)",
+        "      if (0) W4A8_VNNI_WORD(R, i, 0)",
+        QUANTIZED, "the VNNI w4a8 kernel leaves out a group's last word where the group has an odd number of them",
+    ),
+    Mutation(
         "w4a8_truncates_the_inputs_past_the_last_8", "omnimtp/runtime/kernels/small_batch_linear.c",
         "    float r = __builtin_nearbyintf(x[k] * inv);",
         "    float r = __builtin_truncf(x[k] * inv);",
@@ -1646,9 +1658,36 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
-        "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = vh + (positions ? positions[i] : i) *",
+        "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
+        "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",
         ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
+    ),
+    Mutation(
+        "bf16_decode_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",
+        "query.dtype in small_batch_linear.DECODE_ATTENTION_DTYPES",
+        "query.dtype == torch.float32",
+        ("tests/test_small_batch_linear.py::test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies",),
+        "a bf16 decoder's decode step (the Qwen3-Omni thinker's) runs its attention on SDPA, not the kernel",
+    ),
+    Mutation(
+        "bf16_decode_attention_truncates", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);",
+        "  return (uint16_t)(bits >> 16);",
+        ("tests/test_small_batch_linear.py",), "the bf16 attention's outputs are truncated, not rounded to nearest",
+    ),
+    Mutation(
+        "bf16_decode_attention_ties_away", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);",
+        "  return (uint16_t)((bits + 0x8000u) >> 16);",
+        ("tests/test_small_batch_linear.py::test_bf16_decode_attention_of_rows_with_a_mask_is_each_row_alone_and_rounds_nan_and_ties",),
+        "the bf16 attention rounds its ties away from zero, not to even (torch's rounding)",
+    ),
+    Mutation(
+        "decode_attention_dtypes_unchecked", "omnimtp/runtime/kernels/small_batch_linear.py",
+        "    if not (query.dtype == keys.dtype == values.dtype and query.dtype in DECODE_ATTENTION_DTYPES):",
+        "    if False:",
+        ("tests/test_small_batch_linear.py::test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_scores",),
+        "decode_attention reads a bf16 query against fp32 keys (or fp16 ones) as raw bytes: garbage, no error",
     ),
     Mutation(
         "one_row_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",

@@ -138,7 +138,8 @@ def test_decode_attention_equals_sdpa_up_to_rounding(num_kv_heads, group, head_d
 @needs_kernel
 def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_scores():
     """Bit for bit on 1 and 2 threads (a head's sums run in the same order on either); scores of ±1e4 (exp
-    overflows unless the maximum is taken out first) give SDPA's values; out-of-range shapes are ValueErrors."""
+    overflows unless the maximum is taken out first) give SDPA's values; out-of-range shapes, mixed dtypes and
+    dtypes it has no form for are ValueErrors."""
     keys, values = _cache_views(4, 333, 128, 400, seed=3)
     query = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
@@ -158,6 +159,10 @@ def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_sco
         sbl.decode_attention(torch.randn(2, 512), *_cache_views(1, 5, 512, 5, seed=0), 1.0)
     with pytest.raises(ValueError, match="32 query heads over 1"):
         sbl.decode_attention(torch.randn(32, 8), *_cache_views(1, 5, 8, 5, seed=0), 1.0)
+    with pytest.raises(ValueError, match="query, keys and values must all be one of"):
+        sbl.decode_attention(torch.randn(2, 8).bfloat16(), *_cache_views(1, 5, 8, 5, seed=0), 1.0)
+    with pytest.raises(ValueError, match="float16"):
+        sbl.decode_attention(*(t.half() for t in (torch.randn(2, 8), *_cache_views(1, 5, 8, 5, seed=0))), 1.0)
 
 
 @needs_kernel
@@ -190,11 +195,68 @@ def test_decode_attention_of_rows_with_a_mask_equals_sdpa_and_each_row_alone(pre
         assert torch.equal(alone, out[r]), r
 
 
+def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (fp32): 2^(exponent - 7), normals only."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp(min=2**-120))[1] - 8)
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(num_kv_heads=st.integers(1, 4), group=st.sampled_from([1, 2, 8, 16]), head_dim=st.sampled_from([8, 64, 128]),
+       length=st.integers(1, 200), num_rows=st.integers(1, 3), seed=st.integers(0, 99))
+def test_bf16_decode_attention_is_fp32_attention_rounded_once(num_kv_heads, group, head_dim, length, num_rows, seed):
+    """A bf16 cache (a bf16 decoder's): fp32 SDPA on the widened tensors, rounded to bf16 once (within one bf16
+    step, and the sums' fp32 rounding: it may fall on either side of a rounding boundary), in bf16; within bf16
+    tolerance of SDPA's own bf16 kernel (which rounds its probabilities too); the inputs untouched."""
+    g = torch.Generator().manual_seed(seed)
+    cache = (torch.randn(2, num_rows, num_kv_heads, length + 5, head_dim, generator=g) * 2).bfloat16()
+    keys, values = cache[0][:, :, :length], cache[1][:, :, :length]
+    query = torch.randn(num_rows, num_kv_heads * group, head_dim, generator=g).bfloat16()
+    before = [t.clone() for t in (query, keys, values)]
+    scale = head_dim**-0.5
+    out = sbl.decode_attention(query, keys, values, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, num_kv_heads * group * head_dim)
+    exact = F.scaled_dot_product_attention(query.float()[:, :, None], keys.float(), values.float(), scale=scale,
+                                           enable_gqa=True).reshape(num_rows, -1)
+    fp32_error = 1e-5 * float(values.float().abs().max())  # the sums' rounding, where terms cancel near 0
+    assert ((out.float() - exact).abs() <= _ulp_bf16(exact) + fp32_error).all()
+    assert (out.float() == exact.bfloat16().float()).float().mean() > 0.99
+    sdpa = F.scaled_dot_product_attention(query[:, :, None], keys, values, scale=scale, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa.reshape(num_rows, -1), rtol=0.02, atol=0.02)
+    assert all(torch.equal(t, b) for t, b in zip((query, keys, values), before, strict=True))
+
+
+@needs_kernel
+def test_bf16_decode_attention_of_rows_with_a_mask_is_each_row_alone_and_rounds_nan_and_ties():
+    """bf16 rows at their own lengths (NaN in the masked keys): each row bit for bit what it gets alone; a row with
+    no visible key is NaN, as SDPA's; outputs rounded to nearest, ties to even (values of one key head: exactly
+    its value row, already bf16, so any rounding but to nearest-even of the exact sum would show on sums of two)."""
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 3, 2, 40, 64, generator=g).bfloat16()
+    keys, values = cache[0], cache[1]
+    query = torch.randn(3, 4, 64, generator=g).bfloat16()
+    visible = torch.arange(40)[None] < torch.tensor([40, 3, 17])[:, None]
+    keys.masked_fill_(~visible[:, None, :, None], float("nan"))
+    out = sbl.decode_attention(query, keys, values, 0.125, visible)
+    for r in range(3):
+        seen = visible[r].nonzero()[:, 0]
+        alone = sbl.decode_attention(query[r], keys[r : r + 1, :, seen], values[r : r + 1, :, seen], 0.125)
+        assert alone.dtype == torch.bfloat16 and torch.equal(alone, out[r]), r
+    nothing = sbl.decode_attention(query[:1], keys[:1], values[:1], 0.125, torch.zeros(1, 40, dtype=torch.bool))
+    assert torch.isnan(nothing.float()).all()
+    # two keys with equal scores (zero queries): the exact mean of two bf16 values, a tie where they differ in the
+    # last place only: 1 and 1 + 2^-7 → 1 + 2^-8, even is 1 (down); 1 + 2^-7 and 1 + 2 * 2^-7 → even is the upper
+    pair = torch.tensor([[1.0, 1.0 + 2**-7, 1.0 + 3 * 2**-7], [1.0 + 2**-7, 1.0 + 2 * 2**-7, 1.0 + 2 * 2**-7]])
+    mean = sbl.decode_attention(torch.zeros(1, 3).bfloat16(), torch.zeros(1, 1, 2, 3).bfloat16(),
+                                pair.bfloat16()[None, None], 1.0)
+    assert mean.tolist() == [1.0, 1.0 + 2 * 2**-7, 1.0 + 2 * 2**-7]
+
+
 @needs_kernel
 def test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies(monkeypatch):
-    """`ops.attention`: one position a row (either layout of the query, one row or several), fp32, no mask or a
-    bool one, no gradient: the kernel; an additive mask, bf16, gradients, more positions or the code predictor's
-    written-out form (fp32_manual): SDPA or that form, as before."""
+    """`ops.attention`: one position a row (either layout of the query, one row or several), fp32 or bf16 (all
+    alike), no mask or a bool one, no gradient: the kernel; an additive mask, gradients, more
+    positions or the code predictor's written-out form (fp32_manual): SDPA or that form, as before."""
     from omnimtp.runtime import ops
 
     calls = []
@@ -215,12 +277,16 @@ def test_one_position_a_rows_attention_runs_on_the_kernel_only_where_it_applies(
     assert torch.equal(batched[1, 0], ops.attention(rows[1, 0], batch_keys[1:2, :, :4], batch_values[1:2, :, :4],
                                                     None, 0.25))
     ops.attention(query, keys, values, torch.zeros(1, 1, 1, 9), 0.25)  # additive
-    ops.attention(query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, 0.25)
     with torch.enable_grad():
         ops.attention(query.clone().requires_grad_(), keys, values, None, 0.25)
     ops.attention(torch.randn(1, 2, 4, 16), keys, values, None, 0.25)
     ops.attention(rows[:1], keys, values, torch.zeros(1, 1, 9), 0.25, fp32_manual=True)
     assert len(calls) == 5  # only the row alone above
+    bf16 = ops.attention(query.bfloat16(), keys.bfloat16(), values.bfloat16(), None, 0.25)  # a bf16 decoder's step
+    assert len(calls) == 6 and bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16, kernel(query.bfloat16(), keys.bfloat16(), values.bfloat16(), 0.25))
+    bf16_rows = ops.attention(rows.bfloat16(), batch_keys.bfloat16(), batch_values.bfloat16(), lengths_mask, 0.25)
+    assert len(calls) == 7 and bf16_rows.shape == (3, 1, 64) and bf16_rows.dtype == torch.bfloat16
 
 
 @needs_kernel

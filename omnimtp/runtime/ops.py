@@ -453,12 +453,13 @@ def apply_rope(
 
 def _decode_attention_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> tuple[bool, object]:
     """(whether one query position a row runs on omnimtp's kernel, the kernel's mask [R or 1, S] or None). It
-    does for query [R, Nq, D] in fp32 on a CPU with the kernel, keys and values [R, Nkv, S, D] with contiguous
-    rows, head_dim and group in its range, mask None or bool [R or 1, 1, 1, S], no gradient, not under
-    torch.compile."""
+    does for query [R, Nq, D] in fp32 or bf16 on a CPU with the kernel, keys and values [R, Nkv, S, D] in its
+    dtype with contiguous rows, head_dim and group in its range, mask None or bool [R or 1, 1, 1, S], no gradient,
+    not under torch.compile."""
     num_rows, num_heads, head_dim = query.shape
     if not (
-        query.dtype == keys.dtype == values.dtype == torch.float32 and query.device.type == "cpu"
+        query.dtype == keys.dtype == values.dtype and query.dtype in small_batch_linear.DECODE_ATTENTION_DTYPES
+        and query.device.type == "cpu"
         and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.shape[0] == values.shape[0] == num_rows
         and head_dim <= small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM
         and num_heads % keys.shape[1] == 0
@@ -494,11 +495,11 @@ def attention(
 ) -> torch.Tensor:
     """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
     head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
-    come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]. One position a row (T = 1) in fp32 on a
-    CPU, with no mask or a bool one, runs on omnimtp's kernel (`small_batch_linear.decode_attention`: each key
-    and value read once for its query heads, SDPA's values up to fp32 rounding, 1.6-3.2x SDPA's speed at
-    64-4096 keys: `benchmarks/decode_attention.py`; a row's values the same alone and in any batch), the rest
-    on SDPA.
+    come as query [Nq, D] (keys, values [1, Nkv, S, D]) → [Nq * D]. One position a row (T = 1) in fp32 or bf16
+    on a CPU, with no mask or a bool one, runs on omnimtp's kernel (`small_batch_linear.decode_attention`: each
+    key and value read once for its query heads, sums in fp32: fp32 SDPA's values up to fp32 rounding, bf16 ones
+    rounded once at the end; 1.6-3.2x SDPA's speed at 64-4096 keys in fp32: `benchmarks/decode_attention.py`; a
+    row's values the same alone and in any batch), the rest on SDPA.
 
     Default: SDPA, as transformers' "sdpa" attention runs it; mask [R or 1, 1, T, S], bool (True =
     attend) or additive, or None (every column visible), or `CAUSAL` (T = S > 1: SDPA's is_causal).

@@ -729,6 +729,13 @@ int omnimtp_quantized_linear(const float* x, const void* packed, const float* sc
  * values do not depend on the other rows. About 6 instructions per 128 weights against int4's 3 per 16: the
  * kernel reads its weights at memory speed instead of being bound by its conversions. */
 #define W4A8_ROWS 4 /* rows at once: a panel's int32 sums for 4 rows live in registers */
+/* Bytes ahead of the word being read that each panel's stream is prefetched (a panel is a sequential stream of
+ * 64-byte words, a matrix its panels one after the other). The L2 streamer stops at every 4 KiB page and a routed
+ * expert's matrix starts wherever the picked expert lies, so the software prefetch keeps more reads in flight: on a
+ * 2-core AMD EPYC (L3 32 MiB), one row through 8 of 512 random experts' w4a8 gate_up and down, cold, read 23.8 /
+ * 30.2 / 31.5 / 31.3 GB/s on one core at 512 B / 2 / 4 / 8 KiB ahead, 40.4 / 51.4 / 52.3 / 53.4 on two (measured
+ * alternately while other jobs ran). */
+#define W4A8_PREFETCH 8192
 
 typedef struct {
   const int8_t* xq;     /* [M][8 * words]: each word's inputs 0, 2, 4, 6, 1, 3, 5, 7; zero past K */
@@ -746,6 +753,28 @@ static inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+/* One word of 8 inputs (index I of the panel) for R rows into the chains C (its even inputs) and C + 1 (its odd
+ * ones). With one chain of dependent vpdpbusd a row, a one-row call's instructions waited on each other and filled
+ * the out-of-order window, so fewer weight reads were in flight: on a 2-core AMD EPYC one row through 8 of 512
+ * random experts' gate_up and down (cold, 512 B prefetch) read 12.2 GB/s on one core and 22-23 on two with one
+ * chain, 17.5 and 25-34 with W4A8_CHAINS independent chains a row (even and odd inputs of alternate words;
+ * measured alternately while other jobs ran). The chains are added once per group: integer sums, the same bits in
+ * any order. */
+#define W4A8_CHAINS 4
+#define W4A8_VNNI_WORD(R, I, C)                                                                        \
+  {                                                                                                   \
+    const int32_t* ws = a->words + (panel * words + (I)) * PANEL;                                     \
+    _mm_prefetch((const char*)ws + W4A8_PREFETCH, _MM_HINT_T0);                                       \
+    const __m512i v = _mm512_loadu_si512((const void*)ws);                                            \
+    const __m512i even = _mm512_and_si512(v, nibbles);                                                \
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);                           \
+    for (int m = 0; m < R; ++m) {                                                                     \
+      const int8_t* xm = a->xq + (m0 + m) * kw + 8 * (I);                                             \
+      dot[C][m] = _mm512_dpbusd_epi32(dot[C][m], even, _mm512_set1_epi32(load_i32(xm)));              \
+      dot[C + 1][m] = _mm512_dpbusd_epi32(dot[C + 1][m], odd, _mm512_set1_epi32(load_i32(xm + 4)));   \
+    }                                                                                                 \
+  }
+
 /* R rows (first row m0) of one panel, AVX512-VNNI. One panel at a time: one row on 2 threads read its weights
  * at 36.9 GB/s (the box's read bandwidth), four panels at once at 29.0 (2-core AMD EPYC). */
 #define W4A8_VNNI_FN(R)                                                                                \
@@ -757,26 +786,24 @@ static inline int32_t load_i32(const int8_t* p) {
     for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_ps();                                         \
     for (int64_t g = 0; g < a->groups; ++g) {                                                         \
       const int64_t i0 = g * a->group / 8, i1 = g == a->groups - 1 ? words : (g + 1) * a->group / 8;  \
-      __m512i dot[R];                                                                                 \
-      for (int m = 0; m < R; ++m) dot[m] = _mm512_setzero_si512();                                    \
-      for (int64_t i = i0; i < i1; ++i) {                                                             \
-        const int32_t* ws = a->words + (panel * words + i) * PANEL;                                   \
-        _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                     \
-        const __m512i v = _mm512_loadu_si512((const void*)ws);                                        \
-        const __m512i even = _mm512_and_si512(v, nibbles);                                            \
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);                       \
-        for (int m = 0; m < R; ++m) {                                                                 \
-          const int8_t* xm = a->xq + (m0 + m) * kw + 8 * i;                                           \
-          dot[m] = _mm512_dpbusd_epi32(dot[m], even, _mm512_set1_epi32(load_i32(xm)));                \
-          dot[m] = _mm512_dpbusd_epi32(dot[m], odd, _mm512_set1_epi32(load_i32(xm + 4)));             \
-        }                                                                                             \
+      __m512i dot[W4A8_CHAINS][R];                                                                    \
+      for (int c = 0; c < W4A8_CHAINS; ++c)                                                           \
+        for (int m = 0; m < R; ++m) dot[c][m] = _mm512_setzero_si512();                               \
+      int64_t i = i0;                                                                                 \
+      for (; i + 1 < i1; i += 2) {                                                                    \
+        W4A8_VNNI_WORD(R, i, 0)                                                                       \
+        W4A8_VNNI_WORD(R, i + 1, 2)                                                                   \
       }                                                                                               \
+      if (i < i1) W4A8_VNNI_WORD(R, i, 0)                                                             \
+      for (int m = 0; m < R; ++m)                                                                     \
+        dot[0][m] = _mm512_add_epi32(_mm512_add_epi32(dot[0][m], dot[1][m]),                          \
+                                     _mm512_add_epi32(dot[2][m], dot[3][m]));                         \
       const __m512 sc = _mm512_loadu_ps(a->scales + (panel * a->groups + g) * PANEL);                 \
       for (int m = 0; m < R; ++m) {                                                                   \
         const int64_t row = m0 + m;                                                                   \
         const __m512i bias = _mm512_set1_epi32(8 * a->xsum[row * a->groups + g]);                    \
         const __m512 xs = _mm512_set1_ps(a->xscale[row * a->groups + g]);                            \
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m], bias)), _mm512_mul_ps(sc, xs), acc[m]); \
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[0][m], bias)), _mm512_mul_ps(sc, xs), acc[m]); \
       }                                                                                               \
     }                                                                                                 \
     const int64_t n = a->N - panel * PANEL;                                                           \
@@ -801,7 +828,7 @@ static inline int32_t load_i32(const int8_t* p) {
       for (int m = 0; m < R; ++m) dlo[m] = dhi[m] = _mm256_setzero_si256();                           \
       for (int64_t i = i0; i < i1; ++i) {                                                             \
         const int32_t* ws = a->words + (panel * words + i) * PANEL;                                   \
-        _mm_prefetch((const char*)(ws + 8 * PANEL), _MM_HINT_T0);                                     \
+        _mm_prefetch((const char*)ws + W4A8_PREFETCH, _MM_HINT_T0);                                   \
         const __m256i vl = _mm256_loadu_si256((const __m256i*)ws), vh = _mm256_loadu_si256((const __m256i*)(ws + 8)); \
         const __m256i el = _mm256_and_si256(vl, nibbles), ol = _mm256_and_si256(_mm256_srli_epi32(vl, 4), nibbles); \
         const __m256i eh = _mm256_and_si256(vh, nibbles), oh = _mm256_and_si256(_mm256_srli_epi32(vh, 4), nibbles); \
@@ -975,8 +1002,9 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
  * weighted sum of the values), at the core's read bandwidth. The (row, key head) pairs are split over the threads.
  *
  * Numerics: scores, softmax and sums in fp32 in position order, exp within 1 ulp of libm's (SDPA's blocked online
- * softmax and its own exp round otherwise: equal up to fp32 rounding). Returns 0, -1 when out of memory, -2 for
- * D > 256 or a group of more than 16. */
+ * softmax and its own exp round otherwise: equal up to fp32 rounding). A bf16 cache (a bf16 decoder's) is read as
+ * it is stored and widened row by row, the sums still in fp32 and each output rounded to bf16 once (SDPA's bf16
+ * CPU kernel rounds its probabilities to bf16 too). Returns 0, -1 when out of memory, -2 for D > 256 or a group of more than 16. */
 #define ATTENTION_MAX_D 256
 #define ATTENTION_MAX_GROUP 16
 
@@ -1001,13 +1029,42 @@ static inline float exp_nonpositive(float x) {
   return p * two_n;
 }
 
-/* One key head of one row: its G query heads qh [G, D] over n key positions (positions[i], or i where positions
- * is NULL), each key and value row read once; scores: G * n floats of work space; out [G, D]. */
-static void attend_one_head(const float* qh, const float* kh, const float* vh, int64_t k_row_stride,
-                            int64_t v_row_stride, const int64_t* positions, int64_t n, int64_t G, int64_t D,
-                            float scale, float* scores, float* out) {
+/* bf16 (the upper 16 bits of an fp32) → fp32, exactly. */
+static inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* fp32 → bf16 rounded to nearest, ties to even; a NaN gives 0x7FC0 (torch's conversion). */
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Row `index` of a key or value head (`stride` elements apart) as fp32: the row itself, or (bf16) its D values
+ * widened into `buffer`. */
+static inline const float* row_as_float(const void* head, int64_t index, int64_t stride, int64_t D, int bf16,
+                                        float* buffer) {
+  if (!bf16) return (const float*)head + index * stride;
+  const uint16_t* row = (const uint16_t*)head + index * stride;
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) buffer[d] = bf16_to_float(row[d]);
+  return buffer;
+}
+
+/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
+ * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
+ * the same values); scores: G * n floats of work space; out [G, D] fp32. */
+static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
+                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
+                            int64_t D, float scale, float* scores, float* out) {
+  float widened[ATTENTION_MAX_D];
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = kh + (positions ? positions[i] : i) * k_row_stride;
+    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
       float dot = 0.f;
@@ -1033,7 +1090,7 @@ static void attend_one_head(const float* qh, const float* kh, const float* vh, i
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = vh + (positions ? positions[i] : i) * v_row_stride;
+    const float* row = row_as_float(vh, positions ? positions[i] : i, v_row_stride, D, bf16, widened);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + i];
       float* a = acc[g];
@@ -1046,20 +1103,23 @@ static void attend_one_head(const float* qh, const float* kh, const float* vh, i
 }
 
 /* R rows, each one query position: q row r at q + r * q_row_stride ([Nq, D] contiguous); row r's key head h's
- * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise); mask: NULL
- * (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero = visible (a stride of 0
- * shares one row). A masked position is skipped, not weighted by zero, so a row's output is bit for bit the
- * same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. */
-int omnimtp_decode_attention(const float* q, const float* k, const float* v, const uint8_t* mask, float* out,
+ * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise; strides in
+ * elements); mask: NULL (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero =
+ * visible (a stride of 0 shares one row). A masked position is skipped, not weighted by zero, so a row's output
+ * is bit for bit the same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. bf16:
+ * 0 for fp32 q, k, v and out; 1 for all four in bf16, the arithmetic in fp32 as above on the widened values and
+ * each output rounded to bf16 once (to nearest, ties to even). */
+int omnimtp_decode_attention(const void* q, const void* k, const void* v, const uint8_t* mask, void* out,
                              int64_t num_rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t S, int64_t D,
                              int64_t q_row_stride, int64_t k_batch_stride, int64_t k_head_stride,
                              int64_t k_row_stride, int64_t v_batch_stride, int64_t v_head_stride,
-                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads) {
+                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads, int bf16) {
   if (D > ATTENTION_MAX_D || num_kv_heads < 1 || num_q_heads % num_kv_heads) return -2;
   const int64_t G = num_q_heads / num_kv_heads;
   if (G > ATTENTION_MAX_GROUP) return -2;
   const int64_t tasks = num_rows * num_kv_heads;
   const int64_t span = S > 0 ? S : 1;
+  const size_t size = bf16 ? sizeof(uint16_t) : sizeof(float);
   float* work = (float*)malloc(sizeof(float) * (size_t)(tasks * G * span));
   int64_t* positions = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)(num_rows * span)) : NULL;
   int64_t* counts = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)num_rows) : NULL;
@@ -1079,11 +1139,16 @@ int omnimtp_decode_attention(const float* q, const float* k, const float* v, con
   const int threads = num_threads > 1 && tasks > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t r = t / num_kv_heads, h = t % num_kv_heads;
-    attend_one_head(q + r * q_row_stride + h * G * D, k + r * k_batch_stride + h * k_head_stride,
-                    v + r * v_batch_stride + h * v_head_stride, k_row_stride, v_row_stride,
-                    mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale, work + t * G * span,
-                    out + (r * num_q_heads + h * G) * D);
+    const int64_t r = t / num_kv_heads, h = t % num_kv_heads, first = (r * num_q_heads + h * G) * D;
+    const char* qh = (const char*)q + (size_t)(r * q_row_stride + h * G * D) * size;
+    float widened_q[ATTENTION_MAX_GROUP * ATTENTION_MAX_D], result[ATTENTION_MAX_GROUP * ATTENTION_MAX_D];
+    for (int64_t j = 0; bf16 && j < G * D; ++j) widened_q[j] = bf16_to_float(((const uint16_t*)qh)[j]);
+    attend_one_head(bf16 ? widened_q : (const float*)qh,
+                    (const char*)k + (size_t)(r * k_batch_stride + h * k_head_stride) * size,
+                    (const char*)v + (size_t)(r * v_batch_stride + h * v_head_stride) * size, k_row_stride,
+                    v_row_stride, bf16, mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale,
+                    work + t * G * span, bf16 ? result : (float*)out + first);
+    for (int64_t j = 0; bf16 && j < G * D; ++j) ((uint16_t*)out)[first + j] = float_to_bf16(result[j]);
   }
   free(work);
   free(positions);

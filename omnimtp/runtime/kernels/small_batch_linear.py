@@ -155,7 +155,7 @@ def _library() -> ctypes.CDLL | None:
     lib.omnimtp_w4a8_has_vnni.argtypes = []
     attention = lib.omnimtp_decode_attention
     attention.restype = ctypes.c_int
-    attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int]
+    attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -462,19 +462,26 @@ def quantized_experts(
 
 DECODE_ATTENTION_MAX_HEAD_DIM = 256
 DECODE_ATTENTION_MAX_GROUP = 16
+DECODE_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # query, keys, values and output alike
 
 
 def decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Grouped-query attention of one query position a row: query [Nq, D] (one row) or [R, Nq, D] fp32; keys and
-    values [R, Nkv, S, D] fp32 CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`);
-    mask: None (every key visible) or bool [R or 1, S] (True = visible) → [Nq * D] (one row) or [R, Nq * D],
-    query head h reading key head h // (Nq / Nkv); equal to SDPA up to fp32 rounding. A masked key is left out,
-    not weighted by zero, so a row's output is bit for bit the same alone (its visible keys, no mask) as in any
-    batch. Needs `available()`, D up to DECODE_ATTENTION_MAX_HEAD_DIM and Nq / Nkv up to
-    DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
+    """Grouped-query attention of one query position a row: query [Nq, D] (one row) or [R, Nq, D]; keys and
+    values [R, Nkv, S, D] CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`), all
+    fp32 or all bf16 (DECODE_ATTENTION_DTYPES); mask: None (every key visible) or bool [R or 1, S] (True =
+    visible) → [Nq * D] (one row) or [R, Nq * D] in that dtype, query head h reading key head h // (Nq / Nkv).
+    Scores, softmax and sums in fp32: SDPA's values up to fp32 rounding; bf16 values are widened exactly and each
+    output rounded to bf16 once, so a bf16 call gives fp32 SDPA's values on the widened tensors, rounded (SDPA's
+    bf16 CPU kernel also rounds its probabilities to bf16: within a bf16 step or two of it). A masked key is left
+    out, not weighted by zero, so a row's output is bit for bit the same alone (its visible keys, no mask) as in
+    any batch. Needs `available()`, one of those dtypes for all three, D up to DECODE_ATTENTION_MAX_HEAD_DIM and
+    Nq / Nkv up to DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
     (`omnimtp.runtime.ops.attention` calls it where it applies)."""
+    if not (query.dtype == keys.dtype == values.dtype and query.dtype in DECODE_ATTENTION_DTYPES):
+        raise ValueError(f"decode_attention: query, keys and values must all be one of {DECODE_ATTENTION_DTYPES}, "
+                         f"got {query.dtype}, {keys.dtype}, {values.dtype}")
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the decode attention kernel is not available: {_unavailable}")
@@ -483,13 +490,14 @@ def decode_attention(
     _, num_kv_heads, length, _ = keys.shape
     if mask is not None:
         mask = mask.contiguous()
-    out = torch.empty(num_rows, num_heads * head_dim, dtype=torch.float32)
+    out = torch.empty(num_rows, num_heads * head_dim, dtype=rows.dtype)
     status = lib.omnimtp_decode_attention(
         rows.data_ptr(), keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
         out.data_ptr(), num_rows, num_heads, num_kv_heads, length, head_dim, rows.stride(0),
         keys.stride(0) if keys.shape[0] > 1 else 0, keys.stride(1), keys.stride(2),
         values.stride(0) if values.shape[0] > 1 else 0, values.stride(1), values.stride(2),
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0), scale, torch.get_num_threads(),
+        int(rows.dtype == torch.bfloat16),
     )
     if status == -2:
         raise ValueError(f"decode_attention: head_dim {head_dim} (at most {DECODE_ATTENTION_MAX_HEAD_DIM}) or "
