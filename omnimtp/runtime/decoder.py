@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from omnimtp.runtime import w4a8_step
 from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
@@ -121,6 +122,8 @@ class PackedDecoder:
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
     step_rope_block: int = 1  # positions `step_tables` computes per miss (1: each on its own, see there)
+    # "w4a8" → (layers, quantized_layers, `w4a8_step.StepTable` or None): the native decode step's table
+    native_step: dict = field(default_factory=dict, compare=False, repr=False)
     # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -550,6 +553,13 @@ def decoder_layers(
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
     as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
     the last layer skips the rest (`decoder_layer`)."""
+    if (
+        decoder.quantize == "w4a8" and packed_layers is None and output_index is None and not layer_adds
+        and capture_layer in (None, decoder.num_layers) and w4a8_step.applies(x, kv_buffer, where, mask)
+    ):  # a decode step of a dense w4a8 decoder: every layer in one native call
+        table = w4a8_step.step_table(decoder)
+        if table is not None:
+            return w4a8_step.run(decoder, table, x, rope, kv_buffer, where, mask), None
     captured = x if capture_layer == 0 else None
     if packed_layers is None and decoder.quantized_layers is not None:
         packed_layers = decoder.quantized_layers
