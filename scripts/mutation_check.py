@@ -2181,6 +2181,12 @@ MUTATIONS = [
         "        mask = None",
         ("tests/test_w4a8_step.py",), "ragged rows on the native w4a8 decode step attend past their own length",
     ),
+    Mutation(
+        "w4a8_step_block_rows_see_later_positions", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    counts[r] = row_keys ? row_keys[r] : num_keys;",
+        "    counts[r] = num_keys;",
+        ("tests/test_w4a8_step.py",), "a causal block on the native w4a8 step attends to the block's later positions",
+    ),
 ]
 
 

@@ -111,13 +111,14 @@ def test_the_qwen3_tts_talker_speaks_alone_as_in_a_batch_on_the_native_step(monk
     and in a batch."""
     from omnimtp.pipeline import OmniPipeline
 
-    calls = []
-    kernel = sbl.w4a8_decode_step
-    monkeypatch.setattr(sbl, "w4a8_decode_step", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    rows = []
+    run = w4a8_step.run  # the talker's decode steps (the code predictor's are `run_block`'s)
+    monkeypatch.setattr(w4a8_step, "run", lambda d, t, x, *a: rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+                        or run(d, t, x, *a))
     pipe = OmniPipeline.from_pretrained("tiny-tts", quantize="w4a8", max_frames=6)
     texts = ["Hello there.", "A second, longer sentence."]
     batch = pipe.speech(texts, voice="aiden", max_frames=6)
-    assert calls and max(calls) == 2
+    assert rows and max(rows) == 2
     for text, together in zip(texts, batch, strict=True):
         alone = pipe.speech(text, voice="aiden", max_frames=6)
         assert torch.equal(alone.codes, together.codes)
@@ -158,3 +159,28 @@ def test_left_padded_rows_of_a_shared_length_cache_are_the_same_alone(monkeypatc
     assert calls == [2, 2, 2]  # the padded batch's steps ran natively too
     for row in (0, 1):
         assert torch.equal(run([row])[:, 0], batch[:, row])
+
+
+def test_the_code_predictors_steps_run_natively_alone_as_in_a_batch(monkeypatch):
+    """The eager w4a8 code predictor (a causal block of 2 positions, then 1, on its fixed buffer): one native call a
+    step, the op-by-op steps' codes, and a row's codes and embeddings the same alone as in a batch."""
+    from omnimtp.models.qwen3_tts import tiny_qwen3_tts
+    from omnimtp.talker.code_predictor import CodePredictorRunner
+
+    cp = tiny_qwen3_tts(0).talker.code_predictor
+    runner = CodePredictorRunner(cp, 3, quantize="w4a8")
+    g = torch.Generator().manual_seed(5)
+    width = runner.hidden_size
+    hidden, cb0 = torch.randn(3, width, generator=g), torch.randn(3, width, generator=g)
+    calls = []
+    kernel = sbl.w4a8_decode_step
+    monkeypatch.setattr(sbl, "w4a8_decode_step", lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k))
+    batch = runner.run(hidden, cb0)
+    steps = runner.num_code_groups - 1
+    assert calls == [6] + [3] * (steps - 1)  # 3 rows × 2 positions, then 3 rows
+    for row in range(3):
+        alone = runner.run(hidden[row : row + 1], cb0[row : row + 1])
+        assert torch.equal(alone.codes[0], batch.codes[row]) and torch.equal(alone.embed_sum[0], batch.embed_sum[row])
+    monkeypatch.setattr(w4a8_step, "step_table", lambda decoder: None)
+    reference = runner.run(hidden, cb0)
+    assert torch.equal(reference.codes, batch.codes)

@@ -8,6 +8,7 @@ layer views) to `small_batch_linear.w4a8_decode_step`, which runs every layer in
 
     table = step_table(decoder)              # the layers' addresses, made once per decoder (None: not applicable)
     x = run(decoder, table, x, rope, kv_buffer, where, mask)     # what `decoder_layers` returns for that step
+    x = run_block(decoder, table, x, rope, kv_buffer, positions) # the code predictor's step: [B, T, H] at [T]
 
 The matmuls are the w4a8 kernel's own (the same bits as `ops.linear` on the same inputs); RMSNorm, RoPE and SiLU
 are computed in the kernel in fp32, equal to the torch ops up to rounding (tests/test_w4a8_step.py). Each row is
@@ -41,8 +42,9 @@ class StepTable:
 
 def step_table(decoder) -> StepTable | None:
     """The native step's table of `decoder` (made on first use, kept in `decoder.native_step`), or None where the
-    native step does not apply: a decoder that is not "w4a8" on a CPU in fp32, a MoE layer, partial rotary,
-    fp32 manual attention (the code predictor's), or the kernel not available."""
+    native step does not apply: a decoder that is not "w4a8" on a CPU in fp32, a MoE layer, partial rotary, or the
+    kernel not available. (The numeric variants `fused_norm` and `fp32_attention` are the op-by-op path's: the
+    kernel computes its norms and attention in fp32 either way.)"""
     cached = decoder.native_step.get("w4a8")
     if cached is not None and cached[0] is decoder.layers and cached[1] is decoder.quantized_layers:
         return cached[2]
@@ -53,7 +55,7 @@ def step_table(decoder) -> StepTable | None:
 
 def _make_table(decoder) -> StepTable | None:
     if (decoder.quantize != "w4a8" or decoder.dtype != torch.float32 or decoder.device.type != "cpu"
-            or decoder.quantized_layers is None or decoder.fp32_attention or decoder.rope.source is not None
+            or decoder.quantized_layers is None or decoder.rope.source is not None
             or decoder.head_dim % 2 or decoder.head_dim > small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM
             or decoder.num_heads % decoder.num_kv_heads
             or decoder.num_heads // decoder.num_kv_heads > small_batch_linear.DECODE_ATTENTION_MAX_GROUP
@@ -142,3 +144,31 @@ def run(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tensor, to
         (ctypes.c_int64 * num_rows)(*columns), where.num_columns, keys.stride()[:3], mask, decoder.scaling,
     )
     return rows.view(x.shape)
+
+
+def run_block(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              kv_buffer: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Every layer of `decoder` on x [B, T, H] at cache columns positions [T] (long, increasing) of slots 0..B-1 of
+    a fixed buffer kv_buffer [L, 2, B_max, Nkv, S, D] (the code predictor's), causal: position p attends to
+    columns 0..p → the last layer's output [B, T, H] (before the final norm). rope: (cos, signed_sin) [T, 1, D]."""
+    num_rows, num_new, hidden = x.shape
+    rows = x.reshape(-1, hidden).clone()  # [B * T, H], row b * T + t
+    head_dim = decoder.head_dim
+    cos, signed_sin = (t.reshape(num_new, head_dim).repeat(num_rows, 1) for t in rope)
+    columns = positions.tolist() * num_rows
+    slots = [b for b in range(num_rows) for _ in range(num_new)]
+    count = len(columns)
+    seen, addresses = table.kv
+    if seen is not kv_buffer or addresses[0] != kv_buffer.data_ptr():
+        step = kv_buffer.element_size()
+        pointers = [kv_buffer.data_ptr() + step * (layer * kv_buffer.stride(0) + half * kv_buffer.stride(1))
+                    for layer in range(decoder.num_layers) for half in (0, 1)]
+        addresses = (ctypes.c_int64 * len(pointers))(*pointers)
+        table.kv[:] = [kv_buffer, addresses]
+    small_batch_linear.w4a8_decode_step(
+        rows, table.weights, addresses, decoder.num_layers, table.shape, table.groups, decoder.eps, cos, signed_sin,
+        (ctypes.c_int64 * count)(*slots), (ctypes.c_int64 * count)(*columns), max(columns) + 1,
+        kv_buffer.stride()[2:5], None, decoder.scaling,
+        row_keys=(ctypes.c_int64 * count)(*(column + 1 for column in columns)),
+    )
+    return rows.view(num_rows, num_new, hidden)

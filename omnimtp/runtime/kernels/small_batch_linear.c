@@ -1111,8 +1111,11 @@ int omnimtp_decode_attention(const float* q, const float* k, const float* v, con
  * x [R, H] holds the step's input embeddings and gets the last layer's output (before the final norm).
  * weights: STEP_WEIGHTS pointers a layer (see below; 0 for an absent bias or qk_norm); kv: the layer's keys and
  * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in floats; row r writes its
- * key and value at slot slots[r], column columns[r], and attends to columns 0..num_keys-1 of its slot, those with
- * a nonzero byte in mask (row r's at mask + r * mask_row_stride) when mask is not NULL. cos, signed_sin: [R, D].
+ * key and value at slot slots[r], column columns[r], and attends to columns 0..n-1 of its slot (n = row_keys[r],
+ * or num_keys for every row when row_keys is NULL), those with a nonzero byte in mask (row r's at mask + r *
+ * mask_row_stride) when mask is not NULL. Every row's key and value are written before any row attends, so
+ * several positions of one sequence may come as rows of one slot (a causal block: row_keys = columns + 1).
+ * cos, signed_sin: [R, D].
  * groups: the group sizes of the matrices whose inputs are H, Nq * D and I wide. Returns 0, -1 when out of memory,
  * -2 for D > 256, an odd D or a group of more than 16 query heads, -3 for a group size that does not divide its
  * inputs in words of 8. */
@@ -1154,7 +1157,8 @@ static int step_group_ok(int64_t K, int64_t group) {
 int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const int64_t* weights, const int64_t* kv,
                              int64_t Nq, int64_t Nkv, int64_t D, int64_t I, int64_t group_h, int64_t group_o,
                              int64_t group_i, float eps, const float* cos, const float* signed_sin,
-                             const int64_t* slots, const int64_t* columns, int64_t num_keys, int64_t slot_stride,
+                             const int64_t* slots, const int64_t* columns, int64_t num_keys,
+                             const int64_t* row_keys, int64_t slot_stride,
                              int64_t head_stride, int64_t column_stride, const uint8_t* mask, int64_t mask_row_stride,
                              float scale, int num_threads, int vnni) {
   if (D > ATTENTION_MAX_D || D % 2 || Nkv < 1 || Nq % Nkv || Nq / Nkv > ATTENTION_MAX_GROUP) return -2;
@@ -1182,10 +1186,10 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
     goto done;
   }
   for (int64_t r = 0; r < R; ++r) { /* each row's visible columns, in order */
-    counts[r] = num_keys;
+    counts[r] = row_keys ? row_keys[r] : num_keys;
     if (!mask) continue;
     int64_t n = 0;
-    for (int64_t s = 0; s < num_keys; ++s)
+    for (int64_t s = 0; s < counts[r]; ++s)
       if (mask[r * mask_row_stride + s] != 0) positions[r * span + n++] = s;
     counts[r] = n;
   }
