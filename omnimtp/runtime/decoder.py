@@ -552,7 +552,8 @@ def decoder_layers(
     layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
     as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
-    the last layer skips the rest (`decoder_layer`)."""
+    the last layer skips the rest (`decoder_layer`). A decode step of a dense "w4a8" decoder (one new position a
+    row, on a `KVCache`'s layer views) runs every layer in one native call instead (`w4a8_step`)."""
     if (
         decoder.quantize == "w4a8" and packed_layers is None and output_index is None and not layer_adds
         and capture_layer in (None, decoder.num_layers) and w4a8_step.applies(x, kv_buffer, where, mask)

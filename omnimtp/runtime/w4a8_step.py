@@ -71,13 +71,16 @@ def _make_table(decoder) -> StepTable | None:
     addresses = []
     for layer, (qkv, o, gate_up, down) in zip(decoder.layers, decoder.quantized_layers, strict=True):
         if ((qkv.group_size, o.group_size, gate_up.group_size, down.group_size) != (*groups[:2], *groups[::2])
-                or gate_up.out_features != 2 * intermediate
-                or not all(isinstance(q, QuantizedWeight) and q.int8_activations for q in (qkv, o, gate_up, down))):
+                or (qkv.out_features, o.out_features, gate_up.out_features, down.out_features) != (
+                    (decoder.num_heads + 2 * decoder.num_kv_heads) * decoder.head_dim, decoder.hidden_size,
+                    2 * intermediate, decoder.hidden_size)
+                or not all(isinstance(q, QuantizedWeight) and q.int8_activations and q.packed.is_contiguous()
+                           and q.scales.is_contiguous() for q in (qkv, o, gate_up, down))):
             return None
         addresses += [
-            layer.input_norm.data_ptr(), qkv.packed.data_ptr(), qkv.scales.data_ptr(), _address(layer.qkv_bias),
+            _address(layer.input_norm), qkv.packed.data_ptr(), qkv.scales.data_ptr(), _address(layer.qkv_bias),
             _address(layer.qk_norm), o.packed.data_ptr(), o.scales.data_ptr(), _address(layer.o_bias),
-            layer.post_norm.data_ptr(), gate_up.packed.data_ptr(), gate_up.scales.data_ptr(),
+            _address(layer.post_norm), gate_up.packed.data_ptr(), gate_up.scales.data_ptr(),
             down.packed.data_ptr(), down.scales.data_ptr(),
         ]
     weights = (ctypes.c_int64 * len(addresses))(*addresses)
