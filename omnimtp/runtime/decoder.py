@@ -149,7 +149,7 @@ class PackedDecoder:
             raise ValueError(f"quantize={quantize!r}: this decoder is already quantized ({self.quantize!r})")
         layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
         return replace(self, layers=layers, quantize=quantize, quantized_layers=quantized_layers,
-                       row_kernel=None, row_kernel_lm_head=None)
+                       row_kernel=None, row_kernel_lm_head=None, native_step={})
 
     def with_quantized_lm_head(self, lm_head: torch.Tensor) -> PackedDecoder:
         """This decoder with its model's output matrix lm_head [V, H] quantized to int8 per output channel

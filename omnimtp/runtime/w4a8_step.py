@@ -19,7 +19,7 @@ weighted by zero). Prefills, captured hidden states and torch.compile keep the o
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +36,6 @@ class StepTable:
     weights: ctypes.Array  # int64 [L * W4A8_STEP_WEIGHTS]
     shape: tuple[int, int, int, int]  # Nq, Nkv, D, I
     groups: tuple[int, int, int]  # w4a8 group sizes of the matrices with H, Nq * D and I inputs
-    # the last KV layer views seen and their addresses (a cache's views change only when its buffer grows)
-    kv: list = field(default_factory=lambda: [None, None], compare=False, repr=False)
 
 
 def step_table(decoder) -> StepTable | None:
@@ -109,14 +107,10 @@ def applies(x: torch.Tensor, kv_buffer, where, mask) -> bool:
     )
 
 
-def _kv_addresses(table: StepTable, kv_buffer: list, num_layers: int) -> ctypes.Array:
-    seen, addresses = table.kv
-    if seen is kv_buffer and addresses is not None and addresses[0] == kv_buffer[0][0].data_ptr():
-        return addresses
-    pointers = [t.data_ptr() for keys_values in kv_buffer[:num_layers] for t in keys_values]
-    addresses = (ctypes.c_int64 * len(pointers))(*pointers)
-    table.kv[:] = [kv_buffer, addresses]
-    return addresses
+def _addresses(values) -> ctypes.Array:
+    """Python ints → an int64 array the kernel reads (made each call: nothing holds a cache's old buffer)."""
+    values = list(values)
+    return (ctypes.c_int64 * len(values))(*values)
 
 
 def run(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_buffer: list,
@@ -142,9 +136,9 @@ def run(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tensor, to
     if mask is not None:
         mask = mask[:, 0, 0].contiguous() if mask.dtype == torch.bool else mask[:, 0, 0] == 0  # [R or 1, S]
     small_batch_linear.w4a8_decode_step(
-        rows, table.weights, _kv_addresses(table, kv_buffer, decoder.num_layers), decoder.num_layers, table.shape,
-        table.groups, decoder.eps, cos, signed_sin, (ctypes.c_int64 * num_rows)(*slots),
-        (ctypes.c_int64 * num_rows)(*columns), where.num_columns, keys.stride()[:3], mask, decoder.scaling,
+        rows, table.weights, _addresses(t.data_ptr() for pair in kv_buffer[: decoder.num_layers] for t in pair),
+        decoder.num_layers, table.shape, table.groups, decoder.eps, cos, signed_sin, _addresses(slots),
+        _addresses(columns), where.num_columns, keys.stride()[:3], mask, decoder.scaling,
     )
     return rows.view(x.shape)
 
@@ -160,18 +154,12 @@ def run_block(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tens
     cos, signed_sin = (t.reshape(num_new, head_dim).repeat(num_rows, 1) for t in rope)
     columns = positions.tolist() * num_rows
     slots = [b for b in range(num_rows) for _ in range(num_new)]
-    count = len(columns)
-    seen, addresses = table.kv
-    if seen is not kv_buffer or addresses[0] != kv_buffer.data_ptr():
-        step = kv_buffer.element_size()
-        pointers = [kv_buffer.data_ptr() + step * (layer * kv_buffer.stride(0) + half * kv_buffer.stride(1))
-                    for layer in range(decoder.num_layers) for half in (0, 1)]
-        addresses = (ctypes.c_int64 * len(pointers))(*pointers)
-        table.kv[:] = [kv_buffer, addresses]
+    base, size = kv_buffer.data_ptr(), kv_buffer.element_size()
+    kv = _addresses(base + size * (layer * kv_buffer.stride(0) + half * kv_buffer.stride(1))
+                    for layer in range(decoder.num_layers) for half in (0, 1))
     small_batch_linear.w4a8_decode_step(
-        rows, table.weights, addresses, decoder.num_layers, table.shape, table.groups, decoder.eps, cos, signed_sin,
-        (ctypes.c_int64 * count)(*slots), (ctypes.c_int64 * count)(*columns), max(columns) + 1,
-        kv_buffer.stride()[2:5], None, decoder.scaling,
-        row_keys=(ctypes.c_int64 * count)(*(column + 1 for column in columns)),
+        rows, table.weights, kv, decoder.num_layers, table.shape, table.groups, decoder.eps, cos, signed_sin,
+        _addresses(slots), _addresses(columns), max(columns) + 1, kv_buffer.stride()[2:5], None, decoder.scaling,
+        row_keys=_addresses(column + 1 for column in columns),
     )
     return rows.view(num_rows, num_new, hidden)
