@@ -60,13 +60,14 @@ def _decode(decoder, slots: list[int], prompt_lengths: list[int], steps: int = 4
 def test_the_native_step_equals_the_op_by_op_layers(kind, slots, lengths, monkeypatch):
     """One row (the 1-D path), rows of equal lengths, ragged rows (per-row columns and a mask) and rows in slots
     that are not consecutive: the native step's outputs (and the keys it cached, which the later steps read) are
-    the op-by-op layers' up to rounding, which w4a8's int8 activations may turn into one grid step here and there."""
+    the op-by-op layers' up to rounding, which w4a8's int8 activations may turn into a grid step here and there (on
+    a CPU whose torch ops round otherwise)."""
     decoder = _decoder(kind)
     assert w4a8_step.step_table(decoder) is not None
     native = _decode(decoder, slots, lengths)
     reference = _decode(decoder, slots, lengths, native=False, monkeypatch=monkeypatch)
     error = ((native - reference).norm() / reference.norm()).item()
-    assert error < 2e-3, error
+    assert error < 5e-3, error  # 4e-8 to 7e-8 here; one int8 grid step about 1e-3; a wrong RoPE or column 1e-2+
 
 
 def test_a_row_is_the_same_alone_as_in_any_batch_and_on_any_thread_count():
