@@ -2248,6 +2248,30 @@ MUTATIONS = [
         "for w in aligner.align((audio, 16_000), text, language)]",
         ASR_SERVER, "generated speech (24 kHz) is aligned as if it were 16 kHz audio",
     ),
+    Mutation(
+        "w4a8_step_rotates_the_wrong_way", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];",
+        "rotated[d] = v[d] * c[d] - v[(d + half) % D] * s[d];",
+        ("tests/test_w4a8_step.py",), "the native w4a8 decode step's RoPE turns queries and keys the other way",
+    ),
+    Mutation(
+        "w4a8_step_caches_every_row_at_the_first_rows_column", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "                       columns[r] * column_stride;",
+        "                       columns[0] * column_stride;",
+        ("tests/test_w4a8_step.py",), "the native w4a8 decode step writes every row's key and value at row 0's column",
+    ),
+    Mutation(
+        "w4a8_step_drops_the_ragged_rows_mask", "omnimtp/runtime/w4a8_step.py",
+        "        mask = mask[:, 0, 0].contiguous() if mask.dtype == torch.bool else mask[:, 0, 0] == 0  # [R or 1, S]",
+        "        mask = None",
+        ("tests/test_w4a8_step.py",), "ragged rows on the native w4a8 decode step attend past their own length",
+    ),
+    Mutation(
+        "w4a8_step_block_rows_see_later_positions", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    counts[r] = row_keys ? row_keys[r] : num_keys;",
+        "    counts[r] = num_keys;",
+        ("tests/test_w4a8_step.py",), "a causal block on the native w4a8 step attends to the block's later positions",
+    ),
 ]
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from omnimtp.runtime import w4a8_step
 from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
@@ -121,6 +122,8 @@ class PackedDecoder:
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
     step_rope_block: int = 1  # positions `step_tables` computes per miss (1: each on its own, see there)
+    # "w4a8" → (layers, quantized_layers, `w4a8_step.StepTable` or None): the native decode step's table
+    native_step: dict = field(default_factory=dict, compare=False, repr=False)
     # `with_row_kernel`: per layer (qkv, o, gate_up, down) and the lm_head packed for omnimtp's kernel
     row_kernel: tuple | None = field(default=None, compare=False, repr=False)
     row_kernel_lm_head: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -146,7 +149,7 @@ class PackedDecoder:
             raise ValueError(f"quantize={quantize!r}: this decoder is already quantized ({self.quantize!r})")
         layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
         return replace(self, layers=layers, quantize=quantize, quantized_layers=quantized_layers,
-                       row_kernel=None, row_kernel_lm_head=None)
+                       row_kernel=None, row_kernel_lm_head=None, native_step={})
 
     def with_quantized_lm_head(self, lm_head: torch.Tensor) -> PackedDecoder:
         """This decoder with its model's output matrix lm_head [V, H] quantized to int8 per output channel
@@ -549,7 +552,15 @@ def decoder_layers(
     layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
     as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
-    the last layer skips the rest (`decoder_layer`)."""
+    the last layer skips the rest (`decoder_layer`). A decode step of a dense "w4a8" decoder (one new position a
+    row, on a `KVCache`'s layer views) runs every layer in one native call instead (`w4a8_step`)."""
+    if (
+        decoder.quantize == "w4a8" and packed_layers is None and output_index is None and not layer_adds
+        and capture_layer in (None, decoder.num_layers) and w4a8_step.applies(x, kv_buffer, where, mask)
+    ):  # a decode step of a dense w4a8 decoder: every layer in one native call
+        table = w4a8_step.step_table(decoder)
+        if table is not None:
+            return w4a8_step.run(decoder, table, x, rope, kv_buffer, where, mask), None
     captured = x if capture_layer == 0 else None
     if packed_layers is None and decoder.quantized_layers is not None:
         packed_layers = decoder.quantized_layers

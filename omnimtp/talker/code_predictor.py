@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from omnimtp.runtime import w4a8_step
 from omnimtp.runtime.decoder import PackedDecoder, decoder_layers
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache
@@ -331,10 +332,14 @@ def _step(
     if gemm is not None and gemm.rows is not None and batch_size != gemm.rows:
         raise ValueError(f"step_input has {batch_size} rows, the packed matrices are for {gemm.rows}")
     op = None if gemm is None else gemm.op
-    x, _ = decoder_layers(
-        decoder, step_input, rope, kv_cache, positions, mask,
-        packed_layers=None if gemm is None else gemm.layers, gemm=op,
-    )
+    native = None if gemm is not None or torch.compiler.is_compiling() else w4a8_step.step_table(decoder)
+    if native is not None:  # w4a8, eager: every layer in one native call (`omnimtp.runtime.w4a8_step`)
+        x = w4a8_step.run_block(decoder, native, step_input, rope, kv_cache, positions)
+    else:
+        x, _ = decoder_layers(
+            decoder, step_input, rope, kv_cache, positions, mask,
+            packed_layers=None if gemm is None else gemm.layers, gemm=op,
+        )
     hidden = rms_norm(x[:, -1], decoder.final_norm, decoder.eps, fused=False)  # [B, H]
     logits = linear(hidden, lm_head, packed=packed_lm_head, gemm=op)  # [B, V]
     if sampling is None:

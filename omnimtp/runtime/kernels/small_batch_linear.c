@@ -1155,3 +1155,189 @@ int omnimtp_decode_attention(const void* q, const void* k, const void* v, const 
   free(counts);
   return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * A w4a8 decoder's decode step, every layer in one call: R rows, one new position each.
+ *
+ * Why: a decode step of a small decoder at batch 1 ran about 65 torch ops and 5 kernel calls a layer from Python;
+ * at Qwen3-TTS's talker widths (28 layers of 8 MB of int4 weights) that overhead was as long as reading the
+ * weights. Here one call runs every layer, its threads in one parallel region (a barrier between the stages of a
+ * layer instead of a fork and a join per kernel call).
+ *
+ * Per layer (dense, pre-norm, as `omnimtp.runtime.decoder.decoder_layer` computes it): RMSNorm, the w4a8 q/k/v
+ * matmul (+ bias), the per-head RMSNorm of queries and keys (qk_norm, optional), RoPE on queries and keys (full
+ * rotary, rotate-half: x * cos + roll(x, D / 2) * signed_sin), the new key and value written into the cache,
+ * attention over the row's visible keys (`attend_one_head`), the w4a8 output projection (+ bias) and residual,
+ * RMSNorm, the w4a8 gate/up matmul, silu(gate) * up, the w4a8 down matmul and residual. The matmuls are
+ * `omnimtp_w4a8_linear`'s (the same quantization of their inputs, the same panels); the norms, RoPE and SiLU are
+ * computed here in fp32 (equal to torch's up to rounding). Each row is computed on its own: a row's values are the
+ * same alone and in any batch.
+ *
+ * x [R, H] holds the step's input embeddings and gets the last layer's output (before the final norm).
+ * weights: STEP_WEIGHTS pointers a layer (see below; 0 for an absent bias or qk_norm); kv: the layer's keys and
+ * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in floats; row r writes its
+ * key and value at slot slots[r], column columns[r], and attends to columns 0..n-1 of its slot (n = row_keys[r],
+ * or num_keys for every row when row_keys is NULL), those with a nonzero byte in mask (row r's at mask + r *
+ * mask_row_stride) when mask is not NULL. Every row's key and value are written before any row attends, so
+ * several positions of one sequence may come as rows of one slot (a causal block: row_keys = columns + 1).
+ * cos, signed_sin: [R, D].
+ * groups: the group sizes of the matrices whose inputs are H, Nq * D and I wide. Returns 0, -1 when out of memory,
+ * -2 for D > 256, an odd D or a group of more than 16 query heads, -3 for a group size that does not divide its
+ * inputs in words of 8. */
+#define STEP_WEIGHTS 13 /* input_norm, qkv words, scales, bias, qk_norm, o words, scales, bias, post_norm, gate_up
+                           words, scales, down words, scales */
+
+static void step_rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / sqrtf(sum / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+static void step_quantize(const float* x, int64_t R, int64_t K, int64_t group, int8_t* xq, int32_t* xsum,
+                          float* xscale) {
+  const int64_t groups = K / group, kw = 8 * ((K + 7) / 8);
+  for (int64_t m = 0; m < R; ++m) {
+    for (int64_t g = 0; g < groups; ++g)
+      w4a8_quantize_group(x + m * K + g * group, group, g * group, xq + m * kw, xsum + m * groups + g,
+                          xscale + m * groups + g);
+    for (int64_t k = K; k < kw; ++k) xq[m * kw + (k & ~7) + kSlot[k & 7]] = 0;
+  }
+}
+
+/* y [R, N] = the quantized rows @ W.T, the panels shared by the team's threads (an orphaned `omp for`). */
+static void step_matmul(const int8_t* xq, const int32_t* xsum, const float* xscale, int64_t words, int64_t scales,
+                        float* y, int64_t R, int64_t K, int64_t N, int64_t group, int vnni) {
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  const w4a8_args args = {xq, xsum, xscale, (const int32_t*)(intptr_t)words, (const float*)(intptr_t)scales, y,
+                          K, N, group, K / group, (K + 7) / 8};
+#pragma omp for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) w4a8_panel(&args, R, p, vnni);
+}
+
+static int step_group_ok(int64_t K, int64_t group) {
+  return group >= 1 && K % group == 0 && (K / group == 1 || group % 8 == 0);
+}
+
+int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const int64_t* weights, const int64_t* kv,
+                             int64_t Nq, int64_t Nkv, int64_t D, int64_t I, int64_t group_h, int64_t group_o,
+                             int64_t group_i, float eps, const float* cos, const float* signed_sin,
+                             const int64_t* slots, const int64_t* columns, int64_t num_keys,
+                             const int64_t* row_keys, int64_t slot_stride,
+                             int64_t head_stride, int64_t column_stride, const uint8_t* mask, int64_t mask_row_stride,
+                             float scale, int num_threads, int vnni) {
+  if (D > ATTENTION_MAX_D || D % 2 || Nkv < 1 || Nq % Nkv || Nq / Nkv > ATTENTION_MAX_GROUP) return -2;
+  if (!step_group_ok(H, group_h) || !step_group_ok(Nq * D, group_o) || !step_group_ok(I, group_i)) return -3;
+  if (vnni < 0) vnni = has_vnni();
+  else if (vnni && !has_vnni()) return -2;
+  const int64_t G = Nq / Nkv, heads = Nq + 2 * Nkv, Nqkv = heads * D, half = D / 2;
+  int64_t widest = H > Nq * D ? H : Nq * D;
+  widest = widest > I ? widest : I;
+  const int64_t out_width = H > 2 * I ? H : 2 * I, span = num_keys > 0 ? num_keys : 1;
+  const int64_t kw = 8 * ((widest + 7) / 8), max_groups = widest; /* at most one group per input */
+  float* normed = (float*)malloc(sizeof(float) * (size_t)(R * widest));
+  int8_t* xq = (int8_t*)malloc((size_t)(R * kw + 1));
+  int32_t* xsum = (int32_t*)malloc(sizeof(int32_t) * (size_t)(R * max_groups));
+  float* xscale = (float*)malloc(sizeof(float) * (size_t)(R * max_groups));
+  float* qkv = (float*)malloc(sizeof(float) * (size_t)(R * Nqkv));
+  float* attn = (float*)malloc(sizeof(float) * (size_t)(R * Nq * D));
+  float* out = (float*)malloc(sizeof(float) * (size_t)(R * out_width));
+  float* work = (float*)malloc(sizeof(float) * (size_t)(R * Nkv * G * span));
+  int64_t* positions = mask ? (int64_t*)malloc(sizeof(int64_t) * (size_t)(R * span)) : NULL;
+  int64_t* counts = (int64_t*)malloc(sizeof(int64_t) * (size_t)R);
+  int status = 0;
+  if (!normed || !xq || !xsum || !xscale || !qkv || !attn || !out || !work || !counts || (mask && !positions)) {
+    status = -1;
+    goto done;
+  }
+  for (int64_t r = 0; r < R; ++r) { /* each row's visible columns, in order */
+    counts[r] = row_keys ? row_keys[r] : num_keys;
+    if (!mask) continue;
+    int64_t n = 0;
+    for (int64_t s = 0; s < counts[r]; ++s)
+      if (mask[r * mask_row_stride + s] != 0) positions[r * span + n++] = s;
+    counts[r] = n;
+  }
+  const int threads = num_threads > 1 ? num_threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* w = weights + l * STEP_WEIGHTS;
+    float* keys = (float*)(intptr_t)kv[2 * l];
+    float* values = (float*)(intptr_t)kv[2 * l + 1];
+    const float* qkv_bias = (const float*)(intptr_t)w[3];
+    const float* qk_norm = (const float*)(intptr_t)w[4];
+    const float* o_bias = (const float*)(intptr_t)w[7];
+#pragma omp single
+    {
+      for (int64_t r = 0; r < R; ++r) step_rms_norm(x + r * H, (const float*)(intptr_t)w[0], H, eps, normed + r * H);
+      step_quantize(normed, R, H, group_h, xq, xsum, xscale);
+    }
+    step_matmul(xq, xsum, xscale, w[1], w[2], qkv, R, H, Nqkv, group_h, vnni);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < R * heads; ++t) { /* bias, qk norm and RoPE of one head; keys and values cached */
+      const int64_t r = t / heads, h = t % heads;
+      float* v = qkv + r * Nqkv + h * D;
+      if (qkv_bias)
+        for (int64_t d = 0; d < D; ++d) v[d] += qkv_bias[h * D + d];
+      if (h < Nq + Nkv) {
+        if (qk_norm) step_rms_norm(v, qk_norm + h * D, D, eps, v);
+        float rotated[ATTENTION_MAX_D];
+        const float* c = cos + r * D;
+        const float* s = signed_sin + r * D;
+        for (int64_t d = 0; d < D; ++d) rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];
+        memcpy(v, rotated, sizeof(float) * (size_t)D);
+      }
+      if (h >= Nq) {
+        const int64_t kv_head = h < Nq + Nkv ? h - Nq : h - Nq - Nkv;
+        float* cache = (h < Nq + Nkv ? keys : values) + slots[r] * slot_stride + kv_head * head_stride +
+                       columns[r] * column_stride;
+        memcpy(cache, v, sizeof(float) * (size_t)D);
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < R * Nkv; ++t) {
+      const int64_t r = t / Nkv, h = t % Nkv;
+      attend_one_head(qkv + r * Nqkv + h * G * D, keys + slots[r] * slot_stride + h * head_stride,
+                      values + slots[r] * slot_stride + h * head_stride, column_stride, column_stride, 0,
+                      mask ? positions + r * span : NULL, counts[r], G, D, scale, work + t * G * span,
+                      attn + r * Nq * D + h * G * D);
+    }
+#pragma omp single
+    step_quantize(attn, R, Nq * D, group_o, xq, xsum, xscale);
+    step_matmul(xq, xsum, xscale, w[5], w[6], out, R, Nq * D, H, group_o, vnni);
+#pragma omp single
+    {
+      for (int64_t r = 0; r < R; ++r) {
+        float* xr = x + r * H;
+        for (int64_t i = 0; i < H; ++i) xr[i] += o_bias ? out[r * H + i] + o_bias[i] : out[r * H + i];
+        step_rms_norm(xr, (const float*)(intptr_t)w[8], H, eps, normed + r * H);
+      }
+      step_quantize(normed, R, H, group_h, xq, xsum, xscale);
+    }
+    step_matmul(xq, xsum, xscale, w[9], w[10], out, R, H, 2 * I, group_h, vnni);
+#pragma omp single
+    {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          const float gate = out[r * 2 * I + i];
+          normed[r * I + i] = gate / (1.f + expf(-gate)) * out[r * 2 * I + I + i];
+        }
+      step_quantize(normed, R, I, group_i, xq, xsum, xscale);
+    }
+    step_matmul(xq, xsum, xscale, w[11], w[12], out, R, I, H, group_i, vnni);
+#pragma omp single
+    for (int64_t i = 0; i < R * H; ++i) x[i] += out[i];
+  }
+done:
+  free(normed);
+  free(xq);
+  free(xsum);
+  free(xscale);
+  free(qkv);
+  free(attn);
+  free(out);
+  free(work);
+  free(positions);
+  free(counts);
+  return status;
+}
