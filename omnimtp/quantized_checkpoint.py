@@ -375,19 +375,25 @@ def _quantize_mtp_checkpoint(src: str, dst: str, quantize: str, shard_bytes: int
 class _RandomTensors:
     """`_SourceTensors`' reads for a checkpoint that does not exist: seeded normal weights (std 0.02, as transformers
     initialises linears and embeddings; norms 1), each drawn when read, in `dtype` (float32 under the module
-    prefixes `float32_prefixes`: parts that compute in float32 only)."""
+    prefixes `float32_prefixes`: parts that compute in float32 only). zero_rows_from: {name: row}: that tensor's
+    rows from `row` on are zeros."""
 
-    def __init__(self, model, seed: int, dtype: torch.dtype, float32_prefixes: tuple[str, ...] = ()):
+    def __init__(self, model, seed: int, dtype: torch.dtype, float32_prefixes: tuple[str, ...] = (),
+                 zero_rows_from: dict[str, int] | None = None):
         self.shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
         self.dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
         self.seed, self.dtype, self.float32_prefixes = seed, dtype, float32_prefixes
+        self.zero_rows_from = zero_rows_from or {}
 
     def materialize(self, name: str) -> torch.Tensor:
         if not self.dtypes[name].is_floating_point:  # counters and indices of the codec's buffers
             return torch.zeros(self.shapes[name], dtype=self.dtypes[name])
         if re.search(r"norm[^.]*\.weight$|layernorm\.weight$", name):
             return torch.ones(self.shapes[name], dtype=self._dtype(name))
-        return self._draw(name, self.shapes[name])
+        tensor = self._draw(name, self.shapes[name])
+        if name in self.zero_rows_from:
+            tensor[self.zero_rows_from[name]:] = 0
+        return tensor
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         return self._draw(f"{name}.{index}", self.shapes[name][1:])
@@ -410,7 +416,7 @@ def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dt
     any size is built without its float weights ever existing (what `benchmarks/omni_realsize.py` measures the
     released sizes with). Float tensors in `dtype` (Qwen2.5-Omni's token2wav in float32, the only dtype it computes
     in); a Qwen2.5-Omni gets its speakers (`random_speakers`, spk_dict.pt) and a generation_config.json with its
-    thinker EOS. Returns `quantize_checkpoint`'s summary."""
+    thinker EOS, and its talker emits only codes token2wav reads. Returns `quantize_checkpoint`'s summary."""
     dst = os.fspath(dst)
     _check_destination(quantize, dst)
     model_type = config.get("model_type")
@@ -422,10 +428,15 @@ def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dt
     model = _meta_model(dst, model_type)
     os.remove(os.path.join(dst, "config.json"))
     decoder_paths = family_class(model_type).decoder_paths
-    # Qwen2.5-Omni's token2wav computes in float32 only (transformers'): stored so, no cast copy at load
-    float32_prefixes = ("token2wav.",) if model_type == "qwen2_5_omni" else ()
-    summary = _write(model, _RandomTensors(model, seed, dtype, float32_prefixes), dst, quantize, decoder_paths, config,
-                     shard_bytes)
+    float32_prefixes, zero_rows_from = (), {}
+    if model_type == "qwen2_5_omni":
+        # token2wav computes in float32 only (transformers'): stored so, no cast copy at load. The talker's codec
+        # head scores 8448 ids, of which token2wav reads the first `num_embeds + 1` (the rest are specials a trained
+        # talker emits only as its EOS): random rows there would win now and then, zero rows never do
+        float32_prefixes = ("token2wav.",)
+        zero_rows_from = {"talker.codec_head.weight": model.config.token2wav_config.dit_config.num_embeds + 1}
+    summary = _write(model, _RandomTensors(model, seed, dtype, float32_prefixes, zero_rows_from), dst, quantize,
+                     decoder_paths, config, shard_bytes)
     if model_type == "qwen2_5_omni":  # its speakers and thinker EOS live beside the weights
         torch.save(random_speakers(model.config, seed), os.path.join(dst, "spk_dict.pt"))
         vocab = model.config.thinker_config.text_config.vocab_size

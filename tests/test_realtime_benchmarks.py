@@ -38,6 +38,7 @@ def test_realtime_quick_run_reports_every_part(tmp_path):
     for entry in results["modes"]:
         assert "unsupported" not in entry and "failed" not in entry, entry
         assert entry["ttfa_s"] > 0 and entry["peak_rss_mb"] >= entry["rss_loaded_mb"] > 0
+        assert entry["peak_rss_mb"] >= entry["load_peak_rss_mb"] > 0
         for batch_size in (1, 2):
             batch = entry[f"batch_{batch_size}"]
             assert len(batch["frames"]) == batch_size and batch["audio_s"] > 0 and batch["rtf"] > 0
