@@ -1,28 +1,33 @@
-"""Qwen3-Omni-30B-A3B at its released size, quantized, speaking on this CPU: load, memory, thinker and speech speed,
-each next to its floor.
+"""Qwen3-Omni-30B-A3B and Qwen2.5-Omni 7B / 3B at their released sizes, quantized, speaking on this CPU: load,
+memory, thinker and speech speed, each next to its floor.
 
 No released weights can be downloaded here, so this builds a seeded random-weight checkpoint of `--config` (the
 released config.json's fields, `configs/`) straight in omnimtp's quantized format (`omnimtp.quantized_checkpoint.
 random_quantized_checkpoint`: one layer and one expert at a time, the float model never exists; encoders and codec
-in bf16 as released), kept in `--cache-dir` for later runs, then loads it with `OmniPipeline.from_pretrained` in a
-fresh process and measures there:
+in bf16 as released, Qwen2.5-Omni's token2wav in float32, the only dtype it computes in), kept in `--cache-dir` for
+later runs, then loads it with `OmniPipeline.from_pretrained` in a fresh process and measures there:
 
 - load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
 - the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
   and the LM head, in int8, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions
   against the plain step (a MoE verify reads the union of its rows' experts);
 - speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
-  `--frames` frames: random weights never end on their own), time to first audio, the real-time factor, and per
-  frame the thinker's, talker's, code predictor's and code2wav's shares.
+  `--frames` frames, by default `--seconds` of audio: random weights never end on their own), time to first audio,
+  the real-time factor, and per frame the talker's, code predictor's (Qwen3-Omni) and codec's (code2wav; Qwen2.5-
+  Omni's token2wav) shares.
 
 Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
 KV rows, and the int8 LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
 Writes JSON.
 
+configs/: the released config.json files' architecture fields (the Qwen2.5-Omni ones give the released 10.7 B and
+5.5 B parameters).
+
     python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
         [--codec-dtype bfloat16] [--threads 2] [--out r.json]
+    python benchmarks/omni_realsize.py --config configs/qwen2.5-omni-3b.json
     python benchmarks/omni_realsize.py --build-only DIR        # only write the quantized checkpoint into DIR
-    python benchmarks/omni_realsize.py --quick                 # the tiny model's config: a check that it runs
+    python benchmarks/omni_realsize.py --quick [--config C]    # the tiny model of C's family: a check that it runs
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = HERE / "configs" / "qwen3-omni-30b-a3b-instruct.json"
 NEWLINE = 198  # "\n" in the Qwen tokenizers (the chat template's line ends)
+# the chat template's ids in Qwen's tokenizers (Qwen3-Omni's config names them; Qwen2.5-Omni's does not)
+QWEN_CHAT_IDS = {"im_start": 151644, "im_end": 151645, "user": 872, "assistant": 77091}
 
 
 def peak_rss_gb() -> float:
@@ -59,10 +66,15 @@ def peak_rss_gb() -> float:
     return max(peak_kb / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
 
-def quick_config() -> dict:
+def quick_config(model_type: str) -> dict:
+    """The tiny model's config of `model_type`'s family."""
     from omnimtp.models.tiny import tiny_qwen3_omni_config
+    from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
 
-    return tiny_qwen3_omni_config().to_dict()
+    configs = {"qwen3_omni_moe": tiny_qwen3_omni_config, "qwen2_5_omni": tiny_qwen2_5_omni_config}
+    if model_type not in configs:
+        raise ValueError(f"config: model_type {model_type!r}; omni_realsize.py runs {sorted(configs)}")
+    return configs[model_type]().to_dict()
 
 
 def build(config: dict, path: Path, mode: str, seed: int) -> dict:
@@ -77,10 +89,37 @@ def build(config: dict, path: Path, mode: str, seed: int) -> dict:
 # --- measured in a fresh process ----------------------------------------------------------------------------------
 
 
+def chat_token_ids(config) -> dict[str, int]:
+    """<|im_start|>, <|im_end|>, user and assistant: Qwen3-Omni's config's, Qwen's tokenizers' (QWEN_CHAT_IDS) for a
+    Qwen2.5-Omni, the tiny byte vocabulary's for the tiny Qwen2.5-Omni."""
+    from omnimtp.models.tiny_qwen2_5_omni import QWEN2_5_THINKER_SPECIAL_TOKENS as tiny
+
+    if hasattr(config, "im_start_token_id"):
+        return {"im_start": config.im_start_token_id, "im_end": config.im_end_token_id,
+                "user": config.user_token_id, "assistant": config.assistant_token_id}
+    if config.thinker_config.text_config.vocab_size > max(QWEN_CHAT_IDS.values()):
+        return QWEN_CHAT_IDS
+    return {"im_start": tiny["<|im_start|>"], "im_end": tiny["<|im_end|>"], "user": tiny["user"],
+            "assistant": tiny["assistant"]}
+
+
 def chat_ids(config, body: list[int]) -> list[int]:
     """A one-turn chat prompt around `body`: <|im_start|>user \\n body <|im_end|> \\n <|im_start|>assistant \\n."""
-    return [config.im_start_token_id, config.user_token_id, NEWLINE, *body, config.im_end_token_id, NEWLINE,
-            config.im_start_token_id, config.assistant_token_id, NEWLINE]
+    ids = chat_token_ids(config)
+    return [ids["im_start"], ids["user"], NEWLINE, *body, ids["im_end"], NEWLINE, ids["im_start"], ids["assistant"],
+            NEWLINE]
+
+
+def frame_rate(config, sample_rate: int) -> float:
+    """Codec frames a second: Qwen3-Omni's code2wav (its total upsampling a frame), Qwen2.5-Omni's token2wav (the
+    DiT's mel frames a code × BigVGAN's upsampling a mel frame)."""
+    import math
+
+    if hasattr(config, "code2wav_config"):
+        code2wav = config.code2wav_config
+        return sample_rate / (math.prod(code2wav.upsample_rates) * math.prod(code2wav.upsampling_ratios))
+    token2wav = config.token2wav_config
+    return sample_rate / (token2wav.dit_config.repeats * math.prod(token2wav.bigvgan_config.upsample_rates))
 
 
 def median_s(fn, repeats: int) -> float:
@@ -118,7 +157,7 @@ def thinker_figures(pipe, args, read_gb_s: float) -> dict:
 
     decoder = pipe.family.thinker_decoder
     thinker = pipe.model.thinker
-    embed = thinker.model.language_model.embed_tokens.weight
+    embed = pipe.model.get_submodule(pipe.family.decoder_paths[0]).embed_tokens.weight
     lm_head = thinker.lm_head.weight
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, embed.shape[0], (args.prompt,), generator=generator)
@@ -166,14 +205,16 @@ def speech_figures(pipe, args) -> dict:
     generator = torch.Generator().manual_seed(2)
     vocab = config.thinker_config.text_config.vocab_size
     body = torch.randint(min(1000, vocab // 4), min(100_000, vocab), (args.prompt,), generator=generator).tolist()
-    request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=args.frames,
+    frames = args.frames or round(args.seconds * frame_rate(config, pipe.family.sample_rate))
+    request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=frames,
                       speaker=pipe.family.default_speaker)
     clock = PhaseClock()
     core = EngineCore(pipe.family, pipe.config, observer=clock)
     core.add(request)
     first_audio = None
+    has_predictor = hasattr(pipe.family, "predictor")  # Qwen3-Omni's code predictor; Qwen2.5-Omni has none
     started = time.perf_counter()
-    with timed_predictor(pipe, clock):
+    with timed_predictor(pipe, clock) if has_predictor else contextlib.nullcontext():
         while core.has_work():
             for event in core.step():
                 if event.audio is not None and len(event.audio):
@@ -182,14 +223,16 @@ def speech_figures(pipe, args) -> dict:
                     output = core.output(event.request)
     wall = time.perf_counter() - started
     audio_s = len(output.audio) / pipe.family.sample_rate
-    frames = max(clock.num_frame_steps, 1)
+    steps = max(clock.num_frame_steps, 1)
     phases = clock.phases
+    ms_per_frame = {"talker": 1e3 * (phases["talk"] - phases["code_predictor"]) / steps}
+    if has_predictor:
+        ms_per_frame["code_predictor"] = 1e3 * phases["code_predictor"] / steps
+    ms_per_frame["code2wav" if has_predictor else "token2wav"] = 1e3 * phases["code2wav"] / steps
     return {
         "first_audio_s": first_audio, "wall_s": wall, "audio_s": audio_s, "rtf": wall / audio_s,
         "frames": int(output.codes.shape[-1]), "think_tokens": len(output.text_ids),
-        "ms_per_frame": {"talker": 1e3 * (phases["talk"] - phases["code_predictor"]) / frames,
-                         "code_predictor": 1e3 * phases["code_predictor"] / frames,
-                         "code2wav": 1e3 * phases["code2wav"] / frames},
+        "frame_ms_of_audio": 1e3 / frame_rate(config, pipe.family.sample_rate), "ms_per_frame": ms_per_frame,
         "thinker_s": phases["think"],
     }
 
@@ -212,29 +255,32 @@ def measure(path: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Qwen3-Omni config.json")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Qwen3-Omni or Qwen2.5-Omni config.json")
     parser.add_argument("--quantize", default="w4a8", choices=QUANTIZE_MODES)
     parser.add_argument("--codec-dtype", default=None, choices=("float32", "bfloat16"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--think-tokens", type=int, default=24, help="thinker tokens of the spoken reply")
-    parser.add_argument("--frames", type=int, default=75, help="frames spoken (12.5 a second)")
+    parser.add_argument("--frames", type=int, default=None, help="frames spoken (default: --seconds of audio)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="audio spoken when --frames is not given")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
     parser.add_argument("--build-only", default=None, metavar="DIR", help="write the checkpoint into DIR and stop")
-    parser.add_argument("--quick", action="store_true", help="the tiny Qwen3-Omni's config, short runs")
+    parser.add_argument("--quick", action="store_true", help="the tiny model of --config's family, short runs")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the fresh process's side
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.quick:
-        args.prompt, args.think_tokens, args.frames, args.repeats = 16, 4, 8, 3
+        args.prompt, args.think_tokens, args.frames, args.repeats = 16, 4, args.frames or 8, 3
     if args.measure is not None:
         print(json.dumps(measure(args.measure, args)))
         return
     torch.set_num_threads(args.threads)
-    config = quick_config() if args.quick else json.loads(Path(args.config).read_text())
-    name = "quick" if args.quick else Path(args.config).stem
+    config = json.loads(Path(args.config).read_text())
+    name = Path(args.config).stem
+    if args.quick:
+        config, name = quick_config(config.get("model_type")), f"quick-{config.get('model_type')}"
     path = Path(args.build_only) if args.build_only else Path(args.cache_dir) / f"{name}-{args.quantize}-{args.seed}"
     results = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": name, "quantize": args.quantize,
                "codec_dtype": args.codec_dtype, "threads": args.threads, "torch": torch.__version__,
@@ -249,8 +295,10 @@ def main() -> None:
     if args.build_only:
         return
     command = [sys.executable, __file__, "--measure", str(path), "--threads", str(args.threads), "--prompt",
-               str(args.prompt), "--think-tokens", str(args.think_tokens), "--frames", str(args.frames),
+               str(args.prompt), "--think-tokens", str(args.think_tokens), "--seconds", str(args.seconds),
                "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+    if args.frames:
+        command += ["--frames", str(args.frames)]
     if args.codec_dtype:
         command += ["--codec-dtype", args.codec_dtype]
     process = subprocess.run(command, capture_output=True, text=True)

@@ -18,7 +18,8 @@ in its own process (so its peak RSS is its own), per batch size (1, 8), greedy, 
   torch's FLOP counter on the decoder itself (over the bf16 matmul peak with `--codec-dtypes bfloat16`, whose
   conv stack runs in bf16), and the RTF those floors sum to (every part at its floor and
   nothing else: the best this machine allows);
-- time to the first streamed audio chunk (batch 1, the median of 5), the RSS once loaded and the process's peak RSS.
+- time to the first streamed audio chunk (batch 1, the median of 5), the RSS once loaded, the process's peak RSS
+  while loading (`load_peak_rss_mb`: before any warm-up or compile) and over the whole run (`peak_rss_mb`).
 
 Then the reference `qwen_tts` (fp32, its generate + its speech tokenizer's decode) on the same checkpoint,
 batch 1 and 8, in its own process. `--profile` adds a `torch.profiler` op table of each mode's batch-1 frames (the
@@ -366,6 +367,7 @@ def run_mode(path: str, mode: str, batch_sizes: list[int], frames: int, threads:
                                             compile_predictor=compile_predictor if compiled else False,
                                             codec_dtype=codec_dtype)
         result["load_s"] = time.perf_counter() - started
+        result["load_peak_rss_mb"] = _peak_rss_mb()
         if compiled:  # the greedy graphs of the buckets measured, built before any timing (what a warm server runs)
             started = time.perf_counter()
             runner = pipe.family.predictor(pipe.config.max_batch_size)
@@ -483,7 +485,8 @@ def print_mode(entry: dict, batch_sizes: list[int]) -> None:
     extra = f", first audio {1000 * entry['ttfa_s']:.0f} ms" if "ttfa_s" in entry else ""
     if "compile_s" in entry:
         extra += f", predictor graphs built in {entry['compile_s']:.0f} s (untimed)"
-    print(f"{'':15s} RSS loaded {entry['rss_loaded_mb']:.0f} MB, peak {entry['peak_rss_mb']:.0f} MB{extra}")
+    load_peak = f", peak while loading {entry['load_peak_rss_mb']:.0f} MB" if "load_peak_rss_mb" in entry else ""
+    print(f"{'':15s} RSS loaded {entry['rss_loaded_mb']:.0f} MB{load_peak}, peak {entry['peak_rss_mb']:.0f} MB{extra}")
     if "profile" in entry:
         p = entry["profile"]
         print(f"{'':15s} profile, per frame: {p['ops_per_frame']:.0f} ops; matmul/conv "

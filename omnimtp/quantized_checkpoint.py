@@ -374,26 +374,36 @@ def _quantize_mtp_checkpoint(src: str, dst: str, quantize: str, shard_bytes: int
 
 class _RandomTensors:
     """`_SourceTensors`' reads for a checkpoint that does not exist: seeded normal weights (std 0.02, as transformers
-    initialises linears and embeddings; norms 1), each drawn when read, in `dtype`."""
+    initialises linears and embeddings; norms 1), each drawn when read, in `dtype` (float32 under the module
+    prefixes `float32_prefixes`: parts that compute in float32 only). zero_rows_from: {name: row}: that tensor's
+    rows from `row` on are zeros."""
 
-    def __init__(self, model, seed: int, dtype: torch.dtype):
+    def __init__(self, model, seed: int, dtype: torch.dtype, float32_prefixes: tuple[str, ...] = (),
+                 zero_rows_from: dict[str, int] | None = None):
         self.shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
         self.dtypes = {name: tensor.dtype for name, tensor in model.state_dict().items()}
-        self.seed, self.dtype = seed, dtype
+        self.seed, self.dtype, self.float32_prefixes = seed, dtype, float32_prefixes
+        self.zero_rows_from = zero_rows_from or {}
 
     def materialize(self, name: str) -> torch.Tensor:
         if not self.dtypes[name].is_floating_point:  # counters and indices of the codec's buffers
             return torch.zeros(self.shapes[name], dtype=self.dtypes[name])
         if re.search(r"norm[^.]*\.weight$|layernorm\.weight$", name):
-            return torch.ones(self.shapes[name], dtype=self.dtype)
-        return self._draw(name, self.shapes[name])
+            return torch.ones(self.shapes[name], dtype=self._dtype(name))
+        tensor = self._draw(name, self.shapes[name])
+        if name in self.zero_rows_from:
+            tensor[self.zero_rows_from[name]:] = 0
+        return tensor
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         return self._draw(f"{name}.{index}", self.shapes[name][1:])
 
+    def _dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name.startswith(self.float32_prefixes) else self.dtype
+
     def _draw(self, name: str, shape) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
-        return (torch.randn(shape, generator=generator) * 0.02).to(self.dtype)
+        return (torch.randn(shape, generator=generator) * 0.02).to(self._dtype(name))
 
     def release(self) -> None:
         """Nothing is mapped: `_SourceTensors.release`'s counterpart."""
@@ -404,7 +414,9 @@ def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dt
     """A seeded random-weight checkpoint of a Qwen3-Omni or Qwen2.5-Omni `config` (a config.json's dict, e.g. a
     released one) written straight into DST in the quantized format, one layer and one tensor at a time: a model of
     any size is built without its float weights ever existing (what `benchmarks/omni_realsize.py` measures the
-    released sizes with). Float tensors in `dtype`. Returns `quantize_checkpoint`'s summary."""
+    released sizes with). Float tensors in `dtype` (Qwen2.5-Omni's token2wav in float32, the only dtype it computes
+    in); a Qwen2.5-Omni gets its speakers (`random_speakers`, spk_dict.pt) and a generation_config.json with its
+    thinker EOS, and its talker emits only codes token2wav reads. Returns `quantize_checkpoint`'s summary."""
     dst = os.fspath(dst)
     _check_destination(quantize, dst)
     model_type = config.get("model_type")
@@ -416,7 +428,39 @@ def random_quantized_checkpoint(config, dst, quantize: str, *, seed: int = 0, dt
     model = _meta_model(dst, model_type)
     os.remove(os.path.join(dst, "config.json"))
     decoder_paths = family_class(model_type).decoder_paths
-    return _write(model, _RandomTensors(model, seed, dtype), dst, quantize, decoder_paths, config, shard_bytes)
+    float32_prefixes, zero_rows_from = (), {}
+    if model_type == "qwen2_5_omni":
+        # token2wav computes in float32 only (transformers'): stored so, no cast copy at load. The talker's codec
+        # head scores 8448 ids, of which token2wav reads the first `num_embeds + 1` (the rest are specials a trained
+        # talker emits only as its EOS): random rows there would win now and then, zero rows never do
+        float32_prefixes = ("token2wav.",)
+        zero_rows_from = {"talker.codec_head.weight": model.config.token2wav_config.dit_config.num_embeds + 1}
+    summary = _write(model, _RandomTensors(model, seed, dtype, float32_prefixes, zero_rows_from), dst, quantize,
+                     decoder_paths, config, shard_bytes)
+    if model_type == "qwen2_5_omni":  # its speakers and thinker EOS live beside the weights
+        torch.save(random_speakers(model.config, seed), os.path.join(dst, "spk_dict.pt"))
+        vocab = model.config.thinker_config.text_config.vocab_size
+        with open(os.path.join(dst, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": min(QWEN_IM_END, vocab - 1)}, f)
+    return summary
+
+
+RANDOM_SPEAKERS = ("Chelsie", "Ethan")
+# <|im_end|> in Qwen's tokenizers: a random Qwen2.5-Omni's thinker EOS (its vocabulary's last id if that is smaller)
+QWEN_IM_END = 151645
+RANDOM_REF_MEL_FRAMES = 300
+
+
+def random_speakers(config, seed: int) -> dict:
+    """Seeded speakers of a Qwen2.5-Omni `config` in spk_dict.pt's layout (`{name: {"bos_token", "cond",
+    "ref_mel"}}`): per name a thinker id from the top of its vocabulary, a normal `cond` [enc_emb_dim] and a normal
+    `ref_mel` [1, RANDOM_REF_MEL_FRAMES, mel_dim]."""
+    dit = config.token2wav_config.dit_config
+    vocab = config.thinker_config.text_config.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    return {name: {"bos_token": vocab - 1 - index, "cond": torch.randn(dit.enc_emb_dim, generator=generator),
+                   "ref_mel": torch.randn(1, RANDOM_REF_MEL_FRAMES, dit.mel_dim, generator=generator)}
+            for index, name in enumerate(RANDOM_SPEAKERS)}
 
 
 def _write(model, source, dst: str, quantize: str, decoders: tuple[str, ...], config: dict, shard_bytes: int) -> dict:
@@ -560,6 +604,10 @@ def load_quantized_model(path, quantize: str | None = None, dtype: torch.dtype |
             placeholder = torch.zeros((), dtype=decoder_dtype).expand(parameter.shape)
             _load_parameter_into_model(model, name, torch.nn.Parameter(placeholder, requires_grad=False))
     model.omnimtp_quantized_checkpoint = path  # (`OmniPipeline.save_pretrained` refuses such a model)
+    if hasattr(model, "generation_config") and os.path.isfile(os.path.join(path, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)  # as transformers' from_pretrained reads it
     if hasattr(model, "load_speakers") and os.path.isfile(os.path.join(path, "spk_dict.pt")):
         model.load_speakers(os.path.join(path, "spk_dict.pt"))
     stored = {}
@@ -589,7 +637,7 @@ def load_quantized_target_and_head(path, quantize: str | None = None, dtype: tor
     mode (`packed_target.stored_packed_target`); the head is read as stored, in float. dtype: the float tensors'
     (None: the config's, as `load_target_and_head` loads a float checkpoint). quantize: None or the checkpoint's
     mode (another: ValueError naming `quantize`)."""
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig
 
     from omnimtp.mtp.head import MTPHead
     from omnimtp.spec_decode.packed_target import stored_packed_target
@@ -601,8 +649,6 @@ def load_quantized_target_and_head(path, quantize: str | None = None, dtype: tor
         dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
     loaded = load_quantized_model(path, quantize, dtype=dtype if isinstance(dtype, torch.dtype) else None)
     target = loaded.model
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        target.generation_config = GenerationConfig.from_pretrained(path)
     (prefix,) = loaded.stored
     stored_packed_target(target, loaded.mode, loaded.stored[prefix])
     return target, MTPHead.from_pretrained(path, target).eval()

@@ -1609,6 +1609,27 @@ MUTATIONS = [
         "uninitialised memory",
     ),
     Mutation(
+        "quantized_checkpoint_ignores_its_generation_config", "omnimtp/quantized_checkpoint.py",
+        '    if hasattr(model, "generation_config") and os.path.isfile(os.path.join(path, "generation_config.json")):',
+        "    if False:",
+        QUANTIZED_CHECKPOINT, "a quantized checkpoint loads without its generation_config.json: a Qwen2.5-Omni without "
+        "a tokenizer has no thinker EOS and is refused",
+    ),
+    Mutation(
+        "random_qwen2_5_token2wav_in_bf16", "omnimtp/quantized_checkpoint.py",
+        '        float32_prefixes = ("token2wav.",)\n',
+        "        float32_prefixes = ()\n",
+        QUANTIZED_CHECKPOINT, "a random Qwen2.5-Omni's token2wav is stored in bf16, a dtype it cannot compute in",
+    ),
+    Mutation(
+        "random_qwen2_5_talker_emits_codec_specials", "omnimtp/quantized_checkpoint.py",
+        '        zero_rows_from = {"talker.codec_head.weight": model.config.token2wav_config.dit_config.num_embeds'
+        " + 1}",
+        "        zero_rows_from = {}",
+        QUANTIZED_CHECKPOINT, "a random Qwen2.5-Omni's talker now and then emits an id past token2wav's codes, which "
+        "token2wav refuses: a real-size benchmark run dies mid-reply",
+    ),
+    Mutation(
         "tts_checkpoint_requantizes_the_predictor", "omnimtp/families/qwen3_tts.py",
         "                                                 stored=stored.get(self.decoder_paths[1]))",
         "                                                 stored=None)",

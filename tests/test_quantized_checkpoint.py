@@ -155,6 +155,33 @@ def test_a_random_checkpoint_is_written_straight_in_the_quantized_format(sources
             assert all(torch.equal(first.get_tensor(key), second.get_tensor(key)) for key in first.keys())
 
 
+def test_a_random_qwen2_5_omni_checkpoint_holds_its_speakers_eos_and_a_float32_token2wav(sources, tmp_path):
+    """A Qwen2.5-Omni keeps its speakers in spk_dict.pt and its thinker EOS in generation_config.json (loaded with
+    the quantized checkpoint, as transformers loads it with a float one); token2wav computes in float32 only, so
+    it is stored in float32 beside the bf16 rest; the talker's codec head scores more ids than token2wav reads,
+    and those rows are zeros, so a random talker emits only codes token2wav takes."""
+    config = json.loads((sources["qwen2_5"] / "config.json").read_text())
+    config["talker_config"]["vocab_size"] = 96  # ids 66.. are past the DiT's 65 + 1 codes
+    summary = random_quantized_checkpoint(config, tmp_path / "r", "int8", seed=3)
+    assert set(summary["decoders"]) == {"thinker.model.language_model", "talker.model"}
+    dtypes = {}
+    for name in summary["files"]:
+        with safe_open(tmp_path / "r" / name, "pt") as handle:
+            dtypes.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})
+    assert {dtype for key, dtype in dtypes.items() if key.startswith("token2wav.")} == {"F32"}
+    assert dtypes["thinker.model.language_model.embed_tokens.weight"] == "BF16"
+    speakers = torch.load(tmp_path / "r" / "spk_dict.pt", weights_only=True)
+    assert set(speakers) == {"Chelsie", "Ethan"}
+    pipe = OmniPipeline.from_pretrained(tmp_path / "r")  # no tokenizer: its EOS from generation_config.json
+    assert pipe.family.eos_token_ids == {config["thinker_config"]["text_config"]["vocab_size"] - 1}
+    out = pipe.generate(input_ids=[256, 262, 10, 72, 105, 257, 10, 256, 263, 10], max_new_tokens=3, max_frames=5,
+                        speaker="Ethan")
+    assert len(out.text_ids) <= 3 and out.codes.shape == (1, 5) and len(out.audio) == 5 * 480
+    assert np.isfinite(out.audio).all() and int(out.codes.max()) < 66
+    head = pipe.model.talker.codec_head.weight
+    assert not head[66:].any() and head[:66].abs().min() > 0
+
+
 def test_refusals_name_what_is_wrong(sources, tmp_path):
     dst = tmp_path / "q"
     quantize_checkpoint(sources["qwen3"], dst, "int4")

@@ -38,6 +38,7 @@ def test_realtime_quick_run_reports_every_part(tmp_path):
     for entry in results["modes"]:
         assert "unsupported" not in entry and "failed" not in entry, entry
         assert entry["ttfa_s"] > 0 and entry["peak_rss_mb"] >= entry["rss_loaded_mb"] > 0
+        assert entry["peak_rss_mb"] >= entry["load_peak_rss_mb"] > 0
         for batch_size in (1, 2):
             batch = entry[f"batch_{batch_size}"]
             assert len(batch["frames"]) == batch_size and batch["audio_s"] > 0 and batch["rtf"] > 0
@@ -205,6 +206,21 @@ def test_omni_realsize_quick_run_builds_loads_and_measures_against_the_floors(tm
     speech = results["speech"]
     assert speech["frames"] == 8 and speech["first_audio_s"] > 0 and speech["rtf"] > 0
     assert set(speech["ms_per_frame"]) == {"talker", "code_predictor", "code2wav"}
+
+
+def test_omni_realsize_quick_run_of_the_qwen2_5_omni_config_builds_its_family(tmp_path):
+    """--quick with a Qwen2.5-Omni config builds the tiny Qwen2.5-Omni (speakers, token2wav) and measures it: no
+    code predictor, token2wav's share per frame, frames of 20 ms of audio (its DiT's 2 mel frames x BigVGAN's 240)."""
+    out = tmp_path / "realsize.json"
+    _run(["benchmarks/omni_realsize.py", "--quick", "--config", "benchmarks/configs/qwen2.5-omni-3b.json",
+          "--threads", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["config"] == "quick-qwen2_5_omni" and results["build"]["bytes"] > 0
+    assert results["thinker"]["floor_tokens_per_s"] > results["thinker"]["tokens_per_s_batch_1"] > 0
+    speech = results["speech"]
+    assert speech["frames"] == 8 and speech["frame_ms_of_audio"] == 20.0 and speech["rtf"] > 0
+    assert speech["audio_s"] == pytest.approx(8 * 0.02)
+    assert set(speech["ms_per_frame"]) == {"talker", "token2wav"}
 
 
 def test_playback_quick_run_reports_every_load(tmp_path):
