@@ -2120,6 +2120,12 @@ MUTATIONS = [
         ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
     ),
     Mutation(
+        "step_costs_by_median", "omnimtp/server/admission.py",
+        "        return {n: statistics.fmean(samples)",
+        "        return {n: statistics.median(samples)",
+        ADMISSION, "a step's cost is its typical step's, without the chunk decoding that falls in a few steps",
+    ),
+    Mutation(
         "deferred_chunks_ignore_the_lead", "omnimtp/engine/core.py",
         "        if lead is None or lead < 2 * self.step_s + decode_s + decode_s / growth:\n            return False\n",
         "        if lead is None:\n            return False\n",

@@ -2,7 +2,8 @@
 
 One engine step makes one audio frame for every stream in the talker batch, so n streams play in real time
 while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). `StepCosts` measures what a step of
-n streams costs on this machine as the engine runs (the median of its recent steps at each n); the capacity
+n streams costs on this machine as the engine runs (the mean of its recent steps at each n: a chunk is decoded
+in only some steps, and the mean spreads its decoding over the steps whose frames it holds); the capacity
 is the largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
 the largest smaller one measured, in proportion (a step's fixed part is left out, so the estimate errs high):
 capacity grows as it is measured and never rests on a guess that is too kind. A stream that would push the
@@ -32,7 +33,7 @@ from omnimtp.spec_decode.cost_cache import read_entry, write_entry
 DEFAULT_HEADROOM = 0.9
 # A frame's audio before any stream has told: Qwen3-Omni's and Qwen3-TTS's 12.5 Hz codecs (1920 samples at 24 kHz).
 DEFAULT_FRAME_S = 0.08
-_NUM_SAMPLES = 16  # recent steps kept per size (their median is the size's cost)
+_NUM_SAMPLES = 64  # recent steps kept per size (their mean is the size's cost: a few chunks' decoding among them)
 _MAX_RETRY_AFTER_S = 120
 _KIND = "speech_step_costs"  # the cost cache's directory for them
 MIN_KEPT_SAMPLES = 3  # a size measured fewer times is not kept on disk (`keep_step_costs`)
@@ -51,13 +52,13 @@ class StepCosts:
         self._samples.setdefault(num_streams, deque(maxlen=self.num_samples)).append(float(seconds))
 
     def measured(self, min_samples: int = 1) -> dict[int, float]:
-        """{streams: median step seconds} of every size measured at least min_samples times."""
-        return {n: statistics.median(samples) for n, samples in sorted(self._samples.items())
+        """{streams: mean step seconds} of every size measured at least min_samples times."""
+        return {n: statistics.fmean(samples) for n, samples in sorted(self._samples.items())
                 if len(samples) >= min_samples}
 
     def seed(self, measured: dict[int, float]) -> None:
         """Start over from {streams: seconds} measured before (one sample each: the next steps measured at a
-        size move its median at once)."""
+        size move its mean at once)."""
         self._samples = {}
         for num_streams, seconds in measured.items():
             self.observe(num_streams, seconds)

@@ -62,10 +62,10 @@ def _directory_files(path: str) -> list | None:
 
 @functools.cache
 def _code_digest() -> str:
-    """A digest of omnimtp's Python sources (what the measured loop runs)."""
+    """A digest of omnimtp's Python and C sources (what the measured loop runs, its kernels included)."""
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.c")]):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
