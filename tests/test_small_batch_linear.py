@@ -220,7 +220,8 @@ def test_bf16_decode_attention_is_fp32_attention_rounded_once(num_kv_heads, grou
                                            enable_gqa=True).reshape(num_rows, -1)
     fp32_error = 1e-5 * float(values.float().abs().max())  # the sums' rounding, where terms cancel near 0
     assert ((out.float() - exact).abs() <= _ulp_bf16(exact) + fp32_error).all()
-    assert (out.float() == exact.bfloat16().float()).float().mean() > 0.99
+    # nearly all equal to the exact value rounded (an occasional sum's fp32 rounding falls across the boundary)
+    assert int((out.float() != exact.bfloat16().float()).sum()) <= 2 + out.numel() // 100
     sdpa = F.scaled_dot_product_attention(query[:, :, None], keys, values, scale=scale, enable_gqa=True)
     torch.testing.assert_close(out, sdpa.reshape(num_rows, -1), rtol=0.02, atol=0.02)
     assert all(torch.equal(t, b) for t, b in zip((query, keys, values), before, strict=True))
