@@ -314,7 +314,7 @@ def main() -> None:
           f"at batch 1 (floor {t['floor_tokens_per_s']:.1f}: {t['step_bytes_gb']:.2f} GB a step), "
           f"{t['tokens_per_s_batch_4']:.1f} at batch 4; verify k = 1, 2, 3: "
           + ", ".join(f"{t[f'verify_k{k}_vs_step']:.2f}x" for k in (1, 2, 3)) + " a plain step")
-    for label, s in (("speech", s), ("speech again", results["speech_again"])):
+    for label, s in (("speech", results["speech"]), ("speech again", results["speech_again"])):
         print(f"{label}: first audio {s['first_audio_s']:.2f} s, RTF {s['rtf']:.2f} ({s['audio_s']:.1f} s of audio, "
               f"{s['frames']} frames); per frame " + ", ".join(f"{k} {v:.1f} ms" for k, v in s["ms_per_frame"].items()))
     if args.out:
