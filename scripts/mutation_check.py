@@ -1724,8 +1724,8 @@ MUTATIONS = [
     ),
     Mutation(
         "decode_attention_weights_masked_keys_by_zero", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "      if (m[s]) positions[r * span + n++] = s;",
-        "      positions[r * span + n++] = s;",
+        "    if (mask[s]) positions[count++] = s;",
+        "    positions[count++] = s;",
         ("tests/test_small_batch_linear.py",), "the attention kernel reads masked keys as visible",
     ),
     Mutation(

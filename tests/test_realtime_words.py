@@ -12,9 +12,9 @@ import threading
 import time
 
 import numpy as np
-import openai
 import pytest
 from server_harness import running_server
+from test_server_realtime import _client, _next
 
 from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, split_words
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
@@ -53,11 +53,6 @@ def client(engine, aligner):
         yield _client(url)
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", websocket_base_url=url.replace("http://", "ws://") + "/v1",
-                         api_key="unused", max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def expected(family, aligner):
     """The seeded pipeline's reply to "Tell me a story": its transcript, and the aligner's words on it."""
@@ -82,12 +77,6 @@ def _connect(client):
                                            "audio": {"input": {"turn_detection": None}}})
         assert _next(connection).type == "session.updated"
         yield connection
-
-
-def _next(connection):
-    event = connection.recv()
-    assert event.type != "error", event.error
-    return event
 
 
 def _user_text(connection, text: str) -> None:

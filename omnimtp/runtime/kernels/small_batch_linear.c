@@ -1056,6 +1056,14 @@ static inline const float* row_as_float(const void* head, int64_t index, int64_t
   return buffer;
 }
 
+/* The positions s < n whose mask byte is nonzero, in order, into positions; returns how many. */
+static int64_t visible_positions(const uint8_t* mask, int64_t n, int64_t* positions) {
+  int64_t count = 0;
+  for (int64_t s = 0; s < n; ++s)
+    if (mask[s]) positions[count++] = s;
+  return count;
+}
+
 /* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
  * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
  * the same values); scores: G * n floats of work space; out [G, D] fp32. */
@@ -1129,13 +1137,8 @@ int omnimtp_decode_attention(const void* q, const void* k, const void* v, const 
     free(counts);
     return -1;
   }
-  for (int64_t r = 0; mask && r < num_rows; ++r) { /* each row's visible positions, in order */
-    const uint8_t* m = mask + r * mask_row_stride;
-    int64_t n = 0;
-    for (int64_t s = 0; s < S; ++s)
-      if (m[s]) positions[r * span + n++] = s;
-    counts[r] = n;
-  }
+  for (int64_t r = 0; mask && r < num_rows; ++r) /* each row's visible positions, in order */
+    counts[r] = visible_positions(mask + r * mask_row_stride, S, positions + r * span);
   const int threads = num_threads > 1 && tasks > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
@@ -1252,11 +1255,7 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
   }
   for (int64_t r = 0; r < R; ++r) { /* each row's visible columns, in order */
     counts[r] = row_keys ? row_keys[r] : num_keys;
-    if (!mask) continue;
-    int64_t n = 0;
-    for (int64_t s = 0; s < counts[r]; ++s)
-      if (mask[r * mask_row_stride + s] != 0) positions[r * span + n++] = s;
-    counts[r] = n;
+    if (mask) counts[r] = visible_positions(mask + r * mask_row_stride, counts[r], positions + r * span);
   }
   const int threads = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
