@@ -121,7 +121,8 @@ class OmniPipeline:
         compile_predictor: `CodePredictorRunner`'s compile mode. False: eager; "step" (or True): each predictor
         step is one compiled graph (tens of seconds per batch size on a CPU); "frame": the whole frame is one graph
         (a minute or more per batch size the first time, seconds once inductor's disk cache has it), the
-        fastest. Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
+        fastest; "auto": "frame" unless the predictor runs omnimtp's native w4a8 step, as fast eagerly (then
+        eager). Worth it for a long-lived pipeline, not for a one-shot command. processor: the checkpoint's
         audio and image processor (None: chat messages with media parts are refused); media_limits: what
         such a part may hold (`omnimtp.media.MediaLimits`). family: a ready family
         (`Qwen3OmniFamily`, `Qwen2_5OmniFamily`) instead of model, tokenizer and processor; else the family

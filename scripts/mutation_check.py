@@ -2276,6 +2276,12 @@ MUTATIONS = [
         ASR_SERVER, "generated speech (24 kHz) is aligned as if it were 16 kHz audio",
     ),
     Mutation(
+        "auto_compiles_the_native_predictor", "omnimtp/talker/code_predictor.py",
+        '            self.compile_mode = None if w4a8_step.step_table(self.weights.decoder) is not None else "frame"',
+        '            self.compile_mode = "frame"',
+        ("tests/test_w4a8_step.py",), "serve compiles a w4a8 predictor whose eager native step is as fast",
+    ),
+    Mutation(
         "w4a8_step_rotates_the_wrong_way", "omnimtp/runtime/kernels/small_batch_linear.c",
         "rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];",
         "rotated[d] = v[d] * c[d] - v[(d + half) % D] * s[d];",

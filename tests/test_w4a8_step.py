@@ -185,3 +185,22 @@ def test_the_code_predictors_steps_run_natively_alone_as_in_a_batch(monkeypatch)
     monkeypatch.setattr(w4a8_step, "step_table", lambda decoder: None)
     reference = runner.run(hidden, cb0)
     assert torch.equal(reference.codes, batch.codes)
+
+
+def test_auto_compiles_the_predictor_only_where_it_runs_op_by_op():
+    """compile="auto" (what `serve` asks): a w4a8 predictor on the native step builds no graphs, an fp32 or int8 one
+    compiles its frame; a server on the native step starts no warm-up."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+    from omnimtp.models.qwen3_tts import tiny_qwen3_tts
+    from omnimtp.server.build import build_engine
+    from omnimtp.talker.code_predictor import CodePredictorRunner
+
+    cp = tiny_qwen3_tts(0).talker.code_predictor
+    assert CodePredictorRunner(cp, 2, compile="auto", quantize="w4a8").compile_mode is None
+    assert CodePredictorRunner(cp, 2, compile="auto", quantize="int8").compile_mode == "frame"
+    assert CodePredictorRunner(cp, 2, compile="auto").compile_mode == "frame"
+    with pytest.raises(ValueError, match="compile"):
+        CodePredictorRunner(cp, 2, compile="always")
+    assert not build_engine(None, max_batch_size=2, max_frames=4, compile_predictor="auto", quantize="w4a8").warm_up
+    assert build_engine(None, max_batch_size=2, max_frames=4, compile_predictor="auto").warm_up
+    assert Qwen3OmniFamily.tiny(0, compile_predictor="auto").predictor(2).compile_mode == "frame"

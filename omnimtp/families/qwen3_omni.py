@@ -39,7 +39,7 @@ class Qwen3OmniFamily(ChatText):
     model: transformers' `Qwen3OmniMoeForConditionalGeneration`; tokenizer: its text tokenizer, or None
     (then requests come as token ids and no text is decoded). processor: its audio and image processor
     (`omnimtp.media.load_processor`), or None when the checkpoint has none (then chat media is refused).
-    compile_predictor: `CodePredictorRunner`'s compile mode (False, "step" or "frame"); worth it for a
+    compile_predictor: `CodePredictorRunner`'s compile mode (False, "auto", "step" or "frame"); worth it for a
     long-lived process, see `warm_up`. thinker_speculation: the thinker's speculative steps
     (`omnimtp.spec_decode.thinker_spec.ThinkerSpeculation`), or None for one token per step. quantize: the
     thinker's and talker's linears (`OmniPipeline`'s). codec_dtype: code2wav's conv stack in "float32" or

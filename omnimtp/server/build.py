@@ -16,8 +16,9 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
                  prefix_cache_bytes: int = 0, codec_dtype: str | None = None, admission: bool = False):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
-    weights are loaded, moved to `device` and packed once; compile_predictor ("frame", "step" or False): the predictor's
-    graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up).
+    weights are loaded, moved to `device` and packed once; compile_predictor ("auto", "frame", "step" or False): the
+    predictor's graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up); "auto"
+    compiles nothing where the eager predictor runs the native w4a8 step (`CodePredictorRunner`).
     media_limits: what a request's audio and images may hold.
     thinker_mtp, num_draft_tokens: speculative thinker steps, torch_threads: the thread rule's override,
     quantize: quantized linears, codec_dtype: the audio decoder's conv stack (`OmniPipeline`'s).
@@ -29,13 +30,13 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     from omnimtp.server.scheduler import Engine
     from omnimtp.spec_decode.thinker_spec import thinker_speculation
 
-    warm_up = compile_predictor is not False
     if model_dir is None:
         family = Qwen3OmniFamily.tiny(0, device=device, compile_predictor=compile_predictor, quantize=quantize,
                                       codec_dtype=codec_dtype)
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
-        return Engine(family, model_id="omnimtp-tiny", warm_up=warm_up, max_batch_size=max_batch_size,
+        return Engine(family, model_id="omnimtp-tiny", warm_up=_compiles_predictor(family, max_batch_size),
+                      max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits, timeout_text_idle=timeout_text_idle,
                       prefix_cache_bytes=prefix_cache_bytes, admission=admission)
@@ -49,11 +50,18 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
     model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
-    warm_up = warm_up and pipe.family.speaks  # (a model that only hears has no code predictor to compile)
-    return Engine(pipe.family, model_id=model_id, warm_up=warm_up, max_batch_size=max_batch_size,
+    return Engine(pipe.family, model_id=model_id, warm_up=_compiles_predictor(pipe.family, max_batch_size),
+                  max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
                   media_limits=media_limits, timeout_text_idle=timeout_text_idle,
                   prefix_cache_bytes=prefix_cache_bytes, admission=admission)
+
+
+def _compiles_predictor(family, max_batch_size: int) -> bool:
+    """Whether the family's code predictor for batches up to max_batch_size has graphs to build (a model that only
+    hears, or an eager predictor, has none)."""
+    predictor = getattr(family, "predictor", None)
+    return bool(family.speaks) and predictor is not None and predictor(max_batch_size).compile_mode is not None
 
 
 def build_app(args: argparse.Namespace):
@@ -70,7 +78,7 @@ def build_app(args: argparse.Namespace):
 
         model = str(demo_omni_dir())
     engine = build_engine(model, max_batch_size=args.max_batch_size, max_frames=args.max_frames,
-                          compile_predictor=False if args.eager else "frame", media_limits=media_limits,
+                          compile_predictor=False if args.eager else "auto", media_limits=media_limits,
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),

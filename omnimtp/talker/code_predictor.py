@@ -413,7 +413,9 @@ class CodePredictorRunner:
     copied (cast to `dtype`, default cp's own) and packed at construction; later changes to cp are
     not seen.
 
-    compile: False (eager); "step" (or True) wraps one predictor step in `torch.compile`: two graphs
+    compile: False (eager); "auto": "frame" unless the eager predictor runs omnimtp's native w4a8 step (a w4a8
+    predictor on a CPU in fp32, `runtime.w4a8_step`), which is as fast as the compiled frame at real widths and
+    builds nothing (then eager); "step" (or True) wraps one predictor step in `torch.compile`: two graphs
     (first step, and every later step) per batch size and sampling setting; "frame" compiles the
     whole frame, all G-1 steps, as one graph per batch size and sampling setting: no per-step
     dispatch at all, the fastest at small dims, but its first compile takes minutes on a CPU
@@ -462,8 +464,8 @@ class CodePredictorRunner:
             raise ValueError(f"dtype must be None or a floating-point torch.dtype, got {dtype!r}")
         if compile is True:
             compile = "step"
-        if compile not in (False, "step", "frame"):
-            raise ValueError(f'compile must be False, True, "step" or "frame", got {compile!r}')
+        if compile not in (False, "auto", "step", "frame"):
+            raise ValueError(f'compile must be False, True, "auto", "step" or "frame", got {compile!r}')
         if packed_gemm is not None and not isinstance(packed_gemm, bool) and packed_gemm not in PACKED_GEMM_KINDS:
             raise ValueError(
                 f"packed_gemm must be None, True, False or one of {PACKED_GEMM_KINDS}, got {packed_gemm!r}"
@@ -509,6 +511,8 @@ class CodePredictorRunner:
             self.weights = self.weights.quantized(quantize)
             self.packed_gemm_kind, self.packed_gemm = None, False  # the quantized kernel runs every row count
         self.quantize = quantize
+        if compile == "auto":  # the native w4a8 step is the compiled frame's equal, and compiles nothing
+            self.compile_mode = None if w4a8_step.step_table(self.weights.decoder) is not None else "frame"
         # [L, 2, B_max, Nkv, G, D], written at static positions (every frame starts at position 0)
         self.kv = KVCache(self.weights.decoder, max_batch_size, capacity=self.num_code_groups, is_growable=False)
         # Per-step views, made once: step j uses lm_head[j] and codec_embedding[j].
