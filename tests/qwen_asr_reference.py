@@ -4,7 +4,7 @@
 Its package `__init__` imports the forced aligner's module, which imports nagisa (Japanese words) and, when
 asked, soynlp (Korean words) at the top; the tests align English and Chinese, which use neither, so they are
 registered as empty modules when absent. On transformers 5.24 its text config has no `pad_token_id` attribute
-(5.24 configs no longer default it), which its text model reads: the shim sets it to None, what the released
+(5.24 configs do not default it), which its text model reads: the shim sets it to None, what the released
 configs leave it. Import the reference through `load()` only.
 """
 

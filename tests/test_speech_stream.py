@@ -756,8 +756,8 @@ def _health_latencies(url: str, stop) -> list[float]:
 
 
 def test_a_burst_of_tiny_deltas_does_not_hold_up_the_server(servers, monkeypatch):
-    """2,000 one-character deltas sent at once: `/health` answers within a bound far below the burst's work on
-    the old loop (every buffered event run without a yield, each delta re-tokenizing the whole text: seconds),
+    """2,000 one-character deltas sent at once: `/health` answers within a bound far below the burst's work with
+    every buffered event run without a yield and each delta re-tokenizing the whole text (seconds),
     the text is tokenized once per batch of deltas that arrived together, not once per delta, and the deltas are
     taken in order (an event after them is answered after them)."""
     import threading

@@ -412,8 +412,8 @@ def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor
 # some lengths) and 6–21 ms as a matmul; its 2.9 M-weight 768 → 384 block was about even, the smaller ones faster
 # as convolutions. Short inputs (up to ROW_KERNEL_MAX_ROWS input steps) run the matmul on omnimtp's row kernel
 # (`row_kernel_weight`), whatever the layer's size above the kernel's minimum: the 1536 → 768 block, 4 input steps
-# 22 → 4.0 ms, 16 steps 18.9 → 10.7, 64 steps 57 → 46 (MKL's matmul won from ~100); its 1024 → 1024 upsamplers at
-# 2 steps ran torch's reference convolution, 6.8 ms.
+# 4.0 ms against MKL's 22, 16 steps 10.7 against 18.9, 64 steps 46 against 57 (MKL's matmul wins from ~100); its
+# 1024 → 1024 upsamplers at 2 steps ran torch's reference convolution, 6.8 ms.
 TRANSPOSED_MATMUL_MIN_WEIGHTS = 8_000_000
 
 

@@ -139,8 +139,9 @@ class Qwen3TTSFamily(ChatText):
         self.talker = model.talker
         self.num_code_groups = self.talker.config.num_code_groups
         self.max_positions = self.talker.config.max_position_embeddings
-        # fp32: a step's rows on omnimtp's row kernel (the 0.6B talker at one row 117 → 63 ms a frame step, at its
-        # floor, and 351 → 146 ms at 8 rows, 2-core AVX2), for a packed copy of its matrices (+1.8 GB at 0.6B);
+        # fp32: a step's rows on omnimtp's row kernel (the 0.6B talker at one row 63 ms a frame step against 117 on
+        # torch's matmul, at its floor, and 146 against 351 ms at 8 rows, 2-core AVX2), for a packed copy of its
+        # matrices (+1.8 GB at 0.6B);
         # quantized: the quantized matrices instead (never packed for the row kernel, and each layer quantized as
         # it is packed, so the fused float copies never exist for more than one layer)
         if quantize is None:
