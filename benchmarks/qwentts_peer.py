@@ -27,7 +27,8 @@ and this file runs with that venv's python (it imports neither torch nor omnimtp
 
 `serve` loads the model, prints one JSON line (load time, peak RSS), then answers each JSON request line on stdin
 (`{"text", "speaker", "frames"}`: one streamed greedy synthesis of at most `frames` frames) with one JSON line:
-wall, first audio, audio seconds, chunks, the process's RSS and peak RSS. `tts_realtime.py --peer` drives it
+wall, first audio, audio seconds, chunks, the process's RSS and peak RSS (with `"codes": true`: one greedy
+synthesis's codes and audio, for `tts_realtime.py --peer-check`). `tts_realtime.py --peer` drives it
 (`PeerServer`), alternating with omnimtp in one run.
 """
 
@@ -200,7 +201,12 @@ def _add(writer, quantizer, name: str, array, quant: str) -> int:
 
 def _bpe_vocabulary(checkpoint: Path) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the checkpoint's byte-level BPE `tokenizer.json`, ids as it numbers them
-    (added tokens typed user-defined, gaps filled with unused placeholders)."""
+    (added tokens typed user-defined, gaps filled with unused placeholders).
+
+    The peer matches only the five TTS special tokens verbatim; an added word (a byte tokenizer's `assistant`, one
+    id where the released vocabulary reaches it by merges) gets a chain of merges building it left to right, so
+    the template's `assistant` is one id there too. A text word the chain merges only part of comes out as bytes
+    again (the peer spells a piece its vocabulary lacks byte by byte), as in the checkpoint's tokenizer."""
     spec = json.loads((checkpoint / "tokenizer.json").read_text())
     model = spec["model"]
     if model.get("type") != "BPE":
@@ -212,6 +218,10 @@ def _bpe_vocabulary(checkpoint: Path) -> tuple[list[str], list[int], list[str]]:
     tokens = [by_id.get(i, (f"<|unused-{i}|>", 5))[0] for i in range(size)]
     types = [by_id.get(i, ("", 5))[1] for i in range(size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    for t in spec.get("added_tokens", []):
+        word = t["content"]
+        if not t.get("special") and re.fullmatch(r"[A-Za-z]{2,}", word):
+            merges += [f"{word[:i]} {word[i]}" for i in range(1, len(word)) if f"{word[:i]} {word[i]}" not in merges]
     return tokens, types, merges
 
 
@@ -273,7 +283,7 @@ def convert_talker(checkpoint: Path, out: Path, quant: str, quantizer: Quantizer
             add = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32}[kind]
             add("generation." + key.replace("dosample", "do_sample"), kind(generation[key]))
     tokens, types, merges = _bpe_vocabulary(checkpoint)
-    if not merges:  # a byte-per-token vocabulary: one merge of two bytes no text holds (NUL), which keeps it so
+    if not merges:  # gguf writes no empty array: one merge of two bytes no text holds (NUL)
         merges = ["Ā Ā"]
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_array("tokenizer.ggml.tokens", tokens)
@@ -340,8 +350,9 @@ def _write(writer) -> None:
 
 
 def convert(checkpoint: str | Path, out_dir: str | Path, quant: str = "Q4_K_M") -> dict:
-    """Both GGUF files of `checkpoint` at `quant` in `out_dir` (kept: a file already there is not rewritten;
-    each is written under a temporary name, renamed when complete). Returns their paths, seconds and peak RSS."""
+    """Both GGUF files of `checkpoint` at `quant` in `out_dir` (kept: a file already there and newer than this
+    converter and the checkpoint is not rewritten; each is written under a temporary name, renamed when complete).
+    Returns their paths, seconds and peak RSS."""
     if quant not in QUANTS:
         raise ValueError(f"quant: expected one of {', '.join(QUANTS)}, got {quant!r}")
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
@@ -349,9 +360,11 @@ def convert(checkpoint: str | Path, out_dir: str | Path, quant: str = "Q4_K_M") 
     started = time.perf_counter()
     quantizer = Quantizer()
     result = {"quant": quant}
+    sources = (Path(__file__), checkpoint / "model.safetensors", checkpoint / "speech_tokenizer" / "model.safetensors")
+    newest_source = max(source.stat().st_mtime for source in sources)
     for part, converter in (("talker", convert_talker), ("codec", convert_codec)):
         path = out_dir / f"{part}-{quant}.gguf"
-        if not path.is_file():
+        if not path.is_file() or path.stat().st_mtime < newest_source:
             staging = path.with_suffix(".partial")
             converter(checkpoint, staging, quant, quantizer)
             staging.rename(path)
@@ -388,6 +401,9 @@ def serve(talker: str, codec: str, threads: int) -> None:
                       "rss_loaded_mb": _rss_mb()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("codes"):
+            print(json.dumps(greedy_codes(tts, request)), flush=True)
+            continue
         first = None
         samples = chunks = 0
         started = time.perf_counter()
@@ -403,6 +419,24 @@ def serve(talker: str, codec: str, threads: int) -> None:
         print(json.dumps({"wall_s": wall, "first_audio_s": first, "audio_s": audio_s, "chunks": chunks,
                           "frames": round(audio_s * SAMPLE_RATE / 1920), "rtf": wall / audio_s if audio_s else None,
                           "rss_mb": _rss_mb(), "peak_rss_mb": _peak_rss_mb()}), flush=True)
+
+
+def greedy_codes(tts, request: dict) -> dict:
+    """One greedy synthesis, not streamed: its codes ([frames][16], read from the peer's debug dump, whose
+    tensors are an int32 rank and shape, then float32 values) and its audio."""
+    import tempfile
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as dump:
+        audio, _ = tts.synthesize(text=request["text"], speaker=request.get("speaker"),
+                                  lang=request.get("language", "english"), max_new_tokens=request["frames"],
+                                  do_sample=False, subtalker_do_sample=False, repetition_penalty=1.0, dump_dir=dump)
+        raw = np.fromfile(os.path.join(dump, "codes-full.bin"), dtype=np.int32)
+    rank = int(raw[0])
+    shape = [int(n) for n in raw[1:1 + rank]]
+    codes = raw[1 + rank:].view(np.float32).astype(np.int64).reshape(shape)
+    return {"codes": codes.tolist(), "audio": audio.tolist()}
 
 
 class PeerServer:
@@ -424,8 +458,10 @@ class PeerServer:
             raise RuntimeError(f"the qwentts.cpp server exited; its log: {self.log.name}")
         return json.loads(line)
 
-    def speak(self, text: str, speaker: str | None, frames: int) -> dict:
-        self.process.stdin.write(json.dumps({"text": text, "speaker": speaker, "frames": frames}) + "\n")
+    def speak(self, text: str, speaker: str | None, frames: int, codes: bool = False) -> dict:
+        """One timed streamed request; with `codes`, one greedy request's codes and audio instead."""
+        request = {"text": text, "speaker": speaker, "frames": frames, "codes": codes}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return self._reply()
 

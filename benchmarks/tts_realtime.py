@@ -42,7 +42,10 @@ and threads: the checkpoint is converted to its GGUF files at each of `--peer-qu
 kept beside the checkpoint in `DIR-qwentts/`), then one process loads omnimtp in `--peer-mode` with the
 `--peer-codec-dtype` decoder and, per quantization, starts the peer's timing server and alternates one streamed
 greedy request of each, `--peer-repeats` times (text, voice and `--frames` the same): RTF, first audio, peak RSS of
-each and the ratio of each pair. The peer runs in a venv of its own (it must not change this environment):
+each and the ratio of each pair. Each runs its own prompt layout: the peer puts the whole text in the prefill, omnimtp
+feeds it a row a frame (the reference's default). `--peer-check` first checks the conversion: the F32 files' greedy
+codes against omnimtp fp32 in the peer's layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs
+in a venv of its own (it must not change this environment):
 
     python -m venv /work/peer-venv
     /work/peer-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
@@ -498,6 +501,38 @@ def run_peer(worker: dict) -> dict:
     return result
 
 
+def run_peer_check(worker: dict) -> dict:
+    """The converted checkpoint speaks what omnimtp speaks: greedy codes of omnimtp fp32 in the peer's prompt
+    layout (the whole text in the prefill: `non_streaming_mode`) against the peer's from the F32 conversion, and
+    the two waveforms (the peer runs its conv kernels in F16)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qwentts_peer import PeerServer
+
+    from omnimtp.pipeline import OmniPipeline
+
+    torch.set_num_threads(worker["threads"])
+    frames = worker["frames"]
+    pipe = OmniPipeline.from_pretrained(worker["path"], dtype=torch.float32, max_frames=frames, max_batch_size=1,
+                                        torch_threads=worker["threads"], non_streaming_mode=True)
+    ours = pipe.speech(TEXTS[0], voice=VOICES[0], language="english", max_frames=frames)
+    conversion = worker["conversion"]
+    peer = PeerServer(worker["peer_python"], conversion["talker"], conversion["codec"], worker["threads"],
+                      f"{conversion['talker'].rsplit('.', 1)[0]}.log")
+    try:
+        theirs = peer.speak(TEXTS[0], VOICES[0], frames, codes=True)
+    finally:
+        peer.close()
+    ours_codes = ours.codes.T.tolist()  # [frames][16], as the peer's
+    ours_audio, peer_audio = np.asarray(ours.audio, dtype=np.float32), np.asarray(theirs["audio"], dtype=np.float32)
+    n = min(len(ours_audio), len(peer_audio))
+    return {"frames": [len(ours_codes), len(theirs["codes"])],
+            "codes_equal": sum(a == b for row_a, row_b in zip(ours_codes, theirs["codes"], strict=False)
+                               for a, b in zip(row_a, row_b, strict=True)),
+            "codes_total": 16 * len(ours_codes),
+            "audio_max_abs_diff": float(np.abs(ours_audio[:n] - peer_audio[:n]).max()),
+            "audio_peak": float(np.abs(ours_audio).max())}
+
+
 def convert_for_peer(path: str, quant: str, peer_python: str) -> dict:
     """The checkpoint's qwentts.cpp GGUF files at `quant` (`qwentts_peer.py convert` in the peer's venv; kept in
     PATH-qwentts/)."""
@@ -536,6 +571,8 @@ def in_subprocess(worker: dict, threads: int) -> dict:
 def run_worker(worker: dict) -> dict:
     if worker["kind"] == "peer":
         return run_peer(worker)
+    if worker["kind"] == "peer_check":
+        return run_peer_check(worker)
     if worker["kind"] == "reference":
         return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
     result = run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
@@ -621,6 +658,8 @@ def main() -> None:
     parser.add_argument("--peer-mode", default="w4a8", choices=MODES, help="omnimtp's mode beside the peer")
     parser.add_argument("--peer-codec-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--peer-repeats", type=int, default=3, help="alternating pairs of requests per quantization")
+    parser.add_argument("--peer-check", action="store_true",
+                        help="first check the conversion: omnimtp fp32 and the peer's F32 files, greedy codes compared")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
@@ -634,7 +673,7 @@ def main() -> None:
     if any(b < 1 for b in args.batch_sizes):
         parser.error("--batch-sizes must be >= 1")
     frames = args.frames or (3 if args.quick else 12)
-    if args.peer and not os.access(args.peer_python, os.X_OK):
+    if (args.peer or args.peer_check) and not os.access(args.peer_python, os.X_OK):
         parser.error(f"--peer-python: {args.peer_python} is not an executable (the peer's venv: see --help)")
     if args.peer_repeats < 1:
         parser.error("--peer-repeats must be >= 1")
@@ -663,6 +702,9 @@ def main() -> None:
                              decoder_frames=2 if args.quick else 12, profile=args.profile,
                              compile_predictor=args.compile_predictor, codec_dtype=codec_dtype)
                         for codec_dtype in args.codec_dtypes]
+    if args.peer_check:
+        workers.append(dict(common, kind="peer_check", frames=min(frames, 8), peer_python=args.peer_python,
+                            conversion=convert_for_peer(path, "F32", args.peer_python)))
     if args.peer:
         conversions = [convert_for_peer(path, quant, args.peer_python) for quant in args.peer_quants]
         results["peer_conversions"] = conversions
@@ -678,6 +720,12 @@ def main() -> None:
         if worker["kind"] == "peer":
             results["peer"] = entry
             print_peer(entry)
+            continue
+        if worker["kind"] == "peer_check":
+            results["peer_check"] = entry
+            print("qwentts.cpp F32 vs omnimtp fp32 (its prompt layout), greedy: " + (entry["failed"].splitlines()[-1]
+                  if "failed" in entry else f"{entry['codes_equal']} of {entry['codes_total']} codes equal, audio "
+                  f"within {entry['audio_max_abs_diff']:.4f} of a {entry['audio_peak']:.3f} peak"))
             continue
         results["reference" if worker["kind"] == "reference" else "modes"] = (
             entry if worker["kind"] == "reference" else [*results["modes"], entry])

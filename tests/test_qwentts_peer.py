@@ -70,7 +70,7 @@ def _assert_every_template_used(names: list[str], templates: list[str]) -> None:
     patterns = [_pattern(t) for t in templates]
     for name in names:
         assert sum(bool(p.fullmatch(name)) for p in patterns) == 1, name
-    unused = [t for t, p in zip(templates, patterns) if not any(p.fullmatch(n) for n in names)]
+    unused = [t for t, p in zip(templates, patterns, strict=True) if not any(p.fullmatch(n) for n in names)]
     assert not unused
     assert len(set(names)) == len(names)
 
