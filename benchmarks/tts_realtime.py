@@ -42,7 +42,8 @@ and threads: the checkpoint is converted to its GGUF files at each of `--peer-qu
 kept beside the checkpoint in `DIR-qwentts/`), then one process loads omnimtp in `--peer-mode` with the
 `--peer-codec-dtype` decoder and, per quantization, starts the peer's timing server and alternates one streamed
 greedy request of each, `--peer-repeats` times (text, voice and `--frames` the same): RTF, first audio, peak RSS of
-each and the ratio of each pair. Each runs its own prompt layout: the peer puts the whole text in the prefill, omnimtp
+each and the ratio of each pair (with `--prequantized`, omnimtp loads its pre-quantized copy, as the peer loads its
+quantized files). Each runs its own prompt layout: the peer puts the whole text in the prefill, omnimtp
 feeds it a row a frame (the reference's default). `--peer-check` first checks the conversion: the F32 files' greedy
 codes against omnimtp fp32 in the peer's layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs
 in a venv of its own (it must not change this environment):
@@ -711,8 +712,11 @@ def main() -> None:
         for c in conversions:
             print(f"qwentts.cpp {c['quant']}: {c['talker']} ({c['talker_bytes'] / 2**20:.0f} MB), {c['codec']} "
                   f"({c['codec_bytes'] / 2**20:.0f} MB), converted in {c['seconds']:.0f} s")
-        workers.append(dict(common, kind="peer", mode=args.peer_mode, codec_dtype=args.peer_codec_dtype,
-                            conversions=conversions, peer_python=args.peer_python, repeats=args.peer_repeats))
+        ours_path = path  # with --prequantized, omnimtp loads its pre-quantized copy, as the peer its GGUF files
+        if args.prequantized and args.peer_mode in QUANTIZED_MODES:
+            ours_path = prequantized_copy(path, args.peer_mode, args.threads)[0]
+        workers.append(dict(common, path=ours_path, kind="peer", mode=args.peer_mode, repeats=args.peer_repeats,
+                            codec_dtype=args.peer_codec_dtype, conversions=conversions, peer_python=args.peer_python))
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:
