@@ -24,6 +24,7 @@ and this file runs with that venv's python (it imports neither torch nor omnimtp
 
     /work/peer-venv/bin/python benchmarks/qwentts_peer.py convert CHECKPOINT OUT_DIR [--quant Q4_K_M|Q8_0|F32]
     /work/peer-venv/bin/python benchmarks/qwentts_peer.py serve TALKER.gguf CODEC.gguf [--threads 2]
+        [--stream-frames 0|1|2|4]
 
 `serve` loads the model, prints one JSON line (load time, peak RSS), then answers each JSON request line on stdin
 (`{"text", "speaker", "frames"}`: one streamed greedy synthesis of at most `frames` frames) with one JSON line:
@@ -391,12 +392,13 @@ def _peak_rss_mb() -> float:
     return max(hwm / 1024, _rss_mb())
 
 
-def serve(talker: str, codec: str, threads: int) -> None:
-    """Load the peer on `threads` threads, then time each request line on stdin (the module docstring)."""
+def serve(talker: str, codec: str, threads: int, stream_frames: int = 0) -> None:
+    """Load the peer on `threads` threads (`stream_frames`: its streamed chunk cadence, 0 its default), then time
+    each request line on stdin (the module docstring)."""
     from qwentts_cpp_cpu import QwenTTS
 
     started = time.perf_counter()
-    tts = QwenTTS(talker, codec, cpu_threads=threads)
+    tts = QwenTTS(talker, codec, cpu_threads=threads, cpu_stream_frames=stream_frames)
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - started, "load_peak_rss_mb": _peak_rss_mb(),
                       "rss_loaded_mb": _rss_mb()}), flush=True)
     for line in sys.stdin:
@@ -443,10 +445,11 @@ class PeerServer:
     """`serve` in the peer's venv as a child process (stdlib only on this side): `ready` is its load line,
     `speak(text, speaker, frames)` one timed request's line. Its log goes to `log_path`."""
 
-    def __init__(self, python: str, talker: str, codec: str, threads: int, log_path: str):
+    def __init__(self, python: str, talker: str, codec: str, threads: int, log_path: str, stream_frames: int = 0):
         self.log = open(log_path, "w")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.process = subprocess.Popen([python, __file__, "serve", talker, codec, "--threads", str(threads)],
+        self.process = subprocess.Popen([python, __file__, "serve", talker, codec, "--threads", str(threads),
+                                         "--stream-frames", str(stream_frames)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                         env=env)
         self.ready = self._reply()
@@ -483,11 +486,13 @@ def main() -> None:
     serving.add_argument("talker")
     serving.add_argument("codec")
     serving.add_argument("--threads", type=int, default=2)
+    serving.add_argument("--stream-frames", type=int, default=0, choices=(0, 1, 2, 4),
+                         help="the peer's streamed chunk cadence in frames (0: its default)")
     args = parser.parse_args()
     if args.command == "convert":
         print(json.dumps(convert(args.checkpoint, args.out_dir, args.quant)))
     else:
-        serve(args.talker, args.codec, args.threads)
+        serve(args.talker, args.codec, args.threads, args.stream_frames)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,11 @@ kept beside the checkpoint in `DIR-qwentts/`), then one process loads omnimtp in
 `--peer-codec-dtype` decoder and, per quantization, starts the peer's timing server and alternates one streamed
 greedy request of each, `--peer-repeats` times (text, voice and `--frames` the same): RTF, first audio, peak RSS of
 each and the ratio of each pair (with `--prequantized`, omnimtp loads its pre-quantized copy, as the peer loads its
-quantized files). Each runs its own prompt layout: the peer puts the whole text in the prefill, omnimtp
-feeds it a row a frame (the reference's default). `--peer-check` first checks the conversion: the F32 files' greedy
-codes against omnimtp fp32 in the peer's layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs
-in a venv of its own (it must not change this environment):
+quantized files; `--peer-stream-frames` sets the peer's streamed chunk cadence, its `cpu_stream_frames`). Each runs
+its own prompt layout: the peer puts the whole text in the prefill, omnimtp feeds it a row a frame (the reference's
+default). `--peer-check` first checks the conversion: the F32 files' greedy codes against omnimtp fp32 in the peer's
+layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs in a venv of its own (it must not change
+this environment):
 
     python -m venv /work/peer-venv
     /work/peer-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
@@ -478,10 +479,12 @@ def run_peer(worker: dict) -> dict:
                                                 if worker["codec_dtype"] != "float32" else "")
     pipe.speech(TEXTS[0], voice=VOICES[0], max_frames=2)  # warm-up, batched and streamed
     timed_stream(pipe, TEXTS[0], VOICES[0], 2)
-    result = {"ours": ours_name, "threads": threads, "frames": frames, "peers": []}
+    result = {"ours": ours_name, "threads": threads, "frames": frames, "peer_stream_frames": worker["stream_frames"],
+              "peers": []}
     for conversion in worker["conversions"]:
         log = f"{conversion['talker'].rsplit('.', 1)[0]}.log"
-        peer = PeerServer(worker["peer_python"], conversion["talker"], conversion["codec"], threads, log)
+        peer = PeerServer(worker["peer_python"], conversion["talker"], conversion["codec"], threads, log,
+                          worker["stream_frames"])
         try:
             peer.speak(TEXTS[0], VOICES[0], 2)  # warm-up
             pairs = []
@@ -659,6 +662,8 @@ def main() -> None:
     parser.add_argument("--peer-mode", default="w4a8", choices=MODES, help="omnimtp's mode beside the peer")
     parser.add_argument("--peer-codec-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--peer-repeats", type=int, default=3, help="alternating pairs of requests per quantization")
+    parser.add_argument("--peer-stream-frames", type=int, default=0, choices=(0, 1, 2, 4),
+                        help="the peer's streamed chunk cadence in frames (its cpu_stream_frames; 0: its default)")
     parser.add_argument("--peer-check", action="store_true",
                         help="first check the conversion: omnimtp fp32 and the peer's F32 files, greedy codes compared")
     parser.add_argument("--no-reference", action="store_true")
@@ -716,7 +721,8 @@ def main() -> None:
         if args.prequantized and args.peer_mode in QUANTIZED_MODES:
             ours_path = prequantized_copy(path, args.peer_mode, args.threads)[0]
         workers.append(dict(common, path=ours_path, kind="peer", mode=args.peer_mode, repeats=args.peer_repeats,
-                            codec_dtype=args.peer_codec_dtype, conversions=conversions, peer_python=args.peer_python))
+                            codec_dtype=args.peer_codec_dtype, conversions=conversions, peer_python=args.peer_python,
+                            stream_frames=args.peer_stream_frames))
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:
