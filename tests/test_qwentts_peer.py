@@ -2,7 +2,8 @@
 released layout gets the name the peer's loader looks up (the templates below are the tensor names its
 `libqwen.so` reads, from the wheel `realtimetts-qwen-native-cpu` 0.4.2), the right one for its role, and the
 quantization its quantize tool gives it. Loading the converted files into the peer itself needs the peer's venv and
-the released widths (it aborts on the tiny ones), so it is left to `tts_realtime.py --peer`, outside the suite."""
+the speech tokenizer's released widths (the tiny talker runs there, the tiny decoder aborts it on a ggml shape
+assertion), so it is left to `tts_realtime.py --peer-check`, outside the suite."""
 
 import os
 import re
