@@ -37,6 +37,22 @@ built once beside it, the converter's time and peak RSS reported): what a user w
 graphs of the measured batch sizes are built before any timing (minutes on a CPU; inductor keeps them on disk),
 and the time that took is printed.
 
+`--peer` times qwentts.cpp (the ggml port, PyPI `realtimetts-qwen-native-cpu`) beside omnimtp on the same checkpoint
+and threads: the checkpoint is converted to its GGUF files at each of `--peer-quants` (`benchmarks/qwentts_peer.py`,
+kept beside the checkpoint in `DIR-qwentts/`), then one process loads omnimtp in `--peer-mode` with the
+`--peer-codec-dtype` decoder and, per quantization, starts the peer's timing server and alternates one streamed
+greedy request of each, `--peer-repeats` times (text, voice and `--frames` the same): RTF, first audio, peak RSS of
+each and the ratio of each pair (with `--prequantized`, omnimtp loads its pre-quantized copy, as the peer loads its
+quantized files; `--peer-stream-frames` sets the peer's streamed chunk cadence, its `cpu_stream_frames`). Each runs
+its own prompt layout: the peer puts the whole text in the prefill, omnimtp feeds it a row a frame (the reference's
+default). `--peer-check` first checks the conversion: the F32 files' greedy codes against omnimtp fp32 in the peer's
+layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs in a venv of its own (it must not change
+this environment):
+
+    python -m venv /work/peer-venv
+    /work/peer-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
+    python benchmarks/tts_realtime.py --model DIR --peer [--peer-python /work/peer-venv/bin/python] --frames 60
+
 Random weights: the speeds are real, the audio is not speech. Run from the repository root (the reference is
 imported from tests/qwen_tts_reference.py).
 """
@@ -48,7 +64,6 @@ import contextlib
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -57,6 +72,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,8 +216,11 @@ def _rss_mb() -> float:
 
 
 def _peak_rss_mb() -> float:
-    # the kernel updates ru_maxrss lazily: it may trail the current RSS by a few pages
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, _rss_mb())
+    """This process's peak RSS: VmHWM, its own memory's high-water mark (ru_maxrss would carry the peak of the
+    process that forked it across exec), or the current RSS where that has not caught up yet."""
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return max(hwm / 1024, _rss_mb())
 
 
 def _matrix_bytes(matrix) -> int:
@@ -427,6 +446,120 @@ def run_reference(path: str, batch_sizes: list[int], frames: int, threads: int) 
     return result
 
 
+def timed_stream(pipe, text: str, voice: str, frames: int) -> dict:
+    """One streamed greedy request: wall, first audio, audio seconds, RTF."""
+    first, samples = None, 0
+    started = time.perf_counter()
+    for item in pipe.stream_speech(text, voice=voice, max_frames=frames):
+        if isinstance(item, np.ndarray):
+            first = time.perf_counter() - started if first is None else first
+            samples += item.shape[-1]
+    wall = time.perf_counter() - started
+    audio_s = samples / pipe.family.sample_rate
+    return {"wall_s": wall, "first_audio_s": first, "audio_s": audio_s, "rtf": wall / audio_s if audio_s else None,
+            "frames": round(audio_s * pipe.family.sample_rate / 1920)}
+
+
+def run_peer(worker: dict) -> dict:
+    """omnimtp (`mode`, `codec_dtype`) and qwentts.cpp at each converted quantization, alternating one streamed
+    request of each `repeats` times; the peer's timing server is a child process, so this process's peak RSS is
+    omnimtp's alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qwentts_peer import PeerServer
+
+    from omnimtp.pipeline import OmniPipeline
+
+    threads, frames = worker["threads"], worker["frames"]
+    torch.set_num_threads(threads)
+    quantize = worker["mode"] if worker["mode"] in QUANTIZED_MODES else None
+    pipe = OmniPipeline.from_pretrained(worker["path"], dtype=torch.bfloat16 if worker["mode"] == "bf16" else
+                                        torch.float32, quantize=quantize, max_frames=frames, max_batch_size=1,
+                                        torch_threads=threads, codec_dtype=worker["codec_dtype"])
+    ours_name = f"omnimtp {worker['mode']}" + (f" {worker['codec_dtype']} codec"
+                                                if worker["codec_dtype"] != "float32" else "")
+    pipe.speech(TEXTS[0], voice=VOICES[0], max_frames=2)  # warm-up, batched and streamed
+    timed_stream(pipe, TEXTS[0], VOICES[0], 2)
+    result = {"ours": ours_name, "threads": threads, "frames": frames, "peer_stream_frames": worker["stream_frames"],
+              "peers": []}
+    for conversion in worker["conversions"]:
+        log = f"{conversion['talker'].rsplit('.', 1)[0]}.log"
+        peer = PeerServer(worker["peer_python"], conversion["talker"], conversion["codec"], threads, log,
+                          worker["stream_frames"])
+        try:
+            peer.speak(TEXTS[0], VOICES[0], 2)  # warm-up
+            pairs = []
+            for _ in range(worker["repeats"]):
+                pairs.append({"ours": timed_stream(pipe, TEXTS[0], VOICES[0], frames),
+                              "peer": peer.speak(TEXTS[0], VOICES[0], frames)})
+            peer_peak = pairs[-1]["peer"]["peak_rss_mb"]
+        finally:
+            peer.close()
+        entry = {"quant": conversion["quant"], "peer_load": peer.ready, "pairs": pairs, "peer_peak_rss_mb": peer_peak}
+        for key in ("rtf", "first_audio_s"):
+            entry[f"ours_{key}"] = statistics.median(p["ours"][key] for p in pairs)
+            entry[f"peer_{key}"] = statistics.median(p["peer"][key] for p in pairs)
+            # each pair's peer ÷ ours: > 1 where omnimtp is faster
+            entry[f"{key}_ratio"] = statistics.median(p["peer"][key] / p["ours"][key] for p in pairs)
+        result["peers"].append(entry)
+    result["ours_peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def run_peer_check(worker: dict) -> dict:
+    """The converted checkpoint speaks what omnimtp speaks: greedy codes of omnimtp fp32 in the peer's prompt
+    layout (the whole text in the prefill: `non_streaming_mode`) against the peer's from the F32 conversion, and
+    the two waveforms (the peer runs its conv kernels in F16)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from qwentts_peer import PeerServer
+
+    from omnimtp.pipeline import OmniPipeline
+
+    torch.set_num_threads(worker["threads"])
+    frames = worker["frames"]
+    pipe = OmniPipeline.from_pretrained(worker["path"], dtype=torch.float32, max_frames=frames, max_batch_size=1,
+                                        torch_threads=worker["threads"], non_streaming_mode=True)
+    ours = pipe.speech(TEXTS[0], voice=VOICES[0], language="english", max_frames=frames)
+    conversion = worker["conversion"]
+    peer = PeerServer(worker["peer_python"], conversion["talker"], conversion["codec"], worker["threads"],
+                      f"{conversion['talker'].rsplit('.', 1)[0]}.log")
+    try:
+        theirs = peer.speak(TEXTS[0], VOICES[0], frames, codes=True)
+    finally:
+        peer.close()
+    ours_codes = ours.codes.T.tolist()  # [frames][16], as the peer's
+    ours_audio, peer_audio = np.asarray(ours.audio, dtype=np.float32), np.asarray(theirs["audio"], dtype=np.float32)
+    n = min(len(ours_audio), len(peer_audio))
+    return {"frames": [len(ours_codes), len(theirs["codes"])],
+            "codes_equal": sum(a == b for row_a, row_b in zip(ours_codes, theirs["codes"], strict=False)
+                               for a, b in zip(row_a, row_b, strict=True)),
+            "codes_total": 16 * len(ours_codes),
+            "audio_max_abs_diff": float(np.abs(ours_audio[:n] - peer_audio[:n]).max()),
+            "audio_peak": float(np.abs(ours_audio).max())}
+
+
+def convert_for_peer(path: str, quant: str, peer_python: str) -> dict:
+    """The checkpoint's qwentts.cpp GGUF files at `quant` (`qwentts_peer.py convert` in the peer's venv; kept in
+    PATH-qwentts/)."""
+    process = subprocess.run([peer_python, str(ROOT / "benchmarks" / "qwentts_peer.py"), "convert", path,
+                              f"{path.rstrip(os.sep)}-qwentts", "--quant", quant], cwd=ROOT, capture_output=True,
+                             text=True)
+    if process.returncode != 0:
+        raise SystemExit(f"converting for qwentts.cpp ({quant}) failed:\n{process.stderr.strip()[-2000:]}")
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def print_peer(result: dict) -> None:
+    if "failed" in result:
+        print(f"peer: {result['failed'].splitlines()[-1]}")
+        return
+    for e in result["peers"]:
+        print(f"qwentts.cpp {e['quant']:7s} RTF {e['peer_rtf']:.2f}, first audio {1000 * e['peer_first_audio_s']:.0f}"
+              f" ms, peak RSS {e['peer_peak_rss_mb']:.0f} MB | {result['ours']} RTF {e['ours_rtf']:.2f}, first "
+              f"audio {1000 * e['ours_first_audio_s']:.0f} ms, peak RSS {result['ours_peak_rss_mb']:.0f} MB | "
+              f"omnimtp {e['rtf_ratio']:.2f}x the RTF, {e['first_audio_s_ratio']:.2f}x the first audio (median of "
+              f"{len(e['pairs'])} alternating pairs, {result['threads']} threads, {result['frames']} frames)")
+
+
 def in_subprocess(worker: dict, threads: int) -> dict:
     """A worker (`--worker JSON`) in a fresh process, so its peak RSS is its own."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(
@@ -440,6 +573,10 @@ def in_subprocess(worker: dict, threads: int) -> dict:
 
 
 def run_worker(worker: dict) -> dict:
+    if worker["kind"] == "peer":
+        return run_peer(worker)
+    if worker["kind"] == "peer_check":
+        return run_peer_check(worker)
     if worker["kind"] == "reference":
         return run_reference(worker["path"], worker["batch_sizes"], worker["frames"], worker["threads"])
     result = run_mode(worker["path"], worker["mode"], worker["batch_sizes"], worker["frames"], worker["threads"],
@@ -503,7 +640,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint directory in the released layout (not built)")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"),
                         help="where built checkpoints are kept between runs")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                        help="the modes timed one by one (none given: only --peer's comparison)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--frames", type=int, default=None, help="frames per request (default 12; --quick 3)")
     parser.add_argument("--threads", type=int, default=2)
@@ -516,6 +654,18 @@ def main() -> None:
     parser.add_argument("--prequantized", action="store_true",
                         help="each quantized mode also from a pre-quantized copy of the checkpoint (`omnimtp "
                         "quantize`, built once beside it: its time and peak RSS reported), loaded memory-mapped")
+    parser.add_argument("--peer", action="store_true",
+                        help="qwentts.cpp on the same checkpoint, alternating with omnimtp (see above)")
+    parser.add_argument("--peer-python", default="/work/peer-venv/bin/python",
+                        help="the python of the venv the peer is installed in")
+    parser.add_argument("--peer-quants", nargs="+", default=["Q4_K_M", "Q8_0"], choices=("Q4_K_M", "Q8_0", "F32"))
+    parser.add_argument("--peer-mode", default="w4a8", choices=MODES, help="omnimtp's mode beside the peer")
+    parser.add_argument("--peer-codec-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--peer-repeats", type=int, default=3, help="alternating pairs of requests per quantization")
+    parser.add_argument("--peer-stream-frames", type=int, default=0, choices=(0, 1, 2, 4),
+                        help="the peer's streamed chunk cadence in frames (its cpu_stream_frames; 0: its default)")
+    parser.add_argument("--peer-check", action="store_true",
+                        help="first check the conversion: omnimtp fp32 and the peer's F32 files, greedy codes compared")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="every mode in this process (peak RSS shared)")
     parser.add_argument("--quick", action="store_true", help="3 frames, small machine probes (a check that it runs)")
@@ -529,6 +679,10 @@ def main() -> None:
     if any(b < 1 for b in args.batch_sizes):
         parser.error("--batch-sizes must be >= 1")
     frames = args.frames or (3 if args.quick else 12)
+    if (args.peer or args.peer_check) and not os.access(args.peer_python, os.X_OK):
+        parser.error(f"--peer-python: {args.peer_python} is not an executable (the peer's venv: see --help)")
+    if args.peer_repeats < 1:
+        parser.error("--peer-repeats must be >= 1")
     started = time.perf_counter()
     path = args.model or str(build_checkpoint(args.size, Path(args.cache_dir) / f"qwen3-tts-{args.size}"))
     build_s = time.perf_counter() - started
@@ -554,10 +708,35 @@ def main() -> None:
                              decoder_frames=2 if args.quick else 12, profile=args.profile,
                              compile_predictor=args.compile_predictor, codec_dtype=codec_dtype)
                         for codec_dtype in args.codec_dtypes]
+    if args.peer_check:
+        workers.append(dict(common, kind="peer_check", frames=min(frames, 8), peer_python=args.peer_python,
+                            conversion=convert_for_peer(path, "F32", args.peer_python)))
+    if args.peer:
+        conversions = [convert_for_peer(path, quant, args.peer_python) for quant in args.peer_quants]
+        results["peer_conversions"] = conversions
+        for c in conversions:
+            print(f"qwentts.cpp {c['quant']}: {c['talker']} ({c['talker_bytes'] / 2**20:.0f} MB), {c['codec']} "
+                  f"({c['codec_bytes'] / 2**20:.0f} MB), converted in {c['seconds']:.0f} s")
+        ours_path = path  # with --prequantized, omnimtp loads its pre-quantized copy, as the peer its GGUF files
+        if args.prequantized and args.peer_mode in QUANTIZED_MODES:
+            ours_path = prequantized_copy(path, args.peer_mode, args.threads)[0]
+        workers.append(dict(common, path=ours_path, kind="peer", mode=args.peer_mode, repeats=args.peer_repeats,
+                            codec_dtype=args.peer_codec_dtype, conversions=conversions, peer_python=args.peer_python,
+                            stream_frames=args.peer_stream_frames))
     if not args.no_reference:
         workers.append(dict(common, kind="reference"))
     for worker in workers:
         entry = run_worker(worker) if args.in_process else in_subprocess(worker, args.threads)
+        if worker["kind"] == "peer":
+            results["peer"] = entry
+            print_peer(entry)
+            continue
+        if worker["kind"] == "peer_check":
+            results["peer_check"] = entry
+            print("qwentts.cpp F32 vs omnimtp fp32 (its prompt layout), greedy: " + (entry["failed"].splitlines()[-1]
+                  if "failed" in entry else f"{entry['codes_equal']} of {entry['codes_total']} codes equal, audio "
+                  f"within {entry['audio_max_abs_diff']:.4f} of a {entry['audio_peak']:.3f} peak"))
+            continue
         results["reference" if worker["kind"] == "reference" else "modes"] = (
             entry if worker["kind"] == "reference" else [*results["modes"], entry])
         print_mode(entry, args.batch_sizes)

@@ -50,6 +50,7 @@ TOKEN2WAV = ("tests/test_token2wav.py", "tests/test_qwen2_5_omni.py")
 ENGINE_ROWS = ("tests/test_engine_rows.py",)
 THINKER_DRAFTS = ("tests/test_thinker_drafts.py",)
 QWEN3_TTS = ("tests/test_qwen3_tts.py",)
+QWENTTS_PEER = ("tests/test_qwentts_peer.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 STREAMED_CONV = ("tests/test_codec_streaming.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
@@ -758,6 +759,18 @@ MUTATIONS = [
         HYBRID, "rejected drafts stay in the Gated-DeltaNet recurrent and conv states",
     ),
     # --- Qwen3-TTS ------------------------------------------------------------------------------------
+    Mutation(
+        "peer_converter_swaps_q_and_k_norms", "benchmarks/qwentts_peer.py",
+        '"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",',
+        '"self_attn.q_norm.weight": "attn_k_norm.weight", "self_attn.k_norm.weight": "attn_q_norm.weight",',
+        QWENTTS_PEER, "the qwentts.cpp converter writes each layer's q norm under the k norm's name and back",
+    ),
+    Mutation(
+        "peer_converter_embeddings_in_q4_k", "benchmarks/qwentts_peer.py",
+        'return GGML_Q6_K if (".codec_embd" in name or ".text_embd" in name) else GGML_Q4_K',
+        "return GGML_Q4_K",
+        QWENTTS_PEER, "the qwentts.cpp converter's Q4_K_M stores the embedding tables in Q4_K (its tool: Q6_K)",
+    ),
     Mutation(
         "tts_no_speaker_row", "omnimtp/families/qwen3_tts.py",
         "        if voice.speaker_id is not None:\n",
