@@ -21,7 +21,10 @@ Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
   the later ones (queued or refused) slow it;
 - `poisson R`: open-loop arrivals at R streams per second for `--duration` seconds (a rate sweep with several R),
   seeded, so every server sees the same arrival times (`--max-queue` 8: arrivals past capacity wait or get 429);
-- `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds.
+- `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds; a client
+  refused with 429 first waits as the official `openai` client does (`retry_delay_s`: the `retry-after-ms` or
+  `Retry-After` header, else an exponential backoff), and with `--ignore-retry-after` sends again at once (a client
+  that floods a full server: what it costs the streams the server plays is what that load measures).
 
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
 joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
@@ -64,6 +67,11 @@ TEXTS = [
     "The fourth sentence talks about the weather, the trains, and what is for dinner tonight.",
 ]
 WORKLOADS = ("speech", "speech_stream", "chat")
+# openai-python's retry delays (`openai._constants`): a server's retry-after honoured up to two minutes, else an
+# exponential backoff from half a second up to 8 s, less a random quarter at most.
+MAX_RETRY_AFTER_S = 120.0
+INITIAL_RETRY_DELAY_S = 0.5
+MAX_RETRY_DELAY_S = 8.0
 # A gap shorter than this is a player's jitter, not an underrun (one 24 kHz PCM16 TCP read can lag by a few ms).
 MIN_STALL_S = 0.005
 
@@ -76,8 +84,13 @@ class Stream:
         self.clock = PlaybackClock(min_stall_s=MIN_STALL_S)
         self.status = 200
         self.retry_after: str | None = None
+        self.retry_after_ms: str | None = None
         self.error: str | None = None
         self.queue_position: int | None = None
+
+    def refused(self, response: httpx.Response) -> None:
+        self.retry_after = response.headers.get("retry-after")
+        self.retry_after_ms = response.headers.get("retry-after-ms")
 
     def audio(self, num_bytes: int) -> None:
         self.clock.push(time.perf_counter(), num_bytes / 2 / SAMPLE_RATE)
@@ -85,7 +98,8 @@ class Stream:
     def result(self) -> dict:
         clock = self.clock
         first_audio = None if clock.started_at is None else clock.started_at - self.started
-        return {"status": self.status, "error": self.error, "retry_after": self.retry_after,
+        return {"sent_at": self.started, "status": self.status, "error": self.error,
+                "retry_after": self.retry_after, "retry_after_ms": self.retry_after_ms,
                 "queue_position": self.queue_position, "first_audio_s": first_audio, "audio_s": clock.audio_s,
                 "underruns": clock.num_underruns, "stalled_s": clock.stalled_s, "continuity": clock.continuity,
                 "total_s": time.perf_counter() - self.started}
@@ -101,7 +115,7 @@ async def speech_request(client: httpx.AsyncClient, index: int, voice: str | Non
         position = response.headers.get("x-queue-position")
         stream.queue_position = None if position is None else int(position)
         if response.status_code != 200:
-            stream.retry_after = response.headers.get("retry-after")
+            stream.refused(response)
             stream.error = json.loads(await response.aread())["error"]["code"]
             return stream.result()
         odd = b""
@@ -153,7 +167,7 @@ async def chat_request(client: httpx.AsyncClient, index: int, voice: str | None,
         position = response.headers.get("x-queue-position")
         stream.queue_position = None if position is None else int(position)
         if response.status_code != 200:
-            stream.retry_after = response.headers.get("retry-after")
+            stream.refused(response)
             stream.error = json.loads(await response.aread())["error"]["code"]
             return stream.result()
         async for line in response.aiter_lines():
@@ -170,6 +184,24 @@ async def chat_request(client: httpx.AsyncClient, index: int, voice: str | None,
     return stream.result()
 
 
+def retry_delay_s(result: dict, num_retries: int, rng: random.Random) -> float:
+    """How long the official `openai` client waits before retrying a refused request (`_calculate_retry_timeout`):
+    the response's `retry-after-ms` (milliseconds), else its `Retry-After` (seconds, a float allowed) when in
+    (0, 120] s; else 0.5 · 2^num_retries s (num_retries: this client's refusals in a row before this one), at most
+    8 s, less a random quarter at most."""
+    for value, divisor in ((result.get("retry_after_ms"), 1000), (result.get("retry_after"), 1)):
+        if value is None:
+            continue
+        try:
+            delay = float(value) / divisor
+        except ValueError:
+            continue
+        if 0 < delay <= MAX_RETRY_AFTER_S:
+            return delay
+        break
+    return min(INITIAL_RETRY_DELAY_S * 2.0 ** min(num_retries, 1000), MAX_RETRY_DELAY_S) * (1 - 0.25 * rng.random())
+
+
 def request_fn(workload: str, url: str, client: httpx.AsyncClient, voice: str | None, max_tokens: int):
     if workload == "speech":
         return lambda index: speech_request(client, index, voice)
@@ -179,8 +211,20 @@ def request_fn(workload: str, url: str, client: httpx.AsyncClient, voice: str | 
 
 
 async def run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
-                   max_tokens: int, seed: int) -> list[dict]:
-    """One load on one server → each request's result (arrival order)."""
+                   max_tokens: int, seed: int, honours_retry_after: bool = True) -> list[dict]:
+    """One load on one server → each request's result (arrival order; `sent_s`: when it was sent, from the load's
+    start; a closed-loop request's `client`: which client sent it). honours_retry_after: a closed-loop client waits
+    `retry_delay_s` after a 429 (else it sends its next request at once)."""
+    started = time.perf_counter()
+    results = await _run_load(url, workload, load, voice, duration_s=duration_s, max_tokens=max_tokens, seed=seed,
+                              honours_retry_after=honours_retry_after)
+    for result in results:
+        result["sent_s"] = result.pop("sent_at") - started
+    return results
+
+
+async def _run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
+                    max_tokens: int, seed: int, honours_retry_after: bool) -> list[dict]:
     kind, amount = load
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
         send = request_fn(workload, url, client, voice, max_tokens)
@@ -201,13 +245,20 @@ async def run_load(url: str, workload: str, load: tuple[str, float], voice: str 
         deadline = time.perf_counter() + duration_s
         counter = iter(range(seed, seed + 1_000_000))
 
-        async def client_loop() -> list[dict]:
-            results = []
+        async def client_loop(client: int) -> list[dict]:
+            results, num_retries, rng = [], 0, random.Random(seed + client)
             while time.perf_counter() < deadline:
-                results.append(await send(next(counter)))
+                result = await send(next(counter))
+                results.append({**result, "client": client})
+                if result["status"] != 429:
+                    num_retries = 0
+                elif honours_retry_after:
+                    delay = retry_delay_s(result, num_retries, rng)
+                    num_retries += 1
+                    await asyncio.sleep(max(0.0, min(delay, deadline - time.perf_counter())))
             return results
 
-        return [r for rs in await asyncio.gather(*(client_loop() for _ in range(int(amount)))) for r in rs]
+        return [r for rs in await asyncio.gather(*(client_loop(c) for c in range(int(amount)))) for r in rs]
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
@@ -314,6 +365,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=8, help="the servers' --max-queue (429 past it)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server process")
+    parser.add_argument("--ignore-retry-after", action="store_true",
+                        help="closed-loop clients send their next request at once after a 429 (a flood of refused "
+                        "requests) instead of waiting as the openai client does")
     parser.add_argument("--compare", action="store_true",
                         help="also this checkout's server with --admission off (before/after in one run)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also the server of this checkout (before/after)")
@@ -368,7 +422,8 @@ def main() -> None:
                     for name, url in urls.items():  # each load on every server in turn
                         level_started = time.perf_counter()
                         raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
-                                                   max_tokens=args.max_tokens, seed=1000 * index))
+                                                   max_tokens=args.max_tokens, seed=1000 * index,
+                                                   honours_retry_after=not args.ignore_retry_after))
                         level = summarize(raw, time.perf_counter() - level_started)
                         level.update(load=list(load), streams_detail=raw)
                         results[name].append(level)

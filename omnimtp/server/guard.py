@@ -19,8 +19,9 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.websockets import WebSocket
 
-from omnimtp.server.errors import CLIENT_CLOSED, APIError
+from omnimtp.server.errors import CLIENT_CLOSED, APIError, queue_full
 from omnimtp.server.metrics import ServerMetrics
+from omnimtp.server.requests import QueueFullError
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -335,6 +336,46 @@ class Guard:
             if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode("utf-8"), self.api_key):
                 return True
         return False
+
+
+class EarlyRefusal:
+    """Pure ASGI middleware (inside `Guard`, so the API key is checked first): while the engine's queue is full, a
+    POST to a route that would queue on it (`QUEUED_ROUTES`) is answered 429 `queue_full` with its Retry-After
+    before any route runs (`Engine.check_room`). Its body is read and dropped unparsed; nothing is validated,
+    tokenized or built. A flood of refused requests (clients that ignore Retry-After) then costs the event loop
+    little more than uvicorn's own handling of a request, and so takes little of the GIL from the engine thread
+    that plays the admitted streams. A request that finds room goes on to its route, which still refuses it if the
+    queue filled meanwhile; a request refused here is not read, so a malformed one gets 429 rather than 400."""
+
+    QUEUED_ROUTES = ("/v1/chat/completions", "/v1/audio/speech")
+
+    def __init__(self, app, engine, max_body_bytes: int):
+        self.app = app
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in self.QUEUED_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.engine.check_room()
+        except QueueFullError as exc:
+            await self._drain(receive)  # (a body left unread: `Guard` closes the connection after the answer)
+            await queue_full(exc).response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _drain(self, receive) -> None:
+        """Read the request's body to its end unless it runs past max_body_bytes or the client leaves."""
+        num_received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            num_received += len(message.get("body", b""))
+            if not message.get("more_body", False) or num_received > self.max_body_bytes:
+                return
 
 
 def route_path(scope) -> str:
