@@ -5,7 +5,8 @@ A real server (the embedded tiny Qwen3-Omni, uvicorn in a thread of this process
 engine is paused (it holds one waiting request and takes no step, so only the refusals run); a client in another
 process sends `--requests` requests one after another on one keep-alive connection (for the Realtime API: the
 `response.create` events of one session, each answered by an `error` event). Each thread's CPU time is read from
-its own clock (`time.pthread_getcpuclockid`). `floor` is a request for an unknown path (404): what any request costs
+its own clock (`time.pthread_getcpuclockid`). The refusals' pace (`omnimtp.server.guard.RefusalPace`) is lifted
+here: this measures what one refusal costs, not how many a second the server answers. `floor` is a request for an unknown path (404): what any request costs
 uvicorn and the middleware before a route runs (a GET: it has no body).
 
     python benchmarks/refusal_cost.py
@@ -15,7 +16,6 @@ uvicorn and the middleware before a route runs (a GET: it has no body).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -24,7 +24,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from server_harness import running_server  # noqa: E402
+from server_harness import pause_with_full_queue, running_server, start_flood  # noqa: E402
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily  # noqa: E402
 from omnimtp.sampling import SamplingParams  # noqa: E402
@@ -40,43 +40,25 @@ SPEECH = {"input": "Hello there, this is a stream of speech that has to play wit
 ROUTES = {"floor": ("/v1/unknown", None), "chat": ("/v1/chat/completions", CHAT),
           "speech": ("/v1/audio/speech", SPEECH), "realtime": ("/v1/realtime", None)}
 
-# The client: N requests on one keep-alive connection (raw HTTP/1.1: the client's own cost stays small), or N
-# response.create events in one realtime session; it checks every answer is the expected one.
-_CLIENT = r"""
-import json, socket, sys
+# The realtime client: N response.create events in one session, each answered by an error event (the other routes'
+# client is the tests' `FLOOD_CLIENT`).
+_REALTIME_CLIENT = r"""
+import json, sys
 from urllib.parse import urlparse
-url, path, body, n, expected = sys.argv[1], sys.argv[2], sys.argv[3].encode(), int(sys.argv[4]), sys.argv[5]
-host = urlparse(url)
-if path == "/v1/realtime":
-    from websockets.sync.client import connect
-    with connect(f"ws://{host.hostname}:{host.port}{path}?model=tiny") as ws:
-        assert json.loads(ws.recv())["type"] == "session.created"
-        ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
-                            "content": [{"type": "input_text", "text": "def parse(text): the words, one a line"}]}}))
-        assert json.loads(ws.recv())["type"] == "conversation.item.added"
-        ws.recv()  # conversation.item.done
-        sys.stdout.write("ready\n"); sys.stdout.flush(); sys.stdin.readline()
-        for _ in range(n):
-            ws.send('{"type": "response.create"}')
-            event = json.loads(ws.recv())
-            assert event["type"] == "error" and event["error"]["code"] == expected, event
-else:
-    sock = socket.create_connection((host.hostname, host.port))
-    request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body if body != b"null" else (
-               f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").encode()
+from websockets.sync.client import connect
+url, n, expected = urlparse(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+with connect(f"ws://{url.hostname}:{url.port}/v1/realtime?model=tiny") as ws:
+    assert json.loads(ws.recv())["type"] == "session.created"
+    ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": "def parse(text): the words, one a line"}]}}))
+    assert json.loads(ws.recv())["type"] == "conversation.item.added"
+    ws.recv()  # conversation.item.done
     sys.stdout.write("ready\n"); sys.stdout.flush(); sys.stdin.readline()
-    reader = sock.makefile("rb")
     for _ in range(n):
-        sock.sendall(request)
-        status = reader.readline().split()[1].decode()
-        length = 0
-        while (line := reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode().partition(":")
-            length = int(value) if name.lower() == "content-length" else length
-        reader.read(length)
-        assert status == expected, status
-print("done")
+        ws.send('{"type": "response.create"}')
+        event = json.loads(ws.recv())
+        assert event["type"] == "error" and event["error"]["code"] == expected, event
+print(n)
 """
 
 
@@ -91,27 +73,18 @@ def thread_cpu_s() -> dict[int, float]:
     return times
 
 
-def pause_with_full_queue(engine: Engine) -> None:
-    """A started engine (--max-queue 1) paused with one request waiting: its queue is full and it takes no step,
-    so the refusals are all that runs."""
-    engine._core.has_ready_work = lambda: False  # the engine thread sleeps until it is told of work, and finds none
-    request = EngineRequest(messages=(("user", "Hi"),), speak_text=None, speaker=None,
-                            sampling=SamplingParams(temperature=0.0), seed=1, max_new_tokens=4)
-    engine.submit(request, loop=asyncio.new_event_loop())  # (its handle is never pushed to)
-
-
 def measure(url: str, route: str, num_requests: int, loop_ident: int) -> dict:
     path, body = ROUTES[route]
-    expected = "404" if route == "floor" else "queue_full" if route == "realtime" else "429"
-    client = subprocess.Popen([sys.executable, "-c", _CLIENT, url, path, json.dumps(body), str(num_requests),
-                               expected], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert client.stdout.readline().strip() == "ready"
+    if route == "realtime":
+        client = subprocess.Popen([sys.executable, "-c", _REALTIME_CLIENT, url, str(num_requests), "queue_full"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "ready"
+    else:
+        client = start_flood(url, path, body, n=num_requests, expected="404" if route == "floor" else "429")
     before, started = thread_cpu_s(), time.perf_counter()
-    client.stdin.write("go\n")
-    client.stdin.flush()
-    out, _ = client.communicate(timeout=600)
+    out, _ = client.communicate("go\n", timeout=600)
     wall_s, after = time.perf_counter() - started, thread_cpu_s()
-    if client.returncode != 0 or "done" not in out:
+    if client.returncode != 0 or out.strip() != str(num_requests):
         raise RuntimeError(f"{route}: the client failed")
     me = threading.get_ident()
     loop_s = after.get(loop_ident, 0.0) - before.get(loop_ident, 0.0)
@@ -133,10 +106,13 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = Engine(Qwen3OmniFamily.tiny(0), model_id="tiny", max_batch_size=1, max_frames=40, admission=True)
     app = create_app(engine, max_queue=1)
+    app.state.serving.refusal_pace.rate = float("inf")  # every refusal answered at once: what one costs
     results = []
     with running_server(app) as url:
         server_thread = next(t for t in threading.enumerate() if t.name == "uvicorn-test")
-        pause_with_full_queue(engine)
+        pause_with_full_queue(engine, EngineRequest(
+            messages=(("user", "Hi"),), speak_text=None, speaker=None, sampling=SamplingParams(temperature=0.0),
+            seed=1, max_new_tokens=4))
         for route in args.routes:
             measure(url, route, 10, server_thread.ident)  # warm: first-call costs
             result = measure(url, route, num_requests, server_thread.ident)

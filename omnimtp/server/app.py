@@ -167,7 +167,7 @@ def create_app(
     if playground:
         app.include_router(playground_routes.router)
 
-    app.add_middleware(EarlyRefusal, engine=engine, max_body_bytes=max_body_bytes)  # (inside Guard: added first)
+    app.add_middleware(EarlyRefusal, serving=app.state.serving)  # (inside Guard: added first)
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)

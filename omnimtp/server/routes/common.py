@@ -23,7 +23,7 @@ from omnimtp.media import MediaError, decode_base64, decode_data_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.errors import CLIENT_CLOSED, APIError, queue_full, validation_error
-from omnimtp.server.guard import read_json
+from omnimtp.server.guard import RefusalPace, read_json
 from omnimtp.server.requests import EngineRequest, PromptTooLongError, QueueFullError
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.voice_store import VoiceStore
@@ -54,6 +54,7 @@ class ServingContext:
     voice_aliases: Mapping[str, str] = field(default_factory=dict)  # lower-case alias → the model's speaker
     # the speech recognizer served beside the model (`serve --asr-model`): its own context, or None
     asr: ServingContext | None = None
+    refusal_pace: RefusalPace = field(default_factory=RefusalPace)  # when a full server's refusals are answered
 
     def hearing(self, model: str | None) -> ServingContext:
         """The context whose model transcribes for a request naming `model`: the speech recognizer served beside
@@ -136,12 +137,13 @@ class ServingContext:
         except QueueFullError as exc:
             raise queue_full(exc) from None
 
-    def check_room(self) -> None:
-        """APIError 429 while the engine's queue is full (`Engine.check_room`): asked before a request is built, so a
-        full server refuses cheaply."""
+    async def check_room(self) -> None:
+        """APIError 429 while the engine's queue is full (`Engine.check_room`), once `refusal_pace` lets it go out:
+        asked before a request is built, so a full server refuses cheaply."""
         try:
             self.engine.check_room()
         except QueueFullError as exc:
+            await self.refusal_pace.wait()
             raise queue_full(exc) from None
 
 
