@@ -5,6 +5,7 @@ a benchmark's closed-loop client waits out a 429 as the official `openai` client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -22,7 +23,7 @@ from test_admission import LinearCosts
 
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.sampling import SamplingParams
-from omnimtp.server.admission import Admission
+from omnimtp.server.admission import Admission, StepCosts
 from omnimtp.server.app import create_app
 from omnimtp.server.guard import RefusalPace
 from omnimtp.server.requests import EngineRequest
@@ -131,15 +132,10 @@ def test_a_full_server_refuses_before_it_reads_the_request(family, monkeypatch):
         assert reply.status == 400 and reply.error()["code"] == "invalid_json"
 
 
-def test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_were(family):
-    """One stream plays and one waits (--max-queue 1) while two clients that ignore Retry-After send refused
-    requests as fast as they are answered: the refusals go out at the server's pace (100 a second after a burst of
-    20), and the playing stream's engine steps take about what they took before and after the flood (the median).
-    Refused after being parsed and cut into segments on worker threads, as before, 400-1,400 refusals made them
-    2.7-3x as long on this 2-core box; refused early but not paced, 5,000 of them in 1.5 s left them as they were."""
-    engine = Engine(family, model_id="tiny", max_batch_size=1, max_frames=4000, cuts_runaway=False, admission=True)
-    engine.admission = Admission(LinearCosts(0.0, 0.048), max_streams=1)
-    app = create_app(engine, max_queue=1)
+@contextlib.contextmanager
+def _playing(engine: Engine, app):
+    """A server on `engine` (--max-queue 1) playing one long stream with one more waiting, so the queue is full:
+    yields (its URL, the engine's steps as (started, seconds)); the streams are cancelled at the end."""
     steps: list[tuple[float, float]] = []
     stop = threading.Event()
     body = {"input": "A long one to speak, on and on.", "voice": "ethan", "response_format": "pcm"}
@@ -169,29 +165,62 @@ def test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_w
             listeners[1].start()
             while core.num_queued() == 0:
                 time.sleep(0.01)
-            floods = [start_flood(url, SPEECH, body, seconds=1.5) for _ in range(2)]
-            marks = [time.perf_counter()]
-            time.sleep(1.0)
-            marks.append(time.perf_counter())
-            for flood in floods:
-                flood.stdin.write("go\n")
-                flood.stdin.flush()
-            num_refused = [int(flood.communicate(timeout=60)[0]) for flood in floods]
-            marks.append(time.perf_counter())
-            time.sleep(1.0)
-            marks.append(time.perf_counter())
+            yield url, steps
         finally:
             stop.set()
             for listener in listeners:
                 listener.join(60)
-    assert core.num_steps > 0 and all(flood.returncode == 0 for flood in floods), "a flood answer was not 429"
+
+
+def _long_stream_engine(family) -> Engine:
+    engine = Engine(family, model_id="tiny", max_batch_size=1, max_frames=4000, cuts_runaway=False, admission=True)
+    engine.admission = Admission(RecordedCosts(), max_streams=1)
+    return engine
+
+
+class RecordedCosts(StepCosts):
+    """Step costs that also keep each observation as (when, seconds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[float, float]] = []
+
+    def observe(self, num_streams: int, seconds: float) -> None:
+        self.log.append((time.perf_counter(), seconds))
+        super().observe(num_streams, seconds)
+
+
+def _median(timed: list[tuple[float, float]], start: float, end: float) -> float:
+    return statistics.median(seconds for when, seconds in timed if start <= when < end)
+
+
+def test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_were(family):
+    """One stream plays and one waits (--max-queue 1) while two clients that ignore Retry-After send refused
+    requests as fast as they are answered: the refusals go out at the server's pace (100 a second after a burst of
+    20), and the playing stream's engine steps take about what they took before and after the flood (the median),
+    and so do the step costs admission measures (its capacity does not shrink, which would refuse more: a flood
+    that fed itself). Refused after being parsed and cut into segments on worker threads, as before, 400-1,400
+    refusals made the steps 2.7-3x as long on this 2-core box; refused early but not paced, 5,000 of them in 1.5 s
+    left them as they were."""
+    engine = _long_stream_engine(family)
+    with _playing(engine, create_app(engine, max_queue=1)) as (url, steps):
+        body = {"input": "Refused.", "voice": "ethan", "response_format": "pcm"}
+        floods = [start_flood(url, SPEECH, body, seconds=1.5) for _ in range(2)]
+        marks = [time.perf_counter()]
+        time.sleep(1.0)
+        marks.append(time.perf_counter())
+        for flood in floods:
+            flood.stdin.write("go\n")
+            flood.stdin.flush()
+        num_refused = [int(flood.communicate(timeout=60)[0]) for flood in floods]
+        marks.append(time.perf_counter())
+        time.sleep(1.0)
+        marks.append(time.perf_counter())
+    assert all(flood.returncode == 0 for flood in floods), "a flood answer was not 429"
     assert 20 <= sum(num_refused) <= 100 * 1.5 + 20 + 15, num_refused
-
-    def median_step(start: float, end: float) -> float:
-        return statistics.median(seconds for started, seconds in steps if start <= started < end)
-
-    before, during, after = (median_step(marks[i], marks[i + 1]) for i in range(3))
-    assert during <= 1.5 * max(before, after), (before, during, after)
+    for timed in (steps, engine.admission.costs.log):
+        before, during, after = (_median(timed, marks[i], marks[i + 1]) for i in range(3))
+        assert during <= 1.5 * max(before, after), (before, during, after)
 
 
 def test_closed_loop_benchmark_clients_wait_out_a_refusal(family):
