@@ -2313,6 +2313,13 @@ MUTATIONS = [
         REFUSALS, "a realtime response.create on a full server tokenizes the conversation before its queue_full",
     ),
     Mutation(
+        "retry_after_rounded_to_whole_seconds", "omnimtp/server/admission.py",
+        "        return max(_MIN_RETRY_AFTER_MS, min(1000 * _MAX_RETRY_AFTER_S, "
+        "math.ceil(1000 * rounds * self._stream_s)))",
+        "        return 1000 * max(1, min(_MAX_RETRY_AFTER_S, math.ceil(rounds * self._stream_s)))",
+        REFUSALS, "a client refused while streams last a fraction of a second is told to wait whole seconds",
+    ),
+    Mutation(
         "refusals_answered_without_pace", "omnimtp/server/guard.py",
         "        return max(0.0, turn - now - (self.burst - 1) / self.rate)",
         "        return 0.0",

@@ -76,6 +76,17 @@ def test_the_access_log_keeps_one_429_line_in_an_interval_and_counts_the_rest():
     assert throttle.filter(later) and "and 5 more 429s" in later.getMessage()
 
 
+def test_a_refusal_says_to_retry_in_milliseconds_when_streams_last_less_than_a_second():
+    admission = Admission(LinearCosts(0.0, 0.02), max_streams=8)  # capacity 3: 0.02·3 ≤ 0.9·0.08 < 0.02·4
+    assert (admission.retry_after_ms(5), admission.retry_after_s(5)) == (1000, 1)  # before any stream ended
+    admission.observe_stream(0.3)
+    assert (admission.retry_after_ms(5), admission.retry_after_s(5)) == (600, 1)  # 6 streams, 3 at a time, 0.3 s
+    assert (admission.retry_after_ms(11), admission.retry_after_s(11)) == (1200, 2)
+    for _ in range(40):
+        admission.observe_stream(0.001)
+    assert admission.retry_after_ms(0) == 100  # at least
+
+
 def test_a_closed_loop_client_waits_as_the_openai_client_does():
     rng = random.Random(0)
     assert serve_playback.retry_delay_s({"retry_after_ms": "250", "retry_after": "3"}, 0, rng) == 0.25
@@ -108,7 +119,8 @@ def test_a_full_server_refuses_before_it_reads_the_request(family, monkeypatch):
         for path in (CHAT, SPEECH, CHAT):
             reply = exchange(conn, "POST", path, b'{"messages": [nope', key)
             assert reply.status == 429 and reply.error()["code"] == "queue_full", reply
-            assert int(reply.headers["retry-after"]) >= 1 and not reply.will_close
+            assert reply.headers["retry-after"] == "1" and reply.headers["retry-after-ms"] == "1000"  # no stream ended
+            assert not reply.will_close
         assert exchange(conn, "POST", CHAT, b"{}").status == 401
         with httpx.Client(base_url=url, headers=key, timeout=30) as client:
             body = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
@@ -239,5 +251,5 @@ def test_closed_loop_benchmark_clients_wait_out_a_refusal(family):
         for earlier, later in zip(mine, mine[1:], strict=False):
             if earlier["status"] == 429:
                 waited = later["sent_s"] - earlier["sent_s"] - earlier["total_s"]
-                assert waited >= float(earlier["retry_after"]) - 0.02, (earlier, later)
+                assert waited >= int(earlier["retry_after_ms"]) / 1000 - 0.02, (earlier, later)
     assert json.dumps(results)  # the benchmark writes them as JSON

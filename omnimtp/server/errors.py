@@ -36,9 +36,11 @@ class APIError(Exception):
 
 
 def queue_full(exc: QueueFullError) -> APIError:
-    """A full queue's 429, with its Retry-After."""
-    return APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
-                    headers={"Retry-After": str(exc.retry_after_s)})
+    """A full queue's 429, with its Retry-After (and retry-after-ms, where the wait is known more finely)."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if exc.retry_after_ms is not None:
+        headers["retry-after-ms"] = str(exc.retry_after_ms)
+    return APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full", headers=headers)
 
 
 # The types of chat content parts: pydantic puts a part's type into the error location of its fields.

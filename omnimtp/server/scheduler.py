@@ -403,9 +403,11 @@ class Engine:
         `_cond`)."""
         num_queued = self._core.num_queued()
         if num_queued >= self.max_queue:
-            retry_after_s = 1 if self.admission is None else self.admission.retry_after_s(num_queued)
-            raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in {retry_after_s} s",
-                                 retry_after_s)
+            if self.admission is None:
+                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in 1 s")
+            retry_after_ms = self.admission.retry_after_ms(num_queued)
+            raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in {retry_after_ms / 1000:g} s",
+                                 self.admission.retry_after_s(num_queued), retry_after_ms)
         return num_queued
 
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
