@@ -2320,6 +2320,12 @@ MUTATIONS = [
         REFUSALS, "a client refused while streams last a fraction of a second is told to wait whole seconds",
     ),
     Mutation(
+        "every_refusal_logged", "omnimtp/server/serving.py",
+        "        if now < self._next_at:\n",
+        "        if False:\n",
+        REFUSALS, "uvicorn's access log writes a line for every 429 of a flood",
+    ),
+    Mutation(
         "refusals_answered_without_pace", "omnimtp/server/guard.py",
         "        return max(0.0, turn - now - (self.burst - 1) / self.rate)",
         "        return 0.0",

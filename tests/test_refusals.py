@@ -112,7 +112,15 @@ def test_a_full_server_refuses_before_it_reads_the_request(family, monkeypatch):
         real = getattr(engine, name)
         monkeypatch.setattr(engine, name, lambda *a, real=real, name=name: tokenized.append(name) or real(*a))
     key = {"Authorization": "Bearer sk-test"}
+    access_lines: list[logging.LogRecord] = []
+    access_log = logging.getLogger("uvicorn.access")
+    capture = logging.Handler()
+    capture.emit = access_lines.append
     with running_server(app) as url:
+        throttle = next(f for f in access_log.filters if isinstance(f, RefusalLogThrottle))  # (`server_config`'s)
+        throttle._next_at = 0.0  # no 429 line went out in the last interval
+        monkeypatch.setattr(access_log, "level", logging.INFO)
+        access_log.addHandler(capture)
         pause_with_full_queue(engine, _waiting_chat())
         tokenized.clear()
         conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
@@ -139,6 +147,9 @@ def test_a_full_server_refuses_before_it_reads_the_request(family, monkeypatch):
             error = connection.recv()
             assert error.type == "error" and error.error.code == "queue_full", error
         assert tokenized == []
+        access_log.removeHandler(capture)
+        statuses = [record.args[-1] for record in access_lines]
+        assert statuses.count(429) == 1 and 401 in statuses, statuses  # four 429s, one line
         engine._core.abort(engine._core.waiting[0].request_id)  # room again
         reply = exchange(conn, "POST", CHAT, b'{"messages": [nope', key)
         assert reply.status == 400 and reply.error()["code"] == "invalid_json"
