@@ -73,7 +73,7 @@ def test_the_access_log_keeps_one_429_line_in_an_interval_and_counts_the_rest():
     assert throttle.filter(record(200)) and throttle.filter(record(400))  # other lines all go out
     throttle._next_at = 0.0  # the interval has passed
     later = record(429)
-    assert throttle.filter(later) and "and 5 more 429s" in later.getMessage()
+    assert throttle.filter(later) and "5 more 429s since the last such line" in later.getMessage()
 
 
 def test_a_refusal_says_to_retry_in_milliseconds_when_streams_last_less_than_a_second():

@@ -394,9 +394,11 @@ class Engine:
 
     def check_room(self) -> None:
         """QueueFullError (as `submit` raises it) while the queue is at its bound: a route asks before it reads,
-        parses or tokenizes a request, so a full server refuses at the cost of a lookup."""
+        parses or tokenizes a request, so a full server refuses at the cost of a lookup. (An engine not started or
+        stopping says nothing here: `submit` answers for it.)"""
         with self._cond:
-            self._check_queue()
+            if self._core is not None and self._accepting:
+                self._check_queue()
 
     def _check_queue(self) -> int:
         """The requests queued; QueueFullError, with admission's Retry-After, at max_queue of them (called holding

@@ -57,7 +57,7 @@ class RefusalLogThrottle(logging.Filter):
             self._num_left_out += 1
             return False
         if self._num_left_out:
-            record.msg = f"{record.msg} (and {self._num_left_out} more 429s in the {self.interval_s:g} s before)"
+            record.msg = f"{record.msg} ({self._num_left_out} more 429s since the last such line)"
         self._next_at, self._num_left_out = now + self.interval_s, 0
         return True
 
