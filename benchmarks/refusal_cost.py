@@ -6,11 +6,11 @@ engine is paused (it holds one waiting request and takes no step, so only the re
 process sends `--requests` requests one after another on one keep-alive connection (for the Realtime API: the
 `response.create` events of one session, each answered by an `error` event). Each thread's CPU time is read from
 its own clock (`time.pthread_getcpuclockid`). The refusals' pace (`omnimtp.server.guard.RefusalPace`) is lifted
-here: this measures what one refusal costs, not how many a second the server answers. `floor` is a request for an unknown path (404): what any request costs
-uvicorn and the middleware before a route runs (a GET: it has no body).
+here: this measures what one refusal costs, not how many a second the server answers. `floor` is a request for an
+unknown path (404, a GET without a body): what any request costs uvicorn and the middleware before a route runs.
 
     python benchmarks/refusal_cost.py
-    python benchmarks/refusal_cost.py --requests 200 --quick
+    python benchmarks/refusal_cost.py --quick
 """
 
 from __future__ import annotations

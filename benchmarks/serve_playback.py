@@ -4,7 +4,8 @@ Each response's audio is fed, as it arrives, to a player that starts at its firs
 (`omnimtp.engine.playback.PlaybackClock`); per stream we record the time to the first audio (from the request),
 underruns (the player ran dry; a gap under 5 ms, one read's jitter, is not one) and stalled seconds, and
 continuity = audio ÷ (audio + stalled seconds). A request refused with 429 is counted as refused (with its
-Retry-After), never as a stream.
+Retry-After), never as a stream. Each load also reports where first audio went on the server, by its own stage
+histograms (`first_audio_stages_ms`: queue, thinker, talker, code2wav, mean milliseconds).
 
 Workloads (`--workloads`):
 - `speech`: Qwen3-TTS 0.6B at the released widths (random weights, built once like `tts_realtime.py`'s) in w4a8,
@@ -52,6 +53,7 @@ from pathlib import Path
 
 import httpx
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import percentile, server_process  # noqa: E402
@@ -285,6 +287,32 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The server's own first-audio stage histograms (`omnimtp_first_audio_stage_seconds` in /metrics: queue,
+    thinker, talker, code2wav): {stage: (seconds in all, requests)}; {} where it has none."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if family.name != "omnimtp_first_audio_stage_seconds":
+            continue
+        for sample in family.samples:
+            stage = totals.setdefault(sample.labels.get("stage", ""), [0.0, 0.0])
+            if sample.name.endswith("_sum"):
+                stage[0] = sample.value
+            elif sample.name.endswith("_count"):
+                stage[1] = sample.value
+    return {stage: (seconds, count) for stage, (seconds, count) in totals.items()}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Each first-audio stage's mean milliseconds over the requests between two `stage_totals`."""
+    means = {}
+    for stage, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(stage, (0.0, 0.0))
+        if count > count_before:
+            means[stage] = 1000 * (seconds - seconds_before) / (count - count_before)
+    return means
+
+
 def fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -296,6 +324,9 @@ def print_level(server: str, workload: str, load: tuple[str, float], level: dict
           f"{fmt(level['head_first_audio_s'])} s  underruns {level['underruns']} stalled {level['stalled_s']:.2f} s  "
           f"continuity min {fmt(level['continuity_min'], '.4f')} all {fmt(level['continuity_all'], '.4f')}  "
           f"audio/s {fmt(level['audio_s_per_s'], '.2f')}  load {level['load_average_1min']:.2f}", flush=True)
+    if level.get("first_audio_stages_ms"):
+        print(f"{'':10s} {'':13s} first audio by stage, mean ms: " + "  ".join(
+            f"{stage} {ms:.1f}" for stage, ms in level["first_audio_stages_ms"].items()), flush=True)
 
 
 # The loads each workload runs by default (the sweep on the HTTP route; the WebSocket and chat: fewer, so that the
@@ -420,12 +451,15 @@ def main() -> None:
                                          max_tokens=args.max_tokens, seed=10_000))
                 for index, load in enumerate(loads(args, workload)):
                     for name, url in urls.items():  # each load on every server in turn
+                        stages_before = stage_totals(url)
                         level_started = time.perf_counter()
                         raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
                                                    max_tokens=args.max_tokens, seed=1000 * index,
                                                    honours_retry_after=not args.ignore_retry_after))
                         level = summarize(raw, time.perf_counter() - level_started)
-                        level.update(load=list(load), streams_detail=raw)
+                        level.update(load=list(load), first_audio_stages_ms=stage_means_ms(stages_before,
+                                                                                           stage_totals(url)),
+                                     streams_detail=raw)
                         results[name].append(level)
                         print_level(name, workload, load, level)
                         Path(args.out).write_text(json.dumps(report, indent=2))  # an interrupted run keeps them
