@@ -708,3 +708,69 @@ def test_a_chunk_far_ahead_of_its_listener_waits_while_a_newcomers_player_builds
     assert in_order[2].num_underruns > 0, "the newcomer did not stall without waiting: the test shows nothing"
     assert waited[2].num_underruns == 0, f"the newcomer stalled {waited[2].stalled_s:.3f} s"
 
+
+
+@pytest.mark.parametrize("lead_s", [10.0, 0.0])
+def test_a_chat_newcomers_first_audio_does_not_wait_for_a_far_ahead_cohorts_thinker_step(lead_s):
+    """A chat with audio comes while another one speaks and thinks. Its listener far ahead (10 s), the speaking
+    cohort's thinker step waits in the newcomer's first step until the newcomer's first chunk is out, and still
+    comes in that step; its listener about to run dry (0 s), it comes first, as before. Either way each request's
+    tokens and PCM are the ones it gets alone."""
+    from test_media_input import _user_turn
+
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    omni = Qwen3OmniFamily.tiny(0)
+    config = EngineConfig(max_batch_size=4, max_frames=40)
+    log = []  # (engine step, "think" | "audio", request id), in the order they happened
+    new_thinker = omni.new_thinker
+
+    def logged_thinker(prompts, *args, **kwargs):
+        run = new_thinker(prompts, *args, **kwargs)
+        step = run.step
+        request_id = 0 if len(prompts[0]) == len(first_prompt) else 1
+
+        def logged_step(*step_args, **step_kwargs):
+            log.append((core.num_steps, "think", request_id))
+            return step(*step_args, **step_kwargs)
+
+        run.step = logged_step
+        return run
+
+    omni.new_thinker = logged_thinker
+    first_prompt, second_prompt = _user_turn([], b"Tell me a long story"), _user_turn([], b"Hi")
+
+    def requests():
+        return (Request(0, list(first_prompt), max_new_tokens=16, max_frames=40, seed=1, speaker=omni.default_speaker),
+                Request(1, list(second_prompt), max_new_tokens=4, max_frames=12, seed=2, speaker=omni.default_speaker))
+
+    def run_all(core, added_later=None):
+        pcm = {}
+        while core.has_work():
+            if added_later is not None and core.num_steps == 6:
+                core.add(added_later)
+            for event in core.step():
+                if event.audio is not None:
+                    log.append((core.num_steps, "audio", event.request.request_id))
+                    pcm.setdefault(event.request.request_id, []).append(to_pcm16(event.audio).tobytes())
+        return {request_id: b"".join(chunks) for request_id, chunks in pcm.items()}
+
+    core = EngineCore(omni, config)
+    together = requests()
+    together[0].playback.lead = lambda now: lead_s  # its listener's lead, whatever the box's speed
+    core.add(together[0])
+    together_pcm = run_all(core, together[1])
+    first_audio = log.index(next(entry for entry in log if entry[1:] == ("audio", 1)))
+    step = log[first_audio][0]
+    assert (step, "think", 0) in log, "the speaking cohort was not thinking in the newcomer's first step"
+    if lead_s > 0:
+        assert log.index((step, "think", 0)) > first_audio, f"the newcomer's first audio waited: {log}"
+    else:
+        assert log.index((step, "think", 0)) < first_audio, f"a listener about to run dry lost a frame: {log}"
+    for request in requests():
+        core = EngineCore(omni, config)
+        core.add(request)
+        alone_pcm = run_all(core)
+        assert request.output_ids == together[request.request_id].output_ids, request.request_id
+        assert_audible(np.frombuffer(alone_pcm[request.request_id], dtype=np.int16))
+        assert alone_pcm[request.request_id] == together_pcm[request.request_id], request.request_id
