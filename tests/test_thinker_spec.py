@@ -391,16 +391,13 @@ def test_a_cohort_ahead_of_its_audio_skips_thinker_steps_while_a_newcomer_waits_
     first audio the cohort takes no thinker step, and its frames keep coming from the reply rows its talker holds;
     afterwards it goes on. With drafts always rejected it keeps pace with its talker and so keeps thinking, asked
     for a plain step while the newcomer waits (which `auto` takes and a fixed k does not). The
-    newcomer's first audio comes in its admission step, and every output is the one it gives alone. (The cohort's
-    listener is held about to run dry: one far ahead would take its thinker step after the newcomer's first chunk,
-    `EngineCore._may_think_after_first_chunks`, tested in test_admission.py.)"""
+    newcomer's first audio comes in its admission step, and every output is the one it gives alone."""
     from omnimtp.engine.core import EngineCore
 
     pipe = _spec_pipe(plain, RecomputingDraft(plain.model.thinker, corrupt_rate=corrupt_rate), 3)
 
     core = EngineCore(pipe.family, pipe.config)
     long = _engine_request(pipe, "long", "Tell me a story")
-    long.playback.lead = lambda now: 0.0
     core.add(long)
     outputs = {}
 
