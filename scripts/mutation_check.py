@@ -1333,8 +1333,8 @@ MUTATIONS = [
     # --- transcription ---------------------------------------------------------------------------------
     Mutation(
         "background_thinks_before_first_audio", "omnimtp/engine/core.py",
-        "            if is_first_audio_due and (cohort.is_background or self._is_ahead(cohort)):",
-        "            if is_first_audio_due and self._is_ahead(cohort):",
+        "            if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):",
+        "            if not (is_first_audio_due and self._is_ahead(cohort)):",
         TRANSCRIPTION, "a background transcript thinks while a response still waits for its first audio",
     ),
     Mutation(
@@ -2299,19 +2299,6 @@ MUTATIONS = [
         "    counts[r] = row_keys ? row_keys[r] : num_keys;",
         "    counts[r] = num_keys;",
         ("tests/test_w4a8_step.py",), "a causal block on the native w4a8 step attends to the block's later positions",
-    ),
-    Mutation(
-        "newcomers_first_chunk_waits_for_far_ahead_cohorts", "omnimtp/engine/core.py",
-        "            if is_first_audio_due and self._may_think_after_first_chunks(cohort):",
-        "            if False:",
-        ("tests/test_admission.py::test_a_chat_newcomers_first_audio_does_not_wait_for_a_far_ahead_cohorts_thinker_step",),
-        "a chat newcomer's first audio waits for the thinker steps of cohorts whose listeners are far ahead",
-    ),
-    Mutation(
-        "cohorts_think_late_whatever_their_lead", "omnimtp/engine/core.py",
-        "        return all((lead := r.playback.lead(now)) is not None and lead >= 3 * self.step_s for r in thinking)",
-        "        return True",
-        ADMISSION, "a cohort whose listener is about to run dry gives up its frame to a newcomer's first audio",
     ),
     Mutation(
         "full_server_reads_requests_before_refusing", "omnimtp/server/guard.py",

@@ -12,11 +12,9 @@ One `step()` is one audio frame boundary:
              running cohorts think (below), so one that came during the last step never waits for their steps
     think    one thinker step for every running cohort (requests admitted together share a run); while a
              request waits for its first audio, background cohorts and cohorts whose talkers hold unconsumed
-             reply rows (ahead of their audio, as speculation gets) skip theirs, cohorts whose listeners all
-             hold three steps of audio take theirs after the step's first chunks are out (speak, below; their
-             talkers make no frame that step), and the `auto` speculation of both takes plain steps (the
-             shortest: a fixed k drafts as always); asked before each cohort, so a request that came while an
-             earlier cohort thought counts for the later ones
+             reply rows (ahead of their audio, as speculation gets) skip theirs, and the others' `auto`
+             speculation takes plain steps (the shortest: a fixed k drafts as always); asked before each
+             cohort, so a request that came while an earlier cohort thought counts for the later ones
     admit    parked requests whose text came, then waiting requests, up to max_batch_size holding a slot (a
              speech request with no text ids yet is not admitted) and, of those that speak, up to `max_speaking`
              unparked (a driver's real-time capacity, `omnimtp.server.admission`; later ones wait in order);
@@ -30,8 +28,7 @@ One `step()` is one audio frame boundary:
     prefill  the talker prefill of every request whose talker inputs are ready, as one batch
     speak    one talker + code predictor step for every speaking request, as one batch: the code predictor
              completes the step's frames, then (where the codec looks at no later frame) the chunks they
-             complete are decoded and go out (below), then the thinker steps that waited for them, then the
-             talker forward toward the next frame, which reads their rows
+             complete are decoded and go out (below), then the talker forward toward the next frame
     decode   code2wav of every chunk that is due (after the forward: those it made due, a talker's last chunk,
              and a codec's that looks ahead): first chunks at once, later ones oldest first within
              `max_decode_frames`; a later chunk whose listener is far enough ahead (`Request.playback`) that
@@ -260,26 +257,20 @@ class EngineCore:
         if self._is_first_audio_due():  # a request that came during the last step starts before the others think
             yield from self._start(self._admit(admit_background=False))
         is_first_audio_due = False
-        after_first_chunks = []  # cohorts whose step waits until the step's first chunks are out (`_speak`)
         for cohort in thinking:  # asked before each cohort: a request that came during the step counts
             is_first_audio_due = self._is_first_audio_due()
-            if is_first_audio_due and (cohort.is_background or self._is_ahead(cohort)):
-                continue
-            if is_first_audio_due and self._may_think_after_first_chunks(cohort):
-                after_first_chunks.append(cohort)
-                continue
-            yield from self._think(cohort, plain=is_first_audio_due)
+            if not (is_first_audio_due and (cohort.is_background or self._is_ahead(cohort))):
+                yield from self._think(cohort, plain=is_first_audio_due)
         is_first_audio_due = self._is_first_audio_due()
         yield from self._start(self._admit(admit_background=not is_first_audio_due))
+        self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
         started = self._phase("think", started)
         self._feed_text()
         self._prefill_talker()
         started = self._phase("talker_admit", started)
-        early_decode_s, late_think_s = yield from self._speak(after_first_chunks)
-        self.cohorts = [cohort for cohort in self.cohorts if cohort.is_live]
+        early_decode_s = yield from self._speak()
         now = time.perf_counter()
-        # the first chunks decoded within count as code2wav, the cohorts' steps after them as think
-        self._phase("talk", started + early_decode_s + late_think_s)
+        self._phase("talk", started + early_decode_s)  # the first chunks decoded within count as code2wav
         first, later = self._due_chunks()
         yield from self._decode_blocks(first)
         yield from self._decode_blocks(later)
@@ -308,18 +299,6 @@ class EngineCore:
         return bool(thinking) and all(
             r.has_speech and r.is_in_talker and self.talker.num_text_rows(r.request_id) > 0 for r in thinking
         )
-
-    def _may_think_after_first_chunks(self, cohort: _Cohort) -> bool:
-        """Whether the cohort's thinker step may wait until the step's first chunks are out (`_speak`), so that a
-        newcomer's first audio does not wait for it: every request it still thinks for speaks from its talker, and
-        every one's listener holds three steps of audio or more. Their talkers then make no frame this step (a
-        frame takes the row this thinker step makes), which that lead absorbs; the step still comes before the
-        talker's forward, so they speak on at the next step, with the same tokens and PCM."""
-        thinking = [r for r in cohort.requests if r.is_thinking]
-        if not thinking or not all(r.has_speech and r.is_in_talker and r.is_streamed for r in thinking):
-            return False
-        now = time.perf_counter()
-        return all((lead := r.playback.lead(now)) is not None and lead >= 3 * self.step_s for r in thinking)
 
     def num_startable(self, has_speech: bool) -> int:
         """How many more requests (that speak, or not) the next step could start (call holding `lock`)."""
@@ -558,18 +537,14 @@ class EngineCore:
                 self._stage("thinker", now - request.admitted_at)
         self._end_talkers(ended)
 
-    def _speak(self, after_first_chunks: list[_Cohort]) -> Generator[StepEvent, None, tuple[float, float]]:
+    def _speak(self) -> Generator[StepEvent, None, float]:
         """One talker step. Where the codec looks at no later frame, the chunks its frames complete are decoded
         (and go out) between the step's frames and its talker forward toward the next frame, so no audio waits
-        for that forward (a talker's last chunk, known only once the forward has ended it, goes after). The
-        thinker steps of `after_first_chunks` come right before that forward, which reads their rows. Returns the
-        seconds that decoding and those thinker steps took."""
+        for that forward (a talker's last chunk, known only once the forward has ended it, goes after). Returns
+        the seconds that decoding took."""
         taken = self.talker.take_frames() if self.talker.rows else None
         if taken is None:
-            think_started = time.perf_counter()
-            for cohort in after_first_chunks:
-                yield from self._think(cohort, plain=True)
-            return 0.0, time.perf_counter() - think_started
+            return 0.0
         decode_s = 0.0
         now = time.perf_counter()
         for request_id, codes in zip(taken.request_ids, taken.codes, strict=True):
@@ -584,16 +559,12 @@ class EngineCore:
             yield from self._decode_blocks(first)
             yield from self._decode_blocks(later)
             decode_s = time.perf_counter() - started
-        think_started = time.perf_counter()
-        for cohort in after_first_chunks:
-            yield from self._think(cohort, plain=True)
-        think_s = self._phase("think", think_started) - think_started if after_first_chunks else 0.0
         frames = self.talker.advance(taken)
         if self.observer is not None:
             self.observer.talker_batch(len(frames))
         # a finished row leaves the talker batch now; its audio may still be decoding
         self._end_talkers([frame for frame in frames if frame.finish_reason is not None])
-        return decode_s, think_s
+        return decode_s
 
     def _end_talkers(self, ended: list[TalkerFrame]) -> None:
         if not ended:
