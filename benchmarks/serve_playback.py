@@ -25,7 +25,9 @@ Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
 - `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds; a client
   refused with 429 first waits as the official `openai` client does (`retry_delay_s`: the `retry-after-ms` or
   `Retry-After` header, else an exponential backoff), and with `--ignore-retry-after` sends again at once (a client
-  that floods a full server: what it costs the streams the server plays is what that load measures).
+  that floods a full server: what it costs the streams the server plays is what that load measures). The clients
+  start at once, and replies of one length keep them in step (each round a burst of C) unless `--stagger S` spreads
+  their first requests over S seconds.
 
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
 joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
@@ -213,20 +215,21 @@ def request_fn(workload: str, url: str, client: httpx.AsyncClient, voice: str | 
 
 
 async def run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
-                   max_tokens: int, seed: int, honours_retry_after: bool = True) -> list[dict]:
+                   max_tokens: int, seed: int, honours_retry_after: bool = True, stagger_s: float = 0.0) -> list[dict]:
     """One load on one server → each request's result (arrival order; `sent_s`: when it was sent, from the load's
     start; a closed-loop request's `client`: which client sent it). honours_retry_after: a closed-loop client waits
-    `retry_delay_s` after a 429 (else it sends its next request at once)."""
+    `retry_delay_s` after a 429 (else it sends its next request at once); stagger_s: closed-loop client i of C sends
+    its first request i·stagger_s/C seconds after the first one's (0: all at once)."""
     started = time.perf_counter()
     results = await _run_load(url, workload, load, voice, duration_s=duration_s, max_tokens=max_tokens, seed=seed,
-                              honours_retry_after=honours_retry_after)
+                              honours_retry_after=honours_retry_after, stagger_s=stagger_s)
     for result in results:
         result["sent_s"] = result.pop("sent_at") - started
     return results
 
 
 async def _run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
-                    max_tokens: int, seed: int, honours_retry_after: bool) -> list[dict]:
+                    max_tokens: int, seed: int, honours_retry_after: bool, stagger_s: float) -> list[dict]:
     kind, amount = load
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
         send = request_fn(workload, url, client, voice, max_tokens)
@@ -249,6 +252,7 @@ async def _run_load(url: str, workload: str, load: tuple[str, float], voice: str
 
         async def client_loop(client: int) -> list[dict]:
             results, num_retries, rng = [], 0, random.Random(seed + client)
+            await asyncio.sleep(client * stagger_s / amount)
             while time.perf_counter() < deadline:
                 result = await send(next(counter))
                 results.append({**result, "client": client})
@@ -399,6 +403,10 @@ def main() -> None:
     parser.add_argument("--ignore-retry-after", action="store_true",
                         help="closed-loop clients send their next request at once after a 429 (a flood of refused "
                         "requests) instead of waiting as the openai client does")
+    parser.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                        help="closed loads: client i of C sends its first request i*S/C seconds after the first "
+                        "(default 0: all at once; replies of one length then keep the clients in step, each round "
+                        "a burst of C)")
     parser.add_argument("--compare", action="store_true",
                         help="also this checkout's server with --admission off (before/after in one run)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also the server of this checkout (before/after)")
@@ -455,7 +463,8 @@ def main() -> None:
                         level_started = time.perf_counter()
                         raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
                                                    max_tokens=args.max_tokens, seed=1000 * index,
-                                                   honours_retry_after=not args.ignore_retry_after))
+                                                   honours_retry_after=not args.ignore_retry_after,
+                                                   stagger_s=args.stagger))
                         level = summarize(raw, time.perf_counter() - level_started)
                         level.update(load=list(load), first_audio_stages_ms=stage_means_ms(stages_before,
                                                                                            stage_totals(url)),
