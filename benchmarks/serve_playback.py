@@ -4,7 +4,8 @@ Each response's audio is fed, as it arrives, to a player that starts at its firs
 (`omnimtp.engine.playback.PlaybackClock`); per stream we record the time to the first audio (from the request),
 underruns (the player ran dry; a gap under 5 ms, one read's jitter, is not one) and stalled seconds, and
 continuity = audio ÷ (audio + stalled seconds). A request refused with 429 is counted as refused (with its
-Retry-After), never as a stream.
+Retry-After), never as a stream. Each load also reports where first audio went on the server, by its own stage
+histograms (`first_audio_stages_ms`: queue, thinker, talker, code2wav, mean milliseconds).
 
 Workloads (`--workloads`):
 - `speech`: Qwen3-TTS 0.6B at the released widths (random weights, built once like `tts_realtime.py`'s) in w4a8,
@@ -21,7 +22,12 @@ Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
   the later ones (queued or refused) slow it;
 - `poisson R`: open-loop arrivals at R streams per second for `--duration` seconds (a rate sweep with several R),
   seeded, so every server sees the same arrival times (`--max-queue` 8: arrivals past capacity wait or get 429);
-- `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds.
+- `closed C`: C clients, each sending its next request when the last ended, for `--duration` seconds; a client
+  refused with 429 first waits as the official `openai` client does (`retry_delay_s`: the `retry-after-ms` or
+  `Retry-After` header, else an exponential backoff), and with `--ignore-retry-after` sends again at once (a client
+  that floods a full server: what it costs the streams the server plays is what that load measures). The clients
+  start at once, and replies of one length keep them in step (each round a burst of C) unless `--stagger S` spreads
+  their first requests over S seconds.
 
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
 joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
@@ -49,6 +55,7 @@ from pathlib import Path
 
 import httpx
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import percentile, server_process  # noqa: E402
@@ -64,6 +71,11 @@ TEXTS = [
     "The fourth sentence talks about the weather, the trains, and what is for dinner tonight.",
 ]
 WORKLOADS = ("speech", "speech_stream", "chat")
+# openai-python's retry delays (`openai._constants`): a server's retry-after honoured up to two minutes, else an
+# exponential backoff from half a second up to 8 s, less a random quarter at most.
+MAX_RETRY_AFTER_S = 120.0
+INITIAL_RETRY_DELAY_S = 0.5
+MAX_RETRY_DELAY_S = 8.0
 # A gap shorter than this is a player's jitter, not an underrun (one 24 kHz PCM16 TCP read can lag by a few ms).
 MIN_STALL_S = 0.005
 
@@ -76,8 +88,13 @@ class Stream:
         self.clock = PlaybackClock(min_stall_s=MIN_STALL_S)
         self.status = 200
         self.retry_after: str | None = None
+        self.retry_after_ms: str | None = None
         self.error: str | None = None
         self.queue_position: int | None = None
+
+    def refused(self, response: httpx.Response) -> None:
+        self.retry_after = response.headers.get("retry-after")
+        self.retry_after_ms = response.headers.get("retry-after-ms")
 
     def audio(self, num_bytes: int) -> None:
         self.clock.push(time.perf_counter(), num_bytes / 2 / SAMPLE_RATE)
@@ -85,7 +102,8 @@ class Stream:
     def result(self) -> dict:
         clock = self.clock
         first_audio = None if clock.started_at is None else clock.started_at - self.started
-        return {"status": self.status, "error": self.error, "retry_after": self.retry_after,
+        return {"sent_at": self.started, "status": self.status, "error": self.error,
+                "retry_after": self.retry_after, "retry_after_ms": self.retry_after_ms,
                 "queue_position": self.queue_position, "first_audio_s": first_audio, "audio_s": clock.audio_s,
                 "underruns": clock.num_underruns, "stalled_s": clock.stalled_s, "continuity": clock.continuity,
                 "total_s": time.perf_counter() - self.started}
@@ -101,7 +119,7 @@ async def speech_request(client: httpx.AsyncClient, index: int, voice: str | Non
         position = response.headers.get("x-queue-position")
         stream.queue_position = None if position is None else int(position)
         if response.status_code != 200:
-            stream.retry_after = response.headers.get("retry-after")
+            stream.refused(response)
             stream.error = json.loads(await response.aread())["error"]["code"]
             return stream.result()
         odd = b""
@@ -153,7 +171,7 @@ async def chat_request(client: httpx.AsyncClient, index: int, voice: str | None,
         position = response.headers.get("x-queue-position")
         stream.queue_position = None if position is None else int(position)
         if response.status_code != 200:
-            stream.retry_after = response.headers.get("retry-after")
+            stream.refused(response)
             stream.error = json.loads(await response.aread())["error"]["code"]
             return stream.result()
         async for line in response.aiter_lines():
@@ -170,6 +188,24 @@ async def chat_request(client: httpx.AsyncClient, index: int, voice: str | None,
     return stream.result()
 
 
+def retry_delay_s(result: dict, num_retries: int, rng: random.Random) -> float:
+    """How long the official `openai` client waits before retrying a refused request (`_calculate_retry_timeout`):
+    the response's `retry-after-ms` (milliseconds), else its `Retry-After` (seconds, a float allowed) when in
+    (0, 120] s; else 0.5 · 2^num_retries s (num_retries: this client's refusals in a row before this one), at most
+    8 s, less a random quarter at most."""
+    for value, divisor in ((result.get("retry_after_ms"), 1000), (result.get("retry_after"), 1)):
+        if value is None:
+            continue
+        try:
+            delay = float(value) / divisor
+        except ValueError:
+            continue
+        if 0 < delay <= MAX_RETRY_AFTER_S:
+            return delay
+        break
+    return min(INITIAL_RETRY_DELAY_S * 2.0 ** min(num_retries, 1000), MAX_RETRY_DELAY_S) * (1 - 0.25 * rng.random())
+
+
 def request_fn(workload: str, url: str, client: httpx.AsyncClient, voice: str | None, max_tokens: int):
     if workload == "speech":
         return lambda index: speech_request(client, index, voice)
@@ -179,8 +215,21 @@ def request_fn(workload: str, url: str, client: httpx.AsyncClient, voice: str | 
 
 
 async def run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
-                   max_tokens: int, seed: int) -> list[dict]:
-    """One load on one server → each request's result (arrival order)."""
+                   max_tokens: int, seed: int, honours_retry_after: bool = True, stagger_s: float = 0.0) -> list[dict]:
+    """One load on one server → each request's result (arrival order; `sent_s`: when it was sent, from the load's
+    start; a closed-loop request's `client`: which client sent it). honours_retry_after: a closed-loop client waits
+    `retry_delay_s` after a 429 (else it sends its next request at once); stagger_s: closed-loop client i of C sends
+    its first request i·stagger_s/C seconds after the first one's (0: all at once)."""
+    started = time.perf_counter()
+    results = await _run_load(url, workload, load, voice, duration_s=duration_s, max_tokens=max_tokens, seed=seed,
+                              honours_retry_after=honours_retry_after, stagger_s=stagger_s)
+    for result in results:
+        result["sent_s"] = result.pop("sent_at") - started
+    return results
+
+
+async def _run_load(url: str, workload: str, load: tuple[str, float], voice: str | None, *, duration_s: float,
+                    max_tokens: int, seed: int, honours_retry_after: bool, stagger_s: float) -> list[dict]:
     kind, amount = load
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as client:
         send = request_fn(workload, url, client, voice, max_tokens)
@@ -201,13 +250,21 @@ async def run_load(url: str, workload: str, load: tuple[str, float], voice: str 
         deadline = time.perf_counter() + duration_s
         counter = iter(range(seed, seed + 1_000_000))
 
-        async def client_loop() -> list[dict]:
-            results = []
+        async def client_loop(client: int) -> list[dict]:
+            results, num_retries, rng = [], 0, random.Random(seed + client)
+            await asyncio.sleep(client * stagger_s / amount)
             while time.perf_counter() < deadline:
-                results.append(await send(next(counter)))
+                result = await send(next(counter))
+                results.append({**result, "client": client})
+                if result["status"] != 429:
+                    num_retries = 0
+                elif honours_retry_after:
+                    delay = retry_delay_s(result, num_retries, rng)
+                    num_retries += 1
+                    await asyncio.sleep(max(0.0, min(delay, deadline - time.perf_counter())))
             return results
 
-        return [r for rs in await asyncio.gather(*(client_loop() for _ in range(int(amount)))) for r in rs]
+        return [r for rs in await asyncio.gather(*(client_loop(c) for c in range(int(amount)))) for r in rs]
 
 
 def summarize(results: list[dict], wall_s: float) -> dict:
@@ -234,6 +291,32 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """The server's own first-audio stage histograms (`omnimtp_first_audio_stage_seconds` in /metrics: queue,
+    thinker, talker, code2wav): {stage: (seconds in all, requests)}; {} where it has none."""
+    totals: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        if family.name != "omnimtp_first_audio_stage_seconds":
+            continue
+        for sample in family.samples:
+            stage = totals.setdefault(sample.labels.get("stage", ""), [0.0, 0.0])
+            if sample.name.endswith("_sum"):
+                stage[0] = sample.value
+            elif sample.name.endswith("_count"):
+                stage[1] = sample.value
+    return {stage: (seconds, count) for stage, (seconds, count) in totals.items()}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Each first-audio stage's mean milliseconds over the requests between two `stage_totals`."""
+    means = {}
+    for stage, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(stage, (0.0, 0.0))
+        if count > count_before:
+            means[stage] = 1000 * (seconds - seconds_before) / (count - count_before)
+    return means
+
+
 def fmt(value, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -245,6 +328,9 @@ def print_level(server: str, workload: str, load: tuple[str, float], level: dict
           f"{fmt(level['head_first_audio_s'])} s  underruns {level['underruns']} stalled {level['stalled_s']:.2f} s  "
           f"continuity min {fmt(level['continuity_min'], '.4f')} all {fmt(level['continuity_all'], '.4f')}  "
           f"audio/s {fmt(level['audio_s_per_s'], '.2f')}  load {level['load_average_1min']:.2f}", flush=True)
+    if level.get("first_audio_stages_ms"):
+        print(f"{'':10s} {'':13s} first audio by stage, mean ms: " + "  ".join(
+            f"{stage} {ms:.1f}" for stage, ms in level["first_audio_stages_ms"].items()), flush=True)
 
 
 # The loads each workload runs by default (the sweep on the HTTP route; the WebSocket and chat: fewer, so that the
@@ -314,6 +400,13 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=8, help="the servers' --max-queue (429 past it)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server process")
+    parser.add_argument("--ignore-retry-after", action="store_true",
+                        help="closed-loop clients send their next request at once after a 429 (a flood of refused "
+                        "requests) instead of waiting as the openai client does")
+    parser.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                        help="closed loads: client i of C sends its first request i*S/C seconds after the first "
+                        "(default 0: all at once; replies of one length then keep the clients in step, each round "
+                        "a burst of C)")
     parser.add_argument("--compare", action="store_true",
                         help="also this checkout's server with --admission off (before/after in one run)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also the server of this checkout (before/after)")
@@ -366,11 +459,16 @@ def main() -> None:
                                          max_tokens=args.max_tokens, seed=10_000))
                 for index, load in enumerate(loads(args, workload)):
                     for name, url in urls.items():  # each load on every server in turn
+                        stages_before = stage_totals(url)
                         level_started = time.perf_counter()
                         raw = asyncio.run(run_load(url, workload, load, voices[name], duration_s=args.duration,
-                                                   max_tokens=args.max_tokens, seed=1000 * index))
+                                                   max_tokens=args.max_tokens, seed=1000 * index,
+                                                   honours_retry_after=not args.ignore_retry_after,
+                                                   stagger_s=args.stagger))
                         level = summarize(raw, time.perf_counter() - level_started)
-                        level.update(load=list(load), streams_detail=raw)
+                        level.update(load=list(load), first_audio_stages_ms=stage_means_ms(stages_before,
+                                                                                           stage_totals(url)),
+                                     streams_detail=raw)
                         results[name].append(level)
                         print_level(name, workload, load, level)
                         Path(args.out).write_text(json.dumps(report, indent=2))  # an interrupted run keeps them

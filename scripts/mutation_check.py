@@ -74,6 +74,7 @@ SERVER_HARDENING = ("tests/test_server_hardening.py",)
 SERVER_STRUCTURE = ("tests/test_server_structure.py",)
 SERVER = ("tests/test_server.py",)
 ADMISSION = ("tests/test_admission.py",)
+REFUSALS = ("tests/test_refusals.py",)
 
 
 # filter_logits' three steps, verbatim, to reorder them.
@@ -1912,8 +1913,8 @@ MUTATIONS = [
     ),
     Mutation(
         "idle_stream_requests_fill_the_queue", "omnimtp/server/scheduler.py",
-        "            num_queued = self._core.num_queued()\n",
-        "            num_queued = len(self._core.waiting)\n",
+        "        num_queued = self._core.num_queued()\n",
+        "        num_queued = len(self._core.waiting)\n",
         ("tests/test_speech_stream.py::test_sessions_waiting_for_their_first_words_do_not_fill_the_queue",),
         "streamed-text requests waiting for their first words count against --max-queue (idle sessions cause 429s)",
     ),
@@ -2317,6 +2318,38 @@ MUTATIONS = [
         "    counts[r] = row_keys ? row_keys[r] : num_keys;",
         "    counts[r] = num_keys;",
         ("tests/test_w4a8_step.py",), "a causal block on the native w4a8 step attends to the block's later positions",
+    ),
+    Mutation(
+        "full_server_reads_requests_before_refusing", "omnimtp/server/guard.py",
+        '    QUEUED_ROUTES = ("/v1/chat/completions", "/v1/audio/speech")',
+        "    QUEUED_ROUTES = ()",
+        REFUSALS, "a full server parses, validates and tokenizes a chat or speech request before its 429",
+    ),
+    Mutation(
+        "realtime_refusal_after_tokenizing", "omnimtp/server/routes/realtime/responses.py",
+        "        await state.context.check_room()  # a full server refuses before the prompt is tokenized\n",
+        "",
+        REFUSALS, "a realtime response.create on a full server tokenizes the conversation before its queue_full",
+    ),
+    Mutation(
+        "retry_after_rounded_to_whole_seconds", "omnimtp/server/admission.py",
+        "        return max(_MIN_RETRY_AFTER_MS, min(1000 * _MAX_RETRY_AFTER_S, "
+        "math.ceil(1000 * rounds * self._stream_s)))",
+        "        return 1000 * max(1, min(_MAX_RETRY_AFTER_S, math.ceil(rounds * self._stream_s)))",
+        REFUSALS, "a client refused while streams last a fraction of a second is told to wait whole seconds",
+    ),
+    Mutation(
+        "every_refusal_logged", "omnimtp/server/serving.py",
+        "        if now < self._next_at:\n",
+        "        if False:\n",
+        REFUSALS, "uvicorn's access log writes a line for every 429 of a flood",
+    ),
+    Mutation(
+        "refusals_answered_without_pace", "omnimtp/server/guard.py",
+        "        return max(0.0, turn - now - (self.burst - 1) / self.rate)",
+        "        return 0.0",
+        ("tests/test_refusals.py::test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_were",),
+        "clients that ignore Retry-After are answered as fast as they send: the flood takes the engine's GIL time",
     ),
 ]
 

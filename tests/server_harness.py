@@ -83,3 +83,55 @@ def exchange(conn: http.client.HTTPConnection, method: str, path: str, body: byt
     response = conn.getresponse()
     data = response.read()
     return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, data, response.will_close)
+
+
+def pause_with_full_queue(engine, request) -> None:
+    """A started engine (--max-queue 1) paused with `request` (an `EngineRequest`) waiting: its queue is full and it
+    takes no step, so whatever the server does next runs alone (a refusal's cost, what a full server answers)."""
+    import asyncio
+
+    engine._core.has_ready_work = lambda: False  # the engine thread sleeps until told of work, and finds none
+    engine.submit(request, loop=asyncio.new_event_loop())  # (its handle is never pushed to)
+
+
+# A client that floods a server: requests sent one after another on one keep-alive connection (raw HTTP/1.1, so the
+# client's own cost stays small), each answer read and its status checked, until `n` were sent or `seconds` went by.
+# It prints "ready", waits for a line on stdin, then floods and prints how many it sent.
+# argv: url path body (JSON; "null": a GET without a body) n seconds expected-status
+FLOOD_CLIENT = r"""
+import socket, sys, time
+from urllib.parse import urlparse
+url, path, body, n, seconds, expected = sys.argv[1:7]
+host, body, n = urlparse(url), body.encode(), int(n)
+request = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body if body != b"null" else (
+           f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").encode()
+sock = socket.create_connection((host.hostname, host.port))
+reader = sock.makefile("rb")
+sys.stdout.write("ready\n"); sys.stdout.flush(); sys.stdin.readline()
+sent, end = 0, time.perf_counter() + float(seconds)
+while sent < n and time.perf_counter() < end:
+    sock.sendall(request)
+    status, length = reader.readline().split()[1].decode(), 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        length = int(value) if name.lower() == "content-length" else length
+    reader.read(length)
+    sent += 1
+    assert status == expected, f"answered {status}, not {expected}"
+print(sent)
+"""
+
+
+def start_flood(url: str, path: str, body, *, n: int = 10**9, seconds: float = 1e9, expected: str = "429"):
+    """A `FLOOD_CLIENT` process, ready: write a line to its stdin to start it; its stdout then says how many it
+    sent."""
+    import json
+    import subprocess
+    import sys
+
+    client = subprocess.Popen([sys.executable, "-c", FLOOD_CLIENT, url, path, json.dumps(body), str(n), str(seconds),
+                               expected], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if client.stdout.readline().strip() != "ready":
+        raise RuntimeError("the flood client did not start")
+    return client

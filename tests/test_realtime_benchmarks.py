@@ -225,7 +225,8 @@ def test_omni_realsize_quick_run_of_the_qwen2_5_omni_config_builds_its_family(tm
 
 def test_playback_quick_run_reports_every_load(tmp_path):
     """benchmarks/serve_playback.py --quick on the tiny Qwen3-TTS, this checkout's server with admission and
-    without: every load's streams played, each with its first audio, underruns and continuity."""
+    without: every load's streams played, each with its first audio, underruns and continuity, and where first audio
+    went by stage."""
     out = tmp_path / "playback.json"
     _run(["benchmarks/serve_playback.py", "--quick", "--workloads", "speech", "--compare", "--threads", "1",
           "--out", str(out)])
@@ -237,6 +238,8 @@ def test_playback_quick_run_reports_every_load(tmp_path):
             assert level["failed"] == 0 and level["streams"] + level["refused_429"] == level["requests"] > 0
             assert level["first_audio_p50_s"] > 0 and level["audio_s_per_s"] > 0
             assert 0 < level["continuity_min"] <= level["continuity_all"] <= 1
+            stages = level["first_audio_stages_ms"]  # the server's own histograms, per load
+            assert set(stages) == {"queue", "thinker", "talker", "code2wav"} and all(ms >= 0 for ms in stages.values())
             for stream in level["streams_detail"]:
                 assert stream["audio_s"] > 0 and stream["underruns"] >= 0 and stream["queue_position"] is not None
 

@@ -35,6 +35,7 @@ DEFAULT_HEADROOM = 0.9
 DEFAULT_FRAME_S = 0.08
 _NUM_SAMPLES = 64  # recent steps kept per size (their mean is the size's cost: a few chunks' decoding among them)
 _MAX_RETRY_AFTER_S = 120
+_MIN_RETRY_AFTER_MS = 100
 _KIND = "speech_step_costs"  # the cost cache's directory for them
 MIN_KEPT_SAMPLES = 3  # a size measured fewer times is not kept on disk (`keep_step_costs`)
 
@@ -116,12 +117,18 @@ class Admission:
             self._stream_s = seconds if self._stream_s is None else 0.8 * self._stream_s + 0.2 * seconds
 
     def retry_after_s(self, num_queued: int) -> int:
-        """Whole seconds a refused client should wait: the streams queued (and it) served `capacity` at a time,
-        each taking a stream's mean time; 1 before any stream has ended."""
+        """Whole seconds a refused client should wait (`Retry-After`): `retry_after_ms` rounded up, at least 1."""
+        return max(1, math.ceil(self.retry_after_ms(num_queued) / 1000))
+
+    def retry_after_ms(self, num_queued: int) -> int:
+        """Milliseconds a refused client should wait (`retry-after-ms`, which the openai client prefers): the streams
+        queued (and it) served `capacity` at a time, each taking a stream's mean time, at least 100 ms (1 s before
+        any stream has ended). Streams of a fraction of a second are so retried in a fraction of a second, not the
+        whole second `Retry-After` rounds to."""
         if self._stream_s is None:
-            return 1
+            return 1000
         rounds = math.ceil((num_queued + 1) / self.capacity())
-        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(rounds * self._stream_s)))
+        return max(_MIN_RETRY_AFTER_MS, min(1000 * _MAX_RETRY_AFTER_S, math.ceil(1000 * rounds * self._stream_s)))
 
 
 def cached_step_costs(fingerprint: dict) -> dict[int, float] | None:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app: `create_app` puts the API modules together around one engine.
 
     errors.py          the error shape: `APIError` → `{"error": {"message", "type", "param", "code"}}`
-    guard.py           the middleware every request passes (auth, body deadline, 500 of last resort) and
-                       the one JSON body reader
+    guard.py           the middleware every request passes (auth, body deadline, 500 of last resort), the
+                       early 429 of a full server, and the one JSON body reader
     websocket.py       what WebSocket routes share: session limits and slots, JSON events, error events
     routes/common.py   `ServingContext`: the engine handle and the checks that consult the served model
     routes/chat.py     /v1/chat/completions
@@ -45,7 +45,7 @@ from omnimtp.limits import (
 )
 from omnimtp.server.aliases import OPENAI_MODELS, speaker_aliases
 from omnimtp.server.errors import APIError
-from omnimtp.server.guard import Guard
+from omnimtp.server.guard import EarlyRefusal, Guard
 from omnimtp.server.metrics import ServerMetrics
 from omnimtp.server.routes import chat, models, realtime, speech, speech_stream, transcriptions, voices
 from omnimtp.server.routes import playground as playground_routes
@@ -167,6 +167,7 @@ def create_app(
     if playground:
         app.include_router(playground_routes.router)
 
+    app.add_middleware(EarlyRefusal, serving=app.state.serving)  # (inside Guard: added first)
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)

@@ -8,6 +8,8 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from omnimtp.server.requests import QueueFullError
+
 # Not an HTTP status a client sees: the client is gone. It labels such requests in the metrics
 # (nginx's "client closed request").
 CLIENT_CLOSED = 499
@@ -31,6 +33,14 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def queue_full(exc: QueueFullError) -> APIError:
+    """A full queue's 429, with its Retry-After (and retry-after-ms, where the wait is known more finely)."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if exc.retry_after_ms is not None:
+        headers["retry-after-ms"] = str(exc.retry_after_ms)
+    return APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full", headers=headers)
 
 
 # The types of chat content parts: pydantic puts a part's type into the error location of its fields.

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import secrets
+import time
 import uuid
 
 from fastapi import Request
@@ -19,8 +20,9 @@ from starlette.datastructures import FormData
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.websockets import WebSocket
 
-from omnimtp.server.errors import CLIENT_CLOSED, APIError
+from omnimtp.server.errors import CLIENT_CLOSED, APIError, queue_full
 from omnimtp.server.metrics import ServerMetrics
+from omnimtp.server.requests import QueueFullError
 
 logger = logging.getLogger("omnimtp.server")
 
@@ -335,6 +337,76 @@ class Guard:
             if prefix == KEY_SUBPROTOCOL and secrets.compare_digest(token.encode("utf-8"), self.api_key):
                 return True
         return False
+
+
+# A full server answers this many refusals a second at once (after a burst of as many as _REFUSAL_BURST); later ones
+# wait their turn. One costs the event loop ~0.1-0.3 ms (benchmarks/refusal_cost.py), so refused traffic takes at
+# most a few percent of it, whatever clients that ignore Retry-After send.
+_REFUSALS_PER_S = 100.0
+_REFUSAL_BURST = 20
+
+
+class RefusalPace:
+    """When each refusal is answered: at once while refusals come at most `rate` a second (after a burst of `burst`),
+    else in turn, 1/rate apart (a virtual-clock pacer, GCRA: each refusal books the next turn). A closed-loop client
+    that sends again as soon as it is refused is so slowed to the pace, and cannot spend the event loop's time."""
+
+    def __init__(self, rate: float = _REFUSALS_PER_S, burst: int = _REFUSAL_BURST):
+        if not rate > 0 or burst < 1:
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {rate!r}, {burst!r}")
+        self.rate, self.burst = float(rate), burst
+        self._next_turn = 0.0
+
+    def delay_s(self, now: float) -> float:
+        """Seconds the refusal made at `now` (monotonic) waits before its answer goes out; books its turn."""
+        turn = max(self._next_turn, now)  # this refusal's turn on the virtual clock, 1/rate after the last one's
+        self._next_turn = turn + 1 / self.rate
+        return max(0.0, turn - now - (self.burst - 1) / self.rate)  # the first `burst` turns ahead go at once
+
+    async def wait(self) -> None:
+        delay = self.delay_s(time.monotonic())
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class EarlyRefusal:
+    """Pure ASGI middleware (inside `Guard`, so the API key is checked first): while the engine's queue is full, a
+    POST to a route that would queue on it (`QUEUED_ROUTES`) is answered 429 `queue_full` with its Retry-After
+    before any route runs (`Engine.check_room`), at the pace of `serving.refusal_pace`. Its body is read and
+    dropped unparsed; nothing is validated, tokenized or built. A flood of refused requests (clients that ignore
+    Retry-After) so takes little of the event loop, and of the GIL the engine thread needs to play the admitted
+    streams. A request that finds room goes on to its route, which still refuses it if the queue filled meanwhile;
+    a request refused here is not read, so a malformed one gets 429 rather than 400."""
+
+    QUEUED_ROUTES = ("/v1/chat/completions", "/v1/audio/speech")
+
+    def __init__(self, app, serving):
+        self.app = app
+        self.serving = serving  # `omnimtp.server.routes.common.ServingContext`
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in self.QUEUED_ROUTES:
+            await self.app(scope, receive, send)
+            return
+        try:
+            self.serving.engine.check_room()
+        except QueueFullError as exc:
+            await self._drain(receive)  # (a body left unread: `Guard` closes the connection after the answer)
+            await self.serving.refusal_pace.wait()
+            await queue_full(exc).response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _drain(self, receive) -> None:
+        """Read the request's body to its end unless it runs past max_body_bytes or the client leaves."""
+        num_received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            num_received += len(message.get("body", b""))
+            if not message.get("more_body", False) or num_received > self.serving.max_body_bytes:
+                return
 
 
 def route_path(scope) -> str:

@@ -15,11 +15,13 @@ from omnimtp.sampling import SamplingParams
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; the HTTP layer answers 429 with `Retry-After: retry_after_s`."""
+    """The waiting queue is at its bound; the HTTP layer answers 429 with `Retry-After: retry_after_s` (and
+    `retry-after-ms: retry_after_ms` where it is known)."""
 
-    def __init__(self, message: str, retry_after_s: int = 1):
+    def __init__(self, message: str, retry_after_s: int = 1, retry_after_ms: int | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.retry_after_ms = retry_after_ms
 
 
 class PromptTooLongError(ValueError):

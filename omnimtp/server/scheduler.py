@@ -392,6 +392,26 @@ class Engine:
                            is_streamed=request.is_streamed, media=media, is_background=request.is_background,
                            segments=segments, cache_key=request.cache_key, logprobs=request.logprobs)
 
+    def check_room(self) -> None:
+        """QueueFullError (as `submit` raises it) while the queue is at its bound: a route asks before it reads,
+        parses or tokenizes a request, so a full server refuses at the cost of a lookup. (An engine not started or
+        stopping says nothing here: `submit` answers for it.)"""
+        with self._cond:
+            if self._core is not None and self._accepting:
+                self._check_queue()
+
+    def _check_queue(self) -> int:
+        """The requests queued; QueueFullError, with admission's Retry-After, at max_queue of them (called holding
+        `_cond`)."""
+        num_queued = self._core.num_queued()
+        if num_queued >= self.max_queue:
+            if self.admission is None:
+                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in 1 s")
+            retry_after_ms = self.admission.retry_after_ms(num_queued)
+            raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in {retry_after_ms / 1000:g} s",
+                                 self.admission.retry_after_s(num_queued), retry_after_ms)
+        return num_queued
+
     def submit_speech_stream(self, speaker, sampling: SamplingParams, seed: int | None, *,
                              loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Queue a speech request whose text will come in pieces (`push_speech_ids`; called on the event loop):
@@ -407,11 +427,7 @@ class Engine:
         with self._cond:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
-            num_queued = self._core.num_queued()
-            if num_queued >= self.max_queue:
-                retry_after_s = 1 if self.admission is None else self.admission.retry_after_s(num_queued)
-                raise QueueFullError(f"too many queued requests ({self.max_queue}); retry in {retry_after_s} s",
-                                     retry_after_s)
+            num_queued = self._check_queue()
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             handle.queue_position = self._queue_position(num_queued, has_speech=speaker is not None)
             sampling = None if sampling.is_greedy else sampling

@@ -8,6 +8,8 @@
                 graceful_shutdown_timeout_s to finish; just before that deadline the app ends the ones
                 still running with an error (a stream's last event; `ShutdownDeadline`), so uvicorn has
                 no task left to cancel
+    access log  a full server's 429s are logged one line every few seconds, with how many were left out
+                (`RefusalLogThrottle`): clients that ignore Retry-After never make a storm of log lines
 
 `server_config` is the one place these are put together: `omnimtp serve` and the tests use it.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
+import time
 
 import h11
 import uvicorn
@@ -30,6 +34,32 @@ from omnimtp.limits import (
 )
 
 _LINGER_S = 2.0  # how long a connection closing after an error response keeps reading (and discarding)
+_REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+class RefusalLogThrottle(logging.Filter):
+    """uvicorn's access log lines of 429 answers (a full queue's refusals) at most one every interval_s; the line
+    that goes out says how many were left out before it. Other lines all go out. The refusals are counted in
+    /metrics (`omnimtp_requests_total`) all the same."""
+
+    def __init__(self, interval_s: float = _REFUSAL_LOG_INTERVAL_S):
+        super().__init__()
+        self.interval_s = interval_s
+        self._next_at = 0.0
+        self._num_left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and args and args[-1] == 429):
+            return True
+        now = time.monotonic()
+        if now < self._next_at:
+            self._num_left_out += 1
+            return False
+        if self._num_left_out:
+            record.msg = f"{record.msg} ({self._num_left_out} more 429s since the last such line)"
+        self._next_at, self._num_left_out = now + self.interval_s, 0
+        return True
 
 
 class ShutdownDeadline:
@@ -190,7 +220,7 @@ def server_config(
         HeadersTimeoutH11Protocol, headers_timeout_s=check_seconds("headers_timeout_s", headers_timeout_s),
         shutdown_deadline=ShutdownDeadline(graceful_shutdown_timeout_s, on_deadline),
     )
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -201,3 +231,7 @@ def server_config(
         lifespan="on",
         log_level=log_level,
     )
+    access_log = logging.getLogger("uvicorn.access")  # (configured by the Config above)
+    if not any(isinstance(f, RefusalLogThrottle) for f in access_log.filters):
+        access_log.addFilter(RefusalLogThrottle())
+    return config

@@ -22,8 +22,8 @@ from omnimtp.limits import MAX_REF_AUDIO_SECONDS
 from omnimtp.media import MediaError, decode_base64, decode_data_url
 from omnimtp.sampling import SamplingParams
 from omnimtp.server.audio import to_pcm16
-from omnimtp.server.errors import CLIENT_CLOSED, APIError, validation_error
-from omnimtp.server.guard import read_json
+from omnimtp.server.errors import CLIENT_CLOSED, APIError, queue_full, validation_error
+from omnimtp.server.guard import RefusalPace, read_json
 from omnimtp.server.requests import EngineRequest, PromptTooLongError, QueueFullError
 from omnimtp.server.scheduler import Engine
 from omnimtp.server.voice_store import VoiceStore
@@ -54,6 +54,7 @@ class ServingContext:
     voice_aliases: Mapping[str, str] = field(default_factory=dict)  # lower-case alias → the model's speaker
     # the speech recognizer served beside the model (`serve --asr-model`): its own context, or None
     asr: ServingContext | None = None
+    refusal_pace: RefusalPace = field(default_factory=RefusalPace)  # when a full server's refusals are answered
 
     def hearing(self, model: str | None) -> ServingContext:
         """The context whose model transcribes for a request naming `model`: the speech recognizer served beside
@@ -134,8 +135,16 @@ class ServingContext:
         except MediaError as exc:
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
         except QueueFullError as exc:
-            raise APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
-                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+            raise queue_full(exc) from None
+
+    async def check_room(self) -> None:
+        """APIError 429 while the engine's queue is full (`Engine.check_room`), once `refusal_pace` lets it go out:
+        asked before a request is built, so a full server refuses cheaply."""
+        try:
+            self.engine.check_room()
+        except QueueFullError as exc:
+            await self.refusal_pace.wait()
+            raise queue_full(exc) from None
 
 
 def serving(request: Request) -> ServingContext:

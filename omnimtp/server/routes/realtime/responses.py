@@ -66,6 +66,7 @@ async def start_response(state: RealtimeSession, fields: ResponseFields) -> None
     check_room(state, 1, 0)  # the reply's item
     request, described = _engine_request(state, fields)
     try:
+        await state.context.check_room()  # a full server refuses before the prompt is tokenized
         handle = await state.context.submit(request)
     except APIError as exc:
         raise EventError(exc.message, param=exc.param, code=exc.code or "invalid_value",
