@@ -17,13 +17,13 @@ key names of the upstream qwentts.cpp converter, quantized as its quantize tool 
 
 The peer's own venv keeps it away from this project's torch/transformers:
 
-    python -m venv /work/peer-venv
-    /work/peer-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
+    python -m venv qwentts-venv
+    qwentts-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
 
 and this file runs with that venv's python (it imports neither torch nor omnimtp):
 
-    /work/peer-venv/bin/python benchmarks/qwentts_peer.py convert CHECKPOINT OUT_DIR [--quant Q4_K_M|Q8_0|F32]
-    /work/peer-venv/bin/python benchmarks/qwentts_peer.py serve TALKER.gguf CODEC.gguf [--threads 2]
+    qwentts-venv/bin/python benchmarks/qwentts_peer.py convert CHECKPOINT OUT_DIR [--quant Q4_K_M|Q8_0|F32]
+    qwentts-venv/bin/python benchmarks/qwentts_peer.py serve TALKER.gguf CODEC.gguf [--threads 2]
         [--stream-frames 0|1|2|4]
 
 `serve` loads the model, prints one JSON line (load time, peak RSS), then answers each JSON request line on stdin

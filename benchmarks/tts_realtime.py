@@ -49,9 +49,9 @@ default). `--peer-check` first checks the conversion: the F32 files' greedy code
 layout (`non_streaming_mode`), `--frames` (at most 8) frames. The peer runs in a venv of its own (it must not change
 this environment):
 
-    python -m venv /work/peer-venv
-    /work/peer-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
-    python benchmarks/tts_realtime.py --model DIR --peer [--peer-python /work/peer-venv/bin/python] --frames 60
+    python -m venv qwentts-venv
+    qwentts-venv/bin/pip install realtimetts-qwen-native-cpu==0.4.2 gguf safetensors
+    python benchmarks/tts_realtime.py --model DIR --peer [--peer-python qwentts-venv/bin/python] --frames 60
 
 Random weights: the speeds are real, the audio is not speech. Run from the repository root (the reference is
 imported from tests/qwen_tts_reference.py).
@@ -656,7 +656,7 @@ def main() -> None:
                         "quantize`, built once beside it: its time and peak RSS reported), loaded memory-mapped")
     parser.add_argument("--peer", action="store_true",
                         help="qwentts.cpp on the same checkpoint, alternating with omnimtp (see above)")
-    parser.add_argument("--peer-python", default="/work/peer-venv/bin/python",
+    parser.add_argument("--peer-python", default="qwentts-venv/bin/python",
                         help="the python of the venv the peer is installed in")
     parser.add_argument("--peer-quants", nargs="+", default=["Q4_K_M", "Q8_0"], choices=("Q4_K_M", "Q8_0", "F32"))
     parser.add_argument("--peer-mode", default="w4a8", choices=MODES, help="omnimtp's mode beside the peer")

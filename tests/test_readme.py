@@ -63,6 +63,10 @@ NOT_RUN = {
     "omnimtp serve --model tiny-asr --aligner-model tiny-aligner": (
         "a server that runs until stopped (tests/test_server_asr.py serves both through the openai client)"),
     "omnimtp serve --model Qwen3-ASR-0.6B": "released checkpoints (tests/test_server_asr.py serves the tiny ones)",
+    "python -m venv qwentts-venv": "the CPU peer's own environment (benchmark setup; the peer is not installed here)",
+    "qwentts-venv/bin/pip install": "installation of the CPU peer",
+    "python benchmarks/tts_realtime.py --model DIR": (
+        "a benchmark on a released-width checkpoint (minutes; tests/test_realtime_benchmarks.py runs its quick mode)"),
     "omnimtp serve --asr-model tiny-asr": (
         "a server that runs until stopped (tests/test_server_asr.py builds its app and serves the pair)"),
 }
