@@ -227,6 +227,18 @@ class Qwen3OmniFamily(ChatText):
         eagerly meanwhile). Returns whether every bucket is warm (False for an eager predictor)."""
         return self.predictor(max_batch_size).warm_up(on_bucket, stop, **options)
 
+    def per_request_tensors(self) -> list[torch.Tensor]:
+        """The weights every spoken reply reads, whatever its tokens (what `omnimtp.runtime.prefetch` reads ahead
+        of the first reply): the thinker's layers without their routed experts (a token reads 8 of 128: 15 GB at
+        Qwen3-Omni-30B-A3B's size, more than a small box keeps resident) and its output head; the talker whole,
+        its routed experts included (1.6 GB at that size: a reply's frames read most of them), its projections
+        and code predictor; code2wav (the model's and the conv stack's copy in `codec_dtype`)."""
+        thinker = self.model.thinker
+        head = [thinker.lm_head.weight] if self.thinker_decoder.quantized_lm_head is None else []
+        return [*self.thinker_decoder.tensors(routed_experts=False), *head, *self.talker_decoder.tensors(),
+                *self.model.talker.parameters(), *self.model.code2wav.parameters(),
+                *self.model.code2wav.buffers(), *self.codec.code2wav.parameters()]
+
     # --- code2wav ---
 
     def new_codec_stream(self, speaker: str, generator: torch.Generator | None):
