@@ -286,6 +286,16 @@ def counted_calls(pipe, clock: StageCounters):
             delattr(owner, name)
 
 
+def warm_up_ids(pipe) -> list[int]:
+    """The warm-up reply's prompt: a chat turn of 8 random tokens, other than the measured prompt's (what the
+    server's warm-up greeting is in the tokenizer's chat template; these checkpoints have no tokenizer)."""
+    config = pipe.model.config
+    vocab = config.thinker_config.text_config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    body = torch.randint(min(1000, vocab // 4), min(100_000, vocab), (8,), generator=generator)
+    return chat_ids(config, body.tolist())
+
+
 def speech_figures(pipe, args) -> dict:
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
@@ -347,7 +357,7 @@ def measure(path: str, args) -> dict:
     result = {"load_s": load.pop("s"), "load_counts": load, "rss_after_load_gb": peak_rss_gb(), "floors": floors}
     if not args.no_warm_up:
         since = io_counters()
-        result["warm_up"] = pipe.warm_up()
+        result["warm_up"] = pipe.warm_up(warm_up_ids(pipe))
         counts = counted(since)
         result.update(warm_up_s=counts.pop("s"), warm_up_counts=counts)
     with torch.inference_mode():

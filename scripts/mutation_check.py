@@ -2299,6 +2299,25 @@ MUTATIONS = [
         "    counts[r] = num_keys;",
         ("tests/test_w4a8_step.py",), "a causal block on the native w4a8 step attends to the block's later positions",
     ),
+    # --- warm-up: prefetch of the mapped weights, the warm-up reply ----------------------------------------------
+    Mutation(
+        "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
+        "                    if libc.madvise(chunk, length, advice) != 0:",
+        "                    if False:",
+        ("tests/test_prefetch.py",), "the prefetch thread never asks the kernel for the mapped pages",
+    ),
+    Mutation(
+        "prefetch_forces_the_thinkers_routed_experts", "omnimtp/runtime/decoder.py",
+        "            skip |= ROUTED_EXPERT_FIELDS",
+        "            pass",
+        ("tests/test_prefetch.py",), "the prefetch reads every routed expert of the thinker",
+    ),
+    Mutation(
+        "warm_up_reply_holds_a_users_request_back", "omnimtp/server/scheduler.py",
+        "            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends",
+        "            if False:",
+        ("tests/test_warm_up.py",), "a user's request during the server's warm-up reply waits for it to finish",
+    ),
 ]
 
 
