@@ -429,9 +429,11 @@ def main() -> None:
           f"{results['peak_rss_gb']:.2f} GB; read {results['floors']['read_gb_s']:.1f} GB/s")
     if "warm_up" in results:
         w, prefetched = results["warm_up"], results["warm_up"]["prefetch"]
-        print(f"warm-up {results['warm_up_s']:.1f} s after loading: prefetch of {prefetched['bytes'] / 1e9:.2f} GB "
-              f"mapped in {prefetched['s']:.1f} s ({results['warm_up_counts']['read_bytes'] / 1e9:.2f} GB read from "
-              f"storage meanwhile)" + (f", warm-up reply {w['reply_s']:.1f} s" if w.get("reply_s") else ""))
+        print(f"warm-up {results['warm_up_s']:.1f} s after loading ("
+              + ("no prefetch" if prefetched is None else
+                 f"prefetch of {prefetched['bytes'] / 1e9:.2f} GB mapped in {prefetched['s']:.1f} s")
+              + f", warm-up reply {w['reply_s']:.1f} s; {results['warm_up_counts']['read_bytes'] / 1e9:.2f} GB read "
+              "from storage meanwhile)")
     print(f"thinker: prefill {args.prompt} tokens {t['prefill_ms']:.0f} ms; {t['tokens_per_s_batch_1']:.1f} tokens/s "
           f"at batch 1 (floor {t['floor_tokens_per_s']:.1f}: {t['step_bytes_gb']:.2f} GB a step), "
           f"{t['tokens_per_s_batch_4']:.1f} at batch 4; verify k = 1, 2, 3: "
