@@ -7,15 +7,20 @@ random_quantized_checkpoint`: one layer and one expert at a time, the float mode
 in bf16 as released, Qwen2.5-Omni's token2wav in float32, the only dtype it computes in), kept in `--cache-dir` for
 later runs, then loads it with `OmniPipeline.from_pretrained` in a fresh process and measures there:
 
-- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
+- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included), and
+  the warm-up a server runs before its first request (`OmniPipeline.warm_up`: the prefetch of the mapped weights
+  every reply reads, then a warm-up reply to another prompt of 8 tokens), with the page faults and bytes read from
+  storage of each; `--no-warm-up` loads without either, as a cold first request finds the process;
 - the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
   and the LM head, in int8, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions
   against the plain step (a MoE verify reads the union of its rows' experts);
 - speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
   `--frames` frames, by default `--seconds` of audio: random weights never end on their own), time to first audio,
   the real-time factor, and per frame the talker's, code predictor's (Qwen3-Omni) and codec's (code2wav; Qwen2.5-
-  Omni's token2wav) shares; then the same request again (`speech_again`): the first reply after loading also
-  pages in the talker's and codec's weights, which a serving process does once.
+  Omni's token2wav) shares; per stage of the reply (thinker prefill and steps, talker prefill and steps, code
+  predictor, codec), to its first audio and after it, the seconds, page faults (major: read from storage; minor:
+  mapped from the page cache) and bytes read from storage (/proc/self/io). It runs first, as a server's first
+  request after loading, and again (`speech_again`) after the thinker's figures.
 
 Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
 KV rows, and the int8 LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
@@ -27,6 +32,7 @@ configs/: the released config.json files' architecture fields (the Qwen2.5-Omni 
     python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
         [--codec-dtype bfloat16] [--threads 2] [--out r.json]
     python benchmarks/omni_realsize.py --config configs/qwen2.5-omni-3b.json
+    python benchmarks/omni_realsize.py --no-warm-up            # the first reply of a cold process
     python benchmarks/omni_realsize.py --build-only DIR        # only write the quantized checkpoint into DIR
     python benchmarks/omni_realsize.py --quick [--config C]    # the tiny model of C's family: a check that it runs
 """
