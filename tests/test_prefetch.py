@@ -14,12 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from omnimtp import OmniPipeline
-from omnimtp.models.tiny import tiny_qwen3_omni_config
 from omnimtp.quantized_checkpoint import random_quantized_checkpoint
 from omnimtp.runtime.kernels import small_batch_linear as sbl
 from omnimtp.runtime.prefetch import PAGE_BYTES, mapped_ranges, prefetch
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _mapping_rss_bytes(path: Path) -> int:
@@ -138,3 +135,22 @@ def test_a_model_made_in_memory_has_nothing_mapped_to_prefetch():
     pipe = OmniPipeline.tiny()
     summary = pipe.warm_up()["prefetch"]
     assert summary["is_done"] and summary["bytes"] == 0
+
+
+def test_a_quantized_qwen2_5_omni_prefetches_its_thinker_talker_and_token2wav(tmp_path):
+    if not sbl.available():
+        pytest.skip(f"kernel unavailable: {sbl.unavailable_reason()}")
+    from omnimtp.models.tiny_qwen2_5_omni import tiny_qwen2_5_omni_config
+
+    random_quantized_checkpoint(tiny_qwen2_5_omni_config().to_dict(), tmp_path / "q", "int8", seed=3)
+    pipe = OmniPipeline.from_pretrained(tmp_path / "q")
+    pipe.prefetch.wait(60)
+    summary = pipe.prefetch.summary()
+    family = pipe.family
+    wanted = _data_ptrs(family.per_request_tensors())
+    assert next(iter(pipe.model.token2wav.parameters())).data_ptr() in wanted
+    stored = [t for layer in family.thinker_decoder.quantized_layers for q in layer if q is not None
+              for t in (q.packed, q.scales)]
+    assert stored and _data_ptrs(stored) <= wanted  # a dense thinker: every layer, every reply
+    assert summary["is_done"] and summary["bytes"] > 0
+    assert any(name.startswith("quantized-") for name in summary["files"])
