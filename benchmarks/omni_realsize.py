@@ -437,7 +437,10 @@ def main() -> None:
         w, prefetched = results["warm_up"], results["warm_up"]["prefetch"]
         print(f"warm-up {results['warm_up_s']:.1f} s after loading ("
               + ("no prefetch" if prefetched is None else
-                 f"prefetch of {prefetched['bytes'] / 1e9:.2f} GB mapped in {prefetched['s']:.1f} s")
+                 f"prefetch of {prefetched['bytes'] / 1e9:.2f} GB mapped, then "
+                 + (f"{prefetched['if_room_bytes'] / 1e9:.2f} GB of routed experts into the page cache"
+                    if prefetched["if_room_read"] else "no routed experts (no room)")
+                 + f" in {prefetched['s']:.1f} s")
               + f", warm-up reply {w['reply_s']:.1f} s; {results['warm_up_counts']['read_bytes'] / 1e9:.2f} GB read "
               "from storage meanwhile)")
     print(f"thinker: prefill {args.prompt} tokens {t['prefill_ms']:.0f} ms; {t['tokens_per_s_batch_1']:.1f} tokens/s "

@@ -2302,9 +2302,15 @@ MUTATIONS = [
     # --- warm-up: prefetch of the mapped weights, the warm-up reply ----------------------------------------------
     Mutation(
         "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
-        "                    if libc.madvise(chunk, length, advice) != 0:",
-        "                    if False:",
+        "                if libc.madvise(chunk, length, advice) != 0:",
+        "                if False:",
         ("tests/test_prefetch.py",), "the prefetch thread never asks the kernel for the mapped pages",
+    ),
+    Mutation(
+        "prefetch_reads_the_routed_experts_without_room", "omnimtp/runtime/prefetch.py",
+        "                self.is_room_read = self.num_room_bytes <= self.memory_available - ROOM_RESERVE * total",
+        "                self.is_room_read = True",
+        ("tests/test_prefetch.py",), "the routed experts are read into the page cache whatever memory is available",
     ),
     Mutation(
         "prefetch_forces_the_thinkers_routed_experts", "omnimtp/runtime/decoder.py",

@@ -4,7 +4,10 @@ weights every reply reads (not the thinker's routed experts), opt-out, and the r
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +18,9 @@ from safetensors.torch import save_file
 
 from omnimtp import OmniPipeline
 from omnimtp.quantized_checkpoint import random_quantized_checkpoint
+from omnimtp.runtime import prefetch as prefetch_module
 from omnimtp.runtime.kernels import small_batch_linear as sbl
-from omnimtp.runtime.prefetch import PAGE_BYTES, mapped_ranges, prefetch
+from omnimtp.runtime.prefetch import PAGE_BYTES, _without, mapped_ranges, prefetch
 
 
 def _mapping_rss_bytes(path: Path) -> int:
@@ -103,7 +107,9 @@ def test_a_quantized_checkpoint_prefetches_what_every_reply_reads_but_the_thinke
     talker_routed = [t for layer in family.talker_decoder.layers if layer.quantized_experts is not None
                      for q in layer.quantized_experts for t in (q.packed, q.scales)]
     assert routed and talker_routed and thinker_experts
-    assert not _data_ptrs(routed) & wanted  # the thinker's routed experts: read as tokens route to them
+    assert not _data_ptrs(routed) & wanted  # the thinker's routed experts: read as tokens route to them,
+    assert _data_ptrs(routed) <= _data_ptrs(family.routed_expert_tensors())  # or ahead where memory holds them
+    assert summary["if_room_bytes"] > 0 and summary["if_room_read"] in (True, False)
     assert _data_ptrs(talker_routed) <= wanted and _data_ptrs(thinker_experts) <= wanted
     code2wav = next(iter(pipe.model.code2wav.parameters()))
     assert code2wav.data_ptr() in wanted
@@ -154,3 +160,47 @@ def test_a_quantized_qwen2_5_omni_prefetches_its_thinker_talker_and_token2wav(tm
     assert stored and _data_ptrs(stored) <= wanted  # a dense thinker: every layer, every reply
     assert summary["is_done"] and summary["bytes"] > 0
     assert any(name.startswith("quantized-") for name in summary["files"])
+
+
+def _resident_fraction(tensor: torch.Tensor) -> float:
+    """The fraction of the tensor's pages in the page cache (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    start = tensor.data_ptr() - tensor.data_ptr() % PAGE_BYTES
+    length = tensor.data_ptr() + tensor.nbytes - start
+    pages = -(-length // PAGE_BYTES)
+    vector = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vector) == 0, os.strerror(ctypes.get_errno())
+    return sum(byte & 1 for byte in vector.raw) / pages
+
+
+def _evicted(path) -> None:
+    """`path`'s clean pages dropped from the page cache (those no process maps)."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_the_if_room_weights_are_read_into_the_page_cache_only_where_memory_holds_them(mapped, monkeypatch):
+    big, small, path = mapped
+    _evicted(path)
+    if _resident_fraction(big) > 0.5:
+        pytest.skip("the file system keeps the file's pages (no eviction to observe)")
+    monkeypatch.setattr(prefetch_module, "ROOM_RESERVE", 1.0)  # no room: the whole memory must stay available
+    handle = prefetch([small], if_room=[big])
+    assert handle.wait(30) and handle.is_room_read is False and handle.num_room_bytes >= big.nbytes
+    assert handle.summary()["if_room_read"] is False and _resident_fraction(big) < 0.5
+    monkeypatch.setattr(prefetch_module, "ROOM_RESERVE", 0.0)
+    handle = prefetch([small], if_room=[big])
+    assert handle.wait(30) and handle.is_room_read is True
+    deadline = time.monotonic() + 30  # (the reads the hint starts finish on their own)
+    while _resident_fraction(big) < 0.9 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_fraction(big) >= 0.9
+    assert _mapping_rss_bytes(path) < big.nbytes // 4  # in the page cache, not mapped into the process
+
+
+def test_the_if_room_ranges_leave_out_what_the_first_read_covers():
+    assert _without([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert _without([(0, 100)], [(0, 100)]) == [] and _without([(0, 10)], []) == [(0, 10)]
+    assert _without([(0, 10), (30, 40)], [(5, 35)]) == [(0, 5), (35, 40)]

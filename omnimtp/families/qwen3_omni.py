@@ -21,7 +21,9 @@ from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.runtime.decoder import ROUTED_EXPERT_FIELDS
 from omnimtp.runtime.ops import check_quantize
+from omnimtp.runtime.prefetch import reachable_tensors
 from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.adaptive import DraftCostTable
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
@@ -238,6 +240,12 @@ class Qwen3OmniFamily(ChatText):
         return [*self.thinker_decoder.tensors(routed_experts=False), *head, *self.talker_decoder.tensors(),
                 *self.model.talker.parameters(), *self.model.code2wav.parameters(),
                 *self.model.code2wav.buffers(), *self.codec.code2wav.parameters()]
+
+    def routed_expert_tensors(self) -> list[torch.Tensor]:
+        """The thinker's routed experts: each token reads the few its router picks (what `omnimtp.runtime.prefetch`
+        reads ahead only where memory holds them)."""
+        return [t for layer in self.thinker_decoder.layers for t in reachable_tensors(
+            [getattr(layer, name) for name in sorted(ROUTED_EXPERT_FIELDS)])]
 
     # --- code2wav ---
 

@@ -8,8 +8,12 @@ background thread, as llama.cpp prefetches its mapping: `madvise(MADV_POPULATE_R
 into the process (Linux 5.14 and later), in chunks, so the thread can stop between chunks; where the kernel
 lacks it, `MADV_WILLNEED` starts the reads into the page cache. Only tensors whose bytes lie in a file mapping
 are read (an anonymous tensor is resident already); nothing is copied, so the pages count once, as the file's.
+Weights that only some tokens read (a MoE thinker's routed experts) are given as `if_room`: after the rest, they are
+read into the page cache (`MADV_WILLNEED`, not mapped, not forced to stay) only when the memory the kernel says is
+available (/proc/meminfo MemAvailable) holds them and ROOM_RESERVE of the total besides, so that a box with less
+memory than the checkpoint does not evict the weights every reply reads to make room for them.
 
-    handle = prefetch(family.per_request_tensors())   # returns at once; the reads go on in "omnimtp-prefetch"
+    handle = prefetch(family.per_request_tensors(), if_room=family.routed_expert_tensors())   # returns at once
     handle.wait()                                       # optional: the reads done
     handle.summary()                                    # {"bytes": ..., "files": {name: bytes}, "s": ..., ...}
 """
@@ -33,6 +37,18 @@ MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22
 CHUNK_BYTES = 64 << 20  # one madvise call at most: a stop waits for one chunk's reads at most
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+ROOM_RESERVE = 0.1  # of the total memory, left available after the `if_room` weights are read
+
+
+def memory_bytes() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of /proc/meminfo in bytes."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            if name in ("MemTotal", "MemAvailable"):
+                values[name] = int(value.split()[0]) * 1024
+    return values["MemTotal"], values["MemAvailable"]
 
 
 def reachable_tensors(obj, skip: frozenset[str] = frozenset()) -> Iterator[torch.Tensor]:
@@ -106,9 +122,14 @@ class Prefetch:
     """The background read of mapped ranges (`prefetch`). `wait` for it, `stop` it (the chunk being read
     finishes), `summary` of what it read. It holds the tensors it reads until it ends, so their mappings stay."""
 
-    def __init__(self, ranges: dict[str, list[tuple[int, int]]], keep_alive: list[torch.Tensor]):
+    def __init__(self, ranges: dict[str, list[tuple[int, int]]], keep_alive: list[torch.Tensor],
+                 room_ranges: dict[str, list[tuple[int, int]]] | None = None):
         self.ranges = ranges
-        self.num_bytes = sum(end - start for spans in ranges.values() for start, end in spans)
+        self.num_bytes = _num_bytes(ranges)
+        self.room_ranges = room_ranges or {}
+        self.num_room_bytes = _num_bytes(self.room_ranges)
+        self.is_room_read: bool | None = None  # whether the `if_room` weights were read (None: not decided yet)
+        self.memory_available: int | None = None  # MemAvailable when that was decided
         self.advice = None  # the madvise advice used: "populate_read" or "willneed"
         self.seconds = 0.0
         self.error: str | None = None
@@ -133,8 +154,9 @@ class Prefetch:
     def summary(self) -> dict:
         return {"bytes": self.num_bytes, "s": self.seconds, "is_done": self.is_done, "advice": self.advice,
                 "error": self.error,
-                "files": {os.path.basename(path): sum(end - start for start, end in spans)
-                          for path, spans in self.ranges.items()}}
+                "files": {os.path.basename(path): _num_bytes({path: spans}) for path, spans in self.ranges.items()},
+                "if_room_bytes": self.num_room_bytes, "if_room_read": self.is_room_read,
+                "memory_available": self.memory_available}
 
     def _run(self) -> None:
         started = time.perf_counter()
@@ -142,19 +164,20 @@ class Prefetch:
             libc = ctypes.CDLL(None, use_errno=True)  # (a foreign call drops the GIL: serving goes on meanwhile)
             libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             advice = MADV_POPULATE_READ
-            for start, end in (span for spans in self.ranges.values() for span in spans):
-                for chunk in range(start, end, CHUNK_BYTES):
-                    if self._stop.is_set():
-                        return
-                    length = min(CHUNK_BYTES, end - chunk)
-                    if libc.madvise(chunk, length, advice) != 0:
-                        errno = ctypes.get_errno()
-                        if advice == MADV_POPULATE_READ and errno == 22:  # EINVAL: a kernel before 5.14
-                            advice = MADV_WILLNEED
-                            libc.madvise(chunk, length, advice)
-                        else:
-                            raise OSError(errno, os.strerror(errno))
-                    self.advice = "populate_read" if advice == MADV_POPULATE_READ else "willneed"
+            for chunk, length in self._chunks(self.ranges):
+                if libc.madvise(chunk, length, advice) != 0:
+                    errno = ctypes.get_errno()
+                    if advice == MADV_POPULATE_READ and errno == 22:  # EINVAL: a kernel before 5.14
+                        advice = MADV_WILLNEED
+                        libc.madvise(chunk, length, advice)
+                    else:
+                        raise OSError(errno, os.strerror(errno))
+                self.advice = "populate_read" if advice == MADV_POPULATE_READ else "willneed"
+            if self.room_ranges and not self._stop.is_set():
+                total, self.memory_available = memory_bytes()
+                self.is_room_read = self.num_room_bytes <= self.memory_available - ROOM_RESERVE * total
+                for chunk, length in self._chunks(self.room_ranges) if self.is_room_read else ():
+                    libc.madvise(chunk, length, MADV_WILLNEED)  # (a hint: nothing to do if it is not taken)
         except OSError as error:  # the weights are read when first used instead
             self.error = str(error)
             logger.warning("prefetch of the mapped weights stopped: %s", error)
@@ -163,16 +186,51 @@ class Prefetch:
             self._keep_alive = []
             self._done.set()
 
+    def _chunks(self, ranges: dict[str, list[tuple[int, int]]]) -> Iterator[tuple[int, int]]:
+        """(address, length) of CHUNK_BYTES at most, over the ranges, until `stop`."""
+        for start, end in (span for spans in ranges.values() for span in spans):
+            for chunk in range(start, end, CHUNK_BYTES):
+                if self._stop.is_set():
+                    return
+                yield chunk, min(CHUNK_BYTES, end - chunk)
 
-def prefetch(tensors: Iterable[torch.Tensor]) -> Prefetch:
-    """Read the file-mapped pages of `tensors` in a background thread ("omnimtp-prefetch"); returns at once."""
-    tensors = list(tensors)
-    return Prefetch(mapped_ranges(tensors), tensors)
+
+def _num_bytes(ranges: dict[str, list[tuple[int, int]]]) -> int:
+    return sum(end - start for spans in ranges.values() for start, end in spans)
+
+
+def prefetch(tensors: Iterable[torch.Tensor], if_room: Iterable[torch.Tensor] = ()) -> Prefetch:
+    """Read the file-mapped pages of `tensors`, then those of `if_room` where memory allows (see the module
+    docstring), in a background thread ("omnimtp-prefetch"); returns at once."""
+    tensors, if_room = list(tensors), list(if_room)
+    ranges = mapped_ranges(tensors)
+    covered = {path: _merged(spans) for path, spans in ranges.items()}
+    room = {path: _without(spans, covered.get(path, [])) for path, spans in mapped_ranges(if_room).items()}
+    return Prefetch(ranges, tensors + if_room, {path: spans for path, spans in room.items() if spans})
+
+
+def _without(spans: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `spans` outside every span of `taken` (both sorted and merged)."""
+    left = []
+    for start, end in spans:
+        for taken_start, taken_end in taken:
+            if taken_end <= start or taken_start >= end:
+                continue
+            if taken_start > start:
+                left.append((start, taken_start))
+            start = max(start, taken_end)
+            if start >= end:
+                break
+        if start < end:
+            left.append((start, end))
+    return left
 
 
 def start_prefetch(family) -> Prefetch | None:
-    """`prefetch` of the weights every request of `family` reads (its `per_request_tensors`); None for a family
-    that does not name them."""
+    """`prefetch` of the weights every request of `family` reads (its `per_request_tensors`), and where memory
+    allows those only some tokens read (its `routed_expert_tensors`, if it has them); None for a family that does
+    not name them."""
     if not hasattr(family, "per_request_tensors"):
         return None
-    return prefetch(family.per_request_tensors())
+    routed = family.routed_expert_tensors() if hasattr(family, "routed_expert_tensors") else ()
+    return prefetch(family.per_request_tensors(), if_room=routed)
