@@ -7,15 +7,20 @@ random_quantized_checkpoint`: one layer and one expert at a time, the float mode
 in bf16 as released, Qwen2.5-Omni's token2wav in float32, the only dtype it computes in), kept in `--cache-dir` for
 later runs, then loads it with `OmniPipeline.from_pretrained` in a fresh process and measures there:
 
-- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included);
+- load time and peak RSS (the whole process: Linux's VmHWM, file-backed pages of the mapped weights included), and
+  the warm-up a server runs before its first request (`OmniPipeline.warm_up`: the prefetch of the mapped weights
+  every reply reads, then a warm-up reply to another prompt of 8 tokens), with the page faults and bytes read from
+  storage of each; `--no-warm-up` loads without either, as a cold first request finds the process;
 - the thinker's prefill of a `--prompt`-token prompt, its decode rate at batch 1 and 4 (the packed decoder's step
   and the LM head, in int8, as the engine runs them), and a speculative verify of k + 1 = 2, 3, 4 positions
   against the plain step (a MoE verify reads the union of its rows' experts);
 - speech: a chat request of that prompt through the engine (`--think-tokens` thinker tokens, then the talker up to
   `--frames` frames, by default `--seconds` of audio: random weights never end on their own), time to first audio,
   the real-time factor, and per frame the talker's, code predictor's (Qwen3-Omni) and codec's (code2wav; Qwen2.5-
-  Omni's token2wav) shares; then the same request again (`speech_again`): the first reply after loading also
-  pages in the talker's and codec's weights, which a serving process does once.
+  Omni's token2wav) shares; per stage of the reply (thinker prefill and steps, talker prefill and steps, code
+  predictor, codec), to its first audio and after it, the seconds, page faults (major: read from storage; minor:
+  mapped from the page cache) and bytes read from storage (/proc/self/io). It runs first, as a server's first
+  request after loading, and again (`speech_again`) after the thinker's figures.
 
 Floors: the bytes a one-row thinker step reads (each layer's attention, router, top-k experts with their scales and
 KV rows, and the int8 LM head) ÷ the read bandwidth measured in the same process. Experts are picked by random routers.
@@ -27,6 +32,7 @@ configs/: the released config.json files' architecture fields (the Qwen2.5-Omni 
     python benchmarks/omni_realsize.py [--config configs/qwen3-omni-30b-a3b-instruct.json] [--quantize w4a8] \\
         [--codec-dtype bfloat16] [--threads 2] [--out r.json]
     python benchmarks/omni_realsize.py --config configs/qwen2.5-omni-3b.json
+    python benchmarks/omni_realsize.py --no-warm-up            # the first reply of a cold process
     python benchmarks/omni_realsize.py --build-only DIR        # only write the quantized checkpoint into DIR
     python benchmarks/omni_realsize.py --quick [--config C]    # the tiny model of C's family: a check that it runs
 """
@@ -50,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout, not an installed copy
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tts_realtime import PhaseClock, machine_floors, repeat_times, timed_predictor  # noqa: E402
+from tts_realtime import PhaseClock, machine_floors, repeat_times  # noqa: E402
 
 from omnimtp.runtime.ops import QUANTIZE_MODES  # noqa: E402
 
@@ -198,6 +204,104 @@ def thinker_figures(pipe, args, read_gb_s: float) -> dict:
     return figures
 
 
+def io_counters() -> dict:
+    """The process's page faults (all threads: major ones read from storage, minor ones map a page already in
+    memory) and bytes it made the kernel read from storage (/proc/self/io read_bytes: page-ins of mapped weights
+    count), with a clock."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/io") as f:
+        read_bytes = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    return {"s": time.perf_counter(), "major_faults": usage.ru_majflt, "minor_faults": usage.ru_minflt,
+            "read_bytes": read_bytes}
+
+
+def counted(since: dict) -> dict:
+    now = io_counters()
+    return {name: now[name] - since[name] for name in now}
+
+
+SPEECH_STAGES = ("thinker_prefill", "thinker_decode", "talker_prefill", "talker", "code_predictor", "code2wav")
+COUNTS = ("s", "major_faults", "minor_faults", "read_bytes")
+
+
+class StageCounters(PhaseClock):
+    """PhaseClock that also adds up, per stage of one reply, its seconds, page faults and bytes read, split at the
+    step that gives the first audio ("to_first_audio" holds that step): the engine's phases (the first step's
+    "think" is the thinker's prefill, "talker_admit" the talker's prefill, "talk" the talker's steps), with the code
+    predictor's runs and code2wav's calls counted apart wherever they run (`counted_calls`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = {part: {stage: dict.fromkeys(COUNTS, 0) for stage in SPEECH_STAGES}
+                       for part in ("to_first_audio", "after_first_audio")}
+        self.part = "to_first_audio"
+        self.num_think_phases = 0
+        self._since = io_counters()
+        self._inner = {stage: dict.fromkeys(COUNTS, 0) for stage in ("code_predictor", "code2wav")}
+
+    def phase(self, phase: str, seconds: float) -> None:
+        super().phase(phase, seconds)
+        delta = counted(self._since)
+        self._since = io_counters()
+        if phase == "think":
+            self.num_think_phases += 1
+            stage = "thinker_prefill" if self.num_think_phases == 1 else "thinker_decode"
+        else:
+            stage = {"talker_admit": "talker_prefill", "talk": "talker", "code2wav": "code2wav"}[phase]
+        for inner, counts in self._inner.items():  # counted apart: out of this phase's residual
+            self._add(inner, counts)
+            delta = {name: value - counts[name] for name, value in delta.items()}
+            self._inner[inner] = dict.fromkeys(COUNTS, 0)
+        self._add(stage, delta)
+
+    def inner_call(self, stage: str, since: dict) -> None:
+        for name, value in counted(since).items():
+            self._inner[stage][name] += value
+
+    def first_audio_step_done(self) -> None:
+        self.part = "after_first_audio"
+
+    def _add(self, stage: str, delta: dict) -> None:
+        for name, value in delta.items():
+            self.stages[self.part][stage][name] += value
+
+
+@contextlib.contextmanager
+def counted_calls(pipe, clock: StageCounters):
+    """While inside, the family's code predictor runs (where it has one) and its codec's decodes are counted into
+    `clock` (instance attributes, removed on the way out)."""
+    wrapped = [(pipe.family, "decode_audio", "code2wav")]
+    if hasattr(pipe.family, "predictor"):
+        wrapped.append((pipe.family.predictor(pipe.config.max_batch_size), "run", "code_predictor"))
+
+    def counting(call, stage):
+        def counted_call(*args, **kwargs):
+            since = io_counters()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                clock.inner_call(stage, since)
+        return counted_call
+
+    for owner, name, stage in wrapped:
+        setattr(owner, name, counting(getattr(owner, name), stage))
+    try:
+        yield
+    finally:
+        for owner, name, _ in wrapped:
+            delattr(owner, name)
+
+
+def warm_up_ids(pipe) -> list[int]:
+    """The warm-up reply's prompt: a chat turn of 8 random tokens, other than the measured prompt's (what the
+    server's warm-up greeting is in the tokenizer's chat template; these checkpoints have no tokenizer)."""
+    config = pipe.model.config
+    vocab = config.thinker_config.text_config.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    body = torch.randint(min(1000, vocab // 4), min(100_000, vocab), (8,), generator=generator)
+    return chat_ids(config, body.tolist())
+
+
 def speech_figures(pipe, args) -> dict:
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
@@ -209,32 +313,41 @@ def speech_figures(pipe, args) -> dict:
     frames = args.frames or round(args.seconds * frame_rate(config, pipe.family.sample_rate))
     request = Request(0, chat_ids(config, body), max_new_tokens=args.think_tokens, max_frames=frames,
                       speaker=pipe.family.default_speaker)
-    clock = PhaseClock()
+    clock = StageCounters()
     core = EngineCore(pipe.family, pipe.config, observer=clock)
     core.add(request)
     first_audio = None
-    has_predictor = hasattr(pipe.family, "predictor")  # Qwen3-Omni's code predictor; Qwen2.5-Omni has none
     started = time.perf_counter()
-    with timed_predictor(pipe, clock) if has_predictor else contextlib.nullcontext():
+    with counted_calls(pipe, clock):
         while core.has_work():
             for event in core.step():
                 if event.audio is not None and len(event.audio):
                     first_audio = first_audio or time.perf_counter() - started
                 if event.is_finished:
                     output = core.output(event.request)
+            if first_audio is not None:
+                clock.first_audio_step_done()
     wall = time.perf_counter() - started
     audio_s = len(output.audio) / pipe.family.sample_rate
     steps = max(clock.num_frame_steps, 1)
-    phases = clock.phases
-    ms_per_frame = {"talker": 1e3 * (phases["talk"] - phases["code_predictor"]) / steps}
+    stages = clock.stages
+
+    def frame_ms(stage: str) -> float:
+        return 1e3 * sum(stages[part][stage]["s"] for part in stages) / steps
+
+    has_predictor = hasattr(pipe.family, "predictor")  # Qwen3-Omni's code predictor; Qwen2.5-Omni has none
+    ms_per_frame = {"talker": frame_ms("talker")}
     if has_predictor:
-        ms_per_frame["code_predictor"] = 1e3 * phases["code_predictor"] / steps
-    ms_per_frame["code2wav" if has_predictor else "token2wav"] = 1e3 * phases["code2wav"] / steps
+        ms_per_frame["code_predictor"] = frame_ms("code_predictor")
+    ms_per_frame["code2wav" if has_predictor else "token2wav"] = frame_ms("code2wav")
+    if not has_predictor:
+        for part in stages.values():
+            del part["code_predictor"]
     return {
         "first_audio_s": first_audio, "wall_s": wall, "audio_s": audio_s, "rtf": wall / audio_s,
         "frames": int(output.codes.shape[-1]), "think_tokens": len(output.text_ids),
         "frame_ms_of_audio": 1e3 / frame_rate(config, pipe.family.sample_rate), "ms_per_frame": ms_per_frame,
-        "thinker_s": phases["think"],
+        "thinker_s": clock.phases["think"], "stages": stages,
     }
 
 
@@ -243,14 +356,21 @@ def measure(path: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     floors = machine_floors(args.threads, args.quick)
-    started = time.perf_counter()
+    since = io_counters()
     pipe = OmniPipeline.from_pretrained(path, codec_dtype=args.codec_dtype, max_batch_size=4,
-                                        torch_threads=args.threads)
-    result = {"load_s": time.perf_counter() - started, "rss_after_load_gb": peak_rss_gb(), "floors": floors}
+                                        torch_threads=args.threads, prefetch=not args.no_warm_up)
+    load = counted(since)
+    result = {"load_s": load.pop("s"), "load_counts": load, "rss_after_load_gb": peak_rss_gb(), "floors": floors}
+    if not args.no_warm_up:
+        since = io_counters()
+        result["warm_up"] = pipe.warm_up(warm_up_ids(pipe))
+        counts = counted(since)
+        result.update(warm_up_s=counts.pop("s"), warm_up_counts=counts)
     with torch.inference_mode():
+        # the first reply after loading, as a server's first request (after its warm-up, unless --no-warm-up)
+        result["speech"] = speech_figures(pipe, args)
         result["thinker"] = thinker_figures(pipe, args, floors["read_gb_s"])
-        result["speech"] = speech_figures(pipe, args)  # the first reply: the talker's and codec's weights paged in
-        result["speech_again"] = speech_figures(pipe, args)  # the same reply once more, as a serving process sees it
+        result["speech_again"] = speech_figures(pipe, args)  # the same reply once more
     result["peak_rss_gb"] = peak_rss_gb()
     return result
 
@@ -270,6 +390,8 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"))
     parser.add_argument("--build-only", default=None, metavar="DIR", help="write the checkpoint into DIR and stop")
     parser.add_argument("--quick", action="store_true", help="the tiny model of --config's family, short runs")
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="no prefetch of the mapped weights and no warm-up reply before the first reply")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the fresh process's side
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -298,7 +420,8 @@ def main() -> None:
         return
     command = [sys.executable, __file__, "--measure", str(path), "--threads", str(args.threads), "--prompt",
                str(args.prompt), "--think-tokens", str(args.think_tokens), "--seconds", str(args.seconds),
-               "--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+               "--repeats", str(args.repeats)] + (["--quick"] if args.quick else []) \
+        + (["--no-warm-up"] if args.no_warm_up else [])
     if args.frames:
         command += ["--frames", str(args.frames)]
     if args.codec_dtype:
@@ -310,6 +433,16 @@ def main() -> None:
     t, s = results["thinker"], results["speech"]
     print(f"load {results['load_s']:.1f} s, RSS after load {results['rss_after_load_gb']:.2f} GB, peak "
           f"{results['peak_rss_gb']:.2f} GB; read {results['floors']['read_gb_s']:.1f} GB/s")
+    if "warm_up" in results:
+        w, prefetched = results["warm_up"], results["warm_up"]["prefetch"]
+        print(f"warm-up {results['warm_up_s']:.1f} s after loading ("
+              + ("no prefetch" if prefetched is None else
+                 f"prefetch of {prefetched['bytes'] / 1e9:.2f} GB mapped, then "
+                 + (f"{prefetched['if_room_bytes'] / 1e9:.2f} GB of routed experts into the page cache"
+                    if prefetched["if_room_read"] else "no routed experts (no room)")
+                 + f" in {prefetched['s']:.1f} s")
+              + f", warm-up reply {w['reply_s']:.1f} s; {results['warm_up_counts']['read_bytes'] / 1e9:.2f} GB read "
+              "from storage meanwhile)")
     print(f"thinker: prefill {args.prompt} tokens {t['prefill_ms']:.0f} ms; {t['tokens_per_s_batch_1']:.1f} tokens/s "
           f"at batch 1 (floor {t['floor_tokens_per_s']:.1f}: {t['step_bytes_gb']:.2f} GB a step), "
           f"{t['tokens_per_s_batch_4']:.1f} at batch 4; verify k = 1, 2, 3: "
@@ -317,8 +450,22 @@ def main() -> None:
     for label, s in (("speech", results["speech"]), ("speech again", results["speech_again"])):
         print(f"{label}: first audio {s['first_audio_s']:.2f} s, RTF {s['rtf']:.2f} ({s['audio_s']:.1f} s of audio, "
               f"{s['frames']} frames); per frame " + ", ".join(f"{k} {v:.1f} ms" for k, v in s["ms_per_frame"].items()))
+    print_stages(results["speech"], results["speech_again"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def print_stages(first: dict, again: dict) -> None:
+    """The first reply's stages next to the same reply's again: ms, major / minor page faults, MB read."""
+    print("stage (to first audio | after it): first reply vs again - ms, major/minor page faults, MB read")
+    for stage in first["stages"]["to_first_audio"]:
+        cells = []
+        for reply in (first, again):
+            for part in ("to_first_audio", "after_first_audio"):
+                c = reply["stages"][part][stage]
+                cells.append(f"{1e3 * c['s']:7.0f} ms {c['major_faults']:6d}/{c['minor_faults']:7d} "
+                             f"{c['read_bytes'] / 1e6:6.0f} MB")
+        print(f"  {stage:15s} first {cells[0]} | {cells[1]}\n  {'':15s} again {cells[2]} | {cells[3]}")
 
 
 if __name__ == "__main__":

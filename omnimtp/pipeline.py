@@ -46,6 +46,7 @@ from omnimtp.codec.streaming import codec_dtype_of
 from omnimtp.console import progress_bars_off, quiet_expected_warnings
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import OmniOutput, Request
+from omnimtp.engine.warm_up import warm_up_request
 from omnimtp.families import family_class
 from omnimtp.families.asr_stream import PartialTranscript, RecognitionStep, StreamingRecognition
 from omnimtp.families.qwen3_omni import SAMPLE_RATE
@@ -53,6 +54,7 @@ from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, check_seconds
 from omnimtp.media import MediaInputs, MediaLimits, load_audio, load_processor
 from omnimtp.quantized_checkpoint import is_quantized_checkpoint, load_quantized_model
 from omnimtp.runtime.device import apply_thread_rule, resolve_device
+from omnimtp.runtime.prefetch import start_prefetch
 from omnimtp.sampling import SamplingParams, row_seeds
 from omnimtp.spec_decode.thinker_spec import thinker_speculation
 from omnimtp.voice import Voice
@@ -114,7 +116,7 @@ class OmniPipeline:
         media_limits: MediaLimits | None = None, family=None, thinker_mtp=None, num_draft_tokens: int | None = None,
         torch_threads: int | None = None,
         quantize: str | None = None, max_segment_tokens: int | None = None, codec_dtype: str | None = None,
-        stored: dict | None = None,
+        stored: dict | None = None, prefetch: bool = True,
     ):
         """max_new_tokens, max_frames: the default caps (default `EngineConfig`'s); max_segment_tokens: the text
         tokens of one segment of a spoken text, longer texts are spoken in segments (default `EngineConfig`'s).
@@ -143,7 +145,11 @@ class OmniPipeline:
         faster on a CPU with bf16 instructions and less exact than float32 (docs/speech.md states by how much);
         with a ready family, give it to the family. stored: the quantized layers of a quantized checkpoint
         (`omnimtp.quantized_checkpoint.load_quantized_model`, which `from_pretrained` calls for one), with quantize
-        their mode."""
+        their mode. prefetch: read the memory-mapped weights every spoken reply uses (the family's
+        `per_request_tensors`: a quantized checkpoint's) in the background from now on
+        (`omnimtp.runtime.prefetch`), so the first reply does not page them in; `warm_up` waits for it."""
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be a bool, got {prefetch!r}")
         defaults = EngineConfig()
         self.config = EngineConfig(
             max_batch_size=max_batch_size,
@@ -182,6 +188,29 @@ class OmniPipeline:
             apply_thread_rule(family.model, torch_threads)
         self.family = family
         self.media_limits = media_limits or MediaLimits()
+        self.prefetch = start_prefetch(family) if prefetch else None
+
+    def warm_up(self, prompt_ids: list[int] | None = None) -> dict:
+        """Make the first request as fast as the ones after it: wait for the prefetch of the mapped weights
+        (`prefetch`), then run one short spoken reply through every stage and drop it
+        (`omnimtp.engine.warm_up.warm_up_request` of `prompt_ids`: None, a greeting in the tokenizer's chat template;
+        a family that does not speak, or a checkpoint without a chat template and no prompt_ids, runs none).
+        Returns {"prefetch": the prefetch's summary (`omnimtp.runtime.prefetch.Prefetch.summary`) or None,
+        "reply_s": the reply's seconds or None}."""
+        summary = {"prefetch": None, "reply_s": None}
+        if self.prefetch is not None:
+            self.prefetch.wait()
+            summary["prefetch"] = self.prefetch.summary()
+        request = warm_up_request(self.family, self.config, prompt_ids)
+        if request is not None:
+            started = time.perf_counter()
+            core = EngineCore(self.family, self.config)
+            core.add(request)
+            while core.has_work():
+                for _ in core.step():
+                    pass
+            summary["reply_s"] = time.perf_counter() - started
+        return summary
 
     @property
     def model(self):

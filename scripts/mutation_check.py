@@ -2350,6 +2350,30 @@ MUTATIONS = [
         "        return 0.0",
         ("tests/test_refusals.py::test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_were",),
         "clients that ignore Retry-After are answered as fast as they send: the flood takes the engine's GIL time",
+    # --- warm-up: prefetch of the mapped weights, the warm-up reply ----------------------------------------------
+    Mutation(
+        "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
+        "                if libc.madvise(chunk, length, advice) != 0:",
+        "                if False:",
+        ("tests/test_prefetch.py",), "the prefetch thread never asks the kernel for the mapped pages",
+    ),
+    Mutation(
+        "prefetch_reads_the_routed_experts_without_room", "omnimtp/runtime/prefetch.py",
+        "                self.is_room_read = self.num_room_bytes <= self.memory_available - ROOM_RESERVE * total",
+        "                self.is_room_read = True",
+        ("tests/test_prefetch.py",), "the routed experts are read into the page cache whatever memory is available",
+    ),
+    Mutation(
+        "prefetch_forces_the_thinkers_routed_experts", "omnimtp/runtime/decoder.py",
+        "            skip |= ROUTED_EXPERT_FIELDS",
+        "            pass",
+        ("tests/test_prefetch.py",), "the prefetch reads every routed expert of the thinker",
+    ),
+    Mutation(
+        "warm_up_reply_holds_a_users_request_back", "omnimtp/server/scheduler.py",
+        "            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends",
+        "            if False:",
+        ("tests/test_warm_up.py",), "a user's request during the server's warm-up reply waits for it to finish",
     ),
 ]
 

@@ -206,6 +206,16 @@ def test_omni_realsize_quick_run_builds_loads_and_measures_against_the_floors(tm
     speech = results["speech"]
     assert speech["frames"] == 8 and speech["first_audio_s"] > 0 and speech["rtf"] > 0
     assert set(speech["ms_per_frame"]) == {"talker", "code_predictor", "code2wav"}
+    assert results["warm_up"]["reply_s"] > 0 and results["warm_up"]["prefetch"]["is_done"]
+    assert results["warm_up_s"] >= results["warm_up"]["reply_s"] and results["load_counts"]["minor_faults"] > 0
+    for reply in (speech, results["speech_again"]):  # per stage of the reply: seconds, page faults, bytes read
+        stages = reply["stages"]
+        assert set(stages["to_first_audio"]) == {"thinker_prefill", "thinker_decode", "talker_prefill", "talker",
+                                                 "code_predictor", "code2wav"}
+        assert stages["to_first_audio"]["thinker_prefill"]["s"] > 0 and stages["to_first_audio"]["code2wav"]["s"] > 0
+        assert stages["after_first_audio"]["code_predictor"]["s"] > 0
+        assert all(c["major_faults"] >= 0 and c["minor_faults"] >= 0 and c["read_bytes"] >= 0
+                   for part in stages.values() for c in part.values())
 
 
 def test_omni_realsize_quick_run_of_the_qwen2_5_omni_config_builds_its_family(tmp_path):

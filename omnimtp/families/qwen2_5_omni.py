@@ -202,6 +202,15 @@ class Qwen2_5OmniFamily(ChatText):
         """Nothing is compiled: nothing to warm up."""
         return False
 
+    def per_request_tensors(self) -> list[torch.Tensor]:
+        """The weights every spoken reply reads (what `omnimtp.runtime.prefetch` reads ahead of the first reply):
+        the thinker's layers (dense: every token reads them all) and its output head, the talker with its
+        projections and head, token2wav."""
+        thinker = self.model.thinker
+        head = [thinker.lm_head.weight] if self.thinker_decoder.quantized_lm_head is None else []
+        return [*self.thinker_decoder.tensors(), *head, *self.talker_decoder.tensors(), *self.model.talker.parameters(),
+                *self.model.token2wav.parameters(), *self.model.token2wav.buffers()]
+
     # --- token2wav ---
 
     def new_codec_stream(self, speaker: str, generator: torch.Generator | None):

@@ -21,7 +21,9 @@ from omnimtp.families.text import ChatText, speech_header_ids
 from omnimtp.handoff import SpeechTextStream, TalkerInputs
 from omnimtp.media import MediaInputs
 from omnimtp.packed_decoder import PackedDecoder
+from omnimtp.runtime.decoder import ROUTED_EXPERT_FIELDS
 from omnimtp.runtime.ops import check_quantize
+from omnimtp.runtime.prefetch import reachable_tensors
 from omnimtp.sampling import SamplingParams
 from omnimtp.spec_decode.adaptive import DraftCostTable
 from omnimtp.spec_decode.thinker_spec import ThinkerSpeculation
@@ -226,6 +228,24 @@ class Qwen3OmniFamily(ChatText):
         sampled (`CodePredictorRunner.warm_up`, whose keywords `options` are: safe beside serving, which runs
         eagerly meanwhile). Returns whether every bucket is warm (False for an eager predictor)."""
         return self.predictor(max_batch_size).warm_up(on_bucket, stop, **options)
+
+    def per_request_tensors(self) -> list[torch.Tensor]:
+        """The weights every spoken reply reads, whatever its tokens (what `omnimtp.runtime.prefetch` reads ahead
+        of the first reply): the thinker's layers without their routed experts (a token reads 8 of 128: 15 GB at
+        Qwen3-Omni-30B-A3B's size, more than a small box keeps resident) and its output head; the talker whole,
+        its routed experts included (1.6 GB at that size: a reply's frames read most of them), its projections
+        and code predictor; code2wav (the model's and the conv stack's copy in `codec_dtype`)."""
+        thinker = self.model.thinker
+        head = [thinker.lm_head.weight] if self.thinker_decoder.quantized_lm_head is None else []
+        return [*self.thinker_decoder.tensors(routed_experts=False), *head, *self.talker_decoder.tensors(),
+                *self.model.talker.parameters(), *self.model.code2wav.parameters(),
+                *self.model.code2wav.buffers(), *self.codec.code2wav.parameters()]
+
+    def routed_expert_tensors(self) -> list[torch.Tensor]:
+        """The thinker's routed experts: each token reads the few its router picks (what `omnimtp.runtime.prefetch`
+        reads ahead only where memory holds them)."""
+        return [t for layer in self.thinker_decoder.layers for t in reachable_tensors(
+            [getattr(layer, name) for name in sorted(ROUTED_EXPERT_FIELDS)])]
 
     # --- code2wav ---
 

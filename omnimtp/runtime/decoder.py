@@ -55,8 +55,12 @@ from omnimtp.runtime.ops import (
     quantize_weight,
     rms_norm,
 )
+from omnimtp.runtime.prefetch import reachable_tensors
 
 ROW_KERNEL = PackedGemm("row", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
+# `LayerWeights`' fields that hold routed experts, in any of their forms
+ROUTED_EXPERT_FIELDS = frozenset({"expert_gate_up", "expert_down", "expert_gate_up_views", "expert_down_views",
+                                  "dense_experts", "quantized_experts"})
 ROW_KERNEL_MAX_ROWS = 16  # longer blocks (prefills) run on MKL's GEMM, faster there (compute-bound)
 
 
@@ -198,6 +202,15 @@ class PackedDecoder:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def tensors(self, *, routed_experts: bool = True) -> list[torch.Tensor]:
+        """Every tensor this decoder holds (`prefetch.reachable_tensors`): its layers' (float and quantized), its
+        norms and heads; without its routed experts unless `routed_experts` (a token reads its top-k of them), and
+        never its embedding table (a step reads its tokens' rows only)."""
+        skip = {"embed", "step_rope", "native_step"}
+        if not routed_experts:
+            skip |= ROUTED_EXPERT_FIELDS
+        return list(reachable_tensors(self, frozenset(skip)))
 
     def step_tables(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin) [D] at one position, for a one-row step on 1-D vectors: the `Rope.tables` call

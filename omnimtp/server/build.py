@@ -14,7 +14,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  media_limits: MediaLimits = MediaLimits(), device="cpu", thinker_mtp: str | None = None,
                  num_draft_tokens: int | None = None, torch_threads: int | None = None,
                  quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
-                 prefix_cache_bytes: int = 0, codec_dtype: str | None = None, admission: bool = False):
+                 prefix_cache_bytes: int = 0, codec_dtype: str | None = None, admission: bool = False,
+                 warm_up: bool = False):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("auto", "frame", "step" or False): the
     predictor's graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up); "auto"
@@ -24,7 +25,9 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     quantize: quantized linears, codec_dtype: the audio decoder's conv stack (`OmniPipeline`'s).
     timeout_text_idle: how long a streamed-text speech request may wait for more text (`Engine`'s).
     prefix_cache_bytes: the budget of the realtime conversations kept warm (`EngineConfig`'s).
-    admission: admit streams by measured real-time capacity (`Engine`'s)."""
+    admission: admit streams by measured real-time capacity (`Engine`'s). warm_up: read the memory-mapped weights
+    every reply reads in the background (`OmniPipeline`'s prefetch) and run a warm-up reply at start (`Engine`'s
+    warm_up_reply)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -36,6 +39,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
         family.thinker_speculation = thinker_speculation(family.model.thinker, thinker_mtp, num_draft_tokens)
         apply_thread_rule(family.model, torch_threads)
         return Engine(family, model_id="omnimtp-tiny", warm_up=_compiles_predictor(family, max_batch_size),
+                      warm_up_reply=warm_up,
                       max_batch_size=max_batch_size,
                       max_frames=max_frames or TINY_MAX_FRAMES, max_new_tokens=TINY_MAX_NEW_TOKENS,
                       media_limits=media_limits, timeout_text_idle=timeout_text_idle,
@@ -45,12 +49,14 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
                                         thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
-                                        torch_threads=torch_threads, quantize=quantize, codec_dtype=codec_dtype)
+                                        torch_threads=torch_threads, quantize=quantize, codec_dtype=codec_dtype,
+                                        prefetch=warm_up)
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
     model_id = model_dir if tiny_model(model_dir) is not None else os.path.basename(os.path.normpath(model_dir))
     return Engine(pipe.family, model_id=model_id, warm_up=_compiles_predictor(pipe.family, max_batch_size),
+                  warm_up_reply=warm_up,
                   max_batch_size=max_batch_size,
                   max_frames=max_frames or pipe.config.max_frames, max_new_tokens=pipe.config.max_new_tokens,
                   media_limits=media_limits, timeout_text_idle=timeout_text_idle,
@@ -82,7 +88,8 @@ def build_app(args: argparse.Namespace):
                           device=args.device, torch_threads=getattr(args, "threads", None), quantize=args.quantize,
                           codec_dtype=args.codec_dtype, timeout_text_idle=args.timeout_text_idle,
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),
-                          admission=getattr(args, "admission", "capacity") == "capacity", **speculation)
+                          admission=getattr(args, "admission", "capacity") == "capacity",
+                          warm_up=getattr(args, "warm_up", True), **speculation)
     asr_engine = None
     if getattr(args, "asr_model", None) is not None:  # a speech recognizer beside the model, on the same CPU
         asr_engine = build_engine(args.asr_model, max_batch_size=args.max_batch_size, max_frames=None,

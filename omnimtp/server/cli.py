@@ -90,6 +90,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never compile the code predictor (by default it serves eagerly at once while each "
                         "batch size's graph is compiled in the background, then runs compiled; a w4a8 predictor runs "
                         "omnimtp's native step, as fast, and compiles nothing)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="no warm-up at start: by default the memory-mapped weights every reply reads (a quantized "
+                        "checkpoint's) are read in the background and one short spoken reply runs through every "
+                        "stage, so the first user's request is as fast as the next (a request that comes meanwhile "
+                        "is served at once and ends the warm-up reply)")
     parser.add_argument("--max-tokens-limit", type=positive_int, default=DEFAULT_MAX_TOKENS_LIMIT, metavar="N",
                         help="the largest max_tokens a request may ask")
     parser.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",

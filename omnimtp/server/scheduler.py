@@ -27,7 +27,8 @@ from dataclasses import replace
 import torch
 
 from omnimtp.engine.core import EngineConfig, EngineCore
-from omnimtp.engine.request import Request
+from omnimtp.engine.request import Request, Status
+from omnimtp.engine.warm_up import WARM_UP_REQUEST_ID, warm_up_request
 from omnimtp.families.qwen3_tts import AUTO_LANGUAGE
 from omnimtp.families.text import MAX_IDS_PER_CHARACTER
 from omnimtp.limits import DEFAULT_TIMEOUT_TEXT_IDLE_S, MAX_REF_AUDIO_SECONDS, check_seconds
@@ -92,8 +93,12 @@ class Engine:
     each bucket switches to its compiled graph once it is built (`is_warm` when all are). The compile runs
     first in a child process at the lowest priority, stopped whenever a request is in flight (`idle`), and
     each graph's build here starts only while the engine is idle and finds that compile in inductor's cache:
-    requests served during warm-up do not wait for it. media_limits: what a chat request's
-    audio and images may hold (`omnimtp.media.MediaLimits`); the media pads count as prompt tokens.
+    requests served during warm-up do not wait for it. warm_up_reply: first run one short spoken reply through
+    every stage (`omnimtp.engine.warm_up.warm_up_request`), so that the first user's request does not pay what a
+    stage's first run costs (weights paged in, kernels' set-up); it is a background request of the engine itself,
+    ended by the first user's request that comes meanwhile (`warm_up_reply_result` says how it went).
+    media_limits: what a chat request's audio and images may hold (`omnimtp.media.MediaLimits`); the media pads
+    count as prompt tokens.
     timeout_text_idle: seconds a `submit_speech_stream` request may wait for more text (queued with no text
     yet, or parked by the core with all its text spoken) before it ends with an error event whose error_code is
     "timeout_text_idle"; its memory is freed then (it holds no slot while it waits).
@@ -102,7 +107,7 @@ class Engine:
     from the first one (`EngineConfig.playout_rtf`, unless given); False: every slot is open to every request."""
 
     def __init__(self, family, *, model_id: str = "omnimtp-tiny", max_prompt_tokens: int = 8192,
-                 warm_up: bool = False, media_limits: MediaLimits = MediaLimits(),
+                 warm_up: bool = False, warm_up_reply: bool = False, media_limits: MediaLimits = MediaLimits(),
                  timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S, admission: bool = False, **config):
         if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -130,6 +135,12 @@ class Engine:
         self.media_limits = media_limits
         self.timeout_text_idle = float(timeout_text_idle)
         self.warm_up = warm_up
+        if not isinstance(warm_up_reply, bool):
+            raise ValueError(f"warm_up_reply must be a bool, got {warm_up_reply!r}")
+        self.warm_up_reply = warm_up_reply
+        # {"ended": "finished" | "aborted", "frames": n, "s": seconds} once the warm-up reply is over
+        self.warm_up_reply_result: dict | None = None
+        self._warm_up_request: Request | None = None
         self.created = int(time.time())
         self.max_queue = 64
         self.metrics = None
@@ -346,15 +357,16 @@ class Engine:
         self.is_ready = True  # the eager predictor serves at once; a compiled one warms up beside it
         self._thread = threading.Thread(target=self._run, name="omnimtp-engine", daemon=True)
         self._thread.start()
-        if self.warm_up:
+        if self.warm_up or self.warm_up_reply:
             self._warm_stop.clear()
-            threading.Thread(target=self._warm_up, name="omnimtp-warm-up", daemon=True).start()
+            threading.Thread(target=self._warm_up_stages, name="omnimtp-warm-up", daemon=True).start()
 
     def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish every admitted and waiting request first."""
         self._warm_stop.set()  # a graph being built finishes in its daemon thread; no further bucket starts
         with self._cond:
             self._accepting = False
+            self._cancelled.add(WARM_UP_REQUEST_ID)  # (nothing, unless the warm-up reply is in flight)
             if not drain:
                 self._cancelled.update(self._handles)
             self._stopping = True
@@ -428,6 +440,8 @@ class Engine:
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
             num_queued = self._check_queue()
+            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends
+                self._cancelled.add(WARM_UP_REQUEST_ID)
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             handle.queue_position = self._queue_position(num_queued, has_speech=speaker is not None)
             sampling = None if sampling.is_greedy else sampling
@@ -527,8 +541,38 @@ class Engine:
 
     # -- the engine thread ------------------------------------------------------------------------
 
+    def _warm_up_stages(self) -> None:
+        """The warm-up thread: the warm-up reply (`warm_up_reply`), then the compiled predictor (`warm_up`)."""
+        if self.warm_up_reply:
+            self._run_warm_up_reply()
+        if self.warm_up and not self._warm_stop.is_set():
+            self._warm_up()
+
+    def _run_warm_up_reply(self) -> None:
+        """Queue the warm-up reply (a background request with no handle: its events go nowhere) for the engine
+        thread and wait until it has finished or been ended."""
+        request = warm_up_request(self.family, self.config, is_background=True)
+        if request is None:
+            logger.info("warm-up: no warm-up reply (the model does not speak, or has no chat template)")
+            return
+        started = time.perf_counter()
+        with self._cond:
+            if not self._accepting:
+                return
+            self._warm_up_request = request
+            self._core.add(request)
+            self._cond.notify_all()
+        while request.status not in (Status.FINISHED, Status.ABORTED) and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._cond:
+            self._warm_up_request = None
+        self.warm_up_reply_result = {"ended": request.status.value, "frames": len(request.frames),
+                                     "s": time.perf_counter() - started}
+        logger.info("warm-up: a spoken reply through every stage %s after %d frames in %.1f s",
+                    request.status.value, len(request.frames), self.warm_up_reply_result["s"])
+
     def _warm_up(self) -> None:
-        """The warm-up thread: the compiled predictor's graphs, bucket by bucket, logged as they are built."""
+        """The compiled predictor's graphs, bucket by bucket, logged as they are built."""
         torch.set_num_threads(self.num_threads)  # the graphs are built for the engine thread's count
         started = time.perf_counter()
         logger.info("warm-up: compiling the code predictor for batches up to %d in the background; serving on "
@@ -682,6 +726,8 @@ class Engine:
         for request_id in cancelled:
             handle = self._handles.pop(request_id, None)
             if handle is None:
+                if request_id == WARM_UP_REQUEST_ID:
+                    self._core.abort(request_id)
                 continue
             self._forget_stream(request_id)
             if self._core.abort(request_id) is not None and self.metrics is not None:
