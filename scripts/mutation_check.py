@@ -2350,6 +2350,7 @@ MUTATIONS = [
         "        return 0.0",
         ("tests/test_refusals.py::test_a_flood_of_refused_requests_leaves_the_admitted_streams_steps_as_they_were",),
         "clients that ignore Retry-After are answered as fast as they send: the flood takes the engine's GIL time",
+    ),
     # --- warm-up: prefetch of the mapped weights, the warm-up reply ----------------------------------------------
     Mutation(
         "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
