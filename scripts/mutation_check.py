@@ -2353,6 +2353,12 @@ MUTATIONS = [
     ),
     # --- warm-up: prefetch of the mapped weights, the warm-up reply ----------------------------------------------
     Mutation(
+        "prefetch_left_running_at_exit", "omnimtp/runtime/prefetch.py",
+        "    for handle in list(_RUNNING):\n        handle.stop()",
+        "    for handle in list(_RUNNING):\n        pass",
+        ("tests/test_prefetch.py",), "a prefetch still reading when the interpreter exits is left running (an abort)",
+    ),
+    Mutation(
         "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
         "                if libc.madvise(chunk, length, advice) != 0:",
         "                if False:",

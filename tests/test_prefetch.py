@@ -74,6 +74,16 @@ def test_prefetch_stops_between_chunks(mapped):
     assert handle.is_done and handle.wait(0)
 
 
+def test_a_running_prefetch_is_stopped_before_the_interpreter_exits(mapped):
+    """The exit hook stops every prefetch still reading (a daemon thread returning from its foreign call into a
+    finalizing interpreter would abort the process) and forgets the finished ones."""
+    big, _, _ = mapped
+    handle = prefetch([big])
+    assert handle in prefetch_module._RUNNING or handle.is_done
+    prefetch_module._stop_running()
+    assert handle.is_done and handle not in prefetch_module._RUNNING
+
+
 @pytest.fixture(scope="module")
 def quantized_dir(tmp_path_factory):
     """The tiny Qwen3-Omni as a quantized checkpoint (memory-mapped when loaded), with its tokenizer."""

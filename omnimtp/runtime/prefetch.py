@@ -20,6 +20,7 @@ memory than the checkpoint does not evict the weights every reply reads to make 
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import ctypes
 import dataclasses
@@ -27,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -137,6 +139,7 @@ class Prefetch:
         self._stop = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="omnimtp-prefetch", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     @property
@@ -184,6 +187,7 @@ class Prefetch:
         finally:
             self.seconds = time.perf_counter() - started
             self._keep_alive = []
+            _RUNNING.discard(self)
             self._done.set()
 
     def _chunks(self, ranges: dict[str, list[tuple[int, int]]]) -> Iterator[tuple[int, int]]:
@@ -193,6 +197,18 @@ class Prefetch:
                 if self._stop.is_set():
                     return
                 yield chunk, min(CHUNK_BYTES, end - chunk)
+
+
+# Prefetches whose thread may still run: stopped before the interpreter finalizes, since a daemon thread coming back
+# from its foreign call into a finalizing interpreter aborts the process ("terminate called without an active
+# exception") where a one-shot command exits while its prefetch still reads.
+_RUNNING: weakref.WeakSet[Prefetch] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    for handle in list(_RUNNING):
+        handle.stop()
 
 
 def _num_bytes(ranges: dict[str, list[tuple[int, int]]]) -> int:
