@@ -88,3 +88,100 @@ def test_many_row_modes_are_checked_naming_the_argument():
         check_many_row_mode("w8a8", "meta")
     with pytest.raises(ValueError, match="mode"):
         quantize_weight(torch.zeros(4, 4, device="meta"), "w8a8")
+
+
+# --- int8_compute: Qwen3-ASR's audio encoder and prefill, the forced aligner's encoder and forward ----------------
+
+RATE = 16_000
+
+
+def _speechlike(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * RATE)
+    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
+    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
+
+
+def _run(family, requests):
+    from omnimtp.engine.core import EngineConfig, EngineCore
+
+    core = EngineCore(family, EngineConfig(max_batch_size=max(4, len(requests))))
+    for request in requests:
+        core.add(request)
+    outputs = {}
+    while core.has_work():
+        for event in core.step():
+            if event.is_finished:
+                outputs[event.request.request_id] = core.output(event.request).text_ids
+    return [outputs[r.request_id] for r in requests]
+
+
+@needs_w8a8
+def test_int8_compute_asr_encodes_and_prefills_on_w8a8_and_a_request_alone_equals_it_batched():
+    from omnimtp.engine.request import Request
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+    from omnimtp.models.qwen3_asr import EncoderLinear
+    from omnimtp.packed_decoder import KVCache, decoder_forward
+    from omnimtp.thinker import multimodal_prefill
+
+    family = Qwen3ASRFamily.tiny(0)
+    fast = Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8", int8_compute=True)
+    fc1 = fast.thinker.audio_tower.layers[0].fc1
+    assert isinstance(fc1, EncoderLinear) and fc1.quantized.mode == "w8a8"
+    assert fast.prefill_decoder.quantize == "w8a8" and fast.thinker_decoder.quantize == "w4a8"
+    samples = _speechlike(2.0, 4)
+    ids, media = fast.transcription_inputs(samples, None, "")
+    audio = torch.tensor(ids) == family.model.thinker.config.audio_token_id
+    with torch.no_grad():
+        exact = multimodal_prefill(family.thinker, ids, media, family.device).embeds
+        prefill = multimodal_prefill(fast.thinker, ids, media, fast.device).embeds
+    error = ((prefill[0, audio] - exact[0, audio]).norm() / exact[0, audio].norm()).item()
+    assert 0 < error < 0.05  # int8 weights and rows: close to the float encoder's rows, not equal
+    # the prompt's keys are the w8a8 decoder's (not the w4a8 one's the steps run on)
+    run = fast.new_thinker([ids], [None], [None], 4, media=[media])
+    run.step()
+    expected, other = (KVCache(decoder, 1, capacity=len(ids) + 4) for decoder in (fast.prefill_decoder,
+                                                                                   fast.thinker_decoder))
+    decoder_forward(fast.prefill_decoder, expected, prefill, [0])
+    decoder_forward(fast.thinker_decoder, other, prefill, [0])
+    keys = run.kv.layer_views[-1][0][0, :, : len(ids)]
+    assert torch.equal(keys, expected.layer_views[-1][0][0, :, : len(ids)])
+    assert not torch.equal(keys, other.layer_views[-1][0][0, :, : len(ids)])
+    audios = [_speechlike(1.2, 8), _speechlike(2.0, 9), _speechlike(0.7, 10)]
+    inputs = [fast.transcription_inputs(a, None, "") for a in audios]
+
+    def make():
+        return [Request(i, ids, max_new_tokens=8, max_frames=1, speaker=None, media=media)
+                for i, (ids, media) in enumerate(inputs)]
+
+    alone = [_run(fast, [request])[0] for request in make()]
+    assert _run(fast, make()) == alone
+
+
+@needs_w8a8
+def test_int8_compute_aligner_runs_its_forward_on_w8a8_and_is_close_to_the_float_one():
+    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+
+    aligner = Qwen3ForcedAligner.tiny(0)
+    fast = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, int8_compute=True)
+    assert fast.decoder.quantize == "w8a8" and fast.decoder.quantized_lm_head is not None
+    assert fast.thinker.audio_tower.layers[0].fc1.quantized.mode == "w8a8"
+    samples, text = _speechlike(2.5, 3), "one two three four five six"
+    words = fast.align(samples, text, "en")
+    assert [w.word for w in words] == text.split() and all(w.start <= w.end for w in words)
+    assert fast.align(samples, text, "en") == words  # repeats
+    assert aligner.decoder.quantize is None  # the float aligner is unchanged
+
+
+def test_int8_compute_is_checked_naming_it():
+    from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+
+    family = Qwen3ASRFamily.tiny(0)
+    with pytest.raises(ValueError, match="^int8_compute"):
+        Qwen3ASRFamily(family.model, family.tokenizer, int8_compute="yes")
+    with pytest.raises(ValueError, match="^int8_compute"):
+        Qwen3ForcedAligner(Qwen3ForcedAligner.tiny(0).model, family.tokenizer, int8_compute=1)
+    if many_row_mode_reason("cpu") is None:
+        with pytest.raises(ValueError, match="^int8_compute: a quantized checkpoint"):
+            Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8", stored={}, int8_compute=True)
