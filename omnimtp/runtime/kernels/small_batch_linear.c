@@ -1034,9 +1034,8 @@ __attribute__((target("avx2,fma"))) static void quantize_row_u8(const float* x, 
     __builtin_memcpy(q + k + 4, &second, 4);
   }
   for (; k < K; ++k) {
-    float r = __builtin_nearbyintf(x[k] * inv);
-    r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-    q[k] = (uint8_t)(128 + (int)r);
+    const float rounded = __builtin_nearbyintf(x[k] * inv);
+    q[k] = (uint8_t)(128 + (int)(rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded));
   }
   *scale = amax / 127.0f;
 }
