@@ -216,7 +216,10 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
         aligner.tokenizer = tokenizer
         started = time.perf_counter()
         aligned = aligner.align(samples, text, "en", limits)
-        entry[key] = {"words": len(aligned), "align_s": time.perf_counter() - started,
+        align_s = time.perf_counter() - started
+        started = time.perf_counter()  # again: the first call at this size also makes its buffers and kernels
+        aligner.align(samples, text, "en", limits)
+        entry[key] = {"words": len(aligned), "align_s": align_s, "align_again_s": time.perf_counter() - started,
                       "tokens_per_word": tokens_per_word(tokenizer, text),
                       **_aligner_stages(aligner, samples, text, quantize, int8_compute, machine)}
     entry["peak_rss_mb"] = _peak_rss_mb()
@@ -540,7 +543,8 @@ def summary(results: dict) -> str:
                          f"{stages['decode_steps']} decode steps {stages['decode_s']:.3f}")
         for name, stages in (("aligner", aligner), ("aligner, a byte a token", entry["aligner_bytes"])):
             lines.append(
-                f"  {name} {stages['words']} words {stages['align_s']:.2f} s: inputs {stages['inputs_s']:.2f} + "
+                f"  {name} {stages['words']} words {stages['align_s']:.2f} s (again {stages['align_again_s']:.2f}): "
+                f"inputs {stages['inputs_s']:.2f} + "
                 f"encoder {stages['encoder_s']:.2f} (floor {stages['floor']['encoder_s']:.2f}) + forward "
                 f"{stages['forward_s']:.2f} (floor {stages['floor']['forward_s']:.2f}), {stages['positions']} "
                 f"positions ({stages['tokens_per_word']:.2f} tokens a word)")
