@@ -379,11 +379,22 @@ def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     and a column goes to fp32 times the column's weight scale (in oneDNN), then times the row's scale. A row's
     values do not depend on the other rows; an all-zero row gives zeros, a row with a NaN or an infinity NaNs."""
     x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)  # [M, K] uint8, [M, 1]
-    zero_points = torch.zeros(weight.out_features, dtype=torch.int64)
     out = torch.ops.onednn.qlinear_pointwise(
-        x_u8, 1.0, 128, weight.packed, weight.scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        x_u8, 1.0, 128, weight.packed, weight.scales, _weight_zero_points(weight.out_features), None, 1.0, 0,
+        torch.float32, "none", [], "",
     )  # [M, N]: each exact sum to fp32, times its column's scale
     return out.mul_(row_scales)
+
+
+_WEIGHT_ZERO_POINTS: dict[int, torch.Tensor] = {}
+
+
+def _weight_zero_points(num_columns: int) -> torch.Tensor:
+    """The symmetric weights' zero points (0 for each column, int64 [N]), made once per width."""
+    if num_columns not in _WEIGHT_ZERO_POINTS:
+        with torch.inference_mode(False):  # an ordinary tensor, whatever mode the first call runs in
+            _WEIGHT_ZERO_POINTS[num_columns] = torch.zeros(num_columns, dtype=torch.int64)
+    return _WEIGHT_ZERO_POINTS[num_columns]
 
 
 def gated_mlp(
