@@ -5,27 +5,30 @@ floor, with the reference (`qwen_asr`'s transformers model, fp32) side by side.
 Each side runs in a fresh process, one after another, so at most one model is in memory at a time and each
 process's peak RSS is its own:
 
-- ours, per `--modes` (w4a8 by default; fp32 and the other quantized modes): the transcription of `--seconds` of
-  audio as `OmniPipeline.transcribe` runs it (one engine core, greedy, `--tokens` reply tokens: random weights
-  rarely end on their own), each engine step timed: the features and prompt, the first step (the audio encoder,
-  the prefill and a token; the encoder alone too) and the decode steps; the real-time factor; the first partial
-  transcript of a
-  streamed session (`stream_recognition`, 1 s chunks) after its first second of audio; the aligner's `align` of
-  the recording and a transcript of `--words` words, its tokens as many as the released tokenizer would make
-  (`train_bpe`: a BPE trained here; "aligner") and a byte each (the tiny checkpoints' tokenizer; "aligner_bytes");
+- ours, per `--modes` (w4a8 by default; fp32 and the other quantized modes; a mode with "+w8a8", e.g. "w4a8+w8a8":
+  that mode with `int8_compute`, the audio encoder, the prefill and the aligner's forward on int8 GEMMs): the
+  transcription of `--seconds` of audio as `OmniPipeline.transcribe` runs it (one engine core, greedy, `--tokens`
+  reply tokens: random weights rarely end on their own), each engine step timed: the features and prompt, the first
+  step (the audio encoder, the prefill and a token; the encoder alone too) and the decode steps; the real-time
+  factor; the first partial transcript of a streamed session (`stream_recognition`, 1 s chunks) after its first
+  second of audio; the aligner's `align` of the recording and a transcript of `--words` words, its tokens as many as
+  the released tokenizer would make (`train_bpe`: a BPE trained here; "aligner") and a byte each (the tiny
+  checkpoints' tokenizer; "aligner_bytes");
 - the reference: its `generate` of exactly `--tokens` tokens on the same prompt (its own random weights: the same
   work) and its aligner's forward.
 
 Each stage is timed next to its floor (JSON and a summary printed last): the features and prompt; the audio
 encoder (its FLOPs by torch's FLOP counter ÷ the matmul peak of its dtype measured here: bf16 in the quantized
-modes, fp32 in fp32); the prefill (the first engine step less the encoder; floor: 2 × the layers' matrices × the
-prompt's tokens ÷ the mode's GEMM rate measured here on a 512-row linear, plus the causal attention's FLOPs ÷ the
+modes, fp32 in fp32; with "+w8a8" the int8 GEMM's rate measured here on a 512-row linear); the prefill (the first
+engine step less the encoder; floor: 2 × the layers' matrices × the prompt's tokens ÷ the mode's GEMM rate
+measured here on a 512-row linear, "w8a8"'s with "+w8a8", plus the causal attention's FLOPs ÷ the
 fp32 peak); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds them,
 and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
 partial's request by stage; the aligner's features, encoder and one
 thinker forward with the same floors. Writes JSON.
 
-    python benchmarks/asr_speed.py [--modes w4a8 fp32] [--seconds 60] [--tokens 128] [--threads 2] [--out r.json]
+    python benchmarks/asr_speed.py [--modes w4a8 w4a8+w8a8 fp32] [--seconds 60] [--tokens 128] [--threads 2]
+                                   [--out r.json]
 
 A full run (w4a8 and the reference, 60 s, 128 tokens) is sized to finish within 5 minutes on an idle 2-core box;
 each process's peak RSS is one model's (about 7 GB for the fp32 0.6B weights and their packed copy).
@@ -96,6 +99,7 @@ def _processor(config: dict, tokenizer=None):
     return ASRProcessor(extractor, tokenizer or asr_byte_tokenizer())
 
 
+MODES = ("fp32", "int8", "int4", "w4a8", "fp32+w8a8", "int8+w8a8", "int4+w8a8", "w4a8+w8a8")
 BPE_VOCAB_SIZE = 32768
 
 
@@ -198,12 +202,13 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     from omnimtp.models.qwen3_asr import asr_byte_tokenizer
 
     torch.set_num_threads(threads)
-    quantize = None if mode == "fp32" else mode
-    entry = _measure_asr(mode, quantize, seconds, tokens, quick, machine)
+    quantize, int8_compute = mode_options(mode)
+    entry = _measure_asr(mode, quantize, int8_compute, seconds, tokens, quick, machine)
     gc.collect()  # the ASR's weights are gone before the aligner's are made: one model at a time
     limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
     samples = _audio(seconds)
-    aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize)
+    aligner = Qwen3ForcedAligner(_model(True, quick), asr_byte_tokenizer(), quantize=quantize,
+                                 int8_compute=int8_compute)
     text = _transcript(words)
     aligner.align(samples[: RATE // 2], "warm up", "en", limits)
     # the transcript's tokens as the released tokenizer would have them ("aligner"), and a byte each
@@ -211,14 +216,25 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
         aligner.tokenizer = tokenizer
         started = time.perf_counter()
         aligned = aligner.align(samples, text, "en", limits)
-        entry[key] = {"words": len(aligned), "align_s": time.perf_counter() - started,
+        align_s = time.perf_counter() - started
+        started = time.perf_counter()  # again: the first call at this size also makes its buffers and kernels
+        aligner.align(samples, text, "en", limits)
+        entry[key] = {"words": len(aligned), "align_s": align_s, "align_again_s": time.perf_counter() - started,
                       "tokens_per_word": tokens_per_word(tokenizer, text),
-                      **_aligner_stages(aligner, samples, text, quantize, machine)}
+                      **_aligner_stages(aligner, samples, text, quantize, int8_compute, machine)}
     entry["peak_rss_mb"] = _peak_rss_mb()
     return entry
 
 
-def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | None, machine: dict) -> dict:
+def mode_options(mode: str) -> tuple[str | None, bool]:
+    """A `--modes` value → (quantize, int8_compute): "fp32" → (None, False), "w4a8" → ("w4a8", False), "w4a8+w8a8"
+    → ("w4a8", True)."""
+    base, _, extra = mode.partition("+")
+    return (None if base == "fp32" else base), extra == "w8a8"
+
+
+def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | None, int8_compute: bool,
+                    machine: dict) -> dict:
     """The aligner's `align` again, stage by stage (the features and prompt, the audio encoder, the thinker's
     one forward with the head on the time slots), each next to its floor: the encoder's FLOPs at the matmul peak
     of its dtype (bf16 in the quantized modes), the forward's linear FLOPs at the mode's GEMM rate and its
@@ -246,8 +262,8 @@ def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | Non
     linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
     return {
         "positions": len(ids), "inputs_s": inputs_s, "encoder_s": encoder_s, "forward_s": forward_s,
-        "floor": {"encoder_s": encoder_flops / (_encoder_peak(quantize, machine) * 1e9),
-                  "forward_s": linear_flops / (_gemm_rate(quantize, machine) * 1e9)
+        "floor": {"encoder_s": encoder_flops / (_encoder_peak(quantize, int8_compute, machine) * 1e9),
+                  "forward_s": linear_flops / (_gemm_rate("w8a8" if int8_compute else quantize, machine) * 1e9)
                   + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9)},
     }
 
@@ -261,14 +277,17 @@ def _decoder_flops(thinker, positions: int) -> tuple[float, float]:
     return float(linear_flops), float(attention_flops)
 
 
-def _encoder_peak(quantize: str | None, machine: dict) -> float:
-    """The matmul peak (GFLOP/s) of the audio encoder's dtype: bf16 in the quantized modes, else fp32."""
+def _encoder_peak(quantize: str | None, int8_compute: bool, machine: dict) -> float:
+    """The matmul rate (GFLOP/s) of the audio encoder's linears: the int8 GEMM's with int8_compute, else the peak of
+    its dtype: bf16 in the quantized modes, fp32 in fp32."""
+    if int8_compute:
+        return _gemm_rate("w8a8", machine)
     return machine["bf16_matmul_gflop_s" if quantize is not None else "fp32_matmul_gflop_s"]
 
 
 def _gemm_rate(quantize: str | None, machine: dict) -> float:
-    """GFLOP/s of a prefill-sized linear (512 rows, 1024 → 3072) in `quantize`'s kernel (fp32: the fp32 matmul
-    peak), measured here once per process."""
+    """GFLOP/s of a prefill-sized linear (512 rows, 1024 → 3072) in `quantize`'s kernel ("w8a8": oneDNN's int8
+    GEMM with its row quantization; fp32: the fp32 matmul peak), measured here once per process."""
     if quantize is None:
         return machine["fp32_matmul_gflop_s"]
     if quantize not in _GEMM_RATES:
@@ -289,7 +308,8 @@ def _gemm_rate(quantize: str | None, machine: dict) -> float:
 _GEMM_RATES: dict[str, float] = {}
 
 
-def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, quick: bool, machine: dict) -> dict:
+def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: float, tokens: int, quick: bool,
+                 machine: dict) -> dict:
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
     from omnimtp.families.qwen3_asr import Qwen3ASRFamily
@@ -299,7 +319,7 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
     from omnimtp.thinker import multimodal_prefill
 
     started = time.perf_counter()
-    family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize)
+    family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize, int8_compute=int8_compute)
     load_s = time.perf_counter() - started
     limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
     pipe = OmniPipeline(family=family, max_new_tokens=tokens, media_limits=limits)
@@ -346,8 +366,9 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
                 * (len(ids) + tokens / 2))
     step_floor_s = (weight_bytes + head_bytes + kv_bytes) / (machine["read_gb_s"] * 1e9)
     linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
-    encoder_floor_s = encoder_flops / (_encoder_peak(quantize, machine) * 1e9)
-    prefill_floor_s = (linear_flops / (_gemm_rate(quantize, machine) * 1e9)
+    encoder_floor_s = encoder_flops / (_encoder_peak(quantize, int8_compute, machine) * 1e9)
+    prefill_rate = _gemm_rate("w8a8" if int8_compute else quantize, machine)
+    prefill_floor_s = (linear_flops / (prefill_rate * 1e9)
                        + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9))
     entry = {
         "mode": mode, "load_s": load_s, "prompt_tokens": len(ids), "reply_tokens": len(reply_ids),
@@ -356,7 +377,7 @@ def _measure_asr(mode: str, quantize: str | None, seconds: float, tokens: int, q
         "decode_ms_per_token": 1e3 * decode_s / max(len(step_s) - 1, 1),
         "transcribe_s": transcribe_s, "rtf": transcribe_s / seconds, "first_partial_s": first_partial_s,
         "first_partial_stages": first_partial_stages,
-        "gemm_gflop_s": _gemm_rate(quantize, machine),
+        "gemm_gflop_s": prefill_rate,
         "floor": {
             "encoder_s": encoder_floor_s, "prefill_s": prefill_floor_s,
             "first_step_s": encoder_floor_s + prefill_floor_s,
@@ -452,8 +473,9 @@ def in_subprocess(worker: dict, threads: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["w4a8"], choices=["fp32", "int8", "int4", "w4a8"],
-                        help="our modes, each in its own process (default w4a8, the fastest; fp32 adds ~1.5 min)")
+    parser.add_argument("--modes", nargs="+", default=["w4a8"], choices=MODES,
+                        help="our modes, each in its own process (default w4a8; fp32 adds ~1.5 min; '+w8a8': with "
+                             "int8_compute, the encoder, prefill and aligner forward on int8 GEMMs)")
     parser.add_argument("--seconds", type=float, default=60.0, help="the recording's length (default 60)")
     parser.add_argument("--tokens", type=int, default=128, help="reply tokens of the transcription (default 128)")
     parser.add_argument("--words", type=int, default=150, help="the aligned transcript's words (default 150)")
@@ -521,7 +543,8 @@ def summary(results: dict) -> str:
                          f"{stages['decode_steps']} decode steps {stages['decode_s']:.3f}")
         for name, stages in (("aligner", aligner), ("aligner, a byte a token", entry["aligner_bytes"])):
             lines.append(
-                f"  {name} {stages['words']} words {stages['align_s']:.2f} s: inputs {stages['inputs_s']:.2f} + "
+                f"  {name} {stages['words']} words {stages['align_s']:.2f} s (again {stages['align_again_s']:.2f}): "
+                f"inputs {stages['inputs_s']:.2f} + "
                 f"encoder {stages['encoder_s']:.2f} (floor {stages['floor']['encoder_s']:.2f}) + forward "
                 f"{stages['forward_s']:.2f} (floor {stages['floor']['forward_s']:.2f}), {stages['positions']} "
                 f"positions ({stages['tokens_per_word']:.2f} tokens a word)")

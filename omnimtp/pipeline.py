@@ -258,7 +258,9 @@ class OmniPipeline:
         codec_dtype = kwargs.pop("codec_dtype", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_asr":
-            return cls(family=family_class("qwen3_asr").tiny(seed, device=device, quantize=quantize), **kwargs)
+            int8_compute = kwargs.pop("int8_compute", False)
+            return cls(family=family_class("qwen3_asr").tiny(seed, device=device, quantize=quantize,
+                                                             int8_compute=int8_compute), **kwargs)
         if family == "qwen3_tts":
             return cls(family=family_class("qwen3_tts").tiny(seed, tts_model_type, device=device, quantize=quantize,
                                                              codec_dtype=codec_dtype), **kwargs)
@@ -289,7 +291,8 @@ class OmniPipeline:
         model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
         layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode and codec_dtype; "qwen3_asr":
-        Qwen3-ASR in its released layout, `Qwen3ASRFamily.from_pretrained`, which also takes quantize); its
+        Qwen3-ASR in its released layout, `Qwen3ASRFamily.from_pretrained`, which also takes quantize and
+        int8_compute); its
         tokenizer and its processor (audio and images, `omnimtp.media.load_processor`), when it has them; the
         default caps a saved pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
@@ -310,9 +313,10 @@ class OmniPipeline:
         if model_type in ("qwen3_asr", "qwen3_tts") and is_quantized_checkpoint(path):
             quantized = load_quantized_model(path, kwargs.get("quantize"), dtype=dtype)
         if model_type == "qwen3_asr":
-            quantize = kwargs.pop("quantize", None)
+            quantize, int8_compute = kwargs.pop("quantize", None), kwargs.pop("int8_compute", False)
             return cls(family=family_class(model_type).from_pretrained(
-                path, dtype=dtype, device=device, quantize=quantize, quantized=quantized), **kwargs)
+                path, dtype=dtype, device=device, quantize=quantize, quantized=quantized, int8_compute=int8_compute),
+                **kwargs)
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)

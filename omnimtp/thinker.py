@@ -135,7 +135,10 @@ class ThinkerRun:
     request's first reply rows, what its talker prefill and first frame wait for, come at a plain step's cost
     (the engine takes its start steps plain); the same for every row, so a seeded row stays what it is alone.
     logprobs[i]: None (request i's events carry no logprob, and nothing is computed for it) or n >= 0: each of its
-    events carries the token's `TokenLogprob` from the logits row it was drawn from, with n alternatives."""
+    events carries the token's `TokenLogprob` from the logits row it was drawn from, with n alternatives.
+    prefill_decoder: the same layers' weights in another form that the prompts' forwards run on (a "w8a8" copy for
+    many rows: Qwen3-ASR's `int8_compute`), the steps on decoder (the first token still from decoder's head);
+    each prompt is forwarded alone, so a request's rows do not depend on the batch. Not with speculation."""
 
     def __init__(
         self,
@@ -155,6 +158,7 @@ class ThinkerRun:
         keeps_prefix: list[bool] | None = None,
         plain_start_steps: int = 0,
         logprobs: list[int | None] | None = None,
+        prefill_decoder: PackedDecoder | None = None,
     ):
         batch_size = len(prompts)
         self.logprobs = list(logprobs) if logprobs is not None else [None] * batch_size
@@ -187,11 +191,20 @@ class ThinkerRun:
             raise ValueError(f"media must be a list of {batch_size} MediaInputs or None")
         if decoder is not None and not isinstance(decoder, PackedDecoder):
             raise ValueError(f"decoder must be None or a PackedDecoder, got {type(decoder).__name__}")
+        if prefill_decoder is not None and (
+            not isinstance(prefill_decoder, PackedDecoder) or speculation is not None
+            or decoder is None or (prefill_decoder.num_layers, prefill_decoder.num_kv_heads, prefill_decoder.head_dim,
+                                   prefill_decoder.dtype) != (decoder.num_layers, decoder.num_kv_heads,
+                                                              decoder.head_dim, decoder.dtype)
+        ):
+            raise ValueError("prefill_decoder must be None, or a PackedDecoder of decoder's layers, heads and dtype "
+                             "(its weights in another form) in a run without speculation")
         num_layers = thinker.config.text_config.num_hidden_layers
         if not 0 <= accept_hidden_layer <= num_layers:
             raise ValueError(f"accept_hidden_layer must be in [0, {num_layers}], got {accept_hidden_layer!r}")
         self.thinker = thinker
         self.decoder = decoder or PackedDecoder.from_module(thinker.model.language_model)
+        self.prefill_decoder = prefill_decoder or self.decoder  # the prompts' forwards; the steps run on decoder
         self.accept_hidden_layer = accept_hidden_layer
         self.eos_token_ids = set(eos_token_ids)
         self.max_new_tokens = max_new_tokens
@@ -309,7 +322,9 @@ class ThinkerRun:
         block: the reused prefix's KV loaded, then the rest in blocks (see the module docstring)."""
         prompt, block = self.prompts[i], self.prefill_block
         if block is None:
-            hidden, logits, final = self._forward(prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds)
+            hidden, logits, final = self._forward(
+                prefill.embeds, [i], prefill.rope_positions, prefill.layer_adds, decoder=self.prefill_decoder
+            )
             return hidden[0], logits[0], None if final is None else final[0]
         num_rows, embeds = len(prompt), prefill.embeds[0]  # [P, D]
         prefix = self.prefixes[i]
@@ -329,7 +344,7 @@ class ThinkerRun:
             hidden, logits, final = self._forward(
                 prefill.embeds[:, start:stop], [i],
                 None if prefill.rope_positions is None else prefill.rope_positions[:, :, start:stop],
-                tuple(add[:, start:stop] for add in prefill.layer_adds),
+                tuple(add[:, start:stop] for add in prefill.layer_adds), decoder=self.prefill_decoder,
             )
             hidden_parts.append(hidden[0])
             if final is not None:
@@ -475,13 +490,15 @@ class ThinkerRun:
         return events
 
     def _forward(
-        self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False
+        self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False,
+        decoder: PackedDecoder | None = None,
     ):
         """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D], logits [R, V] at the last position
         ([R, T, V] with all_logits) and, in a speculative run, every row after the final norm [R, T, D]
-        (else None): what the MTP head reads."""
+        (else None): what the MTP head reads. decoder: the weights it runs on (default the run's decoder; a
+        prompt's forward runs on prefill_decoder)."""
         out = decoder_forward(
-            self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer,
+            decoder or self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer,
             rope_positions=rope_positions, layer_adds=layer_adds, all_final=self.speculation is not None,
         )
         last = out.final if all_logits else out.last_hidden

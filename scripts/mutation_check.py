@@ -63,6 +63,7 @@ PREFIX_CACHE = ("tests/test_prefix_cache.py",)
 VOICE_AGENT = ("tests/test_realtime_vad.py",)
 REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
+W8A8 = ("tests/test_w8a8_linear.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
@@ -2210,8 +2211,8 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_float_family_encodes_in_bf16", "omnimtp/families/qwen3_asr.py",
-        "        self.thinker = encoder_thinker(thinker, quantize)",
-        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
+        "        self.thinker = encoder_thinker(thinker, quantize, int8_compute)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\", int8_compute)",
         QWEN3_ASR, "a float Qwen3-ASR encodes its audio with the bf16 encoder instead of the reference's",
     ),
     Mutation(
@@ -2242,8 +2243,8 @@ MUTATIONS = [
     ),
     Mutation(
         "aligner_float_encodes_in_bf16", "omnimtp/families/qwen3_aligner.py",
-        "        self.thinker = encoder_thinker(thinker, quantize)",
-        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\")",
+        "        self.thinker = encoder_thinker(thinker, quantize, int8_compute)",
+        "        self.thinker = encoder_thinker(thinker, quantize or \"int8\", int8_compute)",
         QWEN3_ALIGNER, "a float aligner encodes its audio with the bf16 encoder instead of the reference's",
     ),
     Mutation(
@@ -2260,9 +2261,10 @@ MUTATIONS = [
     ),
     Mutation(
         "asr_quantized_keeps_its_float_encoder", "omnimtp/families/qwen3_asr.py",
-        "            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy\n"
-        "                self.model.release_audio_encoder()\n",
-        "",
+        "        if self.thinker is not self.model.thinker:  # it encodes with its bf16 (or w8a8) copy\n"
+        "            self.model.release_audio_encoder()\n"
+        "        return self\n\n    @property\n    def device",
+        "        return self\n\n    @property\n    def device",
         QWEN3_ASR, "a quantized Qwen3-ASR it loaded itself keeps its float audio encoder's matrices",
     ),
     Mutation(
@@ -2381,6 +2383,34 @@ MUTATIONS = [
         "            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends",
         "            if False:",
         ("tests/test_warm_up.py",), "a user's request during the server's warm-up reply waits for it to finish",
+    ),
+    # --- w8a8: int8 GEMMs for many rows (Qwen3-ASR's and the aligner's int8_compute) -------------------------------
+    Mutation(
+        "w8a8_leaves_out_the_row_scale", "omnimtp/runtime/ops.py",
+        "    return out.mul_(row_scales)",
+        "    return out",
+        W8A8, "the w8a8 linear returns the integer sums times the weight scales, not times each row's scale",
+    ),
+    Mutation(
+        "w8a8_one_scale_for_the_whole_batch", "omnimtp/runtime/ops.py",
+        "    x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)  # [M, K] uint8, [M, 1]",
+        "    x_u8, row_scales = small_batch_linear.quantize_rows_u8(x.reshape(1, -1))\n"
+        "    x_u8, row_scales = x_u8.view_as(x), row_scales.expand(x.shape[0], 1)",
+        W8A8, "the w8a8 linear quantizes the batch with one scale: a row's values depend on the other rows",
+    ),
+    Mutation(
+        "w8a8_rows_truncated_not_rounded", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));\n"
+        "    r = _mm256_add_epi32(",
+        "    __m256i r = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));\n"
+        "    r = _mm256_add_epi32(",
+        W8A8, "the w8a8 row quantizer truncates toward zero instead of rounding to nearest",
+    ),
+    Mutation(
+        "asr_prefill_runs_on_the_decode_weights", "omnimtp/thinker.py",
+        "        self.prefill_decoder = prefill_decoder or self.decoder",
+        "        self.prefill_decoder = self.decoder",
+        W8A8, "Qwen3-ASR's int8_compute leaves its prompts' forwards on the decode steps' weights",
     ),
 ]
 

@@ -1,6 +1,7 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
 benchmarks/speech_decoder.py,
-benchmarks/decode_attention.py, benchmarks/moe_experts.py and benchmarks/omni_realsize.py at tiny sizes, so the
+benchmarks/decode_attention.py, benchmarks/moe_experts.py, benchmarks/many_row_linear.py and
+benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from omnimtp.runtime.ops import many_row_mode_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,13 +262,14 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
     timed and next to its floor."""
     out = tmp_path / "asr.json"
     has_reference = importlib.util.find_spec("qwen_asr") is not None
-    command = ["benchmarks/asr_speed.py", "--quick", "--threads", "1", "--modes", "fp32", "w4a8", "--out", str(out)]
+    modes = ["fp32", "w4a8"] + (["w4a8+w8a8"] if many_row_mode_reason("cpu") is None else [])
+    command = ["benchmarks/asr_speed.py", "--quick", "--threads", "1", "--modes", *modes, "--out", str(out)]
     if not has_reference:
         command.append("--no-reference")
     _run(command)
     results = json.loads(out.read_text())
     assert results["workload"]["size"] == "tiny" and results["machine"]["read_gb_s"] > 0
-    assert [entry["mode"] for entry in results["modes"]] == ["fp32", "w4a8"]
+    assert [entry["mode"] for entry in results["modes"]] == modes
     for entry in results["modes"]:
         assert "failed" not in entry, entry
         assert entry["reply_tokens"] == 8 and entry["prompt_tokens"] > 8
@@ -279,6 +283,7 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
         assert stages["encoder_s"] > 0 and stages["first_step_s"] > 0 and stages["decode_steps"] >= 0
         for aligner in (entry["aligner"], entry["aligner_bytes"]):
             assert aligner["positions"] > 8 and aligner["encoder_s"] > 0 and aligner["forward_s"] > 0
+            assert aligner["align_again_s"] > 0
             assert aligner["floor"]["encoder_s"] > 0 and aligner["floor"]["forward_s"] > 0
         # the transcript in BPE tokens (about the released tokenizer's count) is shorter than in bytes
         assert 1 <= entry["aligner"]["tokens_per_word"] < entry["aligner_bytes"]["tokens_per_word"]
@@ -290,3 +295,14 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
         assert reference["reply_tokens"] == 8
         assert reference["aligner"]["words"] == reference["aligner_bytes"]["words"] == 8
         assert results["modes"][0]["speedup_vs_reference"] > 0
+
+
+def test_many_row_linear_quick_run_reports_every_path(tmp_path):
+    out = tmp_path / "many_rows.json"
+    _run(["benchmarks/many_row_linear.py", "--quick", "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    paths = results["shapes"][0]["paths"]
+    expected = {"fp32", "bf16 (oneDNN, packed)", "w4a8 (omnimtp)"}
+    if many_row_mode_reason("cpu") is None:
+        expected |= {"w8a8 (oneDNN int8)", "w8a8: its row quantization alone", "torch._int_mm (int8 → int32)"}
+    assert set(paths) == expected and all(figures["gflop_s"] > 0 for figures in paths.values())

@@ -30,7 +30,7 @@ from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
 from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
-from omnimtp.runtime.ops import check_quantize, linear
+from omnimtp.runtime.ops import check_many_row_mode, check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
 
 # Languages whose words the reference finds with a dictionary tokenizer (nagisa, soynlp) rather than spaces.
@@ -127,14 +127,20 @@ class Qwen3ForcedAligner:
     """A Qwen3-ForcedAligner (see the module docstring). model: `Qwen3ASRModel` of an aligner checkpoint;
     tokenizer: its text tokenizer; processor: its `ASRProcessor` (default: a WhisperFeatureExtractor of the
     model's mel bins at 16 kHz); quantize: the decoder's linears and its head (`OmniPipeline`'s modes), the audio
-    encoder as the ASR's (`omnimtp.models.qwen3_asr.encoder_thinker`)."""
+    encoder as the ASR's (`omnimtp.models.qwen3_asr.encoder_thinker`). int8_compute: the audio encoder's linears
+    and the one forward's on int8 GEMMs ("w8a8": int8 weights per channel, each row quantized to int8; the head
+    int8 too), whatever `quantize` says; ValueError naming int8_compute where that does not run."""
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, int8_compute: bool = False):
         if not isinstance(model, Qwen3ASRModel) or not model.is_aligner:
             raise ValueError("model: expected a Qwen3-ForcedAligner (a Qwen3ASRModel with classify_num time bins)")
         thinker = model.thinker
         check_quantize(quantize, thinker.device)
+        if not isinstance(int8_compute, bool):
+            raise ValueError(f"int8_compute must be True or False, got {int8_compute!r}")
+        if int8_compute:
+            check_many_row_mode("w8a8", thinker.device, "int8_compute")
         self.model = model.eval()
         self.tokenizer = tokenizer
         if processor is None:
@@ -148,12 +154,14 @@ class Qwen3ForcedAligner:
         self.timestamp_token_id = model.timestamp_token_id
         self.segment_ms = model.timestamp_segment_time
         self.max_positions = thinker.config.text_config.max_position_embeddings
-        decoder = PackedDecoder.from_module(thinker.model, quantize=quantize)
-        if quantize is not None:
+        # its only forward has many rows: with int8_compute its layers are "w8a8" whatever `quantize` says
+        decoder = PackedDecoder.from_module(thinker.model, quantize="w8a8" if int8_compute else quantize)
+        if quantize is not None or int8_compute:
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.decoder = decoder
         self.quantize = quantize
-        self.thinker = encoder_thinker(thinker, quantize)
+        self.int8_compute = int8_compute
+        self.thinker = encoder_thinker(thinker, quantize, int8_compute)
         self._lock = threading.Lock()
 
     @classmethod
@@ -199,10 +207,10 @@ class Qwen3ForcedAligner:
     def _owning_model(self) -> Qwen3ForcedAligner:
         """This aligner, for a model it made itself: quantized, the float matrices its quantized copies replace are
         released from the model (`Qwen3ASRModel.release_decoder_linears`, `.release_audio_encoder`)."""
-        if self.quantize is not None:
+        if self.decoder.quantize is not None:
             self.model.release_decoder_linears()
-            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
-                self.model.release_audio_encoder()
+        if self.thinker is not self.model.thinker:  # it encodes with its bf16 (or w8a8) copy
+            self.model.release_audio_encoder()
         return self
 
     def words(self, text: str, language: str | None) -> list[str]:

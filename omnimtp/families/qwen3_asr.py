@@ -36,7 +36,7 @@ from omnimtp.models.qwen3_asr import (
     encoder_thinker,
 )
 from omnimtp.packed_decoder import PackedDecoder
-from omnimtp.runtime.ops import check_quantize
+from omnimtp.runtime.ops import check_many_row_mode, check_quantize
 from omnimtp.sampling import SamplingParams
 from omnimtp.thinker import PrefixRows, ThinkerRun
 from omnimtp.tokenizer import prompt_tokenizer
@@ -167,7 +167,11 @@ class Qwen3ASRFamily(ChatText):
     processor: its `ASRProcessor` (default: a 128-bin WhisperFeatureExtractor at 16 kHz, the released one, or
     the model's mel bins). quantize: the decoder's linears and its head (`OmniPipeline`'s modes); the audio
     encoder then runs in bf16 where oneDNN runs bf16 (`omnimtp.models.qwen3_asr.encoder_thinker`); stored: a
-    quantized checkpoint's layers (`omnimtp.quantized_checkpoint`), with quantize its mode."""
+    quantized checkpoint's layers (`omnimtp.quantized_checkpoint`), with quantize its mode. int8_compute: the
+    many-row linears, the audio encoder's and every prompt's forward (`ThinkerRun`'s prefill_decoder), on int8
+    GEMMs ("w8a8": int8 weights per channel, each row quantized to int8), the decode steps as `quantize` says;
+    ValueError naming int8_compute where oneDNN's int8 GEMM does not run exactly (no AVX512-VNNI) or with
+    `stored` (it quantizes the float matrices)."""
 
     model_type = "qwen3_asr"
     decoder_paths = ("thinker.model",)  # the packed (and quantized) decoder
@@ -179,15 +183,23 @@ class Qwen3ASRFamily(ChatText):
     speaks = False
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
-                 quantize: str | None = None, stored: dict | None = None):
+                 quantize: str | None = None, stored: dict | None = None, int8_compute: bool = False):
         if not isinstance(model, Qwen3ASRModel) or model.is_aligner:
             raise ValueError("model: expected a Qwen3-ASR model (a Qwen3ASRModel that is not a forced aligner)")
         if tokenizer is None:
             raise ValueError("tokenizer: a Qwen3-ASR model needs its tokenizer (its prompt and its transcripts)")
         thinker = model.thinker
         check_quantize(quantize, thinker.device)
+        if not isinstance(int8_compute, bool):
+            raise ValueError(f"int8_compute must be True or False, got {int8_compute!r}")
+        if int8_compute:
+            check_many_row_mode("w8a8", thinker.device, "int8_compute")
+            if stored is not None:
+                raise ValueError("int8_compute: a quantized checkpoint holds no float matrices to quantize to int8; "
+                                 "load the float checkpoint with quantize=")
         self.model = model.eval()
         self.quantize = quantize
+        self.int8_compute = int8_compute
         self.tokenizer = tokenizer
         if processor is None:
             mel_bins = thinker.config.audio_config.num_mel_bins
@@ -209,8 +221,9 @@ class Qwen3ASRFamily(ChatText):
         if quantize is not None:  # its logits from an int8 head too
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
         self.thinker_decoder = decoder.with_row_kernel()
-        # quantized, the audio encoder in bf16 (`encoder_thinker`): a copy; the model's own stays float
-        self.thinker = encoder_thinker(thinker, quantize)
+        self.prefill_decoder = PackedDecoder.from_module(thinker.model, quantize="w8a8") if int8_compute else None
+        # quantized (or int8_compute), the audio encoder a bf16 (or w8a8) copy: the model's own stays float
+        self.thinker = encoder_thinker(thinker, quantize, int8_compute)
         self.speech_header_ids = None
 
     @classmethod
@@ -265,8 +278,8 @@ class Qwen3ASRFamily(ChatText):
         with its bf16 copy), so quantizing saves memory. A model the caller passed is left as it is."""
         if self.quantize is not None:
             self.model.release_decoder_linears()
-            if self.thinker is not self.model.thinker:  # it encodes with its bf16 copy
-                self.model.release_audio_encoder()
+        if self.thinker is not self.model.thinker:  # it encodes with its bf16 (or w8a8) copy
+            self.model.release_audio_encoder()
         return self
 
     @property
@@ -379,7 +392,7 @@ class Qwen3ASRFamily(ChatText):
             self.thinker, prompts, accept_hidden_layer=self.accept_hidden_layer, eos_token_ids=self.eos_token_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, generators=generators, decoder=self.thinker_decoder,
             media=media, prefill_block=prefill_block, prefixes=prefixes, keeps_prefix=keeps_prefix,
-            logprobs=logprobs,
+            logprobs=logprobs, prefill_decoder=self.prefill_decoder,
         )
 
     def new_talker_batch(self, max_batch_size: int) -> _NoTalker:

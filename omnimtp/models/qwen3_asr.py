@@ -38,7 +38,14 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
-from omnimtp.runtime.ops import PackedGemm, QuantizedWeight, linear, packed_gemm_kind, quantize_weight
+from omnimtp.runtime.ops import (
+    PackedGemm,
+    QuantizedWeight,
+    check_many_row_mode,
+    linear,
+    packed_gemm_kind,
+    quantize_weight,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -144,10 +151,11 @@ class EncoderLinear(nn.Module):
     """An nn.Linear of a fast audio encoder (`fast_audio_encoder`). linears "bf16": computed in bf16 on bf16
     copies of the weight and bias, packed for oneDNN where it runs bf16 (the runtime's "onednn" `PackedGemm`: the
     CPU's bf16 instructions), the input rounded to bf16 as it enters, the output back in float32; a quantized mode
-    ("int8", "int4", "w4a8"): the runtime's quantized kernel (`QuantizedWeight` of `quantize_weight`), the bias
-    float. Either way through `omnimtp.runtime.ops.linear`. bf16_out (linears "bf16"): the output stays bf16 (a
-    linear whose output an activation takes to the next linear, which rounds its input to bf16 anyway: GELU on
-    the bf16 rows gives those same bits, without casting the widest rows to float32 and back)."""
+    ("int8", "int4", "w4a8", or "w8a8": oneDNN's int8 GEMM): the runtime's quantized kernel (`QuantizedWeight`
+    of `quantize_weight`), the bias float. Either way through `omnimtp.runtime.ops.linear`. bf16_out (linears
+    "bf16"): the output stays bf16 (a linear whose output an activation takes to the next linear, which rounds its
+    input to bf16 anyway: GELU on the bf16 rows gives those same bits, without casting the widest rows to float32
+    and back)."""
 
     def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False):
         super().__init__()
@@ -240,11 +248,16 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
     return encoder.eval()
 
 
-def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None):
+def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None, int8_compute: bool = False):
     """The thinker a family runs in `quantize`: float (None), the thinker itself (the reference's encoder); a
     quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
     thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
-    thinker itself)."""
+    thinker itself). int8_compute (any `quantize`): a copy whose linears are "w8a8" (`ops.MANY_ROW_MODES`: oneDNN's
+    int8 GEMM, each row quantized to int8 on its own), its convolutions in bf16; ValueError naming int8_compute
+    where that does not run."""
+    if int8_compute:
+        check_many_row_mode("w8a8", thinker.device, "int8_compute")
+        return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower, "w8a8"))
     if quantize is None or packed_gemm_kind(thinker.device, torch.bfloat16) != "onednn":
         return thinker
     return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower))

@@ -41,6 +41,7 @@ from omnimtp.runtime.moe import (
     routes_every_expert,
 )
 from omnimtp.runtime.ops import (
+    MANY_ROW_MODES,
     PackedGemm,
     QuantizedWeight,
     Rope,
@@ -48,6 +49,7 @@ from omnimtp.runtime.ops import (
     attention,
     cast,
     causal_mask,
+    check_many_row_mode,
     check_quantize,
     gated_mlp,
     linear,
@@ -148,7 +150,7 @@ class PackedDecoder:
         without a kernel, or a decoder quantized to another mode."""
         if quantize is None or quantize == self.quantize:
             return self
-        check_quantize(quantize, self.device)
+        check_decoder_quantize(quantize, self.device)
         if self.quantize is not None:
             raise ValueError(f"quantize={quantize!r}: this decoder is already quantized ({self.quantize!r})")
         layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
@@ -263,7 +265,7 @@ class PackedDecoder:
         `quantized_matrices` in mode `quantize`, as a quantized checkpoint holds them (`omnimtp.quantized_checkpoint`):
         used as they are, and the layers' matrices they replace may be on the meta device (only shapes are read)."""
         if quantize is not None:
-            check_quantize(quantize, rotary.inv_freq.device)
+            check_decoder_quantize(quantize, rotary.inv_freq.device)
         if stored is not None and (quantize is None or len(stored) != len(layers)):
             raise ValueError(f"stored: {len(stored)} layers' matrices in mode {quantize!r} for {len(layers)} layers")
         quantized_layers = None
@@ -339,6 +341,16 @@ def unsupported_layer_reason(layer) -> str | None:
 QUANTIZED_MATRICES = ("qkv", "o", "gate_up", "down", "experts.gate_up", "experts.down")
 
 
+def check_decoder_quantize(quantize: str, device) -> None:
+    """ValueError naming `quantize` unless a decoder's layers can be quantized to it on `device`: a mode of
+    `ops.QUANTIZE_MODES`, or "w8a8" (`ops.MANY_ROW_MODES`: dense layers, for a decoder that runs many rows at a
+    time: a prefill, the forced aligner's forward; a decode step on it reads int8 weights)."""
+    if quantize in MANY_ROW_MODES:
+        check_many_row_mode(quantize, device, "quantize")
+    else:
+        check_quantize(quantize, device)
+
+
 def quantize_layer(layer: LayerWeights, quantize: str) -> tuple[LayerWeights, tuple]:
     """A packed layer → (the layer without the float matrices it no longer runs, its (qkv, o, gate_up, down)
     quantized to `quantize`): `with_quantized_matrices(layer, quantized_matrices(layer, quantize))`."""
@@ -355,6 +367,8 @@ def quantized_matrices(layer: LayerWeights, quantize: str) -> dict[str, Quantize
         matrices = (layer.qkv, layer.o, layer.gate_up, layer.mlp_down)
         return {**dict.fromkeys(QUANTIZED_MATRICES),
                 **{name: quantize_weight(matrix, quantize) for name, matrix in zip(names, matrices, strict=True)}}
+    if quantize in MANY_ROW_MODES:
+        raise ValueError(f"quantize={quantize!r} quantizes dense layers only (routed experts have no such kernel)")
     shared_gate_up = layer.gate_up
     if layer.shared_gate_proj is not None:
         shared_gate_up = torch.cat([layer.shared_gate_proj, layer.shared_up_proj])

@@ -7,6 +7,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
     normed = rms_norm(x, weight, eps)                           # transformers' Qwen3 RMSNorm
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
     q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # int8 / int4 (/ w4a8) weights
+    q = quantize_weight(weight, "w8a8"); y = linear(x, None, packed=q)     # many rows: oneDNN's int8 GEMM
     qe = quantize_experts(experts, "w4a8"); y = expert_linear(rows, qe, ids, offsets)  # routed experts, one call
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
@@ -160,6 +161,10 @@ class PackedGemm:
 QUANTIZE_MODES = ("int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 128  # inputs per int4 scale (the common choice: GPTQ, AWQ, torchao's default)
 INT8_BLOCK_ROWS = 8192  # rows an int8 matrix is quantized in at a time (a multiple of the kernel's 16-row panels)
+# Kinds for linears of many rows (an audio encoder, a prefill, the aligner's one forward), not `--quantize` modes:
+# "w8a8": int8 weights per output channel and the activations quantized to int8 per row as each matmul starts
+# (dynamic), the sums exact int32s, on oneDNN's int8 GEMM (`vpdpbusd`; twice the bf16 GEMM's rate on an AVX-512 CPU)
+MANY_ROW_MODES = ("w8a8",)
 
 
 @dataclass(frozen=True)
@@ -168,8 +173,10 @@ class QuantizedWeight:
     `quantize_int4`); `linear` runs it when passed as `packed`. Weight-only (int8_activations False): the
     activations, sums and output stay float. int8_activations (the "w4a8" mode, int4 weights): each call
     quantizes its input per row and group of `group_size` inputs (`small_batch_linear.w4a8_linear`).
-    `dequantized` [N, K] fp32 is the weight the kernel multiplies by and `dequantized_input(x)` the input
-    (what tests compare against)."""
+    "w8a8" (`MANY_ROW_MODES`; int8 weights, group_size None, int8_activations): `packed` is oneDNN's reordered int8
+    weight (`onednn::qlinear_prepack`), run by oneDNN's int8 GEMM with each row quantized to int8 over all its
+    inputs (`w8a8_linear`). `dequantized` [N, K] fp32 is the weight the kernel multiplies by and
+    `dequantized_input(x)` the input (what tests compare against)."""
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -177,10 +184,20 @@ class QuantizedWeight:
     group_size: int | None  # None: int8 per output channel; else int4 per channel and group of inputs
     int8_activations: bool = False
 
+    @property
+    def mode(self) -> str:
+        """"int8", "int4", "w4a8" or "w8a8"."""
+        if self.group_size is None:
+            return "w8a8" if self.int8_activations else "int8"
+        return "w4a8" if self.int8_activations else "int4"
+
     def dequantized_input(self, x: torch.Tensor) -> torch.Tensor:
         """The input [M, K] the kernel multiplies by: x itself (weight-only), or x rounded to its int8 grid."""
         if not self.int8_activations:
             return x
+        if self.group_size is None:  # "w8a8": the kernel's own rounding of each row
+            x_u8, scales = small_batch_linear.quantize_rows_u8(x.float())
+            return (x_u8.float() - 128) * scales
         xq, scales = small_batch_linear.quantize_activations_int8(x, self.group_size)
         return (xq.view(x.shape[0], -1, self.group_size) * scales[..., None]).view_as(x)
 
@@ -189,6 +206,8 @@ class QuantizedWeight:
         return replace(self, packed=self.packed[index], scales=self.scales[index])
 
     def dequantized(self) -> torch.Tensor:
+        if self.mode == "w8a8":  # oneDNN's weight reads back as the int8 matrix [K, N]
+            return self.packed.to_dense().t().float() * self.scales[:, None]
         if self.group_size is None:
             q = self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1]).float()
             return (q * self.scales[:, None])[: self.out_features]
@@ -212,11 +231,41 @@ def check_quantize(quantize: str | None, device: torch.device | str) -> None:
         raise ValueError(f"quantize={quantize!r} has no kernel here: {small_batch_linear.unavailable_reason()}")
 
 
+def many_row_mode_reason(device: torch.device | str) -> str | None:
+    """None where "w8a8" (`MANY_ROW_MODES`) runs on `device`, else why not: oneDNN's int8 GEMM on a CPU with
+    AVX512-VNNI (without VNNI oneDNN pairs u8 x s8 products in int16, which saturate: the sums would not be
+    exact)."""
+    if torch.device(device).type != "cpu":
+        return f"it has no kernel on {torch.device(device)} (CPU only)"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return "this torch build has no oneDNN int8 GEMM (onednn::qlinear_pointwise)"
+    if small_batch_linear.w4a8_isa() != "AVX512-VNNI":
+        return "it needs a CPU with AVX512-VNNI"
+    return None
+
+
+def check_many_row_mode(mode: str, device: torch.device | str, name: str = "mode") -> None:
+    """ValueError naming `name` unless `mode` is in MANY_ROW_MODES and runs on `device` (`many_row_mode_reason`)."""
+    if mode not in MANY_ROW_MODES:
+        raise ValueError(f"{name} must be one of {MANY_ROW_MODES}, got {mode!r}")
+    reason = many_row_mode_reason(device)
+    if reason is not None:
+        raise ValueError(f"{name}={mode!r}: {reason}")
+
+
 def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROUP_SIZE) -> QuantizedWeight:
     """nn.Linear weight [N, K] → its quantized form ("int8": symmetric per output channel; "int4" and "w4a8":
     symmetric per output channel and group of `group_size` inputs, or of all K inputs when K is not a
-    multiple of it; "w4a8" then quantizes the activations per row and the same groups). The weight is not
-    modified."""
+    multiple of it; "w4a8" then quantizes the activations per row and the same groups; "w8a8" (`MANY_ROW_MODES`):
+    "int8"'s weights and scales, reordered for oneDNN's int8 GEMM, the activations quantized per row). The weight
+    is not modified."""
+    if mode in MANY_ROW_MODES:
+        check_many_row_mode(mode, weight.device)
+        w = weight.detach().float()  # "int8"'s quantization (`small_batch_linear.quantize_int8`), unpacked
+        scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        packed = torch.ops.onednn.qlinear_prepack(q, None)
+        return QuantizedWeight(packed, scales, weight.shape[0], None, int8_activations=True)
     check_quantize(mode, weight.device)
     if mode == "int8":  # rows in blocks (whole 16-row panels): an LM head's float copies stay a block's
         blocks = [small_batch_linear.quantize_int8(block)[:2] for block in weight.split(INT8_BLOCK_ROWS)]
@@ -276,10 +325,14 @@ def linear(
     memory bandwidth (CPU bf16 GEMM with one row runs at half of it or less)."""
     if isinstance(packed, QuantizedWeight):
         rows = x.shape[:-1].numel()
-        kernel = small_batch_linear.w4a8_linear if packed.int8_activations else small_batch_linear.quantized_linear
-        out = kernel(
-            x.reshape(rows, x.shape[-1]).float(), packed.packed, packed.scales, packed.out_features, packed.group_size
-        ).to(x.dtype)
+        if packed.mode == "w8a8":
+            out = w8a8_linear(x.reshape(rows, x.shape[-1]).float(), packed).to(x.dtype)
+        else:
+            kernel = small_batch_linear.w4a8_linear if packed.int8_activations else small_batch_linear.quantized_linear
+            out = kernel(
+                x.reshape(rows, x.shape[-1]).float(), packed.packed, packed.scales, packed.out_features,
+                packed.group_size,
+            ).to(x.dtype)
         out = out.view(*x.shape[:-1], packed.out_features)
         return out if bias is None else out + bias
     onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
@@ -317,6 +370,31 @@ def linear(
             outs.append(torch.ops.mkl._mkl_linear(chunk, packed, weight, None, gemm.rows))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] fp32 @ W.T → [M, N] fp32 for a "w8a8" weight (`quantize_weight`): each row quantized to int8 over
+    all its K inputs (`small_batch_linear.quantize_rows_u8`: scale = max|x| / 127), shifted to unsigned bytes
+    (zero point 128) for oneDNN's u8 x s8 int8 GEMM, whose int32 sums are exact; the sum of a row
+    and a column goes to fp32 times the column's weight scale (in oneDNN), then times the row's scale. A row's
+    values do not depend on the other rows; an all-zero row gives zeros, a row with a NaN or an infinity NaNs."""
+    x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)  # [M, K] uint8, [M, 1]
+    out = torch.ops.onednn.qlinear_pointwise(
+        x_u8, 1.0, 128, weight.packed, weight.scales, _weight_zero_points(weight.out_features), None, 1.0, 0,
+        torch.float32, "none", [], "",
+    )  # [M, N]: each exact sum to fp32, times its column's scale
+    return out.mul_(row_scales)
+
+
+_WEIGHT_ZERO_POINTS: dict[int, torch.Tensor] = {}
+
+
+def _weight_zero_points(num_columns: int) -> torch.Tensor:
+    """The symmetric weights' zero points (0 for each column, int64 [N]), made once per width."""
+    if num_columns not in _WEIGHT_ZERO_POINTS:
+        with torch.inference_mode(False):  # an ordinary tensor, whatever mode the first call runs in
+            _WEIGHT_ZERO_POINTS[num_columns] = torch.zeros(num_columns, dtype=torch.int64)
+    return _WEIGHT_ZERO_POINTS[num_columns]
 
 
 def gated_mlp(

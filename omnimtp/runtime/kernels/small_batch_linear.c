@@ -992,6 +992,60 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
   return omnimtp_w4a8_experts(x, words, scales, y, M, K, N, group, &expert, offsets, 1, 0, 0, num_threads, vnni);
 }
 
+/* x [M, K] fp32 → q [M, K] unsigned bytes and scales [M] (the "w8a8" linear's input for oneDNN's u8 x s8 int8 GEMM,
+ * zero point 128): per row, scale = max|x| / 127 and q = 128 + round(x * (127 / max|x|)) (ties to even, clamped to
+ * -127..127 first): the values of `quantize_activations_int8` with one group, shifted. An all-zero row gives 128s and
+ * scale 0; a row with a NaN or an infinity 128s and a NaN scale. Rows split over the threads; one pass to find a
+ * row's maximum, one to round it. */
+__attribute__((target("avx2,fma"))) static void quantize_row_u8(const float* x, int64_t K, uint8_t* q,
+                                                                float* scale) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  float amax = 0.0f;
+  for (int j = 0; j < 8; ++j) amax = lanes[j] > amax ? lanes[j] : amax;
+  int any_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t t = k; t < K; ++t) {
+    const float v = x[t] < 0 ? -x[t] : x[t];
+    any_nan |= v != v;
+    amax = v > amax ? v : amax;
+  }
+  if (any_nan || !(amax <= 3.4028234663852886e38f) || amax == 0.0f) {
+    memset(q, 128, (size_t)K);
+    *scale = amax == 0.0f && !any_nan ? 0.0f : __builtin_nanf("");
+    return;
+  }
+  const float inv = 127.0f / amax;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), zero_point = _mm256_set1_epi32(128);
+  for (k = 0; k + 8 <= K; k += 8) {
+    __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+    r = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(r, lo), hi), zero_point); /* 1..255 */
+    const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(r, r), _mm256_packs_epi32(r, r));
+    const int32_t first = _mm256_cvtsi256_si32(w), second = _mm256_extract_epi32(w, 4);
+    __builtin_memcpy(q + k, &first, 4);
+    __builtin_memcpy(q + k + 4, &second, 4);
+  }
+  for (; k < K; ++k) {
+    const float rounded = __builtin_nearbyintf(x[k] * inv);
+    q[k] = (uint8_t)(128 + (int)(rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded));
+  }
+  *scale = amax / 127.0f;
+}
+
+void omnimtp_quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* q, float* scales, int num_threads) {
+  const int threads = num_threads > 1 && M > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t m = 0; m < M; ++m) quantize_row_u8(x + m * K, K, q + m * K, scales + m);
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Attention of one query position a row (a decode step), grouped-query: query head j reads key head j / (Nq /
  * Nkv); the layout is `omnimtp_decode_attention`'s.

@@ -151,6 +151,9 @@ def _library() -> ctypes.CDLL | None:
     w4a8_experts.restype = ctypes.c_int
     w4a8_experts.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2
     w4a8_experts.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    lib.omnimtp_quantize_rows_u8.restype = None
+    lib.omnimtp_quantize_rows_u8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_int]
     lib.omnimtp_w4a8_has_vnni.restype = ctypes.c_int
     lib.omnimtp_w4a8_has_vnni.argtypes = []
     attention = lib.omnimtp_decode_attention
@@ -379,6 +382,24 @@ def quantize_activations_int8(x: torch.Tensor, group_size: int) -> tuple[torch.T
     xq = torch.round(groups * inv[..., None]).clamp(-127, 127)
     scales = torch.where(finite | (amax == 0), amax / 127.0, float("nan"))
     return xq.view(rows, in_features), scales
+
+
+def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 → (q [M, K] uint8, scales [M, 1] fp32): each row quantized to int8 over all its inputs as
+    `quantize_activations_int8(x, K)` quantizes it, plus 128 (oneDNN's u8 activations with zero point 128; an
+    all-zero row or one with a NaN or an infinity: 128s, scale 0 or NaN). One pass a row, rows over the threads.
+    Needs `available()`; x is not modified."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the row quantizer is not available: {_unavailable}")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    q = torch.empty(rows, in_features, dtype=torch.uint8)
+    scales = torch.empty(rows, 1, dtype=torch.float32)
+    if rows and in_features:
+        lib.omnimtp_quantize_rows_u8(x.data_ptr(), rows, in_features, q.data_ptr(), scales.data_ptr(),
+                                     torch.get_num_threads())
+    return q, scales
 
 
 def w4a8_linear(
