@@ -66,8 +66,8 @@ def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str
     """`omnimtp serve` (embedded tiny model) in its own process on a free loopback port, so the load
     generator never shares an interpreter (or its GIL) with the server; `tree`: run the omnimtp of that
     checkout instead of the installed one; extra_args: more `serve` flags. Ready once /health is 200, and with
-    wait_compiled once its warm-up has compiled the code predictor for every batch size (`/metrics`'
-    omnimtp_predictor_compiled; its compiles would otherwise share the CPU with what is measured)."""
+    wait_compiled once its warm-up is over (`/metrics`' omnimtp_warm: its warm-up reply and any compiling of the
+    code predictor would otherwise share the CPU with what is measured)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -86,7 +86,7 @@ def server_process(max_batch_size: int, max_frames: int, threads: int, tree: str
                 raise RuntimeError(f"the server exited with {process.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200 and (
-                        not wait_compiled or "omnimtp_predictor_compiled 1.0" in httpx.get(f"{url}/metrics").text):
+                        not wait_compiled or "omnimtp_warm 1.0" in httpx.get(f"{url}/metrics").text):
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")

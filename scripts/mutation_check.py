@@ -2361,6 +2361,13 @@ MUTATIONS = [
         ("tests/test_prefetch.py",), "a prefetch still reading when the interpreter exits is left running (an abort)",
     ),
     Mutation(
+        "warm_before_the_warm_up_reply", "omnimtp/server/scheduler.py",
+        "        if self.warm_up or self.warm_up_reply:\n            self._warm_stop.clear()",
+        "        if metrics is not None:\n            metrics.warm.set(1)\n        if self.warm_up or self.warm_up_reply:\n"
+        "            self._warm_stop.clear()",
+        ("tests/test_warm_up.py",), "/metrics says the server is warm while its warm-up reply still runs",
+    ),
+    Mutation(
         "prefetch_reads_nothing", "omnimtp/runtime/prefetch.py",
         "                if libc.madvise(chunk, length, advice) != 0:",
         "                if False:",

@@ -63,12 +63,15 @@ def test_the_pipelines_warm_up_runs_every_stage_and_changes_no_reply():
 
 
 def test_the_server_runs_the_warm_up_reply_at_start_and_replies_as_without_it(caplog):
+    """/metrics' omnimtp_warm: 1 at once on a server with no warm-up, and once the warm-up reply is over on one
+    with it (what a benchmark waits for before it measures)."""
     setup = EngineSetup.tiny(max_batch_size=2, max_frames=6)
     with running_server(create_app(setup.engine())) as base:
+        assert "omnimtp_warm 1.0" in httpx.get(f"{base}/metrics").text
         expected = httpx.post(f"{base}/v1/chat/completions", json=_CHAT, timeout=120).json()
     engine = setup.engine(warm_up_reply=True)
     with caplog.at_level("INFO", logger="omnimtp.server"), running_server(create_app(engine)) as base:
-        _wait_for(lambda: engine.warm_up_reply_result is not None)
+        _wait_for(lambda: "omnimtp_warm 1.0" in httpx.get(f"{base}/metrics").text)
         assert engine.warm_up_reply_result["ended"] == "finished" and engine.warm_up_reply_result["frames"] == 6
         reply = httpx.post(f"{base}/v1/chat/completions", json=_CHAT, timeout=120).json()
     got, want = reply["choices"][0]["message"], expected["choices"][0]["message"]

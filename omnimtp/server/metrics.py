@@ -77,8 +77,11 @@ class ServerMetrics:
             registry=r,
         )
         self.predictor_compiled = Gauge(
-            "omnimtp_predictor_compiled", "1 once the code predictor runs compiled for every batch size (the "
-            "server's warm-up is done), else 0", registry=r)
+            "omnimtp_predictor_compiled", "1 once the code predictor runs compiled for every batch size, else 0",
+            registry=r)
+        self.warm = Gauge(
+            "omnimtp_warm", "1 once the server's warm-up is over (its warm-up reply, and the code predictor's "
+            "compiling where it has graphs to build) or it has none, else 0", registry=r)
         self.realtime_capacity = Gauge(
             "omnimtp_realtime_capacity_streams", "Streams the engine can keep in real time, from its measured step "
             "costs (admission by capacity; absent with --admission off)", registry=r,

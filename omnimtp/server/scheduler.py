@@ -360,6 +360,8 @@ class Engine:
         if self.warm_up or self.warm_up_reply:
             self._warm_stop.clear()
             threading.Thread(target=self._warm_up_stages, name="omnimtp-warm-up", daemon=True).start()
+        elif metrics is not None:
+            metrics.warm.set(1)
 
     def shutdown(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with drain, finish every admitted and waiting request first."""
@@ -547,6 +549,8 @@ class Engine:
             self._run_warm_up_reply()
         if self.warm_up and not self._warm_stop.is_set():
             self._warm_up()
+        if self._observer is not None and self._observer.metrics is not None and not self._warm_stop.is_set():
+            self._observer.metrics.warm.set(1)
 
     def _run_warm_up_reply(self) -> None:
         """Queue the warm-up reply (a background request with no handle: its events go nowhere) for the engine
