@@ -2363,8 +2363,8 @@ MUTATIONS = [
     Mutation(
         "warm_before_the_warm_up_reply", "omnimtp/server/scheduler.py",
         "        if self.warm_up or self.warm_up_reply:\n            self._warm_stop.clear()",
-        "        if metrics is not None:\n            metrics.warm.set(1)\n        if self.warm_up or self.warm_up_reply:\n"
-        "            self._warm_stop.clear()",
+        "        if metrics is not None:\n            metrics.warm.set(1)\n"
+        "        if self.warm_up or self.warm_up_reply:\n            self._warm_stop.clear()",
         ("tests/test_warm_up.py",), "/metrics says the server is warm while its warm-up reply still runs",
     ),
     Mutation(
