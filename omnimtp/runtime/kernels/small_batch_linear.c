@@ -880,14 +880,9 @@ static void w4a8_panel(const w4a8_args* a, int64_t M, int64_t panel, int vnni) {
   }
 }
 
-static const int kSlot[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* input j of a word → its byte: evens, then odds */
-
-/* Quantizes the group x[0..n-1] (inputs k0..k0+n-1 of its row; k0 a multiple of 8) into q (the row's bytes, in
- * word order), its sum and scale. Eight inputs at a time, the rest one by one: the same values either way (a
- * maximum, one product and a rounding to nearest, ties to even, per input: `vcvtps2dq` under the default
- * rounding mode is `nearbyintf`). */
-__attribute__((target("avx2,fma"))) static void w4a8_quantize_group(const float* x, int64_t n, int64_t k0,
-                                                                    int8_t* q, int32_t* sum, float* scale) {
+/* max |x[t]| over x[0..n-1] and whether any is NaN: eight inputs at a time, the rest one by one (the activation
+ * quantizers' first pass). */
+__attribute__((target("avx2,fma"))) static float abs_max(const float* x, int64_t n, int* any_nan) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t k = 0;
@@ -900,12 +895,26 @@ __attribute__((target("avx2,fma"))) static void w4a8_quantize_group(const float*
   _mm256_storeu_ps(lanes, vmax);
   float amax = 0.0f;
   for (int j = 0; j < 8; ++j) amax = lanes[j] > amax ? lanes[j] : amax;
-  int any_nan = _mm256_movemask_ps(nan) != 0;
+  *any_nan = _mm256_movemask_ps(nan) != 0;
   for (int64_t t = k; t < n; ++t) {
     const float v = x[t] < 0 ? -x[t] : x[t];
-    any_nan |= v != v;
+    *any_nan |= v != v;
     amax = v > amax ? v : amax;
   }
+  return amax;
+}
+
+static const int kSlot[8] = {0, 4, 1, 5, 2, 6, 3, 7}; /* input j of a word → its byte: evens, then odds */
+
+/* Quantizes the group x[0..n-1] (inputs k0..k0+n-1 of its row; k0 a multiple of 8) into q (the row's bytes, in
+ * word order), its sum and scale. Eight inputs at a time, the rest one by one: the same values either way (a
+ * maximum, one product and a rounding to nearest, ties to even, per input: `vcvtps2dq` under the default
+ * rounding mode is `nearbyintf`). */
+__attribute__((target("avx2,fma"))) static void w4a8_quantize_group(const float* x, int64_t n, int64_t k0,
+                                                                    int8_t* q, int32_t* sum, float* scale) {
+  int any_nan;
+  const float amax = abs_max(x, n, &any_nan);
+  int64_t k;
   if (any_nan || !(amax <= 3.4028234663852886e38f) || amax == 0.0f) {
     /* all zero: zeros out; an infinity or a NaN: NaN outputs (the scale NaN) */
     for (int64_t t = 0; t < n; ++t) q[((k0 + t) & ~7) + kSlot[(k0 + t) & 7]] = 0;
@@ -999,24 +1008,9 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
  * row's maximum, one to round it. */
 __attribute__((target("avx2,fma"))) static void quantize_row_u8(const float* x, int64_t K, uint8_t* q,
                                                                 float* scale) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 vmax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, v));
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, vmax);
-  float amax = 0.0f;
-  for (int j = 0; j < 8; ++j) amax = lanes[j] > amax ? lanes[j] : amax;
-  int any_nan = _mm256_movemask_ps(nan) != 0;
-  for (int64_t t = k; t < K; ++t) {
-    const float v = x[t] < 0 ? -x[t] : x[t];
-    any_nan |= v != v;
-    amax = v > amax ? v : amax;
-  }
+  int any_nan;
+  const float amax = abs_max(x, K, &any_nan);
+  int64_t k;
   if (any_nan || !(amax <= 3.4028234663852886e38f) || amax == 0.0f) {
     memset(q, 128, (size_t)K);
     *scale = amax == 0.0f && !any_nan ? 0.0f : __builtin_nanf("");
