@@ -100,6 +100,15 @@ def add_quantize_argument(parser: argparse.ArgumentParser) -> None:
                         "Qwen2.5-Omni (default: float32; a Qwen3-Omni checkpoint's own dtype)")
 
 
+def add_int8_compute_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--int8-compute", action="store_true",
+                        help="Qwen3-ASR and Qwen3-ForcedAligner: the layers that run many rows at a time (the audio "
+                        "encoder, each prompt's prefill, the aligner's forward) on int8 GEMMs, about twice the bf16 "
+                        "rate on a CPU with AVX512-VNNI (refused without it) and less exact (docs/quantization.md "
+                        "states by how much); the decode steps keep --quantize's weights. Not with a checkpoint "
+                        "`omnimtp quantize` wrote")
+
+
 def add_verbose_argument(parser) -> None:
     """--verbose: Ray's own INFO logs (serve --replicas, batch)."""
     parser.add_argument("--verbose", action="store_true",

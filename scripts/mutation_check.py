@@ -2298,6 +2298,14 @@ MUTATIONS = [
         ("tests/test_w4a8_step.py",), "serve compiles a w4a8 predictor whose eager native step is as fast",
     ),
     Mutation(
+        "serve_int8_compute_skips_the_asr_model", "omnimtp/server/build.py",
+        "                                  torch_threads=getattr(args, \"threads\", None), quantize=args.quantize,\n"
+        "                                  int8_compute=int8_compute)",
+        "                                  torch_threads=getattr(args, \"threads\", None), quantize=args.quantize,\n"
+        "                                  int8_compute=False)",
+        ("tests/test_w8a8_linear.py",), "serve --int8-compute leaves the Qwen3-ASR served beside the model in float",
+    ),
+    Mutation(
         "w4a8_step_rotates_the_wrong_way", "omnimtp/runtime/kernels/small_batch_linear.c",
         "rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];",
         "rotated[d] = v[d] * c[d] - v[(d + half) % D] * s[d];",

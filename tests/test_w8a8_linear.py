@@ -185,3 +185,35 @@ def test_int8_compute_is_checked_naming_it():
     if many_row_mode_reason("cpu") is None:
         with pytest.raises(ValueError, match="^int8_compute: a quantized checkpoint"):
             Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8", stored={}, int8_compute=True)
+
+
+@needs_w8a8
+def test_int8_compute_is_a_transcribe_and_serve_flag_for_the_models_that_hear(capsys):
+    """`--int8-compute` reaches a Qwen3-ASR model (transcribe's --model; serve's --model and --asr-model) and the
+    aligner (serve's --aligner-model), and nothing else: a command that would load no such model refuses it."""
+    from pathlib import Path
+
+    from omnimtp.cli import build_parser, main
+    from omnimtp.pipeline import OmniPipeline
+    from omnimtp.server.build import build_app
+
+    question = str(Path(__file__).resolve().parents[1] / "examples" / "question.wav")
+    assert main(["transcribe", question, "--model", "tiny-asr", "--quantize", "w4a8", "--int8-compute",
+                 "--max-new-tokens", "4", "--json"]) == 0
+    heard = capsys.readouterr().out
+    fast = OmniPipeline.from_pretrained("tiny-asr", quantize="w4a8", int8_compute=True)
+    assert fast.family.int8_compute
+    assert f'"text_ids": {fast.transcribe(question, max_new_tokens=4).text_ids}' in heard
+    assert main(["transcribe", question, "--int8-compute"]) == 2
+    assert "--int8-compute: for a Qwen3-ASR model" in capsys.readouterr().err
+
+    parse = build_parser().parse_args
+    engine, app = build_app(parse(["serve", "--model", "tiny-asr", "--aligner-model", "tiny-aligner",
+                                   "--quantize", "w4a8", "--int8-compute", "--no-warm-up"]))
+    assert engine.family.int8_compute and app.state.serving.aligner.int8_compute
+    engine, app = build_app(parse(["serve", "--asr-model", "tiny-asr", "--int8-compute", "--no-warm-up"]))
+    assert app.state.serving.asr.engine.family.int8_compute and engine.family.speaks  # the omni model: as it was
+    engine, app = build_app(parse(["serve", "--model", "tiny-asr", "--no-warm-up"]))
+    assert not engine.family.int8_compute
+    assert main(["serve", "--int8-compute"]) == 2
+    assert "--int8-compute: for a Qwen3-ASR model (--model or --asr-model)" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import os
 import sys
 
 from omnimtp.argtypes import (
+    add_int8_compute_argument,
     add_quantize_argument,
     add_threads_argument,
     non_negative_float,
@@ -164,6 +165,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "input transcripts, and /v1/audio/transcriptions for its name and OpenAI's transcription "
                         "models' names, so the model's slots are not spent on hearing")
     add_quantize_argument(parser)
+    add_int8_compute_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
@@ -173,12 +175,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         thinker_mtp_kwargs(args)  # --demo with --model, -k without --thinker-mtp
         if not (ray_serve.is_requested(args) and args.ray_address is not None):  # (on a Ray cluster: the nodes')
-            if args.model is not None:
-                omni_model_type(args.model, "--model")
+            model_type = None if args.model is None else omni_model_type(args.model, "--model")
             if args.aligner_model is not None:
                 check_aligner_path(args.aligner_model, "--aligner-model")
             if args.asr_model is not None and omni_model_type(args.asr_model, "--asr-model") != "qwen3_asr":
                 return _refuse(f"--asr-model: {args.asr_model!r} is not a Qwen3-ASR checkpoint (nor tiny-asr)")
+            if (getattr(args, "int8_compute", False) and model_type != "qwen3_asr" and args.asr_model is None
+                    and args.aligner_model is None):
+                return _refuse("--int8-compute: for a Qwen3-ASR model (--model or --asr-model) or an aligner "
+                               "(--aligner-model); this server loads neither")
     except ValueError as exc:
         return _refuse(str(exc))
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
