@@ -2306,6 +2306,18 @@ MUTATIONS = [
         ("tests/test_w8a8_linear.py",), "serve --int8-compute leaves the Qwen3-ASR served beside the model in float",
     ),
     Mutation(
+        "japanese_split_at_spaces", "omnimtp/families/aligner_words.py",
+        "        return _cleaned(nagisa.tagging(text).words)",
+        "        return split_words(text)",
+        ("tests/test_qwen3_aligner.py",), "Japanese split as a language with spaces",
+    ),
+    Mutation(
+        "korean_without_the_word_list", "omnimtp/families/aligner_words.py",
+        "    return tokenizer.LTokenizer(scores=scores)",
+        "    return tokenizer.LTokenizer()",
+        ("tests/test_qwen3_aligner.py",), "Korean words split without the reference's word list",
+    ),
+    Mutation(
         "w4a8_step_rotates_the_wrong_way", "omnimtp/runtime/kernels/small_batch_linear.c",
         "rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];",
         "rotated[d] = v[d] * c[d] - v[(d + half) % D] * s[d];",

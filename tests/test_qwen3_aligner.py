@@ -9,7 +9,8 @@ import pytest
 import qwen_asr_reference as reference
 import torch
 
-from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins, split_words
+from omnimtp.families.aligner_words import script_language, split_words, words_of
+from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins
 from omnimtp.media import MediaLimits
 from omnimtp.models.qwen3_asr import EncoderLinear
 from omnimtp.runtime.ops import packed_gemm_kind
@@ -38,6 +39,8 @@ def ref(aligner):
     ("Hello, world! It's a test of twelve words, or so it seems.", "English", 3.0, 1),
     ("你好，世界！今天 天气 很好abc", "Chinese", 2.2, 2),
     ("Bonjour à tous, ça va?", "fr", 1.4, 3),
+    ("今日はいい天気ですね。東京タワーに行きました", "ja", 2.0, 7),
+    ("안녕하세요, 저는 학생입니다. 오늘 날씨가 좋네요", "Korean", 2.2, 8),
 ])
 def test_timestamps_equal_the_reference(aligner, ref, text, language, seconds, seed):
     samples = _speechlike(seconds, seed)
@@ -48,7 +51,7 @@ def test_timestamps_equal_the_reference(aligner, ref, text, language, seconds, s
 
 
 def _name(language: str) -> str:
-    return {"fr": "French"}.get(language, language)
+    return {"fr": "French", "ja": "Japanese"}.get(language, language)
 
 
 def test_split_words_is_the_references():
@@ -59,6 +62,51 @@ def test_split_words_is_the_references():
     for text in ("Hello, world!", "don't stop — 3.14 and 1,000", "你好，世界abc 测试 x你y", "  ", "¿Qué tal? Ça va.",
                  "mixed中文and English", "emoji 🙂 here", "tab\tand\nnewline"):
         assert split_words(text) == processor.tokenize_space_lang(text), text
+
+
+JAPANESE = ("今日はいい天気ですね。", "東京タワーに行きました！ABCと123", "ｶﾀｶﾅとカタカナ、漢字", "  ", "don't 日本語")
+KOREAN = ("안녕하세요, 저는 학생입니다.", "오늘 날씨가 좋네요! 123 ABC", "대한민국의 수도는 서울이다", " ")
+
+
+def test_japanese_and_korean_words_are_the_references():
+    """Japanese words are nagisa's and Korean words soynlp's with the reference's word list, cleaned as the
+    reference cleans them; a text without a language is split by its script."""
+    reference.load()
+    pytest.importorskip("nagisa")
+    pytest.importorskip("soynlp")
+    from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
+    from soynlp.tokenizer import LTokenizer
+
+    processor = Qwen3ForceAlignProcessor()
+    for text in JAPANESE:
+        assert words_of(text, "Japanese") == processor.tokenize_japanese(text), text
+    korean = LTokenizer(scores=processor.ko_score)
+    for text in KOREAN:
+        assert words_of(text, "Korean") == processor.tokenize_korean(korean, text), text
+    assert words_of(KOREAN[0], "Korean") != split_words(KOREAN[0])  # (the dictionary splits words: can fail)
+    assert [script_language(t) for t in ("カタカナ", "ひらがな", "漢字", "한국어", "Hello", "")] == [
+        "Japanese", "Japanese", None, "Korean", None, None]
+    assert words_of(JAPANESE[1], None) == words_of(JAPANESE[1], "Japanese")
+    assert words_of(KOREAN[1], None) == words_of(KOREAN[1], "Korean")
+    assert words_of("漢字 only", None) == ["漢", "字", "only"]  # no kana: Chinese, a character each
+
+
+def test_without_the_word_splitters_japanese_and_korean_are_refused_naming_language(aligner, monkeypatch):
+    import sys
+
+    from omnimtp.families import aligner_words
+
+    aligner_words._korean_tokenizer.cache_clear()
+    monkeypatch.setitem(sys.modules, "nagisa", None)  # import nagisa -> ImportError
+    monkeypatch.setitem(sys.modules, "soynlp.tokenizer", None)
+    samples = _speechlike(0.5, 5)
+    with pytest.raises(ValueError, match=r"^language: Japanese words are split with nagisa, which is not installed "
+                       r"\(pip install 'omnimtp\[cjk\]'\)"):
+        aligner.align(samples, "こんにちは", "ja")
+    with pytest.raises(ValueError, match="^language: Korean words are split with soynlp"):
+        aligner.align(samples, "안녕하세요", None)
+    assert [w.word for w in aligner.align(samples, "hello there", None)] == ["hello", "there"]
+    aligner_words._korean_tokenizer.cache_clear()
 
 
 def test_repair_bins_is_the_references():
@@ -92,8 +140,6 @@ def test_quantized_aligner_runs_and_repeats(aligner):
 def test_bad_input_names_the_argument(aligner):
     samples = _speechlike(0.5, 5)
     assert aligner.align(samples, " ,. ", "English") == []
-    with pytest.raises(ValueError, match="^language: word timestamps of 'ja'"):
-        aligner.align(samples, "こんにちは", "ja")
     with pytest.raises(ValueError, match="^language: 'xx'"):
         aligner.align(samples, "hi", "xx")
     with pytest.raises(ValueError, match="^text:"):

@@ -16,7 +16,8 @@ import pytest
 from server_harness import running_server
 from test_server_realtime import _client, _next
 
-from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, split_words
+from omnimtp.families.aligner_words import split_words
+from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner
 from omnimtp.families.qwen3_omni import Qwen3OmniFamily
 from omnimtp.pipeline import OmniPipeline
 from omnimtp.sampling import SamplingParams

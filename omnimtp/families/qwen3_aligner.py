@@ -6,8 +6,9 @@ The aligner is Qwen3-ASR's thinker (`omnimtp.models.qwen3_asr`) whose head class
     <|audio_start|><|audio_pad|>×A<|audio_end|>word₁<timestamp><timestamp>word₂<timestamp><timestamp>…
 
 reads the bins at the `<timestamp>` positions, two per word (start, end). The reference (`qwen_asr`'s
-`Qwen3ForcedAligner.align` and `Qwen3ForceAlignProcessor`) splits the transcript into words, keeps letters,
-digits and apostrophes, gives each CJK ideograph a slot of its own, and repairs bins that run backwards: the
+`Qwen3ForcedAligner.align` and `Qwen3ForceAlignProcessor`) splits the transcript into words
+(`omnimtp.families.aligner_words`: at spaces with each CJK ideograph a slot of its own, Japanese and Korean by
+their dictionary tokenizers), and repairs bins that run backwards: the
 longest non-decreasing run stays, a gap of one or two takes the nearer neighbour, a longer gap is spread
 evenly between its neighbours. The forward runs on the packed (optionally quantized) decoder, one request at
 a time (a lock serializes callers).
@@ -20,21 +21,18 @@ from __future__ import annotations
 
 import os
 import threading
-import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from omnimtp.families.aligner_words import words_of
 from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
 from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.ops import check_many_row_mode, check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
-
-# Languages whose words the reference finds with a dictionary tokenizer (nagisa, soynlp) rather than spaces.
-DICTIONARY_LANGUAGES = ("Japanese", "Korean")
 
 
 @dataclass(frozen=True)
@@ -44,40 +42,6 @@ class AlignedWord:
     word: str
     start: float
     end: float
-
-
-def is_cjk(char: str) -> bool:
-    """A CJK ideograph (the unified blocks, extensions A–E and the compatibility block): a slot of its own."""
-    code = ord(char)
-    return (0x4E00 <= code <= 0x9FFF or 0x3400 <= code <= 0x4DBF or 0x20000 <= code <= 0x2CEAF
-            or 0xF900 <= code <= 0xFAFF)
-
-
-def _is_kept(char: str) -> bool:
-    return char == "'" or unicodedata.category(char)[0] in "LN"
-
-
-def split_words(text: str) -> list[str]:
-    """The transcript's alignment units for a language written with spaces (and Chinese): each space-separated
-    piece keeps its letters, digits and apostrophes, and each CJK ideograph in it is a unit of its own.
-
-        >>> split_words("Hello, world! 你好abc")
-        ['Hello', 'world', '你', '好', 'abc']"""
-    words = []
-    for piece in text.split():
-        kept = "".join(char for char in piece if _is_kept(char))
-        run = ""
-        for char in kept:
-            if is_cjk(char):
-                if run:
-                    words.append(run)
-                words.append(char)
-                run = ""
-            else:
-                run += char
-        if run:
-            words.append(run)
-    return words
 
 
 def repair_bins(values: list[float]) -> list[int]:
@@ -214,12 +178,10 @@ class Qwen3ForcedAligner:
         return self
 
     def words(self, text: str, language: str | None) -> list[str]:
-        """The transcript's alignment units (`split_words`). ValueError naming language for Japanese and Korean
-        (the reference finds their words with nagisa and soynlp, which are not used here)."""
-        if asr_language(language, self.languages) in DICTIONARY_LANGUAGES:
-            raise ValueError(f"language: word timestamps of {language!r} need a dictionary word splitter; "
-                             "languages written with spaces and Chinese are aligned")
-        return split_words(text)
+        """The transcript's alignment units (`omnimtp.families.aligner_words.words_of`; language None: by the text's
+        script). ValueError naming language for one the model does not know, or Japanese or Korean without their
+        word splitters installed."""
+        return words_of(text, asr_language(language, self.languages))
 
     def prompt_ids(self, words: list[str], num_rows: int) -> list[int]:
         """The aligner's prompt: the audio's placeholder run, then each word followed by two time slots."""
@@ -229,8 +191,9 @@ class Qwen3ForcedAligner:
 
     def align(self, audio, text: str, language: str | None, limits: MediaLimits | None = None) -> list[AlignedWord]:
         """When each word of `text` (the transcript of `audio`: a path, a (samples, rate) pair or 16 kHz samples)
-        is spoken. language: an ISO code, a language name, or None (words split at spaces and CJK characters, as
-        for every language but Japanese and Korean). ValueError naming audio, text or language."""
+        is spoken. language: an ISO code, a language name, or None (words split by the text's script: Japanese
+        with kana, Korean with Hangul, else at spaces and CJK characters). ValueError naming audio, text or
+        language."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         words = self.words(text, language)

@@ -99,8 +99,8 @@ async def speech(request: Request):
 
 def _word_timestamps_language(context, body: SpeechRequest):
     """False when the request asks for no word timestamps, else the language the aligner splits `input` in (None:
-    at spaces and CJK characters). 400 naming timestamp_granularities without an aligner or outside SSE, naming
-    language for a language the aligner cannot split (Japanese, Korean)."""
+    by the text's script). 400 naming timestamp_granularities without an aligner or outside SSE, naming language
+    for a language the aligner does not know or cannot split here (Japanese, Korean without `omnimtp[cjk]`)."""
     if body.timestamp_granularities is None:
         return False
     if context.aligner is None:
@@ -112,7 +112,7 @@ def _word_timestamps_language(context, body: SpeechRequest):
                        'stream_format "sse"', param="timestamp_granularities", code="invalid_value")
     try:
         language = asr_language(body.language, context.aligner.languages)
-    except ValueError:  # "auto", a dialect: split as the languages written with spaces (and Chinese) are
+    except ValueError:  # "auto", a dialect: split by the text's script
         language = None
     try:
         context.aligner.words(body.input, language)
