@@ -2,8 +2,9 @@
 --no-deps) as a test reference.
 
 Its package `__init__` imports the forced aligner's module, which imports nagisa (Japanese words) and, when
-asked, soynlp (Korean words) at the top; the tests align English and Chinese, which use neither, so they are
-registered as empty modules when absent. On transformers 5.24 its text config has no `pad_token_id` attribute
+asked, soynlp (Korean words) at the top: the test extra installs both (the `cjk` extra); where they are absent
+they are registered as empty modules, so that the English and Chinese tests still run (the Japanese and Korean
+ones need them). On transformers 5.24 its text config has no `pad_token_id` attribute
 (5.24 configs do not default it), which its text model reads: the shim sets it to None, what the released
 configs leave it. Import the reference through `load()` only.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-_UNUSED_FOR_ENGLISH_AND_CHINESE = ("nagisa", "soynlp", "soynlp.tokenizer")
+_WORD_SPLITTERS = ("nagisa", "soynlp", "soynlp.tokenizer")
 
 
 def _register_empty(name: str) -> None:
@@ -37,7 +38,7 @@ def _register_empty(name: str) -> None:
 def load() -> types.ModuleType:
     """The `qwen_asr` package, or skip the calling test when it is not installed."""
     pytest.importorskip("librosa")
-    for name in _UNUSED_FOR_ENGLISH_AND_CHINESE:
+    for name in _WORD_SPLITTERS:
         _register_empty(name)
     qwen_asr = pytest.importorskip("qwen_asr")
     _patch_for_transformers_5_24()
