@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -33,6 +34,14 @@ def _register_empty(name: str) -> None:
         module = types.ModuleType(name)
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         sys.modules[name] = module
+
+
+def need_word_splitters() -> None:
+    """Skip the calling test unless nagisa and soynlp are installed (not the empty stand-ins `load` registers)."""
+    for name in ("nagisa", "soynlp"):
+        module = sys.modules.get(name)
+        if (module is not None and getattr(module, "__file__", None) is None) or importlib.util.find_spec(name) is None:
+            pytest.skip(f"{name} is not installed (the cjk extra)")
 
 
 def load() -> types.ModuleType:

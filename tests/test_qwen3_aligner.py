@@ -43,6 +43,8 @@ def ref(aligner):
     ("안녕하세요, 저는 학생입니다. 오늘 날씨가 좋네요", "Korean", 2.2, 8),
 ])
 def test_timestamps_equal_the_reference(aligner, ref, text, language, seconds, seed):
+    if language in ("ja", "Korean"):
+        reference.need_word_splitters()
     samples = _speechlike(seconds, seed)
     ours = aligner.align(samples, text, language)
     theirs = ref.align(audio=(samples, RATE), text=text, language=_name(language))[0]
@@ -71,9 +73,8 @@ KOREAN = ("안녕하세요, 저는 학생입니다.", "오늘 날씨가 좋네�
 def test_japanese_and_korean_words_are_the_references():
     """Japanese words are nagisa's and Korean words soynlp's with the reference's word list, cleaned as the
     reference cleans them; a text without a language is split by its script."""
+    reference.need_word_splitters()
     reference.load()
-    pytest.importorskip("nagisa")
-    pytest.importorskip("soynlp")
     from qwen_asr.inference.qwen3_forced_aligner import Qwen3ForceAlignProcessor
     from soynlp.tokenizer import LTokenizer
 
