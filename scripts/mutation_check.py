@@ -2318,6 +2318,12 @@ MUTATIONS = [
         ("tests/test_qwen3_aligner.py",), "Korean words split without the reference's word list",
     ),
     Mutation(
+        "no_warm_up_reply_for_tts", "omnimtp/engine/warm_up.py",
+        "        if prompt_ids is not None or not hasattr(family, \"voice\"):",
+        "        if True:",
+        ("tests/test_warm_up.py",), "a Qwen3-TTS server's first request pays every stage's first run",
+    ),
+    Mutation(
         "w4a8_step_rotates_the_wrong_way", "omnimtp/runtime/kernels/small_batch_linear.c",
         "rotated[d] = v[d] * c[d] + v[(d + half) % D] * s[d];",
         "rotated[d] = v[d] * c[d] - v[(d + half) % D] * s[d];",

@@ -42,6 +42,33 @@ def test_the_warm_up_request_speaks_the_first_chunk_and_a_later_one():
     assert warm_up_request(asr.family, config) is None  # a model that only hears has no reply to speak
 
 
+@pytest.mark.parametrize("tts_model_type", ["custom_voice", "voice_design", "base"])
+def test_a_tts_models_warm_up_speaks_a_short_text_in_its_default_voice_and_changes_no_reply(tts_model_type):
+    """Qwen3-TTS (no thinker): the warm-up reply is a speech request of the warm-up text in the voice a request
+    without one gets, up to the codec's first chunk and a later one; a seeded reply after it is the same."""
+    config = EngineConfig(max_frames=100, first_chunk_frames=2, chunk_frames=5)
+    cold = OmniPipeline.tiny(family="qwen3_tts", tts_model_type=tts_model_type, max_frames=8)
+    request = warm_up_request(cold.family, config)
+    assert request.request_id == WARM_UP_REQUEST_ID and not request.is_chat and request.max_frames == 7
+    described = {"instructions": "A calm, clear voice."} if tts_model_type == "voice_design" else {}
+    assert request.speaker == cold.family.voice(**described)
+    assert warm_up_request(cold.family, config, [1, 2, 3]) is None  # (a prompt of ids is a thinker's)
+    expected = cold.speech("Hi there.", seed=3, **described)
+    warm = OmniPipeline.tiny(family="qwen3_tts", tts_model_type=tts_model_type, max_frames=8)
+    frames = []
+    decode = warm.family.decode_audio
+
+    def counted(streams, blocks, is_final):
+        frames.extend(block.shape[-1] for block in blocks)
+        return decode(streams, blocks, is_final)
+
+    warm.family.decode_audio = counted
+    assert warm.warm_up()["reply_s"] > 0
+    assert sum(frames) == min(warm.config.first_chunk_frames + warm.config.chunk_frames, 8)
+    got = warm.speech("Hi there.", seed=3, **described)
+    assert (got.codes == expected.codes).all() and (got.audio == expected.audio).all()
+
+
 def test_the_pipelines_warm_up_runs_every_stage_and_changes_no_reply():
     cold = OmniPipeline.tiny()
     expected = cold.generate("Hello", max_new_tokens=4, max_frames=6)
