@@ -548,7 +548,8 @@ def decoder_layer(
         if mask is not None:
             mask = mask.expand(lead[0], -1, -1, -1)[rows, :, output_index][:, :, None]  # [R, 1, 1, S]
         lead = torch.Size((lead[0], 1))
-    attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
+    attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention,
+                     bf16_many_rows=decoder.quantize in MANY_ROW_MODES)
     x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
     residual = x
     normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)
