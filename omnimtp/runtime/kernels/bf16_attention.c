@@ -253,21 +253,18 @@ BF16_TARGET int omnimtp_bf16_attention(const float* q, const float* k, const flo
   uint16_t* packed = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(2 * heads * per_head));
   if (packed == NULL) return -1;
   const int64_t position_blocks = (T + positions - 1) / positions, items = heads * position_blocks;
-  const int64_t groups = padded / 16, pairs = padded / 2;
+  const int64_t groups = padded / 16;
   const int threads = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < heads * groups; ++i) { /* keys, 16 at a time */
+    for (int64_t i = 0; i < heads * groups; ++i) { /* keys and values, 16 positions at a time */
       const int64_t head = i / groups, g = i % groups, r = head / Nkv, h = head % Nkv;
       pack_key_group(k + r * k_batch_stride + h * k_head_stride, k_row_stride, 16 * g, S, D,
                      (uint32_t*)(packed + head * per_head) + g * (D / 2) * 16);
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < heads * pairs; ++i) { /* values, 2 positions at a time */
-      const int64_t head = i / pairs, p = i % pairs, r = head / Nkv, h = head % Nkv;
-      pack_value_pair(v + r * v_batch_stride + h * v_head_stride, v_row_stride, p, S, D,
-                      packed + (heads + head) * per_head + p * 2 * D);
+      for (int64_t p = 8 * g; p < 8 * g + 8; ++p)
+        pack_value_pair(v + r * v_batch_stride + h * v_head_stride, v_row_stride, p, S, D,
+                        packed + (heads + head) * per_head + p * 2 * D);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) { /* the longest (last) blocks of positions first */
