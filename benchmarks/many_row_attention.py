@@ -9,9 +9,9 @@ error against fp32 SDPA (‖Δ‖ / ‖SDPA‖ over the output). Default P: 812 
 aligner's forward over 60 s and 150 words).
 
 `--aligner-error`: the forced aligner at its released widths (random weights, `--seconds` of noise and `--words`
-words, as `benchmarks/asr_speed.py` makes them) in fp32 and with `int8_compute`, its attention on SDPA and on the
-kernel: the relative error of the final rows at the timestamp slots against fp32's, and the share of time bins
-equal to fp32's.
+words, as `benchmarks/asr_speed.py` makes them, tokenized by its BPE tokenizer) in fp32 and with `int8_compute`,
+its attention on SDPA and on the kernel: the relative error of the final rows at the timestamp slots against
+fp32's, and the share of time bins equal to fp32's.
 
     python benchmarks/many_row_attention.py [--positions 812 1311] [--rounds 15] [--threads 2] [--aligner-error]
     python benchmarks/many_row_attention.py --quick     # small shapes, a check that it runs (seconds)
@@ -24,7 +24,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +79,7 @@ def attention_rates(positions: int, heads: tuple[int, int, int], rounds: int) ->
 
 def aligner_error(seconds: float, words: int, quick: bool) -> dict:
     """The aligner's timestamp rows and bins with int8_compute (attention on SDPA, then on the kernel) against fp32."""
-    from asr_speed import _audio, _model, _transcript
+    from asr_speed import _audio, _model, _transcript, bpe_tokenizer, train_bpe
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
     from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
@@ -91,6 +93,10 @@ def aligner_error(seconds: float, words: int, quick: bool) -> dict:
     model = _model(True, quick)
     exact = Qwen3ForcedAligner(model, asr_byte_tokenizer())
     fast = Qwen3ForcedAligner(model, asr_byte_tokenizer(), int8_compute=True)
+    with tempfile.TemporaryDirectory() as scratch:  # the words as many tokens as the released tokenizer makes them
+        path = Path(scratch) / "bpe.json"
+        path.write_text(train_bpe(quick))
+        exact.tokenizer = fast.tokenizer = bpe_tokenizer(str(path))
 
     def slot_rows(aligner) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(the final rows at the timestamp slots, their bins, the forward's positions)."""
