@@ -17,8 +17,9 @@ weights packed once (`PackedDecoder.from_module`), and every decoder runs the sa
 
 What differs between the decoders is a parameter, not a copy: the cache semantics (`where`: ragged
 slots, one shared length, or a fixed buffer at static positions), the mask (bool causal, additive from a
-kv_mask, or the code predictor's [T, G]), packed GEMM matrices (`packed`, `gemm`), and two numeric
-variants fixed at construction (`fused_norm`, `fp32_attention`, the code predictor's choices). One row
+kv_mask, or the code predictor's [T, G]), packed GEMM matrices (`packed`, `gemm`), and the numeric
+variants fixed at construction (`fused_norm`, `fp32_attention`, the code predictor's choices; a "w8a8"
+decoder's forwards of several positions a row take their attention in bf16: `attention(bf16_many_rows=...)`). One row
 and one position runs the same ops, which the linears and the expert dispatch turn into `torch.mv`.
 """
 

@@ -267,8 +267,9 @@ BF16_TARGET int omnimtp_bf16_attention(const float* q, const float* k, const flo
                         packed + (heads + head) * per_head + p * 2 * D);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) { /* the longest (last) blocks of positions first */
-      const int64_t head = i % heads, block = position_blocks - 1 - i / heads, r = head / Nkv, h = head % Nkv;
+    for (int64_t i = 0; i < items; ++i) { /* head by head (its keys and values stay in cache), last blocks first */
+      const int64_t head = i / position_blocks, block = position_blocks - 1 - i % position_blocks;
+      const int64_t r = head / Nkv, h = head % Nkv;
       const int64_t t0 = block * positions, t1 = t0 + positions < T ? t0 + positions : T, M = (t1 - t0) * G;
       uint32_t qb[QUERY_VECTORS * MAX_D / 2];
       int64_t n[QUERY_VECTORS];
