@@ -1700,16 +1700,16 @@ MUTATIONS = [
         ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
     ),
     Mutation(
-        "bf16_attention_keeps_its_old_sums", "omnimtp/runtime/kernels/bf16_attention.c",
-        "      if (rescale != 1.0f) {",
-        "      if (0) {",
-        BF16_ATTENTION, "the many-row bf16 attention does not rescale its sums when a query's maximum grows",
+        "bf16_attention_keeps_its_old_output", "omnimtp/runtime/kernels/bf16_attention.c",
+        "_mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));",
+        "(void)acc;",
+        BF16_ATTENTION, "the many-row bf16 attention does not rescale a query's output when its maximum grows",
     ),
     Mutation(
         "bf16_attention_sees_past_its_count", "omnimtp/runtime/kernels/bf16_attention.c",
-        "_mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen,",
-        "_mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), (__mmask16)0xFFFF,",
-        BF16_ATTENTION, "a query of the many-row bf16 attention sees the keys after its own in its last key block",
+        "seen[j] = (__mmask16)(visible >= 16 * (j + 1) ? 0xFFFF",
+        "seen[j] = (__mmask16)(visible >= 16 * j + 1 ? 0xFFFF",
+        BF16_ATTENTION, "a query of the many-row bf16 attention sees the keys after its count up to the next 16",
     ),
     Mutation(
         "bf16_attention_reads_a_rows_padding", "omnimtp/runtime/kernels/bf16_attention.c",

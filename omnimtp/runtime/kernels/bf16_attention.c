@@ -66,8 +66,7 @@ INLINE_BF16 __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_scalef_ps(p, n); /* p * 2^n, exactly */
 }
 
 /* Keys start..start+15 of one head (rows `stride` floats apart; those at or past S are zeros) into the packed
@@ -148,6 +147,35 @@ PV_TILE(1, 4)
 PV_TILE(4, 1)
 PV_TILE(1, 1)
 
+/* One query's scores of a key block (s: KEY_BLOCK fp32 dot products, the first `visible` >= 1 of them seen) into
+ * its online softmax: its running maximum `top`, the lanes of its sum of probabilities `sum` and its output row
+ * `acc` (D floats) rescaled by exp(old - new maximum) when the maximum grows; the block's probabilities exp(score *
+ * scale - maximum), 0 past `visible`, rounded to bf16 into `probs` (KEY_BLOCK / 2 pairs) and summed as rounded. */
+INLINE_BF16 void softmax_block(const float* s, int64_t visible, float scale, float* top, __m512* sum,
+                               uint32_t* probs, float* acc, int64_t D) {
+  const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+  __m512 x[4];
+  __mmask16 seen[4];
+  for (int j = 0; j < 4; ++j) {
+    seen[j] = (__mmask16)(visible >= 16 * (j + 1) ? 0xFFFF : visible <= 16 * j ? 0 : (1u << (visible - 16 * j)) - 1u);
+    x[j] = _mm512_mask_mul_ps(minus_inf, seen[j], _mm512_loadu_ps(s + 16 * j), _mm512_set1_ps(scale));
+  }
+  const __m512 block_top = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+  const float new_top = fmaxf(*top, _mm512_reduce_max_ps(block_top));
+  if (new_top != *top) { /* the maximum grew (always at a query's first block): rescale what it summed so far */
+    const __m512 factor = exp_nonpositive16(_mm512_set1_ps(*top - new_top));
+    *sum = _mm512_mul_ps(*sum, factor);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));
+    *top = new_top;
+  }
+  const __m512 shift = _mm512_set1_ps(new_top);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i rounded = to_bf16(_mm512_maskz_mov_ps(seen[j], exp_nonpositive16(_mm512_sub_ps(x[j], shift))));
+    _mm256_storeu_si256((__m256i*)(probs + 8 * j), rounded);
+    *sum = _mm512_add_ps(*sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+  }
+}
+
 /* One work item: M query vectors (qb: bf16 pairs [M][D / 2]; counts: each one's visible keys) over the packed keys
  * and values of their head → out rows (fp32 [M][D], written through `rows`: query vector m's output address). */
 BF16_TARGET static void attend_block(const uint32_t* qb, const int64_t* counts, int64_t M, const uint32_t* keys,
@@ -155,11 +183,12 @@ BF16_TARGET static void attend_block(const uint32_t* qb, const int64_t* counts, 
   float scores[QUERY_VECTORS * KEY_BLOCK], acc[QUERY_VECTORS * MAX_D];
   uint32_t probs[QUERY_VECTORS * KEY_BLOCK / 2];
   uint16_t tail[KEY_BLOCK * MAX_D];
-  float top[QUERY_VECTORS], sum[QUERY_VECTORS];
+  float top[QUERY_VECTORS];
+  __m512 sum[QUERY_VECTORS];
   int64_t most = 0;
   for (int64_t m = 0; m < M; ++m) {
     top[m] = -INFINITY;
-    sum[m] = 0.f;
+    sum[m] = _mm512_setzero_ps();
     most = counts[m] > most ? counts[m] : most;
   }
   memset(acc, 0, sizeof(float) * (size_t)(M * D));
@@ -170,38 +199,13 @@ BF16_TARGET static void attend_block(const uint32_t* qb, const int64_t* counts, 
     for (; m + TILE <= M; m += TILE) qk_tile_4(qb + m * (D / 2), D / 2, block_keys, D, scores + m * KEY_BLOCK);
     for (; m < M; ++m) qk_tile_1(qb + m * (D / 2), D / 2, block_keys, D, scores + m * KEY_BLOCK);
     for (m = 0; m < M; ++m) {
-      float* s = scores + m * KEY_BLOCK;
       const int64_t visible = counts[m] - start; /* keys of this block the query sees: the first `visible` */
       if (visible <= 0) {
         memset(probs + m * (KEY_BLOCK / 2), 0, sizeof(uint32_t) * (KEY_BLOCK / 2));
         continue;
       }
-      __m512 x[4];
-      __m512 block_top = _mm512_set1_ps(-INFINITY);
-      for (int j = 0; j < 4; ++j) {
-        const __mmask16 seen = (__mmask16)(visible >= 16 * (j + 1) ? 0xFFFF
-                                           : visible <= 16 * j    ? 0
-                                                                  : (1u << (visible - 16 * j)) - 1u);
-        x[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_loadu_ps(s + 16 * j), _mm512_set1_ps(scale));
-        block_top = _mm512_max_ps(block_top, x[j]);
-      }
-      const float new_top = fmaxf(top[m], _mm512_reduce_max_ps(block_top));
-      const float rescale = _mm512_cvtss_f32(exp_nonpositive16(_mm512_set1_ps(top[m] - new_top))); /* 1 if unchanged */
-      top[m] = new_top;
-      __m512 row_sum = _mm512_setzero_ps();
-      for (int j = 0; j < 4; ++j) {
-        const __mmask16 seen = _mm512_cmp_ps_mask(x[j], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(seen, exp_nonpositive16(_mm512_sub_ps(x[j], _mm512_set1_ps(new_top))));
-        const __m256i rounded = to_bf16(p);
-        _mm256_storeu_si256((__m256i*)(probs + m * (KEY_BLOCK / 2) + 8 * j), rounded);
-        row_sum = _mm512_add_ps(row_sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
-      }
-      sum[m] = sum[m] * rescale + _mm512_reduce_add_ps(row_sum);
-      if (rescale != 1.0f) {
-        const __m512 factor = _mm512_set1_ps(rescale);
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(acc + m * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + d), factor));
-      }
+      softmax_block(scores + m * KEY_BLOCK, visible, scale, top + m, sum + m, probs + m * (KEY_BLOCK / 2),
+                    acc + m * D, D);
     }
     const uint16_t* block_values = values + start * D;
     if (start + KEY_BLOCK > most) { /* the last block: positions past every count here read as zeros */
@@ -222,7 +226,7 @@ BF16_TARGET static void attend_block(const uint32_t* qb, const int64_t* counts, 
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / sum[m]);
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[m]));
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(rows[m] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + d), inverse));
   }
 }
