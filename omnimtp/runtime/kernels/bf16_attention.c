@@ -2,8 +2,8 @@
  * on a CPU with AVX512_BF16 (`vdpbf16ps`: 32 bf16 products summed in pairs into 16 fp32 lanes an instruction).
  *
  * Why: a prefill of several hundred positions spends much of its non-GEMM time in attention, and torch's CPU flash
- * attention runs in fp32 FMAs (about 120-140 GFLOP/s causal on a 2-core AMD EPYC Zen 4; its bf16 path is no faster),
- * while the CPU's bf16 dot product does twice the work an instruction.
+ * attention runs in fp32 FMAs (about 120-140 GFLOP/s causal on 2 threads of a 2-core AMD EPYC; its bf16 path is no
+ * faster), while the CPU's bf16 dot product does twice the work an instruction.
  *
  * How (FlashAttention's tiling, on a CPU): each (row, key head) has its keys and values converted to bf16 once, in
  * blocks of KEY_BLOCK positions, into the layouts the dot product reads whole registers of:
@@ -13,19 +13,21 @@
  * vectors sharing each key and value load. Per block of keys: scores [M, KEY_BLOCK] = Q K^T (register tiles of 4
  * queries x 64 keys), masked past each query's visible keys, an online softmax per query in fp32 (running maximum,
  * sum, and the output rescaled when the maximum grows), the probabilities rounded to bf16, then out [M, D] += P V
- * (register tiles of 4 queries x 64 columns, or x 16). The output is divided by the sum of the rounded probabilities last.
+ * (register tiles of 4 queries x 64 columns, or x 16). The output is divided by the sum of the rounded
+ * probabilities last.
  *
  * Masks: each query sees keys 0..n-1 (n its own count: a causal mask, a full one, or a causal one past a cache's
  * earlier positions). Key blocks past every query's count in a work item are skipped, and the values past it in
  * the last block read as zeros: a row's keys and values past all its counts (a shorter row's padding) are never
  * used, whatever they hold.
  *
- * Numerics: queries, keys, values and probabilities rounded to bf16 (to nearest, ties to even), every product
- * exact and every sum in fp32. A query's output depends only on its own query vector, count and the keys and
- * values it sees, not on the other queries or rows: the key blocks start at key 0 whatever the work item, each
- * score is one query's dot product, and a key past the count gets probability exactly 0 (a block with no visible
- * key leaves the query's maximum, sum and output as they were). So a position's output is bit for bit the same
- * alone (its visible keys only) as among the others of a prompt, and in any batch.
+ * Numerics: queries, keys, values and probabilities rounded to bf16 (`vcvtneps2bf16`: to nearest, ties to even,
+ * subnormal inputs as zeros), every product exact and every sum in fp32; exp within 1 ulp of expf. A query's
+ * output depends only on its own query vector, count and the keys and values it sees, not on the other queries or
+ * rows: the key blocks start at key 0 whatever the work item, each score is one query's dot product, and a key past
+ * the count gets probability exactly 0 (a block with no visible key leaves the query's maximum, sum and output as
+ * they were). So a position's output is bit for bit the same alone (its visible keys only) as among the others of a
+ * prompt, and in any batch.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -34,8 +36,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define INLINE_BF16 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define BF16_ISA "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
+#define BF16_TARGET __attribute__((target(BF16_ISA)))
+#define INLINE_BF16 static inline __attribute__((always_inline, target(BF16_ISA)))
 
 #define KEY_BLOCK 64     /* keys per block: 4 registers of scores a query */
 #define QUERY_VECTORS 32 /* query vectors (positions x G) a work item, at most */
@@ -80,7 +83,8 @@ BF16_TARGET static void pack_key_group(const float* k, int64_t stride, int64_t s
       continue;
     }
     const float* row = k + (start + i) * stride;
-    for (int64_t d = 0; d < D; d += 16) _mm256_storeu_si256((__m256i*)&rows[i][d / 2], to_bf16(_mm512_loadu_ps(row + d)));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256((__m256i*)&rows[i][d / 2], to_bf16(_mm512_loadu_ps(row + d)));
   }
   for (int64_t p = 0; p < D / 2; ++p)
     for (int i = 0; i < 16; ++i) group[p * 16 + i] = rows[i][p];
@@ -227,7 +231,8 @@ BF16_TARGET static void attend_block(const uint32_t* qb, const int64_t* counts, 
   }
   for (int64_t m = 0; m < M; ++m) {
     const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[m]));
-    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(rows[m] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + d), inverse));
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(rows[m] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + d), inverse));
   }
 }
 
