@@ -21,9 +21,10 @@ Each stage is timed next to its floor (JSON and a summary printed last): the fea
 encoder (its FLOPs by torch's FLOP counter ÷ the matmul peak of its dtype measured here: bf16 in the quantized
 modes, fp32 in fp32; with "+w8a8" the int8 GEMM's rate measured here on a 512-row linear); the prefill (the first
 engine step less the encoder; floor: 2 × the layers' matrices × the prompt's tokens ÷ the mode's GEMM rate
-measured here on a 512-row linear, "w8a8"'s with "+w8a8", plus the causal attention's FLOPs ÷ the
-fp32 peak); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds them,
-and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
+measured here on a 512-row linear, "w8a8"'s with "+w8a8", plus the causal attention's FLOPs ÷ the fp32 matmul
+peak, or with "+w8a8" (attention on the bf16 kernel, `bf16_attention`, where it runs) ÷ the bf16 matmul peak
+measured here); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds
+them, and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
 partial's request by stage; the aligner's features, encoder and one
 thinker forward with the same floors. Writes JSON.
 
@@ -238,7 +239,7 @@ def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | Non
     """The aligner's `align` again, stage by stage (the features and prompt, the audio encoder, the thinker's
     one forward with the head on the time slots), each next to its floor: the encoder's FLOPs at the matmul peak
     of its dtype (bf16 in the quantized modes), the forward's linear FLOPs at the mode's GEMM rate and its
-    causal attention's FLOPs at the fp32 peak."""
+    causal attention's FLOPs at its matmul peak (`_attention_peak`)."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
     from omnimtp.packed_decoder import KVCache, decoder_forward
@@ -264,7 +265,7 @@ def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | Non
         "positions": len(ids), "inputs_s": inputs_s, "encoder_s": encoder_s, "forward_s": forward_s,
         "floor": {"encoder_s": encoder_flops / (_encoder_peak(quantize, int8_compute, machine) * 1e9),
                   "forward_s": linear_flops / (_gemm_rate("w8a8" if int8_compute else quantize, machine) * 1e9)
-                  + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9)},
+                  + attention_flops / (_attention_peak(int8_compute, machine) * 1e9)},
     }
 
 
@@ -275,6 +276,16 @@ def _decoder_flops(thinker, positions: int) -> tuple[float, float]:
     attention_flops = (2 * 2 * config.num_attention_heads * config.head_dim * positions * positions / 2
                        * config.num_hidden_layers)
     return float(linear_flops), float(attention_flops)
+
+
+def _attention_peak(int8_compute: bool, machine: dict) -> float:
+    """GFLOP/s a prompt's attention can reach: bf16 products on the bf16 kernel (int8_compute's prompts, where the
+    kernel runs: `omnimtp.runtime.kernels.bf16_attention`), else fp32 (SDPA)."""
+    from omnimtp.runtime.kernels import bf16_attention
+
+    if int8_compute and bf16_attention.available():
+        return machine["bf16_matmul_gflop_s"]
+    return machine["fp32_matmul_gflop_s"]
 
 
 def _encoder_peak(quantize: str | None, int8_compute: bool, machine: dict) -> float:
@@ -369,7 +380,7 @@ def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: f
     encoder_floor_s = encoder_flops / (_encoder_peak(quantize, int8_compute, machine) * 1e9)
     prefill_rate = _gemm_rate("w8a8" if int8_compute else quantize, machine)
     prefill_floor_s = (linear_flops / (prefill_rate * 1e9)
-                       + attention_flops / (machine["fp32_matmul_gflop_s"] * 1e9))
+                       + attention_flops / (_attention_peak(int8_compute, machine) * 1e9))
     entry = {
         "mode": mode, "load_s": load_s, "prompt_tokens": len(ids), "reply_tokens": len(reply_ids),
         "inputs_s": inputs_s, "encoder_s": encoder_s, "first_step_s": first_step_s,

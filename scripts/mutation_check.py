@@ -64,6 +64,7 @@ VOICE_AGENT = ("tests/test_realtime_vad.py",)
 REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 W8A8 = ("tests/test_w8a8_linear.py",)
+BF16_ATTENTION = ("tests/test_bf16_attention.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
@@ -1697,6 +1698,32 @@ MUTATIONS = [
         "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
         "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",
         ("tests/test_small_batch_linear.py",), "the attention kernel's weighted sum leaves out the newest position",
+    ),
+    Mutation(
+        "bf16_attention_keeps_its_old_output", "omnimtp/runtime/kernels/bf16_attention.c",
+        "_mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));",
+        "(void)acc;",
+        BF16_ATTENTION, "the many-row bf16 attention does not rescale a query's output when its maximum grows",
+    ),
+    Mutation(
+        "bf16_attention_sees_past_its_count", "omnimtp/runtime/kernels/bf16_attention.c",
+        "seen[j] = (__mmask16)(visible >= 16 * (j + 1) ? 0xFFFF",
+        "seen[j] = (__mmask16)(visible >= 16 * j + 1 ? 0xFFFF",
+        BF16_ATTENTION, "a query of the many-row bf16 attention sees the keys after its count up to the next 16",
+    ),
+    Mutation(
+        "bf16_attention_reads_a_rows_padding", "omnimtp/runtime/kernels/bf16_attention.c",
+        "      block_values = tail;",
+        "      (void)tail;",
+        BF16_ATTENTION, "the many-row bf16 attention weights a shorter row's padding values by zero (NaN there "
+        "poisons the row)",
+    ),
+    Mutation(
+        "w8a8_prefill_attention_stays_on_sdpa", "omnimtp/runtime/decoder.py",
+        "bf16_many_rows=decoder.quantize in MANY_ROW_MODES)",
+        "bf16_many_rows=False)",
+        BF16_ATTENTION, "int8_compute's prompt forwards (Qwen3-ASR's prefill, the aligner's forward) run their "
+        "attention on fp32 SDPA, not the bf16 kernel",
     ),
     Mutation(
         "bf16_decode_attention_stays_on_sdpa", "omnimtp/runtime/ops.py",

@@ -1,6 +1,7 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
 benchmarks/speech_decoder.py,
-benchmarks/decode_attention.py, benchmarks/moe_experts.py, benchmarks/many_row_linear.py and
+benchmarks/decode_attention.py, benchmarks/many_row_attention.py, benchmarks/moe_experts.py,
+benchmarks/many_row_linear.py and
 benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
@@ -166,6 +167,26 @@ def test_decode_attention_quick_run_reports_every_length(tmp_path):
         for entry in results["lengths"].values():
             assert entry["max_rel_error"] < (1e-5 if dtype == "float32" else 2**-7) and entry["floor_us"] > 0
             assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
+
+
+def test_many_row_attention_quick_run_reports_both_masks_and_the_aligners_error(tmp_path):
+    """benchmarks/many_row_attention.py --quick: the bf16 kernel and SDPA alternated (causal and full), within bf16
+    rounding of SDPA; the tiny aligner's timestamps with int8_compute on SDPA and on the kernel against fp32."""
+    from omnimtp.runtime.kernels import bf16_attention
+
+    if not bf16_attention.available() or many_row_mode_reason("cpu") is not None:
+        pytest.skip("the bf16 attention kernel or int8_compute does not run here")
+    out = tmp_path / "many_row_attention.json"
+    _run(["benchmarks/many_row_attention.py", "--quick", "--threads", "1", "--aligner-error", "--out", str(out)])
+    results = json.loads(out.read_text())
+    entry = results["positions"]["100"]
+    for mask in ("causal", "full"):
+        assert 1e-5 < entry[mask]["rel_error"] < 1e-2 and entry[mask]["ratio"] > 0 and entry[mask]["ours_ms"] > 0
+    errors = results["aligner_error"]
+    assert errors["timestamp_slots"] > 0 and errors["positions"] > errors["timestamp_slots"]
+    for name in ("int8_compute_sdpa", "int8_compute"):
+        assert 0 < errors[name]["rows_rel_error"] < 0.5 and 0 <= errors[name]["bins_equal"] <= 1
+    assert errors["int8_compute"] != errors["int8_compute_sdpa"]  # the kernel ran in the second
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():

@@ -17,8 +17,9 @@ weights packed once (`PackedDecoder.from_module`), and every decoder runs the sa
 
 What differs between the decoders is a parameter, not a copy: the cache semantics (`where`: ragged
 slots, one shared length, or a fixed buffer at static positions), the mask (bool causal, additive from a
-kv_mask, or the code predictor's [T, G]), packed GEMM matrices (`packed`, `gemm`), and two numeric
-variants fixed at construction (`fused_norm`, `fp32_attention`, the code predictor's choices). One row
+kv_mask, or the code predictor's [T, G]), packed GEMM matrices (`packed`, `gemm`), and the numeric
+variants fixed at construction (`fused_norm`, `fp32_attention`, the code predictor's choices; a "w8a8"
+decoder's forwards of several positions a row take their attention in bf16: `attention(bf16_many_rows=...)`). One row
 and one position runs the same ops, which the linears and the expert dispatch turn into `torch.mv`.
 """
 
@@ -548,7 +549,8 @@ def decoder_layer(
         if mask is not None:
             mask = mask.expand(lead[0], -1, -1, -1)[rows, :, output_index][:, :, None]  # [R, 1, 1, S]
         lead = torch.Size((lead[0], 1))
-    attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention)
+    attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention,
+                     bf16_many_rows=decoder.quantize in MANY_ROW_MODES)
     x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
     residual = x
     normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)

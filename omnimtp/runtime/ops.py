@@ -12,6 +12,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
     out = attention(q, keys, values, mask, scale)               # SDPA, GQA; [R, T, Nq * D]
+    out = attention(q, keys, values, mask, scale, bf16_many_rows=True)  # a prompt's forward in bf16 (AVX512_BF16)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.kernels import small_batch_linear
+from omnimtp.runtime.kernels import bf16_attention, small_batch_linear
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -562,6 +563,22 @@ def causal_mask(num_positions: int, device) -> torch.Tensor:
     return (columns[None, :] <= columns[:, None])[None, None]
 
 
+def _bf16_many_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float):
+    """`attention(bf16_many_rows=True)` on the bf16 kernel → [R, T, Nq * D], or None where it does not apply."""
+    num_new, num_keys = query.shape[1], keys.shape[2]
+    if not bf16_attention.applies(query, keys, values):
+        return None
+    if isinstance(mask, str):  # CAUSAL
+        counts = bf16_attention.causal_key_counts(num_new, num_keys) if num_new == num_keys else None
+    elif mask is None:
+        counts = torch.full((1, num_new), num_keys, dtype=torch.int64)
+    else:
+        counts = bf16_attention.prefix_key_counts(mask) if mask.shape[-1] == num_keys else None
+    if counts is None:
+        return None
+    return bf16_attention.bf16_attention(query, keys, values, counts, scale)
+
+
 def attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -570,6 +587,7 @@ def attention(
     scale: float,
     *,
     fp32_manual: bool = False,
+    bf16_many_rows: bool = False,
 ) -> torch.Tensor:
     """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
     head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
@@ -583,7 +601,15 @@ def attention(
     attend) or additive, or None (every column visible), or `CAUSAL` (T = S > 1: SDPA's is_causal).
     fp32_manual: scores, softmax and the weighted sum written out in fp32 (as SDPA's CPU kernels compute
     them) whatever the dtype, with an additive mask [T, S] shared by the rows: plain matmuls that
-    torch.compile fuses (the code predictor's compiled step)."""
+    torch.compile fuses (the code predictor's compiled step).
+    bf16_many_rows: several positions a row (T > 1) in fp32 with a mask of each query seeing keys 0..n-1 (None,
+    `CAUSAL`, or a bool mask of that form: a causal one by cache position) run on omnimtp's bf16 kernel where it
+    applies (`bf16_attention`: AVX512_BF16, bf16 products and fp32 sums, fp32 SDPA's values within bf16 rounding,
+    each position's output the same bits whatever the other positions and rows); the rest as without it."""
+    if bf16_many_rows and query.dim() == 4 and query.shape[1] > 1 and not fp32_manual:
+        out = _bf16_many_rows(query, keys, values, mask, scale)
+        if out is not None:
+            return out
     if query.dim() == 2:
         on_kernel, rows_mask = _decode_attention_mask(query[None], keys, values, mask)
         if on_kernel:

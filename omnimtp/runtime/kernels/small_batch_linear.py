@@ -82,11 +82,12 @@ def _flags() -> list[str]:
     return ["-O3", *_ISA_FLAGS[isa() or "AVX512"], "-fopenmp", "-fPIC", "-shared"]
 
 
-def _build(compiler: str) -> Path:
-    """Compile the kernel (cached by source, flags and compiler) and return the shared library's path."""
+def _build(compiler: str, source: Path = _SOURCE) -> Path:
+    """Compile a kernel source next to this file (cached by source, flags and compiler) and return the shared
+    library's path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_flags()), version]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"small_batch_linear-{key}.so"
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(_flags()), version]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(target.parent)
     if target.exists():
@@ -94,7 +95,7 @@ def _build(compiler: str) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builds: each writes its own file
         built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_flags(), "-o", str(built), str(_SOURCE)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *_flags(), "-o", str(built), str(source)], capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a reader sees the whole library or none
