@@ -2130,14 +2130,28 @@ MUTATIONS = [
     ),
     Mutation(
         "capacity_estimate_too_kind", "omnimtp/server/admission.py",
-        "            return measured[n] * num_streams / n",
-        "            return measured[n]",
+        "        return measured[n] * num_streams / n",
+        "        return measured[n]",
         ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
     ),
     Mutation(
+        "capacity_without_the_trend", "omnimtp/server/admission.py",
+        "            if per_stream > 0:\n",
+        "            if per_stream < 0:\n",
+        ADMISSION, "one stream past the largest measured is estimated in proportion: a stream whose step fits thanks "
+        "to the fixed part is never tried, never measured, and the server plays fewer streams than it can",
+    ),
+    Mutation(
+        "kept_step_costs_unscaled", "omnimtp/server/admission.py",
+        "            scale = means[max(both)] / self._seeded[max(both)] if both else 1.0\n",
+        "            scale = 1.0\n",
+        ADMISSION, "costs kept from a slow spell hold a restarted server's capacity down for good (the sizes it "
+        "will not run are never measured again)",
+    ),
+    Mutation(
         "step_costs_by_median", "omnimtp/server/admission.py",
-        "        return {n: statistics.fmean(samples)",
-        "        return {n: statistics.median(samples)",
+        "        means = {n: statistics.fmean(samples)",
+        "        means = {n: statistics.median(samples)",
         ADMISSION, "a step's cost is its typical step's, without the chunk decoding that falls in a few steps",
     ),
     Mutation(

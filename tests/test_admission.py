@@ -111,6 +111,56 @@ def test_capacity_is_what_measured_steps_keep_in_real_time():
         EngineConfig(playout_rtf=1.5)
 
 
+def _settled_capacity(step_s, max_streams: int = 8, costs: StepCosts | None = None, num_steps: int = 200) -> int:
+    """A server with more streams to play than it can: each step runs as many streams as admission lets it, and its
+    cost (step_s(n) seconds) is what the engine measures; the capacity it settles at."""
+    admission = Admission(costs or StepCosts(), max_streams=max_streams)
+    for _ in range(num_steps):
+        num_streams = admission.capacity(frame_s=FRAME_S)
+        admission.costs.observe(num_streams, step_s(num_streams))
+    return admission.capacity(frame_s=FRAME_S)
+
+
+def test_capacity_reaches_the_streams_a_steps_fixed_part_leaves_room_for():
+    """Steps of 20 ms + 15 ms a stream (Qwen3-TTS 0.6B w4a8 with the bf16 decoder at batch 1 and 8 has about this
+    shape): three streams cost 65 ms, within 0.9 of an 80 ms frame, four 80 ms. Estimated in proportion, three
+    would cost 1.5 times two's 50 ms, 75 ms: the server would play two and never measure three. A cost that grows
+    faster than its trend (30, 50, then 75 ms) is tried one stream past what fits, once, and given up."""
+    assert _settled_capacity(lambda n: 0.020 + 0.015 * n) == 3
+    costs = StepCosts()
+    for n, seconds in ((1, 0.035), (2, 0.050)):
+        costs.observe(n, seconds)
+    assert costs.predict(3) == pytest.approx(0.065) and costs.predict(4) == pytest.approx(0.100)
+    convex = {1: 0.030, 2: 0.050, 3: 0.075, 4: 0.110}
+    tried = []
+    assert _settled_capacity(lambda n: tried.append(n) or convex[n]) == 2
+    assert tried.count(3) == 1 and 4 not in tried
+    falling = StepCosts()  # a noisy trend that falls is no trend: in proportion
+    for n, seconds in ((1, 0.040), (2, 0.038)):
+        falling.observe(n, seconds)
+    assert falling.predict(3) == pytest.approx(0.057)
+
+
+def test_kept_step_costs_are_scaled_by_what_this_start_measures_again():
+    """Costs kept by a start that ran during a slow spell (all twice what they are): once this start measures one
+    stream at its real 35 ms, the kept sizes it has not run again are halved, and it opens up to the three streams
+    the machine keeps in real time. Kept unscaled, two streams' kept 100 ms would hold it at one stream for good
+    (it never runs two, so never measures them again). Kept from a quick spell, they are scaled up alike."""
+    slow = {1: 0.070, 2: 0.100, 3: 0.130, 4: 0.160}
+    costs = StepCosts()
+    costs.seed(slow)
+    assert costs.measured() == slow and Admission(costs, max_streams=8).capacity(frame_s=FRAME_S) == 1
+    costs.observe(1, 0.035)
+    assert costs.measured() == pytest.approx({1: 0.035, 2: 0.050, 3: 0.065, 4: 0.080})
+    seeded = StepCosts()
+    seeded.seed(slow)
+    assert _settled_capacity(lambda n: 0.020 + 0.015 * n, costs=seeded) == 3
+    quick = StepCosts()
+    quick.seed({1: 0.020, 2: 0.030, 3: 0.040})
+    assert _settled_capacity(lambda n: 0.030 + 0.025 * n, costs=quick) == 1  # 2 streams: 80 ms
+    assert quick.measured(min_samples=3) == {1: pytest.approx(0.055)}  # only what this start measured is kept
+
+
 @pytest.mark.parametrize("rtf", [0.5, 0.9, 0.97])
 def test_chunks_sized_for_the_listener_never_let_it_run_dry(rtf):
     """Frames made at `rtf` of their audio each, every chunk sent the moment its last frame is made: with

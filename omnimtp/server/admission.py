@@ -5,20 +5,29 @@ while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). `StepCo
 n streams costs on this machine as the engine runs (the mean of its recent steps at each n: a chunk is decoded
 in only some steps, and the mean spreads its decoding over the steps whose frames it holds); the capacity
 is the largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
-the largest smaller one measured, in proportion (a step's fixed part is left out, so the estimate errs high):
-capacity grows as it is measured and never rests on a guess that is too kind. A stream that would push the
-playing ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is
-refused with 429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
+the sizes below it: one stream more than the largest measured by the trend of the two largest (a step's cost
+is a fixed part plus a part per stream, so the next stream adds what the last one added; a cost that grows
+faster than that only shows in the trend, which then errs high), any further size in proportion to the largest
+measured (the fixed part left out, so it errs high). Capacity so grows one measured stream at a time and
+never rests on a guess that is too kind by more than one stream's increment; the proportional guess alone
+would never try a stream whose step fits only thanks to the fixed part, and so never measure it.
+A stream that would push the playing ones under real time waits in the queue (`EngineCore.max_speaking`);
+past `--max-queue` a request is refused with 429 and a `Retry-After` estimated from how long streams last
+(`retry_after_s`).
 
 What was measured outlives the process: the engine keeps the step costs on disk (`keep_step_costs`, beside adaptive
 speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
 omnimtp's code and the engine's settings) and a later start on the same fingerprint begins from them
-(`cached_step_costs`), so a restarted server admits what it measured before instead of one stream at a time.
+(`cached_step_costs`, `StepCosts.seed`), so a restarted server admits what it measured before instead of one stream
+at a time. A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
+process has measured a size again, the sizes it has not are taken at their kept cost scaled by what that size
+measures now against its kept cost, so the kept costs give the shape and the machine of today the scale.
 
     costs = StepCosts()
     costs.observe(1, 0.030); costs.observe(2, 0.050)
+    costs.predict(3)                     # 0.070: 2 streams' 0.050 and the 0.020 the second stream added
     costs.predict(4)                     # 0.100: 2 streams' 0.050, in proportion
-    Admission(costs, max_streams=16).capacity(frame_s=0.08)   # 2: 4 would cost 0.100 > 0.9 · 0.080
+    Admission(costs, max_streams=16).capacity(frame_s=0.08)   # 3: 4 would cost 0.100 > 0.9 · 0.080
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ class StepCosts:
 
     def __init__(self, num_samples: int = _NUM_SAMPLES):
         self._samples: dict[int, deque[float]] = {}
+        self._seeded: dict[int, float] = {}  # {streams: seconds} an earlier start measured (`seed`)
         self.num_samples = num_samples
 
     def observe(self, num_streams: int, seconds: float) -> None:
@@ -53,30 +63,43 @@ class StepCosts:
         self._samples.setdefault(num_streams, deque(maxlen=self.num_samples)).append(float(seconds))
 
     def measured(self, min_samples: int = 1) -> dict[int, float]:
-        """{streams: mean step seconds} of every size measured at least min_samples times."""
-        return {n: statistics.fmean(samples) for n, samples in sorted(self._samples.items())
-                if len(samples) >= min_samples}
+        """{streams: mean step seconds} of every size measured at least min_samples times in this process, and of
+        every size only an earlier start measured (`seed`; with min_samples 1 only), scaled to this machine's
+        pace now: by the ratio of the largest size measured both now and then."""
+        means = {n: statistics.fmean(samples) for n, samples in self._samples.items() if len(samples) >= min_samples}
+        if min_samples <= 1 and self._seeded:
+            both = [n for n in self._seeded if n in means and self._seeded[n] > 0]
+            scale = means[max(both)] / self._seeded[max(both)] if both else 1.0
+            means = {**{n: seconds * scale for n, seconds in self._seeded.items()}, **means}
+        return dict(sorted(means.items()))
 
     def seed(self, measured: dict[int, float]) -> None:
-        """Start over from {streams: seconds} measured before (one sample each: the next steps measured at a
-        size move its mean at once)."""
+        """Start over from {streams: seconds} an earlier start measured: each such size is taken at that cost
+        until this process measures it, scaled as the sizes it measures again say (`measured`)."""
         self._samples = {}
-        for num_streams, seconds in measured.items():
-            self.observe(num_streams, seconds)
+        self._seeded = {n: float(seconds) for n, seconds in measured.items() if n >= 1 and seconds >= 0}
 
     def predict(self, num_streams: int) -> float | None:
-        """A step's seconds at num_streams: measured, else in proportion to the largest smaller size measured,
-        else the smallest larger size's; None while nothing is measured."""
+        """A step's seconds at num_streams: measured; else, one stream more than the largest smaller size
+        measured, that size's cost plus what its last stream added (the trend of the two largest measured below,
+        where it rises); else in proportion to the largest smaller size measured; else the smallest larger
+        size's; None while nothing is measured."""
         measured = self.measured()
         if not measured:
             return None
         if num_streams in measured:
             return measured[num_streams]
         below = [n for n in measured if n < num_streams]
-        if below:
-            n = max(below)
-            return measured[n] * num_streams / n
-        return measured[min(measured)]
+        if not below:
+            return measured[min(measured)]
+        n = max(below)
+        smaller = [m for m in below if m < n]
+        if num_streams == n + 1 and smaller:
+            m = max(smaller)
+            per_stream = (measured[n] - measured[m]) / (n - m)
+            if per_stream > 0:
+                return measured[n] + per_stream
+        return measured[n] * num_streams / n
 
 
 class Admission:
