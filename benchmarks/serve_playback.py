@@ -16,7 +16,7 @@ Workloads (`--workloads`):
   server whose thinker speculates (`--thinker-mtp DEMO -k auto`) next to the plain one.
 
 Loads, each on every server in turn (the levels interleave, so a shared machine's drift hits all alike; the
-Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
+Poisson sweep `--rates` runs on `speech` only, `WORKLOAD_LOADS`, and chat's own, `--chat-rates`, only when given):
 - `alone`: one stream at a time (`--alone` of them): first audio of a stream with the server to itself;
 - `burst`: `--burst` streams sent at once: the first one's first audio next to its value alone, and whether
   the later ones (queued or refused) slow it;
@@ -27,7 +27,10 @@ Poisson sweep runs on `speech` only, `WORKLOAD_LOADS`):
   `Retry-After` header, else an exponential backoff), and with `--ignore-retry-after` sends again at once (a client
   that floods a full server: what it costs the streams the server plays is what that load measures). The clients
   start at once, and replies of one length keep them in step (each round a burst of C) unless `--stagger S` spreads
-  their first requests over S seconds.
+  their first requests over S seconds. How much in step differs by server (a server whose streams all last alike
+  keeps its clients in larger groups), and a group's first audio grows with its size, so each closed load also
+  reports first audio by the size of the group a request was sent in (`first_audio_by_group`: sent within 10 ms
+  of the one before), and the summary compares servers at equal group sizes.
 
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
 joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
@@ -78,6 +81,8 @@ INITIAL_RETRY_DELAY_S = 0.5
 MAX_RETRY_DELAY_S = 8.0
 # A gap shorter than this is a player's jitter, not an underrun (one 24 kHz PCM16 TCP read can lag by a few ms).
 MIN_STALL_S = 0.005
+# Requests sent within this of the one before went together (closed-loop clients in step: `first_audio_by_group`).
+GROUP_WINDOW_S = 0.010
 
 
 class Stream:
@@ -291,6 +296,31 @@ def summarize(results: list[dict], wall_s: float) -> dict:
     }
 
 
+def first_audio_by_group(results: list[dict], window_s: float = GROUP_WINDOW_S) -> dict[int, tuple[int, float]]:
+    """Streams by the size of the group of requests they were sent in (each sent within window_s of the one
+    before: closed-loop clients in step) → {size: (streams, median first audio s)}."""
+    played = sorted((r for r in results if r["first_audio_s"] is not None), key=lambda r: r["sent_s"])
+    groups: list[list[dict]] = []
+    for result in played:
+        if groups and result["sent_s"] - groups[-1][-1]["sent_s"] < window_s:
+            groups[-1].append(result)
+        else:
+            groups.append([result])
+    sizes: dict[int, list[float]] = {}
+    for group in groups:
+        sizes.setdefault(len(group), []).extend(r["first_audio_s"] for r in group)
+    return {size: (len(first), percentile(first, 50)) for size, first in sorted(sizes.items())}
+
+
+def like_for_like(mine: dict, other: dict) -> float | None:
+    """other / mine first audio at equal group sizes (`first_audio_by_group`): the ratio of the medians at each size
+    both have, weighted by the fewer streams of the two at it; None where they share no size."""
+    pairs = [(min(mine[size][0], other[size][0]), other[size][1] / mine[size][1])
+             for size in mine.keys() & other.keys() if mine[size][1] and other[size][1]]
+    weight = sum(w for w, _ in pairs)
+    return sum(w * ratio for w, ratio in pairs) / weight if weight else None
+
+
 def stage_totals(url: str) -> dict[str, tuple[float, float]]:
     """The server's own first-audio stage histograms (`omnimtp_first_audio_stage_seconds` in /metrics: queue,
     thinker, talker, code2wav): {stage: (seconds in all, requests)}; {} where it has none."""
@@ -328,6 +358,10 @@ def print_level(server: str, workload: str, load: tuple[str, float], level: dict
           f"{fmt(level['head_first_audio_s'])} s  underruns {level['underruns']} stalled {level['stalled_s']:.2f} s  "
           f"continuity min {fmt(level['continuity_min'], '.4f')} all {fmt(level['continuity_all'], '.4f')}  "
           f"audio/s {fmt(level['audio_s_per_s'], '.2f')}  load {level['load_average_1min']:.2f}", flush=True)
+    if load[0] == "closed" and level.get("first_audio_by_group"):
+        print(f"{'':10s} {'':13s} first audio p50 by the group it was sent in, size: streams ms  " + "  ".join(
+            f"{size}: {n} {fmt(1000 * p50 if p50 is not None else None, '.1f')}"
+            for size, (n, p50) in level["first_audio_by_group"].items()), flush=True)
     if level.get("first_audio_stages_ms"):
         print(f"{'':10s} {'':13s} first audio by stage, mean ms: " + "  ".join(
             f"{stage} {ms:.1f}" for stage, ms in level["first_audio_stages_ms"].items()), flush=True)
@@ -336,13 +370,14 @@ def print_level(server: str, workload: str, load: tuple[str, float], level: dict
 # The loads each workload runs by default (the sweep on the HTTP route; the WebSocket and chat: fewer, so that the
 # full run fits in about 8 minutes).
 WORKLOAD_LOADS = {"speech": ("alone", "burst", "poisson", "closed"), "speech_stream": ("alone", "burst", "closed"),
-                  "chat": ("alone", "burst", "closed")}
+                  "chat": ("alone", "burst", "poisson", "closed")}
 # Workloads that share a model share its servers.
 MODELS = {"speech": "tts", "speech_stream": "tts", "chat": "omni"}
 
 
 def loads(args, workload: str) -> list[tuple[str, float]]:
-    every = ([("alone", args.alone), ("burst", args.burst)] + [("poisson", rate) for rate in args.rates]
+    rates = args.chat_rates if workload == "chat" else args.rates
+    every = ([("alone", args.alone), ("burst", args.burst)] + [("poisson", rate) for rate in rates]
              + [("closed", c) for c in args.closed])
     return [load for load in every if load[0] in WORKLOAD_LOADS[workload]]
 
@@ -384,6 +419,9 @@ def print_summary(workload: str, results: dict, args) -> None:
             if level["first_audio_p50_s"] and mine["first_audio_p50_s"]:
                 print(f"{workload:13s} {load}: {name} / ours first audio p50 "
                       f"{level['first_audio_p50_s'] / mine['first_audio_p50_s']:.3f}")
+            ratio = like_for_like(mine.get("first_audio_by_group") or {}, level.get("first_audio_by_group") or {})
+            if level["load"][0] == "closed" and ratio is not None:
+                print(f"{workload:13s} {load}: {name} / ours first audio p50 at equal group sizes {ratio:.3f}")
 
 
 def main() -> None:
@@ -393,6 +431,9 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=12, help="streams sent at once")
     parser.add_argument("--rates", type=float, nargs="*", default=[0.3, 1.0],
                         help="open-loop Poisson arrival rates, streams per second (a sweep; `speech` only)")
+    parser.add_argument("--chat-rates", type=float, nargs="*", default=[],
+                        help="chat: open-loop Poisson arrival rates, streams per second (default none; every server "
+                        "sees the same arrival times, so first audio compares without the closed loop's grouping)")
     parser.add_argument("--closed", type=int, nargs="*", default=[4], help="closed-loop client counts")
     parser.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per open/closed load")
     parser.add_argument("--max-frames", type=int, default=30, help="audio frames per request (30: 2.4 s)")
@@ -423,10 +464,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serve_playback.json")
     args = parser.parse_args()
     if args.quick:
-        args.alone, args.burst, args.rates, args.closed, args.duration = 1, 3, [4.0], [2], 1.0
+        args.alone, args.burst, args.rates, args.chat_rates, args.closed, args.duration = 1, 3, [4.0], [4.0], [2], 1.0
         args.max_frames, args.max_tokens = 6, 4
-    if args.alone < 1 or args.burst < 1 or any(r <= 0 for r in args.rates) or any(c < 1 for c in args.closed):
-        parser.error("--alone and --burst must be >= 1, --rates > 0, --closed >= 1")
+    if args.alone < 1 or args.burst < 1 or any(r <= 0 for r in args.rates + args.chat_rates) or \
+            any(c < 1 for c in args.closed):
+        parser.error("--alone and --burst must be >= 1, --rates and --chat-rates > 0, --closed >= 1")
     if args.auto and args.quick:
         parser.error("--auto needs the demo Qwen3-Omni (it ships the MTP head): not with --quick")
     os.environ["OMNIMTP_DRAFT_COST_CACHE"] = "0"  # an `auto` server measures its costs now, under this run's load
@@ -468,7 +510,7 @@ def main() -> None:
                         level = summarize(raw, time.perf_counter() - level_started)
                         level.update(load=list(load), first_audio_stages_ms=stage_means_ms(stages_before,
                                                                                            stage_totals(url)),
-                                     streams_detail=raw)
+                                     first_audio_by_group=first_audio_by_group(raw), streams_detail=raw)
                         results[name].append(level)
                         print_level(name, workload, load, level)
                         Path(args.out).write_text(json.dumps(report, indent=2))  # an interrupted run keeps them

@@ -2157,14 +2157,43 @@ MUTATIONS = [
     ),
     Mutation(
         "capacity_estimate_too_kind", "omnimtp/server/admission.py",
-        "            return measured[n] * num_streams / n",
-        "            return measured[n]",
+        "        return measured[n] * num_streams / n",
+        "        return measured[n]",
         ADMISSION, "an unmeasured batch size is assumed to cost what a smaller one measured (capacity overestimated)",
     ),
     Mutation(
+        "capacity_without_the_trend", "omnimtp/server/admission.py",
+        "            if per_stream > 0:\n",
+        "            if per_stream < 0:\n",
+        ADMISSION, "one stream past the largest measured is estimated in proportion: a stream whose step fits thanks "
+        "to the fixed part is never tried, never measured, and the server plays fewer streams than it can",
+    ),
+    Mutation(
+        "kept_step_costs_unscaled", "omnimtp/server/admission.py",
+        "            scale = means[max(both)] / self._seeded[max(both)] if both else 1.0\n",
+        "            scale = 1.0\n",
+        ADMISSION, "costs kept from a slow spell hold a restarted server's capacity down for good (the sizes it "
+        "will not run are never measured again)",
+    ),
+    Mutation(
+        "capacity_never_probed", "omnimtp/server/admission.py",
+        "                return capacity\n        return probe\n",
+        "                return capacity\n        return capacity\n",
+        ADMISSION, "with one size measured, capacity rests on the proportional estimate for good: a second stream "
+        "that fits is never tried, never measured",
+    ),
+    Mutation(
+        "probe_ignores_the_listeners_leads", "omnimtp/server/admission.py",
+        "            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst"
+        " + deficit:\n",
+        "            if lead is None:\n",
+        ADMISSION, "a size is probed while the playing listeners hold too little audio to ride out a probe that "
+        "proves too dear",
+    ),
+    Mutation(
         "step_costs_by_median", "omnimtp/server/admission.py",
-        "        return {n: statistics.fmean(samples)",
-        "        return {n: statistics.median(samples)",
+        "        means = {n: statistics.fmean(samples)",
+        "        means = {n: statistics.median(samples)",
         ADMISSION, "a step's cost is its typical step's, without the chunk decoding that falls in a few steps",
     ),
     Mutation(

@@ -111,6 +111,56 @@ def test_capacity_is_what_measured_steps_keep_in_real_time():
         EngineConfig(playout_rtf=1.5)
 
 
+def _settled_capacity(step_s, max_streams: int = 8, costs: StepCosts | None = None, num_steps: int = 200) -> int:
+    """A server with more streams to play than it can: each step runs as many streams as admission lets it, and its
+    cost (step_s(n) seconds) is what the engine measures; the capacity it settles at."""
+    admission = Admission(costs or StepCosts(), max_streams=max_streams)
+    for _ in range(num_steps):
+        num_streams = admission.capacity(frame_s=FRAME_S)
+        admission.costs.observe(num_streams, step_s(num_streams))
+    return admission.capacity(frame_s=FRAME_S)
+
+
+def test_capacity_reaches_the_streams_a_steps_fixed_part_leaves_room_for():
+    """Steps of 20 ms + 15 ms a stream (Qwen3-TTS 0.6B w4a8 with the bf16 decoder at batch 1 and 8 has about this
+    shape): three streams cost 65 ms, within 0.9 of an 80 ms frame, four 80 ms. Estimated in proportion, three
+    would cost 1.5 times two's 50 ms, 75 ms: the server would play two and never measure three. A cost that grows
+    faster than its trend (30, 50, then 75 ms) is tried one stream past what fits, once, and given up."""
+    assert _settled_capacity(lambda n: 0.020 + 0.015 * n) == 3
+    costs = StepCosts()
+    for n, seconds in ((1, 0.035), (2, 0.050)):
+        costs.observe(n, seconds)
+    assert costs.predict(3) == pytest.approx(0.065) and costs.predict(4) == pytest.approx(0.100)
+    convex = {1: 0.030, 2: 0.050, 3: 0.075, 4: 0.110}
+    tried = []
+    assert _settled_capacity(lambda n: tried.append(n) or convex[n]) == 2
+    assert tried.count(3) == 1 and 4 not in tried
+    falling = StepCosts()  # a noisy trend that falls is no trend: in proportion
+    for n, seconds in ((1, 0.040), (2, 0.038)):
+        falling.observe(n, seconds)
+    assert falling.predict(3) == pytest.approx(0.057)
+
+
+def test_kept_step_costs_are_scaled_by_what_this_start_measures_again():
+    """Costs kept by a start that ran during a slow spell (all twice what they are): once this start measures one
+    stream at its real 35 ms, the kept sizes it has not run again are halved, and it opens up to the three streams
+    the machine keeps in real time. Kept unscaled, two streams' kept 100 ms would hold it at one stream for good
+    (it never runs two, so never measures them again). Kept from a quick spell, they are scaled up alike."""
+    slow = {1: 0.070, 2: 0.100, 3: 0.130, 4: 0.160}
+    costs = StepCosts()
+    costs.seed(slow)
+    assert costs.measured() == slow and Admission(costs, max_streams=8).capacity(frame_s=FRAME_S) == 1
+    costs.observe(1, 0.035)
+    assert costs.measured() == pytest.approx({1: 0.035, 2: 0.050, 3: 0.065, 4: 0.080})
+    seeded = StepCosts()
+    seeded.seed(slow)
+    assert _settled_capacity(lambda n: 0.020 + 0.015 * n, costs=seeded) == 3
+    quick = StepCosts()
+    quick.seed({1: 0.020, 2: 0.030, 3: 0.040})
+    assert _settled_capacity(lambda n: 0.030 + 0.025 * n, costs=quick) == 1  # 2 streams: 80 ms
+    assert quick.measured(min_samples=3) == {1: pytest.approx(0.055)}  # only what this start measured is kept
+
+
 @pytest.mark.parametrize("rtf", [0.5, 0.9, 0.97])
 def test_chunks_sized_for_the_listener_never_let_it_run_dry(rtf):
     """Frames made at `rtf` of their audio each, every chunk sent the moment its last frame is made: with
@@ -211,6 +261,60 @@ def test_admitted_streams_never_run_dry_in_a_simulated_overload(family):
         pcm = _alone_pcm(family, index)
         assert_audible(np.frombuffer(pcm, dtype=np.int16))
         assert admitted_pcm[index] == pcm == crowded_pcm[index]
+
+
+def _simulate_measured(family, step_s, probes: bool = True, num_streams: int = 6) -> tuple[dict, list[int]]:
+    """`num_streams` speech requests at once on a simulated clock where a step of n streams takes step_s(n) seconds,
+    and admission measures those steps as the server does, from nothing (`Admission.max_speaking` with the listeners'
+    leads, or only its `capacity` without probes). → ({id: its listener's clock}, the streams of each step)."""
+    frames_made = _FramesMade()
+    core = EngineCore(family, EngineConfig(max_batch_size=8, max_frames=30, chunk_frames=25, playout_rtf=0.9,
+                                           max_defer_steps=0), observer=frames_made)
+    for index in range(num_streams):
+        core.add(_speech_request(family, index, 30))
+    admission = Admission(StepCosts(), max_streams=8)
+    clocks = {index: PlaybackClock(min_stall_s=1e-9) for index in range(num_streams)}
+    sizes, now = [], 0.0
+    while core.has_work():
+        streams = [(clocks[r.request_id].lead(now), r.num_decoded) for r in core.running.values()
+                   if r.has_speech and not r.is_parked and r.talker_finish_reason is None]
+        core.max_speaking = admission.max_speaking(streams, core.num_queued(), (25, 0.9)) if probes \
+            else admission.capacity()
+        frames_made.num_streams = 0
+        events = list(core.step())
+        sizes.append(frames_made.num_streams)
+        if frames_made.num_streams:
+            admission.costs.observe(frames_made.num_streams, step_s(frames_made.num_streams))
+        now += step_s(max(frames_made.num_streams, 1))
+        for event in events:
+            if event.audio is not None:
+                clocks[event.request.request_id].push(now, event.audio.size / family.sample_rate)
+            if event.is_finished:
+                admission.observe_stream(0.0, len(event.request.frames))
+    return clocks, sizes
+
+
+def test_a_size_never_measured_is_probed_while_the_listeners_can_afford_it(family):
+    """Steps of 29 ms + 15 ms a stream (a served Qwen3-TTS 0.6B, about): one stream's 44 ms says two cost 88 in
+    proportion, more than 0.9 of an 80 ms frame, though they cost 59. Without a probe the server plays one stream
+    at a time for good; with one, a second stream plays once the first's listener holds audio enough, two are
+    measured to fit, and six streams end sooner, none stalling (three, by the trend of one and two, would cost 74
+    ms, over 0.9 of a frame: not tried). Where the proportion is the truth (44 ms a stream), the size is probed
+    once and the listeners who were playing do not stall: only the probed stream may (it plays at 88 ms a
+    frame)."""
+    affine = lambda n: 0.029 + 0.015 * n  # noqa: E731
+    probed, probed_sizes = _simulate_measured(family, affine)
+    alone, alone_sizes = _simulate_measured(family, affine, probes=False)
+    assert max(alone_sizes) == 1 and max(probed_sizes) >= 2
+    assert probed_sizes.count(2) > 30 and max(probed_sizes) == 2
+    assert sum(affine(max(n, 1)) for n in probed_sizes) < 0.8 * sum(affine(max(n, 1)) for n in alone_sizes)
+    for index, clock in probed.items():
+        assert clock.audio_s > 1.0 and clock.num_underruns == 0, (index, clock.stalled_s)
+    dear, dear_sizes = _simulate_measured(family, lambda n: 0.044 * n)
+    runs = [n for i, n in enumerate(dear_sizes) if n == 2 and (i == 0 or dear_sizes[i - 1] != 2)]
+    assert len(runs) == 1 and max(dear_sizes) == 2, "the dear size was probed more than once"
+    stalled = [index for index, clock in dear.items() if clock.num_underruns]
+    assert len(stalled) <= 1, stalled
 
 
 def _alone_pcm(family, index: int) -> bytes:

@@ -276,6 +276,7 @@ def test_playback_quick_run_reports_every_load(tmp_path):
             assert set(stages) == {"queue", "thinker", "talker", "code2wav"} and all(ms >= 0 for ms in stages.values())
             for stream in level["streams_detail"]:
                 assert stream["audio_s"] > 0 and stream["underruns"] >= 0 and stream["queue_position"] is not None
+            assert sum(n for n, _ in level["first_audio_by_group"].values()) == level["streams"]
 
 
 def test_asr_speed_quick_run_reports_every_part(tmp_path):

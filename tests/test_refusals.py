@@ -264,3 +264,23 @@ def test_closed_loop_benchmark_clients_wait_out_a_refusal(family):
                 waited = later["sent_s"] - earlier["sent_s"] - earlier["total_s"]
                 assert waited >= int(earlier["retry_after_ms"]) / 1000 - 0.02, (earlier, later)
     assert json.dumps(results)  # the benchmark writes them as JSON
+
+
+def test_playback_benchmark_compares_first_audio_at_equal_group_sizes():
+    """Closed-loop clients go in groups (sent within 10 ms of each other), and a group's first audio grows with its
+    size: a server whose clients went in larger groups has the larger median though it is the quicker at every size.
+    The like-for-like ratio compares the sizes both have, weighted by the fewer streams."""
+    def streams(groups):  # [(size, first audio s)], each group 1 s after the one before
+        return [{"sent_s": i + 0.002 * j, "first_audio_s": first, "status": 200}
+                for i, (size, first) in enumerate(groups) for j in range(size)]
+
+    ours = streams([(1, 0.030)] * 10 + [(4, 0.060)])
+    other = streams([(1, 0.025)] * 2 + [(4, 0.050)] * 4)
+    assert serve_playback.first_audio_by_group(ours) == {1: (10, 0.030), 4: (4, 0.060)}
+    assert serve_playback.percentile([r["first_audio_s"] for r in other], 50) > \
+        serve_playback.percentile([r["first_audio_s"] for r in ours], 50)
+    ratio = serve_playback.like_for_like(serve_playback.first_audio_by_group(ours),
+                                         serve_playback.first_audio_by_group(other))
+    assert ratio == pytest.approx((2 * 0.025 / 0.030 + 4 * 0.050 / 0.060) / 6)
+    assert serve_playback.like_for_like({1: (3, 0.03)}, {2: (2, 0.04)}) is None
+

@@ -5,20 +5,37 @@ while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). `StepCo
 n streams costs on this machine as the engine runs (the mean of its recent steps at each n: a chunk is decoded
 in only some steps, and the mean spreads its decoding over the steps whose frames it holds); the capacity
 is the largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
-the largest smaller one measured, in proportion (a step's fixed part is left out, so the estimate errs high):
-capacity grows as it is measured and never rests on a guess that is too kind. A stream that would push the
-playing ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is
-refused with 429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
+the sizes below it: one stream more than the largest measured by the trend of the two largest (a step's cost
+is a fixed part plus a part per stream, so the next stream adds what the last one added; a cost that grows
+faster than that only shows in the trend, which then errs high), any further size in proportion to the largest
+measured (the fixed part left out, so it errs high). Capacity so grows one measured stream at a time and
+never rests on a guess that is too kind by more than one stream's increment. A stream that would push the playing
+ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is refused with
+429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
+
+Only a size that has run is measured, so with one size measured, the proportional estimate could hold capacity
+below what the machine plays for good (one stream's step of 44 ms says two cost 88, where they cost 59, and two
+never run). `Admission.max_speaking` therefore lets one stream more than capacity play (a probe) while streams wait
+for capacity, every slot of it is playing, that size has never been measured and none below capacity has (so its
+estimate is the proportion, not a trend), and each playing listener holds audio enough to play on through the most
+frames a recent stream had, and to wait for the largest chunk it can get meanwhile, with every step at the
+proportional estimate (the worst the estimate allows): the probe's steps measure the size, and capacity follows
+what they cost. A probe whose size proves too dear is not repeated (the size is then measured, and kept on disk);
+the probed stream itself then plays slower than real time, once per machine and setting.
 
 What was measured outlives the process: the engine keeps the step costs on disk (`keep_step_costs`, beside adaptive
 speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
 omnimtp's code and the engine's settings) and a later start on the same fingerprint begins from them
-(`cached_step_costs`), so a restarted server admits what it measured before instead of one stream at a time.
+(`cached_step_costs`, `StepCosts.seed`), so a restarted server admits what it measured before instead of one stream
+at a time. A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
+process has measured a size again, the sizes it has not are taken at their kept cost scaled by what that size
+measures now against its kept cost, so the kept costs give the shape and the machine of today the scale.
 
     costs = StepCosts()
     costs.observe(1, 0.030); costs.observe(2, 0.050)
+    costs.predict(3)                     # 0.070: 2 streams' 0.050 and the 0.020 the second stream added
     costs.predict(4)                     # 0.100: 2 streams' 0.050, in proportion
-    Admission(costs, max_streams=16).capacity(frame_s=0.08)   # 2: 4 would cost 0.100 > 0.9 · 0.080
+    Admission(costs, max_streams=16).capacity(frame_s=0.08)   # 3: 4 would cost 0.100 > 0.9 · 0.080
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import math
 import statistics
 from collections import deque
 
+from omnimtp.engine.playback import chunk_frames_after
 from omnimtp.spec_decode.cost_cache import read_entry, write_entry
 
 # The share of a frame's audio a step may cost: the rest absorbs a step's jitter and a newcomer's prefill.
@@ -35,6 +53,7 @@ DEFAULT_HEADROOM = 0.9
 DEFAULT_FRAME_S = 0.08
 _NUM_SAMPLES = 64  # recent steps kept per size (their mean is the size's cost: a few chunks' decoding among them)
 _MAX_RETRY_AFTER_S = 120
+_NUM_STREAMS = 16  # streams whose frames a probe's margin looks at (`Admission.max_speaking`)
 _MIN_RETRY_AFTER_MS = 100
 _KIND = "speech_step_costs"  # the cost cache's directory for them
 MIN_KEPT_SAMPLES = 3  # a size measured fewer times is not kept on disk (`keep_step_costs`)
@@ -45,6 +64,7 @@ class StepCosts:
 
     def __init__(self, num_samples: int = _NUM_SAMPLES):
         self._samples: dict[int, deque[float]] = {}
+        self._seeded: dict[int, float] = {}  # {streams: seconds} an earlier start measured (`seed`)
         self.num_samples = num_samples
 
     def observe(self, num_streams: int, seconds: float) -> None:
@@ -53,30 +73,43 @@ class StepCosts:
         self._samples.setdefault(num_streams, deque(maxlen=self.num_samples)).append(float(seconds))
 
     def measured(self, min_samples: int = 1) -> dict[int, float]:
-        """{streams: mean step seconds} of every size measured at least min_samples times."""
-        return {n: statistics.fmean(samples) for n, samples in sorted(self._samples.items())
-                if len(samples) >= min_samples}
+        """{streams: mean step seconds} of every size measured at least min_samples times in this process, and of
+        every size only an earlier start measured (`seed`; with min_samples 1 only), scaled to this machine's
+        pace now: by the ratio of the largest size measured both now and then."""
+        means = {n: statistics.fmean(samples) for n, samples in self._samples.items() if len(samples) >= min_samples}
+        if min_samples <= 1 and self._seeded:
+            both = [n for n in self._seeded if n in means and self._seeded[n] > 0]
+            scale = means[max(both)] / self._seeded[max(both)] if both else 1.0
+            means = {**{n: seconds * scale for n, seconds in self._seeded.items()}, **means}
+        return dict(sorted(means.items()))
 
     def seed(self, measured: dict[int, float]) -> None:
-        """Start over from {streams: seconds} measured before (one sample each: the next steps measured at a
-        size move its mean at once)."""
+        """Start over from {streams: seconds} an earlier start measured: each such size is taken at that cost
+        until this process measures it, scaled as the sizes it measures again say (`measured`)."""
         self._samples = {}
-        for num_streams, seconds in measured.items():
-            self.observe(num_streams, seconds)
+        self._seeded = {n: float(seconds) for n, seconds in measured.items() if n >= 1 and seconds >= 0}
 
     def predict(self, num_streams: int) -> float | None:
-        """A step's seconds at num_streams: measured, else in proportion to the largest smaller size measured,
-        else the smallest larger size's; None while nothing is measured."""
+        """A step's seconds at num_streams: measured; else, one stream more than the largest smaller size
+        measured, that size's cost plus what its last stream added (the trend of the two largest measured below,
+        where it rises); else in proportion to the largest smaller size measured; else the smallest larger
+        size's; None while nothing is measured."""
         measured = self.measured()
         if not measured:
             return None
         if num_streams in measured:
             return measured[num_streams]
         below = [n for n in measured if n < num_streams]
-        if below:
-            n = max(below)
-            return measured[n] * num_streams / n
-        return measured[min(measured)]
+        if not below:
+            return measured[min(measured)]
+        n = max(below)
+        smaller = [m for m in below if m < n]
+        if num_streams == n + 1 and smaller:
+            m = max(smaller)
+            per_stream = (measured[n] - measured[m]) / (n - m)
+            if per_stream > 0:
+                return measured[n] + per_stream
+        return measured[n] * num_streams / n
 
 
 class Admission:
@@ -93,6 +126,7 @@ class Admission:
         self.headroom = headroom
         self.frame_s = DEFAULT_FRAME_S
         self._stream_s: float | None = None  # a stream's mean time from admission to its end (moving average)
+        self._stream_frames: deque[int] = deque(maxlen=_NUM_STREAMS)  # the frames of the last streams that ended
 
     def capacity(self, frame_s: float | None = None) -> int:
         """The most streams whose steps keep real time (at least 1: the server always serves one)."""
@@ -111,10 +145,36 @@ class Admission:
         if seconds > 0 and math.isfinite(seconds):
             self.frame_s = seconds
 
-    def observe_stream(self, seconds: float) -> None:
-        """A finished stream's seconds from admission to its end."""
+    def observe_stream(self, seconds: float, num_frames: int | None = None) -> None:
+        """A finished stream's seconds from admission to its end, and its frames."""
         if seconds >= 0 and math.isfinite(seconds):
             self._stream_s = seconds if self._stream_s is None else 0.8 * self._stream_s + 0.2 * seconds
+        if num_frames:
+            self._stream_frames.append(num_frames)
+
+    def max_speaking(self, streams: list[tuple[float | None, int]], num_waiting: int,
+                     chunking: tuple[int, float | None] = (25, DEFAULT_HEADROOM)) -> int:
+        """The streams the next step may play: `capacity`, or one more (a probe, see the module docstring).
+        streams: (lead in seconds, None before its first audio; its frames decoded so far) of each stream whose
+        talker makes frames; num_waiting: the streams queued; chunking: (chunk_frames, playout_rtf), how later
+        chunks are sized (`chunk_frames_after`). A probe where streams are queued, these streams fill capacity, the
+        next size was never measured, nor any size below capacity, and every such listener can play on through
+        the most frames a recent stream had, and wait for the largest chunk it can get meanwhile, each step at the
+        proportional estimate's cost, without running dry."""
+        capacity = self.capacity()
+        probe = capacity + 1
+        if num_waiting < 1 or len(streams) != capacity or probe > self.max_streams or not self._stream_frames:
+            return capacity
+        measured = self.costs.measured()
+        if probe in measured or capacity not in measured or min(measured) < capacity:
+            return capacity  # (with two sizes measured, the trend estimates the next one)
+        worst = measured[capacity] * probe / capacity  # a step's fixed part taken as zero: the most it can cost
+        frames = max(self._stream_frames)
+        deficit = frames * max(worst - self.frame_s, 0.0)
+        for lead, num_decoded in streams:
+            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst + deficit:
+                return capacity
+        return probe
 
     def retry_after_s(self, num_queued: int) -> int:
         """Whole seconds a refused client should wait (`Retry-After`): `retry_after_ms` rounded up, at least 1."""
@@ -153,3 +213,12 @@ def keep_step_costs(fingerprint: dict, measured: dict[int, float]) -> bool:
     if not measured:
         return False
     return write_entry(fingerprint, {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}, _KIND)
+
+
+def playing(core, now: float) -> tuple[list[tuple[float | None, int]], int, tuple[int, float | None]]:
+    """An `EngineCore`'s streams for `Admission.max_speaking` (call holding its lock): (the lead at `now`, the frames
+    decoded) of each stream whose talker still makes frames (parked ones aside), the requests queued, and how its
+    chunks are sized."""
+    streams = [(r.playback.lead(now), r.num_decoded) for r in core.running.values()
+               if r.has_speech and not r.is_parked and r.talker_finish_reason is None]
+    return streams, core.num_queued(), (core.config.chunk_frames, core.config.playout_rtf)
