@@ -1693,6 +1693,23 @@ MUTATIONS = [
         ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
     ),
     Mutation(
+        "fp32_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), vtop))",
+        "exp_nonpositive16(_mm512_maskz_loadu_ps(m, sg + i))",
+        ("tests/test_small_batch_linear.py",), "the fp32 attention's vector softmax overflows on large scores",
+    ),
+    Mutation(
+        "fp32_attention_scores_the_fourth_key_as_the_third", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_setr_epi32(0, 4, 8, 12, 0, 0,", "_mm512_setr_epi32(0, 4, 8, 8, 0, 0,",
+        ("tests/test_small_batch_linear.py",), "the fp32 attention gives every fourth key the score of the key before",
+    ),
+    Mutation(
+        "fp32_attention_weighs_the_key_before", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "const float* row = vh + (positions ? positions[i] : i) * v_row_stride;",
+        "const float* row = vh + (positions ? positions[i] : i > 0 ? i - 1 : 0) * v_row_stride;",
+        ("tests/test_small_batch_linear.py",), "the fp32 attention weighs each key's probability on the value before",
+    ),
+    Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
         "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
         "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",

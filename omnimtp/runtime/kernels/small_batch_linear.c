@@ -1112,24 +1112,133 @@ static int64_t visible_positions(const uint8_t* mask, int64_t n, int64_t* positi
   return count;
 }
 
-/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
- * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
- * the same values); scores: G * n floats of work space; out [G, D] fp32. */
-static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
-                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
-                            int64_t D, float scale, float* scores, float* out) {
-  float widened[ATTENTION_MAX_D];
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
+#ifdef __AVX512F__
+/* The sums of the 16 lanes of a, b, c and d into s[0..3], each in one fixed tree of adds over its own lanes (a
+ * sum does not depend on the other three vectors): four horizontal sums in ten shuffles and adds. */
+static inline void sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d, float* s) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD)); /* a|b|c|d */
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E)); /* lane 4j: the sum of vector j */
+  const __m512 first = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t);
+  _mm_storeu_ps(s, _mm512_castps512_ps128(first));
+}
+
+/* The scores of an fp32 head, D a multiple of 16: four keys at a time, so that each query head's four dot products
+ * are independent chains and their horizontal sums share one tree (one key at a time, a chain of D / 16 dependent
+ * FMAs and a horizontal sum per score made the step's attention compute-bound: its time with the keys in L2 was
+ * about its whole read from memory). Each score: lane-wise FMAs in d order, then `sum_lanes4`, times scale. */
+static void fp32_scores(const float* qh, const float* kh, int64_t k_row_stride, const int64_t* positions, int64_t n,
+                        int64_t G, int64_t D, float scale, float* scores) {
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t count = n - i < 4 ? n - i : 4;
+    const float* k[4];
+    for (int64_t j = 0; j < 4; ++j) { /* past the last key: the block's first again, its scores not stored */
+      const int64_t index = i + (j < count ? j : 0);
+      k[j] = kh + (positions ? positions[index] : index) * k_row_stride;
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-      scores[g * n + i] = dot * scale;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + d);
+        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + d), a0);
+        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + d), a1);
+        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + d), a2);
+        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + d), a3);
+      }
+      float sums[4];
+      sum_lanes4(a0, a1, a2, a3, sums);
+      for (int64_t j = 0; j < count; ++j) scores[g * n + i + j] = sums[j] * scale;
     }
   }
-  float inv_sum[ATTENTION_MAX_GROUP];
+}
+
+/* `exp_nonpositive` on 16 lanes (its arithmetic, in FMAs; a NaN stays NaN). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN: x */
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* `softmax_rows` 16 scores at a time (the loop there runs one score at a time: as long as the scores). */
+static void fp32_softmax(float* scores, int64_t n, int64_t G, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+      top = _mm512_max_ps(_mm512_mask_loadu_ps(top, m, sg + i), top); /* a NaN score left out, as there */
+    }
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), vtop)));
+      _mm512_mask_storeu_ps(sg + i, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum); /* no visible key: 1 / 0, and the output NaN */
+  }
+}
+
+/* The weighted sum of an fp32 head's values for query heads g0..g0+GB-1 (probabilities p, n apart), D = 16 * CH,
+ * the GB x CH accumulators in registers (in memory, each FMA's sum waited on a store and a load): out = (sum over
+ * keys in order of p * value, one FMA each) * inv_sum, NaN with no key. */
+#define FP32_VALUES_FN(CH, GB)                                                                                \
+  static void fp32_values_##CH##_##GB(const float* vh, int64_t v_row_stride, const int64_t* positions, int64_t n, \
+                                      const float* p, const float* inv_sum, float* out) {                      \
+    __m512 acc[GB][CH];                                                                                        \
+    for (int g = 0; g < GB; ++g)                                                                               \
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();                                            \
+    for (int64_t i = 0; i < n; ++i) {                                                                          \
+      const float* row = vh + (positions ? positions[i] : i) * v_row_stride;                                   \
+      __m512 weight[GB];                                                                                       \
+      for (int g = 0; g < GB; ++g) weight[g] = _mm512_set1_ps(p[g * n + i]);                                   \
+      for (int c = 0; c < CH; ++c) {                                                                           \
+        const __m512 v = _mm512_loadu_ps(row + 16 * c);                                                        \
+        for (int g = 0; g < GB; ++g) acc[g][c] = _mm512_fmadd_ps(weight[g], v, acc[g][c]);                     \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int g = 0; g < GB; ++g)                                                                               \
+      for (int c = 0; c < CH; ++c)                                                                             \
+        _mm512_storeu_ps(out + g * 16 * CH + 16 * c,                                                           \
+                         n ? _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])) : _mm512_set1_ps(NAN));      \
+  }
+FP32_VALUES_FN(4, 4) FP32_VALUES_FN(4, 2) FP32_VALUES_FN(4, 1)
+FP32_VALUES_FN(8, 2) FP32_VALUES_FN(8, 1) FP32_VALUES_FN(16, 1)
+
+typedef void (*fp32_values_fn)(const float*, int64_t, const int64_t*, int64_t, const float*, const float*, float*);
+
+/* The widest `fp32_values` for D and at most `left` query heads (NULL: D is not 64, 128 or 256). */
+static fp32_values_fn fp32_values_for(int64_t D, int64_t left, int64_t* heads) {
+  *heads = 1;
+  if (D == 64) {
+    *heads = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    return *heads == 4 ? fp32_values_4_4 : *heads == 2 ? fp32_values_4_2 : fp32_values_4_1;
+  }
+  if (D == 128) {
+    *heads = left >= 2 ? 2 : 1;
+    return *heads == 2 ? fp32_values_8_2 : fp32_values_8_1;
+  }
+  return D == 256 ? fp32_values_16_1 : NULL;
+}
+#endif
+
+/* The softmax of each query head's n scores in place (exp of the score minus the head's maximum), and 1 / sum. */
+static void softmax_rows(float* scores, int64_t n, int64_t G, float* inv_sum) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     float top = -INFINITY;
@@ -1142,6 +1251,40 @@ static void attend_one_head(const float* qh, const void* kh, const void* vh, int
     }
     inv_sum[g] = 1.f / sum; /* no visible key: 1 / 0, and the output NaN, as SDPA's */
   }
+}
+
+/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
+ * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
+ * the same values); scores: G * n floats of work space; out [G, D] fp32. fp32 rows of D = 64, 128 or 256 on
+ * AVX-512 take `fp32_scores` and `fp32_values` (the same sums, other code: the scores' lanes added in another
+ * order); the rest one key at a time here. */
+static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
+                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
+                            int64_t D, float scale, float* scores, float* out) {
+  float inv_sum[ATTENTION_MAX_GROUP];
+#ifdef __AVX512F__
+  int64_t heads;
+  if (!bf16 && fp32_values_for(D, G, &heads) != NULL) {
+    fp32_scores(qh, (const float*)kh, k_row_stride, positions, n, G, D, scale, scores);
+    fp32_softmax(scores, n, G, inv_sum);
+    for (int64_t g = 0; g < G; g += heads)
+      fp32_values_for(D, G - g, &heads)((const float*)vh, v_row_stride, positions, n, scores + g * n,
+                                        inv_sum + g, out + g * D);
+    return;
+  }
+#endif
+  float widened[ATTENTION_MAX_D];
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qh + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+      scores[g * n + i] = dot * scale;
+    }
+  }
+  softmax_rows(scores, n, G, inv_sum);
   float acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_D];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
