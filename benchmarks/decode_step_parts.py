@@ -53,8 +53,8 @@ def w4a8(out_features: int, in_features: int, seed: int):
 
 
 def build_layers(args):
-    H, Nq, Nkv, D, I = args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate
-    shapes = {"qkv": ((Nq + 2 * Nkv) * D, H), "o": (H, Nq * D), "gate_up": (2 * I, H), "down": (H, I)}
+    H, Nq, Nkv, D, inter = args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate
+    shapes = {"qkv": ((Nq + 2 * Nkv) * D, H), "o": (H, Nq * D), "gate_up": (2 * inter, H), "down": (H, inter)}
     layers = []
     for layer in range(args.layers):
         mats = {name: w4a8(*shape, seed=100 * layer + i) for i, (name, shape) in enumerate(shapes.items())}
