@@ -1113,6 +1113,8 @@ static int64_t visible_positions(const uint8_t* mask, int64_t n, int64_t* positi
 }
 
 #ifdef __AVX512F__
+#define ATTENTION_PREFETCH 16 /* rows ahead that the fp32 code prefetches */
+
 /* The sums of the 16 lanes of a, b, c and d into s[0..3], each in one fixed tree of adds over its own lanes (a
  * sum does not depend on the other three vectors): four horizontal sums in ten shuffles and adds. */
 static inline void sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d, float* s) {
@@ -1137,6 +1139,11 @@ static void fp32_scores(const float* qh, const float* kh, int64_t k_row_stride, 
     for (int64_t j = 0; j < 4; ++j) { /* past the last key: the block's first again, its scores not stored */
       const int64_t index = i + (j < count ? j : 0);
       k[j] = kh + (positions ? positions[index] : index) * k_row_stride;
+    }
+    for (int64_t j = 0; j < 4 && i + ATTENTION_PREFETCH + j < n; ++j) { /* the keys ATTENTION_PREFETCH ahead */
+      const int64_t ahead = i + ATTENTION_PREFETCH + j;
+      const char* row = (const char*)(kh + (positions ? positions[ahead] : ahead) * k_row_stride);
+      for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
@@ -1205,6 +1212,11 @@ static void fp32_softmax(float* scores, int64_t n, int64_t G, float* inv_sum) {
       for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();                                            \
     for (int64_t i = 0; i < n; ++i) {                                                                          \
       const float* row = vh + (positions ? positions[i] : i) * v_row_stride;                                   \
+      if (i + ATTENTION_PREFETCH < n) {                                                                        \
+        const int64_t ahead = i + ATTENTION_PREFETCH;                                                          \
+        const char* next = (const char*)(vh + (positions ? positions[ahead] : ahead) * v_row_stride);          \
+        for (int c = 0; c < CH; ++c) _mm_prefetch(next + 64 * c, _MM_HINT_T0);                                 \
+      }                                                                                                        \
       __m512 weight[GB];                                                                                       \
       for (int g = 0; g < GB; ++g) weight[g] = _mm512_set1_ps(p[g * n + i]);                                   \
       for (int c = 0; c < CH; ++c) {                                                                           \
