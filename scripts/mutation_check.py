@@ -1710,6 +1710,17 @@ MUTATIONS = [
         ("tests/test_small_batch_linear.py",), "the fp32 attention weighs each key's probability on the value before",
     ),
     Mutation(
+        "w4a8_step_silu_of_a_negative_gate", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_mask_mul_ps(inv, negative, e, inv);", "inv;",
+        ("tests/test_w4a8_step.py",), "the native step's vector SiLU takes sigmoid(|gate|) for a negative gate",
+    ),
+    Mutation(
+        "w4a8_step_quantizes_every_row_as_the_first", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    const int64_t m = t / groups, g = t % groups;\n    w4a8_quantize_group(",
+        "    const int64_t m = 0, g = t % groups;\n    w4a8_quantize_group(",
+        ("tests/test_w4a8_step.py",), "the native step's down projection reads the first row's activations for every row",
+    ),
+    Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
         "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
         "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",

@@ -1411,6 +1411,42 @@ static void step_quantize(const float* x, int64_t R, int64_t K, int64_t group, i
   }
 }
 
+/* `step_quantize` with the (row, group) pairs shared by the team's threads (an orphaned `omp for`; groups of
+ * several lie in whole words, so no two threads write one word): the same bytes, sums and scales. */
+static void step_quantize_shared(const float* x, int64_t R, int64_t K, int64_t group, int8_t* xq, int32_t* xsum,
+                                 float* xscale) {
+  const int64_t groups = K / group, kw = 8 * ((K + 7) / 8);
+#pragma omp for schedule(static)
+  for (int64_t t = 0; t < R * groups; ++t) {
+    const int64_t m = t / groups, g = t % groups;
+    w4a8_quantize_group(x + m * K + g * group, group, g * group, xq + m * kw, xsum + m * groups + g,
+                        xscale + m * groups + g);
+    for (int64_t k = K; g == groups - 1 && k < kw; ++k) xq[m * kw + (k & ~7) + kSlot[k & 7]] = 0;
+  }
+}
+
+#define STEP_SILU_CHUNK 256 /* inputs of silu(gate) * up a work item: fixed, so a value does not depend on threads */
+
+/* out[i] = silu(gate[i]) * up[i] for i in i0..i1-1: gate * sigmoid(gate), the sigmoid from e = exp(-|gate|) (1 / (1 +
+ * e), or e / (1 + e) for a negative gate), 16 lanes at a time on AVX-512 (libm's expf one value at a time was most
+ * of a layer's work outside its matmuls, on one thread while the other waited); the rest with expf. */
+static void step_silu_mul(const float* gate, const float* up, int64_t i0, int64_t i1, float* out) {
+  int64_t i = i0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
+  for (; i + 16 <= i1; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign))); /* exp(-|g|) */
+    const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < i1; ++i) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
 /* y [R, N] = the quantized rows @ W.T, the panels shared by the team's threads (an orphaned `omp for`). */
 static void step_matmul(const int8_t* xq, const int32_t* xsum, const float* xscale, int64_t words, int64_t scales,
                         float* y, int64_t R, int64_t K, int64_t N, int64_t group, int vnni) {
@@ -1517,15 +1553,14 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
       step_quantize(normed, R, H, group_h, xq, xsum, xscale);
     }
     step_matmul(xq, xsum, xscale, w[9], w[10], out, R, H, 2 * I, group_h, vnni);
-#pragma omp single
-    {
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < I; ++i) {
-          const float gate = out[r * 2 * I + i];
-          normed[r * I + i] = gate / (1.f + expf(-gate)) * out[r * 2 * I + I + i];
-        }
-      step_quantize(normed, R, I, group_i, xq, xsum, xscale);
+    const int64_t silu_chunks = (I + STEP_SILU_CHUNK - 1) / STEP_SILU_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < R * silu_chunks; ++t) {
+      const int64_t r = t / silu_chunks, i0 = t % silu_chunks * STEP_SILU_CHUNK;
+      step_silu_mul(out + r * 2 * I, out + r * 2 * I + I, i0, i0 + STEP_SILU_CHUNK < I ? i0 + STEP_SILU_CHUNK : I,
+                    normed + r * I);
     }
+    step_quantize_shared(normed, R, I, group_i, xq, xsum, xscale);
     step_matmul(xq, xsum, xscale, w[11], w[12], out, R, I, H, group_i, vnni);
 #pragma omp single
     for (int64_t i = 0; i < R * H; ++i) x[i] += out[i];
