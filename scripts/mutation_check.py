@@ -1718,7 +1718,7 @@ MUTATIONS = [
         "w4a8_step_quantizes_every_row_as_the_first", "omnimtp/runtime/kernels/small_batch_linear.c",
         "    const int64_t m = t / groups, g = t % groups;\n    w4a8_quantize_group(",
         "    const int64_t m = 0, g = t % groups;\n    w4a8_quantize_group(",
-        ("tests/test_w4a8_step.py",), "the native step's down projection reads the first row's activations for every row",
+        ("tests/test_w4a8_step.py",), "the native step's down projection reads row 0's activations for every row",
     ),
     Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
