@@ -1693,21 +1693,28 @@ MUTATIONS = [
         ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
     ),
     Mutation(
-        "fp32_attention_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "vector_softmax_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
         "exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), vtop))",
         "exp_nonpositive16(_mm512_maskz_loadu_ps(m, sg + i))",
         ("tests/test_small_batch_linear.py",), "the fp32 attention's vector softmax overflows on large scores",
     ),
     Mutation(
-        "fp32_attention_scores_the_fourth_key_as_the_third", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "attention_scores_the_fourth_key_as_the_third", "omnimtp/runtime/kernels/small_batch_linear.c",
         "_mm512_setr_epi32(0, 4, 8, 12, 0, 0,", "_mm512_setr_epi32(0, 4, 8, 8, 0, 0,",
-        ("tests/test_small_batch_linear.py",), "the fp32 attention gives every fourth key the score of the key before",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code gives every fourth key the score of the one "
+        "before",
     ),
     Mutation(
-        "fp32_attention_weighs_the_key_before", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "const float* row = vh + (positions ? positions[i] : i) * v_row_stride;",
-        "const float* row = vh + (positions ? positions[i] : i > 0 ? i - 1 : 0) * v_row_stride;",
-        ("tests/test_small_batch_linear.py",), "the fp32 attention weighs each key's probability on the value before",
+        "attention_weighs_the_key_before", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "const char* row = (const char*)vh + (positions ? positions[i] : i) * v_row_stride * size;",
+        "const char* row = (const char*)vh + (positions ? positions[i] : i ? i - 1 : 0) * v_row_stride * size;",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code weighs each key's probability on the value "
+        "before",
+    ),
+    Mutation(
+        "bf16_attention_rows_widened_wrong", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)", "_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 15)",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code widens a bf16 key or value row wrongly",
     ),
     Mutation(
         "w4a8_step_silu_of_a_negative_gate", "omnimtp/runtime/kernels/small_batch_linear.c",

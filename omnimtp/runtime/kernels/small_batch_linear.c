@@ -1127,39 +1127,59 @@ static inline void sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d, float* s) 
   _mm_storeu_ps(s, _mm512_castps512_ps128(first));
 }
 
-/* The scores of an fp32 head, D a multiple of 16: four keys at a time, so that each query head's four dot products
- * are independent chains and their horizontal sums share one tree (one key at a time, a chain of D / 16 dependent
- * FMAs and a horizontal sum per score made the step's attention compute-bound: its time with the keys in L2 was
- * about its whole read from memory). Each score: lane-wise FMAs in d order, then `sum_lanes4`, times scale. */
-static void fp32_scores(const float* qh, const float* kh, int64_t k_row_stride, const int64_t* positions, int64_t n,
-                        int64_t G, int64_t D, float scale, float* scores) {
+/* 16 values of a key or value row from element d on, in fp32: an fp32 row's own, a bf16 row's widened (exactly). */
+static inline __attribute__((always_inline)) __m512 row16(const char* row, int64_t d, int bf16) {
+  if (!bf16) return _mm512_loadu_ps((const float*)row + d);
+  const __m256i halves = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* The scores of a head (fp32 or bf16 rows), D a multiple of 16: four keys at a time, so that each query head's four
+ * dot products are independent chains and their horizontal sums share one tree (one key at a time, a chain of D /
+ * 16 dependent FMAs and a horizontal sum per score made the step's attention compute-bound: its time with the keys
+ * in L2 was about its whole read from memory). Each score: lane-wise FMAs in d order, then `sum_lanes4`, times
+ * scale. */
+static inline __attribute__((always_inline)) void block_scores(const float* qh, const void* kh, int64_t k_row_stride,
+                                                               const int64_t* positions, int64_t n, int64_t G,
+                                                               int64_t D, float scale, float* scores, int bf16) {
+  const int64_t size = bf16 ? 2 : 4;
   for (int64_t i = 0; i < n; i += 4) {
     const int64_t count = n - i < 4 ? n - i : 4;
-    const float* k[4];
+    const char* k[4];
     for (int64_t j = 0; j < 4; ++j) { /* past the last key: the block's first again, its scores not stored */
       const int64_t index = i + (j < count ? j : 0);
-      k[j] = kh + (positions ? positions[index] : index) * k_row_stride;
+      k[j] = (const char*)kh + (positions ? positions[index] : index) * k_row_stride * size;
     }
     for (int64_t j = 0; j < 4 && i + ATTENTION_PREFETCH + j < n; ++j) { /* the keys ATTENTION_PREFETCH ahead */
       const int64_t ahead = i + ATTENTION_PREFETCH + j;
-      const char* row = (const char*)(kh + (positions ? positions[ahead] : ahead) * k_row_stride);
-      for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      const char* row = (const char*)kh + (positions ? positions[ahead] : ahead) * k_row_stride * size;
+      for (int64_t b = 0; b < D * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < D; d += 16) {
         const __m512 qv = _mm512_loadu_ps(qg + d);
-        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + d), a0);
-        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + d), a1);
-        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + d), a2);
-        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + d), a3);
+        a0 = _mm512_fmadd_ps(qv, row16(k[0], d, bf16), a0);
+        a1 = _mm512_fmadd_ps(qv, row16(k[1], d, bf16), a1);
+        a2 = _mm512_fmadd_ps(qv, row16(k[2], d, bf16), a2);
+        a3 = _mm512_fmadd_ps(qv, row16(k[3], d, bf16), a3);
       }
       float sums[4];
       sum_lanes4(a0, a1, a2, a3, sums);
       for (int64_t j = 0; j < count; ++j) scores[g * n + i + j] = sums[j] * scale;
     }
   }
+}
+
+static void block_scores_fp32(const float* qh, const void* kh, int64_t k_row_stride, const int64_t* positions,
+                              int64_t n, int64_t G, int64_t D, float scale, float* scores) {
+  block_scores(qh, kh, k_row_stride, positions, n, G, D, scale, scores, 0);
+}
+
+static void block_scores_bf16(const float* qh, const void* kh, int64_t k_row_stride, const int64_t* positions,
+                              int64_t n, int64_t G, int64_t D, float scale, float* scores) {
+  block_scores(qh, kh, k_row_stride, positions, n, G, D, scale, scores, 1);
 }
 
 /* `exp_nonpositive` on 16 lanes (its arithmetic, in FMAs; a NaN stays NaN). */
@@ -1201,26 +1221,27 @@ static void fp32_softmax(float* scores, int64_t n, int64_t G, float* inv_sum) {
   }
 }
 
-/* The weighted sum of an fp32 head's values for query heads g0..g0+GB-1 (probabilities p, n apart), D = 16 * CH,
- * the GB x CH accumulators in registers (in memory, each FMA's sum waited on a store and a load): out = (sum over
- * keys in order of p * value, one FMA each) * inv_sum, NaN with no key. */
-#define FP32_VALUES_FN(CH, GB)                                                                                \
-  static void fp32_values_##CH##_##GB(const float* vh, int64_t v_row_stride, const int64_t* positions, int64_t n, \
-                                      const float* p, const float* inv_sum, float* out) {                      \
+/* The weighted sum of a head's values (fp32 rows, or bf16 ones widened: BF) for query heads g0..g0+GB-1
+ * (probabilities p, n apart), D = 16 * CH, the GB x CH accumulators in registers (in memory, each FMA's sum waited
+ * on a store and a load): out = (sum over keys in order of p * value, one FMA each) * inv_sum, NaN with no key. */
+#define BLOCK_VALUES_FN(CH, GB, BF)                                                                             \
+  static void block_values_##CH##_##GB##_##BF(const void* vh, int64_t v_row_stride, const int64_t* positions,   \
+                                              int64_t n, const float* p, const float* inv_sum, float* out) {    \
+    const int64_t size = BF ? 2 : 4;                                                                           \
     __m512 acc[GB][CH];                                                                                        \
     for (int g = 0; g < GB; ++g)                                                                               \
       for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();                                            \
     for (int64_t i = 0; i < n; ++i) {                                                                          \
-      const float* row = vh + (positions ? positions[i] : i) * v_row_stride;                                   \
+      const char* row = (const char*)vh + (positions ? positions[i] : i) * v_row_stride * size;                \
       if (i + ATTENTION_PREFETCH < n) {                                                                        \
         const int64_t ahead = i + ATTENTION_PREFETCH;                                                          \
-        const char* next = (const char*)(vh + (positions ? positions[ahead] : ahead) * v_row_stride);          \
-        for (int c = 0; c < CH; ++c) _mm_prefetch(next + 64 * c, _MM_HINT_T0);                                 \
+        const char* next = (const char*)vh + (positions ? positions[ahead] : ahead) * v_row_stride * size;     \
+        for (int64_t b = 0; b < 16 * CH * size; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);                 \
       }                                                                                                        \
       __m512 weight[GB];                                                                                       \
       for (int g = 0; g < GB; ++g) weight[g] = _mm512_set1_ps(p[g * n + i]);                                   \
       for (int c = 0; c < CH; ++c) {                                                                           \
-        const __m512 v = _mm512_loadu_ps(row + 16 * c);                                                        \
+        const __m512 v = row16(row, 16 * c, BF);                                                               \
         for (int g = 0; g < GB; ++g) acc[g][c] = _mm512_fmadd_ps(weight[g], v, acc[g][c]);                     \
       }                                                                                                        \
     }                                                                                                          \
@@ -1229,23 +1250,32 @@ static void fp32_softmax(float* scores, int64_t n, int64_t G, float* inv_sum) {
         _mm512_storeu_ps(out + g * 16 * CH + 16 * c,                                                           \
                          n ? _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])) : _mm512_set1_ps(NAN));      \
   }
-FP32_VALUES_FN(4, 4) FP32_VALUES_FN(4, 2) FP32_VALUES_FN(4, 1)
-FP32_VALUES_FN(8, 2) FP32_VALUES_FN(8, 1) FP32_VALUES_FN(16, 1)
+BLOCK_VALUES_FN(4, 4, 0) BLOCK_VALUES_FN(4, 2, 0) BLOCK_VALUES_FN(4, 1, 0)
+BLOCK_VALUES_FN(8, 2, 0) BLOCK_VALUES_FN(8, 1, 0) BLOCK_VALUES_FN(16, 1, 0)
+BLOCK_VALUES_FN(4, 4, 1) BLOCK_VALUES_FN(4, 2, 1) BLOCK_VALUES_FN(4, 1, 1)
+BLOCK_VALUES_FN(8, 2, 1) BLOCK_VALUES_FN(8, 1, 1) BLOCK_VALUES_FN(16, 1, 1)
 
-typedef void (*fp32_values_fn)(const float*, int64_t, const int64_t*, int64_t, const float*, const float*, float*);
+typedef void (*block_values_fn)(const void*, int64_t, const int64_t*, int64_t, const float*, const float*, float*);
 
-/* The widest `fp32_values` for D and at most `left` query heads (NULL: D is not 64, 128 or 256). */
-static fp32_values_fn fp32_values_for(int64_t D, int64_t left, int64_t* heads) {
+/* The widest `block_values` for D, bf16 or fp32 rows and at most `left` query heads (NULL: D is not 64, 128 or
+ * 256). */
+static block_values_fn block_values_for(int64_t D, int bf16, int64_t left, int64_t* heads) {
+  static const block_values_fn k64[2][3] = {{block_values_4_1_0, block_values_4_2_0, block_values_4_4_0},
+                                            {block_values_4_1_1, block_values_4_2_1, block_values_4_4_1}};
+  static const block_values_fn k128[2][2] = {{block_values_8_1_0, block_values_8_2_0},
+                                             {block_values_8_1_1, block_values_8_2_1}};
+  static const block_values_fn k256[2] = {block_values_16_1_0, block_values_16_1_1};
+  bf16 = bf16 != 0;
   *heads = 1;
   if (D == 64) {
     *heads = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    return *heads == 4 ? fp32_values_4_4 : *heads == 2 ? fp32_values_4_2 : fp32_values_4_1;
+    return k64[bf16][*heads == 4 ? 2 : *heads - 1];
   }
   if (D == 128) {
     *heads = left >= 2 ? 2 : 1;
-    return *heads == 2 ? fp32_values_8_2 : fp32_values_8_1;
+    return k128[bf16][*heads - 1];
   }
-  return D == 256 ? fp32_values_16_1 : NULL;
+  return D == 256 ? k256[bf16] : NULL;
 }
 #endif
 
@@ -1267,21 +1297,21 @@ static void softmax_rows(float* scores, int64_t n, int64_t G, float* inv_sum) {
 
 /* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
  * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
- * the same values); scores: G * n floats of work space; out [G, D] fp32. fp32 rows of D = 64, 128 or 256 on
- * AVX-512 take `fp32_scores` and `fp32_values` (the same sums, other code: the scores' lanes added in another
- * order); the rest one key at a time here. */
+ * the same values); scores: G * n floats of work space; out [G, D] fp32. Rows of D = 64, 128 or 256 on AVX-512
+ * take `block_scores` and `block_values` (the same sums, other code: the scores' lanes added in another order);
+ * the rest one key at a time here. */
 static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
                             int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
                             int64_t D, float scale, float* scores, float* out) {
   float inv_sum[ATTENTION_MAX_GROUP];
 #ifdef __AVX512F__
   int64_t heads;
-  if (!bf16 && fp32_values_for(D, G, &heads) != NULL) {
-    fp32_scores(qh, (const float*)kh, k_row_stride, positions, n, G, D, scale, scores);
+  if (block_values_for(D, bf16, G, &heads) != NULL) {
+    (bf16 ? block_scores_bf16 : block_scores_fp32)(qh, kh, k_row_stride, positions, n, G, D, scale, scores);
     fp32_softmax(scores, n, G, inv_sum);
     for (int64_t g = 0; g < G; g += heads)
-      fp32_values_for(D, G - g, &heads)((const float*)vh, v_row_stride, positions, n, scores + g * n,
-                                        inv_sum + g, out + g * D);
+      block_values_for(D, bf16, G - g, &heads)(vh, v_row_stride, positions, n, scores + g * n, inv_sum + g,
+                                               out + g * D);
     return;
   }
 #endif
