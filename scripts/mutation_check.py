@@ -1701,15 +1701,15 @@ MUTATIONS = [
     Mutation(
         "attention_scores_the_fourth_key_as_the_third", "omnimtp/runtime/kernels/small_batch_linear.c",
         "_mm512_setr_epi32(0, 4, 8, 12, 0, 0,", "_mm512_setr_epi32(0, 4, 8, 8, 0, 0,",
-        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code gives every fourth key the score of the one "
-        "before",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code gives every fourth key the score "
+        "of the one before",
     ),
     Mutation(
         "attention_weighs_the_key_before", "omnimtp/runtime/kernels/small_batch_linear.c",
         "const char* row = (const char*)vh + (positions ? positions[i] : i) * v_row_stride * size;",
         "const char* row = (const char*)vh + (positions ? positions[i] : i ? i - 1 : 0) * v_row_stride * size;",
-        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code weighs each key's probability on the value "
-        "before",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code weighs each key's probability on "
+        "the value before",
     ),
     Mutation(
         "bf16_attention_rows_widened_wrong", "omnimtp/runtime/kernels/small_batch_linear.c",
