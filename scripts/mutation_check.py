@@ -1723,8 +1723,8 @@ MUTATIONS = [
     ),
     Mutation(
         "w4a8_step_quantizes_every_row_as_the_first", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "    const int64_t m = t / groups, g = t % groups;\n    w4a8_quantize_group(",
-        "    const int64_t m = 0, g = t % groups;\n    w4a8_quantize_group(",
+        "const int64_t r = t / groups_i, g = t % groups_i, i0 = g * group_i;",
+        "const int64_t r = 0, g = t % groups_i, i0 = g * group_i;",
         ("tests/test_w4a8_step.py",), "the native step's down projection reads row 0's activations for every row",
     ),
     Mutation(

@@ -1441,25 +1441,10 @@ static void step_quantize(const float* x, int64_t R, int64_t K, int64_t group, i
   }
 }
 
-/* `step_quantize` with the (row, group) pairs shared by the team's threads (an orphaned `omp for`; groups of
- * several lie in whole words, so no two threads write one word): the same bytes, sums and scales. */
-static void step_quantize_shared(const float* x, int64_t R, int64_t K, int64_t group, int8_t* xq, int32_t* xsum,
-                                 float* xscale) {
-  const int64_t groups = K / group, kw = 8 * ((K + 7) / 8);
-#pragma omp for schedule(static)
-  for (int64_t t = 0; t < R * groups; ++t) {
-    const int64_t m = t / groups, g = t % groups;
-    w4a8_quantize_group(x + m * K + g * group, group, g * group, xq + m * kw, xsum + m * groups + g,
-                        xscale + m * groups + g);
-    for (int64_t k = K; g == groups - 1 && k < kw; ++k) xq[m * kw + (k & ~7) + kSlot[k & 7]] = 0;
-  }
-}
-
-#define STEP_SILU_CHUNK 256 /* inputs of silu(gate) * up a work item: fixed, so a value does not depend on threads */
-
 /* out[i] = silu(gate[i]) * up[i] for i in i0..i1-1: gate * sigmoid(gate), the sigmoid from e = exp(-|gate|) (1 / (1 +
  * e), or e / (1 + e) for a negative gate), 16 lanes at a time on AVX-512 (libm's expf one value at a time was most
- * of a layer's work outside its matmuls, on one thread while the other waited); the rest with expf. */
+ * of a layer's work outside its matmuls, on one thread while the other waited); the rest with expf. The step runs
+ * it a quantization group at a time, so a value's code (vector or not) depends on the group size alone. */
 static void step_silu_mul(const float* gate, const float* up, int64_t i0, int64_t i1, float* out) {
   int64_t i = i0;
 #ifdef __AVX512F__
@@ -1503,6 +1488,7 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
   if (vnni < 0) vnni = has_vnni();
   else if (vnni && !has_vnni()) return -2;
   const int64_t G = Nq / Nkv, heads = Nq + 2 * Nkv, Nqkv = heads * D, half = D / 2;
+  const int64_t groups_i = I / group_i, kw_i = 8 * ((I + 7) / 8); /* the down projection's input groups */
   int64_t widest = H > Nq * D ? H : Nq * D;
   widest = widest > I ? widest : I;
   const int64_t out_width = H > 2 * I ? H : 2 * I, span = num_keys > 0 ? num_keys : 1;
@@ -1583,14 +1569,14 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
       step_quantize(normed, R, H, group_h, xq, xsum, xscale);
     }
     step_matmul(xq, xsum, xscale, w[9], w[10], out, R, H, 2 * I, group_h, vnni);
-    const int64_t silu_chunks = (I + STEP_SILU_CHUNK - 1) / STEP_SILU_CHUNK;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < R * silu_chunks; ++t) {
-      const int64_t r = t / silu_chunks, i0 = t % silu_chunks * STEP_SILU_CHUNK;
-      step_silu_mul(out + r * 2 * I, out + r * 2 * I + I, i0, i0 + STEP_SILU_CHUNK < I ? i0 + STEP_SILU_CHUNK : I,
-                    normed + r * I);
+    for (int64_t t = 0; t < R * groups_i; ++t) { /* silu(gate) * up of a (row, group) pair, then its quantization */
+      const int64_t r = t / groups_i, g = t % groups_i, i0 = g * group_i;
+      step_silu_mul(out + r * 2 * I, out + r * 2 * I + I, i0, i0 + group_i, normed + r * I);
+      w4a8_quantize_group(normed + r * I + i0, group_i, i0, xq + r * kw_i, xsum + r * groups_i + g,
+                          xscale + r * groups_i + g);
+      for (int64_t k = I; g == groups_i - 1 && k < kw_i; ++k) xq[r * kw_i + (k & ~7) + kSlot[k & 7]] = 0;
     }
-    step_quantize_shared(normed, R, I, group_i, xq, xsum, xscale);
     step_matmul(xq, xsum, xscale, w[11], w[12], out, R, I, H, group_i, vnni);
 #pragma omp single
     for (int64_t i = 0; i < R * H; ++i) x[i] += out[i];
