@@ -11,7 +11,8 @@ whose native step is timed alternately with this checkout's in the same process 
 `--cpu-time --threads 1`: CPU seconds instead of wall time, for a box busy with other jobs (where a thread waits
 its turn for a core; two threads spin at each other's barriers). Writes JSON.
 
-    python benchmarks/decode_step_parts.py [--keys 870] [--rounds 20] [--baseline old.c] [--out parts.json]
+    python benchmarks/decode_step_parts.py [--keys 870] [--rounds 20] [--baseline old.c] [--cpu-time --threads 1] \\
+        [--out parts.json]
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="another kernel source whose native step is timed alternately")
     parser.add_argument("--cpu-time", action="store_true",
                         help="the process's CPU time, not wall time (on a box shared with other jobs; one thread)")
+    parser.add_argument("--quick", action="store_true", help="a 64 MB read probe instead of 512 MB")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.cpu_time:
@@ -115,7 +117,7 @@ def main() -> None:
         CLOCK = time.process_time
     if not sbl.available():
         raise SystemExit(f"the kernel is not available: {sbl.unavailable_reason()}")
-    floors = machine_floors(args.threads, quick=False)
+    floors = machine_floors(args.threads, quick=args.quick)
     torch.set_num_threads(args.threads)
     bandwidth = floors["read_gb_s"] * 1e9
     H, Nq, Nkv, D, L = args.hidden, args.heads, args.kv_heads, args.head_dim, args.layers
@@ -160,6 +162,7 @@ def main() -> None:
             cos.data_ptr(), sin.data_ptr(), one, column, args.keys, None, *strides, None, 0, D**-0.5,
             args.threads, -1)
         assert status == 0, status
+        return rows
 
     step_bytes = layer_bytes + L * 2 * Nkv * args.keys * D * 4
     record("native step", median_ms(lambda: native(sbl._library()), args.rounds), step_bytes)
@@ -178,8 +181,11 @@ def main() -> None:
             old.append(median_ms(lambda: native(other), 3))
             new.append(median_ms(lambda: native(sbl._library()), 3))
         old_ms, new_ms = sorted(old)[len(old) // 2], sorted(new)[len(new) // 2]
-        result["native_step_alternated"] = {"baseline_ms": old_ms, "this_ms": new_ms, "ratio": old_ms / new_ms}
-        print(f"native step alternated: baseline {old_ms:.3f} ms, this {new_ms:.3f} ms, ratio {old_ms / new_ms:.3f}")
+        difference = float((native(other) - native(sbl._library())).abs().max())  # the same cache: the same inputs
+        result["native_step_alternated"] = {"baseline_ms": old_ms, "this_ms": new_ms, "ratio": old_ms / new_ms,
+                                            "max_abs_difference": difference}
+        print(f"native step alternated: baseline {old_ms:.3f} ms, this {new_ms:.3f} ms, ratio {old_ms / new_ms:.3f}; "
+              f"outputs differ by at most {difference:.3g}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -1,6 +1,7 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
 benchmarks/speech_decoder.py,
-benchmarks/decode_attention.py, benchmarks/moe_experts.py, benchmarks/many_row_linear.py and
+benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/moe_experts.py,
+benchmarks/many_row_linear.py and
 benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
@@ -166,6 +167,27 @@ def test_decode_attention_quick_run_reports_every_length(tmp_path):
         for entry in results["lengths"].values():
             assert entry["max_rel_error"] < (1e-5 if dtype == "float32" else 2**-7) and entry["floor_us"] > 0
             assert min(entry[f"{name}_{state}_us"] for name in ("sdpa", "ours") for state in ("cold", "warm")) > 0
+
+
+def test_decode_step_parts_quick_run_reports_every_part(tmp_path):
+    """benchmarks/decode_step_parts.py at tiny widths: every part timed with its floor, and the native step alternated
+    with a second build of this checkout's source, whose outputs on the same cache are the same bits."""
+    from omnimtp.runtime.kernels import small_batch_linear
+
+    if not small_batch_linear.available():
+        pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
+    out = tmp_path / "parts.json"
+    _run(["benchmarks/decode_step_parts.py", "--quick", "--layers", "2", "--hidden", "128", "--heads", "4",
+          "--kv-heads", "2", "--head-dim", "64", "--intermediate", "256", "--vocab", "300", "--keys", "21",
+          "--capacity", "32", "--rounds", "3", "--threads", "1", "--cpu-time",
+          "--baseline", "omnimtp/runtime/kernels/small_batch_linear.c", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["clock"] == "process_time"
+    assert set(results["parts"]) == {"w4a8 qkv x2", "w4a8 o x2", "w4a8 gate_up x2", "w4a8 down x2", "attention x2",
+                                     "native step", "head (int8)", "argmax"}
+    assert all(part["ms"] > 0 and part["floor_ms"] > 0 for part in results["parts"].values())
+    alternated = results["native_step_alternated"]
+    assert alternated["ratio"] > 0 and alternated["max_abs_difference"] == 0.0
 
 
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():
