@@ -1056,10 +1056,11 @@ void omnimtp_quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* q, 
 #define ATTENTION_MAX_D 256
 #define ATTENTION_MAX_GROUP 16
 
-/* exp(x) for x <= 0 (a score minus its row's maximum) in plain arithmetic the compiler vectorizes (libm's expf
- * is one call per score: a third of the step at 8 query heads a key head). Cephes' expf: x = n ln 2 + r with
- * |r| <= ln 2 / 2, a degree-6 polynomial in r, times 2^n; within 1 ulp of expf over [-87, 0]. Below -87 (where 2^n leaves
- * the normal range) it gives exp(-87) ~ 1.6e-38, nothing next to the maximum's 1. */
+/* exp(x) for x <= 0 (a score minus its row's maximum) in plain arithmetic (libm's expf is one call per score: a
+ * third of the step at 8 query heads a key head; gcc keeps this loop scalar too, so the AVX-512 code has its own
+ * 16-lane form, `exp_nonpositive16`). Cephes' expf: x = n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial in
+ * r, times 2^n; within 1 ulp of expf over [-87, 0]. Below -87 (where 2^n leaves the normal range) it gives exp(-87)
+ * ~ 1.6e-38, nothing next to the maximum's 1. */
 static inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = floorf(x * 1.44269504088896341f + 0.5f);
@@ -1452,7 +1453,8 @@ static void step_silu_mul(const float* gate, const float* up, int64_t i0, int64_
   const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
   for (; i + 16 <= i1; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign))); /* exp(-|g|) */
+    const __m512 minus_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+    const __m512 e = exp_nonpositive16(minus_abs);
     const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
     const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
