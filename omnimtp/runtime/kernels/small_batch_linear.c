@@ -1411,8 +1411,10 @@ int omnimtp_decode_attention(const void* q, const void* k, const void* v, const 
  * same alone and in any batch.
  *
  * x [R, H] holds the step's input embeddings and gets the last layer's output (before the final norm).
+ * kv_bf16: the cache holds bf16 (each new key and value rounded to nearest, ties to even, as torch's conversion;
+ * attention widens the rows as it reads them, its arithmetic in fp32), else fp32; strides stay in elements.
  * weights: STEP_WEIGHTS pointers a layer (see below; 0 for an absent bias or qk_norm); kv: the layer's keys and
- * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in floats; row r writes its
+ * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in elements; row r writes its
  * key and value at slot slots[r], column columns[r], and attends to columns 0..n-1 of its slot (n = row_keys[r],
  * or num_keys for every row when row_keys is NULL), those with a nonzero byte in mask (row r's at mask + r *
  * mask_row_stride) when mask is not NULL. Every row's key and value are written before any row attends, so
@@ -1484,13 +1486,14 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
                              const int64_t* slots, const int64_t* columns, int64_t num_keys,
                              const int64_t* row_keys, int64_t slot_stride,
                              int64_t head_stride, int64_t column_stride, const uint8_t* mask, int64_t mask_row_stride,
-                             float scale, int num_threads, int vnni) {
+                             float scale, int num_threads, int vnni, int kv_bf16) {
   if (D > ATTENTION_MAX_D || D % 2 || Nkv < 1 || Nq % Nkv || Nq / Nkv > ATTENTION_MAX_GROUP) return -2;
   if (!step_group_ok(H, group_h) || !step_group_ok(Nq * D, group_o) || !step_group_ok(I, group_i)) return -3;
   if (vnni < 0) vnni = has_vnni();
   else if (vnni && !has_vnni()) return -2;
   const int64_t G = Nq / Nkv, heads = Nq + 2 * Nkv, Nqkv = heads * D, half = D / 2;
   const int64_t groups_i = I / group_i, kw_i = 8 * ((I + 7) / 8); /* the down projection's input groups */
+  const int64_t kv_size = kv_bf16 ? 2 : 4; /* bytes a cached value */
   int64_t widest = H > Nq * D ? H : Nq * D;
   widest = widest > I ? widest : I;
   const int64_t out_width = H > 2 * I ? H : 2 * I, span = num_keys > 0 ? num_keys : 1;
@@ -1518,8 +1521,8 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
 #pragma omp parallel num_threads(threads) if (threads > 1)
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* w = weights + l * STEP_WEIGHTS;
-    float* keys = (float*)(intptr_t)kv[2 * l];
-    float* values = (float*)(intptr_t)kv[2 * l + 1];
+    char* keys = (char*)(intptr_t)kv[2 * l];
+    char* values = (char*)(intptr_t)kv[2 * l + 1];
     const float* qkv_bias = (const float*)(intptr_t)w[3];
     const float* qk_norm = (const float*)(intptr_t)w[4];
     const float* o_bias = (const float*)(intptr_t)w[7];
@@ -1545,17 +1548,20 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
       }
       if (h >= Nq) {
         const int64_t kv_head = h < Nq + Nkv ? h - Nq : h - Nq - Nkv;
-        float* cache = (h < Nq + Nkv ? keys : values) + slots[r] * slot_stride + kv_head * head_stride +
-                       columns[r] * column_stride;
-        memcpy(cache, v, sizeof(float) * (size_t)D);
+        char* cache = (h < Nq + Nkv ? keys : values) +
+                      (slots[r] * slot_stride + kv_head * head_stride + columns[r] * column_stride) * kv_size;
+        if (kv_bf16)
+          for (int64_t d = 0; d < D; ++d) ((uint16_t*)cache)[d] = float_to_bf16(v[d]);
+        else
+          memcpy(cache, v, sizeof(float) * (size_t)D);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < R * Nkv; ++t) {
       const int64_t r = t / Nkv, h = t % Nkv;
-      attend_one_head(qkv + r * Nqkv + h * G * D, keys + slots[r] * slot_stride + h * head_stride,
-                      values + slots[r] * slot_stride + h * head_stride, column_stride, column_stride, 0,
-                      mask ? positions + r * span : NULL, counts[r], G, D, scale, work + t * G * span,
+      attend_one_head(qkv + r * Nqkv + h * G * D, keys + (slots[r] * slot_stride + h * head_stride) * kv_size,
+                      values + (slots[r] * slot_stride + h * head_stride) * kv_size, column_stride, column_stride,
+                      kv_bf16, mask ? positions + r * span : NULL, counts[r], G, D, scale, work + t * G * span,
                       attn + r * Nq * D + h * G * D);
     }
 #pragma omp single
