@@ -137,6 +137,8 @@ def test_a_bf16_kv_cache_transcribes_alone_as_in_a_batch_near_the_fp32_cache(fam
     for bad, kwargs in (("float16", {"quantize": "w4a8"}), ("bfloat16", {})):
         with pytest.raises(ValueError, match="kv_dtype"):
             Qwen3ASRFamily(family.model, family.tokenizer, kv_dtype=bad, **kwargs)
+    pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="w4a8", kv_dtype="bfloat16", max_new_tokens=4)
+    assert pipe.family.thinker_decoder.kv_dtype == torch.bfloat16
 
 
 def test_the_released_layout_round_trips(family, tmp_path):
