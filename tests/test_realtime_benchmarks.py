@@ -284,7 +284,7 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
     timed and next to its floor."""
     out = tmp_path / "asr.json"
     has_reference = importlib.util.find_spec("qwen_asr") is not None
-    modes = ["fp32", "w4a8"] + (["w4a8+w8a8"] if many_row_mode_reason("cpu") is None else [])
+    modes = ["fp32", "w4a8", "w4a8+w8a8+bf16kv" if many_row_mode_reason("cpu") is None else "w4a8+bf16kv"]
     command = ["benchmarks/asr_speed.py", "--quick", "--threads", "1", "--modes", *modes, "--out", str(out)]
     if not has_reference:
         command.append("--no-reference")
