@@ -134,7 +134,7 @@ def test_a_bf16_kv_cache_transcribes_alone_as_in_a_batch_near_the_fp32_cache(fam
     alone = [_run(bf16_cache, [request])[0] for request in make()]
     assert _run(bf16_cache, make()) == alone
     assert [ids[0] for ids in alone] == [ids[0] for ids in _run(fp32_cache, make())]
-    for bad, kwargs in (("float16", {"quantize": "w4a8"}), ("bfloat16", {})):
+    for bad, kwargs in (("float16", {"quantize": "w4a8"}), ("bfloat16", {}), ("bfloat16", {"quantize": "int8"})):
         with pytest.raises(ValueError, match="kv_dtype"):
             Qwen3ASRFamily(family.model, family.tokenizer, kv_dtype=bad, **kwargs)
     pipe = OmniPipeline.from_pretrained("tiny-asr", quantize="w4a8", kv_dtype="bfloat16", max_new_tokens=4)

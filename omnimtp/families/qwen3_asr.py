@@ -175,8 +175,8 @@ class Qwen3ASRFamily(ChatText):
     GEMMs ("w8a8": int8 weights per channel, each row quantized to int8), the decode steps as `quantize` says;
     ValueError naming int8_compute where oneDNN's int8 GEMM does not run exactly (no AVX512-VNNI) or with
     `stored` (it quantizes the float matrices). kv_dtype: None (the KV cache in the decoder's fp32) or "bfloat16"
-    with `quantize` (each key and value rounded to bf16 as it is written, read back widened: half the bytes a
-    decode step reads from the cache; `PackedDecoder.with_kv_dtype`)."""
+    with quantize="w4a8" (each key and value rounded to bf16 as it is written, read back widened by the native
+    decode step: half the bytes a step reads from the cache; `PackedDecoder.with_kv_dtype`)."""
 
     model_type = "qwen3_asr"
     decoder_paths = ("thinker.model",)  # the packed (and quantized) decoder
@@ -205,8 +205,10 @@ class Qwen3ASRFamily(ChatText):
                                  "load the float checkpoint with quantize=")
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-        if kv_dtype is not None and quantize is None:
-            raise ValueError(f"kv_dtype={kv_dtype!r}: a bf16 KV cache is part of the quantized modes (set quantize)")
+        if kv_dtype is not None and quantize != "w4a8":
+            # the w4a8 native step reads the bf16 rows as they are; the op-by-op layers widen the whole cache a step
+            raise ValueError(f"kv_dtype={kv_dtype!r}: a bf16 KV cache is part of quantize=\"w4a8\" only, got "
+                             f"quantize={quantize!r}")
         self.model = model.eval()
         self.quantize = quantize
         self.int8_compute = int8_compute
