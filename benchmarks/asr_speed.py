@@ -6,7 +6,8 @@ Each side runs in a fresh process, one after another, so at most one model is in
 process's peak RSS is its own:
 
 - ours, per `--modes` (w4a8 by default; fp32 and the other quantized modes; a mode with "+w8a8", e.g. "w4a8+w8a8":
-  that mode with `int8_compute`, the audio encoder, the prefill and the aligner's forward on int8 GEMMs): the
+  that mode with `int8_compute`, the audio encoder, the prefill and the aligner's forward on int8 GEMMs; "+bf16kv",
+  e.g. "w4a8+w8a8+bf16kv": the ASR's KV cache in bf16, `kv_dtype="bfloat16"`): the
   transcription of `--seconds` of audio as `OmniPipeline.transcribe` runs it (one engine core, greedy, `--tokens`
   reply tokens: random weights rarely end on their own), each engine step timed: the features and prompt, the first
   step (the audio encoder, the prefill and a token; the encoder alone too) and the decode steps; the real-time
@@ -100,7 +101,8 @@ def _processor(config: dict, tokenizer=None):
     return ASRProcessor(extractor, tokenizer or asr_byte_tokenizer())
 
 
-MODES = ("fp32", "int8", "int4", "w4a8", "fp32+w8a8", "int8+w8a8", "int4+w8a8", "w4a8+w8a8")
+MODES = ("fp32", "int8", "int4", "w4a8", "fp32+w8a8", "int8+w8a8", "int4+w8a8", "w4a8+w8a8", "w4a8+bf16kv",
+         "w4a8+w8a8+bf16kv")
 BPE_VOCAB_SIZE = 32768
 
 
@@ -203,8 +205,8 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     from omnimtp.models.qwen3_asr import asr_byte_tokenizer
 
     torch.set_num_threads(threads)
-    quantize, int8_compute = mode_options(mode)
-    entry = _measure_asr(mode, quantize, int8_compute, seconds, tokens, quick, machine)
+    quantize, int8_compute, kv_dtype = mode_options(mode)
+    entry = _measure_asr(mode, quantize, int8_compute, seconds, tokens, quick, machine, kv_dtype)
     gc.collect()  # the ASR's weights are gone before the aligner's are made: one model at a time
     limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
     samples = _audio(seconds)
@@ -227,11 +229,11 @@ def run_ours(mode: str, seconds: float, tokens: int, words: int, threads: int, q
     return entry
 
 
-def mode_options(mode: str) -> tuple[str | None, bool]:
-    """A `--modes` value → (quantize, int8_compute): "fp32" → (None, False), "w4a8" → ("w4a8", False), "w4a8+w8a8"
-    → ("w4a8", True)."""
-    base, _, extra = mode.partition("+")
-    return (None if base == "fp32" else base), extra == "w8a8"
+def mode_options(mode: str) -> tuple[str | None, bool, str | None]:
+    """A `--modes` value → (quantize, int8_compute, kv_dtype): "fp32" → (None, False, None), "w4a8" → ("w4a8",
+    False, None), "w4a8+w8a8" → ("w4a8", True, None), "w4a8+w8a8+bf16kv" → ("w4a8", True, "bfloat16")."""
+    base, *extras = mode.split("+")
+    return (None if base == "fp32" else base), "w8a8" in extras, "bfloat16" if "bf16kv" in extras else None
 
 
 def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | None, int8_compute: bool,
@@ -320,7 +322,7 @@ _GEMM_RATES: dict[str, float] = {}
 
 
 def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: float, tokens: int, quick: bool,
-                 machine: dict) -> dict:
+                 machine: dict, kv_dtype: str | None = None) -> dict:
     from omnimtp.engine.core import EngineCore
     from omnimtp.engine.request import Request
     from omnimtp.families.qwen3_asr import Qwen3ASRFamily
@@ -330,7 +332,8 @@ def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: f
     from omnimtp.thinker import multimodal_prefill
 
     started = time.perf_counter()
-    family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize, int8_compute=int8_compute)
+    family = Qwen3ASRFamily(_model(False, quick), asr_byte_tokenizer(), quantize=quantize, int8_compute=int8_compute,
+                            kv_dtype=kv_dtype)
     load_s = time.perf_counter() - started
     limits = MediaLimits(max_audio_seconds=max(seconds, 1.0) + 1)
     pipe = OmniPipeline(family=family, max_new_tokens=tokens, media_limits=limits)
@@ -373,8 +376,8 @@ def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: f
                   else sum(t.numel() * t.element_size() for t in (head.packed, head.scales)))
     # and the keys and values each step reads: the prompt's and half the reply's positions on average
     decoder = family.thinker_decoder
-    kv_bytes = (2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim * decoder.dtype.itemsize
-                * (len(ids) + tokens / 2))
+    kv_bytes = (2 * decoder.num_layers * decoder.num_kv_heads * decoder.head_dim
+                * (decoder.kv_dtype or decoder.dtype).itemsize * (len(ids) + tokens / 2))
     step_floor_s = (weight_bytes + head_bytes + kv_bytes) / (machine["read_gb_s"] * 1e9)
     linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
     encoder_floor_s = encoder_flops / (_encoder_peak(quantize, int8_compute, machine) * 1e9)

@@ -258,9 +258,9 @@ class OmniPipeline:
         codec_dtype = kwargs.pop("codec_dtype", None)
         kwargs = {"max_new_tokens": TINY_MAX_NEW_TOKENS, "max_frames": TINY_MAX_FRAMES, **kwargs}
         if family == "qwen3_asr":
-            int8_compute = kwargs.pop("int8_compute", False)
+            int8_compute, kv_dtype = kwargs.pop("int8_compute", False), kwargs.pop("kv_dtype", None)
             return cls(family=family_class("qwen3_asr").tiny(seed, device=device, quantize=quantize,
-                                                             int8_compute=int8_compute), **kwargs)
+                                                             int8_compute=int8_compute, kv_dtype=kv_dtype), **kwargs)
         if family == "qwen3_tts":
             return cls(family=family_class("qwen3_tts").tiny(seed, tts_model_type, device=device, quantize=quantize,
                                                              codec_dtype=codec_dtype), **kwargs)
@@ -291,8 +291,8 @@ class OmniPipeline:
         model_type picks the family ("qwen3_omni_moe": Qwen3-Omni,
         "qwen2_5_omni": Qwen2.5-Omni, whose speakers are its spk_dict.pt; "qwen3_tts": Qwen3-TTS in its released
         layout, `Qwen3TTSFamily.from_pretrained`, which also takes non_streaming_mode and codec_dtype; "qwen3_asr":
-        Qwen3-ASR in its released layout, `Qwen3ASRFamily.from_pretrained`, which also takes quantize and
-        int8_compute); its
+        Qwen3-ASR in its released layout, `Qwen3ASRFamily.from_pretrained`, which also takes quantize,
+        int8_compute and kv_dtype); its
         tokenizer and its processor (audio and images, `omnimtp.media.load_processor`), when it has them; the
         default caps a saved pipeline wrote (`omnimtp.checkpoint.CAPS_FILE`) unless kwargs give them."""
         import transformers
@@ -314,9 +314,10 @@ class OmniPipeline:
             quantized = load_quantized_model(path, kwargs.get("quantize"), dtype=dtype)
         if model_type == "qwen3_asr":
             quantize, int8_compute = kwargs.pop("quantize", None), kwargs.pop("int8_compute", False)
+            kv_dtype = kwargs.pop("kv_dtype", None)
             return cls(family=family_class(model_type).from_pretrained(
-                path, dtype=dtype, device=device, quantize=quantize, quantized=quantized, int8_compute=int8_compute),
-                **kwargs)
+                path, dtype=dtype, device=device, quantize=quantize, quantized=quantized, int8_compute=int8_compute,
+                kv_dtype=kv_dtype), **kwargs)
         if model_type == "qwen3_tts":
             family_options = {
                 name: kwargs.pop(name)

@@ -1694,6 +1694,58 @@ MUTATIONS = [
         ("tests/test_small_batch_linear.py",), "the attention kernel's softmax overflows on large scores",
     ),
     Mutation(
+        "vector_softmax_keeps_the_maximum_in", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), vtop))",
+        "exp_nonpositive16(_mm512_maskz_loadu_ps(m, sg + i))",
+        ("tests/test_small_batch_linear.py",), "the fp32 attention's vector softmax overflows on large scores",
+    ),
+    Mutation(
+        "attention_scores_the_fourth_key_as_the_third", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_setr_epi32(0, 4, 8, 12, 0, 0,", "_mm512_setr_epi32(0, 4, 8, 8, 0, 0,",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code gives every fourth key the score "
+        "of the one before",
+    ),
+    Mutation(
+        "attention_weighs_the_key_before", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "const char* row = (const char*)vh + (positions ? positions[i] : i) * v_row_stride * size;",
+        "const char* row = (const char*)vh + (positions ? positions[i] : i ? i - 1 : 0) * v_row_stride * size;",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code weighs each key's probability on "
+        "the value before",
+    ),
+    Mutation(
+        "bf16_attention_rows_widened_wrong", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)", "_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 15)",
+        ("tests/test_small_batch_linear.py",), "the attention's AVX-512 code widens a bf16 key or value row wrongly",
+    ),
+    Mutation(
+        "bf16_kv_cache_stays_fp32", "omnimtp/runtime/kv_cache.py",
+        'dtype=getattr(decoder, "kv_dtype", None) or decoder.dtype,', "dtype=decoder.dtype,",
+        ("tests/test_w4a8_step.py",), "a decoder with kv_dtype bf16 still gets an fp32 KV cache",
+    ),
+    Mutation(
+        "bf16_kv_native_step_skips_the_write", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "for (int64_t d = 0; d < D; ++d) ((uint16_t*)cache)[d] = float_to_bf16(v[d]);",
+        "for (int64_t d = 0; d < 0; ++d) ((uint16_t*)cache)[d] = float_to_bf16(v[d]);",
+        ("tests/test_w4a8_step.py",), "the native step leaves a bf16 cache's new key and value unwritten",
+    ),
+    Mutation(
+        "asr_kv_dtype_ignored", "omnimtp/families/qwen3_asr.py",
+        ".with_kv_dtype(kv_dtype and getattr(torch, kv_dtype))", ".with_kv_dtype(None)",
+        ("tests/test_qwen3_asr.py::test_a_bf16_kv_cache_transcribes_alone_as_in_a_batch_near_the_fp32_cache",),
+        "Qwen3-ASR's kv_dtype=\"bfloat16\" leaves the cache in fp32",
+    ),
+    Mutation(
+        "w4a8_step_silu_of_a_negative_gate", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "_mm512_mask_mul_ps(inv, negative, e, inv);", "inv;",
+        ("tests/test_w4a8_step.py",), "the native step's vector SiLU takes sigmoid(|gate|) for a negative gate",
+    ),
+    Mutation(
+        "w4a8_step_quantizes_every_row_as_the_first", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "const int64_t r = t / groups_i, g = t % groups_i, i0 = g * group_i;",
+        "const int64_t r = 0, g = t % groups_i, i0 = g * group_i;",
+        ("tests/test_w4a8_step.py",), "the native step's down projection reads row 0's activations for every row",
+    ),
+    Mutation(
         "decode_attention_drops_the_last_value", "omnimtp/runtime/kernels/small_batch_linear.c",
         "  for (int64_t i = 0; i < n; ++i) {\n    const float* row = row_as_float(vh,",
         "  for (int64_t i = 0; i < n - 1; ++i) {\n    const float* row = row_as_float(vh,",
@@ -2387,8 +2439,8 @@ MUTATIONS = [
     ),
     Mutation(
         "w4a8_step_caches_every_row_at_the_first_rows_column", "omnimtp/runtime/kernels/small_batch_linear.c",
-        "                       columns[r] * column_stride;",
-        "                       columns[0] * column_stride;",
+        "kv_head * head_stride + columns[r] * column_stride) * kv_size;",
+        "kv_head * head_stride + columns[0] * column_stride) * kv_size;",
         ("tests/test_w4a8_step.py",), "the native w4a8 decode step writes every row's key and value at row 0's column",
     ),
     Mutation(

@@ -1,6 +1,7 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
 benchmarks/speech_decoder.py,
-benchmarks/decode_attention.py, benchmarks/many_row_attention.py, benchmarks/moe_experts.py,
+benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
+benchmarks/moe_experts.py,
 benchmarks/many_row_linear.py and
 benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
@@ -189,6 +190,27 @@ def test_many_row_attention_quick_run_reports_both_masks_and_the_aligners_error(
     assert errors["int8_compute"] != errors["int8_compute_sdpa"]  # the kernel ran in the second
 
 
+def test_decode_step_parts_quick_run_reports_every_part(tmp_path):
+    """benchmarks/decode_step_parts.py at tiny widths: every part timed with its floor, and the native step alternated
+    with a second build of this checkout's source, whose outputs on the same cache are the same bits."""
+    from omnimtp.runtime.kernels import small_batch_linear
+
+    if not small_batch_linear.available():
+        pytest.skip(f"kernel unavailable: {small_batch_linear.unavailable_reason()}")
+    out = tmp_path / "parts.json"
+    _run(["benchmarks/decode_step_parts.py", "--quick", "--layers", "2", "--hidden", "128", "--heads", "4",
+          "--kv-heads", "2", "--head-dim", "64", "--intermediate", "256", "--vocab", "300", "--keys", "21",
+          "--capacity", "32", "--rounds", "3", "--threads", "1", "--cpu-time",
+          "--baseline", "omnimtp/runtime/kernels/small_batch_linear.c", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["clock"] == "process_time"
+    assert set(results["parts"]) == {"w4a8 qkv x2", "w4a8 o x2", "w4a8 gate_up x2", "w4a8 down x2", "attention x2",
+                                     "native step", "head (int8)", "argmax"}
+    assert all(part["ms"] > 0 and part["floor_ms"] > 0 for part in results["parts"].values())
+    alternated = results["native_step_alternated"]
+    assert alternated["ratio"] > 0 and alternated["max_abs_difference"] == 0.0
+
+
 def test_floors_count_every_multiply_add_of_a_quantized_matrix():
     """A quantized matrix does as many multiply-adds a row as its float form (int4 packs 8 inputs to a word)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -284,7 +306,7 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
     timed and next to its floor."""
     out = tmp_path / "asr.json"
     has_reference = importlib.util.find_spec("qwen_asr") is not None
-    modes = ["fp32", "w4a8"] + (["w4a8+w8a8"] if many_row_mode_reason("cpu") is None else [])
+    modes = ["fp32", "w4a8", "w4a8+w8a8+bf16kv" if many_row_mode_reason("cpu") is None else "w4a8+bf16kv"]
     command = ["benchmarks/asr_speed.py", "--quick", "--threads", "1", "--modes", *modes, "--out", str(out)]
     if not has_reference:
         command.append("--no-reference")

@@ -119,11 +119,13 @@ def _cache_views(num_kv_heads: int, length: int, head_dim: int, capacity: int, s
 
 @needs_kernel
 @settings(max_examples=40, deadline=None)
-@given(num_kv_heads=st.integers(1, 8), group=st.sampled_from([1, 2, 4, 16]),
+@given(num_kv_heads=st.integers(1, 8), group=st.sampled_from([1, 2, 3, 4, 7, 16]),
        head_dim=st.sampled_from([8, 16, 64, 128, 256]), length=st.integers(1, 300), seed=st.integers(0, 99))
 def test_decode_attention_equals_sdpa_up_to_rounding(num_kv_heads, group, head_dim, length, seed):
-    """Every group size, head width and length (one key included), on a cache's strided views: SDPA's values
-    (transformers' grouped-query attention) up to fp32 rounding, the inputs untouched."""
+    """Every group size (odd ones too: the query heads in register blocks of 4, 2 and 1), head width (64, 128 and
+    256 on the AVX-512 code, the others one key at a time) and length (one key included; lengths that are not a
+    multiple of 4 or 16 leave partial blocks), on a cache's strided views: SDPA's values (transformers'
+    grouped-query attention) up to fp32 rounding, the inputs untouched."""
     keys, values = _cache_views(num_kv_heads, length, head_dim, length + 7, seed)
     query = torch.randn(num_kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     before = [t.clone() for t in (query, keys, values)]
@@ -151,10 +153,13 @@ def test_decode_attention_is_the_same_on_any_thread_count_and_survives_large_sco
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one_thread, two_threads)
-    out = sbl.decode_attention(query, keys, values, 100.0)
-    expected = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=100.0, enable_gqa=True)
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, expected.reshape(-1), rtol=1e-4, atol=1e-4)
+    for head_dim in (128, 96):  # the AVX-512 code's width and one of the code that takes a key at a time
+        keys, values = _cache_views(4, 333, head_dim, 400, seed=3)
+        query = torch.randn(8, head_dim, generator=torch.Generator().manual_seed(4))
+        out = sbl.decode_attention(query, keys, values, 100.0)
+        expected = F.scaled_dot_product_attention(query[None, :, None], keys, values, scale=100.0, enable_gqa=True)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, expected.reshape(-1), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="head_dim 512"):
         sbl.decode_attention(torch.randn(2, 512), *_cache_views(1, 5, 512, 5, seed=0), 1.0)
     with pytest.raises(ValueError, match="32 query heads over 1"):

@@ -86,6 +86,33 @@ def test_a_row_is_the_same_alone_as_in_any_batch_and_on_any_thread_count():
     assert torch.equal(_decode(decoder, [0, 1, 2], [5, 3, 6]), batch)  # repeatable
 
 
+@pytest.mark.parametrize(("slots", "lengths"), [([0], [5]), ([0, 1, 2], [5, 3, 6])])
+def test_a_bf16_cache_is_the_op_by_op_layers_on_it_and_near_the_fp32_cache(slots, lengths, monkeypatch):
+    """`with_kv_dtype(torch.bfloat16)`: the cache holds bf16; the native step (which writes its keys and values
+    rounded and reads them widened) equals the op-by-op layers on the same bf16 cache up to rounding, a row is
+    the same bits alone as in a batch, and both stay near the fp32 cache's values (bf16's rounding, not garbage;
+    not equal either: the cache really is bf16)."""
+    decoder = _decoder("qwen3")
+    bf16 = decoder.with_kv_dtype(torch.bfloat16)
+    assert KVCache(bf16, 1).buffer.dtype == torch.bfloat16 and KVCache(decoder, 1).buffer.dtype == torch.float32
+    native = _decode(bf16, slots, lengths)
+    reference = _decode(bf16, slots, lengths, native=False, monkeypatch=monkeypatch)
+    error = ((native - reference).norm() / reference.norm()).item()
+    assert error < 5e-3, error
+    fp32 = _decode(decoder, slots, lengths)
+    error = ((native - fp32).norm() / fp32.norm()).item()
+    assert 0 < error < 2e-2, error
+    if len(slots) > 1:
+        assert torch.equal(_decode(bf16, [slots[1]], [lengths[1]])[:, 0], native[:, 1])
+
+
+def test_kv_dtype_other_than_bf16_of_fp32_is_a_value_error_naming_it():
+    decoder = _decoder("qwen3")
+    assert decoder.with_kv_dtype(torch.float32).kv_dtype is None and decoder.with_kv_dtype(None).kv_dtype is None
+    with pytest.raises(ValueError, match="kv_dtype"):
+        decoder.with_kv_dtype(torch.float16)
+
+
 def test_the_native_step_runs_w4a8_decode_steps_only(monkeypatch):
     """One call a decode step (not one a layer), none for a prefill, a float or an int4 decoder."""
     calls = []

@@ -160,6 +160,9 @@ class _AsrTemplate:
                 "<|audio_end|><|im_end|>\n<|im_start|>assistant\n")
 
 
+KV_DTYPES = (None, "bfloat16")  # `Qwen3ASRFamily(kv_dtype=...)`
+
+
 class Qwen3ASRFamily(ChatText):
     """Qwen3-ASR's side of the engine (see the module docstring).
 
@@ -171,7 +174,9 @@ class Qwen3ASRFamily(ChatText):
     many-row linears, the audio encoder's and every prompt's forward (`ThinkerRun`'s prefill_decoder), on int8
     GEMMs ("w8a8": int8 weights per channel, each row quantized to int8), the decode steps as `quantize` says;
     ValueError naming int8_compute where oneDNN's int8 GEMM does not run exactly (no AVX512-VNNI) or with
-    `stored` (it quantizes the float matrices)."""
+    `stored` (it quantizes the float matrices). kv_dtype: None (the KV cache in the decoder's fp32) or "bfloat16"
+    with quantize="w4a8" (each key and value rounded to bf16 as it is written, read back widened by the native
+    decode step: half the bytes a step reads from the cache; `PackedDecoder.with_kv_dtype`)."""
 
     model_type = "qwen3_asr"
     decoder_paths = ("thinker.model",)  # the packed (and quantized) decoder
@@ -183,7 +188,8 @@ class Qwen3ASRFamily(ChatText):
     speaks = False
 
     def __init__(self, model: Qwen3ASRModel, tokenizer, *, processor: ASRProcessor | None = None,
-                 quantize: str | None = None, stored: dict | None = None, int8_compute: bool = False):
+                 quantize: str | None = None, stored: dict | None = None, int8_compute: bool = False,
+                 kv_dtype: str | None = None):
         if not isinstance(model, Qwen3ASRModel) or model.is_aligner:
             raise ValueError("model: expected a Qwen3-ASR model (a Qwen3ASRModel that is not a forced aligner)")
         if tokenizer is None:
@@ -197,9 +203,16 @@ class Qwen3ASRFamily(ChatText):
             if stored is not None:
                 raise ValueError("int8_compute: a quantized checkpoint holds no float matrices to quantize to int8; "
                                  "load the float checkpoint with quantize=")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype is not None and quantize != "w4a8":
+            # the w4a8 native step reads the bf16 rows as they are; the op-by-op layers widen the whole cache a step
+            raise ValueError(f"kv_dtype={kv_dtype!r}: a bf16 KV cache is part of quantize=\"w4a8\" only, got "
+                             f"quantize={quantize!r}")
         self.model = model.eval()
         self.quantize = quantize
         self.int8_compute = int8_compute
+        self.kv_dtype = kv_dtype
         self.tokenizer = tokenizer
         if processor is None:
             mel_bins = thinker.config.audio_config.num_mel_bins
@@ -220,7 +233,7 @@ class Qwen3ASRFamily(ChatText):
                                             stored=(stored or {}).get(self.decoder_paths[0]))
         if quantize is not None:  # its logits from an int8 head too
             decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
-        self.thinker_decoder = decoder.with_row_kernel()
+        self.thinker_decoder = decoder.with_row_kernel().with_kv_dtype(kv_dtype and getattr(torch, kv_dtype))
         self.prefill_decoder = PackedDecoder.from_module(thinker.model, quantize="w8a8") if int8_compute else None
         # quantized (or int8_compute), the audio encoder a bf16 (or w8a8) copy: the model's own stays float
         self.thinker = encoder_thinker(thinker, quantize, int8_compute)

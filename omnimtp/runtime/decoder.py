@@ -126,6 +126,8 @@ class PackedDecoder:
     lm_head: torch.Tensor | None = None  # [V, H] (the module's own tensor)
     fused_norm: bool = True  # see `rms_norm`
     fp32_attention: bool = False  # see `attention(fp32_manual=...)`
+    # the KV cache's dtype when it is not `dtype` (`with_kv_dtype`: an fp32 decoder's cache in bf16), else None
+    kv_dtype: torch.dtype | None = None
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
     step_rope: dict = field(default_factory=dict, compare=False, repr=False)
     step_rope_block: int = 1  # positions `step_tables` computes per miss (1: each on its own, see there)
@@ -157,6 +159,18 @@ class PackedDecoder:
         layers, quantized_layers = zip(*(quantize_layer(layer, quantize) for layer in self.layers), strict=True)
         return replace(self, layers=layers, quantize=quantize, quantized_layers=quantized_layers,
                        row_kernel=None, row_kernel_lm_head=None, native_step={})
+
+    def with_kv_dtype(self, kv_dtype: torch.dtype | None) -> PackedDecoder:
+        """This decoder with its KV cache (`KVCache`) in kv_dtype: None or its own dtype (the cache in the
+        decoder's dtype), or torch.bfloat16 for an fp32 decoder: each key and value rounded to bf16 as it is
+        written, widened to fp32 where attention reads it (half the bytes a decode step reads from its cache;
+        the values change by that rounding). ValueError naming kv_dtype otherwise."""
+        if kv_dtype is None or kv_dtype == self.dtype:
+            return replace(self, kv_dtype=None)
+        if kv_dtype != torch.bfloat16 or self.dtype != torch.float32:
+            raise ValueError(f"kv_dtype must be None, the decoder's dtype or torch.bfloat16 for an fp32 decoder, "
+                             f"got {kv_dtype!r} for a {self.dtype} decoder")
+        return replace(self, kv_dtype=kv_dtype)
 
     def with_quantized_lm_head(self, lm_head: torch.Tensor) -> PackedDecoder:
         """This decoder with its model's output matrix lm_head [V, H] quantized to int8 per output channel
@@ -540,6 +554,8 @@ def decoder_layer(
     qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
     keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
     queries = qk[..., :num_heads, :]  # [R, T, Nq, D]
+    if keys.dtype != queries.dtype:  # a bf16 cache of an fp32 decoder (`kv_dtype`): attention in fp32
+        keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     if output_index is not None:
         rows = torch.arange(lead[0], device=x.device)
         queries = queries[rows, output_index][:, None]  # [R, 1, Nq, D]

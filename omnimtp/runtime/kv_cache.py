@@ -63,7 +63,8 @@ class SavedSlot:
 class KVCache:
     """The KV buffer [L, 2, B_max, Nkv, S_cap, D] of a packed decoder and each slot's length.
 
-    decoder: anything with `num_layers`, `num_kv_heads`, `head_dim`, `dtype`, `device` (a `PackedDecoder`).
+    decoder: anything with `num_layers`, `num_kv_heads`, `head_dim`, `dtype`, `device` (a `PackedDecoder`); the
+    buffer takes its `kv_dtype` where it has one that is not None, else its `dtype`.
     `reset` empties a slot for a new sequence; `keep` compacts (slot i takes the old slot keep[i]); `crop`
     shortens every slot; `snapshot` / `restore` roll the lengths back (columns past them are dead); `save` copies
     one slot's sequence out and `load` puts it back into any free slot, bit for bit.
@@ -80,7 +81,7 @@ class KVCache:
         self.rope_offsets = [0] * max_batch_size
         self.buffer = torch.zeros(
             decoder.num_layers, 2, max_batch_size, decoder.num_kv_heads, capacity, decoder.head_dim,
-            dtype=decoder.dtype, device=decoder.device,
+            dtype=getattr(decoder, "kv_dtype", None) or decoder.dtype, device=decoder.device,
         )  # [L, 2, B_max, Nkv, S_cap, D]
         self.layer_views = layer_views(self.buffer)
 
@@ -252,6 +253,8 @@ def append_kv(
     keys, values = (
         buffer[layer] if isinstance(buffer, list) else (buffer[layer, 0], buffer[layer, 1])
     )  # [B_max, Nkv, S_cap, D]
+    if keys.dtype != new_keys.dtype:  # a cache in another dtype (`PackedDecoder.kv_dtype`): rounded to it
+        new_keys, new_values = new_keys.to(keys.dtype), new_values.to(keys.dtype)
     if new_keys.dim() == 2:  # one row at one position: [Nkv, D]
         keys[where.rows.start, :, where.start] = new_keys
         values[where.rows.start, :, where.start] = new_values

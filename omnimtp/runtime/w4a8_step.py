@@ -27,6 +27,8 @@ from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVWrite
 from omnimtp.runtime.ops import QuantizedWeight
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches `run` reads (`PackedDecoder.kv_dtype`)
+
 
 @dataclass(frozen=True)
 class StepTable:
@@ -133,12 +135,15 @@ def run(decoder, table: StepTable, x: torch.Tensor, rope: tuple[torch.Tensor, to
     keys, values = kv_buffer[0]
     if keys.stride() != values.stride() or keys.stride(-1) != 1:
         raise ValueError("kv_buffer: keys and values must share their strides, with contiguous rows")
+    if keys.dtype not in KV_DTYPES or values.dtype != keys.dtype:
+        raise ValueError(f"kv_buffer: the native step reads a cache in one of {KV_DTYPES}, got {keys.dtype}")
     if mask is not None:
         mask = mask[:, 0, 0].contiguous() if mask.dtype == torch.bool else mask[:, 0, 0] == 0  # [R or 1, S]
     small_batch_linear.w4a8_decode_step(
         rows, table.weights, _addresses(t.data_ptr() for pair in kv_buffer[: decoder.num_layers] for t in pair),
         decoder.num_layers, table.shape, table.groups, decoder.eps, cos, signed_sin, _addresses(slots),
         _addresses(columns), where.num_columns, keys.stride()[:3], mask, decoder.scaling,
+        kv_bf16=keys.dtype == torch.bfloat16,
     )
     return rows.view(x.shape)
 

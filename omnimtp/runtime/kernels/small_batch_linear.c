@@ -1056,10 +1056,11 @@ void omnimtp_quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* q, 
 #define ATTENTION_MAX_D 256
 #define ATTENTION_MAX_GROUP 16
 
-/* exp(x) for x <= 0 (a score minus its row's maximum) in plain arithmetic the compiler vectorizes (libm's expf
- * is one call per score: a third of the step at 8 query heads a key head). Cephes' expf: x = n ln 2 + r with
- * |r| <= ln 2 / 2, a degree-6 polynomial in r, times 2^n; within 1 ulp of expf over [-87, 0]. Below -87 (where 2^n leaves
- * the normal range) it gives exp(-87) ~ 1.6e-38, nothing next to the maximum's 1. */
+/* exp(x) for x <= 0 (a score minus its row's maximum) in plain arithmetic (libm's expf is one call per score: a
+ * third of the step at 8 query heads a key head; gcc keeps this loop scalar too, so the AVX-512 code has its own
+ * 16-lane form, `exp_nonpositive16`). Cephes' expf: x = n ln 2 + r with |r| <= ln 2 / 2, a degree-6 polynomial in
+ * r, times 2^n; within 1 ulp of expf over [-87, 0]. Below -87 (where 2^n leaves the normal range) it gives exp(-87)
+ * ~ 1.6e-38, nothing next to the maximum's 1. */
 static inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = floorf(x * 1.44269504088896341f + 0.5f);
@@ -1112,24 +1113,175 @@ static int64_t visible_positions(const uint8_t* mask, int64_t n, int64_t* positi
   return count;
 }
 
-/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
- * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
- * the same values); scores: G * n floats of work space; out [G, D] fp32. */
-static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
-                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
-                            int64_t D, float scale, float* scores, float* out) {
-  float widened[ATTENTION_MAX_D];
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
+#ifdef __AVX512F__
+#define ATTENTION_PREFETCH 16 /* rows ahead that the fp32 code prefetches */
+
+/* The sums of the 16 lanes of a, b, c and d into s[0..3], each in one fixed tree of adds over its own lanes (a
+ * sum does not depend on the other three vectors): four horizontal sums in ten shuffles and adds. */
+static inline void sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d, float* s) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD)); /* a|b|c|d */
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E)); /* lane 4j: the sum of vector j */
+  const __m512 first = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t);
+  _mm_storeu_ps(s, _mm512_castps512_ps128(first));
+}
+
+/* 16 values of a key or value row from element d on, in fp32: an fp32 row's own, a bf16 row's widened (exactly). */
+static inline __attribute__((always_inline)) __m512 row16(const char* row, int64_t d, int bf16) {
+  if (!bf16) return _mm512_loadu_ps((const float*)row + d);
+  const __m256i halves = _mm256_loadu_si256((const __m256i*)((const uint16_t*)row + d));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+/* The scores of a head (fp32 or bf16 rows), D a multiple of 16: four keys at a time, so that each query head's four
+ * dot products are independent chains and their horizontal sums share one tree (one key at a time, a chain of D /
+ * 16 dependent FMAs and a horizontal sum per score made the step's attention compute-bound: its time with the keys
+ * in L2 was about its whole read from memory). Each score: lane-wise FMAs in d order, then `sum_lanes4`, times
+ * scale. */
+static inline __attribute__((always_inline)) void block_scores(const float* qh, const void* kh, int64_t k_row_stride,
+                                                               const int64_t* positions, int64_t n, int64_t G,
+                                                               int64_t D, float scale, float* scores, int bf16) {
+  const int64_t size = bf16 ? 2 : 4;
+  for (int64_t i = 0; i < n; i += 4) {
+    const int64_t count = n - i < 4 ? n - i : 4;
+    const char* k[4];
+    for (int64_t j = 0; j < 4; ++j) { /* past the last key: the block's first again, its scores not stored */
+      const int64_t index = i + (j < count ? j : 0);
+      k[j] = (const char*)kh + (positions ? positions[index] : index) * k_row_stride * size;
+    }
+    for (int64_t j = 0; j < 4 && i + ATTENTION_PREFETCH + j < n; ++j) { /* the keys ATTENTION_PREFETCH ahead */
+      const int64_t ahead = i + ATTENTION_PREFETCH + j;
+      const char* row = (const char*)kh + (positions ? positions[ahead] : ahead) * k_row_stride * size;
+      for (int64_t b = 0; b < D * size; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qh + g * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-      scores[g * n + i] = dot * scale;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + d);
+        a0 = _mm512_fmadd_ps(qv, row16(k[0], d, bf16), a0);
+        a1 = _mm512_fmadd_ps(qv, row16(k[1], d, bf16), a1);
+        a2 = _mm512_fmadd_ps(qv, row16(k[2], d, bf16), a2);
+        a3 = _mm512_fmadd_ps(qv, row16(k[3], d, bf16), a3);
+      }
+      float sums[4];
+      sum_lanes4(a0, a1, a2, a3, sums);
+      for (int64_t j = 0; j < count; ++j) scores[g * n + i + j] = sums[j] * scale;
     }
   }
-  float inv_sum[ATTENTION_MAX_GROUP];
+}
+
+static void block_scores_fp32(const float* qh, const void* kh, int64_t k_row_stride, const int64_t* positions,
+                              int64_t n, int64_t G, int64_t D, float scale, float* scores) {
+  block_scores(qh, kh, k_row_stride, positions, n, G, D, scale, scores, 0);
+}
+
+static void block_scores_bf16(const float* qh, const void* kh, int64_t k_row_stride, const int64_t* positions,
+                              int64_t n, int64_t G, int64_t D, float scale, float* scores) {
+  block_scores(qh, kh, k_row_stride, positions, n, G, D, scale, scores, 1);
+}
+
+/* `exp_nonpositive` on 16 lanes (its arithmetic, in FMAs; a NaN stays NaN). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* the second operand where either is NaN: x */
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* `softmax_rows` 16 scores at a time (the loop there runs one score at a time: as long as the scores). */
+static void fp32_softmax(float* scores, int64_t n, int64_t G, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+      top = _mm512_max_ps(_mm512_mask_loadu_ps(top, m, sg + i), top); /* a NaN score left out, as there */
+    }
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + i), vtop)));
+      _mm512_mask_storeu_ps(sg + i, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum); /* no visible key: 1 / 0, and the output NaN */
+  }
+}
+
+/* The weighted sum of a head's values (fp32 rows, or bf16 ones widened: BF) for query heads g0..g0+GB-1
+ * (probabilities p, n apart), D = 16 * CH, the GB x CH accumulators in registers (in memory, each FMA's sum waited
+ * on a store and a load): out = (sum over keys in order of p * value, one FMA each) * inv_sum, NaN with no key. */
+#define BLOCK_VALUES_FN(CH, GB, BF)                                                                             \
+  static void block_values_##CH##_##GB##_##BF(const void* vh, int64_t v_row_stride, const int64_t* positions,   \
+                                              int64_t n, const float* p, const float* inv_sum, float* out) {    \
+    const int64_t size = BF ? 2 : 4;                                                                           \
+    __m512 acc[GB][CH];                                                                                        \
+    for (int g = 0; g < GB; ++g)                                                                               \
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();                                            \
+    for (int64_t i = 0; i < n; ++i) {                                                                          \
+      const char* row = (const char*)vh + (positions ? positions[i] : i) * v_row_stride * size;                \
+      if (i + ATTENTION_PREFETCH < n) {                                                                        \
+        const int64_t ahead = i + ATTENTION_PREFETCH;                                                          \
+        const char* next = (const char*)vh + (positions ? positions[ahead] : ahead) * v_row_stride * size;     \
+        for (int64_t b = 0; b < 16 * CH * size; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);                 \
+      }                                                                                                        \
+      __m512 weight[GB];                                                                                       \
+      for (int g = 0; g < GB; ++g) weight[g] = _mm512_set1_ps(p[g * n + i]);                                   \
+      for (int c = 0; c < CH; ++c) {                                                                           \
+        const __m512 v = row16(row, 16 * c, BF);                                                               \
+        for (int g = 0; g < GB; ++g) acc[g][c] = _mm512_fmadd_ps(weight[g], v, acc[g][c]);                     \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int g = 0; g < GB; ++g)                                                                               \
+      for (int c = 0; c < CH; ++c)                                                                             \
+        _mm512_storeu_ps(out + g * 16 * CH + 16 * c,                                                           \
+                         n ? _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv_sum[g])) : _mm512_set1_ps(NAN));      \
+  }
+BLOCK_VALUES_FN(4, 4, 0) BLOCK_VALUES_FN(4, 2, 0) BLOCK_VALUES_FN(4, 1, 0)
+BLOCK_VALUES_FN(8, 2, 0) BLOCK_VALUES_FN(8, 1, 0) BLOCK_VALUES_FN(16, 1, 0)
+BLOCK_VALUES_FN(4, 4, 1) BLOCK_VALUES_FN(4, 2, 1) BLOCK_VALUES_FN(4, 1, 1)
+BLOCK_VALUES_FN(8, 2, 1) BLOCK_VALUES_FN(8, 1, 1) BLOCK_VALUES_FN(16, 1, 1)
+
+typedef void (*block_values_fn)(const void*, int64_t, const int64_t*, int64_t, const float*, const float*, float*);
+
+/* The widest `block_values` for D, bf16 or fp32 rows and at most `left` query heads (NULL: D is not 64, 128 or
+ * 256). */
+static block_values_fn block_values_for(int64_t D, int bf16, int64_t left, int64_t* heads) {
+  static const block_values_fn k64[2][3] = {{block_values_4_1_0, block_values_4_2_0, block_values_4_4_0},
+                                            {block_values_4_1_1, block_values_4_2_1, block_values_4_4_1}};
+  static const block_values_fn k128[2][2] = {{block_values_8_1_0, block_values_8_2_0},
+                                             {block_values_8_1_1, block_values_8_2_1}};
+  static const block_values_fn k256[2] = {block_values_16_1_0, block_values_16_1_1};
+  bf16 = bf16 != 0;
+  *heads = 1;
+  if (D == 64) {
+    *heads = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    return k64[bf16][*heads == 4 ? 2 : *heads - 1];
+  }
+  if (D == 128) {
+    *heads = left >= 2 ? 2 : 1;
+    return k128[bf16][*heads - 1];
+  }
+  return D == 256 ? k256[bf16] : NULL;
+}
+#endif
+
+/* The softmax of each query head's n scores in place (exp of the score minus the head's maximum), and 1 / sum. */
+static void softmax_rows(float* scores, int64_t n, int64_t G, float* inv_sum) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     float top = -INFINITY;
@@ -1142,6 +1294,40 @@ static void attend_one_head(const float* qh, const void* kh, const void* vh, int
     }
     inv_sum[g] = 1.f / sum; /* no visible key: 1 / 0, and the output NaN, as SDPA's */
   }
+}
+
+/* One key head of one row: its G query heads qh [G, D] (fp32) over n key positions (positions[i], or i where
+ * positions is NULL), each key and value row read once (bf16 rows widened to fp32 first: the same arithmetic on
+ * the same values); scores: G * n floats of work space; out [G, D] fp32. Rows of D = 64, 128 or 256 on AVX-512
+ * take `block_scores` and `block_values` (the same sums, other code: the scores' lanes added in another order);
+ * the rest one key at a time here. */
+static void attend_one_head(const float* qh, const void* kh, const void* vh, int64_t k_row_stride,
+                            int64_t v_row_stride, int bf16, const int64_t* positions, int64_t n, int64_t G,
+                            int64_t D, float scale, float* scores, float* out) {
+  float inv_sum[ATTENTION_MAX_GROUP];
+#ifdef __AVX512F__
+  int64_t heads;
+  if (block_values_for(D, bf16, G, &heads) != NULL) {
+    (bf16 ? block_scores_bf16 : block_scores_fp32)(qh, kh, k_row_stride, positions, n, G, D, scale, scores);
+    fp32_softmax(scores, n, G, inv_sum);
+    for (int64_t g = 0; g < G; g += heads)
+      block_values_for(D, bf16, G - g, &heads)(vh, v_row_stride, positions, n, scores + g * n, inv_sum + g,
+                                               out + g * D);
+    return;
+  }
+#endif
+  float widened[ATTENTION_MAX_D];
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = row_as_float(kh, positions ? positions[i] : i, k_row_stride, D, bf16, widened);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qh + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+      scores[g * n + i] = dot * scale;
+    }
+  }
+  softmax_rows(scores, n, G, inv_sum);
   float acc[ATTENTION_MAX_GROUP][ATTENTION_MAX_D];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
@@ -1225,8 +1411,10 @@ int omnimtp_decode_attention(const void* q, const void* k, const void* v, const 
  * same alone and in any batch.
  *
  * x [R, H] holds the step's input embeddings and gets the last layer's output (before the final norm).
+ * kv_bf16: the cache holds bf16 (each new key and value rounded to nearest, ties to even, as torch's conversion;
+ * attention widens the rows as it reads them, its arithmetic in fp32), else fp32; strides stay in elements.
  * weights: STEP_WEIGHTS pointers a layer (see below; 0 for an absent bias or qk_norm); kv: the layer's keys and
- * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in floats; row r writes its
+ * values, 2 pointers a layer, each [B, Nkv, S, D] with strides (slot, head, column) in elements; row r writes its
  * key and value at slot slots[r], column columns[r], and attends to columns 0..n-1 of its slot (n = row_keys[r],
  * or num_keys for every row when row_keys is NULL), those with a nonzero byte in mask (row r's at mask + r *
  * mask_row_stride) when mask is not NULL. Every row's key and value are written before any row attends, so
@@ -1256,6 +1444,28 @@ static void step_quantize(const float* x, int64_t R, int64_t K, int64_t group, i
   }
 }
 
+/* out[i] = silu(gate[i]) * up[i] for i in i0..i1-1: gate * sigmoid(gate), the sigmoid from e = exp(-|gate|) (1 / (1 +
+ * e), or e / (1 + e) for a negative gate), 16 lanes at a time on AVX-512 (libm's expf one value at a time was most
+ * of a layer's work outside its matmuls, on one thread while the other waited); the rest with expf. The step runs
+ * it a quantization group at a time, so a value's code (vector or not) depends on the group size alone. */
+static void step_silu_mul(const float* gate, const float* up, int64_t i0, int64_t i1, float* out) {
+  int64_t i = i0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32((int32_t)0x80000000u);
+  for (; i + 16 <= i1; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 minus_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+    const __m512 e = exp_nonpositive16(minus_abs);
+    const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sigmoid = _mm512_mask_mul_ps(inv, negative, e, inv);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < i1; ++i) out[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+}
+
 /* y [R, N] = the quantized rows @ W.T, the panels shared by the team's threads (an orphaned `omp for`). */
 static void step_matmul(const int8_t* xq, const int32_t* xsum, const float* xscale, int64_t words, int64_t scales,
                         float* y, int64_t R, int64_t K, int64_t N, int64_t group, int vnni) {
@@ -1276,12 +1486,14 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
                              const int64_t* slots, const int64_t* columns, int64_t num_keys,
                              const int64_t* row_keys, int64_t slot_stride,
                              int64_t head_stride, int64_t column_stride, const uint8_t* mask, int64_t mask_row_stride,
-                             float scale, int num_threads, int vnni) {
+                             float scale, int num_threads, int vnni, int kv_bf16) {
   if (D > ATTENTION_MAX_D || D % 2 || Nkv < 1 || Nq % Nkv || Nq / Nkv > ATTENTION_MAX_GROUP) return -2;
   if (!step_group_ok(H, group_h) || !step_group_ok(Nq * D, group_o) || !step_group_ok(I, group_i)) return -3;
   if (vnni < 0) vnni = has_vnni();
   else if (vnni && !has_vnni()) return -2;
   const int64_t G = Nq / Nkv, heads = Nq + 2 * Nkv, Nqkv = heads * D, half = D / 2;
+  const int64_t groups_i = I / group_i, kw_i = 8 * ((I + 7) / 8); /* the down projection's input groups */
+  const int64_t kv_size = kv_bf16 ? 2 : 4; /* bytes a cached value */
   int64_t widest = H > Nq * D ? H : Nq * D;
   widest = widest > I ? widest : I;
   const int64_t out_width = H > 2 * I ? H : 2 * I, span = num_keys > 0 ? num_keys : 1;
@@ -1309,8 +1521,8 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
 #pragma omp parallel num_threads(threads) if (threads > 1)
   for (int64_t l = 0; l < L; ++l) {
     const int64_t* w = weights + l * STEP_WEIGHTS;
-    float* keys = (float*)(intptr_t)kv[2 * l];
-    float* values = (float*)(intptr_t)kv[2 * l + 1];
+    char* keys = (char*)(intptr_t)kv[2 * l];
+    char* values = (char*)(intptr_t)kv[2 * l + 1];
     const float* qkv_bias = (const float*)(intptr_t)w[3];
     const float* qk_norm = (const float*)(intptr_t)w[4];
     const float* o_bias = (const float*)(intptr_t)w[7];
@@ -1336,17 +1548,20 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
       }
       if (h >= Nq) {
         const int64_t kv_head = h < Nq + Nkv ? h - Nq : h - Nq - Nkv;
-        float* cache = (h < Nq + Nkv ? keys : values) + slots[r] * slot_stride + kv_head * head_stride +
-                       columns[r] * column_stride;
-        memcpy(cache, v, sizeof(float) * (size_t)D);
+        char* cache = (h < Nq + Nkv ? keys : values) +
+                      (slots[r] * slot_stride + kv_head * head_stride + columns[r] * column_stride) * kv_size;
+        if (kv_bf16)
+          for (int64_t d = 0; d < D; ++d) ((uint16_t*)cache)[d] = float_to_bf16(v[d]);
+        else
+          memcpy(cache, v, sizeof(float) * (size_t)D);
       }
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < R * Nkv; ++t) {
       const int64_t r = t / Nkv, h = t % Nkv;
-      attend_one_head(qkv + r * Nqkv + h * G * D, keys + slots[r] * slot_stride + h * head_stride,
-                      values + slots[r] * slot_stride + h * head_stride, column_stride, column_stride, 0,
-                      mask ? positions + r * span : NULL, counts[r], G, D, scale, work + t * G * span,
+      attend_one_head(qkv + r * Nqkv + h * G * D, keys + (slots[r] * slot_stride + h * head_stride) * kv_size,
+                      values + (slots[r] * slot_stride + h * head_stride) * kv_size, column_stride, column_stride,
+                      kv_bf16, mask ? positions + r * span : NULL, counts[r], G, D, scale, work + t * G * span,
                       attn + r * Nq * D + h * G * D);
     }
 #pragma omp single
@@ -1362,14 +1577,13 @@ int omnimtp_w4a8_decode_step(float* x, int64_t R, int64_t H, int64_t L, const in
       step_quantize(normed, R, H, group_h, xq, xsum, xscale);
     }
     step_matmul(xq, xsum, xscale, w[9], w[10], out, R, H, 2 * I, group_h, vnni);
-#pragma omp single
-    {
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < I; ++i) {
-          const float gate = out[r * 2 * I + i];
-          normed[r * I + i] = gate / (1.f + expf(-gate)) * out[r * 2 * I + I + i];
-        }
-      step_quantize(normed, R, I, group_i, xq, xsum, xscale);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < R * groups_i; ++t) { /* silu(gate) * up of a (row, group) pair, then its quantization */
+      const int64_t r = t / groups_i, g = t % groups_i, i0 = g * group_i;
+      step_silu_mul(out + r * 2 * I, out + r * 2 * I + I, i0, i0 + group_i, normed + r * I);
+      w4a8_quantize_group(normed + r * I + i0, group_i, i0, xq + r * kw_i, xsum + r * groups_i + g,
+                          xscale + r * groups_i + g);
+      for (int64_t k = I; g == groups_i - 1 && k < kw_i; ++k) xq[r * kw_i + (k & ~7) + kSlot[k & 7]] = 0;
     }
     step_matmul(xq, xsum, xscale, w[11], w[12], out, R, I, H, group_i, vnni);
 #pragma omp single

@@ -165,7 +165,7 @@ def _library() -> ctypes.CDLL | None:
     step.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7
     step.argtypes += [ctypes.c_float] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
     step.argtypes += [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
-    step.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    step.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -546,18 +546,19 @@ def w4a8_decode_step(
     x: torch.Tensor, weights: ctypes.Array, kv: ctypes.Array, num_layers: int, shape: tuple[int, int, int, int],
     groups: tuple[int, int, int], eps: float, cos: torch.Tensor, signed_sin: torch.Tensor, slots: ctypes.Array,
     columns: ctypes.Array, num_keys: int, kv_strides: tuple[int, int, int], mask: torch.Tensor | None, scale: float,
-    *, row_keys: ctypes.Array | None = None, isa: str | None = None,
+    *, row_keys: ctypes.Array | None = None, isa: str | None = None, kv_bf16: bool = False,
 ) -> None:
     """Every layer of a dense w4a8 decoder on rows x [R, H] fp32 (contiguous; overwritten by the last layer's output,
     before the final norm), one new position a row, in one call (the C kernel's `omnimtp_w4a8_decode_step`: what
     each stage computes). weights: W4A8_STEP_WEIGHTS addresses a layer (input_norm, qkv words, scales, bias or 0,
     qk_norm [Nq + Nkv, D] or 0, o words, scales, bias or 0, post_norm, gate_up words, scales, down words, scales);
     kv: the addresses of each layer's keys and values [B, Nkv, S, D] (kv_strides: slot, head and column strides in
-    floats); shape: (Nq, Nkv, D, I); groups: the w4a8 group sizes of the matrices whose inputs are H, Nq * D and I
+    elements); shape: (Nq, Nkv, D, I); groups: the w4a8 group sizes of the matrices whose inputs are H, Nq * D and I
     wide; cos, signed_sin [R, D] fp32 contiguous; row r writes slot slots[r], column columns[r], and attends to
     columns 0..n-1 (n: row_keys[r], or num_keys; those True in mask [R or 1, num_keys] bool, when given); every
     row's key and value are written before any row attends (a causal block of one sequence may come as rows of
-    one slot). isa as `w4a8_linear`'s. Needs
+    one slot). kv_bf16: the cache is bf16 (new keys and values rounded to it, read widened), else fp32. isa as
+    `w4a8_linear`'s. Needs
     `available()`; the addresses and shapes are not checked (`omnimtp.runtime.w4a8_step` makes them)."""
     if isa is not None and isa not in W4A8_ISAS:
         raise ValueError(f"isa must be None or one of {W4A8_ISAS}, got {isa!r}")
@@ -571,7 +572,7 @@ def w4a8_decode_step(
         x.data_ptr(), num_rows, hidden, num_layers, weights, kv, num_heads, num_kv_heads, head_dim, intermediate,
         *groups, eps, cos.data_ptr(), signed_sin.data_ptr(), slots, columns, num_keys, row_keys, *kv_strides,
         None if mask is None else mask.data_ptr(), mask_stride, scale, torch.get_num_threads(),
-        -1 if isa is None else int(isa == W4A8_ISAS[0]),
+        -1 if isa is None else int(isa == W4A8_ISAS[0]), int(kv_bf16),
     )
     if status == -2:
         raise ValueError(f"w4a8_decode_step: head_dim {head_dim} (even, at most {DECODE_ATTENTION_MAX_HEAD_DIM}), "
