@@ -109,6 +109,13 @@ def add_int8_compute_argument(parser: argparse.ArgumentParser) -> None:
                         "`omnimtp quantize` wrote")
 
 
+def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="Qwen3-ASR with --quantize w4a8: the decoder's keys and values kept in bf16, so a decode "
+                        "step reads half the cache's bytes (less exact: docs/asr.md states by how much; default "
+                        "float32)")
+
+
 def add_verbose_argument(parser) -> None:
     """--verbose: Ray's own INFO logs (serve --replicas, batch)."""
     parser.add_argument("--verbose", action="store_true",

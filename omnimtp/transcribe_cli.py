@@ -4,7 +4,7 @@ Qwen3-ASR model.
     omnimtp transcribe question.wav                        # the text, one line per file
     omnimtp transcribe --model Qwen3-Omni-30B-A3B-Instruct --language en a.wav b.flac --json
     omnimtp transcribe --model Qwen3-ASR-0.6B a.wav        # the language: the one the model names
-    omnimtp transcribe --model Qwen3-ASR-0.6B --quantize w4a8 --int8-compute long.wav   # the fastest on a CPU
+    omnimtp transcribe --model Qwen3-ASR-0.6B --quantize w4a8 --int8-compute --kv-dtype bfloat16 long.wav  # fastest
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import dataclasses
 import json
 import sys
 
-from omnimtp.argtypes import QUANTIZE_CHOICES, add_int8_compute_argument, add_threads_argument, positive_int
+from omnimtp.argtypes import (
+    QUANTIZE_CHOICES,
+    add_int8_compute_argument,
+    add_kv_dtype_argument,
+    add_threads_argument,
+    positive_int,
+)
 from omnimtp.checkpoint import omni_model_type, random_weights_note
 from omnimtp.console import printable
 
@@ -38,6 +44,7 @@ def add_parser(subparsers) -> None:
                             help="quantized linears on the CPU (docs/quantization.md): int8, int4, or w4a8, the "
                             "fastest and the least exact (default: the weights as they are)")
     add_int8_compute_argument(transcribe)
+    add_kv_dtype_argument(transcribe)
     add_threads_argument(transcribe)
     transcribe.set_defaults(handler=run_transcribe)
 
@@ -46,14 +53,17 @@ def run_transcribe(args: argparse.Namespace) -> int:
     model_type = None if args.model is None else omni_model_type(args.model, "--model")
     if model_type == "qwen3_tts":
         raise ValueError(f"--model: {args.model!r} is a Qwen3-TTS model; it speaks but does not hear")
-    if args.int8_compute and model_type != "qwen3_asr":
-        raise ValueError("--int8-compute: for a Qwen3-ASR model (--model), not an omni model's thinker")
+    for flag, given in (("--int8-compute", args.int8_compute), ("--kv-dtype", args.kv_dtype == "bfloat16")):
+        if given and model_type != "qwen3_asr":
+            raise ValueError(f"{flag}: for a Qwen3-ASR model (--model), not an omni model's thinker")
     from omnimtp.pipeline import OmniPipeline
     from omnimtp.sampling import SamplingParams
 
     options = {"quantize": args.quantize, "torch_threads": args.threads}
     if args.int8_compute:
         options["int8_compute"] = True
+    if args.kv_dtype == "bfloat16":
+        options["kv_dtype"] = "bfloat16"
     pipe = OmniPipeline.tiny(device=args.device, **options) if args.model is None else OmniPipeline.from_pretrained(
         args.model, device=args.device, **options)
     sampling = None if args.seed is None else SamplingParams(temperature=1.0)

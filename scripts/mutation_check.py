@@ -2408,9 +2408,9 @@ MUTATIONS = [
     Mutation(
         "serve_int8_compute_skips_the_asr_model", "omnimtp/server/build.py",
         "                                  torch_threads=getattr(args, \"threads\", None), quantize=args.quantize,\n"
-        "                                  int8_compute=int8_compute)",
+        "                                  int8_compute=int8_compute, kv_dtype=kv_dtype)",
         "                                  torch_threads=getattr(args, \"threads\", None), quantize=args.quantize,\n"
-        "                                  int8_compute=False)",
+        "                                  int8_compute=False, kv_dtype=kv_dtype)",
         ("tests/test_w8a8_linear.py",), "serve --int8-compute leaves the Qwen3-ASR served beside the model in float",
     ),
     Mutation(

@@ -214,6 +214,17 @@ def test_int8_compute_is_a_transcribe_and_serve_flag_for_the_models_that_hear(ca
     engine, app = build_app(parse(["serve", "--asr-model", "tiny-asr", "--int8-compute", "--no-warm-up"]))
     assert app.state.serving.asr.engine.family.int8_compute and engine.family.speaks  # the omni model: as it was
     engine, app = build_app(parse(["serve", "--model", "tiny-asr", "--no-warm-up"]))
-    assert not engine.family.int8_compute
+    assert not engine.family.int8_compute and engine.family.kv_dtype is None
+    engine, app = build_app(parse(["serve", "--asr-model", "tiny-asr", "--quantize", "w4a8", "--kv-dtype", "bfloat16",
+                                   "--no-warm-up"]))
+    assert app.state.serving.asr.engine.family.kv_dtype == "bfloat16"
     assert main(["serve", "--int8-compute"]) == 2
     assert "--int8-compute: for a Qwen3-ASR model (--model or --asr-model)" in capsys.readouterr().err
+    assert main(["serve", "--kv-dtype", "bfloat16"]) == 2
+    assert "--kv-dtype: for a Qwen3-ASR model" in capsys.readouterr().err
+    assert main(["transcribe", question, "--model", "tiny-asr", "--quantize", "w4a8", "--kv-dtype", "bfloat16",
+                 "--max-new-tokens", "4", "--json"]) == 0
+    bf16_kv = OmniPipeline.from_pretrained("tiny-asr", quantize="w4a8", kv_dtype="bfloat16")
+    assert f'"text_ids": {bf16_kv.transcribe(question, max_new_tokens=4).text_ids}' in capsys.readouterr().out
+    assert main(["transcribe", question, "--model", "tiny-asr", "--kv-dtype", "bfloat16"]) == 2  # (w4a8 only)
+    assert "kv_dtype" in capsys.readouterr().err

@@ -16,7 +16,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
                  num_draft_tokens: int | None = None, torch_threads: int | None = None,
                  quantize: str | None = None, timeout_text_idle: float = DEFAULT_TIMEOUT_TEXT_IDLE_S,
                  prefix_cache_bytes: int = 0, codec_dtype: str | None = None, admission: bool = False,
-                 warm_up: bool = False, int8_compute: bool = False):
+                 warm_up: bool = False, int8_compute: bool = False, kv_dtype: str | None = None):
     """The server's engine on the embedded tiny model, a built-in one by name or a checkpoint directory. The
     weights are loaded, moved to `device` and packed once; compile_predictor ("auto", "frame", "step" or False): the
     predictor's graphs are built in the background while the engine serves eagerly (`Engine`'s warm_up); "auto"
@@ -29,7 +29,7 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     admission: admit streams by measured real-time capacity (`Engine`'s). warm_up: read the memory-mapped weights
     every reply reads in the background (`OmniPipeline`'s prefetch) and run a warm-up reply at start (`Engine`'s
     warm_up_reply). int8_compute: a Qwen3-ASR model's layers of many rows on int8 GEMMs (`Qwen3ASRFamily`'s; the
-    option is for that family alone)."""
+    option is for that family alone); kv_dtype: its KV cache's dtype ("bfloat16", or None: fp32; the same)."""
     from omnimtp.families.qwen3_omni import Qwen3OmniFamily
     from omnimtp.runtime.device import apply_thread_rule
     from omnimtp.server.scheduler import Engine
@@ -52,7 +52,8 @@ def build_engine(model_dir: str | None, *, max_batch_size: int, max_frames: int 
     pipe = OmniPipeline.from_pretrained(model_dir, device=device, compile_predictor=compile_predictor,
                                         thinker_mtp=thinker_mtp, num_draft_tokens=num_draft_tokens,
                                         torch_threads=torch_threads, quantize=quantize, codec_dtype=codec_dtype,
-                                        prefetch=warm_up, **({"int8_compute": True} if int8_compute else {}))
+                                        prefetch=warm_up, **({"int8_compute": True} if int8_compute else {}),
+                                        **({"kv_dtype": kv_dtype} if kv_dtype is not None else {}))
     if pipe.tokenizer is None:
         raise ValueError(f"--model: {model_dir!r} has no tokenizer; the server needs one to read chat messages")
     # a built-in model is served by its name, a directory by its last component
@@ -82,6 +83,8 @@ def build_app(args: argparse.Namespace):
     speculation = thinker_mtp_kwargs(args)  # ValueError for --demo with --model
     model = args.model
     int8_compute = getattr(args, "int8_compute", False)  # for the Qwen3-ASR models and the aligner it loads
+    kv_dtype = "bfloat16" if getattr(args, "kv_dtype", None) == "bfloat16" else None  # for its Qwen3-ASR models
+    hears = model is not None and omni_model_type(model) == "qwen3_asr"
     if getattr(args, "demo", False):
         from omnimtp.mtp.demo import demo_omni_dir
 
@@ -93,14 +96,14 @@ def build_app(args: argparse.Namespace):
                           prefix_cache_bytes=int(args.session_cache_mb * (1 << 20)),
                           admission=getattr(args, "admission", "capacity") == "capacity",
                           warm_up=getattr(args, "warm_up", True),
-                          int8_compute=int8_compute and model is not None and omni_model_type(model) == "qwen3_asr",
+                          int8_compute=int8_compute and hears, kv_dtype=kv_dtype if hears else None,
                           **speculation)
     asr_engine = None
     if getattr(args, "asr_model", None) is not None:  # a speech recognizer beside the model, on the same CPU
         asr_engine = build_engine(args.asr_model, max_batch_size=args.max_batch_size, max_frames=None,
                                   media_limits=media_limits, device=args.device,
                                   torch_threads=getattr(args, "threads", None), quantize=args.quantize,
-                                  int8_compute=int8_compute)
+                                  int8_compute=int8_compute, kv_dtype=kv_dtype)
         if asr_engine.family.speaks:
             raise ValueError(f"--asr-model: {args.asr_model!r} speaks; a Qwen3-ASR model is what hears beside "
                              "the model")

@@ -8,6 +8,7 @@ import sys
 
 from omnimtp.argtypes import (
     add_int8_compute_argument,
+    add_kv_dtype_argument,
     add_quantize_argument,
     add_threads_argument,
     non_negative_float,
@@ -166,6 +167,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "models' names, so the model's slots are not spent on hearing")
     add_quantize_argument(parser)
     add_int8_compute_argument(parser)
+    add_kv_dtype_argument(parser)
     add_thinker_mtp_arguments(parser)
     ray_serve.add_arguments(parser)  # --replicas and the other Ray Serve flags (Ray is imported only to use them)
     parser.set_defaults(handler=run)
@@ -184,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
                     and args.aligner_model is None):
                 return _refuse("--int8-compute: for a Qwen3-ASR model (--model or --asr-model) or an aligner "
                                "(--aligner-model); this server loads neither")
+            if getattr(args, "kv_dtype", None) == "bfloat16" and model_type != "qwen3_asr" and args.asr_model is None:
+                return _refuse("--kv-dtype: for a Qwen3-ASR model (--model or --asr-model); this server loads none")
     except ValueError as exc:
         return _refuse(str(exc))
     # Refuse before the model loads: an empty $OMNIMTP_API_KEY must not quietly turn auth off, and a
