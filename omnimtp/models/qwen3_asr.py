@@ -39,11 +39,14 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 from omnimtp.runtime.ops import (
+    MANY_ROW_MODES,
     PackedGemm,
     QuantizedWeight,
     check_many_row_mode,
+    conv2d,
     linear,
     packed_gemm_kind,
+    quantize_conv_weight,
     quantize_weight,
 )
 
@@ -199,6 +202,24 @@ class Bf16Conv2d(nn.Module):
         return F.conv2d(x.to(torch.bfloat16), self.weight, self.bias, self.stride, self.padding)
 
 
+class W8A8Conv2d(nn.Module):
+    """An nn.Conv2d on oneDNN's int8 GEMM (`omnimtp.runtime.ops.conv2d`: each output position's patch a row
+    quantized to int8 on its own, the weight int8 per output channel, `quantize_conv_weight`), its input rounded to
+    bf16 as it enters and its output bf16 as `Bf16Conv2d`'s. It takes and gives [B, C, H, W] in channels-last
+    memory (the rows the GEMM reads and writes), so a stack of them and the GELUs between them never reorder."""
+
+    def __init__(self, module: nn.Conv2d):
+        super().__init__()
+        self.quantized = quantize_conv_weight(module.weight, "w8a8")
+        self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        self.kernel_size, self.stride, self.padding = module.kernel_size, module.stride, module.padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(torch.bfloat16).permute(0, 2, 3, 1)  # [B, H, W, C]: no copy for a channels-last input
+        out = conv2d(rows, self.quantized, self.bias, self.kernel_size, self.stride, self.padding)
+        return out.permute(0, 3, 1, 2)
+
+
 class RoundedNorm(nn.Module):
     """A LayerNorm of a fast audio encoder in bf16 whose only readers are bf16 linears (`EncoderLinear`, which
     round their input to bf16): its float32 output rounded to bf16 once, not once per reader (q, k and v read
@@ -238,8 +259,12 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = encoder.get_submodule(parent_name) if parent_name else encoder
         module = getattr(parent, child)
-        setattr(parent, child, EncoderLinear(module, linears, name in bf16_out) if name in linear_names
-                else Bf16Conv2d(module))
+        if name in linear_names:
+            setattr(parent, child, EncoderLinear(module, linears, name in bf16_out))
+        elif linears in MANY_ROW_MODES and module.in_channels > 1:
+            setattr(parent, child, W8A8Conv2d(module))
+        else:
+            setattr(parent, child, Bf16Conv2d(module))
     if linears == "bf16":
         for name in sorted(norms):
             parent_name, _, child = name.rpartition(".")
