@@ -2427,6 +2427,12 @@ MUTATIONS = [
         W8A8_CONV, "each block of the w8a8 convolution quantizes the first patches: outputs depend on the blocking",
     ),
     Mutation(
+        "w8a8_encoder_first_conv_channels_first", "omnimtp/models/qwen3_asr.py",
+        "            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))",
+        "            setattr(parent, child, Bf16Conv2d(module))",
+        W8A8_CONV, "the int8_compute encoder's first convolution hands the next one channels-first rows to reorder",
+    ),
+    Mutation(
         "w8a8_conv_drops_the_bias", "omnimtp/runtime/ops.py",
         "        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)",
         "        rows[row0:row0 + num_rows] = block",

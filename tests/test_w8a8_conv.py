@@ -104,8 +104,8 @@ def test_the_weight_is_checked_naming_the_argument():
 @needs_w8a8
 def test_int8_compute_encoder_runs_its_wide_convolutions_on_w8a8():
     """The tiny Qwen3-ASR encoder in int8_compute: the convolutions of many input channels are W8A8Conv2d (the
-    first, of one channel, stays bf16), each the w8a8 convolution of its bf16 input with its output bf16, and the
-    conv stack's rows are close to the float one's."""
+    first, of one channel, stays bf16 and hands them channels-last rows), each the w8a8 convolution of its bf16
+    input with its output bf16, and the conv stack's rows are close to the float one's."""
     from omnimtp.models.qwen3_asr import Bf16Conv2d, W8A8Conv2d, fast_audio_encoder, tiny_qwen3_asr
 
     tower = tiny_qwen3_asr(0).thinker.audio_tower
@@ -116,7 +116,16 @@ def test_int8_compute_encoder_runs_its_wide_convolutions_on_w8a8():
     g = torch.Generator().manual_seed(3)
     chunks = torch.randn(3, 1, tower.config.num_mel_bins, 100, generator=g)
     with torch.no_grad():
-        first = F.gelu(encoder.conv2d1(chunks))
+        # the first convolution's rows channels last for the next (a zero second input channel), the same bits
+        first = encoder.conv2d1(chunks)
+        conv = tower.conv2d1
+        plain = Bf16Conv2d(conv)(chunks)
+        assert first.is_contiguous(memory_format=torch.channels_last) and not plain.is_contiguous(
+            memory_format=torch.channels_last)
+        assert torch.equal(first, plain)
+        assert torch.equal(plain, F.conv2d(chunks.bfloat16(), conv.weight.bfloat16(), conv.bias.bfloat16(),
+                                           conv.stride, conv.padding))
+        first = F.gelu(first)
         second = encoder.conv2d2(first)
         conv = tower.conv2d2
         expected = conv2d(first.permute(0, 2, 3, 1).contiguous(), encoder.conv2d2.quantized, conv.bias.float(),
