@@ -6,9 +6,10 @@ chunks of 100 mel frames (480 channels), run two ways in one process, interleave
 - "w8a8 convolutions": on oneDNN's int8 GEMM (`W8A8Conv2d`: `omnimtp.runtime.ops.conv2d`, each patch a row
   quantized to int8), what `fast_audio_encoder(tower, "w8a8")` builds.
 
-The first convolution (one input channel) is bf16 in both, the linears w8a8 in both. Timed: each wide convolution
-alone on its input (wall, and the process's CPU time divided by the threads: a shared box's other processes take
-turns inside the wall time); the conv stack (the three convolutions, their GELUs and `conv_out`); the whole encoder.
+The first convolution (one input channel) is bf16 in both (its rows channels first, or channels last for the w8a8
+ones), the linears w8a8 in both. Timed: each convolution alone on its input (wall, and the process's CPU time
+divided by the threads: a shared box's other processes take turns inside the wall time); the conv stack (the three
+convolutions, their GELUs and `conv_out`); the whole encoder.
 Error against the float tower: the conv stack's rows and the encoder's output rows, relative (‖a − b‖ / ‖b‖ over all
 rows) and the lowest row cosine. Writes JSON.
 
@@ -104,14 +105,16 @@ def main() -> None:
     frames = features.shape[-1] // window * window
     chunks = features[0, :, :frames].view(features.shape[1], -1, window).permute(1, 0, 2)[:, None]
     encoders = {path: fast_audio_encoder(tower, "w8a8") for path in ("bf16 convolutions", "w8a8 convolutions")}
-    for name in WIDE:
+    for name in ("conv2d1", *WIDE):  # the encoder int8_compute ran before: every convolution bf16, channels first
         setattr(encoders["bf16 convolutions"], name, Bf16Conv2d(getattr(tower, name)))
     with torch.no_grad():
         first = F.gelu(encoders["w8a8 convolutions"].conv2d1(chunks))
         inputs = {"conv2d2": first, "conv2d3": F.gelu(encoders["w8a8 convolutions"].conv2d2(first))}
+        jobs = {}
+        for path, encoder in encoders.items():
+            jobs[f"conv2d1: {path}"] = (lambda conv: lambda: conv(chunks))(encoder.conv2d1)
         inputs = {name: (x.contiguous(), x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
                   for name, x in inputs.items()}  # per path: the layout its previous layer hands it
-        jobs = {}
         for path, encoder in encoders.items():
             for name in WIDE:
                 jobs[f"{name}: {path}"] = (lambda conv, x: lambda: conv(x))(
@@ -146,7 +149,7 @@ def main() -> None:
         conv = name.split(":")[0]
         if conv in flops:
             results["timings"][name]["gflop_s"] = flops[conv] / wall[name] / 1e9
-    for part in (*WIDE, "conv stack", "encoder"):
+    for part in ("conv2d1", *WIDE, "conv stack", "encoder"):
         before, after = f"{part}: bf16 convolutions", f"{part}: w8a8 convolutions"
         results["ratios"][part] = {"wall": wall[before] / wall[after],
                                    "cpu_time": cpu[before] / cpu[after] if cpu[after] > 0 else None}
