@@ -334,7 +334,10 @@ def linear(
                 packed.group_size,
             ).to(x.dtype)
         out = out.view(*x.shape[:-1], packed.out_features)
-        return out if bias is None else out + bias
+        if bias is None:
+            return out
+        # the kernel's output is a new tensor: the bias added in place (the same sums, no second output to allocate)
+        return out.add_(bias) if bias.dtype == out.dtype and not bias.requires_grad else out + bias
     onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
     if bias is not None and not onednn:
         return F.linear(x, weight, bias)
