@@ -337,7 +337,8 @@ def linear(
         if bias is None:
             return out
         # the kernel's output is a new tensor: the bias added in place (the same sums, no second output to allocate)
-        return out.add_(bias) if bias.dtype == out.dtype and not bias.requires_grad else out + bias
+        in_place = bias.dtype == out.dtype and not (torch.is_grad_enabled() and bias.requires_grad)
+        return out.add_(bias) if in_place else out + bias
     onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
     if bias is not None and not onednn:
         return F.linear(x, weight, bias)
