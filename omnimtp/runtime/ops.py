@@ -419,15 +419,17 @@ def conv2d(
     channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype. Each output position's patch (kh x kw x C inputs) is
     a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what `w8a8_linear` does to its
     rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32 sums), then the row's
-    and the channel's scales and the bias in fp32, rounded once to x's dtype. Rows go `block_rows` at a time (memory
-    bounded by a block). A position's values depend only on its own patch: the same alone, in any batch and any
-    blocking."""
+    and the channel's scales and the bias in fp32, rounded once to x's dtype. Rows go in equal blocks of at most
+    `block_rows` (memory bounded by a block). A position's values depend only on its own patch: the same alone, in
+    any batch and any blocking."""
     batch, height, width, _ = x.shape
     (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
     out_height, out_width = (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
     out = x.new_empty(batch, out_height, out_width, weight.out_features)
     rows = out.view(-1, weight.out_features)
     x = x.contiguous()
+    num_blocks = max(-(-rows.shape[0] // block_rows), 1)
+    block_rows = max(-(-rows.shape[0] // num_blocks), 1)  # equal blocks: no short last one
     for row0 in range(0, rows.shape[0], block_rows):
         num_rows = min(block_rows, rows.shape[0] - row0)
         x_u8, row_scales = small_batch_linear.quantize_patches_u8(x, (kh, kw), (sh, sw), (ph, pw), row0, num_rows)
