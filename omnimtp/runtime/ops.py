@@ -396,8 +396,8 @@ def _w8a8_matmul(x_u8: torch.Tensor, row_scales: torch.Tensor, weight: Quantized
     return out.mul_(row_scales)
 
 
-# patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows of a
-# 3 x 3 kernel over 480 channels: 18 MB of bytes and 8 MB of sums), whatever the input's size
+# the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows
+# of a 3 x 3 kernel over 480 channels: 18 MB of bytes and 8 MB of sums), whatever the input's size
 CONV_BLOCK_ROWS = 4096
 
 
