@@ -19,8 +19,10 @@ process's peak RSS is its own:
   work) and its aligner's forward.
 
 Each stage is timed next to its floor (JSON and a summary printed last): the features and prompt; the audio
-encoder (its FLOPs by torch's FLOP counter ÷ the matmul peak of its dtype measured here: bf16 in the quantized
-modes, fp32 in fp32; with "+w8a8" the int8 GEMM's rate measured here on a 512-row linear); the prefill (the first
+encoder (its FLOPs by torch's FLOP counter, its linears' and convolutions' alike, ÷ the matmul peak of its dtype
+measured here: bf16 in the quantized modes, fp32 in fp32; with "+w8a8" the int8 GEMM's rate measured here on a
+512-row linear: its linears and its two 480-channel convolutions, nearly all its FLOPs, run on that GEMM, the
+first convolution's one input channel in bf16); the prefill (the first
 engine step less the encoder; floor: 2 × the layers' matrices × the prompt's tokens ÷ the mode's GEMM rate
 measured here on a 512-row linear, "w8a8"'s with "+w8a8", plus the causal attention's FLOPs ÷ the fp32 matmul
 peak, or with "+w8a8" (attention on the bf16 kernel, `bf16_attention`, where it runs) ÷ the bf16 matmul peak
@@ -291,8 +293,9 @@ def _attention_peak(int8_compute: bool, machine: dict) -> float:
 
 
 def _encoder_peak(quantize: str | None, int8_compute: bool, machine: dict) -> float:
-    """The matmul rate (GFLOP/s) of the audio encoder's linears: the int8 GEMM's with int8_compute, else the peak of
-    its dtype: bf16 in the quantized modes, fp32 in fp32."""
+    """The matmul rate (GFLOP/s) of the audio encoder's linears and convolutions: the int8 GEMM's with int8_compute
+    (the wide convolutions are patch rows on it too), else the peak of its dtype: bf16 in the quantized modes, fp32
+    in fp32."""
     if int8_compute:
         return _gemm_rate("w8a8", machine)
     return machine["bf16_matmul_gflop_s" if quantize is not None else "fp32_matmul_gflop_s"]

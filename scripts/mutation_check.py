@@ -65,6 +65,7 @@ REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 W8A8 = ("tests/test_w8a8_linear.py",)
 BF16_ATTENTION = ("tests/test_bf16_attention.py",)
+W8A8_CONV = ("tests/test_w8a8_conv.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
@@ -2546,6 +2547,30 @@ MUTATIONS = [
         "    __m256i r = _mm256_cvttps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));\n"
         "    r = _mm256_add_epi32(",
         W8A8, "the w8a8 row quantizer truncates toward zero instead of rounding to nearest",
+    ),
+    Mutation(
+        "w8a8_conv_patches_ignore_the_padding", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "          const int64_t w = wo * sw - pw + j;",
+        "          const int64_t w = wo * sw + j;",
+        W8A8_CONV, "the w8a8 convolution's patch rows start at the wrong column: padding not where torch has it",
+    ),
+    Mutation(
+        "w8a8_conv_blocks_read_the_first_rows", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "      const int64_t r = row0 + m, b = r / (Ho * Wo)",
+        "      const int64_t r = m, b = r / (Ho * Wo)",
+        W8A8_CONV, "each block of the w8a8 convolution quantizes the first patches: outputs depend on the blocking",
+    ),
+    Mutation(
+        "w8a8_encoder_first_conv_channels_first", "omnimtp/models/qwen3_asr.py",
+        "            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))",
+        "            setattr(parent, child, Bf16Conv2d(module))",
+        W8A8_CONV, "the int8_compute encoder's first convolution hands the next one channels-first rows to reorder",
+    ),
+    Mutation(
+        "w8a8_conv_drops_the_bias", "omnimtp/runtime/ops.py",
+        "        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)",
+        "        rows[row0:row0 + num_rows] = block",
+        W8A8_CONV, "the w8a8 convolution leaves out its bias",
     ),
     Mutation(
         "asr_prefill_runs_on_the_decode_weights", "omnimtp/thinker.py",

@@ -1,9 +1,8 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
 benchmarks/speech_decoder.py,
 benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
-benchmarks/moe_experts.py,
-benchmarks/many_row_linear.py and
-benchmarks/omni_realsize.py at tiny sizes, so the
+benchmarks/moe_experts.py, benchmarks/many_row_linear.py,
+benchmarks/encoder_conv.py and benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
@@ -339,6 +338,18 @@ def test_asr_speed_quick_run_reports_every_part(tmp_path):
         assert reference["reply_tokens"] == 8
         assert reference["aligner"]["words"] == reference["aligner_bytes"]["words"] == 8
         assert results["modes"][0]["speedup_vs_reference"] > 0
+
+
+@pytest.mark.skipif(many_row_mode_reason("cpu") is not None, reason="no w8a8 kernel here")
+def test_encoder_conv_quick_run_reports_both_paths(tmp_path):
+    out = tmp_path / "encoder_conv.json"
+    _run(["benchmarks/encoder_conv.py", "--quick", "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert set(results["ratios"]) == {"conv2d1", "conv2d2", "conv2d3", "conv stack", "encoder"}
+    assert all(ratio["wall"] > 0 for ratio in results["ratios"].values())
+    for path in ("bf16 convolutions", "w8a8 convolutions"):
+        errors = results["errors"][path]
+        assert 0 < errors["conv stack"]["relative"] < 0.05 and errors["encoder"]["min_row_cosine"] > 0.99
 
 
 def test_many_row_linear_quick_run_reports_every_path(tmp_path):

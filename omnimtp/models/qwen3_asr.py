@@ -39,11 +39,14 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 from omnimtp.runtime.ops import (
+    MANY_ROW_MODES,
     PackedGemm,
     QuantizedWeight,
     check_many_row_mode,
+    conv2d,
     linear,
     packed_gemm_kind,
+    quantize_conv_weight,
     quantize_weight,
 )
 
@@ -186,17 +189,51 @@ class Bf16Conv2d(nn.Module):
     """An nn.Conv2d computed in bf16 (oneDNN's kernels, the CPU's bf16 instructions where it has them) on a bf16
     copy of its weights, its input rounded to bf16 as it enters, its output bf16: the encoder's GELUs between the
     convolutions then run in bf16 too, and the stack's large activations are never cast (the first linear after
-    it, `conv_out`, takes bf16 rows)."""
+    it, `conv_out`, takes bf16 rows). channels_last: the output in channels-last memory (what `W8A8Conv2d` reads
+    without reordering); oneDNN picks that layout from its operands', and an operand of one input channel is as
+    much channels first as last, so such a convolution gets a second input channel of zeros (weights and input:
+    the same sums)."""
 
-    def __init__(self, module: nn.Conv2d):
+    def __init__(self, module: nn.Conv2d, channels_last: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+        weight = module.weight.detach().to(torch.bfloat16)
+        self.channels_last = channels_last
+        if channels_last:
+            if weight.shape[1] == 1:
+                weight = torch.cat([weight, torch.zeros_like(weight)], dim=1)
+            weight = weight.contiguous(memory_format=torch.channels_last)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().to(torch.bfloat16),
                                                                   requires_grad=False)
         self.stride, self.padding = module.stride, module.padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x.to(torch.bfloat16), self.weight, self.bias, self.stride, self.padding)
+        x = x.to(torch.bfloat16)
+        if self.channels_last and x.shape[1] != self.weight.shape[1]:  # one channel and its zeros, channels last
+            padded = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], 2)
+            padded[..., 0] = x[:, 0]
+            x = padded.permute(0, 3, 1, 2)
+        elif self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class W8A8Conv2d(nn.Module):
+    """An nn.Conv2d on oneDNN's int8 GEMM (`omnimtp.runtime.ops.conv2d`: each output position's patch a row
+    quantized to int8 on its own, the weight int8 per output channel, `quantize_conv_weight`), its input rounded to
+    bf16 as it enters and its output bf16 as `Bf16Conv2d`'s. It takes and gives [B, C, H, W] in channels-last
+    memory (the rows the GEMM reads and writes), so a stack of them and the GELUs between them never reorder."""
+
+    def __init__(self, module: nn.Conv2d):
+        super().__init__()
+        self.quantized = quantize_conv_weight(module.weight, "w8a8")
+        self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        self.kernel_size, self.stride, self.padding = module.kernel_size, module.stride, module.padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(torch.bfloat16).permute(0, 2, 3, 1)  # [B, H, W, C]: no copy for a channels-last input
+        out = conv2d(rows, self.quantized, self.bias, self.kernel_size, self.stride, self.padding)
+        return out.permute(0, 3, 1, 2)
 
 
 class RoundedNorm(nn.Module):
@@ -225,9 +262,11 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
     linear (the layers' q/k/v/out and fc1/fc2, conv_out, proj1/proj2) an `EncoderLinear` of `linears` ("bf16",
     or a quantized mode; in bf16, fc1's and proj1's rows stay bf16 through their GELU, and the norms before q/k/v,
     fc1 and proj1 round their rows once, `RoundedNorm`), the
-    three convolutions in bf16 (`Bf16Conv2d`); norms, activations, attention and the sinusoids as they are, in
-    float32. The copy shares the tower's other tensors; the tower is not modified. Each audio is encoded alone,
-    so an audio's rows do not depend on the other requests."""
+    three convolutions in bf16 (`Bf16Conv2d`), except with linears "w8a8": the convolutions of more than one input
+    channel then on the int8 GEMM too (`W8A8Conv2d`), the first one's rows channels last for them; norms,
+    activations, attention and the sinusoids as they are, in float32. The copy shares the tower's other tensors;
+    the tower is not modified. Each audio is encoded alone, so an audio's rows do not depend on the other
+    requests."""
     linear_names = {name for name, module in tower.named_modules() if isinstance(module, nn.Linear)}
     bf16_out = {name for name in linear_names if name.rpartition(".")[2] in BF16_OUT_LINEARS}
     norms = {name for name, _ in tower.named_modules() if name.rpartition(".")[2] in ROUNDED_NORMS}
@@ -238,8 +277,12 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = encoder.get_submodule(parent_name) if parent_name else encoder
         module = getattr(parent, child)
-        setattr(parent, child, EncoderLinear(module, linears, name in bf16_out) if name in linear_names
-                else Bf16Conv2d(module))
+        if name in linear_names:
+            setattr(parent, child, EncoderLinear(module, linears, name in bf16_out))
+        elif linears in MANY_ROW_MODES and module.in_channels > 1:
+            setattr(parent, child, W8A8Conv2d(module))
+        else:  # before a W8A8Conv2d: its rows channels last
+            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))
     if linears == "bf16":
         for name in sorted(norms):
             parent_name, _, child = name.rpartition(".")
@@ -253,7 +296,8 @@ def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None, int8_compute
     quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
     thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
     thinker itself). int8_compute (any `quantize`): a copy whose linears are "w8a8" (`ops.MANY_ROW_MODES`: oneDNN's
-    int8 GEMM, each row quantized to int8 on its own), its convolutions in bf16; ValueError naming int8_compute
+    int8 GEMM, each row quantized to int8 on its own), and so are its convolutions but the first (`W8A8Conv2d`: each
+    output position's patch a row); ValueError naming int8_compute
     where that does not run."""
     if int8_compute:
         check_many_row_mode("w8a8", thinker.device, "int8_compute")

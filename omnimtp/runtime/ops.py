@@ -335,7 +335,11 @@ def linear(
                 packed.group_size,
             ).to(x.dtype)
         out = out.view(*x.shape[:-1], packed.out_features)
-        return out if bias is None else out + bias
+        if bias is None:
+            return out
+        # the kernel's output is a new tensor: the bias added in place (the same sums, no second output to allocate)
+        in_place = bias.dtype == out.dtype and not (torch.is_grad_enabled() and bias.requires_grad)
+        return out.add_(bias) if in_place else out + bias
     onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
     if bias is not None and not onednn:
         return F.linear(x, weight, bias)
@@ -380,11 +384,59 @@ def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     and a column goes to fp32 times the column's weight scale (in oneDNN), then times the row's scale. A row's
     values do not depend on the other rows; an all-zero row gives zeros, a row with a NaN or an infinity NaNs."""
     x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)  # [M, K] uint8, [M, 1]
+    return _w8a8_matmul(x_u8, row_scales, weight)
+
+
+def _w8a8_matmul(x_u8: torch.Tensor, row_scales: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Rows already quantized (x_u8 [M, K] uint8 with zero point 128, row_scales [M, 1]) @ a "w8a8" weight → [M, N]
+    fp32: oneDNN's u8 x s8 GEMM, each exact int32 sum to fp32 times its column's weight scale, then its row's."""
     out = torch.ops.onednn.qlinear_pointwise(
         x_u8, 1.0, 128, weight.packed, weight.scales, _weight_zero_points(weight.out_features), None, 1.0, 0,
         torch.float32, "none", [], "",
     )  # [M, N]: each exact sum to fp32, times its column's scale
     return out.mul_(row_scales)
+
+
+# the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows
+# of a 3 x 3 kernel over 480 channels: 18 MB of bytes and 8 MB of sums), whatever the input's size
+CONV_BLOCK_ROWS = 4096
+
+
+def quantize_conv_weight(weight: torch.Tensor, mode: str) -> QuantizedWeight:
+    """An nn.Conv2d weight [O, C, kh, kw] → the matrix [O, kh * kw * C] (`quantize_weight` of it in `mode`, a
+    MANY_ROW_MODES kind) that `conv2d` multiplies each patch row by: per output channel, as a linear's."""
+    if mode not in MANY_ROW_MODES:
+        raise ValueError(f"mode must be one of {MANY_ROW_MODES} for a convolution, got {mode!r}")
+    if weight.dim() != 4:
+        raise ValueError(f"weight must be a Conv2d weight [O, C, kh, kw], got {tuple(weight.shape)}")
+    return quantize_weight(weight.detach().float().permute(0, 2, 3, 1).reshape(weight.shape[0], -1), mode)
+
+
+def conv2d(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel_size: tuple[int, int],
+    stride: tuple[int, int], padding: tuple[int, int], block_rows: int = CONV_BLOCK_ROWS,
+) -> torch.Tensor:
+    """nn.Conv2d (zero padding, no dilation or groups) as a "w8a8" linear (`quantize_conv_weight`): x [B, H, W, C]
+    channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype. Each output position's patch (kh x kw x C inputs) is
+    a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what `w8a8_linear` does to its
+    rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32 sums), then the row's
+    and the channel's scales and the bias in fp32, rounded once to x's dtype. Rows go in equal blocks of at most
+    `block_rows` (memory bounded by a block). A position's values depend only on its own patch: the same alone, in
+    any batch and any blocking."""
+    batch, height, width, _ = x.shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    out_height, out_width = (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
+    out = x.new_empty(batch, out_height, out_width, weight.out_features)
+    rows = out.view(-1, weight.out_features)
+    x = x.contiguous()
+    num_blocks = max(-(-rows.shape[0] // block_rows), 1)
+    block_rows = max(-(-rows.shape[0] // num_blocks), 1)  # equal blocks: no short last one
+    for row0 in range(0, rows.shape[0], block_rows):
+        num_rows = min(block_rows, rows.shape[0] - row0)
+        x_u8, row_scales = small_batch_linear.quantize_patches_u8(x, (kh, kw), (sh, sw), (ph, pw), row0, num_rows)
+        block = _w8a8_matmul(x_u8, row_scales, weight)
+        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)
+    return out
 
 
 _WEIGHT_ZERO_POINTS: dict[int, torch.Tensor] = {}

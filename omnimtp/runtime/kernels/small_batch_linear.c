@@ -1040,6 +1040,58 @@ void omnimtp_quantize_rows_u8(const float* x, int64_t M, int64_t K, uint8_t* q, 
   for (int64_t m = 0; m < M; ++m) quantize_row_u8(x + m * K, K, q + m * K, scales + m);
 }
 
+/* x [B, H, W, C] channels last (fp32, or bf16 with bf16 = 1) → rows row0..row0+n-1 of its patch matrix for a kh x kw
+ * convolution (strides sh, sw; padding ph, pw: zeros outside x), quantized as `omnimtp_quantize_rows_u8` quantizes
+ * rows: q [n, kh * kw * C], scales [n]. Row r = (b, ho, wo) in order (Ho, Wo the output's height and width) holds
+ * x[b, ho * sh - ph + i, wo * sw - pw + j, :] for i < kh, then j < kw (the weight's [O, kh, kw, C] order). Each
+ * row is gathered (bf16 widened exactly) into a buffer of its thread and quantized there: the values of
+ * `omnimtp_quantize_rows_u8` on the unfolded fp32 matrix, without holding it. Rows split over the threads. Returns
+ * 0, or -1 when out of memory. */
+static inline float bf16_to_float(uint16_t h); /* below, with the attention's helpers */
+
+int omnimtp_quantize_patches_u8(const void* x, int bf16, int64_t B, int64_t H, int64_t W, int64_t C, int64_t kh,
+                                int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t row0, int64_t n,
+                                uint8_t* q, float* scales, int num_threads) {
+  const int64_t Ho = (H + 2 * ph - kh) / sh + 1, Wo = (W + 2 * pw - kw) / sw + 1, K = kh * kw * C;
+  const int threads = num_threads > 1 && n > 1 ? num_threads : 1;
+  int failed = 0;
+  (void)B;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    float* patch = (float*)malloc(sizeof(float) * (size_t)K);
+    if (!patch) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < n; ++m) {
+      if (!patch) continue;
+      const int64_t r = row0 + m, b = r / (Ho * Wo), ho = r / Wo % Ho, wo = r % Wo;
+      float* out = patch;
+      for (int64_t i = 0; i < kh; ++i) {
+        const int64_t h = ho * sh - ph + i;
+        for (int64_t j = 0; j < kw; ++j, out += C) {
+          const int64_t w = wo * sw - pw + j;
+          if (h < 0 || h >= H || w < 0 || w >= W) {
+            memset(out, 0, sizeof(float) * (size_t)C);
+            continue;
+          }
+          const int64_t at = ((b * H + h) * W + w) * C;
+          if (bf16) {
+            const uint16_t* src = (const uint16_t*)x + at;
+            for (int64_t c = 0; c < C; ++c) out[c] = bf16_to_float(src[c]);
+          } else {
+            memcpy(out, (const float*)x + at, sizeof(float) * (size_t)C);
+          }
+        }
+      }
+      quantize_row_u8(patch, K, q + m * K, scales + m);
+    }
+    free(patch);
+  }
+  return failed ? -1 : 0;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * Attention of one query position a row (a decode step), grouped-query: query head j reads key head j / (Nq /
  * Nkv); the layout is `omnimtp_decode_attention`'s.

@@ -155,6 +155,9 @@ def _library() -> ctypes.CDLL | None:
     lib.omnimtp_quantize_rows_u8.restype = None
     lib.omnimtp_quantize_rows_u8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                              ctypes.c_void_p, ctypes.c_int]
+    patches = lib.omnimtp_quantize_patches_u8
+    patches.restype = ctypes.c_int
+    patches.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_int64] * 12 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.omnimtp_w4a8_has_vnni.restype = ctypes.c_int
     lib.omnimtp_w4a8_has_vnni.argtypes = []
     attention = lib.omnimtp_decode_attention
@@ -400,6 +403,41 @@ def quantize_rows_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows and in_features:
         lib.omnimtp_quantize_rows_u8(x.data_ptr(), rows, in_features, q.data_ptr(), scales.data_ptr(),
                                      torch.get_num_threads())
+    return q, scales
+
+
+def quantize_patches_u8(
+    x: torch.Tensor, kernel_size: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+    row0: int = 0, num_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, W, C] channels last (fp32 or bf16) → rows row0..row0 + num_rows - 1 (default: to the last) of its
+    patch matrix for a convolution of `kernel_size` (kh, kw), `stride` and `padding` (zeros outside x), each row
+    quantized as `quantize_rows_u8` quantizes the rows of the unfolded fp32 matrix (the same values): (q [n, kh *
+    kw * C] uint8, scales [n, 1] fp32). Row (b, ho, wo), in that order, holds x[b, ho * sh - ph + i, wo * sw - pw +
+    j, :] for i < kh, then j < kw: a convolution weight [O, C, kh, kw] permuted to [O, kh, kw, C] multiplies it. Only
+    the requested rows are made (a caller bounds its memory by taking them in blocks). Needs `available()`; x is not
+    modified."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the row quantizer is not available: {_unavailable}")
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be [B, H, W, C] fp32 or bf16, got {tuple(x.shape)} {x.dtype}")
+    x = x.contiguous()
+    batch, height, width, channels = x.shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
+    out_rows = batch * ((height + 2 * ph - kh) // sh + 1) * ((width + 2 * pw - kw) // sw + 1)
+    num_rows = out_rows - row0 if num_rows is None else num_rows
+    if not 0 <= row0 <= row0 + num_rows <= out_rows:
+        raise ValueError(f"rows {row0}..{row0 + num_rows - 1} are outside the {out_rows} rows of the patch matrix")
+    q = torch.empty(num_rows, kh * kw * channels, dtype=torch.uint8)
+    scales = torch.empty(num_rows, 1, dtype=torch.float32)
+    if num_rows and channels:
+        status = lib.omnimtp_quantize_patches_u8(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), batch, height, width, channels, kh, kw, sh, sw, ph, pw,
+            row0, num_rows, q.data_ptr(), scales.data_ptr(), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("omnimtp_quantize_patches_u8: out of memory")
     return q, scales
 
 
