@@ -2237,8 +2237,7 @@ MUTATIONS = [
     ),
     Mutation(
         "probe_ignores_the_listeners_leads", "omnimtp/server/admission.py",
-        "            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst"
-        " + deficit:\n",
+        "            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst + deficit:\n",
         "            if lead is None:\n",
         ADMISSION, "a size is probed while the playing listeners hold too little audio to ride out a probe that "
         "proves too dear",
