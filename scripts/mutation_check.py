@@ -2229,20 +2229,6 @@ MUTATIONS = [
         "will not run are never measured again)",
     ),
     Mutation(
-        "capacity_never_probed", "omnimtp/server/admission.py",
-        "                return capacity\n        return probe\n",
-        "                return capacity\n        return capacity\n",
-        ADMISSION, "with one size measured, capacity rests on the proportional estimate for good: a second stream "
-        "that fits is never tried, never measured",
-    ),
-    Mutation(
-        "probe_ignores_the_listeners_leads", "omnimtp/server/admission.py",
-        "            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst + deficit:\n",
-        "            if lead is None:\n",
-        ADMISSION, "a size is probed while the playing listeners hold too little audio to ride out a probe that "
-        "proves too dear",
-    ),
-    Mutation(
         "step_costs_by_median", "omnimtp/server/admission.py",
         "        means = {n: statistics.fmean(samples)",
         "        means = {n: statistics.median(samples)",

@@ -263,60 +263,6 @@ def test_admitted_streams_never_run_dry_in_a_simulated_overload(family):
         assert admitted_pcm[index] == pcm == crowded_pcm[index]
 
 
-def _simulate_measured(family, step_s, probes: bool = True, num_streams: int = 6) -> tuple[dict, list[int]]:
-    """`num_streams` speech requests at once on a simulated clock where a step of n streams takes step_s(n) seconds,
-    and admission measures those steps as the server does, from nothing (`Admission.max_speaking` with the listeners'
-    leads, or only its `capacity` without probes). → ({id: its listener's clock}, the streams of each step)."""
-    frames_made = _FramesMade()
-    core = EngineCore(family, EngineConfig(max_batch_size=8, max_frames=30, chunk_frames=25, playout_rtf=0.9,
-                                           max_defer_steps=0), observer=frames_made)
-    for index in range(num_streams):
-        core.add(_speech_request(family, index, 30))
-    admission = Admission(StepCosts(), max_streams=8)
-    clocks = {index: PlaybackClock(min_stall_s=1e-9) for index in range(num_streams)}
-    sizes, now = [], 0.0
-    while core.has_work():
-        streams = [(clocks[r.request_id].lead(now), r.num_decoded) for r in core.running.values()
-                   if r.has_speech and not r.is_parked and r.talker_finish_reason is None]
-        core.max_speaking = admission.max_speaking(streams, core.num_queued(), (25, 0.9)) if probes \
-            else admission.capacity()
-        frames_made.num_streams = 0
-        events = list(core.step())
-        sizes.append(frames_made.num_streams)
-        if frames_made.num_streams:
-            admission.costs.observe(frames_made.num_streams, step_s(frames_made.num_streams))
-        now += step_s(max(frames_made.num_streams, 1))
-        for event in events:
-            if event.audio is not None:
-                clocks[event.request.request_id].push(now, event.audio.size / family.sample_rate)
-            if event.is_finished:
-                admission.observe_stream(0.0, len(event.request.frames))
-    return clocks, sizes
-
-
-def test_a_size_never_measured_is_probed_while_the_listeners_can_afford_it(family):
-    """Steps of 29 ms + 15 ms a stream (a served Qwen3-TTS 0.6B, about): one stream's 44 ms says two cost 88 in
-    proportion, more than 0.9 of an 80 ms frame, though they cost 59. Without a probe the server plays one stream
-    at a time for good; with one, a second stream plays once the first's listener holds audio enough, two are
-    measured to fit, and six streams end sooner, none stalling (three, by the trend of one and two, would cost 74
-    ms, over 0.9 of a frame: not tried). Where the proportion is the truth (44 ms a stream), the size is probed
-    once and the listeners who were playing do not stall: only the probed stream may (it plays at 88 ms a
-    frame)."""
-    affine = lambda n: 0.029 + 0.015 * n  # noqa: E731
-    probed, probed_sizes = _simulate_measured(family, affine)
-    alone, alone_sizes = _simulate_measured(family, affine, probes=False)
-    assert max(alone_sizes) == 1 and max(probed_sizes) >= 2
-    assert probed_sizes.count(2) > 30 and max(probed_sizes) == 2
-    assert sum(affine(max(n, 1)) for n in probed_sizes) < 0.8 * sum(affine(max(n, 1)) for n in alone_sizes)
-    for index, clock in probed.items():
-        assert clock.audio_s > 1.0 and clock.num_underruns == 0, (index, clock.stalled_s)
-    dear, dear_sizes = _simulate_measured(family, lambda n: 0.044 * n)
-    runs = [n for i, n in enumerate(dear_sizes) if n == 2 and (i == 0 or dear_sizes[i - 1] != 2)]
-    assert len(runs) == 1 and max(dear_sizes) == 2, "the dear size was probed more than once"
-    stalled = [index for index, clock in dear.items() if clock.num_underruns]
-    assert len(stalled) <= 1, stalled
-
-
 def _alone_pcm(family, index: int) -> bytes:
     core = EngineCore(family, EngineConfig(max_batch_size=1, max_frames=30, chunk_frames=25, playout_rtf=0.9))
     core.add(_speech_request(family, index, 30))

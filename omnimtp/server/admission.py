@@ -9,19 +9,11 @@ the sizes below it: one stream more than the largest measured by the trend of th
 is a fixed part plus a part per stream, so the next stream adds what the last one added; a cost that grows
 faster than that only shows in the trend, which then errs high), any further size in proportion to the largest
 measured (the fixed part left out, so it errs high). Capacity so grows one measured stream at a time and
-never rests on a guess that is too kind by more than one stream's increment. A stream that would push the playing
-ones under real time waits in the queue (`EngineCore.max_speaking`); past `--max-queue` a request is refused with
-429 and a `Retry-After` estimated from how long streams last (`retry_after_s`).
-
-Only a size that has run is measured, so with one size measured, the proportional estimate could hold capacity
-below what the machine plays for good (one stream's step of 44 ms says two cost 88, where they cost 59, and two
-never run). `Admission.max_speaking` therefore lets one stream more than capacity play (a probe) while streams wait
-for capacity, every slot of it is playing, that size has never been measured and none below capacity has (so its
-estimate is the proportion, not a trend), and each playing listener holds audio enough to play on through the most
-frames a recent stream had, and to wait for the largest chunk it can get meanwhile, with every step at the
-proportional estimate (the worst the estimate allows): the probe's steps measure the size, and capacity follows
-what they cost. A probe whose size proves too dear is not repeated (the size is then measured, and kept on disk);
-the probed stream itself then plays slower than real time, once per machine and setting.
+never rests on a guess that is too kind by more than one stream's increment; the proportional guess alone
+would never try a stream whose step fits only thanks to the fixed part, and so never measure it.
+A stream that would push the playing ones under real time waits in the queue (`EngineCore.max_speaking`);
+past `--max-queue` a request is refused with 429 and a `Retry-After` estimated from how long streams last
+(`retry_after_s`).
 
 What was measured outlives the process: the engine keeps the step costs on disk (`keep_step_costs`, beside adaptive
 speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
@@ -44,7 +36,6 @@ import math
 import statistics
 from collections import deque
 
-from omnimtp.engine.playback import chunk_frames_after
 from omnimtp.spec_decode.cost_cache import read_entry, write_entry
 
 # The share of a frame's audio a step may cost: the rest absorbs a step's jitter and a newcomer's prefill.
@@ -53,7 +44,6 @@ DEFAULT_HEADROOM = 0.9
 DEFAULT_FRAME_S = 0.08
 _NUM_SAMPLES = 64  # recent steps kept per size (their mean is the size's cost: a few chunks' decoding among them)
 _MAX_RETRY_AFTER_S = 120
-_NUM_STREAMS = 16  # streams whose frames a probe's margin looks at (`Admission.max_speaking`)
 _MIN_RETRY_AFTER_MS = 100
 _KIND = "speech_step_costs"  # the cost cache's directory for them
 MIN_KEPT_SAMPLES = 3  # a size measured fewer times is not kept on disk (`keep_step_costs`)
@@ -126,7 +116,6 @@ class Admission:
         self.headroom = headroom
         self.frame_s = DEFAULT_FRAME_S
         self._stream_s: float | None = None  # a stream's mean time from admission to its end (moving average)
-        self._stream_frames: deque[int] = deque(maxlen=_NUM_STREAMS)  # the frames of the last streams that ended
 
     def capacity(self, frame_s: float | None = None) -> int:
         """The most streams whose steps keep real time (at least 1: the server always serves one)."""
@@ -145,36 +134,10 @@ class Admission:
         if seconds > 0 and math.isfinite(seconds):
             self.frame_s = seconds
 
-    def observe_stream(self, seconds: float, num_frames: int | None = None) -> None:
-        """A finished stream's seconds from admission to its end, and its frames."""
+    def observe_stream(self, seconds: float) -> None:
+        """A finished stream's seconds from admission to its end."""
         if seconds >= 0 and math.isfinite(seconds):
             self._stream_s = seconds if self._stream_s is None else 0.8 * self._stream_s + 0.2 * seconds
-        if num_frames:
-            self._stream_frames.append(num_frames)
-
-    def max_speaking(self, streams: list[tuple[float | None, int]], num_waiting: int,
-                     chunking: tuple[int, float | None] = (25, DEFAULT_HEADROOM)) -> int:
-        """The streams the next step may play: `capacity`, or one more (a probe, see the module docstring).
-        streams: (lead in seconds, None before its first audio; its frames decoded so far) of each stream whose
-        talker makes frames; num_waiting: the streams queued; chunking: (chunk_frames, playout_rtf), how later
-        chunks are sized (`chunk_frames_after`). A probe where streams are queued, these streams fill capacity, the
-        next size was never measured, nor any size below capacity, and every such listener can play on through
-        the most frames a recent stream had, and wait for the largest chunk it can get meanwhile, each step at the
-        proportional estimate's cost, without running dry."""
-        capacity = self.capacity()
-        probe = capacity + 1
-        if num_waiting < 1 or len(streams) != capacity or probe > self.max_streams or not self._stream_frames:
-            return capacity
-        measured = self.costs.measured()
-        if probe in measured or capacity not in measured or min(measured) < capacity:
-            return capacity  # (with two sizes measured, the trend estimates the next one)
-        worst = measured[capacity] * probe / capacity  # a step's fixed part taken as zero: the most it can cost
-        frames = max(self._stream_frames)
-        deficit = frames * max(worst - self.frame_s, 0.0)
-        for lead, num_decoded in streams:
-            if lead is None or lead < chunk_frames_after(num_decoded + frames, *chunking) * worst + deficit:
-                return capacity
-        return probe
 
     def retry_after_s(self, num_queued: int) -> int:
         """Whole seconds a refused client should wait (`Retry-After`): `retry_after_ms` rounded up, at least 1."""
@@ -213,12 +176,3 @@ def keep_step_costs(fingerprint: dict, measured: dict[int, float]) -> bool:
     if not measured:
         return False
     return write_entry(fingerprint, {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}, _KIND)
-
-
-def playing(core, now: float) -> tuple[list[tuple[float | None, int]], int, tuple[int, float | None]]:
-    """An `EngineCore`'s streams for `Admission.max_speaking` (call holding its lock): (the lead at `now`, the frames
-    decoded) of each stream whose talker still makes frames (parked ones aside), the requests queued, and how its
-    chunks are sized."""
-    streams = [(r.playback.lead(now), r.num_decoded) for r in core.running.values()
-               if r.has_speech and not r.is_parked and r.talker_finish_reason is None]
-    return streams, core.num_queued(), (core.config.chunk_frames, core.config.playout_rtf)

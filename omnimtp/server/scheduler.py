@@ -40,7 +40,6 @@ from omnimtp.server.admission import (
     Admission,
     cached_step_costs,
     keep_step_costs,
-    playing,
 )
 from omnimtp.server.requests import (
     EngineEvent,
@@ -345,7 +344,9 @@ class Engine:
                             {name: table.to_dict() for name, table in self.draft_costs.items()})
         if metrics is not None and self.draft_costs is not None:
             metrics.observe_draft_costs(self.draft_costs)
-        self._core = EngineCore(self.family, self.config, lock=self._cond, observer=observer)  # model errors raise here
+        self._core = EngineCore(
+            self.family, self.config, lock=self._cond, observer=observer
+        )  # model errors surface here
         if self.admission is not None:
             self._seed_step_costs()
             self._core.max_speaking = self.admission.capacity()
@@ -672,7 +673,7 @@ class Engine:
             self._end_text_waits()
             if self.admission is not None:
                 with self._cond:
-                    core.max_speaking = self.admission.max_speaking(*playing(core, time.perf_counter()))
+                    core.max_speaking = self.admission.capacity()
                 if self.metrics is not None:
                     self.metrics.realtime_capacity.set(core.max_speaking)
                 self._observer.num_streams = 0
@@ -782,7 +783,7 @@ class Engine:
             with self._cond:
                 self.admission.observe_frame_seconds(sum(a.size for a in request.audio) / self.sample_rate
                                                      / len(request.frames))
-                self.admission.observe_stream(request.finished_at - request.admitted_at, len(request.frames))
+                self.admission.observe_stream(request.finished_at - request.admitted_at)
         handle.is_done = True
         handle.push(EngineEvent(
             finish_reason=request.finish_reason, prompt_tokens=len(request.prompt_ids),
