@@ -8,21 +8,13 @@ import numpy as np
 import pytest
 import qwen_asr_reference as reference
 import torch
+from asr_checks import RATE, speechlike
 
 from omnimtp.families.aligner_words import script_language, split_words, words_of
 from omnimtp.families.qwen3_aligner import AlignedWord, Qwen3ForcedAligner, repair_bins
 from omnimtp.media import MediaLimits
 from omnimtp.models.qwen3_asr import EncoderLinear
 from omnimtp.runtime.ops import packed_gemm_kind
-
-RATE = 16_000
-
-
-def _speechlike(seconds: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = int(seconds * RATE)
-    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
-    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +37,7 @@ def ref(aligner):
 def test_timestamps_equal_the_reference(aligner, ref, text, language, seconds, seed):
     if language in ("ja", "Korean"):
         reference.need_word_splitters()
-    samples = _speechlike(seconds, seed)
+    samples = speechlike(seconds, seed)
     ours = aligner.align(samples, text, language)
     theirs = ref.align(audio=(samples, RATE), text=text, language=_name(language))[0]
     assert [(w.word, w.start, w.end) for w in ours] == [(i.text, i.start_time, i.end_time) for i in theirs]
@@ -100,7 +92,7 @@ def test_without_the_word_splitters_japanese_and_korean_are_refused_naming_langu
     aligner_words._korean_tokenizer.cache_clear()
     monkeypatch.setitem(sys.modules, "nagisa", None)  # import nagisa -> ImportError
     monkeypatch.setitem(sys.modules, "soynlp.tokenizer", None)
-    samples = _speechlike(0.5, 5)
+    samples = speechlike(0.5, 5)
     with pytest.raises(ValueError, match=r"^language: Japanese words are split with nagisa, which is not installed "
                        r"\(pip install 'omnimtp\[cjk\]'\)"):
         aligner.align(samples, "こんにちは", "ja")
@@ -131,7 +123,7 @@ def test_quantized_aligner_runs_and_repeats(aligner):
     assert aligner.thinker is aligner.model.thinker
     if packed_gemm_kind(torch.device("cpu"), torch.bfloat16) == "onednn":
         assert isinstance(quantized.thinker.audio_tower.layers[0].fc1, EncoderLinear)
-    samples = _speechlike(1.5, 4)
+    samples = speechlike(1.5, 4)
     first = quantized.align(samples, "one two three", "en")
     assert first == quantized.align(samples, "one two three", "en")
     assert [w.word for w in first] == ["one", "two", "three"]
@@ -139,7 +131,7 @@ def test_quantized_aligner_runs_and_repeats(aligner):
 
 
 def test_bad_input_names_the_argument(aligner):
-    samples = _speechlike(0.5, 5)
+    samples = speechlike(0.5, 5)
     assert aligner.align(samples, " ,. ", "English") == []
     with pytest.raises(ValueError, match="^language: 'xx'"):
         aligner.align(samples, "hi", "xx")
@@ -156,6 +148,6 @@ def test_bad_input_names_the_argument(aligner):
 def test_a_quantized_aligner_it_made_itself_frees_its_float_matrices(aligner):
     own = Qwen3ForcedAligner.tiny(0, quantize="int8")
     assert all(linear.weight.stride() == (0, 0) for linear in own.model.decoder_linears())
-    samples = _speechlike(1.3, 6)
+    samples = speechlike(1.3, 6)
     kept = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
     assert own.align(samples, "one two three four", "en") == kept.align(samples, "one two three four", "en")

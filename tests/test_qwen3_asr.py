@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import qwen_asr_reference as reference
 import torch
+from asr_checks import RATE, run_requests, speechlike
 
 from omnimtp.engine.core import EngineConfig, EngineCore
 from omnimtp.engine.request import Request
@@ -18,16 +19,6 @@ from omnimtp.pipeline import OmniPipeline
 from omnimtp.runtime.ops import PackedGemm, linear, many_row_mode_reason, packed_gemm_kind
 from omnimtp.sampling import SamplingParams
 from omnimtp.thinker import multimodal_prefill
-
-RATE = 16_000
-
-
-def _speechlike(seconds: float, seed: int) -> np.ndarray:
-    """Noise shaped by a slow envelope: audio whose encoder rows differ from row to row."""
-    rng = np.random.default_rng(seed)
-    n = int(seconds * RATE)
-    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
-    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +31,11 @@ def ref(family):
     return reference.reference_model(family.model)
 
 
-def _run(family, requests):
-    core = EngineCore(family, EngineConfig(max_batch_size=max(4, len(requests))))
-    for request in requests:
-        core.add(request)
-    outputs = {}
-    while core.has_work():
-        for event in core.step():
-            if event.is_finished:
-                outputs[event.request.request_id] = core.output(event.request).text_ids
-    return [outputs[r.request_id] for r in requests]
-
-
 def test_prompt_and_features_are_the_reference_processors(family):
     """The released prompt (`_build_text_prompt`'s string, a forced language's "language X<asr_text>" after it)
     through the reference's processor gives our ids and features; a context's special-token string stays text."""
     processor = reference.reference_processor(family.processor)
-    samples = _speechlike(1.3, 1)
+    samples = speechlike(1.3, 1)
     for language, context in ((None, ""), ("en", "Names: Qwen, Omni."), ("Chinese", "上文")):
         ids, media = family.transcription_inputs(samples, language, context)
         prompt = (f"<|im_start|>system\n{context}<|im_end|>\n<|im_start|>user\n<|audio_start|><|audio_pad|>"
@@ -76,7 +55,7 @@ def test_greedy_tokens_equal_the_reference(family, ref):
     `generate` tokens on the same checkpoint."""
     pipe = OmniPipeline(family=family, max_new_tokens=24)
     for seconds, seed, language, context in ((2.0, 2, None, ""), (0.7, 3, "en", "Hello"), (3.1, 4, "zh", "")):
-        samples = _speechlike(seconds, seed)
+        samples = speechlike(seconds, seed)
         ours = pipe.transcribe(samples, language=language, prompt=context)
         ids, media = family.transcription_inputs(samples, language, context)
         expected = reference.greedy_ids(ref, ids, media.input_features, media.feature_attention_mask,
@@ -87,15 +66,15 @@ def test_greedy_tokens_equal_the_reference(family, ref):
 
 def test_a_request_alone_equals_it_in_a_batch(family):
     """Greedy and seeded-sampled requests give the same tokens alone and batched with others."""
-    specs = [(_speechlike(1.5, 5), None, None), (_speechlike(0.9, 6), SamplingParams(temperature=0.9), 11),
-             (_speechlike(2.4, 7), SamplingParams(temperature=1.0, top_k=20), 12)]
+    specs = [(speechlike(1.5, 5), None, None), (speechlike(0.9, 6), SamplingParams(temperature=0.9), 11),
+             (speechlike(2.4, 7), SamplingParams(temperature=1.0, top_k=20), 12)]
     requests = []
     for i, (samples, sampling, seed) in enumerate(specs):
         ids, media = family.transcription_inputs(samples, None, "")
         requests.append(lambda i=i, ids=ids, media=media, sampling=sampling, seed=seed: Request(
             i, ids, max_new_tokens=16, max_frames=1, speaker=None, thinker_sampling=sampling, seed=seed, media=media))
-    alone = [_run(family, [make()])[0] for make in requests]
-    batched = _run(family, [make() for make in requests])
+    alone = [run_requests(family, [make()])[0] for make in requests]
+    batched = run_requests(family, [make() for make in requests])
     assert alone == batched
     assert len({tuple(ids) for ids in alone}) == 3
 
@@ -105,17 +84,17 @@ def test_quantized_transcribes_alone_as_in_a_batch_and_starts_as_the_float_model
     """A quantized Qwen3-ASR (decoder and head) runs on the engine and a request alone equals it batched; int8
     starts as the float model on these audios (4-bit weights move a tiny model's logits too far to ask that)."""
     quantized = Qwen3ASRFamily(family.model, family.tokenizer, quantize=mode)
-    audios = [_speechlike(1.2, 8), _speechlike(2.0, 9)]
+    audios = [speechlike(1.2, 8), speechlike(2.0, 9)]
     inputs = [family.transcription_inputs(samples, None, "") for samples in audios]
 
     def make(fam):
         return [Request(i, ids, max_new_tokens=8, max_frames=1, speaker=None, media=media)
                 for i, (ids, media) in enumerate(inputs)]
 
-    alone = [_run(quantized, [request])[0] for request in make(quantized)]
-    assert _run(quantized, make(quantized)) == alone
+    alone = [run_requests(quantized, [request])[0] for request in make(quantized)]
+    assert run_requests(quantized, make(quantized)) == alone
     if mode == "int8":
-        assert [ids[0] for ids in alone] == [ids[0] for ids in _run(family, make(family))]
+        assert [ids[0] for ids in alone] == [ids[0] for ids in run_requests(family, make(family))]
 
 
 def test_a_bf16_kv_cache_transcribes_alone_as_in_a_batch_near_the_fp32_cache(family):
@@ -125,15 +104,15 @@ def test_a_bf16_kv_cache_transcribes_alone_as_in_a_batch_near_the_fp32_cache(fam
     fp32_cache = Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8")
     bf16_cache = Qwen3ASRFamily(family.model, family.tokenizer, quantize="w4a8", kv_dtype="bfloat16")
     assert bf16_cache.thinker_decoder.kv_dtype == torch.bfloat16 and fp32_cache.thinker_decoder.kv_dtype is None
-    inputs = [family.transcription_inputs(samples, None, "") for samples in (_speechlike(1.2, 8), _speechlike(2.0, 9))]
+    inputs = [family.transcription_inputs(samples, None, "") for samples in (speechlike(1.2, 8), speechlike(2.0, 9))]
 
     def make():
         return [Request(i, ids, max_new_tokens=8, max_frames=1, speaker=None, media=media)
                 for i, (ids, media) in enumerate(inputs)]
 
-    alone = [_run(bf16_cache, [request])[0] for request in make()]
-    assert _run(bf16_cache, make()) == alone
-    assert [ids[0] for ids in alone] == [ids[0] for ids in _run(fp32_cache, make())]
+    alone = [run_requests(bf16_cache, [request])[0] for request in make()]
+    assert run_requests(bf16_cache, make()) == alone
+    assert [ids[0] for ids in alone] == [ids[0] for ids in run_requests(fp32_cache, make())]
     for bad, kwargs in (("float16", {"quantize": "w4a8"}), ("bfloat16", {}), ("bfloat16", {"quantize": "int8"})):
         with pytest.raises(ValueError, match="kv_dtype"):
             Qwen3ASRFamily(family.model, family.tokenizer, kv_dtype=bad, **kwargs)
@@ -147,7 +126,7 @@ def test_the_released_layout_round_trips(family, tmp_path):
     OmniPipeline(family=family, max_new_tokens=12).save_pretrained(tmp_path)
     pipe = OmniPipeline.from_pretrained(tmp_path)  # its caps, feature extractor and tokenizer too
     assert pipe.config.max_new_tokens == 12 and pipe.processor.feature_extractor.feature_size == 16
-    samples = _speechlike(1.0, 10)
+    samples = speechlike(1.0, 10)
     assert pipe.transcribe(samples).text_ids == OmniPipeline(family=family, max_new_tokens=12).transcribe(
         samples).text_ids
     from safetensors.torch import load_file, save_file
@@ -174,7 +153,7 @@ def test_transcript_language_and_streamed_text():
 
 def test_bad_input_names_the_argument(family):
     pipe = OmniPipeline(family=family, max_new_tokens=4)
-    samples = _speechlike(0.5, 11)
+    samples = speechlike(0.5, 11)
     with pytest.raises(ValueError, match="^language: 'klingon'"):
         pipe.transcribe(samples, language="klingon")
     with pytest.raises(ValueError, match="^prompt:"):
@@ -242,7 +221,7 @@ def test_streaming_recognition_is_the_references(family, language):
     the same weights); pieces of any size give the same transcripts."""
     streaming = reference.reference_streaming(family, 10)
     pipe = OmniPipeline(family=family, max_new_tokens=10)
-    audio = _speechlike(2.7, 12)
+    audio = speechlike(2.7, 12)
     chunk = 8000  # 0.5 s
     state = streaming.init_streaming_state(context="Hi", language=None if language is None else "English",
                                            unfixed_chunk_num=2, unfixed_token_num=3, chunk_size_sec=0.5)
@@ -280,7 +259,7 @@ def test_streaming_prefixes_roll_back_as_the_references(family, language):
     replies = [f"{tag}Hello wor", f"{tag}Hello world, 你好", "ld, 你好 again and", " again and again.",
                "n and again. Done", " Done."]
     streaming = reference.reference_streaming(family, 0, replies)
-    audio = _speechlike(2.7, 13)
+    audio = speechlike(2.7, 13)
     state = streaming.init_streaming_state(language=None if language is None else "English", unfixed_chunk_num=2,
                                            unfixed_token_num=4, chunk_size_sec=0.5)
     expected = []
@@ -326,7 +305,7 @@ def test_a_quantized_model_it_made_itself_frees_its_float_matrices(family, tmp_p
     assert family.model.thinker.audio_tower.layers[0].fc1.weight.stride() != (0, 0)
     kept = Qwen3ASRFamily(family.model, family.tokenizer, quantize="int8")
     assert all(linear.weight.stride() != (0, 0) for linear in family.model.decoder_linears())
-    samples = _speechlike(1.1, 14)
+    samples = speechlike(1.1, 14)
     assert pipe.transcribe(samples).text_ids == OmniPipeline(family=kept, max_new_tokens=8).transcribe(
         samples).text_ids
     with pytest.raises(ValueError, match="^model: its decoder matrices were released"):
@@ -349,7 +328,7 @@ def test_float_model_encodes_exactly_and_a_quantized_one_in_bf16(family):
     """fp32 encodes with the model's own encoder (its rows are the float tower's bits); a quantized family encodes
     with its bf16 copy (`fast_audio_encoder`), close to the float rows but not equal, and leaves the model's tower
     float."""
-    samples = _speechlike(2.2, 15)
+    samples = speechlike(2.2, 15)
     _, media = family.transcription_inputs(samples, None, "")
     with torch.no_grad():
         exact = encode_audio(family.model.thinker.audio_tower, media.input_features,
@@ -444,7 +423,7 @@ def test_greedy_logprobs_are_the_references_log_softmax(family, ref):
     """A greedy transcription's token logprobs (and its top alternatives) are the log-softmax of the reference's
     logits at each step, within float32 tolerance; the text events carry the reply's tokens, the stop token's
     logprob stays on the request."""
-    samples = _speechlike(2.0, 2)
+    samples = speechlike(2.0, 2)
     ids, media = family.transcription_inputs(samples, None, "")
     prompt = torch.tensor([ids])
     out = ref.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), input_features=media.input_features,
@@ -467,8 +446,8 @@ def test_greedy_logprobs_are_the_references_log_softmax(family, ref):
 def test_logprobs_alone_equal_them_in_a_batch(family, ref):
     """Greedy and seeded-sampled requests' logprobs are the same alone and batched (next to a request that asks
     none), within float32 rounding; a sampled token's logprob is the model's, before the temperature."""
-    specs = [(_speechlike(1.5, 5), None, None, 2), (_speechlike(0.9, 6), SamplingParams(temperature=1.3), 11, 0),
-             (_speechlike(2.4, 7), None, None, None)]
+    specs = [(speechlike(1.5, 5), None, None, 2), (speechlike(0.9, 6), SamplingParams(temperature=1.3), 11, 0),
+             (speechlike(2.4, 7), None, None, None)]
     makes = []
     for i, (samples, sampling, seed, num_top) in enumerate(specs):
         ids, media = family.transcription_inputs(samples, None, "")
@@ -501,7 +480,7 @@ def test_logprobs_alone_equal_them_in_a_batch(family, ref):
 
 
 def test_logprobs_must_be_a_count_in_range(family):
-    ids, media = family.transcription_inputs(_speechlike(0.5, 1), None, "")
+    ids, media = family.transcription_inputs(speechlike(0.5, 1), None, "")
     for bad in (-1, 21, 1.5, True, "2"):
         with pytest.raises(ValueError, match="logprobs"):
             Request(0, ids, max_new_tokens=4, max_frames=1, media=media, logprobs=bad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from asr_checks import run_requests, speechlike
 
 from omnimtp.runtime.kernels import small_batch_linear as sbl
 from omnimtp.runtime.ops import check_many_row_mode, linear, many_row_mode_reason, quantize_weight
@@ -92,30 +93,6 @@ def test_many_row_modes_are_checked_naming_the_argument():
 
 # --- int8_compute: Qwen3-ASR's audio encoder and prefill, the forced aligner's encoder and forward ----------------
 
-RATE = 16_000
-
-
-def _speechlike(seconds: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = int(seconds * RATE)
-    envelope = 0.5 + 0.5 * np.sin(np.linspace(0, 6 * np.pi, n) + seed)
-    return (0.2 * envelope * rng.standard_normal(n)).astype(np.float32)
-
-
-def _run(family, requests):
-    from omnimtp.engine.core import EngineConfig, EngineCore
-
-    core = EngineCore(family, EngineConfig(max_batch_size=max(4, len(requests))))
-    for request in requests:
-        core.add(request)
-    outputs = {}
-    while core.has_work():
-        for event in core.step():
-            if event.is_finished:
-                outputs[event.request.request_id] = core.output(event.request).text_ids
-    return [outputs[r.request_id] for r in requests]
-
-
 @needs_w8a8
 def test_int8_compute_asr_encodes_and_prefills_on_w8a8_and_a_request_alone_equals_it_batched():
     from omnimtp.engine.request import Request
@@ -129,7 +106,7 @@ def test_int8_compute_asr_encodes_and_prefills_on_w8a8_and_a_request_alone_equal
     fc1 = fast.thinker.audio_tower.layers[0].fc1
     assert isinstance(fc1, EncoderLinear) and fc1.quantized.mode == "w8a8"
     assert fast.prefill_decoder.quantize == "w8a8" and fast.thinker_decoder.quantize == "w4a8"
-    samples = _speechlike(2.0, 4)
+    samples = speechlike(2.0, 4)
     ids, media = fast.transcription_inputs(samples, None, "")
     audio = torch.tensor(ids) == family.model.thinker.config.audio_token_id
     with torch.no_grad():
@@ -147,15 +124,15 @@ def test_int8_compute_asr_encodes_and_prefills_on_w8a8_and_a_request_alone_equal
     keys = run.kv.layer_views[-1][0][0, :, : len(ids)]
     assert torch.equal(keys, expected.layer_views[-1][0][0, :, : len(ids)])
     assert not torch.equal(keys, other.layer_views[-1][0][0, :, : len(ids)])
-    audios = [_speechlike(1.2, 8), _speechlike(2.0, 9), _speechlike(0.7, 10)]
+    audios = [speechlike(1.2, 8), speechlike(2.0, 9), speechlike(0.7, 10)]
     inputs = [fast.transcription_inputs(a, None, "") for a in audios]
 
     def make():
         return [Request(i, ids, max_new_tokens=8, max_frames=1, speaker=None, media=media)
                 for i, (ids, media) in enumerate(inputs)]
 
-    alone = [_run(fast, [request])[0] for request in make()]
-    assert _run(fast, make()) == alone
+    alone = [run_requests(fast, [request])[0] for request in make()]
+    assert run_requests(fast, make()) == alone
 
 
 @needs_w8a8
@@ -166,7 +143,7 @@ def test_int8_compute_aligner_runs_its_forward_on_w8a8_and_is_close_to_the_float
     fast = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, int8_compute=True)
     assert fast.decoder.quantize == "w8a8" and fast.decoder.quantized_lm_head is not None
     assert fast.thinker.audio_tower.layers[0].fc1.quantized.mode == "w8a8"
-    samples, text = _speechlike(2.5, 3), "one two three four five six"
+    samples, text = speechlike(2.5, 3), "one two three four five six"
     words = fast.align(samples, text, "en")
     assert [w.word for w in words] == text.split() and all(w.start <= w.end for w in words)
     assert fast.align(samples, text, "en") == words  # repeats
