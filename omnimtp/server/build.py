@@ -84,7 +84,7 @@ def build_app(args: argparse.Namespace):
     model = args.model
     int8_compute = getattr(args, "int8_compute", False)  # for the Qwen3-ASR models and the aligner it loads
     kv_dtype = "bfloat16" if getattr(args, "kv_dtype", None) == "bfloat16" else None  # for its Qwen3-ASR models
-    hears = model is not None and omni_model_type(model) == "qwen3_asr"
+    hears = bool(int8_compute or kv_dtype) and model is not None and omni_model_type(model) == "qwen3_asr"
     if getattr(args, "demo", False):
         from omnimtp.mtp.demo import demo_omni_dir
 
