@@ -26,7 +26,7 @@ first convolution's one input channel in bf16); the prefill (the first
 engine step less the encoder; floor: 2 × the layers' matrices × the prompt's tokens ÷ the mode's GEMM rate
 measured here on a 512-row linear, "w8a8"'s with "+w8a8", plus the causal attention's FLOPs ÷ the fp32 matmul
 peak, or with "+w8a8" (attention on the bf16 kernel, `bf16_attention`, where it runs) ÷ the bf16 matmul peak
-measured here); the decode steps (the bytes each reads: the layers' and the head's weights as the engine holds
+measured here); the decode steps (the bytes each reads: the layers' and the head's weights as a greedy step reads
 them, and the keys and values of the prompt and half the reply, ÷ the read bandwidth measured here); the first
 partial's request by stage; the aligner's features, encoder and one
 thinker forward with the same floors. Writes JSON.
@@ -374,7 +374,10 @@ def _measure_asr(mode: str, quantize: str | None, int8_compute: bool, seconds: f
         stream.close()
         first_partial_stages = _first_partial_stages(family, pipe, samples[:RATE], min(tokens, 16), limits)
     weight_bytes, _ = decoder_read(family.thinker_decoder)
-    head = family.thinker_decoder.quantized_lm_head
+    # the head as a greedy step reads it: the int4 screen where the decoder has one (its candidates' int8 rows are
+    # a few KB), else the int8 head, else the float one
+    screened = family.thinker_decoder.screened_lm_head
+    head = family.thinker_decoder.quantized_lm_head if screened is None else screened.screen
     head_bytes = (thinker.lm_head.weight.numel() * 4 if head is None
                   else sum(t.numel() * t.element_size() for t in (head.packed, head.scales)))
     # and the keys and values each step reads: the prompt's and half the reply's positions on average

@@ -263,7 +263,8 @@ class ThinkerRun:
             if k > 0:
                 return self._speculative_step(active, k)
             started = time.perf_counter()  # k = 0: the plain step below, recorded for the drafter after it
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # i → embeds, hidden, logits
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # i → embeds, hidden, logits
+        picked: dict[int, int] = {}  # i → its greedy token, taken from the screened head (its logits then None)
         final_rows: dict[int, torch.Tensor] = {}  # i → [P, D] after the final norm (speculative runs)
         rope_rows: dict[int, torch.Tensor] = {}  # i → [3, P] M-RoPE ids of a prefill with images / video
         with torch.no_grad():
@@ -279,16 +280,21 @@ class ThinkerRun:
             elif active:
                 ids = torch.tensor([self.output_ids[i][-1] for i in active], device=device)[:, None]  # [R, 1]
                 embeds = embed_tokens(ids)  # [R, 1, D]
-                hidden, logits, final = self._forward(embeds, active)
+                screened = self._screened_head(active)
+                hidden, logits, final = self._forward(embeds, active, head=screened is None)
+                if screened is not None:  # logits holds the final norm's rows [R, D]: the int8 head's tokens
+                    picked = dict(zip(active, screened.greedy(logits).tolist(), strict=True))
                 for r, i in enumerate(active):
-                    rows[i] = (embeds[r], hidden[r], logits[r])
+                    rows[i] = (embeds[r], hidden[r], None if screened is not None else logits[r])
         is_prefill, self._is_prefill = self._is_prefill, False
         sampled = []  # each row with its own sampling and generator, on the device; read back at once
-        for i in rows:
+        sampled_rows = [i for i in rows if i not in picked]
+        for i in sampled_rows:
             generator = [self.generators[i]] if self.generators[i] is not None else None
             sampled.append(sample(rows[i][2][None].float(), self.sampling[i], generator))
         sampled_ids = torch.cat(sampled) if sampled else None  # [R]
-        token_ids = dict(zip(rows, sampled_ids.tolist(), strict=True)) if sampled else {}
+        token_ids = dict(zip(sampled_rows, sampled_ids.tolist(), strict=True)) if sampled else {}
+        token_ids.update(picked)
         events = []
         for i in range(len(self.output_ids)):
             if i not in rows:
@@ -489,19 +495,34 @@ class ThinkerRun:
             self.spec_stats[i].total_time_s += step_time
         return events
 
+    def _screened_head(self, active: list[int]):
+        """The decoder's screened head (`PackedDecoder.screened_lm_head`) where a step of the rows `active` may
+        take its tokens from it: every row greedy without log-probabilities, in a run without speculation; else
+        None."""
+        head = self.decoder.screened_lm_head
+        if head is None or self.speculation is not None:
+            return None
+        if any(self.logprobs[i] is not None or not (self.sampling[i] is None or self.sampling[i].is_greedy)
+               for i in active):
+            return None
+        return head
+
     def _forward(
         self, embeds: torch.Tensor, slots: list[int], rope_positions=None, layer_adds=(), all_logits: bool = False,
-        decoder: PackedDecoder | None = None,
+        decoder: PackedDecoder | None = None, head: bool = True,
     ):
         """embeds [R, T, D] → hidden at accept_hidden_layer [R, T, D], logits [R, V] at the last position
-        ([R, T, V] with all_logits) and, in a speculative run, every row after the final norm [R, T, D]
-        (else None): what the MTP head reads. decoder: the weights it runs on (default the run's decoder; a
-        prompt's forward runs on prefill_decoder)."""
+        ([R, T, V] with all_logits; without `head`, the rows after the final norm they come from, [R, D] or
+        [R, T, D]) and, in a speculative run, every row after the final norm [R, T, D] (else None): what the MTP
+        head reads. decoder: the weights it runs on (default the run's decoder; a prompt's forward runs on
+        prefill_decoder)."""
         out = decoder_forward(
             decoder or self.decoder, self.kv, embeds, slots, capture_layer=self.accept_hidden_layer,
             rope_positions=rope_positions, layer_adds=layer_adds, all_final=self.speculation is not None,
         )
         last = out.final if all_logits else out.last_hidden
+        if not head:
+            return out.captured, last, out.final
         if self.decoder.quantized_lm_head is not None:  # a quantized thinker's int8 head
             logits = linear(last, None, packed=self.decoder.quantized_lm_head)  # [R, V] or [R, T, V]
         else:

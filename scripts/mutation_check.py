@@ -54,6 +54,7 @@ QWENTTS_PEER = ("tests/test_qwentts_peer.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 STREAMED_CONV = ("tests/test_codec_streaming.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
+SCREENED_HEAD = ("tests/test_screened_head.py",)
 QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
 QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
 QUANTIZED_SPEC = ("tests/test_quantized_spec.py",)
@@ -247,6 +248,27 @@ MUTATIONS = [
         "            if True:\n                packed_layers = tuple(",
         QUANTIZED, "a decoder asked to quantize while packing keeps its float layers and runs them: quantize set, "
         "no quantized matrix",
+    ),
+    Mutation(
+        "screened_head_token_from_the_int4_screen", "omnimtp/runtime/screened_head.py",
+        "        return top.gather(1, own.argmax(dim=-1, keepdim=True))[:, 0]",
+        "        return scores.argmax(dim=-1)",
+        SCREENED_HEAD, "a greedy step takes the int4 screen's own argmax, not the int8 head's among its candidates: "
+        "tokens that differ from the int8 head's where logits are flat",
+    ),
+    Mutation(
+        "screened_head_used_for_logprobs", "omnimtp/thinker.py",
+        "        if any(self.logprobs[i] is not None or not (",
+        "        if any(False and not (",
+        SCREENED_HEAD, "a step with a request asking for log-probabilities takes its tokens from the screen and has "
+        "no logits to compute them from",
+    ),
+    Mutation(
+        "screened_head_never_used", "omnimtp/thinker.py",
+        "        if head is None or self.speculation is not None:\n            return None\n        if any(",
+        "        if True:\n            return None\n        if any(",
+        SCREENED_HEAD, "a quantized Qwen3-ASR holds the int4 screen of its head and still reads the whole int8 head "
+        "every greedy step",
     ),
     Mutation(
         "quantized_mtp_target_logits_from_the_float_head", "omnimtp/spec_decode/packed_target.py",

@@ -231,8 +231,8 @@ class Qwen3ASRFamily(ChatText):
             self.eos_token_ids.add(endoftext)
         decoder = PackedDecoder.from_module(thinker.model, quantize=quantize,
                                             stored=(stored or {}).get(self.decoder_paths[0]))
-        if quantize is not None:  # its logits from an int8 head too
-            decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight)
+        if quantize is not None:  # its logits from an int8 head too; greedy steps' tokens from its int4 screen
+            decoder = decoder.with_quantized_lm_head(thinker.lm_head.weight, screen=True)
         self.thinker_decoder = decoder.with_row_kernel().with_kv_dtype(kv_dtype and getattr(torch, kv_dtype))
         self.prefill_decoder = PackedDecoder.from_module(thinker.model, quantize="w8a8") if int8_compute else None
         # quantized (or int8_compute), the audio encoder a bf16 (or w8a8) copy: the model's own stays float

@@ -59,6 +59,7 @@ from omnimtp.runtime.ops import (
     rms_norm,
 )
 from omnimtp.runtime.prefetch import reachable_tensors
+from omnimtp.runtime.screened_head import ScreenedHead
 
 ROW_KERNEL = PackedGemm("row", None)  # omnimtp's small-batch kernel (its AVX-512 or AVX2 build)
 # `LayerWeights`' fields that hold routed experts, in any of their forms
@@ -142,6 +143,8 @@ class PackedDecoder:
     quantized_layers: tuple | None = field(default=None, compare=False, repr=False)
     # `with_quantized_lm_head`: the model's output matrix in int8, what a quantized thinker's logits come from
     quantized_lm_head: QuantizedWeight | None = field(default=None, compare=False, repr=False)
+    # `with_quantized_lm_head(screen=True)`: that head with an int4 copy for greedy steps (`ScreenedHead`)
+    screened_lm_head: ScreenedHead | None = field(default=None, compare=False, repr=False)
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
         """This decoder with every layer's linears (qkv, o, gate/up, down; in a MoE layer its shared experts'
@@ -172,12 +175,16 @@ class PackedDecoder:
                              f"got {kv_dtype!r} for a {self.dtype} decoder")
         return replace(self, kv_dtype=kv_dtype)
 
-    def with_quantized_lm_head(self, lm_head: torch.Tensor) -> PackedDecoder:
+    def with_quantized_lm_head(self, lm_head: torch.Tensor, *, screen: bool = False) -> PackedDecoder:
         """This decoder with its model's output matrix lm_head [V, H] quantized to int8 per output channel
         (`quantized_lm_head`, whatever the layers' mode, as the code predictor's heads: the largest single read of
         a thinker's step, 0.62 GB in bf16 at Qwen3-Omni's vocabulary, and int8 moves no greedy token on the
-        demo thinker: docs/quantization.md); its rows are computed each on its own, as the layers' are."""
-        return replace(self, quantized_lm_head=quantize_weight(lm_head, "int8"))
+        demo thinker: docs/quantization.md); its rows are computed each on its own, as the layers' are.
+        screen: also an int4 copy of it (`screened_lm_head`, half the int8 head's bytes more), from which a greedy
+        step takes the int8 head's token at about half its read (`omnimtp.runtime.screened_head`)."""
+        quantized = quantize_weight(lm_head, "int8")
+        screened = ScreenedHead.from_weight(lm_head, exact=quantized) if screen else None
+        return replace(self, quantized_lm_head=quantized, screened_lm_head=screened)
 
     def with_row_kernel(self) -> PackedDecoder:
         """This decoder with every linear layer of up to ROW_KERNEL_MAX_ROWS rows (a decode step, a
