@@ -253,7 +253,7 @@ class ThinkerRun:
         active = [i for i, reason in enumerate(self.finish_reasons) if reason is None]
         device = self.decoder.device
         embed_tokens = self.thinker.get_input_embeddings()
-        is_plain_spec_step = self.speculation is not None and not self._is_prefill
+        is_plain_spec_step = self.speculation is not None and not self._is_prefill and bool(active)
         if is_plain_spec_step:  # k for the rows this step runs: finished requests are not forwarded
             k = 0
             if self._plain_steps_left:

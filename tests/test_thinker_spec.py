@@ -339,6 +339,14 @@ def test_a_runs_plain_start_steps_draft_nothing_then_it_drafts(plain):
     while not expected.is_finished:
         expected.step()
     assert run.output_ids == expected.output_ids
+    always_plain = family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=10**6)
+    while not always_plain.is_finished:
+        always_plain.step()
+    assert always_plain.output_ids == expected.output_ids
+    # a step of a finished run, speculative (drafting or in its plain steps) or not: no token, nothing changes
+    for finished in (run, always_plain, expected):
+        assert [event.token_id for event in finished.step()] == [None, None]
+        assert finished.output_ids == expected.output_ids
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="plain_start_steps"):
             family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=bad)
