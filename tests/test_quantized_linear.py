@@ -159,6 +159,21 @@ def test_int4_scales_are_per_output_and_group_of_128_inputs():
     assert odd.group_size == 200 and odd.scales.shape == (2, 1, 16)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
+def test_a_matrix_quantized_in_blocks_of_rows_is_the_matrix_quantized_whole(mode, monkeypatch):
+    """A large matrix (an LM head) is quantized a block of rows at a time, its temporaries a block's: the same
+    bytes and scales as the whole matrix at once, a ragged last block included."""
+    from omnimtp.runtime import ops
+
+    weight = torch.randn(100, 256, generator=torch.Generator().manual_seed(1))
+    whole = quantize_weight(weight, mode)
+    monkeypatch.setattr(ops, "INT8_BLOCK_ROWS", 32)
+    blocked = quantize_weight(weight, mode)
+    assert torch.equal(blocked.packed, whole.packed) and torch.equal(blocked.scales, whole.scales)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(linear(x, None, packed=blocked), linear(x, None, packed=whole))
+
+
 @needs_kernel
 def test_the_isa_argument_reaches_the_kernel(monkeypatch):
     """Every ISA gives the same bits, so which one ran shows only in the kernel's last argument: -1 (this CPU's

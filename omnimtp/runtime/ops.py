@@ -161,7 +161,7 @@ class PackedGemm:
 # quantized to int8 per row and group of inputs as each matmul starts (dynamic), the sums exact integers
 QUANTIZE_MODES = ("int8", "int4", "w4a8")
 INT4_GROUP_SIZE = 128  # inputs per int4 scale (the common choice: GPTQ, AWQ, torchao's default)
-INT8_BLOCK_ROWS = 8192  # rows an int8 matrix is quantized in at a time (a multiple of the kernel's 16-row panels)
+INT8_BLOCK_ROWS = 8192  # rows a matrix is quantized in at a time (a multiple of the kernel's 16-row panels)
 # Kinds for linears of many rows (an audio encoder, a prefill, the aligner's one forward), not `--quantize` modes:
 # "w8a8": int8 weights per output channel and the activations quantized to int8 per row as each matmul starts
 # (dynamic), the sums exact int32s, on oneDNN's int8 GEMM (`vpdpbusd`; twice the bf16 GEMM's rate on an AVX-512 CPU)
@@ -269,13 +269,15 @@ def quantize_weight(weight: torch.Tensor, mode: str, group_size: int = INT4_GROU
         return QuantizedWeight(packed, scales, weight.shape[0], None, int8_activations=True)
     check_quantize(mode, weight.device)
     if mode == "int8":  # rows in blocks (whole 16-row panels): an LM head's float copies stay a block's
-        blocks = [small_batch_linear.quantize_int8(block)[:2] for block in weight.split(INT8_BLOCK_ROWS)]
+        blocks = [small_batch_linear.quantize_int8(block) for block in weight.split(INT8_BLOCK_ROWS)]
         packed, scales = (torch.cat(parts) for parts in zip(*blocks, strict=True))
         return QuantizedWeight(packed, scales, weight.shape[0], None)
     group = group_size if weight.shape[1] % group_size == 0 else weight.shape[1]
     if mode == "w4a8" and group % 8 and group != weight.shape[1]:
         raise ValueError(f"group_size={group_size}: w4a8 needs groups of whole words of 8 inputs")
-    packed, scales, _ = small_batch_linear.quantize_int4(weight, group)
+    # rows in blocks, as "int8"'s: an LM head's temporaries (int64 nibbles, 8 bytes an input) stay a block's
+    blocks = [small_batch_linear.quantize_int4(block, group) for block in weight.split(INT8_BLOCK_ROWS)]
+    packed, scales = (torch.cat(parts) for parts in zip(*blocks, strict=True))
     return QuantizedWeight(packed, scales, weight.shape[0], group, int8_activations=mode == "w4a8")
 
 

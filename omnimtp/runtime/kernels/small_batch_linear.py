@@ -282,40 +282,45 @@ _small_batch_linear_op = opaque_op(  # the kernel as one opaque op under torch.c
 # Weight-only quantized weights (int8 per output channel; int4 per output channel and group of inputs)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nn.Linear weight [N, K] → (packed int8 [ceil(N/16), K, 16], scales [ceil(N/16) * 16] fp32,
-    dequantized [N, K] fp32): symmetric per-channel int8, W[n] ≈ scale[n] * q[n], q in -127..127.
-    A new tensor; weight is not modified."""
+def _max_abs(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dimension, from its min and max (no |x| copy of the matrix); NaN where x has one."""
+    low, high = x.aminmax(dim=-1)
+    return torch.maximum(low.neg_(), high)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear weight [N, K] → (packed int8 [ceil(N/16), K, 16], scales [ceil(N/16) * 16] fp32): symmetric
+    per-channel int8, W[n] ≈ scale[n] * q[n], q in -127..127. New tensors; weight is not modified."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    scale = _max_abs(w).clamp(min=torch.finfo(torch.float32).tiny) / 127  # [N]
+    q = w.div(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # [N, K]
     pad = -w.shape[0] % PANEL
     packed = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(-1, PANEL, w.shape[1]).transpose(1, 2).contiguous()
-    return packed, torch.nn.functional.pad(scale, (0, pad)), q.float() * scale[:, None]
+    return packed, torch.nn.functional.pad(scale, (0, pad))
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """nn.Linear weight [N, K] → (packed words [ceil(N/16), ceil(K/8), 16] int32, scales [ceil(N/16),
-    K/group_size, 16] fp32, dequantized [N, K] fp32): symmetric int4 per output channel and group of
-    `group_size` consecutive inputs, W[n, k] ≈ scale[n, k // group_size] * q[n, k], q in -8..7 (scale =
-    max|w| / 7). Word [p, w, c] holds column 16p + c's q + 8 for inputs 8w..8w+7, input 8w + j in bits
-    4j..4j+3 (inputs past K: 8). K must be a multiple of group_size. A new tensor; weight is not modified."""
+    K/group_size, 16] fp32): symmetric int4 per output channel and group of `group_size` consecutive inputs,
+    W[n, k] ≈ scale[n, k // group_size] * q[n, k], q in -8..7 (scale = max|w| / 7). Word [p, w, c] holds column
+    16p + c's q + 8 for inputs 8w..8w+7, input 8w + j in bits 4j..4j+3 (inputs past K: 8). K must be a multiple of
+    group_size. New tensors; weight is not modified."""
     w = weight.detach().float()
     out_features, in_features = w.shape
     groups = w.view(out_features, in_features // group_size, group_size)
-    scale = groups.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny) / 7  # [N, G]
-    q = torch.round(groups / scale[..., None]).clamp(-8, 7)  # [N, G, g]
-    dequantized = (q * scale[..., None]).view(out_features, in_features)
+    scale = _max_abs(groups).clamp(min=torch.finfo(torch.float32).tiny) / 7  # [N, G]
+    q = groups.div(scale[..., None]).round_().clamp_(-8, 7).add_(8).to(torch.uint8)  # [N, G, g]: q + 8 in 0..15
     pad = -out_features % PANEL
     biased = torch.nn.functional.pad(
-        (q + 8).to(torch.int64).view(out_features, in_features), (0, -in_features % 8, 0, pad), value=8
+        q.view(out_features, in_features), (0, -in_features % 8, 0, pad), value=8
     )  # [N', K'] with K' a multiple of 8
-    nibbles = biased.view(biased.shape[0], -1, 8) << (4 * torch.arange(8))  # [N', K'/8, 8]: disjoint bits
-    words = nibbles.sum(-1)  # [N', K'/8] in 0..2^32 - 1
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits
+    pairs = biased.view(biased.shape[0], -1, 2)  # inputs 2i and 2i + 1 → one byte, the first in its low bits
+    nibble_pairs = pairs[..., 0] | (pairs[..., 1] << 4)  # [N', K'/2] uint8
+    # four bytes → one 32-bit word, the first byte lowest (x86 is little-endian): input 8w + j in bits 4j..4j+3
+    words = nibble_pairs.contiguous().view(torch.int32)  # [N', K'/8]
     packed = words.view(-1, PANEL, words.shape[1]).transpose(1, 2).contiguous()  # [P, K'/8, 16]
     scales = torch.nn.functional.pad(scale, (0, 0, 0, pad)).view(-1, PANEL, scale.shape[1]).transpose(1, 2)
-    return packed, scales.contiguous(), dequantized
+    return packed, scales.contiguous()
 
 
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
