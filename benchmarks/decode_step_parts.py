@@ -5,7 +5,9 @@ Random weights at a decoder's widths (default Qwen3-ASR-0.6B's thinker: 28 layer
 128, the "int8" per-channel head), one row, `--keys` cached positions (fp32 cache rows of a `KVCache` of
 `--capacity` columns). Timed, each over every layer so that it reads from memory as a step does: the four w4a8
 matvecs (`w4a8_linear`), the decode attention (`decode_attention`), the whole native step
-(`w4a8_decode_step`: the layers in one call), and the head (`quantized_linear`) with its argmax. `--baseline
+(`w4a8_decode_step`: the layers in one call), the head (`quantized_linear`) with its argmax, and the screened
+head's greedy token (`ScreenedHead.greedy`: the int4 screen, its 16 best rows in int8) with how often it is the
+int8 head's argmax on `--agreement-rows` random rows. `--baseline
 FILE.c`: another build of the kernel source (e.g. `git show HEAD~1:omnimtp/runtime/kernels/small_batch_linear.c`)
 whose native step is timed alternately with this checkout's in the same process (the same-run ratio).
 `--cpu-time --threads 1`: CPU seconds instead of wall time, for a box busy with other jobs (where a thread waits
@@ -36,6 +38,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tts_realtime import machine_floors  # noqa: E402
 
 from omnimtp.runtime.kernels import small_batch_linear as sbl  # noqa: E402
+from omnimtp.runtime.ops import linear  # noqa: E402
+from omnimtp.runtime.screened_head import ScreenedHead  # noqa: E402
 
 GROUP = 128
 
@@ -105,6 +109,8 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=870)
     parser.add_argument("--capacity", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--agreement-rows", type=int, default=1000,
+                        help="random rows on which the screened head's token is compared with the int8 head's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", help="another kernel source whose native step is timed alternately")
     parser.add_argument("--cpu-time", action="store_true",
@@ -124,7 +130,8 @@ def main() -> None:
     shapes, layers = build_layers(args)
     caches = [(torch.randn(1, Nkv, args.capacity, D), torch.randn(1, Nkv, args.capacity, D)) for _ in range(L)]
     head_weight = torch.randn(args.vocab, H) * 0.02
-    head = sbl.quantize_int8(head_weight)
+    screened = ScreenedHead.from_weight(head_weight)  # the int8 head and its int4 screen
+    head = (screened.exact.packed, screened.exact.scales)
     del head_weight
     x = torch.randn(1, H)
     parts = {}
@@ -171,6 +178,18 @@ def main() -> None:
            sum(t.numel() * t.element_size() for t in head))
     logits = torch.randn(1, args.vocab)
     record("argmax", median_ms(lambda: logits.argmax(-1), args.rounds), args.vocab * 4)
+    screen_bytes = sum(t.numel() * t.element_size() for t in (screened.screen.packed, screened.screen.scales))
+    record("head (screened)", median_ms(lambda: screened.greedy(hidden), args.rounds), screen_bytes)
+    # the screened token against the int8 head's argmax on final-norm-like rows (random weights: flat logits)
+    rows = torch.nn.functional.rms_norm(torch.randn(args.agreement_rows, H), (H,))
+    agree = screen_alone = 0
+    for block in rows.split(64):
+        expected = sbl.quantized_linear(block, *head, args.vocab, None).argmax(-1)
+        agree += int((screened.greedy(block) == expected).sum())
+        screen_alone += int((linear(block, None, packed=screened.screen).argmax(-1) == expected).sum())
+    parts["head (screened)"].update(rows=len(rows), equal_to_int8=agree, screen_argmax_equal_to_int8=screen_alone)
+    print(f"{'':>22}  token = the int8 head's on {agree} of {len(rows)} rows (the int4 screen's own argmax: "
+          f"{screen_alone})")
     result = {"machine": platform.processor() or platform.machine(), "build": sbl.build_id(), "floors": floors,
               "clock": CLOCK.__name__,
               "args": vars(args), "parts": parts}

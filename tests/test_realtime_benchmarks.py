@@ -199,12 +199,14 @@ def test_decode_step_parts_quick_run_reports_every_part(tmp_path):
     out = tmp_path / "parts.json"
     _run(["benchmarks/decode_step_parts.py", "--quick", "--layers", "2", "--hidden", "128", "--heads", "4",
           "--kv-heads", "2", "--head-dim", "64", "--intermediate", "256", "--vocab", "300", "--keys", "21",
-          "--capacity", "32", "--rounds", "3", "--threads", "1", "--cpu-time",
+          "--capacity", "32", "--rounds", "3", "--threads", "1", "--cpu-time", "--agreement-rows", "64",
           "--baseline", "omnimtp/runtime/kernels/small_batch_linear.c", "--out", str(out)])
     results = json.loads(out.read_text())
     assert results["clock"] == "process_time"
     assert set(results["parts"]) == {"w4a8 qkv x2", "w4a8 o x2", "w4a8 gate_up x2", "w4a8 down x2", "attention x2",
-                                     "native step", "head (int8)", "argmax"}
+                                     "native step", "head (int8)", "argmax", "head (screened)"}
+    screened = results["parts"]["head (screened)"]
+    assert screened["rows"] == 64 and screened["equal_to_int8"] == 64
     assert all(part["ms"] > 0 and part["floor_ms"] > 0 for part in results["parts"].values())
     alternated = results["native_step_alternated"]
     assert alternated["ratio"] > 0 and alternated["max_abs_difference"] == 0.0
