@@ -151,3 +151,22 @@ def test_a_quantized_aligner_it_made_itself_frees_its_float_matrices(aligner):
     samples = speechlike(1.3, 6)
     kept = Qwen3ForcedAligner(aligner.model, aligner.tokenizer, quantize="int8")
     assert own.align(samples, "one two three four", "en") == kept.align(samples, "one two three four", "en")
+
+
+def test_a_checkpoint_in_the_released_layout_aligns_as_its_model(aligner, tmp_path):
+    """The tiny aligner saved in the released layout (config.json, model.safetensors, preprocessor_config.json and
+    the tokenizer files) loads by from_pretrained with its feature extractor and aligns as the model it was saved
+    from; an ASR checkpoint there is refused naming path."""
+    aligner.model.save_pretrained(tmp_path)
+    aligner.processor.save_pretrained(tmp_path)
+    loaded = Qwen3ForcedAligner.from_pretrained(tmp_path)
+    assert loaded.processor.feature_extractor.to_dict() == aligner.processor.feature_extractor.to_dict()
+    samples = speechlike(1.2, 9)
+    assert loaded.align(samples, "one two three", "en") == aligner.align(samples, "one two three", "en")
+    from omnimtp.families.qwen3_asr import Qwen3ASRFamily
+
+    Qwen3ASRFamily.tiny(0).model.save_pretrained(tmp_path / "asr")
+    aligner.processor.save_pretrained(tmp_path / "asr")
+    with pytest.raises(ValueError, match="^path: .* is a Qwen3-ASR model"):
+        Qwen3ForcedAligner.from_pretrained(tmp_path / "asr")
+

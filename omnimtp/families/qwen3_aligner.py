@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from omnimtp.families.aligner_words import words_of
-from omnimtp.families.qwen3_asr import ASRProcessor, asr_language
+from omnimtp.families.qwen3_asr import ASRProcessor, asr_language, checkpoint_parts
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
 from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
@@ -132,10 +132,7 @@ class Qwen3ForcedAligner:
     def from_pretrained(cls, path, dtype: torch.dtype | None = None, device=None, **kwargs) -> Qwen3ForcedAligner:
         """An aligner checkpoint in the released layout (config.json, model.safetensors, the tokenizer files,
         preprocessor_config.json), or the built-in tiny one's name ("tiny-aligner")."""
-        from transformers import AutoTokenizer, WhisperFeatureExtractor
-
         from omnimtp.checkpoint import TINY_ALIGNER
-        from omnimtp.runtime.device import resolve_device
 
         path = os.fspath(path)
         if path == TINY_ALIGNER and not os.path.exists(path):
@@ -145,13 +142,7 @@ class Qwen3ForcedAligner:
         model = Qwen3ASRModel.from_pretrained(path, dtype=dtype)
         if not model.is_aligner:
             raise ValueError(f"path: {path!r} is a Qwen3-ASR model, not a Qwen3-ForcedAligner")
-        if device is not None:
-            model = model.to(resolve_device(device))
-            model.restore_buffers()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        processor = None
-        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
-            processor = ASRProcessor(WhisperFeatureExtractor.from_pretrained(path), tokenizer)
+        model, tokenizer, processor = checkpoint_parts(model, path, device)
         return cls(model, tokenizer, processor=processor, **kwargs)._owning_model()
 
     @classmethod

@@ -141,6 +141,24 @@ class ASRProcessor:
         self.tokenizer.save_pretrained(path)
 
 
+def checkpoint_parts(model: Qwen3ASRModel, path: str, device) -> tuple[Qwen3ASRModel, object, ASRProcessor | None]:
+    """(model on `device`, tokenizer, processor) of a checkpoint in the released layout whose model is loaded: the
+    tokenizer files at `path`, and its `ASRProcessor` where it has preprocessor_config.json (else None: the
+    family's default). device None: the model where it is."""
+    from transformers import AutoTokenizer
+
+    from omnimtp.runtime.device import resolve_device
+
+    if device is not None:
+        model = model.to(resolve_device(device))
+        model.restore_buffers()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = None
+    if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        processor = ASRProcessor(WhisperFeatureExtractor.from_pretrained(path), tokenizer)
+    return model, tokenizer, processor
+
+
 class _NoTalker:
     """The talker batch of a model that does not speak: it never holds a row (the engine admits no speech request
     of such a family: `check_speaker` refuses them first)."""
@@ -246,8 +264,6 @@ class Qwen3ASRFamily(ChatText):
         preprocessor_config.json (the feature extractor; the released one without it). quantized: the checkpoint
         at `path` loaded by `omnimtp.quantized_checkpoint.load_quantized_model` when it is a quantized one
         (`OmniPipeline.from_pretrained` does it): its model and stored matrices, in its mode."""
-        from transformers import AutoTokenizer
-
         from omnimtp.runtime.device import resolve_device
 
         path = os.fspath(path)
@@ -263,13 +279,7 @@ class Qwen3ASRFamily(ChatText):
             model = Qwen3ASRModel.from_pretrained(path, dtype=dtype)
         if model.is_aligner:
             raise ValueError(f"path: {path!r} is a Qwen3-ForcedAligner; serve it with --aligner-model")
-        if device is not None:
-            model = model.to(resolve_device(device))
-            model.restore_buffers()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        processor = None
-        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
-            processor = ASRProcessor(WhisperFeatureExtractor.from_pretrained(path), tokenizer)
+        model, tokenizer, processor = checkpoint_parts(model, path, device)
         return cls(model, tokenizer, processor=processor, **kwargs)._owning_model()
 
     @classmethod
