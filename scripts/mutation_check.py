@@ -55,6 +55,7 @@ SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 STREAMED_CONV = ("tests/test_codec_streaming.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
 SCREENED_HEAD = ("tests/test_screened_head.py",)
+KERNELS_BUILD = ("tests/test_kernels_build.py",)
 QUANTIZED_EXPERTS = ("tests/test_quantized_experts.py",)
 QUANTIZED_CHECKPOINT = ("tests/test_quantized_checkpoint.py",)
 QUANTIZED_SPEC = ("tests/test_quantized_spec.py",)
@@ -248,6 +249,13 @@ MUTATIONS = [
         "            if True:\n                packed_layers = tuple(",
         QUANTIZED, "a decoder asked to quantize while packing keeps its float layers and runs them: quantize set, "
         "no quantized matrix",
+    ),
+    Mutation(
+        "kernel_source_stops_compiling", "omnimtp/runtime/kernels/bf16_attention.c",
+        "int omnimtp_bf16_attention_supported(void) {",
+        "int omnimtp_bf16_attention_supported(void) { undeclared_name;",
+        KERNELS_BUILD, "a kernel source that no longer compiles: every test of that kernel skips, and only the "
+        "build check fails",
     ),
     Mutation(
         "screened_head_token_from_the_int4_screen", "omnimtp/runtime/screened_head.py",
