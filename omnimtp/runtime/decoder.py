@@ -523,9 +523,9 @@ def decoder_layer(
     layer: LayerWeights,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor | list,
+    kv_buffer: torch.Tensor | list | None,
     layer_index: int,
-    where: KVWrite | torch.Tensor,
+    where: KVWrite | torch.Tensor | None,
     mask: torch.Tensor | None,
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gemm: PackedGemm | None = None,
@@ -536,7 +536,9 @@ def decoder_layer(
     kernels on the same values, without the [R, T] reshapes.
 
     rope: (cos, signed_sin) broadcastable to [R, T, 1, D]; kv_buffer, layer_index, where: the layer's
-    keys and values are appended by `append_kv`; mask: for `attention` (None: every column visible);
+    keys and values are appended by `append_kv`; kv_buffer None: no cache, the T positions attend to their own
+    keys and values only (a forward whose keys are never read again: the aligner's); mask: for `attention` (None:
+    every column visible);
     packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None.
     output_index [R]: only that slot of each row is wanted (→ [R, 1, H]): every slot still appends its
     keys and values, but queries, output projection and MLP run on the wanted slots alone."""
@@ -552,7 +554,10 @@ def decoder_layer(
     if layer.qk_norm is not None:
         qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
     qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
-    keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
+    if kv_buffer is None:  # [R, Nkv, T, D] views of this forward's own keys and values
+        keys, values = qk[..., num_heads:, :].transpose(1, 2), qkv[..., num_qk:, :].transpose(1, 2)
+    else:
+        keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
     queries = qk[..., :num_heads, :]  # [R, T, Nq, D]
     if keys.dtype != queries.dtype:  # a bf16 cache of an fp32 decoder (`kv_dtype`): attention in fp32
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
@@ -581,8 +586,8 @@ def decoder_layers(
     decoder: PackedDecoder,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor | list,
-    where: KVWrite | torch.Tensor,
+    kv_buffer: torch.Tensor | list | None,
+    where: KVWrite | torch.Tensor | None,
     mask: torch.Tensor | None,
     capture_layer: int | None = None,
     packed_layers: tuple | None = None,
