@@ -169,22 +169,26 @@ def test_the_tiny_aligners_forward_and_timestamps_equal_the_unfused_ones(aligner
 
 
 def test_a_released_width_layer_stays_within_the_unfused_ones_quantization_noise():
-    """At the released widths (hidden 1024, 16 / 8 heads of 128, MLP 3072) a layer's rows differ from the unfused
+    """At the released widths (hidden 1024, 16 / 8 heads of 128, MLP 3072) two layers' rows differ from the unfused
     ones only where an input byte flipped on a rounding edge (and the bf16 attention rounded that on): well within
-    the int8 rounding both carry against the float layer."""
+    the int8 rounding both carry against the float layers. The norms' weights are random (each layer its own)."""
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
-                         head_dim=128, num_hidden_layers=1, vocab_size=16)
+                         head_dim=128, num_hidden_layers=2, vocab_size=16)
     module = Qwen3Model(config).eval()
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.2, 2.0)
     fused = PackedDecoder.from_module(module, quantize="w8a8")
     unfused, exact = replace(fused, fused_w8a8=False), PackedDecoder.from_module(module)
     x = torch.randn(1, 200, 1024, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out, ref, float_out = (decoder_forward(d, None, x, None, all_final=True).final for d in (fused, unfused, exact))
     noise = (ref - float_out).norm()
-    assert 0 < (out - ref).norm() < 0.75 * noise and (out - float_out).norm() < 1.25 * noise
+    assert 0 < (out - ref).norm() < 0.3 * noise and (out - float_out).norm() < 1.1 * noise
 
 
 def test_decode_steps_and_other_modes_stay_on_the_torch_ops(aligners):
