@@ -2537,8 +2537,8 @@ MUTATIONS = [
     # --- w8a8: int8 GEMMs for many rows (Qwen3-ASR's and the aligner's int8_compute) -------------------------------
     Mutation(
         "w8a8_leaves_out_the_row_scale", "omnimtp/runtime/ops.py",
-        "    return out.mul_(row_scales)",
-        "    return out",
+        "    return w8a8_sums(x_u8, weight).mul_(row_scales)",
+        "    return w8a8_sums(x_u8, weight)",
         W8A8, "the w8a8 linear returns the integer sums times the weight scales, not times each row's scale",
     ),
     Mutation(
