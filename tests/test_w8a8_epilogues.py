@@ -155,8 +155,8 @@ def test_the_tiny_aligners_forward_and_timestamps_equal_the_unfused_ones(aligner
     decoder = fast.decoder
     x = torch.randn(2, 57, decoder.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert fuses_w8a8(decoder, decoder.layers[0], x, decoder.quantized_layers[0], None)
-        assert not fuses_w8a8(slow.decoder, decoder.layers[0], x, decoder.quantized_layers[0], None)
+        assert fuses_w8a8(decoder, decoder.layers[0], x, decoder.quantized_layers[0])
+        assert not fuses_w8a8(slow.decoder, decoder.layers[0], x, decoder.quantized_layers[0])
         fused = decoder_forward(decoder, None, x, None, capture_layer=1, all_final=True)
         unfused = decoder_forward(slow.decoder, None, x, None, capture_layer=1, all_final=True)
     torch.testing.assert_close(fused.final, unfused.final, rtol=1e-5, atol=1e-5)
@@ -196,10 +196,24 @@ def test_decode_steps_and_other_modes_stay_on_the_torch_ops(aligners):
     decoder = fast.decoder
     layer, packed = decoder.layers[0], decoder.quantized_layers[0]
     one = torch.randn(3, 1, decoder.hidden_size)
-    assert not fuses_w8a8(decoder, layer, one, packed, None)  # one position a row
-    assert not fuses_w8a8(decoder, layer, torch.randn(1, 9, decoder.hidden_size), packed, torch.tensor([8]))
+    assert not fuses_w8a8(decoder, layer, one, packed)  # one position a row
     w4a8 = PackedDecoder.from_module(fast.model.thinker.model, quantize="w4a8")
-    assert not fuses_w8a8(w4a8, w4a8.layers[0], torch.randn(1, 9, decoder.hidden_size), w4a8.quantized_layers[0], None)
+    assert not fuses_w8a8(w4a8, w4a8.layers[0], torch.randn(1, 9, decoder.hidden_size), w4a8.quantized_layers[0])
+
+
+def test_the_last_layer_on_the_wanted_positions_alone_gives_their_rows_of_the_whole_forward(aligners):
+    """output_index: the last layer's queries, o and MLP on those positions only (the aligner's timestamp positions),
+    each the same bits as its row of the forward over every position (fused or not)."""
+    for decoder in (aligner.decoder for aligner in aligners):
+        x = torch.randn(2, 40, decoder.hidden_size, generator=torch.Generator().manual_seed(2))
+        wanted = torch.tensor([[0, 5, 6, 39], [3, 4, 20, 21]])
+        with torch.no_grad():
+            whole = decoder_forward(decoder, None, x, None, all_final=True)
+            some = decoder_forward(decoder, None, x, None, all_final=True, output_index=wanted)
+        assert torch.equal(some.final, whole.final[torch.arange(2)[:, None], wanted])
+        assert torch.equal(some.last_hidden, some.final[:, -1])
+    with pytest.raises(ValueError, match="output_index"):
+        decoder_forward(decoder, None, x, None, output_index=wanted[0])
 
 
 def test_qwen3_asr_greedy_tokens_with_int8_compute_equal_the_unfused_ones():

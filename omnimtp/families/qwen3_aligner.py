@@ -219,11 +219,13 @@ class Qwen3ForcedAligner:
                 for i, word in enumerate(words)]
 
     def _bins(self, ids: list[int], media) -> np.ndarray:
-        """The time bin at each `<timestamp>` position of the prompt: one forward over it, the head on those rows."""
+        """The time bin at each `<timestamp>` position of the prompt: one forward over it (its last layer and the head
+        on those rows)."""
         prefill = multimodal_prefill(self.thinker, ids, media, self.decoder.device)
-        out = decoder_forward(self.decoder, None, prefill.embeds.to(self.decoder.dtype), None, all_final=True)
-        slots = torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id  # [P]
-        rows = out.final[0, slots]  # [2·words, D]
+        slots = torch.nonzero(torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id)[:, 0]
+        out = decoder_forward(self.decoder, None, prefill.embeds.to(self.decoder.dtype), None, all_final=True,
+                              output_index=slots[None])  # the last layer on the timestamp positions only
+        rows = out.final[0]  # [2·words, D]
         if self.decoder.quantized_lm_head is not None:
             logits = linear(rows, None, packed=self.decoder.quantized_lm_head)
         else:

@@ -545,8 +545,8 @@ def decoder_layer(
     keys and values are appended by `append_kv`; kv_buffer None: no cache, the T positions attend to their own
     keys and values only (a forward whose keys are never read again: the aligner's); mask: for `attention` (None:
     every column visible); packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None.
-    output_index [R]: only that slot of each row is wanted (→ [R, 1, H]): every slot still appends its
-    keys and values, but queries, output projection and MLP run on the wanted slots alone.
+    output_index [R] (or [R, K]): only that slot (those K slots) of each row is wanted (→ [R, 1 or K, H]): every slot
+    still appends its keys and values, but queries, output projection and MLP run on the wanted slots alone.
 
     A dense "w8a8" layer of several positions a row (`fuses_w8a8`) runs the elementwise work between its int8 GEMMs
     as C passes (`kernels.w8a8_epilogues`), the same values up to the order of a row's sums: rows are x's rows after
@@ -557,7 +557,7 @@ def decoder_layer(
     num_qk = num_heads + num_kv_heads
     p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if packed is None else packed
     fused = decoder.fused_norm
-    on_epilogues = fuses_w8a8(decoder, layer, x, packed, output_index)
+    on_epilogues = fuses_w8a8(decoder, layer, x, packed)
     residual = x
     if on_epilogues:
         if rows is None:
@@ -583,14 +583,15 @@ def decoder_layer(
     if keys.dtype != queries.dtype:  # a bf16 cache of an fp32 decoder (`kv_dtype`): attention in fp32
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     if output_index is not None:
-        index = torch.arange(lead[0], device=x.device)
-        queries = queries[index, output_index][:, None]  # [R, 1, Nq, D]
-        residual = residual[index, output_index][:, None]  # [R, 1, H]
+        wanted = output_index if output_index.dim() == 2 else output_index[:, None]  # [R, K]
+        index = torch.arange(lead[0], device=x.device)[:, None]
+        queries = queries[index, wanted]  # [R, K, Nq, D]
+        residual = residual[index, wanted]  # [R, K, H]
         if isinstance(mask, str):  # CAUSAL
             mask = causal_mask(lead[1], x.device)
         if mask is not None:
-            mask = mask.expand(lead[0], -1, -1, -1)[index, :, output_index][:, :, None]  # [R, 1, 1, S]
-        lead = torch.Size((lead[0], 1))
+            mask = mask.expand(lead[0], -1, -1, -1)[:, 0][index, wanted][:, None]  # [R, 1, K, S]
+        lead = torch.Size(wanted.shape)
     attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention,
                      bf16_many_rows=decoder.quantize in MANY_ROW_MODES)
     if on_epilogues:  # attn [R, T, Nq*D]
@@ -618,13 +619,13 @@ def decoder_layer(
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]
 
 
-def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, packed, output_index) -> bool:
+def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, packed) -> bool:
     """Whether `decoder_layer` runs this layer's elementwise work as `kernels.w8a8_epilogues` passes: a dense layer of a
     "w8a8" decoder (`fused_w8a8`) on x [R, T, H] fp32 of several positions a row (a prompt's forward; decode steps stay
-    on the torch ops), every slot wanted, no gradient, not under torch.compile, where the passes run."""
+    on the torch ops), no gradient, not under torch.compile, where the passes run."""
     return (
         decoder.fused_w8a8 and decoder.quantize in MANY_ROW_MODES and layer.router is None and packed is not None
-        and output_index is None and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32
+        and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32
         and decoder.head_dim <= w8a8_epilogues.MAX_HEAD_DIM
         and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
         and w8a8_epilogues.available()
@@ -662,7 +663,7 @@ def decoder_layers(
 
     layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
-    as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
+    as transformers records it. output_index [R] or [R, K]: the slots per row whose output is wanted (→ [R, 1 or K, H]);
     the last layer skips the rest (`decoder_layer`). A decode step of a dense "w4a8" decoder (one new position a
     row, on a `KVCache`'s layer views) runs every layer in one native call instead (`w4a8_step`)."""
     if (
