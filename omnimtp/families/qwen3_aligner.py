@@ -219,15 +219,20 @@ class Qwen3ForcedAligner:
                 for i, word in enumerate(words)]
 
     def _bins(self, ids: list[int], media) -> np.ndarray:
-        """The time bin at each `<timestamp>` position of the prompt: one forward over it (its last layer and the head
-        on those rows)."""
+        """The time bin at each `<timestamp>` position of the prompt: one forward over it, the head on those rows."""
         prefill = multimodal_prefill(self.thinker, ids, media, self.decoder.device)
-        slots = torch.nonzero(torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id)[:, 0]
-        out = decoder_forward(self.decoder, None, prefill.embeds.to(self.decoder.dtype), None, all_final=True,
-                              output_index=slots[None])  # the last layer on the timestamp positions only
-        rows = out.final[0]  # [2·words, D]
+        rows = self.timestamp_rows(ids, prefill.embeds)  # [2·words, D]
         if self.decoder.quantized_lm_head is not None:
             logits = linear(rows, None, packed=self.decoder.quantized_lm_head)
         else:
             logits = torch.nn.functional.linear(rows, self.model.thinker.lm_head.weight)
         return logits.argmax(-1).cpu().numpy()
+
+    def timestamp_rows(self, ids: list[int], embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder's final rows [2·words, D] at the prompt's `<timestamp>` positions: one forward over its input
+        embeddings [1, P, D] (`multimodal_prefill`'s), without a KV cache (nothing reads its keys again), the last
+        layer on those positions only."""
+        slots = torch.nonzero(torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id)[:, 0]
+        out = decoder_forward(self.decoder, None, embeds.to(self.decoder.dtype), None, all_final=True,
+                              output_index=slots[None])
+        return out.final[0]
