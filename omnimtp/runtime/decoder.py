@@ -634,7 +634,7 @@ def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, pac
 
 def _input_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
     """x [R, T, H]'s rows after RMSNorm (times weight), quantized for a "w8a8" GEMM (x is not modified)."""
-    return w8a8_epilogues.residual_norm(x.reshape(-1, x.shape[-1]), None, None, None, weight, eps)[1]
+    return w8a8_epilogues.residual_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, None, None, weight, eps)[1]
 
 
 def _rope_partner(rope: Rope) -> torch.Tensor:
