@@ -2391,10 +2391,10 @@ MUTATIONS = [
         QWEN3_ALIGNER, "a repaired time bin equally far from both neighbours takes the right one",
     ),
     Mutation(
-        "aligner_reads_the_slot_after_each_timestamp", "omnimtp/families/qwen3_aligner.py",
-        "rows = out.final[0, slots]  # [2·words, D]",
-        "rows = out.final[0, slots.roll(1)]  # [2·words, D]",
-        QWEN3_ALIGNER, "the aligner classifies the position after each <timestamp> slot",
+        "aligner_reads_the_slot_before_each_timestamp", "omnimtp/families/qwen3_aligner.py",
+        "output_index=slots[None])",
+        "output_index=slots[None] - 1)",
+        QWEN3_ALIGNER, "the aligner classifies the position before each <timestamp> slot",
     ),
     Mutation(
         "transcription_words_on_half_the_audio", "omnimtp/server/routes/transcriptions.py",
