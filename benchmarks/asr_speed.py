@@ -246,7 +246,6 @@ def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | Non
     causal attention's FLOPs at its matmul peak (`_attention_peak`)."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
 
-    from omnimtp.packed_decoder import KVCache, decoder_forward
     from omnimtp.thinker import multimodal_prefill
 
     thinker, device = aligner.model.thinker, aligner.decoder.device
@@ -261,8 +260,7 @@ def _aligner_stages(aligner, samples: np.ndarray, text: str, quantize: str | Non
         prefill = multimodal_prefill(aligner.thinker, ids, media, device)
         encoder_s = time.perf_counter() - started
         started = time.perf_counter()
-        cache = KVCache(aligner.decoder, 1, capacity=len(ids))
-        decoder_forward(aligner.decoder, cache, prefill.embeds.to(aligner.decoder.dtype), [0], all_final=True)
+        aligner.timestamp_rows(ids, prefill.embeds)
         forward_s = time.perf_counter() - started
     linear_flops, attention_flops = _decoder_flops(thinker, len(ids))
     return {

@@ -85,7 +85,6 @@ def aligner_error(seconds: float, words: int, quick: bool) -> dict:
     from omnimtp.families.qwen3_aligner import Qwen3ForcedAligner
     from omnimtp.media import MediaLimits
     from omnimtp.models.qwen3_asr import asr_byte_tokenizer
-    from omnimtp.packed_decoder import KVCache, decoder_forward
     from omnimtp.thinker import multimodal_prefill
 
     samples, text = _audio(seconds), _transcript(words)
@@ -106,11 +105,8 @@ def aligner_error(seconds: float, words: int, quick: bool) -> dict:
         ids = aligner.prompt_ids(aligner.words(text, "en"), num_rows)
         with torch.no_grad():
             prefill = multimodal_prefill(aligner.thinker, ids, media, aligner.decoder.device)
-            cache = KVCache(aligner.decoder, 1, capacity=len(ids))
-            out = decoder_forward(aligner.decoder, cache, prefill.embeds.to(aligner.decoder.dtype), [0],
-                                  all_final=True)
-        slots = torch.tensor(ids) == aligner.timestamp_token_id
-        return out.final[0, slots], torch.from_numpy(aligner._bins(ids, media)), len(ids)
+            rows = aligner.timestamp_rows(ids, prefill.embeds)
+        return rows, torch.from_numpy(aligner._bins(ids, media)), len(ids)
 
     exact.align(samples[:8000], "warm up", "en", limits)
     rows, bins, positions = slot_rows(exact)

@@ -34,13 +34,14 @@ class DecoderOutput(NamedTuple):
 
 def decoder_forward(
     decoder: PackedDecoder,
-    cache: KVCache,
+    cache: KVCache | None,
     embeds: torch.Tensor,
-    slots: list[int],
+    slots: list[int] | None,
     capture_layer: int | None = None,
     rope_positions: torch.Tensor | None = None,
     layer_adds: tuple[torch.Tensor, ...] = (),
     all_final: bool = False,
+    output_index: torch.Tensor | None = None,
 ) -> DecoderOutput:
     """Append T positions to each of R slots and run the decoder on them.
 
@@ -56,7 +57,14 @@ def decoder_forward(
     prompt) are given; then each slot's offset becomes max + 1 − its new length, so decoding continues
     where transformers' rope_deltas put it. The mask is causal by cache index either way. layer_adds:
     see `decoder_layers` (deepstack features of a prefill). all_final: also return every new position's
-    row after the final norm (`final` [R, T, H]: what a speculative verify and an MTP head read)."""
+    row after the final norm (`final` [R, T, H]: what a speculative verify and an MTP head read).
+
+    output_index [R, K]: only these K new positions of each row are wanted (every position's keys and values are
+    still made): the last layer runs its queries, output projection and MLP on them alone, and last_hidden, final
+    (and captured at capture_layer L) are theirs: [R, H] at the last of them, [R, K, H].
+
+    cache None (slots None): each row's T positions are a whole sequence at cache indices 0..T-1, attending to
+    their own keys and values, none of them kept (one forward with nothing after it: the aligner's)."""
     num_layers = decoder.num_layers
     if not isinstance(embeds, torch.Tensor) or embeds.dim() != 3 or embeds.shape[2] != decoder.hidden_size:
         raise ValueError(f"embeds must be [R, T, {decoder.hidden_size}], got {getattr(embeds, 'shape', embeds)!r}")
@@ -64,18 +72,30 @@ def decoder_forward(
         raise ValueError(
             f"embeds must have dtype {decoder.dtype}, R >= 1 and T >= 1, got {embeds.dtype}, {tuple(embeds.shape)}"
         )
-    if not isinstance(slots, (list, tuple)) or len(slots) != embeds.shape[0]:
+    if cache is None:
+        if slots is not None:
+            raise ValueError(f"slots must be None without a cache, got {slots!r}")
+    elif not isinstance(slots, (list, tuple)) or len(slots) != embeds.shape[0]:
         raise ValueError(f"slots must be a list of {embeds.shape[0]} slot indices (one per row), got {slots!r}")
-    slots = list(slots)
-    cache.check_slots(slots)
+    else:
+        slots = list(slots)
+        cache.check_slots(slots)
     if capture_layer is not None and not 0 <= capture_layer <= num_layers:
         raise ValueError(f"capture_layer must be in [0, {num_layers}], got {capture_layer!r}")
     num_rows, num_new, _ = embeds.shape
     if rope_positions is not None and tuple(rope_positions.shape) != (3, num_rows, num_new):
         raise ValueError(f"rope_positions must be [3, {num_rows}, {num_new}], got {tuple(rope_positions.shape)}")
+    if output_index is not None and (output_index.dim() != 2 or output_index.shape[0] != num_rows
+                                     or output_index.dtype != torch.int64):
+        raise ValueError(f"output_index must be int64 [{num_rows}, K], got {output_index.dtype} "
+                         f"{list(output_index.shape)}")
+    if cache is None:
+        return _uncached_forward(decoder, embeds, capture_layer, rope_positions, layer_adds, all_final, output_index)
     offsets = [cache.rope_offsets[slot] for slot in slots]
     where = cache.plan(slots, num_new)
-    if num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds:  # a batch-1 decode step
+    if (
+        num_rows == 1 and num_new == 1 and rope_positions is None and not layer_adds and output_index is None
+    ):  # a batch-1 decode step
         rope = decoder.step_tables(where.start + offsets[0])
         x, captured = decoder_layers(
             decoder, embeds.view(-1), rope, cache.layer_views, where, None, capture_layer
@@ -108,12 +128,33 @@ def decoder_forward(
         columns = torch.arange(where.num_columns, device=embeds.device)
         mask = (columns[None, None] <= positions[:, :, None])[:, None]  # [R, 1, T, S] bool
     x, captured = decoder_layers(
-        decoder, embeds, rope, cache.layer_views, where, mask, capture_layer, layer_adds=tuple(layer_adds)
+        decoder, embeds, rope, cache.layer_views, where, mask, capture_layer, layer_adds=tuple(layer_adds),
+        output_index=output_index,
     )
     cache.commit(slots, num_new)
-    if capture_layer == num_layers or all_final:
+    return _output(decoder, x, captured, capture_layer, all_final)
+
+
+def _uncached_forward(
+    decoder, embeds, capture_layer, rope_positions, layer_adds, all_final, output_index
+) -> DecoderOutput:
+    """`decoder_forward` without a cache: positions 0..T-1 of every row, causal, keys and values not kept."""
+    num_rows, num_new, _ = embeds.shape
+    if rope_positions is None:
+        rope_positions = torch.arange(num_new, device=embeds.device).expand(num_rows, -1)  # [R, T]
+    rope = decoder.rope.tables(rope_positions, embeds.dtype)  # [R, T, 1, D]
+    mask = None if num_new == 1 else CAUSAL
+    x, captured = decoder_layers(
+        decoder, embeds, rope, None, None, mask, capture_layer, layer_adds=tuple(layer_adds), output_index=output_index
+    )
+    return _output(decoder, x, captured, capture_layer, all_final)
+
+
+def _output(decoder, x, captured, capture_layer, all_final) -> DecoderOutput:
+    """The forward's `DecoderOutput` from the last layer's output x [R, T, H] (before the final norm)."""
+    if capture_layer == decoder.num_layers or all_final:
         final = rms_norm(x, decoder.final_norm, decoder.eps)
         return DecoderOutput(
-            final[:, -1], final if capture_layer == num_layers else captured, final if all_final else None
+            final[:, -1], final if capture_layer == decoder.num_layers else captured, final if all_final else None
         )
     return DecoderOutput(rms_norm(x[:, -1], decoder.final_norm, decoder.eps), captured)

@@ -67,6 +67,7 @@ REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 W8A8 = ("tests/test_w8a8_linear.py",)
 BF16_ATTENTION = ("tests/test_bf16_attention.py",)
+W8A8_EPILOGUES = ("tests/test_w8a8_epilogues.py",)
 W8A8_CONV = ("tests/test_w8a8_conv.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
@@ -1802,6 +1803,28 @@ MUTATIONS = [
         "poisons the row)",
     ),
     Mutation(
+        "w8a8_epilogue_drops_the_residual", "omnimtp/runtime/kernels/w8a8_epilogues.c",
+        "if (residual) x = _mm512_add_ps(_mm512_maskz_loadu_ps(m, residual + k), x);",
+        "(void)residual;",
+        W8A8_EPILOGUES, "the fused pass after a w8a8 layer's o / down GEMM leaves out the residual add",
+    ),
+    Mutation(
+        "w8a8_epilogue_rope_sign_flipped", "omnimtp/runtime/kernels/w8a8_epilogues.c",
+        "head[d] = v[d] * c[d] + v[d + half] * s[d];",
+        "head[d] = v[d] * c[d] - v[d + half] * s[d];",
+        W8A8_EPILOGUES, "the fused q/k pass rotates the first half of each head the wrong way",
+    ),
+    Mutation(
+        "w8a8_epilogue_silu_of_the_negated_gate", "omnimtp/runtime/kernels/w8a8_epilogues.c",
+        "exp16(_mm512_xor_ps(g, sign))", "exp16(g)",
+        W8A8_EPILOGUES, "the fused gated pass takes g * sigmoid(-g) for silu(g)",
+    ),
+    Mutation(
+        "w8a8_layer_reads_its_own_norm_for_the_next", "omnimtp/runtime/decoder.py",
+        "else decoder.layers[i + 1].input_norm", "else layer.input_norm",
+        W8A8_EPILOGUES, "a fused w8a8 layer quantizes the next layer's rows with its own input norm's weight",
+    ),
+    Mutation(
         "w8a8_prefill_attention_stays_on_sdpa", "omnimtp/runtime/decoder.py",
         "bf16_many_rows=decoder.quantize in MANY_ROW_MODES)",
         "bf16_many_rows=False)",
@@ -2398,10 +2421,10 @@ MUTATIONS = [
         QWEN3_ALIGNER, "a repaired time bin equally far from both neighbours takes the right one",
     ),
     Mutation(
-        "aligner_reads_the_slot_after_each_timestamp", "omnimtp/families/qwen3_aligner.py",
-        "rows = out.final[0, slots]  # [2·words, D]",
-        "rows = out.final[0, slots.roll(1)]  # [2·words, D]",
-        QWEN3_ALIGNER, "the aligner classifies the position after each <timestamp> slot",
+        "aligner_reads_the_slot_before_each_timestamp", "omnimtp/families/qwen3_aligner.py",
+        "output_index=slots[None])",
+        "output_index=slots[None] - 1)",
+        QWEN3_ALIGNER, "the aligner classifies the position before each <timestamp> slot",
     ),
     Mutation(
         "transcription_words_on_half_the_audio", "omnimtp/server/routes/transcriptions.py",
@@ -2544,8 +2567,8 @@ MUTATIONS = [
     # --- w8a8: int8 GEMMs for many rows (Qwen3-ASR's and the aligner's int8_compute) -------------------------------
     Mutation(
         "w8a8_leaves_out_the_row_scale", "omnimtp/runtime/ops.py",
-        "    return out.mul_(row_scales)",
-        "    return out",
+        "    return w8a8_sums(x_u8, weight).mul_(row_scales)",
+        "    return w8a8_sums(x_u8, weight)",
         W8A8, "the w8a8 linear returns the integer sums times the weight scales, not times each row's scale",
     ),
     Mutation(

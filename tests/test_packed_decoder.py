@@ -120,6 +120,25 @@ def test_batched_rows_equal_each_row_alone(model):
         torch.testing.assert_close(out[r : r + 1], expected, atol=ATOL, rtol=0)  # mv vs gemm rounding only
 
 
+@pytest.mark.parametrize("name", ["talker", "thinker"])
+def test_a_forward_without_a_cache_equals_one_into_an_empty_cache_bit_for_bit(model, name):
+    """cache None: each row's positions 0..T-1 on its own keys and values (none kept), the same bits as a prompt's
+    forward into an empty slot (rows of several prompts, captured states, every row after the final norm)."""
+    decoder = PackedDecoder.from_module(_modules(model)[name])
+    x = torch.randn(2, 13, 64, generator=torch.Generator().manual_seed(3))
+    for capture_layer in (None, 1, decoder.num_layers):
+        cached = decoder_forward(decoder, KVCache(decoder, 2, capacity=13), x, [0, 1], capture_layer, all_final=True)
+        uncached = decoder_forward(decoder, None, x, None, capture_layer, all_final=True)
+        for a, b in zip(cached, uncached, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+    one = decoder_forward(decoder, None, x[:1, :1], None)  # one position: no mask (a GEMM, not the step's mv)
+    torch.testing.assert_close(
+        one.last_hidden, decoder_forward(decoder, KVCache(decoder, 1), x[:1, :1], [0]).last_hidden, atol=ATOL, rtol=0
+    )
+    with pytest.raises(ValueError, match="slots must be None without a cache"):
+        decoder_forward(decoder, None, x, [0, 1])
+
+
 def test_a_saved_slot_loaded_elsewhere_goes_on_bit_for_bit(model):
     """`save` / `load` (a parked talker request): the sequence moved to another slot of a smaller buffer, beside
     another sequence, gives the same next hidden states as where it was."""

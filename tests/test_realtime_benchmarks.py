@@ -2,7 +2,7 @@
 benchmarks/speech_decoder.py,
 benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
 benchmarks/moe_experts.py, benchmarks/many_row_linear.py,
-benchmarks/encoder_conv.py and benchmarks/omni_realsize.py at tiny sizes, so the
+benchmarks/encoder_conv.py, benchmarks/fused_w8a8.py and benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
@@ -363,3 +363,22 @@ def test_many_row_linear_quick_run_reports_every_path(tmp_path):
     if many_row_mode_reason("cpu") is None:
         expected |= {"w8a8 (oneDNN int8)", "w8a8: its row quantization alone", "torch._int_mm (int8 → int32)"}
     assert set(paths) == expected and all(figures["gflop_s"] > 0 for figures in paths.values())
+
+
+def test_fused_w8a8_quick_run_compares_the_fused_forwards_with_the_torch_ops(tmp_path):
+    """benchmarks/fused_w8a8.py --quick: the prefill and the aligner's forward, fused and on torch ops, alternated in
+    one process, their outputs within int8 rounding of each other."""
+    from omnimtp.runtime.kernels import w8a8_epilogues
+
+    if many_row_mode_reason("cpu") is not None or not w8a8_epilogues.available():
+        pytest.skip("int8_compute or the fused passes do not run here")
+    out = tmp_path / "fused_w8a8.json"
+    _run(["benchmarks/fused_w8a8.py", "--quick", "--threads", "1", "--rounds", "2", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["fused_runs"]
+    assert set(results["prefill"]) == {"torch_ops", "fused"}
+    assert set(results["aligner"]) == {"cache_torch_ops", "no_cache_torch_ops", "no_cache_fused"}
+    for forward in ("prefill", "aligner"):
+        for entry in results[forward].values():
+            assert entry["cpu_s"] > 0 and entry["wall_ratio"] > 0 and entry["rel_difference"] < 1e-3
+    assert results["aligner"]["no_cache_torch_ops"]["rel_difference"] == 0  # the same ops: the same bits

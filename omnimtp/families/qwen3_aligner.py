@@ -30,7 +30,7 @@ from omnimtp.families.aligner_words import words_of
 from omnimtp.families.qwen3_asr import ASRProcessor, asr_language, checkpoint_parts
 from omnimtp.media import AUDIO_SAMPLING_RATE, MediaLimits, load_audio
 from omnimtp.models.qwen3_asr import TIMESTAMP_TOKEN, Qwen3ASRModel, encoder_thinker
-from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
+from omnimtp.packed_decoder import PackedDecoder, decoder_forward
 from omnimtp.runtime.ops import check_many_row_mode, check_quantize, linear
 from omnimtp.thinker import multimodal_prefill
 
@@ -212,12 +212,18 @@ class Qwen3ForcedAligner:
     def _bins(self, ids: list[int], media) -> np.ndarray:
         """The time bin at each `<timestamp>` position of the prompt: one forward over it, the head on those rows."""
         prefill = multimodal_prefill(self.thinker, ids, media, self.decoder.device)
-        cache = KVCache(self.decoder, 1, capacity=len(ids))
-        out = decoder_forward(self.decoder, cache, prefill.embeds.to(self.decoder.dtype), [0], all_final=True)
-        slots = torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id  # [P]
-        rows = out.final[0, slots]  # [2·words, D]
+        rows = self.timestamp_rows(ids, prefill.embeds)  # [2·words, D]
         if self.decoder.quantized_lm_head is not None:
             logits = linear(rows, None, packed=self.decoder.quantized_lm_head)
         else:
             logits = torch.nn.functional.linear(rows, self.model.thinker.lm_head.weight)
         return logits.argmax(-1).cpu().numpy()
+
+    def timestamp_rows(self, ids: list[int], embeds: torch.Tensor) -> torch.Tensor:
+        """The decoder's final rows [2·words, D] at the prompt's `<timestamp>` positions: one forward over its input
+        embeddings [1, P, D] (`multimodal_prefill`'s), without a KV cache (nothing reads its keys again), the last
+        layer on those positions only."""
+        slots = torch.nonzero(torch.tensor(ids, device=self.decoder.device) == self.timestamp_token_id)[:, 0]
+        out = decoder_forward(self.decoder, None, embeds.to(self.decoder.dtype), None, all_final=True,
+                              output_index=slots[None])
+        return out.final[0]

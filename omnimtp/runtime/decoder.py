@@ -31,7 +31,7 @@ import torch
 
 from omnimtp.runtime import w4a8_step
 from omnimtp.runtime.device import return_free_memory
-from omnimtp.runtime.kernels import small_batch_linear
+from omnimtp.runtime.kernels import small_batch_linear, w8a8_epilogues
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
 from omnimtp.runtime.moe import (
     GroupLimitedSigmoid,
@@ -57,6 +57,7 @@ from omnimtp.runtime.ops import (
     quantize_experts,
     quantize_weight,
     rms_norm,
+    w8a8_sums,
 )
 from omnimtp.runtime.prefetch import reachable_tensors
 from omnimtp.runtime.screened_head import ScreenedHead
@@ -127,6 +128,9 @@ class PackedDecoder:
     lm_head: torch.Tensor | None = None  # [V, H] (the module's own tensor)
     fused_norm: bool = True  # see `rms_norm`
     fp32_attention: bool = False  # see `attention(fp32_manual=...)`
+    # a "w8a8" decoder's layers of several positions a row: the elementwise work between their GEMMs as C passes
+    # (`kernels.w8a8_epilogues`); False: as torch ops (the same values up to the order of a row's sums)
+    fused_w8a8: bool = True
     # the KV cache's dtype when it is not `dtype` (`with_kv_dtype`: an fp32 decoder's cache in bf16), else None
     kv_dtype: torch.dtype | None = None
     # position → (cos, signed_sin) [D] of a one-row, one-position step (see `step_tables`)
@@ -530,66 +534,129 @@ def decoder_layer(
     layer: LayerWeights,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor | list,
+    kv_buffer: torch.Tensor | list | None,
     layer_index: int,
-    where: KVWrite | torch.Tensor,
+    where: KVWrite | torch.Tensor | None,
     mask: torch.Tensor | None,
     packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     gemm: PackedGemm | None = None,
     output_index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One decoder layer on x [R, T, H] → [R, T, H]: attention block, then MLP block, each pre-norm with
+    rows: QuantizedRows | None = None,
+    next_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, QuantizedRows | None]:
+    """One decoder layer on x [R, T, H] → ([R, T, H], None): attention block, then MLP block, each pre-norm with
     a residual. One row at one position may come as x [H] with rope tables [D] (a decode step): the same
     kernels on the same values, without the [R, T] reshapes.
 
     rope: (cos, signed_sin) broadcastable to [R, T, 1, D]; kv_buffer, layer_index, where: the layer's
-    keys and values are appended by `append_kv`; mask: for `attention` (None: every column visible);
-    packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None.
-    output_index [R]: only that slot of each row is wanted (→ [R, 1, H]): every slot still appends its
-    keys and values, but queries, output projection and MLP run on the wanted slots alone."""
+    keys and values are appended by `append_kv`; kv_buffer None: no cache, the T positions attend to their own
+    keys and values only (a forward whose keys are never read again: the aligner's); mask: for `attention` (None:
+    every column visible); packed: this layer's (qkv, o, gate_up, down) packed by `gemm` (a dense layer), or None.
+    output_index [R] (or [R, K]): only that slot (those K slots) of each row is wanted (→ [R, 1 or K, H]): every slot
+    still appends its keys and values, but queries, output projection and MLP run on the wanted slots alone.
+
+    A dense "w8a8" layer of several positions a row (`fuses_w8a8`) runs the elementwise work between its int8 GEMMs
+    as C passes (`kernels.w8a8_epilogues`), the same values up to the order of a row's sums: rows are x's rows after
+    this layer's input norm, already quantized (the previous layer's last pass made them), or None; with next_norm
+    (the next layer's input norm weight) the layer returns the rows that layer reads in place of None."""
     lead = x.shape[:-1]  # (R, T), or () for one row at one position
     num_heads, num_kv_heads, head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
     num_qk = num_heads + num_kv_heads
     p_qkv, p_o, p_gate_up, p_down = (None, None, None, None) if packed is None else packed
     fused = decoder.fused_norm
+    on_epilogues = fuses_w8a8(decoder, layer, x, packed)
     residual = x
-    qkv = linear(rms_norm(x, layer.input_norm, decoder.eps, fused=fused), layer.qkv, layer.qkv_bias, p_qkv, gemm)
-    qkv = qkv.view(*lead, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
-    qk = qkv[..., :num_qk, :]
-    if layer.qk_norm is not None:
-        qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
-    qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
-    keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
+    if on_epilogues:
+        if rows is None:
+            rows = _input_rows(x, layer.input_norm, decoder.eps)
+        sums = w8a8_sums(rows[0], p_qkv).view(*lead, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
+        qkv = w8a8_epilogues.attention_inputs(
+            sums, rows[1], layer.qkv_bias, layer.qk_norm, decoder.eps, *rope, _rope_partner(decoder.rope),
+            num_heads, num_kv_heads,
+        )  # queries and keys normed and rotated
+        qk = qkv[..., :num_qk, :]
+    else:
+        qkv = linear(rms_norm(x, layer.input_norm, decoder.eps, fused=fused), layer.qkv, layer.qkv_bias, p_qkv, gemm)
+        qkv = qkv.view(*lead, num_qk + num_kv_heads, head_dim)  # [R, T, Nq+2Nkv, D]
+        qk = qkv[..., :num_qk, :]
+        if layer.qk_norm is not None:
+            qk = rms_norm(qk, layer.qk_norm, decoder.eps, fused=fused)
+        qk = apply_rope(qk, rope[0], rope[1], decoder.rope.source)  # queries and keys at once
+    if kv_buffer is None:  # [R, Nkv, T, D] views of this forward's own keys and values
+        keys, values = qk[..., num_heads:, :].transpose(1, 2), qkv[..., num_qk:, :].transpose(1, 2)
+    else:
+        keys, values = append_kv(kv_buffer, layer_index, qk[..., num_heads:, :], qkv[..., num_qk:, :], where)
     queries = qk[..., :num_heads, :]  # [R, T, Nq, D]
     if keys.dtype != queries.dtype:  # a bf16 cache of an fp32 decoder (`kv_dtype`): attention in fp32
         keys, values = keys.to(queries.dtype), values.to(queries.dtype)
     if output_index is not None:
-        rows = torch.arange(lead[0], device=x.device)
-        queries = queries[rows, output_index][:, None]  # [R, 1, Nq, D]
-        residual = residual[rows, output_index][:, None]  # [R, 1, H]
+        wanted = output_index if output_index.dim() == 2 else output_index[:, None]  # [R, K]
+        index = torch.arange(lead[0], device=x.device)[:, None]
+        queries = queries[index, wanted]  # [R, K, Nq, D]
+        residual = residual[index, wanted]  # [R, K, H]
         if isinstance(mask, str):  # CAUSAL
             mask = causal_mask(lead[1], x.device)
         if mask is not None:
-            mask = mask.expand(lead[0], -1, -1, -1)[rows, :, output_index][:, :, None]  # [R, 1, 1, S]
-        lead = torch.Size((lead[0], 1))
+            mask = mask.expand(lead[0], -1, -1, -1)[:, 0][index, wanted][:, None]  # [R, 1, K, S]
+        lead = torch.Size(wanted.shape)
     attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention,
                      bf16_many_rows=decoder.quantize in MANY_ROW_MODES)
+    if on_epilogues:  # attn [R, T, Nq*D]
+        count = lead.numel()
+        attn_rows = small_batch_linear.quantize_rows_u8(attn.view(count, -1))
+        x, rows = w8a8_epilogues.residual_norm(
+            w8a8_sums(attn_rows[0], p_o), attn_rows[1], layer.o_bias, residual.reshape(count, -1), layer.post_norm,
+            decoder.eps,
+        )
+        hidden_rows = w8a8_epilogues.gated(w8a8_sums(rows[0], p_gate_up), rows[1])
+        x, rows = w8a8_epilogues.residual_norm(w8a8_sums(hidden_rows[0], p_down), hidden_rows[1], None, x, next_norm,
+                                               decoder.eps)
+        return x.view(*lead, -1), rows
     x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
     residual = x
     normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)
     mlp_packed = None if packed is None else (p_gate_up, p_down)
     if not lead:
-        return residual + mlp_block(layer, normed, mlp_packed, gemm)
+        return residual + mlp_block(layer, normed, mlp_packed, gemm), None
     out = mlp_block(layer, normed.view(lead.numel(), -1), mlp_packed, gemm)  # [R*T, H]
-    return residual + out.view(*lead, -1)
+    return residual + out.view(*lead, -1), None
+
+
+# a row-quantized input of a "w8a8" GEMM: (bytes [N, K] uint8, zero point 128; scales [N, 1] fp32)
+QuantizedRows = tuple[torch.Tensor, torch.Tensor]
+
+
+def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, packed) -> bool:
+    """Whether `decoder_layer` runs this layer's elementwise work as `kernels.w8a8_epilogues` passes: a dense layer of a
+    "w8a8" decoder (`fused_w8a8`) on x [R, T, H] fp32 of several positions a row (a prompt's forward; decode steps stay
+    on the torch ops), no gradient, not under torch.compile, where the passes run."""
+    return (
+        decoder.fused_w8a8 and decoder.quantize in MANY_ROW_MODES and layer.router is None and packed is not None
+        and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32
+        and decoder.head_dim <= w8a8_epilogues.MAX_HEAD_DIM
+        and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+        and w8a8_epilogues.available()
+    )
+
+
+def _input_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+    """x [R, T, H]'s rows after RMSNorm (times weight), quantized for a "w8a8" GEMM (x is not modified)."""
+    return w8a8_epilogues.residual_norm(x.reshape(-1, x.shape[-1]).contiguous(), None, None, None, weight, eps)[1]
+
+
+def _rope_partner(rope: Rope) -> torch.Tensor:
+    """The channel each channel's rotate_half partner comes from, int64 [D] (`apply_rope`'s roll or gather)."""
+    if rope.source is not None:
+        return rope.source
+    return torch.arange(rope.head_dim).roll(rope.head_dim // 2)
 
 
 def decoder_layers(
     decoder: PackedDecoder,
     x: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
-    kv_buffer: torch.Tensor | list,
-    where: KVWrite | torch.Tensor,
+    kv_buffer: torch.Tensor | list | None,
+    where: KVWrite | torch.Tensor | None,
     mask: torch.Tensor | None,
     capture_layer: int | None = None,
     packed_layers: tuple | None = None,
@@ -603,7 +670,7 @@ def decoder_layers(
 
     layer_adds[i] [R, T, H] is added to the output of layer i before layer i+1 reads it (Qwen3-Omni's
     deepstack visual features, zero off the visual rows); the captured state is the layer's own output,
-    as transformers records it. output_index [R]: the one slot per row whose output is wanted (→ [R, 1, H]);
+    as transformers records it. output_index [R] or [R, K]: the slots per row whose output is wanted (→ [R, 1 or K, H]);
     the last layer skips the rest (`decoder_layer`). A decode step of a dense "w4a8" decoder (one new position a
     row, on a `KVCache`'s layer views) runs every layer in one native call instead (`w4a8_step`)."""
     if (
@@ -618,11 +685,14 @@ def decoder_layers(
         packed_layers = decoder.quantized_layers
     elif packed_layers is None and decoder.row_kernel is not None and x.shape[:-1].numel() <= ROW_KERNEL_MAX_ROWS:
         packed_layers, gemm = decoder.row_kernel, ROW_KERNEL
+    rows = None  # x's rows after the next layer's input norm, quantized by a fused "w8a8" layer (`decoder_layer`)
     for i, layer in enumerate(decoder.layers):
         packed = None if packed_layers is None else packed_layers[i]
         is_last = i == decoder.num_layers - 1
         wanted = output_index if is_last else None
-        x = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm, wanted)
+        next_norm = None if is_last or i < len(layer_adds) else decoder.layers[i + 1].input_norm
+        x, rows = decoder_layer(decoder, layer, x, rope, kv_buffer, i, where, mask, packed, gemm, wanted, rows,
+                                next_norm)
         if capture_layer == i + 1 and capture_layer < decoder.num_layers:
             captured = x
         if i < len(layer_adds):

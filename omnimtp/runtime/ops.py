@@ -392,11 +392,17 @@ def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 def _w8a8_matmul(x_u8: torch.Tensor, row_scales: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """Rows already quantized (x_u8 [M, K] uint8 with zero point 128, row_scales [M, 1]) @ a "w8a8" weight → [M, N]
     fp32: oneDNN's u8 x s8 GEMM, each exact int32 sum to fp32 times its column's weight scale, then its row's."""
-    out = torch.ops.onednn.qlinear_pointwise(
+    return w8a8_sums(x_u8, weight).mul_(row_scales)
+
+
+def w8a8_sums(x_u8: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Rows already quantized (x_u8 [M, K] uint8 with zero point 128) @ a "w8a8" weight → [M, N] fp32 before the rows'
+    scales: oneDNN's u8 x s8 GEMM, each exact int32 sum to fp32 times its column's weight scale (what a fused pass
+    after it scales by its row's, `kernels.w8a8_epilogues`)."""
+    return torch.ops.onednn.qlinear_pointwise(
         x_u8, 1.0, 128, weight.packed, weight.scales, _weight_zero_points(weight.out_features), None, 1.0, 0,
         torch.float32, "none", [], "",
-    )  # [M, N]: each exact sum to fp32, times its column's scale
-    return out.mul_(row_scales)
+    )
 
 
 # the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows
