@@ -1,5 +1,5 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
-benchmarks/speech_decoder.py,
+benchmarks/speech_decoder.py, benchmarks/served_step.py,
 benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
 benchmarks/moe_experts.py, benchmarks/many_row_linear.py,
 benchmarks/encoder_conv.py, benchmarks/fused_w8a8.py and benchmarks/omni_realsize.py at tiny sizes, so the
@@ -124,6 +124,30 @@ def test_omni_codec_quick_run_reports_every_part(tmp_path):
         assert set(entry["ms_per_frame"]) == {"reference", "fp32", "bf16"} and min(entry["ms_per_frame"].values()) > 0
         assert 20 <= entry["bf16_snr_db"] < 60 and entry["fp32_rms"] > 0.01
 
+
+def test_served_step_quick_run_counts_each_schedules_decoder_calls(tmp_path):
+    """benchmarks/served_step.py --quick: every schedule timed with its phases; the same seeded frames in each, and
+    the decoder called once a chunk of the schedule (`chunk_frames_after`), once in all without streaming."""
+    from omnimtp.engine.playback import chunk_frames_after
+
+    out = tmp_path / "served_step.json"
+    _run(["benchmarks/served_step.py", "--quick", "--streams", "1", "--threads", "1", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"one-shot x1", "served x1", "chunks x1"}
+    (frames,) = results["served x1"]["frames"]
+    assert frames >= 2 and all(entry["frames"] == [frames] for entry in results.values())
+    for entry in results.values():
+        assert entry["steps"] >= 1 and entry["mean_ms"] > 0 and entry["phase_ms_per_step"]["talk"] > 0
+
+    def num_chunks(playout_rtf):
+        done, count = 1, 1  # the first chunk: one frame
+        while done < frames:
+            done, count = done + chunk_frames_after(done, 25, playout_rtf), count + 1
+        return count
+
+    assert results["one-shot x1"]["decode_calls"] == 1
+    assert results["served x1"]["decode_calls"] == num_chunks(0.9) > results["chunks x1"]["decode_calls"]
+    assert results["chunks x1"]["decode_calls"] == num_chunks(None)
 
 def test_speech_decoder_quick_run_compares_two_trees(tmp_path):
     """benchmarks/speech_decoder.py --quick on a tiny decoder, this checkout against itself as the previous tree:
