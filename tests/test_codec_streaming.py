@@ -350,10 +350,11 @@ def test_a_bf16_conv_stack_runs_on_a_copy_and_keeps_the_streaming_guarantees(cod
 
 def test_a_bf16_stacks_short_chunks_run_on_the_row_kernel(code2wav, monkeypatch):
     """A bf16 conv stack (codec_dtype="bfloat16") runs a short chunk's convolutions and linears on the row kernel
-    too (its weights' exact fp32 values, the output rounded to bf16 once), not on oneDNN's bf16 layers; its audio
-    stays within BF16_MIN_SNR_DB of the fp32 decoder's and within rounding of those layers' (both sum in fp32 and
-    round once), and a stream's chunks stay bit for bit the same beside other streams. The tiny model's matrices
-    are under the kernel's minimum: it is lowered here."""
+    too (its weights' exact fp32 values, the output rounded to bf16 once), not on oneDNN's bf16 layers, which cost
+    a few steps nearly what they cost a long chunk; its audio stays within BF16_MIN_SNR_DB of the fp32 decoder's
+    and within rounding of those layers' (both sum in fp32 and round once), and a stream's chunks stay bit for
+    bit the same beside other streams. The tiny model's matrices are under the kernel's minimum: it is lowered
+    here."""
     from omnimtp.codec.streaming import _conv_stack_modules
     from omnimtp.runtime.kernels import small_batch_linear
 

@@ -342,7 +342,8 @@ ROW_KERNEL_MIN_WEIGHTS = 1 << 16
 
 # The dtypes whose layers run short inputs on the row kernel: fp32, and a bf16 conv stack's (`codec_dtype`), whose
 # weights the kernel reads as exact fp32 copies and whose inputs it takes in fp32, its output rounded back to bf16
-# once: the one-frame chunks a server streams first cost less that way than on oneDNN's bf16 layers.
+# once. oneDNN's bf16 convolutions of a few steps cost nearly what a long chunk's do (every weight read for a few
+# outputs), so without it each short chunk of a bf16 stack paid most of a long one's decoding.
 ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
