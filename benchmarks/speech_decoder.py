@@ -12,8 +12,7 @@ streamed audio's max |Δ| against the tree's one-shot `decode` and against the o
 a 25-frame one-shot decode, ÷ the measured fp32 matmul peak). Writes JSON.
 
     git archive <commit> | tar -x -C /tmp/before      # a copy of the previous tree
-    python benchmarks/speech_decoder.py [--chunks 1 2 4 25] [--frames 50] [--codec-dtype bfloat16]
-        [--previous-tree /tmp/before] [--quick]
+    python benchmarks/speech_decoder.py [--chunks 1 2 4 25] [--frames 50] [--previous-tree /tmp/before] [--quick]
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     decoder = SpeechTokenizerDecoder.from_pretrained(Path(args.model) / "speech_tokenizer")
-    if args.codec_dtype == "bfloat16":
-        decoder.to_conv_dtype(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     codes = [torch.randint(0, decoder.codebook_size, (decoder.num_quantizers, args.frames), generator=generator)
              for _ in range(args.batch_size)]
@@ -90,7 +87,6 @@ def run_worker(args, tree: str, audio_out: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--tree", tree, "--model", str(args.model),
                "--frames", str(args.frames), "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
                "--threads", str(args.threads), "--audio-out", audio_out, "--chunks", *map(str, args.chunks),
-               "--codec-dtype", args.codec_dtype,
                *([] if args.count_flops else ["--no-flops"])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -108,8 +104,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--codec-dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="the conv stack's dtype (`codec_dtype`; the same in both trees)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also time this checkout's decoder (before/after)")
     parser.add_argument("--quick", action="store_true", help="26 frames, one round, one repeat (a smoke run)")
     parser.add_argument("--no-flops", dest="count_flops", action="store_false",

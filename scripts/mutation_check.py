@@ -363,12 +363,6 @@ MUTATIONS = [
         "slower",
     ),
     Mutation(
-        "bf16_codec_short_chunks_off_the_row_kernel", "omnimtp/codec/streaming.py",
-        "ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)", "ROW_KERNEL_DTYPES = (torch.float32,)",
-        ("tests/test_codec_streaming.py",), "a bf16 conv stack (codec_dtype) runs a short chunk's layers on oneDNN's "
-        "bf16 convolutions again: each streamed chunk of a few frames costs nearly what a long one does",
-    ),
-    Mutation(
         "pad_skipped_for_a_wide_causal_conv", "omnimtp/codec/streaming.py",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.kernel_size == 1 and child.stride == 1:",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.stride == 1:",

@@ -347,36 +347,6 @@ def test_a_bf16_conv_stack_runs_on_a_copy_and_keeps_the_streaming_guarantees(cod
     assert_audio_equal(np.concatenate([chunks[0] for chunks in together]), alone)
 
 
-
-def test_a_bf16_stacks_short_chunks_run_on_the_row_kernel(code2wav, monkeypatch):
-    """A bf16 conv stack (codec_dtype="bfloat16") runs a short chunk's convolutions and linears on the row kernel
-    too (its weights' exact fp32 values, the output rounded to bf16 once), not on oneDNN's bf16 layers, which cost
-    a few steps nearly what they cost a long chunk; its audio stays within BF16_MIN_SNR_DB of the fp32 decoder's
-    and within rounding of those layers' (both sum in fp32 and round once), and a stream's chunks stay bit for
-    bit the same beside other streams. The tiny model's matrices are under the kernel's minimum: it is lowered
-    here."""
-    from omnimtp.codec.streaming import _conv_stack_modules
-    from omnimtp.runtime.kernels import small_batch_linear
-
-    if not small_batch_linear.available():
-        pytest.skip(f"no row kernel here: {small_batch_linear.unavailable_reason()}")
-    monkeypatch.setattr(streaming, "ROW_KERNEL_MIN_WEIGHTS", 0)
-    bf16 = StreamingCode2Wav(code2wav, conv_dtype=torch.bfloat16)
-    stack = _conv_stack_modules(bf16.code2wav)
-    codes, bounds = [_codes(12, 7), _codes(12, 8)], [0, 1, 3, 12]
-    ours = np.concatenate(_stream(bf16, codes[0], bounds))
-    packed = [m.__dict__["_row_kernel_weight"][1] for m in stack if "_row_kernel_weight" in m.__dict__]
-    assert len(packed) >= 4 and {p.dtype for p in packed} == {torch.float32}
-    assert {p.dtype for m in stack for p in m.parameters()} == {torch.bfloat16}  # the stack's own stay bf16
-    fp32 = np.concatenate(_stream(StreamingCode2Wav(code2wav), codes[0], bounds))
-    assert BF16_MIN_SNR_DB <= _snr_db(ours, fp32) < 60
-    streams = [bf16.new_stream() for _ in codes]
-    together = [bf16.decode(streams, [c[:, a:b] for c in codes]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    assert_audio_equal(np.concatenate([chunks[0] for chunks in together]), ours)
-    monkeypatch.setattr(streaming, "ROW_KERNEL_DTYPES", (torch.float32,))  # oneDNN's bf16 layers
-    theirs = np.concatenate(_stream(StreamingCode2Wav(code2wav, conv_dtype=torch.bfloat16), codes[0], bounds))
-    assert_audio_close(ours, theirs, rel=BF16_STREAM_REL)
-
 def test_conv_dtype_values():
     """codec_dtype names map to the stack's dtype; anything else is a ValueError naming codec_dtype."""
     from omnimtp.codec.streaming import codec_dtype_of

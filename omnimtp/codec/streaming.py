@@ -340,43 +340,25 @@ ROW_KERNEL_MAX_ROWS = 64
 ROW_KERNEL_MIN_WEIGHTS = 1 << 16
 
 
-# The dtypes whose layers run short inputs on the row kernel: fp32, and a bf16 conv stack's (`codec_dtype`), whose
-# weights the kernel reads as exact fp32 copies and whose inputs it takes in fp32, its output rounded back to bf16
-# once. oneDNN's bf16 convolutions of a few steps cost nearly what a long chunk's do (every weight read for a few
-# outputs), so without it each short chunk of a bf16 stack paid most of a long one's decoding.
-ROW_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def row_kernel_weight(owner: torch.nn.Module, matrix: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """matrix [N, K] (a view of owner's weight) packed for omnimtp's row kernel (in fp32: a bf16 weight's exact
-    values), kept on owner and made again when the weight changes; None where the kernel does not apply: a matrix
-    under ROW_KERNEL_MIN_WEIGHTS, more than ROW_KERNEL_MAX_ROWS rows a request in x (x.shape[-2]: the rows of one
-    stream), gradients recorded, x and the weight not of one of ROW_KERNEL_DTYPES on a CPU, or no kernel here.
-    The kernel reads the weights once for all rows and computes each row on its own, so a stream's bits do not
-    depend on the others in its batch (no `RowwiseMatmuls` needed), and a few rows take a fraction of the time
-    MKL's matmul takes. Run it with `row_kernel_matmul`."""
+    """matrix [N, K] (a view of owner's weight) packed for omnimtp's row kernel, kept on owner and made again
+    when the weight changes; None where the kernel does not apply: a matrix under ROW_KERNEL_MIN_WEIGHTS, more
+    than ROW_KERNEL_MAX_ROWS rows a request in x (x.shape[-2]: the rows of one stream), gradients recorded, x or
+    the weight not fp32 on a CPU, or no kernel here. The kernel reads the weights once for all rows and
+    computes each row on its own, so a stream's bits do not depend on the others in its batch (no
+    `RowwiseMatmuls` needed), and a few rows take a fraction of the time MKL's matmul takes."""
     if (
         matrix.numel() < ROW_KERNEL_MIN_WEIGHTS or x.dim() < 2 or x.shape[-2] > ROW_KERNEL_MAX_ROWS
-        or torch.is_grad_enabled() or x.dtype not in ROW_KERNEL_DTYPES
-        or matrix.dtype != x.dtype or x.device.type != "cpu" or not small_batch_linear.available()
+        or torch.is_grad_enabled() or x.dtype != torch.float32
+        or matrix.dtype != torch.float32 or x.device.type != "cpu" or not small_batch_linear.available()
     ):
         return None
     key = (matrix.data_ptr(), matrix._version, tuple(matrix.shape))
     cached = owner.__dict__.get("_row_kernel_weight")
     if cached is None or cached[0] != key:
-        cached = (key, small_batch_linear.pack_weight(matrix.detach().float().contiguous()))
+        cached = (key, small_batch_linear.pack_weight(matrix.detach().contiguous()))
         owner.__dict__["_row_kernel_weight"] = cached
     return cached[1]
-
-
-def row_kernel_matmul(x: torch.Tensor, matrix: torch.Tensor, packed: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ matrix [N, K].T (+ bias) on the row kernel (`row_kernel_weight`'s packed matrix): in fp32, the
-    result in x's dtype (a bf16 x's rounded once, after the bias)."""
-    out = linear(x.float(), matrix, packed=packed, gemm=ROW_KERNEL)
-    if bias is not None:
-        out = out + bias
-    return out.to(x.dtype)
 
 
 class RowKernelLinear(torch.nn.Linear):
@@ -387,7 +369,8 @@ class RowKernelLinear(torch.nn.Linear):
         packed = row_kernel_weight(self, self.weight, x)
         if packed is None:
             return super().forward(x)
-        return row_kernel_matmul(x, self.weight, packed, self.bias)
+        out = linear(x, self.weight, packed=packed, gemm=ROW_KERNEL)
+        return out if self.bias is None else out + self.bias
 
 
 def causal_conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, hidden_state: torch.Tensor) -> torch.Tensor | None:
@@ -417,7 +400,10 @@ def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor
     else:  # each output step's k taps, `dilation` apart
         windows = extended.unfold(-1, module.kernel_size, 1)[..., ::dilation]
         rows = windows.permute(0, 2, 1, 3).reshape(batch, length, channels * kernel)  # [B, L, C_in·k]
-    return row_kernel_matmul(rows, matrix, packed, conv.bias).transpose(1, 2).contiguous()
+    out = linear(rows, matrix, packed=packed, gemm=ROW_KERNEL)
+    if conv.bias is not None:
+        out = out + conv.bias
+    return out.transpose(1, 2).contiguous()
 
 
 # Transposed convolutions of at least this many weights run as a matmul (`transposed_conv_as_matmul`). Measured at
@@ -453,15 +439,15 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
     batch, _, length = hidden_state.shape
     out_channels, num_blocks = conv.weight.shape[1], kernel // stride
     rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
-    if packed is not None:  # every row on its own: no `RowwiseMatmuls` needed; a bf16 layer's taps summed in fp32
-        taps = linear(rows.float(), taps_matrix, packed=packed, gemm=ROW_KERNEL)
+    if packed is not None:  # every row on its own: no `RowwiseMatmuls` needed
+        taps = linear(rows, taps_matrix, packed=packed, gemm=ROW_KERNEL)
     else:  # [B, L, C_out·K]; F.linear so that `RowwiseMatmuls` runs it one request at a time
         taps = F.linear(rows, taps_matrix, None)
     taps = taps.view(batch, length, out_channels, num_blocks, stride)
     out = taps[:, :, :, 0].clone()  # [B, L, C_out, stride]
     for j in range(1, num_blocks):
         out[:, j:] += taps[:, : length - j, :, j]
-    return out.permute(0, 2, 1, 3).reshape(batch, out_channels, length * stride).to(hidden_state.dtype)
+    return out.permute(0, 2, 1, 3).reshape(batch, out_channels, length * stride)
 
 
 class RowKernelCausalConv(Qwen3OmniMoeCausalConvNet):
