@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.kernels import bf16_attention, small_batch_linear
+from omnimtp.runtime.kernels import bf16_attention, encoder_epilogue, small_batch_linear
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -390,11 +390,30 @@ def w8a8_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 def _w8a8_matmul(x_u8: torch.Tensor, row_scales: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """Rows already quantized (x_u8 [M, K] uint8 with zero point 128, row_scales [M, 1]) @ a "w8a8" weight → [M, N]
     fp32: oneDNN's u8 x s8 GEMM, each exact int32 sum to fp32 times its column's weight scale, then its row's."""
-    out = torch.ops.onednn.qlinear_pointwise(
+    return _w8a8_column_scaled(x_u8, weight).mul_(row_scales)
+
+
+def _w8a8_column_scaled(x_u8: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """oneDNN's u8 x s8 GEMM of quantized rows (x_u8 [M, K], zero point 128) and a "w8a8" weight → [M, N] fp32: each
+    exact int32 sum to fp32 times its column's weight scale (the rows' scales not applied)."""
+    return torch.ops.onednn.qlinear_pointwise(
         x_u8, 1.0, 128, weight.packed, weight.scales, _weight_zero_points(weight.out_features), None, 1.0, 0,
         torch.float32, "none", [], "",
-    )  # [M, N]: each exact sum to fp32, times its column's scale
-    return out.mul_(row_scales)
+    )
+
+
+def w8a8_linear_epilogue(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`w8a8_linear(x, weight)` + bias, then GELU (the exact, erf one) when `gelu`, with the rows' scales, the bias
+    and GELU in one pass over oneDNN's output (`encoder_epilogue.scale_bias_gelu`): x [M, K] fp32 → [M, N], a new
+    fp32 tensor, or written into `out` ([M, N] fp32 or bf16 with contiguous rows, e.g. a view of a larger buffer).
+    Before GELU the values are bit for bit `w8a8_linear(x, weight).add_(bias)`'s; a row's values do not depend on
+    the other rows. bias: fp32 [N] or None."""
+    x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)
+    sums = _w8a8_column_scaled(x_u8, weight)  # [M, N]
+    return encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, sums if out is None else out)
 
 
 # the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows
@@ -414,13 +433,14 @@ def quantize_conv_weight(weight: torch.Tensor, mode: str) -> QuantizedWeight:
 
 def conv2d(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel_size: tuple[int, int],
-    stride: tuple[int, int], padding: tuple[int, int], block_rows: int = CONV_BLOCK_ROWS,
+    stride: tuple[int, int], padding: tuple[int, int], block_rows: int = CONV_BLOCK_ROWS, gelu: bool = False,
 ) -> torch.Tensor:
     """nn.Conv2d (zero padding, no dilation or groups) as a "w8a8" linear (`quantize_conv_weight`): x [B, H, W, C]
     channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype. Each output position's patch (kh x kw x C inputs) is
     a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what `w8a8_linear` does to its
     rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32 sums), then the row's
-    and the channel's scales and the bias in fp32, rounded once to x's dtype. Rows go in equal blocks of at most
+    and the channel's scales and the bias (fp32 [O] or None) in fp32, and GELU (the exact, erf one) when `gelu`, in
+    one pass that rounds once to x's dtype (`encoder_epilogue.scale_bias_gelu`). Rows go in equal blocks of at most
     `block_rows` (memory bounded by a block). A position's values depend only on its own patch: the same alone, in
     any batch and any blocking."""
     batch, height, width, _ = x.shape
@@ -434,8 +454,8 @@ def conv2d(
     for row0 in range(0, rows.shape[0], block_rows):
         num_rows = min(block_rows, rows.shape[0] - row0)
         x_u8, row_scales = small_batch_linear.quantize_patches_u8(x, (kh, kw), (sh, sw), (ph, pw), row0, num_rows)
-        block = _w8a8_matmul(x_u8, row_scales, weight)
-        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)
+        sums = _w8a8_column_scaled(x_u8, weight)
+        encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, rows[row0:row0 + num_rows])
     return out
 
 
