@@ -66,6 +66,7 @@ QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 W8A8 = ("tests/test_w8a8_linear.py",)
 BF16_ATTENTION = ("tests/test_bf16_attention.py",)
 W8A8_CONV = ("tests/test_w8a8_conv.py",)
+ENCODER_EPILOGUE = ("tests/test_encoder_epilogue.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
@@ -2514,8 +2515,8 @@ MUTATIONS = [
     # --- w8a8: int8 GEMMs for many rows (Qwen3-ASR's and the aligner's int8_compute) -------------------------------
     Mutation(
         "w8a8_leaves_out_the_row_scale", "omnimtp/runtime/ops.py",
-        "    return out.mul_(row_scales)",
-        "    return out",
+        "    return _w8a8_column_scaled(x_u8, weight).mul_(row_scales)",
+        "    return _w8a8_column_scaled(x_u8, weight)",
         W8A8, "the w8a8 linear returns the integer sums times the weight scales, not times each row's scale",
     ),
     Mutation(
@@ -2547,15 +2548,62 @@ MUTATIONS = [
     ),
     Mutation(
         "w8a8_encoder_first_conv_channels_first", "omnimtp/models/qwen3_asr.py",
-        "            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))",
-        "            setattr(parent, child, Bf16Conv2d(module))",
+        "        self.conv2d1 = Bf16Conv2d(tower.conv2d1, channels_last=True, gelu=True)",
+        "        self.conv2d1 = Bf16Conv2d(tower.conv2d1, gelu=True)",
         W8A8_CONV, "the int8_compute encoder's first convolution hands the next one channels-first rows to reorder",
     ),
     Mutation(
         "w8a8_conv_drops_the_bias", "omnimtp/runtime/ops.py",
-        "        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)",
-        "        rows[row0:row0 + num_rows] = block",
+        "        encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, rows[row0:row0 + num_rows])",
+        "        encoder_epilogue.scale_bias_gelu(sums, row_scales, None, gelu, rows[row0:row0 + num_rows])",
         W8A8_CONV, "the w8a8 convolution leaves out its bias",
+    ),
+    # --- the int8_compute audio encoder: its GEMMs' fused output pass and its windows on the bf16 kernel ----------
+    Mutation(
+        "encoder_epilogue_skips_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "      if (gelu) y = gelu16(y);",
+        "      (void)gelu;",
+        ENCODER_EPILOGUE + W8A8_CONV, "the int8 GEMM's output pass leaves out the GELU it was asked for",
+    ),
+    Mutation(
+        "encoder_epilogue_tanh_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "      if (gelu) y = gelu16(y);",
+        "      if (gelu) {\n"
+        "        float lanes[16];\n"
+        "        _mm512_storeu_ps(lanes, y);\n"
+        "        for (int i = 0; i < 16; ++i)\n"
+        "          lanes[i] = 0.5f * lanes[i] * (1.0f + __builtin_tanhf(0.7978845608f * (lanes[i] + 0.044715f * lanes[i] * lanes[i] * lanes[i])));\n"
+        "        y = _mm512_loadu_ps(lanes);\n"
+        "      }",
+        ENCODER_EPILOGUE, "the encoder's fused GELU is the tanh approximation, not the model's exact (erf) GELU",
+    ),
+    Mutation(
+        "encoder_epilogue_fused_multiply_add", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "      __m512 y = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(lanes, row + n), scale, ROUND_NEAREST);\n"
+        "      if (bias) y = _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias + n), ROUND_NEAREST);",
+        "      __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, row + n), scale,\n"
+        "                                 bias ? _mm512_maskz_loadu_ps(lanes, bias + n) : _mm512_setzero_ps());",
+        ENCODER_EPILOGUE, "the row scale and the bias in one fused multiply-add: not the bits of torch's mul_ and add_",
+    ),
+    Mutation(
+        "encoder_window_sees_the_padding", "omnimtp/models/qwen3_asr.py",
+        "        key_counts = torch.tensor(lengths, dtype=torch.int64)[:, None].expand(-1, window)  # [W, window]",
+        "        key_counts = torch.full((len(lengths), window), window, dtype=torch.int64)",
+        ENCODER_EPILOGUE, "the encoder's shorter last window attends to the padding rows after it",
+    ),
+    Mutation(
+        "encoder_windows_see_each_other", "omnimtp/models/qwen3_asr.py",
+        "        qkv = buffer.view(len(lengths), window, 3, self.num_heads, self.head_dim)",
+        "        qkv = buffer.view(1, len(lengths) * window, 3, self.num_heads, self.head_dim)\n"
+        "        lengths, window = [sum(lengths)] if at is None else [len(lengths) * window], len(lengths) * window",
+        ENCODER_EPILOGUE, "the encoder's windows attend across each other: one window of the whole audio",
+    ),
+    Mutation(
+        "encoder_attention_stays_on_sdpa", "omnimtp/models/qwen3_asr.py",
+        "        return (self.head_dim % 16 == 0 and self.head_dim <= bf16_attention.MAX_HEAD_DIM\n"
+        "                and bf16_attention.available())",
+        "        return False",
+        ENCODER_EPILOGUE, "the int8_compute encoder's windows stay on fp32 SDPA",
     ),
     Mutation(
         "asr_prefill_runs_on_the_decode_weights", "omnimtp/thinker.py",

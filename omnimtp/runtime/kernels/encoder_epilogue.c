@@ -47,12 +47,15 @@ INLINE_EPILOGUE __m512 exp_nonpositive16(__m512 x) {
 }
 
 /* 0.5 x (1 + erf(x / sqrt 2)), 16 lanes; erf(z) = sign(z) (1 - t (p1 + t (p2 + t (p3 + t (p4 + t p5)))) e^(-z^2)),
- * t = 1 / (1 + p |z|). A NaN stays a NaN; gelu(inf) = inf, gelu(-inf) = NaN. */
+ * t = 1 / (1 + p |z|). A NaN or an infinity gives a NaN (as torch's `F.gelu` does). */
 INLINE_EPILOGUE __m512 gelu16(__m512 x) {
   const __m512 one = _mm512_set1_ps(1.0f), negative_zero = _mm512_set1_ps(-0.0f);
   const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752440f));
   const __m512 sign = _mm512_and_ps(z, negative_zero);
-  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), _mm512_abs_ps(z), one));
+  /* t = 1 / d: the reciprocal estimate (14 bits) and a Newton step (~28 bits, within 1 ulp): no division */
+  const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), _mm512_abs_ps(z), one);
+  const __m512 estimate = _mm512_rcp14_ps(d);
+  const __m512 t = _mm512_fmadd_ps(estimate, _mm512_fnmadd_ps(d, estimate, one), estimate);
   __m512 r = _mm512_fmadd_ps(_mm512_set1_ps(1.061405429f), t, _mm512_set1_ps(-1.453152027f));
   r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(1.421413741f));
   r = _mm512_fmadd_ps(r, t, _mm512_set1_ps(-0.284496736f));
@@ -71,6 +74,25 @@ INLINE_EPILOGUE __m512i to_bf16(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
 }
 
+/* 16 columns of a row (the first `lanes` of them): gelu?(sums * scale + bias) stored at element `at` of out. */
+INLINE_EPILOGUE void epilogue16(const float* sums, __m512 scale, const float* bias, int gelu, void* out, int64_t at,
+                                int out_bf16, __mmask16 lanes) {
+  const int whole = lanes == 0xFFFF;
+  __m512 y = _mm512_mul_round_ps(whole ? _mm512_loadu_ps(sums) : _mm512_maskz_loadu_ps(lanes, sums), scale,
+                                 ROUND_NEAREST);
+  if (bias)
+    y = _mm512_add_round_ps(y, whole ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps(lanes, bias), ROUND_NEAREST);
+  if (gelu) y = gelu16(y);
+  if (out_bf16 && whole)
+    _mm256_storeu_si256((__m256i*)((uint16_t*)out + at), _mm512_cvtepi32_epi16(to_bf16(y)));
+  else if (out_bf16)
+    _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)out + at, lanes, to_bf16(y));
+  else if (whole)
+    _mm512_storeu_ps((float*)out + at, y);
+  else
+    _mm512_mask_storeu_ps((float*)out + at, lanes, y);
+}
+
 /* sums [M, N] fp32 (rows sum_stride floats apart), row_scales [M], bias [N] fp32 or NULL → out [M, N] (rows
  * out_stride elements apart; fp32, or bf16 with out_bf16 = 1; out may be sums itself, fp32 with the same stride):
  * out = gelu?(sums * row_scale + bias). Rows split over the threads. Returns 0, or -3 without AVX-512F and DQ. */
@@ -83,16 +105,12 @@ EPILOGUE_TARGET int omnimtp_encoder_epilogue(const float* sums, int64_t M, int64
   for (int64_t m = 0; m < M; ++m) {
     const float* row = sums + m * sum_stride;
     const __m512 scale = _mm512_set1_ps(row_scales[m]);
-    for (int64_t n = 0; n < N; n += 16) {
-      const __mmask16 lanes = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1u);
-      __m512 y = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(lanes, row + n), scale, ROUND_NEAREST);
-      if (bias) y = _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias + n), ROUND_NEAREST);
-      if (gelu) y = gelu16(y);
-      if (out_bf16)
-        _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)out + m * out_stride + n, lanes, to_bf16(y));
-      else
-        _mm512_mask_storeu_ps((float*)out + m * out_stride + n, lanes, y);
-    }
+    int64_t n = 0;
+    for (; n + 16 <= N; n += 16) /* whole registers: unmasked loads and stores (masked stores are slow on some CPUs) */
+      epilogue16(row + n, scale, bias ? bias + n : NULL, gelu, out, m * out_stride + n, out_bf16, 0xFFFF);
+    if (n < N)
+      epilogue16(row + n, scale, bias ? bias + n : NULL, gelu, out, m * out_stride + n, out_bf16,
+                 (__mmask16)((1u << (N - n)) - 1u));
   }
   return 0;
 }
