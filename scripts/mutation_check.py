@@ -2561,28 +2561,31 @@ MUTATIONS = [
     # --- the int8_compute audio encoder: its GEMMs' fused output pass and its windows on the bf16 kernel ----------
     Mutation(
         "encoder_epilogue_skips_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
-        "      if (gelu) y = gelu16(y);",
-        "      (void)gelu;",
+        "  if (gelu) y = gelu16(y);",
+        "  (void)gelu;",
         ENCODER_EPILOGUE + W8A8_CONV, "the int8 GEMM's output pass leaves out the GELU it was asked for",
     ),
     Mutation(
         "encoder_epilogue_tanh_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
-        "      if (gelu) y = gelu16(y);",
-        "      if (gelu) {\n"
-        "        float lanes[16];\n"
-        "        _mm512_storeu_ps(lanes, y);\n"
-        "        for (int i = 0; i < 16; ++i)\n"
-        "          lanes[i] = 0.5f * lanes[i] * (1.0f + __builtin_tanhf(0.7978845608f * (lanes[i] + 0.044715f * lanes[i] * lanes[i] * lanes[i])));\n"
-        "        y = _mm512_loadu_ps(lanes);\n"
-        "      }",
+        "  if (gelu) y = gelu16(y);",
+        "  if (gelu) {\n"
+        "    float v[16];\n"
+        "    _mm512_storeu_ps(v, y);\n"
+        "    for (int i = 0; i < 16; ++i)\n"
+        "      v[i] = 0.5f * v[i] *\n"
+        "             (1.0f + __builtin_tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));\n"
+        "    y = _mm512_loadu_ps(v);\n"
+        "  }",
         ENCODER_EPILOGUE, "the encoder's fused GELU is the tanh approximation, not the model's exact (erf) GELU",
     ),
     Mutation(
         "encoder_epilogue_fused_multiply_add", "omnimtp/runtime/kernels/encoder_epilogue.c",
-        "      __m512 y = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(lanes, row + n), scale, ROUND_NEAREST);\n"
-        "      if (bias) y = _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias + n), ROUND_NEAREST);",
-        "      __m512 y = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, row + n), scale,\n"
-        "                                 bias ? _mm512_maskz_loadu_ps(lanes, bias + n) : _mm512_setzero_ps());",
+        "  if (bias)\n"
+        "    y = _mm512_add_round_ps(y, whole ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps(lanes, bias), "
+        "ROUND_NEAREST);",
+        "  if (bias)\n"
+        "    y = _mm512_fmadd_ps(whole ? _mm512_loadu_ps(sums) : _mm512_maskz_loadu_ps(lanes, sums), scale,\n"
+        "                        whole ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps(lanes, bias));",
         ENCODER_EPILOGUE, "the row scale and the bias in one fused multiply-add: not the bits of torch's mul_ and add_",
     ),
     Mutation(

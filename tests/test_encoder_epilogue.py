@@ -155,8 +155,14 @@ def test_w8a8_encoder_is_close_to_the_float_tower_and_to_the_unfused_int8_one():
     above the unfused int8 encoder's (the same int8 GEMMs, transformers' forward with torch's GELU and SDPA)."""
     import copy
 
-    from omnimtp.models.qwen3_asr import Bf16Conv2d, EncoderLinear, W8A8AudioEncoder, W8A8Conv2d, encode_audio
-    from omnimtp.models.qwen3_asr import fast_audio_encoder
+    from omnimtp.models.qwen3_asr import (
+        Bf16Conv2d,
+        EncoderLinear,
+        W8A8AudioEncoder,
+        W8A8Conv2d,
+        encode_audio,
+        fast_audio_encoder,
+    )
     from omnimtp.runtime.ops import linear
 
     tower = _tower()

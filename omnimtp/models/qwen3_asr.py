@@ -31,10 +31,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 from torch import nn
 from transformers import Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
-from transformers.activations import ACT2FN
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
     chunk_and_pad_features,
@@ -365,7 +365,8 @@ class W8A8AudioEncoder(nn.Module):
         super().__init__()
         config = tower.config
         self.config = config
-        self.n_window, self.n_window_infer, self.conv_chunksize = tower.n_window, tower.n_window_infer, tower.conv_chunksize
+        self.n_window, self.n_window_infer = tower.n_window, tower.n_window_infer
+        self.conv_chunksize = tower.conv_chunksize
         fused = config.activation_function == "gelu"
         self.conv2d1 = Bf16Conv2d(tower.conv2d1, channels_last=True, gelu=True)
         self.conv2d2, self.conv2d3 = W8A8Conv2d(tower.conv2d2, gelu=True), W8A8Conv2d(tower.conv2d3, gelu=True)
@@ -376,6 +377,15 @@ class W8A8AudioEncoder(nn.Module):
         self.proj1 = EncoderLinear(tower.proj1, "w8a8", gelu=fused)
         self.act = None if fused else ACT2FN[config.activation_function]
         self.proj2 = EncoderLinear(tower.proj2, "w8a8")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its input features come in (the tower's: float32)."""
+        return self.ln_post.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.ln_post.weight.device
 
     def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> BaseModelOutput:
         """input_features [mel, T] of one or more audios concatenated, feature_lens [A] → last_hidden_state [rows,

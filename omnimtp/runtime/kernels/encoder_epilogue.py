@@ -70,8 +70,8 @@ def scale_bias_gelu(
     """out [M, N] (fp32 or bf16; may be sums itself) = sums [M, N] fp32 * row_scales [M, 1] (+ bias [N]), then
     GELU (the exact, erf one) when `gelu`: every element in one pass, the multiply and the add rounded as torch's
     `mul_` and `add_` round them, GELU within 5e-7 of the float64 exact (erf) GELU for |x| <= 15 (see the C
-    source), bf16 rounded once. Rows may be strided (each row contiguous). Returns out. ValueError for shapes or dtypes it does not take;
-    RuntimeError without the kernel (`available()`)."""
+    source), bf16 rounded once. Rows may be strided (each row contiguous). Returns out. ValueError for shapes or
+    dtypes it does not take; RuntimeError without the kernel (`available()`)."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the encoder epilogue kernel is not available: {_unavailable}")
@@ -89,8 +89,9 @@ def scale_bias_gelu(
     if out.numel() == 0:
         return out
     status = lib.omnimtp_encoder_epilogue(
-        sums.data_ptr(), num_rows, num_columns, sum_stride, scales.data_ptr(), None if bias is None else bias.data_ptr(),
-        int(gelu), out.data_ptr(), out_stride, int(out.dtype == torch.bfloat16), torch.get_num_threads(),
+        sums.data_ptr(), num_rows, num_columns, sum_stride, scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), int(gelu), out.data_ptr(), out_stride,
+        int(out.dtype == torch.bfloat16), torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"the encoder epilogue kernel failed ({status})")
