@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from omnimtp.runtime.kernels import bf16_attention, encoder_epilogue
+from omnimtp.runtime.kernels import small_batch_linear as sbl
 from omnimtp.runtime.ops import many_row_mode_reason, quantize_weight, w8a8_linear, w8a8_linear_epilogue
 
 needs_epilogue = pytest.mark.skipif(not encoder_epilogue.available(), reason=f"{encoder_epilogue.unavailable_reason()}")
@@ -71,6 +72,25 @@ def test_epilogue_gelu_at_the_edges_and_bad_arguments():
         encoder_epilogue.scale_bias_gelu(x, torch.ones(2, 1), None, False, torch.empty_like(x))
     with pytest.raises(ValueError, match="out"):
         encoder_epilogue.scale_bias_gelu(x, torch.ones(1, 1), None, False, torch.empty(1, 10, dtype=torch.float16))
+
+
+@needs_epilogue
+@pytest.mark.parametrize("num_columns", [4096, 100, 7])
+def test_epilogue_quantized_out_is_the_row_quantizer_of_its_fp32_rows(num_columns):
+    """The u8 output (the next int8 GEMM's input): the bytes and scales `quantize_rows_u8` makes of the fp32 rows the
+    pass would write, a NaN row's 128s and NaN scale included; a row the same alone as among the others."""
+    g = torch.Generator().manual_seed(num_columns)
+    sums = torch.randn(21, num_columns, generator=g) * 3
+    sums[4, 2] = float("nan")
+    row_scales, bias = torch.rand(21, 1, generator=g) + 0.1, torch.randn(num_columns, generator=g)
+    for gelu in (True, False):
+        rows = encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, torch.empty_like(sums))
+        expected_q, expected_scales = sbl.quantize_rows_u8(rows)
+        q, scales = encoder_epilogue.scale_bias_gelu_u8(sums, row_scales, bias, gelu)
+        assert torch.equal(q, expected_q) and torch.equal(scales.nan_to_num(-1), expected_scales.nan_to_num(-1))
+        assert scales[4].isnan() and (q[4] == 128).all() and (q[5] != 128).any()
+        alone_q, alone_scales = encoder_epilogue.scale_bias_gelu_u8(sums[7:8], row_scales[7:8], bias, gelu)
+        assert torch.equal(alone_q[0], q[7]) and torch.equal(alone_scales[0], scales[7])
 
 
 @needs_w8a8
@@ -202,3 +222,10 @@ def test_w8a8_encoder_is_close_to_the_float_tower_and_to_the_unfused_int8_one():
         return ((rows - exact).norm() / exact.norm()).item()
 
     assert 0 < error(fused) < 0.05 and error(fused) < 1.25 * error(before), (error(fused), error(before))
+    # fc1 → fc2 and proj1 → proj2 hand their rows over quantized: the bits of writing them in fp32 and quantizing
+    handing = [encoder.proj1, *(layer.fc1 for layer in encoder.layers)]
+    assert all(linear.quantize_out for linear in handing)
+    for linear in handing:
+        linear.quantize_out = False
+    with torch.no_grad():
+        assert torch.equal(encode_audio(encoder, features, mask).last_hidden_state, fused)

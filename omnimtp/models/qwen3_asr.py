@@ -47,6 +47,7 @@ from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
 from omnimtp.runtime.kernels import bf16_attention
 from omnimtp.runtime.ops import (
     PackedGemm,
+    QuantizedRows,
     QuantizedWeight,
     check_many_row_mode,
     conv2d,
@@ -55,6 +56,7 @@ from omnimtp.runtime.ops import (
     quantize_conv_weight,
     quantize_weight,
     w8a8_linear_epilogue,
+    w8a8_linear_quantized_out,
 )
 
 CONFIG_NAME = "config.json"
@@ -164,17 +166,21 @@ class EncoderLinear(nn.Module):
     ("int8", "int4", "w4a8", or "w8a8": oneDNN's int8 GEMM): the runtime's quantized kernel (`QuantizedWeight`
     of `quantize_weight`), the bias float. Either way through `omnimtp.runtime.ops.linear`, except "w8a8": its
     rows' scales, bias and (gelu) the exact GELU after it in one pass over the GEMM's output
-    (`ops.w8a8_linear_epilogue`). bf16_out (linears "bf16"): the output stays bf16 (a linear whose output an
-    activation takes to the next linear, which rounds its input to bf16 anyway: GELU on the bf16 rows gives those
-    same bits, without casting the widest rows to float32 and back)."""
+    (`ops.w8a8_linear_epilogue`); quantize_out: its output rows quantized in that pass for the next "w8a8" linear,
+    which takes them as they are (`ops.QuantizedRows`: fc1 → GELU → fc2 without fp32 rows between them). bf16_out
+    (linears "bf16"): the output stays bf16 (a linear whose output an activation takes to the next linear, which
+    rounds its input to bf16 anyway: GELU on the bf16 rows gives those same bits, without casting the widest rows
+    to float32 and back)."""
 
-    def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False, gelu: bool = False):
+    def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False, gelu: bool = False,
+                 quantize_out: bool = False):
         super().__init__()
-        if gelu and linears != "w8a8":
-            raise ValueError(f"gelu: only a \"w8a8\" linear applies GELU itself, not {linears!r}")
+        if (gelu or quantize_out) and linears != "w8a8":
+            raise ValueError(f"gelu, quantize_out: only a \"w8a8\" linear applies GELU and quantizes its output "
+                             f"itself, not {linears!r}")
         self.in_features, self.out_features = module.in_features, module.out_features
         self.bf16_out = bf16_out and linears == "bf16"
-        self.gelu = gelu
+        self.gelu, self.quantize_out = gelu, quantize_out
         self.quantized: QuantizedWeight | None = None
         self.packed, self.gemm = None, None
         if linears == "bf16":
@@ -189,15 +195,20 @@ class EncoderLinear(nn.Module):
             self.quantized = quantize_weight(module.weight.detach().float(), linears)
             self.bias = module.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        """x [..., in] (or a "w8a8" linear's `QuantizedRows` [M, in]) → [..., out] (`QuantizedRows` with
+        quantize_out)."""
         if self.quantized is None:
             out = linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm)
             return out if self.bf16_out else out.float()
-        if self.quantized.mode == "w8a8":
-            bias = None if self.bias is None else self.bias.detach().float()
-            rows = w8a8_linear_epilogue(x.reshape(-1, self.in_features).float(), self.quantized, bias, gelu=self.gelu)
-            return rows.view(*x.shape[:-1], self.out_features)
-        return linear(x.float(), None, self.bias, packed=self.quantized)
+        if self.quantized.mode != "w8a8":
+            return linear(x.float(), None, self.bias, packed=self.quantized)
+        bias = None if self.bias is None else self.bias.detach().float()
+        rows = x if isinstance(x, QuantizedRows) else x.reshape(-1, self.in_features).float()
+        if self.quantize_out:
+            return w8a8_linear_quantized_out(rows, self.quantized, bias, gelu=self.gelu)
+        out = w8a8_linear_epilogue(rows, self.quantized, bias, gelu=self.gelu)
+        return out if isinstance(x, QuantizedRows) else out.view(*x.shape[:-1], self.out_features)
 
 
 class Bf16Conv2d(nn.Module):
@@ -331,16 +342,16 @@ class EncoderAttention(nn.Module):
 
 class W8A8EncoderLayer(nn.Module):
     """An audio encoder layer (transformers' `Qwen3OmniMoeAudioEncoderLayer`) in int8_compute: its attention an
-    `EncoderAttention`, fc1 and fc2 "w8a8" `EncoderLinear`s, fc1's the GELU in its output pass (where the model's
-    activation is "gelu", the exact one; another activation runs after fc1 as the model's module), the norms the
-    layer's own."""
+    `EncoderAttention`, fc1 and fc2 "w8a8" `EncoderLinear`s, fc1's the GELU in its output pass and its rows handed
+    to fc2 quantized (where the model's activation is "gelu", the exact one; another activation runs after fc1 as
+    the model's module), the norms the layer's own."""
 
     def __init__(self, layer: nn.Module, activation_function: str):
         super().__init__()
         fused = activation_function == "gelu"
         self.self_attn_layer_norm, self.final_layer_norm = layer.self_attn_layer_norm, layer.final_layer_norm
         self.self_attn = EncoderAttention(layer.self_attn)
-        self.fc1 = EncoderLinear(layer.fc1, "w8a8", gelu=fused)
+        self.fc1 = EncoderLinear(layer.fc1, "w8a8", gelu=fused, quantize_out=fused)
         self.activation_fn = None if fused else ACT2FN[activation_function]
         self.fc2 = EncoderLinear(layer.fc2, "w8a8")
 
@@ -357,7 +368,8 @@ class W8A8AudioEncoder(nn.Module):
     """The audio encoder of int8_compute (`fast_audio_encoder(tower, "w8a8")`): transformers'
     `Qwen3OmniMoeAudioEncoder` with every linear a "w8a8" `EncoderLinear`, the convolutions of more than one input
     channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers
-    `W8A8EncoderLayer`s, and the GELUs in the output passes of the convolutions and linears before them. Its
+    `W8A8EncoderLayer`s, and the GELUs in the output passes of the convolutions and linears before them (the
+    linears' rows handed to the next linear quantized). Its
     forward is the reference's, step for step (the same chunks, windows and valid rows, from transformers' own
     helpers); the norms, sinusoids and float biases are the tower's tensors, shared; the tower is not modified."""
 
@@ -374,7 +386,7 @@ class W8A8AudioEncoder(nn.Module):
         self.positional_embedding = tower.positional_embedding
         self.layers = nn.ModuleList(W8A8EncoderLayer(layer, config.activation_function) for layer in tower.layers)
         self.ln_post = tower.ln_post
-        self.proj1 = EncoderLinear(tower.proj1, "w8a8", gelu=fused)
+        self.proj1 = EncoderLinear(tower.proj1, "w8a8", gelu=fused, quantize_out=fused)
         self.act = None if fused else ACT2FN[config.activation_function]
         self.proj2 = EncoderLinear(tower.proj2, "w8a8")
 

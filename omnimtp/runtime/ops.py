@@ -402,18 +402,44 @@ def _w8a8_column_scaled(x_u8: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     )
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Rows quantized for a "w8a8" GEMM as `small_batch_linear.quantize_rows_u8` quantizes them: q [M, K] uint8
+    (zero point 128), scales [M, 1] fp32."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+
+def _w8a8_sums(x: torch.Tensor | QuantizedRows, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(oneDNN's column-scaled sums [M, N] fp32, the rows' scales [M, 1]) of x [M, K] fp32 (quantized here) or rows
+    already quantized."""
+    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*small_batch_linear.quantize_rows_u8(x))
+    return _w8a8_column_scaled(rows.q, weight), rows.scales
+
+
 def w8a8_linear_epilogue(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False,
+    x: torch.Tensor | QuantizedRows, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`w8a8_linear(x, weight)` + bias, then GELU (the exact, erf one) when `gelu`, with the rows' scales, the bias
-    and GELU in one pass over oneDNN's output (`encoder_epilogue.scale_bias_gelu`): x [M, K] fp32 → [M, N], a new
-    fp32 tensor, or written into `out` ([M, N] fp32 or bf16 with contiguous rows, e.g. a view of a larger buffer).
-    Before GELU the values are bit for bit `w8a8_linear(x, weight).add_(bias)`'s; a row's values do not depend on
-    the other rows. bias: fp32 [N] or None."""
-    x_u8, row_scales = small_batch_linear.quantize_rows_u8(x)
-    sums = _w8a8_column_scaled(x_u8, weight)  # [M, N]
+    and GELU in one pass over oneDNN's output (`encoder_epilogue.scale_bias_gelu`): x [M, K] fp32 (or its rows
+    already quantized, `QuantizedRows`) → [M, N], a new fp32 tensor, or written into `out` ([M, N] fp32 or bf16
+    with contiguous rows, e.g. a view of a larger buffer). Before GELU the values are bit for bit
+    `w8a8_linear(x, weight).add_(bias)`'s; a row's values do not depend on the other rows. bias: fp32 [N] or
+    None."""
+    sums, row_scales = _w8a8_sums(x, weight)  # [M, N], [M, 1]
     return encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, sums if out is None else out)
+
+
+def w8a8_linear_quantized_out(
+    x: torch.Tensor | QuantizedRows, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False
+) -> QuantizedRows:
+    """`w8a8_linear_epilogue`'s output quantized for the next "w8a8" GEMM in the same pass
+    (`encoder_epilogue.scale_bias_gelu_u8`): the bytes and scales `quantize_rows_u8` would make of it, its fp32
+    rows never written (fc1 → GELU → fc2)."""
+    sums, row_scales = _w8a8_sums(x, weight)
+    return QuantizedRows(*encoder_epilogue.scale_bias_gelu_u8(sums, row_scales, bias, gelu))
 
 
 # the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows

@@ -14,10 +14,17 @@
  * GELU for |x| up to 15 (torch's fp32 `F.gelu` on this CPU: within 1.2e-6; tests/test_encoder_epilogue.py). bf16 output:
  * rounded once, to nearest, ties to even (a NaN as 0x7FC0: torch's conversion). Each row is computed on its own:
  * its values do not depend on the other rows.
+ *
+ * Where the next op is another int8 GEMM (fc1 → GELU → fc2), `omnimtp_encoder_epilogue_u8` hands it its input
+ * quantized: each row's fp32 values kept in a buffer of its thread, then rounded to int8 over the row as
+ * `small_batch_linear.c`'s `omnimtp_quantize_rows_u8` rounds them (the same bytes and scale), never written out in
+ * fp32.
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define EPILOGUE_ISA "avx512f,avx512dq"
 #define EPILOGUE_TARGET __attribute__((target(EPILOGUE_ISA)))
@@ -113,4 +120,76 @@ EPILOGUE_TARGET int omnimtp_encoder_epilogue(const float* sums, int64_t M, int64
                  (__mmask16)((1u << (N - n)) - 1u));
   }
   return 0;
+}
+
+/* One row's fp32 values y[0..N-1] → q (N unsigned bytes) and its scale, as `omnimtp_quantize_rows_u8` quantizes a
+ * row: scale = max|y| / 127, q = 128 + round(y * (127 / max|y|)) (to nearest, ties to even; clamped to -127..127);
+ * a row of zeros 128s and scale 0, one with a NaN or an infinity 128s and a NaN scale. */
+EPILOGUE_TARGET static void quantize_row_u8(const float* y, int64_t N, uint8_t* q, float* scale) {
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16) {
+    const __m512 v = _mm512_loadu_ps(y + n);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  float amax = _mm512_reduce_max_ps(top);
+  int any_nan = nan != 0;
+  for (int64_t t = n; t < N; ++t) {
+    const float v = y[t] < 0 ? -y[t] : y[t];
+    any_nan |= v != v;
+    amax = v > amax ? v : amax;
+  }
+  if (any_nan || !(amax <= 3.4028234663852886e38f) || amax == 0.0f) {
+    memset(q, 128, (size_t)N);
+    *scale = amax == 0.0f && !any_nan ? 0.0f : __builtin_nanf("");
+    return;
+  }
+  const __m512 inverse = _mm512_set1_ps(127.0f / amax);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), zero_point = _mm512_set1_epi32(128);
+  for (n = 0; n + 16 <= N; n += 16) {
+    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(y + n), inverse)); /* to nearest, ties to even */
+    r = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(r, low), high), zero_point);
+    _mm_storeu_si128((__m128i*)(q + n), _mm512_cvtepi32_epi8(r));
+  }
+  for (; n < N; ++n) {
+    const float rounded = __builtin_nearbyintf(y[n] * (127.0f / amax));
+    q[n] = (uint8_t)(128 + (int)(rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded));
+  }
+  *scale = amax / 127.0f;
+}
+
+/* sums, row_scales, bias, gelu as `omnimtp_encoder_epilogue`'s → q [M, N] unsigned bytes and q_scales [M]: each
+ * row's fp32 output quantized as `omnimtp_quantize_rows_u8` quantizes it (the next int8 GEMM's input, zero point
+ * 128), without writing the fp32 rows. Rows split over the threads. Returns 0, -1 when out of memory, -3 without
+ * AVX-512F and DQ. */
+EPILOGUE_TARGET int omnimtp_encoder_epilogue_u8(const float* sums, int64_t M, int64_t N, int64_t sum_stride,
+                                                const float* row_scales, const float* bias, int gelu, uint8_t* q,
+                                                float* q_scales, int num_threads) {
+  if (!omnimtp_encoder_epilogue_supported()) return -3;
+  const int threads = num_threads > 1 && M > 1 ? num_threads : 1;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    float* row = (float*)malloc(sizeof(float) * (size_t)(N + 16));
+    if (!row) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) {
+      if (!row) continue;
+      const __m512 scale = _mm512_set1_ps(row_scales[m]);
+      int64_t n = 0;
+      for (; n + 16 <= N; n += 16)
+        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, gelu, row, n, 0, 0xFFFF);
+      if (n < N)
+        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, gelu, row, n, 0,
+                   (__mmask16)((1u << (N - n)) - 1u));
+      quantize_row_u8(row, N, q + m * N, q_scales + m);
+    }
+    free(row);
+  }
+  return failed ? -1 : 0;
 }
