@@ -224,8 +224,8 @@ def test_w8a8_encoder_is_close_to_the_float_tower_and_to_the_unfused_int8_one():
     assert 0 < error(fused) < 0.05 and error(fused) < 1.25 * error(before), (error(fused), error(before))
     # fc1 → fc2 and proj1 → proj2 hand their rows over quantized: the bits of writing them in fp32 and quantizing
     handing = [encoder.proj1, *(layer.fc1 for layer in encoder.layers)]
-    assert all(linear.quantize_out for linear in handing)
-    for linear in handing:
-        linear.quantize_out = False
+    assert all(module.quantize_out for module in handing)
+    for module in handing:
+        module.quantize_out = False
     with torch.no_grad():
         assert torch.equal(encode_audio(encoder, features, mask).last_hidden_state, fused)
