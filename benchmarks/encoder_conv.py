@@ -6,8 +6,9 @@ of `--rounds` kept:
   whose row scales and bias are torch ops after oneDNN's GEMM, the 480 -> 480 convolutions `W8A8Conv2d`, the first
   one bf16 channels last), its GELUs `F.gelu` passes and its windows' attention fp32 SDPA window by window;
 - "fused": what `fast_audio_encoder(tower, "w8a8")` builds (`W8A8AudioEncoder`): the same GEMMs, each one's row
-  scales, bias and GELU in one pass over its output (`encoder_epilogue`), the first convolution's GELU in oneDNN's
-  output, q/k/v one GEMM, the windows as the rows of one call of the bf16 attention kernel.
+  scales, bias and GELU in one pass over its output (`encoder_epilogue`; fc1's and proj1's rows handed to the next
+  GEMM quantized), the first convolution's GELU in oneDNN's output, conv_out reading the last convolution's rows
+  as they are (`W8A8ConvOut`), q/k/v one GEMM, the windows as the rows of one call of the bf16 attention kernel.
 
 Timed (wall, and the process's CPU time divided by the threads: a shared box's other processes take turns inside the
 wall time): each convolution with its GELU alone on its input, the conv stack (the three convolutions, their GELUs
@@ -117,6 +118,8 @@ def _conv_stack(encoder: torch.nn.Module, path: str, chunks: torch.Tensor) -> to
     rows = chunks
     for name in CONVS:
         rows = _convolve(encoder, path, name, rows)
+    if path == "fused":  # `W8A8ConvOut` reads the channels-last rows as they are
+        return encoder.conv_out(rows)
     b, c, f, t = rows.size()
     return encoder.conv_out(rows.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
 

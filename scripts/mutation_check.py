@@ -2589,6 +2589,18 @@ MUTATIONS = [
         ENCODER_EPILOGUE, "the row scale and the bias in one fused multiply-add: not the bits of torch's mul_ and add_",
     ),
     Mutation(
+        "encoder_u8_rows_truncated", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(y + n), inverse));",
+        "    __m512i r = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(y + n), inverse));",
+        ENCODER_EPILOGUE, "fc1's rows handed to fc2 are truncated toward zero, not rounded as the row quantizer rounds",
+    ),
+    Mutation(
+        "encoder_u8_rows_before_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, gelu, row, n, 0, 0xFFFF);",
+        "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, 0, row, n, 0, 0xFFFF);",
+        ENCODER_EPILOGUE, "fc1's rows are quantized for fc2 without their GELU",
+    ),
+    Mutation(
         "encoder_window_sees_the_padding", "omnimtp/models/qwen3_asr.py",
         "        key_counts = torch.tensor(lengths, dtype=torch.int64)[:, None].expand(-1, window)  # [W, window]",
         "        key_counts = torch.full((len(lengths), window), window, dtype=torch.int64)",

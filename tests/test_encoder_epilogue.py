@@ -107,6 +107,24 @@ def test_w8a8_linear_epilogue_is_the_w8a8_linear_plus_its_bias_then_gelu():
     assert torch.equal(out, fused.to(torch.bfloat16))
 
 
+@needs_w8a8
+def test_conv_out_reads_the_channels_last_rows_with_the_linears_bits():
+    """`W8A8ConvOut` on the last convolution's channels-last bf16 rows [B, C, F, T]: bit for bit the "w8a8" linear of
+    the rows flattened channel by channel (the reference's transpose and view) in fp32."""
+    from omnimtp.models.qwen3_asr import EncoderLinear, W8A8ConvOut
+
+    g = torch.Generator().manual_seed(2)
+    module = torch.nn.Linear(6 * 5, 24)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(24, 30, generator=g) * 0.2)
+        module.bias.copy_(torch.randn(24, generator=g))
+    rows = torch.randn(3, 6, 5, 7, generator=g).bfloat16().contiguous(memory_format=torch.channels_last)
+    b, c, f, t = rows.shape
+    expected = EncoderLinear(module, "w8a8")(rows.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
+    out = W8A8ConvOut(module, channels=6)(rows)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+
+
 # --- the encoder's attention and the encoder ------------------------------------------------------------------
 
 

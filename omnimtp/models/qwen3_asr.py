@@ -270,6 +270,29 @@ class W8A8Conv2d(nn.Module):
         return out.permute(0, 3, 1, 2)
 
 
+class W8A8ConvOut(nn.Module):
+    """The audio encoder's conv_out (an nn.Linear of each time step's [channels x frequencies] rows, flattened
+    channel by channel) in "w8a8", read as a convolution whose kernel spans all F frequencies: it takes the last
+    convolution's channels-last bf16 rows [B, C, F, T] as they are (`ops.conv2d`: each time step's patch, frequency
+    by frequency, is the linear's row with its inputs in (f, c) order; the weight's columns are permuted to match)
+    and gives [B, T, out] fp32. The same bits as the "w8a8" linear of the flattened fp32 rows (the same values in
+    each row and weight row, reordered: the same scales, exact integer sums), without the transposed copy and its
+    cast to fp32."""
+
+    def __init__(self, module: nn.Linear, channels: int):
+        super().__init__()
+        self.frequencies = module.in_features // channels
+        weight = module.weight.detach().float().view(module.out_features, channels, self.frequencies, 1)
+        self.quantized = quantize_conv_weight(weight, "w8a8")
+        self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        self.in_features, self.out_features = module.in_features, module.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(torch.bfloat16).permute(0, 2, 3, 1)  # [B, F, T, C]: no copy for a channels-last input
+        out = conv2d(rows, self.quantized, self.bias, (self.frequencies, 1), (1, 1), (0, 0), out_dtype=torch.float32)
+        return out[:, 0]  # [B, T, out]
+
+
 class RoundedNorm(nn.Module):
     """A LayerNorm of a fast audio encoder in bf16 whose only readers are bf16 linears (`EncoderLinear`, which
     round their input to bf16): its float32 output rounded to bf16 once, not once per reader (q, k and v read
@@ -366,8 +389,8 @@ class W8A8EncoderLayer(nn.Module):
 
 class W8A8AudioEncoder(nn.Module):
     """The audio encoder of int8_compute (`fast_audio_encoder(tower, "w8a8")`): transformers'
-    `Qwen3OmniMoeAudioEncoder` with every linear a "w8a8" `EncoderLinear`, the convolutions of more than one input
-    channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers
+    `Qwen3OmniMoeAudioEncoder` with every linear a "w8a8" `EncoderLinear` (conv_out a `W8A8ConvOut`), the
+    convolutions of more than one input channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers
     `W8A8EncoderLayer`s, and the GELUs in the output passes of the convolutions and linears before them (the
     linears' rows handed to the next linear quantized). Its
     forward is the reference's, step for step (the same chunks, windows and valid rows, from transformers' own
@@ -382,7 +405,7 @@ class W8A8AudioEncoder(nn.Module):
         fused = config.activation_function == "gelu"
         self.conv2d1 = Bf16Conv2d(tower.conv2d1, channels_last=True, gelu=True)
         self.conv2d2, self.conv2d3 = W8A8Conv2d(tower.conv2d2, gelu=True), W8A8Conv2d(tower.conv2d3, gelu=True)
-        self.conv_out = EncoderLinear(tower.conv_out, "w8a8")
+        self.conv_out = W8A8ConvOut(tower.conv_out, tower.conv2d3.out_channels)
         self.positional_embedding = tower.positional_embedding
         self.layers = nn.ModuleList(W8A8EncoderLayer(layer, config.activation_function) for layer in tower.layers)
         self.ln_post = tower.ln_post
@@ -407,9 +430,8 @@ class W8A8AudioEncoder(nn.Module):
         cu_seqlens = get_audio_cu_seqlens(chunk_lengths, feature_lens, self.n_window_infer, self.n_window)
         embeds = [self.conv2d3(self.conv2d2(self.conv2d1(chunk)))  # each with its GELU
                   for chunk in padded_feature.unsqueeze(1).split(self.conv_chunksize, dim=0)]
-        embeds = torch.cat(embeds, dim=0)
-        b, c, f, t = embeds.size()
-        embeds = self.conv_out(embeds.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))  # [B, t, E] fp32
+        embeds = self.conv_out(embeds[0] if len(embeds) == 1 else torch.cat(embeds, dim=0))  # [B, t, E] fp32
+        t = embeds.shape[1]
         embeds = embeds + self.positional_embedding.positional_embedding[:t].unsqueeze(0).to(embeds.dtype)
         hidden_states = torch.index_select(embeds.reshape(-1, embeds.shape[-1]), 0, valid_indices)
         for layer in self.layers:
@@ -463,10 +485,10 @@ def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None, int8_compute
     """The thinker a family runs in `quantize`: float (None), the thinker itself (the reference's encoder); a
     quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
     thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
-    thinker itself). int8_compute (any `quantize`): a copy whose linears are "w8a8" (`ops.MANY_ROW_MODES`: oneDNN's
-    int8 GEMM, each row quantized to int8 on its own), and so are its convolutions but the first (`W8A8Conv2d`: each
-    output position's patch a row); ValueError naming int8_compute
-    where that does not run."""
+    thinker itself). int8_compute (any `quantize`): a `W8A8AudioEncoder` (its linears "w8a8", `ops.MANY_ROW_MODES`:
+    oneDNN's int8 GEMM, each row quantized to int8 on its own, and so are its convolutions but the first,
+    `W8A8Conv2d`: each output position's patch a row; GELUs fused, the windows' attention in bf16); ValueError
+    naming int8_compute where that does not run."""
     if int8_compute:
         check_many_row_mode("w8a8", thinker.device, "int8_compute")
         return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower, "w8a8"))
