@@ -388,13 +388,13 @@ class W8A8EncoderLayer(nn.Module):
 
 
 class W8A8AudioEncoder(nn.Module):
-    """The audio encoder of int8_compute (`fast_audio_encoder(tower, "w8a8")`): transformers'
-    `Qwen3OmniMoeAudioEncoder` with every linear a "w8a8" `EncoderLinear` (conv_out a `W8A8ConvOut`), the
-    convolutions of more than one input channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers
-    `W8A8EncoderLayer`s, and the GELUs in the output passes of the convolutions and linears before them (the
-    linears' rows handed to the next linear quantized). Its
-    forward is the reference's, step for step (the same chunks, windows and valid rows, from transformers' own
-    helpers); the norms, sinusoids and float biases are the tower's tensors, shared; the tower is not modified."""
+    """The audio encoder of int8_compute (`fast_audio_encoder(tower, "w8a8")`): transformers' `Qwen3OmniMoeAudioEncoder`
+    with every linear a "w8a8" `EncoderLinear` (conv_out a `W8A8ConvOut`), the convolutions of more than one input
+    channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers `W8A8EncoderLayer`s,
+    and the GELUs in the output passes of the convolutions and linears before them (the linears' rows handed to the
+    next linear quantized). Its forward is the reference's, step for step (the same chunks, windows and valid rows,
+    from transformers' own helpers); the norms, sinusoids and float biases are the tower's tensors, shared; the tower
+    is not modified."""
 
     def __init__(self, tower: nn.Module):
         super().__init__()

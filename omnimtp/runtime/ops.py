@@ -463,13 +463,13 @@ def conv2d(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """nn.Conv2d (zero padding, no dilation or groups) as a "w8a8" linear (`quantize_conv_weight`): x [B, H, W, C]
-    channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype (or out_dtype: fp32 or bf16). Each output position's patch (kh x kw x C inputs) is
-    a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what `w8a8_linear` does to its
-    rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32 sums), then the row's
-    and the channel's scales and the bias (fp32 [O] or None) in fp32, and GELU (the exact, erf one) when `gelu`, in
-    one pass that rounds once to the output's dtype (`encoder_epilogue.scale_bias_gelu`). Rows go in equal blocks of at most
-    `block_rows` (memory bounded by a block). A position's values depend only on its own patch: the same alone, in
-    any batch and any blocking."""
+    channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype (or out_dtype: fp32 or bf16). Each output position's
+    patch (kh x kw x C inputs) is a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what
+    `w8a8_linear` does to its rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32
+    sums), then the row's and the channel's scales and the bias (fp32 [O] or None) in fp32, and GELU (the exact, erf
+    one) when `gelu`, in one pass that rounds once to the output's dtype (`encoder_epilogue.scale_bias_gelu`). Rows
+    go in equal blocks of at most `block_rows` (memory bounded by a block). A position's values depend only on its
+    own patch: the same alone, in any batch and any blocking."""
     batch, height, width, _ = x.shape
     (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
     out_height, out_width = (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
