@@ -2535,6 +2535,18 @@ MUTATIONS = [
         W8A8, "the w8a8 row quantizer truncates toward zero instead of rounding to nearest",
     ),
     Mutation(
+        "w8a8_rows_truncated_not_rounded_16_lanes", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inverse));",
+        "    __m512i r = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inverse));",
+        W8A8, "the w8a8 row quantizer's 16-lane steps truncate toward zero instead of rounding to nearest",
+    ),
+    Mutation(
+        "w8a8_rows_maximum_of_the_first_lanes", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  float amax = _mm512_reduce_max_ps(top);",
+        "  float amax = _mm512_cvtss_f32(top);",
+        W8A8, "the w8a8 row quantizer's scale from one lane's maximum, not the row's",
+    ),
+    Mutation(
         "w8a8_conv_patches_ignore_the_padding", "omnimtp/runtime/kernels/small_batch_linear.c",
         "          const int64_t w = wo * sw - pw + j;",
         "          const int64_t w = wo * sw + j;",
@@ -2599,6 +2611,13 @@ MUTATIONS = [
         "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, gelu, row, n, 0, 0xFFFF);",
         "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, 0, row, n, 0, 0xFFFF);",
         ENCODER_EPILOGUE, "fc1's rows are quantized for fc2 without their GELU",
+    ),
+    Mutation(
+        "encoder_conv_out_columns_not_permuted", "omnimtp/models/qwen3_asr.py",
+        "        weight = module.weight.detach().float().view(module.out_features, channels, self.frequencies, 1)",
+        "        weight = module.weight.detach().float().view(module.out_features, self.frequencies, channels, 1)\n"
+        "        weight = weight.reshape(module.out_features, channels, self.frequencies, 1)",
+        ENCODER_EPILOGUE, "conv_out read as a convolution multiplies the frequencies' rows by the wrong weight columns",
     ),
     Mutation(
         "encoder_window_sees_the_padding", "omnimtp/models/qwen3_asr.py",
