@@ -2616,7 +2616,7 @@ MUTATIONS = [
         "encoder_conv_out_columns_not_permuted", "omnimtp/models/qwen3_asr.py",
         "        weight = module.weight.detach().float().view(module.out_features, channels, self.frequencies, 1)",
         "        weight = module.weight.detach().float().view(module.out_features, self.frequencies, channels, 1)\n"
-        "        weight = weight.reshape(module.out_features, channels, self.frequencies, 1)",
+        "        weight = weight.transpose(1, 2)",
         ENCODER_EPILOGUE, "conv_out read as a convolution multiplies the frequencies' rows by the wrong weight columns",
     ),
     Mutation(
