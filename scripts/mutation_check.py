@@ -2620,6 +2620,12 @@ MUTATIONS = [
         ENCODER_EPILOGUE, "conv_out read as a convolution multiplies the frequencies' rows by the wrong weight columns",
     ),
     Mutation(
+        "encoder_first_conv_tanh_gelu", "omnimtp/models/qwen3_asr.py",
+        "list(self.padding), list(self.stride), [1, 1], 1, \"gelu\", [], \"none\")",
+        "list(self.padding), list(self.stride), [1, 1], 1, \"gelu\", [], \"tanh\")",
+        W8A8_CONV, "the encoder's first convolution applies the tanh approximation of GELU, not the exact one",
+    ),
+    Mutation(
         "encoder_window_sees_the_padding", "omnimtp/models/qwen3_asr.py",
         "        key_counts = torch.tensor(lengths, dtype=torch.int64)[:, None].expand(-1, window)  # [W, window]",
         "        key_counts = torch.full((len(lengths), window), window, dtype=torch.int64)",

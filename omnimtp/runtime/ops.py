@@ -8,6 +8,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
     q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # int8 / int4 (/ w4a8) weights
     q = quantize_weight(weight, "w8a8"); y = linear(x, None, packed=q)     # many rows: oneDNN's int8 GEMM
+    y = w8a8_linear_epilogue(x, q, bias, gelu=True)             # + bias, GELU in the GEMM's one output pass
     qe = quantize_experts(experts, "w4a8"); y = expert_linear(rows, qe, ids, offsets)  # routed experts, one call
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
