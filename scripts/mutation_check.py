@@ -69,6 +69,7 @@ W8A8 = ("tests/test_w8a8_linear.py",)
 BF16_ATTENTION = ("tests/test_bf16_attention.py",)
 W8A8_EPILOGUES = ("tests/test_w8a8_epilogues.py",)
 W8A8_CONV = ("tests/test_w8a8_conv.py",)
+ENCODER_EPILOGUE = ("tests/test_encoder_epilogue.py",)
 QWEN3_ALIGNER = ("tests/test_qwen3_aligner.py",)
 ASR_SERVER = ("tests/test_server_asr.py",)
 VOICE_STORE = ("tests/test_voice_store.py",)
@@ -2587,6 +2588,18 @@ MUTATIONS = [
         W8A8, "the w8a8 row quantizer truncates toward zero instead of rounding to nearest",
     ),
     Mutation(
+        "w8a8_rows_truncated_not_rounded_16_lanes", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inverse));",
+        "    __m512i r = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inverse));",
+        W8A8, "the w8a8 row quantizer's 16-lane steps truncate toward zero instead of rounding to nearest",
+    ),
+    Mutation(
+        "w8a8_rows_maximum_of_the_first_lanes", "omnimtp/runtime/kernels/small_batch_linear.c",
+        "  float amax = _mm512_reduce_max_ps(top);",
+        "  float amax = _mm512_cvtss_f32(top);",
+        W8A8, "the w8a8 row quantizer's scale from one lane's maximum, not the row's",
+    ),
+    Mutation(
         "w8a8_conv_patches_ignore_the_padding", "omnimtp/runtime/kernels/small_batch_linear.c",
         "          const int64_t w = wo * sw - pw + j;",
         "          const int64_t w = wo * sw + j;",
@@ -2600,15 +2613,90 @@ MUTATIONS = [
     ),
     Mutation(
         "w8a8_encoder_first_conv_channels_first", "omnimtp/models/qwen3_asr.py",
-        "            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))",
-        "            setattr(parent, child, Bf16Conv2d(module))",
+        "        self.conv2d1 = Bf16Conv2d(tower.conv2d1, channels_last=True, gelu=True)",
+        "        self.conv2d1 = Bf16Conv2d(tower.conv2d1, gelu=True)",
         W8A8_CONV, "the int8_compute encoder's first convolution hands the next one channels-first rows to reorder",
     ),
     Mutation(
         "w8a8_conv_drops_the_bias", "omnimtp/runtime/ops.py",
-        "        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)",
-        "        rows[row0:row0 + num_rows] = block",
+        "        encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, rows[row0:row0 + num_rows])",
+        "        encoder_epilogue.scale_bias_gelu(sums, row_scales, None, gelu, rows[row0:row0 + num_rows])",
         W8A8_CONV, "the w8a8 convolution leaves out its bias",
+    ),
+    # --- the int8_compute audio encoder: its GEMMs' fused output pass and its windows on the bf16 kernel ----------
+    Mutation(
+        "encoder_epilogue_skips_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "  if (gelu) y = gelu16(y);",
+        "  (void)gelu;",
+        ENCODER_EPILOGUE + W8A8_CONV, "the int8 GEMM's output pass leaves out the GELU it was asked for",
+    ),
+    Mutation(
+        "encoder_epilogue_tanh_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "  if (gelu) y = gelu16(y);",
+        "  if (gelu) {\n"
+        "    float v[16];\n"
+        "    _mm512_storeu_ps(v, y);\n"
+        "    for (int i = 0; i < 16; ++i)\n"
+        "      v[i] = 0.5f * v[i] *\n"
+        "             (1.0f + __builtin_tanhf(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));\n"
+        "    y = _mm512_loadu_ps(v);\n"
+        "  }",
+        ENCODER_EPILOGUE, "the encoder's fused GELU is the tanh approximation, not the model's exact (erf) GELU",
+    ),
+    Mutation(
+        "encoder_epilogue_fused_multiply_add", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "  if (bias)\n"
+        "    y = _mm512_add_round_ps(y, whole ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps(lanes, bias), "
+        "ROUND_NEAREST);",
+        "  if (bias)\n"
+        "    y = _mm512_fmadd_ps(whole ? _mm512_loadu_ps(sums) : _mm512_maskz_loadu_ps(lanes, sums), scale,\n"
+        "                        whole ? _mm512_loadu_ps(bias) : _mm512_maskz_loadu_ps(lanes, bias));",
+        ENCODER_EPILOGUE, "the row scale and the bias in one fused multiply-add: not the bits of torch's mul_ and add_",
+    ),
+    Mutation(
+        "encoder_u8_rows_truncated", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(y + n), inverse));",
+        "    __m512i r = _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(y + n), inverse));",
+        ENCODER_EPILOGUE, "fc1's rows handed to fc2 are truncated toward zero, not rounded as the row quantizer rounds",
+    ),
+    Mutation(
+        "encoder_u8_rows_before_gelu", "omnimtp/runtime/kernels/encoder_epilogue.c",
+        "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, gelu, row, n, 0, 0xFFFF);",
+        "        epilogue16(sums + m * sum_stride + n, scale, bias ? bias + n : NULL, 0, row, n, 0, 0xFFFF);",
+        ENCODER_EPILOGUE, "fc1's rows are quantized for fc2 without their GELU",
+    ),
+    Mutation(
+        "encoder_conv_out_columns_not_permuted", "omnimtp/models/qwen3_asr.py",
+        "        weight = module.weight.detach().float().view(module.out_features, channels, self.frequencies, 1)",
+        "        weight = module.weight.detach().float().view(module.out_features, self.frequencies, channels, 1)\n"
+        "        weight = weight.transpose(1, 2)",
+        ENCODER_EPILOGUE, "conv_out read as a convolution multiplies the frequencies' rows by the wrong weight columns",
+    ),
+    Mutation(
+        "encoder_first_conv_tanh_gelu", "omnimtp/models/qwen3_asr.py",
+        "list(self.padding), list(self.stride), [1, 1], 1, \"gelu\", [], \"none\")",
+        "list(self.padding), list(self.stride), [1, 1], 1, \"gelu\", [], \"tanh\")",
+        W8A8_CONV, "the encoder's first convolution applies the tanh approximation of GELU, not the exact one",
+    ),
+    Mutation(
+        "encoder_window_sees_the_padding", "omnimtp/models/qwen3_asr.py",
+        "        key_counts = torch.tensor(lengths, dtype=torch.int64)[:, None].expand(-1, window)  # [W, window]",
+        "        key_counts = torch.full((len(lengths), window), window, dtype=torch.int64)",
+        ENCODER_EPILOGUE, "the encoder's shorter last window attends to the padding rows after it",
+    ),
+    Mutation(
+        "encoder_windows_see_each_other", "omnimtp/models/qwen3_asr.py",
+        "        qkv = buffer.view(len(lengths), window, 3, self.num_heads, self.head_dim)",
+        "        qkv = buffer.view(1, len(lengths) * window, 3, self.num_heads, self.head_dim)\n"
+        "        lengths, window = [sum(lengths)] if at is None else [len(lengths) * window], len(lengths) * window",
+        ENCODER_EPILOGUE, "the encoder's windows attend across each other: one window of the whole audio",
+    ),
+    Mutation(
+        "encoder_attention_stays_on_sdpa", "omnimtp/models/qwen3_asr.py",
+        "        return (self.head_dim % 16 == 0 and self.head_dim <= bf16_attention.MAX_HEAD_DIM\n"
+        "                and bf16_attention.available())",
+        "        return False",
+        ENCODER_EPILOGUE, "the int8_compute encoder's windows stay on fp32 SDPA",
     ),
     Mutation(
         "asr_prefill_runs_on_the_decode_weights", "omnimtp/thinker.py",

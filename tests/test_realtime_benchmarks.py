@@ -371,11 +371,13 @@ def test_encoder_conv_quick_run_reports_both_paths(tmp_path):
     out = tmp_path / "encoder_conv.json"
     _run(["benchmarks/encoder_conv.py", "--quick", "--threads", "1", "--out", str(out)])
     results = json.loads(out.read_text())
-    assert set(results["ratios"]) == {"conv2d1", "conv2d2", "conv2d3", "conv stack", "encoder"}
+    assert set(results["ratios"]) == {"conv2d1 + GELU", "conv2d2 + GELU", "conv2d3 + GELU", "conv stack", "attention",
+                                      "layers", "encoder"}
     assert all(ratio["wall"] > 0 for ratio in results["ratios"].values())
-    for path in ("bf16 convolutions", "w8a8 convolutions"):
+    for path in ("unfused", "fused"):
         errors = results["errors"][path]
         assert 0 < errors["conv stack"]["relative"] < 0.05 and errors["encoder"]["min_row_cosine"] > 0.99
+    assert 0 < results["fused_vs_unfused"]["relative"] < 0.05
 
 
 def test_many_row_linear_quick_run_reports_every_path(tmp_path):

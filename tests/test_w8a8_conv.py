@@ -105,7 +105,8 @@ def test_the_weight_is_checked_naming_the_argument():
 def test_int8_compute_encoder_runs_its_wide_convolutions_on_w8a8():
     """The tiny Qwen3-ASR encoder in int8_compute: the convolutions of many input channels are W8A8Conv2d (the
     first, of one channel, stays bf16 and hands them channels-last rows), each the w8a8 convolution of its bf16
-    input with its output bf16, and the conv stack's rows are close to the float one's."""
+    input with its GELU in the same pass and its output bf16, the first one's GELU applied by oneDNN (the fp32
+    GELU rounded once to bf16), and the conv stack's rows are close to the float one's."""
     from omnimtp.models.qwen3_asr import Bf16Conv2d, W8A8Conv2d, fast_audio_encoder, tiny_qwen3_asr
 
     tower = tiny_qwen3_asr(0).thinker.audio_tower
@@ -116,22 +117,40 @@ def test_int8_compute_encoder_runs_its_wide_convolutions_on_w8a8():
     g = torch.Generator().manual_seed(3)
     chunks = torch.randn(3, 1, tower.config.num_mel_bins, 100, generator=g)
     with torch.no_grad():
-        # the first convolution's rows channels last for the next (a zero second input channel), the same bits
+        # the first convolution's rows channels last for the next (a zero second input channel), GELU'd once
         first = encoder.conv2d1(chunks)
         conv = tower.conv2d1
+        assert first.is_contiguous(memory_format=torch.channels_last) and first.dtype == torch.bfloat16
+        exact = F.gelu(F.conv2d(chunks.bfloat16().float(), conv.weight.bfloat16().float(),
+                                conv.bias.bfloat16().float(), conv.stride, conv.padding))
+        assert torch.allclose(first.float(), exact, rtol=2 ** -8, atol=1e-5)
+        # the exact (erf) GELU of the fp32 sums, rounded once (the tanh approximation's bf16 values differ)
+        assert (first == exact.bfloat16()).float().mean() > 0.995
         plain = Bf16Conv2d(conv)(chunks)
-        assert first.is_contiguous(memory_format=torch.channels_last) and not plain.is_contiguous(
-            memory_format=torch.channels_last)
-        assert torch.equal(first, plain)
+        assert not plain.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(plain, F.conv2d(chunks.bfloat16(), conv.weight.bfloat16(), conv.bias.bfloat16(),
                                            conv.stride, conv.padding))
-        first = F.gelu(first)
         second = encoder.conv2d2(first)
         conv = tower.conv2d2
         expected = conv2d(first.permute(0, 2, 3, 1).contiguous(), encoder.conv2d2.quantized, conv.bias.float(),
-                          conv.kernel_size, conv.stride, conv.padding)
+                          conv.kernel_size, conv.stride, conv.padding, gelu=True)
         assert second.dtype == torch.bfloat16 and second.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(second.permute(0, 2, 3, 1), expected)
-        fast_rows = F.gelu(encoder.conv2d3(F.gelu(second))).float()
+        fast_rows = encoder.conv2d3(second).float()
         exact_rows = F.gelu(tower.conv2d3(F.gelu(tower.conv2d2(F.gelu(tower.conv2d1(chunks))))))
     assert (fast_rows - exact_rows).norm() / exact_rows.norm() < 0.05
+
+
+@needs_w8a8
+def test_the_convolutions_gelu_is_applied_to_its_fp32_output_once():
+    """conv2d(gelu=True): the exact GELU of the fp32 values conv2d(gelu=False) computes in fp32, rounded once to the
+    input's dtype (fp32 here: within the GELU's 2e-6 of `F.gelu` of them), blocks or not."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 9, 7, 6, generator=g)
+    weight = quantize_conv_weight(torch.randn(5, 6, 3, 3, generator=g) * 0.3, "w8a8")
+    bias = torch.randn(5, generator=g)
+    plain = conv2d(x, weight, bias, (3, 3), (2, 2), (1, 1))
+    for block_rows in (4096, 7):
+        fused = conv2d(x, weight, bias, (3, 3), (2, 2), (1, 1), block_rows=block_rows, gelu=True)
+        assert torch.allclose(fused, F.gelu(plain), rtol=0, atol=2e-6 * max(1.0, plain.abs().max().item()))
+    assert not torch.allclose(fused, plain, atol=1e-2)

@@ -31,16 +31,23 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 from torch import nn
 from transformers import Qwen3Config
+from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoder,
+    chunk_and_pad_features,
+    get_audio_cu_seqlens,
+    get_valid_indices,
+)
 
 from omnimtp.models.qwen3_tts import Decoder, decoder_config, release_matrices
 from omnimtp.models.tiny import THINKER_SPECIAL_TOKENS, THINKER_VOCAB_SIZE
+from omnimtp.runtime.kernels import bf16_attention
 from omnimtp.runtime.ops import (
-    MANY_ROW_MODES,
     PackedGemm,
+    QuantizedRows,
     QuantizedWeight,
     check_many_row_mode,
     conv2d,
@@ -48,6 +55,8 @@ from omnimtp.runtime.ops import (
     packed_gemm_kind,
     quantize_conv_weight,
     quantize_weight,
+    w8a8_linear_epilogue,
+    w8a8_linear_quantized_out,
 )
 
 CONFIG_NAME = "config.json"
@@ -155,15 +164,23 @@ class EncoderLinear(nn.Module):
     copies of the weight and bias, packed for oneDNN where it runs bf16 (the runtime's "onednn" `PackedGemm`: the
     CPU's bf16 instructions), the input rounded to bf16 as it enters, the output back in float32; a quantized mode
     ("int8", "int4", "w4a8", or "w8a8": oneDNN's int8 GEMM): the runtime's quantized kernel (`QuantizedWeight`
-    of `quantize_weight`), the bias float. Either way through `omnimtp.runtime.ops.linear`. bf16_out (linears
-    "bf16"): the output stays bf16 (a linear whose output an activation takes to the next linear, which rounds its
-    input to bf16 anyway: GELU on the bf16 rows gives those same bits, without casting the widest rows to float32
-    and back)."""
+    of `quantize_weight`), the bias float. Either way through `omnimtp.runtime.ops.linear`, except "w8a8": its
+    rows' scales, bias and (gelu) the exact GELU after it in one pass over the GEMM's output
+    (`ops.w8a8_linear_epilogue`); quantize_out: its output rows quantized in that pass for the next "w8a8" linear,
+    which takes them as they are (`ops.QuantizedRows`: fc1 → GELU → fc2 without fp32 rows between them). bf16_out
+    (linears "bf16"): the output stays bf16 (a linear whose output an activation takes to the next linear, which
+    rounds its input to bf16 anyway: GELU on the bf16 rows gives those same bits, without casting the widest rows
+    to float32 and back)."""
 
-    def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False):
+    def __init__(self, module: nn.Linear, linears: str, bf16_out: bool = False, gelu: bool = False,
+                 quantize_out: bool = False):
         super().__init__()
+        if (gelu or quantize_out) and linears != "w8a8":
+            raise ValueError(f"gelu, quantize_out: only a \"w8a8\" linear applies GELU and quantizes its output "
+                             f"itself, not {linears!r}")
         self.in_features, self.out_features = module.in_features, module.out_features
         self.bf16_out = bf16_out and linears == "bf16"
+        self.gelu, self.quantize_out = gelu, quantize_out
         self.quantized: QuantizedWeight | None = None
         self.packed, self.gemm = None, None
         if linears == "bf16":
@@ -178,11 +195,20 @@ class EncoderLinear(nn.Module):
             self.quantized = quantize_weight(module.weight.detach().float(), linears)
             self.bias = module.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | QuantizedRows:
+        """x [..., in] (or a "w8a8" linear's `QuantizedRows` [M, in]) → [..., out] (`QuantizedRows` with
+        quantize_out)."""
         if self.quantized is None:
             out = linear(x.to(torch.bfloat16), self.weight, self.bias, packed=self.packed, gemm=self.gemm)
             return out if self.bf16_out else out.float()
-        return linear(x.float(), None, self.bias, packed=self.quantized)
+        if self.quantized.mode != "w8a8":
+            return linear(x.float(), None, self.bias, packed=self.quantized)
+        bias = None if self.bias is None else self.bias.detach().float()
+        rows = x if isinstance(x, QuantizedRows) else x.reshape(-1, self.in_features).float()
+        if self.quantize_out:
+            return w8a8_linear_quantized_out(rows, self.quantized, bias, gelu=self.gelu)
+        out = w8a8_linear_epilogue(rows, self.quantized, bias, gelu=self.gelu)
+        return out if isinstance(x, QuantizedRows) else out.view(*x.shape[:-1], self.out_features)
 
 
 class Bf16Conv2d(nn.Module):
@@ -192,12 +218,14 @@ class Bf16Conv2d(nn.Module):
     it, `conv_out`, takes bf16 rows). channels_last: the output in channels-last memory (what `W8A8Conv2d` reads
     without reordering); oneDNN picks that layout from its operands', and an operand of one input channel is as
     much channels first as last, so such a convolution gets a second input channel of zeros (weights and input:
-    the same sums)."""
+    the same sums). gelu: the exact (erf) GELU of the output applied by oneDNN as it writes it (its "gelu" post-op,
+    `torch.ops.mkldnn._convolution_pointwise`: on the fp32 sums, rounded to bf16 once), where this torch has it;
+    else `F.gelu` after."""
 
-    def __init__(self, module: nn.Conv2d, channels_last: bool = False):
+    def __init__(self, module: nn.Conv2d, channels_last: bool = False, gelu: bool = False):
         super().__init__()
         weight = module.weight.detach().to(torch.bfloat16)
-        self.channels_last = channels_last
+        self.channels_last, self.gelu = channels_last, gelu
         if channels_last:
             if weight.shape[1] == 1:
                 weight = torch.cat([weight, torch.zeros_like(weight)], dim=1)
@@ -215,25 +243,54 @@ class Bf16Conv2d(nn.Module):
             x = padded.permute(0, 3, 1, 2)
         elif self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        if self.gelu and hasattr(torch.ops.mkldnn, "_convolution_pointwise"):
+            return torch.ops.mkldnn._convolution_pointwise(
+                x, self.weight, self.bias, list(self.padding), list(self.stride), [1, 1], 1, "gelu", [], "none")
+        out = F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return F.gelu(out) if self.gelu else out
 
 
 class W8A8Conv2d(nn.Module):
     """An nn.Conv2d on oneDNN's int8 GEMM (`omnimtp.runtime.ops.conv2d`: each output position's patch a row
     quantized to int8 on its own, the weight int8 per output channel, `quantize_conv_weight`), its input rounded to
     bf16 as it enters and its output bf16 as `Bf16Conv2d`'s. It takes and gives [B, C, H, W] in channels-last
-    memory (the rows the GEMM reads and writes), so a stack of them and the GELUs between them never reorder."""
+    memory (the rows the GEMM reads and writes), so a stack of them never reorders. gelu: the exact (erf) GELU of
+    the output in the same pass that applies the scales and the bias (`ops.conv2d`'s), rounded to bf16 once."""
 
-    def __init__(self, module: nn.Conv2d):
+    def __init__(self, module: nn.Conv2d, gelu: bool = False):
         super().__init__()
         self.quantized = quantize_conv_weight(module.weight, "w8a8")
         self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().float(), requires_grad=False)
         self.kernel_size, self.stride, self.padding = module.kernel_size, module.stride, module.padding
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(torch.bfloat16).permute(0, 2, 3, 1)  # [B, H, W, C]: no copy for a channels-last input
-        out = conv2d(rows, self.quantized, self.bias, self.kernel_size, self.stride, self.padding)
+        out = conv2d(rows, self.quantized, self.bias, self.kernel_size, self.stride, self.padding, gelu=self.gelu)
         return out.permute(0, 3, 1, 2)
+
+
+class W8A8ConvOut(nn.Module):
+    """The audio encoder's conv_out (an nn.Linear of each time step's [channels x frequencies] rows, flattened
+    channel by channel) in "w8a8", read as a convolution whose kernel spans all F frequencies: it takes the last
+    convolution's channels-last bf16 rows [B, C, F, T] as they are (`ops.conv2d`: each time step's patch, frequency
+    by frequency, is the linear's row with its inputs in (f, c) order; the weight's columns are permuted to match)
+    and gives [B, T, out] fp32. The same bits as the "w8a8" linear of the flattened fp32 rows (the same values in
+    each row and weight row, reordered: the same scales, exact integer sums), without the transposed copy and its
+    cast to fp32."""
+
+    def __init__(self, module: nn.Linear, channels: int):
+        super().__init__()
+        self.frequencies = module.in_features // channels
+        weight = module.weight.detach().float().view(module.out_features, channels, self.frequencies, 1)
+        self.quantized = quantize_conv_weight(weight, "w8a8")
+        self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().float(), requires_grad=False)
+        self.in_features, self.out_features = module.in_features, module.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(torch.bfloat16).permute(0, 2, 3, 1)  # [B, F, T, C]: no copy for a channels-last input
+        out = conv2d(rows, self.quantized, self.bias, (self.frequencies, 1), (1, 1), (0, 0), out_dtype=torch.float32)
+        return out[:, 0]  # [B, T, out]
 
 
 class RoundedNorm(nn.Module):
@@ -251,6 +308,140 @@ class RoundedNorm(nn.Module):
         return out.to(torch.bfloat16) if self.bf16_out else out
 
 
+class EncoderAttention(nn.Module):
+    """An audio encoder layer's self-attention (transformers' `Qwen3OmniMoeAudioAttention`) in int8_compute: q, k and
+    v as one "w8a8" linear of the three matrices stacked (each row quantized once for the three: the same values as
+    three linears), then each window of `cu_seqlens` attends to itself alone (full, non-causal), then out_proj.
+
+    The windows run as the rows of the bf16 attention kernel (`bf16_attention`: bf16 products, fp32 sums, within
+    bf16 rounding of fp32 SDPA) in one call: q, k and v are written window by window into a buffer of equal windows
+    of the longest one's length (for one audio, windows of equal length then a shorter last one: its rows as they
+    are, then padding rows), and a shorter window's queries see only its own keys (its key counts). A window's
+    output depends only on its own rows. Where the kernel does not run (no AVX512_BF16, a head width it does not
+    take): SDPA window by window, as the reference runs it."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.num_heads, self.head_dim, self.scaling = module.num_heads, module.head_dim, module.scaling
+        projections = (module.q_proj, module.k_proj, module.v_proj)
+        self.qkv = quantize_weight(torch.cat([p.weight.detach().float() for p in projections]), "w8a8")
+        self.qkv_bias = nn.Parameter(torch.cat([p.bias.detach().float() for p in projections]), requires_grad=False)
+        self.out_proj = EncoderLinear(module.out_proj, "w8a8")
+
+    def on_kernel(self) -> bool:
+        """Whether the windows run on the bf16 attention kernel here."""
+        return (self.head_dim % 16 == 0 and self.head_dim <= bf16_attention.MAX_HEAD_DIM
+                and bf16_attention.available())
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """hidden_states [N, E] fp32, cu_seqlens [W + 1] (the windows' bounds) → [N, E]."""
+        num_rows, width = hidden_states.shape
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        if not self.on_kernel():
+            qkv = w8a8_linear_epilogue(hidden_states.float(), self.qkv, self.qkv_bias)  # [N, 3E]
+            q, k, v = (part.view(num_rows, self.num_heads, self.head_dim).transpose(0, 1)
+                       for part in qkv.split(width, dim=1))
+            windows = [F.scaled_dot_product_attention(*parts, scale=self.scaling)  # [H, n, D] each
+                       for parts in zip(*(t.split(lengths, dim=1) for t in (q, k, v)), strict=True)]
+            return self.out_proj(torch.cat(windows, dim=1).transpose(0, 1).reshape(num_rows, width))
+        window = max(lengths)
+        starts = torch.arange(len(lengths)) * window
+        # buffer row of each input row: window w's rows from w * window (the same rows when only the last is short)
+        at = None if all(n == window for n in lengths[:-1]) else torch.cat(
+            [torch.arange(n) + start for n, start in zip(lengths, starts.tolist(), strict=True)])
+        buffer = hidden_states.new_empty(len(lengths) * window, 3 * width, dtype=torch.float32)
+        if at is None:
+            buffer[num_rows:].zero_()
+            w8a8_linear_epilogue(hidden_states.float(), self.qkv, self.qkv_bias, out=buffer[:num_rows])
+        else:
+            buffer.zero_()
+            buffer[at] = w8a8_linear_epilogue(hidden_states.float(), self.qkv, self.qkv_bias)
+        qkv = buffer.view(len(lengths), window, 3, self.num_heads, self.head_dim)
+        key_counts = torch.tensor(lengths, dtype=torch.int64)[:, None].expand(-1, window)  # [W, window]
+        out = bf16_attention.bf16_attention(qkv[:, :, 0], qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2),
+                                            key_counts, self.scaling).view(-1, width)  # [W * window, E]
+        return self.out_proj(out[:num_rows] if at is None else out[at])
+
+
+class W8A8EncoderLayer(nn.Module):
+    """An audio encoder layer (transformers' `Qwen3OmniMoeAudioEncoderLayer`) in int8_compute: its attention an
+    `EncoderAttention`, fc1 and fc2 "w8a8" `EncoderLinear`s, fc1's the GELU in its output pass and its rows handed
+    to fc2 quantized (where the model's activation is "gelu", the exact one; another activation runs after fc1 as
+    the model's module), the norms the layer's own."""
+
+    def __init__(self, layer: nn.Module, activation_function: str):
+        super().__init__()
+        fused = activation_function == "gelu"
+        self.self_attn_layer_norm, self.final_layer_norm = layer.self_attn_layer_norm, layer.final_layer_norm
+        self.self_attn = EncoderAttention(layer.self_attn)
+        self.fc1 = EncoderLinear(layer.fc1, "w8a8", gelu=fused, quantize_out=fused)
+        self.activation_fn = None if fused else ACT2FN[activation_function]
+        self.fc2 = EncoderLinear(layer.fc2, "w8a8")
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """[N, E] → [N, E], as the reference's layer: x + attention(norm(x)), then x + fc2(act(fc1(norm(x))))."""
+        hidden_states = self.self_attn(self.self_attn_layer_norm(hidden_states), cu_seqlens).add_(hidden_states)
+        rows = self.fc1(self.final_layer_norm(hidden_states))
+        if self.activation_fn is not None:
+            rows = self.activation_fn(rows)
+        return self.fc2(rows).add_(hidden_states)
+
+
+class W8A8AudioEncoder(nn.Module):
+    """The audio encoder of int8_compute (`fast_audio_encoder(tower, "w8a8")`): transformers' `Qwen3OmniMoeAudioEncoder`
+    with every linear a "w8a8" `EncoderLinear` (conv_out a `W8A8ConvOut`), the convolutions of more than one input
+    channel `W8A8Conv2d`s (the first `Bf16Conv2d`, its rows channels last for them), its layers `W8A8EncoderLayer`s,
+    and the GELUs in the output passes of the convolutions and linears before them (the linears' rows handed to the
+    next linear quantized). Its forward is the reference's, step for step (the same chunks, windows and valid rows,
+    from transformers' own helpers); the norms, sinusoids and float biases are the tower's tensors, shared; the tower
+    is not modified."""
+
+    def __init__(self, tower: nn.Module):
+        super().__init__()
+        config = tower.config
+        self.config = config
+        self.n_window, self.n_window_infer = tower.n_window, tower.n_window_infer
+        self.conv_chunksize = tower.conv_chunksize
+        fused = config.activation_function == "gelu"
+        self.conv2d1 = Bf16Conv2d(tower.conv2d1, channels_last=True, gelu=True)
+        self.conv2d2, self.conv2d3 = W8A8Conv2d(tower.conv2d2, gelu=True), W8A8Conv2d(tower.conv2d3, gelu=True)
+        self.conv_out = W8A8ConvOut(tower.conv_out, tower.conv2d3.out_channels)
+        self.positional_embedding = tower.positional_embedding
+        self.layers = nn.ModuleList(W8A8EncoderLayer(layer, config.activation_function) for layer in tower.layers)
+        self.ln_post = tower.ln_post
+        self.proj1 = EncoderLinear(tower.proj1, "w8a8", gelu=fused, quantize_out=fused)
+        self.act = None if fused else ACT2FN[config.activation_function]
+        self.proj2 = EncoderLinear(tower.proj2, "w8a8")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its input features come in (the tower's: float32)."""
+        return self.ln_post.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.ln_post.weight.device
+
+    def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> BaseModelOutput:
+        """input_features [mel, T] of one or more audios concatenated, feature_lens [A] → last_hidden_state [rows,
+        output_dim] (the reference forward's arguments and rows)."""
+        padded_feature, chunk_lengths = chunk_and_pad_features(input_features, feature_lens, self.n_window)
+        valid_indices = get_valid_indices(chunk_lengths, self.n_window)
+        cu_seqlens = get_audio_cu_seqlens(chunk_lengths, feature_lens, self.n_window_infer, self.n_window)
+        embeds = [self.conv2d3(self.conv2d2(self.conv2d1(chunk)))  # each with its GELU
+                  for chunk in padded_feature.unsqueeze(1).split(self.conv_chunksize, dim=0)]
+        embeds = self.conv_out(embeds[0] if len(embeds) == 1 else torch.cat(embeds, dim=0))  # [B, t, E] fp32
+        t = embeds.shape[1]
+        embeds = embeds + self.positional_embedding.positional_embedding[:t].unsqueeze(0).to(embeds.dtype)
+        hidden_states = torch.index_select(embeds.reshape(-1, embeds.shape[-1]), 0, valid_indices)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, cu_seqlens)
+        hidden_states = self.proj1(self.ln_post(hidden_states))
+        if self.act is not None:
+            hidden_states = self.act(hidden_states)
+        return BaseModelOutput(last_hidden_state=self.proj2(hidden_states))
+
+
 # each bf16 linear an activation leads to another linear from (→ GELU → fc2, → proj2), and each norm whose
 # only readers are linears (q/k/v, fc1, proj1): their output stays bf16, the bits the readers see unchanged
 BF16_OUT_LINEARS = ("fc1", "proj1")
@@ -258,15 +449,16 @@ ROUNDED_NORMS = ("self_attn_layer_norm", "final_layer_norm", "ln_post")
 
 
 def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
-    """A copy of the audio encoder `tower` (transformers' `Qwen3OmniMoeAudioEncoder`) for the fast modes: every
-    linear (the layers' q/k/v/out and fc1/fc2, conv_out, proj1/proj2) an `EncoderLinear` of `linears` ("bf16",
-    or a quantized mode; in bf16, fc1's and proj1's rows stay bf16 through their GELU, and the norms before q/k/v,
-    fc1 and proj1 round their rows once, `RoundedNorm`), the
-    three convolutions in bf16 (`Bf16Conv2d`), except with linears "w8a8": the convolutions of more than one input
-    channel then on the int8 GEMM too (`W8A8Conv2d`), the first one's rows channels last for them; norms,
-    activations, attention and the sinusoids as they are, in float32. The copy shares the tower's other tensors;
-    the tower is not modified. Each audio is encoded alone, so an audio's rows do not depend on the other
-    requests."""
+    """A copy of the audio encoder `tower` (transformers' `Qwen3OmniMoeAudioEncoder`) for the fast modes. linears
+    "w8a8": a `W8A8AudioEncoder` (int8 GEMMs for the linears and the wide convolutions, the windows' attention on
+    the bf16 kernel, the GELUs fused). Else every linear (the layers' q/k/v/out and fc1/fc2, conv_out, proj1/proj2)
+    an `EncoderLinear` of `linears` ("bf16", or a quantized mode; in bf16, fc1's and proj1's rows stay bf16 through
+    their GELU, and the norms before q/k/v, fc1 and proj1 round their rows once, `RoundedNorm`), the three
+    convolutions in bf16 (`Bf16Conv2d`); norms, activations, attention and the sinusoids as they are, in float32.
+    The copy shares the tower's other tensors; the tower is not modified. Each audio is encoded alone, so an
+    audio's rows do not depend on the other requests."""
+    if linears == "w8a8":
+        return W8A8AudioEncoder(tower).eval()
     linear_names = {name for name, module in tower.named_modules() if isinstance(module, nn.Linear)}
     bf16_out = {name for name in linear_names if name.rpartition(".")[2] in BF16_OUT_LINEARS}
     norms = {name for name, _ in tower.named_modules() if name.rpartition(".")[2] in ROUNDED_NORMS}
@@ -279,10 +471,8 @@ def fast_audio_encoder(tower: nn.Module, linears: str = "bf16") -> nn.Module:
         module = getattr(parent, child)
         if name in linear_names:
             setattr(parent, child, EncoderLinear(module, linears, name in bf16_out))
-        elif linears in MANY_ROW_MODES and module.in_channels > 1:
-            setattr(parent, child, W8A8Conv2d(module))
-        else:  # before a W8A8Conv2d: its rows channels last
-            setattr(parent, child, Bf16Conv2d(module, channels_last=linears in MANY_ROW_MODES))
+        else:
+            setattr(parent, child, Bf16Conv2d(module))
     if linears == "bf16":
         for name in sorted(norms):
             parent_name, _, child = name.rpartition(".")
@@ -295,10 +485,10 @@ def encoder_thinker(thinker: Qwen3ASRThinker, quantize: str | None, int8_compute
     """The thinker a family runs in `quantize`: float (None), the thinker itself (the reference's encoder); a
     quantized mode, an `EncoderThinker` of its bf16 copy (`fast_audio_encoder`) where oneDNN runs bf16 on the
     thinker's device (the runtime's "onednn" packed GEMM; elsewhere bf16 would be emulated, slower than float: the
-    thinker itself). int8_compute (any `quantize`): a copy whose linears are "w8a8" (`ops.MANY_ROW_MODES`: oneDNN's
-    int8 GEMM, each row quantized to int8 on its own), and so are its convolutions but the first (`W8A8Conv2d`: each
-    output position's patch a row); ValueError naming int8_compute
-    where that does not run."""
+    thinker itself). int8_compute (any `quantize`): a `W8A8AudioEncoder` (its linears "w8a8", `ops.MANY_ROW_MODES`:
+    oneDNN's int8 GEMM, each row quantized to int8 on its own, and so are its convolutions but the first,
+    `W8A8Conv2d`: each output position's patch a row; GELUs fused, the windows' attention in bf16); ValueError
+    naming int8_compute where that does not run."""
     if int8_compute:
         check_many_row_mode("w8a8", thinker.device, "int8_compute")
         return EncoderThinker(thinker, fast_audio_encoder(thinker.audio_tower, "w8a8"))

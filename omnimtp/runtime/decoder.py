@@ -44,6 +44,7 @@ from omnimtp.runtime.moe import (
 from omnimtp.runtime.ops import (
     MANY_ROW_MODES,
     PackedGemm,
+    QuantizedRows,
     QuantizedWeight,
     Rope,
     apply_rope,
@@ -620,10 +621,6 @@ def decoder_layer(
         return residual + mlp_block(layer, normed, mlp_packed, gemm), None
     out = mlp_block(layer, normed.view(lead.numel(), -1), mlp_packed, gemm)  # [R*T, H]
     return residual + out.view(*lead, -1), None
-
-
-# a row-quantized input of a "w8a8" GEMM: (bytes [N, K] uint8, zero point 128; scales [N, 1] fp32)
-QuantizedRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, packed) -> bool:

@@ -8,6 +8,7 @@ it, so a fix or a faster kernel reaches every decoder at once.
     y = linear(x, weight, bias)                                 # nn.Linear; one row runs torch.mv
     q = quantize_weight(weight, "int4"); y = linear(x, weight, packed=q)   # int8 / int4 (/ w4a8) weights
     q = quantize_weight(weight, "w8a8"); y = linear(x, None, packed=q)     # many rows: oneDNN's int8 GEMM
+    y = w8a8_linear_epilogue(x, q, bias, gelu=True)             # + bias, GELU in the GEMM's one output pass
     qe = quantize_experts(experts, "w4a8"); y = expert_linear(rows, qe, ids, offsets)  # routed experts, one call
     cos, signed_sin = rope.tables(positions, dtype)             # [R, T, 1, D] (positions [R, T] or [3, R, T])
     qk = apply_rope(qk, cos, signed_sin, rope.source)           # queries and keys at once
@@ -18,11 +19,12 @@ it, so a fix or a faster kernel reaches every decoder at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from omnimtp.runtime.kernels import bf16_attention, small_batch_linear
+from omnimtp.runtime.kernels import bf16_attention, encoder_epilogue, small_batch_linear
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -405,6 +407,45 @@ def w8a8_sums(x_u8: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     )
 
 
+class QuantizedRows(NamedTuple):
+    """Rows quantized for a "w8a8" GEMM as `small_batch_linear.quantize_rows_u8` quantizes them: q [M, K] uint8
+    (zero point 128), scales [M, 1] fp32."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+
+def _quantized_sums(x: torch.Tensor | QuantizedRows, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(oneDNN's column-scaled sums [M, N] fp32, the rows' scales [M, 1]) of x [M, K] fp32 (quantized here) or rows
+    already quantized."""
+    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*small_batch_linear.quantize_rows_u8(x))
+    return w8a8_sums(rows.q, weight), rows.scales
+
+
+def w8a8_linear_epilogue(
+    x: torch.Tensor | QuantizedRows, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`w8a8_linear(x, weight)` + bias, then GELU (the exact, erf one) when `gelu`, with the rows' scales, the bias
+    and GELU in one pass over oneDNN's output (`encoder_epilogue.scale_bias_gelu`): x [M, K] fp32 (or its rows
+    already quantized, `QuantizedRows`) → [M, N], a new fp32 tensor, or written into `out` ([M, N] fp32 or bf16
+    with contiguous rows, e.g. a view of a larger buffer). Before GELU the values are bit for bit
+    `w8a8_linear(x, weight).add_(bias)`'s; a row's values do not depend on the other rows. bias: fp32 [N] or
+    None."""
+    sums, row_scales = _quantized_sums(x, weight)  # [M, N], [M, 1]
+    return encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, sums if out is None else out)
+
+
+def w8a8_linear_quantized_out(
+    x: torch.Tensor | QuantizedRows, weight: QuantizedWeight, bias: torch.Tensor | None, *, gelu: bool = False
+) -> QuantizedRows:
+    """`w8a8_linear_epilogue`'s output quantized for the next "w8a8" GEMM in the same pass
+    (`encoder_epilogue.scale_bias_gelu_u8`): the bytes and scales `quantize_rows_u8` would make of it, its fp32
+    rows never written (fc1 → GELU → fc2)."""
+    sums, row_scales = _quantized_sums(x, weight)
+    return QuantizedRows(*encoder_epilogue.scale_bias_gelu_u8(sums, row_scales, bias, gelu))
+
+
 # the most patch rows a "w8a8" convolution quantizes and multiplies at a time: its memory stays a block's (4096 rows
 # of a 3 x 3 kernel over 480 channels: 18 MB of bytes and 8 MB of sums), whatever the input's size
 CONV_BLOCK_ROWS = 4096
@@ -422,19 +463,21 @@ def quantize_conv_weight(weight: torch.Tensor, mode: str) -> QuantizedWeight:
 
 def conv2d(
     x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, kernel_size: tuple[int, int],
-    stride: tuple[int, int], padding: tuple[int, int], block_rows: int = CONV_BLOCK_ROWS,
+    stride: tuple[int, int], padding: tuple[int, int], block_rows: int = CONV_BLOCK_ROWS, gelu: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """nn.Conv2d (zero padding, no dilation or groups) as a "w8a8" linear (`quantize_conv_weight`): x [B, H, W, C]
-    channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype. Each output position's patch (kh x kw x C inputs) is
-    a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what `w8a8_linear` does to its
-    rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32 sums), then the row's
-    and the channel's scales and the bias in fp32, rounded once to x's dtype. Rows go in equal blocks of at most
-    `block_rows` (memory bounded by a block). A position's values depend only on its own patch: the same alone, in
-    any batch and any blocking."""
+    channels last (fp32 or bf16) → [B, Ho, Wo, O] in x's dtype (or out_dtype: fp32 or bf16). Each output position's
+    patch (kh x kw x C inputs) is a row quantized to int8 on its own (`small_batch_linear.quantize_patches_u8`: what
+    `w8a8_linear` does to its rows, without unfolding the input), times the weight on oneDNN's int8 GEMM (exact int32
+    sums), then the row's and the channel's scales and the bias (fp32 [O] or None) in fp32, and GELU (the exact, erf
+    one) when `gelu`, in one pass that rounds once to the output's dtype (`encoder_epilogue.scale_bias_gelu`). Rows
+    go in equal blocks of at most `block_rows` (memory bounded by a block). A position's values depend only on its
+    own patch: the same alone, in any batch and any blocking."""
     batch, height, width, _ = x.shape
     (kh, kw), (sh, sw), (ph, pw) = kernel_size, stride, padding
     out_height, out_width = (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
-    out = x.new_empty(batch, out_height, out_width, weight.out_features)
+    out = x.new_empty(batch, out_height, out_width, weight.out_features, dtype=out_dtype or x.dtype)
     rows = out.view(-1, weight.out_features)
     x = x.contiguous()
     num_blocks = max(-(-rows.shape[0] // block_rows), 1)
@@ -442,8 +485,8 @@ def conv2d(
     for row0 in range(0, rows.shape[0], block_rows):
         num_rows = min(block_rows, rows.shape[0] - row0)
         x_u8, row_scales = small_batch_linear.quantize_patches_u8(x, (kh, kw), (sh, sw), (ph, pw), row0, num_rows)
-        block = _w8a8_matmul(x_u8, row_scales, weight)
-        rows[row0:row0 + num_rows] = block if bias is None else block.add_(bias)
+        sums = w8a8_sums(x_u8, weight)
+        encoder_epilogue.scale_bias_gelu(sums, row_scales, bias, gelu, rows[row0:row0 + num_rows])
     return out
 
 

@@ -1009,17 +1009,45 @@ int omnimtp_w4a8_linear(const float* x, const int32_t* words, const float* scale
 __attribute__((target("avx2,fma"))) static void quantize_row_u8(const float* x, int64_t K, uint8_t* q,
                                                                 float* scale) {
   int any_nan;
-  const float amax = abs_max(x, K, &any_nan);
   int64_t k;
+#ifdef __AVX512F__
+  /* 16 lanes a step (the same maximum, products and roundings as the 8-lane code below: twice its rate) */
+  __m512 top = _mm512_setzero_ps();
+  __mmask16 nan_lanes = 0;
+  for (k = 0; k + 16 <= K; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    top = _mm512_max_ps(top, _mm512_abs_ps(v));
+    nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  float amax = _mm512_reduce_max_ps(top);
+  any_nan = nan_lanes != 0;
+  for (int64_t t = k; t < K; ++t) {
+    const float v = x[t] < 0 ? -x[t] : x[t];
+    any_nan |= v != v;
+    amax = v > amax ? v : amax;
+  }
+#else
+  const float amax = abs_max(x, K, &any_nan);
+#endif
   if (any_nan || !(amax <= 3.4028234663852886e38f) || amax == 0.0f) {
     memset(q, 128, (size_t)K);
     *scale = amax == 0.0f && !any_nan ? 0.0f : __builtin_nanf("");
     return;
   }
   const float inv = 127.0f / amax;
+  k = 0;
+#ifdef __AVX512F__
+  const __m512 inverse = _mm512_set1_ps(inv);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127), shift = _mm512_set1_epi32(128);
+  for (; k + 16 <= K; k += 16) {
+    __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inverse));
+    r = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(r, low), high), shift); /* 1..255 */
+    _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(r));
+  }
+#endif
   const __m256 vinv = _mm256_set1_ps(inv);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), zero_point = _mm256_set1_epi32(128);
-  for (k = 0; k + 8 <= K; k += 8) {
+  for (; k + 8 <= K; k += 8) {
     __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
     r = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(r, lo), hi), zero_point); /* 1..255 */
     const __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(r, r), _mm256_packs_epi32(r, r));
