@@ -300,6 +300,35 @@ def test_a_bf16_stacks_short_inputs_run_as_bf16_matmuls_on_its_own_weights(decod
     assert not any("_row_kernel_weight" in m.__dict__ for m in bf16.modules())
 
 
+def test_a_bf16_stacks_matmul_only_transposed_weights_are_laid_out_for_their_matmul(decoder, saved, monkeypatch):
+    """In a bf16 stack, a transposed convolution of `streaming.TRANSPOSED_MATMUL_MIN_WEIGHTS` or more (the
+    released decoder's 1536 → 768 layer; lowered here) holds its weight as its matmul's [C_out·k, C_in] matrix:
+    the same shape and values, no second copy of it, and the decoder's audio the same bit for bit as with the
+    weight as it was (the layer's matmul reads the same values either way), alone and batched."""
+    from omnimtp.codec import streaming
+
+    monkeypatch.setattr(streaming, "TRANSPOSED_MATMUL_MIN_WEIGHTS", 0)
+    bf16 = SpeechTokenizerDecoder.from_pretrained(saved).to_conv_dtype(torch.bfloat16)
+    layers = [m for m in bf16.modules() if isinstance(m, CausalTransConv)]
+    originals = [m for m in decoder.modules() if isinstance(m, CausalTransConv)]
+    assert len(layers) == len(originals) >= 4
+    for layer, original in zip(layers, originals, strict=True):
+        weight = layer.conv.weight
+        assert weight.flatten(1).t().is_contiguous() and not weight.is_contiguous()
+        assert torch.equal(weight, original.conv.weight.to(torch.bfloat16))
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()  # this layout only
+    codes = [_codes(30, 23), _codes(30, 24)]
+    bounds = [0, 1, 3, 30]
+    streams = [bf16.new_stream() for _ in codes]
+    steps = zip(bounds, bounds[1:], strict=False)
+    together = [bf16.decode_streams(streams, [c[:, a:b] for c in codes]) for a, b in steps]
+    for layer in layers:  # the same values laid out as the convolution's weight
+        layer.conv.weight.data = layer.conv.weight.detach().contiguous()
+    for k in range(len(codes)):
+        assert_audio_equal(np.concatenate([chunks[k] for chunks in together]),
+                           np.concatenate(_stream(bf16, codes[k], bounds)))
+
+
 @pytest.mark.parametrize("form", ["matmul", "row kernel"])
 def test_transposed_convolutions_as_matmuls_keep_every_guarantee(decoder, saved, monkeypatch, form):
     """The matmul forms a released-width decoder's transposed convolutions run in (the tiny ones run as

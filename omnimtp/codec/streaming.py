@@ -529,9 +529,22 @@ def _conv_stack_dtype(code2wav) -> torch.dtype:
 
 def cast_conv_stack(code2wav, dtype: torch.dtype) -> None:
     """The conv stack (the upsampling and decoder blocks) in `dtype`, in place; the transformer before it stays
-    as it is (`StreamingCode2Wav` casts the stack's input as it enters)."""
+    as it is (`StreamingCode2Wav` casts the stack's input as it enters). In a SHORT_MATMUL_DTYPES stack, a
+    transposed convolution that always runs as a matmul (TRANSPOSED_MATMUL_MIN_WEIGHTS) keeps its weight laid
+    out as that matmul's [C_out·k, C_in] matrix (the same values and shape, other strides; the old layout is
+    let go, not kept beside it): the bf16 GEMM reads a row-major [K, N] operand at a fraction of the speed of a
+    transposed one (the 0.6B Qwen3-TTS decoder's 1536 → 768 layer, 5 input steps, one thread: 4.5 → 1.8 ms)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
+
     for part in (code2wav.upsample, code2wav.decoder):
         part.to(dtype)
+    if dtype not in SHORT_MATMUL_DTYPES:
+        return
+    for module in _conv_stack_modules(code2wav):
+        if (isinstance(module, Qwen3OmniMoeCausalTransConvNet)
+                and module.conv.weight.numel() >= TRANSPOSED_MATMUL_MIN_WEIGHTS):
+            weight = module.conv.weight
+            weight.data = weight.detach().flatten(1).t().contiguous().t().view(weight.shape)
 
 
 def _with_conv_stack_in(code2wav, dtype: torch.dtype):
