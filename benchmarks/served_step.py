@@ -108,6 +108,7 @@ def main() -> None:
         parser.error("--streams, --frames (>= 2) and --rounds must be positive")
     if args.quick:
         args.model, args.frames, args.rounds = args.model or "tiny-tts", 8, 1
+    sys.path.insert(0, str(HERE.parent))  # this checkout's omnimtp, not an installed copy
     import torch
 
     from omnimtp.pipeline import OmniPipeline

@@ -6,13 +6,14 @@ The decoder of `tts_realtime.py`'s checkpoint (built there first, or `--model DI
 `--frames` random frames decoded chunk by chunk (`decode_streams`, every chunk `--chunks` frames, the last one
 what is left), `--repeats` times per process, the best kept. Each tree runs in its own process (the previous
 tree's `omnimtp` imported from DIR), `--rounds` rounds alternating the trees, the best round kept. Prints ms per
-frame (and, load-independent, the GFLOP a frame the streamed decode runs) for each chunk size and tree, the
-streamed audio's max |Δ| against the tree's one-shot `decode` and against the other tree's streamed audio
-(relative to the peak), and the decoder's floor on this machine (its FLOPs per frame, by torch's FLOP counter on
-a 25-frame one-shot decode, ÷ the measured fp32 matmul peak). Writes JSON.
+frame, wall and process CPU (and, load-independent, the GFLOP a frame the streamed decode runs) for each chunk
+size and tree, the streamed audio's max |Δ| against the tree's one-shot `decode` and against the other tree's
+streamed audio (relative to the peak), and the decoder's floor on this machine (its FLOPs per frame, by torch's
+FLOP counter on a 25-frame one-shot decode, ÷ the measured fp32 matmul peak). Writes JSON.
 
     git archive <commit> | tar -x -C /tmp/before      # a copy of the previous tree
-    python benchmarks/speech_decoder.py [--chunks 1 2 4 25] [--frames 50] [--previous-tree /tmp/before] [--quick]
+    python benchmarks/speech_decoder.py [--chunks 1 2 4 25] [--frames 50] [--codec-dtype bfloat16]
+        [--previous-tree /tmp/before] [--quick]
 """
 
 from __future__ import annotations
@@ -39,20 +40,25 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     decoder = SpeechTokenizerDecoder.from_pretrained(Path(args.model) / "speech_tokenizer")
+    if args.codec_dtype != "float32":
+        from omnimtp.codec.streaming import codec_dtype_of
+
+        decoder.to_conv_dtype(codec_dtype_of(args.codec_dtype))
     generator = torch.Generator().manual_seed(0)
     codes = [torch.randint(0, decoder.codebook_size, (decoder.num_quantizers, args.frames), generator=generator)
              for _ in range(args.batch_size)]
     one_shot = decoder.decode(codes[0])
     peak = float(np.abs(one_shot).max())
 
-    def streamed(chunk: int) -> tuple[float, np.ndarray]:
+    def streamed(chunk: int) -> tuple[float, float, np.ndarray]:
+        """(wall seconds, process CPU seconds, the first stream's audio)"""
         bounds = [*range(0, args.frames, chunk), args.frames]
         streams = [decoder.new_stream() for _ in codes]
         pieces = []
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for a, b in zip(bounds, bounds[1:], strict=False):
             pieces.append(decoder.decode_streams(streams, [c[:, a:b] for c in codes])[0])
-        return time.perf_counter() - started, np.concatenate(pieces)
+        return time.perf_counter() - started, time.process_time() - cpu_started, np.concatenate(pieces)
 
     def counted_flops(chunk: int) -> float:
         """FLOPs a frame of the streamed decode, the row kernel off (torch's FLOP counter does not see its op;
@@ -74,8 +80,11 @@ def worker(args) -> None:
         streamed(args.frames)  # warm-up: weights packed, caches filled
         results, audio = {}, {}
         for chunk in args.chunks:
-            seconds, audio[str(chunk)] = min((streamed(chunk) for _ in range(args.repeats)), key=lambda r: r[0])
+            runs = [streamed(chunk) for _ in range(args.repeats)]
+            seconds, _, audio[str(chunk)] = min(runs, key=lambda r: r[0])
+            cpu_seconds = min(r[1] for r in runs)
             results[chunk] = {"ms_per_frame": 1000 * seconds / (args.frames * args.batch_size),
+                              "cpu_ms_per_frame": 1000 * cpu_seconds / (args.frames * args.batch_size),
                               "max_rel_diff_vs_one_shot": float(np.abs(audio[str(chunk)] - one_shot).max()) / peak,
                               "gflop_per_frame": counted_flops(chunk) / 1e9 if args.count_flops else None}
     if args.audio_out:
@@ -86,7 +95,8 @@ def worker(args) -> None:
 def run_worker(args, tree: str, audio_out: str) -> dict:
     command = [sys.executable, __file__, "--worker", "--tree", tree, "--model", str(args.model),
                "--frames", str(args.frames), "--batch-size", str(args.batch_size), "--repeats", str(args.repeats),
-               "--threads", str(args.threads), "--audio-out", audio_out, "--chunks", *map(str, args.chunks),
+               "--threads", str(args.threads), "--codec-dtype", args.codec_dtype,
+               "--audio-out", audio_out, "--chunks", *map(str, args.chunks),
                *([] if args.count_flops else ["--no-flops"])]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -104,6 +114,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--codec-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the conv stack's dtype (`codec_dtype`; bfloat16: how a server runs it under load)")
     parser.add_argument("--previous-tree", metavar="DIR", help="also time this checkout's decoder (before/after)")
     parser.add_argument("--quick", action="store_true", help="26 frames, one round, one repeat (a smoke run)")
     parser.add_argument("--no-flops", dest="count_flops", action="store_false",
@@ -146,7 +158,11 @@ def main() -> None:
             for name, tree in trees.items():
                 for chunk, entry in run_worker(args, tree, audio_paths[name]).items():
                     if chunk not in best[name] or entry["ms_per_frame"] < best[name][chunk]["ms_per_frame"]:
-                        best[name][chunk] = entry
+                        cpu = min(entry["cpu_ms_per_frame"], best[name].get(chunk, entry)["cpu_ms_per_frame"])
+                        best[name][chunk] = dict(entry, cpu_ms_per_frame=cpu)
+                    else:
+                        best[name][chunk]["cpu_ms_per_frame"] = min(best[name][chunk]["cpu_ms_per_frame"],
+                                                                    entry["cpu_ms_per_frame"])
         if args.previous_tree:
             current, previous = np.load(audio_paths["current"]), np.load(audio_paths["previous"])
             for chunk in args.chunks:
@@ -158,11 +174,14 @@ def main() -> None:
                **{name: best[name][chunk] for name in trees}}
         rows.append(row)
         line = f"chunks of {chunk:>2}: " + ", ".join(
-            f"{name} {best[name][chunk]['ms_per_frame']:.1f} ms a frame"
+            f"{name} {best[name][chunk]['ms_per_frame']:.1f} ms a frame "
+            f"({best[name][chunk]['cpu_ms_per_frame']:.1f} CPU)"
             + (f" ({best[name][chunk]['gflop_per_frame']:.2f} GFLOP)" if args.count_flops else "") for name in trees)
         if args.previous_tree:
             ratio = best["previous"][chunk]["ms_per_frame"] / best["current"][chunk]["ms_per_frame"]
-            line += f" ({ratio:.2f}x); max |Δ| vs previous {best['current'][chunk]['max_rel_diff_vs_previous']:.1e}"
+            cpu_ratio = best["previous"][chunk]["cpu_ms_per_frame"] / best["current"][chunk]["cpu_ms_per_frame"]
+            line += (f" ({ratio:.2f}x wall, {cpu_ratio:.2f}x CPU); "
+                     f"max |Δ| vs previous {best['current'][chunk]['max_rel_diff_vs_previous']:.1e}")
         one_shot_diff = best["current"][chunk]["max_rel_diff_vs_one_shot"]
         line += f"; vs one-shot {one_shot_diff:.1e} of the peak; floor {floor_ms:.1f}"
         print(line)

@@ -364,6 +364,25 @@ MUTATIONS = [
         "slower",
     ),
     Mutation(
+        "bf16_short_convolutions_on_onednn", "omnimtp/codec/streaming.py",
+        "SHORT_MATMUL_MAX_STEPS = 128", "SHORT_MATMUL_MAX_STEPS = 0",
+        ("tests/test_speech_tokenizer.py",), "a bf16 decoder's short chunks run oneDNN's bf16 convolutions again: "
+        "the 0.6B decoder's one-frame chunk ~1.35x the CPU time",
+    ),
+    Mutation(
+        "bf16_short_pointwise_convolutions_as_matmuls", "omnimtp/codec/streaming.py",
+        "if packed is None and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, length)):",
+        "if packed is None and not _short_matmul(matrix, extended, length):",
+        ("tests/test_speech_tokenizer.py",), "a bf16 stack's short pointwise convolutions run as matmuls too: "
+        "0.58 against 0.28 ms a 768-channel layer at a frame's 32 steps (one thread)",
+    ),
+    Mutation(
+        "bf16_large_transposed_weights_in_the_convolutions_layout", "omnimtp/codec/streaming.py",
+        "            weight.data = weight.detach().flatten(1).t().contiguous().t().view(weight.shape)\n", "",
+        ("tests/test_speech_tokenizer.py",), "a bf16 decoder's 1536 -> 768 transposed convolution reads its weight "
+        "as a row-major [K, N] operand again: 4.5 instead of 1.8 ms a short chunk (one thread)",
+    ),
+    Mutation(
         "pad_skipped_for_a_wide_causal_conv", "omnimtp/codec/streaming.py",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.kernel_size == 1 and child.stride == 1:",
         "if type(child) is Qwen3OmniMoeCausalConvNet and child.stride == 1:",

@@ -166,11 +166,20 @@ def test_speech_decoder_quick_run_compares_two_trees(tmp_path):
     for row in rows.values():
         assert row["floor_ms_per_frame"] > 0
         assert row["current"]["ms_per_frame"] > 0 and row["previous"]["ms_per_frame"] > 0
+        assert row["current"]["cpu_ms_per_frame"] > 0 and row["previous"]["cpu_ms_per_frame"] > 0
         assert row["current"]["max_rel_diff_vs_previous"] == 0
         assert row["current"]["max_rel_diff_vs_one_shot"] < 1e-4
         assert row["current"]["gflop_per_frame"] == row["previous"]["gflop_per_frame"]
     assert rows[3]["current"]["gflop_per_frame"] <= rows[1]["current"]["gflop_per_frame"] <= (
         1.02 * rows[3]["current"]["gflop_per_frame"])
+    # --codec-dtype bfloat16: the decoder as a server under load runs it; its audio is not the fp32 decoder's
+    _run(["benchmarks/speech_decoder.py", "--model", str(tmp_path / "model"), "--quick", "--chunks", "1",
+          "--threads", "1", "--no-flops", "--codec-dtype", "bfloat16", "--previous-tree", str(ROOT), "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["config"]["codec_dtype"] == "bfloat16"
+    (row,) = results["results"]
+    assert row["current"]["max_rel_diff_vs_previous"] == 0
+    assert 1e-4 < row["current"]["max_rel_diff_vs_one_shot"] < 0.5  # bf16's rounding, carried (the stack's audio)
 
 
 def test_decode_attention_quick_run_reports_every_length(tmp_path):

@@ -22,7 +22,9 @@ We stream it in two parts, both exact:
     above; SnakeBeta, LayerNorm and pointwise convolutions work step by step and keep nothing.
   Chunk [a, b) then emits global samples [1920·a − 555, 1920·b − 555) (from 0 for the first chunk), and
   the concatenation of all chunks equals the one-shot decode of all frames up to float rounding (oneDNN
-  blocks a convolution's sums by its input's length, and a short chunk runs on the row kernel).
+  blocks a convolution's sums by its input's length, and a short chunk runs on the row kernel, or, in a bf16
+  stack, as bf16 matmuls: there a sum that rounds to the other bf16 neighbour is carried through the stack,
+  and the two decodes differ by about as much as either differs from the fp32 one).
 
     decoder = StreamingCode2Wav(model.code2wav)
     stream = decoder.new_stream()
@@ -380,18 +382,38 @@ def causal_conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, hidden_state: t
     return conv_on_row_kernel(module, extended)
 
 
+# Up to this many steps a request (a convolution's output steps, a transposed convolution's input steps), a conv
+# stack in one of SHORT_MATMUL_DTYPES runs its causal convolutions of kernel > 1 and its transposed convolutions as
+# one matmul in that dtype (`F.linear` on a view of the weight, no copy of it), not as oneDNN's convolution: oneDNN's
+# bf16 convolutions of a few steps cost nearly what long ones do. One thread, the 0.6B Qwen3-TTS decoder's layers at
+# one frame's steps (bf16, AVX512_BF16): its 1024 → 1536 kernel-7 conv at 4 steps 3.8 ms → 0.9, its 768-channel
+# dilated convs at 32 steps 1.65 → 0.75 (128 steps 3.4 → 2.5), its 768 → 384 transposed conv at 33 input steps
+# 1.3 → 0.5, its 1024-channel upsamplers 0.6 → 0.2; at 384 channels and 160 steps the two were even, at 192 and
+# 640 the convolution won; pointwise convolutions stay convolutions (faster there at every length).
+SHORT_MATMUL_MAX_STEPS = 128
+SHORT_MATMUL_DTYPES = (torch.bfloat16,)
+
+
+def _short_matmul(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
+    """Whether a layer of `weight` runs its `steps` steps of x as a matmul in its own dtype
+    (SHORT_MATMUL_MAX_STEPS)."""
+    return (steps <= SHORT_MATMUL_MAX_STEPS and weight.dtype in SHORT_MATMUL_DTYPES and x.dtype == weight.dtype
+            and x.device.type == "cpu" and not torch.is_grad_enabled())
+
+
 def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor) -> torch.Tensor | None:
     """transformers' causal convolution of stride 1 over an input that holds its K − 1 earlier steps (extended
-    [B, C_in, K − 1 + L] → [B, C_out, L]) as one matmul on omnimtp's row kernel (every output step's window of
-    inputs, all kernel taps, by the weight [C_out, C_in·k]): the convolution's sums in another order; None
-    where `row_kernel_weight` does not apply to the L output steps (or a stride or groups other than 1)."""
+    [B, C_in, K − 1 + L] → [B, C_out, L]) as one matmul (every output step's window of inputs, all kernel taps,
+    by the weight [C_out, C_in·k]): on omnimtp's row kernel (fp32), or, a short input of a kernel > 1 in a
+    SHORT_MATMUL_DTYPES stack, `F.linear` in its dtype (`RowwiseMatmuls` runs it one request at a time): the
+    convolution's sums in another order; None where neither applies (or a stride or groups other than 1)."""
     conv = module.conv
     if conv.stride != (1,) or conv.groups != 1:
         return None
     matrix = conv.weight.flatten(1)  # [C_out, C_in·k], input channel major, tap minor
     length = extended.shape[-1] - module.padding
     packed = row_kernel_weight(module, matrix, extended[..., module.padding :].transpose(1, 2))
-    if packed is None:
+    if packed is None and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, length)):
         return None
     (kernel,), (dilation,) = conv.kernel_size, conv.dilation
     batch, channels = extended.shape[:2]
@@ -400,6 +422,8 @@ def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor
     else:  # each output step's k taps, `dilation` apart
         windows = extended.unfold(-1, module.kernel_size, 1)[..., ::dilation]
         rows = windows.permute(0, 2, 1, 3).reshape(batch, length, channels * kernel)  # [B, L, C_in·k]
+    if packed is None:  # a short bf16 input
+        return F.linear(rows, matrix, conv.bias).transpose(1, 2).contiguous()
     out = linear(rows, matrix, packed=packed, gemm=ROW_KERNEL)
     if conv.bias is not None:
         out = out + conv.bias
@@ -423,8 +447,8 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
     [B, C_in, L] → [B, C_out, L·stride], as one matmul of every input step by all kernel taps, then the
     overlapping taps added (output block u sums tap block j of input u − j, j = 0, 1, … in that order): the
     convolution's sums in another order (within 2e-6 of its output's peak). None where this form does not pay or
-    apply: a layer under TRANSPOSED_MATMUL_MIN_WEIGHTS whose input the row kernel does not take, or another
-    convolution."""
+    apply: a layer under TRANSPOSED_MATMUL_MIN_WEIGHTS whose input neither the row kernel takes nor a short
+    matmul in the stack's dtype (`SHORT_MATMUL_MAX_STEPS`), or another convolution."""
     conv = module.conv
     (stride,), (kernel,) = conv.stride, conv.kernel_size
     if (
@@ -434,7 +458,8 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
         return None
     taps_matrix = conv.weight.flatten(1).t()  # [C_out·K, C_in]
     packed = row_kernel_weight(module, taps_matrix, hidden_state.transpose(1, 2))
-    if packed is None and conv.weight.numel() < TRANSPOSED_MATMUL_MIN_WEIGHTS:
+    if (packed is None and conv.weight.numel() < TRANSPOSED_MATMUL_MIN_WEIGHTS
+            and not _short_matmul(taps_matrix, hidden_state, hidden_state.shape[-1])):
         return None
     batch, _, length = hidden_state.shape
     out_channels, num_blocks = conv.weight.shape[1], kernel // stride
@@ -504,9 +529,22 @@ def _conv_stack_dtype(code2wav) -> torch.dtype:
 
 def cast_conv_stack(code2wav, dtype: torch.dtype) -> None:
     """The conv stack (the upsampling and decoder blocks) in `dtype`, in place; the transformer before it stays
-    as it is (`StreamingCode2Wav` casts the stack's input as it enters)."""
+    as it is (`StreamingCode2Wav` casts the stack's input as it enters). In a SHORT_MATMUL_DTYPES stack, a
+    transposed convolution that always runs as a matmul (TRANSPOSED_MATMUL_MIN_WEIGHTS) keeps its weight laid
+    out as that matmul's [C_out·k, C_in] matrix (the same values and shape, other strides; the old layout is
+    let go, not kept beside it): the bf16 GEMM reads a row-major [K, N] operand at a fraction of the speed of a
+    transposed one (the 0.6B Qwen3-TTS decoder's 1536 → 768 layer, 5 input steps, one thread: 4.5 → 1.8 ms)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
+
     for part in (code2wav.upsample, code2wav.decoder):
         part.to(dtype)
+    if dtype not in SHORT_MATMUL_DTYPES:
+        return
+    for module in _conv_stack_modules(code2wav):
+        if (isinstance(module, Qwen3OmniMoeCausalTransConvNet)
+                and module.conv.weight.numel() >= TRANSPOSED_MATMUL_MIN_WEIGHTS):
+            weight = module.conv.weight
+            weight.data = weight.detach().flatten(1).t().contiguous().t().view(weight.shape)
 
 
 def _with_conv_stack_in(code2wav, dtype: torch.dtype):
