@@ -6,7 +6,7 @@ Random weights at a decoder's widths (default Qwen3-ASR-0.6B's thinker: 28 layer
 `--capacity` columns). Timed, each over every layer so that it reads from memory as a step does: the four w4a8
 matvecs (`w4a8_linear`), the decode attention (`decode_attention`), the whole native step
 (`w4a8_decode_step`: the layers in one call), the head (`quantized_linear`) with its argmax, and the screened
-head's greedy token (`ScreenedHead.greedy`: the int4 screen, its 16 best rows in int8) with how often it is the
+head's greedy token (`ScreenedHead.greedy`: the int4 screen, its 64 best rows in int8) with how often it is the
 int8 head's argmax on `--agreement-rows` random rows. `--baseline
 FILE.c`: another build of the kernel source (e.g. `git show HEAD~1:omnimtp/runtime/kernels/small_batch_linear.c`)
 whose native step is timed alternately with this checkout's in the same process (the same-run ratio).

@@ -62,6 +62,7 @@ def test_the_exact_form_may_be_shared_and_bad_arguments_are_named():
     for bad in (0, 101, 2.5, True):
         with pytest.raises(ValueError, match="candidates"):
             ScreenedHead.from_weight(weight, candidates=bad)
+    assert ScreenedHead.from_weight(weight[:10]).candidates == 10  # a vocabulary under the default: every row
     with pytest.raises(ValueError, match="exact"):
         ScreenedHead.from_weight(weight, exact=quantize_weight(weight, "int4"))
     with pytest.raises(ValueError, match="exact"):
