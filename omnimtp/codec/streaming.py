@@ -531,7 +531,7 @@ def cast_conv_stack(code2wav, dtype: torch.dtype) -> None:
     """The conv stack (the upsampling and decoder blocks) in `dtype`, in place; the transformer before it stays
     as it is (`StreamingCode2Wav` casts the stack's input as it enters). In a SHORT_MATMUL_DTYPES stack, a
     transposed convolution that always runs as a matmul (TRANSPOSED_MATMUL_MIN_WEIGHTS) keeps its weight laid
-    out as that matmul's [C_out·k, C_in] matrix (the same values and shape, other strides; the old layout is
+    out as that matmul's [C_out·k, C_in] matrix (the same values and shape, other strides; the original layout is
     let go, not kept beside it): the bf16 GEMM reads a row-major [K, N] operand at a fraction of the speed of a
     transposed one (the 0.6B Qwen3-TTS decoder's 1536 → 768 layer, 5 input steps, one thread: 4.5 → 1.8 ms)."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCausalTransConvNet
