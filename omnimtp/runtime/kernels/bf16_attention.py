@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
@@ -31,18 +30,10 @@ _unavailable: str | None = None
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     global _unavailable
-    if not small_batch_linear.available():
-        _unavailable = small_batch_linear.unavailable_reason()
-        return None
-    try:
-        lib = ctypes.CDLL(str(small_batch_linear._build(small_batch_linear._compiler(), _SOURCE)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _unavailable = f"could not build {_SOURCE.name}: {exc}"
-        return None
-    lib.omnimtp_bf16_attention_supported.restype = ctypes.c_int
-    lib.omnimtp_bf16_attention_supported.argtypes = []
-    if not lib.omnimtp_bf16_attention_supported():
-        _unavailable = "needs AVX512_BF16 (this CPU lacks it)"
+    lib, _unavailable = small_batch_linear.load_companion(
+        _SOURCE, "omnimtp_bf16_attention_supported", "needs AVX512_BF16 (this CPU lacks it)"
+    )
+    if lib is None:
         return None
     fn = lib.omnimtp_bf16_attention
     fn.restype = ctypes.c_int

@@ -177,6 +177,24 @@ def available() -> bool:
     return _library() is not None
 
 
+def load_companion(source: Path, supported: str, requirement: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """Another kernel source of omnimtp, built and loaded as this one is (the same compiler, flags and cache) →
+    (its library, None), or (None, why not): this kernel is unavailable, `source` does not build, or the library's
+    `supported` function (no arguments, nonzero where the CPU runs its code) says no (why not: `requirement`)."""
+    if not available():
+        return None, unavailable_reason()
+    try:
+        lib = ctypes.CDLL(str(_build(_compiler(), source)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"could not build {source.name}: {exc}"
+    check = getattr(lib, supported)
+    check.restype = ctypes.c_int
+    check.argtypes = []
+    if not check():
+        return None, requirement
+    return lib, None
+
+
 def build_id() -> str | None:
     """Which kernel runs here, None where none does: its build, its tiling and a digest of its source (what
     a step's measured time depends on), e.g. "AVX2 6x64 1f0c2a9b"."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import subprocess
 from pathlib import Path
 
 import torch
@@ -30,18 +29,10 @@ _unavailable: str | None = None
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     global _unavailable
-    if not small_batch_linear.available():
-        _unavailable = small_batch_linear.unavailable_reason()
-        return None
-    try:
-        lib = ctypes.CDLL(str(small_batch_linear._build(small_batch_linear._compiler(), _SOURCE)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _unavailable = f"could not build {_SOURCE.name}: {exc}"
-        return None
-    lib.omnimtp_w8a8_epilogues_supported.restype = ctypes.c_int
-    lib.omnimtp_w8a8_epilogues_supported.argtypes = []
-    if not lib.omnimtp_w8a8_epilogues_supported():
-        _unavailable = "needs AVX-512 (F, BW, VL, DQ); this CPU lacks it"
+    lib, _unavailable = small_batch_linear.load_companion(
+        _SOURCE, "omnimtp_w8a8_epilogues_supported", "needs AVX-512 (F, BW, VL, DQ); this CPU lacks it"
+    )
+    if lib is None:
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.omnimtp_w8a8_residual_norm.restype = None
