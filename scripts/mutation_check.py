@@ -2080,7 +2080,7 @@ MUTATIONS = [
         "a 16 MiB multipart upload is parsed on the event loop (seconds without /health)",
     ),
     Mutation(
-        "conversation_media_parts_per_request", "omnimtp/server/scheduler.py",
+        "conversation_media_parts_per_request", "omnimtp/server/served_model.py",
         "        if request.cache_key is None:\n            return self.media_limits",
         "        if True:\n            return self.media_limits",
         ("tests/test_server_realtime.py::test_a_conversation_answers_after_more_audio_turns_than_max_media_parts",),
@@ -2120,7 +2120,7 @@ MUTATIONS = [
         "a whole-file /v1/audio/speech response is encoded on the event loop",
     ),
     Mutation(
-        "models_omit_transcriptions", "omnimtp/server/scheduler.py",
+        "models_omit_transcriptions", "omnimtp/server/served_model.py",
         "                + ([\"/v1/audio/transcriptions\"] if hears_audio else [])",
         "                + ([] if hears_audio else [])",
         ("tests/test_server_transcriptions.py::test_models_lists_transcriptions_for_a_model_that_hears",),

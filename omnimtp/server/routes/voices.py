@@ -36,8 +36,8 @@ from omnimtp.media import MediaError, decode_audio
 from omnimtp.server.errors import APIError, validation_error
 from omnimtp.server.guard import is_json, read_form
 from omnimtp.server.routes.common import ServingContext, audio_bytes, serving
-from omnimtp.server.scheduler import TTS_TASK_TYPES
 from omnimtp.server.schemas import SpeechRequest, VoiceCreateRequest
+from omnimtp.server.served_model import TTS_TASK_TYPES
 from omnimtp.server.voice_store import NewVoice, VoiceStoreError, check_name
 from omnimtp.voice import Voice
 
