@@ -2252,6 +2252,20 @@ MUTATIONS = [
         ADMISSION, "streamed chunks one frame longer than a listener who plays from the first chunk can wait for",
     ),
     Mutation(
+        "admission_by_the_mean_step", "omnimtp/server/admission.py",
+        "self.costs.observe(num_streams, seconds if one_frame is None else seconds - decode_s + one_frame)",
+        "self.costs.observe(num_streams, seconds)",
+        ("tests/test_admission.py::test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk",),
+        "admission costs a step by the mean and lets in streams whose first steps run over the frame",
+    ),
+    Mutation(
+        "capacity_not_measured_at_start", "omnimtp/server/scheduler.py",
+        "        for n in range(1, self.config.max_batch_size + 1):\n            if self._warm_stop.is_set():",
+        "        for n in range(1, 2):\n            if self._warm_stop.is_set():",
+        ("tests/test_admission.py::test_the_warm_up_reply_measures_each_size_that_fits_before_a_user_asks",),
+        "a server measures no size above one at start and grows its capacity from a guess that errs high",
+    ),
+    Mutation(
         "restart_forgets_step_costs", "omnimtp/server/scheduler.py",
         "        if self.admission is not None:\n            self._seed_step_costs()\n",
         "        if self.admission is not None:\n            pass\n",
@@ -2580,8 +2594,8 @@ MUTATIONS = [
     ),
     Mutation(
         "warm_up_reply_holds_a_users_request_back", "omnimtp/server/scheduler.py",
-        "            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends",
-        "            if False:",
+        "            self._end_warm_up_replies()  # a user's request comes first",
+        "            pass",
         ("tests/test_warm_up.py",), "a user's request during the server's warm-up reply waits for it to finish",
     ),
     # --- w8a8: int8 GEMMs for many rows (Qwen3-ASR's and the aligner's int8_compute) -------------------------------

@@ -86,6 +86,28 @@ def test_a_step_cost_counts_the_chunk_decoding_of_the_few_steps_that_decode():
     assert Admission(costs, max_streams=4).capacity(frame_s=FRAME_S) == 1
 
 
+def test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk():
+    """Two streams' steps: their first eight each decode both streams' one-frame chunks in one codec call (50 ms of
+    a 90 ms step), later ones mostly decode nothing (40 ms) and one in four a four-frame chunk each (100 ms). Their
+    mean step, 64 ms, fits 0.9 of an 80 ms frame, yet the first eight ran over it and the listeners, who then hold
+    one frame, stalled. Costed as a step of one-frame chunks (less its own codec calls, plus the measured call of
+    two one-frame chunks), every step costs 90 ms, and two streams do not fit."""
+    admission, by_mean = Admission(max_streams=4), Admission(max_streams=4)
+    steps = [(0.090, [1, 1], 0.050)] * 8 + ([(0.040, None, 0.0)] * 3 + [(0.100, [4, 4], 0.060)]) * 6
+    for seconds, chunk_frames, decode_s in steps:
+        if chunk_frames is not None:
+            admission.observe_decode(chunk_frames, decode_s)
+        admission.observe_step(2, seconds, decode_s)
+        by_mean.costs.observe(2, seconds)
+    assert by_mean.costs.measured()[2] == pytest.approx(0.06375) and by_mean.capacity(frame_s=FRAME_S) == 2
+    assert admission.decode_costs.measured() == {2: pytest.approx(0.050)}  # the four-frame calls are not one-frame
+    assert admission.costs.measured()[2] == pytest.approx(0.090)
+    assert admission.capacity(frame_s=FRAME_S) == 1
+    fresh = Admission(max_streams=4)  # no one-frame call measured yet: the step as it was
+    fresh.observe_step(1, 0.030, 0.010)
+    assert fresh.costs.measured() == {1: pytest.approx(0.030)}
+
+
 def test_capacity_is_what_measured_steps_keep_in_real_time():
     costs = StepCosts()
     admission = Admission(costs, max_streams=16)
@@ -581,6 +603,41 @@ def test_a_restarted_server_starts_from_the_step_costs_it_measured(family, tmp_p
         assert off.admission.costs.measured() == {}
     finally:
         off.shutdown()
+
+
+def test_the_warm_up_reply_measures_each_size_that_fits_before_a_user_asks(family, caplog):
+    """A server with a warm-up reply speaks it again by 1, 2, 3 streams at once (background requests above
+    capacity), so its capacity is measured before the first user's request instead of grown one admitted stream at
+    a time from a guess that errs high; sizes stop at the first that does not fit a frame."""
+    engine = Engine(family, model_id="tiny-tts", max_frames=40, max_batch_size=3, admission=True, warm_up_reply=True)
+    engine.admission.frame_s = 10.0  # every size fits: the tiny model's steps are not what is tested
+    with caplog.at_level("INFO", logger="omnimtp.server"):
+        engine.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not caplog_has(caplog, "admission: 3 streams at once") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert set(engine.admission.costs.measured()) == {1, 2, 3}
+            assert set(engine.admission.decode_costs.measured()) == {1, 2, 3}
+            assert engine.admission.capacity() == 3
+        finally:
+            engine.shutdown()
+    tight = Engine(family, model_id="tiny-tts", max_frames=40, max_batch_size=3, admission=True, warm_up_reply=True)
+    tight.admission.frame_s = 1e-6  # no size fits: one is measured, and none above it
+    with caplog.at_level("INFO", logger="omnimtp.server"):
+        tight.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not caplog_has(caplog, "admission: 1 stream at once") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.2)
+            assert set(tight.admission.costs.measured()) == {1}
+        finally:
+            tight.shutdown()
+
+
+def caplog_has(caplog, prefix: str) -> bool:
+    return any(record.getMessage().startswith(prefix) for record in caplog.records)
 
 
 def test_a_realtime_response_that_waits_for_capacity_says_so():

@@ -104,7 +104,8 @@ class EngineCore:
         self.family = family
         self.config = config or EngineConfig()
         self.lock = lock if lock is not None else contextlib.nullcontext()
-        self.observer = observer  # optional: .stage(name, s), .phase(name, s), .talker_batch(n)
+        # optional: .stage(name, s), .phase(name, s), .talker_batch(n), and .decoded(chunk frames, s) if it has one
+        self.observer = observer
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
         self.cohorts: list[_Cohort] = []
@@ -696,6 +697,9 @@ class EngineCore:
         started = time.perf_counter()
         chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks, is_final)
         now = time.perf_counter()
+        decoded = getattr(self.observer, "decoded", None)  # (an observer may leave it out)
+        if decoded is not None:
+            decoded([n for _, n in ready], now - started)
         frame_s = (now - started) / sum(n for _, n in ready)
         self.decode_frame_s = frame_s if self.decode_frame_s == 0 else 0.8 * self.decode_frame_s + 0.2 * frame_s
         events = []

@@ -1,10 +1,17 @@
 """Admission by measured real-time capacity: streams already playing keep real time.
 
 One engine step makes one audio frame for every stream in the talker batch, so n streams play in real time
-while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). `StepCosts` measures what a step of
-n streams costs on this machine as the engine runs (the mean of its recent steps at each n: a chunk is decoded
-in only some steps, and the mean spreads its decoding over the steps whose frames it holds); the capacity
-is the largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
+while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). A streamed request's chunks start at one
+frame and grow as its listener's lead does (`omnimtp.engine.playback.chunk_frames_after`): every step of its first
+frames decodes a chunk, and a later chunk of n frames is decoded once in n steps. A codec call has a large fixed
+part, so a stream's first steps are its dearest: a step in which every stream decodes a one-frame chunk is the
+costliest that must keep real time (a later, longer chunk's call is spread over the steps whose frames it holds,
+as its listener's lead has grown meanwhile). Admitting by the mean step instead let two streams in whose first
+steps ran over the frame while the mean fitted, and they stalled. So `StepCosts` measures, on this machine as the
+engine runs, what a step of n streams costs as that step would (`Admission.observe_step`: each step less its
+codec calls, plus what the codec costs for n one-frame chunks in one call, `decode_costs`, measured from the calls
+that decode only one-frame chunks, `observe_decode`), the mean of its recent steps at each n; the capacity is the
+largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
 the sizes below it: one stream more than the largest measured by the trend of the two largest (a step's cost
 is a fixed part plus a part per stream, so the next stream adds what the last one added; a cost that grows
 faster than that only shows in the trend, which then errs high), any further size in proportion to the largest
@@ -19,7 +26,9 @@ What was measured outlives the process: the engine keeps the step costs on disk 
 speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
 omnimtp's code and the engine's settings) and a later start on the same fingerprint begins from them
 (`cached_step_costs`, `StepCosts.seed`), so a restarted server admits what it measured before instead of one stream
-at a time. A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
+at a time; a server with a warm-up reply also measures sizes above one at start, before a user asks
+(`omnimtp.server.scheduler.Engine`: the warm-up reply spoken by 2, 3, ... streams at once while each next size is
+predicted to fit). A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
 process has measured a size again, the sizes it has not are taken at their kept cost scaled by what that size
 measures now against its kept cost, so the kept costs give the shape and the machine of today the scale.
 
@@ -73,6 +82,10 @@ class StepCosts:
             means = {**{n: seconds * scale for n, seconds in self._seeded.items()}, **means}
         return dict(sorted(means.items()))
 
+    def clear(self) -> None:
+        """Forget what this process measured (what an earlier start measured, `seed`, stays)."""
+        self._samples = {}
+
     def seed(self, measured: dict[int, float]) -> None:
         """Start over from {streams: seconds} an earlier start measured: each such size is taken at that cost
         until this process measures it, scaled as the sizes it measures again say (`measured`)."""
@@ -104,14 +117,19 @@ class StepCosts:
 
 class Admission:
     """How many streams may play at once (`capacity`) and how long a refused client should wait (`retry_after_s`).
-    max_streams: the engine's slots; headroom: the share of a frame's audio a step may cost."""
+    max_streams: the engine's slots; headroom: the share of a frame's audio a step may cost.
 
-    def __init__(self, costs: StepCosts | None = None, *, max_streams: int, headroom: float = DEFAULT_HEADROOM):
+    costs: a step's seconds by streams as in the costliest phase of a stream (`observe_step`); decode_costs: the
+    codec's seconds a call by the number of one-frame chunks it decodes (`observe_decode`)."""
+
+    def __init__(self, costs: StepCosts | None = None, *, max_streams: int, headroom: float = DEFAULT_HEADROOM,
+                 decode_costs: StepCosts | None = None):
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be an integer >= 1, got {max_streams!r}")
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
         self.costs = costs or StepCosts()
+        self.decode_costs = decode_costs or StepCosts()
         self.max_streams = max_streams
         self.headroom = headroom
         self.frame_s = DEFAULT_FRAME_S
@@ -128,6 +146,23 @@ class Admission:
                 break
             capacity = n
         return capacity
+
+    def observe_step(self, num_streams: int, seconds: float, decode_s: float = 0.0) -> None:
+        """A step that made a frame for num_streams streams took `seconds`, decode_s of them in the codec: into
+        `costs` as the step in which every one of those streams decodes a one-frame chunk would cost (the step
+        without its decoding, plus `decode_costs`' one-frame calls of num_streams chunks; the step as it was while
+        none is measured)."""
+        if num_streams < 1 or not seconds >= 0:
+            return
+        one_frame = self.decode_costs.predict(num_streams)
+        decode_s = min(max(decode_s, 0.0), seconds)
+        self.costs.observe(num_streams, seconds if one_frame is None else seconds - decode_s + one_frame)
+
+    def observe_decode(self, chunk_frames: list[int], seconds: float) -> None:
+        """A codec call decoded chunks of chunk_frames frames (one per stream) in `seconds`: into `decode_costs`
+        where every chunk was one frame (the calls of a stream's first steps, `chunk_frames_after`)."""
+        if chunk_frames and all(n == 1 for n in chunk_frames):
+            self.decode_costs.observe(len(chunk_frames), seconds)
 
     def observe_frame_seconds(self, seconds: float) -> None:
         """A finished stream's audio seconds per frame (what real time means for this model's codec)."""
@@ -154,15 +189,16 @@ class Admission:
         return max(_MIN_RETRY_AFTER_MS, min(1000 * _MAX_RETRY_AFTER_S, math.ceil(1000 * rounds * self._stream_s)))
 
 
-def cached_step_costs(fingerprint: dict) -> dict[int, float] | None:
-    """The step costs kept for exactly this fingerprint ({streams: seconds}), or None (none kept, unreadable,
-    not valid, or the cost cache turned off: OMNIMTP_DRAFT_COST_CACHE=0)."""
+def cached_step_costs(fingerprint: dict, kind: str = "steps") -> dict[int, float] | None:
+    """The costs kept for exactly this fingerprint ({streams: seconds}; kind "steps": `Admission.costs`, "decode":
+    `Admission.decode_costs`), or None (none kept, unreadable, not valid, or the cost cache turned off:
+    OMNIMTP_DRAFT_COST_CACHE=0)."""
     entry = read_entry(fingerprint, _KIND)
-    steps = None if entry is None else entry.get("steps")
-    if not isinstance(steps, dict) or not steps:
+    kept = None if entry is None else entry.get(kind)
+    if not isinstance(kept, dict) or not kept:
         return None
     costs = {}
-    for size, seconds in steps.items():
+    for size, seconds in kept.items():
         if not (isinstance(size, str) and size.isdigit() and int(size) >= 1) or isinstance(seconds, bool) or \
                 not isinstance(seconds, (int, float)) or not (math.isfinite(seconds) and seconds >= 0):
             return None
@@ -170,9 +206,13 @@ def cached_step_costs(fingerprint: dict) -> dict[int, float] | None:
     return costs
 
 
-def keep_step_costs(fingerprint: dict, measured: dict[int, float]) -> bool:
+def keep_step_costs(fingerprint: dict, measured: dict[int, float], decode: dict[int, float] | None = None) -> bool:
     """Keep {streams: seconds} (`StepCosts.measured(MIN_KEPT_SAMPLES)`: the sizes measured often enough) for a
-    later start; False when there are none or the cache cannot be written."""
+    later start, and the codec's one-frame calls (`decode`, the same of `Admission.decode_costs`) beside them;
+    False when there are none or the cache cannot be written."""
     if not measured:
         return False
-    return write_entry(fingerprint, {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}, _KIND)
+    entry = {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}
+    if decode:
+        entry["decode"] = {str(n): float(seconds) for n, seconds in decode.items()}
+    return write_entry(fingerprint, entry, _KIND)

@@ -50,6 +50,7 @@ from omnimtp.spec_decode.cost_cache import cost_fingerprint
 
 logger = logging.getLogger("omnimtp.server")
 _KEEP_STEP_COSTS_EVERY = 64  # steps that made frames between two writes of admission's step costs to disk
+CALIBRATION_FRAMES = 12  # frames of each warm-up reply that measures a size above one at start (`_calibrate_capacity`)
 
 class _Observer:
     """The core's observations: into the server's Prometheus metrics (when it has them), and the streams the
@@ -58,6 +59,7 @@ class _Observer:
     def __init__(self, metrics):
         self.metrics = metrics
         self.num_streams = 0
+        self.decode_calls: list[tuple[list[int], float]] = []  # the step's codec calls: (chunk frames, seconds)
 
     def stage(self, stage: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -66,6 +68,9 @@ class _Observer:
     def phase(self, phase: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.engine_phase.labels(phase=phase).observe(seconds)
+
+    def decoded(self, chunk_frames: list[int], seconds: float) -> None:
+        self.decode_calls.append((chunk_frames, seconds))
 
     def talker_batch(self, size: int) -> None:
         self.num_streams = size
@@ -123,7 +128,8 @@ class Engine(ServedModel):
         self.warm_up_reply = warm_up_reply
         # {"ended": "finished" | "aborted", "frames": n, "s": seconds} once the warm-up reply is over
         self.warm_up_reply_result: dict | None = None
-        self._warm_up_request: Request | None = None
+        self._warm_up_ids: set = set()  # the engine's own background replies in flight (a user's request ends them)
+        self._calibrating = 0  # streams the warm-up replies speak at once while admission's costs are measured
         self.max_queue = 64
         self.metrics = None
         # adaptive speculation's measured thinker step costs, {"greedy" | "sampled": DraftCostTable}, set by
@@ -198,7 +204,7 @@ class Engine(ServedModel):
         self._warm_stop.set()  # a graph being built finishes in its daemon thread; no further bucket starts
         with self._cond:
             self._accepting = False
-            self._cancelled.add(WARM_UP_REQUEST_ID)  # (nothing, unless the warm-up reply is in flight)
+            self._end_warm_up_replies()
             if not drain:
                 self._cancelled.update(self._handles)
             self._stopping = True
@@ -272,8 +278,7 @@ class Engine(ServedModel):
             if not self._accepting:
                 raise QueueFullError("the server is shutting down")
             num_queued = self._check_queue()
-            if self._warm_up_request is not None:  # a user's request comes first: the warm-up reply ends
-                self._cancelled.add(WARM_UP_REQUEST_ID)
+            self._end_warm_up_replies()  # a user's request comes first
             handle = RequestHandle(next(self._ids), loop, self._cancel)
             handle.queue_position = self._queue_position(num_queued, has_speech=speaker is not None)
             sampling = None if sampling.is_greedy else sampling
@@ -374,9 +379,12 @@ class Engine(ServedModel):
     # -- the engine thread ------------------------------------------------------------------------
 
     def _warm_up_stages(self) -> None:
-        """The warm-up thread: the warm-up reply (`warm_up_reply`), then the compiled predictor (`warm_up`)."""
+        """The warm-up thread: the warm-up reply (`warm_up_reply`) and, with admission, the sizes above one
+        (`_calibrate_capacity`), then the compiled predictor (`warm_up`)."""
         if self.warm_up_reply:
             self._run_warm_up_reply()
+            if self.admission is not None and (self.warm_up_reply_result or {}).get("ended") == Status.FINISHED.value:
+                self._calibrate_capacity()
         if self.warm_up and not self._warm_stop.is_set():
             self._warm_up()
         if self._observer is not None and self._observer.metrics is not None and not self._warm_stop.is_set():
@@ -385,25 +393,70 @@ class Engine(ServedModel):
     def _run_warm_up_reply(self) -> None:
         """Queue the warm-up reply (a background request with no handle: its events go nowhere) for the engine
         thread and wait until it has finished or been ended."""
-        request = warm_up_request(self.family, self.config, is_background=True)
-        if request is None:
+        started = time.perf_counter()
+        requests = self._speak_warm_up_replies(1)
+        if requests is None:
             logger.info("warm-up: no warm-up reply (the model does not speak, or has no chat template)")
             return
-        started = time.perf_counter()
-        with self._cond:
-            if not self._accepting:
-                return
-            self._warm_up_request = request
-            self._core.add(request)
-            self._cond.notify_all()
-        while request.status not in (Status.FINISHED, Status.ABORTED) and self._thread.is_alive():
-            time.sleep(0.01)
-        with self._cond:
-            self._warm_up_request = None
+        if not requests:
+            return
+        request = requests[0]
         self.warm_up_reply_result = {"ended": request.status.value, "frames": len(request.frames),
                                      "s": time.perf_counter() - started}
         logger.info("warm-up: a spoken reply through every stage %s after %d frames in %.1f s",
                     request.status.value, len(request.frames), self.warm_up_reply_result["s"])
+
+    def _calibrate_capacity(self) -> None:
+        """Admission's step costs by size before a user asks (the proportional guess from one size alone errs
+        high, and a size is otherwise measured only once admitted): the warm-up reply spoken by n streams at once for
+        CALIBRATION_FRAMES frames, n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a
+        user's request ends them. The warm-up reply's own steps are left out (they hold first-run costs)."""
+        budget = self.admission.headroom * self.admission.frame_s
+        with self._cond:  # the warm-up reply's steps hold what a stage's first run costs
+            self.admission.costs.clear()
+            self.admission.decode_costs.clear()
+        for n in range(1, self.config.max_batch_size + 1):
+            if self._warm_stop.is_set():
+                return
+            requests = self._speak_warm_up_replies(n, CALIBRATION_FRAMES)
+            if not requests or any(r.status != Status.FINISHED for r in requests):
+                return
+            with self._cond:
+                measured = self.admission.costs.predict(n)
+            logger.info("admission: %d stream%s at once: %.1f ms a step (as in their one-frame chunks)", n,
+                        "s" if n > 1 else "", 1000 * measured)
+            if measured > budget:
+                return
+
+    def _speak_warm_up_replies(self, num_streams: int, max_frames: int | None = None) -> list[Request] | None:
+        """num_streams warm-up replies at once (background requests with no handle: their events go nowhere),
+        speaking together above admission's capacity; waits until every one has finished or been ended → them ([]:
+        the server stopped accepting), or None where the family makes no warm-up reply."""
+        requests = [warm_up_request(self.family, self.config, is_background=True, max_frames=max_frames,
+                                    request_id=WARM_UP_REQUEST_ID if i == 0 else f"{WARM_UP_REQUEST_ID}-{i}")
+                    for i in range(num_streams)]
+        if requests[0] is None:
+            return None
+        with self._cond:
+            if not self._accepting:
+                return []
+            self._calibrating = num_streams if num_streams > 1 else 0
+            for request in requests:
+                self._warm_up_ids.add(request.request_id)
+                self._core.add(request)
+            self._cond.notify_all()
+        while (any(r.status not in (Status.FINISHED, Status.ABORTED) for r in requests)
+               and self._thread.is_alive()):
+            time.sleep(0.01)
+        with self._cond:
+            self._calibrating = 0
+            self._warm_up_ids.clear()
+        return requests
+
+    def _end_warm_up_replies(self) -> None:
+        """End the warm-up replies in flight (called holding `_cond`): no longer above capacity from the next step."""
+        self._cancelled.update(self._warm_up_ids)
+        self._calibrating = 0
 
     def _warm_up(self) -> None:
         """The compiled predictor's graphs, bucket by bucket, logged as they are built."""
@@ -453,9 +506,11 @@ class Engine(ServedModel):
 
     def _seed_step_costs(self) -> None:
         """Admission's step costs from an earlier start's (`cached_step_costs`), where one was kept."""
-        cached = cached_step_costs(self._step_cost_fingerprint())
+        fingerprint = self._step_cost_fingerprint()
+        cached = cached_step_costs(fingerprint)
         if cached is not None:
             self.admission.costs.seed(cached)
+            self.admission.decode_costs.seed(cached_step_costs(fingerprint, "decode") or {})
             logger.info("admission: step costs of an earlier start (%s predictor): %s",
                         "compiled" if self.is_warm else "eager",
                         {n: round(seconds, 4) for n, seconds in cached.items()})
@@ -466,8 +521,9 @@ class Engine(ServedModel):
         with self._cond:
             fingerprint = self._step_cost_fingerprint()
             measured = self.admission.costs.measured(MIN_KEPT_SAMPLES)
+            decode = self.admission.decode_costs.measured(MIN_KEPT_SAMPLES)
             self._steps_since_kept = 0
-        keep_step_costs(fingerprint, measured)
+        keep_step_costs(fingerprint, measured, decode)
 
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
@@ -502,17 +558,22 @@ class Engine(ServedModel):
             self._drop_cancelled(cancelled)
             self._end_text_waits()
             if self.admission is not None:
-                with self._cond:
-                    core.max_speaking = self.admission.capacity()
+                with self._cond:  # (warm-up replies measuring a size above capacity may all speak)
+                    core.max_speaking = max(self.admission.capacity(), self._calibrating)
                 if self.metrics is not None:
                     self.metrics.realtime_capacity.set(core.max_speaking)
                 self._observer.num_streams = 0
+                self._observer.decode_calls = []
             started = time.perf_counter()
             try:
                 self._deliver(core.step())  # each event goes out as soon as the step makes it
                 if self.admission is not None:
+                    seconds, calls = time.perf_counter() - started, self._observer.decode_calls
                     with self._cond:  # the HTTP side reads the costs for a Retry-After
-                        self.admission.costs.observe(self._observer.num_streams, time.perf_counter() - started)
+                        for chunk_frames, call_s in calls:
+                            self.admission.observe_decode(chunk_frames, call_s)
+                        self.admission.observe_step(self._observer.num_streams, seconds,
+                                                    sum(call_s for _, call_s in calls))
                         self._steps_since_kept += self._observer.num_streams > 0
                     if self._steps_since_kept >= _KEEP_STEP_COSTS_EVERY:
                         self._keep_step_costs()
@@ -560,7 +621,7 @@ class Engine(ServedModel):
         for request_id in cancelled:
             handle = self._handles.pop(request_id, None)
             if handle is None:
-                if request_id == WARM_UP_REQUEST_ID:
+                if request_id in self._warm_up_ids:
                     self._core.abort(request_id)
                 continue
             self._forget_stream(request_id)
