@@ -35,7 +35,7 @@ Poisson sweep `--rates` runs on `speech` only, `WORKLOAD_LOADS`, and chat's own,
 Servers: this checkout's (`ours`); with `--compare`, also this checkout's with `--admission off` (every stream
 joins the batch at once and chunks after the first are 25 frames), so before/after is one run; with
 `--previous-tree DIR` (e.g. `git worktree add DIR <commit>`), the server of another checkout too, on the same
-model and `--max-queue`. `--quick` runs the tiny models on short loads (a check
+model, `--max-queue` and `--serve-arg` flags. `--quick` runs the tiny models on short loads (a check
 that the script works: its figures mean nothing).
 
     python benchmarks/serve_playback.py --compare --out benchmarks/results/serve_playback.json
@@ -455,7 +455,7 @@ def main() -> None:
                         help="chat: also a server with `auto` speculative thinker steps (the demo's MTP head), its "
                         "step costs measured at its start")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                        help="another `omnimtp serve` flag for this checkout's servers (repeatable)")
+                        help="another `omnimtp serve` flag for every server (repeatable)")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "omnimtp-bench"),
                         help="where the 0.6B checkpoint is kept between runs")
     parser.add_argument("--quick", action="store_true",
@@ -485,7 +485,7 @@ def main() -> None:
             demo = flags[flags.index("--model") + 1]
             setups.append(("auto", None, (*flags, *args.serve_arg, "--thinker-mtp", demo, "-k", "auto")))
         if args.previous_tree:
-            setups.append(("previous", args.previous_tree, flags))
+            setups.append(("previous", args.previous_tree, (*flags, *args.serve_arg)))
         with contextlib.ExitStack() as stack:
             # (each server measured compiled, as a warm `serve` runs; its warm-up never shares the CPU with a load)
             urls = {name: stack.enter_context(server_process(
