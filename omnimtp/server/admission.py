@@ -82,9 +82,13 @@ class StepCosts:
             means = {**{n: seconds * scale for n, seconds in self._seeded.items()}, **means}
         return dict(sorted(means.items()))
 
-    def clear(self) -> None:
-        """Forget what this process measured (what an earlier start measured, `seed`, stays)."""
-        self._samples = {}
+    def clear(self, num_streams: int | None = None) -> None:
+        """Forget what this process measured, at num_streams or (None) at every size; what an earlier start
+        measured (`seed`) stays."""
+        if num_streams is None:
+            self._samples = {}
+        else:
+            self._samples.pop(num_streams, None)
 
     def seed(self, measured: dict[int, float]) -> None:
         """Start over from {streams: seconds} an earlier start measured: each such size is taken at that cost

@@ -379,14 +379,15 @@ class Engine(ServedModel):
     # -- the engine thread ------------------------------------------------------------------------
 
     def _warm_up_stages(self) -> None:
-        """The warm-up thread: the warm-up reply (`warm_up_reply`) and, with admission, the sizes above one
-        (`_calibrate_capacity`), then the compiled predictor (`warm_up`)."""
+        """The warm-up thread: the warm-up reply (`warm_up_reply`), the compiled predictor (`warm_up`), then with
+        admission its costs by size (`_calibrate_capacity`)."""
         if self.warm_up_reply:
             self._run_warm_up_reply()
-            if self.admission is not None and (self.warm_up_reply_result or {}).get("ended") == Status.FINISHED.value:
-                self._calibrate_capacity()
         if self.warm_up and not self._warm_stop.is_set():
             self._warm_up()
+        if (self.admission is not None and not self._warm_stop.is_set()
+                and (self.warm_up_reply_result or {}).get("ended") == Status.FINISHED.value):
+            self._calibrate_capacity()  # (as the predictor runs from now on: compiled where it was)
         if self._observer is not None and self._observer.metrics is not None and not self._warm_stop.is_set():
             self._observer.metrics.warm.set(1)
 
@@ -409,18 +410,20 @@ class Engine(ServedModel):
     def _calibrate_capacity(self) -> None:
         """Admission's step costs by size before a user asks (the proportional guess from one size alone errs
         high, and a size is otherwise measured only once admitted): the warm-up reply spoken by n streams at once for
-        CALIBRATION_FRAMES frames, n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a
-        user's request ends them. The warm-up reply's own steps are left out (they hold first-run costs)."""
+        CALIBRATION_FRAMES frames, twice (the first run's steps left out: they hold what a size's first steps cost
+        once), n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a user's request ends them."""
         budget = self.admission.headroom * self.admission.frame_s
-        with self._cond:  # the warm-up reply's steps hold what a stage's first run costs
-            self.admission.costs.clear()
-            self.admission.decode_costs.clear()
         for n in range(1, self.config.max_batch_size + 1):
-            if self._warm_stop.is_set():
-                return
-            requests = self._speak_warm_up_replies(n, CALIBRATION_FRAMES)
-            if not requests or any(r.status != Status.FINISHED for r in requests):
-                return
+            for is_measured in (False, True):  # a size's first run holds what its first steps cost once
+                if self._warm_stop.is_set():
+                    return
+                requests = self._speak_warm_up_replies(n, CALIBRATION_FRAMES, only_when_idle=True)
+                if not requests or any(r.status != Status.FINISHED for r in requests):
+                    return
+                if not is_measured:
+                    with self._cond:
+                        self.admission.costs.clear(n)
+                        self.admission.decode_costs.clear(n)
             with self._cond:
                 measured = self.admission.costs.predict(n)
             logger.info("admission: %d stream%s at once: %.1f ms a step (as in their one-frame chunks)", n,
@@ -428,17 +431,19 @@ class Engine(ServedModel):
             if measured > budget:
                 return
 
-    def _speak_warm_up_replies(self, num_streams: int, max_frames: int | None = None) -> list[Request] | None:
+    def _speak_warm_up_replies(self, num_streams: int, max_frames: int | None = None, *,
+                               only_when_idle: bool = False) -> list[Request] | None:
         """num_streams warm-up replies at once (background requests with no handle: their events go nowhere),
         speaking together above admission's capacity; waits until every one has finished or been ended → them ([]:
-        the server stopped accepting), or None where the family makes no warm-up reply."""
+        the server stopped accepting, or only_when_idle and a user's request is in flight), or None where the family
+        makes no warm-up reply."""
         requests = [warm_up_request(self.family, self.config, is_background=True, max_frames=max_frames,
                                     request_id=WARM_UP_REQUEST_ID if i == 0 else f"{WARM_UP_REQUEST_ID}-{i}")
                     for i in range(num_streams)]
         if requests[0] is None:
             return None
         with self._cond:
-            if not self._accepting:
+            if not self._accepting or (only_when_idle and self._handles):
                 return []
             self._calibrating = num_streams if num_streams > 1 else 0
             for request in requests:
