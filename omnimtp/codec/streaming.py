@@ -404,12 +404,12 @@ def _short_matmul(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
 # Up to this many rows a request (a convolution's output steps, a transposed convolution's input steps, a linear
 # layer's positions), a bf16 stack's matmuls run on omnimtp's bf16 rows kernel (`bf16_rows_linear`: AVX512_BF16,
 # the weight read once for all requests' rows in its own layout, each row's sums in an order that does not depend on
-# the others, so no `RowwiseMatmuls`), not as torch's bf16 matmul one request at a time. One thread, the 0.6B
-# Qwen3-TTS decoder's layers, one request: its 1024 → 1536 kernel-7 conv at 8 steps 1.12 ms → 0.89, its 1536 → 768
-# transposed conv at 8 input steps 2.44 → 1.15, its 768-channel dilated convs at 12 steps 0.37 → 0.31, even at
-# about 17 rows and slower from 24 (the kernel reads its inputs a tile of weight rows at a time: past a few rows
-# torch's packed GEMM computes faster than the weights stream in).
-BF16_ROWS_MAX_STEPS = 16
+# the others, so no `RowwiseMatmuls`), not as torch's bf16 matmul one request at a time. One thread, one request,
+# the 0.6B Qwen3-TTS decoder's layers: its 1024 → 1536 kernel-7 conv at 8 steps 1.12 ms → 0.89, its 1536 → 768
+# transposed conv at 8 input steps 2.44 → 1.15 (17: 2.98 → 2.19), its 768-channel dilated convs at 12 steps 0.37
+# → 0.31; about even at 17 rows, slower from 24 (past a few rows a layer's time is its arithmetic, and torch's
+# packed GEMM does that faster). 17: a 4-frame chunk's 1536 → 768 transposed conv (16 steps and the kept one).
+BF16_ROWS_MAX_STEPS = 17
 
 
 def _rows_kernel(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:

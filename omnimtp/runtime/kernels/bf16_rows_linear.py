@@ -63,11 +63,14 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) in bf16 → [..., N] bf16: x [..., K], weight [N, K] (`applies`), bias [N] (any
-    float dtype; added in fp32 before the sum is rounded to bf16). Each output row depends only on its own input
-    row (bit for bit, whatever the other rows). ValueError for tensors `applies` refuses; RuntimeError without
-    the kernel (`available()`). No gradients."""
+def bf16_rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) in bf16 → [..., N] in out_dtype (bf16, as torch's op gives, or the fp32 sums):
+    x [..., K], weight [N, K] (`applies`), bias [N] (any float dtype; added in fp32 before the sum is rounded).
+    Each output row depends only on its own input row (bit for bit, whatever the other rows). ValueError for
+    tensors `applies` refuses or another out_dtype; RuntimeError without the kernel (`available()`). No
+    gradients."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the bf16 rows linear kernel is not available: {_unavailable}")
@@ -77,12 +80,14 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}"
         )
     num_out, num_in = weight.shape
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != num_out):
         raise ValueError(f"bias must be [{num_out}], got {tuple(bias.shape)}")
     rows = x.reshape(-1, num_in)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], num_out, dtype=torch.bfloat16)
+    out = torch.empty(*x.shape[:-1], num_out, dtype=out_dtype)
     if out.numel() == 0:
         return out
     if num_in == 0:
@@ -93,7 +98,8 @@ def bf16_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         n_stride = 1  # the columns' layout
     status = lib.omnimtp_bf16_rows_linear(
         rows.data_ptr(), rows.shape[0], num_in, rows.stride(0), weight.data_ptr(), num_out, n_stride, k_stride,
-        None if bias32 is None else bias32.data_ptr(), out.data_ptr(), num_out, 1, torch.get_num_threads(),
+        None if bias32 is None else bias32.data_ptr(), out.data_ptr(), num_out, int(out_dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )
     if status == -1:
         raise MemoryError("bf16_rows_linear: out of memory")
