@@ -2,10 +2,12 @@
 and without the bf16 rows kernel (`omnimtp.codec.streaming.BF16_ROWS_MAX_STEPS`: 0 turns it off, and the stack
 runs as it did before the kernel), alternated in one process: per-call CPU and wall ms of each top-level block
 and of the whole decode, for S streams decoded together in chunks of n frames; and each mode's SNR against the
-fp32 decoder (the same weights, streamed in one-frame chunks).
+fp32 decoder (the same weights, streamed in one-frame chunks). With `--layers`, instead: the matmuls of a few of
+the decoder's own layers, for S streams of R rows each, as one kernel call against torch's bf16 `F.linear` once a
+stream (what the stack ran before), alternated (CPU ms a call).
 
     python benchmarks/codec_rows.py [--streams 1 2 4] [--chunks 1 2 4] [--calls 6] [--rounds 3]
-        [--model /work/bench/qwen3-tts-0.6b-w4a8]
+        [--model /work/bench/qwen3-tts-0.6b-w4a8] [--layers --rows 4 8 17 32]
 
 CPU time is the process's (all threads); on a shared box the wall times are not the code's figures.
 """
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--snr-frames", type=int, default=24)
+    parser.add_argument("--layers", action="store_true", help="time single layers' matmuls (see above)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 17, 32], help="rows a stream (--layers)")
     parser.add_argument("--out", default="benchmarks/results/codec_rows.json")
     args = parser.parse_args()
     if min(args.streams + args.chunks) < 1 or args.calls < 1 or args.rounds < 1:
@@ -60,6 +64,11 @@ def main() -> None:
         return np.concatenate([decoder.decode_streams([stream], [codes[:, i : i + 1]])[0]
                                for i in range(codes.shape[1])])
 
+    if args.layers:
+        decoder.to_conv_dtype(torch.bfloat16)
+        with torch.no_grad():
+            time_layers(decoder, args)
+        return
     reference = one_frame_chunks(snr_codes)  # fp32
     decoder.to_conv_dtype(torch.bfloat16)
     kernel_steps = streaming.BF16_ROWS_MAX_STEPS
@@ -130,6 +139,59 @@ def main() -> None:
         json.dump({"config": config, "snr_vs_fp32_db": snr, "load_average": os.getloadavg(), "results": results},
                   f, indent=2)
     print(f"wrote {args.out}")
+
+
+def time_layers(decoder, args) -> None:
+    """The kernel against torch's bf16 matmul once a stream on a few of the decoder's layers' weights."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from omnimtp.runtime.kernels.bf16_rows_linear import bf16_rows_linear
+
+    upsample_conv, upsample_next = decoder.upsample[0][0].conv, decoder.upsample[0][1]
+    block5, block6 = decoder.decoder[1].block, decoder.decoder[2].block
+    layers = {  # [N, K] views of the layers' own weights
+        "upsampling 1024 -> 1024 transposed (taps)": upsample_conv.weight.flatten(1).t(),
+        "upsampling ConvNeXt 1024 -> 4096 linear": upsample_next.pwconv1.weight,
+        "1024 -> 1536 kernel-7 conv": decoder.decoder[0].conv.weight.flatten(1),
+        "block 5 1536 -> 768 transposed (taps)": block5[1].conv.weight.flatten(1).t(),
+        "block 5 768-channel kernel-7 conv": block5[2].conv1.conv.weight.flatten(1),
+        "block 6 768 -> 384 transposed (taps)": block6[1].conv.weight.flatten(1).t(),
+    }
+    generator = torch.Generator().manual_seed(1)
+
+    def cpu_ms(fn, calls):
+        started = time.process_time()
+        for _ in range(calls):
+            fn()
+        return 1000 * (time.process_time() - started) / calls
+
+    print(f"CPU ms a call, {args.threads} threads: torch's bf16 F.linear once a stream → the kernel, one call")
+    for name, weight in layers.items():
+        cells = []
+        for rows in args.rows:
+            for streams in args.streams:
+                inputs = [torch.randn(rows, weight.shape[1], generator=generator).to(torch.bfloat16)
+                          for _ in range(streams)]
+                joined = torch.cat(inputs)
+
+                def per_stream(inputs=inputs, weight=weight):
+                    return [F.linear(x, weight) for x in inputs]
+
+                def kernel(joined=joined, weight=weight):
+                    return bf16_rows_linear(joined, weight)
+
+                started = time.perf_counter()
+                kernel()
+                per_stream()
+                calls = max(3, int(0.05 / (time.perf_counter() - started + 1e-9)))
+                before, after = [], []
+                for _ in range(args.rounds):
+                    before.append(cpu_ms(per_stream, calls))
+                    after.append(cpu_ms(kernel, calls))
+                cells.append(f"{streams}x{rows}: {np.median(before):.2f} → {np.median(after):.2f}")
+        print(f"  {name} [{weight.shape[0]}, {weight.shape[1]}]: " + "; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ def bf16_rows_linear(
         raise RuntimeError(f"the bf16 rows linear kernel is not available: {_unavailable}")
     if not applies(x, weight):
         raise ValueError(
-            f"bf16_rows_linear: x [..., K] and weight [N, K] bf16 CPU tensors, the weight with a stride of 1, got "
+            f"bf16_rows_linear: x [..., K] and weight [N, K] bf16 CPU tensors, the weight with a stride of 1, no "
+            f"gradient recorded, got "
             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype} strides {weight.stride()}"
         )
     num_out, num_in = weight.shape
