@@ -542,7 +542,9 @@ class RowwiseMatmuls(TorchFunctionMode):
     level), and a request's audio would depend on who else is decoding. These are the only ops of the
     conv stack that reduce over a batch-dependent blocking; norms, activations, padding and slicing work
     per row already. Cost on the tiny model, 2 threads, 16 one-frame windows: 35 ms against 15 ms fully
-    batched and 83 ms for 16 separate stacks (the per-row calls are cheap; the rest keeps its batching)."""
+    batched and 83 ms for 16 separate stacks (the per-row calls are cheap; the rest keeps its batching). Layers
+    on omnimtp's row kernels (fp32: `row_kernel_weight`; bf16: `_rows_kernel`) compute each row on its own and
+    run the whole batch in one call: they call none of these ops."""
 
     _ROWWISE = {F.conv1d, F.conv_transpose1d, F.linear}
 
