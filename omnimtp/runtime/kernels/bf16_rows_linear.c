@@ -230,7 +230,7 @@ BF16_TARGET int omnimtp_bf16_rows_linear(const uint16_t* x, int64_t M, int64_t K
 #pragma omp atomic write
       failed = 1;
     }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* each thread frees its own panel */
     for (int64_t t = 0; t < tiles; ++t) {
       if (panel == NULL) continue;
       const int64_t n0 = t * PANEL;
