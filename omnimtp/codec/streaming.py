@@ -405,10 +405,12 @@ def _short_matmul(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
 # layer's positions), a bf16 stack's matmuls run on omnimtp's bf16 rows kernel (`bf16_rows_linear`: AVX512_BF16,
 # the weight read once for all requests' rows in its own layout, each row's sums in an order that does not depend on
 # the others, so no `RowwiseMatmuls`), not as torch's bf16 matmul one request at a time. One thread, one request,
-# the 0.6B Qwen3-TTS decoder's layers: its 1024 → 1536 kernel-7 conv at 8 steps 1.12 ms → 0.89, its 1536 → 768
-# transposed conv at 8 input steps 2.44 → 1.15 (17: 2.98 → 2.19), its 768-channel dilated convs at 12 steps 0.37
-# → 0.31; about even at 17 rows, slower from 24 (past a few rows a layer's time is its arithmetic, and torch's
-# packed GEMM does that faster). 17: a 4-frame chunk's 1536 → 768 transposed conv (16 steps and the kept one).
+# the 0.6B Qwen3-TTS decoder's layers (`benchmarks/codec_rows.py --layers`): its 1024 → 1536 kernel-7 conv at 4
+# steps 1.15 ms → 0.79, its 1536 → 768 transposed conv at 4 input steps 2.27 → 1.42 (17: 3.26 → 2.53), its
+# 768-channel dilated convs at 4 steps 0.27 → 0.16, even at 17 and slower at 32 (0.89 → 1.04: past a few rows a
+# layer's time is its arithmetic, which torch's packed GEMM does faster); four requests at 4 steps take 1.67, 2.39
+# and 0.53 ms in one call against 4.70, 9.39 and 1.12. 17: a 4-frame chunk's 1536 → 768 transposed conv (16 steps
+# and the kept one).
 BF16_ROWS_MAX_STEPS = 17
 
 
