@@ -323,6 +323,7 @@ def test_a_bf16_stacks_few_step_inputs_run_all_streams_rows_in_one_kernel_call(s
     pointwise = [m for m in bf16.modules() if type(m) is streaming.PointwiseCausalConv]
     transposed = [m for m in bf16.modules() if isinstance(m, CausalTransConv)]
     generator = torch.Generator().manual_seed(7)
+    assert pointwise and transposed
     for layer in pointwise[:2] + transposed[:2]:
         x = torch.randn(3, layer.conv.in_channels, streaming.BF16_ROWS_MAX_STEPS, generator=generator)
         calls.clear()
