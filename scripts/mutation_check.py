@@ -67,6 +67,7 @@ REALTIME_WORDS = ("tests/test_realtime_words.py",)
 QWEN3_ASR = ("tests/test_qwen3_asr.py",)
 W8A8 = ("tests/test_w8a8_linear.py",)
 BF16_ATTENTION = ("tests/test_bf16_attention.py",)
+BF16_ROWS = ("tests/test_bf16_rows_linear.py", "tests/test_speech_tokenizer.py")
 W8A8_EPILOGUES = ("tests/test_w8a8_epilogues.py",)
 W8A8_CONV = ("tests/test_w8a8_conv.py",)
 ENCODER_EPILOGUE = ("tests/test_encoder_epilogue.py",)
@@ -371,8 +372,9 @@ MUTATIONS = [
     ),
     Mutation(
         "bf16_short_pointwise_convolutions_as_matmuls", "omnimtp/codec/streaming.py",
-        "if packed is None and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, length)):",
-        "if packed is None and not _short_matmul(matrix, extended, length):",
+        "if packed is None and not rows_kernel and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, "
+        "length)):",
+        "if packed is None and not rows_kernel and not _short_matmul(matrix, extended, length):",
         ("tests/test_speech_tokenizer.py",), "a bf16 stack's short pointwise convolutions run as matmuls too: "
         "0.58 against 0.28 ms a 768-channel layer at a frame's 32 steps (one thread)",
     ),
@@ -381,6 +383,40 @@ MUTATIONS = [
         "            weight.data = weight.detach().flatten(1).t().contiguous().t().view(weight.shape)\n", "",
         ("tests/test_speech_tokenizer.py",), "a bf16 decoder's 1536 -> 768 transposed convolution reads its weight "
         "as a row-major [K, N] operand again: 4.5 instead of 1.8 ms a short chunk (one thread)",
+    ),
+    Mutation(
+        "bf16_rows_kernel_sums_in_an_order_that_follows_the_rows", "omnimtp/runtime/kernels/bf16_rows_linear.c",
+        "    UNROLL for (int i = 0; i < R; ++i) sum4(acc[i], sums[i]);",
+        "    UNROLL for (int i = 0; i < R; ++i) { sum4(acc[i], sums[i]); if (R == DOT_ROWS) "
+        "for (int j = 0; j < DOT_COLUMNS; ++j) sums[i][j] = _mm512_reduce_add_ps(acc[i][j]); }",
+        BF16_ROWS, "a row's sums are added up in another order where it shares a tile of 6 rows: a stream's bf16 "
+        "audio would depend on the streams decoded beside it",
+    ),
+    Mutation(
+        "bf16_rows_kernel_panel_order_follows_the_rows", "omnimtp/runtime/kernels/bf16_rows_linear.c",
+        "    for (int64_t p = 0; p < pairs; ++p) {",
+        "    for (int64_t q = 0; q < pairs; ++q) { const int64_t p = R == PANEL_ROWS ? pairs - 1 - q : q;",
+        BF16_ROWS, "a transposed convolution's taps are summed backwards in a full tile of rows: a row's bits "
+        "depend on how many rows share the call",
+    ),
+    Mutation(
+        "bf16_rows_kernel_drops_the_last_inputs", "omnimtp/runtime/kernels/bf16_rows_linear.c",
+        "    if (whole < K) { /* the same lanes, the rest of them zeros */",
+        "    if (0) { /* the same lanes, the rest of them zeros */",
+        BF16_ROWS, "a linear layer whose inputs are not a multiple of 32 drops the last ones from its sums",
+    ),
+    Mutation(
+        "bf16_convnext_linears_off_the_rows_kernel", "omnimtp/codec/streaming.py",
+        "hidden = _linear(module.pwconv2, module.act(_linear(module.pwconv1, module.norm(hidden))))",
+        "hidden = module.pwconv2(module.act(module.pwconv1(module.norm(hidden))))",
+        ("tests/test_speech_tokenizer.py",), "a bf16 stack's ConvNeXt linears run torch's matmul a stream at a "
+        "time again (every 1024 x 4096 weight read once a stream)",
+    ),
+    Mutation(
+        "bf16_rows_kernel_off_in_the_codec", "omnimtp/codec/streaming.py",
+        "BF16_ROWS_MAX_STEPS = 17", "BF16_ROWS_MAX_STEPS = 0",
+        ("tests/test_speech_tokenizer.py",), "a bf16 decoder's few-step chunks run torch's bf16 matmul one stream at "
+        "a time again: two streams' upsampling and 1536 -> 768 layers read their weights twice",
     ),
     Mutation(
         "pad_skipped_for_a_wide_causal_conv", "omnimtp/codec/streaming.py",

@@ -18,6 +18,7 @@ from omnimtp.codec.speech_tokenizer import (
     real_size_config,
     tiny_speech_tokenizer,
 )
+from omnimtp.runtime.kernels import bf16_rows_linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -256,8 +257,8 @@ def test_a_bf16_stacks_short_inputs_run_as_bf16_matmuls_on_its_own_weights(decod
     """A bf16 conv stack runs an input of up to `streaming.SHORT_MATMUL_MAX_STEPS` steps of its causal convolutions
     of kernel > 1 and of its transposed convolutions as one bf16 matmul on the layer's own weights (no
     convolution op, no packed or fp32 copy of a weight), each within bf16 rounding of the convolution; a longer
-    input, and a pointwise convolution at any length, stays a convolution. A stream's bf16 audio stays bit for
-    bit the same alone and batched."""
+    input, and a pointwise convolution of more than `streaming.BF16_ROWS_MAX_STEPS` steps, stays a convolution. A
+    stream's bf16 audio stays bit for bit the same alone and batched."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeCausalConvNet,
         Qwen3OmniMoeCausalTransConvNet,
@@ -298,6 +299,57 @@ def test_a_bf16_stacks_short_inputs_run_as_bf16_matmuls_on_its_own_weights(decod
         assert_audio_equal(np.concatenate([chunks[k] for chunks in together]), alone)
     assert {name: (p.data_ptr(), p.dtype) for name, p in bf16.named_parameters()} == weights
     assert not any("_row_kernel_weight" in m.__dict__ for m in bf16.modules())
+
+
+@pytest.mark.skipif(not bf16_rows_linear.available(), reason=f"{bf16_rows_linear.unavailable_reason()}")
+def test_a_bf16_stacks_few_step_inputs_run_all_streams_rows_in_one_kernel_call(saved, monkeypatch):
+    """Inputs of up to `streaming.BF16_ROWS_MAX_STEPS` steps a stream of a bf16 stack's convolutions (pointwise
+    ones too), transposed convolutions and ConvNeXt linears run on the bf16 rows kernel, each layer one call for
+    all the streams decoded together (no convolution or torch matmul op), on the layers' own weights; a stream's
+    audio is the same bits alone and batched; without the kernel (a CPU without AVX512_BF16) the stack runs as
+    before, within bf16 rounding of it."""
+    from omnimtp.codec import streaming
+
+    bf16 = SpeechTokenizerDecoder.from_pretrained(saved).to_conv_dtype(torch.bfloat16)
+    weights = {name: (p.data_ptr(), p.dtype) for name, p in bf16.named_parameters()}
+    calls = []
+    kernel = bf16_rows_linear.bf16_rows_linear
+
+    def counted(x, weight, bias=None):
+        calls.append((x.shape[:-1], weight.data_ptr()))
+        return kernel(x, weight, bias)
+
+    monkeypatch.setattr(bf16_rows_linear, "bf16_rows_linear", counted)
+    pointwise = [m for m in bf16.modules() if type(m) is streaming.PointwiseCausalConv]
+    transposed = [m for m in bf16.modules() if isinstance(m, CausalTransConv)]
+    generator = torch.Generator().manual_seed(7)
+    assert pointwise and transposed
+    for layer in pointwise[:2] + transposed[:2]:
+        x = torch.randn(3, layer.conv.in_channels, streaming.BF16_ROWS_MAX_STEPS, generator=generator)
+        calls.clear()
+        with torch.no_grad(), torch.profiler.profile() as profile:
+            layer(x.to(torch.bfloat16))
+        ran = {event.key for event in profile.key_averages()}
+        assert calls and calls[0][0][0] == 3 and not any("conv" in k or k in ("aten::mm", "aten::linear") for k in ran)
+    codes = [_codes(3, 31), _codes(3, 32)]
+    streams = [bf16.new_stream() for _ in codes]
+    calls.clear()
+    together = [bf16.decode_streams(streams, [c[:, a : a + 1] for c in codes]) for a in range(3)]
+    assert calls and all(shape[0] == 2 for shape, _ in calls)  # both streams' rows in every call
+    called = {ptr for _, ptr in calls}
+    assert called <= {p.data_ptr() for p in bf16.parameters()}  # the layers' own weights
+    upsampling = [m for m in bf16.upsample.modules() if isinstance(m, CausalTransConv | torch.nn.Linear)]
+    assert upsampling and {m.conv.weight.data_ptr() if isinstance(m, CausalTransConv) else m.weight.data_ptr()
+                           for m in upsampling} <= called  # every upsampling layer's few steps ran on it
+    alone = [np.concatenate(_stream(bf16, c, [0, 1, 2, 3])) for c in codes]
+    for k in range(len(codes)):
+        assert_audio_equal(np.concatenate([chunks[k] for chunks in together]), alone[k])
+    assert {name: (p.data_ptr(), p.dtype) for name, p in bf16.named_parameters()} == weights
+    monkeypatch.setattr(bf16_rows_linear, "available", lambda: False)
+    calls.clear()
+    without = np.concatenate(_stream(bf16, codes[0], [0, 1, 2, 3]))
+    assert not calls  # (the tiny widths' short sums: within rounding, here the same bits)
+    assert float(np.abs(without - alone[0]).max()) <= 0.05 * float(np.abs(alone[0]).max())
 
 
 def test_a_bf16_stacks_matmul_only_transposed_weights_are_laid_out_for_their_matmul(decoder, saved, monkeypatch):

@@ -55,7 +55,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimtp.runtime.decoder import ROW_KERNEL
-from omnimtp.runtime.kernels import small_batch_linear
+from omnimtp.runtime.kernels import bf16_rows_linear, small_batch_linear
 from omnimtp.runtime.ops import linear
 
 # The conv stack's dtypes by `codec_dtype` name: float32 (the reference's numbers), or bfloat16, an opt-in that
@@ -210,7 +210,7 @@ class StreamingCode2Wav:
             return self._transposed_conv(module, x, streams, is_start)
         if kind == "convnext":  # transformers' ConvNeXt block, its depthwise convolution stateful
             hidden = self._causal_conv(module.dwconv, x, streams).permute(0, 2, 1)
-            hidden = module.pwconv2(module.act(module.pwconv1(module.norm(hidden))))
+            hidden = _linear(module.pwconv2, module.act(_linear(module.pwconv1, module.norm(hidden))))
             return x + (module.gamma * hidden).permute(0, 2, 1)
         if kind == "residual":  # transformers' residual unit, its dilated convolution stateful
             hidden = self._causal_conv(module.conv1, module.act1(x), streams)
@@ -401,19 +401,48 @@ def _short_matmul(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
             and x.device.type == "cpu" and not torch.is_grad_enabled())
 
 
+# Up to this many rows a request (a convolution's output steps, a transposed convolution's input steps, a linear
+# layer's positions), a bf16 stack's matmuls run on omnimtp's bf16 rows kernel (`bf16_rows_linear`: AVX512_BF16,
+# the weight read once for all requests' rows in its own layout, each row's sums in an order that does not depend on
+# the others, so no `RowwiseMatmuls`), not as torch's bf16 matmul one request at a time. One thread, one request,
+# the 0.6B Qwen3-TTS decoder's layers (`benchmarks/codec_rows.py --layers`): its 1024 → 1536 kernel-7 conv at 4
+# steps 1.15 ms → 0.79, its 1536 → 768 transposed conv at 4 input steps 2.27 → 1.42 (17: 3.26 → 2.53), its
+# 768-channel dilated convs at 4 steps 0.27 → 0.16, even at 17 and slower at 32 (0.89 → 1.04: past a few rows a
+# layer's time is its arithmetic, which torch's packed GEMM does faster); four requests at 4 steps take 1.67, 2.39
+# and 0.53 ms in one call against 4.70, 9.39 and 1.12. 17: a 4-frame chunk's 1536 → 768 transposed conv (16 steps
+# and the kept one).
+BF16_ROWS_MAX_STEPS = 17
+
+
+def _rows_kernel(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
+    """Whether a layer of `weight` runs its `steps` steps a request of x on the bf16 rows kernel
+    (BF16_ROWS_MAX_STEPS); where the CPU lacks AVX512_BF16, never."""
+    return (steps <= BF16_ROWS_MAX_STEPS and weight.dtype == x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and 1 in weight.stride() and not torch.is_grad_enabled() and bf16_rows_linear.available())
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """module(x) (x [B, L, C_in]), on the bf16 rows kernel where it takes it (`_rows_kernel`)."""
+    if _rows_kernel(module.weight, x, x.shape[-2]):
+        return bf16_rows_linear.bf16_rows_linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor) -> torch.Tensor | None:
     """transformers' causal convolution of stride 1 over an input that holds its K − 1 earlier steps (extended
     [B, C_in, K − 1 + L] → [B, C_out, L]) as one matmul (every output step's window of inputs, all kernel taps,
-    by the weight [C_out, C_in·k]): on omnimtp's row kernel (fp32), or, a short input of a kernel > 1 in a
-    SHORT_MATMUL_DTYPES stack, `F.linear` in its dtype (`RowwiseMatmuls` runs it one request at a time): the
-    convolution's sums in another order; None where neither applies (or a stride or groups other than 1)."""
+    by the weight [C_out, C_in·k]): on omnimtp's row kernel (fp32), on the bf16 rows kernel (a bf16 stack's
+    inputs of up to BF16_ROWS_MAX_STEPS steps), or, a short input of a kernel > 1 in a SHORT_MATMUL_DTYPES stack,
+    `F.linear` in its dtype (`RowwiseMatmuls` runs it one request at a time): the convolution's sums in another
+    order; None where none applies (or a stride or groups other than 1)."""
     conv = module.conv
     if conv.stride != (1,) or conv.groups != 1:
         return None
     matrix = conv.weight.flatten(1)  # [C_out, C_in·k], input channel major, tap minor
     length = extended.shape[-1] - module.padding
     packed = row_kernel_weight(module, matrix, extended[..., module.padding :].transpose(1, 2))
-    if packed is None and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, length)):
+    rows_kernel = packed is None and _rows_kernel(matrix, extended, length)
+    if packed is None and not rows_kernel and (conv.kernel_size == (1,) or not _short_matmul(matrix, extended, length)):
         return None
     (kernel,), (dilation,) = conv.kernel_size, conv.dilation
     batch, channels = extended.shape[:2]
@@ -422,6 +451,8 @@ def conv_on_row_kernel(module: Qwen3OmniMoeCausalConvNet, extended: torch.Tensor
     else:  # each output step's k taps, `dilation` apart
         windows = extended.unfold(-1, module.kernel_size, 1)[..., ::dilation]
         rows = windows.permute(0, 2, 1, 3).reshape(batch, length, channels * kernel)  # [B, L, C_in·k]
+    if rows_kernel:
+        return bf16_rows_linear.bf16_rows_linear(rows, matrix, conv.bias).transpose(1, 2).contiguous()
     if packed is None:  # a short bf16 input
         return F.linear(rows, matrix, conv.bias).transpose(1, 2).contiguous()
     out = linear(rows, matrix, packed=packed, gemm=ROW_KERNEL)
@@ -447,8 +478,8 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
     [B, C_in, L] → [B, C_out, L·stride], as one matmul of every input step by all kernel taps, then the
     overlapping taps added (output block u sums tap block j of input u − j, j = 0, 1, … in that order): the
     convolution's sums in another order (within 2e-6 of its output's peak). None where this form does not pay or
-    apply: a layer under TRANSPOSED_MATMUL_MIN_WEIGHTS whose input neither the row kernel takes nor a short
-    matmul in the stack's dtype (`SHORT_MATMUL_MAX_STEPS`), or another convolution."""
+    apply: a layer under TRANSPOSED_MATMUL_MIN_WEIGHTS whose input neither the row kernels take (`row_kernel_weight`,
+    `_rows_kernel`) nor a short matmul in the stack's dtype (`SHORT_MATMUL_MAX_STEPS`), or another convolution."""
     conv = module.conv
     (stride,), (kernel,) = conv.stride, conv.kernel_size
     if (
@@ -458,7 +489,8 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
         return None
     taps_matrix = conv.weight.flatten(1).t()  # [C_out·K, C_in]
     packed = row_kernel_weight(module, taps_matrix, hidden_state.transpose(1, 2))
-    if (packed is None and conv.weight.numel() < TRANSPOSED_MATMUL_MIN_WEIGHTS
+    rows_kernel = packed is None and _rows_kernel(taps_matrix, hidden_state, hidden_state.shape[-1])
+    if (packed is None and not rows_kernel and conv.weight.numel() < TRANSPOSED_MATMUL_MIN_WEIGHTS
             and not _short_matmul(taps_matrix, hidden_state, hidden_state.shape[-1])):
         return None
     batch, _, length = hidden_state.shape
@@ -466,6 +498,8 @@ def transposed_conv_as_matmul(module, hidden_state: torch.Tensor) -> torch.Tenso
     rows = hidden_state.transpose(1, 2)  # [B, L, C_in]
     if packed is not None:  # every row on its own: no `RowwiseMatmuls` needed
         taps = linear(rows, taps_matrix, packed=packed, gemm=ROW_KERNEL)
+    elif rows_kernel:  # likewise
+        taps = bf16_rows_linear.bf16_rows_linear(rows, taps_matrix)
     else:  # [B, L, C_out·K]; F.linear so that `RowwiseMatmuls` runs it one request at a time
         taps = F.linear(rows, taps_matrix, None)
     taps = taps.view(batch, length, out_channels, num_blocks, stride)
@@ -510,7 +544,9 @@ class RowwiseMatmuls(TorchFunctionMode):
     level), and a request's audio would depend on who else is decoding. These are the only ops of the
     conv stack that reduce over a batch-dependent blocking; norms, activations, padding and slicing work
     per row already. Cost on the tiny model, 2 threads, 16 one-frame windows: 35 ms against 15 ms fully
-    batched and 83 ms for 16 separate stacks (the per-row calls are cheap; the rest keeps its batching)."""
+    batched and 83 ms for 16 separate stacks (the per-row calls are cheap; the rest keeps its batching). Layers
+    on omnimtp's row kernels (fp32: `row_kernel_weight`; bf16: `_rows_kernel`) compute each row on its own and
+    run the whole batch in one call: they call none of these ops."""
 
     _ROWWISE = {F.conv1d, F.conv_transpose1d, F.linear}
 
