@@ -2296,8 +2296,8 @@ MUTATIONS = [
     ),
     Mutation(
         "capacity_not_measured_at_start", "omnimtp/server/scheduler.py",
-        "        for n in range(1, self.config.max_batch_size + 1):\n            if self._warm_stop.is_set():",
-        "        for n in range(1, 2):\n            if self._warm_stop.is_set():",
+        "        for n in range(1, self.config.max_batch_size + 1):\n            for is_measured in (False, True):",
+        "        for n in range(1, 2):\n            for is_measured in (False, True):",
         ("tests/test_admission.py::test_the_warm_up_reply_measures_each_size_that_fits_before_a_user_asks",),
         "a server measures no size above one at start and grows its capacity from a guess that errs high",
     ),
