@@ -1273,7 +1273,7 @@ MUTATIONS = [
     ),
     Mutation(
         "streamed_segment_cut_short_ends_the_request", "omnimtp/engine/core.py",
-        "            if ids is not None or _may_have_next_segment(request):",
+        "            if ids is not None or request.may_have_next_segment:",
         "            if ids is not None:",
         ("tests/test_long_speech.py::test_a_segment_whose_talker_ends_early_skips_the_rest_of_its_text",),
         "a streamed text's request ends when a segment's talker ends early, though more segments follow",
@@ -1293,7 +1293,7 @@ MUTATIONS = [
     ),
     Mutation(
         "long_text_first_segment_only", "omnimtp/engine/core.py",
-        "            if ids is not None or _may_have_next_segment(request):\n"
+        "            if ids is not None or request.may_have_next_segment:\n"
         "                self._next_segment(request, ids or [])",
         "            if False:\n                self._next_segment(request, ids or [])",
         LONG_SPEECH, "a long text's request ends after its first segment",
@@ -1321,7 +1321,7 @@ MUTATIONS = [
     ),
     Mutation(
         "textless_request_admitted", "omnimtp/engine/core.py",
-        "        waiting = [r for r in self.waiting if _has_text(r)]\n",
+        "        waiting = [r for r in self.waiting if r.has_text]\n",
         "        waiting = list(self.waiting)\n",
         ("tests/test_speech_stream.py::test_requests_waiting_for_text_hold_no_slot",),
         "a streamed-text speech request is admitted into a slot before it has any text id",
@@ -2403,8 +2403,8 @@ MUTATIONS = [
     ),
     Mutation(
         "parked_stream_resumes_past_capacity", "omnimtp/engine/core.py",
-        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]",
-        "            resumed = [r for r in self.running.values() if _can_resume(r)][: max(num_free, 0)]",
+        "            resumed = [r for r in self.running.values() if r.can_resume][: max(room, 0)]",
+        "            resumed = [r for r in self.running.values() if r.can_resume][: max(num_free, 0)]",
         ADMISSION, "a parked stream whose text came resumes whatever the capacity",
     ),
     # --- Qwen3-ASR and Qwen3-ForcedAligner ------------------------------------------------------------

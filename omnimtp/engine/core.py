@@ -134,7 +134,7 @@ class EngineCore:
             if request.request_id in self.running or any(r.request_id == request.request_id for r in self.waiting):
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
             request.status = Status.WAITING
-            if not _has_text(request):
+            if not request.has_text:
                 request.waits_for_text_since = request.submitted_at
             self.waiting.append(request)
 
@@ -142,12 +142,12 @@ class EngineCore:
         """Waiting requests that can take a slot once one is free (a streamed text's request still waiting for its
         first words is not one: it holds nothing another request needs)."""
         with self.lock:
-            return sum(_has_text(r) for r in self.waiting)
+            return sum(r.has_text for r in self.waiting)
 
     def num_queued_ahead(self, request: Request) -> int | None:
         """The queued requests (as `num_queued` counts them) ahead of a waiting one; None when it is not queued."""
         with self.lock:
-            queued = [r for r in self.waiting if _has_text(r)]
+            queued = [r for r in self.waiting if r.has_text]
             return next((i for i, r in enumerate(queued) if r is request), None)
 
     def has_work(self) -> bool:
@@ -160,7 +160,7 @@ class EngineCore:
         nothing else can move)."""
         with self.lock:
             if self._num_free_slots() > 0 and (
-                self._admissible() or any(_can_resume(r) for r in self.running.values())
+                self._admissible() or any(r.can_resume for r in self.running.values())
             ):
                 return True
             return any(not r.is_parked and not self._waits_for_text(r) for r in self.running.values())
@@ -321,7 +321,7 @@ class EngineCore:
         """Waiting requests that may start now, oldest first (call holding `lock`): those with text, and of those
         that speak only as many as `max_speaking` leaves room for, in arrival order (a later one never
         overtakes an earlier one that waits for room)."""
-        waiting = [r for r in self.waiting if _has_text(r)]
+        waiting = [r for r in self.waiting if r.has_text]
         if self.max_speaking is None:
             return waiting
         room = self.max_speaking - self._num_speaking()
@@ -341,7 +341,7 @@ class EngineCore:
         with self.lock:
             num_free = self._num_free_slots()
             room = num_free if self.max_speaking is None else min(num_free, self.max_speaking - self._num_speaking())
-            resumed = [r for r in self.running.values() if _can_resume(r)][: max(room, 0)]
+            resumed = [r for r in self.running.values() if r.can_resume][: max(room, 0)]
             for request in resumed:
                 request.is_parked = False
             waiting = self._admissible()
@@ -479,7 +479,7 @@ class EngineCore:
             if stream is None or stream.is_finished or request.talker_finish_reason is not None or request.is_parked:
                 continue
             with self.lock:
-                unfed = _unfed_ids(request)
+                unfed = request.unfed_ids()
             if unfed is None:
                 continue
             start, ids, is_finished = unfed
@@ -493,7 +493,7 @@ class EngineCore:
 
     def _waits_for_text(self, request: Request) -> bool:
         """Whether a running request can do nothing until more of its text comes."""
-        if request.speech_stream is None or _has_unfed_text(request):
+        if request.speech_stream is None or request.has_unfed_text:
             return False
         if request.talker_inputs is not None or request.talker_finish_reason is not None:
             return False
@@ -578,7 +578,7 @@ class EngineCore:
             request.segment_finish_reasons.append(frame.finish_reason)
             request.audio_cut_by = request.audio_cut_by or frame.cut_by
             ids = None if request.segments is None else next(request.segments, None)
-            if ids is not None or _may_have_next_segment(request):
+            if ids is not None or request.may_have_next_segment:
                 self._next_segment(request, ids or [])
                 continue
             request.talker_finish_reason = _talker_finish_reason(request)
@@ -755,51 +755,6 @@ class EngineCore:
         if self.observer is not None:
             self.observer.phase(phase, now - started)
         return now
-
-
-def _has_text(request: Request) -> bool:
-    """Whether a request has anything to start on: a speech request whose text is still arriving needs an id."""
-    return request.is_text_finished or bool(request.prompt_ids)
-
-
-def _can_resume(request: Request) -> bool:
-    """Whether a parked request's text came since it was parked."""
-    return request.is_parked and _has_unfed_text(request)
-
-
-def _unfed_ids(request: Request) -> tuple[int, list[int], bool] | None:
-    """A speech request's current segment's ids not fed yet: (where they start in prompt_ids, the ids, whether
-    they end the segment), or None while the segment's start is unknown (the talker of the one before ended
-    early, and where that segment's ids end has not come yet). Segment i ends at segment_ends[i], or at the
-    end of a finished text."""
-    index = len(request.segment_frames)
-    start = 0 if index == 0 else _segment_end(request, index - 1)
-    if start is None:
-        return None
-    start = max(start, request.num_fed_ids)  # the rest of a segment whose talker ended early is skipped
-    end = _segment_end(request, index)
-    return start, request.prompt_ids[start:end], end is not None
-
-
-def _segment_end(request: Request, index: int) -> int | None:
-    """Where segment `index`'s ids end in prompt_ids: at the end its driver marked, or at the end of a finished
-    text; None while it is not known."""
-    if index < len(request.segment_ends):
-        return request.segment_ends[index]
-    return len(request.prompt_ids) if request.is_text_finished else None
-
-
-def _has_unfed_text(request: Request) -> bool:
-    unfed = _unfed_ids(request)
-    return unfed is not None and (bool(unfed[1]) or unfed[2])
-
-
-def _may_have_next_segment(request: Request) -> bool:
-    """Whether a streamed text may have a segment after the one whose talker just ended."""
-    if request.segments is not None:
-        return False
-    end = _segment_end(request, len(request.segment_frames) - 1)
-    return end is None or end < len(request.prompt_ids) or not request.is_text_finished
 
 
 def _talker_finish_reason(request: Request) -> str:

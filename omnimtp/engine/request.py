@@ -210,6 +210,51 @@ class Request:
             return True
         return self.talker_finish_reason is not None and self.num_decoded == len(self.frames)
 
+    # --- a speech request's text, segment by segment (a streamed text's comes in pieces) ---
+
+    @property
+    def has_text(self) -> bool:
+        """Whether it has anything to start on: a speech request whose text is still arriving needs an id."""
+        return self.is_text_finished or bool(self.prompt_ids)
+
+    @property
+    def can_resume(self) -> bool:
+        """Whether a parked request's text came since it was parked."""
+        return self.is_parked and self.has_unfed_text
+
+    def unfed_ids(self) -> tuple[int, list[int], bool] | None:
+        """A speech request's current segment's ids not fed yet: (where they start in prompt_ids, the ids, whether
+        they end the segment), or None while the segment's start is unknown (the talker of the one before ended
+        early, and where that segment's ids end has not come yet). Segment i ends at segment_ends[i], or at the
+        end of a finished text."""
+        index = len(self.segment_frames)
+        start = 0 if index == 0 else self.segment_end(index - 1)
+        if start is None:
+            return None
+        start = max(start, self.num_fed_ids)  # the rest of a segment whose talker ended early is skipped
+        end = self.segment_end(index)
+        return start, self.prompt_ids[start:end], end is not None
+
+    def segment_end(self, index: int) -> int | None:
+        """Where segment `index`'s ids end in prompt_ids: at the end its driver marked, or at the end of a finished
+        text; None while it is not known."""
+        if index < len(self.segment_ends):
+            return self.segment_ends[index]
+        return len(self.prompt_ids) if self.is_text_finished else None
+
+    @property
+    def has_unfed_text(self) -> bool:
+        unfed = self.unfed_ids()
+        return unfed is not None and (bool(unfed[1]) or unfed[2])
+
+    @property
+    def may_have_next_segment(self) -> bool:
+        """Whether a streamed text may have a segment after the one whose talker just ended."""
+        if self.segments is not None:
+            return False
+        end = self.segment_end(len(self.segment_frames) - 1)
+        return end is None or end < len(self.prompt_ids) or not self.is_text_finished
+
     def text_delta(self, decode: Callable[[list[int]], str], is_final: bool = False) -> str:
         """New text since the last delta. A trailing incomplete UTF-8 sequence (decoded as U+FFFD) waits
         for its next bytes; the final delta hands out the rest, so the deltas join into exactly
