@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from omnimtp.media import MediaInputs
+from omnimtp.mtp.head import MTPHead
 from omnimtp.packed_decoder import KVCache, PackedDecoder, decoder_forward
 from omnimtp.runtime.kv_cache import SavedSlot
 from omnimtp.runtime.ops import linear
@@ -58,7 +59,7 @@ from omnimtp.spec_decode.adaptive import (
 )
 from omnimtp.spec_decode.cost_cache import cost_fingerprint
 from omnimtp.spec_decode.generate import SpecStats
-from omnimtp.spec_decode.proposer import MTPProposer, check_drafts
+from omnimtp.spec_decode.proposer import Proposer, check_drafts
 from omnimtp.spec_decode.thinker_spec import DraftLayout, ThinkerSpeculation, draft_sampling, verify
 
 
@@ -230,10 +231,13 @@ class ThinkerRun:
                 )
             self.controller = speculation.new_controller(costs, batch_size)
             k = self.controller.max_draft_tokens
-            self.proposer = speculation.new_proposer()
+            # made by the first step that drafts (`_drafter`), off the path to a new request's first reply rows
+            self.proposer: Proposer | None = None
             # a caller's Proposer: its drafts are checked
-            self.checks_drafts = not isinstance(self.proposer, MTPProposer)
-            self.drops_rows = callable(getattr(self.proposer, "keep_rows", None))  # finished rows leave its view
+            self.checks_drafts = not isinstance(speculation.drafter, MTPHead)
+            # finished rows leave its view (an `MTPProposer` or a copy of the caller's has keep_rows where the
+            # drafter has)
+            self.drops_rows = not self.checks_drafts or callable(getattr(speculation.drafter, "keep_rows", None))
             self.spec_stats = [SpecStats(num_draft_tokens=k, accepted_per_position=[0] * k) for _ in prompts]
             if speculation.is_adaptive:
                 for stats in self.spec_stats:
@@ -408,8 +412,16 @@ class ThinkerRun:
             kept = [p for p, i in enumerate(layout.requests) if self.finish_reasons[i] is None]
             if kept:
                 layout.keep_rows(kept)
-                self.proposer.keep_rows(kept)
+                if self.proposer is not None:  # one made later has read no rows yet
+                    self.proposer.keep_rows(kept)
         return layout
+
+    def _drafter(self) -> Proposer:
+        """The run's proposer, made by its first drafting step (a fresh proposer holds no rows' state, so rows
+        the layout dropped before are no concern of it)."""
+        if self.proposer is None:
+            self.proposer = self.speculation.new_proposer()
+        return self.proposer
 
     def _speculative_step(self, active: list[int], k: int) -> list[ThinkerEvent]:
         """Draft k >= 1 tokens for the drafter's rows, verify the unfinished rows' drafts in one forward, roll
@@ -424,7 +436,7 @@ class ThinkerRun:
             generators = (
                 None if all(s is None or s.is_greedy for s in sampling) else [self.generators[i] for i in requests]
             )
-            draft_tokens, draft_probs = self.proposer.propose(
+            draft_tokens, draft_probs = self._drafter().propose(
                 layout.block, k, draft_sampling(sampling), generators
             )  # [L, k], [L, k, V]
             if self.checks_drafts:

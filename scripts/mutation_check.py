@@ -479,9 +479,24 @@ MUTATIONS = [
     ),
     Mutation(
         "thinker_dropped_rows_stay_in_the_proposer", "omnimtp/thinker.py",
-        "                self.proposer.keep_rows(kept)\n",
+        "                if self.proposer is not None:  # one made later has read no rows yet\n"
+        "                    self.proposer.keep_rows(kept)\n",
         "",
         THINKER_SPEC, "the thinker's layout drops a finished request's row but its proposer keeps it",
+    ),
+    Mutation(
+        "thinker_proposer_made_at_the_start", "omnimtp/thinker.py",
+        "            self.proposer: Proposer | None = None\n",
+        "            self.proposer: Proposer | None = speculation.new_proposer()\n",
+        THINKER_SPEC, "a speculative run makes its drafter before its prefill, on the way to a new request's first "
+        "audio",
+    ),
+    Mutation(
+        "thinker_rows_dropped_from_a_drafter_not_made_yet", "omnimtp/thinker.py",
+        "                if self.proposer is not None:  # one made later has read no rows yet\n",
+        "                if True:\n",
+        THINKER_SPEC, "a row that finishes before the run's first drafting step is dropped from a drafter that "
+        "does not exist yet",
     ),
     Mutation(
         "mtp_proposer_keeps_dropped_rows", "omnimtp/spec_decode/proposer.py",

@@ -1,5 +1,5 @@
 """benchmarks/tts_realtime.py, benchmarks/quantized_quality.py --quick, benchmarks/omni_codec.py,
-benchmarks/speech_decoder.py, benchmarks/served_step.py,
+benchmarks/speech_decoder.py, benchmarks/served_step.py, benchmarks/chat_first_audio.py,
 benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
 benchmarks/moe_experts.py, benchmarks/many_row_linear.py,
 benchmarks/encoder_conv.py, benchmarks/fused_w8a8.py and benchmarks/omni_realsize.py at tiny sizes, so the
@@ -148,6 +148,21 @@ def test_served_step_quick_run_counts_each_schedules_decoder_calls(tmp_path):
     assert results["one-shot x1"]["decode_calls"] == 1
     assert results["served x1"]["decode_calls"] == num_chunks(0.9) > results["chunks x1"]["decode_calls"]
     assert results["chunks x1"]["decode_calls"] == num_chunks(None)
+
+def test_chat_first_audio_quick_run_reports_both_thinkers_and_a_first_audio_in_the_first_step(tmp_path):
+    """benchmarks/chat_first_audio.py --quick (the demo Qwen3-Omni, plain and `auto`): every measurement for both
+    thinkers; a request into an idle core gets its first audio in the core's first step with either."""
+    out = tmp_path / "chat_first_audio.json"
+    _run(["benchmarks/chat_first_audio.py", "--quick", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report) == {"burst 1", "start 1", "newcomer after 2"}
+    for medians in report.values():
+        assert set(medians) == {"plain", "auto"} and all(v > 0 for m in medians.values() for v in m.values())
+    for name in ("plain", "auto"):
+        burst = report["burst 1"][name]
+        assert burst["steps"] == 1 and burst["cpu_last"] <= burst["last"] + 1e-3
+        assert {"think", "talker_admit", "talk", "code2wav"} <= set(burst)
+
 
 def test_speech_decoder_quick_run_compares_two_trees(tmp_path):
     """benchmarks/speech_decoder.py --quick on a tiny decoder, this checkout against itself as the previous tree:

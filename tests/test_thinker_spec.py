@@ -352,6 +352,48 @@ def test_a_runs_plain_start_steps_draft_nothing_then_it_drafts(plain):
             family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=bad)
 
 
+def test_a_runs_drafter_is_made_by_its_first_drafting_step_not_on_the_way_to_first_audio(plain):
+    """A speculative run's start (its prefill and plain start steps: what a new request's first audio waits for)
+    makes no proposer; its first drafting step makes one. A row that finished before then leaves the drafter's
+    view without it, and the text stays plain greedy's."""
+    made = []
+
+    class Counting(RowDroppingRecomputingDraft):
+        def reset(self):
+            made.append(self)
+            super().reset()
+
+    family = _spec_pipe(plain, Counting(plain.model.thinker, corrupt_rate=0.3, seed=5), 3).family
+    prompts = [plain.family.chat_inputs([{"role": "user", "content": p}], plain.media_limits)[0] for p in PROMPTS]
+    expected = plain.family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS)
+    while not expected.is_finished:
+        expected.step()
+    made.clear()
+    run = family.new_thinker(prompts, [None] * 2, [None] * 2, MAX_NEW_TOKENS, plain_start_steps=2)
+    for _ in range(3):
+        run.step()
+        assert run.proposer is None and not made
+    run.step()
+    assert len(made) == 1 and run.proposer is made[0] and max(len(ids) for ids in run.output_ids) > 4
+    while not run.is_finished:
+        run.step()
+    assert run.output_ids == expected.output_ids and len(made) == 1
+    # row 1 ends (its second token as EOS) in a plain start step, before the drafter exists
+    eos = expected.output_ids[1][1]
+    assert eos not in expected.output_ids[0][:2] and eos not in expected.output_ids[1][:1]
+    cut = ThinkerRun(plain.model.thinker, prompts, accept_hidden_layer=plain.accept_hidden_layer,
+                     eos_token_ids={eos}, max_new_tokens=MAX_NEW_TOKENS, decoder=plain.thinker_decoder,
+                     speculation=ThinkerSpeculation(Counting(plain.model.thinker, corrupt_rate=0.3, seed=5), 3),
+                     plain_start_steps=2)
+    reference = ThinkerRun(plain.model.thinker, prompts, accept_hidden_layer=plain.accept_hidden_layer,
+                           eos_token_ids={eos}, max_new_tokens=MAX_NEW_TOKENS, decoder=plain.thinker_decoder)
+    for each in (cut, reference):
+        while not each.is_finished:
+            each.step()
+    assert cut.output_ids == reference.output_ids and cut.output_ids[1] == expected.output_ids[1][:2]
+    assert cut.spec_stats[0].num_drafted > 0
+
+
 def test_speculative_logprobs_are_plain_greedys(plain):
     """Logprobs through speculative steps: each accepted token's comes from the verify row that produced it, so
     they are plain greedy's (within float32 rounding), with the same alternatives."""
