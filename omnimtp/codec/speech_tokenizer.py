@@ -354,7 +354,7 @@ class _StreamingDecoder(StreamingCode2Wav):
         self.transformer.attach(stream)
         return stream
 
-    def _advance_transformer(self, streams: list[SpeechTokenizerStream], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _advance_transformer(self, streams: list[SpeechTokenizerStream], codes: list[torch.Tensor]) -> list:
         """Each stream's quantizer and pre-conv on its own, then every stream's frames through the projected
         transformer in one forward → [n_i, latent] each."""
         decoder = self.code2wav
@@ -364,7 +364,8 @@ class _StreamingDecoder(StreamingCode2Wav):
             latent, stream.quantized_tail = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)
             latents.append(latent[0].t())  # [n, latent]
         counts = [block.shape[1] for block in codes]
-        return list(self.transformer.run(streams, torch.cat(latents), counts, streaming.ROW_KERNEL_MAX_ROWS).split(counts))
+        hidden = self.transformer.run(streams, torch.cat(latents), counts, streaming.ROW_KERNEL_MAX_ROWS)  # [N, latent]
+        return list(hidden.split(counts))
 
 
 def tiny_speech_tokenizer(seed: int = 0, **decoder_overrides) -> SpeechTokenizerDecoder:
