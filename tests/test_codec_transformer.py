@@ -19,10 +19,10 @@ from omnimtp.runtime.kv_cache import KVCache
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Streamed transformer vs transformers' forward over all frames at once, max |Δ| relative to the output's peak:
-# measured on the tiny models ≤ 1.2e-6 (Qwen3-Omni's) and ≤ 2.4e-6 (Qwen3-TTS's, its projections included) over
-# 300 frames in mixed chunks (pieces, slides); at the released widths (random weights) 2.9e-6 (benchmarks/RESULTS.md,
-# "codec transformer batched"). The row kernel and the attention kernel sum in another order than MKL and SDPA;
-# a window, RoPE offset or cache slot gone wrong moves it by ≥ 1e-2.
+# measured on the tiny models 6.9e-8 (Qwen3-Omni's) and 4.2e-7 (Qwen3-TTS's, its projections included) over 300
+# frames in the chunks below (pieces and slides included), at the released Qwen3-TTS widths (random weights) 2.0e-6
+# (benchmarks/RESULTS.md, "codec transformer batched"): the row kernel and the attention kernel sum in another order
+# than MKL and SDPA. A dropped window or RoPE offset moves it far past the bound (the mutation check's).
 TRANSFORMER_REL = 1e-5
 
 
@@ -96,16 +96,22 @@ def test_a_streams_rows_are_bit_for_bit_the_same_alone_and_in_any_call(streamed)
     chunks = [[5, 1, 1, 2, 100, 1], [1, 3, 70, 1, 1, 4], [2, 2, 2]]
     inputs = [_inputs(sum(c), width, 10 + i) for i, c in enumerate(chunks)]
     alone = [_run(decoder, [decoder.new_stream()], [x], [c])[0] for x, c in zip(inputs, chunks, strict=True)]
-    forwards = []
-    forward = stream_transformer.StreamedTransformer._forward
+    forwards, kernel_rows = [], []
+    forward, run = stream_transformer.StreamedTransformer._forward, small_batch_linear._run
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stream_transformer.StreamedTransformer, "_forward",
                       lambda self, *args: forwards.append(len(args[1])) or forward(self, *args))
+        patch.setattr(small_batch_linear, "_run", lambda x, *rest: kernel_rows.append(x.shape[0]) or run(x, *rest))
         together = _run(decoder, [decoder.new_stream() for _ in chunks], inputs, chunks)
     for ours, theirs in zip(together, alone, strict=True):
         assert torch.equal(ours, theirs)
     # a call is one forward of its streams; a call with a 70- or 100-frame chunk takes two rounds of pieces of 64
     assert forwards == [3, 3, 3, 1, 2, 2, 1, 2]
+    # every layer's matrices read once for all the rows of a forward, on the row kernel (e.g. the first call's
+    # 5 + 1 + 2, the third's first round's 1 + 64 + 2)
+    num_layers = decoder.transformer.module.config.num_hidden_layers
+    assert kernel_rows[: 4 * num_layers] == [8] * (4 * num_layers)
+    assert all(kernel_rows.count(rows) >= 4 * num_layers for rows in (67, 65, 36))
 
 
 def test_streams_free_their_slots():

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import torch
 
-from omnimtp.runtime.decoder import ROW_KERNEL, PackedDecoder, decoder_layers, weights_fingerprint
+from omnimtp.runtime.decoder import ROW_KERNEL, PackedDecoder, decoder_layers
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache
 from omnimtp.runtime.ops import linear, rms_norm
@@ -46,7 +46,7 @@ ROPE_BLOCK = 1024  # positions whose RoPE tables are made in one call
 class StreamedTransformer:
     """code2wav's transformer (its `pre_transformer`; with `input_proj` / `output_proj` where it has them, as
     Qwen3-TTS's) over the new frames of several streams at once; see the module docstring. Packed on first use and
-    again when its weights change (`runtime.decoder.weights_fingerprint`)."""
+    again when its weights change (as `runtime.decoder.weights_fingerprint` sees them)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -54,6 +54,7 @@ class StreamedTransformer:
         self.cache: KVCache | None = None
         self._free_slots: list[int] = []
         self._packed: tuple | None = None  # (fingerprint, PackedDecoder, input_proj pack, output_proj pack)
+        self._params: list[torch.Tensor] | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed_sin [P, D]
 
     @property
@@ -163,7 +164,10 @@ class StreamedTransformer:
     def _decoder(self) -> tuple[PackedDecoder, torch.Tensor | None, torch.Tensor | None]:
         """(the packed transformer, the projections' row-kernel packs or None), packed again when a weight
         changed."""
-        fingerprint = weights_fingerprint(self.module)
+        params = self._params
+        if params is None or next(self.module.parameters()) is not params[0]:  # parameters replaced (a load)
+            params = self._params = list(self.module.parameters())
+        fingerprint = tuple((p.data_ptr(), p._version) for p in params)  # `weights_fingerprint` of a kept list
         if self._packed is None or self._packed[0] != fingerprint:
             decoder = PackedDecoder.from_module(self.module, sliding_window=self.window).with_row_kernel()
             packs = [None if decoder.row_kernel is None or getattr(self.module, name, None) is None
