@@ -13,7 +13,9 @@ weights packed once (`PackedDecoder.from_module`), and every decoder runs the sa
   top-k router, the shared expert's projections used as transformers stores them: at batch 1 it is most
   of the talker's bytes, and fusing its gate/up would only duplicate them); glm4_moe (group-limited
   sigmoid router in fp32 + fused shared experts). Routed experts are transformers' own tensors;
-- RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does.
+- RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does;
+- LayerScale (code2wav's transformer: the attention and MLP outputs times a learnt [H] before their residual adds);
+  a sliding window is the caller's mask and cache (`sliding_window`, `KVCache.slide`).
 
 What differs between the decoders is a parameter, not a copy: the cache semantics (`where`: ragged
 slots, one shared length, or a fixed buffer at static positions), the mask (bool causal, additive from a
