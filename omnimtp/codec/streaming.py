@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -80,7 +80,7 @@ class CodecStream:
     conv_states: list[torch.Tensor]
     num_frames: int = 0  # frames decoded so far
     slot: int = -1  # its slot of slot_owner's KV cache
-    slot_owner: StreamedTransformer | None = None
+    slot_owner: StreamedTransformer | None = field(default=None, repr=False, compare=False)
 
 
 def codec_dtype_of(codec_dtype: str | None) -> torch.dtype:
