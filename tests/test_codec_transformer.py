@@ -133,6 +133,23 @@ def test_streams_free_their_slots():
         other.decode_streams([kept[0]], [codes])
 
 
+def test_the_streamed_transformer_holds_its_packs_alone(streamed):
+    """On the row kernel the packed transformer keeps no float copies of its matrices (meta tensors of their shapes
+    stand in: packing's fused q/k/v and gate/up are let go), and its float matrices come back only for the path
+    without the kernel (`streaming.ROW_KERNEL_MAX_ROWS` 0), which still gives the kernel's outputs within
+    rounding."""
+    if not small_batch_linear.available():
+        pytest.skip(f"no row kernel here: {small_batch_linear.unavailable_reason()}")
+    decoder, _, width = streamed
+    x = _inputs(6, width, 5)
+    ours = decoder.transformer.run([decoder.new_stream()], x, [6], 64)
+    packed = decoder.transformer._decoder()[0]
+    assert {layer.qkv.device.type for layer in packed.layers} == {"meta"}
+    assert {layer.gate_up.device.type for layer in packed.layers} == {"meta"}
+    plain = decoder.transformer.run([decoder.new_stream()], x, [6], 0)
+    torch.testing.assert_close(plain, ours, rtol=0, atol=TRANSFORMER_REL * float(ours.abs().max()))
+
+
 def test_a_sliding_window_decoder_is_packed_only_when_asked_for():
     """PackedDecoder packs code2wav's sliding-window layers (LayerScale included) only given their window: the
     decoders that run no window mask refuse them, naming the option."""

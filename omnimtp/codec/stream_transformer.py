@@ -55,6 +55,7 @@ class StreamedTransformer:
         self._free_slots: list[int] = []
         self._packed: tuple | None = None  # (fingerprint, PackedDecoder, input_proj pack, output_proj pack)
         self._params: list[torch.Tensor] | None = None
+        self._plain: tuple | None = None  # (fingerprint, the PackedDecoder with float matrices) once needed
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed_sin [P, D]
 
     @property
@@ -86,7 +87,7 @@ class StreamedTransformer:
             raise ValueError("streams: each must come from this decoder's new_stream")
         decoder, input_pack, output_pack = self._decoder()
         if decoder.row_kernel is None or max_rows < 1:
-            plain = replace(decoder, row_kernel=None)
+            plain = self._plain_decoder()
             pieces = []
             for stream, rows in zip(streams, x.split(counts), strict=True):
                 hidden = self._project(rows, "input_proj", None)
@@ -163,17 +164,36 @@ class StreamedTransformer:
 
     def _decoder(self) -> tuple[PackedDecoder, torch.Tensor | None, torch.Tensor | None]:
         """(the packed transformer, the projections' row-kernel packs or None), packed again when a weight
-        changed."""
-        params = self._params
-        if params is None or next(self.module.parameters()) is not params[0]:  # parameters replaced (a load)
-            params = self._params = list(self.module.parameters())
-        fingerprint = tuple((p.data_ptr(), p._version) for p in params)  # `weights_fingerprint` of a kept list
+        changed: on the row kernel alone where it applies (`PackedDecoder.row_kernel_only`: the packs, no fused
+        float copies beside the module's own weights), else with its float matrices."""
+        fingerprint = self._fingerprint()
         if self._packed is None or self._packed[0] != fingerprint:
-            decoder = PackedDecoder.from_module(self.module, sliding_window=self.window).with_row_kernel()
+            self._packed = self._plain = None  # the old packing freed before the new one is made
+            plain = PackedDecoder.from_module(self.module, sliding_window=self.window)
+            decoder = plain.row_kernel_only()
+            if decoder is None:
+                decoder, self._plain = plain, (fingerprint, plain)
+            del plain
             packs = [None if decoder.row_kernel is None or getattr(self.module, name, None) is None
                      else small_batch_linear.pack_weight(getattr(self.module, name).weight.detach().contiguous())
                      for name in ("input_proj", "output_proj")]
             self._packed = (fingerprint, decoder, *packs)
             self._rope = None
         return self._packed[1:]
+
+    def _plain_decoder(self) -> PackedDecoder:
+        """The packed transformer with its float matrices, no row kernel (made when first needed: the streams run
+        one at a time on torch's matmuls)."""
+        fingerprint = self._fingerprint()
+        if self._plain is None or self._plain[0] != fingerprint:
+            self._plain = (fingerprint, replace(PackedDecoder.from_module(self.module, sliding_window=self.window),
+                                                row_kernel=None))
+        return self._plain[1]
+
+    def _fingerprint(self) -> tuple:
+        """`runtime.decoder.weights_fingerprint` of the module's parameters, their list kept until one is replaced."""
+        params = self._params
+        if params is None or next(self.module.parameters()) is not params[0]:  # parameters replaced (a load)
+            params = self._params = list(self.module.parameters())
+        return tuple((p.data_ptr(), p._version) for p in params)
 

@@ -222,6 +222,24 @@ class PackedDecoder:
         lm_head = None if self.lm_head is None else pack(self.lm_head.float())
         return replace(self, row_kernel=layers, row_kernel_lm_head=lm_head, step_rope={})
 
+    def row_kernel_only(self) -> PackedDecoder:
+        """This decoder, packed for the row kernel (`with_row_kernel`), holding its packs alone: its layers' float
+        matrices become meta tensors of their shapes (all `linear` reads of a matrix it has a pack of), so the
+        fused copies packing made (qkv, gate/up) are let go. Its forwards must run on the packs
+        (`decoder_layers(packed_layers=row_kernel)`, any row count: a streamed codec's transformer, whose every row
+        takes the kernel); dense layers without biases only. None where the kernel does not apply."""
+        packed = self.with_row_kernel()
+        if packed.row_kernel is None or any(
+            layer.router is not None or layer.qkv_bias is not None or layer.o_bias is not None for layer in self.layers
+        ):
+            return None
+        names = ("qkv", "o", "gate_up", "mlp_down")
+        layers = tuple(
+            replace(layer, **{name: torch.empty(getattr(layer, name).shape, device="meta") for name in names})
+            for layer in packed.layers
+        )
+        return replace(packed, layers=layers)
+
     def with_dense_experts(self) -> PackedDecoder:
         """This decoder with every MoE layer whose router always picks every expert (`moe.routes_every_expert`)
         running its experts as one MLP (`moe.every_expert`: one matmul for every gate/up, one for every down,
