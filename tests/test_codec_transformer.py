@@ -131,6 +131,7 @@ def test_streams_free_their_slots():
     other = tiny_speech_tokenizer(seed=0)
     with pytest.raises(ValueError, match="streams"):
         other.decode_streams([kept[0]], [codes])
+    assert other.decode_streams([], []) == []
 
 
 def test_the_streamed_transformer_holds_its_packs_alone(streamed):

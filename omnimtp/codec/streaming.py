@@ -161,6 +161,8 @@ class StreamingCode2Wav:
             if block.dim() != 2 or block.shape[0] != self.code2wav.config.num_quantizers or block.shape[1] == 0:
                 raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], "
                                  f"got {tuple(block.shape)}")
+        if not streams:
+            return []
         hiddens = self._advance_transformer(streams, codes)
         # a stack that trims on the left does so in a stream's first chunk only: first chunks run apart
         groups: dict[tuple[int, bool], list[int]] = {}
