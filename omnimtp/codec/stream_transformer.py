@@ -17,18 +17,17 @@ for bit the same whichever streams share the call.
 - RoPE tables made in blocks of ROPE_BLOCK positions, so a position's values never depend on the call.
 
 The outputs equal transformers' forward within fp32 rounding: the row kernel and the attention kernel sum in
-another order than MKL and SDPA (`tests/test_codec_streaming.py` bounds it). Without the row kernel (no compiler,
+another order than MKL and SDPA (`tests/test_codec_transformer.py` bounds it). Without the row kernel (no compiler,
 or `streaming.ROW_KERNEL_MAX_ROWS` 0) the streams run one at a time on torch's matmuls.
 
     transformer = StreamedTransformer(code2wav.pre_transformer)
-    slot = transformer.attach(stream)                              # a slot for a new stream
+    transformer.attach(stream)                                     # a slot for a new stream
     hidden = transformer.run([stream_a, stream_b], embeds, [1, 4], max_rows=64)   # embeds [5, H] → [5, H]
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 
 import torch
 
@@ -186,8 +185,7 @@ class StreamedTransformer:
         one at a time on torch's matmuls)."""
         fingerprint = self._fingerprint()
         if self._plain is None or self._plain[0] != fingerprint:
-            self._plain = (fingerprint, replace(PackedDecoder.from_module(self.module, sliding_window=self.window),
-                                                row_kernel=None))
+            self._plain = (fingerprint, PackedDecoder.from_module(self.module, sliding_window=self.window))
         return self._plain[1]
 
     def _fingerprint(self) -> tuple:
