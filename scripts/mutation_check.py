@@ -53,6 +53,7 @@ QWEN3_TTS = ("tests/test_qwen3_tts.py",)
 QWENTTS_PEER = ("tests/test_qwentts_peer.py",)
 SPEECH_TOKENIZER = ("tests/test_speech_tokenizer.py",)
 STREAMED_CONV = ("tests/test_codec_streaming.py",)
+CODEC_TRANSFORMER = ("tests/test_codec_transformer.py",)
 QUANTIZED = ("tests/test_quantized_linear.py",)
 SCREENED_HEAD = ("tests/test_screened_head.py",)
 KERNELS_BUILD = ("tests/test_kernels_build.py",)
@@ -138,10 +139,28 @@ MUTATIONS = [
         CODEC, "code2wav runs its convolutions batched across requests (rounding then depends on the batch)",
     ),
     Mutation(
-        "codec_transformer_drops_kv_cache", "omnimtp/codec/streaming.py",
-        "cache=stream.cache, use_cache=True)",
-        "cache=DynamicCache(config=c2w.config), use_cache=True)",
+        "codec_transformer_drops_kv_cache", "omnimtp/codec/stream_transformer.py",
+        "        cache.commit_positions(slots, counts)\n",
+        "",
         CODEC, "the codec transformer starts a new KV cache for every chunk",
+    ),
+    Mutation(
+        "codec_transformer_window_dropped", "omnimtp/codec/stream_transformer.py",
+        "mask = ((keys <= columns) & (keys > columns - self.window))[:, None, None]",
+        "mask = (keys <= columns)[:, None, None]",
+        CODEC_TRANSFORMER, "a streamed codec frame attends to every cached frame, not its 72-frame window",
+    ),
+    Mutation(
+        "codec_transformer_slide_loses_positions", "omnimtp/runtime/kv_cache.py",
+        "            self.rope_offsets[slot] += length - keep\n",
+        "",
+        CODEC_TRANSFORMER, "a sliding KV slot's kept keys take new RoPE positions (the stream's frames lose theirs)",
+    ),
+    Mutation(
+        "codec_transformer_rows_on_mkl", "omnimtp/codec/stream_transformer.py",
+        "mask, packed_layers=decoder.row_kernel, gemm=gemm)",
+        "mask)",
+        CODEC_TRANSFORMER, "a call's streams run their codec transformer rows as one MKL matmul (batch-dependent bits)",
     ),
     # --- Qwen3-TTS: the 12 Hz speech tokenizer decoder ------------------------------------------------
     Mutation(
@@ -1897,8 +1916,8 @@ MUTATIONS = [
     ),
     Mutation(
         "w8a8_prefill_attention_stays_on_sdpa", "omnimtp/runtime/decoder.py",
-        "bf16_many_rows=decoder.quantize in MANY_ROW_MODES)",
-        "bf16_many_rows=False)",
+        "bf16_many_rows=decoder.quantize in MANY_ROW_MODES,",
+        "bf16_many_rows=False,",
         BF16_ATTENTION, "int8_compute's prompt forwards (Qwen3-ASR's prefill, the aligner's forward) run their "
         "attention on fp32 SDPA, not the bf16 kernel",
     ),

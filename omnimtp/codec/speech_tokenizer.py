@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from transformers import DynamicCache, MimiConfig
+from transformers import MimiConfig
 from transformers.models.mimi.modeling_mimi import MimiSplitResidualVectorQuantizer
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
@@ -61,6 +61,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
+from omnimtp.codec import streaming
 from omnimtp.codec.streaming import (
     CodecStream,
     StreamingCode2Wav,
@@ -131,10 +132,9 @@ class DecoderTransformer(Qwen3OmniMoeCode2WavTransformerModel):
         self.input_proj = nn.Linear(latent_dim, config.hidden_size)
         self.output_proj = nn.Linear(config.hidden_size, latent_dim)
 
-    def project(self, latent: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
-        """[B, n, latent] → [B, n, latent]; with `cache`, the n frames continue the cached ones."""
-        hidden = self(inputs_embeds=self.input_proj(latent), cache=cache, use_cache=cache is not None)
-        return self.output_proj(hidden.last_hidden_state)
+    def project(self, latent: torch.Tensor) -> torch.Tensor:
+        """[B, n, latent] → [B, n, latent] (transformers' forward; streamed: `StreamedTransformer`)."""
+        return self.output_proj(self(inputs_embeds=self.input_proj(latent)).last_hidden_state)
 
 
 @dataclass
@@ -347,17 +347,25 @@ class _StreamingDecoder(StreamingCode2Wav):
 
     def new_stream(self) -> SpeechTokenizerStream:
         decoder = self.code2wav
-        return SpeechTokenizerStream(
-            cache=DynamicCache(config=decoder.config),
+        stream = SpeechTokenizerStream(
             conv_states=self.new_conv_states(),
             quantized_tail=decoder.pre_conv.conv.weight.new_zeros((1, decoder.codebook_dim, decoder.pre_conv.padding)),
         )
+        self.transformer.attach(stream)
+        return stream
 
-    def _advance_transformer(self, stream: SpeechTokenizerStream, block: torch.Tensor) -> torch.Tensor:
+    def _advance_transformer(self, streams: list[SpeechTokenizerStream], codes: list[torch.Tensor]) -> list:
+        """Each stream's quantizer and pre-conv on its own, then every stream's frames through the projected
+        transformer in one forward → [n_i, latent] each."""
         decoder = self.code2wav
-        quantized = decoder.quantizer.decode(block[None])  # [1, codebook_dim, n]
-        latent, stream.quantized_tail = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)
-        return decoder.pre_transformer.project(latent.transpose(1, 2), cache=stream.cache)[0]  # [n, latent]
+        latents = []
+        for stream, block in zip(streams, codes, strict=True):
+            quantized = decoder.quantizer.decode(block[None])  # [1, codebook_dim, n]
+            latent, stream.quantized_tail = causal_conv_step(decoder.pre_conv, quantized, stream.quantized_tail)
+            latents.append(latent[0].t())  # [n, latent]
+        counts = [block.shape[1] for block in codes]
+        hidden = self.transformer.run(streams, torch.cat(latents), counts, streaming.ROW_KERNEL_MAX_ROWS)  # [N, latent]
+        return list(hidden.split(counts))
 
 
 def tiny_speech_tokenizer(seed: int = 0, **decoder_overrides) -> SpeechTokenizerDecoder:

@@ -9,7 +9,8 @@ right only: 1920·F samples, none held back.)
 
 We stream it in two parts, both exact:
 - the transformer runs incrementally with its own KV cache (the sliding-window cache keeps the last 71
-  frames of every layer), so its output for a chunk equals the one-shot output;
+  frames of every layer), so its output for a chunk equals the one-shot output (up to float rounding); the
+  frames of every stream of a call run in one forward (`omnimtp.codec.stream_transformer`);
 - the conv stack is stateful: every layer keeps, per stream, exactly the inputs its next chunk needs from
   before it, at its own rate, so a chunk of n frames runs n frames' worth of convolution, whatever n:
   - a causal convolution of effective kernel K (dilation included) keeps its last K − 1 inputs (zeros
@@ -42,18 +43,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from transformers import DynamicCache
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCausalConvNet,
     Qwen3OmniMoeSnakeBeta,
 )
 
+from omnimtp.codec.stream_transformer import StreamedTransformer
 from omnimtp.runtime.decoder import ROW_KERNEL
 from omnimtp.runtime.kernels import bf16_rows_linear, small_batch_linear
 from omnimtp.runtime.ops import linear
@@ -70,14 +71,16 @@ ROW_STACK_BYTES = 2 << 20
 
 @dataclass
 class CodecStream:
-    """One request's decoder state."""
+    """One request's decoder state: its slot of the transformer's KV cache (`StreamedTransformer.attach`) and its
+    conv states."""
 
-    cache: DynamicCache
     # per stateful layer of the conv stack, in the order the signal meets them (`StreamingCode2Wav.state_layers`):
     # its last inputs [1, C_in, K − 1] (a causal conv of effective kernel K) or [1, C_in, ⌈k/s⌉ − 1] (a transposed
     # conv)
     conv_states: list[torch.Tensor]
     num_frames: int = 0  # frames decoded so far
+    slot: int = -1  # its slot of slot_owner's KV cache
+    slot_owner: StreamedTransformer | None = field(default=None, repr=False, compare=False)
 
 
 def codec_dtype_of(codec_dtype: str | None) -> torch.dtype:
@@ -111,6 +114,7 @@ class StreamingCode2Wav:
         # channels of one row's output-rate activations (the last conv's input: the largest tensors)
         last_conv = [m for m in _conv_stack_modules(code2wav) if isinstance(m, torch.nn.Conv1d)][-1]
         self._output_rate_channels = last_conv.in_channels
+        self.transformer = StreamedTransformer(code2wav.pre_transformer)
 
     @property
     def conv_dtype(self) -> torch.dtype:
@@ -124,7 +128,9 @@ class StreamingCode2Wav:
         return self.samples_per_frame * self._output_rate_channels * self.conv_dtype.itemsize
 
     def new_stream(self) -> CodecStream:
-        return CodecStream(cache=DynamicCache(config=self.code2wav.config), conv_states=self.new_conv_states())
+        stream = CodecStream(conv_states=self.new_conv_states())
+        self.transformer.attach(stream)
+        return stream
 
     def new_conv_states(self) -> list[torch.Tensor]:
         """A new stream's conv states: zeros (a causal conv's pad; a transposed conv's zero input before the first
@@ -155,7 +161,9 @@ class StreamingCode2Wav:
             if block.dim() != 2 or block.shape[0] != self.code2wav.config.num_quantizers or block.shape[1] == 0:
                 raise ValueError(f"codes: each block must be [G={self.code2wav.config.num_quantizers}, n>=1], "
                                  f"got {tuple(block.shape)}")
-        hiddens = [self._advance_transformer(stream, block) for stream, block in zip(streams, codes, strict=True)]
+        if not streams:
+            return []
+        hiddens = self._advance_transformer(streams, codes)
         # a stack that trims on the left does so in a stream's first chunk only: first chunks run apart
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, (stream, hidden) in enumerate(zip(streams, hiddens, strict=True)):
@@ -170,13 +178,13 @@ class StreamingCode2Wav:
                 audio[i] = wavs[row].float().cpu().numpy()
         return audio
 
-    def _advance_transformer(self, stream: CodecStream, block: torch.Tensor) -> torch.Tensor:
-        """block [G, n] → the transformer's output for its frames [n, Hc], the stream's KV cache advanced."""
+    def _advance_transformer(self, streams: list[CodecStream], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """codes[i] [G, n_i] → the transformer's output for each stream's frames [n_i, Hc], all streams in one
+        forward (`StreamedTransformer.run`), their KV caches advanced."""
         c2w = self.code2wav
-        offsets = c2w.code_offset[0]  # [G, 1]
-        embeds = c2w.code_embedding(block + offsets).mean(0)  # [n, Hc]
-        hidden = c2w.pre_transformer(inputs_embeds=embeds[None], cache=stream.cache, use_cache=True)
-        return hidden.last_hidden_state[0]
+        counts = [block.shape[1] for block in codes]
+        embeds = c2w.code_embedding(torch.cat(codes, dim=1) + c2w.code_offset[0]).mean(0)  # [N, Hc]
+        return list(self.transformer.run(streams, embeds, counts, ROW_KERNEL_MAX_ROWS).split(counts))
 
     def _conv_stack(self, hidden: torch.Tensor, streams: list[CodecStream], is_start: bool) -> torch.Tensor:
         """transformers' Code2Wav forward after its transformer, continuing each stream's conv states:

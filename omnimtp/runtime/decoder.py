@@ -13,7 +13,9 @@ weights packed once (`PackedDecoder.from_module`), and every decoder runs the sa
   top-k router, the shared expert's projections used as transformers stores them: at batch 1 it is most
   of the talker's bytes, and fusing its gate/up would only duplicate them); glm4_moe (group-limited
   sigmoid router in fp32 + fused shared experts). Routed experts are transformers' own tensors;
-- RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does.
+- RMSNorm statistics in fp32 and the weight applied after casting back, as transformers does;
+- LayerScale (code2wav's transformer: the attention and MLP outputs times a learnt [H] before their residual adds);
+  a sliding window is the caller's mask and cache (`sliding_window`, `KVCache.slide`).
 
 What differs between the decoders is a parameter, not a copy: the cache semantics (`where`: ragged
 slots, one shared length, or a fixed buffer at static positions), the mask (bool causal, additive from a
@@ -101,6 +103,10 @@ class LayerWeights:
     # `quantize_layer`: the router's fp32 rows (router_in, or glm4_moe's router weight) packed for omnimtp's fp32
     # kernel, so a token's routing, like the rest of a quantized layer, does not depend on the other rows
     router_row_kernel: torch.Tensor | None = None
+    # LayerScale (code2wav's transformer): the attention block's and the MLP's outputs times these [H] before their
+    # residual adds, as transformers' `self_attn_layer_scale` / `mlp_layer_scale`; None: no scale
+    attn_scale: torch.Tensor | None = None
+    mlp_scale: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
@@ -150,6 +156,9 @@ class PackedDecoder:
     quantized_lm_head: QuantizedWeight | None = field(default=None, compare=False, repr=False)
     # `with_quantized_lm_head(screen=True)`: that head with an int4 copy for greedy steps (`ScreenedHead`)
     screened_lm_head: ScreenedHead | None = field(default=None, compare=False, repr=False)
+    # every layer's sliding window (a query sees its last `sliding_window` positions, itself included), or None: the
+    # caller's mask applies it and its cache keeps that many (`KVCache.slide`); packed only when asked for by value
+    sliding_window: int | None = None
 
     def quantized(self, quantize: str | None) -> PackedDecoder:
         """This decoder with every layer's linears (qkv, o, gate/up, down; in a MoE layer its shared experts'
@@ -213,6 +222,24 @@ class PackedDecoder:
         lm_head = None if self.lm_head is None else pack(self.lm_head.float())
         return replace(self, row_kernel=layers, row_kernel_lm_head=lm_head, step_rope={})
 
+    def row_kernel_only(self) -> PackedDecoder:
+        """This decoder, packed for the row kernel (`with_row_kernel`), holding its packs alone: its layers' float
+        matrices become meta tensors of their shapes (all `linear` reads of a matrix it has a pack of), so the
+        fused copies packing made (qkv, gate/up) are let go. Its forwards must run on the packs
+        (`decoder_layers(packed_layers=row_kernel)`, any row count: a streamed codec's transformer, whose every row
+        takes the kernel); dense layers without biases only. None where the kernel does not apply."""
+        packed = self.with_row_kernel()
+        if packed.row_kernel is None or any(
+            layer.router is not None or layer.qkv_bias is not None or layer.o_bias is not None for layer in self.layers
+        ):
+            return None
+        names = ("qkv", "o", "gate_up", "mlp_down")
+        layers = tuple(
+            replace(layer, **{name: torch.empty(getattr(layer, name).shape, device="meta") for name in names})
+            for layer in packed.layers
+        )
+        return replace(packed, layers=layers)
+
     def with_dense_experts(self) -> PackedDecoder:
         """This decoder with every MoE layer whose router always picks every expert (`moe.routes_every_expert`)
         running its experts as one MLP (`moe.every_expert`: one matmul for every gate/up, one for every down,
@@ -262,9 +289,10 @@ class PackedDecoder:
         cls, model, dtype: torch.dtype | None = None, num_layers: int | None = None, **options
     ) -> PackedDecoder:
         """model: a transformers decoder (`layers`, `norm`, `rotary_emb`): Qwen3-Omni's thinker text model
-        or talker model, its code predictor's model, or a supported causal LM's `get_decoder()`. dtype:
-        default the module's own. num_layers: the first layers only (default all). options: `fused_norm`,
-        `fp32_attention`, `quantize` (see `from_layers`). ValueError when a layer is not supported."""
+        or talker model, its code predictor's model, a supported causal LM's `get_decoder()`, or code2wav's
+        transformer (`sliding_window`). dtype: default the module's own. num_layers: the first layers only (default
+        all). options: `fused_norm`, `fp32_attention`, `quantize` (see `from_layers`), `sliding_window`. ValueError
+        when a layer is not supported."""
         if not hasattr(model, "layers") or not hasattr(model, "rotary_emb") or not hasattr(model, "norm"):
             raise ValueError(
                 f"model must be a transformers decoder model (layers, norm, rotary_emb), got {type(model).__name__}"
@@ -296,18 +324,19 @@ class PackedDecoder:
         if stored is not None and (quantize is None or len(stored) != len(layers)):
             raise ValueError(f"stored: {len(stored)} layers' matrices in mode {quantize!r} for {len(layers)} layers")
         quantized_layers = None
+        window = options.get("sliding_window")
         with torch.no_grad():
             if quantize is None:
-                packed_layers = tuple(pack_layer(layer, config, dtype) for layer in layers)
+                packed_layers = tuple(pack_layer(layer, config, dtype, window) for layer in layers)
             elif stored is not None:
                 packed_layers, quantized_layers = zip(*(
-                    with_quantized_matrices(pack_layer(layer, config, dtype), matrices)
+                    with_quantized_matrices(pack_layer(layer, config, dtype, window), matrices)
                     for layer, matrices in zip(layers, stored, strict=True)
                 ), strict=True)
             else:
                 pairs = []
                 for layer in layers:
-                    pairs.append(quantize_layer(pack_layer(layer, config, dtype), quantize))
+                    pairs.append(quantize_layer(pack_layer(layer, config, dtype, window), quantize))
                     return_free_memory()  # the float temporaries of packing and quantizing, held by the heap
                 packed_layers, quantized_layers = zip(*pairs, strict=True)
         attn = layers[0].self_attn
@@ -342,11 +371,14 @@ class PackedDecoder:
         )
 
 
-def unsupported_layer_reason(layer) -> str | None:
-    """None if `pack_layer` can pack this transformers decoder layer, else why not (one phrase)."""
+def unsupported_layer_reason(layer, sliding_window: int | None = None) -> str | None:
+    """None if `pack_layer` can pack this transformers decoder layer, else why not (one phrase). sliding_window:
+    the window its attention may have (a decoder packed with `sliding_window`); any other is not supported."""
     attn, mlp = layer.self_attn, layer.mlp
-    if getattr(attn, "sliding_window", None) is not None:
-        return "sliding windows are not supported"
+    window = getattr(attn, "sliding_window", None)
+    if window != sliding_window:
+        return (f"a sliding window of {window} (pack with sliding_window={window}: the caller masks and slides its "
+                "cache by it)")
     biases = [getattr(attn, name).bias is None for name in ("q_proj", "k_proj", "v_proj")]
     if len(set(biases)) != 1:
         return "q/k/v projections must all have biases or none"
@@ -427,16 +459,16 @@ def with_quantized_matrices(
     ), quantized
 
 
-def pack_layer(layer, config, dtype: torch.dtype) -> LayerWeights:
+def pack_layer(layer, config, dtype: torch.dtype, sliding_window: int | None = None) -> LayerWeights:
     """One transformers decoder layer → LayerWeights: attention (+ biases, + qk norm), and a dense MLP, a
     Qwen3-MoE block (softmax top-k router, optional gated shared expert) or a glm4_moe block
-    (group-limited sigmoid router, shared experts)."""
-    reason = unsupported_layer_reason(layer)
+    (group-limited sigmoid router, shared experts); LayerScale where the layer has it (code2wav's)."""
+    reason = unsupported_layer_reason(layer, sliding_window)
     if reason is not None:
         raise ValueError(f"model: {reason}")
     attn, mlp = layer.self_attn, layer.mlp
     qk_norm = None
-    if getattr(attn, "q_norm", None) is not None:
+    if getattr(attn, "q_norm", None) is not None and not isinstance(attn.q_norm, torch.nn.Identity):
         qk_norm = cast(torch.cat([
             attn.q_norm.weight.expand(config.num_attention_heads, attn.head_dim),
             attn.k_norm.weight.expand(config.num_key_value_heads, attn.head_dim),
@@ -452,6 +484,8 @@ def pack_layer(layer, config, dtype: torch.dtype) -> LayerWeights:
         o=cast(attn.o_proj.weight, dtype),
         o_bias=None if attn.o_proj.bias is None else cast(attn.o_proj.bias, dtype),
         post_norm=cast(layer.post_attention_layernorm.weight, dtype),
+        **{name: cast(getattr(layer, scale).scale, dtype) for name, scale in (
+            ("attn_scale", "self_attn_layer_scale"), ("mlp_scale", "mlp_layer_scale")) if hasattr(layer, scale)},
     )
     if not hasattr(mlp, "experts"):  # dense MLP
         return LayerWeights(
@@ -601,7 +635,8 @@ def decoder_layer(
             mask = mask.expand(lead[0], -1, -1, -1)[:, 0][index, wanted][:, None]  # [R, 1, K, S]
         lead = torch.Size(wanted.shape)
     attn = attention(queries, keys, values, mask, decoder.scaling, fp32_manual=decoder.fp32_attention,
-                     bf16_many_rows=decoder.quantize in MANY_ROW_MODES)
+                     bf16_many_rows=decoder.quantize in MANY_ROW_MODES,
+                     kv_rows=where.slot_index if isinstance(where, KVWrite) and where.in_place else None)
     if on_epilogues:  # attn [R, T, Nq*D]
         count = lead.numel()
         attn_rows = small_batch_linear.quantize_rows_u8(attn.view(count, -1))
@@ -613,14 +648,16 @@ def decoder_layer(
         x, rows = w8a8_epilogues.residual_norm(w8a8_sums(hidden_rows[0], p_down), hidden_rows[1], None, x, next_norm,
                                                decoder.eps)
         return x.view(*lead, -1), rows
-    x = residual + linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
+    out = linear(attn, layer.o, layer.o_bias, p_o, gemm)  # attn [R, T, Nq*D]
+    x = residual + (out if layer.attn_scale is None else layer.attn_scale * out)
     residual = x
     normed = rms_norm(x, layer.post_norm, decoder.eps, fused=fused)
     mlp_packed = None if packed is None else (p_gate_up, p_down)
     if not lead:
-        return residual + mlp_block(layer, normed, mlp_packed, gemm), None
-    out = mlp_block(layer, normed.view(lead.numel(), -1), mlp_packed, gemm)  # [R*T, H]
-    return residual + out.view(*lead, -1), None
+        out = mlp_block(layer, normed, mlp_packed, gemm)
+    else:
+        out = mlp_block(layer, normed.view(lead.numel(), -1), mlp_packed, gemm).view(*lead, -1)  # [R, T, H]
+    return residual + (out if layer.mlp_scale is None else layer.mlp_scale * out), None
 
 
 def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, packed) -> bool:
@@ -629,6 +666,7 @@ def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, pac
     on the torch ops), no gradient, not under torch.compile, where the passes run."""
     return (
         decoder.fused_w8a8 and decoder.quantize in MANY_ROW_MODES and layer.router is None and packed is not None
+        and layer.attn_scale is None and layer.mlp_scale is None
         and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32
         and decoder.head_dim <= w8a8_epilogues.MAX_HEAD_DIM
         and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()

@@ -19,7 +19,10 @@ Uses:
   a row may attend to is the caller's kv_mask (left padding, rejected drafts of ragged rows); finished
   rows leave (`keep(slots, shrink=True)`, `keep_cache_rows`);
 - the code predictor: a fixed buffer of G columns written at positions [T] shared by the rows
-  (`append_kv` with a positions tensor: compile-friendly writes).
+  (`append_kv` with a positions tensor: compile-friendly writes);
+- a streamed codec's sliding-window transformer: a slot per stream (`add_slots` as streams come), each forward's
+  rows one position each, several of a slot's (`plan_positions`), attending to their slot in place; a slot keeps
+  the window's last positions only (`slide`), at a fixed capacity.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ class KVWrite:
     rows: the forward's slots as one slice of the buffer (consecutive slots), else None (gathered by
     slot_index); start: every row writes columns start..start+T-1 (equal lengths), else None;
     positions [R, T]: each row's new columns, or None when the write is one slice (rows and start);
-    num_columns: columns attention reads (the longest slot after the write)."""
+    num_columns: columns attention reads (the longest slot after the write); in_place: the rows attend to their
+    slots where they lie (`append_kv` returns every slot, `ops.attention` reads row r's at slot_index[r]), not to a
+    gathered copy (`KVCache.plan_positions`)."""
 
     rows: slice | None
     slot_index: torch.Tensor | None  # [R]
     start: int | None
     positions: torch.Tensor | None  # [R, T]
     num_columns: int
+    in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,46 @@ class KVCache:
         for slot in slots:
             self.lengths[slot] += num_new
 
+    def plan_positions(self, slots: list[int], counts: list[int]) -> KVWrite:
+        """A forward whose rows are one new position each: slot slots[i] takes counts[i] new positions (rows in
+        that order, a slot's in position order), each row attending to its own slot in place (`KVWrite.in_place`).
+        The slots must have room (`capacity`; see `slide`); `commit_positions` afterwards."""
+        starts = [self.lengths[s] for s in slots]
+        num_columns = max(start + count for start, count in zip(starts, counts, strict=True))
+        if num_columns > self.capacity:
+            raise ValueError(f"the KV buffer holds {self.capacity} positions a slot, {num_columns} were asked for")
+        slot_index = torch.tensor([s for s, count in zip(slots, counts, strict=True) for _ in range(count)])
+        columns = torch.tensor([start + j for start, count in zip(starts, counts, strict=True) for j in range(count)])
+        return KVWrite(None, slot_index.to(self.buffer.device), None, columns.to(self.buffer.device)[:, None],
+                       num_columns, in_place=True)
+
+    def commit_positions(self, slots: list[int], counts: list[int]) -> None:
+        """Slot slots[i] now holds counts[i] more positions (after a `plan_positions` forward)."""
+        for slot, count in zip(slots, counts, strict=True):
+            self.lengths[slot] += count
+
+    def slide(self, slot: int, keep: int) -> None:
+        """Slot keeps its last `keep` positions, moved to columns 0..keep-1; its RoPE offset grows by the positions
+        it drops, so each kept one keeps its RoPE position (a sliding-window layer's cache: a query sees only its
+        window's last positions)."""
+        length = self.lengths[slot]
+        if keep < length:
+            self.buffer[:, :, slot, :, :keep] = self.buffer[:, :, slot, :, length - keep : length].clone()
+            self.rope_offsets[slot] += length - keep
+            self.lengths[slot] = keep
+
+    def add_slots(self, count: int) -> list[int]:
+        """`count` more slots, empty (the buffer copied into a larger one) → their indexes."""
+        first = self.max_batch_size
+        grown = self.buffer.new_zeros((*self.buffer.shape[:2], first + count, *self.buffer.shape[3:]))
+        grown[:, :, :first] = self.buffer
+        self.buffer = grown
+        self.layer_views = layer_views(grown)
+        self.max_batch_size += count
+        self.lengths += [0] * count
+        self.rope_offsets += [0] * count
+        return list(range(first, first + count))
+
 
 def keep_cache_rows(cache, rows: list[int]) -> None:
     """Keep only the batch rows `rows` of a speculative loop's cache, in that order: a `KVCache` whose slots
@@ -265,6 +311,8 @@ def append_kv(
     else:
         keys[where.slot_index[:, None], :, where.positions] = new_keys
         values[where.slot_index[:, None], :, where.positions] = new_values
+    if where.in_place:  # every slot; row r reads slot_index[r]'s
+        return keys[:, :, : where.num_columns], values[:, :, : where.num_columns]
     if where.rows is not None:
         return keys[where.rows, :, : where.num_columns], values[where.rows, :, : where.num_columns]
     return (

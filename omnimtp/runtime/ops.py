@@ -633,16 +633,19 @@ def apply_rope(
 # Attention
 
 
-def _decode_attention_mask(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask) -> tuple[bool, object]:
+def _decode_attention_mask(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, kv_rows: torch.Tensor | None = None
+) -> tuple[bool, object]:
     """(whether one query position a row runs on omnimtp's kernel, the kernel's mask [R or 1, S] or None). It
-    does for query [R, Nq, D] in fp32 or bf16 on a CPU with the kernel, keys and values [R, Nkv, S, D] in its
-    dtype with contiguous rows, head_dim and group in its range, mask None or bool [R or 1, 1, 1, S], no gradient,
-    not under torch.compile."""
+    does for query [R, Nq, D] in fp32 or bf16 on a CPU with the kernel, keys and values [R, Nkv, S, D] (with
+    kv_rows: [B, Nkv, S, D]) in its dtype with contiguous rows, head_dim and group in its range, mask None or bool
+    [R or 1, 1, 1, S], no gradient, not under torch.compile."""
     num_rows, num_heads, head_dim = query.shape
     if not (
         query.dtype == keys.dtype == values.dtype and query.dtype in small_batch_linear.DECODE_ATTENTION_DTYPES
         and query.device.type == "cpu"
-        and keys.stride(-1) == 1 and values.stride(-1) == 1 and keys.shape[0] == values.shape[0] == num_rows
+        and keys.stride(-1) == 1 and values.stride(-1) == 1
+        and keys.shape[0] == values.shape[0] == (num_rows if kv_rows is None else keys.shape[0])
         and head_dim <= small_batch_linear.DECODE_ATTENTION_MAX_HEAD_DIM
         and num_heads % keys.shape[1] == 0
         and num_heads // keys.shape[1] <= small_batch_linear.DECODE_ATTENTION_MAX_GROUP
@@ -691,6 +694,7 @@ def attention(
     *,
     fp32_manual: bool = False,
     bf16_many_rows: bool = False,
+    kv_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention: query [R, T, Nq, D]; keys, values [R, Nkv, S, D] → [R, T, Nq * D]. Query
     head h uses key head h // (Nq / Nkv), as transformers' `repeat_kv` does. One row at one position may
@@ -708,7 +712,15 @@ def attention(
     bf16_many_rows: several positions a row (T > 1) in fp32 with a mask of each query seeing keys 0..n-1 (None,
     `CAUSAL`, or a bool mask of that form: a causal one by cache position) run on omnimtp's bf16 kernel where it
     applies (`bf16_attention`: AVX512_BF16, bf16 products and fp32 sums, fp32 SDPA's values within bf16 rounding,
-    each position's output the same bits whatever the other positions and rows); the rest as without it."""
+    each position's output the same bits whatever the other positions and rows); the rest as without it.
+    kv_rows: None, or int64 [R] the row of keys and values [B, Nkv, S, D] each query row (T = 1) reads: several
+    positions of one sequence, each its own query row with its own mask row, attend to its cache slot in place
+    (`small_batch_linear.decode_attention`'s kv_rows; elsewhere the rows are gathered first)."""
+    if kv_rows is not None:
+        on_kernel, rows_mask = _decode_attention_mask(query[:, 0], keys, values, mask, kv_rows)
+        if on_kernel and query.dim() == 4 and query.shape[1] == 1 and not fp32_manual:
+            return small_batch_linear.decode_attention(query[:, 0], keys, values, scale, rows_mask, kv_rows)[:, None]
+        keys, values = keys.index_select(0, kv_rows), values.index_select(0, kv_rows)
     if bf16_many_rows and query.dim() == 4 and query.shape[1] > 1 and not fp32_manual:
         out = _bf16_many_rows(query, keys, values, mask, scale)
         if out is not None:

@@ -1428,14 +1428,17 @@ static void attend_one_head(const float* qh, const void* kh, const void* vh, int
  * position s at k + r * k_batch_stride + h * k_head_stride + s * k_row_stride (values likewise; strides in
  * elements); mask: NULL (every position visible) or bytes, row r's at mask + r * mask_row_stride, nonzero =
  * visible (a stride of 0 shares one row). A masked position is skipped, not weighted by zero, so a row's output
- * is bit for bit the same alone (its visible positions only, no mask) and in any batch. out [R, Nq, D]. bf16:
+ * is bit for bit the same alone (its visible positions only, no mask) and in any batch. kv_rows: NULL, or the KV row
+ * each query row reads (row r's keys at k + kv_rows[r] * k_batch_stride ...: several query positions of one
+ * sequence attend to its cache slot in place, each with its own mask row). out [R, Nq, D]. bf16:
  * 0 for fp32 q, k, v and out; 1 for all four in bf16, the arithmetic in fp32 as above on the widened values and
  * each output rounded to bf16 once (to nearest, ties to even). */
 int omnimtp_decode_attention(const void* q, const void* k, const void* v, const uint8_t* mask, void* out,
                              int64_t num_rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t S, int64_t D,
                              int64_t q_row_stride, int64_t k_batch_stride, int64_t k_head_stride,
                              int64_t k_row_stride, int64_t v_batch_stride, int64_t v_head_stride,
-                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads, int bf16) {
+                             int64_t v_row_stride, int64_t mask_row_stride, float scale, int num_threads, int bf16,
+                             const int64_t* kv_rows) {
   if (D > ATTENTION_MAX_D || num_kv_heads < 1 || num_q_heads % num_kv_heads) return -2;
   const int64_t G = num_q_heads / num_kv_heads;
   if (G > ATTENTION_MAX_GROUP) return -2;
@@ -1457,12 +1460,13 @@ int omnimtp_decode_attention(const void* q, const void* k, const void* v, const 
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t r = t / num_kv_heads, h = t % num_kv_heads, first = (r * num_q_heads + h * G) * D;
+    const int64_t kv_row = kv_rows ? kv_rows[r] : r;
     const char* qh = (const char*)q + (size_t)(r * q_row_stride + h * G * D) * size;
     float widened_q[ATTENTION_MAX_GROUP * ATTENTION_MAX_D], result[ATTENTION_MAX_GROUP * ATTENTION_MAX_D];
     for (int64_t j = 0; bf16 && j < G * D; ++j) widened_q[j] = bf16_to_float(((const uint16_t*)qh)[j]);
     attend_one_head(bf16 ? widened_q : (const float*)qh,
-                    (const char*)k + (size_t)(r * k_batch_stride + h * k_head_stride) * size,
-                    (const char*)v + (size_t)(r * v_batch_stride + h * v_head_stride) * size, k_row_stride,
+                    (const char*)k + (size_t)(kv_row * k_batch_stride + h * k_head_stride) * size,
+                    (const char*)v + (size_t)(kv_row * v_batch_stride + h * v_head_stride) * size, k_row_stride,
                     v_row_stride, bf16, mask ? positions + r * span : NULL, mask ? counts[r] : S, G, D, scale,
                     work + t * G * span, bf16 ? result : (float*)out + first);
     for (int64_t j = 0; bf16 && j < G * D; ++j) ((uint16_t*)out)[first + j] = float_to_bf16(result[j]);

@@ -163,6 +163,7 @@ def _library() -> ctypes.CDLL | None:
     attention = lib.omnimtp_decode_attention
     attention.restype = ctypes.c_int
     attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 13 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    attention.argtypes += [ctypes.c_void_p]
     step = lib.omnimtp_w4a8_decode_step
     step.restype = ctypes.c_int
     step.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 7
@@ -555,7 +556,8 @@ DECODE_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # query, keys, values
 
 
 def decode_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    kv_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention of one query position a row: query [Nq, D] (one row) or [R, Nq, D]; keys and
     values [R, Nkv, S, D] CPU views whose rows are contiguous (a KV cache's, `omnimtp.runtime.kv_cache`), all
@@ -565,7 +567,9 @@ def decode_attention(
     output rounded to bf16 once, so a bf16 call gives fp32 SDPA's values on the widened tensors, rounded (SDPA's
     bf16 CPU kernel also rounds its probabilities to bf16: within a bf16 step or two of it). A masked key is left
     out, not weighted by zero, so a row's output is bit for bit the same alone (its visible keys, no mask) as in
-    any batch. Needs `available()`, one of those dtypes for all three, D up to DECODE_ATTENTION_MAX_HEAD_DIM and
+    any batch. kv_rows: None, or int64 [R] the row of keys and values each query row reads (keys and values then
+    [B, Nkv, S, D], any B: several positions of one sequence attend to its cache slot where it lies, no copy).
+    Needs `available()`, one of those dtypes for all three, D up to DECODE_ATTENTION_MAX_HEAD_DIM and
     Nq / Nkv up to DECODE_ATTENTION_MAX_GROUP (ValueError otherwise); no gradients, no other argument checks
     (`omnimtp.runtime.ops.attention` calls it where it applies)."""
     if not (query.dtype == keys.dtype == values.dtype and query.dtype in DECODE_ATTENTION_DTYPES):
@@ -579,6 +583,11 @@ def decode_attention(
     _, num_kv_heads, length, _ = keys.shape
     if mask is not None:
         mask = mask.contiguous()
+    if kv_rows is not None:
+        kv_rows = kv_rows.to(torch.int64).contiguous()
+        if kv_rows.shape != (num_rows,) or (num_rows and not 0 <= int(kv_rows.min()) <= int(kv_rows.max()) < len(keys)):
+            raise ValueError(f"decode_attention: kv_rows must be [{num_rows}] rows of keys [{len(keys)}, ...], "
+                             f"got {tuple(kv_rows.shape)}")
     out = torch.empty(num_rows, num_heads * head_dim, dtype=rows.dtype)
     status = lib.omnimtp_decode_attention(
         rows.data_ptr(), keys.data_ptr(), values.data_ptr(), None if mask is None else mask.data_ptr(),
@@ -586,7 +595,7 @@ def decode_attention(
         keys.stride(0) if keys.shape[0] > 1 else 0, keys.stride(1), keys.stride(2),
         values.stride(0) if values.shape[0] > 1 else 0, values.stride(1), values.stride(2),
         0 if mask is None or mask.shape[0] == 1 else mask.stride(0), scale, torch.get_num_threads(),
-        int(rows.dtype == torch.bfloat16),
+        int(rows.dtype == torch.bfloat16), None if kv_rows is None else kv_rows.data_ptr(),
     )
     if status == -2:
         raise ValueError(f"decode_attention: head_dim {head_dim} (at most {DECODE_ATTENTION_MAX_HEAD_DIM}) or "
