@@ -2329,6 +2329,13 @@ MUTATIONS = [
         "admission costs a step by the mean and lets in streams whose first steps run over the frame",
     ),
     Mutation(
+        "sizes_measured_at_start_taken_as_served", "omnimtp/server/admission.py",
+        "        for table in (self.costs, self.decode_costs):\n            table.seed(table.measured())",
+        "        for table in (self.costs, self.decode_costs):\n            pass",
+        ("tests/test_admission.py::test_sizes_measured_at_start_give_the_shape_and_serving_the_scale",),
+        "the costs measured at start without clients are taken as served costs, and a chat server admits too many",
+    ),
+    Mutation(
         "capacity_not_measured_at_start", "omnimtp/server/scheduler.py",
         "        for n in range(1, self.config.max_batch_size + 1):\n            for is_measured in (False, True):",
         "        for n in range(1, 2):\n            for is_measured in (False, True):",

@@ -108,6 +108,23 @@ def test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk
     assert fresh.costs.measured() == {1: pytest.approx(0.030)}
 
 
+def test_sizes_measured_at_start_give_the_shape_and_serving_the_scale():
+    """Start measures 1, 2, 3 streams at 20, 30, 40 ms a step (warm-up replies: nobody reads their audio); served,
+    one stream costs 50 ms (its client's events share the machine): the sizes not served yet are taken at 2.5 times
+    what start measured, not at start's figures, and the server keeps to one stream until it measures more."""
+    admission = Admission(max_streams=8)
+    for n, seconds in ((1, 0.020), (2, 0.030), (3, 0.040)):
+        for _ in range(3):
+            admission.costs.observe(n, seconds)
+    admission.decode_costs.observe(1, 0.010)
+    admission.seed_measured()
+    assert admission.capacity(frame_s=FRAME_S) == 5  # 4: the trend's 50 ms; 5: 67 ms in proportion; 6: 80 ms
+    assert admission.decode_costs.measured() == {1: pytest.approx(0.010)}
+    admission.costs.observe(1, 0.050)
+    assert admission.costs.measured() == pytest.approx({1: 0.050, 2: 0.075, 3: 0.100})
+    assert admission.capacity(frame_s=FRAME_S) == 1
+
+
 def test_capacity_is_what_measured_steps_keep_in_real_time():
     costs = StepCosts()
     admission = Admission(costs, max_streams=16)

@@ -26,11 +26,13 @@ What was measured outlives the process: the engine keeps the step costs on disk 
 speculation's calibrated costs in `omnimtp.spec_decode.cost_cache`, under a fingerprint of the model, the machine,
 omnimtp's code and the engine's settings) and a later start on the same fingerprint begins from them
 (`cached_step_costs`, `StepCosts.seed`), so a restarted server admits what it measured before instead of one stream
-at a time; a server with a warm-up reply also measures sizes above one at start, before a user asks
-(`omnimtp.server.scheduler.Engine`: the warm-up reply spoken by 2, 3, ... streams at once while each next size is
-predicted to fit). A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
+at a time; a server with a warm-up reply also measures the sizes at start, before a user asks
+(`omnimtp.server.scheduler.Engine`: the warm-up reply spoken by 1, 2, 3, ... streams at once while each size
+fits). A kept cost is wall time, and a slow spell of the machine (other work on it) may be in it: once this
 process has measured a size again, the sizes it has not are taken at their kept cost scaled by what that size
-measures now against its kept cost, so the kept costs give the shape and the machine of today the scale.
+measures now against its kept cost, so the kept costs give the shape and the machine of today the scale. The
+sizes measured at start are taken the same way (`Admission.seed_measured`): no client reads a warm-up reply, and a
+served stream's client costs the machine too (a chat's events and their encoding), so serving sets their scale.
 
     costs = StepCosts()
     costs.observe(1, 0.030); costs.observe(2, 0.050)
@@ -167,6 +169,14 @@ class Admission:
         where every chunk was one frame (the calls of a stream's first steps, `chunk_frames_after`)."""
         if chunk_frames and all(n == 1 for n in chunk_frames):
             self.decode_costs.observe(len(chunk_frames), seconds)
+
+    def seed_measured(self) -> None:
+        """What `costs` and `decode_costs` measured so far becomes the shape later measurements scale
+        (`StepCosts.seed`): costs measured apart from serving (the warm-up replies at start: no client reads their
+        audio) are taken as they are only until serving measures a size, and then scaled by what that size costs
+        while serving (its clients' events and their encoding share the machine)."""
+        for table in (self.costs, self.decode_costs):
+            table.seed(table.measured())
 
     def observe_frame_seconds(self, seconds: float) -> None:
         """A finished stream's audio seconds per frame (what real time means for this model's codec)."""

@@ -411,7 +411,16 @@ class Engine(ServedModel):
         """Admission's step costs by size before a user asks (the proportional guess from one size alone errs
         high, and a size is otherwise measured only once admitted): the warm-up reply spoken by n streams at once for
         CALIBRATION_FRAMES frames, twice (the first run's steps left out: they hold what a size's first steps cost
-        once), n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a user's request ends them."""
+        once), n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a user's request ends them.
+        What they measure is then taken as kept costs are, its scale set by serving (`Admission.seed_measured`):
+        no client reads a warm-up reply, and a chat's clients' events cost the machine more than a step's work."""
+        try:
+            self._measure_sizes()
+        finally:
+            with self._cond:  # the shape that serving's measurements scale
+                self.admission.seed_measured()
+
+    def _measure_sizes(self) -> None:
         budget = self.admission.headroom * self.admission.frame_s
         for n in range(1, self.config.max_batch_size + 1):
             for is_measured in (False, True):  # a size's first run holds what its first steps cost once
