@@ -2336,6 +2336,13 @@ MUTATIONS = [
         "the costs measured at start without clients are taken as served costs, and a chat server admits too many",
     ),
     Mutation(
+        "chat_sizes_measured_by_warm_up_replies", "omnimtp/server/scheduler.py",
+        "        if (self.admission is not None and not self.has_chat and not self._warm_stop.is_set()",
+        "        if (self.admission is not None and not self._warm_stop.is_set()",
+        ("tests/test_admission.py::test_a_chat_server_measures_its_sizes_while_serving_only",),
+        "a chat server takes its sizes from warm-up replies that show none of a chat's costs, and admits too many",
+    ),
+    Mutation(
         "capacity_not_measured_at_start", "omnimtp/server/scheduler.py",
         "        for n in range(1, self.config.max_batch_size + 1):\n            for is_measured in (False, True):",
         "        for n in range(1, 2):\n            for is_measured in (False, True):",

@@ -653,6 +653,26 @@ def test_the_warm_up_reply_measures_each_size_that_fits_before_a_user_asks(famil
             tight.shutdown()
 
 
+def test_a_chat_server_measures_its_sizes_while_serving_only():
+    """A chat model's warm-up reply is not spoken again by several streams: what a chat costs depends on its
+    prompt, its thinking and its client's events, which a warm-up reply does not show."""
+    from omnimtp.families.qwen3_omni import Qwen3OmniFamily
+
+    engine = Engine(Qwen3OmniFamily.tiny(0), model_id="omnimtp-tiny", max_frames=40, max_batch_size=3,
+                    admission=True, warm_up_reply=True)
+    engine.admission.frame_s = 10.0  # every size would fit
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.warm_up_reply_result is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert engine.warm_up_reply_result is not None
+        assert 2 not in engine.admission.costs.measured()
+    finally:
+        engine.shutdown()
+
+
 def caplog_has(caplog, prefix: str) -> bool:
     return any(record.getMessage().startswith(prefix) for record in caplog.records)
 

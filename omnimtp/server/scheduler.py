@@ -385,7 +385,7 @@ class Engine(ServedModel):
             self._run_warm_up_reply()
         if self.warm_up and not self._warm_stop.is_set():
             self._warm_up()
-        if (self.admission is not None and not self._warm_stop.is_set()
+        if (self.admission is not None and not self.has_chat and not self._warm_stop.is_set()
                 and (self.warm_up_reply_result or {}).get("ended") == Status.FINISHED.value):
             self._calibrate_capacity()  # (as the predictor runs from now on: compiled where it was)
         if self._observer is not None and self._observer.metrics is not None and not self._warm_stop.is_set():
@@ -408,12 +408,15 @@ class Engine(ServedModel):
                     request.status.value, len(request.frames), self.warm_up_reply_result["s"])
 
     def _calibrate_capacity(self) -> None:
-        """Admission's step costs by size before a user asks (the proportional guess from one size alone errs
-        high, and a size is otherwise measured only once admitted): the warm-up reply spoken by n streams at once for
-        CALIBRATION_FRAMES frames, twice (the first run's steps left out: they hold what a size's first steps cost
-        once), n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a user's request ends them.
-        What they measure is then taken as kept costs are, its scale set by serving (`Admission.seed_measured`):
-        no client reads a warm-up reply, and a chat's clients' events cost the machine more than a step's work."""
+        """A speech-only model's step costs by size before a user asks (the proportional guess from one size alone
+        errs high, and a size is otherwise measured only once admitted): the warm-up reply spoken by n streams at
+        once for CALIBRATION_FRAMES frames, twice (the first run's steps left out: they hold what a size's first
+        steps cost once), n = 1, 2, ... up to max_batch_size until a size does not fit a frame or a user's request
+        ends them. What they measure is taken as kept costs are, its scale set by serving
+        (`Admission.seed_measured`): no client reads a warm-up reply. A chat model's sizes are not measured so: a
+        chat's steps cost what its prompt and thinking do, and its client's events (text deltas, base64 audio) take
+        the machine too, none of which a warm-up reply shows (measured so, the demo Qwen3-Omni's start put 16 streams
+        within a frame, and under 8 chats a second its listeners stalled for a fifth of their audio)."""
         try:
             self._measure_sizes()
         finally:
