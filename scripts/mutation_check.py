@@ -2343,6 +2343,13 @@ MUTATIONS = [
         "a chat server takes its sizes from warm-up replies that show none of a chat's costs, and admits too many",
     ),
     Mutation(
+        "eager_ops_follow_another_threads_compile", "omnimtp/runtime/tracing.py",
+        "    return torch.compiler.is_compiling() and _traced_in_this_thread()",
+        "    return torch.compiler.is_compiling()",
+        ("tests/test_codec_transformer.py::test_a_decode_while_another_thread_compiles_runs_on_the_packs_with_the_same_bits",),
+        "a request decoded while the warm-up compiles in another thread takes the traced code's paths (other bits)",
+    ),
+    Mutation(
         "capacity_not_measured_at_start", "omnimtp/server/scheduler.py",
         "        for n in range(1, self.config.max_batch_size + 1):\n            for is_measured in (False, True):",
         "        for n in range(1, 2):\n            for is_measured in (False, True):",

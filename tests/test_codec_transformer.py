@@ -202,3 +202,19 @@ def test_decode_attention_reads_each_rows_kv_row_in_place():
     assert torch.equal(ours, gathered)
     with pytest.raises(ValueError, match="kv_rows"):
         small_batch_linear.decode_attention(query, keys, values, 0.25, mask, torch.tensor([0, 1, 2, 3, 0]))
+
+
+def test_a_decode_while_another_thread_compiles_runs_on_the_packs_with_the_same_bits(streamed, monkeypatch):
+    """torch.compile's "compiling" flag is the process's, not a thread's: while a background warm-up compiles the
+    code predictor, the engine thread's eager ops see it set (`omnimtp.runtime.tracing`). A decode then must run as
+    it does otherwise: the same rows bit for bit, and no `torch.mv` of the meta matrices the streamed transformer
+    holds in its packs' place (which failed every request decoded during a compile)."""
+    if not small_batch_linear.available():
+        pytest.skip(f"no row kernel here: {small_batch_linear.unavailable_reason()}")
+    decoder, _, width = streamed
+    chunks = [1, 2, 1, 3]
+    x = _inputs(sum(chunks), width, 7)
+    expected = _run(decoder, [decoder.new_stream()], [x], [chunks])[0]
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    assert torch.equal(_run(decoder, [decoder.new_stream()], [x], [chunks])[0], expected)

@@ -55,6 +55,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnimtp.codec.stream_transformer import StreamedTransformer
+from omnimtp.runtime import tracing
 from omnimtp.runtime.decoder import ROW_KERNEL
 from omnimtp.runtime.kernels import bf16_rows_linear, small_batch_linear
 from omnimtp.runtime.ops import linear
@@ -424,9 +425,10 @@ BF16_ROWS_MAX_STEPS = 17
 
 def _rows_kernel(weight: torch.Tensor, x: torch.Tensor, steps: int) -> bool:
     """Whether a layer of `weight` runs its `steps` steps a request of x on the bf16 rows kernel
-    (BF16_ROWS_MAX_STEPS); where the CPU lacks AVX512_BF16, never."""
+    (BF16_ROWS_MAX_STEPS, `bf16_rows_linear.applies`); where the CPU lacks AVX512_BF16, never."""
     return (steps <= BF16_ROWS_MAX_STEPS and weight.dtype == x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and 1 in weight.stride() and not torch.is_grad_enabled() and bf16_rows_linear.available())
+            and 1 in weight.stride() and not torch.is_grad_enabled() and not tracing.is_compiling()
+            and bf16_rows_linear.available())
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from omnimtp.runtime import w4a8_step
+from omnimtp.runtime import tracing, w4a8_step
 from omnimtp.runtime.device import return_free_memory
 from omnimtp.runtime.kernels import small_batch_linear, w8a8_epilogues
 from omnimtp.runtime.kv_cache import KVCache, KVWrite, append_kv
@@ -669,7 +669,7 @@ def fuses_w8a8(decoder: PackedDecoder, layer: LayerWeights, x: torch.Tensor, pac
         and layer.attn_scale is None and layer.mlp_scale is None
         and x.dim() == 3 and x.shape[1] > 1 and x.dtype == torch.float32
         and decoder.head_dim <= w8a8_epilogues.MAX_HEAD_DIM
-        and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and x.requires_grad) and not tracing.is_compiling()
         and w8a8_epilogues.available()
     )
 

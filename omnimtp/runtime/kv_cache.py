@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnimtp.runtime import tracing
+
 
 @dataclass(frozen=True)
 class KVWrite:
@@ -282,7 +284,7 @@ def append_kv(
     if isinstance(where, torch.Tensor):
         positions, num_rows, num_kv_heads = where, new_keys.shape[0], new_keys.shape[2]
         new_keys, new_values = new_keys.transpose(1, 2), new_values.transpose(1, 2)  # [R, Nkv, T, D]
-        if not torch.compiler.is_compiling():
+        if not tracing.is_compiling():
             buffer[layer, 0, :num_rows].index_copy_(2, positions, new_keys)
             buffer[layer, 1, :num_rows].index_copy_(2, positions, new_values)
         else:

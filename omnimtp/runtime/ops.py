@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from omnimtp.runtime import tracing
 from omnimtp.runtime.kernels import bf16_attention, encoder_epilogue, small_batch_linear
 
 
@@ -50,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, fused:
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     if x.dtype == torch.float32 and weight.dim() == 1 and weight.dtype == torch.float32:
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        if x.device.type == "cpu" and not tracing.is_compiling():
             # `F.rms_norm`'s CPU kernels one by one (x², sum, / D, + eps, rsqrt, · x, · weight: the same
             # values), with D and eps as fp32 tensors made once: its scalar operands cost a conversion
             # each call, about a quarter of its time on a small decoder's rows
@@ -344,7 +345,7 @@ def linear(
         # the kernel's output is a new tensor: the bias added in place (the same sums, no second output to allocate)
         in_place = bias.dtype == out.dtype and not (torch.is_grad_enabled() and bias.requires_grad)
         return out.add_(bias) if in_place else out + bias
-    onednn = packed is not None and gemm.kind == "onednn" and not torch.compiler.is_compiling()
+    onednn = packed is not None and gemm.kind == "onednn" and not tracing.is_compiling()
     if bias is not None and not onednn:
         return F.linear(x, weight, bias)
     rows = x.shape[:-1].numel()
@@ -352,8 +353,9 @@ def linear(
     # call: fewer than PACKED_GEMM_MIN_ROWS rows of a small matrix stay on `torch.mv` / `F.linear`
     # (inductor's own code), where that cost would dominate; a large matrix takes far longer to read.
     if packed is not None and gemm.kind == "row" and (
-        not torch.compiler.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS
+        not tracing.is_compiling() or rows >= PACKED_GEMM_MIN_ROWS
         or weight.numel() >= COMPILED_KERNEL_MIN_WEIGHTS
+        or weight.is_meta  # held as its pack alone (`PackedDecoder.row_kernel_only`): no other path
     ):
         out = small_batch_linear.small_batch_linear_unchecked(x.reshape(rows, x.shape[-1]), packed, weight.shape[0])
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -364,7 +366,7 @@ def linear(
     if packed is None or gemm.kind == "row":
         return F.linear(x, weight)
     x2d = x.reshape(rows, x.shape[-1])
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing.is_compiling()
     if gemm.kind == "onednn":
         if compiling:
             out = _onednn_packed_linear_op(x2d, packed, weight.shape[0])
@@ -652,7 +654,7 @@ def _decode_attention_mask(
         and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
                               and mask.shape[0] in (1, num_rows) and mask.shape[3] == keys.shape[2]))
         and not (torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad))
-        and not torch.compiler.is_compiling() and small_batch_linear.available()
+        and not tracing.is_compiling() and small_batch_linear.available()
     ):
         return False, None
     return True, None if mask is None else mask[:, 0, 0]

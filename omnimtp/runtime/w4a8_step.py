@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnimtp.runtime import tracing
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVWrite
 from omnimtp.runtime.ops import QuantizedWeight
@@ -105,7 +106,7 @@ def applies(x: torch.Tensor, kv_buffer, where, mask) -> bool:
         and (x.dim() == 1 or (x.dim() == 3 and x.shape[1] == 1))
         and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
                               and mask.shape[3] == where.num_columns))
-        and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and x.requires_grad) and not tracing.is_compiling()
     )
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from omnimtp.runtime import w4a8_step
+from omnimtp.runtime import tracing, w4a8_step
 from omnimtp.runtime.decoder import PackedDecoder, decoder_layers
 from omnimtp.runtime.kernels import small_batch_linear
 from omnimtp.runtime.kv_cache import KVCache
@@ -332,7 +332,7 @@ def _step(
     if gemm is not None and gemm.rows is not None and batch_size != gemm.rows:
         raise ValueError(f"step_input has {batch_size} rows, the packed matrices are for {gemm.rows}")
     op = None if gemm is None else gemm.op
-    native = None if gemm is not None or torch.compiler.is_compiling() else w4a8_step.step_table(decoder)
+    native = None if gemm is not None or tracing.is_compiling() else w4a8_step.step_table(decoder)
     if native is not None:  # w4a8, eager: every layer in one native call (`omnimtp.runtime.w4a8_step`)
         x = w4a8_step.run_block(decoder, native, step_input, rope, kv_cache, positions)
     else:

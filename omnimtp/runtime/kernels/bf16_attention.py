@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from omnimtp.runtime import tracing
 from omnimtp.runtime.kernels import small_batch_linear
 
 _SOURCE = Path(__file__).with_name("bf16_attention.c")
@@ -65,7 +66,7 @@ def applies(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bo
         and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
         and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP
         and not (torch.is_grad_enabled() and (query.requires_grad or keys.requires_grad or values.requires_grad))
-        and not torch.compiler.is_compiling() and available()
+        and not tracing.is_compiling() and available()
     )
 
 

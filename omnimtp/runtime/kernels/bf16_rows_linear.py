@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from omnimtp.runtime import tracing
 from omnimtp.runtime.kernels import small_batch_linear
 
 _SOURCE = Path(__file__).with_name("bf16_rows_linear.c")
@@ -59,7 +60,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
         and weight.dim() == 2 and x.dim() >= 1 and x.shape[-1] == weight.shape[1] and 1 in weight.stride()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not torch.compiler.is_compiling() and available()
+        and not tracing.is_compiling() and available()
     )
 
 

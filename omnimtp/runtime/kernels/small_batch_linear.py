@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from omnimtp.runtime import tracing
 from omnimtp.runtime.cache_dir import cache_root
 
 _SOURCE = Path(__file__).with_name("small_batch_linear.c")
@@ -285,7 +286,7 @@ def small_batch_linear(
 def small_batch_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """`small_batch_linear` without the argument checks (~3 us a call), for callers that packed the
     weights themselves and pass fp32 CPU rows of the right width."""
-    if torch.compiler.is_compiling():
+    if tracing.is_compiling():
         return _small_batch_linear_op(x, packed, out_features)
     return _run(x.contiguous(), packed, out_features, *tiling())
 
@@ -354,7 +355,7 @@ def quantized_linear(
 ) -> torch.Tensor:
     """x [M, K] fp32 @ dequantized W.T → [M, out_features], W from `quantize_int8` (group_size None) or
     `quantize_int4`. Needs `available()`; no argument checks (callers pass what they quantized)."""
-    if torch.compiler.is_compiling():
+    if tracing.is_compiling():
         return _quantized_linear_op(x, packed, scales, out_features, group_size or 0)
     return _run_quantized(x.contiguous(), packed, scales, out_features, group_size or 0)
 
@@ -477,7 +478,7 @@ def w4a8_linear(
     words of 8 inputs (one group of all K may be any width); no other argument checks."""
     if isa is not None and isa not in W4A8_ISAS:
         raise ValueError(f"isa must be None or one of {W4A8_ISAS}, got {isa!r}")
-    if torch.compiler.is_compiling():
+    if tracing.is_compiling():
         return _w4a8_linear_op(x, packed, scales, out_features, group_size)
     return _run_w4a8(x.contiguous(), packed, scales, out_features, group_size, isa)
 
