@@ -104,8 +104,9 @@ def test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk
     assert admission.costs.measured()[2] == pytest.approx(0.090)
     assert admission.capacity(frame_s=FRAME_S) == 1
     fresh = Admission(max_streams=4)  # no one-frame call measured yet: the step as it was
+    fresh.observe_decode([1, 1, 1], 0.020, is_first=True)  # newcomers' first chunks: a cost of their start
     fresh.observe_step(1, 0.030, 0.010)
-    assert fresh.costs.measured() == {1: pytest.approx(0.030)}
+    assert fresh.costs.measured() == {1: pytest.approx(0.030)} and fresh.decode_costs.measured() == {}
 
 
 def test_sizes_measured_at_start_give_the_shape_and_serving_the_scale():

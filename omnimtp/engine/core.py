@@ -104,7 +104,8 @@ class EngineCore:
         self.family = family
         self.config = config or EngineConfig()
         self.lock = lock if lock is not None else contextlib.nullcontext()
-        # optional: .stage(name, s), .phase(name, s), .talker_batch(n), and .decoded(chunk frames, s) if it has one
+        # optional: .stage(name, s), .phase(name, s), .talker_batch(n), and, if it has one, .decoded(chunk frames, s,
+        # is_first) after each code2wav call
         self.observer = observer
         self.waiting: deque[Request] = deque()
         self.running: dict[Hashable, Request] = {}
@@ -273,7 +274,7 @@ class EngineCore:
         now = time.perf_counter()
         self._phase("talk", started + early_decode_s)  # the first chunks decoded within count as code2wav
         first, later = self._due_chunks()
-        yield from self._decode_blocks(first)
+        yield from self._decode_blocks(first, is_first=True)
         yield from self._decode_blocks(later)
         self._phase("code2wav", now - early_decode_s)
         yield from self._retire()
@@ -557,7 +558,7 @@ class EngineCore:
         if not self.family.codec_looks_ahead:
             started = time.perf_counter()
             first, later = self._due_chunks()
-            yield from self._decode_blocks(first)
+            yield from self._decode_blocks(first, is_first=True)
             yield from self._decode_blocks(later)
             decode_s = time.perf_counter() - started
         frames = self.talker.advance(taken)
@@ -688,8 +689,8 @@ class EngineCore:
         target = self.config.first_chunk_frames
         return min(pending, target) if pending >= target or request.talker_finish_reason is not None else 0
 
-    def _decode_blocks(self, ready: list[tuple[Request, int]]) -> list[StepEvent]:
-        """The next n frames of each request through code2wav in one batch."""
+    def _decode_blocks(self, ready: list[tuple[Request, int]], is_first: bool = False) -> list[StepEvent]:
+        """The next n frames of each request through code2wav in one batch (is_first: their first chunks)."""
         if not ready:
             return []
         blocks = [torch.stack(r.frames[r.num_decoded : r.num_decoded + n], dim=1) for r, n in ready]  # [G, n] each
@@ -699,7 +700,7 @@ class EngineCore:
         now = time.perf_counter()
         decoded = getattr(self.observer, "decoded", None)  # (an observer may leave it out)
         if decoded is not None:
-            decoded([n for _, n in ready], now - started)
+            decoded([n for _, n in ready], now - started, is_first)
         frame_s = (now - started) / sum(n for _, n in ready)
         self.decode_frame_s = frame_s if self.decode_frame_s == 0 else 0.8 * self.decode_frame_s + 0.2 * frame_s
         events = []

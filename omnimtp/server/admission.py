@@ -154,20 +154,22 @@ class Admission:
         return capacity
 
     def observe_step(self, num_streams: int, seconds: float, decode_s: float = 0.0) -> None:
-        """A step that made a frame for num_streams streams took `seconds`, decode_s of them in the codec: into
-        `costs` as the step in which every one of those streams decodes a one-frame chunk would cost (the step
-        without its decoding, plus `decode_costs`' one-frame calls of num_streams chunks; the step as it was while
-        none is measured)."""
+        """A step that made a frame for num_streams streams took `seconds`, decode_s of them in the codec's calls of
+        later (not first) chunks: into `costs` as the step in which every one of those streams decodes a one-frame
+        chunk would cost (the step without those calls, plus `decode_costs`' one call of num_streams one-frame
+        chunks; the step as it was while none is measured). A newcomer's first chunk is decoded in a call of its
+        own, a cost of its start as its prefill is: it stays in the step as it was."""
         if num_streams < 1 or not seconds >= 0:
             return
         one_frame = self.decode_costs.predict(num_streams)
         decode_s = min(max(decode_s, 0.0), seconds)
         self.costs.observe(num_streams, seconds if one_frame is None else seconds - decode_s + one_frame)
 
-    def observe_decode(self, chunk_frames: list[int], seconds: float) -> None:
-        """A codec call decoded chunks of chunk_frames frames (one per stream) in `seconds`: into `decode_costs`
-        where every chunk was one frame (the calls of a stream's first steps, `chunk_frames_after`)."""
-        if chunk_frames and all(n == 1 for n in chunk_frames):
+    def observe_decode(self, chunk_frames: list[int], seconds: float, is_first: bool = False) -> None:
+        """A codec call decoded chunks of chunk_frames frames (one per stream; is_first: their first chunks) in
+        `seconds`: into `decode_costs` where every chunk was a later chunk of one frame (the calls of streams' first
+        steps, `chunk_frames_after`)."""
+        if chunk_frames and not is_first and all(n == 1 for n in chunk_frames):
             self.decode_costs.observe(len(chunk_frames), seconds)
 
     def seed_measured(self) -> None:

@@ -59,7 +59,8 @@ class _Observer:
     def __init__(self, metrics):
         self.metrics = metrics
         self.num_streams = 0
-        self.decode_calls: list[tuple[list[int], float]] = []  # the step's codec calls: (chunk frames, seconds)
+        # the step's codec calls: (chunk frames, seconds, whether they were first chunks)
+        self.decode_calls: list[tuple[list[int], float, bool]] = []
 
     def stage(self, stage: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -69,8 +70,8 @@ class _Observer:
         if self.metrics is not None:
             self.metrics.engine_phase.labels(phase=phase).observe(seconds)
 
-    def decoded(self, chunk_frames: list[int], seconds: float) -> None:
-        self.decode_calls.append((chunk_frames, seconds))
+    def decoded(self, chunk_frames: list[int], seconds: float, is_first: bool) -> None:
+        self.decode_calls.append((chunk_frames, seconds, is_first))
 
     def talker_batch(self, size: int) -> None:
         self.num_streams = size
@@ -587,10 +588,10 @@ class Engine(ServedModel):
                 if self.admission is not None:
                     seconds, calls = time.perf_counter() - started, self._observer.decode_calls
                     with self._cond:  # the HTTP side reads the costs for a Retry-After
-                        for chunk_frames, call_s in calls:
-                            self.admission.observe_decode(chunk_frames, call_s)
+                        for chunk_frames, call_s, is_first in calls:
+                            self.admission.observe_decode(chunk_frames, call_s, is_first)
                         self.admission.observe_step(self._observer.num_streams, seconds,
-                                                    sum(call_s for _, call_s in calls))
+                                                    sum(call_s for _, call_s, is_first in calls if not is_first))
                         self._steps_since_kept += self._observer.num_streams > 0
                     if self._steps_since_kept >= _KEEP_STEP_COSTS_EVERY:
                         self._keep_step_costs()
