@@ -2323,15 +2323,25 @@ MUTATIONS = [
     ),
     Mutation(
         "admission_by_the_mean_step", "omnimtp/server/admission.py",
-        "self.costs.observe(num_streams, seconds if one_frame is None else seconds - decode_s + one_frame)",
-        "self.costs.observe(num_streams, seconds)",
-        ("tests/test_admission.py::test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk",),
+        "        costs = [c for c in (self.costs.predict(num_streams), self.first_steps.predict(num_streams)) if c",
+        "        costs = [c for c in (self.costs.predict(num_streams),) if c",
+        ("tests/test_admission.py::"
+         "test_a_step_is_costed_as_measured_and_as_one_in_which_every_stream_decodes_a_one_frame_chunk",),
         "admission costs a step by the mean and lets in streams whose first steps run over the frame",
     ),
     Mutation(
+        "admission_by_the_first_steps_alone", "omnimtp/server/admission.py",
+        "        costs = [c for c in (self.costs.predict(num_streams), self.first_steps.predict(num_streams)) if c",
+        "        costs = [c for c in (self.first_steps.predict(num_streams) or self.costs.predict(num_streams),) if c",
+        ("tests/test_admission.py::"
+         "test_a_step_is_costed_as_measured_and_as_one_in_which_every_stream_decodes_a_one_frame_chunk",),
+        "admission costs a step as a stream's first steps only and lets in chats whose later steps cost more",
+    ),
+    Mutation(
         "sizes_measured_at_start_taken_as_served", "omnimtp/server/admission.py",
-        "        for table in (self.costs, self.decode_costs):\n            table.seed(table.measured())",
-        "        for table in (self.costs, self.decode_costs):\n            pass",
+        "        for table in (self.costs, self.first_steps, self.decode_costs):\n"
+        "            table.seed(table.measured())",
+        "        for table in (self.costs, self.first_steps, self.decode_costs):\n            pass",
         ("tests/test_admission.py::test_sizes_measured_at_start_give_the_shape_and_serving_the_scale",),
         "the costs measured at start without clients are taken as served costs, and a chat server admits too many",
     ),
@@ -2432,9 +2442,10 @@ MUTATIONS = [
     ),
     Mutation(
         "later_chunks_after_the_talker_forward", "omnimtp/engine/core.py",
-        "            first, later = self._due_chunks()\n            yield from self._decode_blocks(first)\n"
+        "            first, later = self._due_chunks()\n"
+        "            yield from self._decode_blocks(first, is_first=True)\n"
         "            yield from self._decode_blocks(later)\n            decode_s = time.perf_counter() - started\n",
-        "            first, _ = self._due_chunks()\n            yield from self._decode_blocks(first)\n"
+        "            first, _ = self._due_chunks()\n            yield from self._decode_blocks(first, is_first=True)\n"
         "            decode_s = time.perf_counter() - started\n",
         ADMISSION, "a later chunk whose frames are made waits for the talker's forward toward the next frame",
     ),

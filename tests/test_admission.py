@@ -86,27 +86,34 @@ def test_a_step_cost_counts_the_chunk_decoding_of_the_few_steps_that_decode():
     assert Admission(costs, max_streams=4).capacity(frame_s=FRAME_S) == 1
 
 
-def test_a_step_is_costed_as_one_in_which_every_stream_decodes_a_one_frame_chunk():
+def test_a_step_is_costed_as_measured_and_as_one_in_which_every_stream_decodes_a_one_frame_chunk():
     """Two streams' steps: their first eight each decode both streams' one-frame chunks in one codec call (50 ms of
     a 90 ms step), later ones mostly decode nothing (40 ms) and one in four a four-frame chunk each (100 ms). Their
     mean step, 64 ms, fits 0.9 of an 80 ms frame, yet the first eight ran over it and the listeners, who then hold
-    one frame, stalled. Costed as a step of one-frame chunks (less its own codec calls, plus the measured call of
-    two one-frame chunks), every step costs 90 ms, and two streams do not fit."""
-    admission, by_mean = Admission(max_streams=4), Admission(max_streams=4)
+    one frame, stalled. Costed as a step of one-frame chunks (less its own later chunks' calls, plus the measured
+    call of two one-frame chunks), every step costs 90 ms, and two streams do not fit. The other way round, steps
+    whose later chunks cost more than one-frame ones (a chat's, with newcomers all the time) count as they came."""
+    admission = Admission(max_streams=4)
     steps = [(0.090, [1, 1], 0.050)] * 8 + ([(0.040, None, 0.0)] * 3 + [(0.100, [4, 4], 0.060)]) * 6
     for seconds, chunk_frames, decode_s in steps:
         if chunk_frames is not None:
             admission.observe_decode(chunk_frames, decode_s)
         admission.observe_step(2, seconds, decode_s)
-        by_mean.costs.observe(2, seconds)
-    assert by_mean.costs.measured()[2] == pytest.approx(0.06375) and by_mean.capacity(frame_s=FRAME_S) == 2
+    assert admission.costs.measured()[2] == pytest.approx(0.06375)  # the mean fits: 0.9 · 0.080 = 0.072
     assert admission.decode_costs.measured() == {2: pytest.approx(0.050)}  # the four-frame calls are not one-frame
-    assert admission.costs.measured()[2] == pytest.approx(0.090)
-    assert admission.capacity(frame_s=FRAME_S) == 1
+    assert admission.first_steps.measured()[2] == pytest.approx(0.090)
+    assert admission.step_cost(2) == pytest.approx(0.090) and admission.capacity(frame_s=FRAME_S) == 1
+    busy = Admission(max_streams=4)  # one-frame calls cheap, the steps' other calls dear: the mean rules
+    busy.observe_decode([1, 1], 0.010)
+    for _ in range(4):
+        busy.observe_step(2, 0.080, 0.050)
+    assert busy.first_steps.measured()[2] == pytest.approx(0.040) and busy.step_cost(2) == pytest.approx(0.080)
+    assert busy.capacity(frame_s=FRAME_S) == 1
     fresh = Admission(max_streams=4)  # no one-frame call measured yet: the step as it was
     fresh.observe_decode([1, 1, 1], 0.020, is_first=True)  # newcomers' first chunks: a cost of their start
     fresh.observe_step(1, 0.030, 0.010)
-    assert fresh.costs.measured() == {1: pytest.approx(0.030)} and fresh.decode_costs.measured() == {}
+    assert fresh.step_cost(1) == pytest.approx(0.030) and fresh.decode_costs.measured() == {}
+    assert fresh.first_steps.measured() == {}
 
 
 def test_sizes_measured_at_start_give_the_shape_and_serving_the_scale():

@@ -1,23 +1,25 @@
 """Admission by measured real-time capacity: streams already playing keep real time.
 
-One engine step makes one audio frame for every stream in the talker batch, so n streams play in real time
-while a step of n costs no more than a frame's audio (80 ms at 12.5 Hz). A streamed request's chunks start at one
-frame and grow as its listener's lead does (`omnimtp.engine.playback.chunk_frames_after`): every step of its first
-frames decodes a chunk, and a later chunk of n frames is decoded once in n steps. A codec call has a large fixed
-part, so a stream's first steps are its dearest: a step in which every stream decodes a one-frame chunk is the
-costliest that must keep real time (a later, longer chunk's call is spread over the steps whose frames it holds,
-as its listener's lead has grown meanwhile). Admitting by the mean step instead let two streams in whose first
-steps ran over the frame while the mean fitted, and they stalled. So `StepCosts` measures, on this machine as the
-engine runs, what a step of n streams costs as that step would (`Admission.observe_step`: each step less its
-codec calls, plus what the codec costs for n one-frame chunks in one call, `decode_costs`, measured from the calls
-that decode only one-frame chunks, `observe_decode`), the mean of its recent steps at each n; the capacity is the
-largest n whose cost stays within `headroom` of a frame. A size not measured yet is estimated from
-the sizes below it: one stream more than the largest measured by the trend of the two largest (a step's cost
-is a fixed part plus a part per stream, so the next stream adds what the last one added; a cost that grows
-faster than that only shows in the trend, which then errs high), any further size in proportion to the largest
-measured (the fixed part left out, so it errs high). Capacity so grows one measured stream at a time and
-never rests on a guess that is too kind by more than one stream's increment; the proportional guess alone
-would never try a stream whose step fits only thanks to the fixed part, and so never measure it.
+One engine step makes one audio frame for every stream in the talker batch, so n streams play in real time while a
+step of n costs no more than a frame's audio (80 ms at 12.5 Hz). A streamed request's chunks start at one frame and
+grow as its listener's lead does (`omnimtp.engine.playback.chunk_frames_after`): every step of its first frames
+decodes a chunk, and a later chunk of n frames is decoded once in n steps. A codec call has a large fixed part, so a
+stream's first steps are its dearest: a step in which every stream decodes a one-frame chunk is the costliest that
+must keep real time (a later, longer chunk's call is spread over the steps whose frames it holds, as its listener's
+lead has grown meanwhile). Admitting by the mean step alone let two streams in whose first steps ran over the frame
+while the mean fitted, and they stalled; admitting by their first steps alone let a chat server take streams whose
+later chunks, a newcomer's prefill and first chunk in nearly every step, cost more. So `Admission` measures, on this
+machine as the engine runs, both at each n: the mean of its recent steps (`costs`: all the work as it came) and the
+same steps costed as a stream's first steps (`first_steps`, from `Admission.observe_step`: each step less its calls of
+later chunks, plus what the codec costs for n one-frame chunks in one call, `decode_costs`, measured from the calls
+that decode only one-frame later chunks, `observe_decode`); the capacity is the largest n whose larger cost
+(`step_cost`) stays within `headroom` of a frame. A size not measured yet is estimated from the sizes below it: one
+stream more than the largest measured by the trend of the two largest (a step's cost is a fixed part plus a part per
+stream, so the next stream adds what the last one added; a cost that grows faster than that only shows in the trend,
+which then errs high), any further size in proportion to the largest measured (the fixed part left out, so it errs
+high). Capacity so grows one measured stream at a time and never rests on a guess that is too kind by more than one
+stream's increment; the proportional guess alone would never try a stream whose step fits only thanks to the fixed
+part, and so never measure it.
 A stream that would push the playing ones under real time waits in the queue (`EngineCore.max_speaking`);
 past `--max-queue` a request is refused with 429 and a `Retry-After` estimated from how long streams last
 (`retry_after_s`).
@@ -125,16 +127,18 @@ class Admission:
     """How many streams may play at once (`capacity`) and how long a refused client should wait (`retry_after_s`).
     max_streams: the engine's slots; headroom: the share of a frame's audio a step may cost.
 
-    costs: a step's seconds by streams as in the costliest phase of a stream (`observe_step`); decode_costs: the
-    codec's seconds a call by the number of one-frame chunks it decodes (`observe_decode`)."""
+    costs: a step's seconds by streams, as measured; first_steps: the same steps costed as if every stream decoded
+    a one-frame chunk in them (`observe_step`); decode_costs: the codec's seconds a call by the number of one-frame
+    later chunks it decodes (`observe_decode`). A size fits when both its costs do (`step_cost`)."""
 
     def __init__(self, costs: StepCosts | None = None, *, max_streams: int, headroom: float = DEFAULT_HEADROOM,
-                 decode_costs: StepCosts | None = None):
+                 first_steps: StepCosts | None = None, decode_costs: StepCosts | None = None):
         if isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 1:
             raise ValueError(f"max_streams must be an integer >= 1, got {max_streams!r}")
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
         self.costs = costs or StepCosts()
+        self.first_steps = first_steps or StepCosts()
         self.decode_costs = decode_costs or StepCosts()
         self.max_streams = max_streams
         self.headroom = headroom
@@ -148,22 +152,30 @@ class Admission:
             return 1
         capacity = 1
         for n in range(2, self.max_streams + 1):
-            if self.costs.predict(n) > budget:
+            if self.step_cost(n) > budget:
                 break
             capacity = n
         return capacity
 
+    def step_cost(self, num_streams: int) -> float | None:
+        """A step's seconds at num_streams as admission counts it: the larger of its measured mean (every stream's
+        work as it came, spread over the steps) and the same steps costed as a stream's first steps are (each
+        decoding a one-frame chunk); None while nothing is measured."""
+        costs = [c for c in (self.costs.predict(num_streams), self.first_steps.predict(num_streams)) if c is not None]
+        return max(costs) if costs else None
+
     def observe_step(self, num_streams: int, seconds: float, decode_s: float = 0.0) -> None:
         """A step that made a frame for num_streams streams took `seconds`, decode_s of them in the codec's calls of
-        later (not first) chunks: into `costs` as the step in which every one of those streams decodes a one-frame
-        chunk would cost (the step without those calls, plus `decode_costs`' one call of num_streams one-frame
-        chunks; the step as it was while none is measured). A newcomer's first chunk is decoded in a call of its
-        own, a cost of its start as its prefill is: it stays in the step as it was."""
+        later (not first) chunks: into `costs` as it was, and into `first_steps` as the step in which every one of
+        those streams decodes a one-frame chunk would cost (the step without those calls, plus `decode_costs`' one
+        call of num_streams one-frame chunks; once one is measured). A newcomer's first chunk is decoded in a call
+        of its own, a cost of its start as its prefill is: it stays in the step as it was."""
         if num_streams < 1 or not seconds >= 0:
             return
+        self.costs.observe(num_streams, seconds)
         one_frame = self.decode_costs.predict(num_streams)
-        decode_s = min(max(decode_s, 0.0), seconds)
-        self.costs.observe(num_streams, seconds if one_frame is None else seconds - decode_s + one_frame)
+        if one_frame is not None:
+            self.first_steps.observe(num_streams, seconds - min(max(decode_s, 0.0), seconds) + one_frame)
 
     def observe_decode(self, chunk_frames: list[int], seconds: float, is_first: bool = False) -> None:
         """A codec call decoded chunks of chunk_frames frames (one per stream; is_first: their first chunks) in
@@ -173,11 +185,11 @@ class Admission:
             self.decode_costs.observe(len(chunk_frames), seconds)
 
     def seed_measured(self) -> None:
-        """What `costs` and `decode_costs` measured so far becomes the shape later measurements scale
+        """What `costs`, `first_steps` and `decode_costs` measured so far becomes the shape later measurements scale
         (`StepCosts.seed`): costs measured apart from serving (the warm-up replies at start: no client reads their
         audio) are taken as they are only until serving measures a size, and then scaled by what that size costs
         while serving (its clients' events and their encoding share the machine)."""
-        for table in (self.costs, self.decode_costs):
+        for table in (self.costs, self.first_steps, self.decode_costs):
             table.seed(table.measured())
 
     def observe_frame_seconds(self, seconds: float) -> None:
@@ -206,9 +218,9 @@ class Admission:
 
 
 def cached_step_costs(fingerprint: dict, kind: str = "steps") -> dict[int, float] | None:
-    """The costs kept for exactly this fingerprint ({streams: seconds}; kind "steps": `Admission.costs`, "decode":
-    `Admission.decode_costs`), or None (none kept, unreadable, not valid, or the cost cache turned off:
-    OMNIMTP_DRAFT_COST_CACHE=0)."""
+    """The costs kept for exactly this fingerprint ({streams: seconds}; kind "steps": `Admission.costs`,
+    "first_steps": `Admission.first_steps`, "decode": `Admission.decode_costs`), or None (none kept, unreadable,
+    not valid, or the cost cache turned off: OMNIMTP_DRAFT_COST_CACHE=0)."""
     entry = read_entry(fingerprint, _KIND)
     kept = None if entry is None else entry.get(kind)
     if not isinstance(kept, dict) or not kept:
@@ -222,13 +234,15 @@ def cached_step_costs(fingerprint: dict, kind: str = "steps") -> dict[int, float
     return costs
 
 
-def keep_step_costs(fingerprint: dict, measured: dict[int, float], decode: dict[int, float] | None = None) -> bool:
+def keep_step_costs(fingerprint: dict, measured: dict[int, float], first_steps: dict[int, float] | None = None,
+                    decode: dict[int, float] | None = None) -> bool:
     """Keep {streams: seconds} (`StepCosts.measured(MIN_KEPT_SAMPLES)`: the sizes measured often enough) for a
-    later start, and the codec's one-frame calls (`decode`, the same of `Admission.decode_costs`) beside them;
-    False when there are none or the cache cannot be written."""
+    later start, and the same of `Admission.first_steps` and `Admission.decode_costs` beside them; False when there
+    are none or the cache cannot be written."""
     if not measured:
         return False
     entry = {"steps": {str(n): float(seconds) for n, seconds in measured.items()}}
-    if decode:
-        entry["decode"] = {str(n): float(seconds) for n, seconds in decode.items()}
+    for kind, costs in (("first_steps", first_steps), ("decode", decode)):
+        if costs:
+            entry[kind] = {str(n): float(seconds) for n, seconds in costs.items()}
     return write_entry(fingerprint, entry, _KIND)

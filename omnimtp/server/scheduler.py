@@ -435,10 +435,11 @@ class Engine(ServedModel):
                     return
                 if not is_measured:
                     with self._cond:
-                        self.admission.costs.clear(n)
-                        self.admission.decode_costs.clear(n)
+                        for table in (self.admission.costs, self.admission.first_steps,
+                                      self.admission.decode_costs):
+                            table.clear(n)
             with self._cond:
-                measured = self.admission.costs.predict(n)
+                measured = self.admission.step_cost(n)
             logger.info("admission: %d stream%s at once: %.1f ms a step (as in their one-frame chunks)", n,
                         "s" if n > 1 else "", 1000 * measured)
             if measured > budget:
@@ -528,6 +529,7 @@ class Engine(ServedModel):
         cached = cached_step_costs(fingerprint)
         if cached is not None:
             self.admission.costs.seed(cached)
+            self.admission.first_steps.seed(cached_step_costs(fingerprint, "first_steps") or {})
             self.admission.decode_costs.seed(cached_step_costs(fingerprint, "decode") or {})
             logger.info("admission: step costs of an earlier start (%s predictor): %s",
                         "compiled" if self.is_warm else "eager",
@@ -539,9 +541,10 @@ class Engine(ServedModel):
         with self._cond:
             fingerprint = self._step_cost_fingerprint()
             measured = self.admission.costs.measured(MIN_KEPT_SAMPLES)
+            first_steps = self.admission.first_steps.measured(MIN_KEPT_SAMPLES)
             decode = self.admission.decode_costs.measured(MIN_KEPT_SAMPLES)
             self._steps_since_kept = 0
-        keep_step_costs(fingerprint, measured, decode)
+        keep_step_costs(fingerprint, measured, first_steps, decode)
 
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
