@@ -487,10 +487,11 @@ def main() -> None:
         if args.previous_tree:
             setups.append(("previous", args.previous_tree, (*flags, *args.serve_arg)))
         with contextlib.ExitStack() as stack:
-            # (each server measured compiled, as a warm `serve` runs; its warm-up never shares the CPU with a load)
+            # (each server measured compiled, as a warm `serve` runs; no server's warm-up shares the CPU with a
+            # load, the previous tree's included: its compile ran beside this checkout's loads and stalled them)
             urls = {name: stack.enter_context(server_process(
                 args.max_batch_size, args.max_frames, args.threads, tree, extra, args.start_timeout,
-                wait_compiled=not args.quick and "--eager" not in extra and tree is None))
+                wait_compiled=not args.quick and "--eager" not in extra))
                 for name, tree, extra in setups}
             voices = {name: (httpx.get(f"{url}/v1/models").json()["data"][0].get("voices") or [None])[0]
                       for name, url in urls.items()}
