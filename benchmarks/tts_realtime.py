@@ -297,14 +297,22 @@ def part_floors(pipe, batch_size: int, machine: dict, decoder_flops_per_frame: f
 
 
 def decoder_flops(codec, num_frames: int) -> float:
-    """FLOPs per frame of the 12 Hz decoder on `num_frames` random frames (torch's FLOP counter)."""
+    """FLOPs per frame of the 12 Hz decoder on `num_frames` random frames (torch's FLOP counter, omnimtp's row
+    kernels off while it counts: their calls are not torch ops, and it would miss them)."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from omnimtp.codec import streaming
 
     codes = torch.randint(0, codec.codebook_size, (1, codec.num_quantizers, num_frames),
                           generator=torch.Generator().manual_seed(0))
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        codec.waveform(codes)
+    kept = streaming.ROW_KERNEL_MAX_ROWS, streaming.BF16_ROWS_MAX_STEPS
+    streaming.ROW_KERNEL_MAX_ROWS = streaming.BF16_ROWS_MAX_STEPS = 0
+    try:
+        with counter, torch.no_grad():
+            codec.waveform(codes)
+    finally:
+        streaming.ROW_KERNEL_MAX_ROWS, streaming.BF16_ROWS_MAX_STEPS = kept
     return counter.get_total_flops() / num_frames
 
 
