@@ -13,7 +13,6 @@ positions and rows.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -25,32 +24,19 @@ _SOURCE = Path(__file__).with_name("bf16_attention.c")
 MAX_HEAD_DIM = 256
 MAX_GROUP = 32  # query heads a key head
 
-_unavailable: str | None = None
 
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    global _unavailable
-    lib, _unavailable = small_batch_linear.load_companion(
-        _SOURCE, "omnimtp_bf16_attention_supported", "needs AVX512_BF16 (this CPU lacks it)"
-    )
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.omnimtp_bf16_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 15 + [ctypes.c_float, ctypes.c_int]
-    return lib
 
 
-def available() -> bool:
-    """Whether the kernel runs here (builds it on the first call)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    """None when available(), else why not."""
-    available()
-    return _unavailable
+_KERNEL = small_batch_linear.Companion(
+    _SOURCE, "omnimtp_bf16_attention_supported", "needs AVX512_BF16 (this CPU lacks it)", _declare
+)
+_library = _KERNEL.library
+available = _KERNEL.available
+unavailable_reason = _KERNEL.unavailable_reason
 
 
 def applies(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
@@ -100,7 +86,7 @@ def bf16_attention(
     or a count out of range; RuntimeError without the kernel (`available()`). No gradients."""
     lib = _library()
     if lib is None:
-        raise RuntimeError(f"the bf16 attention kernel is not available: {_unavailable}")
+        raise RuntimeError(f"the bf16 attention kernel is not available: {unavailable_reason()}")
     if query.dim() != 4 or keys.dim() != 4 or values.dim() != 4 or not applies(query, keys, values):
         raise ValueError(
             f"bf16_attention: query [R, T, Nq, D], keys and values [R, Nkv, S, D] fp32 CPU tensors with D a multiple "

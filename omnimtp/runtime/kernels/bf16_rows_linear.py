@@ -12,7 +12,6 @@ sums in fp32: torch's bf16 `F.linear` within rounding.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -22,34 +21,21 @@ from omnimtp.runtime.kernels import small_batch_linear
 
 _SOURCE = Path(__file__).with_name("bf16_rows_linear.c")
 
-_unavailable: str | None = None
 
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    global _unavailable
-    lib, _unavailable = small_batch_linear.load_companion(
-        _SOURCE, "omnimtp_bf16_rows_linear_supported", "needs AVX512_BF16 (this CPU lacks it)"
-    )
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.omnimtp_bf16_rows_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    return lib
 
 
-def available() -> bool:
-    """Whether the kernel runs here (builds it on the first call)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    """None when available(), else why not."""
-    available()
-    return _unavailable
+_KERNEL = small_batch_linear.Companion(
+    _SOURCE, "omnimtp_bf16_rows_linear_supported", "needs AVX512_BF16 (this CPU lacks it)", _declare
+)
+_library = _KERNEL.library
+available = _KERNEL.available
+unavailable_reason = _KERNEL.unavailable_reason
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -74,7 +60,7 @@ def bf16_rows_linear(
     gradients."""
     lib = _library()
     if lib is None:
-        raise RuntimeError(f"the bf16 rows linear kernel is not available: {_unavailable}")
+        raise RuntimeError(f"the bf16 rows linear kernel is not available: {unavailable_reason()}")
     if not applies(x, weight):
         raise ValueError(
             f"bf16_rows_linear: x [..., K] and weight [N, K] bf16 CPU tensors, the weight with a stride of 1, no "

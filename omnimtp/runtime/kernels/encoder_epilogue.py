@@ -10,7 +10,6 @@ sums: oneDNN's fp32 output of a "w8a8" GEMM (each exact sum times its column's w
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -19,17 +18,8 @@ from omnimtp.runtime.kernels import small_batch_linear
 
 _SOURCE = Path(__file__).with_name("encoder_epilogue.c")
 
-_unavailable: str | None = None
 
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    global _unavailable
-    lib, _unavailable = small_batch_linear.load_companion(
-        _SOURCE, "omnimtp_encoder_epilogue_supported", "needs AVX-512F and AVX-512DQ (this CPU lacks them)"
-    )
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.omnimtp_encoder_epilogue
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
@@ -38,18 +28,14 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     fn.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
-    return lib
 
 
-def available() -> bool:
-    """Whether the kernel runs here (builds it on the first call)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    """None when available(), else why not."""
-    available()
-    return _unavailable
+_KERNEL = small_batch_linear.Companion(
+    _SOURCE, "omnimtp_encoder_epilogue_supported", "needs AVX-512F and AVX-512DQ (this CPU lacks them)", _declare
+)
+_library = _KERNEL.library
+available = _KERNEL.available
+unavailable_reason = _KERNEL.unavailable_reason
 
 
 def _rows(t: torch.Tensor, name: str) -> int:
@@ -65,7 +51,7 @@ def _checked(sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | 
     (ValueError naming the argument)."""
     lib = _library()
     if lib is None:
-        raise RuntimeError(f"the encoder epilogue kernel is not available: {_unavailable}")
+        raise RuntimeError(f"the encoder epilogue kernel is not available: {unavailable_reason()}")
     if sums.dim() != 2 or sums.dtype != torch.float32:
         raise ValueError(f"sums must be [M, N] fp32, got {tuple(sums.shape)} {sums.dtype}")
     num_rows, num_columns = sums.shape

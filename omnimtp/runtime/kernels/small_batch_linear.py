@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -195,6 +196,39 @@ def load_companion(source: Path, supported: str, requirement: str) -> tuple[ctyp
     if not check():
         return None, requirement
     return lib, None
+
+
+class Companion:
+    """One companion kernel (`load_companion`), built and declared once, on first use: `library()` (None where it
+    does not run), `available()`, `unavailable_reason()`. declare: sets its functions' argument and result types."""
+
+    def __init__(self, source: Path, supported: str, requirement: str, declare):
+        self._args = (source, supported, requirement)
+        self._declare = declare
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._lib: ctypes.CDLL | None = None
+        self._unavailable: str | None = None
+
+    def library(self) -> ctypes.CDLL | None:
+        if self._loaded:  # (every kernel call asks)
+            return self._lib
+        with self._lock:
+            if not self._loaded:
+                self._lib, self._unavailable = load_companion(*self._args)
+                if self._lib is not None:
+                    self._declare(self._lib)
+                self._loaded = True
+        return self._lib
+
+    def available(self) -> bool:
+        """Whether the kernel runs here (builds it on the first call)."""
+        return self.library() is not None
+
+    def unavailable_reason(self) -> str | None:
+        """None when available(), else why not."""
+        self.library()
+        return self._unavailable
 
 
 def build_id() -> str | None:

@@ -13,7 +13,6 @@ point 128, scales [N, 1] fp32), what the next GEMM multiplies (`small_batch_line
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -23,17 +22,8 @@ from omnimtp.runtime.kernels import small_batch_linear
 _SOURCE = Path(__file__).with_name("w8a8_epilogues.c")
 MAX_HEAD_DIM = 256
 
-_unavailable: str | None = None
 
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    global _unavailable
-    lib, _unavailable = small_batch_linear.load_companion(
-        _SOURCE, "omnimtp_w8a8_epilogues_supported", "needs AVX-512 (F, BW, VL, DQ); this CPU lacks it"
-    )
-    if lib is None:
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.omnimtp_w8a8_residual_norm.restype = None
     lib.omnimtp_w8a8_residual_norm.argtypes = [pointer, size, size] + [pointer] * 4 + [ctypes.c_float] + [pointer] * 3
@@ -43,18 +33,14 @@ def _library() -> ctypes.CDLL | None:
     lib.omnimtp_w8a8_attention_inputs.restype = None
     lib.omnimtp_w8a8_attention_inputs.argtypes = [pointer] + [size] * 4 + [pointer] * 3 + [ctypes.c_float]
     lib.omnimtp_w8a8_attention_inputs.argtypes += [pointer, pointer, size, size, pointer, ctypes.c_int]
-    return lib
 
 
-def available() -> bool:
-    """Whether the passes run here (builds them on the first call)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str | None:
-    """None when available(), else why not."""
-    available()
-    return _unavailable
+_KERNEL = small_batch_linear.Companion(
+    _SOURCE, "omnimtp_w8a8_epilogues_supported", "needs AVX-512 (F, BW, VL, DQ); this CPU lacks it", _declare
+)
+_library = _KERNEL.library
+available = _KERNEL.available
+unavailable_reason = _KERNEL.unavailable_reason
 
 
 def _checked(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype=torch.float32) -> torch.Tensor | None:
@@ -74,7 +60,7 @@ def _pointer(t: torch.Tensor | None) -> int | None:
 def _lib() -> ctypes.CDLL:
     lib = _library()
     if lib is None:
-        raise RuntimeError(f"the w8a8 epilogues are not available: {_unavailable}")
+        raise RuntimeError(f"the w8a8 epilogues are not available: {unavailable_reason()}")
     return lib
 
 
