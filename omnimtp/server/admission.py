@@ -217,12 +217,20 @@ class Admission:
         return max(_MIN_RETRY_AFTER_MS, min(1000 * _MAX_RETRY_AFTER_S, math.ceil(1000 * rounds * self._stream_s)))
 
 
-def cached_step_costs(fingerprint: dict, kind: str = "steps") -> dict[int, float] | None:
-    """The costs kept for exactly this fingerprint ({streams: seconds}; kind "steps": `Admission.costs`,
-    "first_steps": `Admission.first_steps`, "decode": `Admission.decode_costs`), or None (none kept, unreadable,
-    not valid, or the cost cache turned off: OMNIMTP_DRAFT_COST_CACHE=0)."""
+def cached_step_costs(fingerprint: dict) -> dict[str, dict[int, float]] | None:
+    """The costs kept for exactly this fingerprint, one read: {kind: {streams: seconds}} ("steps":
+    `Admission.costs`, "first_steps": `Admission.first_steps`, "decode": `Admission.decode_costs`; a kind not kept
+    is {}), or None (no "steps" kept, unreadable, not valid, or the cost cache turned off:
+    OMNIMTP_DRAFT_COST_CACHE=0)."""
     entry = read_entry(fingerprint, _KIND)
-    kept = None if entry is None else entry.get(kind)
+    if entry is None:
+        return None
+    kept = {kind: _kept_sizes(entry.get(kind)) for kind in ("steps", "first_steps", "decode")}
+    return None if not kept["steps"] else {kind: costs or {} for kind, costs in kept.items()}
+
+
+def _kept_sizes(kept) -> dict[int, float] | None:
+    """{streams: seconds} of a kept table, or None (absent, empty or not valid)."""
     if not isinstance(kept, dict) or not kept:
         return None
     costs = {}

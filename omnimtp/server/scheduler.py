@@ -525,15 +525,14 @@ class Engine(ServedModel):
 
     def _seed_step_costs(self) -> None:
         """Admission's step costs from an earlier start's (`cached_step_costs`), where one was kept."""
-        fingerprint = self._step_cost_fingerprint()
-        cached = cached_step_costs(fingerprint)
+        cached = cached_step_costs(self._step_cost_fingerprint())
         if cached is not None:
-            self.admission.costs.seed(cached)
-            self.admission.first_steps.seed(cached_step_costs(fingerprint, "first_steps") or {})
-            self.admission.decode_costs.seed(cached_step_costs(fingerprint, "decode") or {})
+            self.admission.costs.seed(cached["steps"])
+            self.admission.first_steps.seed(cached["first_steps"])
+            self.admission.decode_costs.seed(cached["decode"])
             logger.info("admission: step costs of an earlier start (%s predictor): %s",
                         "compiled" if self.is_warm else "eager",
-                        {n: round(seconds, 4) for n, seconds in cached.items()})
+                        {n: round(seconds, 4) for n, seconds in cached["steps"].items()})
         self._steps_since_kept = 0
 
     def _keep_step_costs(self) -> None:
