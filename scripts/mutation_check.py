@@ -2442,12 +2442,17 @@ MUTATIONS = [
     ),
     Mutation(
         "later_chunks_after_the_talker_forward", "omnimtp/engine/core.py",
-        "            first, later = self._due_chunks()\n"
-        "            yield from self._decode_blocks(first, is_first=True)\n"
-        "            yield from self._decode_blocks(later)\n            decode_s = time.perf_counter() - started\n",
-        "            first, _ = self._due_chunks()\n            yield from self._decode_blocks(first, is_first=True)\n"
-        "            decode_s = time.perf_counter() - started\n",
+        "            yield from self._decode_due()\n            decode_s = self.clock() - started\n",
+        "            yield from self._decode_blocks(self._due_chunks()[0], is_first=True)\n"
+        "            decode_s = self.clock() - started\n",
         ADMISSION, "a later chunk whose frames are made waits for the talker's forward toward the next frame",
+    ),
+    Mutation(
+        "newcomers_next_chunks_after_the_others", "omnimtp/engine/core.py",
+        "        yield from self._decode_blocks(urgent)\n        yield from self._decode_blocks(rest)\n",
+        "        yield from self._decode_blocks(later)\n",
+        ("tests/test_admission.py::test_a_newcomers_next_chunks_keep_the_place_of_its_first_in_the_step",),
+        "a newcomer's next chunks are decoded in one call with every other later chunk, after its first",
     ),
     Mutation(
         "newcomers_hold_near_chunks", "omnimtp/engine/core.py",

@@ -240,7 +240,7 @@ def test_chunks_sized_for_the_listener_never_let_it_run_dry(rtf):
 
 def _speech_request(family, index: int, max_frames: int) -> Request:
     voice = family.voice("aiden", "auto", None)
-    segments = family.speech_segments(TEXTS[index], voice, max_frames, 64)
+    segments = family.speech_segments(TEXTS[index % len(TEXTS)], voice, max_frames, 64)
     return Request(index, next(segments), max_new_tokens=1, max_frames=max_frames, speaker=voice,
                    thinker_sampling=None, talker_sampling=SamplingParams(temperature=0.9, top_k=50), seed=100 + index,
                    is_chat=False, segments=segments)
@@ -308,6 +308,73 @@ def test_admitted_streams_never_run_dry_in_a_simulated_overload(family):
         pcm = _alone_pcm(family, index)
         assert_audible(np.frombuffer(pcm, dtype=np.int16))
         assert admitted_pcm[index] == pcm == crowded_pcm[index]
+
+
+class _CodecCalls(_FramesMade):
+    """The core's observer on a `_SimulatedClock`: the streams the last step made frames for (their talker step
+    takes the clock's time) and its codec calls (their chunks' frames, seconds, whether first chunks)."""
+
+    def __init__(self, clock: _SimulatedClock):
+        self.clock, self.calls = clock, []
+
+    def talker_batch(self, size: int) -> None:
+        self.num_streams = size
+        self.clock.talker_step(size)
+
+    def decoded(self, chunk_frames: list[int], seconds: float, is_first: bool) -> None:
+        self.calls.append((chunk_frames, seconds, is_first))
+
+
+def _simulate_arrivals(family, admission: Admission, arrivals: list[float], max_frames: int = 30):
+    """Speech requests arriving at `arrivals` (simulated seconds) to a core configured as the server's (`Engine`:
+    playout_rtf 0.9, chunks waiting up to 8 steps for a newcomer) on a simulated machine of the bf16 Qwen3-TTS
+    0.6B's shape: a talker step 20 ms + 2 ms a stream, a codec call 10 ms + 14 ms a chunk + 1 ms a frame.
+    Admission learns the step and call costs as the server's loop does and sets the streams that may speak
+    before every step. → ({id: its listener's clock}, the most streams a step made frames for)."""
+    clock = _SimulatedClock(family, step_s=0.020, step_stream_s=0.002, decode_fixed_s=0.010, decode_chunk_s=0.014,
+                            decode_frame_s=0.001)
+    observer = _CodecCalls(clock)
+    core = EngineCore(clock.family, EngineConfig(max_batch_size=8, max_frames=max_frames, chunk_frames=25,
+                                                 playout_rtf=0.9, max_defer_steps=8, max_decode_frames=32),
+                      observer=observer, clock=clock)
+    pending, requests, most = list(enumerate(arrivals)), {}, 0
+    while pending or core.has_work():
+        while pending and pending[0][1] <= clock.now:
+            index = pending.pop(0)[0]
+            requests[index] = _speech_request(family, index, max_frames)
+            core.add(requests[index])
+        if not core.has_work():
+            clock.now = pending[0][1]
+            continue
+        core.max_speaking = admission.capacity(FRAME_S)
+        observer.num_streams, observer.calls, started = 0, [], clock.now
+        for _ in core.step():
+            pass
+        for frames, call_s, is_first in observer.calls:
+            admission.observe_decode(frames, call_s, is_first)
+        admission.observe_step(observer.num_streams, clock.now - started,
+                               sum(call_s for _, call_s, is_first in observer.calls if not is_first))
+        most = max(most, observer.num_streams)
+    return {index: request.playback for index, request in requests.items()}, most
+
+
+def test_a_newcomers_next_chunks_keep_the_place_of_its_first_in_the_step(family):
+    """Eight streams arriving 0.25 s apart on the simulated machine, admitted by capacity (two at a time). A
+    newcomer's first chunk is decoded in a call of its own at the start of the step's decoding, and its listener
+    then holds one frame (80 ms); its next chunks are decoded in a call before the other listeners' chunks, so
+    they come at the same point of each step and the listener never runs dry. Decoded after the others' chunks
+    (one call of every later chunk), each came that much later than its first, and one listener stalled."""
+    admission = Admission(max_streams=8)
+    for n in (1, 2, 3):  # what a server's start measures (`Engine._calibrate_capacity`): all in first steps
+        for table in (admission.costs, admission.first_steps):
+            table.observe(n, 0.020 + 0.002 * n + 0.010 + 0.015 * n)
+        admission.decode_costs.observe(n, 0.010 + 0.015 * n)
+    admission.seed_measured()
+    clocks, most = _simulate_arrivals(family, admission, [0.25 * i for i in range(8)])
+    assert most == 2
+    for index, clock in clocks.items():
+        assert clock.audio_s > 0, index
+        assert clock.num_underruns == 0, f"stream {index} stalled {clock.stalled_s:.3f} s"
 
 
 def _alone_pcm(family, index: int) -> bytes:
@@ -774,25 +841,36 @@ def test_the_engine_thread_runs_on_the_threads_its_engine_was_built_with(family)
 
 
 class _SimulatedClock:
-    """The engine core's clock (`time.perf_counter`) in simulated seconds: a talker step costs `step_s`, code2wav
-    `decode_fixed_s` + `decode_frame_s` a frame per call, everything else nothing."""
+    """The engine core's clock (`EngineCore(clock=...)`) in simulated seconds: a talker step (`talker_step`, from the
+    core's observer) costs step_s + step_stream_s a stream, a code2wav call of `family` (a view of the family whose
+    calls take this clock's time) decode_fixed_s + decode_chunk_s a chunk + decode_frame_s a frame, everything else
+    nothing."""
 
-    def __init__(self, family, step_s: float, decode_fixed_s: float, decode_frame_s: float):
+    def __init__(self, family, step_s: float, decode_fixed_s: float, decode_frame_s: float,
+                 step_stream_s: float = 0.0, decode_chunk_s: float = 0.0):
         self.now = 0.0
-        self.step_s = step_s
-        decode_audio = family.decode_audio
+        self.step_s, self.step_stream_s = step_s, step_stream_s
+        clock = self
 
-        def costed_decode(streams, blocks, is_final):
-            self.now += decode_fixed_s + decode_frame_s * sum(block.shape[-1] for block in blocks)
-            return decode_audio(streams, blocks, is_final)
+        class Costed:
+            def __getattr__(self, name):
+                return getattr(family, name)
 
-        self.decode_audio = costed_decode
+            def decode_audio(self, streams, blocks, is_final):
+                clock.now += decode_fixed_s + decode_chunk_s * len(blocks) + \
+                    decode_frame_s * sum(block.shape[-1] for block in blocks)
+                return family.decode_audio(streams, blocks, is_final)
 
-    def perf_counter(self) -> float:
+        self.family = Costed()
+
+    def __call__(self) -> float:
         return self.now
 
+    def talker_step(self, num_streams: int) -> None:
+        self.now += self.step_s + self.step_stream_s * num_streams
 
-def _simulated(family, monkeypatch, indexes: tuple[int, ...], max_speaking: int, late: tuple[int, int] | None = None,
+
+def _simulated(family, indexes: tuple[int, ...], max_speaking: int, late: tuple[int, int] | None = None,
                step_s: float = 0.040, **config) -> dict[int, PlaybackClock]:
     """The texts `indexes` (the tiny talker speaks each for all 40 frames) sent at once, `max_speaking` of them
     speaking at a time; a talker step costs step_s (40 ms) and code2wav 13 ms + 20 ms a frame on a simulated clock
@@ -800,11 +878,9 @@ def _simulated(family, monkeypatch, indexes: tuple[int, ...], max_speaking: int,
     when it is decoded.
     late (index, frames): that text comes once the first has made that many frames, and the engine then sees the
     first's listener 10 s ahead. → {index: its listener's clock}."""
-    import omnimtp.engine.core as core_module
-
     class Simulated(_FramesMade):
         def talker_batch(self, size: int) -> None:
-            clock.now += clock.step_s
+            clock.talker_step(size)
             first = core.running.get(indexes[0])
             if late is not None and late[0] not in listeners and first is not None and len(first.frames) >= late[1]:
                 first.playback.ends_at += 10.0
@@ -812,10 +888,8 @@ def _simulated(family, monkeypatch, indexes: tuple[int, ...], max_speaking: int,
                 core.add(_speech_request(family, late[0], 40))
 
     clock = _SimulatedClock(family, step_s=step_s, decode_fixed_s=0.013, decode_frame_s=0.020)
-    monkeypatch.setattr(core_module, "time", clock)
-    monkeypatch.setattr(family, "decode_audio", clock.decode_audio)
-    core = EngineCore(family, EngineConfig(max_batch_size=4, max_frames=40, playout_rtf=0.9, **config),
-                      observer=Simulated())
+    core = EngineCore(clock.family, EngineConfig(max_batch_size=4, max_frames=40, playout_rtf=0.9, **config),
+                      observer=Simulated(), clock=clock)
     core.max_speaking = max_speaking
     for index in indexes:
         core.add(_speech_request(family, index, 40))
@@ -824,37 +898,36 @@ def _simulated(family, monkeypatch, indexes: tuple[int, ...], max_speaking: int,
         for event in core.step():
             if event.audio is not None:
                 listeners[event.request.request_id].push(clock.now, event.audio.size / family.sample_rate)
-    monkeypatch.undo()
     return listeners
 
 
-def test_a_stream_plays_from_its_first_chunk_without_a_stall_at_091_of_real_time(family, monkeypatch):
+def test_a_stream_plays_from_its_first_chunk_without_a_stall_at_091_of_real_time(family):
     """Frames made at 0.91 of real time (a 40 ms step, 33 ms to decode a one-frame chunk): the listener who
     starts at the first chunk never runs dry, because each chunk is decoded between the step's frames and the
     talker's forward toward the next (decoded after it, the second chunk comes 113 ms after the first's 80 ms)."""
-    clock = _simulated(family, monkeypatch, (1,), max_speaking=1)[1]
+    clock = _simulated(family, (1,), max_speaking=1)[1]
     assert clock.audio_s >= 40 * FRAME_S - 1e-6
     assert clock.num_underruns == 0, f"stalled {clock.stalled_s:.3f} s"
 
 
-def test_a_queued_stream_starts_after_the_last_chunk_of_the_one_before(family, monkeypatch):
+def test_a_queued_stream_starts_after_the_last_chunk_of_the_one_before(family):
     """Capacity 1, two streams: the second starts once the first's talker has ended, and the first's last chunk
     is decoded before the second's first audio instead of in the middle of its start (where its player, 80 ms
     ahead, would run dry behind it): neither listener stalls."""
-    listeners = _simulated(family, monkeypatch, (1, 2), max_speaking=1, max_defer_steps=25)
+    listeners = _simulated(family, (1, 2), max_speaking=1, max_defer_steps=25)
     assert listeners[2].started_at > listeners[1].ends_at - 40 * FRAME_S + 2.0, "the second did not wait"
     for index, clock in listeners.items():
         assert clock.audio_s >= 40 * FRAME_S - 1e-6, index
         assert clock.num_underruns == 0, f"stream {index} stalled {clock.stalled_s:.3f} s"
 
 
-def test_a_chunk_far_ahead_of_its_listener_waits_while_a_newcomers_player_builds_its_lead(family, monkeypatch):
+def test_a_chunk_far_ahead_of_its_listener_waits_while_a_newcomers_player_builds_its_lead(family):
     """Capacity 2: a second stream comes once the first has made 30 frames and its listener is far ahead, while
     the first's chunks have grown to four frames (93 ms to decode, more than the newcomer's player holds in its
     first steps). The first's chunks wait until the newcomer's lead has grown: the newcomer plays without a
     stall; decoded as they come due, the newcomer's player runs dry behind them."""
-    waited = _simulated(family, monkeypatch, (1,), max_speaking=2, late=(2, 30), step_s=0.015, max_defer_steps=25)
-    in_order = _simulated(family, monkeypatch, (1,), max_speaking=2, late=(2, 30), step_s=0.015, max_defer_steps=0)
+    waited = _simulated(family, (1,), max_speaking=2, late=(2, 30), step_s=0.015, max_defer_steps=25)
+    in_order = _simulated(family, (1,), max_speaking=2, late=(2, 30), step_s=0.015, max_defer_steps=0)
     for listeners in (waited, in_order):
         assert listeners[2].audio_s >= 40 * FRAME_S - 1e-6
     assert in_order[2].num_underruns > 0, "the newcomer did not stall without waiting: the test shows nothing"

@@ -31,10 +31,12 @@ One `step()` is one audio frame boundary:
              complete are decoded and go out (below), then the talker forward toward the next frame
     decode   code2wav of every chunk that is due (after the forward: those it made due, a talker's last chunk,
              and a codec's that looks ahead): first chunks at once, later ones oldest first within
-             `max_decode_frames`; a later chunk whose listener is far enough ahead (`Request.playback`) that
-             others' leads can outgrow its decoding meanwhile waits, up to `max_defer_steps` in a row, while a
-             newcomer waits for its slot or its first audio, or another listener holds less than two steps and
-             that decoding: so newcomers start, and started players play on, ahead of audio not yet due
+             `max_decode_frames`, those of listeners holding less than two steps of audio (a newcomer's next
+             ones) in a call before the others' (`_decode_due`); a later chunk whose listener is far enough
+             ahead (`Request.playback`) that others' leads can outgrow its decoding meanwhile waits, up to
+             `max_defer_steps` in a row, while a newcomer waits for its slot or its first audio, or another
+             listener holds less than two steps and that decoding: so newcomers start, and started players play
+             on, ahead of audio not yet due
     retire   finished requests
     park     running requests that can do nothing until more of their text comes give up their slot: their
              talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
@@ -100,8 +102,10 @@ class EngineCore:
     """The step loop (see the module docstring). Not thread-safe except `add` and the waiting queue,
     which take `lock` (a driver that submits from another thread passes its own)."""
 
-    def __init__(self, family: Family, config: EngineConfig | None = None, *, lock=None, observer=None):
+    def __init__(self, family: Family, config: EngineConfig | None = None, *, lock=None, observer=None,
+                 clock=time.perf_counter):
         self.family = family
+        self.clock = clock  # seconds on one monotonic clock: what the core times and stamps (a test may simulate one)
         self.config = config or EngineConfig()
         self.lock = lock if lock is not None else contextlib.nullcontext()
         # optional: .stage(name, s), .phase(name, s), .talker_batch(n), and, if it has one, .decoded(chunk frames, s,
@@ -189,7 +193,7 @@ class EngineCore:
             if ids or is_finished:
                 request.waits_for_text_since = None
             elif request.waits_for_text_since is not None:  # text came, though none of its ids is settled yet
-                request.waits_for_text_since = time.perf_counter()
+                request.waits_for_text_since = self.clock()
         return True
 
     def push_speech_text(self, request_id: Hashable, pieces: list[tuple[list[int], bool]], is_finished: bool) -> bool:
@@ -254,7 +258,7 @@ class EngineCore:
         """One step; its events are yielded as they are made (a first audio chunk goes out before the
         step's later chunks are decoded), so iterate it to the end before the next step."""
         self.num_steps += 1
-        started = step_started = time.perf_counter()
+        started = step_started = self.clock()
         thinking = list(self.cohorts)
         if self._is_first_audio_due():  # a request that came during the last step starts before the others think
             yield from self._start(self._admit(admit_background=False))
@@ -271,15 +275,13 @@ class EngineCore:
         self._prefill_talker()
         started = self._phase("talker_admit", started)
         early_decode_s = yield from self._speak()
-        now = time.perf_counter()
+        now = self.clock()
         self._phase("talk", started + early_decode_s)  # the first chunks decoded within count as code2wav
-        first, later = self._due_chunks()
-        yield from self._decode_blocks(first, is_first=True)
-        yield from self._decode_blocks(later)
+        yield from self._decode_due()
         self._phase("code2wav", now - early_decode_s)
         yield from self._retire()
         self._park()
-        self.step_s = time.perf_counter() - step_started
+        self.step_s = self.clock() - step_started
 
     # --- admit ---
 
@@ -357,7 +359,7 @@ class EngineCore:
             if request.parked_talker is not None:
                 self.talker.resume(request.parked_talker)
                 request.parked_talker, request.is_in_talker = None, True
-        now = time.perf_counter()
+        now = self.clock()
         for request in admitted:
             request.status = Status.RUNNING
             request.admitted_at, request.admitted_step = now, self.num_steps
@@ -532,7 +534,7 @@ class EngineCore:
             if talker_request.keeps_prefix:
                 request.num_talker_reused_rows = talker_request.reused_rows
                 self.prefix_cache.put_talker(request.cache_key, talker_request.kept_prefix, talker_request.reused_rows)
-        now = time.perf_counter()
+        now = self.clock()
         for request in pending:
             if request.talker_admitted_at is None:  # a later segment's admission is not the request's
                 request.talker_admitted_at = now
@@ -548,7 +550,7 @@ class EngineCore:
         if taken is None:
             return 0.0
         decode_s = 0.0
-        now = time.perf_counter()
+        now = self.clock()
         for request_id, codes in zip(taken.request_ids, taken.codes, strict=True):
             request = self.running[request_id]
             request.frames.append(codes)
@@ -556,11 +558,9 @@ class EngineCore:
                 request.first_frame_at = now
                 self._stage("talker", request.first_frame_at - request.talker_admitted_at)
         if not self.family.codec_looks_ahead:
-            started = time.perf_counter()
-            first, later = self._due_chunks()
-            yield from self._decode_blocks(first, is_first=True)
-            yield from self._decode_blocks(later)
-            decode_s = time.perf_counter() - started
+            started = self.clock()
+            yield from self._decode_due()
+            decode_s = self.clock() - started
         frames = self.talker.advance(taken)
         if self.observer is not None:
             self.observer.talker_batch(len(frames))
@@ -629,7 +629,7 @@ class EngineCore:
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
         is_deferring = False
         if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):
-            now = time.perf_counter()
+            now = self.clock()
             with self.lock:
                 has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
             due = [item for item in later if not self._may_wait(item[1], item[2], now, has_newcomers)]
@@ -650,6 +650,21 @@ class EngineCore:
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first
+
+    def _decode_due(self) -> Iterator[StepEvent]:
+        """The chunks due now through code2wav (`_due_chunks`), in up to three calls: the first chunks; the later
+        chunks whose listeners hold less than two steps of audio (a newcomer's, in its first steps, or a listener
+        about to run dry); the other later chunks. A newcomer's next chunks so come at the point of the step its
+        first chunk came at: behind a call of the others' chunks each would come that much later, and its
+        listener, who holds one frame at first, would lose that much lead at once; and a listener about to run dry
+        waits for no audio that is not due yet."""
+        first, later = self._due_chunks()
+        now = self.clock()
+        urgent = [(r, n) for r, n in later if (r.playback.lead(now) or 0.0) < 2 * self.step_s]
+        rest = [(r, n) for r, n in later if all(r is not u for u, _ in urgent)]
+        yield from self._decode_blocks(first, is_first=True)
+        yield from self._decode_blocks(urgent)
+        yield from self._decode_blocks(rest)
 
     def _may_wait(self, request: Request, size: int, now: float, has_newcomers: bool) -> bool:
         """Whether a due later chunk of `size` frames may wait a step (has_newcomers: a request queues for a free
@@ -695,9 +710,9 @@ class EngineCore:
             return []
         blocks = [torch.stack(r.frames[r.num_decoded : r.num_decoded + n], dim=1) for r, n in ready]  # [G, n] each
         is_final = [r.talker_finish_reason is not None and r.num_decoded + n == len(r.frames) for r, n in ready]
-        started = time.perf_counter()
+        started = self.clock()
         chunks = self.family.decode_audio([r.codec_stream for r, _ in ready], blocks, is_final)
-        now = time.perf_counter()
+        now = self.clock()
         decoded = getattr(self.observer, "decoded", None)  # (an observer may leave it out)
         if decoded is not None:
             decoded([n for _, n in ready], now - started, is_first)
@@ -722,7 +737,7 @@ class EngineCore:
         done = [request for request in self.running.values() if request.is_complete]
         if not done:
             return []
-        now = time.perf_counter()
+        now = self.clock()
         with self.lock:
             for request in done:
                 del self.running[request.request_id]
@@ -735,7 +750,7 @@ class EngineCore:
     def _park(self) -> None:
         """Running requests that can do nothing until more of their text comes give up their slot; their talker
         state (if their talker started) waits outside the talker batch until `_admit` resumes them."""
-        now = time.perf_counter()
+        now = self.clock()
         with self.lock:
             parked = [r for r in self.running.values() if not r.is_parked and self._waits_for_text(r)]
             for request in parked:
@@ -752,7 +767,7 @@ class EngineCore:
             self.observer.stage(stage, seconds)
 
     def _phase(self, phase: str, started: float) -> float:
-        now = time.perf_counter()
+        now = self.clock()
         if self.observer is not None:
             self.observer.phase(phase, now - started)
         return now
