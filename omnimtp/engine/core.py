@@ -653,14 +653,15 @@ class EngineCore:
 
     def _decode_due(self) -> Iterator[StepEvent]:
         """The chunks due now through code2wav (`_due_chunks`), in up to three calls: the first chunks; the later
-        chunks whose listeners hold less than two steps of audio (a newcomer's, in its first steps, or a listener
-        about to run dry); the other later chunks. A newcomer's next chunks so come at the point of the step its
-        first chunk came at: behind a call of the others' chunks each would come that much later, and its
-        listener, who holds one frame at first, would lose that much lead at once; and a listener about to run dry
-        waits for no audio that is not due yet."""
+        chunks of streamed requests whose listeners hold less than two steps of audio (a newcomer's, in its first
+        steps, or a listener about to run dry); the other later chunks (a request not streamed has no listener
+        until its whole audio is decoded: its one long decoding goes last). A newcomer's next chunks so come at
+        the point of the step its first chunk came at: behind a call of the others' chunks each would come that
+        much later, and its listener, who holds one frame at first, would lose that much lead at once; and a
+        listener about to run dry waits for no audio that is not due yet."""
         first, later = self._due_chunks()
         now = self.clock()
-        urgent = [(r, n) for r, n in later if (r.playback.lead(now) or 0.0) < 2 * self.step_s]
+        urgent = [(r, n) for r, n in later if r.is_streamed and (r.playback.lead(now) or 0.0) < 2 * self.step_s]
         rest = [(r, n) for r, n in later if all(r is not u for u, _ in urgent)]
         yield from self._decode_blocks(first, is_first=True)
         yield from self._decode_blocks(urgent)
