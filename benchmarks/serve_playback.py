@@ -460,7 +460,9 @@ def main() -> None:
                         help="where the 0.6B checkpoint is kept between runs")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, short loads: a check that the script runs (its figures mean nothing)")
-    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--start-timeout", type=float, default=1800,
+                        help="seconds a server may take to be warm (a first start on a fresh machine compiles the "
+                             "code predictor with a cold inductor cache: minutes on a slow host)")
     parser.add_argument("--out", default="benchmarks/results/serve_playback.json")
     args = parser.parse_args()
     if args.quick:
