@@ -661,8 +661,10 @@ class EngineCore:
         listener about to run dry waits for no audio that is not due yet."""
         first, later = self._due_chunks()
         now = self.clock()
-        urgent = [(r, n) for r, n in later if r.is_streamed and (r.playback.lead(now) or 0.0) < 2 * self.step_s]
-        rest = [(r, n) for r, n in later if all(r is not u for u, _ in urgent)]
+        urgent, rest = [], []
+        for request, size in later:
+            is_urgent = request.is_streamed and (request.playback.lead(now) or 0.0) < 2 * self.step_s
+            (urgent if is_urgent else rest).append((request, size))
         yield from self._decode_blocks(first, is_first=True)
         yield from self._decode_blocks(urgent)
         yield from self._decode_blocks(rest)
