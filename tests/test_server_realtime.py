@@ -437,19 +437,25 @@ def test_max_sessions_then_a_clean_refusal(client, qwen3):
 def test_a_disconnect_mid_response_cancels_it_and_frees_the_slot(client, qwen3, monkeypatch):
     engine, sessions, _ = qwen3
     _wait(lambda: sessions.num_open("/v1/realtime") == 0, "sessions left open")
-    # every engine step 20 ms longer: the tiny model's whole response (MAX_FRAMES frames) could otherwise end
-    # before the server hears of the close, and there would be nothing left to cancel
+    # no engine step until the server has heard of the close: the tiny model's whole response (MAX_FRAMES
+    # frames) could otherwise end first on a busy host, and there would be nothing left to cancel
     step = engine._core.step
-    monkeypatch.setattr(engine._core, "step", lambda: time.sleep(0.02) or step())
+
+    def step_after_the_close():
+        _wait(lambda: any(handle.is_cancelled for handle in list(engine._handles.values())), "no close heard")
+        return step()
+
+    monkeypatch.setattr(engine._core, "step", step_after_the_close)
     cancelled = engine.metrics.registry.get_sample_value("omnimtp_cancelled_requests_total")
     connection = _configured(client.realtime.connect(model="omnimtp-tiny").enter())
     _user_text(connection, "Talk for a while")
     connection.response.create()
     assert _next(connection).type == "response.created"
-    connection.close()  # long before its MAX_FRAMES frames
-    _wait(lambda: not engine._handles and not engine._core.running, "the engine request was not cancelled")
+    connection.close()
+    _wait(lambda: engine.metrics.registry.get_sample_value("omnimtp_cancelled_requests_total") == cancelled + 1,
+          "the engine request was not cancelled")
+    _wait(lambda: not engine._handles and not engine._core.running, "the engine request was not freed")
     _wait(lambda: sessions.num_open("/v1/realtime") == 0, "the session slot was not freed")
-    assert engine.metrics.registry.get_sample_value("omnimtp_cancelled_requests_total") == cancelled + 1
 
 
 # -- Qwen2.5-Omni -----------------------------------------------------------------------------------
