@@ -25,6 +25,13 @@ from omnimtp.server.admission import Admission, StepCosts
 from omnimtp.server.audio import to_pcm16
 from omnimtp.server.requests import EngineRequest, QueueFullError
 from omnimtp.server.scheduler import Engine
+from omnimtp.server.simulated import (
+    MachineCosts,
+    SimulatedClock,
+    StepObserver,
+    calibrated_admission,
+    simulate,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -246,27 +253,12 @@ def _speech_request(family, index: int, max_frames: int) -> Request:
                    is_chat=False, segments=segments)
 
 
-class _FramesMade:
-    """The core's observer: the streams the last step made frames for."""
-
-    num_streams = 0
-
-    def stage(self, stage: str, seconds: float) -> None:
-        pass
-
-    def phase(self, phase: str, seconds: float) -> None:
-        pass
-
-    def talker_batch(self, size: int) -> None:
-        self.num_streams = size
-
-
 def _simulate(family, admission: Admission | None, costs: LinearCosts, num_streams: int = 6, max_frames: int = 30,
               playout_rtf: float | None = 0.9) -> tuple[dict, dict]:
     """`num_streams` speech requests arrive at once; each step takes costs.predict(streams it made frames for) on a
     simulated clock, and every audio chunk reaches its listener at the end of its step. Admission (when given) sets
     the streams that may speak before every step, as the server's loop does. → ({id: its clock}, {id: its PCM16})."""
-    frames_made = _FramesMade()
+    frames_made = StepObserver()
     core = EngineCore(family, EngineConfig(max_batch_size=8, max_frames=max_frames, chunk_frames=25,
                                            playout_rtf=playout_rtf, max_defer_steps=0), observer=frames_made)
     for index in range(num_streams):
@@ -310,52 +302,22 @@ def test_admitted_streams_never_run_dry_in_a_simulated_overload(family):
         assert admitted_pcm[index] == pcm == crowded_pcm[index]
 
 
-class _CodecCalls(_FramesMade):
-    """The core's observer on a `_SimulatedClock`: the streams the last step made frames for (their talker step
-    takes the clock's time) and its codec calls (their chunks' frames, seconds, whether first chunks)."""
-
-    def __init__(self, clock: _SimulatedClock):
-        self.clock, self.calls = clock, []
-
-    def talker_batch(self, size: int) -> None:
-        self.num_streams = size
-        self.clock.talker_step(size)
-
-    def decoded(self, chunk_frames: list[int], seconds: float, is_first: bool) -> None:
-        self.calls.append((chunk_frames, seconds, is_first))
+# A simulated machine of the bf16 Qwen3-TTS 0.6B's shape: a talker step 20 ms + 2 ms a stream, a codec call 10 ms +
+# 14 ms a chunk + 1 ms a frame.
+ARRIVALS_MACHINE = MachineCosts(step_s=0.020, step_stream_s=0.002, decode_fixed_s=0.010, decode_chunk_s=0.014,
+                                decode_frame_s=0.001)
 
 
 def _simulate_arrivals(family, admission: Admission, arrivals: list[float], max_frames: int = 30):
     """Speech requests arriving at `arrivals` (simulated seconds) to a core configured as the server's (`Engine`:
-    playout_rtf 0.9, chunks waiting up to 8 steps for a newcomer) on a simulated machine of the bf16 Qwen3-TTS
-    0.6B's shape: a talker step 20 ms + 2 ms a stream, a codec call 10 ms + 14 ms a chunk + 1 ms a frame.
-    Admission learns the step and call costs as the server's loop does and sets the streams that may speak
-    before every step. → ({id: its listener's clock}, the most streams a step made frames for)."""
-    clock = _SimulatedClock(family, step_s=0.020, step_stream_s=0.002, decode_fixed_s=0.010, decode_chunk_s=0.014,
-                            decode_frame_s=0.001)
-    observer = _CodecCalls(clock)
-    core = EngineCore(clock.family, EngineConfig(max_batch_size=8, max_frames=max_frames, chunk_frames=25,
-                                                 playout_rtf=0.9, max_defer_steps=8, max_decode_frames=32),
-                      observer=observer, clock=clock)
-    pending, requests, most = list(enumerate(arrivals)), {}, 0
-    while pending or core.has_work():
-        while pending and pending[0][1] <= clock.now:
-            index = pending.pop(0)[0]
-            requests[index] = _speech_request(family, index, max_frames)
-            core.add(requests[index])
-        if not core.has_work():
-            clock.now = pending[0][1]
-            continue
-        core.max_speaking = admission.capacity(FRAME_S)
-        observer.num_streams, observer.calls, started = 0, [], clock.now
-        for _ in core.step():
-            pass
-        for frames, call_s, is_first in observer.calls:
-            admission.observe_decode(frames, call_s, is_first)
-        admission.observe_step(observer.num_streams, clock.now - started,
-                               sum(call_s for _, call_s, is_first in observer.calls if not is_first))
-        most = max(most, observer.num_streams)
-    return {index: request.playback for index, request in requests.items()}, most
+    playout_rtf 0.9, chunks waiting up to 8 steps for a newcomer) on ARRIVALS_MACHINE. Admission learns the step
+    and call costs as the server's loop does and sets the streams that may speak before every step. → ({id: its
+    listener's clock}, the most streams a step made frames for)."""
+    config = EngineConfig(max_batch_size=8, max_frames=max_frames, chunk_frames=25, playout_rtf=0.9,
+                          max_defer_steps=8, max_decode_frames=32)
+    result = simulate(family, config, ARRIVALS_MACHINE, lambda index: _speech_request(family, index, max_frames),
+                      arrivals=arrivals, admission=admission)
+    return {index: request.playback for index, request in result.requests.items()}, result.most_streams
 
 
 def test_a_newcomers_next_chunks_keep_the_place_of_its_first_in_the_step(family):
@@ -364,17 +326,38 @@ def test_a_newcomers_next_chunks_keep_the_place_of_its_first_in_the_step(family)
     then holds one frame (80 ms); its next chunks are decoded in a call before the other listeners' chunks, so
     they come at the same point of each step and the listener never runs dry. Decoded after the others' chunks
     (one call of every later chunk), each came that much later than its first, and one listener stalled."""
-    admission = Admission(max_streams=8)
-    for n in (1, 2, 3):  # what a server's start measures (`Engine._calibrate_capacity`): all in first steps
-        for table in (admission.costs, admission.first_steps):
-            table.observe(n, 0.020 + 0.002 * n + 0.010 + 0.015 * n)
-        admission.decode_costs.observe(n, 0.010 + 0.015 * n)
-    admission.seed_measured()
+    admission = calibrated_admission(ARRIVALS_MACHINE, max_streams=8)  # as a server's start leaves it
     clocks, most = _simulate_arrivals(family, admission, [0.25 * i for i in range(8)])
     assert most == 2
     for index, clock in clocks.items():
         assert clock.audio_s > 0, index
         assert clock.num_underruns == 0, f"stream {index} stalled {clock.stalled_s:.3f} s"
+
+
+# A machine of the bf16 Qwen3-TTS 0.6B w4a8's measured shape on a 2-core AVX512_BF16 host of ~900 GFLOP/s bf16: a
+# talker and code predictor step 20 ms + 1.5 ms a stream, a codec call 5 ms + 11 ms a chunk + 8.75 ms a frame
+# (`benchmarks/admission_bound.py` measures these on the machine it runs on).
+MEASURED_MACHINE = MachineCosts(step_s=0.020, step_stream_s=0.0015, decode_fixed_s=0.005, decode_chunk_s=0.011,
+                                decode_frame_s=0.00875)
+
+
+def test_admission_plays_as_much_audio_as_the_most_streams_that_keep_real_time(family):
+    """Four closed-loop clients on MEASURED_MACHINE: admission by capacity delivers as much audio a second as the
+    best fixed number of streams whose listeners never stall (two), with none stalling; three at a time stall."""
+    max_frames = 60
+    config = EngineConfig(max_batch_size=4, max_frames=max_frames, chunk_frames=25, playout_rtf=0.9,
+                          max_defer_steps=8, max_decode_frames=16)
+
+    def run(**kwargs):
+        return simulate(family, config, MEASURED_MACHINE, lambda index: _speech_request(family, index, max_frames),
+                        clients=4, duration_s=12.0, **kwargs)
+
+    admitted = run(admission=calibrated_admission(MEASURED_MACHINE, max_streams=4))
+    caps = {cap: run(max_speaking=cap) for cap in (2, 3)}
+    assert caps[3].min_continuity < 0.99, "three streams keep real time on this machine: the bound is not two"
+    assert caps[2].min_continuity >= 0.99 and caps[2].num_underruns == 0
+    assert admitted.num_underruns == 0, f"admitted streams stalled {admitted.stalled_s:.3f} s"
+    assert admitted.audio_per_s >= 0.95 * caps[2].audio_per_s, (admitted.audio_per_s, caps[2].audio_per_s)
 
 
 def _alone_pcm(family, index: int) -> bytes:
@@ -501,7 +484,7 @@ def test_a_newcomers_first_chunk_goes_first_and_a_listener_about_to_run_dry_is_n
     engine_config = EngineConfig(max_batch_size=4, max_frames=12, first_chunk_frames=1, chunk_frames=4,
                                  max_defer_steps=2)
 
-    class Arrival(_FramesMade):
+    class Arrival(StepObserver):
         def talker_batch(self, size: int) -> None:  # mid-step, after the talker's frames
             running = core.running.get(0)
             if not arrived and running is not None and (
@@ -632,7 +615,7 @@ def test_chunks_wait_for_newcomers_at_most_max_defer_steps_in_a_row(family):
                                  max_defer_steps=2)
     arrived = []
 
-    class Arrivals(_FramesMade):
+    class Arrivals(StepObserver):
         def talker_batch(self, size: int) -> None:
             running = core.running.get(0)
             if running is None or len(arrived) >= 4:
@@ -840,36 +823,6 @@ def test_the_engine_thread_runs_on_the_threads_its_engine_was_built_with(family)
     assert seen == {"engine": 2, "warm_up": 2}
 
 
-class _SimulatedClock:
-    """The engine core's clock (`EngineCore(clock=...)`) in simulated seconds: a talker step (`talker_step`, from the
-    core's observer) costs step_s + step_stream_s a stream, a code2wav call of `family` (a view of the family whose
-    calls take this clock's time) decode_fixed_s + decode_chunk_s a chunk + decode_frame_s a frame, everything else
-    nothing."""
-
-    def __init__(self, family, step_s: float, decode_fixed_s: float, decode_frame_s: float,
-                 step_stream_s: float = 0.0, decode_chunk_s: float = 0.0):
-        self.now = 0.0
-        self.step_s, self.step_stream_s = step_s, step_stream_s
-        clock = self
-
-        class Costed:
-            def __getattr__(self, name):
-                return getattr(family, name)
-
-            def decode_audio(self, streams, blocks, is_final):
-                clock.now += decode_fixed_s + decode_chunk_s * len(blocks) + \
-                    decode_frame_s * sum(block.shape[-1] for block in blocks)
-                return family.decode_audio(streams, blocks, is_final)
-
-        self.family = Costed()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def talker_step(self, num_streams: int) -> None:
-        self.now += self.step_s + self.step_stream_s * num_streams
-
-
 def _simulated(family, indexes: tuple[int, ...], max_speaking: int, late: tuple[int, int] | None = None,
                step_s: float = 0.040, **config) -> dict[int, PlaybackClock]:
     """The texts `indexes` (the tiny talker speaks each for all 40 frames) sent at once, `max_speaking` of them
@@ -878,7 +831,7 @@ def _simulated(family, indexes: tuple[int, ...], max_speaking: int, late: tuple[
     when it is decoded.
     late (index, frames): that text comes once the first has made that many frames, and the engine then sees the
     first's listener 10 s ahead. → {index: its listener's clock}."""
-    class Simulated(_FramesMade):
+    class Simulated(StepObserver):
         def talker_batch(self, size: int) -> None:
             clock.talker_step(size)
             first = core.running.get(indexes[0])
@@ -887,7 +840,7 @@ def _simulated(family, indexes: tuple[int, ...], max_speaking: int, late: tuple[
                 listeners[late[0]] = PlaybackClock(min_stall_s=0.001)
                 core.add(_speech_request(family, late[0], 40))
 
-    clock = _SimulatedClock(family, step_s=step_s, decode_fixed_s=0.013, decode_frame_s=0.020)
+    clock = SimulatedClock(family, MachineCosts(step_s=step_s, decode_fixed_s=0.013, decode_frame_s=0.020))
     core = EngineCore(clock.family, EngineConfig(max_batch_size=4, max_frames=40, playout_rtf=0.9, **config),
                       observer=Simulated(), clock=clock)
     core.max_speaking = max_speaking
