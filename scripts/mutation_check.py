@@ -2430,14 +2430,14 @@ MUTATIONS = [
     ),
     Mutation(
         "later_chunks_never_wait", "omnimtp/engine/core.py",
-        "        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):",
+        "        if later and config.max_defer_steps > 0:",
         "        if False:",
         ADMISSION, "a long chunk is decoded once due while a newcomer's player holds less than its decoding",
     ),
     Mutation(
         "chunks_deferred_without_bound", "omnimtp/engine/core.py",
-        "        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):",
-        "        if later and config.max_defer_steps > 0:",
+        "                if waited_now or (request.num_deferred < config.max_defer_steps\n",
+        "                if waited_now or (True\n",
         ADMISSION, "later chunks wait for newcomers as long as newcomers keep coming (max_defer_steps ignored)",
     ),
     Mutation(

@@ -432,3 +432,19 @@ def test_fused_w8a8_quick_run_compares_the_fused_forwards_with_the_torch_ops(tmp
         for entry in results[forward].values():
             assert entry["cpu_s"] > 0 and entry["wall_ratio"] > 0 and entry["rel_difference"] < 1e-3
     assert results["aligner"]["no_cache_torch_ops"]["rel_difference"] == 0  # the same ops: the same bits
+
+
+def test_admission_bound_quick_run_measures_the_costs_and_runs_every_policy(tmp_path):
+    """benchmarks/admission_bound.py on the tiny Qwen3-TTS: the step and codec costs measured and fitted, then off,
+    admission and every cap on the simulated machine of those costs, with the bound and the ratios."""
+    out = tmp_path / "bound.json"
+    _run(["benchmarks/admission_bound.py", "--size", "tiny", "--cache-dir", str(tmp_path / "cache"), "--clients", "2",
+          "--max-frames", "16", "--max-batch-size", "2", "--duration", "0.5", "--calls", "1", "--threads", "1",
+          "--quick", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["policies"]) == {"off", "admission", "cap 1", "cap 2"}
+    assert set(report["measured"]["step_ms_by_batch"]) == {"1", "2"} and len(report["measured"]["codec_ms"]) == 12
+    assert all(value >= 0 for value in report["costs_s"].values()) and report["costs_s"]["step_s"] > 0
+    for row in report["policies"].values():
+        assert row["audio_s_per_s"] > 0 and 0 < row["min_continuity"] <= 1 and row["requests"] >= 2
+    assert report["summary"]["admission_over_off"] > 0

@@ -119,8 +119,6 @@ class EngineCore:
         self.num_steps = 0
         self.step_s = 0.0  # the last step's seconds
         self.decode_frame_s = 0.0  # code2wav's seconds a frame (a moving average over its calls)
-        self._num_deferred = 0
-        self._deferred_step = 0  # the last step whose chunks waited
         # the most requests that speak running at once (parked ones aside), set between steps by a driver that
         # admits by capacity (`omnimtp.server.admission`); None: only max_batch_size bounds them
         self.max_speaking: int | None = None
@@ -627,19 +625,23 @@ class EngineCore:
                 request.chunk_ready_step = self.num_steps
             later.append((order, request, size))
         later.sort(key=lambda item: (item[1].chunk_ready_step, item[0]))
-        is_deferring = False
-        if later and (self._num_deferred < config.max_defer_steps or self._deferred_step == self.num_steps):
+        if later and config.max_defer_steps > 0:
             now = self.clock()
             with self.lock:
                 has_newcomers = self._num_free_slots() > 0 and bool(self._admissible())
-            due = [item for item in later if not self._may_wait(item[1], item[2], now, has_newcomers)]
-            is_deferring, later = len(due) < len(later), due
-        if is_deferring:
-            if self._deferred_step != self.num_steps:  # a step decodes twice (`_speak`): its waits count once
-                self._num_deferred += 1
-                self._deferred_step = self.num_steps
-        elif later:
-            self._num_deferred = 0
+            due = []
+            for item in later:
+                request = item[1]
+                # a step decodes twice (`_speak`): a chunk that waited at its first decoding waits the step out
+                waited_now = request.deferred_step == self.num_steps
+                if waited_now or (request.num_deferred < config.max_defer_steps
+                                  and self._may_wait(request, item[2], now, has_newcomers)):
+                    if not waited_now:  # its waits count once a step
+                        request.num_deferred += 1
+                        request.deferred_step = self.num_steps
+                else:
+                    due.append(item)
+            later = due
         budget = config.max_decode_frames
         taken = []
         for i, (_, request, size) in enumerate(later):
@@ -647,6 +649,7 @@ class EngineCore:
                 break  # strictly oldest first: a short chunk never overtakes a waiting long one
             taken.append((request, size))
             request.chunk_ready_step = None
+            request.num_deferred = 0
             if budget is not None:
                 budget -= size
         return first, taken  # first chunks go out first

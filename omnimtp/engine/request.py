@@ -117,6 +117,8 @@ class Request:
     num_reused_rows: int = 0  # prompt rows its thinker took from the prefix cache
     num_talker_reused_rows: int = 0  # talker prefill rows taken from the prefix cache
     chunk_ready_step: int | None = None  # the step its next later chunk became due
+    num_deferred: int = 0  # steps in a row its due later chunk has waited (`EngineConfig.max_defer_steps`)
+    deferred_step: int | None = None  # the last step its chunk waited in
     playback: PlaybackClock = field(default_factory=PlaybackClock)  # its listener's, its audio pushed as decoded
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
