@@ -2448,6 +2448,13 @@ MUTATIONS = [
         ADMISSION, "a later chunk whose frames are made waits for the talker's forward toward the next frame",
     ),
     Mutation(
+        "first_chunks_alone_beside_urgent_ones", "omnimtp/engine/core.py",
+        "        if first and urgent:  # one call",
+        "        if False:  # one call",
+        ("tests/test_admission.py::test_a_second_newcomers_first_chunk_shares_the_call_of_the_firsts_next_chunk",),
+        "a newcomer's first chunk has a call of its own before the chunks of listeners in their first steps",
+    ),
+    Mutation(
         "newcomers_next_chunks_after_the_others", "omnimtp/engine/core.py",
         "        yield from self._decode_blocks(urgent)\n        yield from self._decode_blocks(rest)\n",
         "        yield from self._decode_blocks(later)\n",

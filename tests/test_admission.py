@@ -342,6 +342,21 @@ MEASURED_MACHINE = MachineCosts(step_s=0.020, step_stream_s=0.0015, decode_fixed
                                 decode_frame_s=0.00875)
 
 
+def test_a_second_newcomers_first_chunk_shares_the_call_of_the_firsts_next_chunk(family):
+    """Two streams 30 ms apart on MEASURED_MACHINE: the second starts in the first's second step, and its first
+    chunk is decoded in one call with the first's next chunk, so the call it sits in in each of its first steps is
+    alike and its listener never runs dry. In a call of its own before that one (a call's fixed cost and the
+    other's chunk later), its next chunk came 92 ms after its first, past the 80 ms it held."""
+    config = EngineConfig(max_batch_size=4, max_frames=30, chunk_frames=25, playout_rtf=0.9, max_defer_steps=8,
+                          max_decode_frames=16)
+    result = simulate(family, config, MEASURED_MACHINE, lambda index: _speech_request(family, index, 30),
+                      arrivals=[0.0, 0.03], max_speaking=2)
+    assert result.most_streams == 2
+    for index, request in result.requests.items():
+        assert request.playback.audio_s > 0, index
+        assert request.playback.num_underruns == 0, f"stream {index} stalled {request.playback.stalled_s:.3f} s"
+
+
 def test_admission_plays_as_much_audio_as_the_most_streams_that_keep_real_time(family):
     """Four closed-loop clients on MEASURED_MACHINE: admission by capacity delivers as much audio a second as the
     best fixed number of streams whose listeners never stall (two), with none stalling; three at a time stall."""

@@ -32,11 +32,11 @@ One `step()` is one audio frame boundary:
     decode   code2wav of every chunk that is due (after the forward: those it made due, a talker's last chunk,
              and a codec's that looks ahead): first chunks at once, later ones oldest first within
              `max_decode_frames`, those of listeners holding less than two steps of audio (a newcomer's next
-             ones) in a call before the others' (`_decode_due`); a later chunk whose listener is far enough
-             ahead (`Request.playback`) that others' leads can outgrow its decoding meanwhile waits, up to
-             `max_defer_steps` in a row, while a newcomer waits for its slot or its first audio, or another
-             listener holds less than two steps and that decoding: so newcomers start, and started players play
-             on, ahead of audio not yet due
+             ones) in a call before the others' (with the first chunks, when both are due: `_decode_due`); a
+             later chunk whose listener is far enough ahead (`Request.playback`) that others' leads can outgrow
+             its decoding meanwhile waits, up to `max_defer_steps` steps in a row (each request's own count),
+             while a newcomer waits for its slot or its first audio, or another listener holds less than two
+             steps and that decoding: so newcomers start, and started players play on, ahead of audio not yet due
     retire   finished requests
     park     running requests that can do nothing until more of their text comes give up their slot: their
              talker state leaves the talker batch (`TalkerBatch.park`) and comes back, bit for bit, when the
@@ -661,13 +661,19 @@ class EngineCore:
         until its whole audio is decoded: its one long decoding goes last). A newcomer's next chunks so come at
         the point of the step its first chunk came at: behind a call of the others' chunks each would come that
         much later, and its listener, who holds one frame at first, would lose that much lead at once; and a
-        listener about to run dry waits for no audio that is not due yet."""
+        listener about to run dry waits for no audio that is not due yet. Where both are due, the first chunks
+        and those listeners' chunks share one call: a newcomer who starts while another is in its first steps
+        then sits in the same call in its first step as in its next ones (its first audio comes that call's
+        other chunks later), where a call of its own first would put its next chunk a call's fixed cost and the
+        other's chunk further from its first than in its first step."""
         first, later = self._due_chunks()
         now = self.clock()
         urgent, rest = [], []
         for request, size in later:
             is_urgent = request.is_streamed and (request.playback.lead(now) or 0.0) < 2 * self.step_s
             (urgent if is_urgent else rest).append((request, size))
+        if first and urgent:  # one call: a newcomer's first chunk beside the chunks of listeners in their first steps
+            first, urgent = [], first + urgent
         yield from self._decode_blocks(first, is_first=True)
         yield from self._decode_blocks(urgent)
         yield from self._decode_blocks(rest)
