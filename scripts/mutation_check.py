@@ -2448,6 +2448,13 @@ MUTATIONS = [
         ADMISSION, "a later chunk whose frames are made waits for the talker's forward toward the next frame",
     ),
     Mutation(
+        "a_stream_speaks_until_its_talker_ends", "omnimtp/engine/core.py",
+        " or (r.is_streamed and r.num_decoded < len(r.frames)))\n",
+        ")\n",
+        ("tests/test_admission.py::test_a_queued_stream_starts_once_the_last_chunks_before_it_are_decoded",),
+        "a queued stream starts when the talker before it ends, with that stream's last chunks still to decode",
+    ),
+    Mutation(
         "first_chunks_alone_beside_urgent_ones", "omnimtp/engine/core.py",
         "        if first and urgent:  # one call",
         "        if False:  # one call",
@@ -2475,8 +2482,8 @@ MUTATIONS = [
     ),
     Mutation(
         "parked_stream_holds_capacity", "omnimtp/engine/core.py",
-        "r.talker_finish_reason is None and not r.is_parked for r in self.running.values())",
-        "r.talker_finish_reason is None for r in self.running.values())",
+        "        return sum(r.has_speech and not r.is_parked\n",
+        "        return sum(r.has_speech\n",
         ADMISSION, "a stream parked while it waits for text keeps its share of the real-time capacity",
     ),
     Mutation(

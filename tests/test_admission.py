@@ -357,6 +357,25 @@ def test_a_second_newcomers_first_chunk_shares_the_call_of_the_firsts_next_chunk
         assert request.playback.num_underruns == 0, f"stream {index} stalled {request.playback.stalled_s:.3f} s"
 
 
+def test_a_queued_stream_starts_once_the_last_chunks_before_it_are_decoded(family):
+    """One stream at a time on a machine where one stream's first steps take 0.9 of a frame (a host of half
+    MEASURED_MACHINE's compute, as `benchmarks/admission_bound.py` measured one), three streams sent at once: each
+    queued one starts once the one before has had its last chunks decoded, not when its talker ends, so those
+    chunks do not fall in its first steps and its listener never runs dry (started at the talker's end, the third
+    stalled)."""
+    machine = MachineCosts(step_s=0.0273, step_stream_s=0.0049, decode_fixed_s=0.011, decode_chunk_s=0.0094,
+                           decode_frame_s=0.019)
+    config = EngineConfig(max_batch_size=4, max_frames=60, chunk_frames=25, playout_rtf=0.9, max_defer_steps=8,
+                          max_decode_frames=16)
+    result = simulate(family, config, machine, lambda index: _speech_request(family, index, 60),
+                      arrivals=[0.0, 0.0, 0.0], max_speaking=1)
+    first_audio = [result.requests[index].playback.started_at for index in range(3)]
+    assert first_audio[0] + 0.5 < first_audio[1] < first_audio[2] - 0.5, "each waited for the one before"
+    for index, request in result.requests.items():
+        assert request.playback.audio_s > 0, index
+        assert request.playback.num_underruns == 0, f"stream {index} stalled {request.playback.stalled_s:.3f} s"
+
+
 def test_admission_plays_as_much_audio_as_the_most_streams_that_keep_real_time(family):
     """Four closed-loop clients on MEASURED_MACHINE: admission by capacity delivers as much audio a second as the
     best fixed number of streams whose listeners never stall (two), with none stalling; three at a time stall."""

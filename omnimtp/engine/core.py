@@ -310,9 +310,13 @@ class EngineCore:
         return max(room, 0)
 
     def _num_speaking(self) -> int:
-        """Running requests whose talkers still make frames, or will (call holding `lock`); a parked one does not
-        count (it makes none until its text comes, and then resumes within `max_speaking` like a newcomer)."""
-        return sum(r.has_speech and r.talker_finish_reason is None and not r.is_parked for r in self.running.values())
+        """Running requests whose talkers still make frames, or will, or whose streamed audio is not all decoded
+        yet (call holding `lock`): a stream's last chunks are decoded after its talker ends, and a newcomer started
+        in its place then would have them in its first steps. A parked one does not count (it makes none until its
+        text comes, and then resumes within `max_speaking` like a newcomer)."""
+        return sum(r.has_speech and not r.is_parked
+                   and (r.talker_finish_reason is None or (r.is_streamed and r.num_decoded < len(r.frames)))
+                   for r in self.running.values())
 
     def _num_free_slots(self) -> int:
         """Slots free for a request to run in (call holding `lock`): parked requests hold none."""
