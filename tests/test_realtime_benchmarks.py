@@ -2,7 +2,8 @@
 benchmarks/speech_decoder.py, benchmarks/served_step.py, benchmarks/chat_first_audio.py,
 benchmarks/decode_attention.py, benchmarks/decode_step_parts.py, benchmarks/many_row_attention.py,
 benchmarks/moe_experts.py, benchmarks/many_row_linear.py,
-benchmarks/encoder_conv.py, benchmarks/fused_w8a8.py and benchmarks/omni_realsize.py at tiny sizes, so the
+benchmarks/encoder_conv.py, benchmarks/fused_w8a8.py, benchmarks/admission_bound.py and
+benchmarks/omni_realsize.py at tiny sizes, so the
 scripts cannot rot: every mode, two batch sizes, the profile and (where `qwen_tts` is installed) the reference; every
 quality figure, with fp32 agreeing with itself nowhere but where it must."""
 
