@@ -59,7 +59,7 @@ def measure_steps(model: Path, size: str, threads: int, batch_sizes: list[int], 
     command = [sys.executable, str(HERE / "tts_realtime.py"), "--model", str(model), "--size", size,
                "--modes", "w4a8", "--codec-dtypes", "bfloat16", "--batch-sizes", *map(str, batch_sizes),
                "--frames", "3" if quick else "24", "--no-reference", "--threads", str(threads), "--out", str(out),
-               *(["--quick"] if quick else [])]
+               *(["--quick", "--in-process"] if quick else [])]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     mode = report["modes"][0]

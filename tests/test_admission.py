@@ -385,7 +385,7 @@ def test_admission_plays_as_much_audio_as_the_most_streams_that_keep_real_time(f
 
     def run(**kwargs):
         return simulate(family, config, MEASURED_MACHINE, lambda index: _speech_request(family, index, max_frames),
-                        clients=4, duration_s=12.0, **kwargs)
+                        clients=4, duration_s=8.0, **kwargs)
 
     admitted = run(admission=calibrated_admission(MEASURED_MACHINE, max_streams=4))
     caps = {cap: run(max_speaking=cap) for cap in (2, 3)}

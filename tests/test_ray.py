@@ -504,7 +504,7 @@ def _lines(path) -> list[dict]:
 def test_batch_interrupted_and_resumed_writes_every_prompt_once(ray_address, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"id": f"p{i:02d}", "prompt": f"Tell me about number {i}.", **({"seed": i} if i % 3 == 0 else {}),
-             **({"voice": "Chelsie"} if i % 4 == 0 else {})} for i in range(10)]
+             **({"voice": "Chelsie"} if i % 4 == 0 else {})} for i in range(7)]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output = tmp_path / "out"
     results = output / "results.jsonl"
