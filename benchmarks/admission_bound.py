@@ -97,23 +97,12 @@ def measure_codec(model: Path, threads: int, calls: int) -> dict:
     return seconds
 
 
-def speech_request(family, index: int, max_frames: int):
-    from omnimtp.engine.request import Request
-    from omnimtp.sampling import SamplingParams
-
-    voice = family.voice("aiden", "auto", None)
-    segments = family.speech_segments(f"Request number {index} says a few words.", voice, max_frames, 64)
-    return Request(index, next(segments), max_new_tokens=1, max_frames=max_frames, speaker=voice,
-                   thinker_sampling=None, talker_sampling=SamplingParams(temperature=0.9, top_k=50),
-                   seed=100 + index, is_chat=False, segments=segments)
-
-
 def run_policies(costs, args) -> dict:
     import torch
 
     from omnimtp.engine.config import EngineConfig
     from omnimtp.families.qwen3_tts import Qwen3TTSFamily
-    from omnimtp.server.simulated import calibrated_admission, simulate
+    from omnimtp.server.simulated import calibrated_admission, simulate, speech_request
 
     torch.set_num_threads(1)
     family = Qwen3TTSFamily.tiny(0)
@@ -128,7 +117,9 @@ def run_policies(costs, args) -> dict:
     rows = {}
     for name, (config, kwargs) in policies.items():
         started = time.perf_counter()
-        result = simulate(family, config, costs, lambda index: speech_request(family, index, args.max_frames),
+        result = simulate(family, config, costs,
+                          lambda index: speech_request(family, index, f"Request number {index} says a few words.",
+                                                       args.max_frames),
                           clients=args.clients, duration_s=args.duration, **kwargs)
         first = result.first_audio_s or [float("nan")]
         rows[name] = {"audio_s_per_s": result.audio_per_s, "stalled_s": result.stalled_s,

@@ -31,6 +31,7 @@ from omnimtp.server.simulated import (
     StepObserver,
     calibrated_admission,
     simulate,
+    speech_request,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -246,11 +247,7 @@ def test_chunks_sized_for_the_listener_never_let_it_run_dry(rtf):
 
 
 def _speech_request(family, index: int, max_frames: int) -> Request:
-    voice = family.voice("aiden", "auto", None)
-    segments = family.speech_segments(TEXTS[index % len(TEXTS)], voice, max_frames, 64)
-    return Request(index, next(segments), max_new_tokens=1, max_frames=max_frames, speaker=voice,
-                   thinker_sampling=None, talker_sampling=SamplingParams(temperature=0.9, top_k=50), seed=100 + index,
-                   is_chat=False, segments=segments)
+    return speech_request(family, index, TEXTS[index % len(TEXTS)], max_frames)
 
 
 def _simulate(family, admission: Admission | None, costs: LinearCosts, num_streams: int = 6, max_frames: int = 30,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from omnimtp.engine.config import EngineConfig
 from omnimtp.engine.core import EngineCore
 from omnimtp.engine.request import Request
+from omnimtp.sampling import SamplingParams
 from omnimtp.server.admission import DEFAULT_FRAME_S, Admission
 
 
@@ -103,6 +104,16 @@ class StepObserver:
 
     def decoded(self, chunk_frames: list[int], seconds: float, is_first: bool) -> None:
         self.calls.append((chunk_frames, seconds, is_first))
+
+
+def speech_request(family, index: int, text: str, max_frames: int) -> Request:
+    """A streamed speech request of `text` in the family's voice "aiden" (seeded by its index, sampled at temperature
+    0.9, top-k 50), up to max_frames frames: what the simulations send (`simulate`'s make_request)."""
+    voice = family.voice("aiden", "auto", None)
+    segments = family.speech_segments(text, voice, max_frames, 64)
+    return Request(index, next(segments), max_new_tokens=1, max_frames=max_frames, speaker=voice,
+                   thinker_sampling=None, talker_sampling=SamplingParams(temperature=0.9, top_k=50), seed=100 + index,
+                   is_chat=False, segments=segments)
 
 
 def calibrated_admission(costs: MachineCosts, max_streams: int, **kwargs) -> Admission:
